@@ -1,0 +1,48 @@
+"""OpenAI-style error bodies: ``{"error": {"message", "type", "code"}}``."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+
+class ApiError(Exception):
+    """A client-visible failure with its HTTP status and OpenAI error ``type``/``code``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code if code is not None else str(status)
+        self.param = param
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.code, self.param)
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=json.dumps(self.body()).encode(),
+            content_type="application/json",
+            headers=headers,
+        )
+
+
+def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> dict:
+    err: dict = {"message": message, "type": type_, "code": code}
+    if param is not None:
+        err["param"] = param
+    return {"error": err}
+
+
+def bad_request(message: str, code: str = "invalid_request", param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", code, param)

@@ -1,0 +1,120 @@
+"""Routing hints from the request: Dynamo's ``nvext`` fields and headers.
+
+Headers win over ``nvext`` (as in Dynamo). Recognised:
+
+- pin the (decode) worker: ``nvext.backend_instance_id``, ``nvext.decode_worker_id``,
+  headers ``x-worker-instance-id``, ``x-kvplug-worker``;
+- pin the prefill worker: ``nvext.prefill_worker_id``, ``x-prefill-instance-id``,
+  ``x-kvplug-prefill-worker``;
+- pin the DP rank: ``nvext.dp_rank``, ``x-dynamo-dp-rank``, ``x-kvplug-dp-rank``;
+- allow-list: ``nvext.allowed_worker_ids``, ``x-kvplug-allowed-workers`` (comma-separated);
+- expected output length: ``nvext.agent_hints.osl`` (output-block weighting);
+- label selector: ``nvext.labels`` (object of strings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvplug.frontend.errors import bad_request
+
+
+@dataclass(slots=True, frozen=True)
+class RequestHints:
+    worker_id: str | None = None  # aggregated / decode pin
+    prefill_worker_id: str | None = None
+    dp_rank: int | None = None
+    allowed_worker_ids: frozenset[str] | None = None
+    expected_osl: int | None = None
+    labels: Mapping[str, str] | None = None
+
+    def pins(self) -> list[str]:
+        return [w for w in (self.worker_id, self.prefill_worker_id) if w is not None]
+
+
+NO_HINTS = RequestHints()
+
+
+def _worker_id(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+        raise bad_request(f"{where} must be a worker id (string or integer)", param=where)
+    return str(value)
+
+
+def _int(value: Any, where: str, minimum: int = 0) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise bad_request(f"{where} must be an integer", param=where) from None
+    if type(value) is not int or value < minimum:
+        raise bad_request(f"{where} must be an integer >= {minimum}", param=where)
+    return value
+
+
+def hints_from_request(nvext: Mapping[str, Any] | None, headers: Mapping[str, str]) -> RequestHints:
+    """Collect the hints; ``ApiError`` (400) when one has the wrong type."""
+    nv = nvext or {}
+    if not nv and not any(h in headers for h in _HEADERS):
+        return NO_HINTS  # the common case costs one scan of a few header names
+    header_pin = headers.get("x-kvplug-worker") or headers.get("x-worker-instance-id")
+    if header_pin is not None:
+        worker = _worker_id(header_pin, "worker pin header")
+    elif nv.get("decode_worker_id") is not None:
+        worker = _worker_id(nv["decode_worker_id"], "nvext.decode_worker_id")
+    else:
+        worker = _worker_id(nv.get("backend_instance_id"), "nvext.backend_instance_id")
+    prefill = _worker_id(
+        headers.get("x-kvplug-prefill-worker")
+        or headers.get("x-prefill-instance-id")
+        or nv.get("prefill_worker_id"),
+        "prefill worker pin",
+    )
+    dp_header = headers.get("x-kvplug-dp-rank") or headers.get("x-dynamo-dp-rank")
+    dp_rank = _int(dp_header if dp_header is not None else nv.get("dp_rank"), "dp_rank")
+
+    allowed: frozenset[str] | None = None
+    allowed_header = headers.get("x-kvplug-allowed-workers")
+    if allowed_header is not None:
+        allowed = frozenset(w.strip() for w in allowed_header.split(",") if w.strip())
+    elif nv.get("allowed_worker_ids") is not None:
+        ids = nv["allowed_worker_ids"]
+        if not isinstance(ids, list):
+            raise bad_request(
+                "nvext.allowed_worker_ids must be a list of worker ids",
+                param="nvext.allowed_worker_ids",
+            )
+        allowed = frozenset(_worker_id(w, "nvext.allowed_worker_ids[]") for w in ids)  # type: ignore[misc]
+
+    osl = None
+    agent = nv.get("agent_hints")
+    if agent is not None:
+        if not isinstance(agent, dict):
+            raise bad_request("nvext.agent_hints must be an object", param="nvext.agent_hints")
+        osl = _int(agent.get("osl"), "nvext.agent_hints.osl", minimum=1)
+
+    labels = nv.get("labels")
+    if labels is not None and (
+        not isinstance(labels, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())
+    ):
+        raise bad_request("nvext.labels must be an object of strings", param="nvext.labels")
+
+    return RequestHints(worker, prefill, dp_rank, allowed, osl, labels or None)
+
+
+_HEADERS = (
+    "x-kvplug-worker",
+    "x-worker-instance-id",
+    "x-kvplug-prefill-worker",
+    "x-prefill-instance-id",
+    "x-kvplug-dp-rank",
+    "x-dynamo-dp-rank",
+    "x-kvplug-allowed-workers",
+)

@@ -1,0 +1,140 @@
+"""Validate a client's OpenAI request body before anything reaches the router.
+
+Every failure is an ``ApiError`` (400) with an OpenAI-style body; nothing here has side effects.
+The bytes forwarded to the engine are the client's bytes unchanged, unless the body carries
+``nvext`` (kvplug/Dynamo routing extensions the engine does not know), which is stripped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvplug.frontend.errors import bad_request
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MAX_TOKEN_ID = 2**32  # kvplug hashes tokens as u32
+
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    path: str  # COMPLETIONS or CHAT
+    body: dict[str, Any]
+    raw: bytes  # what is forwarded to the engine
+    model: str
+    stream: bool
+    prompt_text: str | None = None  # completions with a text prompt
+    prompt_ids: list[int] | None = None  # token ids given by the client (prompt or nvext)
+    messages: list[dict[str, Any]] | None = None  # chat
+    nvext: dict[str, Any] | None = None
+    batch_size: int = 1  # completions prompt lists: routed on the first prompt
+
+    @property
+    def is_chat(self) -> bool:
+        return self.path == CHAT
+
+
+def _check_token_ids(ids: list, where: str) -> list[int]:
+    for pos, t in enumerate(ids):
+        # bool is an int subclass; a JSON true in a token list is a client bug
+        if type(t) is not int or t < 0 or t >= MAX_TOKEN_ID:
+            raise bad_request(
+                f"{where}[{pos}] = {t!r} is not a token id (an integer in [0, 2^32))",
+                code="invalid_prompt",
+                param=where,
+            )
+    return ids
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def parse_request(raw: bytes, path: str) -> ParsedRequest:
+    """Parse and validate one request body for ``path``; raises ``ApiError``."""
+    if not raw:
+        raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = _decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(
+            f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
+        )
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request(
+            "missing required field 'model' (a non-empty string)",
+            code="missing_field",
+            param="model",
+        )
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", param="stream")
+    nvext = body.get("nvext")
+    if nvext is not None and not isinstance(nvext, dict):
+        raise bad_request("'nvext' must be an object", param="nvext")
+
+    req = ParsedRequest(path=path, body=body, raw=raw, model=model, stream=stream, nvext=nvext)
+    if path == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request(
+                "missing required field 'messages' (a non-empty list)",
+                code="missing_field",
+                param="messages",
+            )
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad_request(
+                    f"messages[{i}] must be an object with a string 'role'", param="messages"
+                )
+        req.messages = messages
+    else:
+        if "prompt" not in body:
+            raise bad_request(
+                "missing required field 'prompt'", code="missing_field", param="prompt"
+            )
+        prompt = body["prompt"]
+        if isinstance(prompt, str):
+            req.prompt_text = prompt
+        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            req.prompt_ids = _check_token_ids(prompt, "prompt")
+        elif isinstance(prompt, list) and prompt:
+            # a batch: all strings, or all token lists; kvplug routes on the first prompt
+            first = prompt[0]
+            if all(isinstance(p, str) for p in prompt):
+                req.prompt_text = first
+            elif all(_is_token_list(p) for p in prompt):
+                req.prompt_ids = _check_token_ids(first, "prompt[0]")
+            else:
+                raise bad_request(
+                    "'prompt' must be a string, a list of token ids, a list of "
+                    "strings or a list of token-id lists",
+                    param="prompt",
+                )
+            req.batch_size = len(prompt)
+        else:
+            raise bad_request("'prompt' must be a non-empty string or list", param="prompt")
+
+    if nvext is not None:
+        token_data = nvext.get("token_data")
+        if token_data is not None:
+            if not isinstance(token_data, list) or not token_data:
+                raise bad_request(
+                    "'nvext.token_data' must be a non-empty list of token ids",
+                    param="nvext.token_data",
+                )
+            req.prompt_ids = _check_token_ids(token_data, "nvext.token_data")
+        forwarded = {k: v for k, v in body.items() if k != "nvext"}
+        req.raw = _encoder.encode(forwarded)
+    return req
