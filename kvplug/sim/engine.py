@@ -1,0 +1,426 @@
+"""A simulated serving engine: FCFS continuous batching with chunked prefill over a paged,
+prefix-cached KV cache, timed by :mod:`kvplug.sim.steptime`.
+
+The engine runs in virtual time and is advanced by its driver: :meth:`SimEngine.advance` runs
+every step that *starts* before a given time. Runs of decode-only steps with an unchanged batch
+are fast-forwarded in closed form (step times form an arithmetic series, since every sequence's
+context grows by one token per step), so an hour of traffic costs a few hundred thousand Python
+operations, not millions of steps.
+
+What it reports (``SimEngine.outputs``, time-stamped, consumed by the driver):
+``("first", t, request)``, ``("progress", t, request)`` at each output block boundary,
+``("finish", t, request)``, and ``("kv", t, event)`` normalised kvplug events.
+
+Scheduling (vLLM V1-like, simplified; assumptions in docs/sim.md):
+* per step, every decoding sequence takes one token of the ``max_batched_tokens`` budget, then
+  running prefills take chunks in arrival order, then waiting requests are admitted FCFS while
+  budget, ``max_num_seqs`` and KV blocks allow;
+* admission references the cached prefix (device hits, then host-tier hits which are reloaded at
+  a copy cost) and reserves KV for the rest of the prompt *and* the requested output, so a
+  running sequence is never preempted (a request that cannot fit waits at the head of the queue);
+* the last prompt token is always computed (a fully cached prompt recomputes its last block);
+* the step that computes a prompt's last chunk also samples its first token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvplug.events import BlockMoved, BlockRemoved, BlockStored
+from kvplug.sim.cache import BlockCache, CacheFull
+from kvplug.sim.steptime import REFERENCE, StepTimeModel
+from kvplug.sim.trace import _mix, output_tokens
+
+_M64 = (1 << 64) - 1
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """One request as the engine sees it. ``block_hashes``: engine hashes of the full prompt
+    blocks (chained: equal hash = equal prefix). ``token_ids``: the prompt's tokens when events
+    must carry tokens (token mode); None in hash mode."""
+
+    request_id: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    block_hashes: Sequence[int]
+    token_ids: np.ndarray | None = None
+    salt: int = 0  # seeds this request's output-block hashes / stand-in output tokens
+    # --- engine state ---
+    worker_id: str = ""
+    computed: int = 0  # prompt tokens whose KV exists (cached prefix + computed chunks)
+    generated: int = 0
+    held: list[int] = field(default_factory=list)  # referenced block hashes, chain order
+    reserved: int = 0  # anonymous blocks still reserved for this request
+    hit_device: int = 0  # prompt blocks found on the device at admission
+    hit_host: int = 0  # prompt blocks reloaded from the host tier
+    reload_tokens: int = 0  # pending host->device copy, charged to its first step
+    admitted: float = math.nan
+    first_token: float = math.nan
+    finished: float = math.nan
+    rejected: str = ""
+
+    @property
+    def prompt_blocks(self) -> int:
+        return len(self.block_hashes)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 512
+    capacity_blocks: int = 1640  # 8B on H200: ~840k tokens of KV (assumption, see steptime)
+    host_capacity_blocks: int = 0  # 0 = no host tier
+    max_batched_tokens: int = 8192  # chunked-prefill token budget per step (vLLM-like default)
+    max_num_seqs: int = 256
+    events_with_tokens: bool = False  # token mode: BlockStored carries token ids, not hashes
+    emit_output_blocks: bool = True  # report blocks filled by generated tokens, as vLLM does
+    fast_forward: bool = True  # closed-form decode runs (False: one step at a time; tests)
+    model: StepTimeModel = REFERENCE
+
+
+class SimEngine:
+    def __init__(self, worker_id: str, config: EngineConfig | None = None, dp_rank: int = 0):
+        self.worker_id = worker_id
+        self.dp_rank = dp_rank
+        self.cfg = config or EngineConfig()
+        self.model = self.cfg.model
+        self.bs = self.cfg.block_size
+        self.cache = BlockCache(
+            self.cfg.capacity_blocks, self.cfg.host_capacity_blocks, sink=self._on_cache_change
+        )
+        self.now = 0.0  # end of the last step (virtual seconds)
+        self.waiting: deque[SimRequest] = deque()
+        self.prefilling: list[SimRequest] = []
+        self.decoding: list[SimRequest] = []
+        self.outputs: list[tuple] = []
+        self._pending_cache: list[tuple] = []  # cache changes of the step being built
+        self.stats = {
+            "steps": 0,
+            "decode_runs": 0,
+            "busy_s": 0.0,
+            "prefill_tokens": 0,
+            "cached_tokens": 0,
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "requests": 0,
+            "rejected": 0,
+            "prompt_blocks": 0,
+            "hit_blocks_device": 0,
+            "hit_blocks_host": 0,
+        }
+
+    # -- introspection ------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def kv_usage(self) -> float:
+        return self.cache.active / self.cache.capacity
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+    def metrics(self) -> dict[str, float]:
+        """Gauges in vLLM's vocabulary (what a scraper would turn into router attributes)."""
+        return {
+            "num_requests_running": float(self.num_running),
+            "num_requests_waiting": float(self.num_waiting),
+            "kv_cache_usage_perc": self.kv_usage(),
+        }
+
+    # -- input ----------------------------------------------------------------------------------
+    def add_request(self, req: SimRequest, t: float) -> None:
+        """Queue a request arriving at ``t`` (the engine must have been advanced to ``t``)."""
+        req.worker_id = self.worker_id
+        if not self.has_work() and self.now < t:
+            self.now = t  # idle engine: the next step starts at the arrival
+        need = -(-(req.prompt_len + req.output_len) // self.bs)
+        if need > self.cache.capacity or req.prompt_len <= 0:
+            # can never fit: fail it now rather than block the queue forever
+            req.rejected = f"needs {need} KV blocks, capacity {self.cache.capacity}"
+            req.finished = max(t, self.now)
+            self.stats["rejected"] += 1
+            self.outputs.append(("finish", req.finished, req))
+            return
+        self.waiting.append(req)
+
+    # -- cache -> events ------------------------------------------------------------------------
+    def _on_cache_change(self, kind: str, tier, hashes: list[int]) -> None:
+        self._pending_cache.append((kind, tier, hashes))
+
+    def _flush_cache_events(self, t: float) -> None:
+        wid, rank = self.worker_id, self.dp_rank
+        for kind, tier, hashes in self._pending_cache:
+            if kind == "removed":
+                ev = BlockRemoved(worker_id=wid, dp_rank=rank, tier=tier, engine_hashes=hashes)
+            elif kind == "moved":
+                ev = BlockMoved(
+                    worker_id=wid,
+                    dp_rank=rank,
+                    from_tier=tier[0],
+                    to_tier=tier[1],
+                    engine_hashes=hashes,
+                )
+            else:  # "stored" events are built by _stored() with their tokens / hashes
+                ev = tier
+            self.outputs.append(("kv", t, ev))
+        self._pending_cache.clear()
+
+    def _stored(
+        self, req: SimRequest, first_block: int, hashes: list[int], stored: list[bool]
+    ) -> None:
+        """Queue BlockStored events for the newly cached blocks among ``hashes`` (which are the
+        request's blocks ``first_block..``), one event per contiguous run."""
+        i, n = 0, len(hashes)
+        while i < n:
+            if not stored[i]:
+                i += 1
+                continue
+            j = i
+            while j < n and stored[j]:
+                j += 1
+            pos = first_block + i
+            run = hashes[i:j]
+            parent = req.held[pos - 1] if pos > 0 else None
+            if self.cfg.events_with_tokens:
+                toks = self._block_tokens(req, pos, j - i)
+                ev = BlockStored(
+                    worker_id=self.worker_id,
+                    dp_rank=self.dp_rank,
+                    parent_engine_hash=parent,
+                    engine_hashes=run,
+                    token_ids=toks,
+                    block_size=self.bs,
+                )
+            else:
+                ev = BlockStored(
+                    worker_id=self.worker_id,
+                    dp_rank=self.dp_rank,
+                    parent_engine_hash=parent,
+                    engine_hashes=run,
+                    block_hashes=run,
+                    block_size=self.bs,
+                )
+            self._pending_cache.append(("stored", ev, run))
+            i = j
+
+    def _block_tokens(self, req: SimRequest, pos: int, n: int) -> list[int]:
+        lo, hi = pos * self.bs, (pos + n) * self.bs
+        prompt = req.token_ids if req.token_ids is not None else np.zeros(0, np.uint32)
+        parts = []
+        if lo < req.prompt_len:
+            parts.append(prompt[lo : min(hi, req.prompt_len)])
+        if hi > req.prompt_len:
+            start = max(lo, req.prompt_len) - req.prompt_len
+            parts.append(output_tokens(req.salt, start, hi - max(lo, req.prompt_len)))
+        return np.concatenate(parts).tolist()
+
+    def _commit(self, req: SimRequest, hashes: list[int]) -> None:
+        first = len(req.held)
+        stored = self.cache.commit(hashes)
+        req.held.extend(hashes)
+        req.reserved -= len(hashes)
+        if any(stored):
+            self._stored(req, first, hashes, stored)
+
+    def _output_block_hash(self, req: SimRequest, block_index: int) -> int:
+        x = np.array([(req.salt * 0x9E3779B97F4A7C15 + block_index) & _M64], dtype=np.uint64)
+        return int(_mix(x)[0])
+
+    # -- scheduling -----------------------------------------------------------------------------
+    def _admit(self, req: SimRequest) -> bool:
+        nf = len(req.block_hashes)
+        cacheable = min(nf, (req.prompt_len - 1) // self.bs)  # the last token is always computed
+        dev, host = self.cache.split_prefix(req.block_hashes[:cacheable])
+        hits = len(dev) + len(host)
+        need = -(-(req.prompt_len + req.output_len) // self.bs)
+        try:
+            self.cache.admit(dev, host, need - hits)
+        except CacheFull:
+            return False
+        req.held = list(dev) + list(host)
+        req.reserved = need - hits
+        req.hit_device, req.hit_host = len(dev), len(host)
+        req.computed = hits * self.bs
+        req.reload_tokens = len(host) * self.bs
+        st = self.stats
+        st["requests"] += 1
+        st["prompt_blocks"] += nf
+        st["hit_blocks_device"] += len(dev)
+        st["hit_blocks_host"] += len(host)
+        st["cached_tokens"] += req.computed
+        st["prompt_tokens"] += req.prompt_len
+        return True
+
+    def _finish(self, req: SimRequest, t: float) -> None:
+        req.finished = t
+        self.cache.release(req.held)
+        if req.reserved:
+            self.cache.unreserve(req.reserved)
+            req.reserved = 0
+        self.outputs.append(("finish", t, req))
+
+    def _generated_one(self, req: SimRequest, t: float) -> bool:
+        """Bookkeeping after a token is sampled; returns True when the request finished."""
+        req.generated += 1
+        ctx = req.prompt_len + req.generated
+        if ctx % self.bs == 0:  # a block just filled with output tokens
+            if self.cfg.emit_output_blocks:
+                idx = ctx // self.bs - 1
+                self._commit(req, [self._output_block_hash(req, idx)])
+            self.outputs.append(("progress", t, req))
+        if req.generated >= req.output_len:
+            self._finish(req, t)
+            return True
+        return False
+
+    def step(self) -> None:
+        """Build, time and complete one iteration starting at ``self.now``."""
+        model = self.model
+        budget = self.cfg.max_batched_tokens
+        decoding = self.decoding
+        n_decode = len(decoding)
+        budget -= n_decode
+        chunks: list[tuple[SimRequest, int]] = []
+        prefill_ms = 0.0
+        reload_tokens = 0
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(req.prompt_len - req.computed, budget)
+            chunks.append((req, n))
+            prefill_ms += model.prefill_ms(n, req.computed)
+            budget -= n
+        while budget > 0 and self.waiting and self.num_running < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break  # head of line waits for blocks
+            self.waiting.popleft()
+            req.admitted = self.now
+            self.prefilling.append(req)
+            n = min(req.prompt_len - req.computed, budget)
+            chunks.append((req, n))
+            prefill_ms += model.prefill_ms(n, req.computed)
+            reload_tokens += req.reload_tokens
+            req.reload_tokens = 0
+            budget -= n
+        ctx = 0
+        for req in decoding:
+            ctx += req.prompt_len + req.generated
+        dt = model.step_ms(prefill_ms, n_decode, ctx, model.reload_ms(reload_tokens)) / 1000.0
+        t = self.now + dt
+        self.now = t
+        st = self.stats
+        st["steps"] += 1
+        st["busy_s"] += dt
+        # decoders first (they were running before this step's prefills)
+        if n_decode:
+            st["generated_tokens"] += n_decode
+            done = False
+            for req in decoding:
+                if self._generated_one(req, t):
+                    done = True
+            if done:
+                self.decoding = [r for r in decoding if math.isnan(r.finished)]
+        bs = self.bs
+        for req, n in chunks:
+            before = req.computed
+            req.computed += n
+            st["prefill_tokens"] += n
+            full_before = min(before // bs, len(req.block_hashes))
+            full_after = min(req.computed // bs, len(req.block_hashes))
+            if full_after > full_before:
+                self._commit(req, list(req.block_hashes[full_before:full_after]))
+            if req.computed >= req.prompt_len:
+                self.prefilling.remove(req)
+                req.first_token = t
+                self.outputs.append(("first", t, req))
+                st["generated_tokens"] += 1
+                if not self._generated_one(req, t):
+                    self.decoding.append(req)
+        if self._pending_cache:
+            self._flush_cache_events(t)
+
+    def _steps_to_event(self) -> int:
+        """Decode steps until some sequence finishes or fills a block (the last is eventful)."""
+        bs = self.bs
+        k = 1 << 62
+        for req in self.decoding:
+            k = min(k, req.output_len - req.generated, bs - (req.prompt_len + req.generated) % bs)
+        return k
+
+    def _fast_forward(self, t_until: float) -> bool:
+        """Decode-only run: skip uneventful steps in closed form. Returns True if it moved."""
+        k = self._steps_to_event() - 1  # the eventful step itself goes through step()
+        if k <= 0:
+            return False
+        model = self.model
+        b = len(self.decoding)
+        ctx0 = sum(r.prompt_len + r.generated for r in self.decoding)
+        a = (model.decode_only_ms(b) + model.decode_kv_ms(ctx0)) / 1000.0  # first step (s)
+        d = model.decode_kv_ms(b) / 1000.0  # growth per step (s)
+        # steps i = 0..k-1 start at now + i*a + d*i*(i-1)/2; run those starting before t_until
+        span = t_until - self.now
+        if span <= 0:
+            return False
+        if span == math.inf:
+            n = k
+        elif d <= 0:
+            n = math.ceil(span / a)
+        else:
+            # largest real i with d/2 i^2 + (a - d/2) i - span < 0
+            bq = a - d / 2
+            root = (-bq + math.sqrt(bq * bq + 2 * d * span)) / d
+            n = math.ceil(root)
+        n = min(n, k)
+        if n <= 0:
+            return False
+        dt = n * a + d * n * (n - 1) / 2
+        self.now += dt
+        for req in self.decoding:
+            req.generated += n
+        st = self.stats
+        st["steps"] += n
+        st["decode_runs"] += 1
+        st["busy_s"] += dt
+        st["generated_tokens"] += n * b
+        return True
+
+    def advance(self, t_until: float) -> None:
+        """Run every step that starts before ``t_until``."""
+        while self.now < t_until and self.has_work():
+            if (
+                self.cfg.fast_forward
+                and not self.prefilling
+                and self.decoding
+                and not self._admissible()
+            ):
+                if self._fast_forward(t_until):
+                    continue
+            self.step()
+
+    def _admissible(self) -> bool:
+        """Could the head of the waiting queue be admitted now (without side effects)?"""
+        if not self.waiting or self.num_running >= self.cfg.max_num_seqs:
+            return False
+        req = self.waiting[0]
+        need = -(-(req.prompt_len + req.output_len) // self.bs)
+        # optimistic bound: cached prefix blocks need no new space
+        return (
+            need - min(len(req.block_hashes), self.cache.match_prefix(req.block_hashes)[0])
+            <= self.cache.free
+        )
+
+    def run_until_idle(self, limit: float = math.inf) -> None:
+        while self.has_work() and self.now < limit:
+            self.advance(limit)

@@ -1,0 +1,95 @@
+"""Step-time model of one engine iteration (continuous batching, chunked prefill).
+
+Reference setup: a Llama-3-8B-shaped model (bf16) on one H200, from
+``kvplug/sim/data/prefill_calib_h200.json`` (copied from the team's calibration run):
+
+* prefill of ``n`` new tokens on top of ``p`` tokens already in the KV cache (cached prefix or
+  earlier chunks of the same prompt)::
+
+      prefill_ms(n, p) = LINEAR_MS * n + QUAD_MS * n**2 + CTX_MS * n * p
+
+  ``LINEAR_MS`` and ``QUAD_MS`` are the cold fit (0.0290·L + 4.15e-7·L², within 2 % for
+  2k–32k tokens). ``CTX_MS`` is the least-squares fit of the three ``P{p}_N2048`` cached points
+  (76 / 105 / 139 ms on 2k / 8k / 16k cached) after subtracting the cold cost of 2,048 tokens; the
+  short-prompt points (< 2k new tokens) are dominated by a ~30–45 ms framework overhead that a
+  serving engine does not pay, so they are not used.
+* decode: each step reads the weights once (``WEIGHTS_MS`` ≈ 16 GB at 4.3 TB/s) and the KV cache
+  of every decoding sequence (``KV_READ_MS_PER_1K`` per 1,000 cached tokens, 128 KiB per token).
+  This is a roofline *assumption*, not a measurement (the calibration's decode numbers are eager
+  framework overhead).
+* one step = max(weights read, prefill compute + per-token compute of the decode tokens)
+  + KV read of decoding sequences + host-tier reload time + a fixed overhead (assumed 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LINEAR_MS = 0.0290  # per new token (cold fit)
+QUAD_MS = 4.15e-7  # per new token squared (cold fit: causal attention within the chunk)
+CTX_MS = 2.39e-6  # per (new token x cached token) pair, fit from the cached-prefill points
+WEIGHTS_MS = 3.7  # one read of 16 GB of weights at ~4.3 TB/s (assumption, roofline)
+KV_READ_MS_PER_1K = 0.0305  # 128 KiB per token at ~4.3 TB/s (assumption, roofline)
+KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V x layers x KV heads x head dim x bf16
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Parameters of the step-time model; defaults are the 8B / H200 reference setup."""
+
+    linear_ms: float = LINEAR_MS
+    quad_ms: float = QUAD_MS
+    ctx_ms: float = CTX_MS
+    weights_ms: float = WEIGHTS_MS
+    kv_read_ms_per_1k: float = KV_READ_MS_PER_1K
+    overhead_ms: float = 0.0  # launch + sampling per step (assumed 0: folded into the rooflines)
+    host_reload_gbps: float = 40.0  # host->device copy for host-tier hits (assumption: PCIe 5 x16)
+    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
+
+    def prefill_ms(self, n: int, cached: int) -> float:
+        """Compute time of ``n`` new prompt tokens on top of ``cached`` tokens of context."""
+        if n <= 0:
+            return 0.0
+        return self.linear_ms * n + self.quad_ms * n * n + self.ctx_ms * n * cached
+
+    def decode_kv_ms(self, context_tokens: int) -> float:
+        """KV-cache read time of decoding sequences holding ``context_tokens`` tokens in total."""
+        return self.kv_read_ms_per_1k * context_tokens / 1000.0
+
+    def reload_ms(self, tokens: int) -> float:
+        """Host-to-device copy time of ``tokens`` tokens of KV."""
+        if tokens <= 0:
+            return 0.0
+        return tokens * self.kv_bytes_per_token / (self.host_reload_gbps * 1e9) * 1e3
+
+    def step_ms(
+        self,
+        prefill_compute_ms: float,
+        n_decode: int,
+        decode_context: int,
+        reload_ms: float = 0.0,
+    ) -> float:
+        """One iteration: ``prefill_compute_ms`` from :meth:`prefill_ms` summed over the chunks
+        scheduled, ``n_decode`` sequences decoding one token each over ``decode_context`` tokens."""
+        compute = prefill_compute_ms + self.linear_ms * n_decode
+        return (
+            max(self.weights_ms, compute)
+            + self.decode_kv_ms(decode_context)
+            + reload_ms
+            + self.overhead_ms
+        )
+
+    def decode_only_ms(self, n_decode: int) -> float:
+        """Per-step constant part of a decode-only step (excludes the KV read)."""
+        return max(self.weights_ms, self.linear_ms * n_decode) + self.overhead_ms
+
+
+REFERENCE = StepTimeModel()
+
+# KV capacity of the reference setup: ~110 GB of the H200's 141 GB for KV at 128 KiB per token
+# ≈ 840k tokens (assumption: vLLM gpu_memory_utilization 0.9 minus weights and activations).
+REFERENCE_KV_TOKENS = 840_000
+
+
+def capacity_blocks(block_size: int, kv_tokens: int = REFERENCE_KV_TOKENS) -> int:
+    return kv_tokens // block_size

@@ -1,0 +1,169 @@
+"""Trace loading and expansion (Mooncake format: timestamp ms, input/output lengths, hash_ids).
+
+Each ``hash_id`` names one 512-token prompt block; equal ids mean equal prefix up to and including
+that block. Two ways to hand a request to the router and the engines, giving the same prefix
+structure:
+
+* **hashes** (the fast path used by the replay): each full block's id is mixed into a u64
+  (:func:`block_hashes_of`); the router gets them as ``RouteRequest.block_hashes`` and the engines
+  report them as ``BlockStored.block_hashes``;
+* **tokens**: each id expands to 512 deterministic token ids (:func:`expand_tokens`), so prompts
+  sharing ids share token prefixes; the router and the index hash them with kvplug's own hash.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+TRACE_BLOCK_TOKENS = 512
+VOCAB = 128_000  # Llama-3 vocabulary size (token ids stay below it)
+_M64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def bundled_trace_path() -> Path:
+    """The Mooncake conversation trace shipped with the package (gzip, Apache-2.0)."""
+    return Path(
+        str(resources.files("kvplug.sim") / "data" / "mooncake_conversation_trace.jsonl.gz")
+    )
+
+
+def _open(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def iter_trace(path: str | Path | None = None) -> Iterator[TraceRecord]:
+    """Records in file order. Bad lines raise ValueError naming the line number."""
+    p = Path(path) if path is not None else bundled_trace_path()
+    with _open(p) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                rec = TraceRecord(
+                    arrival_s=float(obj["timestamp"]) / 1000.0,
+                    input_length=int(obj["input_length"]),
+                    output_length=int(obj["output_length"]),
+                    hash_ids=tuple(int(h) for h in obj["hash_ids"]),
+                )
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{p}:{lineno}: bad trace record: {exc}") from exc
+            if rec.input_length <= 0 or rec.output_length < 0:
+                raise ValueError(f"{p}:{lineno}: non-positive lengths")
+            yield rec
+
+
+def load_trace(
+    path: str | Path | None = None,
+    *,
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+    limit: int | None = None,
+    speedup: float = 1.0,
+) -> list[TraceRecord]:
+    """A slice of a trace, arrival times rebased to the slice start and divided by ``speedup``."""
+    if speedup <= 0:
+        raise ValueError("speedup must be positive")
+    out: list[TraceRecord] = []
+    for rec in iter_trace(path):
+        if rec.arrival_s < start_s:
+            continue
+        if duration_s is not None and rec.arrival_s >= start_s + duration_s:
+            break
+        out.append(rec)
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        return out
+    t0 = out[0].arrival_s
+    return [
+        TraceRecord((r.arrival_s - t0) / speedup, r.input_length, r.output_length, r.hash_ids)
+        for r in out
+    ]
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on a uint64 array (wrapping arithmetic)."""
+    x = x.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return x
+
+
+def block_hashes_of(
+    hash_ids, n_blocks: int | None = None, namespace: int = 0x6B76706C7567
+) -> list[int]:
+    """u64 block hashes for the first ``n_blocks`` ids (ids are already chained: one per prefix)."""
+    ids = np.asarray(hash_ids[:n_blocks] if n_blocks is not None else hash_ids, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return _mix(ids * np.uint64(0x9E3779B97F4A7C15) + np.uint64(namespace & _M64)).tolist()
+
+
+def expand_tokens(
+    hash_ids, input_length: int, block_tokens: int = TRACE_BLOCK_TOKENS
+) -> np.ndarray:
+    """Deterministic token ids (uint32) for a prompt: block ``i`` is a function of ``hash_ids[i]``
+    only, so prompts with equal leading ids have equal leading tokens. The last block is cut to
+    ``input_length``."""
+    need = -(-input_length // block_tokens)
+    if need > len(hash_ids):
+        raise ValueError(f"{len(hash_ids)} hash_ids cannot cover {input_length} tokens")
+    ids = np.asarray(hash_ids[:need], dtype=np.uint64)[:, None]
+    pos = np.arange(block_tokens, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        seeds = ids * np.uint64(0xD6E8FEB86659FD93) + pos
+    toks = (_mix(seeds) % np.uint64(VOCAB)).astype(np.uint32).reshape(-1)
+    return toks[:input_length]
+
+
+def output_tokens(salt: int, start: int, n: int) -> np.ndarray:
+    """Deterministic stand-ins for generated tokens ``start..start+n`` of one request."""
+    pos = np.arange(start, start + n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return (
+            _mix(pos + np.uint64(salt & _M64) * np.uint64(0x9E3779B97F4A7C15)) % np.uint64(VOCAB)
+        ).astype(np.uint32)
+
+
+def oracle_hit_rate(records: list[TraceRecord], block_tokens: int = TRACE_BLOCK_TOKENS) -> dict:
+    """Block hit ratio of an infinite cache shared by all engines, over full prompt blocks (what a
+    paged cache can reuse) and, for reference, over all ids including each partial last block."""
+    seen: set[int] = set()
+    full = full_hit = every = every_hit = 0
+    for r in records:
+        nf = r.input_length // block_tokens
+        for i, h in enumerate(r.hash_ids):
+            hit = h in seen
+            if i < nf:
+                full += 1
+                full_hit += hit
+            every += 1
+            every_hit += hit
+        seen.update(r.hash_ids)
+    return {
+        "full_blocks": full,
+        "full_block_hit_rate": full_hit / full if full else 0.0,
+        "all_ids": every,
+        "all_id_hit_rate": every_hit / every if every else 0.0,
+    }

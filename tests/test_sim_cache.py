@@ -1,0 +1,107 @@
+"""The simulated paged KV cache: prefix hits, vLLM's eviction order, host tier, atomic admission."""
+
+import pytest
+
+from kvplug.events import Tier
+from kvplug.sim.cache import BlockCache, CacheFull
+
+
+def _recorder():
+    log = []
+    return log, lambda kind, tier, hashes: log.append((kind, tier, list(hashes)))
+
+
+def test_prefix_hits_stop_at_first_miss():
+    c = BlockCache(8)
+    c.reserve(3)
+    assert c.commit([1, 2, 3]) == [True, True, True]
+    assert c.match_prefix([1, 2, 3, 4]) == (3, 0)
+    assert c.match_prefix([1, 9, 3]) == (1, 0)  # a gap ends the prefix even if 3 is cached
+    assert c.match_prefix([7, 1]) == (0, 0)
+
+
+def test_commit_of_a_block_already_cached_returns_the_duplicate():
+    c = BlockCache(8)
+    c.reserve(2)
+    c.commit([1, 2])
+    c.reserve(2)
+    assert c.commit([1, 3]) == [False, True]  # 1 computed twice: one copy, two references
+    assert c.used == 3 and c.reserved == 0
+    c.release([1, 2])
+    assert c.lru_order() == [2]  # 1 still referenced by the second sequence
+
+
+def test_eviction_order_is_lru_with_tail_blocks_first():
+    log, sink = _recorder()
+    c = BlockCache(6, sink=sink)
+    c.reserve(3)
+    c.commit([1, 2, 3])  # sequence A
+    c.reserve(3)
+    c.commit([4, 5, 6])  # sequence B
+    c.release([1, 2, 3])  # A finishes first: freed tail first -> 3, 2, 1
+    c.release([4, 5, 6])
+    assert c.lru_order() == [3, 2, 1, 6, 5, 4]
+    c.reserve(2)  # needs two blocks: evicts A's tail, keeps A's prefix
+    assert log == [("removed", Tier.DEVICE, [3, 2])]
+    assert c.match_prefix([1, 2, 3]) == (1, 0)
+    c.acquire_cached([4])  # a hit moves a block out of the free queue
+    assert c.lru_order() == [1, 6, 5]
+
+
+def test_referenced_blocks_are_never_evicted():
+    c = BlockCache(4)
+    c.reserve(4)
+    c.commit([1, 2, 3, 4])
+    c.release([3, 4])
+    assert c.free == 2
+    with pytest.raises(CacheFull):
+        c.reserve(3)
+    assert c.used == 4 and c.match_prefix([1, 2, 3, 4]) == (4, 0)  # failed reserve changed nothing
+
+
+def test_host_tier_offloads_on_eviction_and_reloads_on_hit():
+    log, sink = _recorder()
+    c = BlockCache(3, host_capacity=2, sink=sink)
+    c.reserve(3)
+    c.commit([1, 2, 3])
+    c.release([1, 2, 3])  # free order 3, 2, 1
+    c.reserve(2)  # evicts 3, 2 -> host
+    assert log[-1] == ("moved", (Tier.DEVICE, Tier.HOST), [3, 2])
+    assert c.match_prefix([1, 2, 3]) == (1, 2)
+    dev, host = c.split_prefix([1, 2, 3])
+    assert (dev, host) == ([1], [2, 3])
+    c.unreserve(2)
+    c.admit(dev, host, 0)  # reload 2 and 3 (device has room after unreserve)
+    assert ("moved", (Tier.HOST, Tier.DEVICE), [2, 3]) in log
+    assert c.counters["reloaded"] == 2 and not c.on_host(2) and c.on_device(3)
+
+
+def test_host_tier_is_lru_bounded():
+    log, sink = _recorder()
+    c = BlockCache(1, host_capacity=2, sink=sink)
+    for h in (1, 2, 3):
+        c.reserve(1)  # evicts the previous block to host
+        c.commit([h])
+        c.release([h])
+    c.reserve(1)  # 3 offloaded; host holds 1, 2, 3 -> 1 dropped
+    assert c.host_blocks() == [2, 3]
+    assert ("removed", Tier.HOST, [1]) in log
+
+
+def test_admit_is_atomic():
+    c = BlockCache(4)
+    c.reserve(2)
+    c.commit([1, 2])
+    c.release([1, 2])
+    with pytest.raises(CacheFull):
+        c.admit([1, 2], [], 3)  # hits 2 + new 3 > 4
+    assert c.lru_order() == [2, 1] and c.reserved == 0
+    c.admit([1, 2], [], 2)
+    assert c.used == 4 and c.free == 0
+
+
+def test_bad_sizes_raise():
+    with pytest.raises(ValueError):
+        BlockCache(0)
+    with pytest.raises(ValueError):
+        BlockCache(4, host_capacity=-1)

@@ -1,0 +1,142 @@
+"""The simulated engine: hand-computed timelines, events, fast-forward equivalence, capacity."""
+
+import math
+
+import pytest
+
+from kvplug.events import BlockRemoved, BlockStored
+from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
+from kvplug.sim.steptime import REFERENCE
+from kvplug.sim.trace import block_hashes_of, load_trace
+
+
+def _req(rid, t, prompt, out, ids, salt=0):
+    return SimRequest(rid, t, prompt, out, block_hashes_of(ids, prompt // 512), salt=salt)
+
+
+def test_single_request_timeline_by_hand():
+    e = SimEngine("w", EngineConfig(block_size=512, capacity_blocks=100))
+    r = _req("a", 1.0, 1024, 3, [1, 2])
+    e.add_request(r, 1.0)
+    e.run_until_idle()
+    # step 1: prefill 1024 cold + first token
+    s1 = max(3.7, REFERENCE.prefill_ms(1024, 0))
+    assert r.first_token == pytest.approx(1.0 + s1 / 1000)
+    # steps 2, 3: decode over 1025 then 1026 tokens of context
+    s2 = 3.7 + 0.0305 * 1025 / 1000
+    s3 = 3.7 + 0.0305 * 1026 / 1000
+    assert r.finished == pytest.approx(r.first_token + (s2 + s3) / 1000)
+    kinds = [o[0] for o in e.outputs]
+    assert kinds == ["first", "kv", "finish"]
+    stored = e.outputs[1][2]
+    assert isinstance(stored, BlockStored) and list(stored.engine_hashes) == r.block_hashes
+
+
+def test_second_request_hits_the_prefix_and_prefills_less():
+    e = SimEngine("w", EngineConfig(capacity_blocks=100))
+    a = _req("a", 0.0, 2048, 1, [1, 2, 3, 4])
+    b = _req("b", 10.0, 2048 + 100, 1, [1, 2, 3, 5, 6])
+    e.add_request(a, 0.0)
+    e.advance(10.0)
+    e.add_request(b, 10.0)
+    e.run_until_idle()
+    assert b.hit_device == 3
+    # b computes 2148 - 3*512 = 612 tokens on top of 1536 cached
+    assert b.first_token - 10.0 == pytest.approx(REFERENCE.prefill_ms(612, 1536) / 1000)
+    assert e.stats["prefill_tokens"] == 2048 + 612
+
+
+def test_fully_cached_prompt_recomputes_its_last_block():
+    e = SimEngine("w", EngineConfig(capacity_blocks=100))
+    a = _req("a", 0.0, 1024, 1, [1, 2])
+    b = _req("b", 5.0, 1024, 1, [1, 2])
+    e.add_request(a, 0.0)
+    e.advance(5.0)
+    e.add_request(b, 5.0)
+    e.run_until_idle()
+    assert b.hit_device == 1 and e.stats["prefill_tokens"] == 1024 + 512
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    e = SimEngine("w", EngineConfig(capacity_blocks=100, max_batched_tokens=1000))
+    r = _req("a", 0.0, 2500, 1, [1, 2, 3, 4, 5])
+    e.add_request(r, 0.0)
+    e.run_until_idle()
+    expect = (
+        REFERENCE.prefill_ms(1000, 0)
+        + REFERENCE.prefill_ms(1000, 1000)
+        + REFERENCE.prefill_ms(500, 2000)
+    )
+    assert r.first_token == pytest.approx(expect / 1000)
+    assert e.stats["steps"] == 3
+
+
+def test_fast_forward_equals_step_by_step():
+    recs = load_trace(limit=150)
+
+    def run(ff):
+        e = SimEngine("w", EngineConfig(fast_forward=ff))
+        reqs = []
+        for i, rec in enumerate(recs):
+            e.advance(rec.arrival_s)
+            q = SimRequest(
+                str(i),
+                rec.arrival_s,
+                rec.input_length,
+                rec.output_length,
+                block_hashes_of(rec.hash_ids, rec.input_length // 512),
+                salt=i,
+            )
+            reqs.append(q)
+            e.add_request(q, rec.arrival_s)
+        e.run_until_idle()
+        return e, reqs
+
+    fast, rf = run(True)
+    slow, rs = run(False)
+    assert fast.stats["decode_runs"] > 0 and slow.stats["decode_runs"] == 0
+    for a, b in zip(rf, rs, strict=True):
+        assert a.first_token == pytest.approx(b.first_token, rel=1e-9, abs=1e-9)
+        assert a.finished == pytest.approx(b.finished, rel=1e-9, abs=1e-9)
+    assert fast.stats["steps"] == slow.stats["steps"]
+    assert fast.stats["generated_tokens"] == slow.stats["generated_tokens"]
+
+
+def test_eviction_emits_removed_and_blocks_wait_for_capacity():
+    e = SimEngine("w", EngineConfig(capacity_blocks=4))
+    a = _req("a", 0.0, 1536, 1, [1, 2, 3])  # needs 4 blocks (1537 tokens with the output)
+    b = _req("b", 0.0, 1536, 1, [7, 8, 9])
+    e.add_request(a, 0.0)
+    e.add_request(b, 0.0)
+    e.run_until_idle()
+    assert b.admitted >= a.finished  # b waited for a's blocks
+    removed = [o[2] for o in e.outputs if o[0] == "kv" and isinstance(o[2], BlockRemoved)]
+    assert removed and set(removed[0].engine_hashes) <= set(a.block_hashes)
+
+
+def test_request_larger_than_the_cache_is_rejected_not_stuck():
+    e = SimEngine("w", EngineConfig(capacity_blocks=2))
+    r = _req("big", 0.0, 4096, 10, list(range(8)))
+    e.add_request(r, 0.0)
+    assert r.rejected and not math.isnan(r.finished) and not e.has_work()
+    assert e.outputs[-1][0] == "finish"
+
+
+def test_token_mode_events_carry_the_blocks_tokens():
+    from kvplug.sim.trace import expand_tokens
+
+    e = SimEngine("w", EngineConfig(capacity_blocks=100, events_with_tokens=True))
+    ids = [11, 12, 13]
+    r = _req("a", 0.0, 1400, 700, ids)
+    r.token_ids = expand_tokens(ids, 1400)
+    e.add_request(r, 0.0)
+    e.run_until_idle()
+    stored = [o[2] for o in e.outputs if o[0] == "kv"]
+    assert list(stored[0].token_ids) == r.token_ids[:1024].tolist()
+    assert stored[0].parent_engine_hash is None
+    # the third block fills with 376 prompt + 136 output tokens; its parent is block 2
+    assert stored[1].parent_engine_hash == r.block_hashes[1]
+    assert list(stored[1].token_ids[:376]) == r.token_ids[1024:].tolist()
+    assert len(stored[1].token_ids) == 512
+    progress = [o for o in e.outputs if o[0] == "progress"]
+    assert len(progress) == 2  # context crosses 1536 and 2048
