@@ -1,0 +1,300 @@
+"""SGLang KV-event wire format → kvplug's normalised events.
+
+SGLang publishes msgpack ``KVEventBatch`` messages over ZMQ (the same three frames as vLLM:
+``[topic, seq (8-byte big-endian), payload]``). The payload is a positional batch
+``[ts, events, attn_dp_rank | nil]`` (the rank slot is absent from some 0.5.x builds, which
+trim trailing defaults). Events come in two encodings:
+
+* sglang ≤ 0.5.15: tagged positional arrays —
+  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium?,
+  cache_salt?, session_id?, lora_name?]``, ``["BlockRemoved", block_hashes, medium?]``,
+  ``["AllBlocksCleared"]``;
+* sglang ≥ 0.5.20: tagged maps — ``{"type": "BlockStored", "block_hashes": ..., ...}`` with
+  optional fields omitted when nil.
+
+What this module guarantees (each rule is tested in ``tests/test_sglang_wire.py``):
+
+* Block hashes are signed int64 on the wire; they are kept opaque and folded to u64
+  (``h & (2**64 - 1)``) — kvplug never recomputes SGLang's hash, it hashes ``token_ids``.
+* One block = one SGLang page of ``page_size`` tokens (the size ``/server_info`` advertises).
+  The last page of a radix node may be *partial* (``block_size < page_size``): such pages are
+  never stored (a request can never match them), but their hashes are remembered per rank so
+  the later ``BlockRemoved`` naming them is swallowed instead of counted as unknown, and a
+  store chained onto a partial page is dropped and counted (its tokens start mid-page).
+* ``medium``: ``GPU`` → device, ``CPU_PINNED`` → host, ``DISK`` → disk, ``EXTERNAL`` → the
+  shared tier (``shared=True``); absent → device.
+* EAGLE3 bigram pages carry ``token_ids`` as ``[t_j, t_j+1]`` pairs: the first element of each
+  pair is the token at that position, so those are the tokens kvplug hashes.
+* Anything malformed is dropped *per event* (or per batch when the envelope is broken),
+  counted by reason in ``drops`` and logged with worker, rank and sequence number; nothing
+  already decoded for the batch is lost and nothing raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
+
+log = logging.getLogger("kvplug.integrations.sglang")
+
+MASK64 = (1 << 64) - 1
+MAX_TOKEN = 1 << 32
+MAX_BLOCKS_PER_EVENT = 1 << 20  # far beyond any real radix node; bounds a hostile payload
+MAX_PARTIAL_PER_RANK = 1 << 20  # partial pages whose removal was lost must not grow forever
+
+# medium string -> (tier, shared)
+MEDIUM_TIERS: dict[str, tuple[Tier, bool]] = {
+    "GPU": (Tier.DEVICE, False),
+    "CPU_PINNED": (Tier.HOST, False),
+    "CPU": (Tier.HOST, False),  # defensive: the enum's Python name
+    "DISK": (Tier.DISK, False),
+    "EXTERNAL": (Tier.DEVICE, True),  # L4 shared pool (e.g. Mooncake): readable by every worker
+}
+
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "cache_salt",
+    "session_id",
+    "lora_name",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium")
+
+_decoder = msgspec.msgpack.Decoder()
+
+
+class _Drop(Exception):
+    """One event (or batch) is unusable; ``reason`` is the counter key."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(detail or reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def _as_fields(raw: Any, names: Sequence[str], kind: str) -> dict[str, Any]:
+    """Positional (≤0.5.15) or map (≥0.5.20) event body → field dict."""
+    if isinstance(raw, dict):
+        return raw
+    values = raw[1:]  # raw[0] is the tag
+    if len(values) > len(names):
+        # a newer positional build with more trailing fields: keep the ones we know
+        values = values[: len(names)]
+    return dict(zip(names, values, strict=False))
+
+
+def _engine_hash(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Drop("bad_hash", f"{what} is {type(value).__name__}, not an integer")
+    if not -(1 << 63) <= value <= MASK64:
+        raise _Drop("bad_hash", f"{what} {value} is outside int64/uint64")
+    return value & MASK64
+
+
+def _hash_list(value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise _Drop("bad_hash", "block_hashes is not a list")
+    if len(value) > MAX_BLOCKS_PER_EVENT:
+        raise _Drop("too_many_blocks", f"{len(value)} block hashes in one event")
+    return [_engine_hash(h, f"block_hashes[{i}]") for i, h in enumerate(value)]
+
+
+def _tokens(value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise _Drop("bad_tokens", "token_ids is not a list")
+    out: list[int] = []
+    for i, t in enumerate(value):
+        if isinstance(t, list) and len(t) == 2:  # EAGLE3 bigram page: (t_j, t_j+1)
+            t = t[0]
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < MAX_TOKEN:
+            raise _Drop("bad_tokens", f"token_ids[{i}] = {t!r} is not a u32 token id")
+        out.append(t)
+    return out
+
+
+def _medium(value: Any) -> tuple[Tier, bool]:
+    if value is None:
+        return Tier.DEVICE, False
+    tier = MEDIUM_TIERS.get(value) if isinstance(value, str) else None
+    if tier is None:
+        raise _Drop("unknown_medium", f"medium {value!r}")
+    return tier
+
+
+def _opt_str(fields: dict[str, Any], key: str) -> str | None:
+    value = fields.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _Drop("bad_field", f"{key} is {type(value).__name__}, not a string")
+    return value
+
+
+class SglangDecoder:
+    """Decodes one SGLang worker's event payloads (all its DP ranks) into normalised events.
+
+    Stateful only for partial pages: per rank, the hashes of partial pages seen stored and not
+    yet removed. ``page_size`` is the block size the worker advertises (``/server_info``
+    ``kv_events.block_size``) and the one kvplug hashes prompts with.
+    """
+
+    def __init__(self, worker_id: str, page_size: int) -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        self.worker_id = worker_id
+        self.page_size = page_size
+        self.partial: dict[int, set[int]] = {}
+        self.drops: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()
+
+    # -- public ------------------------------------------------------------------------------
+    def decode(
+        self, payload: bytes, *, dp_rank: int = 0, seq: int | None = None
+    ) -> list[KvEvent]:
+        """One message payload → events. ``dp_rank`` is the rank of the socket it came on,
+        used when the batch's own ``attn_dp_rank`` slot is nil or absent."""
+        try:
+            batch = _decoder.decode(payload)
+        except (msgspec.DecodeError, ValueError, TypeError) as exc:
+            self._drop("bad_msgpack", dp_rank, seq, str(exc))
+            return []
+        if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+            self._drop("bad_batch", dp_rank, seq, f"not [ts, events, rank]: {type(batch)}")
+            return []
+        rank = batch[2] if len(batch) > 2 else None
+        if rank is not None:
+            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+                self._drop("bad_batch", dp_rank, seq, f"attn_dp_rank {rank!r}")
+                return []
+            dp_rank = rank
+        self.counts["batches"] += 1
+        out: list[KvEvent] = []
+        for position, raw in enumerate(batch[1]):
+            try:
+                self._decode_event(raw, dp_rank, out)
+            except _Drop as drop:
+                self._drop(drop.reason, dp_rank, seq, f"event {position}: {drop.detail}")
+        return out
+
+    def stats(self) -> dict[str, int]:
+        s = {f"events_{k}": v for k, v in self.counts.items()}
+        s.update({f"dropped_{k}": v for k, v in self.drops.items()})
+        s["partial_pages_held"] = sum(len(p) for p in self.partial.values())
+        return s
+
+    def reset_rank(self, dp_rank: int) -> None:
+        """Forget partial pages of a rank (its stream restarted or was lost)."""
+        self.partial.pop(dp_rank, None)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _drop(self, reason: str, dp_rank: int, seq: int | None, detail: str) -> None:
+        self.drops[reason] += 1
+        log.warning(
+            "sglang worker %s rank %s seq %s: dropped (%s) %s",
+            self.worker_id, dp_rank, seq, reason, detail,
+        )
+
+    def _decode_event(self, raw: Any, dp_rank: int, out: list[KvEvent]) -> None:
+        if isinstance(raw, dict):
+            tag = raw.get("type")
+        elif isinstance(raw, list) and raw:
+            tag = raw[0]
+        else:
+            raise _Drop("bad_event", f"event is {type(raw).__name__}")
+        if tag == "BlockStored":
+            self._stored(_as_fields(raw, _STORED_FIELDS, tag), dp_rank, out)
+        elif tag == "BlockRemoved":
+            self._removed(_as_fields(raw, _REMOVED_FIELDS, tag), dp_rank, out)
+        elif tag == "AllBlocksCleared":
+            self.partial.pop(dp_rank, None)
+            self.counts["cleared"] += 1
+            out.append(AllCleared(worker_id=self.worker_id, dp_rank=dp_rank))
+        else:
+            raise _Drop("unknown_event", f"event type {tag!r}")
+
+    def _stored(self, f: dict[str, Any], dp_rank: int, out: list[KvEvent]) -> None:
+        hashes = _hash_list(f.get("block_hashes"))
+        parent_raw = f.get("parent_block_hash")
+        parent = None if parent_raw is None else _engine_hash(parent_raw, "parent_block_hash")
+        tokens = _tokens(f.get("token_ids"))
+        block_size = f.get("block_size")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise _Drop("bad_block_size", f"block_size {block_size!r}")
+        tier, shared = _medium(f.get("medium"))
+        cache_salt = _opt_str(f, "cache_salt")
+        lora_name = _opt_str(f, "lora_name")
+        if not hashes:
+            return
+        if len(tokens) != len(hashes) * block_size:
+            raise _Drop(
+                "length_mismatch",
+                f"{len(tokens)} tokens for {len(hashes)} blocks of {block_size}",
+            )
+        partial = self.partial.setdefault(dp_rank, set())
+        if block_size < self.page_size:
+            # the partial tail page of a radix node: never matchable, kept for its removal
+            if len(partial) + len(hashes) > MAX_PARTIAL_PER_RANK:
+                partial.clear()  # only costs a few "unknown remove" counts later
+                self.counts["partial_overflow"] += 1
+            partial.update(hashes)
+            self.counts["partial_pages"] += len(hashes)
+            return
+        if block_size != self.page_size:
+            raise _Drop(
+                "block_size_mismatch",
+                f"block_size {block_size} but the worker advertised page size {self.page_size}",
+            )
+        if parent is not None and parent in partial:
+            raise _Drop("parent_partial", f"parent {parent:#x} is a partial page")
+        self.counts["stored_blocks"] += len(hashes)
+        out.append(
+            BlockStored(
+                worker_id=self.worker_id,
+                dp_rank=dp_rank,
+                tier=tier,
+                shared=shared,
+                parent_engine_hash=parent,
+                engine_hashes=hashes,
+                token_ids=tokens,
+                block_size=block_size,
+                lora_name=lora_name,
+                cache_salt=cache_salt,
+            )
+        )
+
+    def _removed(self, f: dict[str, Any], dp_rank: int, out: list[KvEvent]) -> None:
+        hashes = _hash_list(f.get("block_hashes"))
+        tier, shared = _medium(f.get("medium"))
+        partial = self.partial.get(dp_rank)
+        if partial:
+            kept = []
+            for h in hashes:
+                if h in partial:
+                    partial.discard(h)
+                    self.counts["partial_removes_swallowed"] += 1
+                else:
+                    kept.append(h)
+            hashes = kept
+        if not hashes:
+            return
+        self.counts["removed_blocks"] += len(hashes)
+        # A medium names the tier the blocks left; without one (older builds) any tier.
+        out.append(
+            BlockRemoved(
+                worker_id=self.worker_id,
+                dp_rank=dp_rank,
+                tier=None if shared else (tier if "medium" in f and f["medium"] else None),
+                engine_hashes=hashes,
+                shared=shared,
+            )
+        )

@@ -1,0 +1,391 @@
+"""TensorRT-LLM KV-cache event JSON → kvplug's normalised events.
+
+``POST /kv_cache_events`` answers a JSON array of envelopes (``KVCacheEventSerializer``)::
+
+    {"event_id": N, "window_size": W, "attention_dp_rank": R?, "hash_algo": ...?,
+     "data": {"type": "created" | "stored" | "removed" | "updated", ...}}
+
+Rules (each tested in ``tests/test_trtllm_events.py``; PROTOCOLS.md §3.2–3.3):
+
+* Index per (worker, ``attention_dp_rank``); a missing rank is rank 0.
+* ``event_id`` counts from 0 per rank. A gap (lost events: the engine's buffer overflowed or
+  a drained answer never reached us) or a step backwards → ``AllCleared`` for that rank and
+  resync from the live stream (TRT-LLM has no replay).
+* ``created`` (one per attention window at engine start) → ``AllCleared`` at the start of each
+  run of ``created`` events (a restart), and the run's largest ``window_size`` is the window
+  kvplug indexes: VSWA models emit every store once per window, only the full-attention
+  (largest) window describes reusable prefixes.
+* ``stored``: blocks in prefix order chained from ``parent_hash``. Tokens come from
+  ``tokens[].token_id``. A block shorter than ``tokens_per_block`` is the partial tail: the
+  chain stops there, its hash is remembered and its later ``removed`` swallowed. A block whose
+  token ids are not integers (hex strings from V2 multimodal builds) stops the chain too and
+  is counted. Blocks split into several ``BlockStored`` at every change of tier
+  (``cache_level``), cache salt or LoRA.
+* ``removed`` → ``BlockRemoved`` from any tier (TRT-LLM does not say which).
+* ``updated`` with ``cache_level`` {old_value, new_value} → ``BlockMoved`` (0 = GPU, 1 = host);
+  priority-only updates are ignored (counted).
+* Hashes are uint64 (JSON integers up to 2**64 − 1); V2-hash builds may send hex strings,
+  folded to their low 64 bits (an all-zero parent string means "no parent").
+* ``mm_keys`` and non-zero ``token_extra_id`` fold into the block's ``block_extra`` so such
+  blocks can never match a text-only request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, KvEvent, Tier
+
+log = logging.getLogger("kvplug.integrations.trtllm")
+
+MASK64 = (1 << 64) - 1
+MAX_TOKEN = 1 << 32
+MAX_PARTIAL_PER_RANK = 1 << 20
+CACHE_LEVEL_TIERS = {0: Tier.DEVICE, 1: Tier.HOST}
+
+
+class _Drop(Exception):
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(detail or reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class RankState:
+    """What the decoder remembers about one (worker, attention DP rank) stream."""
+
+    last_event_id: int | None = None
+    window: int | None = None  # the window indexed (max of the last created run)
+    in_created_run: bool = False
+    partial: set[int] = field(default_factory=set)
+    capacity_blocks: list[int] = field(default_factory=list)  # per cache level, from created
+
+
+def parse_hash(value: Any, what: str, *, allow_none: bool = False) -> int | None:
+    """A TRT-LLM block hash → u64. Integers (uint64, defensively int64) or hex strings."""
+    if value is None:
+        if allow_none:
+            return None
+        raise _Drop("bad_hash", f"{what} is null")
+    if isinstance(value, bool):
+        raise _Drop("bad_hash", f"{what} is a boolean")
+    if isinstance(value, int):
+        if not -(1 << 63) <= value <= MASK64:
+            raise _Drop("bad_hash", f"{what} {value} is outside uint64")
+        return value & MASK64
+    if isinstance(value, str):
+        try:
+            h = int(value, 16)
+        except ValueError:
+            raise _Drop("bad_hash", f"{what} {value!r} is not hex") from None
+        if allow_none and h == 0:
+            return None  # V2 hashing writes an all-zero digest for "no parent"
+        return h & MASK64
+    raise _Drop("bad_hash", f"{what} is {type(value).__name__}")
+
+
+def _block_extra(block: dict[str, Any], extra_ids: list[int]) -> int:
+    """Per-block u64 extra key from multimodal keys and token extra ids; 0 = none."""
+    mm = block.get("mm_keys") or []
+    if not mm and not any(extra_ids):
+        return 0
+    h = hashlib.blake2b(digest_size=8)
+    if isinstance(mm, list):
+        for key in mm:
+            if isinstance(key, dict):
+                h.update(f"mm:{key.get('hash')}:{key.get('start_offset')};".encode())
+    if any(extra_ids):
+        h.update(("x:" + ",".join(map(str, extra_ids))).encode())
+    return int.from_bytes(h.digest(), "little") or 1
+
+
+class TrtllmDecoder:
+    """Decodes one TRT-LLM worker's drained event arrays, keeping per-rank stream state."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        tokens_per_block: int,
+        *,
+        lora_names: Mapping[int, str] | None = None,
+    ) -> None:
+        if tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
+        self.worker_id = worker_id
+        self.tokens_per_block = tokens_per_block
+        self.lora_names = dict(lora_names or {})
+        self.ranks: dict[int, RankState] = {}
+        self.drops: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()
+        self.hash_algo: str | None = None
+
+    # -- public ------------------------------------------------------------------------------
+    def decode(self, envelopes: Any) -> list[KvEvent]:
+        """One drained answer (the parsed JSON array) → events, in order."""
+        out: list[KvEvent] = []
+        if not isinstance(envelopes, list):
+            self._drop("bad_batch", None, None, f"answer is {type(envelopes).__name__}")
+            return out
+        for envelope in envelopes:
+            try:
+                self._envelope(envelope, out)
+            except _Drop as drop:
+                rank = envelope.get("attention_dp_rank") if isinstance(envelope, dict) else None
+                eid = envelope.get("event_id") if isinstance(envelope, dict) else None
+                self._drop(drop.reason, rank, eid, drop.detail)
+        return out
+
+    def lost_stream(self) -> list[KvEvent]:
+        """The poller lost track (worker unreachable, restarted): clear every known rank."""
+        out: list[KvEvent] = []
+        for rank, state in self.ranks.items():
+            out.append(AllCleared(worker_id=self.worker_id, dp_rank=rank))
+            state.last_event_id = None
+            state.partial.clear()
+            state.in_created_run = False
+        self.counts["lost_stream"] += 1
+        return out
+
+    def stats(self) -> dict[str, int]:
+        s = {f"events_{k}": v for k, v in self.counts.items()}
+        s.update({f"dropped_{k}": v for k, v in self.drops.items()})
+        s["partial_blocks_held"] = sum(len(r.partial) for r in self.ranks.values())
+        return s
+
+    # -- internals ---------------------------------------------------------------------------
+    def _drop(self, reason: str, rank: Any, event_id: Any, detail: str) -> None:
+        self.drops[reason] += 1
+        log.warning(
+            "trtllm worker %s rank %s event_id %s: dropped (%s) %s",
+            self.worker_id, rank, event_id, reason, detail,
+        )
+
+    def _clear(self, rank: int, state: RankState, out: list[KvEvent]) -> None:
+        state.partial.clear()
+        out.append(AllCleared(worker_id=self.worker_id, dp_rank=rank))
+
+    def _envelope(self, env: Any, out: list[KvEvent]) -> None:
+        if not isinstance(env, dict):
+            raise _Drop("bad_event", f"envelope is {type(env).__name__}")
+        data = env.get("data")
+        if not isinstance(data, dict):
+            raise _Drop("bad_event", "no data object")
+        kind = data.get("type")
+        rank = env.get("attention_dp_rank", 0)
+        if rank is None:
+            rank = 0
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise _Drop("bad_event", f"attention_dp_rank {rank!r}")
+        event_id = env.get("event_id")
+        if isinstance(event_id, bool) or not isinstance(event_id, int) or event_id < 0:
+            raise _Drop("bad_event", f"event_id {event_id!r}")
+        window = env.get("window_size")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+            raise _Drop("bad_event", f"window_size {window!r}")
+        algo = env.get("hash_algo")
+        if isinstance(algo, str):
+            self.hash_algo = algo
+        state = self.ranks.setdefault(rank, RankState())
+
+        # sequence: a gap or a step back means we no longer know what the rank holds
+        last = state.last_event_id
+        state.last_event_id = event_id
+        if last is not None and event_id != last + 1:
+            if not (kind == "created" and event_id == 0):  # a restart clears below anyway
+                self.counts["gaps" if event_id > last else "id_regressions"] += 1
+                log.warning(
+                    "trtllm worker %s rank %d: event_id %d after %d; clearing and resyncing",
+                    self.worker_id, rank, event_id, last,
+                )
+                self._clear(rank, state, out)
+                state.in_created_run = False
+
+        if kind == "created":
+            self._created(data, rank, window, state, out)
+            return
+        state.in_created_run = False
+        if kind not in ("stored", "removed", "updated"):
+            raise _Drop("unknown_event", f"data.type {kind!r}")
+        if window is not None:
+            if state.window is None:
+                state.window = window  # subscribed late: adopt the first window seen
+            elif window > state.window and not state.capacity_blocks:
+                # no created seen and a larger window shows up: index that one instead
+                self._clear(rank, state, out)
+                state.window = window
+                self.counts["window_switches"] += 1
+            if window != state.window:
+                self.counts["other_window_skipped"] += 1
+                return
+        if kind == "stored":
+            self._stored(data, rank, state, out)
+        elif kind == "removed":
+            self._removed(data, rank, state, out)
+        else:
+            self._updated(data, rank, state, out)
+
+    def _created(
+        self, data: dict, rank: int, window: int | None, state: RankState, out: list[KvEvent]
+    ) -> None:
+        levels = data.get("num_blocks_per_cache_level")
+        if not state.in_created_run:
+            self._clear(rank, state, out)
+            state.window = None
+            state.in_created_run = True
+            self.counts["created_runs"] += 1
+        if window is not None:
+            state.window = window if state.window is None else max(state.window, window)
+            if window == state.window and isinstance(levels, list):
+                state.capacity_blocks = [int(x) for x in levels if isinstance(x, int)]
+
+    def _stored(self, data: dict, rank: int, state: RankState, out: list[KvEvent]) -> None:
+        parent = parse_hash(data.get("parent_hash"), "parent_hash", allow_none=True)
+        blocks = data.get("blocks")
+        if not isinstance(blocks, list):
+            raise _Drop("bad_event", "stored without a blocks list")
+        if parent is not None and parent in state.partial:
+            raise _Drop("parent_partial", f"parent {parent:#x} is a partial block")
+        run_key: tuple | None = None
+        run_hashes: list[int] = []
+        run_tokens: list[int] = []
+        run_extra: list[int] = []
+        run_parent = parent
+
+        def flush() -> None:
+            nonlocal run_hashes, run_tokens, run_extra, run_parent
+            if not run_hashes:
+                return
+            tier, salt, lora = run_key  # type: ignore[misc]
+            out.append(
+                BlockStored(
+                    worker_id=self.worker_id,
+                    dp_rank=rank,
+                    tier=tier,
+                    parent_engine_hash=run_parent,
+                    engine_hashes=run_hashes,
+                    token_ids=run_tokens,
+                    block_size=self.tokens_per_block,
+                    cache_salt=salt,
+                    lora_name=lora,
+                    block_extra=run_extra if any(run_extra) else None,
+                )
+            )
+            self.counts["stored_blocks"] += len(run_hashes)
+            run_parent = run_hashes[-1]
+            run_hashes, run_tokens, run_extra = [], [], []
+
+        for i, block in enumerate(blocks):
+            if not isinstance(block, dict):
+                self._drop("bad_block", rank, None, f"blocks[{i}] is not an object")
+                break
+            try:
+                h = parse_hash(block.get("block_hash"), f"blocks[{i}].block_hash")
+            except _Drop as drop:
+                self._drop(drop.reason, rank, None, drop.detail)
+                break
+            assert h is not None
+            tokens = block.get("tokens")
+            if not isinstance(tokens, list):
+                self._drop("bad_block", rank, None, f"blocks[{i}] has no tokens list")
+                break
+            if len(tokens) < self.tokens_per_block:
+                if len(state.partial) >= MAX_PARTIAL_PER_RANK:
+                    state.partial.clear()
+                state.partial.add(h)
+                self.counts["partial_blocks"] += 1
+                break
+            if len(tokens) > self.tokens_per_block:
+                self._drop(
+                    "block_size_mismatch", rank, None,
+                    f"blocks[{i}] has {len(tokens)} tokens, tokens_per_block is "
+                    f"{self.tokens_per_block}",
+                )
+                break
+            ids, extra_ids, why = self._token_ids(tokens)
+            if why is not None:
+                self._drop(why, rank, None, f"blocks[{i}]: token ids unusable")
+                break
+            level = block.get("cache_level", 0)
+            tier = CACHE_LEVEL_TIERS.get(level) if isinstance(level, int) else None
+            if tier is None:
+                self._drop("bad_cache_level", rank, None, f"blocks[{i}] cache_level {level!r}")
+                break
+            salt = block.get("cache_salt")
+            salt = str(salt) if salt is not None else None
+            lora = self._lora_name(block.get("lora_id"))
+            key = (tier, salt, lora)
+            if key != run_key:
+                flush()
+                run_key = key
+            run_hashes.append(h)
+            run_tokens.extend(ids)
+            run_extra.append(_block_extra(block, extra_ids))
+        flush()
+
+    def _token_ids(self, tokens: list) -> tuple[list[int], list[int], str | None]:
+        ids: list[int] = []
+        extra: list[int] = []
+        for t in tokens:
+            if not isinstance(t, dict):
+                return ids, extra, "bad_tokens"
+            tid = t.get("token_id")
+            if isinstance(tid, str):
+                return ids, extra, "hex_token_ids"
+            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < MAX_TOKEN:
+                return ids, extra, "bad_tokens"
+            ids.append(tid)
+            e = t.get("token_extra_id", 0)
+            extra.append(e if isinstance(e, int) and not isinstance(e, bool) else 0)
+        return ids, extra, None
+
+    def _lora_name(self, lora_id: Any) -> str | None:
+        if lora_id is None or lora_id == 0 or isinstance(lora_id, bool):
+            return None
+        if not isinstance(lora_id, int):
+            raise _Drop("bad_field", f"lora_id {lora_id!r}")
+        return self.lora_names.get(lora_id, f"trtllm-lora-{lora_id}")
+
+    def _removed(self, data: dict, rank: int, state: RankState, out: list[KvEvent]) -> None:
+        raw = data.get("block_hashes")
+        if not isinstance(raw, list):
+            raise _Drop("bad_event", "removed without block_hashes")
+        hashes = []
+        for i, value in enumerate(raw):
+            h = parse_hash(value, f"block_hashes[{i}]")
+            assert h is not None
+            if h in state.partial:
+                state.partial.discard(h)
+                self.counts["partial_removes_swallowed"] += 1
+            else:
+                hashes.append(h)
+        if hashes:
+            self.counts["removed_blocks"] += len(hashes)
+            out.append(BlockRemoved(worker_id=self.worker_id, dp_rank=rank, engine_hashes=hashes))
+
+    def _updated(self, data: dict, rank: int, state: RankState, out: list[KvEvent]) -> None:
+        h = parse_hash(data.get("block_hash"), "block_hash")
+        assert h is not None
+        diff = data.get("cache_level")
+        if not isinstance(diff, dict):
+            self.counts["priority_updates_ignored"] += 1
+            return
+        old, new = diff.get("old_value"), diff.get("new_value")
+        src = CACHE_LEVEL_TIERS.get(old) if isinstance(old, int) else None
+        dst = CACHE_LEVEL_TIERS.get(new) if isinstance(new, int) else None
+        if src is None or dst is None:
+            raise _Drop("bad_cache_level", f"cache_level {old!r} -> {new!r}")
+        if h in state.partial or src == dst:
+            return
+        self.counts["moved_blocks"] += 1
+        out.append(
+            BlockMoved(
+                worker_id=self.worker_id, dp_rank=rank, from_tier=src, to_tier=dst,
+                engine_hashes=[h],
+            )
+        )

@@ -1,0 +1,183 @@
+"""SGLang wire decoding: golden payloads (both encodings) → exact normalised events."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from integrations.sglang.wire import MASK64, SglangDecoder
+from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier
+
+DATA = Path(__file__).parent / "data" / "sglang"
+
+
+def _load_builder():
+    spec = importlib.util.spec_from_file_location("sglang_fixture_build", DATA / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+B = _load_builder()
+U = {name: getattr(B, name) & MASK64 for name in ("H1", "H2", "H3", "HP", "H4", "H5", "HPX")}
+
+
+def _golden(name: str) -> list[bytes]:
+    files = sorted(DATA.glob(f"{name}_*.msgpack"))
+    assert files, f"no golden payloads for {name}"
+    return [f.read_bytes() for f in files]
+
+
+@pytest.mark.parametrize("name", sorted(B.STREAMS))
+def test_golden_payloads_are_byte_exact(name):
+    # the committed bytes are what the documented schema encodes to (and what SGLang's own
+    # kv_events.py 0.5.15 / 0.5.23 produced for the same events when this was written)
+    assert B.STREAMS[name]() == _golden(name)
+
+
+def test_arrays_0_5_15_decode_to_expected_events():
+    dec = SglangDecoder("sg-a", page_size=4)
+    payloads = _golden("v0_5_15")
+    got = [dec.decode(payloads[0], dp_rank=0, seq=0)]
+    assert got[0] == [
+        BlockStored(worker_id="sg-a", dp_rank=0, tier=Tier.DEVICE, parent_engine_hash=None,
+                    engine_hashes=[U["H1"], U["H2"]], token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+                    block_size=4),
+        BlockStored(worker_id="sg-a", dp_rank=0, tier=Tier.DEVICE, parent_engine_hash=U["H2"],
+                    engine_hashes=[U["H3"]], token_ids=[9, 10, 11, 12], block_size=4),
+        # the partial tail page [13, 14] is not stored
+    ]
+    assert dec.partial == {0: {U["HP"]}}
+    got += [dec.decode(p, dp_rank=0, seq=i) for i, p in enumerate(payloads[1:], 1)]
+    assert got[1] == [
+        BlockStored(worker_id="sg-a", dp_rank=0, tier=Tier.HOST, parent_engine_hash=None,
+                    engine_hashes=[U["H1"], U["H2"]], token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+                    block_size=4),
+        # the partial page's removal is swallowed, the full page leaves the device tier
+        BlockRemoved(worker_id="sg-a", dp_rank=0, tier=Tier.DEVICE, engine_hashes=[U["H3"]]),
+    ]
+    assert dec.partial == {}  # emptied by the removal, then the flush
+    assert got[2] == [
+        BlockStored(worker_id="sg-a", dp_rank=0, tier=Tier.DEVICE, parent_engine_hash=None,
+                    engine_hashes=[U["H4"]], token_ids=[20, 21, 22, 23], block_size=4),
+        AllCleared(worker_id="sg-a", dp_rank=0),
+    ]
+    assert dec.counts["partial_removes_swallowed"] == 1
+    assert not dec.drops
+
+
+def test_maps_0_5_23_decode_to_expected_events():
+    dec = SglangDecoder("sg-b", page_size=4)
+    got = [dec.decode(p, dp_rank=0, seq=i) for i, p in enumerate(_golden("v0_5_23"))]
+    # the batch's attn_dp_rank (1) wins over the socket's rank (0)
+    assert got[0] == [
+        BlockStored(worker_id="sg-b", dp_rank=1, tier=Tier.DEVICE, parent_engine_hash=None,
+                    engine_hashes=[U["H1"], U["H2"]], token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+                    block_size=4, cache_salt="tenant-a", lora_name="sql-lora"),
+        # EAGLE3 bigram page: the first element of each pair is the token at that position
+        BlockStored(worker_id="sg-b", dp_rank=1, tier=Tier.DEVICE, parent_engine_hash=U["H2"],
+                    engine_hashes=[U["H4"]], token_ids=[9, 10, 11, 12], block_size=4,
+                    cache_salt="tenant-a", lora_name="sql-lora"),
+    ]
+    assert got[1] == [
+        BlockStored(worker_id="sg-b", dp_rank=1, shared=True, parent_engine_hash=None,
+                    engine_hashes=[U["H5"]], token_ids=[40, 41, 42, 43], block_size=4),
+        BlockStored(worker_id="sg-b", dp_rank=1, tier=Tier.DISK, parent_engine_hash=None,
+                    engine_hashes=[U["H1"]], token_ids=[1, 2, 3, 4], block_size=4),
+        BlockRemoved(worker_id="sg-b", dp_rank=1, tier=Tier.DEVICE, engine_hashes=[U["H4"]]),
+        BlockRemoved(worker_id="sg-b", dp_rank=1, tier=None, engine_hashes=[U["H5"]],
+                     shared=True),
+    ]
+    # nil rank slot: the socket's rank
+    assert got[2] == [AllCleared(worker_id="sg-b", dp_rank=0)]
+    assert not dec.drops
+
+
+def test_int64_hashes_fold_to_u64():
+    assert U["H5"] == 1 << 63  # -2**63
+    assert U["H3"] == MASK64 - 4  # -5
+
+
+def _batch(events, rank=0):
+    return msgspec.msgpack.encode([1.0, events, rank])
+
+
+def _stored_map(hashes, parent, tokens, block_size, **extra):
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": block_size, "lora_id": None, **extra}
+
+
+@pytest.mark.parametrize(
+    ("event", "reason"),
+    [
+        (_stored_map([1], None, [1, 2, 3], 4), "length_mismatch"),
+        (_stored_map([1], None, [1, 2, 3, 4, 5, 6, 7, 8], 8), "block_size_mismatch"),
+        (_stored_map([1], None, [1, 2, 3, -1], 4), "bad_tokens"),
+        (_stored_map([1], None, [1, 2, 3, 1 << 32], 4), "bad_tokens"),
+        (_stored_map([1], None, [1, 2, 3, "x"], 4), "bad_tokens"),
+        (_stored_map(["1"], None, [1, 2, 3, 4], 4), "bad_hash"),
+        (_stored_map([1], None, [1, 2, 3, 4], 0), "bad_block_size"),
+        (_stored_map([1], None, [1, 2, 3, 4], 4, medium="NVME"), "unknown_medium"),
+        (_stored_map([1], None, [1, 2, 3, 4], 4, cache_salt=7), "bad_field"),
+        ({"type": "BlockExploded", "block_hashes": [1]}, "unknown_event"),
+        ("BlockStored", "bad_event"),
+        (["BlockRemoved", "not-a-list"], "bad_hash"),
+    ],
+)
+def test_bad_events_are_dropped_and_counted_alone(event, reason):
+    dec = SglangDecoder("w", page_size=4)
+    good = _stored_map([10], None, [1, 2, 3, 4], 4)
+    out = dec.decode(_batch([good, event, {"type": "AllBlocksCleared"}]), seq=7)
+    assert [type(e) for e in out] == [BlockStored, AllCleared]  # neighbours survive
+    assert dec.drops == {reason: 1}
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"\xc1garbage", "bad_msgpack"),
+        (msgspec.msgpack.encode([1.0]), "bad_batch"),
+        (msgspec.msgpack.encode({"ts": 1.0, "events": []}), "bad_batch"),
+        (msgspec.msgpack.encode([1.0, [], "rank-one"]), "bad_batch"),
+        (msgspec.msgpack.encode([1.0, [], -1]), "bad_batch"),
+        (msgspec.msgpack.encode([1.0, [_stored_map([1], None, [1, 2, 3, 4], 4)]])[:-3],
+         "bad_msgpack"),
+    ],
+)
+def test_bad_batches_are_dropped_and_counted(payload, reason):
+    dec = SglangDecoder("w", page_size=4)
+    assert dec.decode(payload, seq=3) == []
+    assert dec.drops == {reason: 1}
+
+
+def test_store_chained_onto_a_partial_page_is_dropped():
+    dec = SglangDecoder("w", page_size=4)
+    dec.decode(_batch([_stored_map([5], None, [1, 2], 2)]))
+    out = dec.decode(_batch([_stored_map([6], 5, [3, 4, 5, 6], 4)]))
+    assert out == [] and dec.drops == {"parent_partial": 1}
+
+
+def test_page_size_one_never_has_partial_pages():
+    dec = SglangDecoder("w", page_size=1)
+    out = dec.decode(_batch([_stored_map([1, 2, 3], None, [7, 8, 9], 1)]))
+    assert out[0].engine_hashes == [1, 2, 3] and dec.partial == {0: set()}
+
+
+def test_positional_events_with_more_trailing_fields_decode():
+    # a 0.5.16-0.5.19 style positional event carrying cache_salt/session_id/lora_name
+    dec = SglangDecoder("w", page_size=2)
+    raw = ["BlockStored", [-1], None, [1, 2], 2, None, "GPU", "salt", "sess", "lora-x", "future"]
+    out = dec.decode(_batch([raw]))
+    assert out == [BlockStored(worker_id="w", engine_hashes=[MASK64], token_ids=[1, 2],
+                               block_size=2, cache_salt="salt", lora_name="lora-x")]
+
+
+def test_all_cleared_forgets_partial_pages_of_that_rank_only():
+    dec = SglangDecoder("w", page_size=4)
+    dec.decode(_batch([_stored_map([5], None, [1], 1)], rank=0))
+    dec.decode(_batch([_stored_map([6], None, [1], 1)], rank=1))
+    dec.decode(_batch([{"type": "AllBlocksCleared"}], rank=0))
+    assert dec.partial == {1: {6}}
