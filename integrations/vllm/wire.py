@@ -1,4 +1,4 @@
-"""vLLM's KV-event wire format: decode (every version 0.9 - 0.33) and encode (for simulators, tests).
+"""vLLM's KV-event wire format: decode (vLLM 0.9 - 0.33) and encode (simulators, tests).
 
 A ZMQ message is three frames ``[topic, seq (u64 big-endian), payload]``; the payload is a
 msgpack ``KVEventBatch``: ``[ts, events]`` (0.9.0) or ``[ts, events, data_parallel_rank]``
@@ -25,7 +25,7 @@ import hashlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -48,7 +48,7 @@ NON_PREFIX_KINDS = frozenset(
 # until the event passes its cheap checks.
 # -------------------------------------------------------------------------------------------
 
-Hash = Union[int, bytes]
+Hash = int | bytes
 
 
 class _StoredA(msgspec.Struct, tag="BlockStored", array_like=True):
@@ -109,8 +109,8 @@ class _ClearedM(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
     medium: str | None = None
 
 
-_ArrayEvent = Union[_StoredA, _RemovedA, _ClearedA]
-_MapEvent = Union[_StoredM, _RemovedM, _ClearedM]
+_ArrayEvent = _StoredA | _RemovedA | _ClearedA
+_MapEvent = _StoredM | _RemovedM | _ClearedM
 
 
 class _BatchA(msgspec.Struct, array_like=True):
@@ -419,11 +419,10 @@ class BatchDecoder:
             ):
                 prev.engine_hashes.extend(hashes)
             else:
-                out.append(
-                    BlockRemoved(
-                        worker_id=self.worker_id, dp_rank=rank, tier=tier, engine_hashes=list(hashes)
-                    )
+                removed = BlockRemoved(
+                    worker_id=self.worker_id, dp_rank=rank, tier=tier, engine_hashes=list(hashes)
                 )
+                out.append(removed)
             return 0
         if isinstance(ev, (_StoredM, _StoredA)):
             return self._convert_stored(ev, rank, out)

@@ -1,0 +1,652 @@
+"""Consume vLLM KV-event streams: one thread, many engines, sequence tracking, replay.
+
+Sockets follow vLLM's rule (``ZmqEventPublisher``): the engine's PUB *binds* when its endpoint
+has ``*`` / ``::`` or is ``ipc://`` / ``inproc://`` and *connects* otherwise. So for a wildcard
+endpoint kvplug connects a SUB per (engine, DP rank) to the engine's host; for a concrete
+address (``tcp://127.0.0.1:5557``) kvplug binds one SUB there that any number of engines
+connect to, telling them apart by topic (frame 0) and the batch's ``data_parallel_rank``.
+DP rank r > 0 publishes on port + r (and replays on replay port + r).
+
+Per (engine, rank) the thread tracks the sequence number: the next expected seq is applied; a
+gap asks the engine's replay ROUTER (from a DEALER) for the missing batches while live batches
+wait; a seq going backwards means the engine restarted, so that rank is cleared
+(``AllCleared``) and rebuilt from the new stream; an exact repeat is ignored. Events go to the
+source's ``sink`` (a callable taking a list of normalised events) in order, batched per drain
+of the sockets. Nothing here blocks routing: the router only sees finished ``sink`` calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+import zmq
+
+from kvplug.errors import ConfigError
+from kvplug.events import AllCleared, KvEvent
+
+from .wire import BatchDecoder, DecodedBatch, WireError, parse_replay_reply, replay_request
+
+log = logging.getLogger("kvplug.vllm")
+
+Sink = Callable[[list[KvEvent]], Any]
+
+
+# -------------------------------------------------------------------------------------------
+# Endpoints
+# -------------------------------------------------------------------------------------------
+
+
+def engine_binds(endpoint: str) -> bool:
+    """vLLM's rule: its PUB binds wildcard and ipc/inproc endpoints and connects to the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def offset_endpoint(endpoint: str | None, dp_rank: int) -> str | None:
+    """The endpoint DP rank ``dp_rank`` uses (vLLM: port + rank; ``_dp{r}`` for inproc;
+    port 0 = ephemeral, never offset)."""
+    if not endpoint or dp_rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{dp_rank}"
+    if "tcp" in endpoint and ":" in endpoint:
+        base, _, port = endpoint.rpartition(":")
+        if int(port) == 0:
+            return endpoint
+        return f"{base}:{int(port) + dp_rank}"
+    if endpoint.startswith("ipc://"):
+        return endpoint  # vLLM leaves ipc endpoints as they are
+    raise ConfigError(f"invalid vLLM event endpoint {endpoint!r}: must be tcp, ipc or inproc")
+
+
+def connect_address(endpoint: str, engine_host: str | None) -> str:
+    """Where kvplug connects for an endpoint the engine binds (wildcard -> the engine's host)."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return endpoint
+    host = engine_host or "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return endpoint.replace("[::]", host).replace("*", host)
+
+
+@dataclass
+class EventSource:
+    """One (engine, DP rank) event stream as kvplug reaches it.
+
+    ``endpoint`` / ``replay_endpoint`` are as the engine's rank uses them (already offset);
+    ``engine_host`` replaces a wildcard when kvplug connects.
+    """
+
+    worker_id: str
+    endpoint: str
+    sink: Sink
+    replay_endpoint: str | None = None
+    topic: str = ""
+    dp_rank: int = 0
+    engine_host: str | None = None
+    block_size: int = 0
+
+    @property
+    def kvplug_binds(self) -> bool:
+        return not engine_binds(self.endpoint)
+
+    @property
+    def address(self) -> str:
+        if self.kvplug_binds:
+            return self.endpoint
+        return connect_address(self.endpoint, self.engine_host)
+
+    @property
+    def replay_address(self) -> str | None:
+        if self.replay_endpoint is None:
+            return None
+        return connect_address(self.replay_endpoint, self.engine_host)
+
+
+def sources_for_engine(
+    worker_id: str,
+    endpoint: str,
+    sink: Sink,
+    *,
+    replay_endpoint: str | None = None,
+    topic: str = "",
+    dp_start: int = 0,
+    dp_size: int = 1,
+    engine_url: str | None = None,
+    block_size: int = 0,
+) -> list[EventSource]:
+    """Sources for every DP rank of one engine, from its ``KVEventsConfig`` values."""
+    host = urlsplit(engine_url).hostname if engine_url else None
+    return [
+        EventSource(
+            worker_id=worker_id,
+            endpoint=offset_endpoint(endpoint, r) or endpoint,
+            replay_endpoint=offset_endpoint(replay_endpoint, r),
+            sink=sink,
+            topic=topic,
+            dp_rank=r,
+            engine_host=host,
+            block_size=block_size,
+        )
+        for r in range(dp_start, dp_start + dp_size)
+    ]
+
+
+# -------------------------------------------------------------------------------------------
+# Per-stream state
+# -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamStats:
+    batches: int = 0
+    events: int = 0
+    gaps: int = 0
+    missed_batches: int = 0
+    replays: int = 0
+    replayed_batches: int = 0
+    replay_failures: int = 0
+    restarts: int = 0
+    duplicates: int = 0
+    stale_replies: int = 0
+    malformed: int = 0
+    dropped_events: int = 0
+    sink_errors: int = 0
+    last_seq: int = -1
+    last_message_at: float = 0.0
+
+
+@dataclass
+class _Stream:
+    src: EventSource
+    decoder: BatchDecoder
+    stats: StreamStats = field(default_factory=StreamStats)
+    expected: int | None = None  # next seq; None before the first message
+    last_digest: int = 0  # crc of the last applied payload: tells a repeat from a restart
+    replaying: bool = False
+    replay_sock: zmq.Socket | None = None
+    replay_deadline: float = 0.0
+    pending: list[tuple[int, bytes]] = field(default_factory=list)
+
+
+class _DropLog:
+    """Logs a kind of drop the first few times, then every 1000th (counters keep the totals)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+
+    def __call__(self, kind: str, msg: str, *args: Any) -> None:
+        n = self.seen.get(kind, 0) + 1
+        self.seen[kind] = n
+        if n <= 5 or n % 1000 == 0:
+            log.warning(msg + (f" ({n} so far)" if n > 5 else ""), *args)
+
+
+# -------------------------------------------------------------------------------------------
+# The subscriber
+# -------------------------------------------------------------------------------------------
+
+
+class VllmSubscriber:
+    """One background thread consuming any number of vLLM event sources.
+
+    ``add(source)`` / ``remove(worker_id)`` may be called from any thread at any time.
+    ``replay_timeout``: how long live batches wait for a replay before the gap is declared lost
+    (then the rank is cleared, so the index never claims blocks it may have missed removals
+    of). ``catch_up``: when the first batch seen from a stream is not seq 0, ask for a replay
+    from 0 (the engine keeps the last ``buffer_steps`` batches).
+    """
+
+    def __init__(
+        self,
+        *,
+        replay_timeout: float = 2.0,
+        catch_up: bool = True,
+        max_drain: int = 4096,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.replay_timeout = replay_timeout
+        self.catch_up = catch_up
+        self.max_drain = max_drain
+        self._ctx = context or zmq.Context.instance()
+        self._cmds: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[tuple[str, int], _Stream] = {}
+        self._by_socket: dict[zmq.Socket, list[EventSource]] = {}
+        self._bound: dict[str, zmq.Socket] = {}  # address -> shared bound SUB
+        self._poller = zmq.Poller()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._lock = threading.Lock()  # guards the stats snapshot
+        self._droplog = _DropLog()
+        self._ready = threading.Event()
+        self.counters = {
+            "unknown_source": 0,
+            "malformed_frames": 0,
+            "stale_replies": 0,
+            "sink_errors": 0,
+        }
+
+    # -- public API ---------------------------------------------------------------------------
+    def start(self) -> VllmSubscriber:
+        if self._thread is None:
+            self._running = True
+            self._thread = threading.Thread(target=self._run, name="kvplug-vllm-sub", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._running = False
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def add(self, source: EventSource) -> None:
+        """Start consuming a source (an engine's DP rank). Errors surface in the thread's log;
+        a clash (same bound address and topic for two workers) raises here."""
+        for st in list(self._streams.values()):
+            o = st.src
+            if (
+                o.worker_id != source.worker_id
+                and o.kvplug_binds
+                and source.kvplug_binds
+                and o.address == source.address
+                and o.topic == source.topic
+            ):
+                raise ConfigError(
+                    f"workers {o.worker_id} and {source.worker_id} publish to the same address "
+                    f"{source.address} with the same topic {source.topic!r}: give each engine "
+                    "its own topic (--kv-events-config topic) so kvplug can tell them apart"
+                )
+        done = threading.Event()
+        self._cmds.put(("add", (source, done)))
+        if self._thread is None or not self._thread.is_alive():
+            self._apply_commands()  # not started yet: register now
+        elif not done.wait(5.0):
+            raise RuntimeError(f"subscriber thread did not register {source.worker_id}")
+        err = getattr(done, "error", None)
+        if err is not None:
+            raise err
+
+    def remove(self, worker_id: str) -> None:
+        """Stop consuming every rank of one worker (its index entries are the caller's)."""
+        done = threading.Event()
+        self._cmds.put(("remove", (worker_id, done)))
+        if self._thread is None or not self._thread.is_alive():
+            self._apply_commands()
+        else:
+            done.wait(5.0)
+
+    def last_message_at(self, worker_id: str) -> float | None:
+        """Monotonic time of the newest batch from any rank of a worker (a liveness signal)."""
+        items = list(self._streams.items())
+        ts = [s.stats.last_message_at for (w, _), s in items if w == worker_id]
+        ts = [t for t in ts if t > 0]
+        return max(ts) if ts else None
+
+    def has_worker(self, worker_id: str) -> bool:
+        return any(w == worker_id for (w, _) in list(self._streams))
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self.counters)
+            out["streams"] = {
+                f"{w}/{r}": {**s.stats.__dict__, **{"decode": s.decoder.stats.as_dict()}}
+                for (w, r), s in self._streams.items()
+            }
+        return out
+
+    # -- thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        self._ready.set()
+        try:
+            while self._running:
+                self._apply_commands()
+                try:
+                    ready = dict(self._poller.poll(50))
+                except zmq.ZMQError as e:  # a socket closed under us during remove
+                    log.debug("poll: %s", e)
+                    continue
+                out: dict[int, tuple[Sink, list[KvEvent]]] = {}
+                for sock in ready:
+                    self._drain(sock, out)
+                self._check_replay_timeouts(out)
+                self._flush(out)
+        finally:
+            for st in self._streams.values():
+                self._close_replay(st)
+            for sock in list(self._by_socket):
+                sock.close(linger=0)
+            self._by_socket.clear()
+            self._bound.clear()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd, arg = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "add":
+                src, done = arg
+                try:
+                    self._add(src)
+                except Exception as e:  # surfaced to the caller of add()
+                    done.error = e
+                done.set()
+            elif cmd == "remove":
+                wid, done = arg
+                self._remove(wid)
+                done.set()
+
+    def _add(self, src: EventSource) -> None:
+        key = (src.worker_id, src.dp_rank)
+        if key in self._streams:
+            self._remove_key(key)
+        if src.kvplug_binds:
+            sock = self._bound.get(src.address)
+            if sock is None:
+                sock = self._new_sub()
+                sock.bind(src.address)
+                self._bound[src.address] = sock
+                self._by_socket[sock] = []
+                self._poller.register(sock, zmq.POLLIN)
+        else:
+            sock = self._new_sub()
+            sock.connect(src.address)
+            self._by_socket[sock] = []
+            self._poller.register(sock, zmq.POLLIN)
+        sock.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
+        self._by_socket[sock].append(src)
+        self._streams[key] = _Stream(src, BatchDecoder(src.worker_id, block_size=src.block_size))
+        log.info(
+            "vLLM events: %s rank %d %s %s (topic %r, replay %s)",
+            src.worker_id, src.dp_rank, "bound" if src.kvplug_binds else "connected",
+            src.address, src.topic, src.replay_address,
+        )
+
+    def _new_sub(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, 1_000_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 28)  # a bigger frame is garbage: zmq drops it
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock
+
+    def _remove(self, worker_id: str) -> None:
+        for key in [k for k in self._streams if k[0] == worker_id]:
+            self._remove_key(key)
+
+    def _remove_key(self, key: tuple[str, int]) -> None:
+        st = self._streams.pop(key)
+        self._close_replay(st)
+        for sock, srcs in list(self._by_socket.items()):
+            if st.src in srcs:
+                srcs.remove(st.src)
+                if not srcs:
+                    self._poller.unregister(sock)
+                    del self._by_socket[sock]
+                    for addr, s in list(self._bound.items()):
+                        if s is sock:
+                            del self._bound[addr]
+                    sock.close(linger=0)
+
+    # -- receiving ----------------------------------------------------------------------------
+    def _drain(self, sock: zmq.Socket, out: dict) -> None:
+        if sock in self._by_socket:
+            for _ in range(self.max_drain):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                self._on_live(sock, frames, out)
+            return
+        st = next((s for s in self._streams.values() if s.replay_sock is sock), None)
+        if st is None:
+            return
+        for _ in range(self.max_drain):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            self._on_replay(st, frames, out)
+            if st.replay_sock is None:
+                break
+
+    def _route(self, sock: zmq.Socket, topic: bytes, batch: DecodedBatch | None) -> _Stream | None:
+        srcs = self._by_socket.get(sock, [])
+        cands = [s for s in srcs if s.topic.encode() == topic] or [
+            s for s in srcs if not s.kvplug_binds  # a connected socket is one engine's
+        ]
+        if not cands:
+            return None
+        if batch is not None and batch.dp_rank is not None:
+            for s in cands:
+                if s.dp_rank == batch.dp_rank:
+                    return self._streams.get((s.worker_id, s.dp_rank))
+            if len({s.worker_id for s in cands}) == 1 and not cands[0].kvplug_binds:
+                return self._streams.get((cands[0].worker_id, cands[0].dp_rank))
+            return None
+        return self._streams.get((cands[0].worker_id, cands[0].dp_rank))
+
+    def _on_live(self, sock: zmq.Socket, frames: list[bytes], out: dict) -> None:
+        try:
+            topic, seq, payload = _split(frames)
+        except WireError as e:
+            self.counters["malformed_frames"] += 1
+            self._droplog("frames", "vLLM events: malformed message dropped: %s", e)
+            return
+        srcs = self._by_socket.get(sock, [])
+        decoder = None
+        for s in srcs:
+            if s.topic.encode() == topic or not s.kvplug_binds:
+                decoder = self._streams[(s.worker_id, s.dp_rank)].decoder
+                break
+        if decoder is None:
+            self.counters["unknown_source"] += 1
+            self._droplog("unknown", "vLLM events: batch seq %d on topic %r from an unknown "
+                          "engine dropped", seq, topic)
+            return
+        batch = decoder.decode(payload, dp_rank=srcs[0].dp_rank)
+        st = self._route(sock, topic, batch)
+        if st is None:
+            self.counters["unknown_source"] += 1
+            self._droplog("unknown", "vLLM events: batch seq %d (topic %r, rank %s) from an "
+                          "unknown engine rank dropped", seq, topic,
+                          batch.dp_rank if batch else "?")
+            return
+        if st.decoder is not decoder and batch is not None:
+            batch = st.decoder.decode(payload, dp_rank=st.src.dp_rank)  # per-rank stats
+        st.stats.last_message_at = time.monotonic()
+        self._on_batch(st, seq, payload, batch, out)
+
+    def _on_batch(
+        self, st: _Stream, seq: int, payload: bytes, batch: DecodedBatch | None, out: dict
+    ) -> None:
+        s = st.stats
+        if st.replaying:
+            st.pending.append((seq, payload))
+            return
+        if st.expected is None:
+            st.expected = seq
+            if seq > 0 and self.catch_up and st.src.replay_address:
+                st.expected = 0
+                st.pending.append((seq, payload))
+                self._start_replay(st, 0, out)
+                return
+        if seq == st.expected:
+            self._apply(st, seq, payload, batch, out)
+            return
+        if seq > st.expected:
+            s.gaps += 1
+            log.warning("vLLM events: %s rank %d gap: expected seq %d, got %d",
+                        st.src.worker_id, st.src.dp_rank, st.expected, seq)
+            st.pending.append((seq, payload))
+            if st.src.replay_address:
+                self._start_replay(st, st.expected, out)
+            else:
+                self._finish_replay(st, out)  # nothing to ask: declare the gap lost
+            return
+        # seq < expected
+        if seq == st.expected - 1 and zlib.crc32(payload) == st.last_digest:
+            s.duplicates += 1
+            return
+        s.restarts += 1
+        log.warning("vLLM events: %s rank %d seq went back from %d to %d: engine restarted, "
+                    "clearing its blocks", st.src.worker_id, st.src.dp_rank, st.expected - 1, seq)
+        self._emit(st, [AllCleared(worker_id=st.src.worker_id, dp_rank=st.src.dp_rank)], out)
+        st.expected = 0
+        if seq > 0 and st.src.replay_address:
+            st.pending.append((seq, payload))
+            self._start_replay(st, 0, out)
+        else:
+            st.expected = seq
+            self._apply(st, seq, payload, batch, out)
+
+    def _apply(
+        self, st: _Stream, seq: int, payload: bytes, batch: DecodedBatch | None, out: dict
+    ) -> None:
+        s = st.stats
+        st.expected = seq + 1
+        st.last_digest = zlib.crc32(payload)
+        s.last_seq = seq
+        s.batches += 1
+        if batch is None:
+            batch = st.decoder.decode(payload, dp_rank=st.src.dp_rank)
+        if batch is None:
+            s.malformed += 1
+            self._droplog("batch", "vLLM events: %s rank %d seq %d: %s; batch dropped",
+                          st.src.worker_id, st.src.dp_rank, seq, st.decoder.stats.last_error)
+            return
+        if batch.dropped:
+            s.dropped_events += batch.dropped
+            self._droplog("event", "vLLM events: %s rank %d seq %d: dropped %d event(s): %s",
+                          st.src.worker_id, st.src.dp_rank, seq, batch.dropped,
+                          st.decoder.stats.last_error)
+        s.events += len(batch.events)
+        if batch.dp_rank is not None and batch.dp_rank != st.src.dp_rank:
+            # a connected socket is one rank's: trust the socket, say so once
+            self._droplog("rank", "vLLM events: %s: batch says rank %d on rank %d's socket",
+                          st.src.worker_id, batch.dp_rank, st.src.dp_rank)
+            evs = [_with_rank(e, st.src.dp_rank) for e in batch.events]
+        else:
+            evs = batch.events
+        self._emit(st, evs, out)
+
+    def _emit(self, st: _Stream, events: list[KvEvent], out: dict) -> None:
+        if not events:
+            return
+        k = id(st.src.sink)
+        if k not in out:
+            out[k] = (st.src.sink, [])
+        out[k][1].extend(events)
+
+    def _flush(self, out: dict) -> None:
+        for sink, events in out.values():
+            try:
+                sink(events)
+            except Exception:
+                self.counters["sink_errors"] += 1
+                log.exception("vLLM events: sink failed on %d events", len(events))
+
+    # -- replay -------------------------------------------------------------------------------
+    def _start_replay(self, st: _Stream, start: int, out: dict) -> None:
+        st.stats.replays += 1
+        st.replaying = True
+        st.replay_deadline = time.monotonic() + self.replay_timeout
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 28)
+        sock.connect(st.src.replay_address)
+        sock.send_multipart(replay_request(start))
+        st.replay_sock = sock
+        self._poller.register(sock, zmq.POLLIN)
+
+    def _close_replay(self, st: _Stream) -> None:
+        if st.replay_sock is not None:
+            try:
+                self._poller.unregister(st.replay_sock)
+            except KeyError:
+                pass
+            st.replay_sock.close(linger=0)
+            st.replay_sock = None
+
+    def _on_replay(self, st: _Stream, frames: list[bytes], out: dict) -> None:
+        s = st.stats
+        try:
+            item = parse_replay_reply(frames)
+        except WireError as e:
+            self.counters["malformed_frames"] += 1
+            self._droplog("replay", "vLLM replay from %s: malformed reply dropped: %s",
+                          st.src.worker_id, e)
+            return
+        if item is None:
+            self._finish_replay(st, out)
+            return
+        if not st.replaying:
+            s.stale_replies += 1
+            self.counters["stale_replies"] += 1
+            return
+        if item.topic is not None and item.topic != st.src.topic.encode():
+            s.stale_replies += 1
+            self.counters["stale_replies"] += 1
+            return
+        assert st.expected is not None
+        if item.seq < st.expected:
+            s.stale_replies += 1
+            self.counters["stale_replies"] += 1
+            self._droplog("stale", "vLLM replay from %s rank %d: stale seq %d (have up to %d) "
+                          "dropped", st.src.worker_id, st.src.dp_rank, item.seq, st.expected - 1)
+            return
+        if item.seq > st.expected:
+            self._lost(st, item.seq, out)
+        s.replayed_batches += 1
+        self._apply(st, item.seq, item.payload, None, out)
+
+    def _lost(self, st: _Stream, next_seq: int, out: dict) -> None:
+        """Batches expected..next_seq-1 cannot be had: clear the rank so nothing stale stays."""
+        s = st.stats
+        s.replay_failures += 1
+        s.missed_batches += next_seq - (st.expected or 0)
+        log.warning("vLLM events: %s rank %d lost batches %d..%d; clearing its blocks",
+                    st.src.worker_id, st.src.dp_rank, st.expected, next_seq - 1)
+        self._emit(st, [AllCleared(worker_id=st.src.worker_id, dp_rank=st.src.dp_rank)], out)
+        st.expected = next_seq
+
+    def _finish_replay(self, st: _Stream, out: dict) -> None:
+        self._close_replay(st)
+        st.replaying = False
+        pending, st.pending = sorted(st.pending, key=lambda p: p[0]), []
+        for seq, payload in pending:
+            assert st.expected is not None
+            if seq < st.expected:
+                continue  # the replay already delivered it
+            if seq > st.expected:
+                self._lost(st, seq, out)
+            self._apply(st, seq, payload, None, out)
+
+    def _check_replay_timeouts(self, out: dict) -> None:
+        now = time.monotonic()
+        for st in self._streams.values():
+            if st.replaying and now > st.replay_deadline:
+                log.warning("vLLM events: replay from %s rank %d timed out",
+                            st.src.worker_id, st.src.dp_rank)
+                self._finish_replay(st, out)
+
+
+def _split(frames: list[bytes]) -> tuple[bytes, int, bytes]:
+    if len(frames) != 3:
+        raise WireError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
+    topic, seq_b, payload = frames
+    if len(seq_b) != 8:
+        raise WireError(f"sequence frame of {len(seq_b)} bytes (want 8)")
+    return topic, int.from_bytes(seq_b, "big"), payload
+
+
+def _with_rank(ev: KvEvent, rank: int) -> KvEvent:
+    return msgspec.structs.replace(ev, dp_rank=rank)

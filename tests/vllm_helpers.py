@@ -1,0 +1,66 @@
+"""Shared helpers for the vLLM integration tests (free ports, an event mirror, waiting)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Mirror:
+    """What a consumer of the normalised events believes each (worker, rank) holds.
+
+    Engine-hash multiset per (worker, rank), applied with the index's rules (refcounted
+    duplicates; unknown removes counted). Thread-safe: the subscriber calls it from its thread.
+    """
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[str, int], dict[int, int]] = {}
+        self.events: list[KvEvent] = []
+        self.unknown_removes = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, events: list[KvEvent]) -> None:
+        with self.lock:
+            for e in events:
+                self.events.append(e)
+                key = (e.worker_id, e.dp_rank)
+                h = self.held.setdefault(key, {})
+                if isinstance(e, BlockStored):
+                    for x in e.engine_hashes:
+                        h[int(x)] = h.get(int(x), 0) + 1
+                elif isinstance(e, BlockRemoved):
+                    for x in e.engine_hashes:
+                        if h.get(int(x), 0) > 0:
+                            h[int(x)] -= 1
+                            if h[int(x)] == 0:
+                                del h[int(x)]
+                        else:
+                            self.unknown_removes += 1
+                elif isinstance(e, AllCleared):
+                    h.clear()
+
+    def hashes(self, worker: str, rank: int = 0) -> set[int]:
+        with self.lock:
+            return set(self.held.get((worker, rank), {}))
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0, pump: Callable[[], None] | None = None
+             ) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pump is not None:
+            pump()
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
