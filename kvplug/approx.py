@@ -1,0 +1,79 @@
+"""Approximate mode: learn from routing when engines publish no KV events.
+
+Each routed prompt is recorded as cached (device tier) on the chosen endpoint for a time to
+live, in a *separate* KvIndex instance, so predicted entries never collide with event-fed
+ones; the router combines both as the per-endpoint maximum. Size is capped in blocks: the
+oldest records go first, and the side index itself is LRU-bounded by the same cap.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from kvplug.events import BlockRemoved, BlockStored
+
+
+class ApproxIndex:
+    def __init__(self, index_factory: Any, block_size: int, ttl: float, max_blocks: int) -> None:
+        self.index = index_factory(block_size, max_entries=max_blocks)
+        self.ttl = ttl
+        self.max_blocks = max_blocks
+        self._records: deque[tuple[float, str, int, np.ndarray]] = deque()
+        self._blocks = 0
+        self.counters = {"recorded": 0, "expired": 0, "capped": 0}
+
+    def add_endpoint(self, worker_id: str, dp_rank: int) -> int:
+        return self.index.add_endpoint(worker_id, dp_rank)
+
+    def endpoint_id(self, worker_id: str, dp_rank: int) -> int | None:
+        return self.index.endpoint_id(worker_id, dp_rank)
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.index.remove_worker(worker_id)
+        self._records = deque(r for r in self._records if r[1] != worker_id)
+        self._blocks = sum(len(r[3]) for r in self._records)
+
+    def record(self, worker_id: str, dp_rank: int, hashes: np.ndarray, now: float) -> None:
+        if len(hashes) == 0:
+            return
+        h = np.array(hashes, dtype=np.uint64, copy=True)
+        # our own hashes double as the "engine" hashes: this namespace is ours alone
+        self.index.apply(
+            BlockStored(
+                worker_id=worker_id,
+                dp_rank=dp_rank,
+                engine_hashes=h.tolist(),
+                block_hashes=h.tolist(),
+            )
+        )
+        self._records.append((now, worker_id, dp_rank, h))
+        self._blocks += len(h)
+        self.counters["recorded"] += 1
+        while self.max_blocks and self._blocks > self.max_blocks and self._records:
+            self._drop_oldest()
+            self.counters["capped"] += 1
+
+    def expire(self, now: float) -> None:
+        while self._records and now - self._records[0][0] > self.ttl:
+            self._drop_oldest()
+            self.counters["expired"] += 1
+
+    def _drop_oldest(self) -> None:
+        _, wid, rank, h = self._records.popleft()
+        self._blocks -= len(h)
+        try:
+            self.index.apply(BlockRemoved(worker_id=wid, dp_rank=rank, engine_hashes=h.tolist()))
+        except Exception:  # the worker was removed meanwhile: nothing left to drop
+            pass
+
+    def query(self, hashes: np.ndarray) -> Any:
+        return self.index.query(hashes)
+
+    def stats(self) -> dict[str, int]:
+        s = dict(self.counters)
+        s["records"] = len(self._records)
+        s["blocks"] = self._blocks
+        return s

@@ -1,0 +1,262 @@
+"""A routing decision and everything needed to explain it.
+
+The hot path stores numpy vectors (candidates, overlaps, loads, costs or scores); the
+per-candidate view, the JSON form and the formula text are built only when asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    worker_id: str
+    dp_rank: int | None  # None: every rank of the worker
+    filter: str
+    reason: str
+
+
+class CandidateTrace:
+    """Vectors over the scored candidates, kept as computed; names resolved on demand."""
+
+    __slots__ = (
+        "_ep_worker",
+        "_ep_rank",
+        "endpoints",
+        "kind",
+        "values",
+        "inputs",
+        "params",
+        "probabilities",
+        "penalised",
+        "score_parts",
+        "_names",
+    )
+
+    def __init__(
+        self,
+        ep_worker: tuple[str | None, ...],
+        ep_rank: tuple[int, ...],
+        endpoints: np.ndarray,
+        kind: str,  # "cost" (lower wins), "score" (higher wins) or "load" (lower wins)
+        values: np.ndarray,
+        inputs: dict[str, np.ndarray] | None = None,
+        params: dict[str, float] | None = None,
+        probabilities: np.ndarray | None = None,
+        penalised: np.ndarray | None = None,
+        score_parts: dict[str, np.ndarray] | None = None,
+    ) -> None:
+        self._ep_worker = ep_worker  # immutable snapshots shared with the router
+        self._ep_rank = ep_rank
+        self.endpoints = endpoints
+        self.kind = kind
+        self.values = values
+        self.inputs = inputs or {}
+        self.params = params or {}
+        self.probabilities = probabilities
+        self.penalised = penalised
+        self.score_parts = score_parts
+        self._names: list[tuple[str, int]] | None = None
+
+    @property
+    def names(self) -> list[tuple[str, int]]:
+        """(worker_id, dp_rank) per candidate."""
+        if self._names is None:
+            self._names = [
+                (self._ep_worker[e] or "?", self._ep_rank[e]) for e in self.endpoints.tolist()
+            ]
+        return self._names
+
+
+class Decision:
+    __slots__ = (
+        "worker_id",
+        "dp_rank",
+        "endpoint_id",
+        "decision_id",
+        "request_id",
+        "mode",
+        "stage",
+        "fallback",
+        "fallback_filters",
+        "excluded",
+        "elapsed_us",
+        "attribute_ages",
+        "overlap_blocks",
+        "cached_tokens",
+        "prompt_tokens",
+        "chosen_index",
+        "_trace",
+    )
+
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        dp_rank: int,
+        endpoint_id: int,
+        decision_id: int,
+        request_id: str,
+        mode: str,
+        stage: str,
+        fallback: bool,
+        fallback_filters: list[str],
+        excluded: list[Exclusion],
+        elapsed_us: float,
+        attribute_ages: dict[str, dict[str, float | None]],
+        overlap_blocks: int,
+        cached_tokens: int,
+        prompt_tokens: int,
+        chosen_index: int,
+        trace: CandidateTrace,
+    ) -> None:
+        self.worker_id = worker_id
+        self.dp_rank = dp_rank
+        self.endpoint_id = endpoint_id
+        self.decision_id = decision_id
+        self.request_id = request_id
+        self.mode = mode
+        self.stage = stage
+        self.fallback = fallback
+        self.fallback_filters = fallback_filters
+        self.excluded = excluded
+        self.elapsed_us = elapsed_us
+        self.attribute_ages = attribute_ages
+        self.overlap_blocks = overlap_blocks
+        self.cached_tokens = cached_tokens
+        self.prompt_tokens = prompt_tokens
+        self.chosen_index = chosen_index
+        self._trace = trace
+
+    # ---------------------------------------------------------------- views
+    @property
+    def trace(self) -> CandidateTrace:
+        return self._trace
+
+    @property
+    def candidates(self) -> list[dict[str, Any]]:
+        """One dict per scored candidate: ids, inputs, value, formula, probability."""
+        t = self._trace
+        out = []
+        for i, (wid, rank) in enumerate(t.names):
+            row: dict[str, Any] = {"worker_id": wid, "dp_rank": rank, t.kind: _num(t.values[i])}
+            for name, vec in t.inputs.items():
+                row[name] = _num(vec[i])
+            if t.score_parts:
+                row["scores"] = {k: _num(v[i]) for k, v in t.score_parts.items()}
+            if t.probabilities is not None:
+                row["probability"] = float(t.probabilities[i])
+            if t.penalised is not None and t.penalised[i]:
+                row["missing_attribute_penalty"] = True
+            row["formula"] = self._formula(i)
+            row["chosen"] = i == self.chosen_index
+            out.append(row)
+        return out
+
+    @property
+    def scores(self) -> dict[str, float]:
+        """``worker_id[/rank]`` -> cost, score or load."""
+        t = self._trace
+        return {_label(w, r, t.names): float(t.values[i]) for i, (w, r) in enumerate(t.names)}
+
+    def _formula(self, i: int) -> str:
+        t = self._trace
+        wid, rank = t.names[i]
+        label = _label(wid, rank, t.names)
+        if t.kind == "cost":
+            x = {k: float(v[i]) for k, v in t.inputs.items()}
+            p = t.params
+            adjusted = max(
+                x["prefill_blocks"]
+                - p["overlap_score_credit"] * x["device"]
+                - p["host_cache_hit_weight"] * x["host"]
+                - p["disk_cache_hit_weight"] * x["disk"]
+                - p["shared_cache_multiplier"] * x["shared_beyond"],
+                0.0,
+            )
+            tiers = f"device {_g(x['device'])}/{_g(p['request_blocks'])}"
+            for name in ("host", "disk", "shared_beyond"):
+                if x.get(name):
+                    tiers += f", {name} {_g(x[name])}"
+            text = (
+                f"cost({label})={float(t.values[i]):.1f} = {_g(p['prefill_load_scale'])}*"
+                f"{_g(adjusted)} + {_g(x['decode_blocks'])} ({tiers}; "
+                f"prefill {_g(x['prefill_blocks'])} - {_g(p['overlap_score_credit'])}*"
+                f"{_g(x['device'])}"
+            )
+            if x.get("host"):
+                text += f" - {_g(p['host_cache_hit_weight'])}*{_g(x['host'])}"
+            if x.get("disk"):
+                text += f" - {_g(p['disk_cache_hit_weight'])}*{_g(x['disk'])}"
+            if x.get("shared_beyond"):
+                text += f" - {_g(p['shared_cache_multiplier'])}*{_g(x['shared_beyond'])}"
+            text += ")"
+            if t.penalised is not None and t.penalised[i]:
+                text += f" x (1+{_g(p['missing_penalty'])}) missing attribute"
+            return text
+        if t.kind == "score":
+            parts = " + ".join(f"{k}={_g(v[i])}" for k, v in (t.score_parts or {}).items())
+            return f"score({label})={_g(t.values[i])} = {parts}" if parts else f"score({label})="
+        inputs = ", ".join(f"{k}={_g(v[i])}" for k, v in t.inputs.items())
+        return f"load({label})={_g(t.values[i])} ({inputs})"
+
+    def explain(self) -> str:
+        """One line: the pick and its formula, plus fallbacks and exclusion count."""
+        text = f"{self.mode}: {_label(self.worker_id, self.dp_rank, self._trace.names)} <- "
+        text += self._formula(self.chosen_index)
+        if self._trace.probabilities is not None:
+            text += f" p={float(self._trace.probabilities[self.chosen_index]):.3f}"
+        if self.fallback:
+            text += f" [fallback: {', '.join(self.fallback_filters)}]"
+        if self.excluded:
+            text += f" [{len(self.excluded)} excluded]"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "decision_id": self.decision_id,
+            "request_id": self.request_id,
+            "worker_id": self.worker_id,
+            "dp_rank": self.dp_rank,
+            "mode": self.mode,
+            "stage": self.stage,
+            "fallback": self.fallback,
+            "fallback_filters": list(self.fallback_filters),
+            "overlap_blocks": self.overlap_blocks,
+            "cached_tokens": self.cached_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "elapsed_us": round(self.elapsed_us, 3),
+            "explain": self.explain(),
+            "params": dict(self._trace.params),
+            "candidates": self.candidates,
+            "excluded": [asdict(e) for e in self.excluded],
+            "attribute_ages": self.attribute_ages,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def __repr__(self) -> str:
+        return f"Decision({self.explain()})"
+
+
+def _label(wid: str, rank: int, names: list[tuple[str, int]]) -> str:
+    return wid if rank == 0 else f"{wid}/{rank}"
+
+
+def _num(v: Any) -> float | int:
+    f = float(v)
+    return int(f) if f.is_integer() and abs(f) < 2**53 else f
+
+
+def _g(v: Any) -> str:
+    """Compact number: 5 for 5.0, 0.75, 12.33."""
+    f = float(v)
+    if f.is_integer() and abs(f) < 1e15:
+        return str(int(f))
+    return f"{f:.4g}"

@@ -1,0 +1,405 @@
+"""Candidate filters, applied before any scoring, each exclusion recorded with its reason.
+
+Order (PROTOCOLS.md §4.2 plus the llm-d filters): allow-list -> exact pin -> DP-rank bounds ->
+required taints -> busy thresholds -> label selector -> attribute thresholds.
+
+Hard filters (allow-list, pin, DP bounds, taints, labels) that leave nothing raise
+``NoCompatibleWorker``. Threshold filters (busy, attributes) that would leave nothing either
+keep the least-bad candidates (fallback-on-empty; the decision is marked) or raise
+``AllWorkersOverloaded``; a pinned worker over a busy threshold raises
+``PinnedWorkerOverloaded`` (never rerouted).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvplug.config import AttributeThreshold
+from kvplug.decision import Exclusion
+from kvplug.errors import AllWorkersOverloaded, NoCompatibleWorker, PinnedWorkerOverloaded
+from kvplug.request import RoutingHints
+from kvplug.workers import WorkerState
+
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le,
+    "<": operator.lt,
+    ">=": operator.ge,
+    ">": operator.gt,
+    "==": operator.eq,
+    "!=": operator.ne,
+}
+
+
+@dataclass
+class FilterResult:
+    candidates: np.ndarray
+    excluded: list[Exclusion] = field(default_factory=list)
+    fallback_filters: list[str] = field(default_factory=list)
+    penalised: set[int] = field(default_factory=set)  # endpoint ids with a missing attribute
+    attribute_ages: dict[str, dict[str, float | None]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BusyThresholds:
+    decode_frac: float | None = None  # x kv capacity blocks
+    prefill_tokens: float | None = None
+    prefill_frac: float | None = None  # x max batched tokens
+    fallback: bool = False
+
+    @property
+    def active(self) -> bool:
+        return (
+            self.decode_frac is not None
+            or self.prefill_tokens is not None
+            or self.prefill_frac is not None
+        )
+
+
+class EndpointView:
+    """What the filters read about endpoints (owned and updated by the router)."""
+
+    ep_worker: list[str | None]
+    ep_rank: list[int]
+    ep_state: list[WorkerState | None]
+    kv_capacity: np.ndarray
+    max_batched: np.ndarray
+
+
+def _name(view: EndpointView, ep: int) -> tuple[str, int]:
+    return view.ep_worker[ep] or "?", view.ep_rank[ep]
+
+
+def hard_filters(
+    view: EndpointView,
+    cands: np.ndarray,
+    hints: RoutingHints,
+    exclude_workers: frozenset[str],
+    known_workers: dict[str, WorkerState],
+    res: FilterResult,
+) -> np.ndarray:
+    """allow-list, explicit exclusions (retries), pin, DP-rank bounds, required taints."""
+    ex = res.excluded
+    if hints.allowed_worker_ids is not None:
+        allowed = hints.allowed_worker_ids
+        if hints.pinned_worker_id is not None and hints.pinned_worker_id not in allowed:
+            raise NoCompatibleWorker(
+                f"pinned worker {hints.pinned_worker_id} is not in the allowed set "
+                f"{sorted(allowed)}"
+            )
+        cands = _keep(
+            view,
+            cands,
+            lambda ep: view.ep_worker[ep] in allowed,
+            ex,
+            "allow-list",
+            lambda ep: "not in the request's allowed worker ids",
+        )
+    if exclude_workers:
+        cands = _keep(
+            view,
+            cands,
+            lambda ep: view.ep_worker[ep] not in exclude_workers,
+            ex,
+            "exclude-workers",
+            lambda ep: "excluded by the caller (retry)",
+        )
+    if hints.pinned_worker_id is not None:
+        wid = hints.pinned_worker_id
+        st = known_workers.get(wid)
+        if st is None:
+            raise NoCompatibleWorker(f"pinned worker {wid} is not registered")
+        if st.draining:
+            raise NoCompatibleWorker(f"pinned worker {wid} is draining")
+        cands = _keep(
+            view,
+            cands,
+            lambda ep: view.ep_worker[ep] == wid,
+            ex,
+            "pin",
+            lambda ep: f"request pinned to worker {wid}",
+        )
+        if hints.pinned_dp_rank is not None and hints.pinned_dp_rank not in st.worker.dp_ranks:
+            r = st.worker.dp_ranks
+            raise NoCompatibleWorker(
+                f"pinned dp rank {hints.pinned_dp_rank} of worker {wid} is outside "
+                f"[{r.start}, {r.stop})"
+            )
+    if hints.pinned_dp_rank is not None:
+        rank = hints.pinned_dp_rank
+        cands = _keep(
+            view,
+            cands,
+            lambda ep: view.ep_rank[ep] == rank,
+            ex,
+            "dp-rank",
+            lambda ep: f"dp rank {view.ep_rank[ep]} != pinned rank {rank}",
+        )
+    if hints.required_taints:
+        need = hints.required_taints
+
+        def has_taints(ep: int) -> bool:
+            st = view.ep_state[ep]
+            return st is not None and need <= st.worker.taints
+
+        cands = _keep(
+            view,
+            cands,
+            has_taints,
+            ex,
+            "required-taints",
+            lambda ep: f"missing taints {sorted(need - view.ep_state[ep].worker.taints)}",
+        )
+    if len(cands) == 0:
+        raise NoCompatibleWorker(_empty_message("no compatible worker", ex))
+    return cands
+
+
+def busy_mask(
+    view: EndpointView,
+    cands: np.ndarray,
+    busy: BusyThresholds,
+    prefill_tokens: np.ndarray,
+    decode_blocks: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(busy bool per candidate, badness = worst load/threshold ratio per candidate)."""
+    badness = np.zeros(len(cands))
+    pt = prefill_tokens[cands]
+    if busy.decode_frac is not None:
+        cap = view.kv_capacity[cands]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(
+                cap > 0, decode_blocks[cands] / (cap * max(busy.decode_frac, 1e-12)), 0
+            )
+        badness = np.maximum(badness, ratio)
+    if busy.prefill_tokens is not None:
+        badness = np.maximum(badness, pt / max(busy.prefill_tokens, 1e-12))
+    if busy.prefill_frac is not None:
+        mbt = view.max_batched[cands]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(mbt > 0, pt / (mbt * max(busy.prefill_frac, 1e-12)), 0)
+        badness = np.maximum(badness, ratio)
+    return badness > 1.0, badness
+
+
+def busy_reason(
+    view: EndpointView,
+    ep: int,
+    busy: BusyThresholds,
+    prefill_tokens: np.ndarray,
+    decode_blocks: np.ndarray,
+) -> str:
+    parts = []
+    cap, mbt = view.kv_capacity[ep], view.max_batched[ep]
+    if busy.decode_frac is not None and cap > 0 and decode_blocks[ep] > busy.decode_frac * cap:
+        parts.append(
+            f"active decode blocks {decode_blocks[ep]:g} > {busy.decode_frac:g} x capacity {cap:g}"
+        )
+    if busy.prefill_tokens is not None and prefill_tokens[ep] > busy.prefill_tokens:
+        parts.append(f"active prefill tokens {prefill_tokens[ep]:g} > {busy.prefill_tokens:g}")
+    if busy.prefill_frac is not None and mbt > 0 and prefill_tokens[ep] > busy.prefill_frac * mbt:
+        parts.append(
+            f"active prefill tokens {prefill_tokens[ep]:g} > {busy.prefill_frac:g} x "
+            f"max_batched_tokens {mbt:g}"
+        )
+    return "; ".join(parts) or "busy"
+
+
+def label_filter(
+    view: EndpointView, cands: np.ndarray, selector: dict[str, str], res: FilterResult
+) -> np.ndarray:
+    def matches(ep: int) -> bool:
+        st = view.ep_state[ep]
+        labels = st.worker.labels if st is not None else {}
+        return all(labels.get(k) == v for k, v in selector.items())
+
+    def why(ep: int) -> str:
+        st = view.ep_state[ep]
+        labels = st.worker.labels if st is not None else {}
+        bad = {k: labels.get(k) for k, v in selector.items() if labels.get(k) != v}
+        return f"labels {bad} do not match selector {selector}"
+
+    return _keep(view, cands, matches, res.excluded, "label-selector", why)
+
+
+def attribute_filter(
+    view: EndpointView,
+    cands: np.ndarray,
+    th: AttributeThreshold,
+    now: float,
+    max_age: float,
+    res: FilterResult,
+) -> np.ndarray:
+    """One attribute threshold; returns the survivors (fallback: least-bad) or raises."""
+    op = _OPS[th.op]
+    keep: list[int] = []
+    failed: list[tuple[int, float, str]] = []  # (ep, badness, reason); inf = worst
+    ages = res.attribute_ages
+    for ep in cands.tolist():
+        st = view.ep_state[ep]
+        value, age = st.attribute(th.attribute, now, max_age) if st is not None else (None, None)
+        wid = view.ep_worker[ep] or "?"
+        ages.setdefault(wid, {})[th.attribute] = None if age is None else round(age, 6)
+        if value is None:
+            state = "missing" if age is None else f"stale ({age:.3g}s > {max_age:g}s)"
+            if th.on_missing == "penalise":
+                keep.append(ep)
+                res.penalised.add(ep)
+            elif th.on_missing == "worst":
+                failed.append((ep, float("inf"), f"{th.attribute} {state}: treated as worst"))
+            else:
+                res.excluded.append(
+                    Exclusion(
+                        wid,
+                        view.ep_rank[ep],
+                        f"attribute:{th.attribute}",
+                        f"{th.attribute} {state}",
+                    )
+                )
+            continue
+        if op(value, th.value):
+            keep.append(ep)
+        else:
+            if th.op in ("<=", "<"):
+                bad = value - th.value
+            elif th.op in (">=", ">"):
+                bad = th.value - value
+            else:
+                bad = 1.0
+            failed.append((ep, bad, f"{th.attribute}={value:g} fails {th.op} {th.value:g}"))
+    if keep or not failed or not th.fallback_on_empty:
+        for ep, _, reason in failed:
+            res.excluded.append(
+                Exclusion(
+                    view.ep_worker[ep] or "?", view.ep_rank[ep], f"attribute:{th.attribute}", reason
+                )
+            )
+        if not keep:
+            raise AllWorkersOverloaded(
+                _empty_message(
+                    f"every eligible worker fails {th.attribute} {th.op} {th.value:g}", res.excluded
+                )
+            )
+        return np.asarray(keep, dtype=np.int64)
+    # fallback-on-empty: keep the least-bad
+    best = min(b for _, b, _ in failed)
+    kept = []
+    for ep, b, reason in failed:
+        if b == best:
+            kept.append(ep)
+        else:
+            res.excluded.append(
+                Exclusion(
+                    view.ep_worker[ep] or "?", view.ep_rank[ep], f"attribute:{th.attribute}", reason
+                )
+            )
+    res.fallback_filters.append(f"attribute:{th.attribute}")
+    return np.asarray(kept, dtype=np.int64)
+
+
+def apply_busy_and_labels(
+    view: EndpointView,
+    cands: np.ndarray,
+    busy: BusyThresholds,
+    selector: dict[str, str],
+    prefill_tokens: np.ndarray,
+    decode_blocks: np.ndarray,
+    pinned: bool,
+    res: FilterResult,
+) -> np.ndarray:
+    """Busy thresholds then the label selector, with the error classes decided correctly:
+    nothing matching the labels is NoCompatibleWorker even if busy ones were removed first."""
+    if busy.active:
+        is_busy, badness = busy_mask(view, cands, busy, prefill_tokens, decode_blocks)
+    else:
+        is_busy = badness = None
+    if selector:
+        before = len(res.excluded)
+        # labels are evaluated on everyone so the error class is right; exclusions of the
+        # busy ones are recorded under "busy" (the earlier filter)
+        label_ok = label_filter(view, cands, selector, FilterResult(cands))
+        ok_set = set(label_ok.tolist())
+        if not ok_set:
+            label_filter(view, cands, selector, res)
+            raise NoCompatibleWorker(
+                _empty_message("no worker matches the label selector", res.excluded)
+            )
+        del before
+    else:
+        ok_set = None
+    if is_busy is not None and bool(is_busy.any()):
+        idle = cands[~is_busy]
+        if ok_set is not None:
+            idle = np.asarray([ep for ep in idle.tolist() if ep in ok_set], dtype=np.int64)
+        if len(idle) == 0:
+            if pinned:
+                ep = int(cands[0])
+                raise PinnedWorkerOverloaded(
+                    f"pinned worker {view.ep_worker[ep]} is over a busy threshold: "
+                    + busy_reason(view, ep, busy, prefill_tokens, decode_blocks)
+                )
+            if not busy.fallback:
+                for ep in cands.tolist():
+                    res.excluded.append(
+                        Exclusion(
+                            view.ep_worker[ep] or "?",
+                            view.ep_rank[ep],
+                            "busy",
+                            busy_reason(view, ep, busy, prefill_tokens, decode_blocks),
+                        )
+                    )
+                raise AllWorkersOverloaded(
+                    _empty_message("all eligible workers are overloaded", res.excluded)
+                )
+            # fallback: among label-compatible candidates keep the least-busy
+            pool = [i for i, ep in enumerate(cands.tolist()) if ok_set is None or ep in ok_set]
+            best = min(float(badness[i]) for i in pool)
+            keep_idx = [i for i in pool if float(badness[i]) == best]
+            keep_mask = np.zeros(len(cands), dtype=bool)
+            keep_mask[keep_idx] = True
+            res.fallback_filters.append("busy")
+        else:
+            keep_mask = ~is_busy
+        for i, ep in enumerate(cands.tolist()):
+            if not keep_mask[i] and is_busy[i]:
+                res.excluded.append(
+                    Exclusion(
+                        view.ep_worker[ep] or "?",
+                        view.ep_rank[ep],
+                        "busy",
+                        busy_reason(view, ep, busy, prefill_tokens, decode_blocks),
+                    )
+                )
+        cands = cands[keep_mask]
+    if selector:
+        cands = label_filter(view, cands, selector, res)
+    return cands
+
+
+def _keep(
+    view: EndpointView,
+    cands: np.ndarray,
+    pred: Callable[[int], bool],
+    excluded: list[Exclusion],
+    filter_name: str,
+    reason: Callable[[int], str],
+) -> np.ndarray:
+    keep: list[int] = []
+    for ep in cands.tolist():
+        if pred(ep):
+            keep.append(ep)
+        else:
+            wid, rank = _name(view, ep)
+            excluded.append(Exclusion(wid, rank, filter_name, reason(ep)))
+    return np.asarray(keep, dtype=np.int64)
+
+
+def _empty_message(head: str, excluded: Sequence[Exclusion]) -> str:
+    if not excluded:
+        return f"{head}: no workers registered for this stage"
+    shown = "; ".join(f"{e.worker_id}/{e.dp_rank} [{e.filter}] {e.reason}" for e in excluded[:8])
+    more = f" (+{len(excluded) - 8} more)" if len(excluded) > 8 else ""
+    return f"{head}: {shown}{more}"

@@ -1,0 +1,218 @@
+"""Active load per endpoint, from the request lifecycle (the routing seed's load model).
+
+* prefill tokens: uncached prompt tokens of requests routed to the endpoint that have not
+  produced their first token yet (released by ``first_token``);
+* decode blocks: blocks of the endpoint's active requests (released by ``finish``), plus, with
+  output tracking, one placeholder block per block boundary generation crosses, weighted by
+  ``1 - progress`` toward the expected output length when one is given (full weight otherwise);
+* in-flight: active request count (least-loaded, device-aware, power-of-two, running scorer);
+* prefill-duration model (optional): the oldest active prefill on each endpoint decays linearly
+  over its predicted duration, counted from when it became the oldest.
+
+Everything is a dense numpy vector indexed by endpoint id so a decision gathers it in one step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvplug.prefill_model import PrefillPredictor
+
+
+@dataclass
+class ActiveRequest:
+    request_id: str
+    endpoint: int
+    prompt_tokens: int
+    prefill_tokens: int  # uncached tokens counted as prefill load (0 if not tracked)
+    decode_blocks: float  # prompt-side blocks counted as decode load (0 if not tracked)
+    expected_osl: int | None
+    track_output: bool
+    routed_at: float
+    prefill_duration: float = 0.0  # predicted seconds (prefill model on)
+    prefill_done: bool = False
+    output_tokens: int = 0
+    output_contrib: float = 0.0  # weighted placeholder blocks currently counted
+
+
+class LoadTracker:
+    def __init__(self, block_size: int, predictor: PrefillPredictor | None = None) -> None:
+        self.block_size = block_size
+        self.predictor = predictor
+        self._cap = 0
+        self.prefill_tokens = np.zeros(0)
+        self.decode_blocks = np.zeros(0)
+        self.inflight = np.zeros(0, dtype=np.int64)
+        # prefill-duration model: per endpoint, the queue of pending prefills (oldest first)
+        self.head_tokens = np.zeros(0)
+        self.head_start = np.zeros(0)
+        self.head_duration = np.ones(0)
+        self._pending: dict[int, deque[str]] = {}
+        self.requests: dict[str, ActiveRequest] = {}
+        self.counters = {"unknown_request_updates": 0, "duplicate_request_ids": 0}
+
+    # ------------------------------------------------------------------ sizing
+    def ensure(self, n_endpoints: int) -> None:
+        if n_endpoints <= self._cap:
+            return
+        cap = max(n_endpoints, 2 * self._cap, 16)
+
+        def grow(a: np.ndarray, fill: float = 0.0) -> np.ndarray:
+            out = np.full(cap, fill, dtype=a.dtype)
+            out[: len(a)] = a
+            return out
+
+        self.prefill_tokens = grow(self.prefill_tokens)
+        self.decode_blocks = grow(self.decode_blocks)
+        self.inflight = grow(self.inflight)
+        self.head_tokens = grow(self.head_tokens)
+        self.head_start = grow(self.head_start)
+        self.head_duration = grow(self.head_duration, 1.0)
+        self._cap = cap
+
+    # ------------------------------------------------------------------ views
+    def prefill_tokens_at(self, now: float) -> np.ndarray:
+        """Active prefill tokens per endpoint, with the head-of-line decay when modelled."""
+        if self.predictor is None:
+            return self.prefill_tokens
+        frac = np.clip((now - self.head_start) / self.head_duration, 0.0, 1.0)
+        return np.maximum(self.prefill_tokens - self.head_tokens * frac, 0.0)
+
+    def active_count(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ lifecycle
+    def add(
+        self,
+        request_id: str,
+        endpoint: int,
+        prompt_tokens: int,
+        cached_tokens: int,
+        *,
+        track_prefill: bool,
+        track_decode: bool,
+        decode_blocks: float,
+        expected_osl: int | None,
+        track_output: bool,
+        now: float,
+    ) -> ActiveRequest:
+        if request_id in self.requests:
+            # a retry with the same id: the old attempt's load goes, the new one counts
+            self.counters["duplicate_request_ids"] += 1
+            self.finish(request_id)
+        uncached = max(prompt_tokens - cached_tokens, 0) if track_prefill else 0
+        r = ActiveRequest(
+            request_id,
+            endpoint,
+            prompt_tokens,
+            uncached,
+            decode_blocks if track_decode else 0.0,
+            expected_osl,
+            track_output and track_decode,
+            now,
+        )
+        self.requests[request_id] = r
+        self.inflight[endpoint] += 1
+        self.decode_blocks[endpoint] += r.decode_blocks
+        if uncached > 0:
+            self.prefill_tokens[endpoint] += uncached
+            if self.predictor is not None:
+                r.prefill_duration = max(
+                    float(self.predictor.predict(uncached, cached_tokens)), 1e-6
+                )
+                q = self._pending.setdefault(endpoint, deque())
+                q.append(request_id)
+                if len(q) == 1:
+                    self._set_head(endpoint, r, now)
+        else:
+            r.prefill_done = True
+        return r
+
+    def first_token(self, request_id: str, now: float) -> bool:
+        r = self.requests.get(request_id)
+        if r is None:
+            self.counters["unknown_request_updates"] += 1
+            return False
+        self._release_prefill(r, now)
+        return True
+
+    def output_progress(self, request_id: str, output_tokens: int, now: float) -> bool:
+        r = self.requests.get(request_id)
+        if r is None:
+            self.counters["unknown_request_updates"] += 1
+            return False
+        if not r.prefill_done:  # output implies the first token came
+            self._release_prefill(r, now)
+        r.output_tokens = max(int(output_tokens), r.output_tokens)
+        if not r.track_output:
+            return True
+        bs = self.block_size
+        crossed = (r.prompt_tokens + r.output_tokens) // bs - r.prompt_tokens // bs
+        if r.expected_osl:
+            weight = max(0.0, 1.0 - r.output_tokens / r.expected_osl)
+        else:
+            weight = 1.0
+        new = crossed * weight
+        self.decode_blocks[r.endpoint] += new - r.output_contrib
+        r.output_contrib = new
+        return True
+
+    def finish(self, request_id: str, now: float = 0.0) -> bool:
+        r = self.requests.pop(request_id, None)
+        if r is None:
+            self.counters["unknown_request_updates"] += 1
+            return False
+        self._release_prefill(r, now)
+        ep = r.endpoint
+        self.decode_blocks[ep] -= r.decode_blocks + r.output_contrib
+        self.inflight[ep] -= 1
+        if self.inflight[ep] == 0:  # no float drift survives an idle endpoint
+            self.decode_blocks[ep] = 0.0
+            self.prefill_tokens[ep] = 0.0
+        return True
+
+    def drop_endpoint(self, endpoint: int) -> list[str]:
+        """Forget every request on a removed endpoint; returns their ids."""
+        ids = [rid for rid, r in self.requests.items() if r.endpoint == endpoint]
+        for rid in ids:
+            self.finish(rid)
+        self._pending.pop(endpoint, None)
+        if endpoint < self._cap:
+            self.prefill_tokens[endpoint] = 0.0
+            self.decode_blocks[endpoint] = 0.0
+            self.inflight[endpoint] = 0
+            self.head_tokens[endpoint] = 0.0
+        return ids
+
+    # ------------------------------------------------------------------ internals
+    def _set_head(self, ep: int, r: ActiveRequest, now: float) -> None:
+        self.head_tokens[ep] = r.prefill_tokens
+        self.head_start[ep] = now
+        self.head_duration[ep] = r.prefill_duration
+
+    def _release_prefill(self, r: ActiveRequest, now: float) -> None:
+        if r.prefill_done:
+            return
+        r.prefill_done = True
+        ep = r.endpoint
+        self.prefill_tokens[ep] -= r.prefill_tokens
+        if self.prefill_tokens[ep] < 1e-9:
+            self.prefill_tokens[ep] = 0.0
+        if self.predictor is None:
+            return
+        q = self._pending.get(ep)
+        if not q:
+            return
+        was_head = q[0] == r.request_id
+        try:
+            q.remove(r.request_id)
+        except ValueError:
+            return
+        if was_head:
+            if q:
+                self._set_head(ep, self.requests[q[0]], now)
+            else:
+                self.head_tokens[ep] = 0.0

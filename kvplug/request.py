@@ -1,0 +1,44 @@
+"""What a caller asks the router: one request (or one stage of a disaggregated request)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvplug.workers import Stage
+
+
+@dataclass(frozen=True)
+class RoutingHints:
+    allowed_worker_ids: frozenset[str] | None = None  # None = any
+    pinned_worker_id: str | None = None
+    pinned_dp_rank: int | None = None
+    expected_osl: int | None = None  # nvext.agent_hints.osl
+    labels: dict[str, str] = field(default_factory=dict)  # label selector: all must match
+    required_taints: frozenset[str] = frozenset()  # worker must carry every one
+
+    def is_empty(self) -> bool:
+        return (
+            self.allowed_worker_ids is None
+            and self.pinned_worker_id is None
+            and self.pinned_dp_rank is None
+            and not self.labels
+            and not self.required_taints
+        )
+
+
+NO_HINTS = RoutingHints()
+
+
+@dataclass
+class RouteRequest:
+    request_id: str
+    token_ids: Sequence[int] | np.ndarray
+    block_hashes: np.ndarray | None = None  # precomputed (sim): skips hashing
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    stage: Stage = Stage.AGGREGATED
+    hints: RoutingHints = NO_HINTS
+    exclude_workers: frozenset[str] = frozenset()  # e.g. retry after a failed worker

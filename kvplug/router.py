@@ -1,0 +1,754 @@
+"""The router: workers, KV index, active load, filters, scoring, picking, explainable decisions.
+
+Transport-agnostic: no HTTP, no sockets. The clock (seconds, monotonic) and the random source
+are injected, so the frontend (wall clock), the simulator (virtual time) and the tests (fixed
+seeds) drive the same object. Not thread-safe: call it from one thread (or one event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvplug import filters as flt
+from kvplug import pickers
+from kvplug.approx import ApproxIndex
+from kvplug.config import RouterConfig
+from kvplug.decision import CandidateTrace, Decision
+from kvplug.errors import (
+    ConfigError,
+    InvalidRequest,
+    KvplugError,
+    NoCompatibleWorker,
+    UnknownWorker,
+)
+from kvplug.events import KvEvent
+from kvplug.load import LoadTracker
+from kvplug.prefill_model import PrefillPredictor, make_predictor
+from kvplug.request import RouteRequest, RoutingHints
+from kvplug.scoring import ScoringContext
+from kvplug.workers import Role, Stage, Worker, WorkerState, role_serves
+
+__all__ = ["Router", "RouteRequest", "RoutingHints", "Stage", "Worker", "Role", "Decision"]
+
+log = logging.getLogger("kvplug.router")
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class _StageRules:
+    """Per-stage load/credit rules (PROTOCOLS.md §4.6)."""
+
+    __slots__ = ("track_prefill", "track_decode", "credit", "assume_reuse", "params")
+
+    def __init__(
+        self,
+        track_prefill: bool,
+        track_decode: bool,
+        credit: float,
+        assume_reuse: bool,
+        params: Any,
+    ) -> None:
+        self.track_prefill = track_prefill
+        self.track_decode = track_decode
+        self.credit = credit
+        self.assume_reuse = assume_reuse
+        self.params = params
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        index: Any | None = None,
+        prefill_predictor: PrefillPredictor | None = None,
+        profile: Any | None = None,
+    ) -> None:
+        from kvplug import core  # the active core backend (compiled, or KVPLUG_CORE=reference)
+
+        self.config = cfg = config if config is not None else RouterConfig()
+        self._core = core
+        # the pure-Python reference takes sequences; the compiled core takes numpy buffers
+        self._as_seq = getattr(core, "backend", "") == "reference"
+        self._clock = clock
+        self._rng = rng if rng is not None else random.Random()
+        if index is None:
+            from kvplug.index import KvIndex
+
+            index = KvIndex(cfg.kv_block_size, max_entries=cfg.router_max_index_entries)
+            self._index_factory: Any = KvIndex
+        else:
+            self._index_factory = type(index)
+        if index.block_size != cfg.kv_block_size:
+            raise ConfigError(
+                f"index block size {index.block_size} != --kv-block-size {cfg.kv_block_size}"
+            )
+        self.index = index
+        self.block_size = cfg.kv_block_size
+        predictor = prefill_predictor or make_predictor(cfg.router_prefill_load_model)
+        self.load = LoadTracker(self.block_size, predictor)
+        self._approx: ApproxIndex | None = None
+        if cfg.approximate:
+            self._approx = ApproxIndex(
+                self._index_factory, self.block_size, cfg.approx_ttl, cfg.router_max_tree_size
+            )
+        self._busy = flt.BusyThresholds(
+            cfg.active_decode_blocks_threshold,
+            cfg.active_prefill_tokens_threshold,
+            cfg.active_prefill_tokens_threshold_frac,
+            cfg.busy_threshold_fallback,
+        )
+        self._profile = profile
+        if self._profile is None and cfg.router_profile:
+            from kvplug.profile import load_profile
+
+            self._profile = load_profile(cfg.router_profile)
+        self._workers: dict[str, WorkerState] = {}
+        # per endpoint id (copy-on-write tuples: a Decision keeps a reference, not a copy)
+        self._ep_worker: tuple[str | None, ...] = ()
+        self._ep_rank: tuple[int, ...] = ()
+        self._ep_state: tuple[WorkerState | None, ...] = ()
+        self._side_ep = np.zeros(0, dtype=np.int64)  # endpoint id -> approx side-index id
+        self.kv_capacity = np.zeros(0)
+        self.max_batched = np.zeros(0)
+        self._is_cpu = np.zeros(0, dtype=bool)
+        self._base: dict[Stage, np.ndarray] = {}
+        self._rr = 0
+        self._seq = 0
+        self._rules = self._make_stage_rules()
+        self.counters = {
+            "decisions": 0,
+            "events_applied": 0,
+            "events_dropped_unknown_worker": 0,
+            "events_dropped_invalid": 0,
+            "attributes_dropped": 0,
+        }
+
+    # ================================================================ workers
+    def add_worker(self, worker: Worker) -> None:
+        """Register (or re-register: metadata updated, load kept) a worker and its DP ranks."""
+        if not isinstance(worker, Worker):
+            raise TypeError(f"add_worker expects a kvplug.workers.Worker, got {type(worker)}")
+        old = self._workers.get(worker.worker_id)
+        state = WorkerState(
+            worker, [], draining=False, attributes=old.attributes if old is not None else {}
+        )
+        eps = [int(self.index.add_endpoint(worker.worker_id, r)) for r in worker.dp_ranks]
+        state.endpoint_ids = eps
+        if old is not None:
+            for ep in set(old.endpoint_ids) - set(eps):  # ranks that went away
+                self.load.drop_endpoint(ep)
+                self._set_endpoint(ep, None, 0, None)
+        n = max(eps) + 1
+        self._ensure(n)
+        for rank, ep in zip(worker.dp_ranks, eps, strict=False):
+            self._set_endpoint(ep, worker.worker_id, rank, state)
+            if self._approx is not None:
+                side = self._approx.add_endpoint(worker.worker_id, rank)
+                if side >= len(self._side_ep):
+                    grown = np.zeros(max(side + 1, 2 * len(self._side_ep), 16), dtype=np.int64)
+                    grown[: len(self._side_ep)] = self._side_ep
+                    self._side_ep = grown
+                self._ensure(n)
+                self._side_ep_for(ep, side)
+        self._workers[worker.worker_id] = state
+        self._base.clear()
+
+    def drain_worker(self, worker_id: str) -> None:
+        """No new requests; in-flight ones finish and release their load normally."""
+        self._state(worker_id).draining = True
+        self._base.clear()
+
+    def undrain_worker(self, worker_id: str) -> None:
+        self._state(worker_id).draining = False
+        self._base.clear()
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget the worker: its index entries, its load, its in-flight requests."""
+        st = self._state(worker_id)
+        for ep in st.endpoint_ids:
+            self.load.drop_endpoint(ep)
+            self._set_endpoint(ep, None, 0, None)
+        self.index.remove_worker(worker_id)
+        if self._approx is not None:
+            self._approx.remove_worker(worker_id)
+        del self._workers[worker_id]
+        self._base.clear()
+
+    def set_attributes(
+        self, worker_id: str, values: dict[str, float], ts: float | None = None
+    ) -> None:
+        """Dynamic attributes (queue_depth, running_requests, kv_usage, gpu_utilization, ...).
+        ``ts`` is the observation time on the router's clock (default: now)."""
+        st = self._state(worker_id)
+        when = self._clock() if ts is None else float(ts)
+        for name, raw in values.items():
+            try:
+                v = float(raw)
+            except (TypeError, ValueError):
+                v = math.nan
+            if not math.isfinite(v):
+                self.counters["attributes_dropped"] += 1
+                log.warning(
+                    "worker %s: attribute %s=%r is not a finite number; dropped",
+                    worker_id,
+                    name,
+                    raw,
+                )
+                continue
+            a = st.attributes.get(name)
+            if a is None:
+                from kvplug.workers import Attribute
+
+                st.attributes[name] = Attribute(v, when)
+            else:
+                a.value, a.ts = v, when
+
+    def set_busy_thresholds(
+        self,
+        *,
+        decode_frac: float | None = None,
+        prefill_tokens: float | None = None,
+        prefill_frac: float | None = None,
+        fallback: bool | None = None,
+    ) -> None:
+        """Runtime update (Dynamo's ``POST /busy_threshold``); None unsets a threshold."""
+        for v in (decode_frac, prefill_tokens, prefill_frac):
+            if v is not None and v < 0:
+                raise ConfigError("busy thresholds must be >= 0")
+        self._busy = flt.BusyThresholds(
+            decode_frac,
+            prefill_tokens,
+            prefill_frac,
+            self._busy.fallback if fallback is None else fallback,
+        )
+
+    # the filters' view of endpoints (kvplug.filters.EndpointView)
+    @property
+    def ep_worker(self) -> tuple[str | None, ...]:
+        return self._ep_worker
+
+    @property
+    def ep_rank(self) -> tuple[int, ...]:
+        return self._ep_rank
+
+    @property
+    def ep_state(self) -> tuple[WorkerState | None, ...]:
+        return self._ep_state
+
+    @property
+    def busy_thresholds(self) -> flt.BusyThresholds:
+        return self._busy
+
+    @property
+    def workers(self) -> dict[str, Worker]:
+        return {wid: st.worker for wid, st in self._workers.items()}
+
+    def worker_state(self, worker_id: str) -> WorkerState:
+        return self._state(worker_id)
+
+    # ================================================================ events
+    def apply_event(self, event: KvEvent) -> None:
+        """Feed one normalised KV event to the index. An unknown worker or rank, or a malformed
+        event, is a counted and logged drop: what is indexed already stays."""
+        st = self._workers.get(getattr(event, "worker_id", None))  # type: ignore[arg-type]
+        if st is None or event.dp_rank not in st.worker.dp_ranks:
+            self.counters["events_dropped_unknown_worker"] += 1
+            log.warning(
+                "dropped %s for unknown worker %r rank %r",
+                type(event).__name__,
+                getattr(event, "worker_id", None),
+                getattr(event, "dp_rank", None),
+            )
+            return
+        try:
+            self.index.apply(event)
+        except (KvplugError, ValueError, TypeError) as e:
+            self.counters["events_dropped_invalid"] += 1
+            log.warning(
+                "dropped %s from worker %s rank %d: %s",
+                type(event).__name__,
+                event.worker_id,
+                event.dp_rank,
+                e,
+            )
+            return
+        self.counters["events_applied"] += 1
+
+    # ================================================================ lifecycle
+    def on_first_token(self, request_id: str) -> None:
+        """Prefill is done: release the request's prompt-side (prefill) load."""
+        self.load.first_token(request_id, self._clock())
+
+    def on_output_progress(self, request_id: str, output_tokens: int) -> None:
+        """``output_tokens`` = total generated so far (drives output-block tracking)."""
+        self.load.output_progress(request_id, output_tokens, self._clock())
+
+    def on_finish(self, request_id: str) -> None:
+        """Success or failure: release everything the request holds."""
+        self.load.finish(request_id, self._clock())
+
+    # ================================================================ routing
+    def route(self, req: RouteRequest) -> Decision:
+        t0 = time.perf_counter()
+        now = self._clock()
+        cfg = self.config
+        bs = self.block_size
+        stage = req.stage
+        n_tokens = len(req.token_ids) if req.token_ids is not None else 0
+        if n_tokens == 0 and req.block_hashes is not None:
+            n_tokens = len(req.block_hashes) * bs
+        if n_tokens > cfg.router_max_prompt_tokens:
+            raise InvalidRequest(
+                f"request {req.request_id}: prompt of {n_tokens} tokens exceeds "
+                f"--router-max-prompt-tokens {cfg.router_max_prompt_tokens}"
+            )
+        cands = self._base.get(stage)
+        if cands is None:
+            cands = self._base_candidates(stage)
+        hints = req.hints
+        res: flt.FilterResult | None = None
+        if req.exclude_workers or not hints.is_empty():
+            res = flt.FilterResult(cands)
+            cands = flt.hard_filters(self, cands, hints, req.exclude_workers, self._workers, res)
+        elif len(cands) == 0:
+            raise NoCompatibleWorker(
+                f"request {req.request_id}: no {stage.value}-capable worker is registered"
+                " (or all are draining)"
+            )
+        load = self.load
+        prefill_tok = load.prefill_tokens_at(now)
+        decode_blk = load.decode_blocks
+        busy = self._busy
+        selector = cfg.router_label_selector
+        if hints.labels:
+            selector = {**selector, **hints.labels}
+        if busy.active or selector:
+            if res is None:
+                res = flt.FilterResult(cands)
+            cands = flt.apply_busy_and_labels(
+                self,
+                cands,
+                busy,
+                selector,
+                prefill_tok,
+                decode_blk,
+                hints.pinned_worker_id is not None,
+                res,
+            )
+        thresholds = cfg.router_attribute_thresholds
+        profile = self._profile if cfg.router_mode == "profile" else None
+        if profile is not None:
+            thresholds = [*thresholds, *profile.attribute_filters]
+            if profile.label_selector:
+                if res is None:
+                    res = flt.FilterResult(cands)
+                cands = flt.label_filter(self, cands, profile.label_selector, res)
+                if len(cands) == 0:
+                    raise NoCompatibleWorker(
+                        flt._empty_message(
+                            "no worker matches the profile's label selector", res.excluded
+                        )
+                    )
+        for th in thresholds:
+            if res is None:
+                res = flt.FilterResult(cands)
+            cands = flt.attribute_filter(self, cands, th, now, cfg.router_attribute_max_age, res)
+
+        mode = cfg.router_mode
+        rules = self._rules[stage]
+        hashes = None
+        dev = host = disk = shared = None
+        if mode in ("kv", "profile") or self._approx is not None:
+            hashes = req.block_hashes
+            if hashes is None:
+                hashes = self.index.request_hashes(req.token_ids, req.lora_name, req.cache_salt)
+            ov = self.index.query(hashes)
+            dev = ov.device[cands].astype(np.float64)
+            host = ov.host[cands].astype(np.float64)
+            disk = ov.disk[cands].astype(np.float64)
+            shared = ov.shared_beyond[cands].astype(np.float64)
+            if self._approx is not None:
+                self._approx.expire(now)
+                ova = self._approx.query(hashes)
+                local = ov.local[cands]
+                extra = np.maximum(ova.local[self._side_ep[cands]] - local, 0).astype(np.float64)
+                if extra.any():  # predicted blocks count as device blocks; max per endpoint
+                    dev = dev + extra
+                    shared = np.maximum(shared - extra, 0.0)
+        full_blocks = -(-n_tokens // bs)
+        penalised = None
+        if res is not None and res.penalised:
+            penalised = np.fromiter(
+                (int(e) in res.penalised for e in cands.tolist()), bool, len(cands)
+            )
+
+        probs = None
+        if mode == "kv":
+            req_blocks = n_tokens / bs
+            if rules.track_prefill:
+                prefill_vec = prefill_tok[cands] / bs + req_blocks
+            else:
+                prefill_vec = np.zeros(len(cands))
+            incoming = (
+                (full_blocks - dev)
+                if rules.assume_reuse
+                else np.full(len(cands), float(full_blocks))
+            )
+            if rules.track_decode:
+                decode_vec = decode_blk[cands] + incoming
+            else:
+                decode_vec = np.zeros(len(cands))
+            values = np.asarray(
+                self._core.costs(prefill_vec, dev, host, disk, shared, decode_vec, rules.params),
+                dtype=np.float64,
+            )
+            if penalised is not None:
+                values = np.where(
+                    penalised, values * (1.0 + cfg.router_missing_attribute_penalty), values
+                )
+            temp = cfg.router_temperature
+            idx = int(self._select(values, temp, self._rng.random()))
+            if temp > 0:
+                probs = pickers.softmax_cost_probs(values, temp)
+            trace = CandidateTrace(
+                self._ep_worker,
+                self._ep_rank,
+                cands,
+                "cost",
+                values,
+                {
+                    "device": dev,
+                    "host": host,
+                    "disk": disk,
+                    "shared_beyond": shared,
+                    "prefill_blocks": prefill_vec,
+                    "decode_blocks": decode_vec,
+                },
+                self._params_dict(rules, full_blocks),
+                probs,
+                penalised,
+            )
+        elif mode == "profile":
+            idx, trace, res = self._profile_pick(
+                req,
+                cands,
+                dev,
+                host,
+                disk,
+                shared,
+                prefill_tok,
+                decode_blk,
+                n_tokens,
+                rules,
+                penalised,
+                now,
+                res,
+            )
+        else:
+            idx, trace = self._simple_pick(mode, req, cands, hints)
+
+        ep = int(cands[idx])
+        wid = self._ep_worker[ep]
+        rank = self._ep_rank[ep]
+        if dev is not None:
+            cached_blocks = int(dev[idx] + host[idx] + disk[idx])
+            incoming_blocks = full_blocks - (cached_blocks if rules.assume_reuse else 0)
+        else:
+            cached_blocks = 0
+            incoming_blocks = full_blocks
+        cached_tokens = min(cached_blocks * bs, n_tokens)
+        load.add(
+            req.request_id,
+            ep,
+            n_tokens,
+            cached_tokens,
+            track_prefill=rules.track_prefill,
+            track_decode=rules.track_decode,
+            decode_blocks=float(max(incoming_blocks, 0)),
+            expected_osl=hints.expected_osl,
+            track_output=cfg.router_track_output_blocks,
+            now=now,
+        )
+        if self._approx is not None and hashes is not None:
+            self._approx.record(wid, rank, hashes, now)
+        self._seq += 1
+        self.counters["decisions"] += 1
+        if res is None:
+            excluded, fb, ages = [], [], {}
+        else:
+            excluded, fb, ages = res.excluded, res.fallback_filters, res.attribute_ages
+        d = Decision(
+            worker_id=wid,
+            dp_rank=rank,
+            endpoint_id=ep,
+            decision_id=self._seq,
+            request_id=req.request_id,
+            mode=mode,
+            stage=stage.value,
+            fallback=bool(fb),
+            fallback_filters=fb,
+            excluded=excluded,
+            elapsed_us=(time.perf_counter() - t0) * 1e6,
+            attribute_ages=ages,
+            overlap_blocks=cached_blocks,
+            cached_tokens=cached_tokens,
+            prompt_tokens=n_tokens,
+            chosen_index=idx,
+            trace=trace,
+        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s %s", req.request_id, d.explain())
+        return d
+
+    # ---------------------------------------------------------------- other modes
+    def _simple_pick(
+        self, mode: str, req: RouteRequest, cands: np.ndarray, hints: RoutingHints
+    ) -> tuple[int, CandidateTrace]:
+        rng = self._rng
+        inflight = self.load.inflight[cands].astype(np.float64)
+        inputs = {"inflight": inflight}
+        extra: dict[str, float] = {}
+        if mode == "random":
+            idx = rng.randrange(len(cands))
+        elif mode == "round-robin":
+            idx = self._rr % len(cands)
+            self._rr += 1
+        elif mode == "direct":
+            if hints.pinned_worker_id is None:
+                raise InvalidRequest(
+                    f"request {req.request_id}: --router-mode direct needs a pinned worker id"
+                )
+            idx = pickers.argmin_random_tie(inflight, rng)  # least-loaded rank of the pinned worker
+        elif mode == "least-loaded":
+            idx = pickers.argmin_random_tie(inflight, rng)
+        elif mode == "power-of-two":
+            idx = pickers.power_of_two(inflight, rng)
+        elif mode == "device-aware-weighted":
+            idx, extra = pickers.device_aware_weighted(
+                inflight, self._is_cpu[cands], self.config.router_accelerator_weight, rng
+            )
+            inputs["cpu"] = self._is_cpu[cands].astype(np.float64)
+        else:  # pragma: no cover - RouterConfig validates modes
+            raise ConfigError(f"unknown router mode {mode!r}")
+        return idx, CandidateTrace(
+            self._ep_worker, self._ep_rank, cands, "load", inflight, inputs, extra
+        )
+
+    def _profile_pick(
+        self,
+        req: RouteRequest,
+        cands: np.ndarray,
+        dev: Any,
+        host: Any,
+        disk: Any,
+        shared: Any,
+        prefill_tok: np.ndarray,
+        decode_blk: np.ndarray,
+        n_tokens: int,
+        rules: _StageRules,
+        penalised: np.ndarray | None,
+        now: float,
+        res: flt.FilterResult | None,
+    ) -> tuple[int, CandidateTrace, Any]:
+        bs = self.block_size
+        full_blocks = -(-n_tokens // bs)
+        cache: dict[str, np.ndarray] = {}
+
+        def kv_cost() -> np.ndarray:
+            if "c" not in cache:
+                pv = (
+                    (prefill_tok[cands] / bs + n_tokens / bs)
+                    if rules.track_prefill
+                    else np.zeros(len(cands))
+                )
+                inc = (
+                    (full_blocks - dev)
+                    if rules.assume_reuse
+                    else np.full(len(cands), float(full_blocks))
+                )
+                dv = decode_blk[cands] + inc if rules.track_decode else np.zeros(len(cands))
+                cache["c"] = np.asarray(
+                    self._core.costs(pv, dev, host, disk, shared, dv, rules.params),
+                    dtype=np.float64,
+                )
+            return cache["c"]
+
+        ctx = ScoringContext(
+            endpoints=cands,
+            states=[self._ep_state[e] for e in cands.tolist()],
+            now=now,
+            max_age=self.config.router_attribute_max_age,
+            request_blocks=float(full_blocks),
+            device=dev,
+            host=host,
+            disk=disk,
+            shared_beyond=shared,
+            inflight=self.load.inflight[cands],
+            kv_cost=kv_cost,
+        )
+        total, parts = self._profile.score(ctx)
+        if penalised is not None:
+            total = np.where(penalised, total - self.config.router_missing_attribute_penalty, total)
+        idx, probs = self._profile.pick(total, self._rng)
+        if ctx.ages:
+            if res is None:
+                res = flt.FilterResult(cands)
+            for wid, a in ctx.ages.items():
+                res.attribute_ages.setdefault(wid, {}).update(a)
+        trace = CandidateTrace(
+            self._ep_worker,
+            self._ep_rank,
+            cands,
+            "score",
+            total,
+            {
+                "device": dev,
+                "host": host,
+                "disk": disk,
+                "shared_beyond": shared,
+                "inflight": self.load.inflight[cands].astype(np.float64),
+            },
+            {},
+            probs,
+            penalised,
+            parts,
+        )
+        return idx, trace, res
+
+    # ---------------------------------------------------------------- introspection
+    def active_load(self, worker_id: str) -> dict[int, dict[str, float]]:
+        """Per DP rank: active prefill tokens, decode blocks, in-flight requests."""
+        st = self._state(worker_id)
+        now = self._clock()
+        pt = self.load.prefill_tokens_at(now)
+        return {
+            rank: {
+                "prefill_tokens": float(pt[ep]),
+                "decode_blocks": float(self.load.decode_blocks[ep]),
+                "inflight": int(self.load.inflight[ep]),
+            }
+            for rank, ep in zip(st.worker.dp_ranks, st.endpoint_ids, strict=False)
+        }
+
+    def stats(self) -> dict[str, Any]:
+        s: dict[str, Any] = dict(self.counters)
+        s["workers"] = len(self._workers)
+        s["active_requests"] = self.load.active_count()
+        s.update({f"load_{k}": v for k, v in self.load.counters.items()})
+        s["index"] = self.index.stats()
+        if self._approx is not None:
+            s["approx"] = self._approx.stats()
+        return s
+
+    # ---------------------------------------------------------------- internals
+    def _state(self, worker_id: str) -> WorkerState:
+        st = self._workers.get(worker_id)
+        if st is None:
+            raise UnknownWorker(f"unknown worker {worker_id!r}")
+        return st
+
+    def _ensure(self, n: int) -> None:
+        self.load.ensure(n)
+        if n > len(self.kv_capacity):
+            cap = max(n, 2 * len(self.kv_capacity), 16)
+            for name, dtype in (
+                ("kv_capacity", np.float64),
+                ("max_batched", np.float64),
+                ("_is_cpu", bool),
+            ):
+                old = getattr(self, name)
+                new = np.zeros(cap, dtype=dtype)
+                new[: len(old)] = old
+                setattr(self, name, new)
+            side = np.zeros(cap, dtype=np.int64)
+            side[: len(self._side_ep)] = self._side_ep[:cap]
+            self._side_ep = side
+        if n > len(self._ep_worker):
+            pad = n - len(self._ep_worker)
+            self._ep_worker = self._ep_worker + (None,) * pad
+            self._ep_rank = self._ep_rank + (0,) * pad
+            self._ep_state = self._ep_state + (None,) * pad
+
+    def _side_ep_for(self, ep: int, side: int) -> None:
+        self._side_ep[ep] = side
+
+    def _set_endpoint(self, ep: int, wid: str | None, rank: int, st: WorkerState | None) -> None:
+        self._ensure(ep + 1)
+        w, r, s = list(self._ep_worker), list(self._ep_rank), list(self._ep_state)
+        w[ep], r[ep], s[ep] = wid, rank, st
+        self._ep_worker, self._ep_rank, self._ep_state = tuple(w), tuple(r), tuple(s)
+        if st is not None:
+            self.kv_capacity[ep] = st.worker.kv_capacity_blocks
+            self.max_batched[ep] = st.worker.max_batched_tokens
+            self._is_cpu[ep] = st.worker.is_cpu
+        else:
+            self.kv_capacity[ep] = 0
+            self.max_batched[ep] = 0
+
+    def _base_candidates(self, stage: Stage) -> np.ndarray:
+        eps = sorted(
+            ep
+            for st in self._workers.values()
+            if not st.draining and role_serves(st.worker.role, stage)
+            for ep in st.endpoint_ids
+        )
+        arr = np.asarray(eps, dtype=np.int64) if eps else _EMPTY
+        self._base[stage] = arr
+        return arr
+
+    def _make_stage_rules(self) -> dict[Stage, _StageRules]:
+        cfg = self.config
+        CostParams = self._core.CostParams
+
+        def params(credit: float) -> Any:
+            return CostParams(
+                overlap_score_credit=credit,
+                host_cache_hit_weight=cfg.router_host_cache_hit_weight,
+                disk_cache_hit_weight=cfg.router_disk_cache_hit_weight,
+                shared_cache_multiplier=cfg.shared_cache_multiplier,
+                prefill_load_scale=cfg.router_prefill_load_scale,
+            )
+
+        credit = cfg.router_kv_overlap_score_credit
+        return {
+            Stage.AGGREGATED: _StageRules(
+                cfg.router_track_prefill_tokens,
+                cfg.router_track_active_blocks,
+                credit,
+                cfg.router_assume_kv_reuse,
+                params(credit),
+            ),
+            # prefill stage: no decode-side load, full credit, reuse assumed
+            Stage.PREFILL: _StageRules(
+                cfg.router_track_prefill_tokens, False, 1.0, True, params(1.0)
+            ),
+            # decode stage: no prefill tokens, no credit, no reuse assumption
+            Stage.DECODE: _StageRules(
+                False, cfg.router_track_active_blocks, 0.0, False, params(0.0)
+            ),
+        }
+
+    def _select(self, values: np.ndarray, temperature: float, u: float) -> int:
+        return self._core.select(values.tolist() if self._as_seq else values, temperature, u)
+
+    def _params_dict(self, rules: _StageRules, full_blocks: int) -> dict[str, float]:
+        cfg = self.config
+        return {
+            "overlap_score_credit": rules.credit,
+            "host_cache_hit_weight": cfg.router_host_cache_hit_weight,
+            "disk_cache_hit_weight": cfg.router_disk_cache_hit_weight,
+            "shared_cache_multiplier": cfg.shared_cache_multiplier,
+            "prefill_load_scale": cfg.router_prefill_load_scale,
+            "temperature": cfg.router_temperature,
+            "request_blocks": float(full_blocks),
+            "missing_penalty": cfg.router_missing_attribute_penalty,
+        }

@@ -1,0 +1,110 @@
+"""Workers (routable engines) and the router's per-worker runtime state.
+
+A worker is one routable engine; a tensor/expert-parallel engine spanning several GPUs is one
+worker. Data-parallel ranks ``[dp_start, dp_start + dp_size)`` are separate endpoints of the
+same worker: each rank has its own KV cache, hence its own index endpoint and its own load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvplug.errors import ConfigError
+
+
+class Role(str, Enum):
+    """Which stage of a disaggregated deployment a worker serves."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class Stage(str, Enum):
+    """Which stage a routing request is for (PROTOCOLS.md §4.6)."""
+
+    AGGREGATED = "aggregated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+def role_serves(role: Role, stage: Stage) -> bool:
+    """Prefill requests go to prefill/both workers, decode requests to decode/both."""
+    if stage is Stage.PREFILL:
+        return role is not Role.DECODE
+    if stage is Stage.DECODE:
+        return role is not Role.PREFILL
+    return True
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    url: str | None = None
+    engine: str = "vllm"
+    role: Role = Role.BOTH
+    dp_start: int = 0
+    dp_size: int = 1
+    labels: dict[str, str] = field(default_factory=dict)
+    taints: frozenset[str] = frozenset()
+    device: str = "gpu"  # "cpu" or an accelerator class ("gpu", "tpu", ...)
+    kv_capacity_blocks: int = 0  # 0 = unknown
+    max_batched_tokens: int = 0  # 0 = unknown
+    event_endpoint: str | None = None
+    replay_endpoint: str | None = None
+    metrics_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ConfigError("worker_id must be a non-empty string")
+        if isinstance(self.role, str) and not isinstance(self.role, Role):
+            try:
+                self.role = Role(self.role)
+            except ValueError:
+                raise ConfigError(
+                    f"worker {self.worker_id}: role {self.role!r} is not prefill|decode|both"
+                ) from None
+        if self.dp_size < 1 or self.dp_start < 0:
+            raise ConfigError(
+                f"worker {self.worker_id}: dp_start={self.dp_start} dp_size={self.dp_size} "
+                "(need dp_start >= 0, dp_size >= 1)"
+            )
+        if self.kv_capacity_blocks < 0 or self.max_batched_tokens < 0:
+            raise ConfigError(f"worker {self.worker_id}: capacities must be >= 0")
+        self.taints = frozenset(self.taints)
+        self.labels = dict(self.labels)
+
+    @property
+    def dp_ranks(self) -> range:
+        return range(self.dp_start, self.dp_start + self.dp_size)
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.lower() == "cpu"
+
+
+@dataclass
+class Attribute:
+    value: float
+    ts: float  # router clock time of the observation
+
+
+@dataclass
+class WorkerState:
+    """What the router knows about a worker at run time."""
+
+    worker: Worker
+    endpoint_ids: list[int]  # one per DP rank, in rank order
+    draining: bool = False
+    attributes: dict[str, Attribute] = field(default_factory=dict)
+
+    def attribute(self, name: str, now: float, max_age: float) -> tuple[float | None, float | None]:
+        """(value or None if missing/stale, age or None if missing)."""
+        a = self.attributes.get(name)
+        if a is None:
+            return None, None
+        age = now - a.ts
+        if max_age > 0 and age > max_age:
+            return None, age
+        return a.value, age
