@@ -4,8 +4,8 @@ A ZMQ message is three frames ``[topic, seq (u64 big-endian), payload]``; the pa
 msgpack ``KVEventBatch``: ``[ts, events]`` (0.9.0) or ``[ts, events, data_parallel_rank]``
 (>= 0.9.2). Events are tagged by class name:
 
-* 0.9 - 0.23: positional arrays, tag first, trailing defaults omitted, fields appended over time
-  (any length is accepted; unknown trailing elements are ignored);
+* 0.9 - 0.23: positional arrays, tag first, fields appended over time (any length is accepted:
+  missing trailing fields take their defaults, unknown trailing elements are ignored);
 * >= 0.24: maps with a ``"type"`` key; fields whose default is ``None`` are omitted; unknown
   keys are ignored.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,7 +95,7 @@ class _StoredM(msgspec.Struct, tag="BlockStored", tag_field="type"):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: msgspec.Raw | None = None
+    lookahead_token_ids: msgspec.Raw = msgspec.Raw()  # EAGLE only; not indexed
 
 
 class _RemovedM(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
@@ -470,8 +471,9 @@ class BatchDecoder:
             st.last_error = f"BlockStored with {len(raw)} bytes of token ids dropped"
             return 1
         try:
-            tokens = _DEC_TOKENS.decode(raw) if len(raw) else []
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            # array('I') checks every id is a u32 at C speed and is a buffer the core reads
+            tokens = array("I", _DEC_TOKENS.decode(raw)) if len(raw) else array("I")
+        except (msgspec.DecodeError, msgspec.ValidationError, OverflowError, TypeError) as e:
             st.malformed_events += 1
             st.last_error = f"BlockStored token_ids: {e}"
             return 1
@@ -686,11 +688,8 @@ def encode_event(ev: KvEvent, version: str = "0.32", hash_form: str = "uint64") 
             if val is not None or k in _REQUIRED:
                 d[k] = val
         return d
-    arr: list[Any] = [tag] + [val for _, val in fields]
-    # omit trailing fields that have defaults and hold them
-    while len(arr) > 1 and arr[-1] is None and fields[len(arr) - 2][0] not in _REQUIRED:
-        arr.pop()
-    return arr
+    # msgspec (0.18 - 0.23 checked) writes every field of an array_like struct, defaults too
+    return [tag] + [val for _, val in fields]
 
 
 _ENC = msgspec.msgpack.Encoder()

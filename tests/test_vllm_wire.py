@@ -1,0 +1,251 @@
+"""vLLM wire format: golden payloads per version (decode and byte-exact encode), bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from integrations.vllm.wire import (
+    END_SEQ,
+    BatchDecoder,
+    WireError,
+    encode_batch,
+    fold_hash,
+    medium_tier,
+    parse_replay_reply,
+    split_frames,
+)
+from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier
+
+DATA = Path(__file__).parent / "data" / "vllm"
+CASES = sorted(p.stem for p in DATA.glob("*.json"))
+
+
+def as_dict(ev) -> dict:
+    d = {"kind": type(ev).__name__, "worker_id": ev.worker_id, "dp_rank": ev.dp_rank}
+    if isinstance(ev, BlockStored):
+        d.update(
+            tier=int(ev.tier), parent_engine_hash=ev.parent_engine_hash,
+            engine_hashes=[int(h) for h in ev.engine_hashes],
+            token_ids=[int(t) for t in ev.token_ids], block_size=ev.block_size,
+            lora_name=ev.lora_name, cache_salt=ev.cache_salt,
+        )
+    elif isinstance(ev, BlockRemoved):
+        d.update(tier=None if ev.tier is None else int(ev.tier),
+                 engine_hashes=[int(h) for h in ev.engine_hashes])
+    return d
+
+
+def test_golden_cases_present():
+    assert len(CASES) >= 8
+    assert any(c.startswith("v0.9.0") for c in CASES)  # array form, no dp rank
+    assert any(c.startswith("v0.32.0") for c in CASES)  # map form
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_golden_decode(name):
+    meta = json.loads((DATA / f"{name}.json").read_text())
+    payload = (DATA / f"{name}.bin").read_bytes()
+    dec = BatchDecoder("w", block_size=32)
+    batch = dec.decode(payload, dp_rank=meta["dp_rank"])
+    assert batch is not None and batch.dropped == 0
+    assert [as_dict(e) for e in batch.events] == meta["expected"]
+    form = "map" if tuple(map(int, meta["version"].split("."))) >= (0, 24, 0) else "array"
+    assert getattr(dec.stats, f"{form}_form_batches") == 1
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_golden_encode_byte_exact(name):
+    """The encoder (used by the simulator) reproduces every version's bytes exactly."""
+    meta = json.loads((DATA / f"{name}.json").read_text())
+    exp = meta["expected"]
+    s1, s2, rm, _ = exp
+    events = [
+        BlockStored(worker_id="w", engine_hashes=s1["engine_hashes"], token_ids=s1["token_ids"],
+                    block_size=32, cache_salt=s1["cache_salt"] if meta["salt"] else None),
+        BlockStored(worker_id="w", engine_hashes=s2["engine_hashes"], token_ids=s2["token_ids"],
+                    block_size=32, parent_engine_hash=s2["parent_engine_hash"]),
+        BlockRemoved(worker_id="w", engine_hashes=rm["engine_hashes"][:1], tier=Tier.DEVICE),
+        BlockRemoved(worker_id="w", engine_hashes=rm["engine_hashes"][1:], tier=Tier.DEVICE),
+        AllCleared(worker_id="w"),
+    ]
+    got = encode_batch(events, meta["version"], ts=1795997663.76, dp_rank=meta["dp_rank"],
+                       hash_form=meta["hash_form"])
+    if meta["hash_form"] == "bytes":  # the digest's high bytes are filler; compare decoded
+        assert BatchDecoder("w").decode(got).events == BatchDecoder("w").decode(
+            (DATA / f"{name}.bin").read_bytes()).events
+    else:
+        assert got == (DATA / f"{name}.bin").read_bytes()
+
+
+def test_real_vllm_bytes_match_schema_build():
+    """v0.32.0-vllm.bin was produced by vLLM 0.32's own classes (when the venv was there)."""
+    real = DATA / "v0.32.0-vllm.bin"
+    if not real.exists():
+        pytest.skip("no payload from vLLM's own encoder")
+    assert real.read_bytes() == (DATA / "v0.32.0-uint64.bin").read_bytes()
+
+
+def test_observed_prefix_bytes_decode():
+    """The batch prefix PROTOCOLS §1.9 shows from a real engine: array(3), f64, map events."""
+    ev = {"type": "BlockRemoved", "block_hashes": [4056113903006588459], "medium": "GPU",
+          "group_idx": 0}
+    payload = msgspec.msgpack.encode([1795997663.76, [ev], 0])
+    assert payload[:1] == b"\x93" and payload[1:2] == b"\xcb"
+    assert bytes.fromhex("cf384a361ac53b1e2b") in payload
+    (e,) = BatchDecoder("w").decode(payload).events
+    assert e == BlockRemoved(worker_id="w", tier=Tier.DEVICE, engine_hashes=[0x384A361AC53B1E2B])
+
+
+# -- hash folding and media ---------------------------------------------------------------
+
+
+def test_fold_hash_forms():
+    assert fold_hash(5) == 5
+    assert fold_hash(2**64 - 1) == 2**64 - 1
+    assert fold_hash(-1) == 2**64 - 1
+    assert fold_hash(-(2**63)) == 2**63
+    assert fold_hash(b"\xff" * 24 + (7).to_bytes(8, "big")) == 7
+    for bad in (2**64, -(2**63) - 1, b"", 1.5, True):
+        with pytest.raises(ValueError):
+            fold_hash(bad)
+
+
+def test_medium_tiers():
+    assert medium_tier(None) == Tier.DEVICE
+    assert medium_tier("GPU") == Tier.DEVICE
+    assert medium_tier("CPU") == Tier.HOST
+    assert medium_tier("cpu_pinned") == Tier.HOST
+    assert medium_tier("STORAGE") == Tier.DISK
+    assert medium_tier("DISK") == Tier.DISK
+    assert medium_tier("QUANTUM") is None
+
+
+def test_offload_store_without_tokens_is_tier_copy():
+    ev = {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
+          "token_ids": [], "block_size": 0, "lora_id": None, "medium": "CPU", "lora_name": None}
+    (e,) = BatchDecoder("w").decode(msgspec.msgpack.encode([1.0, [ev], 0])).events
+    assert e.tier_copy and e.tier == Tier.HOST and list(e.engine_hashes) == [11, 12]
+
+
+def test_unknown_medium_store_dropped_remove_kept():
+    st = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+          "token_ids": list(range(32)), "block_size": 32, "lora_id": None, "medium": "TAPE",
+          "lora_name": None}
+    rm = {"type": "BlockRemoved", "block_hashes": [1], "medium": "TAPE"}
+    dec = BatchDecoder("w")
+    b = dec.decode(msgspec.msgpack.encode([1.0, [st, rm], 0]))
+    assert b.dropped == 1 and dec.stats.unknown_medium == 1
+    assert b.events == [BlockRemoved(worker_id="w", tier=None, engine_hashes=[1])]
+
+
+def test_unknown_fields_and_future_array_fields_ignored():
+    st = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+          "token_ids": list(range(32)), "block_size": 32, "lora_id": None, "medium": "GPU",
+          "lora_name": "ad1", "session_id": "s", "ownership": "x", "locality": "LOCAL",
+          "lookahead_token_ids": [[1, 2]], "brand_new": {"a": 1}}
+    (e,) = BatchDecoder("w").decode(msgspec.msgpack.encode([1.0, [st], 0])).events
+    assert e.lora_name == "ad1" and list(e.engine_hashes) == [1]
+    arr = ["BlockStored", [1], None, list(range(32)), 32, None, "GPU", None, None, 0,
+           "full_attention", None, "LOCAL", "x", "future", 42]
+    (e,) = BatchDecoder("w").decode(msgspec.msgpack.encode([1.0, [arr], 0])).events
+    assert list(e.engine_hashes) == [1] and e.block_size == 32
+
+
+def test_hybrid_non_prefix_groups_skipped():
+    def st(h, g, kind):
+        return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None,
+                "token_ids": list(range(32)), "block_size": 32, "lora_id": None,
+                "medium": "GPU", "lora_name": None, "group_idx": g, "kv_cache_spec_kind": kind}
+    evs = [st(1, 0, "full_attention"), st(1, 1, "sliding_window"),
+           {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 1}]
+    dec = BatchDecoder("w")
+    b = dec.decode(msgspec.msgpack.encode([1.0, evs, 0]))
+    assert [type(e).__name__ for e in b.events] == ["BlockStored"]
+    assert dec.stats.skipped_groups == 2
+
+
+def test_multimodal_extra_keys_make_block_extra():
+    ev = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+          "token_ids": list(range(64)), "block_size": 32, "lora_id": None, "medium": "GPU",
+          "lora_name": None, "extra_keys": [[["img-abc", 0], "salt-9"], None]}
+    (e,) = BatchDecoder("w").decode(msgspec.msgpack.encode([1.0, [ev], 0])).events
+    assert e.cache_salt == "salt-9"
+    assert e.block_extra is not None and e.block_extra[0] != 0 and e.block_extra[1] == 0
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+GOOD = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+        "token_ids": list(range(32)), "block_size": 32, "lora_id": None, "medium": "GPU",
+        "lora_name": None}
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\xc1",  # never-used msgpack byte
+        msgspec.msgpack.encode([1.0, [GOOD], 0])[:-7],  # truncated
+        msgspec.msgpack.encode({"ts": 1.0}),
+        msgspec.msgpack.encode([1.0, "not a list", 0]),
+        msgspec.msgpack.encode("hello"),
+    ],
+)
+def test_malformed_batches_counted(payload):
+    dec = BatchDecoder("w")
+    assert dec.decode(payload) is None
+    assert dec.stats.malformed_batches == 1 and dec.stats.last_error
+
+
+def test_bad_events_dropped_rest_kept():
+    bad_tokens = dict(GOOD, token_ids=list(range(31)))  # 31 tokens for one block of 32
+    neg_token = dict(GOOD, token_ids=[-1] + list(range(31)))
+    bad_type = dict(GOOD, block_hashes="nope")
+    huge_hash = dict(GOOD, block_hashes=[2**64 + 5] if False else ["x"])
+    unknown = {"type": "BlockTeleported", "block_hashes": [1]}
+    unknown_arr = ["BlockTeleported", [1]]
+    evs = [GOOD, bad_tokens, neg_token, bad_type, huge_hash, unknown, unknown_arr,
+           dict(GOOD, block_hashes=[2])]
+    dec = BatchDecoder("w", block_size=32)
+    b = dec.decode(msgspec.msgpack.encode([1.0, evs, 0]))
+    assert b is not None
+    assert [list(e.engine_hashes) for e in b.events] == [[1], [2]]
+    assert dec.stats.unknown_event_kinds == 2
+    assert dec.stats.by_kind == {"BlockTeleported": 2}
+    assert dec.stats.bad_token_counts == 1
+    assert b.dropped == 6
+
+
+def test_huge_token_array_dropped():
+    n = 200
+    ev = dict(GOOD, block_hashes=list(range(1, n + 1)), token_ids=list(range(32)) * n)
+    dec = BatchDecoder("w", max_event_tokens=1000)
+    b = dec.decode(msgspec.msgpack.encode([1.0, [ev, GOOD], 0]))
+    assert dec.stats.oversized_events == 1 and len(b.events) == 1
+
+
+def test_block_size_mismatch_dropped():
+    dec = BatchDecoder("w", block_size=16)
+    b = dec.decode(msgspec.msgpack.encode([1.0, [GOOD], 0]))
+    assert b.events == [] and dec.stats.block_size_mismatch == 1
+
+
+def test_frames_and_replay_framing():
+    assert split_frames([b"t", (5).to_bytes(8, "big"), b"p"]) == (b"t", 5, b"p")
+    with pytest.raises(WireError):
+        split_frames([b"t", b"p"])
+    with pytest.raises(WireError):
+        split_frames([b"t", b"123", b"p"])
+    old = parse_replay_reply([b"", (3).to_bytes(8, "big"), b"x"])
+    assert old.topic is None and old.seq == 3 and old.payload == b"x"
+    new = parse_replay_reply([b"", b"kv", (4).to_bytes(8, "big"), b"y"])
+    assert new.topic == b"kv" and new.seq == 4
+    assert parse_replay_reply([b"", END_SEQ, b""]) is None
+    assert parse_replay_reply([b"", b"", END_SEQ, b""]) is None
+    with pytest.raises(WireError):
+        parse_replay_reply([b"", b"a", b"b", b"c", b"d"])
