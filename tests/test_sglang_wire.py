@@ -163,7 +163,7 @@ def test_store_chained_onto_a_partial_page_is_dropped():
 def test_page_size_one_never_has_partial_pages():
     dec = SglangDecoder("w", page_size=1)
     out = dec.decode(_batch([_stored_map([1, 2, 3], None, [7, 8, 9], 1)]))
-    assert out[0].engine_hashes == [1, 2, 3] and dec.partial == {0: set()}
+    assert out[0].engine_hashes == [1, 2, 3] and dec.partial == {}
 
 
 def test_positional_events_with_more_trailing_fields_decode():

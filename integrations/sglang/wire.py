@@ -73,6 +73,19 @@ _REMOVED_FIELDS = ("block_hashes", "medium")
 _decoder = msgspec.msgpack.Decoder()
 
 
+class PartialPages(msgspec.Struct, frozen=True, kw_only=True):
+    """Internal marker: partial tail pages a rank stored. Never leaves this package: the
+    ``PartialPageFilter`` consumes it (decoding stays stateless; the per-rank memory lives in
+    the filter, which runs after the subscriber has attributed the batch to its worker)."""
+
+    worker_id: str
+    dp_rank: int
+    engine_hashes: list[int]
+
+
+WireItem = KvEvent | PartialPages
+
+
 class _Drop(Exception):
     """One event (or batch) is unusable; ``reason`` is the counter key."""
 
@@ -140,12 +153,63 @@ def _opt_str(fields: dict[str, Any], key: str) -> str | None:
     return value
 
 
+class PartialPageFilter:
+    """Per-worker memory of partial pages, applied to decoded items in stream order.
+
+    Drops the ``PartialPages`` markers (remembering their hashes per rank), swallows removals of
+    those hashes, drops a store chained onto one (``parent_partial``) and forgets a rank's
+    pages when it is cleared.
+    """
+
+    def __init__(self, drops: Counter[str] | None = None, counts: Counter[str] | None = None):
+        self.partial: dict[int, set[int]] = {}
+        self.drops: Counter[str] = drops if drops is not None else Counter()
+        self.counts: Counter[str] = counts if counts is not None else Counter()
+
+    def apply(self, items: list[WireItem]) -> list[KvEvent]:
+        out: list[KvEvent] = []
+        for item in items:
+            if isinstance(item, PartialPages):
+                held = self.partial.setdefault(item.dp_rank, set())
+                if len(held) + len(item.engine_hashes) > MAX_PARTIAL_PER_RANK:
+                    held.clear()  # only costs a few "unknown remove" counts later
+                    self.counts["partial_overflow"] += 1
+                held.update(item.engine_hashes)
+            elif isinstance(item, BlockStored):
+                held = self.partial.get(item.dp_rank)
+                if held and item.parent_engine_hash in held:
+                    self.drops["parent_partial"] += 1
+                    log.warning(
+                        "sglang worker %s rank %d: store chained onto partial page %#x dropped",
+                        item.worker_id, item.dp_rank, item.parent_engine_hash,
+                    )
+                    continue
+                out.append(item)
+            elif isinstance(item, BlockRemoved):
+                held = self.partial.get(item.dp_rank)
+                if held:
+                    kept = [h for h in item.engine_hashes if h not in held]
+                    swallowed = len(item.engine_hashes) - len(kept)
+                    if swallowed:
+                        self.counts["partial_removes_swallowed"] += swallowed
+                        held.difference_update(item.engine_hashes)
+                        if not kept:
+                            continue
+                        item = msgspec.structs.replace(item, engine_hashes=kept)
+                out.append(item)
+            else:
+                if isinstance(item, AllCleared):
+                    self.partial.pop(item.dp_rank, None)
+                out.append(item)
+        return out
+
+
 class SglangDecoder:
     """Decodes one SGLang worker's event payloads (all its DP ranks) into normalised events.
 
-    Stateful only for partial pages: per rank, the hashes of partial pages seen stored and not
-    yet removed. ``page_size`` is the block size the worker advertises (``/server_info``
-    ``kv_events.block_size``) and the one kvplug hashes prompts with.
+    ``decode_items`` is stateless (it only counts); ``decode`` also runs the worker's
+    ``PartialPageFilter``. ``page_size`` is the block size the worker advertises
+    (``/server_info`` ``kv_events.block_size``) and the one kvplug hashes prompts with.
     """
 
     def __init__(self, worker_id: str, page_size: int) -> None:
@@ -153,38 +217,52 @@ class SglangDecoder:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.worker_id = worker_id
         self.page_size = page_size
-        self.partial: dict[int, set[int]] = {}
         self.drops: Counter[str] = Counter()
         self.counts: Counter[str] = Counter()
+        self.filter = PartialPageFilter(self.drops, self.counts)
+        self.last_error = ""
+
+    @property
+    def partial(self) -> dict[int, set[int]]:
+        return self.filter.partial
 
     # -- public ------------------------------------------------------------------------------
     def decode(
         self, payload: bytes, *, dp_rank: int = 0, seq: int | None = None
     ) -> list[KvEvent]:
-        """One message payload → events. ``dp_rank`` is the rank of the socket it came on,
-        used when the batch's own ``attn_dp_rank`` slot is nil or absent."""
+        """One message payload → events, partial pages filtered."""
+        decoded = self.decode_items(payload, dp_rank=dp_rank, seq=seq)
+        return [] if decoded is None else self.filter.apply(decoded[1])
+
+    def decode_items(
+        self, payload: bytes, *, dp_rank: int = 0, seq: int | None = None
+    ) -> tuple[int | None, list[WireItem]] | None:
+        """One payload → (the batch's own rank or None, items). None = unreadable batch.
+
+        ``dp_rank`` is the rank of the socket it came on, used when the batch's own
+        ``attn_dp_rank`` slot is nil or absent."""
         try:
             batch = _decoder.decode(payload)
         except (msgspec.DecodeError, ValueError, TypeError) as exc:
             self._drop("bad_msgpack", dp_rank, seq, str(exc))
-            return []
+            return None
         if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
             self._drop("bad_batch", dp_rank, seq, f"not [ts, events, rank]: {type(batch)}")
-            return []
+            return None
         rank = batch[2] if len(batch) > 2 else None
         if rank is not None:
             if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
                 self._drop("bad_batch", dp_rank, seq, f"attn_dp_rank {rank!r}")
-                return []
+                return None
             dp_rank = rank
         self.counts["batches"] += 1
-        out: list[KvEvent] = []
+        out: list[WireItem] = []
         for position, raw in enumerate(batch[1]):
             try:
                 self._decode_event(raw, dp_rank, out)
             except _Drop as drop:
                 self._drop(drop.reason, dp_rank, seq, f"event {position}: {drop.detail}")
-        return out
+        return rank, out
 
     def stats(self) -> dict[str, int]:
         s = {f"events_{k}": v for k, v in self.counts.items()}
@@ -192,19 +270,16 @@ class SglangDecoder:
         s["partial_pages_held"] = sum(len(p) for p in self.partial.values())
         return s
 
-    def reset_rank(self, dp_rank: int) -> None:
-        """Forget partial pages of a rank (its stream restarted or was lost)."""
-        self.partial.pop(dp_rank, None)
-
     # -- internals ---------------------------------------------------------------------------
     def _drop(self, reason: str, dp_rank: int, seq: int | None, detail: str) -> None:
         self.drops[reason] += 1
+        self.last_error = f"{reason}: {detail}"
         log.warning(
             "sglang worker %s rank %s seq %s: dropped (%s) %s",
             self.worker_id, dp_rank, seq, reason, detail,
         )
 
-    def _decode_event(self, raw: Any, dp_rank: int, out: list[KvEvent]) -> None:
+    def _decode_event(self, raw: Any, dp_rank: int, out: list[WireItem]) -> None:
         if isinstance(raw, dict):
             tag = raw.get("type")
         elif isinstance(raw, list) and raw:
@@ -216,13 +291,12 @@ class SglangDecoder:
         elif tag == "BlockRemoved":
             self._removed(_as_fields(raw, _REMOVED_FIELDS, tag), dp_rank, out)
         elif tag == "AllBlocksCleared":
-            self.partial.pop(dp_rank, None)
             self.counts["cleared"] += 1
             out.append(AllCleared(worker_id=self.worker_id, dp_rank=dp_rank))
         else:
             raise _Drop("unknown_event", f"event type {tag!r}")
 
-    def _stored(self, f: dict[str, Any], dp_rank: int, out: list[KvEvent]) -> None:
+    def _stored(self, f: dict[str, Any], dp_rank: int, out: list[WireItem]) -> None:
         hashes = _hash_list(f.get("block_hashes"))
         parent_raw = f.get("parent_block_hash")
         parent = None if parent_raw is None else _engine_hash(parent_raw, "parent_block_hash")
@@ -240,22 +314,17 @@ class SglangDecoder:
                 "length_mismatch",
                 f"{len(tokens)} tokens for {len(hashes)} blocks of {block_size}",
             )
-        partial = self.partial.setdefault(dp_rank, set())
         if block_size < self.page_size:
             # the partial tail page of a radix node: never matchable, kept for its removal
-            if len(partial) + len(hashes) > MAX_PARTIAL_PER_RANK:
-                partial.clear()  # only costs a few "unknown remove" counts later
-                self.counts["partial_overflow"] += 1
-            partial.update(hashes)
             self.counts["partial_pages"] += len(hashes)
+            out.append(PartialPages(worker_id=self.worker_id, dp_rank=dp_rank,
+                                    engine_hashes=hashes))
             return
         if block_size != self.page_size:
             raise _Drop(
                 "block_size_mismatch",
                 f"block_size {block_size} but the worker advertised page size {self.page_size}",
             )
-        if parent is not None and parent in partial:
-            raise _Drop("parent_partial", f"parent {parent:#x} is a partial page")
         self.counts["stored_blocks"] += len(hashes)
         out.append(
             BlockStored(
@@ -272,19 +341,10 @@ class SglangDecoder:
             )
         )
 
-    def _removed(self, f: dict[str, Any], dp_rank: int, out: list[KvEvent]) -> None:
+    def _removed(self, f: dict[str, Any], dp_rank: int, out: list[WireItem]) -> None:
         hashes = _hash_list(f.get("block_hashes"))
-        tier, shared = _medium(f.get("medium"))
-        partial = self.partial.get(dp_rank)
-        if partial:
-            kept = []
-            for h in hashes:
-                if h in partial:
-                    partial.discard(h)
-                    self.counts["partial_removes_swallowed"] += 1
-                else:
-                    kept.append(h)
-            hashes = kept
+        medium = f.get("medium")
+        tier, shared = _medium(medium)
         if not hashes:
             return
         self.counts["removed_blocks"] += len(hashes)
@@ -293,7 +353,7 @@ class SglangDecoder:
             BlockRemoved(
                 worker_id=self.worker_id,
                 dp_rank=dp_rank,
-                tier=None if shared else (tier if "medium" in f and f["medium"] else None),
+                tier=None if shared or medium is None else tier,
                 engine_hashes=hashes,
                 shared=shared,
             )
