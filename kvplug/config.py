@@ -158,8 +158,6 @@ class RouterConfig:
             raise ConfigError("--router-accelerator-weight must be > 0")
         if self.router_max_tree_size < 0 or self.router_max_index_entries < 0:
             raise ConfigError("index size bounds must be >= 0")
-        if self.router_mode == "profile" and not self.router_profile:
-            raise ConfigError("--router-mode profile needs --router-profile FILE")
         self.router_label_selector = parse_label_selector(self.router_label_selector)
         self.router_attribute_thresholds = [
             t if isinstance(t, AttributeThreshold) else _threshold_from(t)

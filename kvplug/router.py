@@ -44,16 +44,25 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 class _StageRules:
     """Per-stage load/credit rules (PROTOCOLS.md §4.6)."""
 
-    __slots__ = ("track_prefill", "track_decode", "credit", "assume_reuse", "params")
+    __slots__ = (
+        "prefill_term",
+        "track_prefill",
+        "track_decode",
+        "credit",
+        "assume_reuse",
+        "params",
+    )
 
     def __init__(
         self,
-        track_prefill: bool,
+        prefill_term: bool,  # the incoming prompt counts as prefill blocks
+        track_prefill: bool,  # active prompt-side load is tracked and counted
         track_decode: bool,
         credit: float,
         assume_reuse: bool,
         params: Any,
     ) -> None:
+        self.prefill_term = prefill_term
         self.track_prefill = track_prefill
         self.track_decode = track_decode
         self.credit = credit
@@ -106,11 +115,15 @@ class Router:
             cfg.active_prefill_tokens_threshold_frac,
             cfg.busy_threshold_fallback,
         )
-        self._profile = profile
-        if self._profile is None and cfg.router_profile:
-            from kvplug.profile import load_profile
+        from kvplug.profile import load_profile
 
-            self._profile = load_profile(cfg.router_profile)
+        if profile is not None and not hasattr(profile, "get"):
+            profile = load_profile(profile)  # a mapping or a path
+        if profile is None and cfg.router_profile:
+            profile = load_profile(cfg.router_profile)
+        self._profile = profile
+        if cfg.router_mode == "profile" and profile is None:
+            raise ConfigError("--router-mode profile needs --router-profile FILE (or profile=)")
         self._workers: dict[str, WorkerState] = {}
         # per endpoint id (copy-on-write tuples: a Decision keeps a reference, not a copy)
         self._ep_worker: tuple[str | None, ...] = ()
@@ -345,7 +358,7 @@ class Router:
                 res,
             )
         thresholds = cfg.router_attribute_thresholds
-        profile = self._profile if cfg.router_mode == "profile" else None
+        profile = self._profile.get(stage) if cfg.router_mode == "profile" else None
         if profile is not None:
             thresholds = [*thresholds, *profile.attribute_filters]
             if profile.label_selector:
@@ -393,20 +406,9 @@ class Router:
 
         probs = None
         if mode == "kv":
-            req_blocks = n_tokens / bs
-            if rules.track_prefill:
-                prefill_vec = prefill_tok[cands] / bs + req_blocks
-            else:
-                prefill_vec = np.zeros(len(cands))
-            incoming = (
-                (full_blocks - dev)
-                if rules.assume_reuse
-                else np.full(len(cands), float(full_blocks))
+            prefill_vec, decode_vec = self._load_vectors(
+                rules, cands, dev, prefill_tok, decode_blk, n_tokens
             )
-            if rules.track_decode:
-                decode_vec = decode_blk[cands] + incoming
-            else:
-                decode_vec = np.zeros(len(cands))
             values = np.asarray(
                 self._core.costs(prefill_vec, dev, host, disk, shared, decode_vec, rules.params),
                 dtype=np.float64,
@@ -439,6 +441,7 @@ class Router:
             )
         elif mode == "profile":
             idx, trace, res = self._profile_pick(
+                profile,
                 req,
                 cands,
                 dev,
@@ -545,6 +548,7 @@ class Router:
 
     def _profile_pick(
         self,
+        profile: Any,
         req: RouteRequest,
         cands: np.ndarray,
         dev: Any,
@@ -565,17 +569,7 @@ class Router:
 
         def kv_cost() -> np.ndarray:
             if "c" not in cache:
-                pv = (
-                    (prefill_tok[cands] / bs + n_tokens / bs)
-                    if rules.track_prefill
-                    else np.zeros(len(cands))
-                )
-                inc = (
-                    (full_blocks - dev)
-                    if rules.assume_reuse
-                    else np.full(len(cands), float(full_blocks))
-                )
-                dv = decode_blk[cands] + inc if rules.track_decode else np.zeros(len(cands))
+                pv, dv = self._load_vectors(rules, cands, dev, prefill_tok, decode_blk, n_tokens)
                 cache["c"] = np.asarray(
                     self._core.costs(pv, dev, host, disk, shared, dv, rules.params),
                     dtype=np.float64,
@@ -595,10 +589,10 @@ class Router:
             inflight=self.load.inflight[cands],
             kv_cost=kv_cost,
         )
-        total, parts = self._profile.score(ctx)
+        total, parts = profile.score(ctx)
         if penalised is not None:
             total = np.where(penalised, total - self.config.router_missing_attribute_penalty, total)
-        idx, probs = self._profile.pick(total, self._rng)
+        idx, probs = profile.pick(total, self._rng)
         if ctx.ages:
             if res is None:
                 res = flt.FilterResult(cands)
@@ -721,6 +715,7 @@ class Router:
         credit = cfg.router_kv_overlap_score_credit
         return {
             Stage.AGGREGATED: _StageRules(
+                True,
                 cfg.router_track_prefill_tokens,
                 cfg.router_track_active_blocks,
                 credit,
@@ -729,13 +724,43 @@ class Router:
             ),
             # prefill stage: no decode-side load, full credit, reuse assumed
             Stage.PREFILL: _StageRules(
-                cfg.router_track_prefill_tokens, False, 1.0, True, params(1.0)
+                True, cfg.router_track_prefill_tokens, False, 1.0, True, params(1.0)
             ),
             # decode stage: no prefill tokens, no credit, no reuse assumption
             Stage.DECODE: _StageRules(
-                False, cfg.router_track_active_blocks, 0.0, False, params(0.0)
+                False, False, cfg.router_track_active_blocks, 0.0, False, params(0.0)
             ),
         }
+
+    def _load_vectors(
+        self,
+        rules: _StageRules,
+        cands: np.ndarray,
+        dev: np.ndarray,
+        prefill_tok: np.ndarray,
+        decode_blk: np.ndarray,
+        n_tokens: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(prefill blocks, decode blocks) per candidate, the seed's load terms:
+        prefill = active uncached prompt tokens / block size + the request's tokens / block size;
+        decode = active blocks + the request's blocks (minus those already resident on the
+        device when KV reuse is assumed)."""
+        bs = self.block_size
+        n = len(cands)
+        if rules.prefill_term:
+            prefill_vec = np.full(n, n_tokens / bs)
+            if rules.track_prefill:
+                prefill_vec += prefill_tok[cands] / bs
+        else:
+            prefill_vec = np.zeros(n)
+        if rules.track_decode:
+            full_blocks = -(-n_tokens // bs)
+            decode_vec = decode_blk[cands] + (
+                full_blocks - dev if rules.assume_reuse else full_blocks
+            )
+        else:
+            decode_vec = np.zeros(n)
+        return prefill_vec, decode_vec
 
     def _select(self, values: np.ndarray, temperature: float, u: float) -> int:
         return self._core.select(values.tolist() if self._as_seq else values, temperature, u)
