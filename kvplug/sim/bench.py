@@ -1,0 +1,281 @@
+"""``kvplug bench``: replay a trace under several routing policies and compare them.
+
+Each policy gets a fresh fleet and a fresh Router; policies run in parallel worker processes
+(``jobs``). Reported per policy: KV hit rate (reused prompt blocks / prompt blocks), TTFT,
+end-to-end latency, output throughput, load imbalance. Two reference bounds are computed from
+the trace alone: the *oracle* (an infinite cache shared by all engines) and the *fleet LRU* (one
+LRU cache with the fleet's total capacity, shared by all engines: what perfect placement with
+this much memory could reach).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvplug.sim.engine import EngineConfig
+from kvplug.sim.policies import parse_policy
+from kvplug.sim.trace import TRACE_BLOCK_TOKENS, TraceRecord, load_trace, oracle_hit_rate
+from kvplug.sim.virtual import ReplayConfig, replay, summarize
+
+
+@dataclass
+class BenchSpec:
+    policies: list[str]
+    n_engines: int = 8
+    trace: str | None = None  # None = bundled conversation trace
+    start_s: float = 0.0
+    duration_s: float | None = None
+    limit: int | None = None
+    speedup: float = 1.0
+    capacity_blocks: int = 1640
+    host_capacity_blocks: int = 0
+    max_batched_tokens: int = 8192
+    event_delay_s: float = 0.005
+    mode: str = "hashes"
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def records(self) -> list[TraceRecord]:
+        return load_trace(
+            self.trace,
+            start_s=self.start_s,
+            duration_s=self.duration_s,
+            limit=self.limit,
+            speedup=self.speedup,
+        )
+
+    def replay_config(self, feed_events: bool) -> ReplayConfig:
+        return ReplayConfig(
+            n_engines=self.n_engines,
+            engine=EngineConfig(
+                block_size=TRACE_BLOCK_TOKENS,
+                capacity_blocks=self.capacity_blocks,
+                host_capacity_blocks=self.host_capacity_blocks,
+                max_batched_tokens=self.max_batched_tokens,
+                events_with_tokens=self.mode == "tokens",
+            ),
+            mode=self.mode,
+            event_delay_s=self.event_delay_s,
+            feed_events=feed_events,
+            seed=self.seed,
+        )
+
+
+def fleet_lru_hit_rate(records: list[TraceRecord], capacity_blocks: int) -> float:
+    """Prefix hit rate of one LRU cache of ``capacity_blocks`` shared by every request."""
+    lru: OrderedDict[int, None] = OrderedDict()
+    total = hit = 0
+    for r in records:
+        ids = r.hash_ids[: r.input_length // TRACE_BLOCK_TOKENS]
+        run = True
+        for h in ids:
+            total += 1
+            if run and h in lru:
+                hit += 1
+            else:
+                run = False
+        for h in ids:
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > capacity_blocks:
+            lru.popitem(last=False)
+    return hit / total if total else 0.0
+
+
+def run_policy(spec: BenchSpec, policy_text: str, counter=None) -> dict:
+    """One replay; returns the summary plus the series the plots need (picklable)."""
+    pol = parse_policy(policy_text)
+    records = spec.records()
+    cfg = spec.replay_config(pol.feed_events)
+    pending = [0]
+
+    def tick(n: int) -> None:
+        if counter is None:
+            return
+        pending[0] += n
+        if pending[0] >= 100:
+            with counter.get_lock():
+                counter.value += pending[0]
+            pending[0] = 0
+
+    res = replay(
+        records, pol.router_config(TRACE_BLOCK_TOKENS), cfg, policy=pol.name, progress=tick
+    )
+    if counter is not None and pending[0]:
+        with counter.get_lock():
+            counter.value += pending[0]
+    out = summarize(res)
+    done = [r for r in res.requests if not r.rejected]
+    out["series"] = {
+        "ttft_s": sorted(float(r.first_token - r.arrival) for r in done),
+        "load_t": res.load_samples_t,
+        "load": res.load_samples,
+        "engine_requests": [e.stats["requests"] for e in res.engines],
+        "engine_prefill_tokens": [e.stats["prefill_tokens"] for e in res.engines],
+    }
+    out["router_index"] = res.router_stats
+    return out
+
+
+def _init_worker(counter) -> None:
+    global _COUNTER
+    _COUNTER = counter
+
+
+_COUNTER = None
+
+
+def _run_in_worker(args) -> dict:
+    spec, text = args
+    return run_policy(spec, text, _COUNTER)
+
+
+def run_bench(spec: BenchSpec, jobs: int = 1, progress: bool = True) -> dict:
+    """Run every policy; returns the JSON-ready report."""
+    for p in spec.policies:
+        parse_policy(p)  # fail fast on a typo, before any replay
+    records = spec.records()
+    if not records:
+        raise ValueError("the trace slice is empty")
+    t0 = time.perf_counter()
+    total = len(records) * len(spec.policies)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="req", desc="replay", smoothing=0.05)
+    ctx = mp.get_context("fork" if hasattr(os, "fork") else "spawn")
+    counter = ctx.Value("q", 0)
+    results: list[dict] = []
+    jobs = max(1, min(jobs, len(spec.policies)))
+    stop = threading.Event()
+
+    def poll() -> None:
+        last = 0
+        while not stop.wait(0.3):
+            v = counter.value
+            if bar is not None and v > last:
+                bar.update(v - last)
+                last = v
+        if bar is not None:
+            bar.update(counter.value - last)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        if jobs == 1:
+            for p in spec.policies:
+                results.append(run_policy(spec, p, counter))
+        else:
+            with ctx.Pool(jobs, initializer=_init_worker, initargs=(counter,)) as pool:
+                results = pool.map(_run_in_worker, [(spec, p) for p in spec.policies], chunksize=1)
+    finally:
+        stop.set()
+        poller.join()
+        if bar is not None:
+            bar.close()
+    oracle = oracle_hit_rate(records)
+    fleet_cap = spec.n_engines * (spec.capacity_blocks + spec.host_capacity_blocks)
+    report = {
+        "spec": asdict(spec),
+        "trace": {
+            "requests": len(records),
+            "span_s": records[-1].arrival_s - records[0].arrival_s,
+            "oracle_hit_rate": oracle["full_block_hit_rate"],
+            "oracle_hit_rate_all_ids": oracle["all_id_hit_rate"],
+            "fleet_lru_hit_rate": fleet_lru_hit_rate(records, fleet_cap),
+            "fleet_lru_capacity_blocks": fleet_cap,
+        },
+        "results": results,
+        "wall_s": time.perf_counter() - t0,
+        "jobs": jobs,
+        "host": {"python": platform.python_version(), "cpus": os.cpu_count()},
+    }
+    try:
+        from kvplug import core
+
+        report["core_backend"] = getattr(core, "backend", getattr(core, "BACKEND", "?"))
+    except Exception as exc:  # report, don't fail, when the core cannot load
+        report["core_backend"] = f"unavailable: {exc}"
+    baseline = next((r for r in results if r["policy"] == "round-robin"), None)
+    if baseline:
+        for r in results:
+            r["vs_round_robin"] = {
+                "hit_rate_x": r["hit_rate"] / baseline["hit_rate"]
+                if baseline["hit_rate"]
+                else None,
+                "ttft_p50_x": r["ttft_p50_s"] / baseline["ttft_p50_s"]
+                if baseline["ttft_p50_s"]
+                else None,
+                "ttft_p99_x": r["ttft_p99_s"] / baseline["ttft_p99_s"]
+                if baseline["ttft_p99_s"]
+                else None,
+            }
+    return report
+
+
+COLUMNS = (
+    ("policy", "policy", "{}"),
+    ("hit_rate", "hit %", "{:.1%}"),
+    ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
+    ("ttft_p99_s", "TTFT p99 s", "{:.2f}"),
+    ("e2e_p50_s", "E2E p50 s", "{:.2f}"),
+    ("e2e_p99_s", "E2E p99 s", "{:.2f}"),
+    ("output_tok_per_s", "out tok/s", "{:.0f}"),
+    ("imbalance_requests", "imb req", "{:.2f}"),
+    ("imbalance_busy", "imb busy", "{:.2f}"),
+    ("wall_s", "wall s", "{:.1f}"),
+)
+
+
+def format_table(report: dict, markdown: bool = False) -> str:
+    rows = [[fmt.format(r[key]) for key, _, fmt in COLUMNS] for r in report["results"]]
+    head = [title for _, title, _ in COLUMNS]
+    tr = report["trace"]
+    note = (
+        f"{tr['requests']} requests over {tr['span_s'] / 60:.1f} min on "
+        f"{report['spec']['n_engines']} engines; oracle (infinite shared cache) "
+        f"{tr['oracle_hit_rate']:.1%}, fleet-LRU bound {tr['fleet_lru_hit_rate']:.1%}; "
+        f"imb = max/mean across engines"
+    )
+    if markdown:
+        lines = [
+            "| " + " | ".join(head) + " |",
+            "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|",
+        ]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines) + "\n\n" + note
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    fmt_row = lambda cells: "  ".join(  # noqa: E731
+        c.ljust(w) if i == 0 else c.rjust(w)
+        for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+    )
+    lines = [fmt_row(head), fmt_row(["-" * w for w in widths])] + [fmt_row(r) for r in rows]
+    return "\n".join(lines) + "\n" + note
+
+
+def write_json(report: dict, path: str | Path, keep_series: bool = False) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    out = dict(report)
+    if not keep_series:
+        out["results"] = [{k: v for k, v in r.items() if k != "series"} for r in report["results"]]
+    p.write_text(json.dumps(out, indent=1, default=float) + "\n")
+
+
+def ttft_quantiles(series: list[float]) -> dict[str, float]:
+    a = np.asarray(series)
+    return (
+        {q: float(np.percentile(a, float(q[1:]))) for q in ("p50", "p90", "p99")} if len(a) else {}
+    )

@@ -1,0 +1,304 @@
+"""``kvplug demo``, ``kvplug bench`` and ``kvplug sim`` (registered by kvplug.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from kvplug.sim.policies import DEFAULT_POLICIES, DEMO_POLICIES
+
+
+def register(subparsers) -> None:
+    _register_demo(subparsers)
+    _register_bench(subparsers)
+    _register_sim(subparsers)
+
+
+# ------------------------------------------------------------------------------ shared flags
+def _add_fleet_args(p: argparse.ArgumentParser, engines: int) -> None:
+    g = p.add_argument_group("simulated fleet and trace")
+    g.add_argument(
+        "--engines", type=int, default=engines, help=f"simulated engines (default {engines})"
+    )
+    g.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake-format JSONL(.gz); default: the bundled Mooncake FAST'25 conversation trace",
+    )
+    g.add_argument("--start", type=float, default=0.0, help="slice start, seconds into the trace")
+    g.add_argument(
+        "--duration", type=float, default=None, help="slice length in seconds (default: all)"
+    )
+    g.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    g.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
+    g.add_argument(
+        "--capacity-blocks",
+        type=int,
+        default=1640,
+        help="device KV blocks (512 tokens) per engine; 1640 = 8B model on one H200",
+    )
+    g.add_argument(
+        "--host-blocks",
+        type=int,
+        default=0,
+        help="host-tier KV blocks per engine (0 = no host tier)",
+    )
+    g.add_argument("--max-batched-tokens", type=int, default=8192, help="chunked-prefill budget")
+    g.add_argument("--event-delay", type=float, default=0.005, help="KV event latency, seconds")
+    g.add_argument(
+        "--mode",
+        choices=("hashes", "tokens"),
+        default="hashes",
+        help="hand the router precomputed block hashes (fast) or expanded token ids",
+    )
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="policies replayed in parallel processes",
+    )
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _spec(args, policies):
+    from kvplug.sim.bench import BenchSpec
+
+    for name in ("engines", "capacity_blocks", "max_batched_tokens", "jobs"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    return BenchSpec(
+        policies=list(policies),
+        n_engines=args.engines,
+        trace=args.trace,
+        start_s=args.start,
+        duration_s=args.duration,
+        limit=args.limit,
+        speedup=args.speedup,
+        capacity_blocks=args.capacity_blocks,
+        host_capacity_blocks=args.host_blocks,
+        max_batched_tokens=args.max_batched_tokens,
+        event_delay_s=args.event_delay,
+        mode=args.mode,
+        seed=args.seed,
+    )
+
+
+def _finish_report(report, args, prefix: str) -> None:
+    from kvplug.sim.bench import format_table, write_json
+
+    print()
+    print(format_table(report, markdown=getattr(args, "markdown", False)))
+    if args.json:
+        write_json(report, args.json)
+        print(f"JSON: {args.json}")
+    if args.plots:
+        from kvplug.sim.plots import plot_report
+
+        for p in plot_report(report, args.plots, prefix=prefix):
+            print(f"plot: {p}")
+    print(f"total wall time {report['wall_s']:.1f} s ({report['jobs']} process(es))")
+
+
+# ------------------------------------------------------------------------------ demo
+def _register_demo(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="replay 20 minutes of a real conversation trace on 4 simulated engines under kv, "
+        "round-robin and random routing (virtual time, no GPU, < 1 minute)",
+    )
+    _add_fleet_args(p, engines=4)
+    p.set_defaults(duration=1200.0)
+    p.add_argument("--policies", nargs="+", default=list(DEMO_POLICIES))
+    p.add_argument("--json", default="kvplug-demo/demo.json", help="report path ('' = none)")
+    p.add_argument("--plots", default="kvplug-demo", help="plot directory ('' = none)")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args) -> int:
+    from kvplug.sim.bench import run_bench
+
+    spec = _spec(args, args.policies)
+    print(
+        "kvplug demo: Mooncake conversation trace (Kimi, FAST'25), "
+        f"{'first ' + str(int(args.duration // 60)) + ' min' if args.duration else 'all'}, "
+        f"{args.engines} simulated Llama-3-8B/H200 engines ({args.capacity_blocks} KV blocks "
+        "of 512 "
+        f"tokens each), virtual time; policies: {', '.join(args.policies)}"
+    )
+    report = run_bench(spec, jobs=args.jobs, progress=not args.no_progress)
+    _finish_report(report, args, prefix="demo")
+    kv = next((r for r in report["results"] if r["policy"] == "kv"), None)
+    others = [r for r in report["results"] if r["policy"] != "kv"]
+    if kv and others:
+        best = min(others, key=lambda r: r["ttft_p50_s"])
+        print(
+            f"kv vs {best['policy']}: hit rate {kv['hit_rate']:.1%} vs {best['hit_rate']:.1%}, "
+            f"TTFT p50 {kv['ttft_p50_s']:.3f} s vs {best['ttft_p50_s']:.3f} s, "
+            f"p99 {kv['ttft_p99_s']:.2f} s vs {best['ttft_p99_s']:.2f} s"
+        )
+    return 0
+
+
+# ------------------------------------------------------------------------------ bench
+def _register_bench(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="replay a trace on N simulated engines under several routing policies (virtual time)",
+        description="Policies are NAME[:key=value,...] with NAME in kv, approx, round-robin, "
+        "random, "
+        "least-loaded, power-of-two and keys router settings or aliases (credit, temperature, "
+        "prefill_scale, host_weight, track_output, ttl), e.g. kv:credit=0.5,temperature=0.1.",
+    )
+    _add_fleet_args(p, engines=8)
+    p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
+    p.add_argument(
+        "--json", default="benchmarks/results/sim_bench.json", help="report path ('' = none)"
+    )
+    p.add_argument("--plots", default="", help="directory for PNG plots ('' = none)")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument(
+        "--sweep",
+        nargs=2,
+        metavar=("X=V,..", "Y=V,.."),
+        help="grid-sweep two kv settings, e.g. --sweep credit=0.25,0.5,1 temperature=0,0.1",
+    )
+    p.add_argument("--sweep-base", default="kv", help="policy the sweep varies (default kv)")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args) -> int:
+    from kvplug.sim.bench import run_bench
+
+    if args.sweep:
+        return _cmd_sweep(args)
+    report = run_bench(_spec(args, args.policies), jobs=args.jobs, progress=not args.no_progress)
+    _finish_report(report, args, prefix="sim")
+    return 0
+
+
+def _cmd_sweep(args) -> int:
+    from kvplug.sim.bench import write_json
+    from kvplug.sim.sweep import format_sweep, run_sweep
+
+    spec = _spec(args, [])
+    sweep = run_sweep(
+        spec,
+        args.sweep[0],
+        args.sweep[1],
+        jobs=args.jobs,
+        base=args.sweep_base,
+        progress=not args.no_progress,
+    )
+    print()
+    print(format_sweep(sweep))
+    if args.json:
+        path = Path(args.json)
+        if path.name == "sim_bench.json":
+            path = path.with_name("sim_sweep.json")
+        report = sweep.pop("report")
+        write_json(report, path.with_name(path.stem + "_runs.json"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(sweep, indent=1) + "\n")
+        print(f"JSON: {path}")
+    if args.plots:
+        from kvplug.sim.plots import plot_sweep
+
+        for p in plot_sweep(sweep, args.plots):
+            print(f"plot: {p}")
+    return 0
+
+
+# ------------------------------------------------------------------------------ sim (servers)
+def _register_sim(sub) -> None:
+    p = sub.add_parser(
+        "sim",
+        help="run a fleet of simulated vLLM-like engines: OpenAI HTTP, /metrics, ZMQ KV events",
+    )
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--base-port", type=int, default=8100, help="engine i serves HTTP on base+i")
+    p.add_argument(
+        "--events-base-port",
+        type=int,
+        default=None,
+        help="engine i publishes KV events on this+i (default base-port+1000)",
+    )
+    p.add_argument(
+        "--replay-base-port",
+        type=int,
+        default=None,
+        help="engine i answers replay requests on this+i (default base-port+2000)",
+    )
+    p.add_argument(
+        "--events-connect",
+        default=None,
+        help="connect every engine's PUB to this endpoint (a router-bound SUB) instead "
+        "of binding one port each",
+    )
+    p.add_argument("--topic", default="kv", help="ZMQ topic of the event frames")
+    p.add_argument("--vllm-version", default="0.32", help="event encoding of this vLLM version")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--capacity-blocks",
+        type=int,
+        default=None,
+        help="device KV blocks per engine (default: 840k tokens / block size)",
+    )
+    p.add_argument("--host-blocks", type=int, default=0)
+    p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="virtual seconds per wall second (2 = twice as fast as the modelled GPU)",
+    )
+    p.add_argument("--model", default="sim-llama-3-8b", help="model name served")
+    p.set_defaults(func=_cmd_sim)
+
+
+def _cmd_sim(args) -> int:
+    from kvplug.sim.server import FleetOptions, run_fleet
+
+    if args.engines < 1 or args.block_size < 1 or args.speed <= 0:
+        raise SystemExit("--engines and --block-size must be >= 1, --speed > 0")
+    opts = FleetOptions(
+        engines=args.engines,
+        host=args.host,
+        base_port=args.base_port,
+        events_base_port=args.events_base_port or args.base_port + 1000,
+        replay_base_port=args.replay_base_port or args.base_port + 2000,
+        events_connect=args.events_connect,
+        topic=args.topic,
+        vllm_version=args.vllm_version,
+        block_size=args.block_size,
+        capacity_blocks=args.capacity_blocks,
+        host_blocks=args.host_blocks,
+        max_batched_tokens=args.max_batched_tokens,
+        speed=args.speed,
+        model=args.model,
+    )
+    try:
+        run_fleet(opts)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def main(argv=None) -> int:  # python -m kvplug.sim.cli
+    parser = argparse.ArgumentParser(prog="kvplug-sim")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    rc = int(args.func(args) or 0)
+    del t0
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""PNG plots of a bench report (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_report(report: dict, out_dir: str | Path, prefix: str = "sim") -> list[Path]:
+    """Write ``{prefix}_ttft_cdf.png``, ``{prefix}_hit_rate.png``, ``{prefix}_load.png``."""
+    plt = _plt()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = report["results"]
+    tr = report["trace"]
+    n_eng = report["spec"]["n_engines"]
+    title = f"{tr['requests']} requests, {n_eng} simulated engines (8B / H200 model)"
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        t = np.asarray(r["series"]["ttft_s"])
+        if len(t):
+            ax.plot(t, np.arange(1, len(t) + 1) / len(t), label=r["policy"], lw=1.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF — " + title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / f"{prefix}_ttft_cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [r["policy"] for r in results]
+    dev = [r["hit_rate_device"] for r in results]
+    host = [r["hit_rate_host"] for r in results]
+    x = np.arange(len(names))
+    ax.bar(x, dev, label="device hits", color="tab:blue")
+    if any(host):
+        ax.bar(x, host, bottom=dev, label="host-tier hits", color="tab:cyan")
+    ax.axhline(
+        tr["oracle_hit_rate"], color="k", ls="--", lw=1, label="oracle (infinite shared cache)"
+    )
+    ax.axhline(
+        tr["fleet_lru_hit_rate"],
+        color="tab:red",
+        ls=":",
+        lw=1.2,
+        label="one shared LRU, fleet capacity",
+    )
+    for i, r in enumerate(results):
+        ax.text(i, r["hit_rate"] + 0.005, f"{r['hit_rate']:.1%}", ha="center", fontsize=8)
+    ax.set_xticks(x, names, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("KV hit rate (reused prompt blocks / prompt blocks)")
+    ax.set_title("Prefix-cache hit rate — " + title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    paths.append(out / f"{prefix}_hit_rate.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    pick = [r for r in results if r["series"]["load"]]
+    shown = [r for r in pick if r["policy"] in ("kv", "round-robin", "random")] or pick[:3]
+    if shown:
+        fig, axes = plt.subplots(
+            len(shown), 1, figsize=(7, 2.2 * len(shown) + 0.6), sharex=True, squeeze=False
+        )
+        ymax = max(max(max(s) for s in r["series"]["load"]) for r in shown) or 1
+        for ax, r in zip(axes[:, 0], shown, strict=True):
+            t = np.asarray(r["series"]["load_t"]) / 60.0
+            load = np.asarray(r["series"]["load"])
+            for j in range(load.shape[1]):
+                ax.plot(t, load[:, j], lw=0.8)
+            ax.set_ylim(0, ymax * 1.05)
+            ax.set_ylabel("running+waiting", fontsize=8)
+            ax.set_title(
+                f"{r['policy']}: requests per engine over time (one line per engine)", fontsize=8
+            )
+            ax.grid(True, alpha=0.3)
+        axes[-1, 0].set_xlabel("trace time (min)")
+        fig.tight_layout()
+        paths.append(out / f"{prefix}_load.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def plot_sweep(sweep: dict, out_dir: str | Path, prefix: str = "sim_sweep") -> list[Path]:
+    """Heatmaps of hit rate and TTFT p50 / p99 over the two swept parameters."""
+    plt = _plt()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    xs, ys = sweep["x_values"], sweep["y_values"]
+    paths = []
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, (key, label, fmt) in zip(
+        axes,
+        (
+            ("hit_rate", "hit rate", "{:.1%}"),
+            ("ttft_p50_s", "TTFT p50 (s)", "{:.2f}"),
+            ("ttft_p99_s", "TTFT p99 (s)", "{:.1f}"),
+        ),
+        strict=True,
+    ):
+        grid = np.array(
+            [[sweep["grid"][i][j][key] for j in range(len(xs))] for i in range(len(ys))]
+        )
+        im = ax.imshow(
+            grid,
+            origin="lower",
+            aspect="auto",
+            cmap="viridis" if key == "hit_rate" else "viridis_r",
+        )
+        ax.set_xticks(range(len(xs)), [str(v) for v in xs])
+        ax.set_yticks(range(len(ys)), [str(v) for v in ys])
+        ax.set_xlabel(sweep["x_name"])
+        ax.set_ylabel(sweep["y_name"])
+        ax.set_title(label)
+        for i in range(len(ys)):
+            for j in range(len(xs)):
+                ax.text(
+                    j, i, fmt.format(grid[i, j]), ha="center", va="center", fontsize=7, color="w"
+                )
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.suptitle(sweep.get("title", "kv policy sweep"), fontsize=9)
+    fig.tight_layout()
+    paths.append(out / f"{prefix}.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

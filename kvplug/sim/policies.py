@@ -1,0 +1,92 @@
+"""Routing policies for the replay, written ``NAME[:key=value,...]`` on the command line.
+
+``NAME`` is ``kv``, ``approx`` (kv mode without engine events: the router records what it routed,
+with a TTL), or a simple mode (``round-robin``, ``random``, ``least-loaded``, ``power-of-two``).
+Keys are :class:`kvplug.config.RouterConfig` fields or the short aliases below, e.g.
+``kv:credit=0.5,temperature=0.1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+ALIASES = {
+    "credit": "router_kv_overlap_score_credit",
+    "temperature": "router_temperature",
+    "temp": "router_temperature",
+    "prefill_scale": "router_prefill_load_scale",
+    "host_weight": "router_host_cache_hit_weight",
+    "disk_weight": "router_disk_cache_hit_weight",
+    "track_output": "router_track_output_blocks",
+    "prefill_model": "router_prefill_load_model",
+    "ttl": "router_ttl_secs",
+    "assume_reuse": "router_assume_kv_reuse",
+}
+SIMPLE_MODES = ("round-robin", "random", "least-loaded", "power-of-two")
+DEFAULT_POLICIES = (
+    "kv",
+    "kv:temperature=0.1",
+    "approx",
+    "round-robin",
+    "random",
+    "least-loaded",
+    "power-of-two",
+)
+DEMO_POLICIES = ("kv", "round-robin", "random")
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str  # as written
+    mode: str
+    overrides: dict[str, Any]
+    feed_events: bool  # does the router consume the engines' KV events?
+
+    def router_config(self, block_size: int):
+        from kvplug.config import RouterConfig
+
+        values: dict[str, Any] = {"router_mode": self.mode, "kv_block_size": block_size}
+        if self.name.split(":", 1)[0] == "approx":
+            values["router_kv_events"] = False
+        values.update(self.overrides)
+        return RouterConfig(**values)
+
+
+def _coerce(raw: str) -> Any:
+    low = raw.lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    for conv in (int, float):
+        try:
+            return conv(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def parse_policy(text: str) -> Policy:
+    """``kv:credit=0.5,temperature=0.1`` -> Policy; ValueError with the reason otherwise."""
+    from kvplug.config import RouterConfig
+
+    base, _, rest = text.strip().partition(":")
+    if base == "approx":
+        mode = "kv"
+    elif base in ("kv", *SIMPLE_MODES):
+        mode = base
+    else:
+        raise ValueError(f"policy {text!r}: {base!r} is not kv, approx or one of {SIMPLE_MODES}")
+    known = {f.name for f in fields(RouterConfig)}
+    overrides: dict[str, Any] = {}
+    for term in filter(None, (t.strip() for t in rest.split(","))):
+        key, sep, raw = term.partition("=")
+        key = ALIASES.get(key.strip(), key.strip().replace("-", "_"))
+        if not sep or key not in known:
+            raise ValueError(f"policy {text!r}: {term!r} is not KEY=VALUE with a router setting")
+        overrides[key] = _coerce(raw.strip())
+    feed = mode == "kv" and base != "approx"
+    if "router_kv_events" in overrides:
+        feed = bool(overrides["router_kv_events"]) and mode == "kv"
+    return Policy(text.strip(), mode, overrides, feed)

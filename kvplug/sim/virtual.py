@@ -1,0 +1,284 @@
+"""Discrete-event replay in virtual time: a trace against N simulated engines, driving the real
+:class:`kvplug.router.Router` (same object the frontend uses, with the virtual clock injected).
+
+Per arrival at time ``t``: every engine runs the steps that start before ``t``; everything they
+reported up to ``t`` reaches the router in time order with the clock set to each item's time
+(``on_first_token``, ``on_output_progress`` at block boundaries, ``on_finish``, and KV events
+after ``event_delay_s``), engine gauges become worker attributes every ``attribute_period_s``;
+then ``router.route()`` picks an engine and the request joins its queue. No sockets, no threads:
+the router sees exactly what it would see live, minus network jitter.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvplug.errors import RoutingError
+from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
+from kvplug.sim.trace import TRACE_BLOCK_TOKENS, TraceRecord, block_hashes_of, expand_tokens
+
+
+class VirtualClock:
+    """The router's clock: returns the driver's current virtual time (seconds)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class PromptLength(Sequence):
+    """Stands in for a prompt's token ids when the router gets precomputed block hashes: it has
+    the prompt's length (the router's load model needs it) but no content."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        raise TypeError("token ids are not materialised in hash mode (block_hashes are given)")
+
+
+@dataclass
+class ReplayConfig:
+    n_engines: int = 8
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    mode: str = "hashes"  # "hashes": precomputed block hashes | "tokens": expanded token ids
+    event_delay_s: float = 0.005  # engine -> router KV event latency (assumption)
+    feed_events: bool = True  # False for routers that ignore KV events (approximate, baselines)
+    attribute_period_s: float = 1.0
+    sample_period_s: float = 10.0  # load-per-engine time series for the plots
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("hashes", "tokens"):
+            raise ValueError(f"mode must be 'hashes' or 'tokens', got {self.mode!r}")
+        if self.n_engines < 1:
+            raise ValueError("n_engines must be >= 1")
+        if self.event_delay_s < 0:
+            raise ValueError("event_delay_s must be >= 0")
+
+
+@dataclass
+class ReplayResult:
+    policy: str
+    requests: list[SimRequest]
+    engines: list[SimEngine]
+    load_samples_t: list[float]
+    load_samples: list[list[int]]  # per sample: running + waiting per engine
+    route_errors: int
+    route_seconds: float  # wall time inside router.route()
+    wall_seconds: float
+    router_stats: dict
+
+
+def _engine_id(i: int) -> str:
+    return f"sim-{i}"
+
+
+def make_fleet(cfg: ReplayConfig) -> list[SimEngine]:
+    return [SimEngine(_engine_id(i), cfg.engine) for i in range(cfg.n_engines)]
+
+
+def replay(
+    records: Sequence[TraceRecord],
+    router_config,
+    cfg: ReplayConfig | None = None,
+    *,
+    policy: str = "",
+    progress: Callable[[int], None] | None = None,
+) -> ReplayResult:
+    """Replay ``records`` through a fresh Router built from ``router_config``."""
+    from kvplug.request import RouteRequest
+    from kvplug.router import Router
+    from kvplug.workers import Worker
+
+    cfg = cfg or ReplayConfig()
+    if router_config.kv_block_size != cfg.engine.block_size:
+        raise ValueError(
+            f"router block size {router_config.kv_block_size} != engine block size "
+            f"{cfg.engine.block_size}"
+        )
+    if cfg.engine.block_size != TRACE_BLOCK_TOKENS:
+        raise ValueError(f"trace replay needs {TRACE_BLOCK_TOKENS}-token engine blocks")
+    clock = VirtualClock()
+    router = Router(router_config, clock=clock, rng=random.Random(cfg.seed))
+    engines = make_fleet(cfg)
+    by_id = {e.worker_id: e for e in engines}
+    for e in engines:
+        router.add_worker(
+            Worker(
+                worker_id=e.worker_id,
+                engine="sim",
+                kv_capacity_blocks=cfg.engine.capacity_blocks,
+                max_batched_tokens=cfg.engine.max_batched_tokens,
+            )
+        )
+    feed_events = cfg.feed_events
+    delay = cfg.event_delay_s
+    heap: list[tuple] = []  # (time, seq, kind, payload)
+    seq = 0
+    requests: list[SimRequest] = []
+    route_errors = 0
+    route_s = 0.0
+    samples_t: list[float] = []
+    samples: list[list[int]] = []
+    next_attr = 0.0
+    next_sample = 0.0
+    tokens_mode = cfg.mode == "tokens"
+
+    def collect() -> None:
+        nonlocal seq
+        for e in engines:
+            out = e.outputs
+            if not out:
+                continue
+            for kind, t, payload in out:
+                if kind == "kv":
+                    if not feed_events:
+                        continue
+                    t += delay
+                seq += 1
+                heapq.heappush(heap, (t, seq, kind, payload))
+            out.clear()
+
+    def deliver(until: float) -> None:
+        while heap and heap[0][0] <= until:
+            t, _, kind, payload = heapq.heappop(heap)
+            clock.now = t
+            if kind == "kv":
+                router.apply_event(payload)
+            elif kind == "first":
+                router.on_first_token(payload.request_id)
+            elif kind == "progress":
+                router.on_output_progress(payload.request_id, payload.generated)
+            else:  # finish
+                if not payload.rejected and math.isnan(payload.first_token):
+                    pass  # cannot happen: a request finishes after its first token
+                router.on_finish(payload.request_id)
+
+    wall0 = time.perf_counter()
+    for i, rec in enumerate(records):
+        t = rec.arrival_s
+        for e in engines:
+            if e.has_work():
+                e.advance(t)
+        collect()
+        deliver(t)
+        clock.now = t
+        if t >= next_attr:
+            for e in engines:
+                router.set_attributes(e.worker_id, e.metrics(), ts=t)
+            next_attr = t + cfg.attribute_period_s
+        if t >= next_sample:
+            samples_t.append(t)
+            samples.append([e.num_running + e.num_waiting for e in engines])
+            next_sample = t + cfg.sample_period_s
+        nf = rec.input_length // TRACE_BLOCK_TOKENS
+        hashes = block_hashes_of(rec.hash_ids, nf)
+        rid = f"r{i}"
+        sreq = SimRequest(rid, t, rec.input_length, max(rec.output_length, 1), hashes, salt=i + 1)
+        if tokens_mode:
+            sreq.token_ids = expand_tokens(rec.hash_ids, rec.input_length)
+            rreq = RouteRequest(request_id=rid, token_ids=sreq.token_ids)
+        else:
+            rreq = RouteRequest(
+                request_id=rid,
+                token_ids=PromptLength(rec.input_length),
+                block_hashes=np.asarray(hashes, dtype=np.uint64),
+            )
+        r0 = time.perf_counter()
+        try:
+            decision = router.route(rreq)
+        except RoutingError:
+            route_errors += 1
+            sreq.rejected = "routing error"
+            requests.append(sreq)
+            continue
+        route_s += time.perf_counter() - r0
+        requests.append(sreq)
+        by_id[decision.worker_id].add_request(sreq, t)
+        if progress is not None:
+            progress(1)
+    for e in engines:
+        e.run_until_idle()
+    collect()
+    deliver(math.inf)
+    return ReplayResult(
+        policy=policy or router_config.router_mode,
+        requests=requests,
+        engines=engines,
+        load_samples_t=samples_t,
+        load_samples=samples,
+        route_errors=route_errors,
+        route_seconds=route_s,
+        wall_seconds=time.perf_counter() - wall0,
+        router_stats=_router_stats(router),
+    )
+
+
+def _router_stats(router) -> dict:
+    try:
+        return dict(router.index.stats())
+    except Exception:  # a router without an index (baselines) has nothing to report
+        return {}
+
+
+def summarize(res: ReplayResult) -> dict:
+    """Per-policy figures: hit rate, TTFT, end-to-end latency, throughput, load imbalance."""
+    done = [r for r in res.requests if not r.rejected and not math.isnan(r.first_token)]
+    prompt_blocks = sum(r.prompt_blocks for r in done)
+    hit_dev = sum(r.hit_device for r in done)
+    hit_host = sum(r.hit_host for r in done)
+    ttft = np.array([r.first_token - r.arrival for r in done]) if done else np.zeros(1)
+    e2e = np.array([r.finished - r.arrival for r in done]) if done else np.zeros(1)
+    out_tokens = sum(r.output_len for r in done)
+    t0 = min((r.arrival for r in res.requests), default=0.0)
+    t1 = max((r.finished for r in done), default=t0)
+    per_engine_req = np.array([e.stats["requests"] for e in res.engines], dtype=float)
+    per_engine_prefill = np.array([e.stats["prefill_tokens"] for e in res.engines], dtype=float)
+    per_engine_busy = np.array([e.stats["busy_s"] for e in res.engines], dtype=float)
+
+    def imbalance(v: np.ndarray) -> float:
+        return float(v.max() / v.mean()) if v.mean() > 0 else 1.0
+
+    return {
+        "policy": res.policy,
+        "requests": len(res.requests),
+        "completed": len(done),
+        "rejected": len(res.requests) - len(done),
+        "prompt_blocks": prompt_blocks,
+        "hit_rate": (hit_dev + hit_host) / prompt_blocks if prompt_blocks else 0.0,
+        "hit_rate_device": hit_dev / prompt_blocks if prompt_blocks else 0.0,
+        "hit_rate_host": hit_host / prompt_blocks if prompt_blocks else 0.0,
+        "ttft_mean_s": float(ttft.mean()),
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p90_s": float(np.percentile(ttft, 90)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "e2e_p50_s": float(np.percentile(e2e, 50)),
+        "e2e_p99_s": float(np.percentile(e2e, 99)),
+        "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / (t1 - t0) if t1 > t0 else 0.0,
+        "prefill_tokens": int(per_engine_prefill.sum()),
+        "imbalance_requests": imbalance(per_engine_req),
+        "imbalance_prefill_tokens": imbalance(per_engine_prefill),
+        "imbalance_busy": imbalance(per_engine_busy),
+        "busy_fraction_mean": float(per_engine_busy.mean() / (t1 - t0)) if t1 > t0 else 0.0,
+        "route_errors": res.route_errors,
+        "route_us_mean": 1e6 * res.route_seconds / max(1, len(res.requests)),
+        "wall_s": res.wall_seconds,
+    }
