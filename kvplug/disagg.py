@@ -1,0 +1,219 @@
+"""Two-stage (disaggregated prefill/decode) dispatch, engine-agnostic.
+
+The engine specifics live in the prefill worker's adapter (``kvplug.adapters``):
+
+* ``PDStyle.SEQUENTIAL`` (vLLM ``kv_transfer_params``, TRT-LLM ``disaggregated_params``):
+  route(PREFILL) -> ``adapter.prefill_request(body)`` -> send, wait for the answer ->
+  ``adapter.decode_request(body, answer)`` -> route(DECODE) -> stream back;
+* ``PDStyle.CONCURRENT`` (SGLang ``bootstrap_host/port/room``): route(PREFILL) and
+  route(DECODE) first, build both bodies, send the prefill hop in the background and stream
+  the decode hop back.
+
+A prefill worker that refuses the connection is marked failed and the prefill retried once on
+the next-best prefill worker. When no prefill worker can be used (none routable, every try
+failed, an answer without transfer metadata), the request falls back to one decode-capable
+worker doing both stages (Dynamo's decode-only fallback); the reason is recorded. A 4xx answer
+from the prefill worker is the client's error and is passed through.
+
+The transport is the caller's (``StageBackend``): this module knows no HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvplug.adapters import PDContext, PDProtocolError, PDStyle
+from kvplug.errors import RoutingError
+from kvplug.workers import Stage
+
+
+class StageUnavailable(Exception):
+    """A stage's worker failed before answering (retry elsewhere)."""
+
+
+class PrefillRejected(Exception):
+    """The prefill worker answered with an error status."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"prefill worker answered HTTP {status}")
+        self.status = status
+        self.body = body
+
+
+class RoutedStage(Protocol):
+    decision: Any  # kvplug.decision.Decision
+    entry: Any  # the worker: .worker (kvplug.workers.Worker), .adapter, .spec.options
+    lifecycle: Any  # kvplug.frontend.lifecycle.Lifecycle (finish() idempotent)
+
+
+class StageBackend(Protocol):
+    def route_stage(
+        self,
+        ctx: Any,
+        stage: Stage,
+        attempt: int,
+        exclude: frozenset[str],
+        allowed: frozenset[str] | None = None,
+    ) -> RoutedStage:
+        """Route one stage (raises RoutingError) and record the decision."""
+
+    async def send_prefill(
+        self, ctx: Any, routed: RoutedStage, body: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any]:
+        """Send the prefill hop and return its JSON answer; releases the stage's load.
+        Raises StageUnavailable (no answer) or PrefillRejected (error status)."""
+
+    def stage_failed(self, routed: RoutedStage, reason: str) -> None:
+        """The worker failed before answering: mark it, release the stage's load."""
+
+    def decode_capable(self) -> frozenset[str]:
+        """Workers that can serve a whole request on the fallback path."""
+
+
+@dataclass
+class DecodePlan:
+    body: dict[str, Any]  # what goes to the decode (or fallback) worker
+    headers: dict[str, str]  # extra headers for that hop (vLLM: the same X-Request-Id)
+    stage: Stage  # DECODE, or AGGREGATED on the fallback path
+    prefill: RoutedStage | None = None
+    decode: RoutedStage | None = None  # already routed (CONCURRENT style)
+    prefill_task: asyncio.Task | None = None  # CONCURRENT: the prefill hop in flight
+    allowed: frozenset[str] | None = None  # fallback: decode-capable workers only
+    fallback_reason: str | None = None
+    prefill_answer: dict[str, Any] | None = None
+
+
+def _fallback(
+    backend: StageBackend, body: dict[str, Any], reason: str, prefill: RoutedStage | None = None
+) -> DecodePlan:
+    return DecodePlan(
+        body=body,
+        headers={},
+        stage=Stage.AGGREGATED,
+        prefill=prefill,
+        allowed=backend.decode_capable(),
+        fallback_reason=reason,
+    )
+
+
+async def plan_two_stage(
+    backend: StageBackend,
+    ctx: Any,
+    body: dict[str, Any],
+    request_id: str,
+    path: str,
+    token_ids: list[int] | None,
+    retries: int = 1,
+) -> DecodePlan:
+    """Run the prefill stage (or start it) and say how to send the decode stage."""
+    exclude: set[str] = set()
+    last_error = "no prefill attempt"
+    for attempt in range(retries + 1):
+        try:
+            pre = backend.route_stage(ctx, Stage.PREFILL, attempt, frozenset(exclude))
+        except RoutingError as exc:
+            return _fallback(backend, body, f"no routable prefill worker: {exc}")
+        adapter = pre.entry.adapter
+        pd = PDContext(
+            request_id=request_id,
+            path=path,
+            prefill_worker=pre.entry.worker,
+            prefill_dp_rank=pre.decision.dp_rank,
+            prefill_options=pre.entry.spec.options,
+            token_ids=token_ids,
+        )
+        if adapter.pd_style is PDStyle.CONCURRENT:
+            return _plan_concurrent(backend, ctx, body, pre, pd, attempt)
+        try:
+            prefill_body = adapter.prefill_request(body, pd)
+        except PDProtocolError as exc:
+            pre.lifecycle.finish()
+            return _fallback(backend, body, str(exc), pre)
+        headers = adapter.request_headers(pd)
+        try:
+            answer = await backend.send_prefill(ctx, pre, prefill_body, headers)
+        except StageUnavailable as exc:
+            backend.stage_failed(pre, str(exc))
+            exclude.add(pre.decision.worker_id)
+            last_error = str(exc)
+            continue
+        except PrefillRejected as exc:
+            if 400 <= exc.status < 500:
+                raise
+            return _fallback(backend, body, str(exc), pre)
+        try:
+            decode_body = adapter.decode_request(body, answer, pd)
+        except PDProtocolError as exc:
+            return _fallback(backend, body, str(exc), pre)
+        return DecodePlan(
+            body=decode_body,
+            headers=headers,
+            stage=Stage.DECODE,
+            prefill=pre,
+            prefill_answer=answer,
+        )
+    return _fallback(backend, body, f"every prefill attempt failed (last: {last_error})")
+
+
+def _plan_concurrent(
+    backend: StageBackend,
+    ctx: Any,
+    body: dict[str, Any],
+    pre: RoutedStage,
+    pd: PDContext,
+    attempt: int,
+) -> DecodePlan:
+    try:
+        dec = backend.route_stage(ctx, Stage.DECODE, attempt, frozenset())
+    except RoutingError:
+        pre.lifecycle.finish()
+        raise
+    pd.decode_worker = dec.entry.worker
+    pd.decode_dp_rank = dec.decision.dp_rank
+    pd.decode_options = dec.entry.spec.options
+    adapter = pre.entry.adapter
+    try:
+        prefill_body = adapter.prefill_request(body, pd)
+        decode_body = adapter.decode_request(body, None, pd)
+    except PDProtocolError as exc:
+        pre.lifecycle.finish()
+        dec.lifecycle.finish()
+        return _fallback(backend, body, str(exc), pre)
+    headers = adapter.request_headers(pd)
+    task = asyncio.ensure_future(_background_prefill(backend, ctx, pre, prefill_body, headers))
+    return DecodePlan(
+        body=decode_body,
+        headers=headers,
+        stage=Stage.DECODE,
+        prefill=pre,
+        decode=dec,
+        prefill_task=task,
+    )
+
+
+async def _background_prefill(
+    backend: StageBackend, ctx: Any, pre: RoutedStage, body: dict[str, Any], headers: dict[str, str]
+) -> Any:
+    try:
+        return await backend.send_prefill(ctx, pre, body, headers)
+    except StageUnavailable as exc:
+        backend.stage_failed(pre, str(exc))
+        return exc
+    except PrefillRejected as exc:
+        return exc
+
+
+async def settle_prefill(plan: DecodePlan, timeout: float = 30.0) -> None:
+    """After the decode hop: let a concurrent prefill hop finish (bounded), then drop it."""
+    task = plan.prefill_task
+    if task is None:
+        return
+    try:
+        await asyncio.wait_for(asyncio.shield(task), timeout)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        task.cancel()
+    finally:
+        if plan.prefill is not None:
+            plan.prefill.lifecycle.finish()

@@ -1,0 +1,114 @@
+"""The admin API: add, drain, undrain, remove and list workers at run time.
+
+Served on its own listener (``--admin-host``, loopback by default; ``--admin-port``) and only
+when ``--admin-token`` (or ``KVPLUG_ADMIN_TOKEN``) is set; every call needs
+``Authorization: Bearer <token>``.
+
+| method | path | body | answer |
+| --- | --- | --- | --- |
+| GET | /admin/workers | - | ``{"workers": [...]}`` |
+| POST | /admin/workers | one worker entry (the YAML keys) | 201, the worker |
+| POST | /admin/workers/{id}/drain | - | the worker (no new requests) |
+| POST | /admin/workers/{id}/undrain | - | the worker |
+| DELETE | /admin/workers/{id} | - | the removed worker |
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+
+from aiohttp import web
+
+from kvplug.errors import ConfigError, UnknownWorker
+from kvplug.frontend.config import spec_from_mapping
+from kvplug.frontend.errors import ApiError
+from kvplug.frontend.fleet import Fleet
+
+log = logging.getLogger(__name__)
+
+
+def _auth_middleware(token: str):
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return ApiError(
+                401,
+                "admin API: missing or wrong bearer token",
+                "authentication_error",
+                "unauthorized",
+            ).response(headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check
+
+
+class AdminApi:
+    def __init__(self, fleet: Fleet, default_engine: str = "vllm", prober=None) -> None:
+        self.fleet = fleet
+        self.default_engine = default_engine
+        self.prober = prober
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        return web.json_response({"workers": [e.describe() for e in self.fleet.workers.values()]})
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        try:
+            data = json.loads(await request.read())
+        except ValueError as exc:
+            return ApiError(400, f"body is not JSON: {exc}", code="invalid_json").response()
+        try:
+            spec = spec_from_mapping(data, "admin add", self.default_engine)
+            entry = await self.fleet.add(spec)
+        except ConfigError as exc:
+            status = 409 if "already exists" in str(exc) else 400
+            return ApiError(status, str(exc), code="invalid_worker").response()
+        if self.prober is not None:
+            await self.prober.probe(entry)
+        log.info("admin: added worker %s", spec.worker_id)
+        return web.json_response(entry.describe(), status=201)
+
+    async def drain_worker(self, request: web.Request) -> web.Response:
+        worker_id = request.match_info["worker_id"]
+        try:
+            entry = self.fleet.drain(worker_id)
+        except UnknownWorker as exc:
+            return ApiError(404, str(exc), code="unknown_worker").response()
+        return web.json_response(entry.describe())
+
+    async def undrain_worker(self, request: web.Request) -> web.Response:
+        worker_id = request.match_info["worker_id"]
+        try:
+            entry = self.fleet.get(worker_id)
+            self.fleet.router.undrain_worker(worker_id)
+        except UnknownWorker as exc:
+            return ApiError(404, str(exc), code="unknown_worker").response()
+        entry.draining = False
+        return web.json_response(entry.describe())
+
+    async def remove_worker(self, request: web.Request) -> web.Response:
+        worker_id = request.match_info["worker_id"]
+        try:
+            entry = await self.fleet.remove(worker_id)
+        except UnknownWorker as exc:
+            return ApiError(404, str(exc), code="unknown_worker").response()
+        return web.json_response(entry.describe())
+
+
+def build_admin_app(
+    fleet: Fleet, token: str, default_engine: str = "vllm", prober=None
+) -> web.Application:
+    if not token:
+        raise ConfigError("the admin API needs a non-empty bearer token")
+    api = AdminApi(fleet, default_engine, prober)
+    app = web.Application(middlewares=[_auth_middleware(token)], client_max_size=1024 * 1024)
+    app.router.add_get("/admin/workers", api.list_workers)
+    app.router.add_post("/admin/workers", api.add_worker)
+    app.router.add_post("/admin/workers/{worker_id}/drain", api.drain_worker)
+    app.router.add_post("/admin/workers/{worker_id}/undrain", api.undrain_worker)
+    app.router.add_delete("/admin/workers/{worker_id}", api.remove_worker)
+    return app

@@ -1,0 +1,585 @@
+"""The public API of ``kvplug serve``.
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not), ``GET /v1/models``,
+``GET /health`` (the process is up), ``GET /ready`` (workers routable, event sources up),
+``GET /metrics`` (Prometheus), ``GET /kvplug/decisions/{id}`` (a recent decision's JSON trace).
+Every routed answer carries ``x-kvplug-decision-id``, ``x-kvplug-worker`` and
+``x-kvplug-dp-rank`` (plus ``x-kvplug-prefill-worker`` / ``x-kvplug-prefill-decision-id`` for
+two-stage requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from kvplug.disagg import (
+    DecodePlan,
+    PrefillRejected,
+    StageUnavailable,
+    plan_two_stage,
+    settle_prefill,
+)
+from kvplug.errors import (
+    AllWorkersOverloaded,
+    InvalidRequest,
+    InvalidTokens,
+    NoCompatibleWorker,
+    PinnedWorkerOverloaded,
+    RoutingError,
+)
+from kvplug.frontend.decisions import DecisionRecord, DecisionStore
+from kvplug.frontend.errors import ApiError, bad_request
+from kvplug.frontend.fleet import Fleet, WorkerEntry
+from kvplug.frontend.health import HealthProber
+from kvplug.frontend.hints import RequestHints, hints_from_request
+from kvplug.frontend.lifecycle import Lifecycle
+from kvplug.frontend.metrics import FrontendMetrics
+from kvplug.frontend.parsing import CHAT, COMPLETIONS, ParsedRequest, parse_request
+from kvplug.frontend.streaming import relay
+from kvplug.frontend.tokens import LocalTokenizer, TokenResolver
+from kvplug.frontend.upstream import Upstream, UpstreamUnavailable, forward_headers
+from kvplug.request import NO_HINTS, RouteRequest, RoutingHints
+from kvplug.workers import Stage
+
+log = logging.getLogger(__name__)
+
+_json = msgspec.json.Encoder()
+
+
+@dataclass
+class ServeSettings:
+    max_prompt_tokens: int = 0  # 0 = no limit
+    max_body_bytes: int = 16 * 1024 * 1024
+    retries: int = 1
+    decision_store_size: int = 10_000
+    health_interval: float = 5.0
+    health_timeout: float = 2.0
+    connect_timeout: float = 5.0
+    request_timeout: float = 600.0
+    prefill_timeout: float = 120.0
+    served_model_names: list[str] = field(default_factory=list)
+    engine_tokenize: bool = True
+
+
+@dataclass(slots=True)
+class RequestContext:
+    key: int
+    request_id: str
+    req: ParsedRequest
+    tokens: list[int] | None
+    token_source: str
+    token_note: str | None
+    hints: RequestHints
+    model_workers: frozenset[str] | None
+    forward: dict[str, str] = field(default_factory=dict)  # client headers for the engine
+    records: list[DecisionRecord] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Routed:
+    decision: Any
+    entry: WorkerEntry
+    lifecycle: Lifecycle
+    record: DecisionRecord
+
+
+_ROUTING_ERRORS = {
+    NoCompatibleWorker: (503, "no_compatible_worker"),
+    AllWorkersOverloaded: (503, "all_workers_overloaded"),
+    PinnedWorkerOverloaded: (503, "pinned_worker_overloaded"),
+}
+
+
+class Frontend:
+    """State of one serving process: router, fleet, upstream client, token resolver, traces."""
+
+    def __init__(
+        self,
+        router: Any,
+        settings: ServeSettings | None = None,
+        tokenizer: LocalTokenizer | None = None,
+    ) -> None:
+        self.router = router
+        self.settings = s = settings or ServeSettings()
+        self.fleet = Fleet(router)
+        self.fleet.configured_models = set(s.served_model_names)
+        self.upstream = Upstream(s.connect_timeout, s.request_timeout)
+        self.prober = HealthProber(self.fleet, self.upstream, s.health_interval, s.health_timeout)
+        self.decisions = DecisionStore(s.decision_store_size)
+        self.metrics = FrontendMetrics()
+        self.metrics.attach_state(self.fleet.snapshot, self._router_stats)
+        self.tokens = TokenResolver(tokenizer, self._engine_tokenize if s.engine_tokenize else None)
+        self.block_size = router.index.block_size
+        self._keys = itertools.count(1)
+        self._req_counters: dict[tuple[str, int], Any] = {}
+        self._tokenize_rr = itertools.count()
+
+    # -- process lifecycle ----------------------------------------------------------------
+    async def start(self, specs=()) -> None:
+        await self.upstream.start()
+        for spec in specs:
+            await self.fleet.add(spec)
+        if self.fleet.workers:
+            await self.prober.probe_all()
+        self.prober.start()
+
+    async def close(self) -> None:
+        await self.prober.stop()
+        await self.fleet.close()
+        await self.upstream.close()
+
+    def _router_stats(self) -> dict[str, Any]:
+        try:
+            return self.router.stats()
+        except Exception:
+            return {}
+
+    # -- HTTP handlers ---------------------------------------------------------------------
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, COMPLETIONS)
+
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, CHAT)
+
+    async def _handle(self, request: web.Request, path: str) -> web.StreamResponse:
+        started = time.perf_counter()
+        m = self.metrics
+        m.inflight.inc()
+        status = 500
+        stream = False
+        try:
+            response, stream = await self._serve(request, path)
+            status = response.status
+            return response
+        except ApiError as exc:
+            status = exc.status
+            if exc.status < 500:
+                m.rejected.labels(exc.code).inc()
+            return exc.response()
+        except Exception as exc:  # a bug: answer cleanly, keep serving
+            log.exception("request to %s failed", path)
+            err = ApiError(
+                500,
+                f"internal error: {type(exc).__name__}: {exc}",
+                "server_error",
+                "internal_error",
+            )
+            return err.response()
+        finally:
+            m.inflight.dec()
+            key = (path, status)
+            counter = self._req_counters.get(key)
+            if counter is None:
+                counter = self._req_counters[key] = m.requests.labels(path, str(status))
+            counter.inc()
+            m.request_seconds.labels(path, "true" if stream else "false").observe(
+                time.perf_counter() - started
+            )
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ApiError(
+                413,
+                f"request body of {request.content_length} bytes is over the "
+                f"{limit}-byte limit (--max-body-bytes)",
+                "invalid_request_error",
+                "body_too_large",
+            )
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(
+                413,
+                f"request body is over the {limit}-byte limit (--max-body-bytes)",
+                "invalid_request_error",
+                "body_too_large",
+            ) from None
+
+    def _check_model(self, req: ParsedRequest) -> frozenset[str] | None:
+        known = self.fleet.models()
+        if known and req.model not in known:
+            raise ApiError(
+                404,
+                f"the model {req.model!r} does not exist; served models: "
+                f"{', '.join(sorted(known))}",
+                "invalid_request_error",
+                "model_not_found",
+                "model",
+            )
+        return self.fleet.workers_for_model(req.model)
+
+    def _check_hint_workers(self, hints: RequestHints) -> None:
+        for worker_id in hints.pins():
+            if worker_id not in self.fleet.workers:
+                raise bad_request(
+                    f"unknown worker {worker_id!r} in the request's routing hints",
+                    code="unknown_worker",
+                )
+        if hints.allowed_worker_ids is not None:
+            unknown = hints.allowed_worker_ids - self.fleet.workers.keys()
+            if unknown == hints.allowed_worker_ids:
+                raise bad_request(
+                    f"none of the allowed workers {sorted(unknown)} is known", code="unknown_worker"
+                )
+
+    async def _serve(self, request: web.Request, path: str) -> tuple[web.StreamResponse, bool]:
+        raw = await self._read_body(request)
+        req = parse_request(raw, path)
+        model_workers = self._check_model(req)
+        hints = hints_from_request(req.nvext, request.headers)
+        self._check_hint_workers(hints)
+        tokens, source, note = await self.tokens.resolve(req)
+        self.metrics.token_source.labels(source).inc()
+        limit = self.settings.max_prompt_tokens
+        if limit and tokens is not None and len(tokens) > limit:
+            raise ApiError(
+                400,
+                f"the prompt has {len(tokens)} tokens, over the limit of "
+                f"{limit} (--max-prompt-tokens)",
+                "invalid_request_error",
+                "context_length_exceeded",
+                "prompt",
+            )
+        request_id = request.headers.get("X-Request-Id") or f"kvplug-{uuid.uuid4().hex}"
+        ctx = RequestContext(
+            next(self._keys), request_id, req, tokens, source, note, hints, model_workers
+        )
+        return await self._dispatch(request, ctx), req.stream
+
+    # -- routing ---------------------------------------------------------------------------
+    def _hints_for(
+        self, ctx: RequestContext, stage: Stage, allowed: frozenset[str] | None
+    ) -> RoutingHints:
+        h = ctx.hints
+        allow = h.allowed_worker_ids
+        for extra in (ctx.model_workers, allowed):
+            if extra is not None:
+                allow = extra if allow is None else allow & extra
+        pin = h.prefill_worker_id if stage is Stage.PREFILL else h.worker_id
+        rank = None if stage is Stage.PREFILL else h.dp_rank
+        if (
+            allow is None
+            and pin is None
+            and rank is None
+            and h.expected_osl is None
+            and not h.labels
+        ):
+            return NO_HINTS
+        return RoutingHints(
+            allowed_worker_ids=allow,
+            pinned_worker_id=pin,
+            pinned_dp_rank=rank,
+            expected_osl=h.expected_osl,
+            labels=dict(h.labels or {}),
+        )
+
+    def route_stage(
+        self,
+        ctx: RequestContext,
+        stage: Stage,
+        attempt: int,
+        exclude: frozenset[str],
+        allowed: frozenset[str] | None = None,
+    ) -> Routed:
+        hints = self._hints_for(ctx, stage, allowed)
+        unhealthy = self.fleet.unhealthy
+        if unhealthy and hints.pinned_worker_id in unhealthy:
+            unhealthy = unhealthy - {hints.pinned_worker_id}  # an explicit pin is tried anyway
+        route_id = f"r{ctx.key}.{stage.value[0]}{attempt}"
+        salt = ctx.req.body.get("cache_salt")
+        rreq = RouteRequest(
+            request_id=route_id,
+            token_ids=ctx.tokens or (),
+            cache_salt=salt if isinstance(salt, str) else None,
+            stage=stage,
+            hints=hints,
+            exclude_workers=exclude | unhealthy if unhealthy else exclude,
+        )
+        t0 = time.perf_counter()
+        try:
+            decision = self.router.route(rreq)
+        except RoutingError as exc:
+            status, code = _ROUTING_ERRORS.get(type(exc), (503, "routing_error"))
+            self.metrics.routing_errors.labels(code).inc()
+            raise ApiError(
+                status, f"no worker can take the request: {exc}", "service_unavailable", code
+            ) from None
+        except (InvalidRequest, InvalidTokens) as exc:
+            raise bad_request(str(exc), code="invalid_request") from None
+        route_s = time.perf_counter() - t0
+        self.metrics.route_seconds.labels(stage.value).observe(route_s)
+        entry = self.fleet.workers[decision.worker_id]
+        record = DecisionRecord(
+            decision,
+            ctx.request_id,
+            stage.value,
+            attempt,
+            ctx.req.path,
+            ctx.req.model,
+            ctx.token_source,
+            ctx.token_note,
+            None if ctx.tokens is None else len(ctx.tokens),
+            entry.url_base,
+            route_s * 1e6,
+        )
+        for other in ctx.records:
+            other.related.append(record.decision_id)
+            record.related.append(other.decision_id)
+        ctx.records.append(record)
+        self.decisions.add(record)
+        return Routed(decision, entry, Lifecycle(self.router, route_id, self.block_size), record)
+
+    def stage_failed(self, routed: Routed, reason: str) -> None:
+        routed.lifecycle.finish()
+        routed.record.outcome = "unavailable"
+        routed.record.error = reason
+        worker_id = routed.decision.worker_id
+        self.fleet.mark_unhealthy(worker_id, reason)
+        self.metrics.upstream_errors.labels(worker_id, "before_first_byte").inc()
+        self.prober.poke()
+
+    def decode_capable(self) -> frozenset[str]:
+        return frozenset(w for w, e in self.fleet.workers.items() if e.spec.role != "prefill")
+
+    async def send_prefill(
+        self, ctx: RequestContext, routed: Routed, body: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any]:
+        entry = routed.entry
+        url = entry.url_base + ctx.req.path
+        hop_headers = {**ctx.forward, **headers}
+        entry.inflight += 1
+        started = time.perf_counter()
+        try:
+            status, answer, raw = await self.upstream.post_json(
+                entry.spec.worker_id, url, body, hop_headers, self.settings.prefill_timeout
+            )
+        except UpstreamUnavailable as exc:
+            raise StageUnavailable(exc.reason) from exc
+        finally:
+            entry.inflight -= 1
+            routed.lifecycle.first_token()
+            routed.lifecycle.finish()
+        rec = routed.record
+        rec.status = status
+        rec.total_s = time.perf_counter() - started
+        if status != 200 or not isinstance(answer, dict):
+            rec.outcome = "engine_error"
+            rec.error = raw[:500].decode(errors="replace")
+            raise PrefillRejected(status, raw)
+        rec.outcome = "ok"
+        return answer
+
+    # -- dispatch -------------------------------------------------------------------------
+    async def _dispatch(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
+        stage = Stage.AGGREGATED
+        body = ctx.req.raw
+        allowed: frozenset[str] | None = None
+        plan: DecodePlan | None = None
+        hop_headers = forward_headers(request.headers, ctx.request_id)
+        ctx.forward = hop_headers
+        if self.fleet.disaggregated:
+            plan = await self._plan(ctx)
+            stage, allowed = plan.stage, plan.allowed
+            body = _json.encode(plan.body) if plan.body is not ctx.req.body else ctx.req.raw
+            hop_headers = {**hop_headers, **plan.headers}
+        try:
+            return await self._send(request, ctx, stage, body, hop_headers, allowed, plan)
+        finally:
+            if plan is not None:
+                await settle_prefill(plan)
+
+    async def _plan(self, ctx: RequestContext) -> DecodePlan:
+        try:
+            plan = await plan_two_stage(
+                self,
+                ctx,
+                ctx.req.body,
+                ctx.request_id,
+                ctx.req.path,
+                ctx.tokens,
+                self.settings.retries,
+            )
+        except PrefillRejected as exc:
+            self.metrics.disagg.labels("prefill_rejected").inc()
+            raise ApiError(
+                exc.status,
+                f"the prefill worker refused the request: "
+                f"{exc.body[:300].decode(errors='replace')}",
+                "invalid_request_error",
+                "prefill_rejected",
+            ) from None
+        if plan.fallback_reason is not None:
+            self.metrics.disagg.labels("fallback").inc()
+            log.warning(
+                "request %s: decode-only fallback: %s", ctx.request_id, plan.fallback_reason
+            )
+        else:
+            self.metrics.disagg.labels("two_stage").inc()
+        return plan
+
+    async def _send(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        stage: Stage,
+        body: bytes,
+        hop_headers: dict[str, str],
+        allowed: frozenset[str] | None,
+        plan: DecodePlan | None,
+    ) -> web.StreamResponse:
+        exclude: set[str] = set()
+        failures: list[str] = []
+        preset = plan.decode if plan is not None else None
+        attempts = 1 if preset is not None else self.settings.retries + 1
+        for attempt in range(attempts):
+            routed = (
+                preset
+                if preset is not None
+                else self.route_stage(ctx, stage, attempt, frozenset(exclude), allowed)
+            )
+            if plan is not None and plan.fallback_reason is not None:
+                routed.record.fallback_reason = plan.fallback_reason
+            entry = routed.entry
+            entry.inflight += 1
+            try:
+                upstream, first = await self.upstream.open(
+                    entry.spec.worker_id, entry.url_base + ctx.req.path, body, hop_headers
+                )
+            except UpstreamUnavailable as exc:
+                entry.inflight -= 1
+                self.stage_failed(routed, exc.reason)
+                exclude.add(routed.decision.worker_id)
+                failures.append(str(exc))
+                if attempt + 1 < attempts:
+                    self.metrics.retries.labels(stage.value).inc()
+                continue
+            try:
+                return await self._relay(request, ctx, routed, upstream, first, plan)
+            finally:
+                entry.inflight -= 1
+                routed.lifecycle.finish()
+                if upstream.content.at_eof():
+                    upstream.release()
+                else:
+                    upstream.close()
+        raise ApiError(
+            502,
+            "the engine failed before answering"
+            f"{' (retried once on another worker)' if attempts > 1 else ''}: "
+            f"{'; '.join(failures)}",
+            "upstream_error",
+            "engine_unavailable",
+        )
+
+    async def _relay(
+        self, request, ctx, routed: Routed, upstream, first: bytes, plan: DecodePlan | None
+    ) -> web.StreamResponse:
+        d = routed.decision
+        headers = {
+            "x-kvplug-decision-id": routed.record.decision_id,
+            "x-kvplug-worker": d.worker_id,
+            "x-kvplug-dp-rank": str(d.dp_rank),
+            "X-Request-Id": ctx.request_id,
+        }
+        if plan is not None and plan.prefill is not None:
+            headers["x-kvplug-prefill-worker"] = plan.prefill.decision.worker_id
+            headers["x-kvplug-prefill-decision-id"] = plan.prefill.record.decision_id
+        response, outcome, error = await relay(request, upstream, first, routed.lifecycle, headers)
+        rec = routed.record
+        lc = routed.lifecycle
+        rec.status = upstream.status
+        rec.outcome = "engine_error" if upstream.status >= 400 and outcome == "ok" else outcome
+        rec.error = error
+        rec.output_tokens = lc.tokens
+        now = time.perf_counter()
+        rec.total_s = now - lc.started
+        if lc.first_at is not None:
+            rec.ttft_s = lc.first_at - lc.started
+            if ctx.req.stream:
+                self.metrics.ttft_seconds.observe(rec.ttft_s)
+        if outcome == "upstream_failed_mid_stream":
+            self.metrics.upstream_errors.labels(d.worker_id, "mid_stream").inc()
+        return response
+
+    # -- engine tokenization --------------------------------------------------------------
+    async def _engine_tokenize(self, req: ParsedRequest) -> list[int]:
+        candidates = [
+            e
+            for e in self.fleet.workers.values()
+            if e.healthy
+            and e.adapter.tokenize_path is not None
+            and (not e.models or req.model in e.models)
+        ]
+        if not candidates:
+            raise RuntimeError("no healthy worker offers a token endpoint")
+        entry = candidates[next(self._tokenize_rr) % len(candidates)]
+        body = entry.adapter.tokenize_body(req.model, prompt=req.prompt_text, messages=req.messages)
+        status, answer, raw = await self.upstream.post_json(
+            entry.spec.worker_id,
+            entry.url_base + entry.adapter.tokenize_path,
+            body,
+            {"Content-Type": "application/json"},
+            timeout=self.settings.connect_timeout,
+        )
+        if status != 200:
+            raise RuntimeError(f"{entry.spec.worker_id} answered HTTP {status}")
+        return entry.adapter.tokens_from_response(answer)
+
+    # -- small endpoints ------------------------------------------------------------------
+    async def handle_models(self, request: web.Request) -> web.Response:
+        now = int(time.time())
+        data = [
+            {"id": m, "object": "model", "created": now, "owned_by": "kvplug"}
+            for m in sorted(self.fleet.models())
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def handle_ready(self, request: web.Request) -> web.Response:
+        ok, detail = self.fleet.ready()
+        return web.json_response(detail, status=200 if ok else 503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        body = await asyncio.get_running_loop().run_in_executor(None, self.metrics.render)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def handle_decision(self, request: web.Request) -> web.Response:
+        decision_id = request.match_info["decision_id"]
+        record = self.decisions.get(decision_id)
+        if record is None:
+            return ApiError(
+                404,
+                f"no recent decision {decision_id!r} (the store keeps the last "
+                f"{self.decisions.capacity})",
+                "invalid_request_error",
+                "decision_not_found",
+            ).response()
+        return web.Response(
+            body=json.dumps(record.to_json()).encode(), content_type="application/json"
+        )
+
+
+def build_app(frontend: Frontend) -> web.Application:
+    app = web.Application(client_max_size=frontend.settings.max_body_bytes)
+    app.router.add_post("/v1/completions", frontend.handle_completions)
+    app.router.add_post("/v1/chat/completions", frontend.handle_chat)
+    app.router.add_get("/v1/models", frontend.handle_models)
+    app.router.add_get("/health", frontend.handle_health)
+    app.router.add_get("/ready", frontend.handle_ready)
+    app.router.add_get("/metrics", frontend.handle_metrics)
+    app.router.add_get("/kvplug/decisions/{decision_id}", frontend.handle_decision)
+    app["frontend"] = frontend
+    return app

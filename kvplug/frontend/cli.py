@@ -1,0 +1,280 @@
+"""``kvplug serve``: an OpenAI-compatible, KV-cache-aware routing frontend for a fleet of
+engines (vLLM, SGLang, TRT-LLM or any OpenAI-compatible server)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from kvplug.errors import ConfigError, KvplugError
+
+DESCRIPTION = """\
+Serve the OpenAI API on one URL and route every request to the engine that holds most of its
+prompt in KV cache and has the least load (Dynamo's KV-router cost, kvplug's index).
+
+examples:
+  kvplug serve --worker http://10.0.0.1:8000 --worker http://10.0.0.2:8000 \\
+      --kv-block-size 16 --tokenizer /models/llama-3-8b
+  kvplug serve --worker-config workers.yaml --admin-token "$TOKEN"
+"""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI API in front of a fleet of engines",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_serve_arguments(parser)
+    from kvplug.config import add_router_arguments
+
+    add_router_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("serving")
+    g.add_argument("--host", default="0.0.0.0", help="address of the OpenAI API (default 0.0.0.0)")
+    g.add_argument(
+        "--port",
+        "--http-port",
+        dest="port",
+        type=int,
+        default=8000,
+        help="port of the OpenAI API (default 8000)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="model name clients may ask for (repeatable); default: discovered from "
+        "the workers' /v1/models and the worker config's 'models'",
+    )
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="refuse prompts longer than N tokens with HTTP 400 (0 = no limit; "
+        "checked when token ids are known)",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        metavar="N",
+        help="refuse request bodies over N bytes with HTTP 413 (default 16 MiB)",
+    )
+    g.add_argument(
+        "--decision-store-size",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="recent decisions kept for GET /kvplug/decisions/{id} (default 10000)",
+    )
+    g.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="default info",
+    )
+
+    w = parser.add_argument_group("workers")
+    w.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="[ID=]URL",
+        help="an engine's base URL, e.g. http://10.0.0.1:8000 (repeatable); the id "
+        "defaults to host:port",
+    )
+    w.add_argument(
+        "--worker-engine",
+        default="vllm",
+        metavar="KIND",
+        help="engine kind (adapter) of --worker engines and of YAML entries without "
+        "'engine' (default vllm; built-in kinds: openai, vllm, sglang, trtllm)",
+    )
+    w.add_argument(
+        "--worker-config",
+        metavar="YAML",
+        help="workers file: engine, url, role, event_endpoint, replay_endpoint, "
+        "metrics_url, labels, taints, dp_start, dp_size, device, models, options "
+        "(see docs/frontend.md)",
+    )
+
+    t = parser.add_argument_group("tokens")
+    t.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="local tokenizer directory (tokenizer.json + tokenizer_config.json "
+        "with the chat template); nothing is downloaded",
+    )
+    t.add_argument(
+        "--no-engine-tokenize",
+        dest="engine_tokenize",
+        action="store_false",
+        help="never ask an engine's /tokenize (route on load when token ids are unknown)",
+    )
+
+    f = parser.add_argument_group("failures and health")
+    f.add_argument(
+        "--retries",
+        type=int,
+        default=1,
+        metavar="N",
+        help="retries on another worker when an engine fails before its first byte (default 1)",
+    )
+    f.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds to connect to an engine (default 5)",
+    )
+    f.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds without a byte from an engine before the request fails (default 600)",
+    )
+    f.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds for a disaggregated prefill hop (default 120)",
+    )
+    f.add_argument(
+        "--health-interval",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between health probes of every worker (default 5; 0 = off)",
+    )
+    f.add_argument(
+        "--health-timeout",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds a health probe may take (default 2)",
+    )
+
+    a = parser.add_argument_group("admin API")
+    a.add_argument(
+        "--admin-host",
+        default="127.0.0.1",
+        help="address of the admin API (default 127.0.0.1: loopback only)",
+    )
+    a.add_argument(
+        "--admin-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="port of the admin API (default --port + 1)",
+    )
+    a.add_argument(
+        "--admin-token",
+        default=os.environ.get("KVPLUG_ADMIN_TOKEN"),
+        help="bearer token of the admin API (or env KVPLUG_ADMIN_TOKEN); without "
+        "it the admin API is off",
+    )
+
+
+def settings_from_args(args: argparse.Namespace):
+    from kvplug.frontend.app import ServeSettings
+
+    for name in ("max_prompt_tokens", "max_body_bytes", "retries", "decision_store_size"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+    return ServeSettings(
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_body_bytes=args.max_body_bytes,
+        retries=args.retries,
+        decision_store_size=args.decision_store_size,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        connect_timeout=args.connect_timeout,
+        request_timeout=args.request_timeout,
+        prefill_timeout=args.prefill_timeout,
+        served_model_names=list(args.served_model_name),
+        engine_tokenize=args.engine_tokenize,
+    )
+
+
+def specs_from_args(args: argparse.Namespace):
+    from kvplug.frontend.config import check_unique, load_worker_config, parse_worker_flag
+
+    specs = [parse_worker_flag(w, args.worker_engine) for w in args.worker]
+    if args.worker_config:
+        specs += load_worker_config(args.worker_config, args.worker_engine)
+    check_unique(specs)
+    return specs
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from kvplug.config import RouterConfig
+    from kvplug.frontend.server import start_frontend
+    from kvplug.frontend.tokens import LocalTokenizer
+    from kvplug.router import Router
+
+    settings = settings_from_args(args)
+    specs = specs_from_args(args)
+    if not specs:
+        logging.getLogger("kvplug").warning(
+            "no workers given: add them with --worker, --worker-config or the admin API"
+        )
+    tokenizer = LocalTokenizer(args.tokenizer) if args.tokenizer else None
+    router = Router(RouterConfig.from_args(args))
+    admin_port = args.admin_port if args.admin_port is not None else args.port + 1
+    running = await start_frontend(
+        router,
+        specs,
+        settings,
+        host=args.host,
+        port=args.port,
+        tokenizer=tokenizer,
+        admin_token=args.admin_token,
+        admin_host=args.admin_host,
+        admin_port=admin_port,
+        default_engine=args.worker_engine,
+    )
+    log = logging.getLogger("kvplug.serve")
+    log.info("kvplug serving the OpenAI API on %s (%d workers)", running.url, len(specs))
+    if running.admin_url:
+        log.info("admin API on %s", running.admin_url)
+    else:
+        log.info("admin API off (set --admin-token to enable it)")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except NotImplementedError:  # not on this platform
+            pass
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        await running.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(_serve(args))
+    except (ConfigError, KvplugError) as exc:
+        print(f"kvplug serve: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0

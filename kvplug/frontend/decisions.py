@@ -1,0 +1,135 @@
+"""A bounded store of recent routing decisions, for ``GET /kvplug/decisions/{id}``.
+
+Records keep the router's ``Decision`` object and the frontend's facts about the request (token
+source, attempts, outcome, timings); JSON is built only when someone asks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from typing import Any
+
+
+class DecisionRecord:
+    __slots__ = (
+        "decision",
+        "decision_id",
+        "request_id",
+        "stage",
+        "attempt",
+        "path",
+        "model",
+        "token_source",
+        "token_note",
+        "prompt_tokens",
+        "worker_id",
+        "dp_rank",
+        "worker_url",
+        "status",
+        "outcome",
+        "error",
+        "route_us",
+        "ttft_s",
+        "total_s",
+        "output_tokens",
+        "related",
+        "created",
+        "fallback_reason",
+    )
+
+    def __init__(
+        self,
+        decision: Any,
+        request_id: str,
+        stage: str,
+        attempt: int,
+        path: str,
+        model: str,
+        token_source: str,
+        token_note: str | None,
+        prompt_tokens: int | None,
+        worker_url: str | None,
+        route_us: float,
+    ) -> None:
+        self.decision = decision
+        self.decision_id = str(decision.decision_id)
+        self.request_id = request_id
+        self.stage = stage
+        self.attempt = attempt
+        self.path = path
+        self.model = model
+        self.token_source = token_source
+        self.token_note = token_note
+        self.prompt_tokens = prompt_tokens
+        self.worker_id = decision.worker_id
+        self.dp_rank = decision.dp_rank
+        self.worker_url = worker_url
+        self.status: int | None = None
+        self.outcome = "in_flight"
+        self.error: str | None = None
+        self.route_us = route_us
+        self.ttft_s: float | None = None
+        self.total_s: float | None = None
+        self.output_tokens: int | None = None
+        self.related: list[str] = []  # other decisions of the same request (retries, P/D stages)
+        self.created = time.time()
+        self.fallback_reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        to_dict = getattr(self.decision, "to_dict", None)
+        trace = to_dict() if to_dict is not None else json.loads(self.decision.to_json())
+        return {
+            "decision_id": self.decision_id,
+            "request_id": self.request_id,
+            "stage": self.stage,
+            "attempt": self.attempt,
+            "path": self.path,
+            "model": self.model,
+            "worker_id": self.worker_id,
+            "dp_rank": self.dp_rank,
+            "worker_url": self.worker_url,
+            "tokens": {
+                "source": self.token_source,
+                "count": self.prompt_tokens,
+                "note": self.token_note,
+            },
+            "outcome": self.outcome,
+            "status": self.status,
+            "error": self.error,
+            "fallback_reason": self.fallback_reason,
+            "timings": {
+                "route_us": round(self.route_us, 1),
+                "ttft_s": self.ttft_s,
+                "total_s": self.total_s,
+            },
+            "output_tokens": self.output_tokens,
+            "related_decisions": list(self.related),
+            "created_unix": self.created,
+            "router": trace,
+        }
+
+
+class DecisionStore:
+    """LRU of the last ``capacity`` decisions (lookups refresh an entry)."""
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self.capacity = max(0, capacity)
+        self._records: OrderedDict[str, DecisionRecord] = OrderedDict()
+
+    def add(self, record: DecisionRecord) -> None:
+        if self.capacity == 0:
+            return
+        self._records[record.decision_id] = record
+        if len(self._records) > self.capacity:
+            self._records.popitem(last=False)
+
+    def get(self, decision_id: str) -> DecisionRecord | None:
+        record = self._records.get(decision_id)
+        if record is not None:
+            self._records.move_to_end(decision_id)
+        return record
+
+    def __len__(self) -> int:
+        return len(self._records)

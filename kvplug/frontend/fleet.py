@@ -1,0 +1,270 @@
+"""The workers behind one frontend: specs, the router's view, adapters, event sinks, health.
+
+Adding a worker registers it with the router and starts its adapter's event source; removing
+does the reverse. Health is the frontend's: an engine that failed a request or a probe is
+``unhealthy`` and excluded from routing (``RouteRequest.exclude_workers``) until a probe passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from kvplug.adapters import EngineAdapter, PDStyle, create_adapter
+from kvplug.errors import ConfigError, UnknownWorker
+from kvplug.frontend.config import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+class FleetSink:
+    """Where one worker's adapter puts events and attributes (kvplug.adapters.WorkerSink)."""
+
+    __slots__ = (
+        "worker_id",
+        "block_size",
+        "_router",
+        "_loop",
+        "events",
+        "last_event_at",
+        "errors",
+        "active",
+    )
+
+    def __init__(self, worker_id: str, router: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker_id = worker_id
+        self.block_size = router.index.block_size
+        self._router = router
+        self._loop = loop
+        self.events = 0
+        self.errors = 0
+        self.last_event_at: float | None = None
+        self.active = True  # false once the worker is removed: late events are dropped
+
+    def apply(self, event) -> None:
+        if not self.active:
+            return
+        try:
+            self._router.apply_event(event)
+        except Exception as exc:  # a bad event must never take the frontend down
+            self.errors += 1
+            log.warning("worker %s: event dropped: %s", self.worker_id, exc)
+            return
+        self.events += 1
+        self.last_event_at = time.monotonic()
+
+    def apply_many(self, events: Iterable) -> None:
+        for event in events:
+            self.apply(event)
+
+    def apply_threadsafe(self, events: Iterable) -> None:
+        self._loop.call_soon_threadsafe(self.apply_many, list(events))
+
+    def set_attributes(self, values: dict[str, float], ts: float | None = None) -> None:
+        if self.active:
+            self._router.set_attributes(self.worker_id, values, ts)
+
+
+class WorkerEntry:
+    __slots__ = (
+        "spec",
+        "worker",
+        "adapter",
+        "sink",
+        "healthy",
+        "draining",
+        "last_error",
+        "last_probe",
+        "models",
+        "inflight",
+        "url_base",
+    )
+
+    def __init__(
+        self, spec: WorkerSpec, worker: Any, adapter: EngineAdapter, sink: FleetSink
+    ) -> None:
+        self.spec = spec
+        self.worker = worker
+        self.adapter = adapter
+        self.sink = sink
+        self.healthy = True  # optimistic until a request or a probe fails
+        self.draining = False
+        self.last_error: str | None = None
+        self.last_probe: float | None = None
+        self.models: set[str] = set(spec.models)
+        self.inflight = 0
+        self.url_base = spec.url
+
+    def describe(self) -> dict[str, Any]:
+        ready = self.adapter.events_ready(self.spec.worker_id)
+        return {
+            **self.spec.to_dict(),
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "inflight": self.inflight,
+            "last_error": self.last_error,
+            "events": self.sink.events,
+            "event_errors": self.sink.errors,
+            "events_ready": ready,
+            "last_event_age_s": (
+                None
+                if self.sink.last_event_at is None
+                else round(time.monotonic() - self.sink.last_event_at, 3)
+            ),
+            "served_models": sorted(self.models),
+        }
+
+
+class Fleet:
+    def __init__(self, router: Any) -> None:
+        self.router = router
+        self.workers: dict[str, WorkerEntry] = {}
+        self.adapters: dict[str, EngineAdapter] = {}
+        self.unhealthy: frozenset[str] = frozenset()
+        self.configured_models: set[str] = set()
+        self._lock = asyncio.Lock()
+
+    # -- membership -------------------------------------------------------------------------
+    def adapter_for(self, kind: str) -> EngineAdapter:
+        adapter = self.adapters.get(kind)
+        if adapter is None:
+            adapter = self.adapters[kind] = create_adapter(kind)
+        return adapter
+
+    async def add(self, spec: WorkerSpec) -> WorkerEntry:
+        async with self._lock:
+            if spec.worker_id in self.workers:
+                raise ConfigError(f"worker {spec.worker_id!r} already exists")
+            adapter = self.adapter_for(spec.engine)
+            if spec.role == "prefill" and adapter.pd_style is PDStyle.NONE:
+                raise ConfigError(
+                    f"worker {spec.worker_id}: engine kind {spec.engine!r} has no "
+                    "disaggregated mode, it cannot be a prefill worker"
+                )
+            worker = spec.to_worker()
+            self.router.add_worker(worker)
+            sink = FleetSink(spec.worker_id, self.router, asyncio.get_running_loop())
+            entry = WorkerEntry(spec, worker, adapter, sink)
+            self.workers[spec.worker_id] = entry
+            try:
+                await adapter.start_worker(worker, sink)
+            except Exception as exc:
+                del self.workers[spec.worker_id]
+                sink.active = False
+                self.router.remove_worker(spec.worker_id)
+                raise ConfigError(
+                    f"worker {spec.worker_id}: its {spec.engine} adapter failed to start: {exc}"
+                ) from exc
+            log.info(
+                "worker %s added (%s %s, role %s)", spec.worker_id, spec.engine, spec.url, spec.role
+            )
+            return entry
+
+    def drain(self, worker_id: str) -> WorkerEntry:
+        entry = self.get(worker_id)
+        self.router.drain_worker(worker_id)
+        entry.draining = True
+        log.info("worker %s draining (%d in flight)", worker_id, entry.inflight)
+        return entry
+
+    async def remove(self, worker_id: str) -> WorkerEntry:
+        async with self._lock:
+            entry = self.get(worker_id)
+            entry.sink.active = False
+            del self.workers[worker_id]
+            self.router.remove_worker(worker_id)
+            self._refresh_unhealthy()
+            try:
+                await entry.adapter.stop_worker(worker_id)
+            except Exception as exc:
+                log.warning("worker %s: adapter stop failed: %s", worker_id, exc)
+            log.info("worker %s removed", worker_id)
+            return entry
+
+    async def close(self) -> None:
+        for worker_id in list(self.workers):
+            entry = self.workers[worker_id]
+            entry.sink.active = False
+            try:
+                await entry.adapter.stop_worker(worker_id)
+            except Exception as exc:
+                log.warning("worker %s: adapter stop failed: %s", worker_id, exc)
+        for adapter in self.adapters.values():
+            try:
+                await adapter.close()
+            except Exception as exc:
+                log.warning("adapter %s close failed: %s", adapter.kind, exc)
+
+    def get(self, worker_id: str) -> WorkerEntry:
+        entry = self.workers.get(worker_id)
+        if entry is None:
+            raise UnknownWorker(f"unknown worker {worker_id!r}")
+        return entry
+
+    # -- health ------------------------------------------------------------------------------
+    def _refresh_unhealthy(self) -> None:
+        self.unhealthy = frozenset(w for w, e in self.workers.items() if not e.healthy)
+
+    def mark_unhealthy(self, worker_id: str, reason: str) -> None:
+        entry = self.workers.get(worker_id)
+        if entry is None:
+            return
+        if entry.healthy:
+            log.warning("worker %s marked unhealthy: %s", worker_id, reason)
+        entry.healthy = False
+        entry.last_error = reason
+        self._refresh_unhealthy()
+
+    def mark_healthy(self, worker_id: str) -> None:
+        entry = self.workers.get(worker_id)
+        if entry is None or entry.healthy:
+            return
+        log.info("worker %s healthy again", worker_id)
+        entry.healthy = True
+        self._refresh_unhealthy()
+
+    # -- views --------------------------------------------------------------------------------
+    @property
+    def disaggregated(self) -> bool:
+        """Two-stage dispatch when a prefill-role worker takes requests."""
+        return any(e.spec.role == "prefill" and not e.draining for e in self.workers.values())
+
+    def models(self) -> set[str]:
+        names = set(self.configured_models)
+        for e in self.workers.values():
+            names |= e.models
+        return names
+
+    def workers_for_model(self, model: str) -> frozenset[str] | None:
+        """Workers known to serve ``model``; None when every worker may (nothing known)."""
+        if not any(e.models for e in self.workers.values()):
+            return None
+        serving = frozenset(w for w, e in self.workers.items() if model in e.models or not e.models)
+        return None if len(serving) == len(self.workers) else serving
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": w,
+                "healthy": e.healthy,
+                "draining": e.draining,
+                "inflight": e.inflight,
+                "events": e.sink.events,
+            }
+            for w, e in list(self.workers.items())
+        ]
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        """Ready = at least one healthy, non-draining worker, and every event source is up."""
+        routable = [w for w, e in self.workers.items() if e.healthy and not e.draining]
+        waiting = [w for w, e in self.workers.items() if e.adapter.events_ready(w) is False]
+        ok = bool(routable) and not waiting
+        return ok, {
+            "ready": ok,
+            "routable_workers": routable,
+            "event_sources_not_ready": waiting,
+            "workers": len(self.workers),
+        }

@@ -1,0 +1,95 @@
+"""Background health probing: every worker's health path each interval; a passing probe makes
+an unhealthy worker routable again. Workers whose served models are not configured have them
+discovered from ``GET /v1/models`` once healthy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from kvplug.frontend.fleet import Fleet, WorkerEntry
+from kvplug.frontend.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+
+class HealthProber:
+    def __init__(
+        self, fleet: Fleet, upstream: Upstream, interval: float = 5.0, timeout: float = 2.0
+    ) -> None:
+        self.fleet = fleet
+        self.upstream = upstream
+        self.interval = interval
+        self.timeout = timeout
+        self._task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+
+    def start(self) -> None:
+        if self._task is None and self.interval > 0:
+            self._task = asyncio.create_task(self._run(), name="kvplug-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def poke(self) -> None:
+        """Probe now (a request just failed on some worker)."""
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.probe_all()
+            except Exception:  # never let the prober die
+                log.exception("health probe round failed")
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.interval)
+                await asyncio.sleep(min(0.2, self.interval))  # let a burst of failures settle
+            except asyncio.TimeoutError:
+                pass
+
+    async def probe_all(self) -> None:
+        entries = list(self.fleet.workers.values())
+        if entries:
+            await asyncio.gather(*(self.probe(e) for e in entries))
+
+    async def probe(self, entry: WorkerEntry) -> bool:
+        worker_id = entry.spec.worker_id
+        url = entry.url_base + entry.adapter.health_path
+        try:
+            status, _ = await self.upstream.get(url, self.timeout)
+            ok, reason = status == 200, f"health probe answered HTTP {status}"
+        except Exception as exc:
+            ok, reason = False, f"health probe failed: {type(exc).__name__}: {exc}"
+        entry.last_probe = time.monotonic()
+        if worker_id not in self.fleet.workers:
+            return ok  # removed meanwhile
+        if ok:
+            self.fleet.mark_healthy(worker_id)
+            if not entry.models and not entry.spec.models:
+                await self._discover_models(entry)
+        else:
+            self.fleet.mark_unhealthy(worker_id, reason)
+        return ok
+
+    async def _discover_models(self, entry: WorkerEntry) -> None:
+        try:
+            status, body = await self.upstream.get(entry.url_base + "/v1/models", self.timeout)
+            if status != 200:
+                return
+            data = json.loads(body).get("data") or []
+            names = {m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)}
+        except Exception as exc:
+            log.debug("worker %s: model discovery failed: %s", entry.spec.worker_id, exc)
+            return
+        if names:
+            entry.models = names
+            log.info("worker %s serves %s", entry.spec.worker_id, sorted(names))

@@ -1,0 +1,144 @@
+"""Prometheus metrics of the frontend (one registry per app, so several apps can coexist)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+)
+_ROUTE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
+
+
+class _StateCollector:
+    """Per-worker gauges read at scrape time (health, events, in-flight) - no hot-path cost."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], Iterable[dict[str, Any]]],
+        router_stats: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._snapshot = snapshot
+        self._router_stats = router_stats
+
+    def collect(self):
+        healthy = GaugeMetricFamily(
+            "kvplug_worker_healthy",
+            "1 if the worker passes health checks and takes requests",
+            labels=["worker"],
+        )
+        draining = GaugeMetricFamily(
+            "kvplug_worker_draining", "1 if the worker is draining", labels=["worker"]
+        )
+        inflight = GaugeMetricFamily(
+            "kvplug_worker_inflight_requests",
+            "requests the frontend has in flight on the worker",
+            labels=["worker"],
+        )
+        events = GaugeMetricFamily(
+            "kvplug_worker_kv_events",
+            "KV events received from the worker since it was added",
+            labels=["worker"],
+        )
+        for w in self._snapshot():
+            wid = w["id"]
+            healthy.add_metric([wid], 1.0 if w["healthy"] else 0.0)
+            draining.add_metric([wid], 1.0 if w["draining"] else 0.0)
+            inflight.add_metric([wid], float(w["inflight"]))
+            events.add_metric([wid], float(w["events"]))
+        yield from (healthy, draining, inflight, events)
+        stats = GaugeMetricFamily(
+            "kvplug_router_stat", "Router and KV index counters", labels=["stat"]
+        )
+        for key, value in _flatten(self._router_stats() or {}):
+            stats.add_metric([key], value)
+        yield stats
+
+
+def _flatten(d: dict, prefix: str = ""):
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _flatten(value, name + ".")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield name, float(value)
+
+
+class FrontendMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvplug_requests",
+            "Client requests by endpoint and HTTP status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "kvplug_request_duration_seconds",
+            "Time from request to last byte",
+            ["endpoint", "stream"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "kvplug_time_to_first_token_seconds",
+            "Time from request to the first streamed event",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.route_seconds = Histogram(
+            "kvplug_route_duration_seconds",
+            "Router decision time (hash, query, filters, cost, pick)",
+            ["stage"],
+            buckets=_ROUTE_BUCKETS,
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvplug_rejected_requests", "Requests refused before routing", ["reason"], registry=r
+        )
+        self.routing_errors = Counter(
+            "kvplug_routing_errors", "Router refusals by class", ["error"], registry=r
+        )
+        self.retries = Counter(
+            "kvplug_retries", "Requests retried on another worker", ["stage"], registry=r
+        )
+        self.upstream_errors = Counter(
+            "kvplug_upstream_errors", "Engine failures by phase", ["worker", "phase"], registry=r
+        )
+        self.token_source = Counter(
+            "kvplug_token_source", "Where routing token ids came from", ["source"], registry=r
+        )
+        self.disagg = Counter(
+            "kvplug_disaggregated_requests",
+            "Two-stage (P/D) requests by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self.inflight = Gauge("kvplug_inflight_requests", "Client requests in flight", registry=r)
+
+    def attach_state(self, snapshot, router_stats) -> None:
+        self.registry.register(_StateCollector(snapshot, router_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

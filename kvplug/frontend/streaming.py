@@ -1,0 +1,199 @@
+"""Relay an engine's answer to the client: SSE streams chunk by chunk with the payload bytes
+unchanged, non-streamed bodies whole; output tokens are counted on the side to drive the
+request's lifecycle.
+
+Counting rule per SSE ``data:`` event: a ``usage.completion_tokens`` field is authoritative (the
+running total); otherwise each choice adds ``len(token_ids)`` when the engine returns token ids,
+else 1 when it carries text, content, reasoning or tool calls. One event is one decoding step in
+vLLM, SGLang and TRT-LLM's OpenAI servers, so this is exact unless the engine batches steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from kvplug.frontend.lifecycle import Lifecycle
+
+log = logging.getLogger(__name__)
+
+
+class _Delta(msgspec.Struct):
+    content: Any = None
+    reasoning_content: Any = None
+    reasoning: Any = None
+    tool_calls: Any = None
+
+
+class _Choice(msgspec.Struct):
+    text: Any = None
+    delta: _Delta | None = None
+    token_ids: Any = None
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+
+
+class _Body(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_chunk_decoder = msgspec.json.Decoder(_Chunk)
+_body_decoder = msgspec.json.Decoder(_Body)
+
+
+class SseCounter:
+    """Incremental SSE parser: counts data events and generated tokens."""
+
+    __slots__ = ("_buf", "events", "tokens", "done", "engine_error", "unparsed")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.events = 0  # data events other than [DONE]
+        self.tokens = 0
+        self.done = False
+        self.engine_error: Any = None  # an {"error": ...} event the engine streamed
+        self.unparsed = 0
+
+    def feed(self, chunk: bytes) -> None:
+        buf = self._buf + chunk if self._buf else chunk
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        start = 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            self._event(buf[start:end])
+            start = end + 2
+        self._buf = buf[start:]
+
+    def _event(self, block: bytes) -> None:
+        for line in block.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue  # comments, event:, id:, retry:
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                continue
+            self.events += 1
+            try:
+                chunk = _chunk_decoder.decode(payload)
+            except msgspec.DecodeError:
+                self.unparsed += 1
+                self.tokens += 1  # an engine step we cannot read still is a step
+                continue
+            if chunk.error is not None:
+                self.engine_error = chunk.error
+            if chunk.usage is not None and chunk.usage.completion_tokens is not None:
+                self.tokens = max(self.tokens, chunk.usage.completion_tokens)
+                continue
+            for choice in chunk.choices or ():
+                if choice.token_ids:
+                    self.tokens += len(choice.token_ids)
+                elif choice.text:
+                    self.tokens += 1
+                elif choice.delta is not None and (
+                    choice.delta.content
+                    or choice.delta.reasoning_content
+                    or choice.delta.reasoning
+                    or choice.delta.tool_calls
+                ):
+                    self.tokens += 1
+
+
+def completion_tokens(body: bytes) -> int | None:
+    """``usage.completion_tokens`` of a non-streamed answer, if it has one."""
+    try:
+        usage = _body_decoder.decode(body).usage
+    except msgspec.DecodeError:
+        return None
+    return usage.completion_tokens if usage is not None else None
+
+
+def sse_error(message: str, code: int = 502, type_: str = "upstream_error") -> bytes:
+    payload = {"error": {"message": message, "type": type_, "code": code}}
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def response_headers(upstream: aiohttp.ClientResponse, extra: dict[str, str]) -> dict[str, str]:
+    headers = {"Content-Type": upstream.headers.get("Content-Type", "application/json")}
+    rid = upstream.headers.get("X-Request-Id")
+    if rid:
+        headers["X-Request-Id"] = rid
+    headers.update(extra)
+    return headers
+
+
+async def relay(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    first_chunk: bytes,
+    lifecycle: Lifecycle,
+    extra_headers: dict[str, str],
+) -> tuple[web.StreamResponse, str, str | None]:
+    """Send the engine's answer to the client. Returns (response, outcome, error).
+
+    The caller owns ``lifecycle.finish()`` and releasing ``upstream``.
+    """
+    ctype = upstream.headers.get("Content-Type", "")
+    headers = response_headers(upstream, extra_headers)
+    if not ctype.startswith("text/event-stream"):
+        # whole body: small answers (non-streamed completions, engine errors)
+        body = first_chunk + await upstream.content.read() if first_chunk else b""
+        lifecycle.first_token()
+        if upstream.status == 200:
+            total = completion_tokens(body)
+            if total:
+                lifecycle.output(total)
+        return web.Response(status=upstream.status, body=body, headers=headers), "ok", None
+
+    headers["Cache-Control"] = "no-cache"
+    out = web.StreamResponse(status=upstream.status, headers=headers)
+    await out.prepare(request)
+    counter = SseCounter()
+    bs = lifecycle.block_size
+    chunk = first_chunk
+    outcome, error = "ok", None
+    try:
+        while chunk:
+            before = counter.tokens
+            counter.feed(chunk)
+            if counter.events and not lifecycle.first_seen:
+                lifecycle.first_token()
+            if counter.tokens // bs != before // bs:
+                lifecycle.output(counter.tokens)
+            await out.write(chunk)
+            chunk = await upstream.content.readany()
+        lifecycle.output(counter.tokens)
+        if counter.engine_error is not None:
+            outcome, error = "engine_error", json.dumps(counter.engine_error)[:500]
+    except ConnectionResetError:
+        # the client went away: closing the engine connection makes the engine abort
+        upstream.close()
+        return out, "client_disconnected", "client closed the connection"
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        outcome, error = "upstream_failed_mid_stream", f"{type(exc).__name__}: {exc}"
+        log.warning("engine stream broke after the first byte: %s", error)
+        try:
+            await out.write(sse_error(f"the engine failed mid-stream: {error}"))
+        except ConnectionResetError:
+            pass
+    try:
+        await out.write_eof()
+    except ConnectionResetError:
+        outcome = outcome if outcome != "ok" else "client_disconnected"
+    return out, outcome, error
