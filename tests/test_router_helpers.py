@@ -37,12 +37,26 @@ def tokens(n_blocks: int, start: int = 0) -> list[int]:
     return list(range(start, start + n_blocks * BS))
 
 
-def store_prefix(r: Router, worker: str, toks, n_blocks: int, *, dp_rank: int = 0,
-                 tier: Tier = Tier.DEVICE, shared: bool = False, engine_base: int = 0) -> None:
+def store_prefix(
+    r: Router,
+    worker: str,
+    toks,
+    n_blocks: int,
+    *,
+    dp_rank: int = 0,
+    tier: Tier = Tier.DEVICE,
+    shared: bool = False,
+    engine_base: int = 0,
+) -> None:
     """Index the first n_blocks of toks on a worker, through a real BlockStored event."""
     h = np.asarray(r.index.request_hashes(np.asarray(toks, dtype=np.uint32)), dtype=np.uint64)
-    r.apply_event(BlockStored(
-        worker_id=worker, dp_rank=dp_rank, tier=tier, shared=shared,
-        engine_hashes=[engine_base + i for i in range(n_blocks)],
-        block_hashes=[int(x) for x in h[:n_blocks]],
-    ))
+    r.apply_event(
+        BlockStored(
+            worker_id=worker,
+            dp_rank=dp_rank,
+            tier=tier,
+            shared=shared,
+            engine_hashes=[engine_base + i for i in range(n_blocks)],
+            block_hashes=[int(x) for x in h[:n_blocks]],
+        )
+    )

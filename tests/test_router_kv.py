@@ -27,16 +27,20 @@ def seed_example_router(**cfg):
         store_prefix(r, w, toks, n)
     # active decode blocks such that active + incoming (10 - overlap) = 10, 5, 9
     for w, n in (("w1", 2), ("w3", 7)):
-        r.route(RouteRequest(f"pre-{w}", tokens(n, start=50_000),
-                             hints=RoutingHints(pinned_worker_id=w)))
+        r.route(
+            RouteRequest(
+                f"pre-{w}", tokens(n, start=50_000), hints=RoutingHints(pinned_worker_id=w)
+            )
+        )
         r.on_first_token(f"pre-{w}")  # prefill done: only the decode blocks stay
     return r, toks
 
 
 def test_seed_formula_on_the_core():
     p = core.CostParams()
-    c = core.costs([10.0, 10.0, 10.0], [2.0, 5.0, 8.0], [0.0] * 3, [0.0] * 3, [0.0] * 3,
-                   [10.0, 5.0, 9.0], p)
+    c = core.costs(
+        [10.0, 10.0, 10.0], [2.0, 5.0, 8.0], [0.0] * 3, [0.0] * 3, [0.0] * 3, [10.0, 5.0, 9.0], p
+    )
     assert list(np.asarray(c, dtype=float)) == [18.0, 10.0, 11.0]
 
 
@@ -82,8 +86,7 @@ def test_tier_credits_and_shared():
 
 
 def test_prefill_load_scale_and_credit_flags():
-    r, toks = seed_example_router(router_prefill_load_scale=2.0,
-                                  router_kv_overlap_score_credit=0.5)
+    r, toks = seed_example_router(router_prefill_load_scale=2.0, router_kv_overlap_score_credit=0.5)
     d = r.route(RouteRequest("x", toks))
     # cost = 2*(10 - 0.5*overlap) + decode
     assert d.scores == {"w1": 2 * 9 + 10, "w2": 2 * 7.5 + 5, "w3": 2 * 6 + 9}
@@ -103,8 +106,12 @@ def test_active_prefill_load_counts_until_first_token():
 
 
 def test_prefill_stage_and_decode_stage_semantics():
-    ws = [Worker("p1", role=Role.PREFILL), Worker("p2", role=Role.PREFILL),
-          Worker("d1", role=Role.DECODE), Worker("both", role=Role.BOTH)]
+    ws = [
+        Worker("p1", role=Role.PREFILL),
+        Worker("p2", role=Role.PREFILL),
+        Worker("d1", role=Role.DECODE),
+        Worker("both", role=Role.BOTH),
+    ]
     r = make_router(workers=ws)
     toks = tokens(10)
     store_prefix(r, "p1", toks, 6)
@@ -132,8 +139,7 @@ def test_dp_ranks_are_separate_endpoints():
     store_prefix(r, "w", toks, 6, dp_rank=1)
     d = r.route(RouteRequest("x", toks))
     assert (d.worker_id, d.dp_rank) == ("w", 1)
-    assert {(c["worker_id"], c["dp_rank"]) for c in d.candidates} == {("w", 0), ("w", 1),
-                                                                       ("v", 0)}
+    assert {(c["worker_id"], c["dp_rank"]) for c in d.candidates} == {("w", 0), ("w", 1), ("v", 0)}
     assert "cost(w/1)" in d.explain()
 
 
@@ -163,8 +169,12 @@ def test_seeded_runs_are_deterministic():
 def test_softmax_frequencies_match_probabilities():
     """Chi-square goodness of fit, df=3, alpha=0.001 (critical value 16.27): a correct sampler
     fails this seeded check with probability 0.1%; a sampler off by 5% points fails it surely."""
-    r = make_router(workers=("a", "b", "c", "d"), router_temperature=0.4,
-                    router_track_prefill_tokens=False, router_track_active_blocks=False)
+    r = make_router(
+        workers=("a", "b", "c", "d"),
+        router_temperature=0.4,
+        router_track_prefill_tokens=False,
+        router_track_active_blocks=False,
+    )
     toks = tokens(10)
     for w, n in (("a", 2), ("b", 5), ("c", 8)):
         store_prefix(r, w, toks, n)
@@ -188,9 +198,15 @@ def test_softmax_frequencies_match_probabilities():
 
 def test_approximate_mode_learns_from_routing_and_expires():
     clock = FakeClock()
-    r = make_router(workers=("a", "b"), clock=clock, router_kv_events=False,
-                    router_ttl_secs=120, router_track_prefill_tokens=False,
-                    router_track_active_blocks=False, seed=3)
+    r = make_router(
+        workers=("a", "b"),
+        clock=clock,
+        router_kv_events=False,
+        router_ttl_secs=120,
+        router_track_prefill_tokens=False,
+        router_track_active_blocks=False,
+        seed=3,
+    )
     toks = tokens(8)
     first = r.route(RouteRequest("x1", toks)).worker_id
     d = r.route(RouteRequest("x2", toks))
@@ -204,8 +220,12 @@ def test_approximate_mode_learns_from_routing_and_expires():
 
 
 def test_approximate_side_index_never_touches_event_index():
-    r = make_router(workers=("a", "b"), router_predicted_ttl_secs=5.0,
-                    router_track_prefill_tokens=False, router_track_active_blocks=False)
+    r = make_router(
+        workers=("a", "b"),
+        router_predicted_ttl_secs=5.0,
+        router_track_prefill_tokens=False,
+        router_track_active_blocks=False,
+    )
     toks = tokens(6)
     store_prefix(r, "b", toks, 3)
     before = r.index.stats()
