@@ -1,0 +1,604 @@
+"""The simulator's server face: each simulated engine looks like a ``vllm serve`` process.
+
+* OpenAI-compatible HTTP (aiohttp): ``/v1/completions``, ``/v1/chat/completions`` (streaming
+  SSE or not), ``/tokenize``, ``/detokenize``, ``/v1/models``, ``/health``, ``/version``,
+  vLLM-named ``/metrics`` and ``/kv_event_sources``;
+* KV events in vLLM's wire format over ZMQ PUB (sequence numbers, replay ROUTER endpoint), via
+  the vLLM integration's publisher and encoder;
+* the same engine model as the virtual replay (``SimEngine``), stepped in wall time: a step of
+  ``d`` modelled seconds takes ``d / speed`` wall seconds.
+
+Tokenisation is byte-level (token id = UTF-8 byte; chat messages rendered as
+``<|role|>content\\n`` then ``<|assistant|>``), exposed at ``/tokenize`` so a router can hash the
+same tokens the engine reports in its events. Generated text is deterministic filler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from kvplug.events import BlockMoved, BlockStored, KvEvent
+from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
+from kvplug.sim.steptime import capacity_blocks
+from kvplug.sim.trace import output_tokens
+
+log = logging.getLogger("kvplug.sim.server")
+
+MAX_MODEL_LEN = 131_072
+WORDS = (
+    "the", "cache", "router", "prefix", "block", "token", "engine", "fast", "warm", "hit",
+    "decode", "prefill", "batch", "step", "queue", "load",
+)  # fmt: skip
+
+
+def render_chat(messages: Any) -> str:
+    """The simulator's chat template. ValueError on a malformed message list."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    parts = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"messages[{i}] needs a role")
+        content = m.get("content", "")
+        if isinstance(content, list):  # OpenAI content parts: keep the text parts
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be text")
+        parts.append(f"<|{m['role']}|>{content}\n")
+    return "".join(parts) + "<|assistant|>"
+
+
+def tokenize_text(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def tokens_of_prompt(prompt: Any) -> list[int]:
+    """OpenAI ``prompt``: a string or a list of token ids (one prompt only)."""
+    if isinstance(prompt, str):
+        return tokenize_text(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return tokens_of_prompt(prompt[0])
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        if any(t < 0 or t >= 1 << 32 for t in prompt):
+            raise ValueError("token ids must be in [0, 2**32)")
+        return list(prompt)
+    raise ValueError("prompt must be a string or a list of token ids")
+
+
+def detokenize(tokens: list[int]) -> str:
+    return bytes(t & 0xFF for t in tokens).decode("utf-8", errors="replace")
+
+
+def output_text(tokens: np.ndarray) -> list[str]:
+    return [WORDS[int(t) % len(WORDS)] + " " for t in tokens]
+
+
+def chained_block_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """The simulated engine's own block hashes (opaque u64, chained like vLLM's)."""
+    out = []
+    prev = b"kvplug-sim"
+    arr = np.asarray(tokens, dtype=np.uint32)
+    for i in range(len(tokens) // block_size):
+        d = hashlib.blake2b(
+            prev + arr[i * block_size : (i + 1) * block_size].tobytes(), digest_size=8
+        )
+        prev = d.digest()
+        out.append(int.from_bytes(prev, "big"))
+    return out
+
+
+@dataclass
+class FleetOptions:
+    engines: int = 2
+    host: str = "127.0.0.1"
+    base_port: int = 8100
+    events_base_port: int = 9100
+    replay_base_port: int = 10100
+    events_connect: str | None = None
+    topic: str = "kv"
+    vllm_version: str = "0.32"
+    block_size: int = 16
+    capacity_blocks: int | None = None
+    host_blocks: int = 0
+    max_batched_tokens: int = 8192
+    speed: float = 1.0
+    model: str = "sim-llama-3-8b"
+
+
+class _Stream:
+    """What one HTTP request waits on: the engine's progress on its SimRequest."""
+
+    __slots__ = ("req", "sent", "wake", "done")
+
+    def __init__(self, req: SimRequest) -> None:
+        self.req = req
+        self.sent = 0
+        self.wake = asyncio.Event()
+        self.done = False
+
+
+def _to_vllm_events(events: list[KvEvent]) -> list[KvEvent]:
+    """vLLM has no move event: a tier move is a store on the new tier and a removal on the old,
+    as offloading connectors publish it (stores without tokens, resolved by engine hash)."""
+    from kvplug.events import BlockRemoved
+
+    out: list[KvEvent] = []
+    for ev in events:
+        if isinstance(ev, BlockMoved):
+            out.append(
+                BlockStored(
+                    worker_id=ev.worker_id,
+                    dp_rank=ev.dp_rank,
+                    tier=ev.to_tier,
+                    engine_hashes=ev.engine_hashes,
+                    tier_copy=True,
+                )
+            )
+            out.append(
+                BlockRemoved(
+                    worker_id=ev.worker_id,
+                    dp_rank=ev.dp_rank,
+                    tier=ev.from_tier,
+                    engine_hashes=ev.engine_hashes,
+                )
+            )
+        else:
+            out.append(ev)
+    return out
+
+
+class SimServer:
+    """One simulated engine: HTTP app + event publisher + the stepping task."""
+
+    def __init__(self, index: int, opts: FleetOptions) -> None:
+        from integrations.vllm.publisher import VllmEventPublisher
+
+        self.index = index
+        self.opts = opts
+        self.worker_id = f"sim-{index}"
+        cap = opts.capacity_blocks or capacity_blocks(opts.block_size)
+        self.engine = SimEngine(
+            self.worker_id,
+            EngineConfig(
+                block_size=opts.block_size,
+                capacity_blocks=cap,
+                host_capacity_blocks=opts.host_blocks,
+                max_batched_tokens=opts.max_batched_tokens,
+                events_with_tokens=True,
+                fast_forward=False,
+            ),
+        )
+        self.port = opts.base_port + index
+        if opts.events_connect:
+            self.endpoint = opts.events_connect
+        else:
+            self.endpoint = f"tcp://*:{opts.events_base_port + index}"
+        self.replay_endpoint = f"tcp://*:{opts.replay_base_port + index}"
+        self.publisher = VllmEventPublisher(
+            self.endpoint,
+            replay_endpoint=self.replay_endpoint,
+            topic=opts.topic,
+            version=opts.vllm_version,
+        )
+        self.streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._wall0 = time.monotonic()
+        self._tasks: list[asyncio.Task] = []
+        self.counters = {"requests": 0, "bad_requests": 0, "event_batches": 0}
+        self.runner: web.AppRunner | None = None
+
+    # -- time ------------------------------------------------------------------------------------
+    def virtual_now(self) -> float:
+        return (time.monotonic() - self._wall0) * self.opts.speed
+
+    # -- engine loop -----------------------------------------------------------------------------
+    async def run_engine(self) -> None:
+        eng = self.engine
+        while True:
+            if not eng.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            eng.step()
+            delay = self._wall0 + eng.now / self.opts.speed - time.monotonic()
+            await asyncio.sleep(max(0.0, delay))
+            self._dispatch()
+
+    async def serve_replay(self) -> None:
+        while True:
+            self.publisher.serve_replay()
+            await asyncio.sleep(0.02)
+
+    def _dispatch(self) -> None:
+        eng = self.engine
+        events: list[KvEvent] = []
+        for kind, _t, payload in eng.outputs:
+            if kind == "kv":
+                events.append(payload)
+            elif kind == "finish":
+                st = self.streams.get(payload.request_id)
+                if st is not None:
+                    st.done = True
+                    st.wake.set()
+        eng.outputs.clear()
+        if events:
+            self.publisher.publish(_to_vllm_events(events), ts=time.time())
+            self.counters["event_batches"] += 1
+        for st in self.streams.values():
+            if st.req.generated > st.sent:
+                st.wake.set()
+
+    # -- requests --------------------------------------------------------------------------------
+    def _submit(self, request_id: str, tokens: list[int], max_tokens: int) -> _Stream:
+        if not tokens:
+            raise ValueError("empty prompt")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if len(tokens) + max_tokens > MAX_MODEL_LEN:
+            raise ValueError(
+                f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"maximum context length {MAX_MODEL_LEN}"
+            )
+        if request_id in self.streams:
+            raise ValueError(f"request id {request_id} is already running")
+        bs = self.opts.block_size
+        salt = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big")
+        req = SimRequest(
+            request_id=request_id,
+            arrival=self.virtual_now(),
+            prompt_len=len(tokens),
+            output_len=max_tokens,
+            block_hashes=chained_block_hashes(tokens, bs),
+            token_ids=np.asarray(tokens, dtype=np.uint32),
+            salt=salt,
+        )
+        st = _Stream(req)
+        self.streams[request_id] = st
+        self.engine.add_request(req, req.arrival)
+        if req.rejected:
+            del self.streams[request_id]
+            out = self.engine.outputs
+            out[:] = [o for o in out if o[2] is not req]
+            raise ValueError(req.rejected)
+        self.counters["requests"] += 1
+        self._wake.set()
+        return st
+
+    async def _tokens(self, st: _Stream):
+        """Yield lists of newly generated text pieces until the request finishes."""
+        try:
+            while True:
+                await st.wake.wait()
+                st.wake.clear()
+                n = st.req.generated
+                if n > st.sent:
+                    toks = output_tokens(st.req.salt, st.sent, n - st.sent)
+                    st.sent = n
+                    yield output_text(toks)
+                if st.done:
+                    return
+        finally:
+            self.streams.pop(st.req.request_id, None)
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.h_completions)
+        app.router.add_post("/v1/chat/completions", self.h_chat)
+        app.router.add_post("/tokenize", self.h_tokenize)
+        app.router.add_post("/detokenize", self.h_detokenize)
+        app.router.add_get("/v1/models", self.h_models)
+        app.router.add_get("/health", self.h_health)
+        app.router.add_get("/version", self.h_version)
+        app.router.add_get("/metrics", self.h_metrics)
+        app.router.add_get("/kv_event_sources", self.h_sources)
+        return app
+
+    def _error(self, status: int, msg: str) -> web.Response:
+        self.counters["bad_requests"] += 1
+        return web.json_response(
+            {"error": {"message": msg, "type": "BadRequestError", "code": status}}, status=status
+        )
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ValueError("body must be a JSON object")
+        return body
+
+    def _request_id(self, request: web.Request, prefix: str) -> str:
+        return request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def _max_tokens(body: dict, default: int) -> int:
+        v = body.get("max_completion_tokens", body.get("max_tokens", default))
+        if v is None:
+            v = default
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError("max_tokens must be an integer")
+        return v
+
+    async def h_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def h_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            if body.get("n", 1) != 1:
+                raise ValueError("only n=1 is supported")
+            if chat:
+                tokens = tokenize_text(render_chat(body.get("messages")))
+                max_tokens = self._max_tokens(body, 64)
+            else:
+                if "prompt" not in body:
+                    raise ValueError("prompt is required")
+                tokens = tokens_of_prompt(body["prompt"])
+                max_tokens = self._max_tokens(body, 16)
+            rid = self._request_id(request, "chatcmpl" if chat else "cmpl")
+            st = self._submit(rid, tokens, max_tokens)
+        except ValueError as exc:
+            return self._error(400, str(exc))
+        created = int(time.time())
+        model = body.get("model") or self.opts.model
+        obj = "chat.completion" if chat else "text_completion"
+        kv_params = self._kv_transfer_params(body, rid)
+
+        def usage() -> dict:
+            req = st.req
+            return {
+                "prompt_tokens": req.prompt_len,
+                "completion_tokens": req.generated,
+                "total_tokens": req.prompt_len + req.generated,
+                "prompt_tokens_details": {
+                    "cached_tokens": (req.hit_device + req.hit_host) * self.opts.block_size
+                },
+            }
+
+        if body.get("stream"):
+            resp = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": rid,
+                }
+            )
+            await resp.prepare(request)
+            first = True
+            async for pieces in self._tokens(st):
+                for piece in pieces:
+                    if chat:
+                        delta: dict[str, Any] = {"content": piece}
+                        if first:
+                            delta["role"] = "assistant"
+                        choice = {"index": 0, "delta": delta, "finish_reason": None}
+                    else:
+                        choice = {"index": 0, "text": piece, "finish_reason": None}
+                    first = False
+                    chunk = {
+                        "id": rid,
+                        "object": obj + ".chunk" if chat else obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [choice],
+                    }
+                    await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            final_choice = {"index": 0, "finish_reason": "length"}
+            final_choice.update({"delta": {}} if chat else {"text": ""})
+            final = {
+                "id": rid,
+                "object": obj + ".chunk" if chat else obj,
+                "created": created,
+                "model": model,
+                "choices": [final_choice],
+            }
+            if (body.get("stream_options") or {}).get("include_usage"):
+                final["usage"] = usage()
+            await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        text = []
+        async for pieces in self._tokens(st):
+            text.extend(pieces)
+        content = "".join(text)
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": "length",
+            }
+        else:
+            choice = {"index": 0, "text": content, "finish_reason": "length"}
+        out = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage(),
+        }
+        if kv_params is not None:
+            out["kv_transfer_params"] = kv_params
+        return web.json_response(out, headers={"X-Request-Id": rid})
+
+    def _kv_transfer_params(self, body: dict, rid: str) -> dict | None:
+        """P/D shape only: a prefill request (``do_remote_decode``) answers with the params a
+        decode engine would pull with. The simulator transfers nothing: the decode engine
+        recomputes the prompt (stated in docs/sim.md)."""
+        params = body.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params.get("do_remote_decode"):
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.worker_id,
+            "remote_request_id": rid,
+            "remote_block_ids": [],
+            "remote_host": self.opts.host,
+            "remote_port": self.port,
+        }
+
+    async def h_tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+            if "messages" in body:
+                tokens = tokenize_text(render_chat(body["messages"]))
+            elif isinstance(body.get("prompt"), str):
+                tokens = tokenize_text(body["prompt"])
+            else:
+                raise ValueError("give prompt (string) or messages")
+        except ValueError as exc:
+            return self._error(400, str(exc))
+        return web.json_response(
+            {"tokens": tokens, "count": len(tokens), "max_model_len": MAX_MODEL_LEN}
+        )
+
+    async def h_detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+            tokens = tokens_of_prompt(body.get("tokens"))
+        except ValueError as exc:
+            return self._error(400, str(exc))
+        return web.json_response({"prompt": detokenize(tokens)})
+
+    async def h_models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.opts.model,
+                        "object": "model",
+                        "owned_by": "kvplug-sim",
+                        "max_model_len": MAX_MODEL_LEN,
+                    }
+                ],
+            }
+        )
+
+    async def h_health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def h_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": self.opts.vllm_version, "engine": "kvplug-sim"})
+
+    async def h_sources(self, request: web.Request) -> web.Response:
+        cfg = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "buffer_steps": self.publisher.buffer.maxlen,
+            "hwm": 100_000,
+            "max_queue_size": 100_000,
+            "topic": self.opts.topic,
+        }
+        return web.json_response({"0": cfg})
+
+    async def h_metrics(self, request: web.Request) -> web.Response:
+        e = self.engine
+        st = e.stats
+        labels = f'engine="0",model_name="{self.opts.model}"'
+        lines = [
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels}}} {e.num_running}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{labels}}} {e.num_waiting}",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{labels}}} {e.kv_usage():.6f}",
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{{{labels}}} {st['prompt_tokens']}",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{{{labels}}} {st['cached_tokens']}",
+            "# TYPE vllm:prompt_tokens_total counter",
+            f"vllm:prompt_tokens_total{{{labels}}} {st['prompt_tokens']}",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{{{labels}}} {st['generated_tokens']}",
+            "# TYPE vllm:num_preemptions_total counter",
+            f"vllm:num_preemptions_total{{{labels}}} 0",
+            "# TYPE vllm:cache_config_info gauge",
+            f'vllm:cache_config_info{{block_size="{self.opts.block_size}",enable_prefix_caching="True",'
+            f'num_gpu_blocks="{e.cache.capacity}",num_cpu_blocks="{e.cache.host_capacity}",'
+            f'prefix_caching_hash_algo="kvplug-sim-blake2b",{labels}}} 1.0',
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._wall0 = time.monotonic()
+        self.runner = web.AppRunner(self.app(), access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.opts.host, self.port)
+        await site.start()
+        self._tasks = [
+            asyncio.create_task(self.run_engine()),
+            asyncio.create_task(self.serve_replay()),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+        if self.runner is not None:
+            await self.runner.cleanup()
+        self.publisher.close()
+
+
+async def start_fleet(opts: FleetOptions) -> list[SimServer]:
+    servers = []
+    try:
+        for i in range(opts.engines):
+            s = SimServer(i, opts)
+            servers.append(s)
+            await s.start()
+    except BaseException:
+        for s in servers:
+            await s.stop()
+        raise
+    return servers
+
+
+def describe(servers: list[SimServer]) -> str:
+    lines = []
+    for s in servers:
+        lines.append(
+            f"{s.worker_id}: http://{s.opts.host}:{s.port}  events {s.endpoint} topic "
+            f"{s.opts.topic!r}  replay {s.replay_endpoint}  block size {s.opts.block_size}, "
+            f"{s.engine.cache.capacity} blocks"
+        )
+    return "\n".join(lines)
+
+
+def run_fleet(opts: FleetOptions) -> None:
+    async def main() -> None:
+        servers = await start_fleet(opts)
+        print(describe(servers), flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            for s in servers:
+                await s.stop()
+
+    asyncio.run(main())

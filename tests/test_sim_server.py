@@ -1,0 +1,177 @@
+"""The simulator's server face: OpenAI HTTP, vLLM metrics, and KV events that the vLLM
+integration's decoder (and replay client) read back as the blocks of the prompt we sent."""
+
+import asyncio
+import json
+import socket
+
+import aiohttp
+import pytest
+import zmq
+
+from integrations.vllm.wire import BatchDecoder, parse_replay_reply, replay_request, split_frames
+from kvplug.events import BlockStored
+from kvplug.sim.server import FleetOptions, render_chat, start_fleet, tokenize_text
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+async def fleet():
+    http, ev, rp = _free_ports(3)
+    opts = FleetOptions(
+        engines=1,
+        base_port=http,
+        events_base_port=ev,
+        replay_base_port=rp,
+        block_size=16,
+        capacity_blocks=256,
+        speed=20.0,
+        topic="kv",
+    )
+    servers = await start_fleet(opts)
+    yield servers[0], http, ev, rp
+    for s in servers:
+        await s.stop()
+
+
+async def _recv_batches(sub, n_blocks_min, timeout=5.0):
+    """Receive until the BlockStored events cover at least n_blocks_min blocks."""
+    dec = BatchDecoder("sim-0", block_size=16)
+    events, seqs = [], []
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while loop.time() < end:
+        if sub.poll(0):
+            topic, seq, payload = split_frames(sub.recv_multipart())
+            assert topic == b"kv"
+            seqs.append(seq)
+            batch = dec.decode(payload)
+            assert batch is not None and batch.dropped == 0
+            events.extend(batch.events)
+            stored = sum(len(e.engine_hashes) for e in events if isinstance(e, BlockStored))
+            if stored >= n_blocks_min:
+                return events, seqs, dec
+        else:
+            await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out; got {len(events)} events")
+
+
+async def test_completion_events_decode_with_the_vllm_decoder(fleet):
+    server, http, ev, rp = fleet
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(f"tcp://127.0.0.1:{ev}")
+    await asyncio.sleep(0.3)  # PUB/SUB join
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3  # 135 bytes = 8 full blocks
+    async with aiohttp.ClientSession() as s:
+        async with s.post(
+            f"http://127.0.0.1:{http}/v1/completions",
+            json={"model": "m", "prompt": prompt, "max_tokens": 5},
+        ) as r:
+            assert r.status == 200
+            body = await r.json()
+    assert body["usage"] == {
+        "prompt_tokens": 135,
+        "completion_tokens": 5,
+        "total_tokens": 140,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    assert len(body["choices"][0]["text"].split()) == 5
+    events, seqs, dec = await _recv_batches(sub, 8)
+    tokens = tokenize_text(prompt)
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    got = [t for e in stored for t in e.token_ids]
+    assert got[: 8 * 16] == tokens[: 8 * 16]  # the prompt's full blocks, in chain order
+    assert stored[0].parent_engine_hash is None and stored[0].block_size == 16
+    assert seqs[0] == 0 and seqs == list(range(len(seqs)))
+    assert dec.stats.batches == len(seqs)
+
+    # replay: a DEALER asking from seq 0 gets the same batches back, then the end marker
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{rp}")
+    dealer.send_multipart(replay_request(0))
+    replayed = []
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 5
+    while loop.time() < end:
+        if dealer.poll(0):
+            item = parse_replay_reply(dealer.recv_multipart())
+            if item is None:
+                break
+            replayed.append(item.seq)
+        else:
+            await asyncio.sleep(0.01)
+    assert replayed[: len(seqs)] == seqs
+    dealer.close(0)
+    sub.close(0)
+
+    # the same prompt again hits the cache (all but the last token's block)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(
+            f"http://127.0.0.1:{http}/v1/completions", json={"prompt": prompt, "max_tokens": 2}
+        ) as r:
+            again = await r.json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * 16
+        async with s.get(f"http://127.0.0.1:{http}/metrics") as r:
+            text = await r.text()
+    assert 'vllm:cache_config_info{block_size="16"' in text
+    assert "vllm:prefix_cache_hits_total" in text and "vllm:num_requests_running" in text
+
+
+async def test_chat_streaming_and_tokenize_agree(fleet):
+    server, http, _, _ = fleet
+    messages = [{"role": "user", "content": "hello there"}]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{http}/tokenize", json={"messages": messages}) as r:
+            tok = await r.json()
+        assert tok["tokens"] == tokenize_text(render_chat(messages))
+        async with s.post(
+            f"http://127.0.0.1:{http}/v1/chat/completions",
+            json={
+                "messages": messages,
+                "max_tokens": 4,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as r:
+            assert r.status == 200
+            raw = (await r.read()).decode()
+    chunks = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    parsed = [json.loads(c) for c in chunks[:-1]]
+    pieces = [c["choices"][0]["delta"].get("content") for c in parsed if c["choices"][0]["delta"]]
+    assert len(pieces) == 4 and parsed[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert parsed[-1]["choices"][0]["finish_reason"] == "length"
+    assert parsed[-1]["usage"]["completion_tokens"] == 4
+
+
+async def test_bad_requests_are_400_not_crashes(fleet):
+    server, http, _, _ = fleet
+    async with aiohttp.ClientSession() as s:
+        for body in (
+            b"not json",
+            b"[1,2]",
+            json.dumps({"prompt": 5}).encode(),
+            json.dumps({"prompt": "x", "max_tokens": 0}).encode(),
+            json.dumps({"prompt": [-1, 3]}).encode(),
+        ):
+            async with s.post(f"http://127.0.0.1:{http}/v1/completions", data=body) as r:
+                assert r.status == 400, body
+        # a prompt larger than the whole KV cache (256 blocks x 16) is refused, not queued forever
+        async with s.post(
+            f"http://127.0.0.1:{http}/v1/completions", json={"prompt": [1] * 5000, "max_tokens": 1}
+        ) as r:
+            assert r.status == 400
+        async with s.get(f"http://127.0.0.1:{http}/health") as r:
+            assert r.status == 200
+    assert server.counters["bad_requests"] == 6
