@@ -25,9 +25,11 @@ class FakeClock:
         self.t += dt
 
 
-def make_router(workers=("w1", "w2", "w3"), seed=0, clock=None, **cfg) -> Router:
+def make_router(workers=("w1", "w2", "w3"), seed=0, clock=None, profile=None, **cfg) -> Router:
     cfg.setdefault("kv_block_size", BS)
-    r = Router(RouterConfig(**cfg), clock=clock or FakeClock(), rng=random.Random(seed))
+    r = Router(
+        RouterConfig(**cfg), clock=clock or FakeClock(), rng=random.Random(seed), profile=profile
+    )
     for w in workers:
         r.add_worker(w if isinstance(w, Worker) else Worker(w))
     return r
