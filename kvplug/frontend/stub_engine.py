@@ -1,0 +1,427 @@
+"""A small in-process OpenAI-compatible engine, for tests and benchmarks of the frontend.
+
+It is not a simulator (see ``kvplug.sim`` for that): it answers at once (or with a fixed delay
+per token) and records what it was sent. What it does for real:
+
+* ``/v1/completions`` and ``/v1/chat/completions``, streamed (SSE in vLLM's chunk shapes, with
+  ``stream_options.include_usage``) or not; ``/v1/models``, ``/health``, ``/tokenize``;
+* a prefix cache: the full blocks of each prompt become held blocks, published as kvplug
+  ``BlockStored`` events (engine hashes chained from the parent, token ids included) to its
+  listeners - the frontend's ``stub`` adapter hands them to ``Router.apply_event``;
+* the P/D handshakes: vLLM NIXL pull mode (the prefill stub answers with
+  ``kv_transfer_params``; the decode stub refuses a request without them, or whose
+  ``remote_request_id`` differs from its ``X-Request-Id``, and "pulls" the blocks from the
+  shared ``TransferBoard``) and SGLang bootstrap (both hops carry the same
+  ``bootstrap_room``; the decode stub waits for its prefill partner on the board);
+* failures on demand: ``fail = "reset"`` (connection closed before any byte), ``"midstream"``
+  (closed after two chunks), ``"http500"``.
+
+Tokenizer: one token per Unicode code point; chat renders ``role: content`` lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from kvplug.adapters import SglangHttpAdapter, VllmHttpAdapter, register_adapter
+from kvplug.events import BlockStored
+
+
+def stub_tokenize(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def stub_render_chat(messages: list[dict[str, Any]]) -> str:
+    return "".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: "
+
+
+class TransferBoard:
+    """Where prefill stubs leave KV "transfers" and decode stubs pull them (NIXL / bootstrap)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[tuple[str, str], list[int]] = {}
+        self.rooms: dict[int, asyncio.Future] = {}
+        self.pulled = 0
+
+    def room(self, room: int) -> asyncio.Future:
+        fut = self.rooms.get(room)
+        if fut is None:
+            fut = self.rooms[room] = asyncio.get_running_loop().create_future()
+        return fut
+
+
+class StubEngine:
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        block_size: int = 16,
+        output_tokens: int = 8,
+        token_delay: float = 0.0,
+        role: str = "both",
+        pd: str = "vllm",
+        model: str = "stub-model",
+        board: TransferBoard | None = None,
+        tokens_per_chunk: int = 1,
+    ) -> None:
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.output_tokens = output_tokens
+        self.token_delay = token_delay
+        self.role = role
+        self.pd = pd
+        self.model = model
+        self.board = board or TransferBoard()
+        self.tokens_per_chunk = tokens_per_chunk
+        self.fail: str | None = None
+        self.requests: list[dict[str, Any]] = []  # {"path", "headers", "body"}
+        self.held: dict[tuple[int, ...], int] = {}  # held prefix -> engine hash of its block
+        self.listeners: list[Callable[[list], None]] = []
+        self.running = 0
+        self.url: str | None = None
+        self._runner: web.AppRunner | None = None
+        self.app = web.Application()
+        self.app.router.add_post("/v1/completions", self._completions)
+        self.app.router.add_post("/v1/chat/completions", self._chat)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_post("/tokenize", self._tokenize)
+        self.app.router.add_get("/metrics", self._metrics)
+
+    # -- server ---------------------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_address=True, backlog=1024)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://{host}:{bound}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- cache and events -----------------------------------------------------------------
+    def _store_prefix(self, tokens: list[int]) -> int:
+        """Hold the prompt's full blocks; publish the new ones. Returns blocks already held."""
+        bs = self.block_size
+        n_blocks = len(tokens) // bs
+        hit = 0
+        parent: int | None = None
+        new_hashes: list[int] = []
+        new_tokens: list[int] = []
+        first_parent: int | None = None
+        for i in range(n_blocks):
+            prefix = tuple(tokens[: (i + 1) * bs])
+            ehash = self.held.get(prefix)
+            if ehash is not None and not new_hashes:
+                hit += 1
+                parent = ehash
+                continue
+            if ehash is None:
+                digest = hashlib.blake2b(
+                    repr((self.worker_id, prefix)).encode(), digest_size=8
+                ).digest()
+                ehash = int.from_bytes(digest, "little") >> 1
+                self.held[prefix] = ehash
+            if not new_hashes:
+                first_parent = parent
+            new_hashes.append(ehash)
+            new_tokens.extend(prefix[i * bs :])
+        if new_hashes and self.listeners:
+            event = BlockStored(
+                worker_id=self.worker_id,
+                parent_engine_hash=first_parent,
+                engine_hashes=new_hashes,
+                token_ids=new_tokens,
+                block_size=bs,
+            )
+            for listener in self.listeners:
+                listener([event])
+        return hit
+
+    # -- handlers -------------------------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.fail == "unhealthy":
+            return web.Response(status=503)
+        return web.json_response({"status": "ok"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "stub"}]}
+        )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = f'vllm:num_requests_running{{engine="0",model_name="{self.model}"}} {self.running}\n'
+        return web.Response(text=text)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if "messages" in body:
+            tokens = stub_tokenize(stub_render_chat(body["messages"]))
+        else:
+            tokens = stub_tokenize(body.get("prompt", ""))
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": 1 << 20})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    def _error(self, status: int, message: str) -> web.Response:
+        return web.json_response(
+            {"error": {"message": message, "type": "BadRequestError", "code": status}},
+            status=status,
+        )
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        raw = await request.read()
+        body = json.loads(raw)
+        self.requests.append({"path": request.path, "headers": dict(request.headers), "body": body})
+        if self.fail == "reset":
+            request.transport.close()  # type: ignore[union-attr]
+            raise asyncio.CancelledError  # nothing may be written any more
+        if self.fail == "http500":
+            return self._error(500, "stub engine failure")
+        if chat:
+            tokens = stub_tokenize(stub_render_chat(body["messages"]))
+        else:
+            prompt = body["prompt"]
+            tokens = (
+                prompt
+                if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
+                else stub_tokenize(prompt if isinstance(prompt, str) else prompt[0])
+            )
+
+        kv_params: dict[str, Any] | None = None
+        if self.role == "prefill":
+            check = self._check_prefill(request, body)
+            if isinstance(check, web.Response):
+                return check
+            kv_params = check
+        elif self.role == "decode":
+            problem = await self._check_decode(request, body, tokens)
+            if problem is not None:
+                return self._error(400, problem)
+
+        cached = self._store_prefix(tokens)
+        n_out = int(
+            body.get("max_tokens") or body.get("max_completion_tokens") or self.output_tokens
+        )
+        rid = request.headers.get("X-Request-Id", "stub")
+        if kv_params is not None:
+            self.board.pending[(self.worker_id, rid)] = tokens
+        self.running += 1
+        try:
+            if body.get("stream"):
+                return await self._stream(request, body, chat, n_out, rid)
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay * n_out)
+            text = "".join(f"t{i} " for i in range(n_out))
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            answer = {
+                "id": f"cmpl-{rid}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": body.get("model", self.model),
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": len(tokens),
+                    "completion_tokens": n_out,
+                    "total_tokens": len(tokens) + n_out,
+                    "prompt_tokens_details": {"cached_tokens": cached * self.block_size},
+                },
+                "kv_transfer_params": kv_params,
+            }
+            return web.json_response(answer)
+        finally:
+            self.running -= 1
+
+    async def _stream(
+        self, request: web.Request, body: dict, chat: bool, n_out: int, rid: str
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        created = int(time.time())
+        model = body.get("model", self.model)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list, usage: dict | None = None) -> bytes:
+            payload: dict[str, Any] = {
+                "id": f"cmpl-{rid}",
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
+            if usage is not None:
+                payload["usage"] = usage
+            return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+        if chat:
+            await resp.write(
+                event(
+                    [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
+        sent = 0
+        step = max(1, self.tokens_per_chunk)
+        while sent < n_out:
+            if self.fail == "midstream" and sent >= 2:
+                request.transport.close()  # type: ignore[union-attr]
+                return resp
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+            k = min(step, n_out - sent)
+            text = "".join(f"t{sent + i} " for i in range(k))
+            finish = "length" if sent + k >= n_out else None
+            if chat:
+                choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            if step > 1:
+                choice["token_ids"] = list(range(sent, sent + k))
+            await resp.write(event([choice]))
+            sent += k
+        opts = body.get("stream_options") or {}
+        if opts.get("include_usage"):
+            await resp.write(
+                event([], {"prompt_tokens": 0, "completion_tokens": n_out, "total_tokens": n_out})
+            )
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # -- P/D handshakes -------------------------------------------------------------------
+    def _check_prefill(self, request: web.Request, body: dict) -> dict | web.Response:
+        if self.pd == "sglang":
+            if not isinstance(body.get("bootstrap_room"), int):
+                return self._error(400, "prefill stub: no bootstrap_room")
+            partner = self.board.room(body["bootstrap_room"])
+            if not partner.done():
+                partner.set_result(self.worker_id)
+            return {}
+        params = body.get("kv_transfer_params")
+        if not isinstance(params, dict) or params.get("do_remote_decode") is not True:
+            return self._error(400, "prefill stub: kv_transfer_params.do_remote_decode missing")
+        if body.get("stream") or body.get("max_tokens") != 1 or "stream_options" in body:
+            return self._error(
+                400,
+                "prefill stub: prefill hop must be stream=false, max_tokens=1, no stream_options",
+            )
+        rid = request.headers.get("X-Request-Id")
+        if not rid:
+            return self._error(400, "prefill stub: no X-Request-Id")
+        host, port = (self.url or "http://127.0.0.1:0").rsplit(":", 1)
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.worker_id,
+            "remote_request_id": rid,
+            "remote_block_ids": [[1, 2, 3]],
+            "remote_host": host.split("//")[-1],
+            "remote_port": int(port),
+            "tp_size": 1,
+        }
+
+    async def _check_decode(
+        self, request: web.Request, body: dict, tokens: list[int]
+    ) -> str | None:
+        if self.pd == "sglang":
+            room = body.get("bootstrap_room")
+            if not isinstance(room, int):
+                return "decode stub: no bootstrap_room"
+            try:
+                await asyncio.wait_for(asyncio.shield(self.board.room(room)), 5.0)
+            except asyncio.TimeoutError:
+                return f"decode stub: no prefill partner for room {room}"
+            self.board.pulled += 1
+            return None
+        params = body.get("kv_transfer_params")
+        if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+            return "decode stub: no kv_transfer_params from a prefill worker"
+        rid = request.headers.get("X-Request-Id")
+        if params.get("remote_request_id") != rid:
+            return (
+                f"decode stub: X-Request-Id {rid!r} != remote_request_id "
+                f"{params.get('remote_request_id')!r}"
+            )
+        pulled = self.board.pending.pop((params.get("remote_engine_id"), rid), None)
+        if pulled is None:
+            return "decode stub: nothing to pull for this request"
+        if pulled != tokens:
+            return "decode stub: pulled KV is for another prompt"
+        self.board.pulled += 1
+        return None
+
+
+# ------------------------------------------------------------------------------------------
+# The "stub" engine kind: events straight from an in-process StubEngine to the router
+
+
+_engines_by_url: dict[str, StubEngine] = {}
+
+
+def publish(engine: StubEngine) -> None:
+    """Make a started stub findable by the ``stub`` adapter (by its URL)."""
+    assert engine.url is not None, "start the engine first"
+    _engines_by_url[engine.url] = engine
+
+
+class StubAdapter(VllmHttpAdapter):
+    """``stub``: subscribes the worker's sink to an in-process stub's events; P/D as vLLM."""
+
+    kind = "stub"
+
+    def __init__(self) -> None:
+        self._subs: dict[str, tuple[StubEngine, Callable]] = {}
+
+    async def start_worker(self, worker, sink) -> None:
+        engine = _engines_by_url.get(worker.url or "")
+        if engine is None:
+            return  # a stub in another process: no events
+        engine.listeners.append(sink.apply_many)
+        self._subs[worker.worker_id] = (engine, sink.apply_many)
+
+    async def stop_worker(self, worker_id: str) -> None:
+        sub = self._subs.pop(worker_id, None)
+        if sub is not None and sub[1] in sub[0].listeners:
+            sub[0].listeners.remove(sub[1])
+
+    def events_ready(self, worker_id: str) -> bool | None:
+        return True if worker_id in self._subs else None
+
+
+class SglangStubAdapter(StubAdapter):
+    """``stub-sglang``: the same, with SGLang's concurrent bootstrap P/D."""
+
+    kind = "stub-sglang"
+    pd_style = SglangHttpAdapter.pd_style
+    tokenize_path = "/tokenize"
+    prefill_request = SglangHttpAdapter.prefill_request
+    decode_request = SglangHttpAdapter.decode_request
+    _bootstrap = SglangHttpAdapter._bootstrap
+
+
+register_adapter("stub", StubAdapter, replace=True)
+register_adapter("stub-sglang", SglangStubAdapter, replace=True)
