@@ -65,8 +65,11 @@ def test_parse_batches_route_on_first_prompt():
         (body(model="m", messages=[]), CHAT, "missing_field"),
         (body(model="m", messages=[{"content": "x"}]), CHAT, "invalid_request"),
         (body(model="m", prompt="x", nvext=[1]), COMPLETIONS, "invalid_request"),
-        (body(model="m", prompt="x", nvext={"token_data": [1, "a"]}), COMPLETIONS,
-         "invalid_prompt"),
+        (
+            body(model="m", prompt="x", nvext={"token_data": [1, "a"]}),
+            COMPLETIONS,
+            "invalid_prompt",
+        ),
     ],
 )
 def test_parse_rejects(raw, path, code):
@@ -89,25 +92,40 @@ def test_nvext_is_stripped_and_token_data_used():
 def test_hints_from_nvext_and_headers():
     assert hints_from_request(None, {}) is NO_HINTS
     h = hints_from_request(
-        {"backend_instance_id": 7, "prefill_worker_id": "p1", "dp_rank": 2,
-         "allowed_worker_ids": ["a", "b"], "agent_hints": {"osl": 100}, "labels": {"k": "v"}},
+        {
+            "backend_instance_id": 7,
+            "prefill_worker_id": "p1",
+            "dp_rank": 2,
+            "allowed_worker_ids": ["a", "b"],
+            "agent_hints": {"osl": 100},
+            "labels": {"k": "v"},
+        },
         {},
     )
     assert (h.worker_id, h.prefill_worker_id, h.dp_rank, h.expected_osl) == ("7", "p1", 2, 100)
     assert h.allowed_worker_ids == frozenset({"a", "b"}) and h.labels == {"k": "v"}
     # headers win over nvext
-    h = hints_from_request({"backend_instance_id": "x"},
-                           {"x-worker-instance-id": "y", "x-dynamo-dp-rank": "1",
-                            "x-kvplug-allowed-workers": "y, z"})
+    h = hints_from_request(
+        {"backend_instance_id": "x"},
+        {"x-worker-instance-id": "y", "x-dynamo-dp-rank": "1", "x-kvplug-allowed-workers": "y, z"},
+    )
     assert h.worker_id == "y" and h.dp_rank == 1 and h.allowed_worker_ids == {"y", "z"}
     assert hints_from_request({"decode_worker_id": "d"}, {}).worker_id == "d"
 
 
-@pytest.mark.parametrize("nvext, headers", [
-    ({"dp_rank": -1}, {}), ({"dp_rank": "x"}, {}), ({}, {"x-dynamo-dp-rank": "abc"}),
-    ({"allowed_worker_ids": "a"}, {}), ({"agent_hints": {"osl": 0}}, {}),
-    ({"agent_hints": 3}, {}), ({"labels": {"a": 1}}, {}), ({"backend_instance_id": True}, {}),
-])
+@pytest.mark.parametrize(
+    "nvext, headers",
+    [
+        ({"dp_rank": -1}, {}),
+        ({"dp_rank": "x"}, {}),
+        ({}, {"x-dynamo-dp-rank": "abc"}),
+        ({"allowed_worker_ids": "a"}, {}),
+        ({"agent_hints": {"osl": 0}}, {}),
+        ({"agent_hints": 3}, {}),
+        ({"labels": {"a": 1}}, {}),
+        ({"backend_instance_id": True}, {}),
+    ],
+)
 def test_bad_hints_are_400(nvext, headers):
     with pytest.raises(ApiError) as exc:
         hints_from_request(nvext, headers)
@@ -143,11 +161,18 @@ def test_worker_flag_and_yaml(tmp_path):
         check_unique([p0, p0])
 
 
-@pytest.mark.parametrize("entry, match", [
-    ({"url": "ftp://x:1"}, "http"), ({}, "url"), ({"url": "http://h:1", "role": "x"}, "role"),
-    ({"url": "http://h:1", "dp_size": 0}, "dp_size"), ({"url": "http://h:1", "bogus": 1}, "unknown"),
-    ({"url": "http://h:1", "taints": "a"}, "taints"), ({"url": "http://h:99999"}, "port"),
-])
+@pytest.mark.parametrize(
+    "entry, match",
+    [
+        ({"url": "ftp://x:1"}, "http"),
+        ({}, "url"),
+        ({"url": "http://h:1", "role": "x"}, "role"),
+        ({"url": "http://h:1", "dp_size": 0}, "dp_size"),
+        ({"url": "http://h:1", "bogus": 1}, "unknown"),
+        ({"url": "http://h:1", "taints": "a"}, "taints"),
+        ({"url": "http://h:99999"}, "port"),
+    ],
+)
 def test_bad_worker_specs(entry, match):
     with pytest.raises(ConfigError, match=match):
         spec_from_mapping(entry, "test")
@@ -191,8 +216,9 @@ def test_local_tokenizer_and_chat_template(tmp_path):
 
 def test_chat_template_file_wins(tmp_path):
     make_tokenizer_dir(tmp_path)
-    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}"
-                                                  "{% endfor %}")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
     assert LocalTokenizer(tmp_path).encode_chat([{"role": "user", "content": "hello"}]) == [3]
 
 
@@ -215,22 +241,25 @@ async def test_token_resolver_order(tmp_path):
     resolver = TokenResolver(tok, engine)
     ids, src, _ = await resolver.resolve(parse_request(body(model="m", prompt=[7]), COMPLETIONS))
     assert (ids, src) == ([7], "request")
-    ids, src, _ = await resolver.resolve(parse_request(body(model="m", prompt="hello"),
-                                                       COMPLETIONS))
+    ids, src, _ = await resolver.resolve(
+        parse_request(body(model="m", prompt="hello"), COMPLETIONS)
+    )
     assert (ids, src) == ([3], "tokenizer")
     # no chat template: the engine is asked
     (tmp_path / "plain").mkdir()
     no_tpl = LocalTokenizer(make_tokenizer_dir(tmp_path / "plain", with_template=False))
     resolver = TokenResolver(no_tpl, engine)
     ids, src, note = await resolver.resolve(
-        parse_request(body(model="m", messages=[{"role": "user", "content": "hi"}]), CHAT))
+        parse_request(body(model="m", messages=[{"role": "user", "content": "hi"}]), CHAT)
+    )
     assert (ids, src) == ([42], "engine") and "chat template" in note
 
     async def broken(req):
         raise RuntimeError("down")
 
     ids, src, note = await TokenResolver(None, broken).resolve(
-        parse_request(body(model="m", prompt="hello"), COMPLETIONS))
+        parse_request(body(model="m", prompt="hello"), COMPLETIONS)
+    )
     assert ids is None and src == "none" and "down" in note
 
 
@@ -260,10 +289,11 @@ def test_sse_counter_split_anywhere():
 
 def test_sse_counter_usage_is_authoritative_and_errors_seen():
     c = SseCounter()
-    c.feed(sse({"choices": [{"text": "a"}]}) + sse({"choices": [], "usage":
-                                                   {"completion_tokens": 40}}))
+    c.feed(
+        sse({"choices": [{"text": "a"}]}) + sse({"choices": [], "usage": {"completion_tokens": 40}})
+    )
     assert c.tokens == 40
-    c.feed(b"data: {\"error\": {\"message\": \"boom\"}}\r\n\r\n")
+    c.feed(b'data: {"error": {"message": "boom"}}\r\n\r\n')
     assert c.engine_error == {"message": "boom"}
     c.feed(b"data: not json\n\n")
     assert c.unparsed == 1
@@ -295,9 +325,17 @@ def test_registry_builtins_and_plugins():
 
 def test_vllm_http_adapter_transforms():
     a = adapters.VllmHttpAdapter()
-    ctx = PDContext(request_id="rid-1", path=COMPLETIONS, prefill_worker=Worker("p", url="http://h:1"))
-    client = {"model": "m", "prompt": "x", "stream": True, "max_tokens": 50,
-              "stream_options": {"include_usage": True}, "min_tokens": 3}
+    ctx = PDContext(
+        request_id="rid-1", path=COMPLETIONS, prefill_worker=Worker("p", url="http://h:1")
+    )
+    client = {
+        "model": "m",
+        "prompt": "x",
+        "stream": True,
+        "max_tokens": 50,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 3,
+    }
     pre = a.prefill_request(client, ctx)
     assert pre["stream"] is False and pre["max_tokens"] == 1 and "stream_options" not in pre
     assert "min_tokens" not in pre and pre["kv_transfer_params"]["do_remote_decode"] is True
@@ -313,20 +351,34 @@ def test_vllm_http_adapter_transforms():
 def test_sglang_and_trtllm_transforms():
     s = adapters.SglangHttpAdapter()
     assert s.pd_style is PDStyle.CONCURRENT
-    ctx = PDContext(request_id="r", path=CHAT, prefill_worker=Worker("p", url="http://10.0.0.5:30000"),
-                    prefill_options={"bootstrap_port": 9000})
+    ctx = PDContext(
+        request_id="r",
+        path=CHAT,
+        prefill_worker=Worker("p", url="http://10.0.0.5:30000"),
+        prefill_options={"bootstrap_port": 9000},
+    )
     p, d = s.prefill_request({"x": 1}, ctx), s.decode_request({"x": 1}, None, ctx)
     assert p["bootstrap_room"] == d["bootstrap_room"] < 2**63
     assert p["bootstrap_host"] == "10.0.0.5" and p["bootstrap_port"] == 9000
     t = adapters.TrtllmHttpAdapter()
     pre = t.prefill_request({"prompt": "x", "stream": True}, ctx)
     assert pre["disaggregated_params"] == {"request_type": "context_only"}
-    answer = {"choices": [{"disaggregated_params": {"request_type": "context_only",
-                                                     "encoded_opaque_state": "QUJD"}}],
-              "prompt_token_ids": [1, 2]}
+    answer = {
+        "choices": [
+            {
+                "disaggregated_params": {
+                    "request_type": "context_only",
+                    "encoded_opaque_state": "QUJD",
+                }
+            }
+        ],
+        "prompt_token_ids": [1, 2],
+    }
     dec = t.decode_request({"prompt": "x", "stream": True}, answer, ctx)
-    assert dec["disaggregated_params"] == {"request_type": "generation_only",
-                                           "encoded_opaque_state": "QUJD"}
+    assert dec["disaggregated_params"] == {
+        "request_type": "generation_only",
+        "encoded_opaque_state": "QUJD",
+    }
     assert dec["prompt"] == [1, 2]
 
 
@@ -345,8 +397,12 @@ def test_decision_store_is_a_bounded_lru():
     from kvplug.frontend.decisions import DecisionRecord
 
     store = DecisionStore(3)
-    recs = [DecisionRecord(_D(i), f"r{i}", "aggregated", 0, COMPLETIONS, "m", "request", None,
-                           4, "http://w", 1.0) for i in range(5)]
+    recs = [
+        DecisionRecord(
+            _D(i), f"r{i}", "aggregated", 0, COMPLETIONS, "m", "request", None, 4, "http://w", 1.0
+        )
+        for i in range(5)
+    ]
     for r in recs[:3]:
         store.add(r)
     assert store.get("0") is recs[0]  # refreshed: now the newest
