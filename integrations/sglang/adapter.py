@@ -1,0 +1,310 @@
+"""The ``sglang`` engine adapter: KV events, load attributes and the PD bootstrap transform.
+
+Per worker, ``start_worker``:
+
+1. reads ``GET /server_info`` (``/get_server_info`` on old builds). Its ``kv_events``
+   descriptor (sglang ≥ 0.5.20) gives the publisher ports (``endpoint_port_base`` + rank), the
+   topic, the replay ports and the page size events are emitted at; older builds are reached
+   through the worker's configured ``event_endpoint`` (as in ``--kv-events-config``) and their
+   ``page_size``. A page size different from the router's block size is refused loudly
+   (``ConfigError``): kvplug must hash prompts at the size the engine publishes.
+2. subscribes every DP rank through the shared ZMQ subscriber (``subscriber.py``);
+3. polls load every ``load_period`` seconds: ``GET /v1/loads?include=core``, else the
+   Prometheus ``metrics_url`` (``sglang:*``), into ``running_requests``, ``queue_depth``,
+   ``kv_usage``... (``metrics.py``).
+
+If the worker is not reachable yet, discovery retries in the background and subscribes once
+it answers. PD: ``bootstrap_host`` (the prefill worker's host), ``bootstrap_port`` (option
+``bootstrap_port``, default 8998, ``None`` to omit) and one random 63-bit ``bootstrap_room``
+on both hops, which run **concurrently** (``PDStyle.CONCURRENT``). When the prefill worker
+has several DP ranks the room is chosen ≡ the routed rank (mod ``dp_size``), because SGLang's
+prefill picks rank ``bootstrap_room % dp_size``; option ``dp_aware: true`` also sends
+``routed_dp_rank`` on each hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from integrations.vllm.subscriber import sources_for_engine
+from kvplug.adapters import PDContext, PDStyle, SglangHttpAdapter, WorkerSink, register_adapter
+from kvplug.errors import ConfigError
+from kvplug.workers import Worker
+
+from .metrics import (
+    KvEventsInfo,
+    attributes_from_loads,
+    attributes_from_prometheus,
+    kv_events_from_server_info,
+    page_size_from_server_info,
+)
+from .subscriber import SglangSubscriber, filtered_sink, sources_from_info
+
+log = logging.getLogger("kvplug.integrations.sglang")
+
+DEFAULT_BOOTSTRAP_PORT = 8998
+ROOM_MASK = (1 << 63) - 1
+
+
+def bootstrap_room(rng: random.Random, prefill_rank: int = 0, prefill_dp_size: int = 1) -> int:
+    """A random room in [0, 2**63) with ``room % prefill_dp_size == prefill_rank``."""
+    room = rng.getrandbits(63)
+    if prefill_dp_size > 1:
+        room -= room % prefill_dp_size
+        room += prefill_rank % prefill_dp_size
+        if room > ROOM_MASK:
+            room -= prefill_dp_size
+    return room
+
+
+def bootstrap_fields(ctx: PDContext, rng: random.Random) -> dict[str, Any]:
+    """The three fields both hops carry, made once per request (kept in ``ctx.scratch``)."""
+    if "sglang_bootstrap" not in ctx.scratch:
+        host = urlsplit(ctx.prefill_worker.url or "").hostname
+        if host is None:
+            raise ConfigError(f"prefill worker {ctx.prefill_worker.worker_id} has no URL host")
+        port = ctx.prefill_options.get("bootstrap_port", DEFAULT_BOOTSTRAP_PORT)
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
+            raise ConfigError(f"bootstrap_port option must be an int or null, got {port!r}")
+        worker = ctx.prefill_worker
+        rank = ctx.prefill_dp_rank - worker.dp_start
+        ctx.scratch["sglang_bootstrap"] = {
+            "bootstrap_host": host,
+            "bootstrap_port": port,
+            "bootstrap_room": bootstrap_room(rng, rank, worker.dp_size),
+        }
+    return ctx.scratch["sglang_bootstrap"]
+
+
+@dataclass
+class _Run:
+    worker: Worker
+    sink: WorkerSink
+    info: KvEventsInfo | None = None
+    subscribed: bool = False
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    load_errors: int = 0
+    last_load_at: float | None = None
+
+
+class SglangAdapter(SglangHttpAdapter):
+    """SGLang workers: events over ZMQ (discovered), load from ``/v1/loads``, PD bootstrap."""
+
+    kind = "sglang"
+    pd_style = PDStyle.CONCURRENT
+
+    def __init__(
+        self,
+        *,
+        load_period: float = 0.5,
+        discovery_retry: float = 2.0,
+        http_timeout: float = 5.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.load_period = load_period
+        self.discovery_retry = discovery_retry
+        self.http_timeout = http_timeout
+        self.rng = rng or random.Random()
+        self._subscriber: SglangSubscriber | None = None
+        self._runs: dict[str, _Run] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:
+        if worker.url is None and worker.event_endpoint is None:
+            raise ConfigError(f"sglang worker {worker.worker_id}: needs a url or event_endpoint")
+        run = _Run(worker, sink)
+        self._runs[worker.worker_id] = run
+        try:
+            info = await self._server_info(worker)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            log.warning("sglang worker %s: /server_info not reachable yet (%s); retrying in "
+                        "the background", worker.worker_id, exc)
+            info = None
+        if info is not None:
+            self._subscribe(run, info)  # raises ConfigError on a page-size mismatch
+        else:
+            run.tasks.append(asyncio.create_task(self._discover_later(run)))
+        if worker.url is not None or worker.metrics_url is not None:
+            run.tasks.append(asyncio.create_task(self._poll_load(run)))
+
+    async def stop_worker(self, worker_id: str) -> None:
+        run = self._runs.pop(worker_id, None)
+        if run is None:
+            return
+        for task in run.tasks:
+            task.cancel()
+        for task in run.tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._subscriber is not None and run.subscribed:
+            await asyncio.to_thread(self._subscriber.remove, worker_id)
+
+    def events_ready(self, worker_id: str) -> bool | None:
+        run = self._runs.get(worker_id)
+        if run is None:
+            return False
+        return run.subscribed and self._subscriber is not None and self._subscriber.has_worker(
+            worker_id
+        )
+
+    async def close(self) -> None:
+        for worker_id in list(self._runs):
+            await self.stop_worker(worker_id)
+        if self._subscriber is not None:
+            await asyncio.to_thread(self._subscriber.stop)
+            self._subscriber = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "subscriber": self._subscriber.stats() if self._subscriber else None,
+            "workers": {
+                w: {"subscribed": r.subscribed, "load_errors": r.load_errors}
+                for w, r in self._runs.items()
+            },
+        }
+
+    # -- PD ------------------------------------------------------------------------------------
+    def prefill_request(self, body: dict[str, Any], ctx: PDContext) -> dict[str, Any]:
+        out = {k: v for k, v in body.items() if k != "nvext"}
+        out.update(bootstrap_fields(ctx, self.rng))
+        if ctx.prefill_options.get("dp_aware"):
+            out["routed_dp_rank"] = ctx.prefill_dp_rank
+        return out
+
+    def decode_request(
+        self, body: dict[str, Any], prefill_response: dict[str, Any] | None, ctx: PDContext
+    ) -> dict[str, Any]:
+        out = {k: v for k, v in body.items() if k != "nvext"}
+        out.update(bootstrap_fields(ctx, self.rng))
+        if ctx.decode_options.get("dp_aware"):
+            out["routed_dp_rank"] = ctx.decode_dp_rank
+        return out
+
+    # -- internals -------------------------------------------------------------------------------
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.http_timeout)
+            )
+        return self._session
+
+    async def _server_info(self, worker: Worker) -> dict[str, Any] | None:
+        """``/server_info`` JSON, ``{}`` when the worker has no URL (config-only)."""
+        if worker.url is None:
+            return {}
+        base = worker.url.rstrip("/")
+        session = self._http()
+        for path in ("/server_info", "/get_server_info"):
+            async with session.get(base + path) as resp:
+                if resp.status == 404:
+                    continue
+                resp.raise_for_status()
+                data = await resp.json(content_type=None)
+                if not isinstance(data, dict):
+                    raise ValueError(f"{path} answered {type(data).__name__}, not an object")
+                return data
+        raise ValueError("neither /server_info nor /get_server_info exists")
+
+    async def _discover_later(self, run: _Run) -> None:
+        while not run.subscribed:
+            await asyncio.sleep(self.discovery_retry)
+            try:
+                info = await self._server_info(run.worker)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                continue
+            try:
+                self._subscribe(run, info or {})
+            except ConfigError as exc:
+                log.error("sglang worker %s: not subscribed: %s", run.worker.worker_id, exc)
+                return
+
+    def _subscribe(self, run: _Run, info: dict[str, Any]) -> None:
+        worker, sink = run.worker, run.sink
+        wid = worker.worker_id
+        kv = kv_events_from_server_info(info, worker.url or "") if worker.url else None
+        page_size = kv.block_size if kv is not None else page_size_from_server_info(info)
+        if page_size is None:
+            page_size = sink.block_size  # config-only worker: trust the router's block size
+        if page_size != sink.block_size:
+            raise ConfigError(
+                f"sglang worker {wid} emits KV events at page size {page_size} but the router "
+                f"hashes blocks of {sink.block_size}: start the router with --block-size "
+                f"{page_size} or the engine with --page-size {sink.block_size}"
+            )
+        deliver = filtered_sink(sink.apply_threadsafe)
+        if worker.event_endpoint is not None:  # configured explicitly: it wins
+            endpoint = worker.event_endpoint.replace("0.0.0.0", "*")  # SGLang binds it too
+            replay = worker.replay_endpoint
+            if replay is not None:
+                replay = replay.replace("0.0.0.0", "*")
+            sources = sources_for_engine(
+                wid, endpoint, deliver, replay_endpoint=replay,
+                topic=kv.topic if kv else "", dp_start=worker.dp_start, dp_size=worker.dp_size,
+                engine_url=worker.url, block_size=page_size,
+            )
+        elif kv is not None:
+            if kv.dp_size != worker.dp_size:
+                log.warning("sglang worker %s: engine reports dp_size %d, config says %d; "
+                            "subscribing to the engine's ranks", wid, kv.dp_size, worker.dp_size)
+            sources = sources_from_info(wid, kv, deliver, dp_start=worker.dp_start)
+        else:
+            log.warning("sglang worker %s: no kv_events in /server_info and no event_endpoint "
+                        "configured: no KV events (start the engine with --kv-events-config "
+                        "'{\"publisher\": \"zmq\", ...}')", wid)
+            return
+        if self._subscriber is None:
+            self._subscriber = SglangSubscriber().start()
+        for src in sources:
+            self._subscriber.add(src)
+        run.info = kv
+        run.subscribed = True
+        log.info("sglang worker %s: subscribed %d rank(s), page size %d",
+                 wid, len(sources), page_size)
+
+    async def _poll_load(self, run: _Run) -> None:
+        worker = run.worker
+        base = None if worker.url is None else worker.url.rstrip("/")
+        loads_url = None if base is None else base + "/v1/loads?include=core"
+        prom_url = worker.metrics_url or (None if base is None else base + "/metrics")
+        use_loads = loads_url is not None
+        while True:
+            try:
+                session = self._http()
+                if use_loads:
+                    async with session.get(loads_url) as resp:
+                        if resp.status in (404, 405) and prom_url:
+                            use_loads = False  # older than 0.5.15: Prometheus instead
+                            continue
+                        resp.raise_for_status()
+                        attrs = attributes_from_loads(await resp.json(content_type=None))
+                else:
+                    async with session.get(prom_url) as resp:
+                        resp.raise_for_status()
+                        attrs = attributes_from_prometheus(await resp.text())
+                run.sink.set_attributes(attrs)
+                run.last_load_at = time.monotonic()
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                run.load_errors += 1
+                if run.load_errors <= 3 or run.load_errors % 100 == 0:
+                    log.warning("sglang worker %s: load scrape failed (%d so far): %s",
+                                worker.worker_id, run.load_errors, exc)
+            await asyncio.sleep(self.load_period)
+
+
+register_adapter("sglang", SglangAdapter)

@@ -1,0 +1,170 @@
+"""SGLang load → kvplug worker attributes, and ``/server_info`` KV-event discovery.
+
+Attributes (the names the router's filters and scorers read):
+
+=====================  ========================================================================
+``running_requests``   ``num_running_reqs`` summed over DP ranks
+``queue_depth``        ``num_waiting_reqs`` (``sglang:num_queue_reqs``) summed over DP ranks
+``kv_usage``           ``token_usage`` in [0, 1], the *max* over DP ranks (the fullest rank)
+``prefix_cache_hit_rate``  ``cache_hit_rate`` (mean over ranks)
+``waiting_uncached_tokens``  ``num_waiting_uncached_tokens`` summed (≥ 0.5.20 ``/v1/loads``)
+``kv_used_tokens`` / ``kv_total_tokens``  ``num_used_tokens`` / ``max_total_num_tokens`` summed
+=====================  ========================================================================
+
+Sources, best first: ``GET /v1/loads?include=core`` (≥ 0.5.15, per DP rank), else the
+Prometheus ``GET /metrics`` (``--enable-metrics``; ``sglang:*`` gauges, labelled per rank on DP
+engines).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvplug.errors import ConfigError
+
+WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def attributes_from_loads(payload: Any) -> dict[str, float]:
+    """``GET /v1/loads`` JSON → attributes. Raises ValueError when it has no ``loads`` list."""
+    loads = payload.get("loads") if isinstance(payload, dict) else None
+    if not isinstance(loads, list) or not loads:
+        raise ValueError("/v1/loads answered without a non-empty 'loads' list")
+    sums: dict[str, float] = {}
+    usage: list[float] = []
+    hit: list[float] = []
+    for entry in loads:
+        if not isinstance(entry, dict):
+            raise ValueError("/v1/loads entry is not an object")
+        for src, dst in (
+            ("num_running_reqs", "running_requests"),
+            ("num_waiting_reqs", "queue_depth"),
+            ("num_waiting_uncached_tokens", "waiting_uncached_tokens"),
+            ("num_used_tokens", "kv_used_tokens"),
+            ("max_total_num_tokens", "kv_total_tokens"),
+        ):
+            v = _num(entry.get(src))
+            if v is not None:
+                sums[dst] = sums.get(dst, 0.0) + v
+        if (v := _num(entry.get("token_usage"))) is not None:
+            usage.append(v)
+        if (v := _num(entry.get("cache_hit_rate"))) is not None:
+            hit.append(v)
+    out = dict(sums)
+    if usage:
+        out["kv_usage"] = max(usage)
+    if hit:
+        out["prefix_cache_hit_rate"] = sum(hit) / len(hit)
+    if "running_requests" not in out and "queue_depth" not in out:
+        raise ValueError("/v1/loads entries carry neither num_running_reqs nor num_waiting_reqs")
+    return out
+
+
+_PROM = {
+    "sglang:num_running_reqs": ("running_requests", "sum"),
+    "sglang:num_queue_reqs": ("queue_depth", "sum"),
+    "sglang:token_usage": ("kv_usage", "max"),
+    "sglang:cache_hit_rate": ("prefix_cache_hit_rate", "mean"),
+    "sglang:num_used_tokens": ("kv_used_tokens", "sum"),
+}
+
+
+def attributes_from_prometheus(text: str) -> dict[str, float]:
+    """SGLang's Prometheus text → attributes (samples of one metric combined over ranks)."""
+    values: dict[str, list[float]] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError as exc:
+        raise ValueError(f"unparsable Prometheus text: {exc}") from None
+    for fam in families:
+        for sample in fam.samples:
+            if sample.name in _PROM:
+                values.setdefault(sample.name, []).append(float(sample.value))
+    out: dict[str, float] = {}
+    for name, vals in values.items():
+        dst, how = _PROM[name]
+        if how == "sum":
+            out[dst] = sum(vals)
+        elif how == "max":
+            out[dst] = max(vals)
+        else:
+            out[dst] = sum(vals) / len(vals)
+    if not out:
+        raise ValueError("no sglang:* load gauges in the metrics text (--enable-metrics?)")
+    return out
+
+
+@dataclass(frozen=True)
+class KvEventsInfo:
+    """Where and how one SGLang worker publishes KV events (from ``/server_info``)."""
+
+    host: str  # what kvplug dials (the worker URL's host when the engine advertised a wildcard)
+    port_base: int  # rank r publishes on port_base + r
+    dp_size: int
+    block_size: int  # the page size events are emitted at: kvplug must hash at this size
+    topic: str = ""
+    replay_port_base: int | None = None
+
+    def endpoint(self, rank: int) -> str:
+        return f"tcp://{_bracket(self.host)}:{self.port_base + rank}"
+
+    def replay_endpoint(self, rank: int) -> str | None:
+        if self.replay_port_base is None:
+            return None
+        return f"tcp://{_bracket(self.host)}:{self.replay_port_base + rank}"
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def kv_events_from_server_info(info: Any, worker_url: str) -> KvEventsInfo | None:
+    """The ``kv_events`` descriptor of ``/server_info`` (sglang ≥ 0.5.20), or None if absent.
+
+    SGLang's contract: subscribers dial ``tcp://<worker host>:<endpoint_port_base + rank>``
+    for every rank in ``dp_size``; a wildcard ``endpoint_host`` means the worker URL's host.
+    """
+    if not isinstance(info, dict):
+        return None
+    desc = info.get("kv_events")
+    if not isinstance(desc, dict):
+        return None
+    try:
+        base = int(desc["endpoint_port_base"])
+        block_size = int(desc["block_size"])
+        dp_size = int(desc.get("dp_size") or 1)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{worker_url}: malformed /server_info kv_events: {exc}") from None
+    if not 0 < base <= 65535 or block_size <= 0 or dp_size <= 0:
+        raise ConfigError(f"{worker_url}: /server_info kv_events out of range: {desc}")
+    host = str(desc.get("endpoint_host") or "")
+    if host in WILDCARD_HOSTS:
+        host = urlsplit(worker_url).hostname or "127.0.0.1"
+    replay = desc.get("replay_endpoint_port_base")
+    return KvEventsInfo(
+        host=host.strip("[]"),
+        port_base=base,
+        dp_size=dp_size,
+        block_size=block_size,
+        topic=str(desc.get("topic") or ""),
+        replay_port_base=int(replay) if isinstance(replay, int) else None,
+    )
+
+
+def page_size_from_server_info(info: Any) -> int | None:
+    """``page_size`` from the server args that ``/server_info`` echoes (every 0.4+/0.5 build)."""
+    if isinstance(info, dict):
+        v = info.get("page_size")
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None

@@ -1,0 +1,244 @@
+"""SGLang events over real loopback ZMQ: golden payloads, gaps + replay (both SGLang reply
+framings), a restart, garbage; the subscriber is the vLLM integration's, the decoder SGLang's."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from integrations.sglang.metrics import KvEventsInfo
+from integrations.sglang.subscriber import SglangSubscriber, filtered_sink, sources_from_info
+from integrations.sglang.wire import MASK64
+from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier
+
+DATA = Path(__file__).parent / "data" / "sglang"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def golden(name: str) -> list[bytes]:
+    return [f.read_bytes() for f in sorted(DATA.glob(f"{name}_*.msgpack"))]
+
+
+class SglangPublisher:
+    """What one SGLang DP rank's ``ZmqEventPublisher`` does on the wire (bound PUB + ROUTER
+    replay); ``topic_in_replies``: 0.5.23 replies ``[topic, seq, payload]``, older ones
+    ``[seq, payload]``. Replay requests are served from a background thread."""
+
+    def __init__(self, ctx, port: int, replay_port: int, *, topic_in_replies: bool):
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(f"tcp://127.0.0.1:{port}")
+        self.replay = ctx.socket(zmq.ROUTER)
+        self.replay.setsockopt(zmq.LINGER, 0)
+        self.replay.bind(f"tcp://127.0.0.1:{replay_port}")
+        self.topic_in_replies = topic_in_replies
+        self.seq = 0
+        self.buffer: list[tuple[int, bytes]] = []
+        self.requests: list[int] = []
+        self._lock = threading.Lock()
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def publish(self, payload: bytes, *, lose: bool = False) -> None:
+        with self._lock:
+            seq, self.seq = self.seq, self.seq + 1
+            self.buffer.append((seq, payload))
+        if not lose:
+            self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    def resend_last(self) -> None:
+        """Send the newest batch again (the subscriber ignores an exact repeat): beats the ZMQ
+        slow-joiner race without changing what the stream means."""
+        with self._lock:
+            seq, payload = self.buffer[-1]
+        self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    def restart(self) -> None:
+        with self._lock:
+            self.seq = 0
+            self.buffer.clear()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            if not self.replay.poll(20):
+                continue
+            ident, _, start_b = self.replay.recv_multipart()
+            start = int.from_bytes(start_b, "big")
+            self.requests.append(start)
+            with self._lock:
+                items = [(s, p) for s, p in self.buffer if s >= start]
+            head = [ident, b""] + ([b""] if self.topic_in_replies else [])
+            for seq, payload in items:
+                self.replay.send_multipart(head + [seq.to_bytes(8, "big"), payload])
+            self.replay.send_multipart(head + [END_SEQ, b""])
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(2)
+        self.pub.close(0)
+        self.replay.close(0)
+
+
+def _free_base(n: int) -> int:
+    """A port p with p .. p+n-1 free on loopback (best effort)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            probes = []
+            for i in range(n):
+                p = socket.socket()
+                p.bind(("127.0.0.1", base + i))
+                probes.append(p)
+        except OSError:
+            continue
+        finally:
+            for p in locals().get("probes", []):
+                p.close()
+        return base
+    raise RuntimeError("no free port range")
+
+
+class Collector:
+    def __init__(self):
+        self.events = []
+        self.lock = threading.Lock()
+
+    def __call__(self, events):
+        with self.lock:
+            self.events.extend(events)
+
+    def wait_for(self, pred, timeout=5.0, nudge=None):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self.lock:
+                if pred(self.events):
+                    return list(self.events)
+            if nudge is not None:
+                nudge()
+            time.sleep(0.05)
+        with self.lock:
+            raise AssertionError(f"timed out; got {self.events}")
+
+
+@pytest.fixture
+def zmq_ctx():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+def _u(v: int) -> int:
+    return v & MASK64
+
+
+def test_two_ranks_gap_replay_restart_and_garbage(zmq_ctx):
+    base = _free_base(4)
+    pubs = [
+        SglangPublisher(zmq_ctx, base, base + 2, topic_in_replies=False),  # rank 0: <= 0.5.20
+        SglangPublisher(zmq_ctx, base + 1, base + 3, topic_in_replies=True),  # rank 1: 0.5.23
+    ]
+    got = Collector()
+    sink = filtered_sink(got)
+    info = KvEventsInfo(host="127.0.0.1", port_base=base, dp_size=2, block_size=4,
+                        replay_port_base=base + 2)
+    sub = SglangSubscriber(replay_timeout=2.0, context=zmq_ctx).start()
+    try:
+        for src in sources_from_info("sg", info, sink):
+            sub.add(src)
+        g15, g23 = golden("v0_5_15"), golden("v0_5_23")
+        # rank 0: stores (+ a partial page); garbage; a batch the subscriber loses
+        # (removal of the leaf incl. the partial page); then one more removal
+        pubs[0].publish(g15[0], lose=True)  # sent before anyone listened: replayed on catch-up
+        pubs[0].publish(b"\xc1 not msgpack")
+        pubs[0].publish(g15[1], lose=True)
+        pubs[0].publish(msgspec.msgpack.encode(
+            [2.0, [{"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}], 0]))
+        # rank 1: its batch says attn_dp_rank 1
+        pubs[1].publish(g23[0], lose=True)
+        pubs[1].publish(g23[1])
+        ev = got.wait_for(lambda e: sum(isinstance(x, BlockRemoved) for x in e) >= 4,
+                          nudge=lambda: [p.resend_last() for p in pubs])
+        r0 = [e for e in ev if e.dp_rank == 0]
+        r1 = [e for e in ev if e.dp_rank == 1]
+        assert r0 == [
+            BlockStored(worker_id="sg", tier=Tier.DEVICE, engine_hashes=[_u(-8070450532247928832),
+                        1234567890123456789], token_ids=[1, 2, 3, 4, 5, 6, 7, 8], block_size=4),
+            BlockStored(worker_id="sg", parent_engine_hash=1234567890123456789,
+                        engine_hashes=[_u(-5)], token_ids=[9, 10, 11, 12], block_size=4),
+            BlockStored(worker_id="sg", tier=Tier.HOST, engine_hashes=[
+                _u(-8070450532247928832), 1234567890123456789],
+                token_ids=[1, 2, 3, 4, 5, 6, 7, 8], block_size=4),
+            BlockRemoved(worker_id="sg", tier=Tier.DEVICE, engine_hashes=[_u(-5)]),
+            BlockRemoved(worker_id="sg", tier=Tier.DEVICE, engine_hashes=[7]),
+        ]
+        assert [type(e) for e in r1] == [BlockStored, BlockStored, BlockStored, BlockStored,
+                                         BlockRemoved, BlockRemoved]
+        assert 0 in pubs[0].requests and 0 in pubs[1].requests  # catch-up replays from seq 0
+        stats = sub.stats()
+        assert stats["streams"]["sg/0"]["malformed"] == 1  # the garbage, counted and dropped
+        assert sink.partial_filter.partial.get(0) == set()  # the partial page was swallowed
+
+        # a restart of rank 0: seq back to 0 -> AllCleared for rank 0, then the new stream
+        pubs[0].restart()
+        n = len(got.events)
+        pubs[0].publish(g15[2])  # H4 stored, then AllBlocksCleared
+        ev = got.wait_for(lambda e: len(e) >= n + 3)
+        time.sleep(0.1)
+        ev = list(got.events)
+        assert ev[n] == AllCleared(worker_id="sg", dp_rank=0)  # resends were ignored
+        assert len(ev) == n + 3
+        assert isinstance(ev[n + 1], BlockStored) and ev[n + 2] == AllCleared(worker_id="sg")
+        assert sub.stats()["streams"]["sg/0"]["restarts"] == 1
+    finally:
+        sub.stop()
+        for p in pubs:
+            p.close()
+
+
+def test_events_land_in_the_index(zmq_ctx):
+    index_mod = pytest.importorskip("kvplug.index")
+    base = _free_base(2)
+    # DP rank 1 of a 2-rank engine: its batches say attn_dp_rank 1 on port base + 1
+    pub = SglangPublisher(zmq_ctx, base + 1, _free_base(1), topic_in_replies=True)
+    index = index_mod.KvIndex(block_size=4)
+    index.add_endpoint("sg", 0)
+    index.add_endpoint("sg", 1)
+    got = Collector()
+
+    def deliver(events):
+        index.apply_many(events)
+        got(events)
+
+    info = KvEventsInfo(host="127.0.0.1", port_base=base, dp_size=2, block_size=4)
+    sub = SglangSubscriber(context=zmq_ctx).start()
+    try:
+        for src in sources_from_info("sg", info, filtered_sink(deliver)):
+            sub.add(src)
+        g23 = golden("v0_5_23")
+        deadline = time.monotonic() + 5
+        while not got.events and time.monotonic() < deadline:  # slow joiner: resend seq 0
+            pub.restart()
+            pub.publish(g23[0])
+            time.sleep(0.05)
+        got.wait_for(lambda e: len(e) >= 2)
+        ep = index.endpoint_id("sg", 1)
+        hashes = index.request_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+                                      lora_name="sql-lora", cache_salt="tenant-a")
+        overlaps = index.query(hashes)
+        assert overlaps.local[ep] == 3 and overlaps.device[ep] == 3
+        plain = index.query(index.request_hashes([1, 2, 3, 4, 5, 6, 7, 8]))
+        assert plain.local[ep] == 0  # another namespace (no salt, no LoRA) does not match
+    finally:
+        sub.stop()
+        pub.close()
