@@ -28,9 +28,12 @@ tie-break or softmax sampling over normalised cost logits with a temperature.
 from __future__ import annotations
 
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from kvplug.errors import InvalidArgument, InvalidTokens, KvplugError
 
 MASK64 = (1 << 64) - 1
 K0 = 0x9E3779B97F4A7C15
@@ -44,16 +47,9 @@ SHARED = 0xFFFFFFFF  # pseudo-endpoint id of the shared tier
 MAX_ENDPOINT = 1 << 20  # endpoint ids must be < MAX_ENDPOINT (or == SHARED)
 
 
-class CoreError(Exception):
-    """Base of the core's errors (the public hierarchy in kvplug.errors subclasses these names)."""
-
-
-class InvalidTokens(CoreError, ValueError):
-    pass
-
-
-class InvalidArgument(CoreError, ValueError):
-    pass
+# The core's errors are kvplug.errors' classes (both backends raise the same ones).
+CoreError = KvplugError
+__all__ = ["CoreError", "InvalidArgument", "InvalidTokens"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,6 +77,34 @@ def fmix64(x: int) -> int:
     return x
 
 
+def _u64(x: object, what: str = "hash") -> int:
+    """An integer folded to u64 (two's complement for negatives, like a uint64 view)."""
+    try:
+        return operator.index(x) & MASK64  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(f"{what} must be an integer, got {type(x).__name__}") from None
+
+
+def _token_list(tokens: object) -> list[int]:
+    """Token ids as ints: bytes-like objects are little-endian u32 tokens; floats are refused."""
+    if isinstance(tokens, memoryview) and tokens.format not in ("B", "b", "c"):
+        tokens = tokens.tolist()
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        raw = bytes(tokens)
+        if len(raw) % 4:
+            raise InvalidTokens(f"byte buffer of {len(raw)} bytes is not whole u32 tokens")
+        return [int.from_bytes(raw[i : i + 4], "little") for i in range(0, len(raw), 4)]
+    out = []
+    for i, t in enumerate(tokens):  # type: ignore[attr-defined]
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise InvalidTokens(
+                f"token at position {i} is a {type(t).__name__}, not an integer"
+            ) from None
+    return out
+
+
 def _check_token(t: int, pos: int) -> int:
     if not 0 <= t < (1 << 32):
         raise InvalidTokens(f"token id {t} at position {pos} is outside [0, 2**32)")
@@ -89,8 +113,9 @@ def _check_token(t: int, pos: int) -> int:
 
 def local_hash(block: Sequence[int], seed: int = 0) -> int:
     """Hash one block of u32 tokens. Eight tokens per round in two lanes of four."""
-    n = len(block)
-    toks = [_check_token(int(t), i) for i, t in enumerate(block)]
+    toks = [_check_token(t, i) for i, t in enumerate(_token_list(block))]
+    n = len(toks)
+    seed = _u64(seed, "seed")
     toks += [0] * ((-n) % 8)  # zero padding is unambiguous: n is mixed in below
     a = (seed ^ K0 ^ ((n * K1) & MASK64)) & MASK64
     b = (seed ^ K2 ^ _rotl((n * K3) & MASK64, 29)) & MASK64
@@ -122,7 +147,7 @@ def hash_blocks(
     """(local hashes, sequence hashes) of every full block of ``tokens``."""
     if block_size <= 0:
         raise InvalidArgument(f"block_size must be positive, got {block_size}")
-    toks = [int(t) for t in tokens]
+    toks = _token_list(tokens)
     for i, t in enumerate(toks):
         _check_token(t, i)
     n_blocks = len(toks) // block_size
@@ -130,10 +155,10 @@ def hash_blocks(
         raise InvalidArgument(f"extra has {len(extra)} entries for {n_blocks} full blocks")
     local: list[int] = []
     seq: list[int] = []
-    prev = seed & MASK64
+    prev = _u64(seed, "seed")
     for i in range(n_blocks):
         h = local_hash(toks[i * block_size : (i + 1) * block_size])
-        prev = chain_hash(prev, h, int(extra[i]) if extra is not None else 0)
+        prev = chain_hash(prev, h, _u64(extra[i], "extra") if extra is not None else 0)
         local.append(h)
         seq.append(prev)
     return local, seq
@@ -169,6 +194,10 @@ class QueryResult:
         if ep in self.local:
             return (self.local[ep], self.device[ep], self.host[ep], self.disk[ep], self.shared_beyond[ep])
         return (0, 0, 0, 0, self.shared_prefix)
+
+    def matched(self) -> dict[int, tuple[int, int, int, int, int]]:
+        """ep -> row for every endpoint holding at least the first block."""
+        return {ep: self.row(ep) for ep in self.local}
 
 
 class Index:
@@ -291,12 +320,12 @@ class Index:
                 f"{len(engine_hashes)} engine hashes but {len(block_hashes)} block hashes"
             )
         for eh, h in zip(engine_hashes, block_hashes):
-            self._add_ref(ep, int(eh) & MASK64, int(h) & MASK64, tier)
+            self._add_ref(ep, _u64(eh, "engine hash"), _u64(h, "block hash"), tier)
         self._evict_over_bound()
 
     def resolve(self, ep: int, engine_hash: int) -> int | None:
         """The kvplug hash an endpoint's engine hash maps to, or None."""
-        m = self._maps.get((ep, engine_hash & MASK64))
+        m = self._maps.get((ep, _u64(engine_hash, "engine hash")))
         return None if m is None else m.block
 
     def store_tokens(
@@ -320,6 +349,7 @@ class Index:
         self._check_tier(tier)
         if block_size <= 0:
             raise InvalidArgument(f"block_size must be positive, got {block_size}")
+        tokens = _token_list(tokens)
         if len(tokens) != len(engine_hashes) * block_size:
             raise InvalidArgument(
                 f"{len(tokens)} tokens for {len(engine_hashes)} blocks of {block_size}"
@@ -340,7 +370,7 @@ class Index:
         if tier is not None:
             self._check_tier(tier)
         for eh in engine_hashes:
-            eh = int(eh) & MASK64
+            eh = _u64(eh, "engine hash")
             m = self._maps.get((ep, eh))
             tiers = [t for t in range(N_TIERS) if m is not None and m.refs[t] > 0]
             if tier is not None:
@@ -357,7 +387,7 @@ class Index:
         self._check_tier(from_tier)
         self._check_tier(to_tier)
         for eh in engine_hashes:
-            eh = int(eh) & MASK64
+            eh = _u64(eh, "engine hash")
             m = self._maps.get((ep, eh))
             if m is None or m.refs[from_tier] == 0:
                 self.counters["unknown_moves"] += 1
@@ -392,7 +422,7 @@ class Index:
         active: set[int] | None = None  # None = before block 0
         walked = 0
         for i, raw in enumerate(block_hashes):
-            h = int(raw) & MASK64
+            h = _u64(raw, "block hash")
             holders = self._blocks.get(h)
             walked += 1
             if holders is not None:
@@ -479,7 +509,9 @@ def softmax_probs(cost: Sequence[float], temperature: float) -> list[float]:
     if hi == lo:
         return [1.0 / len(cost)] * len(cost)
     z = [math.exp(-((c - lo) / (hi - lo)) / temperature) for c in cost]
-    s = sum(z)
+    s = 0.0
+    for v in z:  # left-to-right on purpose: sum() is compensated on Python >= 3.12
+        s += v
     return [v / s for v in z]
 
 
@@ -495,10 +527,13 @@ def select(cost: Sequence[float], temperature: float, u: float) -> int:
         raise InvalidArgument(f"u must be in [0, 1), got {u}")
     if temperature < 0 or math.isnan(temperature):
         raise InvalidArgument(f"temperature must be >= 0, got {temperature}")
+    for i, c in enumerate(cost):
+        if math.isnan(c):
+            raise InvalidArgument(f"cost of candidate {i} is NaN")
     if temperature == 0:
         lo = min(cost)
         tied = [i for i, c in enumerate(cost) if c == lo]
-        return tied[int(u * len(tied))]
+        return tied[min(int(u * len(tied)), len(tied) - 1)]
     acc = 0.0
     probs = softmax_probs(cost, temperature)
     for i, p in enumerate(probs):

@@ -18,6 +18,10 @@ class InvalidTokens(KvplugError, ValueError):
     """Token ids that cannot be hashed (out of range, wrong type, too many)."""
 
 
+class InvalidArgument(KvplugError, ValueError):
+    """A core call with a bad argument (endpoint id, tier, block size, mismatched lengths)."""
+
+
 class InvalidEvent(KvplugError, ValueError):
     """A KV event that cannot be applied (malformed, inconsistent lengths, bad tier)."""
 

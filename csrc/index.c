@@ -1,0 +1,830 @@
+/* The prefix index: kvplug block hash -> holders (endpoint, count per tier), and
+ * (endpoint, engine hash) -> (block, refcount per tier). Rules: kvplug/_reference.py Index.
+ *
+ * Layout
+ *   block table  open addressing, linear probing, backward-shift deletion: hash -> record id
+ *   records      a pool of block records with stable ids (free list); one holder inline,
+ *                more in a growable side array; LRU links (maintained only when bounded)
+ *   engine map   open addressing on (endpoint, engine hash) -> record id + refs per tier
+ * Invariant: a holder's count per tier is the sum of the refs of that endpoint's mappings to
+ * the block, so holders and mappings are created and destroyed together.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvp_internal.h"
+#include "kvplug.h"
+
+#define NONE32 0xFFFFFFFFu
+#define EP_EMPTY 0xFFFFFFFEu /* never a valid endpoint id */
+#define HOLDER_EH_VALID 1u
+#define MIN_BITS 4
+
+typedef struct {
+    kvp_engine_hash_t eh_first; /* one engine hash of ep mapped here (if HOLDER_EH_VALID) */
+    kvp_endpoint_t ep;
+    uint32_t nmaps; /* engine mappings of ep to this block */
+    uint32_t count[KVP_N_TIERS];
+    uint32_t flags;
+} holder_t;
+
+typedef struct {
+    kvp_hash_t hash;
+    uint32_t lru_prev, lru_next; /* lru_next doubles as the free-list link */
+    uint32_t n_holders;
+    uint32_t ext_cap; /* 0: the single holder is inline; else holders live in ext */
+    union {
+        holder_t one;
+        holder_t *ext;
+    } h;
+} block_t;
+
+typedef struct {
+    kvp_hash_t key;
+    uint32_t rec; /* NONE32 = empty slot */
+    uint32_t pad;
+} bslot_t;
+
+typedef struct {
+    kvp_engine_hash_t eh;
+    kvp_endpoint_t ep; /* EP_EMPTY = empty slot */
+    uint32_t rec;
+    uint32_t refs[KVP_N_TIERS];
+    uint32_t pad;
+} mslot_t;
+
+struct kvp_index {
+    uint64_t max_entries;
+    bslot_t *bt;
+    unsigned bt_bits;
+    size_t bt_count;
+    block_t *pool;
+    uint32_t pool_len, pool_cap, free_head;
+    uint32_t lru_head, lru_tail; /* oldest, newest */
+    mslot_t *mt;
+    unsigned mt_bits;
+    size_t mt_count;
+    uint64_t n_holdings;
+    size_t ext_bytes;
+    kvp_stats c; /* counters only; sizes are filled in by kvp_index_stats */
+    /* query scratch */
+    uint32_t *ep_gen, *ep_pos;
+    size_t ep_cap;
+    uint32_t ep_limit;
+    uint32_t gen;
+    uint32_t *run;
+    size_t run_cap;
+    /* store_tokens scratch */
+    kvp_hash_t *seq;
+    size_t seq_cap;
+};
+
+/* ---- small helpers ------------------------------------------------------------------------ */
+static inline size_t bslot_of(kvp_hash_t h, unsigned bits) {
+    return (size_t)((h * KPH_K0) >> (64 - bits));
+}
+static inline size_t mslot_of(kvp_endpoint_t ep, kvp_engine_hash_t eh, unsigned bits) {
+    uint64_t x = (eh ^ ((uint64_t)ep * KPH_K3)) * KPH_K0;
+    x ^= x >> 29;
+    x *= KPH_K1;
+    return (size_t)(x >> (64 - bits));
+}
+static inline int valid_ep(kvp_endpoint_t ep) { return ep < KVP_MAX_ENDPOINT || ep == KVP_SHARED; }
+static inline int valid_tier(int t) { return t >= 0 && t < KVP_N_TIERS; }
+static inline holder_t *holders_of(block_t *b) { return b->ext_cap ? b->h.ext : &b->h.one; }
+
+static holder_t *find_holder(block_t *b, kvp_endpoint_t ep) {
+    holder_t *hs = holders_of(b);
+    for (uint32_t i = 0; i < b->n_holders; i++)
+        if (hs[i].ep == ep) return &hs[i];
+    return NULL;
+}
+
+/* ---- block table -------------------------------------------------------------------------- */
+static uint32_t bt_find(const kvp_index *idx, kvp_hash_t h) {
+    size_t mask = ((size_t)1 << idx->bt_bits) - 1;
+    size_t i = bslot_of(h, idx->bt_bits);
+    for (;;) {
+        const bslot_t *s = &idx->bt[i];
+        if (s->rec == NONE32) return NONE32;
+        if (s->key == h) return s->rec;
+        i = (i + 1) & mask;
+    }
+}
+
+static void bt_put(bslot_t *bt, unsigned bits, kvp_hash_t h, uint32_t rec) {
+    size_t mask = ((size_t)1 << bits) - 1;
+    size_t i = bslot_of(h, bits);
+    while (bt[i].rec != NONE32) i = (i + 1) & mask;
+    bt[i].key = h;
+    bt[i].rec = rec;
+}
+
+static kvp_status bt_alloc(unsigned bits, bslot_t **out) {
+    size_t cap = (size_t)1 << bits;
+    bslot_t *t = (bslot_t *)malloc(cap * sizeof(bslot_t));
+    if (!t) return KVP_E_NOMEM;
+    for (size_t i = 0; i < cap; i++) {
+        t[i].key = 0;
+        t[i].rec = NONE32;
+        t[i].pad = 0;
+    }
+    *out = t;
+    return KVP_OK;
+}
+
+/* Room for `extra` more blocks at load <= 3/4. */
+static kvp_status bt_reserve(kvp_index *idx, size_t extra) {
+    size_t need = idx->bt_count + extra;
+    unsigned bits = idx->bt_bits;
+    while (need > (((size_t)3 << bits) >> 2)) bits++;
+    if (bits == idx->bt_bits) return KVP_OK;
+    if (bits > 40) return KVP_E_NOMEM;
+    bslot_t *t;
+    if (bt_alloc(bits, &t) != KVP_OK) return KVP_E_NOMEM;
+    size_t old = (size_t)1 << idx->bt_bits;
+    for (size_t i = 0; i < old; i++)
+        if (idx->bt[i].rec != NONE32) bt_put(t, bits, idx->bt[i].key, idx->bt[i].rec);
+    free(idx->bt);
+    idx->bt = t;
+    idx->bt_bits = bits;
+    return KVP_OK;
+}
+
+static void bt_delete(kvp_index *idx, kvp_hash_t h) {
+    size_t mask = ((size_t)1 << idx->bt_bits) - 1;
+    size_t i = bslot_of(h, idx->bt_bits);
+    for (;;) {
+        if (idx->bt[i].rec == NONE32) return;
+        if (idx->bt[i].key == h) break;
+        i = (i + 1) & mask;
+    }
+    /* backward-shift: pull later cluster members whose home is not in (i, j] */
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (idx->bt[j].rec == NONE32) break;
+        size_t home = bslot_of(idx->bt[j].key, idx->bt_bits);
+        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (stays) continue;
+        idx->bt[i] = idx->bt[j];
+        i = j;
+    }
+    idx->bt[i].rec = NONE32;
+    idx->bt[i].key = 0;
+    idx->bt_count--;
+}
+
+/* ---- engine mapping table ----------------------------------------------------------------- */
+static mslot_t *mt_find(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh) {
+    size_t mask = ((size_t)1 << idx->mt_bits) - 1;
+    size_t i = mslot_of(ep, eh, idx->mt_bits);
+    for (;;) {
+        mslot_t *s = &idx->mt[i];
+        if (s->ep == EP_EMPTY) return NULL;
+        if (s->ep == ep && s->eh == eh) return s;
+        i = (i + 1) & mask;
+    }
+}
+
+static mslot_t *mt_put(mslot_t *mt, unsigned bits, kvp_endpoint_t ep, kvp_engine_hash_t eh) {
+    size_t mask = ((size_t)1 << bits) - 1;
+    size_t i = mslot_of(ep, eh, bits);
+    while (mt[i].ep != EP_EMPTY) i = (i + 1) & mask;
+    mt[i].ep = ep;
+    mt[i].eh = eh;
+    return &mt[i];
+}
+
+static kvp_status mt_alloc(unsigned bits, mslot_t **out) {
+    size_t cap = (size_t)1 << bits;
+    mslot_t *t = (mslot_t *)calloc(cap, sizeof(mslot_t));
+    if (!t) return KVP_E_NOMEM;
+    for (size_t i = 0; i < cap; i++) t[i].ep = EP_EMPTY;
+    *out = t;
+    return KVP_OK;
+}
+
+static kvp_status mt_reserve(kvp_index *idx, size_t extra) {
+    size_t need = idx->mt_count + extra;
+    unsigned bits = idx->mt_bits;
+    while (need > (((size_t)3 << bits) >> 2)) bits++;
+    if (bits == idx->mt_bits) return KVP_OK;
+    if (bits > 40) return KVP_E_NOMEM;
+    mslot_t *t;
+    if (mt_alloc(bits, &t) != KVP_OK) return KVP_E_NOMEM;
+    size_t old = (size_t)1 << idx->mt_bits;
+    for (size_t i = 0; i < old; i++)
+        if (idx->mt[i].ep != EP_EMPTY) *mt_put(t, bits, idx->mt[i].ep, idx->mt[i].eh) = idx->mt[i];
+    free(idx->mt);
+    idx->mt = t;
+    idx->mt_bits = bits;
+    return KVP_OK;
+}
+
+static void mt_delete_at(kvp_index *idx, size_t i) {
+    size_t mask = ((size_t)1 << idx->mt_bits) - 1;
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (idx->mt[j].ep == EP_EMPTY) break;
+        size_t home = mslot_of(idx->mt[j].ep, idx->mt[j].eh, idx->mt_bits);
+        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (stays) continue;
+        idx->mt[i] = idx->mt[j];
+        i = j;
+    }
+    memset(&idx->mt[i], 0, sizeof(mslot_t));
+    idx->mt[i].ep = EP_EMPTY;
+    idx->mt_count--;
+}
+
+/* ---- records and LRU ---------------------------------------------------------------------- */
+static kvp_status pool_reserve(kvp_index *idx, size_t extra) {
+    size_t free_n = 0; /* free-list entries are reusable; count only what must be appended */
+    (void)free_n;
+    size_t need = (size_t)idx->pool_len + extra;
+    if (need <= idx->pool_cap) return KVP_OK;
+    if (need >= NONE32 - 1) return KVP_E_NOMEM;
+    size_t cap = idx->pool_cap ? idx->pool_cap : 64;
+    while (cap < need) cap *= 2;
+    if (cap >= NONE32 - 1) cap = NONE32 - 2;
+    block_t *p = (block_t *)realloc(idx->pool, cap * sizeof(block_t));
+    if (!p) return KVP_E_NOMEM;
+    idx->pool = p;
+    idx->pool_cap = (uint32_t)cap;
+    return KVP_OK;
+}
+
+static uint32_t pool_take(kvp_index *idx) {
+    uint32_t r;
+    if (idx->free_head != NONE32) {
+        r = idx->free_head;
+        idx->free_head = idx->pool[r].lru_next;
+    } else {
+        r = idx->pool_len++;
+    }
+    block_t *b = &idx->pool[r];
+    memset(b, 0, sizeof(*b));
+    b->lru_prev = b->lru_next = NONE32;
+    return r;
+}
+
+static void pool_give(kvp_index *idx, uint32_t r) {
+    block_t *b = &idx->pool[r];
+    if (b->ext_cap) {
+        free(b->h.ext);
+        idx->ext_bytes -= (size_t)b->ext_cap * sizeof(holder_t);
+    }
+    memset(b, 0, sizeof(*b));
+    b->n_holders = 0;
+    b->lru_prev = NONE32;
+    b->lru_next = idx->free_head;
+    idx->free_head = r;
+}
+
+static void lru_unlink(kvp_index *idx, uint32_t r) {
+    block_t *b = &idx->pool[r];
+    if (b->lru_prev != NONE32) idx->pool[b->lru_prev].lru_next = b->lru_next;
+    else if (idx->lru_head == r) idx->lru_head = b->lru_next;
+    if (b->lru_next != NONE32) idx->pool[b->lru_next].lru_prev = b->lru_prev;
+    else if (idx->lru_tail == r) idx->lru_tail = b->lru_prev;
+    b->lru_prev = b->lru_next = NONE32;
+}
+
+static void lru_append(kvp_index *idx, uint32_t r) {
+    block_t *b = &idx->pool[r];
+    b->lru_prev = idx->lru_tail;
+    b->lru_next = NONE32;
+    if (idx->lru_tail != NONE32) idx->pool[idx->lru_tail].lru_next = r;
+    else idx->lru_head = r;
+    idx->lru_tail = r;
+}
+
+/* Recency only matters when the index is bounded; unbounded indexes skip the bookkeeping. */
+static inline void touch(kvp_index *idx, uint32_t r) {
+    if (idx->max_entries == 0 || idx->lru_tail == r) return;
+    lru_unlink(idx, r);
+    lru_append(idx, r);
+}
+
+static void delete_block(kvp_index *idx, uint32_t r) {
+    bt_delete(idx, idx->pool[r].hash);
+    if (idx->max_entries) lru_unlink(idx, r);
+    pool_give(idx, r);
+}
+
+/* Make room for one more holder on b (before any state changes). */
+static kvp_status holder_room(kvp_index *idx, block_t *b) {
+    if (b->n_holders == 0) return KVP_OK;
+    if (b->ext_cap == 0) {
+        holder_t *ext = (holder_t *)malloc(4 * sizeof(holder_t));
+        if (!ext) return KVP_E_NOMEM;
+        ext[0] = b->h.one;
+        b->h.ext = ext;
+        b->ext_cap = 4;
+        idx->ext_bytes += 4 * sizeof(holder_t);
+        return KVP_OK;
+    }
+    if (b->n_holders < b->ext_cap) return KVP_OK;
+    if (b->ext_cap >= (NONE32 >> 1)) return KVP_E_NOMEM;
+    uint32_t cap = b->ext_cap * 2;
+    holder_t *ext = (holder_t *)realloc(b->h.ext, (size_t)cap * sizeof(holder_t));
+    if (!ext) return KVP_E_NOMEM;
+    idx->ext_bytes += (size_t)(cap - b->ext_cap) * sizeof(holder_t);
+    b->h.ext = ext;
+    b->ext_cap = cap;
+    return KVP_OK;
+}
+
+static void remove_holder_at(block_t *b, holder_t *hd) {
+    holder_t *hs = holders_of(b);
+    uint32_t last = b->n_holders - 1;
+    size_t k = (size_t)(hd - hs);
+    if (k != last) hs[k] = hs[last];
+    b->n_holders--;
+}
+
+static kvp_status grow_ep_scratch(kvp_index *idx, kvp_endpoint_t ep) {
+    if (ep == KVP_SHARED) return KVP_OK;
+    if ((size_t)ep < idx->ep_cap) return KVP_OK;
+    size_t cap = idx->ep_cap ? idx->ep_cap : 64;
+    while (cap <= (size_t)ep) cap *= 2;
+    uint32_t *g = (uint32_t *)realloc(idx->ep_gen, cap * sizeof(uint32_t));
+    if (!g) return KVP_E_NOMEM;
+    idx->ep_gen = g;
+    uint32_t *p = (uint32_t *)realloc(idx->ep_pos, cap * sizeof(uint32_t));
+    if (!p) return KVP_E_NOMEM;
+    idx->ep_pos = p;
+    memset(g + idx->ep_cap, 0, (cap - idx->ep_cap) * sizeof(uint32_t));
+    memset(p + idx->ep_cap, 0, (cap - idx->ep_cap) * sizeof(uint32_t));
+    idx->ep_cap = cap;
+    return KVP_OK;
+}
+
+/* ---- core ops (mirror _reference.Index._add_ref / _drop_ref) ------------------------------- */
+/* Capacity for one new block, record and mapping must have been reserved by the caller. */
+static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh, kvp_hash_t h,
+                          int tier) {
+    mslot_t *m = mt_find(idx, ep, eh);
+    uint32_t r;
+    holder_t *hd;
+    if (m != NULL) {
+        r = m->rec;
+        if (idx->pool[r].hash != h) {
+            idx->c.conflicting_stores++;
+            return KVP_OK;
+        }
+        if (m->refs[tier] == NONE32) return KVP_E_OVERFLOW;
+        hd = find_holder(&idx->pool[r], ep);
+        if (hd->count[tier] == NONE32) return KVP_E_OVERFLOW;
+    } else {
+        r = bt_find(idx, h);
+        if (r == NONE32) {
+            r = pool_take(idx);
+            idx->pool[r].hash = h;
+            bt_put(idx->bt, idx->bt_bits, h, r);
+            idx->bt_count++;
+            if (idx->max_entries) lru_append(idx, r);
+        }
+        block_t *b = &idx->pool[r];
+        hd = find_holder(b, ep);
+        if (hd == NULL) {
+            kvp_status st = holder_room(idx, b);
+            if (st != KVP_OK) {
+                if (b->n_holders == 0) delete_block(idx, r);
+                return st;
+            }
+            hd = &holders_of(b)[b->n_holders++];
+            memset(hd, 0, sizeof(*hd));
+            hd->ep = ep;
+            hd->eh_first = eh;
+            hd->flags = HOLDER_EH_VALID;
+            idx->n_holdings++;
+            if (ep != KVP_SHARED && ep + 1 > idx->ep_limit) idx->ep_limit = ep + 1;
+        } else if (hd->count[tier] == NONE32) {
+            return KVP_E_OVERFLOW;
+        }
+        hd->nmaps++;
+        m = mt_put(idx->mt, idx->mt_bits, ep, eh);
+        m->rec = r;
+        m->refs[0] = m->refs[1] = m->refs[2] = 0;
+        idx->mt_count++;
+    }
+    if (m->refs[tier] > 0) idx->c.duplicate_stores++;
+    m->refs[tier]++;
+    hd->count[tier]++;
+    idx->c.stored_blocks++;
+    touch(idx, r);
+    return KVP_OK;
+}
+
+static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
+    uint32_t r = m->rec;
+    block_t *b = &idx->pool[r];
+    holder_t *hd = find_holder(b, ep);
+    m->refs[tier]--;
+    hd->count[tier]--;
+    int mapping_gone = (m->refs[0] | m->refs[1] | m->refs[2]) == 0;
+    int holder_gone = (hd->count[0] | hd->count[1] | hd->count[2]) == 0;
+    if (mapping_gone) {
+        if (!holder_gone) {
+            hd->nmaps--;
+            if (hd->eh_first == m->eh) hd->flags &= ~HOLDER_EH_VALID;
+        }
+        mt_delete_at(idx, (size_t)(m - idx->mt));
+    }
+    if (holder_gone) {
+        remove_holder_at(b, hd);
+        idx->n_holdings--;
+        if (b->n_holders == 0) delete_block(idx, r);
+    }
+}
+
+/* Delete every mapping pointing at record r (or, with ep != EP_EMPTY, every mapping of ep),
+ * scanning the table; deletion shifts entries back into the current slot, so re-check it. */
+static void scan_delete_mappings(kvp_index *idx, uint32_t r, kvp_endpoint_t ep) {
+    size_t cap = (size_t)1 << idx->mt_bits;
+    size_t i = 0;
+    while (i < cap) {
+        mslot_t *s = &idx->mt[i];
+        int hit = s->ep != EP_EMPTY && (ep != EP_EMPTY ? s->ep == ep : s->rec == r);
+        if (hit) mt_delete_at(idx, i);
+        else i++;
+    }
+}
+
+static void evict_block(kvp_index *idx, uint32_t r) {
+    block_t *b = &idx->pool[r];
+    holder_t *hs = holders_of(b);
+    int need_scan = 0;
+    for (uint32_t k = 0; k < b->n_holders; k++) {
+        if (hs[k].nmaps == 1 && (hs[k].flags & HOLDER_EH_VALID)) {
+            mslot_t *m = mt_find(idx, hs[k].ep, hs[k].eh_first);
+            if (m) mt_delete_at(idx, (size_t)(m - idx->mt));
+        } else {
+            need_scan = 1;
+        }
+    }
+    if (need_scan) scan_delete_mappings(idx, r, EP_EMPTY);
+    idx->n_holdings -= b->n_holders;
+    idx->c.evicted_blocks++;
+    idx->c.evicted_entries += b->n_holders;
+    delete_block(idx, r);
+}
+
+static void evict_over_bound(kvp_index *idx) {
+    if (idx->max_entries == 0) return;
+    while (idx->n_holdings > idx->max_entries && idx->lru_head != NONE32) evict_block(idx, idx->lru_head);
+}
+
+/* ---- public API --------------------------------------------------------------------------- */
+kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out) {
+    if (out == NULL) return KVP_E_NULL;
+    *out = NULL;
+    kvp_index *idx = (kvp_index *)calloc(1, sizeof(kvp_index));
+    if (!idx) return KVP_E_NOMEM;
+    idx->max_entries = max_entries;
+    idx->bt_bits = MIN_BITS;
+    idx->mt_bits = MIN_BITS;
+    idx->free_head = NONE32;
+    idx->lru_head = idx->lru_tail = NONE32;
+    idx->gen = 0;
+    if (bt_alloc(MIN_BITS, &idx->bt) != KVP_OK || mt_alloc(MIN_BITS, &idx->mt) != KVP_OK) {
+        kvp_index_free(idx);
+        return KVP_E_NOMEM;
+    }
+    *out = idx;
+    return KVP_OK;
+}
+
+void kvp_index_free(kvp_index *idx) {
+    if (idx == NULL) return;
+    for (uint32_t r = 0; r < idx->pool_len; r++)
+        if (idx->pool[r].ext_cap) free(idx->pool[r].h.ext);
+    free(idx->pool);
+    free(idx->bt);
+    free(idx->mt);
+    free(idx->ep_gen);
+    free(idx->ep_pos);
+    free(idx->run);
+    free(idx->seq);
+    free(idx);
+}
+
+size_t kvp_index_endpoint_limit(const kvp_index *idx) { return idx ? idx->ep_limit : 0; }
+
+static kvp_status reserve_for_store(kvp_index *idx, kvp_endpoint_t ep, size_t n) {
+    kvp_status st;
+    if ((st = grow_ep_scratch(idx, ep)) != KVP_OK) return st;
+    if ((st = bt_reserve(idx, n)) != KVP_OK) return st;
+    if ((st = mt_reserve(idx, n)) != KVP_OK) return st;
+    return pool_reserve(idx, n);
+}
+
+static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
+                                  const kvp_engine_hash_t *ehs, const kvp_hash_t *hs, size_t n) {
+    kvp_status st = KVP_OK;
+    for (size_t i = 0; i < n; i++) {
+        if (i + 4 < n && idx->bt) __builtin_prefetch(&idx->bt[bslot_of(hs[i + 4], idx->bt_bits)]);
+        st = add_ref(idx, ep, ehs[i], hs[i], tier);
+        if (st != KVP_OK) break;
+    }
+    evict_over_bound(idx);
+    return st;
+}
+
+kvp_status kvp_index_store(kvp_index *idx, kvp_endpoint_t ep, int tier,
+                           const kvp_engine_hash_t *engine_hashes, const kvp_hash_t *block_hashes,
+                           size_t n) {
+    if (idx == NULL) return KVP_E_NULL;
+    if (!valid_ep(ep)) return KVP_E_ENDPOINT;
+    if (!valid_tier(tier)) return KVP_E_TIER;
+    if (n == 0) {
+        evict_over_bound(idx);
+        return KVP_OK;
+    }
+    if (engine_hashes == NULL || block_hashes == NULL) return KVP_E_NULL;
+    kvp_status st = reserve_for_store(idx, ep, n);
+    if (st != KVP_OK) return st;
+    return store_unchecked(idx, ep, tier, engine_hashes, block_hashes, n);
+}
+
+kvp_status kvp_index_resolve(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh,
+                             kvp_hash_t *out, int *found) {
+    if (idx == NULL || out == NULL || found == NULL) return KVP_E_NULL;
+    if (!valid_ep(ep)) return KVP_E_ENDPOINT;
+    const mslot_t *m = mt_find(idx, ep, eh);
+    *found = m != NULL;
+    *out = m ? idx->pool[m->rec].hash : 0;
+    return KVP_OK;
+}
+
+kvp_status kvp_index_store_tokens(kvp_index *idx, kvp_endpoint_t ep, int tier, int has_parent,
+                                  kvp_engine_hash_t parent, const kvp_engine_hash_t *engine_hashes,
+                                  size_t n_blocks, const void *tokens, kvp_dtype dt,
+                                  size_t n_tokens, size_t block_size, uint64_t seed,
+                                  const uint64_t *extra, size_t n_extra, int *stored,
+                                  size_t *err_pos) {
+    if (idx == NULL || stored == NULL) return KVP_E_NULL;
+    *stored = 0;
+    if (!valid_ep(ep)) return KVP_E_ENDPOINT;
+    if (!valid_tier(tier)) return KVP_E_TIER;
+    if (block_size == 0) return KVP_E_ARG;
+    if (n_blocks != 0 && n_tokens / n_blocks != block_size) return KVP_E_ARG;
+    if (n_tokens != n_blocks * block_size) return KVP_E_ARG;
+    if (n_blocks > 0 && engine_hashes == NULL) return KVP_E_NULL;
+    uint64_t root = seed;
+    if (has_parent) {
+        const mslot_t *m = mt_find(idx, ep, parent);
+        if (m == NULL) {
+            idx->c.orphan_stores++;
+            return KVP_OK;
+        }
+        root = idx->pool[m->rec].hash;
+    }
+    kvp_status st = kvp_check_tokens(tokens, dt, n_tokens, err_pos);
+    if (st != KVP_OK) return st;
+    if (extra != NULL && n_extra < n_blocks) return KVP_E_ARG;
+    if (n_blocks > idx->seq_cap) {
+        size_t cap = idx->seq_cap ? idx->seq_cap : 64;
+        while (cap < n_blocks) cap *= 2;
+        kvp_hash_t *s = (kvp_hash_t *)realloc(idx->seq, cap * sizeof(kvp_hash_t));
+        if (!s) return KVP_E_NOMEM;
+        idx->seq = s;
+        idx->seq_cap = cap;
+    }
+    if ((st = reserve_for_store(idx, ep, n_blocks)) != KVP_OK) return st;
+    if (n_blocks)
+        kvp_hash_blocks_unchecked(tokens, dt, n_blocks, block_size, root, extra, NULL, idx->seq);
+    st = store_unchecked(idx, ep, tier, engine_hashes, idx->seq, n_blocks);
+    if (st == KVP_OK) *stored = 1;
+    return st;
+}
+
+kvp_status kvp_index_remove(kvp_index *idx, kvp_endpoint_t ep, int tier,
+                            const kvp_engine_hash_t *engine_hashes, size_t n) {
+    if (idx == NULL) return KVP_E_NULL;
+    if (!valid_ep(ep)) return KVP_E_ENDPOINT;
+    if (tier != KVP_TIER_ANY && !valid_tier(tier)) return KVP_E_TIER;
+    if (n > 0 && engine_hashes == NULL) return KVP_E_NULL;
+    for (size_t i = 0; i < n; i++) {
+        kvp_engine_hash_t eh = engine_hashes[i];
+        mslot_t *m = mt_find(idx, ep, eh);
+        int any = 0;
+        for (int t = 0; t < KVP_N_TIERS && m; t++)
+            if (m->refs[t] > 0 && (tier == KVP_TIER_ANY || t == tier)) any = 1;
+        if (!any) {
+            idx->c.unknown_removes++;
+            continue;
+        }
+        for (int t = 0; t < KVP_N_TIERS; t++) {
+            m = mt_find(idx, ep, eh); /* a drop may shift slots */
+            if (m == NULL) break;
+            if (m->refs[t] > 0 && (tier == KVP_TIER_ANY || t == tier)) drop_ref(idx, ep, m, t);
+        }
+        idx->c.removed_blocks++;
+    }
+    return KVP_OK;
+}
+
+kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int to_tier,
+                          const kvp_engine_hash_t *engine_hashes, size_t n) {
+    if (idx == NULL) return KVP_E_NULL;
+    if (!valid_ep(ep)) return KVP_E_ENDPOINT;
+    if (!valid_tier(from_tier) || !valid_tier(to_tier)) return KVP_E_TIER;
+    if (n > 0 && engine_hashes == NULL) return KVP_E_NULL;
+    kvp_status st = reserve_for_store(idx, ep, 1);
+    if (st != KVP_OK) return st;
+    for (size_t i = 0; i < n; i++) {
+        mslot_t *m = mt_find(idx, ep, engine_hashes[i]);
+        if (m == NULL || m->refs[from_tier] == 0) {
+            idx->c.unknown_moves++;
+            continue;
+        }
+        if (from_tier == to_tier) continue;
+        /* overflow would only strike add_ref after the drop; check first so a move is atomic */
+        if (m->refs[to_tier] == NONE32) return KVP_E_OVERFLOW;
+        holder_t *hd = find_holder(&idx->pool[m->rec], ep);
+        if (hd->count[to_tier] == NONE32) return KVP_E_OVERFLOW;
+        kvp_hash_t h = idx->pool[m->rec].hash;
+        drop_ref(idx, ep, m, from_tier);
+        /* the drop freed at most one record/mapping/holder slot, so add_ref cannot need memory */
+        st = add_ref(idx, ep, engine_hashes[i], h, to_tier);
+        if (st != KVP_OK) return st;
+        idx->c.stored_blocks--; /* a move is not a new store */
+        idx->c.moved_blocks++;
+    }
+    return KVP_OK;
+}
+
+kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
+    if (idx == NULL) return KVP_E_NULL;
+    if (!valid_ep(ep)) return KVP_E_ENDPOINT;
+    size_t cap = (size_t)1 << idx->mt_bits;
+    size_t i = 0;
+    while (i < cap) {
+        mslot_t *s = &idx->mt[i];
+        if (s->ep != ep) {
+            i++;
+            continue;
+        }
+        uint32_t r = s->rec;
+        mt_delete_at(idx, i);
+        block_t *b = &idx->pool[r];
+        holder_t *hd = find_holder(b, ep);
+        if (hd != NULL) {
+            remove_holder_at(b, hd);
+            idx->n_holdings--;
+            if (b->n_holders == 0) delete_block(idx, r);
+        }
+    }
+    idx->c.cleared_endpoints++;
+    return KVP_OK;
+}
+
+kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_query_out *out) {
+    if (idx == NULL || out == NULL) return KVP_E_NULL;
+    if (n > 0 && hs == NULL) return KVP_E_NULL;
+    if (n > (size_t)INT32_MAX - 1) return KVP_E_ARG;
+    if (out->cap < idx->ep_limit) return KVP_E_BUFFER;
+    if (out->cap > 0 && (!out->local || !out->device || !out->host || !out->disk ||
+                         !out->shared_beyond || !out->touched))
+        return KVP_E_NULL;
+    if (out->n_touched > out->cap) return KVP_E_ARG;
+    if (n + 1 > idx->run_cap) {
+        size_t cap = idx->run_cap ? idx->run_cap : 256;
+        while (cap < n + 1) cap *= 2;
+        uint32_t *run = (uint32_t *)realloc(idx->run, cap * sizeof(uint32_t));
+        if (!run) return KVP_E_NOMEM;
+        idx->run = run;
+        idx->run_cap = cap;
+    }
+    /* reset only what the previous query wrote */
+    for (size_t k = 0; k < out->n_touched; k++) {
+        uint32_t ep = out->touched[k];
+        if (ep >= out->cap) continue;
+        out->local[ep] = out->device[ep] = out->host[ep] = out->disk[ep] = 0;
+        out->shared_beyond[ep] = out->shared_fill;
+    }
+    out->n_touched = 0;
+    if (++idx->gen == 0) { /* generation wrapped: forget every stamp */
+        if (idx->ep_cap) memset(idx->ep_gen, 0, idx->ep_cap * sizeof(uint32_t));
+        idx->gen = 1;
+    }
+    const uint32_t gen = idx->gen;
+    uint32_t *ep_gen = idx->ep_gen, *ep_pos = idx->ep_pos;
+    int32_t *tier_out[KVP_N_TIERS] = {out->device, out->host, out->disk};
+    uint32_t *run = idx->run;
+    size_t walked = 0;
+    size_t n_active = 0;
+    const unsigned bits = idx->bt_bits;
+    enum { AHEAD = 8 };
+    for (size_t i = 0; i < n && i < AHEAD; i++) __builtin_prefetch(&idx->bt[bslot_of(hs[i], bits)]);
+    for (size_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) __builtin_prefetch(&idx->bt[bslot_of(hs[i + AHEAD], bits)]);
+        uint32_t r = bt_find(idx, hs[i]);
+        walked = i + 1;
+        int shared = 0;
+        size_t n_cont = 0;
+        if (r != NONE32) {
+            touch(idx, r);
+            block_t *b = &idx->pool[r];
+            const holder_t *hd = holders_of(b);
+            const uint32_t nh = b->n_holders;
+            if (i == 0) {
+                for (uint32_t k = 0; k < nh; k++) {
+                    uint32_t ep = hd[k].ep;
+                    if (ep == KVP_SHARED) {
+                        shared = 1;
+                        continue;
+                    }
+                    int best = hd[k].count[0] ? 0 : (hd[k].count[1] ? 1 : 2);
+                    ep_gen[ep] = gen;
+                    ep_pos[ep] = 0;
+                    out->touched[out->n_touched++] = ep;
+                    tier_out[best][ep]++;
+                    n_cont++;
+                }
+            } else if (n_active > 0) {
+                const uint32_t prev = (uint32_t)(i - 1);
+                for (uint32_t k = 0; k < nh; k++) {
+                    uint32_t ep = hd[k].ep;
+                    if (ep == KVP_SHARED) {
+                        shared = 1;
+                        continue;
+                    }
+                    if (ep_gen[ep] != gen || ep_pos[ep] != prev) continue;
+                    int best = hd[k].count[0] ? 0 : (hd[k].count[1] ? 1 : 2);
+                    ep_pos[ep] = (uint32_t)i;
+                    tier_out[best][ep]++;
+                    n_cont++;
+                }
+            } else {
+                for (uint32_t k = 0; k < nh; k++)
+                    if (hd[k].ep == KVP_SHARED) {
+                        shared = 1;
+                        break;
+                    }
+            }
+        }
+        run[i] = (uint32_t)shared;
+        n_active = n_cont;
+        if (n_cont == 0 && !shared) break;
+    }
+    /* run[i] = shared blocks in a row starting at position i (0 at and past the walk's end) */
+    run[walked] = 0;
+    for (size_t i = walked; i-- > 0;) run[i] = run[i] ? run[i + 1] + 1 : 0;
+    int32_t shared_prefix = (int32_t)run[0];
+    if (shared_prefix != out->shared_fill) {
+        for (size_t e = 0; e < out->cap; e++) out->shared_beyond[e] = shared_prefix;
+        out->shared_fill = shared_prefix;
+    }
+    for (size_t k = 0; k < out->n_touched; k++) {
+        uint32_t ep = out->touched[k];
+        uint32_t local = ep_pos[ep] + 1;
+        out->local[ep] = (int32_t)local;
+        out->shared_beyond[ep] = (int32_t)run[local];
+    }
+    out->shared_prefix = shared_prefix;
+    out->walked = walked;
+    return KVP_OK;
+}
+
+kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
+    if (idx == NULL || out == NULL) return KVP_E_NULL;
+    *out = idx->c;
+    out->blocks = idx->bt_count;
+    out->entries = idx->n_holdings;
+    out->engine_mappings = idx->mt_count;
+    out->memory_bytes = sizeof(kvp_index) + ((size_t)sizeof(bslot_t) << idx->bt_bits) +
+                        ((size_t)sizeof(mslot_t) << idx->mt_bits) +
+                        (size_t)idx->pool_cap * sizeof(block_t) + idx->ext_bytes +
+                        idx->ep_cap * 2 * sizeof(uint32_t) + idx->run_cap * sizeof(uint32_t) +
+                        idx->seq_cap * sizeof(kvp_hash_t);
+    return KVP_OK;
+}
+
+kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_t *hashes,
+                              uint32_t *counts, size_t cap, size_t *n_out) {
+    if (idx == NULL || n_out == NULL) return KVP_E_NULL;
+    if (cap > 0 && (hashes == NULL || counts == NULL)) return KVP_E_NULL;
+    if (!valid_ep(ep)) return KVP_E_ENDPOINT;
+    size_t n = 0;
+    size_t slots = (size_t)1 << idx->bt_bits;
+    for (size_t i = 0; i < slots; i++) {
+        if (idx->bt[i].rec == NONE32) continue;
+        block_t *b = &idx->pool[idx->bt[i].rec];
+        holder_t *hd = find_holder(b, ep);
+        if (hd == NULL) continue;
+        if (n < cap) {
+            hashes[n] = b->hash;
+            counts[3 * n] = hd->count[0];
+            counts[3 * n + 1] = hd->count[1];
+            counts[3 * n + 2] = hd->count[2];
+        }
+        n++;
+    }
+    *n_out = n;
+    return n > cap ? KVP_E_BUFFER : KVP_OK;
+}

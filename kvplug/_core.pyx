@@ -1,0 +1,801 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""kvplug._core: the compiled twin of kvplug._reference (same names, same answers).
+
+Token inputs: numpy int32/uint32/int64/uint64 arrays, array.array, memoryviews of those, bytes /
+bytearray / byte memoryviews (little-endian u32 tokens) are read in place; other integer
+buffers and Python sequences are converted once. Hash inputs: numpy uint64/int64 (a view, no
+copy) or any integer sequence (folded to u64 like the reference). The GIL is released around
+large loops; a per-index lock keeps concurrent Python threads from interleaving inside C.
+"""
+
+import operator
+from array import array
+
+import numpy as np
+
+cimport numpy as cnp
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer
+from cpython.pythread cimport NOWAIT_LOCK, WAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock, PyThread_release_lock, PyThread_type_lock
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+from kvplug._reference import CostParams, softmax_probs  # pure arithmetic, identical on both
+from kvplug.errors import InvalidArgument, InvalidTokens
+
+cnp.import_array()
+
+cdef extern from "kvplug.h" nogil:
+    ctypedef uint64_t kvp_engine_hash_t
+    ctypedef uint64_t kvp_hash_t
+    ctypedef uint32_t kvp_endpoint_t
+    ctypedef enum kvp_status:
+        KVP_OK
+        KVP_E_NULL
+        KVP_E_ARG
+        KVP_E_TOKEN
+        KVP_E_ENDPOINT
+        KVP_E_TIER
+        KVP_E_NOMEM
+        KVP_E_BUFFER
+        KVP_E_OVERFLOW
+    ctypedef enum kvp_dtype:
+        KVP_DT_U32
+        KVP_DT_I32
+        KVP_DT_U64
+        KVP_DT_I64
+        KVP_DT_LE32
+    ctypedef struct kvp_index:
+        pass
+    ctypedef struct kvp_stats:
+        uint64_t stored_blocks, duplicate_stores, conflicting_stores, orphan_stores
+        uint64_t removed_blocks, unknown_removes, moved_blocks, unknown_moves
+        uint64_t evicted_blocks, evicted_entries, cleared_endpoints
+        uint64_t blocks, entries, engine_mappings, memory_bytes
+    ctypedef struct kvp_query_out:
+        int32_t *local
+        int32_t *device
+        int32_t *host
+        int32_t *disk
+        int32_t *shared_beyond
+        uint32_t *touched
+        size_t cap
+        size_t n_touched
+        int32_t shared_fill
+        int32_t shared_prefix
+        size_t walked
+    ctypedef struct kvp_cost_params:
+        double overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight
+        double shared_cache_multiplier, prefill_load_scale
+
+    const char *kvp_status_str(kvp_status s)
+    kvp_hash_t kvp_chain_hash(kvp_hash_t prev, kvp_hash_t local, uint64_t extra)
+    kvp_status kvp_local_hash(const void *tokens, kvp_dtype dt, size_t n, uint64_t seed,
+                              kvp_hash_t *out, size_t *err_pos)
+    kvp_status kvp_hash_blocks(const void *tokens, kvp_dtype dt, size_t n_tokens, size_t bs,
+                               uint64_t seed, const uint64_t *extra, size_t n_extra,
+                               kvp_hash_t *local_out, kvp_hash_t *seq_out, size_t out_cap,
+                               size_t *err_pos)
+    kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out)
+    void kvp_index_free(kvp_index *idx)
+    size_t kvp_index_endpoint_limit(const kvp_index *idx)
+    kvp_status kvp_index_store(kvp_index *idx, kvp_endpoint_t ep, int tier,
+                               const kvp_engine_hash_t *ehs, const kvp_hash_t *hs, size_t n)
+    kvp_status kvp_index_store_tokens(kvp_index *idx, kvp_endpoint_t ep, int tier, int has_parent,
+                                      kvp_engine_hash_t parent, const kvp_engine_hash_t *ehs,
+                                      size_t n_blocks, const void *tokens, kvp_dtype dt,
+                                      size_t n_tokens, size_t block_size, uint64_t seed,
+                                      const uint64_t *extra, size_t n_extra, int *stored,
+                                      size_t *err_pos)
+    kvp_status kvp_index_remove(kvp_index *idx, kvp_endpoint_t ep, int tier,
+                                const kvp_engine_hash_t *ehs, size_t n)
+    kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int to_tier,
+                              const kvp_engine_hash_t *ehs, size_t n)
+    kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep)
+    kvp_status kvp_index_resolve(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh,
+                                 kvp_hash_t *out, int *found)
+    kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n,
+                               kvp_query_out *out)
+    kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out)
+    kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_t *hashes,
+                                  uint32_t *counts, size_t cap, size_t *n_out)
+    kvp_status kvp_costs(const double *prefill, const double *device, const double *host,
+                         const double *disk, const double *shared_beyond, const double *decode,
+                         size_t n, const kvp_cost_params *p, double *out)
+    kvp_status kvp_select(const double *cost, size_t n, double temperature, double u,
+                          size_t *chosen)
+
+DEVICE = 0
+HOST = 1
+DISK = 2
+N_TIERS = 3
+SHARED = 0xFFFFFFFF
+MAX_ENDPOINT = 1 << 20
+MASK64 = (1 << 64) - 1
+
+# Work below these sizes is not worth a GIL round trip.
+cdef size_t NOGIL_TOKENS = 16384
+cdef size_t NOGIL_BLOCKS = 1024
+
+
+cdef int _raise_status(kvp_status st, str where) except -1:
+    msg = f"{where}: {kvp_status_str(st).decode()}"
+    if st == KVP_E_NOMEM:
+        raise MemoryError(msg)
+    if st == KVP_E_TOKEN:
+        raise InvalidTokens(msg)
+    raise InvalidArgument(msg)
+
+
+# ---- token buffers -------------------------------------------------------------------------
+cdef struct TokenView:
+    Py_buffer buf
+    bint has_buf
+    const void *ptr
+    size_t n
+    kvp_dtype dt
+
+
+cdef inline void _release_tokens(TokenView *tv):
+    if tv.has_buf:
+        PyBuffer_Release(&tv.buf)
+        tv.has_buf = False
+
+
+cdef object _seq_to_int64(object tokens):
+    """A Python sequence of token ids as array('q'); errors name the position."""
+    try:
+        return array("q", tokens)
+    except (OverflowError, TypeError):
+        pass
+    for i, t in enumerate(tokens):
+        try:
+            v = operator.index(t)
+        except TypeError:
+            raise InvalidTokens(
+                f"token at position {i} is a {type(t).__name__}, not an integer"
+            ) from None
+        if not 0 <= v < (1 << 32):
+            raise InvalidTokens(f"token id {v} at position {i} is outside [0, 2**32)")
+    raise InvalidTokens("token ids could not be read")  # pragma: no cover
+
+
+cdef int _open_tokens(object tokens, TokenView *tv) except -1:
+    """Point tv at a contiguous integer buffer for tokens (in place when possible)."""
+    cdef int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
+    cdef str fmt
+    cdef Py_ssize_t isz
+    tv.has_buf = False
+    tv.ptr = NULL
+    tv.n = 0
+    if isinstance(tokens, (bytes, bytearray)) or (
+        isinstance(tokens, memoryview) and tokens.format in ("B", "b", "c")
+    ):
+        if isinstance(tokens, memoryview) and not tokens.c_contiguous:
+            tokens = tokens.tobytes()
+        PyObject_GetBuffer(tokens, &tv.buf, PyBUF_C_CONTIGUOUS)
+        tv.has_buf = True
+        if tv.buf.len % 4:
+            n = tv.buf.len
+            _release_tokens(tv)
+            raise InvalidTokens(f"byte buffer of {n} bytes is not whole u32 tokens")
+        tv.ptr = tv.buf.buf
+        tv.n = <size_t>(tv.buf.len // 4)
+        tv.dt = KVP_DT_LE32
+        return 0
+    if not PyObject_CheckBuffer(tokens):
+        if isinstance(tokens, (str, dict, set)) or tokens is None:
+            raise InvalidTokens(f"tokens must be a sequence of integers, got {type(tokens).__name__}")
+        tokens = _seq_to_int64(tokens)
+    elif isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise InvalidTokens(f"tokens must be 1-D, got shape {tokens.shape}")
+        kind = tokens.dtype.kind
+        if kind not in "iu":
+            raise InvalidTokens(f"tokens must be an integer array, got dtype {tokens.dtype}")
+        if tokens.dtype.itemsize not in (4, 8) or not tokens.dtype.isnative:
+            tokens = tokens.astype(np.int64)
+        elif not tokens.flags.c_contiguous:
+            tokens = np.ascontiguousarray(tokens)
+    try:
+        PyObject_GetBuffer(tokens, &tv.buf, flags)
+    except BufferError:
+        tokens = np.ascontiguousarray(np.asarray(tokens))
+        PyObject_GetBuffer(tokens, &tv.buf, flags)
+    tv.has_buf = True
+    fmt = (<bytes>tv.buf.format).decode() if tv.buf.format != NULL else "B"
+    isz = tv.buf.itemsize
+    if tv.buf.ndim > 1:
+        _release_tokens(tv)
+        raise InvalidTokens("tokens must be 1-D")
+    if fmt[:1] in ("@", "=", "<"):
+        fmt = fmt[1:]
+    cdef bint ok = True
+    if fmt in ("I", "L", "N", "Q") or (fmt == "H" or fmt == "B"):
+        tv.dt = KVP_DT_U32 if isz == 4 else (KVP_DT_U64 if isz == 8 else KVP_DT_U32)
+        ok = isz in (4, 8)
+    elif fmt in ("i", "l", "q", "n", "h", "b"):
+        tv.dt = KVP_DT_I32 if isz == 4 else KVP_DT_I64
+        ok = isz in (4, 8)
+    else:
+        _release_tokens(tv)
+        raise InvalidTokens(f"tokens must be integers, got buffer format {fmt!r}")
+    if not ok:  # 1- or 2-byte integers: widen once
+        _release_tokens(tv)
+        wide = np.asarray(memoryview(tokens)).astype(np.int64)
+        PyObject_GetBuffer(wide, &tv.buf, flags)
+        tv.has_buf = True
+        tv.dt = KVP_DT_I64
+    tv.ptr = tv.buf.buf
+    tv.n = <size_t>(tv.buf.len // tv.buf.itemsize) if tv.buf.itemsize else 0
+    return 0
+
+
+cdef object _token_error(TokenView *tv, size_t pos, object block_size=None):
+    cdef uint32_t u32
+    cdef int32_t i32
+    cdef int64_t i64
+    cdef uint64_t u64
+    cdef const char *p = <const char *>tv.ptr
+    cdef object v
+    if tv.dt == KVP_DT_I32:
+        memcpy(&i32, p + 4 * pos, 4)
+        v = i32
+    elif tv.dt == KVP_DT_I64:
+        memcpy(&i64, p + 8 * pos, 8)
+        v = i64
+    elif tv.dt == KVP_DT_U64:
+        memcpy(&u64, p + 8 * pos, 8)
+        v = u64
+    else:
+        memcpy(&u32, p + 4 * pos, 4)
+        v = u32
+    where = f"token id {v} at position {pos}"
+    if block_size:
+        where += f" (block {pos // block_size})"
+    return InvalidTokens(f"{where} is outside [0, 2**32)")
+
+
+# ---- u64 arrays ----------------------------------------------------------------------------
+cdef object _u64_slow(object seq, str what):
+    out = []
+    for i, x in enumerate(seq):
+        try:
+            out.append(operator.index(x) & MASK64)
+        except TypeError:
+            raise InvalidArgument(
+                f"{what}[{i}] must be an integer, got {type(x).__name__}"
+            ) from None
+    return np.array(out, dtype=np.uint64)
+
+
+cdef cnp.ndarray _as_u64(object x, str what):
+    """x as an aligned, contiguous uint64 numpy array (a view for int64/uint64 arrays)."""
+    cdef cnp.ndarray a
+    if isinstance(x, np.ndarray):
+        a = <cnp.ndarray>x
+        kind = a.dtype.kind
+        if kind not in "iu":
+            raise InvalidArgument(f"{what} must be integers, got dtype {a.dtype}")
+        if a.ndim != 1:
+            raise InvalidArgument(f"{what} must be 1-D, got shape {x.shape}")
+        if a.dtype.itemsize == 8 and a.dtype.isnative:
+            if kind == "i":
+                a = a.view(np.uint64)
+            if not (cnp.PyArray_ISCARRAY_RO(a)):
+                a = np.require(a, np.uint64, ["C", "A"])
+            return a
+        return np.require(a.astype(np.int64), None, ["C", "A"]).view(np.uint64)
+    if isinstance(x, (list, tuple)):
+        try:
+            return np.frombuffer(array("Q", x), dtype=np.uint64)
+        except (OverflowError, TypeError):
+            return _u64_slow(x, what)
+    if x is None or isinstance(x, (str, bytes)):
+        raise InvalidArgument(f"{what} must be a sequence of integers, got {type(x).__name__}")
+    return _as_u64(list(x), what)
+
+
+cdef inline const uint64_t *_u64_ptr(cnp.ndarray a):
+    return <const uint64_t *>cnp.PyArray_DATA(a)
+
+
+# ---- validation ------------------------------------------------------------------------------
+cdef kvp_endpoint_t _ep(object ep) except? 0xFFFFFFFE:
+    try:
+        e = operator.index(ep)
+    except TypeError:
+        raise InvalidArgument(f"endpoint id must be an integer, got {type(ep).__name__}") from None
+    if not (0 <= e < MAX_ENDPOINT or e == SHARED):
+        raise InvalidArgument(f"endpoint id {e} out of range")
+    return <kvp_endpoint_t>e
+
+
+cdef int _tier(object tier) except -2:
+    if tier not in (DEVICE, HOST, DISK):
+        raise InvalidArgument(f"tier {tier} is not 0 (device), 1 (host) or 2 (disk)")
+    return <int>operator.index(tier)
+
+
+cdef size_t _block_size(object block_size) except 0:
+    try:
+        bs = operator.index(block_size)
+    except TypeError:
+        raise InvalidArgument(f"block_size must be an integer, got {type(block_size).__name__}") from None
+    if bs <= 0:
+        raise InvalidArgument(f"block_size must be positive, got {block_size}")
+    if bs >= (1 << 62):
+        raise InvalidArgument(f"block_size {block_size} is too large")
+    return <size_t>bs
+
+
+cdef uint64_t _seed(object seed) except? 0:
+    try:
+        return <uint64_t>(operator.index(seed) & MASK64)
+    except TypeError:
+        raise InvalidArgument(f"seed must be an integer, got {type(seed).__name__}") from None
+
+
+# ---- hashing -----------------------------------------------------------------------------------
+def chain_hash(prev, local, extra=0):
+    """Sequence hash of a block from its predecessor's sequence hash (or the root seed)."""
+    return kvp_chain_hash(_seed(prev), _seed(local), _seed(extra))
+
+
+def local_hash(block, seed=0):
+    """Hash one block of u32 tokens."""
+    cdef TokenView tv
+    cdef kvp_hash_t h = 0
+    cdef size_t pos = 0
+    cdef uint64_t s = _seed(seed)
+    cdef kvp_status st
+    _open_tokens(block, &tv)
+    try:
+        st = kvp_local_hash(tv.ptr, tv.dt, tv.n, s, &h, &pos)
+        if st == KVP_E_TOKEN:
+            raise _token_error(&tv, pos)
+        if st != KVP_OK:
+            _raise_status(st, "local_hash")
+    finally:
+        _release_tokens(&tv)
+    return h
+
+
+def hash_blocks(tokens, block_size, seed=0, extra=None, bint with_local=True):
+    """(local u64[], seq u64[]) of every full block of tokens (numpy arrays).
+
+    with_local=False skips the local array and returns (None, seq).
+    """
+    cdef size_t bs = _block_size(block_size)
+    cdef uint64_t s = _seed(seed)
+    cdef TokenView tv
+    cdef size_t pos = 0, nb, n_extra = 0
+    cdef kvp_status st
+    cdef cnp.ndarray ex = None
+    cdef cnp.ndarray lo = None
+    cdef cnp.ndarray seq
+    cdef const uint64_t *ex_p = NULL
+    cdef kvp_hash_t *lo_p = NULL
+    _open_tokens(tokens, &tv)
+    try:
+        nb = tv.n // bs
+        if extra is not None:
+            ex = _as_u64(extra, "extra")
+            ex_p = _u64_ptr(ex)
+            n_extra = <size_t>ex.shape[0]
+        seq = cnp.PyArray_EMPTY(1, [<cnp.npy_intp>nb], cnp.NPY_UINT64, 0)
+        if with_local:
+            lo = cnp.PyArray_EMPTY(1, [<cnp.npy_intp>nb], cnp.NPY_UINT64, 0)
+            lo_p = <kvp_hash_t *>cnp.PyArray_DATA(lo)
+        if tv.n >= NOGIL_TOKENS:
+            with nogil:
+                st = kvp_hash_blocks(tv.ptr, tv.dt, tv.n, bs, s, ex_p, n_extra, lo_p,
+                                     <kvp_hash_t *>cnp.PyArray_DATA(seq), nb, &pos)
+        else:
+            st = kvp_hash_blocks(tv.ptr, tv.dt, tv.n, bs, s, ex_p, n_extra, lo_p,
+                                 <kvp_hash_t *>cnp.PyArray_DATA(seq), nb, &pos)
+        if st == KVP_E_TOKEN:
+            raise _token_error(&tv, pos, bs)
+        if st == KVP_E_ARG and ex is not None:
+            raise InvalidArgument(f"extra has {n_extra} entries for {nb} full blocks")
+        if st != KVP_OK:
+            _raise_status(st, "hash_blocks")
+    finally:
+        _release_tokens(&tv)
+    return lo, seq
+
+
+# ---- query results -----------------------------------------------------------------------------
+cdef class QueryResult:
+    """Dense per-endpoint answer of Index.query (reusable: pass it back as ``out=``).
+
+    local, device, host, disk, shared_beyond: int32 arrays indexed by endpoint id (length >=
+    the index's endpoint limit). Endpoints holding nothing have local 0 and
+    shared_beyond == shared_prefix.
+    """
+
+    cdef kvp_query_out q
+    cdef readonly object local, device, host, disk, shared_beyond
+    cdef object _touched
+
+    def __cinit__(self, size_t capacity=0):
+        self._alloc(capacity)
+
+    cdef int _alloc(self, size_t cap) except -1:
+        self.local = np.zeros(cap, np.int32)
+        self.device = np.zeros(cap, np.int32)
+        self.host = np.zeros(cap, np.int32)
+        self.disk = np.zeros(cap, np.int32)
+        self.shared_beyond = np.zeros(cap, np.int32)
+        self._touched = np.zeros(max(cap, 1), np.uint32)
+        self.q.local = <int32_t *>cnp.PyArray_DATA(self.local)
+        self.q.device = <int32_t *>cnp.PyArray_DATA(self.device)
+        self.q.host = <int32_t *>cnp.PyArray_DATA(self.host)
+        self.q.disk = <int32_t *>cnp.PyArray_DATA(self.disk)
+        self.q.shared_beyond = <int32_t *>cnp.PyArray_DATA(self.shared_beyond)
+        self.q.touched = <uint32_t *>cnp.PyArray_DATA(self._touched)
+        self.q.cap = cap
+        self.q.n_touched = 0
+        self.q.shared_fill = 0
+        self.q.shared_prefix = 0
+        self.q.walked = 0
+        return 0
+
+    cdef int _ensure(self, size_t need) except -1:
+        cdef size_t cap
+        if need <= self.q.cap:
+            return 0
+        cap = max(need, 2 * self.q.cap, 8)
+        self._alloc(cap)
+        return 0
+
+    def reserve(self, capacity):
+        """Grow the arrays to at least ``capacity`` endpoints (contents reset on growth)."""
+        self._ensure(capacity)
+
+    @property
+    def shared_prefix(self):
+        return self.q.shared_prefix
+
+    @property
+    def walked(self):
+        return self.q.walked
+
+    @property
+    def capacity(self):
+        return self.q.cap
+
+    @property
+    def endpoints(self):
+        """Endpoint ids holding at least the first block (numpy uint32, query order)."""
+        return self._touched[: self.q.n_touched].copy()
+
+    def row(self, ep):
+        """(local, device, host, disk, shared_beyond) of one endpoint id."""
+        e = operator.index(ep)
+        if 0 <= e < <Py_ssize_t>self.q.cap:
+            return (int(self.local[e]), int(self.device[e]), int(self.host[e]),
+                    int(self.disk[e]), int(self.shared_beyond[e]))
+        return (0, 0, 0, 0, self.q.shared_prefix)
+
+    def matched(self):
+        """ep -> row for every endpoint holding at least the first block."""
+        return {int(e): self.row(int(e)) for e in self._touched[: self.q.n_touched]}
+
+    def __repr__(self):
+        return (f"QueryResult(walked={self.walked}, shared_prefix={self.shared_prefix}, "
+                f"matched={self.matched()})")
+
+
+# ---- the index -------------------------------------------------------------------------------
+_COUNTERS = (
+    "stored_blocks", "duplicate_stores", "conflicting_stores", "orphan_stores",
+    "removed_blocks", "unknown_removes", "moved_blocks", "unknown_moves",
+    "evicted_blocks", "evicted_entries", "cleared_endpoints",
+)
+
+
+cdef class Index:
+    """The global prefix index (rules: kvplug._reference.Index)."""
+
+    cdef kvp_index *idx
+    cdef PyThread_type_lock lock
+    cdef readonly uint64_t max_entries
+
+    def __cinit__(self, max_entries=0):
+        cdef kvp_status st
+        try:
+            m = operator.index(max_entries)
+        except TypeError:
+            raise InvalidArgument("max_entries must be an integer") from None
+        if m < 0:
+            raise InvalidArgument("max_entries must be >= 0")
+        if m >= (1 << 63):
+            raise InvalidArgument("max_entries is too large")
+        self.max_entries = m
+        self.lock = PyThread_allocate_lock()
+        if self.lock == NULL:
+            raise MemoryError("cannot allocate the index lock")
+        st = kvp_index_new(self.max_entries, &self.idx)
+        if st != KVP_OK:
+            _raise_status(st, "Index")
+
+    def __dealloc__(self):
+        if self.idx != NULL:
+            kvp_index_free(self.idx)
+            self.idx = NULL
+        if self.lock != NULL:
+            PyThread_free_lock(self.lock)
+            self.lock = NULL
+
+    cdef inline void _acquire(self):
+        if not PyThread_acquire_lock(self.lock, NOWAIT_LOCK):
+            with nogil:
+                PyThread_acquire_lock(self.lock, WAIT_LOCK)
+
+    cdef inline void _release(self):
+        PyThread_release_lock(self.lock)
+
+    @property
+    def endpoint_limit(self):
+        """1 + the largest (non-shared) endpoint id ever stored."""
+        return kvp_index_endpoint_limit(self.idx)
+
+    def store(self, ep, tier, engine_hashes, block_hashes):
+        """Store precomputed kvplug hashes (one per engine hash, chain order)."""
+        cdef kvp_endpoint_t e = _ep(ep)
+        cdef int t = _tier(tier)
+        cdef cnp.ndarray ehs = _as_u64(engine_hashes, "engine_hashes")
+        cdef cnp.ndarray hs = _as_u64(block_hashes, "block_hashes")
+        cdef size_t n = <size_t>ehs.shape[0]
+        cdef kvp_status st
+        cdef const uint64_t *ehp = _u64_ptr(ehs)
+        cdef const uint64_t *hp = _u64_ptr(hs)
+        if <size_t>hs.shape[0] != n:
+            raise InvalidArgument(f"{n} engine hashes but {hs.shape[0]} block hashes")
+        self._acquire()
+        try:
+            if n >= NOGIL_BLOCKS:
+                with nogil:
+                    st = kvp_index_store(self.idx, e, t, ehp, hp, n)
+            else:
+                st = kvp_index_store(self.idx, e, t, ehp, hp, n)
+        finally:
+            self._release()
+        if st != KVP_OK:
+            _raise_status(st, f"store on endpoint {ep}")
+
+    def store_tokens(self, ep, tier, parent_engine_hash, engine_hashes, tokens, block_size,
+                     seed=0, extra=None):
+        """Store blocks given by their tokens; False (orphan, counted) if the parent is unknown."""
+        cdef kvp_endpoint_t e = _ep(ep)
+        cdef int t = _tier(tier)
+        cdef size_t bs = _block_size(block_size)
+        cdef uint64_t s = _seed(seed)
+        cdef cnp.ndarray ehs = _as_u64(engine_hashes, "engine_hashes")
+        cdef size_t nb = <size_t>ehs.shape[0]
+        cdef int has_parent = parent_engine_hash is not None
+        cdef uint64_t parent = 0
+        cdef cnp.ndarray ex = None
+        cdef const uint64_t *ex_p = NULL
+        cdef size_t n_extra = 0, pos = 0
+        cdef int stored = 0
+        cdef kvp_status st
+        cdef TokenView tv
+        cdef const uint64_t *ehp = _u64_ptr(ehs)
+        if has_parent:
+            try:
+                parent = <uint64_t>(operator.index(parent_engine_hash) & MASK64)
+            except TypeError:
+                raise InvalidArgument("parent_engine_hash must be an integer") from None
+        if extra is not None:
+            ex = _as_u64(extra, "extra")
+            ex_p = _u64_ptr(ex)
+            n_extra = <size_t>ex.shape[0]
+        _open_tokens(tokens, &tv)
+        try:
+            if tv.n != nb * bs:
+                raise InvalidArgument(f"{tv.n} tokens for {nb} blocks of {bs} (endpoint {ep})")
+            self._acquire()
+            try:
+                if tv.n >= NOGIL_TOKENS:
+                    with nogil:
+                        st = kvp_index_store_tokens(self.idx, e, t, has_parent, parent,
+                                                    ehp, nb, tv.ptr, tv.dt, tv.n, bs,
+                                                    s, ex_p, n_extra, &stored, &pos)
+                else:
+                    st = kvp_index_store_tokens(self.idx, e, t, has_parent, parent,
+                                                ehp, nb, tv.ptr, tv.dt, tv.n, bs,
+                                                s, ex_p, n_extra, &stored, &pos)
+            finally:
+                self._release()
+            if st == KVP_E_TOKEN:
+                raise _token_error(&tv, pos, bs)
+            if st == KVP_E_ARG and ex is not None:
+                raise InvalidArgument(f"extra has {n_extra} entries for {nb} full blocks")
+            if st != KVP_OK:
+                _raise_status(st, f"store_tokens on endpoint {ep}")
+        finally:
+            _release_tokens(&tv)
+        return bool(stored)
+
+    def resolve(self, ep, engine_hash):
+        """The kvplug hash an endpoint's engine hash maps to, or None."""
+        cdef kvp_endpoint_t e = _ep(ep)
+        cdef uint64_t eh = _seed(engine_hash)
+        cdef kvp_hash_t h = 0
+        cdef int found = 0
+        self._acquire()
+        st = kvp_index_resolve(self.idx, e, eh, &h, &found)
+        self._release()
+        if st != KVP_OK:
+            _raise_status(st, "resolve")
+        return h if found else None
+
+    def remove(self, ep, engine_hashes, tier=None):
+        cdef kvp_endpoint_t e = _ep(ep)
+        cdef int t = -1 if tier is None else _tier(tier)
+        cdef cnp.ndarray ehs = _as_u64(engine_hashes, "engine_hashes")
+        cdef kvp_status st
+        self._acquire()
+        st = kvp_index_remove(self.idx, e, t, _u64_ptr(ehs), <size_t>ehs.shape[0])
+        self._release()
+        if st != KVP_OK:
+            _raise_status(st, f"remove on endpoint {ep}")
+
+    def move(self, ep, engine_hashes, from_tier, to_tier):
+        cdef kvp_endpoint_t e = _ep(ep)
+        cdef int f = _tier(from_tier)
+        cdef int t = _tier(to_tier)
+        cdef cnp.ndarray ehs = _as_u64(engine_hashes, "engine_hashes")
+        cdef kvp_status st
+        self._acquire()
+        st = kvp_index_move(self.idx, e, f, t, _u64_ptr(ehs), <size_t>ehs.shape[0])
+        self._release()
+        if st != KVP_OK:
+            _raise_status(st, f"move on endpoint {ep}")
+
+    def clear(self, ep):
+        """Forget everything one endpoint holds (engine restart, cache reset)."""
+        cdef kvp_endpoint_t e = _ep(ep)
+        cdef kvp_status st
+        self._acquire()
+        with nogil:
+            st = kvp_index_clear(self.idx, e)
+        self._release()
+        if st != KVP_OK:
+            _raise_status(st, f"clear endpoint {ep}")
+
+    def query(self, block_hashes, QueryResult out=None):
+        """Walk the request's sequence hashes in order. ``out`` is reused when given."""
+        cdef cnp.ndarray hs = _as_u64(block_hashes, "block_hashes")
+        cdef size_t n = <size_t>hs.shape[0]
+        cdef kvp_status st
+        cdef const uint64_t *hp = _u64_ptr(hs)
+        if out is None:
+            out = QueryResult(kvp_index_endpoint_limit(self.idx))
+        self._acquire()
+        try:
+            out._ensure(kvp_index_endpoint_limit(self.idx))
+            if n >= NOGIL_BLOCKS:
+                with nogil:
+                    st = kvp_index_query(self.idx, hp, n, &out.q)
+            else:
+                st = kvp_index_query(self.idx, hp, n, &out.q)
+        finally:
+            self._release()
+        if st != KVP_OK:
+            _raise_status(st, "query")
+        return out
+
+    def holdings(self, ep):
+        """kvplug hash -> count per tier, for one endpoint (tests and debugging)."""
+        cdef kvp_endpoint_t e = _ep(ep)
+        cdef size_t n = 0
+        cdef kvp_status st
+        cdef cnp.ndarray hs, cs
+        self._acquire()
+        try:
+            kvp_index_holdings(self.idx, e, NULL, NULL, 0, &n)
+            hs = np.empty(n, np.uint64)
+            cs = np.empty(3 * n, np.uint32)
+            st = kvp_index_holdings(self.idx, e, <kvp_hash_t *>cnp.PyArray_DATA(hs),
+                                    <uint32_t *>cnp.PyArray_DATA(cs), n, &n)
+        finally:
+            self._release()
+        if st != KVP_OK:
+            _raise_status(st, "holdings")
+        c = cs.tolist()
+        return {h: c[3 * i : 3 * i + 3] for i, h in enumerate(hs.tolist())}
+
+    def stats(self):
+        cdef kvp_stats s
+        kvp_index_stats(self.idx, &s)
+        return {
+            "stored_blocks": s.stored_blocks,
+            "duplicate_stores": s.duplicate_stores,
+            "conflicting_stores": s.conflicting_stores,
+            "orphan_stores": s.orphan_stores,
+            "removed_blocks": s.removed_blocks,
+            "unknown_removes": s.unknown_removes,
+            "moved_blocks": s.moved_blocks,
+            "unknown_moves": s.unknown_moves,
+            "evicted_blocks": s.evicted_blocks,
+            "evicted_entries": s.evicted_entries,
+            "cleared_endpoints": s.cleared_endpoints,
+            "blocks": s.blocks,
+            "entries": s.entries,
+            "engine_mappings": s.engine_mappings,
+        }
+
+    def memory_bytes(self):
+        """Bytes the C index holds allocated (tables, records, holder arrays, scratch)."""
+        cdef kvp_stats s
+        kvp_index_stats(self.idx, &s)
+        return s.memory_bytes
+
+
+# ---- costs and selection -----------------------------------------------------------------------
+cdef cnp.ndarray _f64(object x, str what, Py_ssize_t n):
+    a = np.ascontiguousarray(x, dtype=np.float64)
+    if a.ndim != 1:
+        raise InvalidArgument(f"{what} must be 1-D")
+    if n >= 0 and a.shape[0] != n:
+        raise InvalidArgument(f"{what} has {a.shape[0]} entries, expected {n}")
+    return a
+
+
+def costs(prefill_blocks, device, host, disk, shared_beyond, decode_blocks, p, out=None):
+    """The routing seed's cost, one float64 per candidate (numpy array)."""
+    cdef cnp.ndarray pf = _f64(prefill_blocks, "prefill_blocks", -1)
+    cdef Py_ssize_t n = pf.shape[0]
+    cdef cnp.ndarray dv = _f64(device, "device", n)
+    cdef cnp.ndarray ho = _f64(host, "host", n)
+    cdef cnp.ndarray di = _f64(disk, "disk", n)
+    cdef cnp.ndarray sb = _f64(shared_beyond, "shared_beyond", n)
+    cdef cnp.ndarray dc = _f64(decode_blocks, "decode_blocks", n)
+    cdef cnp.ndarray res
+    cdef kvp_cost_params cp
+    cp.overlap_score_credit = p.overlap_score_credit
+    cp.host_cache_hit_weight = p.host_cache_hit_weight
+    cp.disk_cache_hit_weight = p.disk_cache_hit_weight
+    cp.shared_cache_multiplier = p.shared_cache_multiplier
+    cp.prefill_load_scale = p.prefill_load_scale
+    if out is None:
+        res = np.empty(n, np.float64)
+    else:
+        res = out
+        if res.dtype != np.float64 or res.ndim != 1 or res.shape[0] < n or not res.flags.c_contiguous:
+            raise InvalidArgument("out must be a contiguous float64 array with >= n entries")
+    st = kvp_costs(<double *>cnp.PyArray_DATA(pf), <double *>cnp.PyArray_DATA(dv),
+                   <double *>cnp.PyArray_DATA(ho), <double *>cnp.PyArray_DATA(di),
+                   <double *>cnp.PyArray_DATA(sb), <double *>cnp.PyArray_DATA(dc),
+                   <size_t>n, &cp, <double *>cnp.PyArray_DATA(res))
+    if st != KVP_OK:
+        _raise_status(st, "costs")
+    return res if out is None else res[:n]
+
+
+def select(cost, double temperature, double u):
+    """Index of the chosen candidate (see kvplug._reference.select)."""
+    cdef cnp.ndarray c = _f64(cost, "cost", -1)
+    cdef size_t chosen = 0
+    cdef kvp_status st
+    if c.shape[0] == 0:
+        raise InvalidArgument("no candidates")
+    if not (0.0 <= u < 1.0):
+        raise InvalidArgument(f"u must be in [0, 1), got {u}")
+    if temperature < 0 or temperature != temperature:
+        raise InvalidArgument(f"temperature must be >= 0, got {temperature}")
+    st = kvp_select(<double *>cnp.PyArray_DATA(c), <size_t>c.shape[0], temperature, u, &chosen)
+    if st != KVP_OK:
+        if st == KVP_E_ARG:
+            raise InvalidArgument("a cost is NaN")
+        _raise_status(st, "select")
+    return chosen
+
+
+__all__ = [
+    "CostParams", "DEVICE", "DISK", "HOST", "Index", "MAX_ENDPOINT", "N_TIERS", "QueryResult",
+    "SHARED", "chain_hash", "costs", "hash_blocks", "local_hash", "select", "softmax_probs",
+]

@@ -1,0 +1,78 @@
+"""The active core backend.
+
+The compiled ``kvplug._core`` is the default. The pure-Python reference runs only when asked
+for explicitly with ``KVPLUG_CORE=reference``; a missing compiled core is a loud ImportError,
+never a silent fall back to the (100x slower) reference.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+_BUILD_HINT = (
+    "kvplug's compiled core (kvplug._core) is not built or cannot be loaded. Build it from the "
+    "repository root with `pip install -e .` (or `python setup.py build_ext --inplace`). To run "
+    "the slow pure-Python reference instead, set KVPLUG_CORE=reference explicitly."
+)
+
+
+def load_backend(name: str) -> ModuleType:
+    """The core module for ``name``: "c" (compiled) or "reference" (pure Python)."""
+    if name == "reference":
+        from kvplug import _reference
+
+        return _reference
+    if name == "c":
+        try:
+            from kvplug import _core
+        except ImportError as err:
+            raise ImportError(f"{_BUILD_HINT} ({err})") from err
+        return _core
+    raise ImportError(f"unknown kvplug core backend {name!r}: expected 'c' or 'reference'")
+
+
+def _choose() -> tuple[str, ModuleType]:
+    raw = os.environ.get("KVPLUG_CORE", "").strip().lower()
+    if raw in ("", "c", "compiled"):
+        return "c", load_backend("c")
+    if raw in ("reference", "python", "py"):
+        return "reference", load_backend("reference")
+    raise ImportError(f"KVPLUG_CORE={raw!r} is not a kvplug core: use 'c' or 'reference'")
+
+
+backend, impl = _choose()
+
+Index = impl.Index
+QueryResult = impl.QueryResult
+CostParams = impl.CostParams
+hash_blocks = impl.hash_blocks
+local_hash = impl.local_hash
+chain_hash = impl.chain_hash
+costs = impl.costs
+select = impl.select
+softmax_probs = impl.softmax_probs
+DEVICE, HOST, DISK, N_TIERS = impl.DEVICE, impl.HOST, impl.DISK, impl.N_TIERS
+SHARED = impl.SHARED
+MAX_ENDPOINT = impl.MAX_ENDPOINT
+
+__all__ = [
+    "DEVICE",
+    "DISK",
+    "HOST",
+    "MAX_ENDPOINT",
+    "N_TIERS",
+    "SHARED",
+    "CostParams",
+    "Index",
+    "QueryResult",
+    "backend",
+    "chain_hash",
+    "costs",
+    "hash_blocks",
+    "impl",
+    "load_backend",
+    "local_hash",
+    "select",
+    "softmax_probs",
+]

@@ -1,0 +1,59 @@
+"""Build kvplug._core (csrc/*.c + kvplug/_core.pyx). Flags from the environment:
+
+KVPLUG_SANITIZE=1  AddressSanitizer + UndefinedBehaviorSanitizer build (-O1, frame pointers)
+KVPLUG_DEBUG=1     -O0 -g, no NDEBUG
+KVPLUG_NATIVE=1    add -march=native (not for wheels or CI: the binary would not be portable)
+"""
+
+import os
+import sys
+from glob import glob
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0", "false", "no")
+
+
+sanitize = _flag("KVPLUG_SANITIZE")
+debug = _flag("KVPLUG_DEBUG")
+
+compile_args = ["-std=c11", "-ffp-contract=off", "-fno-strict-aliasing"]
+link_args = []
+if sys.platform == "win32":  # pragma: no cover - not a target, keep setup importable
+    compile_args = []
+elif sanitize:
+    san = [
+        "-fsanitize=address,undefined",
+        "-fno-omit-frame-pointer",
+        "-fno-sanitize-recover=undefined",
+    ]
+    compile_args += ["-O1", "-g"] + san
+    link_args += san
+elif debug:
+    compile_args += ["-O0", "-g"]
+else:
+    compile_args += ["-O3"]
+    if _flag("KVPLUG_NATIVE"):
+        compile_args += ["-march=native"]
+
+core = Extension(
+    "kvplug._core",
+    sources=["kvplug/_core.pyx", *sorted(glob("csrc/*.c"))],
+    include_dirs=["csrc", np.get_include()],
+    depends=sorted(glob("csrc/*.h")),
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    extra_compile_args=compile_args,
+    extra_link_args=link_args,
+)
+
+setup(
+    ext_modules=cythonize(
+        [core],
+        compiler_directives={"language_level": "3"},
+        force=sanitize or debug,
+    )
+)

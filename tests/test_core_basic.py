@@ -1,0 +1,190 @@
+"""Scenario tests of the core contract; every test body runs on the C core and the reference."""
+
+from __future__ import annotations
+
+import array
+
+import numpy as np
+import pytest
+
+from kvplug.core import load_backend
+from kvplug.errors import InvalidArgument, InvalidTokens
+
+SHARED = 0xFFFFFFFF
+
+
+@pytest.fixture(params=["c", "reference"])
+def be(request):
+    return load_backend(request.param)
+
+
+def ints(xs):
+    return [int(x) for x in xs]
+
+
+def test_compiled_core_is_an_extension():
+    core = load_backend("c")
+    assert core.__file__.endswith((".so", ".pyd"))
+
+
+def test_hash_blocks_skips_partial_block_and_chains(be):
+    toks = list(range(37))
+    local, seq = be.hash_blocks(toks, 16)
+    assert len(local) == len(seq) == 2
+    assert ints(local)[0] == be.local_hash(toks[:16])
+    assert ints(seq)[0] == be.chain_hash(0, ints(local)[0], 0)
+    assert ints(seq)[1] == be.chain_hash(ints(seq)[0], ints(local)[1], 0)
+
+
+def test_hash_inputs_agree(be):
+    toks = [5, 0, 2**32 - 1, 17] * 12
+    ref = ints(be.hash_blocks(toks, 16, seed=9)[1])
+    for form in (
+        np.array(toks, np.uint32),
+        np.array(toks, np.int64),
+        np.array(toks, np.uint64),
+        array.array("I", toks),
+        np.array(toks, np.uint32).tobytes(),
+        memoryview(np.array(toks, np.uint32)),
+        tuple(toks),
+    ):
+        assert ints(be.hash_blocks(form, 16, seed=9)[1]) == ref
+    small = [t for t in toks if t < 2**31]
+    assert ints(be.hash_blocks(np.array(small, np.int32), 4)[1]) == ints(
+        be.hash_blocks(small, 4)[1]
+    )
+
+
+def test_seed_and_extra_change_hashes(be):
+    toks = list(range(32))
+    base = ints(be.hash_blocks(toks, 16)[1])
+    assert ints(be.hash_blocks(toks, 16, seed=1)[1])[0] != base[0]
+    with_extra = ints(be.hash_blocks(toks, 16, extra=[0, 7])[1])
+    assert with_extra[0] == base[0] and with_extra[1] != base[1]
+    with pytest.raises(InvalidArgument):
+        be.hash_blocks(toks, 16, extra=[1])
+
+
+@pytest.mark.parametrize(
+    "bad", [[1, -1], [1, 2**32], np.array([3, -2], np.int32), np.array([2**40], np.int64)]
+)
+def test_bad_tokens_raise_with_position(be, bad):
+    with pytest.raises(InvalidTokens, match="position 1|position 0"):
+        be.hash_blocks(bad, 1)
+
+
+def test_float_tokens_rejected(be):
+    with pytest.raises(InvalidTokens):
+        be.hash_blocks([1.5, 2.0], 1)
+    with pytest.raises((InvalidTokens, TypeError)):
+        be.hash_blocks(np.array([1.0, 2.0]), 1)
+
+
+def test_bad_block_size(be):
+    with pytest.raises(InvalidArgument):
+        be.hash_blocks([1, 2], 0)
+
+
+def test_store_query_tiers_and_shared(be):
+    idx = be.Index()
+    idx.store(0, 0, [1, 2, 3], [10, 20, 30])
+    idx.store(1, 1, [5, 6], [10, 20])
+    idx.store(1, 2, [7], [30])  # not a continuation in device: disk tier
+    idx.store(SHARED, 0, [9, 8, 7, 6], [10, 20, 30, 40])
+    q = idx.query([10, 20, 30, 40, 50])
+    assert q.row(0) == (3, 3, 0, 0, 1)  # shared continues one block beyond
+    assert q.row(1) == (3, 0, 2, 1, 1)
+    assert q.row(2) == (0, 0, 0, 0, 4)
+    assert q.shared_prefix == 4
+    assert q.walked == 5
+
+
+def test_walk_stops_when_nobody_continues(be):
+    idx = be.Index()
+    idx.store(0, 0, [1, 2], [10, 20])
+    q = idx.query([10, 99, 20, 30])
+    assert q.row(0) == (1, 1, 0, 0, 0)
+    assert q.walked == 2
+
+
+def test_duplicate_conflicting_orphan_remove_move(be):
+    idx = be.Index()
+    idx.store(0, 0, [1], [10])
+    idx.store(0, 0, [1], [10])  # duplicate: refcount 2
+    idx.store(0, 0, [1], [11])  # conflicting: dropped
+    assert idx.store_tokens(0, 0, 12345, [2], [1, 2], 2) is False  # orphan
+    s = idx.stats()
+    assert (s["duplicate_stores"], s["conflicting_stores"], s["orphan_stores"]) == (1, 1, 1)
+    idx.remove(0, [1])
+    assert idx.query([10]).row(0)[0] == 1  # one reference left
+    idx.move(0, [1], 0, 1)
+    assert idx.query([10]).row(0) == (1, 0, 1, 0, 0)
+    idx.remove(0, [1], tier=0)  # nothing in device any more
+    assert idx.stats()["unknown_removes"] == 1
+    idx.remove(0, [1])
+    assert idx.query([10]).row(0) == (0, 0, 0, 0, 0)
+    assert idx.stats()["blocks"] == 0 and idx.stats()["engine_mappings"] == 0
+
+
+def test_store_tokens_chains_from_parent(be):
+    idx = be.Index()
+    toks = list(range(8))
+    assert idx.store_tokens(3, 0, None, [100, 101], toks[:4], 2, seed=5)
+    assert idx.store_tokens(3, 0, 101, [102, 103], toks[4:], 2)
+    seq = ints(be.hash_blocks(toks, 2, seed=5)[1])
+    assert idx.query(seq).row(3) == (4, 4, 0, 0, 0)
+    assert idx.resolve(3, 103) == seq[3]
+    assert idx.resolve(3, 999) is None
+
+
+def test_clear_and_lru_bound(be):
+    idx = be.Index(max_entries=3)
+    idx.store(0, 0, [1, 2], [10, 20])
+    idx.store(1, 0, [3], [30])
+    idx.query([10])  # touch block 10: 20 becomes the oldest
+    idx.store(1, 0, [4], [40])
+    s = idx.stats()
+    assert s["evicted_blocks"] == 1 and s["entries"] == 3
+    assert idx.resolve(0, 2) is None and idx.resolve(0, 1) == 10
+    idx.clear(0)
+    assert idx.stats()["entries"] == 2 and idx.holdings(0) == {}
+    assert idx.holdings(1) == {30: [1, 0, 0], 40: [1, 0, 0]}
+
+
+@pytest.mark.parametrize("ep", [-1, 1 << 20, 2**32, 2**64])
+def test_bad_endpoint(be, ep):
+    idx = be.Index()
+    with pytest.raises(InvalidArgument):
+        idx.store(ep, 0, [1], [1])
+
+
+@pytest.mark.parametrize("tier", [-1, 3, 7])
+def test_bad_tier_leaves_index_intact(be, tier):
+    idx = be.Index()
+    idx.store(0, 0, [1], [10])
+    before = idx.stats()
+    with pytest.raises(InvalidArgument):
+        idx.store(0, tier, [2], [20])
+    with pytest.raises(InvalidArgument):
+        idx.move(0, [1], 0, tier)
+    with pytest.raises(InvalidArgument):
+        idx.store(0, 0, [2, 3], [20])
+    with pytest.raises(InvalidTokens):
+        idx.store_tokens(0, 0, None, [5], [1, -2], 2)
+    assert idx.stats() == before
+    assert idx.query([10]).row(0) == (1, 1, 0, 0, 0)
+
+
+def test_costs_and_select(be):
+    p = be.CostParams()
+    c = list(be.costs([10, 10, 10], [4, 0, 0], [0, 4, 0], [0, 0, 4], [0, 0, 2], [1, 2, 3], p))
+    assert c == [7.0, 9.0, 11.0]
+    assert be.select([3.0, 1.0, 1.0], 0.0, 0.0) == 1
+    assert be.select([3.0, 1.0, 1.0], 0.0, 0.99) == 2
+    assert be.select([0.0, 100.0], 0.5, 0.5) == 0
+    with pytest.raises(InvalidArgument):
+        be.select([], 0.0, 0.5)
+    with pytest.raises(InvalidArgument):
+        be.select([1.0], 0.0, 1.0)
+    with pytest.raises(InvalidArgument):
+        be.select([1.0, float("nan")], 1.0, 0.5)
