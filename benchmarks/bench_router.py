@@ -1,0 +1,214 @@
+"""Router decision latency: hash + query + load + filters + cost + pick, per decision.
+
+For each fleet size, the index holds ~``--blocks`` (block, endpoint) entries: filler chains of
+random hashes plus a few real 8,192-token documents cached on several workers at different
+prefix lengths (so decisions see real, varied overlaps). Each decision routes one 8,192-token
+prompt (numpy uint32 tokens; hashing included) and the request is finished right after, so the
+load stays steady. Baselines measured in the same run:
+
+* ``hash+query``: ``index.request_hashes`` + ``index.query`` alone (the core's floor);
+* ``round-robin``: a full ``Router.route`` in round-robin mode (no hashing, no query).
+
+Usage: python benchmarks/bench_router.py [--workers 8 64 512] [--blocks 1000000]
+       [--decisions 2000] [--prompt-tokens 8192] [--block-size 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from kvplug import core  # noqa: E402
+from kvplug.config import RouterConfig  # noqa: E402
+from kvplug.events import BlockStored  # noqa: E402
+from kvplug.request import RouteRequest  # noqa: E402
+from kvplug.router import Router  # noqa: E402
+from kvplug.workers import Worker  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "bench_router.json"
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def build(
+    n_workers: int, mode: str, args, docs: list[np.ndarray], rng: np.random.Generator, seed: int
+) -> Router:
+    cfg = RouterConfig(
+        router_mode=mode,
+        kv_block_size=args.block_size,
+        router_max_prompt_tokens=max(args.prompt_tokens, 1 << 20),
+    )
+    r = Router(cfg, rng=random.Random(seed))
+    for i in range(n_workers):
+        r.add_worker(Worker(f"w{i}", kv_capacity_blocks=100_000, max_batched_tokens=8192))
+    if mode != "kv":
+        return r
+    chain = args.prompt_tokens // args.block_size
+    # real documents: each on 4 workers with different cached prefix lengths
+    stored = 0
+    for d, toks in enumerate(docs):
+        h = np.asarray(r.index.request_hashes(toks), dtype=np.uint64)
+        for j in range(min(4, n_workers)):
+            w = int(rng.integers(n_workers))
+            n = int(len(h) * (j + 1) / 4)
+            r.apply_event(
+                BlockStored(
+                    worker_id=f"w{w}",
+                    engine_hashes=list(range(10**9 * d, 10**9 * d + n)),
+                    block_hashes=h[:n].tolist(),
+                )
+            )
+            stored += n
+    # filler: random chains, each on one worker
+    eh = 1 << 40
+    while stored < args.blocks:
+        n = min(chain, args.blocks - stored)
+        hs = rng.integers(1, 2**63, size=n, dtype=np.int64).astype(np.uint64)
+        r.apply_event(
+            BlockStored(
+                worker_id=f"w{int(rng.integers(n_workers))}",
+                engine_hashes=list(range(eh, eh + n)),
+                block_hashes=hs.tolist(),
+            )
+        )
+        eh += n
+        stored += n
+    return r
+
+
+def time_route(
+    r: Router, prompts: list[np.ndarray], n: int, hits: list[int] | None = None
+) -> list[float]:
+    out = []
+    for i in range(n):
+        req = RouteRequest(f"r{i}", prompts[i % len(prompts)])
+        t0 = time.perf_counter_ns()
+        d = r.route(req)
+        out.append((time.perf_counter_ns() - t0) / 1000)
+        if hits is not None:
+            hits.append(d.overlap_blocks)
+        r.on_finish(req.request_id)
+    return out
+
+
+def time_floor(r: Router, prompts: list[np.ndarray], n: int) -> tuple[list[float], list[float]]:
+    hash_us, query_us = [], []
+    for i in range(n):
+        toks = prompts[i % len(prompts)]
+        t0 = time.perf_counter_ns()
+        h = r.index.request_hashes(toks)
+        t1 = time.perf_counter_ns()
+        r.index.query(h)
+        t2 = time.perf_counter_ns()
+        hash_us.append((t1 - t0) / 1000)
+        query_us.append((t2 - t1) / 1000)
+    return hash_us, query_us
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--workers", type=int, nargs="+", default=[8, 64, 512])
+    ap.add_argument("--blocks", type=int, default=1_000_000)
+    ap.add_argument("--decisions", type=int, default=2000)
+    ap.add_argument("--prompt-tokens", type=int, default=8192)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    docs = [
+        rng.integers(0, 128_000, size=args.prompt_tokens, dtype=np.uint32) for _ in range(args.docs)
+    ]
+    # prompts: half start with a cached document (then diverge), half are fresh
+    prompts = []
+    for i in range(64):
+        p = rng.integers(0, 128_000, size=args.prompt_tokens, dtype=np.uint32)
+        if i % 2 == 0:
+            d = docs[i % len(docs)]
+            cut = int(rng.integers(args.prompt_tokens // 4, args.prompt_tokens))
+            p[:cut] = d[:cut]
+        prompts.append(p)
+    rows = []
+    for n in args.workers:
+        t0 = time.perf_counter()
+        r = build(n, "kv", args, docs, rng, seed=n)
+        fill_s = time.perf_counter() - t0
+        warm = max(50, args.decisions // 20)
+        time_route(r, prompts, warm)
+        overlap: list[int] = []
+        kv = time_route(r, prompts, args.decisions, overlap)
+        kv_hit = [t for t, o in zip(kv, overlap, strict=True) if o > 0]
+        kv_miss = [t for t, o in zip(kv, overlap, strict=True) if o == 0]
+        hash_us, query_us = time_floor(r, prompts, args.decisions)
+        rr = build(n, "round-robin", args, docs, rng, seed=n)
+        time_route(rr, prompts, warm)
+        base = time_route(rr, prompts, args.decisions)
+        floor = [a + b for a, b in zip(hash_us, query_us, strict=True)]
+        row = {
+            "workers": n,
+            "indexed_entries": r.index.stats().get("entries", args.blocks),
+            "fill_seconds": round(fill_s, 2),
+            "kv_median_us": statistics.median(kv),
+            "kv_p99_us": percentile(kv, 0.99),
+            "kv_median_us_cached_prefix": statistics.median(kv_hit) if kv_hit else None,
+            "kv_median_us_no_prefix": statistics.median(kv_miss) if kv_miss else None,
+            "mean_overlap_blocks_of_pick": statistics.fmean(overlap),
+            "hash_median_us": statistics.median(hash_us),
+            "query_median_us": statistics.median(query_us),
+            "hash_query_median_us": statistics.median(floor),
+            "router_overhead_median_us": statistics.median(kv) - statistics.median(floor),
+            "round_robin_median_us": statistics.median(base),
+            "round_robin_p99_us": percentile(base, 0.99),
+        }
+        row["kv_over_round_robin"] = row["kv_median_us"] / row["round_robin_median_us"]
+        row["kv_over_hash_query"] = row["kv_median_us"] / row["hash_query_median_us"]
+        rows.append(row)
+        del r, rr
+    hdr = (
+        f"{'workers':>7} {'entries':>9} {'kv med':>8} {'kv p99':>8} {'hash':>7} {'query':>7} "
+        f"{'overhead':>8} {'rr med':>7} {'kv/rr':>6}"
+    )
+    print(
+        f"core backend: {core.backend}; prompt {args.prompt_tokens} tokens, block "
+        f"{args.block_size}; {args.decisions} decisions; times in microseconds"
+    )
+    print(hdr)
+    for x in rows:
+        print(
+            f"{x['workers']:>7} {x['indexed_entries']:>9} {x['kv_median_us']:>8.1f} "
+            f"{x['kv_p99_us']:>8.1f} {x['hash_median_us']:>7.1f} {x['query_median_us']:>7.1f} "
+            f"{x['router_overhead_median_us']:>8.1f} {x['round_robin_median_us']:>7.1f} "
+            f"{x['kv_over_round_robin']:>6.1f}"
+        )
+    out = {
+        "benchmark": "bench_router",
+        "command": "python benchmarks/bench_router.py " + " ".join(argv or sys.argv[1:]),
+        "core_backend": core.backend,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "params": vars(args),
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
