@@ -1,0 +1,178 @@
+"""The vLLM engine adapter the frontend uses (``kvplug.adapters`` registry, kind ``vllm``).
+
+Per worker: discover its event sources and cache config, refuse a block-size mismatch, consume
+its KV events on the process-wide subscriber thread (feeding ``sink.apply_threadsafe``), scrape
+its ``/metrics`` into ``sink.set_attributes`` and keep a liveness verdict (metrics failures and
+event silence) that listeners (the frontend) can act on. P/D bodies come from ``pd.py``.
+
+Worker fields used: ``url`` (engine base URL: discovery, metrics), ``event_endpoint`` /
+``replay_endpoint`` (when the engine cannot tell), ``dp_start`` / ``dp_size``, ``metrics_url``,
+``labels["kv_events_topic"]`` (the engine's ``--kv-events-config`` topic when not discovered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from kvplug.adapters import PDContext, VllmHttpAdapter, register_adapter
+
+from .discovery import EngineInfo, check_block_size, discover
+from .metrics import MetricsSample, MetricsScraper
+from .pd import decode_body, prefill_body
+from .subscriber import EventSource, VllmSubscriber
+
+if TYPE_CHECKING:
+    from kvplug.adapters import WorkerSink
+    from kvplug.workers import Worker
+
+log = logging.getLogger("kvplug.vllm")
+
+LivenessListener = Callable[[str, bool], Any]
+
+
+@dataclass
+class _WorkerRun:
+    worker_id: str
+    info: EngineInfo
+    scraper: MetricsScraper | None
+    alive: bool = True
+
+
+class VllmAdapter(VllmHttpAdapter):
+    """vLLM: KV events over ZMQ (with replay), metrics, NIXL P/D."""
+
+    kind = "vllm"
+
+    def __init__(
+        self,
+        *,
+        metrics_period: float | None = None,
+        replay_timeout: float = 2.0,
+        unhealthy_after: int = 2,
+    ) -> None:
+        self.metrics_period = metrics_period or float(
+            os.environ.get("KVPLUG_VLLM_METRICS_PERIOD", "1.0")
+        )
+        self.unhealthy_after = unhealthy_after
+        self.subscriber = VllmSubscriber(replay_timeout=replay_timeout)
+        self._runs: dict[str, _WorkerRun] = {}
+        self._listeners: list[LivenessListener] = []
+        self._lock = threading.Lock()
+
+    # -- liveness -----------------------------------------------------------------------------
+    def add_liveness_listener(self, fn: LivenessListener) -> None:
+        """``fn(worker_id, alive)`` is called from a scraper thread when a verdict changes."""
+        self._listeners.append(fn)
+
+    def worker_alive(self, worker_id: str) -> bool | None:
+        run = self._runs.get(worker_id)
+        return None if run is None else run.alive
+
+    def last_event_age(self, worker_id: str) -> float | None:
+        t = self.subscriber.last_message_at(worker_id)
+        return None if t is None else time.monotonic() - t
+
+    def _set_alive(self, run: _WorkerRun, alive: bool) -> None:
+        if run.alive == alive:
+            return
+        run.alive = alive
+        log.warning("vLLM worker %s is %s", run.worker_id, "back up" if alive else "DOWN")
+        for fn in list(self._listeners):
+            try:
+                fn(run.worker_id, alive)
+            except Exception:
+                log.exception("liveness listener failed for %s", run.worker_id)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.start_worker_sync,
+                                                         worker, sink)
+
+    def start_worker_sync(self, worker: Worker, sink: WorkerSink) -> EngineInfo:
+        """Blocking form of ``start_worker`` (tests, threads). Raises ConfigError on a block
+        size mismatch or when no event endpoint can be found."""
+        topic = worker.labels.get("kv_events_topic", "") if worker.labels else ""
+        info = discover(
+            worker.url, endpoint=worker.event_endpoint, replay_endpoint=worker.replay_endpoint,
+            topic=topic, dp_start=worker.dp_start, dp_size=worker.dp_size,
+            metrics_url=worker.metrics_url,
+        )
+        bs = check_block_size(worker.worker_id, info.block_size, sink.block_size)
+        host = urlsplit(worker.url).hostname if worker.url else None
+        ranks = range(worker.dp_start, worker.dp_start + worker.dp_size)
+        self.subscriber.start()
+        for rs in info.sources:
+            if rs.dp_rank not in ranks:
+                continue
+            self.subscriber.add(EventSource(
+                worker_id=worker.worker_id, endpoint=rs.endpoint, sink=sink.apply_threadsafe,
+                replay_endpoint=rs.replay_endpoint, topic=rs.topic, dp_rank=rs.dp_rank,
+                engine_host=host, block_size=bs,
+            ))
+        scraper = None
+        murl = worker.metrics_url or (worker.url.rstrip("/") + "/metrics" if worker.url else None)
+        run = _WorkerRun(worker.worker_id, info, None)
+        if murl:
+            def on_sample(s: MetricsSample, _run: _WorkerRun = run) -> None:
+                sink.set_attributes(s.attributes, s.ts)
+                self._set_alive(_run, True)
+
+            def on_failure(n: int, e: Exception, _run: _WorkerRun = run) -> None:
+                if n >= self.unhealthy_after:
+                    self._set_alive(_run, False)
+
+            scraper = MetricsScraper(murl, on_sample, period=self.metrics_period,
+                                     on_failure=on_failure, unhealthy_after=self.unhealthy_after)
+            run.scraper = scraper
+            scraper.start()
+        with self._lock:
+            old = self._runs.pop(worker.worker_id, None)
+            self._runs[worker.worker_id] = run
+        if old is not None and old.scraper is not None:
+            old.scraper.stop()
+        log.info("vLLM worker %s: %d event source(s) (%s), block size %s, %s GPU blocks",
+                 worker.worker_id, len(info.sources),
+                 "discovered" if info.discovered else "configured", bs, info.num_gpu_blocks)
+        return info
+
+    async def stop_worker(self, worker_id: str) -> None:
+        self.stop_worker_sync(worker_id)
+
+    def stop_worker_sync(self, worker_id: str) -> None:
+        with self._lock:
+            run = self._runs.pop(worker_id, None)
+        if run is not None and run.scraper is not None:
+            run.scraper.stop()
+        self.subscriber.remove(worker_id)
+
+    def events_ready(self, worker_id: str) -> bool | None:
+        return self.subscriber.has_worker(worker_id)
+
+    async def close(self) -> None:
+        for wid in list(self._runs):
+            self.stop_worker_sync(wid)
+        self.subscriber.stop()
+
+    def stats(self) -> dict[str, Any]:
+        return {"subscriber": self.subscriber.stats(),
+                "alive": {w: r.alive for w, r in self._runs.items()}}
+
+    # -- P/D ------------------------------------------------------------------------------------
+    def prefill_request(self, body: dict[str, Any], ctx: PDContext) -> dict[str, Any]:
+        return prefill_body(body)
+
+    def decode_request(
+        self, body: dict[str, Any], prefill_response: dict[str, Any] | None, ctx: PDContext
+    ) -> dict[str, Any]:
+        return decode_body(body, prefill_response)
+
+
+register_adapter("vllm", VllmAdapter, replace=True)

@@ -1,0 +1,145 @@
+"""Find a vLLM engine's event sources and cache config, and check its block size.
+
+``GET /kv_event_sources`` (vLLM >= 0.32; gRPC ``GetKvEventSources``) answers
+``{"<dp_rank>": {KVEventsConfig as resolved, endpoints as the rank uses them}}``. Older engines
+answer 404: then the configured endpoint is used with vLLM's per-rank port offsets. The block
+size comes from the ``vllm:cache_config_info`` metric's labels; an engine whose block size
+differs from the router's is refused (``ConfigError``) — its events could never match.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvplug.errors import ConfigError
+
+from .metrics import MetricsSample, scrape
+from .subscriber import offset_endpoint
+
+log = logging.getLogger("kvplug.vllm")
+
+
+@dataclass
+class RankSource:
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str = ""
+
+
+@dataclass
+class EngineInfo:
+    """What kvplug learned about one engine (from the engine when it says, else config)."""
+
+    sources: list[RankSource]
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    hash_algo: str | None = None
+    discovered: bool = False  # sources came from /kv_event_sources
+    cache_config: dict[str, str] = field(default_factory=dict)
+
+
+def get_json(url: str, timeout: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - engine URL
+        return json.loads(resp.read().decode("utf-8"))
+
+
+def fetch_event_sources(base_url: str, timeout: float = 2.0) -> list[RankSource] | None:
+    """Sources per DP rank from ``GET /kv_event_sources``; None when the engine has no such
+    endpoint (older vLLM) or publishes no events."""
+    try:
+        data = get_json(base_url.rstrip("/") + "/kv_event_sources", timeout)
+    except urllib.error.HTTPError as e:
+        if e.code in (404, 405):
+            return None
+        raise
+    if not isinstance(data, dict):
+        raise ConfigError(f"{base_url}/kv_event_sources answered {type(data).__name__}, not a map")
+    out = []
+    for rank, cfg in sorted(data.items(), key=lambda kv: int(kv[0])):
+        if not isinstance(cfg, dict):
+            continue
+        if not cfg.get("enable_kv_cache_events") or cfg.get("publisher") not in ("zmq", None):
+            continue
+        endpoint = cfg.get("endpoint")
+        if not isinstance(endpoint, str):
+            continue
+        out.append(RankSource(int(rank), endpoint, cfg.get("replay_endpoint"),
+                              str(cfg.get("topic") or "")))
+    return out or None
+
+
+def configured_sources(
+    endpoint: str, replay_endpoint: str | None, topic: str, dp_start: int, dp_size: int
+) -> list[RankSource]:
+    """Sources from configuration, offset per DP rank the way vLLM offsets them."""
+    return [
+        RankSource(r, offset_endpoint(endpoint, r) or endpoint,
+                   offset_endpoint(replay_endpoint, r), topic)
+        for r in range(dp_start, dp_start + dp_size)
+    ]
+
+
+def discover(
+    base_url: str | None,
+    *,
+    endpoint: str | None = None,
+    replay_endpoint: str | None = None,
+    topic: str = "",
+    dp_start: int = 0,
+    dp_size: int = 1,
+    metrics_url: str | None = None,
+    timeout: float = 2.0,
+) -> EngineInfo:
+    """Ask the engine (when it has a URL) for its sources and cache config; fill the rest from
+    configuration. Raises ConfigError when neither gives an event endpoint."""
+    sources = None
+    if base_url:
+        try:
+            sources = fetch_event_sources(base_url, timeout)
+        except (OSError, ValueError) as e:
+            log.warning("vLLM %s: GET /kv_event_sources failed (%s); using configuration",
+                        base_url, e)
+    discovered = sources is not None
+    if sources is None:
+        if not endpoint:
+            raise ConfigError(
+                f"vLLM engine {base_url or '?'}: no /kv_event_sources answer and no configured "
+                "event endpoint (start it with --kv-events-config and give event_endpoint)"
+            )
+        sources = configured_sources(endpoint, replay_endpoint, topic, dp_start, dp_size)
+    info = EngineInfo(sources=sources, discovered=discovered)
+    murl = metrics_url or (base_url.rstrip("/") + "/metrics" if base_url else None)
+    if murl:
+        try:
+            sample: MetricsSample = scrape(murl, timeout)
+            info.cache_config = sample.cache_config
+            info.block_size = sample.block_size
+            info.num_gpu_blocks = sample.num_gpu_blocks
+            info.hash_algo = sample.cache_config.get("prefix_caching_hash_algo")
+        except (OSError, ValueError) as e:
+            log.warning("vLLM %s: no cache config from metrics (%s)", murl, e)
+    return info
+
+
+def check_block_size(worker_id: str, engine_block_size: int | None, router_block_size: int,
+                     configured: int | None = None) -> int:
+    """The engine's block size, refusing one that differs from the router's (loudly)."""
+    bs = engine_block_size or configured
+    if bs is None:
+        log.warning("vLLM %s: block size unknown (no cache_config_info); assuming the router's "
+                    "%d — stores of another size will be dropped and counted", worker_id,
+                    router_block_size)
+        return router_block_size
+    if bs != router_block_size:
+        raise ConfigError(
+            f"vLLM worker {worker_id} uses block size {bs} but the router indexes blocks of "
+            f"{router_block_size} tokens: start the engine with --block-size "
+            f"{router_block_size} or the router with --block-size {bs}"
+        )
+    return bs
