@@ -1,0 +1,315 @@
+"""The ``trtllm`` engine adapter: the draining event poller, load attributes and HTTP
+disaggregation (``disaggregated_params``), the way ``trtllm-serve disaggregated`` does it.
+
+Per worker, ``start_worker``:
+
+1. reads ``GET /prometheus/metrics`` once: a ``trtllm_kv_cache_tokens_per_block`` different
+   from the router's block size is refused loudly (``ConfigError``);
+2. starts the worker's ``TrtllmPoller`` (the **only** reader of its ``POST /kv_cache_events``);
+3. polls load every ``load_period`` s: ``/prometheus/metrics``, else the draining ``/metrics``
+   JSON (used only when the Prometheus endpoint is missing).
+
+Disaggregation (``PDStyle.SEQUENTIAL``; PROTOCOLS.md §3.5, ``openai_disagg_service.py``):
+
+* context hop: the client's body (minus kvplug's ``nvext``: TRT-LLM's request models forbid
+  unknown fields) with ``disaggregated_params: {"request_type": "context_only"}``,
+  ``stream: false``, no ``stream_options`` and — unless option ``ctx_max_tokens_one: false`` —
+  ``max_tokens: 1`` (what 1.0-era orchestrators sent; harmless on newer ones). Option
+  ``disagg_request_id: true`` adds a random 63-bit ``disagg_request_id`` (newer builds only:
+  older ones reject unknown fields);
+* ``prefill_is_final(answer)``: ``finish_reason`` not in {``length``, ``not_finished``} means
+  the context answer is the whole answer (``final_response`` strips its params);
+* generation hop: the client's body with the context answer's
+  ``choices[0].disaggregated_params`` **verbatim** except ``request_type: generation_only``,
+  and the prompt replaced by the answer's ``prompt_token_ids`` (``prompt`` for completions,
+  ``prompt_token_ids`` for chat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvplug.adapters import (
+    PDContext,
+    PDProtocolError,
+    PDStyle,
+    TrtllmHttpAdapter,
+    WorkerSink,
+    register_adapter,
+)
+from kvplug.errors import ConfigError
+from kvplug.workers import Worker
+
+from .events import TrtllmDecoder
+from .metrics import parse_iteration_stats, parse_prometheus
+from .poller import TrtllmPoller
+
+log = logging.getLogger("kvplug.integrations.trtllm")
+
+CONTINUE_REASONS = frozenset({"length", "not_finished"})
+KVPLUG_ONLY_FIELDS = ("nvext",)
+
+
+# -------------------------------------------------------------------------------------------
+# P/D transforms (pure functions: tested field by field)
+# -------------------------------------------------------------------------------------------
+
+
+def _client_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(dict(body))
+    for key in KVPLUG_ONLY_FIELDS:
+        out.pop(key, None)
+    return out
+
+
+def context_request(
+    body: Mapping[str, Any],
+    *,
+    max_tokens_one: bool = True,
+    disagg_request_id: int | None = None,
+) -> dict[str, Any]:
+    """The context-only request for a client's completion or chat body."""
+    out = _client_body(body)
+    params: dict[str, Any] = {"request_type": "context_only"}
+    if disagg_request_id is not None:
+        params["disagg_request_id"] = disagg_request_id
+    out["disaggregated_params"] = params
+    out["stream"] = False
+    out.pop("stream_options", None)
+    if max_tokens_one:
+        out["max_tokens"] = 1
+        if "max_completion_tokens" in out:
+            out["max_completion_tokens"] = 1
+        out.pop("min_tokens", None)
+    return out
+
+
+def _first_choice(answer: Any, who: str) -> dict[str, Any]:
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        n = len(choices) if isinstance(choices, list) else "no"
+        raise PDProtocolError(f"context worker {who} answered with {n} choices, expected 1")
+    return choices[0]
+
+
+def context_is_final(answer: Any) -> bool:
+    """True when the context answer already is the whole answer (e.g. EOS on the first token)."""
+    choice = _first_choice(answer, "?")
+    return choice.get("finish_reason") not in CONTINUE_REASONS
+
+
+def final_response(answer: dict[str, Any]) -> dict[str, Any]:
+    """The context answer as the client's answer (its disaggregated_params removed)."""
+    out = copy.deepcopy(answer)
+    for choice in out.get("choices") or []:
+        if isinstance(choice, dict):
+            choice.pop("disaggregated_params", None)
+    return out
+
+
+def generation_request(
+    body: Mapping[str, Any], answer: Any, *, path: str = "/v1/completions", who: str = "?"
+) -> dict[str, Any]:
+    """The generation-only request: the client's body + the context answer's params."""
+    choice = _first_choice(answer, who)
+    params = choice.get("disaggregated_params")
+    if not isinstance(params, dict):
+        raise PDProtocolError(
+            f"context worker {who} answered without choices[0].disaggregated_params "
+            "(is it a trtllm-serve worker with cache_transceiver_config?)"
+        )
+    if params.get("ctx_request_id") is None:
+        raise PDProtocolError(f"context worker {who}: disaggregated_params.ctx_request_id is null")
+    out = _client_body(body)
+    out["disaggregated_params"] = {**params, "request_type": "generation_only"}
+    prompt_ids = answer.get("prompt_token_ids")
+    if isinstance(prompt_ids, list) and prompt_ids:
+        if "chat" in path or "messages" in out:
+            out["prompt_token_ids"] = prompt_ids
+        else:
+            out["prompt"] = prompt_ids
+    return out
+
+
+# -------------------------------------------------------------------------------------------
+# The adapter
+# -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    worker: Worker
+    sink: WorkerSink
+    poller: TrtllmPoller
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    load_errors: int = 0
+    prometheus: bool = True
+
+
+class TrtllmAdapter(TrtllmHttpAdapter):
+    kind = "trtllm"
+    pd_style = PDStyle.SEQUENTIAL
+    tokenize_path = None
+
+    def __init__(
+        self,
+        *,
+        load_period: float = 0.5,
+        http_timeout: float = 10.0,
+        poll_min_interval: float = 0.005,
+        poll_max_interval: float = 0.1,
+        lora_names: Mapping[int, str] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.load_period = load_period
+        self.http_timeout = http_timeout
+        self.poll_min_interval = poll_min_interval
+        self.poll_max_interval = poll_max_interval
+        self.lora_names = dict(lora_names or {})
+        self.rng = rng or random.Random()
+        self._runs: dict[str, _Run] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:
+        if worker.url is None:
+            raise ConfigError(f"trtllm worker {worker.worker_id}: needs a url")
+        if worker.worker_id in self._runs:
+            raise ConfigError(f"trtllm worker {worker.worker_id}: already polled (one consumer "
+                              "per worker: its event queue drains on every read)")
+        session = self._http()
+        tpb = await self._tokens_per_block(worker)
+        if tpb is not None and tpb != sink.block_size:
+            raise ConfigError(
+                f"trtllm worker {worker.worker_id} has tokens_per_block {tpb} but the router "
+                f"hashes blocks of {sink.block_size}: start the router with --block-size {tpb} "
+                f"or the engine with kv_cache_config.tokens_per_block {sink.block_size}"
+            )
+        decoder = TrtllmDecoder(worker.worker_id, sink.block_size, lora_names=self.lora_names)
+        poller = TrtllmPoller(
+            worker.url, decoder, sink.apply_threadsafe, session=session,
+            min_interval=self.poll_min_interval, max_interval=self.poll_max_interval,
+            timeout=self.http_timeout,
+        )
+        run = _Run(worker, sink, poller)
+        self._runs[worker.worker_id] = run
+        run.tasks.append(asyncio.create_task(poller.run()))
+        run.tasks.append(asyncio.create_task(self._poll_load(run)))
+
+    async def stop_worker(self, worker_id: str) -> None:
+        run = self._runs.pop(worker_id, None)
+        if run is None:
+            return
+        for task in run.tasks:
+            task.cancel()
+        for task in run.tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    def events_ready(self, worker_id: str) -> bool | None:
+        run = self._runs.get(worker_id)
+        return run is not None and run.poller.connected
+
+    async def close(self) -> None:
+        for worker_id in list(self._runs):
+            await self.stop_worker(worker_id)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            w: {"poller": dict(r.poller.counts), "decoder": r.poller.decoder.stats(),
+                "load_errors": r.load_errors}
+            for w, r in self._runs.items()
+        }
+
+    # -- P/D -------------------------------------------------------------------------------------
+    def prefill_request(self, body: dict[str, Any], ctx: PDContext) -> dict[str, Any]:
+        opts = ctx.prefill_options
+        rid = self.rng.getrandbits(63) if opts.get("disagg_request_id") else None
+        return context_request(
+            body, max_tokens_one=bool(opts.get("ctx_max_tokens_one", True)), disagg_request_id=rid
+        )
+
+    def decode_request(
+        self, body: dict[str, Any], prefill_response: dict[str, Any] | None, ctx: PDContext
+    ) -> dict[str, Any]:
+        return generation_request(
+            body, prefill_response, path=ctx.path, who=ctx.prefill_worker.worker_id
+        )
+
+    def prefill_is_final(self, prefill_response: dict[str, Any]) -> bool:
+        return context_is_final(prefill_response)
+
+    def final_response(self, prefill_response: dict[str, Any]) -> dict[str, Any]:
+        return final_response(prefill_response)
+
+    def request_headers(self, ctx: PDContext) -> dict[str, str]:
+        return {}
+
+    # -- internals -------------------------------------------------------------------------------
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    def _prom_url(self, worker: Worker) -> str:
+        return worker.metrics_url or (worker.url or "").rstrip("/") + "/prometheus/metrics"
+
+    async def _tokens_per_block(self, worker: Worker) -> int | None:
+        try:
+            async with self._http().get(
+                self._prom_url(worker), timeout=aiohttp.ClientTimeout(total=self.http_timeout)
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                _, tpb = parse_prometheus(await resp.text())
+                return tpb
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            log.info("trtllm worker %s: no tokens_per_block at start (%s); not checked",
+                     worker.worker_id, exc)
+            return None
+
+    async def _poll_load(self, run: _Run) -> None:
+        worker = run.worker
+        json_url = (worker.url or "").rstrip("/") + "/metrics"
+        timeout = aiohttp.ClientTimeout(total=self.http_timeout)
+        while True:
+            try:
+                session = self._http()
+                if run.prometheus:
+                    async with session.get(self._prom_url(worker), timeout=timeout) as resp:
+                        if resp.status == 404 and worker.metrics_url is None:
+                            run.prometheus = False  # no /prometheus/metrics: drained JSON
+                            continue
+                        resp.raise_for_status()
+                        attrs, _ = parse_prometheus(await resp.text())
+                else:
+                    async with session.get(json_url, timeout=timeout) as resp:
+                        resp.raise_for_status()
+                        attrs, _ = parse_iteration_stats(json.loads(await resp.read()))
+                if attrs:
+                    run.sink.set_attributes(attrs)
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                run.load_errors += 1
+                if run.load_errors <= 3 or run.load_errors % 100 == 0:
+                    log.warning("trtllm worker %s: load scrape failed (%d so far): %s",
+                                worker.worker_id, run.load_errors, exc)
+            await asyncio.sleep(self.load_period)
+
+
+register_adapter("trtllm", TrtllmAdapter)

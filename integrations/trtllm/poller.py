@@ -1,0 +1,130 @@
+"""The sole consumer of one TRT-LLM worker's draining ``POST /kv_cache_events``.
+
+Every read drains the engine's event queue, so exactly one poller per worker may exist (a
+second one — another router, TRT-LLM's own ``kv_cache_aware`` router, a debugging ``curl`` —
+would silently split the stream). The poller keeps one request in flight at a time, decodes
+each answer with the worker's ``TrtllmDecoder`` (which owns the per-rank ``event_id`` checks)
+and hands the events to ``deliver``.
+
+Loss handling: an answer that never arrived whole (timeout or connection reset after the
+request was sent, an unparsable body, a non-200 status) may have drained events kvplug never
+saw, so every rank of the worker is cleared (``AllCleared``) and rebuilt from the live stream;
+TRT-LLM has no replay. A refused connection drained nothing and clears nothing (a restarted
+engine announces itself with ``created`` at ``event_id`` 0).
+
+Pacing: after a non-empty answer the next poll goes at once (``min_interval``); empty answers
+back off ×1.5 up to ``max_interval``. Builds ≤ 1.3.0rc9 hold an idle poll ≈2 s before
+answering ``[]``; the request timeout allows for that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from kvplug.events import KvEvent
+
+from .events import TrtllmDecoder
+
+log = logging.getLogger("kvplug.integrations.trtllm")
+
+MAX_BODY = 64 << 20  # one drained answer; a bigger one is treated as garbage
+
+
+class TrtllmPoller:
+    def __init__(
+        self,
+        url: str,
+        decoder: TrtllmDecoder,
+        deliver: Callable[[list[KvEvent]], Any],
+        *,
+        session: aiohttp.ClientSession,
+        min_interval: float = 0.005,
+        max_interval: float = 0.1,
+        timeout: float = 10.0,
+    ) -> None:
+        self.url = url.rstrip("/") + "/kv_cache_events"
+        self.decoder = decoder
+        self.deliver = deliver
+        self.session = session
+        self.min_interval = min_interval
+        self.max_interval = max_interval
+        self.timeout = timeout
+        self.counts: Counter[str] = Counter()
+        self.last_ok_at: float | None = None
+        self.connected = False
+        self._interval = min_interval
+
+    @property
+    def worker_id(self) -> str:
+        return self.decoder.worker_id
+
+    async def run(self) -> None:
+        """Poll until cancelled."""
+        while True:
+            got = await self.poll_once()
+            if got:
+                self._interval = self.min_interval
+            else:
+                self._interval = min(self.max_interval, self._interval * 1.5)
+            await asyncio.sleep(self._interval)
+
+    async def poll_once(self) -> int:
+        """One drain. Returns how many envelopes it carried (0 on error)."""
+        try:
+            async with self.session.post(
+                self.url, timeout=aiohttp.ClientTimeout(total=self.timeout)
+            ) as resp:
+                if resp.status != 200:
+                    self._lost(f"HTTP {resp.status}")
+                    return 0
+                body = await resp.content.read(MAX_BODY + 1)
+        except aiohttp.ClientConnectorError as exc:
+            # nothing was sent, nothing drained: the worker is down (or not up yet)
+            self.counts["connect_errors"] += 1
+            if self.connected:
+                log.warning("trtllm worker %s: %s unreachable: %s",
+                            self.worker_id, self.url, exc)
+            self.connected = False
+            return 0
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self._lost(f"{type(exc).__name__}: {exc}")
+            return 0
+        if len(body) > MAX_BODY:
+            self._lost(f"answer over {MAX_BODY} bytes")
+            return 0
+        try:
+            envelopes = json.loads(body)
+        except ValueError as exc:
+            self._lost(f"unparsable JSON: {exc}")
+            return 0
+        if not isinstance(envelopes, list):
+            self._lost(f"answer is {type(envelopes).__name__}, not a list")
+            return 0
+        self.connected = True
+        self.last_ok_at = time.monotonic()
+        self.counts["polls"] += 1
+        if not envelopes:
+            self.counts["empty_polls"] += 1
+            return 0
+        self.counts["envelopes"] += len(envelopes)
+        events = self.decoder.decode(envelopes)
+        if events:
+            self.deliver(events)
+        return len(envelopes)
+
+    def _lost(self, why: str) -> None:
+        """An answer that may have drained events we never saw: clear and resync."""
+        self.counts["lost_answers"] += 1
+        log.warning("trtllm worker %s: event drain lost (%s); clearing its blocks",
+                    self.worker_id, why)
+        events = self.decoder.lost_stream()
+        if events:
+            self.deliver(events)
