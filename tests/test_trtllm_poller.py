@@ -1,0 +1,248 @@
+"""The TRT-LLM poller and adapter against fake aiohttp workers with drain semantics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from integrations.trtllm.adapter import TrtllmAdapter
+from integrations.trtllm.events import TrtllmDecoder
+from integrations.trtllm.poller import TrtllmPoller
+from kvplug.errors import ConfigError
+from kvplug.events import AllCleared, BlockRemoved, BlockStored
+from kvplug.workers import Worker
+
+DATA = Path(__file__).parent / "data" / "trtllm"
+
+
+class FakeTrtllmWorker:
+    """``trtllm-serve``'s event and metrics endpoints: every ``POST /kv_cache_events`` and
+    ``GET /metrics`` drains its queue. Faults: answer ``fail_next`` with a 500 after draining,
+    ``garbage_next`` with a broken body; ``hold`` delays answers (an idle 1.x poll)."""
+
+    def __init__(self, *, prometheus: str | None = None) -> None:
+        self.events: list = []
+        self.iter_stats: list = []
+        self.prometheus = prometheus
+        self.fail_next = False
+        self.garbage_next = False
+        self.hold = 0.0
+        self.inflight = 0
+        self.max_inflight = 0
+        self.polls = 0
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def kv_cache_events(self, request: web.Request) -> web.Response:
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            self.polls += 1
+            if self.hold:
+                await asyncio.sleep(self.hold)
+            drained, self.events = self.events, []
+            if self.fail_next:
+                self.fail_next = False
+                return web.Response(status=500, text="internal error")
+            if self.garbage_next:
+                self.garbage_next = False
+                return web.Response(body=b'[{"event_id": 3, "data": ',
+                                    content_type="application/json")
+            return web.Response(body=json.dumps(drained, separators=(",", ":")).encode(),
+                                content_type="application/json")
+        finally:
+            self.inflight -= 1
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        drained, self.iter_stats = self.iter_stats, []
+        return web.json_response(drained)
+
+    async def prometheus_metrics(self, request: web.Request) -> web.Response:
+        if self.prometheus is None:
+            raise web.HTTPNotFound()
+        return web.Response(text=self.prometheus, content_type="text/plain")
+
+    async def start(self) -> FakeTrtllmWorker:
+        app = web.Application()
+        app.router.add_post("/kv_cache_events", self.kv_cache_events)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/prometheus/metrics", self.prometheus_metrics)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+class RecordingSink:
+    def __init__(self, worker_id: str, block_size: int, index=None) -> None:
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.events: list = []
+        self.attributes: list[dict] = []
+        self.index = index
+
+    def apply(self, event) -> None:
+        self.apply_many([event])
+
+    def apply_many(self, events) -> None:
+        events = list(events)
+        self.events.extend(events)
+        if self.index is not None:
+            self.index.apply_many(events)
+
+    def apply_threadsafe(self, events) -> None:
+        self.apply_many(events)
+
+    def set_attributes(self, values, ts=None) -> None:
+        self.attributes.append(dict(values))
+
+
+def _drains():
+    return json.loads((DATA / "gap_restart_drains.json").read_bytes())
+
+
+@pytest.fixture
+async def fake():
+    worker = await FakeTrtllmWorker(
+        prometheus=(DATA / "prometheus_metrics.txt").read_text()
+    ).start()
+    yield worker
+    await worker.stop()
+
+
+async def test_poller_follows_drains_gaps_and_restarts(fake):
+    got: list = []
+    async with aiohttp.ClientSession() as session:
+        poller = TrtllmPoller(fake.url, TrtllmDecoder("t", 4), got.extend, session=session)
+        drains = _drains()
+        fake.events = drains[0]
+        assert await poller.poll_once() == 3
+        assert fake.events == []  # drained
+        assert await poller.poll_once() == 0  # nothing new: no events, no clears
+        fake.events = drains[1]  # ids 3-4 never reached the queue
+        await poller.poll_once()
+        fake.events = drains[3]  # engine restart: created at id 0
+        await poller.poll_once()
+        fake.events = drains[4]
+        await poller.poll_once()
+    kinds = [type(e).__name__ for e in got]
+    assert kinds == ["AllCleared", "BlockStored", "BlockStored",  # start-up
+                     "AllCleared", "BlockStored", "BlockStored",  # gap: clear, resync
+                     "AllCleared", "BlockStored",  # restart
+                     "BlockRemoved"]
+    assert poller.counts["empty_polls"] == 1 and poller.decoder.counts["gaps"] == 1
+
+
+async def test_lost_or_garbled_answers_clear_every_rank(fake):
+    got: list = []
+    async with aiohttp.ClientSession() as session:
+        poller = TrtllmPoller(fake.url, TrtllmDecoder("t", 4), got.extend, session=session)
+        fake.events = _drains()[0]
+        await poller.poll_once()
+        n = len(got)
+        fake.events = [{"event_id": 3, "data": {"type": "removed", "block_hashes": [13]}}]
+        fake.fail_next = True  # drained, then the answer is lost
+        assert await poller.poll_once() == 0
+        assert got[n:] == [AllCleared(worker_id="t", dp_rank=0)]
+        assert fake.events == []
+        fake.garbage_next = True
+        await poller.poll_once()
+        assert got[n + 1:] == [AllCleared(worker_id="t", dp_rank=0)]
+        assert poller.counts["lost_answers"] == 2
+        # the stream continues: after a lost answer the next ids are accepted without a gap
+        fake.events = [{"event_id": 9, "data": {"type": "stored", "parent_hash": None, "blocks": [
+            {"block_hash": 77, "tokens": [{"token_id": t} for t in (1, 2, 3, 4)]}]}}]
+        await poller.poll_once()
+        assert got[-1] == BlockStored(worker_id="t", engine_hashes=[77], token_ids=[1, 2, 3, 4],
+                                      block_size=4)
+
+
+async def test_refused_connection_clears_nothing():
+    got: list = []
+    async with aiohttp.ClientSession() as session:
+        poller = TrtllmPoller("http://127.0.0.1:9", TrtllmDecoder("t", 4), got.extend,
+                              session=session, timeout=2)
+        assert await poller.poll_once() == 0
+    assert got == [] and poller.counts["connect_errors"] == 1 and not poller.connected
+
+
+async def test_adapter_is_the_sole_consumer_and_fills_the_index(fake):
+    index_mod = pytest.importorskip("kvplug.index")
+    index = index_mod.KvIndex(block_size=4)
+    index.add_endpoint("trt-a", 0)
+    sink = RecordingSink("trt-a", 4, index)
+    # the fixture engine reports tokens_per_block 32: a router hashing 4-token blocks is refused
+    adapter = TrtllmAdapter(load_period=0.05, poll_max_interval=0.02)
+    with pytest.raises(ConfigError, match="tokens_per_block 32"):
+        await adapter.start_worker(Worker("trt-a", url=fake.url, engine="trtllm"), sink)
+    fake.prometheus = fake.prometheus.replace("tokens_per_block{model_name=\"llama\","
+                                              "engine_type=\"trtllm\"} 32.0",
+                                              "tokens_per_block{model_name=\"llama\","
+                                              "engine_type=\"trtllm\"} 4.0")
+    fake.hold = 0.01
+    fake.events = json.loads((DATA / "v1_events.json").read_bytes())
+    try:
+        await adapter.start_worker(Worker("trt-a", url=fake.url, engine="trtllm"), sink)
+        with pytest.raises(ConfigError, match="one consumer"):
+            await adapter.start_worker(Worker("trt-a", url=fake.url, engine="trtllm"), sink)
+        for _ in range(200):
+            if len(sink.events) >= 6 and sink.attributes:
+                break
+            await asyncio.sleep(0.01)
+        assert adapter.events_ready("trt-a")
+        assert [type(e).__name__ for e in sink.events] == [
+            "AllCleared", "BlockStored", "BlockStored", "BlockMoved", "BlockRemoved",
+            "BlockStored"]
+        assert sink.attributes[-1] == {"running_requests": 5.0, "queue_depth": 2.0,
+                                       "kv_usage": 0.25, "prefix_cache_hit_rate": 0.75,
+                                       "kv_max_blocks": 1000.0}
+        # the index holds what the engine holds: [1..4] moved to host, [5..8] on device,
+        # [9..12] (BIG2) removed, the partial block never stored
+        ep = index.endpoint_id("trt-a", 0)
+        ov = index.query(index.request_hashes(list(range(1, 13))))
+        assert (int(ov.local[ep]), int(ov.device[ep]), int(ov.host[ep])) == (2, 1, 1)
+        await asyncio.sleep(0.1)
+        assert fake.max_inflight == 1  # never two drains at once
+    finally:
+        await adapter.close()
+
+
+async def test_load_falls_back_to_drained_iteration_stats():
+    fake = await FakeTrtllmWorker(prometheus=None).start()
+    sink = RecordingSink("trt-b", 32)
+    adapter = TrtllmAdapter(load_period=0.02)
+    try:
+        await adapter.start_worker(Worker("trt-b", url=fake.url, engine="trtllm"), sink)
+        await asyncio.sleep(0.1)
+        assert sink.attributes == []  # empty drains: no new iteration, not zero load
+        fake.iter_stats = json.loads((DATA / "iteration_stats.json").read_bytes())
+        for _ in range(100):
+            if sink.attributes:
+                break
+            await asyncio.sleep(0.01)
+        assert sink.attributes[0] == {"running_requests": 5.0, "queue_depth": 2.0,
+                                      "kv_used_blocks": 250.0, "kv_max_blocks": 1000.0,
+                                      "kv_usage": 0.25, "prefix_cache_hit_rate": 0.75}
+        assert len(sink.attributes) == 1
+    finally:
+        await adapter.close()
+        await fake.stop()
+
+
+def test_removed_events_reach_the_index_as_any_tier_removals():
+    # the decoder leaves the tier open (TRT-LLM does not say which tier a removal left)
+    ev = TrtllmDecoder("t", 1).decode(
+        [{"event_id": 0, "data": {"type": "removed", "block_hashes": [5]}}])
+    assert ev == [BlockRemoved(worker_id="t", engine_hashes=[5])] and ev[0].tier is None
