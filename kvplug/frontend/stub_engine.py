@@ -82,6 +82,8 @@ class StubEngine:
         self.tokens_per_chunk = tokens_per_chunk
         self.fail: str | None = None
         self.requests: list[dict[str, Any]] = []  # {"path", "headers", "body"}
+        self.sent: dict[str, bytes] = {}  # X-Request-Id -> the exact body bytes written
+        self.record_sent = True
         self.held: dict[tuple[int, ...], int] = {}  # held prefix -> engine hash of its block
         self.listeners: list[Callable[[list], None]] = []
         self.running = 0
@@ -247,7 +249,10 @@ class StubEngine:
                 },
                 "kv_transfer_params": kv_params,
             }
-            return web.json_response(answer)
+            raw_answer = json.dumps(answer).encode()
+            if self.record_sent:
+                self.sent[rid] = raw_answer
+            return web.Response(body=raw_answer, content_type="application/json")
         finally:
             self.running -= 1
 
@@ -256,6 +261,17 @@ class StubEngine:
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        record = self.record_sent
+        sent = bytearray()
+        if record:
+            self.sent[rid] = sent  # type: ignore[assignment]  # grows as chunks are written
+        write = resp.write
+
+        async def emit(data: bytes) -> None:
+            if record:
+                sent.extend(data)
+            await write(data)
+
         created = int(time.time())
         model = body.get("model", self.model)
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -273,7 +289,7 @@ class StubEngine:
             return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
         if chat:
-            await resp.write(
+            await emit(
                 event(
                     [
                         {
@@ -284,31 +300,31 @@ class StubEngine:
                     ]
                 )
             )
-        sent = 0
+        n_sent = 0
         step = max(1, self.tokens_per_chunk)
-        while sent < n_out:
-            if self.fail == "midstream" and sent >= 2:
+        while n_sent < n_out:
+            if self.fail == "midstream" and n_sent >= 2:
                 request.transport.close()  # type: ignore[union-attr]
                 return resp
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
-            k = min(step, n_out - sent)
-            text = "".join(f"t{sent + i} " for i in range(k))
-            finish = "length" if sent + k >= n_out else None
+            k = min(step, n_out - n_sent)
+            text = "".join(f"t{n_sent + i} " for i in range(k))
+            finish = "length" if n_sent + k >= n_out else None
             if chat:
                 choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             if step > 1:
-                choice["token_ids"] = list(range(sent, sent + k))
-            await resp.write(event([choice]))
-            sent += k
+                choice["token_ids"] = list(range(n_sent, n_sent + k))
+            await emit(event([choice]))
+            n_sent += k
         opts = body.get("stream_options") or {}
         if opts.get("include_usage"):
-            await resp.write(
+            await emit(
                 event([], {"prompt_tokens": 0, "completion_tokens": n_out, "total_tokens": n_out})
             )
-        await resp.write(b"data: [DONE]\n\n")
+        await emit(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
@@ -358,8 +374,10 @@ class StubEngine:
             self.board.pulled += 1
             return None
         params = body.get("kv_transfer_params")
+        if params is None:
+            return None  # a plain request (decode-only fallback): served whole, like vLLM
         if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
-            return "decode stub: no kv_transfer_params from a prefill worker"
+            return "decode stub: kv_transfer_params are not from a prefill worker"
         rid = request.headers.get("X-Request-Id")
         if params.get("remote_request_id") != rid:
             return (

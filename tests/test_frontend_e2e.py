@@ -1,0 +1,371 @@
+"""``kvplug serve`` end to end over real HTTP on loopback: stub engines that speak the OpenAI
+API and publish KV events through the real Router.apply_event path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from test_frontend_harness import MODEL, prompt, serving
+
+from kvplug.frontend.app import ServeSettings
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_routes_by_prefix_and_explains():
+    async with serving(3) as h:
+        a, b = prompt(8, 1), prompt(8, 2)
+        # seed the caches: A on w0, B on w2 (explicit pins), events flow back to the index
+        for p, w in ((a, "w0"), (b, "w2")):
+            resp, _ = await h.complete(p, headers={"x-kvplug-worker": w})
+            assert resp.status == 200 and resp.headers["x-kvplug-worker"] == w
+        h.assert_idle()
+        # unpinned requests that share those prefixes follow their cache
+        for p, w in ((a + prompt(2, 9), "w0"), (b + prompt(3, 8), "w2"), (a[:64], "w0")):
+            resp, _ = await h.complete(p)
+            assert resp.status == 200
+            assert resp.headers["x-kvplug-worker"] == w
+            trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+            assert trace["worker_id"] == w and trace["tokens"]["source"] == "request"
+            assert trace["router"]["overlap_blocks"] >= 4
+            assert trace["outcome"] == "ok" and trace["status"] == 200
+            chosen = [c for c in trace["router"]["candidates"] if c["chosen"]]
+            assert chosen and chosen[0]["worker_id"] == w
+            h.assert_idle()
+        assert h.router.stats()["index"]["blocks"] > 0
+
+
+async def test_streaming_is_passed_through_byte_for_byte_and_incrementally():
+    opts = {"token_delay": 0.05}
+    async with serving(1, stub_options=opts) as h:
+        engine = h.engines["w0"]
+        for path, body in (
+            ("/v1/completions", {"prompt": prompt(2, 3)}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}]}),
+        ):
+            payload = {
+                "model": MODEL,
+                "stream": True,
+                "max_tokens": 6,
+                "stream_options": {"include_usage": True},
+                **body,
+            }
+            rid = f"req-{path}"
+            t0 = time.perf_counter()
+            async with h.session.post(
+                h.url + path, json=payload, headers={"X-Request-Id": rid}
+            ) as resp:
+                assert resp.status == 200
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
+                chunks, arrivals = [], []
+                async for chunk in resp.content.iter_any():
+                    chunks.append(chunk)
+                    arrivals.append(time.perf_counter() - t0)
+            received = b"".join(chunks)
+            assert received == bytes(engine.sent[rid])  # byte for byte
+            assert received.endswith(b"data: [DONE]\n\n")
+            # chunk by chunk: the first event reached the client long before the last
+            assert len(chunks) >= 3 and arrivals[-1] - arrivals[0] >= 0.15, arrivals
+            h.assert_idle()
+        # non-streamed answers are the engine's bytes too
+        resp, raw = await h.complete(prompt(2, 4), headers={"X-Request-Id": "plain"})
+        assert raw == engine.sent["plain"]
+        assert resp.headers["X-Request-Id"] == "plain"
+        h.assert_idle()
+
+
+async def test_lifecycle_is_exact_during_and_after_a_stream():
+    async with serving(
+        2, stub_options={"token_delay": 0.04}, router_config={"router_track_output_blocks": True}
+    ) as h:
+        p = prompt(4, 5)
+        task = asyncio.create_task(
+            h.complete(p, stream=True, max_tokens=40, headers={"x-kvplug-worker": "w1"})
+        )
+        # wait for generation to be under way, then look at the router's view of w1
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if h.engines["w1"].requests and h.router.active_load("w1")[0]["inflight"]:
+                break
+        await asyncio.sleep(0.7)  # ~17 tokens generated: past the first output block
+        load = h.router.active_load("w1")[0]
+        assert load["inflight"] == 1
+        assert load["prefill_tokens"] == 0  # released at the first token
+        assert load["decode_blocks"] >= 4 + 1  # prompt blocks + at least one output block
+        assert h.router.active_load("w0")[0]["inflight"] == 0
+        resp, raw = await task
+        assert resp.status == 200 and raw.endswith(b"[DONE]\n\n")
+        h.assert_idle()
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        assert trace["output_tokens"] == 40 and trace["timings"]["ttft_s"] > 0
+
+
+async def test_client_disconnect_mid_stream_releases_the_load():
+    async with serving(1, stub_options={"token_delay": 0.05}) as h:
+        async with h.session.post(
+            h.url + "/v1/completions",
+            json={"model": MODEL, "prompt": prompt(2, 6), "stream": True, "max_tokens": 200},
+        ) as resp:
+            assert resp.status == 200
+            await resp.content.readany()
+        # the client is gone; the frontend notices on its next write
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if h.router.stats()["active_requests"] == 0:
+                break
+        h.assert_idle()
+
+
+async def test_retry_once_on_a_dead_engine_then_reprobe():
+    async with serving(2) as h:
+        a = prompt(6, 7)
+        resp, _ = await h.complete(a, headers={"x-kvplug-worker": "w0"})
+        assert resp.headers["x-kvplug-worker"] == "w0"
+        await h.engines["w0"].stop()  # connection refused from now on
+        resp, raw = await h.complete(a + prompt(1, 1), stream=True)
+        assert resp.status == 200, raw
+        assert resp.headers["x-kvplug-worker"] == "w1"
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        assert trace["attempt"] == 1 and len(trace["related_decisions"]) == 1
+        first = await h.trace(trace["related_decisions"][0])
+        assert first["worker_id"] == "w0" and first["outcome"] == "unavailable"
+        assert "w0" in h.frontend.fleet.unhealthy
+        h.assert_idle()
+        # unhealthy workers are not routed to, even for their own prefix
+        resp, _ = await h.complete(a)
+        assert resp.headers["x-kvplug-worker"] == "w1"
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        assert trace["attempt"] == 0
+        h.assert_idle()
+
+
+async def test_reset_before_first_byte_is_retried_and_health_recovers():
+    async with serving(2) as h:
+        a = prompt(6, 8)
+        await h.complete(a, headers={"x-kvplug-worker": "w0"})  # w0 holds the prefix
+        h.engines["w0"].fail = "reset"
+        resp, raw = await h.complete(a)
+        assert resp.status == 200 and resp.headers["x-kvplug-worker"] == "w1", raw
+        assert len(h.engines["w0"].requests) == 2  # it was tried first, and reset
+        assert "w0" in h.frontend.fleet.unhealthy
+        h.assert_idle()
+        # its /health still answers: the background probe makes it routable again
+        h.engines["w0"].fail = None
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if not h.frontend.fleet.unhealthy:
+                break
+        assert not h.frontend.fleet.unhealthy
+        resp, _ = await h.complete(a)
+        assert resp.headers["x-kvplug-worker"] == "w0"
+        h.assert_idle()
+
+
+async def test_all_workers_dead_is_a_clean_502():
+    async with serving(2) as h:
+        for e in h.engines.values():
+            await e.stop()
+        resp, raw = await h.complete(prompt(2, 9))
+        assert resp.status == 502
+        err = json.loads(raw)["error"]
+        assert err["code"] == "engine_unavailable" and "retried once" in err["message"]
+        h.assert_idle()
+        resp, raw = await h.complete(prompt(2, 9))  # both unhealthy now: nothing to route to
+        assert resp.status == 503 and json.loads(raw)["error"]["code"] == "no_compatible_worker"
+        h.assert_idle()
+
+
+async def test_error_after_first_byte_reaches_the_client_cleanly():
+    async with serving(1) as h:
+        h.engines["w0"].fail = "midstream"
+        resp, raw = await h.complete(prompt(2, 10), stream=True, max_tokens=10)
+        assert resp.status == 200
+        events = [e for e in raw.split(b"\n\n") if e]
+        assert len(events) == 3  # two tokens, then kvplug's error event
+        error = json.loads(events[-1][len(b"data: ") :])["error"]
+        assert error["type"] == "upstream_error" and "mid-stream" in error["message"]
+        assert b"[DONE]" not in raw
+        h.assert_idle()
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        assert trace["outcome"] == "upstream_failed_mid_stream"
+        assert "w0" not in h.frontend.fleet.unhealthy  # it answered; not a dead engine
+
+
+async def test_engine_http_errors_pass_through():
+    async with serving(1) as h:
+        h.engines["w0"].fail = "http500"
+        resp, raw = await h.complete(prompt(2, 11))
+        assert resp.status == 500 and json.loads(raw)["error"]["message"] == "stub engine failure"
+        h.assert_idle()
+
+
+@pytest.mark.parametrize(
+    "path, raw, headers, status, code",
+    [
+        ("/v1/completions", b"{bad json", {}, 400, "invalid_json"),
+        ("/v1/completions", b'"a string"', {}, 400, "invalid_json"),
+        ("/v1/completions", json.dumps({"prompt": "x"}).encode(), {}, 400, "missing_field"),
+        ("/v1/completions", json.dumps({"model": MODEL}).encode(), {}, 400, "missing_field"),
+        ("/v1/chat/completions", json.dumps({"model": MODEL}).encode(), {}, 400, "missing_field"),
+        (
+            "/v1/completions",
+            json.dumps({"model": MODEL, "prompt": [1, -2]}).encode(),
+            {},
+            400,
+            "invalid_prompt",
+        ),
+        (
+            "/v1/completions",
+            json.dumps({"model": MODEL, "prompt": list(range(65))}).encode(),
+            {},
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/completions",
+            json.dumps({"model": MODEL, "prompt": "x" * 5000}).encode(),
+            {},
+            413,
+            "body_too_large",
+        ),
+        (
+            "/v1/completions",
+            json.dumps({"model": "nope", "prompt": [1]}).encode(),
+            {},
+            404,
+            "model_not_found",
+        ),
+        (
+            "/v1/completions",
+            json.dumps({"model": MODEL, "prompt": [1]}).encode(),
+            {"x-kvplug-worker": "ghost"},
+            400,
+            "unknown_worker",
+        ),
+        (
+            "/v1/completions",
+            json.dumps({"model": MODEL, "prompt": [1]}).encode(),
+            {"x-dynamo-dp-rank": "minus one"},
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/completions",
+            json.dumps(
+                {"model": MODEL, "prompt": [1], "nvext": {"agent_hints": {"osl": -5}}}
+            ).encode(),
+            {},
+            400,
+            "invalid_request",
+        ),
+    ],
+)
+async def test_bad_input_is_a_4xx_and_changes_nothing(path, raw, headers, status, code):
+    settings = ServeSettings(
+        max_prompt_tokens=64, max_body_bytes=4096, health_interval=0.2, served_model_names=[MODEL]
+    )
+    async with serving(2, settings=settings) as h:
+        before = h.router.stats()
+        resp, body = await h.post(path, None, headers, raw=raw)
+        assert resp.status == status, body
+        assert resp.headers["Content-Type"].startswith("application/json")
+        err = json.loads(body)["error"]
+        assert err["code"] == code and err["message"] and err["type"]
+        assert h.router.stats() == before
+        assert not any(e.requests for e in h.engines.values())
+        assert len(h.frontend.decisions) == 0
+        h.assert_idle()
+
+
+async def test_models_health_ready_metrics():
+    async with serving(2) as h:
+        async with h.session.get(h.url + "/v1/models") as r:
+            assert r.status == 200
+            assert [m["id"] for m in (await r.json())["data"]] == [MODEL]
+        async with h.session.get(h.url + "/health") as r:
+            assert r.status == 200
+        async with h.session.get(h.url + "/ready") as r:
+            body = await r.json()
+            assert r.status == 200 and body["routable_workers"] == ["w0", "w1"]
+        await h.complete(prompt(2, 12), stream=True)
+        await h.post("/v1/completions", None, raw=b"nope")
+        async with h.session.get(h.url + "/metrics") as r:
+            text = await r.text()
+        assert 'kvplug_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
+        assert 'kvplug_requests_total{endpoint="/v1/completions",status="400"} 1.0' in text
+        assert 'kvplug_rejected_requests_total{reason="invalid_json"} 1.0' in text
+        assert 'kvplug_worker_healthy{worker="w0"} 1.0' in text
+        assert 'kvplug_token_source_total{source="request"} 1.0' in text
+        assert "kvplug_route_duration_seconds_bucket" in text
+        async with h.session.get(h.url + "/kvplug/decisions/999999") as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "decision_not_found"
+        for e in h.engines.values():
+            e.fail = "unhealthy"
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if len(h.frontend.fleet.unhealthy) == 2:
+                break
+        async with h.session.get(h.url + "/ready") as r:
+            assert r.status == 503
+
+
+async def test_no_workers_is_not_ready():
+    async with serving([]) as h:
+        async with h.session.get(h.url + "/ready") as r:
+            assert r.status == 503
+        resp, raw = await h.complete([1, 2, 3])
+        assert resp.status == 503
+
+
+async def test_hints_reach_the_router():
+    workers = [{"id": "w0"}, {"id": "w1", "dp_size": 2}, {"id": "w2"}]
+    async with serving(workers) as h:
+        resp, _ = await h.complete(prompt(2, 13), nvext={"backend_instance_id": "w2"})
+        assert resp.headers["x-kvplug-worker"] == "w2"
+        resp, _ = await h.complete(
+            prompt(2, 13), headers={"x-dynamo-dp-rank": "1"}, nvext={"allowed_worker_ids": ["w1"]}
+        )
+        assert resp.headers["x-kvplug-worker"] == "w1" and resp.headers["x-kvplug-dp-rank"] == "1"
+        # the engine never sees nvext
+        assert "nvext" not in h.engines["w1"].requests[-1]["body"]
+        resp, _ = await h.complete(
+            prompt(2, 14),
+            nvext={"agent_hints": {"osl": 64}},
+            headers={"x-kvplug-allowed-workers": "w0,w2"},
+        )
+        assert resp.headers["x-kvplug-worker"] in ("w0", "w2")
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        excluded = {e["worker_id"] for e in trace["router"]["excluded"]}
+        assert "w1" in excluded
+        h.assert_idle()
+
+
+async def test_token_sources_engine_and_local_tokenizer(tmp_path):
+    async with serving(1) as h:
+        resp, _ = await h.complete("some text prompt")
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        assert trace["tokens"] == {"source": "engine", "count": 16, "note": None}
+        resp, _ = await h.post(
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
+        assert resp.status == 200
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        assert trace["tokens"]["source"] == "engine"
+        assert trace["tokens"]["count"] == len("user: hi\nassistant: ")
+
+    from test_frontend_units import make_tokenizer_dir
+
+    from kvplug.frontend.tokens import LocalTokenizer
+
+    tok = LocalTokenizer(make_tokenizer_dir(tmp_path))
+    async with serving(1, tokenizer=tok) as h:
+        resp, _ = await h.post(
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hello world"}]},
+        )
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        assert trace["tokens"] == {"source": "tokenizer", "count": 7, "note": None}
