@@ -90,6 +90,7 @@ class Decision:
         "overlap_blocks",
         "cached_tokens",
         "prompt_tokens",
+        "request_blocks",
         "chosen_index",
         "_trace",
     )
@@ -112,6 +113,7 @@ class Decision:
         overlap_blocks: int,
         cached_tokens: int,
         prompt_tokens: int,
+        request_blocks: int = 0,
         chosen_index: int,
         trace: CandidateTrace,
     ) -> None:
@@ -130,6 +132,7 @@ class Decision:
         self.overlap_blocks = overlap_blocks
         self.cached_tokens = cached_tokens
         self.prompt_tokens = prompt_tokens
+        self.request_blocks = request_blocks  # a trailing partial block counts
         self.chosen_index = chosen_index
         self._trace = trace
 
@@ -179,7 +182,7 @@ class Decision:
                 - p["shared_cache_multiplier"] * x["shared_beyond"],
                 0.0,
             )
-            tiers = f"device {_g(x['device'])}/{_g(p['request_blocks'])}"
+            tiers = f"device {_g(x['device'])}/{_g(self.request_blocks)}"
             for name in ("host", "disk", "shared_beyond"):
                 if x.get(name):
                     tiers += f", {name} {_g(x[name])}"
@@ -230,6 +233,7 @@ class Decision:
             "overlap_blocks": self.overlap_blocks,
             "cached_tokens": self.cached_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "request_blocks": self.request_blocks,
             "elapsed_us": round(self.elapsed_us, 3),
             "explain": self.explain(),
             "params": dict(self._trace.params),

@@ -45,6 +45,7 @@ class _StageRules:
     """Per-stage load/credit rules (PROTOCOLS.md §4.6)."""
 
     __slots__ = (
+        "params_dict",
         "prefill_term",
         "track_prefill",
         "track_decode",
@@ -68,6 +69,7 @@ class _StageRules:
         self.credit = credit
         self.assume_reuse = assume_reuse
         self.params = params
+        self.params_dict: dict[str, float] = {}  # the same numbers, for explanations
 
 
 class Router:
@@ -84,18 +86,27 @@ class Router:
         from kvplug import core  # the active core backend (compiled, or KVPLUG_CORE=reference)
 
         self.config = cfg = config if config is not None else RouterConfig()
-        self._core = core
+        # costs and selection on the same backend as the index (tests pin one per index)
+        backend = getattr(index, "backend", None) or core.backend
+        self._core = core if backend == core.backend else core.load_backend(backend)
         # the pure-Python reference takes sequences; the compiled core takes numpy buffers
-        self._as_seq = getattr(core, "backend", "") == "reference"
+        self._as_seq = backend == "reference"
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
         if index is None:
             from kvplug.index import KvIndex
 
             index = KvIndex(cfg.kv_block_size, max_entries=cfg.router_max_index_entries)
-            self._index_factory: Any = KvIndex
-        else:
-            self._index_factory = type(index)
+        index_cls = type(index)
+
+        def side_index(block_size: int, max_entries: int) -> Any:
+            """A second index of the same kind and backend (approximate mode)."""
+            try:
+                return index_cls(block_size, max_entries=max_entries, backend=backend)
+            except TypeError:
+                return index_cls(block_size, max_entries=max_entries)
+
+        self._index_factory = side_index
         if index.block_size != cfg.kv_block_size:
             raise ConfigError(
                 f"index block size {index.block_size} != --kv-block-size {cfg.kv_block_size}"
@@ -435,7 +446,7 @@ class Router:
                     "prefill_blocks": prefill_vec,
                     "decode_blocks": decode_vec,
                 },
-                self._params_dict(rules, full_blocks),
+                rules.params_dict,
                 probs,
                 penalised,
             )
@@ -496,7 +507,7 @@ class Router:
             decision_id=self._seq,
             request_id=req.request_id,
             mode=mode,
-            stage=stage.value,
+            stage=stage,  # a str enum: compares and serialises as its value
             fallback=bool(fb),
             fallback_filters=fb,
             excluded=excluded,
@@ -505,6 +516,7 @@ class Router:
             overlap_blocks=cached_blocks,
             cached_tokens=cached_tokens,
             prompt_tokens=n_tokens,
+            request_blocks=full_blocks,
             chosen_index=idx,
             trace=trace,
         )
@@ -713,7 +725,7 @@ class Router:
             )
 
         credit = cfg.router_kv_overlap_score_credit
-        return {
+        rules = {
             Stage.AGGREGATED: _StageRules(
                 True,
                 cfg.router_track_prefill_tokens,
@@ -731,6 +743,9 @@ class Router:
                 False, False, cfg.router_track_active_blocks, 0.0, False, params(0.0)
             ),
         }
+        for r in rules.values():
+            r.params_dict = self._params_dict(r.credit)
+        return rules
 
     def _load_vectors(
         self,
@@ -765,15 +780,14 @@ class Router:
     def _select(self, values: np.ndarray, temperature: float, u: float) -> int:
         return self._core.select(values.tolist() if self._as_seq else values, temperature, u)
 
-    def _params_dict(self, rules: _StageRules, full_blocks: int) -> dict[str, float]:
+    def _params_dict(self, credit: float) -> dict[str, float]:
         cfg = self.config
         return {
-            "overlap_score_credit": rules.credit,
+            "overlap_score_credit": credit,
             "host_cache_hit_weight": cfg.router_host_cache_hit_weight,
             "disk_cache_hit_weight": cfg.router_disk_cache_hit_weight,
             "shared_cache_multiplier": cfg.shared_cache_multiplier,
             "prefill_load_scale": cfg.router_prefill_load_scale,
             "temperature": cfg.router_temperature,
-            "request_blocks": float(full_blocks),
             "missing_penalty": cfg.router_missing_attribute_penalty,
         }

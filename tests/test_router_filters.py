@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_router_helpers import BS, FakeClock, make_router, tokens
+from test_router_helpers import BS, FakeClock, core_backend, make_router, tokens
 
 from kvplug.config import AttributeThreshold
 from kvplug.errors import (
@@ -15,6 +15,10 @@ from kvplug.errors import (
 )
 from kvplug.request import RouteRequest, RoutingHints
 from kvplug.workers import Worker
+
+pytestmark = pytest.mark.usefixtures("core_backend")
+# core_backend: imported fixture, parametrised over the core backends
+assert core_backend
 
 
 def excl(d):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import numpy as np
+import pytest
 
 from kvplug.config import RouterConfig
 from kvplug.events import BlockStored, Tier
@@ -12,6 +14,34 @@ from kvplug.router import Router
 from kvplug.workers import Worker
 
 BS = 16
+
+# Index-dependent tests run on both core backends when KvIndex can pin one per instance.
+try:
+    from kvplug.index import KvIndex
+
+    _PINNABLE = "backend" in inspect.signature(KvIndex.__init__).parameters
+except ImportError:  # pragma: no cover
+    KvIndex = None  # type: ignore[assignment]
+    _PINNABLE = False
+BACKENDS = ["c", "reference"] if _PINNABLE else [None]
+_current = {"backend": None}
+
+
+@pytest.fixture(params=BACKENDS, autouse=False)
+def core_backend(request):
+    """Use in a module with ``pytestmark = pytest.mark.usefixtures("core_backend")``."""
+    if request.param == "c":
+        from kvplug import core
+
+        if core.backend != "c":
+            pytest.skip("compiled core not active (KVPLUG_CORE=reference)")
+    _current["backend"] = request.param
+    yield request.param
+    _current["backend"] = None
+
+
+def current_backend() -> str | None:
+    return _current["backend"]
 
 
 class FakeClock:
@@ -27,8 +57,15 @@ class FakeClock:
 
 def make_router(workers=("w1", "w2", "w3"), seed=0, clock=None, profile=None, **cfg) -> Router:
     cfg.setdefault("kv_block_size", BS)
+    index = None
+    if _current["backend"] is not None:
+        index = KvIndex(cfg["kv_block_size"], backend=_current["backend"])
     r = Router(
-        RouterConfig(**cfg), clock=clock or FakeClock(), rng=random.Random(seed), profile=profile
+        RouterConfig(**cfg),
+        clock=clock or FakeClock(),
+        rng=random.Random(seed),
+        profile=profile,
+        index=index,
     )
     for w in workers:
         r.add_worker(w if isinstance(w, Worker) else Worker(w))

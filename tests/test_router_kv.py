@@ -9,13 +9,25 @@ import random
 
 import numpy as np
 import pytest
-from test_router_helpers import BS, FakeClock, make_router, store_prefix, tokens
+from test_router_helpers import (
+    BS,
+    FakeClock,
+    core_backend,
+    current_backend,
+    make_router,
+    store_prefix,
+    tokens,
+)
 
 from kvplug import core
 from kvplug.events import Tier
 from kvplug.pickers import softmax_cost_probs
 from kvplug.request import RouteRequest, RoutingHints
 from kvplug.workers import Role, Stage, Worker
+
+pytestmark = pytest.mark.usefixtures("core_backend")
+# core_backend: imported fixture, parametrised over the core backends
+assert core_backend
 
 
 def seed_example_router(**cfg):
@@ -169,6 +181,8 @@ def test_seeded_runs_are_deterministic():
 def test_softmax_frequencies_match_probabilities():
     """Chi-square goodness of fit, df=3, alpha=0.001 (critical value 16.27): a correct sampler
     fails this seeded check with probability 0.1%; a sampler off by 5% points fails it surely."""
+    if current_backend() == "reference":
+        pytest.skip("20k decisions: too slow on the pure-Python reference (same select contract)")
     r = make_router(
         workers=("a", "b", "c", "d"),
         router_temperature=0.4,

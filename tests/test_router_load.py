@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from test_router_helpers import BS, FakeClock, make_router, store_prefix, tokens
+from test_router_helpers import BS, FakeClock, core_backend, make_router, store_prefix, tokens
 
 from kvplug.load import LoadTracker
 from kvplug.prefill_model import (
@@ -42,6 +42,10 @@ CALIB = {
         "P16384_N2048": 138.817,
     },
 }
+
+pytestmark = pytest.mark.usefixtures("core_backend")
+# core_backend: imported fixture, parametrised over the core backends
+assert core_backend
 
 
 def loads(r, w):
