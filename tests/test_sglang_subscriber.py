@@ -30,7 +30,8 @@ class SglangPublisher:
     replay); ``topic_in_replies``: 0.5.23 replies ``[topic, seq, payload]``, older ones
     ``[seq, payload]``. Replay requests are served from a background thread."""
 
-    def __init__(self, ctx, port: int, replay_port: int, *, topic_in_replies: bool):
+    def __init__(self, ctx, port: int, replay_port: int, *, topic_in_replies: bool,
+                 topic: bytes = b""):
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(f"tcp://127.0.0.1:{port}")
@@ -38,6 +39,7 @@ class SglangPublisher:
         self.replay.setsockopt(zmq.LINGER, 0)
         self.replay.bind(f"tcp://127.0.0.1:{replay_port}")
         self.topic_in_replies = topic_in_replies
+        self.topic = topic
         self.seq = 0
         self.buffer: list[tuple[int, bytes]] = []
         self.requests: list[int] = []
@@ -51,14 +53,14 @@ class SglangPublisher:
             seq, self.seq = self.seq, self.seq + 1
             self.buffer.append((seq, payload))
         if not lose:
-            self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
 
     def resend_last(self) -> None:
         """Send the newest batch again (the subscriber ignores an exact repeat): beats the ZMQ
         slow-joiner race without changing what the stream means."""
         with self._lock:
             seq, payload = self.buffer[-1]
-        self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
 
     def restart(self) -> None:
         with self._lock:
@@ -74,10 +76,11 @@ class SglangPublisher:
             self.requests.append(start)
             with self._lock:
                 items = [(s, p) for s, p in self.buffer if s >= start]
-            head = [ident, b""] + ([b""] if self.topic_in_replies else [])
+            head = [ident, b""] + ([self.topic] if self.topic_in_replies else [])
             for seq, payload in items:
                 self.replay.send_multipart(head + [seq.to_bytes(8, "big"), payload])
-            self.replay.send_multipart(head + [END_SEQ, b""])
+            end = [ident, b""] + ([b""] if self.topic_in_replies else [])
+            self.replay.send_multipart(end + [END_SEQ, b""])
 
     def close(self) -> None:
         self._stop = True

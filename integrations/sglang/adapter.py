@@ -130,7 +130,11 @@ class SglangAdapter(SglangHttpAdapter):
                         "the background", worker.worker_id, exc)
             info = None
         if info is not None:
-            self._subscribe(run, info)  # raises ConfigError on a page-size mismatch
+            try:
+                self._subscribe(run, info)  # raises ConfigError on a page-size mismatch
+            except Exception:
+                self._runs.pop(worker.worker_id, None)
+                raise
         else:
             run.tasks.append(asyncio.create_task(self._discover_later(run)))
         if worker.url is not None or worker.metrics_url is not None:

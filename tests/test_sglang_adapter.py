@@ -1,0 +1,205 @@
+"""The sglang adapter end to end on loopback: /server_info discovery, ZMQ events through the
+shared subscriber, /v1/loads (or Prometheus) load attributes, page-size refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import zmq
+from aiohttp import web
+from test_sglang_subscriber import SglangPublisher, _free_base, golden
+
+from integrations.sglang.adapter import SglangAdapter
+from integrations.sglang.metrics import (
+    attributes_from_loads,
+    attributes_from_prometheus,
+    kv_events_from_server_info,
+    page_size_from_server_info,
+)
+from kvplug.errors import ConfigError
+from kvplug.events import BlockStored
+from kvplug.workers import Worker
+
+DATA = Path(__file__).parent / "data" / "sglang"
+LOADS = json.loads((DATA / "v1_loads.json").read_text())
+PROM = (DATA / "metrics_prometheus.txt").read_text()
+INFO = json.loads((DATA / "server_info_0_5_23.json").read_text())
+
+
+def test_loads_and_prometheus_give_the_same_attributes():
+    a = attributes_from_loads(LOADS)
+    assert a == {"running_requests": 8.0, "queue_depth": 1.0, "waiting_uncached_tokens": 512.0,
+                 "kv_used_tokens": 12288.0, "kv_total_tokens": 32768.0, "kv_usage": 0.5,
+                 "prefix_cache_hit_rate": pytest.approx(0.6)}
+    b = attributes_from_prometheus(PROM)
+    assert b == {"running_requests": 8.0, "queue_depth": 1.0, "kv_usage": 0.5,
+                 "prefix_cache_hit_rate": pytest.approx(0.6)}
+    for bad in ({}, {"loads": []}, {"loads": [{"dp_rank": 0}]}, [1], {"loads": ["x"]}):
+        with pytest.raises(ValueError):
+            attributes_from_loads(bad)
+    with pytest.raises(ValueError):
+        attributes_from_prometheus("# nothing here\nother_metric 1\n")
+
+
+def test_server_info_discovery():
+    kv = kv_events_from_server_info(INFO, "http://10.0.0.7:30000")
+    assert (kv.host, kv.port_base, kv.dp_size, kv.block_size, kv.topic) == (
+        "10.0.0.7", 5557, 2, 16, "kv")
+    assert kv.endpoint(1) == "tcp://10.0.0.7:5558" and kv.replay_endpoint(1) == "tcp://10.0.0.7:5568"
+    concrete = {"kv_events": {**INFO["kv_events"], "endpoint_host": "::1"}}
+    assert kv_events_from_server_info(concrete, "http://x:1").endpoint(0) == "tcp://[::1]:5557"
+    assert kv_events_from_server_info({"page_size": 16}, "http://x:1") is None  # < 0.5.20
+    assert page_size_from_server_info({"page_size": 16}) == 16
+    with pytest.raises(ConfigError):
+        kv_events_from_server_info({"kv_events": {"endpoint_port_base": "x"}}, "http://x:1")
+    with pytest.raises(ConfigError):
+        kv_events_from_server_info({"kv_events": {"endpoint_port_base": 5557,
+                                                  "block_size": 0}}, "http://x:1")
+
+
+class FakeSglang:
+    """An SGLang HTTP server's discovery and load endpoints (``new``: ≥ 0.5.20 shapes; else a
+    0.5.5-era server: ``/get_server_info`` without ``kv_events``, Prometheus only)."""
+
+    def __init__(self, port_base: int, *, new: bool = True, page_size: int = 4) -> None:
+        self.port_base = port_base
+        self.new = new
+        self.page_size = page_size
+        self.runner = None
+        self.url = ""
+
+    async def server_info(self, request):
+        if not self.new:
+            raise web.HTTPNotFound()
+        info = dict(INFO, page_size=self.page_size)
+        info["kv_events"] = dict(INFO["kv_events"], endpoint_port_base=self.port_base,
+                                 block_size=self.page_size, dp_size=1, topic="kv")
+        info["kv_events"].pop("replay_endpoint_port_base")
+        return web.json_response(info)
+
+    async def get_server_info(self, request):
+        return web.json_response({"page_size": self.page_size, "version": "0.5.5"})
+
+    async def loads(self, request):
+        if not self.new:
+            raise web.HTTPNotFound()
+        assert request.query.get("include") == "core"
+        return web.json_response(LOADS)
+
+    async def metrics(self, request):
+        return web.Response(text=PROM, content_type="text/plain")
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_get("/server_info", self.server_info)
+        app.router.add_get("/get_server_info", self.get_server_info)
+        app.router.add_get("/v1/loads", self.loads)
+        app.router.add_get("/metrics", self.metrics)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+
+class Sink:
+    def __init__(self, worker_id, block_size):
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.events = []
+        self.attributes = []
+
+    def apply(self, e):
+        self.events.append(e)
+
+    def apply_many(self, events):
+        self.events.extend(events)
+
+    def apply_threadsafe(self, events):
+        self.events.extend(events)  # list.extend is atomic under the GIL
+
+    def set_attributes(self, values, ts=None):
+        self.attributes.append(values)
+
+
+async def _until(pred, nudge=None, timeout=5.0):
+    for _ in range(int(timeout / 0.05)):
+        if pred():
+            return True
+        if nudge:
+            nudge()
+        await asyncio.sleep(0.05)
+    return pred()
+
+
+@pytest.mark.parametrize("new", [True, False], ids=["0.5.23", "0.5.5"])
+async def test_adapter_discovers_subscribes_and_scrapes(new):
+    base = _free_base(1)
+    ctx = zmq.Context()
+    pub = SglangPublisher(ctx, base, _free_base(1), topic_in_replies=True,
+                          topic=b"kv" if new else b"")
+    fake = await FakeSglang(base, new=new).start()
+    adapter = SglangAdapter(load_period=0.05)
+    sink = Sink("sg", 4)
+    # old servers do not advertise the publisher: the worker config names it
+    worker = Worker("sg", url=fake.url, engine="sglang",
+                    event_endpoint=None if new else f"tcp://*:{base}")
+    try:
+        with pytest.raises(ConfigError, match="page size 4"):
+            await adapter.start_worker(worker, Sink("sg", 16))
+        await adapter.stop_worker("sg")
+        await adapter.start_worker(worker, sink)
+        assert adapter.events_ready("sg")
+        pub.publish(golden("v0_5_15")[0])
+        assert await _until(lambda: len(sink.events) >= 2 and sink.attributes,
+                            nudge=pub.resend_last)
+        assert all(isinstance(e, BlockStored) for e in sink.events)
+        assert [e.engine_hashes for e in sink.events][1] == [(-5) & (2**64 - 1)]
+        want = attributes_from_loads(LOADS) if new else attributes_from_prometheus(PROM)
+        assert sink.attributes[-1] == want
+        await adapter.stop_worker("sg")
+        assert not adapter.events_ready("sg")
+    finally:
+        await adapter.close()
+        await fake.stop()
+        pub.close()
+        ctx.term()
+
+
+async def test_unreachable_worker_is_discovered_later():
+    base = _free_base(1)
+    ctx = zmq.Context()
+    pub = SglangPublisher(ctx, base, _free_base(1), topic_in_replies=True, topic=b"kv")
+    fake = FakeSglang(base)
+    adapter = SglangAdapter(load_period=0.05, discovery_retry=0.05, http_timeout=1.0)
+    sink = Sink("late", 4)
+    # the port the fake will listen on is not known before it starts: start, read, stop
+    await fake.start()
+    url = fake.url
+    await fake.stop()
+    try:
+        await adapter.start_worker(Worker("late", url=url, engine="sglang"), sink)
+        assert not adapter.events_ready("late")
+        port = int(url.rsplit(":", 1)[1])
+        app_runner = None
+        app = web.Application()
+        app.router.add_get("/server_info", fake.server_info)
+        app.router.add_get("/v1/loads", fake.loads)
+        app_runner = web.AppRunner(app)
+        await app_runner.setup()
+        await web.TCPSite(app_runner, "127.0.0.1", port).start()
+        assert await _until(lambda: adapter.events_ready("late"))
+        pub.publish(golden("v0_5_15")[0])
+        assert await _until(lambda: len(sink.events) >= 2, nudge=pub.resend_last)
+        await app_runner.cleanup()
+    finally:
+        await adapter.close()
+        pub.close()
+        ctx.term()
