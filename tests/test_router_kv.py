@@ -283,3 +283,64 @@ def test_probabilities_formula_matches_reference():
     assert math.isclose(sum(softmax_cost_probs(c, 0.1)), 1.0)
     rng = random.Random(1)
     assert all(0 <= core.select(list(c), 0.7, rng.random()) < 3 for _ in range(10))
+
+
+def test_shared_tier_credit_beyond_local_prefix():
+    r = make_router(workers=("a", "b"))
+    toks = tokens(10)
+    store_prefix(r, "a", toks, 10, shared=True)  # the whole prompt in the shared pool
+    store_prefix(r, "b", toks, 4, engine_base=100)  # b holds the first 4 locally
+    d = r.route(RouteRequest("x", toks))
+    rows = {c["worker_id"]: c for c in d.candidates}
+    assert rows["b"]["device"] == 4 and rows["b"]["shared_beyond"] == 6
+    assert rows["a"]["device"] == 0 and rows["a"]["shared_beyond"] == 10
+    # b: 10 - 4 - 0.5*6 = 3, + decode 6; a: 10 - 0.5*10 = 5, + decode 10
+    assert rows["b"]["cost"] == pytest.approx(3 + 6)
+    assert rows["a"]["cost"] == pytest.approx(5 + 10)
+    assert "shared_beyond 6" in d.explain()
+
+
+def test_cleared_and_invalid_events():
+    from kvplug.events import AllCleared, BlockStored
+
+    r = make_router(workers=("a", "b"))
+    toks = tokens(4)
+    store_prefix(r, "a", toks, 4)
+    r.apply_event(BlockStored(worker_id="a", engine_hashes=[1, 2], block_hashes=[5]))
+    assert r.stats()["events_dropped_invalid"] == 1
+    rows = {c["worker_id"]: c for c in r.route(RouteRequest("x", toks)).candidates}
+    assert rows["a"]["device"] == 4  # the bad event lost nothing already indexed
+    r.apply_event(AllCleared(worker_id="a"))
+    rows = {c["worker_id"]: c for c in r.route(RouteRequest("y", toks)).candidates}
+    assert rows["a"]["device"] == 0
+
+
+def test_remove_and_re_add_reuses_nothing_stale():
+    r = make_router(workers=("a", "b"))
+    toks = tokens(4)
+    store_prefix(r, "a", toks, 4)
+    r.route(RouteRequest("x", tokens(3, 500), hints=RoutingHints(pinned_worker_id="a")))
+    r.remove_worker("a")
+    r.add_worker(Worker("c"))  # may take a's freed endpoint id
+    assert r.active_load("c")[0] == {"prefill_tokens": 0, "decode_blocks": 0, "inflight": 0}
+    d = r.route(RouteRequest("y", toks))
+    rows = {c["worker_id"]: c for c in d.candidates}
+    assert rows["c"]["device"] == 0 and rows["c"]["decode_blocks"] == 4
+    assert rows["c"]["prefill_blocks"] == 4  # x's load went with a
+
+
+def test_stage_without_capable_workers():
+    from kvplug.errors import NoCompatibleWorker
+
+    r = make_router(workers=(Worker("p", role=Role.PREFILL),))
+    with pytest.raises(NoCompatibleWorker, match="decode"):
+        r.route(RouteRequest("x", tokens(2), stage=Stage.DECODE))
+
+
+def test_every_mode_serialises():
+    for mode in ("random", "round-robin", "least-loaded", "power-of-two",
+                 "device-aware-weighted"):
+        r = make_router(router_mode=mode)
+        doc = json.loads(r.route(RouteRequest("x", tokens(2))).to_json())
+        assert doc["mode"] == mode and len(doc["candidates"]) == 3
+        assert doc["candidates"][0]["formula"].startswith("load(")
