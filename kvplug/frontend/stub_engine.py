@@ -14,7 +14,7 @@ per token) and records what it was sent. What it does for real:
   shared ``TransferBoard``) and SGLang bootstrap (both hops carry the same
   ``bootstrap_room``; the decode stub waits for its prefill partner on the board);
 * failures on demand: ``fail = "reset"`` (connection closed before any byte), ``"midstream"``
-  (closed after two chunks), ``"http500"``.
+  (closed after two chunks), ``"http500"``, ``"http400"``.
 
 Tokenizer: one token per Unicode code point; chat renders ``role: content`` lines.
 """
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from kvplug.adapters import SglangHttpAdapter, VllmHttpAdapter, register_adapter
 from kvplug.events import BlockStored
@@ -189,12 +190,16 @@ class StubEngine:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await request.read()
         body = json.loads(raw)
-        self.requests.append({"path": request.path, "headers": dict(request.headers), "body": body})
+        self.requests.append(
+            {"path": request.path, "headers": CIMultiDict(request.headers), "body": body}
+        )
         if self.fail == "reset":
             request.transport.close()  # type: ignore[union-attr]
             raise asyncio.CancelledError  # nothing may be written any more
         if self.fail == "http500":
             return self._error(500, "stub engine failure")
+        if self.fail == "http400":
+            return self._error(400, "stub engine refuses this request")
         if chat:
             tokens = stub_tokenize(stub_render_chat(body["messages"]))
         else:

@@ -1,0 +1,118 @@
+"""The admin API over HTTP: bearer auth, add / drain / undrain / remove / list, loopback."""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import urlsplit
+
+import pytest
+from test_frontend_harness import MODEL, prompt, serving
+
+from kvplug.frontend.stub_engine import StubEngine, publish
+
+pytestmark = pytest.mark.timeout(60)
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def admin(h, method: str, path: str, body=None, headers=AUTH):
+    async with h.session.request(method, h.admin_url + path, json=body, headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def test_admin_needs_the_bearer_token():
+    async with serving(1, admin_token=TOKEN) as h:
+        assert urlsplit(h.admin_url).hostname == "127.0.0.1"  # loopback by default
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            for method, path in (
+                ("GET", "/admin/workers"),
+                ("POST", "/admin/workers"),
+                ("POST", "/admin/workers/w0/drain"),
+                ("DELETE", "/admin/workers/w0"),
+            ):
+                status, body = await admin(h, method, path, {"url": "http://x:1"}, headers)
+                assert status == 401 and body["error"]["code"] == "unauthorized"
+        assert list(h.frontend.fleet.workers) == ["w0"]  # nothing changed
+        status, body = await admin(h, "GET", "/admin/workers")
+        assert status == 200 and [w["id"] for w in body["workers"]] == ["w0"]
+
+
+async def test_admin_is_off_without_a_token():
+    async with serving(1) as h:
+        assert h.admin_url is None
+
+
+async def test_admin_add_drain_undrain_remove():
+    async with serving(1, admin_token=TOKEN) as h:
+        extra = StubEngine("w9", block_size=16, model=MODEL)
+        await extra.start()
+        publish(extra)
+        try:
+            status, body = await admin(
+                h,
+                "POST",
+                "/admin/workers",
+                {"id": "w9", "url": extra.url, "engine": "stub", "labels": {"zone": "b"}},
+            )
+            assert status == 201 and body["id"] == "w9" and body["healthy"] is True
+            assert body["labels"] == {"zone": "b"} and body["events_ready"] is True
+            status, body = await admin(
+                h, "POST", "/admin/workers", {"id": "w9", "url": extra.url, "engine": "stub"}
+            )
+            assert status == 409
+            status, body = await admin(h, "POST", "/admin/workers", {"url": 5})
+            assert status == 400 and body["error"]["code"] == "invalid_worker"
+            status, body = await admin(
+                h, "POST", "/admin/workers", {"url": "h:1", "engine": "warp-drive"}
+            )
+            assert status == 400 and "unknown engine kind" in body["error"]["message"]
+
+            # the new worker takes requests, and its events reach the index
+            resp, _ = await h.complete(prompt(4, 1), headers={"x-kvplug-worker": "w9"})
+            assert resp.status == 200 and resp.headers["x-kvplug-worker"] == "w9"
+            resp, _ = await h.complete(prompt(4, 1))
+            assert resp.headers["x-kvplug-worker"] == "w9"  # its prefix
+            await h.complete(prompt(4, 2), headers={"x-kvplug-worker": "w9"})
+
+            status, body = await admin(h, "POST", "/admin/workers/w9/drain")
+            assert status == 200 and body["draining"] is True
+            resp, _ = await h.complete(prompt(4, 1))
+            assert resp.headers["x-kvplug-worker"] == "w0"  # draining: no new requests
+            async with h.session.get(h.url + "/metrics") as r:
+                assert 'kvplug_worker_draining{worker="w9"} 1.0' in await r.text()
+            status, body = await admin(h, "POST", "/admin/workers/w9/undrain")
+            assert status == 200 and body["draining"] is False
+            resp, _ = await h.complete(prompt(4, 2))
+            assert resp.headers["x-kvplug-worker"] == "w9"
+
+            status, body = await admin(h, "DELETE", "/admin/workers/w9")
+            assert status == 200 and body["id"] == "w9"
+            assert "w9" not in h.router.workers and not extra.listeners
+            status, body = await admin(h, "GET", "/admin/workers")
+            assert [w["id"] for w in body["workers"]] == ["w0"]
+            for method, path in (
+                ("DELETE", "/admin/workers/w9"),
+                ("POST", "/admin/workers/w9/drain"),
+            ):
+                status, body = await admin(h, method, path)
+                assert status == 404 and body["error"]["code"] == "unknown_worker"
+            resp, raw = await h.complete(prompt(4, 1), headers={"x-kvplug-worker": "w9"})
+            assert resp.status == 400 and json.loads(raw)["error"]["code"] == "unknown_worker"
+            h.assert_idle()
+        finally:
+            await extra.stop()
+
+
+async def test_admin_add_of_an_unreachable_worker_marks_it_unhealthy():
+    async with serving(1, admin_token=TOKEN) as h:
+        status, body = await admin(
+            h,
+            "POST",
+            "/admin/workers",
+            {"id": "dead", "url": "http://127.0.0.1:1", "engine": "stub"},
+        )
+        assert status == 201 and body["healthy"] is False
+        for _ in range(3):
+            resp, _ = await h.complete(prompt(2, 2))
+            assert resp.headers["x-kvplug-worker"] == "w0"
+        h.assert_idle()
