@@ -203,6 +203,14 @@ def test_a_bad_block_stops_the_chain_but_keeps_the_blocks_before_it(block, reaso
     assert dec.drops == {reason: 1}
 
 
+def test_empty_envelopes_are_skipped_without_a_drop_or_a_gap():
+    dec = TrtllmDecoder("t", tokens_per_block=1)
+    removed = {"type": "removed", "block_hashes": [4]}
+    out = dec.decode([{"event_id": 0, "data": removed}, {}, {"event_id": 1, "data": removed}])
+    assert out == [BlockRemoved(worker_id="t", engine_hashes=[4])] * 2
+    assert not dec.drops and dec.counts["gaps"] == 0 and dec.counts["empty_envelopes"] == 1
+
+
 def test_answer_that_is_not_a_list_is_dropped():
     dec = TrtllmDecoder("t", tokens_per_block=2)
     assert dec.decode({"error": "boom"}) == []

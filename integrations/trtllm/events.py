@@ -173,6 +173,11 @@ class TrtllmDecoder:
     def _envelope(self, env: Any, out: list[KvEvent]) -> None:
         if not isinstance(env, dict):
             raise _Drop("bad_event", f"envelope is {type(env).__name__}")
+        if not env:
+            # KVCacheEventSerializer renders a None event as {} (the LLM API's own tests skip
+            # them with ``if event:``): nothing happened, and no event_id was used
+            self.counts["empty_envelopes"] += 1
+            return
         data = env.get("data")
         if not isinstance(data, dict):
             raise _Drop("bad_event", "no data object")
