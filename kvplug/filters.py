@@ -317,17 +317,15 @@ def apply_busy_and_labels(
     else:
         is_busy = badness = None
     if selector:
-        before = len(res.excluded)
-        # labels are evaluated on everyone so the error class is right; exclusions of the
-        # busy ones are recorded under "busy" (the earlier filter)
-        label_ok = label_filter(view, cands, selector, FilterResult(cands))
-        ok_set = set(label_ok.tolist())
+        # labels are evaluated on everyone first so the error class is right (nothing matching
+        # is NoCompatibleWorker even if the busy ones were removed first); the busy ones'
+        # exclusions are recorded under "busy", the earlier filter
+        ok_set = set(label_filter(view, cands, selector, FilterResult(cands)).tolist())
         if not ok_set:
             label_filter(view, cands, selector, res)
             raise NoCompatibleWorker(
                 _empty_message("no worker matches the label selector", res.excluded)
             )
-        del before
     else:
         ok_set = None
     if is_busy is not None and bool(is_busy.any()):

@@ -69,12 +69,6 @@ class ProfileSet:
     def get(self, stage: Stage) -> Profile:
         return self.profiles.get(stage.value) or self.profiles[self.default]
 
-    # single-profile convenience (the common case)
-    def __getattr__(self, name: str) -> Any:
-        if name in ("profiles", "default"):
-            raise AttributeError(name)
-        return getattr(self.profiles[self.default], name)
-
 
 def load_profile(source: str | os.PathLike[str] | dict[str, Any]) -> ProfileSet:
     """Parse a profile file (YAML/JSON) or an already-loaded mapping."""

@@ -192,7 +192,10 @@ def test_profile_weighted_random_and_softmax_pickers():
             ]
         }
     )
-    assert soft.get.__self__.profiles["default"].picker == "softmax-picker"
+    assert soft.profiles["default"].picker == "softmax-picker"
+    total = np.array([0.0, 1.0])
+    idx, p = soft.profiles["default"].pick(total, __import__("random").Random(0))
+    assert p == pytest.approx([1 / (1 + np.e**2), np.e**2 / (1 + np.e**2)])
 
 
 def test_adaptive_range_attribute_scorer_and_kv_utilisation():
@@ -349,3 +352,40 @@ def test_index_block_size_must_match():
     with pytest.raises(ConfigError, match="block size"):
         Router(RouterConfig(kv_block_size=16), index=KvIndex(32))
     assert np.float64(1.0) == 1.0
+
+
+def test_profile_per_stage_and_penalised_missing_attribute():
+    from kvplug.workers import Stage
+
+    prof = load_profile(
+        {
+            "plugins": [
+                {"type": "running-requests-scorer"},
+                {"type": "kv-cost-scorer"},
+                {
+                    "name": "gpu",
+                    "type": "endpoint-attribute-filter",
+                    "parameters": {
+                        "attribute": "gpu_utilization",
+                        "op": "<=",
+                        "value": 0.9,
+                        "onMissing": "penalise",
+                    },
+                },
+            ],
+            "schedulingProfiles": [
+                {"name": "default", "plugins": ["running-requests-scorer", "gpu"]},
+                {"name": "prefill", "plugins": [{"pluginRef": "kv-cost-scorer", "weight": 3}]},
+            ],
+        }
+    )
+    clock = FakeClock()
+    r = make_router(router_mode="profile", clock=clock, workers=("a", "b"), profile=prof)
+    r.set_attributes("a", {"gpu_utilization": 0.5})
+    d = r.route(RouteRequest("x", tokens(2)))
+    rows = {c["worker_id"]: c for c in d.candidates}
+    # both score 1.0 on running requests; b has no gpu_utilization: 1.0 - 0.5 penalty
+    assert rows["a"]["score"] == 1.0 and rows["b"]["score"] == 0.5
+    assert rows["b"]["missing_attribute_penalty"] is True and d.worker_id == "a"
+    d = r.route(RouteRequest("y", tokens(2), stage=Stage.PREFILL))
+    assert set(d.candidates[0]["scores"]) == {"kv-cost-scorer"}
