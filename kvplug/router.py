@@ -145,6 +145,7 @@ class Router:
         self.max_batched = np.zeros(0)
         self._is_cpu = np.zeros(0, dtype=bool)
         self._base: dict[Stage, np.ndarray] = {}
+        self._base_is_range: dict[Stage, bool] = {}
         self._rr = 0
         self._seq = 0
         self._rules = self._make_stage_rules()
@@ -389,6 +390,10 @@ class Router:
 
         mode = cfg.router_mode
         rules = self._rules[stage]
+        # unfiltered candidates 0..n-1: gather with a slice (a view, cheaper than fancy indexing)
+        sel: slice | np.ndarray = cands
+        if res is None and self._base_is_range.get(stage):
+            sel = slice(0, len(cands))
         hashes = None
         dev = host = disk = shared = None
         if mode in ("kv", "profile") or self._approx is not None:
@@ -396,14 +401,14 @@ class Router:
             if hashes is None:
                 hashes = self.index.request_hashes(req.token_ids, req.lora_name, req.cache_salt)
             ov = self.index.query(hashes)
-            dev = ov.device[cands].astype(np.float64)
-            host = ov.host[cands].astype(np.float64)
-            disk = ov.disk[cands].astype(np.float64)
-            shared = ov.shared_beyond[cands].astype(np.float64)
+            dev = ov.device[sel].astype(np.float64)
+            host = ov.host[sel].astype(np.float64)
+            disk = ov.disk[sel].astype(np.float64)
+            shared = ov.shared_beyond[sel].astype(np.float64)
             if self._approx is not None:
                 self._approx.expire(now)
                 ova = self._approx.query(hashes)
-                local = ov.local[cands]
+                local = ov.local[sel]
                 extra = np.maximum(ova.local[self._side_ep[cands]] - local, 0).astype(np.float64)
                 if extra.any():  # predicted blocks count as device blocks; max per endpoint
                     dev = dev + extra
@@ -418,7 +423,7 @@ class Router:
         probs = None
         if mode == "kv":
             prefill_vec, decode_vec = self._load_vectors(
-                rules, cands, dev, prefill_tok, decode_blk, n_tokens
+                rules, sel, dev, prefill_tok, decode_blk, n_tokens
             )
             values = np.asarray(
                 self._core.costs(prefill_vec, dev, host, disk, shared, decode_vec, rules.params),
@@ -709,6 +714,7 @@ class Router:
         )
         arr = np.asarray(eps, dtype=np.int64) if eps else _EMPTY
         self._base[stage] = arr
+        self._base_is_range[stage] = bool(len(arr)) and int(arr[-1]) == len(arr) - 1
         return arr
 
     def _make_stage_rules(self) -> dict[Stage, _StageRules]:
@@ -750,7 +756,7 @@ class Router:
     def _load_vectors(
         self,
         rules: _StageRules,
-        cands: np.ndarray,
+        sel: np.ndarray | slice,  # candidate endpoint ids, or a slice when they are 0..n-1
         dev: np.ndarray,
         prefill_tok: np.ndarray,
         decode_blk: np.ndarray,
@@ -761,16 +767,16 @@ class Router:
         decode = active blocks + the request's blocks (minus those already resident on the
         device when KV reuse is assumed)."""
         bs = self.block_size
-        n = len(cands)
+        n = len(dev)
         if rules.prefill_term:
             prefill_vec = np.full(n, n_tokens / bs)
             if rules.track_prefill:
-                prefill_vec += prefill_tok[cands] / bs
+                prefill_vec += prefill_tok[sel] / bs
         else:
             prefill_vec = np.zeros(n)
         if rules.track_decode:
             full_blocks = -(-n_tokens // bs)
-            decode_vec = decode_blk[cands] + (
+            decode_vec = decode_blk[sel] + (
                 full_blocks - dev if rules.assume_reuse else full_blocks
             )
         else:
