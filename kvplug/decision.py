@@ -84,7 +84,8 @@ class Decision:
         "stage",
         "fallback",
         "fallback_filters",
-        "excluded",
+        "_excluded",
+        "_static_excluded",
         "elapsed_us",
         "attribute_ages",
         "overlap_blocks",
@@ -108,6 +109,7 @@ class Decision:
         fallback: bool,
         fallback_filters: list[str],
         excluded: list[Exclusion],
+        static_excluded: tuple[Exclusion, ...] = (),
         elapsed_us: float,
         attribute_ages: dict[str, dict[str, float | None]],
         overlap_blocks: int,
@@ -126,7 +128,8 @@ class Decision:
         self.stage = stage
         self.fallback = fallback
         self.fallback_filters = fallback_filters
-        self.excluded = excluded
+        self._excluded = excluded
+        self._static_excluded = static_excluded  # draining / wrong role: shared, precomputed
         self.elapsed_us = elapsed_us
         self.attribute_ages = attribute_ages
         self.overlap_blocks = overlap_blocks
@@ -137,6 +140,12 @@ class Decision:
         self._trace = trace
 
     # ---------------------------------------------------------------- views
+    @property
+    def excluded(self) -> list[Exclusion]:
+        """Every worker not picked from, with the filter and the reason: draining or wrong role
+        for the stage first, then the request's filters in order."""
+        return [*self._static_excluded, *self._excluded]
+
     @property
     def trace(self) -> CandidateTrace:
         return self._trace

@@ -20,7 +20,7 @@ from kvplug import filters as flt
 from kvplug import pickers
 from kvplug.approx import ApproxIndex
 from kvplug.config import RouterConfig
-from kvplug.decision import CandidateTrace, Decision
+from kvplug.decision import CandidateTrace, Decision, Exclusion
 from kvplug.errors import (
     ConfigError,
     InvalidRequest,
@@ -146,6 +146,7 @@ class Router:
         self._is_cpu = np.zeros(0, dtype=bool)
         self._base: dict[Stage, np.ndarray] = {}
         self._base_is_range: dict[Stage, bool] = {}
+        self._base_static: dict[Stage, tuple[Exclusion, ...]] = {}
         self._rr = 0
         self._seq = 0
         self._rules = self._make_stage_rules()
@@ -516,6 +517,7 @@ class Router:
             fallback=bool(fb),
             fallback_filters=fb,
             excluded=excluded,
+            static_excluded=self._base_static[stage],
             elapsed_us=(time.perf_counter() - t0) * 1e6,
             attribute_ages=ages,
             overlap_blocks=cached_blocks,
@@ -706,14 +708,26 @@ class Router:
             self.max_batched[ep] = 0
 
     def _base_candidates(self, stage: Stage) -> np.ndarray:
-        eps = sorted(
-            ep
-            for st in self._workers.values()
-            if not st.draining and role_serves(st.worker.role, stage)
-            for ep in st.endpoint_ids
-        )
+        eps: list[int] = []
+        static: list[Exclusion] = []
+        for wid, st in self._workers.items():
+            if st.draining:
+                static.append(Exclusion(wid, None, "drain", "worker is draining"))
+            elif not role_serves(st.worker.role, stage):
+                static.append(
+                    Exclusion(
+                        wid,
+                        None,
+                        "role",
+                        f"role {st.worker.role.value} does not serve the {stage.value} stage",
+                    )
+                )
+            else:
+                eps.extend(st.endpoint_ids)
+        eps.sort()
         arr = np.asarray(eps, dtype=np.int64) if eps else _EMPTY
         self._base[stage] = arr
+        self._base_static[stage] = tuple(static)
         self._base_is_range[stage] = bool(len(arr)) and int(arr[-1]) == len(arr) - 1
         return arr
 

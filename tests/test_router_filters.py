@@ -258,7 +258,9 @@ def test_drained_worker_gets_nothing_new_but_finishes():
     r.route(RouteRequest("old", tokens(3), hints=RoutingHints(pinned_worker_id="a")))
     r.drain_worker("a")
     for i in range(5):
-        assert r.route(RouteRequest(f"n{i}", tokens(1, start=i * 100))).worker_id == "b"
+        d = r.route(RouteRequest(f"n{i}", tokens(1, start=i * 100)))
+        assert d.worker_id == "b"
+    assert [(e.worker_id, e.dp_rank, e.filter) for e in d.excluded] == [("a", None, "drain")]
     with pytest.raises(NoCompatibleWorker, match="draining"):
         r.route(RouteRequest("p", tokens(1), hints=RoutingHints(pinned_worker_id="a")))
     assert r.active_load("a")[0]["inflight"] == 1

@@ -130,6 +130,12 @@ def test_prefill_stage_and_decode_stage_semantics():
     store_prefix(r, "d1", toks, 6)
     d = r.route(RouteRequest("x", toks, stage=Stage.PREFILL))
     assert {c["worker_id"] for c in d.candidates} == {"p1", "p2", "both"}
+    ((e),) = d.excluded
+    assert (e.worker_id, e.filter, e.reason) == (
+        "d1",
+        "role",
+        "role decode does not serve the prefill stage",
+    )
     rows = {c["worker_id"]: c for c in d.candidates}
     assert rows["p1"]["decode_blocks"] == 0  # no decode-side load in the prefill stage
     assert rows["p1"]["cost"] == 10 - 6  # credit 1.0
@@ -338,8 +344,7 @@ def test_stage_without_capable_workers():
 
 
 def test_every_mode_serialises():
-    for mode in ("random", "round-robin", "least-loaded", "power-of-two",
-                 "device-aware-weighted"):
+    for mode in ("random", "round-robin", "least-loaded", "power-of-two", "device-aware-weighted"):
         r = make_router(router_mode=mode)
         doc = json.loads(r.route(RouteRequest("x", tokens(2))).to_json())
         assert doc["mode"] == mode and len(doc["candidates"]) == 3
