@@ -1,0 +1,80 @@
+"""End to end: the sglang-router compatible launcher (a real ``kvplug serve`` process) in front
+of a prefill and a decode stub engine speaking SGLang's bootstrap handshake."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvplug.frontend.stub_engine import StubEngine, TransferBoard
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(int(timeout / 0.1)):
+            if proc.poll() is not None:
+                raise AssertionError(f"launcher exited with {proc.returncode}")
+            try:
+                async with session.get(url + "/health") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise AssertionError("launcher did not come up")
+
+
+@pytest.mark.timeout(90)
+async def test_pd_request_through_the_launcher(tmp_path):
+    board = TransferBoard()
+    prefill = StubEngine("p", role="prefill", pd="sglang", board=board, block_size=16)
+    decode = StubEngine("d", role="decode", pd="sglang", board=board, block_size=16)
+    p_url, d_url = await prefill.start(), await decode.start()
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "integrations.sglang.launch_router", "--host", "127.0.0.1",
+         "--port", str(port), "--pd-disaggregation", "--prefill", p_url, "none",
+         "--decode", d_url, "--kv-block-size", "16", "--admin-port", str(_free_port())],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "log", "w"),
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        await _wait_ready(base, proc)
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "stub-model", "prompt": "hello sglang " * 4, "max_tokens": 4}
+            async with session.post(base + "/v1/completions", json=body) as resp:
+                text = await resp.text()
+                assert resp.status == 200, text
+        p_req = [r for r in prefill.requests if r["path"].endswith("/completions")]
+        d_req = [r for r in decode.requests if r["path"].endswith("/completions")]
+        assert len(p_req) == 1 and len(d_req) == 1
+        pb, db = p_req[0]["body"], d_req[0]["body"]
+        assert pb["bootstrap_room"] == db["bootstrap_room"]
+        assert 0 <= pb["bootstrap_room"] < 2**63
+        assert pb["bootstrap_host"] == db["bootstrap_host"] == "127.0.0.1"
+        assert pb["bootstrap_port"] is None and "bootstrap_port" in db  # "--prefill URL none"
+        assert board.pulled == 1  # the decode stub found its prefill partner
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        await prefill.stop()
+        await decode.stop()
