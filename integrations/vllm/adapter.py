@@ -122,7 +122,7 @@ class VllmAdapter(VllmHttpAdapter):
         run = _WorkerRun(worker.worker_id, info, None)
         if murl:
             def on_sample(s: MetricsSample, _run: _WorkerRun = run) -> None:
-                sink.set_attributes(s.attributes, s.ts)
+                sink.set_attributes(s.attributes)  # stamped on the router's clock
                 self._set_alive(_run, True)
 
             def on_failure(n: int, e: Exception, _run: _WorkerRun = run) -> None:
@@ -173,6 +173,39 @@ class VllmAdapter(VllmHttpAdapter):
         self, body: dict[str, Any], prefill_response: dict[str, Any] | None, ctx: PDContext
     ) -> dict[str, Any]:
         return decode_body(body, prefill_response)
+
+
+class RouterSink:
+    """A ``WorkerSink`` straight onto a ``Router`` (or anything with ``apply_event`` and
+    ``set_attributes``), for use without the frontend: benchmarks, simulators, tests.
+
+    ``lock`` serialises index updates with the caller's routing (pass the same lock to
+    whatever calls ``route``) — the subscriber thread applies events concurrently.
+    """
+
+    def __init__(self, router: Any, worker_id: str, block_size: int,
+                 lock: threading.Lock | None = None) -> None:
+        self.router = router
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.lock = lock or threading.Lock()
+        self.events = 0
+
+    def apply(self, event: Any) -> None:
+        self.apply_many([event])
+
+    def apply_many(self, events: Any) -> None:
+        with self.lock:
+            for e in events:
+                self.router.apply_event(e)
+                self.events += 1
+
+    def apply_threadsafe(self, events: Any) -> None:
+        self.apply_many(events)
+
+    def set_attributes(self, values: dict[str, float], ts: float | None = None) -> None:
+        with self.lock:
+            self.router.set_attributes(self.worker_id, values, ts)
 
 
 register_adapter("vllm", VllmAdapter, replace=True)

@@ -41,8 +41,10 @@ _CACHE_NUMERIC = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "hash_block_
 
 @dataclass
 class MetricsSample:
-    """One scrape: ``attributes`` (floats, for ``Router.set_attributes``), ``cache_config``
-    (the raw labels of ``vllm:cache_config_info``), the wall-clock time it was taken."""
+    """One scrape: ``attributes`` (floats, for ``Router.set_attributes``; the vLLM names plus
+    the aliases kvplug's scorers read: ``queue_depth``, ``running_requests``, ``kv_usage``),
+    ``cache_config`` (the raw labels of ``vllm:cache_config_info``), and ``ts``, the wall-clock
+    time of the scrape (the router stamps attributes on its own clock when they arrive)."""
 
     ts: float
     attributes: dict[str, float]
@@ -92,8 +94,13 @@ def parse_metrics(text: str, ts: float | None = None) -> MetricsSample:
                 attrs[key] = float(v)
         except ValueError:
             pass
-    if "kv_cache_usage" in attrs:
-        attrs["gpu_cache_usage_perc"] = attrs["kv_cache_usage"]  # llm-d's older name
+    # the names kvplug's scorers and filters read (llm-d style)
+    for alias, src in (("queue_depth", "num_requests_waiting"),
+                       ("running_requests", "num_requests_running"),
+                       ("kv_usage", "kv_cache_usage"),
+                       ("gpu_cache_usage_perc", "kv_cache_usage")):
+        if src in attrs:
+            attrs[alias] = attrs[src]
     return MetricsSample(ts=time.time() if ts is None else ts, attributes=attrs,
                          cache_config=cache_config, per_engine=per_engine)
 

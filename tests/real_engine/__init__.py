@@ -1,0 +1,1 @@
+"""Helpers that run real inference engines for the end-to-end tests."""

