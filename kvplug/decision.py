@@ -196,9 +196,9 @@ class Decision:
                 if x.get(name):
                     tiers += f", {name} {_g(x[name])}"
             text = (
-                f"cost({label})={float(t.values[i]):.1f} = {_g(p['prefill_load_scale'])}*"
+                f"cost({label})={float(t.values[i]):.1f} = {_g1(p['prefill_load_scale'])}*"
                 f"{_g(adjusted)} + {_g(x['decode_blocks'])} ({tiers}; "
-                f"prefill {_g(x['prefill_blocks'])} - {_g(p['overlap_score_credit'])}*"
+                f"prefill {_g(x['prefill_blocks'])} - {_g1(p['overlap_score_credit'])}*"
                 f"{_g(x['device'])}"
             )
             if x.get("host"):
@@ -265,6 +265,12 @@ def _label(wid: str, rank: int, names: list[tuple[str, int]]) -> str:
 def _num(v: Any) -> float | int:
     f = float(v)
     return int(f) if f.is_integer() and abs(f) < 2**53 else f
+
+
+def _g1(v: Any) -> str:
+    """A weight: at least one decimal (1.0, 0.75)."""
+    f = float(v)
+    return f"{f:.1f}" if f.is_integer() else f"{f:.4g}"
 
 
 def _g(v: Any) -> str:

@@ -65,7 +65,7 @@ def test_seed_worked_example_end_to_end():
     assert rows["w1"]["device"] == 2 and rows["w1"]["decode_blocks"] == 10
     assert rows["w3"]["prefill_blocks"] == 10 and rows["w3"]["decode_blocks"] == 9
     assert d.overlap_blocks == 5 and d.cached_tokens == 5 * BS
-    assert d.explain() == "kv: w2 <- cost(w2)=10.0 = 1*5 + 5 (device 5/10; prefill 10 - 1*5)"
+    assert d.explain() == "kv: w2 <- cost(w2)=10.0 = 1.0*5 + 5 (device 5/10; prefill 10 - 1.0*5)"
     doc = json.loads(d.to_json())
     assert doc["worker_id"] == "w2" and len(doc["candidates"]) == 3
     assert doc["candidates"][1]["chosen"] is True
@@ -76,7 +76,7 @@ def test_debug_log_line(caplog):
     r, toks = seed_example_router()
     with caplog.at_level(logging.DEBUG, logger="kvplug.router"):
         r.route(RouteRequest("x", toks))
-    assert "cost(w2)=10.0 = 1*5 + 5 (device 5/10" in caplog.text
+    assert "cost(w2)=10.0 = 1.0*5 + 5 (device 5/10" in caplog.text
 
 
 def test_tier_credits_and_shared():
