@@ -4,13 +4,13 @@ shared subscriber, /v1/loads (or Prometheus) load attributes, page-size refusal.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import zmq
 from aiohttp import web
-from test_sglang_subscriber import SglangPublisher, _free_base, golden
 
 from integrations.sglang.adapter import SglangAdapter
 from integrations.sglang.metrics import (
@@ -24,6 +24,10 @@ from kvplug.events import BlockStored
 from kvplug.workers import Worker
 
 DATA = Path(__file__).parent / "data" / "sglang"
+_spec = importlib.util.spec_from_file_location("sglang_zmq_publisher", DATA / "zmq_publisher.py")
+_PUB = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_PUB)
+SglangPublisher, _free_base, golden = _PUB.SglangPublisher, _PUB._free_base, _PUB.golden
 LOADS = json.loads((DATA / "v1_loads.json").read_text())
 PROM = (DATA / "metrics_prometheus.txt").read_text()
 INFO = json.loads((DATA / "server_info_0_5_23.json").read_text())

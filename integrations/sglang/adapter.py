@@ -100,6 +100,7 @@ class SglangAdapter(SglangHttpAdapter):
 
     kind = "sglang"
     pd_style = PDStyle.CONCURRENT
+    tokenize_path = "/tokenize"  # >= 0.5.15: {"prompt"} or {"messages"} -> {"tokens": [...]}
 
     def __init__(
         self,
