@@ -28,7 +28,7 @@ from kvplug.errors import (
     NoCompatibleWorker,
     UnknownWorker,
 )
-from kvplug.events import KvEvent
+from kvplug.events import AllCleared, KvEvent
 from kvplug.load import LoadTracker
 from kvplug.prefill_model import PrefillPredictor, make_predictor
 from kvplug.request import RouteRequest, RoutingHints
@@ -170,21 +170,21 @@ class Router:
         eps = [int(self.index.add_endpoint(worker.worker_id, r)) for r in worker.dp_ranks]
         state.endpoint_ids = eps
         if old is not None:
-            for ep in set(old.endpoint_ids) - set(eps):  # ranks that went away
+            gone = [
+                (rank, ep)
+                for rank, ep in zip(old.worker.dp_ranks, old.endpoint_ids, strict=True)
+                if ep not in eps
+            ]
+            for rank, ep in gone:  # ranks that went away: their load and cache with them
                 self.load.drop_endpoint(ep)
                 self._set_endpoint(ep, None, 0, None)
+                self.index.apply(AllCleared(worker_id=worker.worker_id, dp_rank=rank))
         n = max(eps) + 1
         self._ensure(n)
         for rank, ep in zip(worker.dp_ranks, eps, strict=False):
             self._set_endpoint(ep, worker.worker_id, rank, state)
-            if self._approx is not None:
-                side = self._approx.add_endpoint(worker.worker_id, rank)
-                if side >= len(self._side_ep):
-                    grown = np.zeros(max(side + 1, 2 * len(self._side_ep), 16), dtype=np.int64)
-                    grown[: len(self._side_ep)] = self._side_ep
-                    self._side_ep = grown
-                self._ensure(n)
-                self._side_ep_for(ep, side)
+            if self._approx is not None:  # the side index numbers endpoints its own way
+                self._side_ep[ep] = self._approx.add_endpoint(worker.worker_id, rank)
         self._workers[worker.worker_id] = state
         self._base.clear()
 
@@ -690,9 +690,6 @@ class Router:
             self._ep_worker = self._ep_worker + (None,) * pad
             self._ep_rank = self._ep_rank + (0,) * pad
             self._ep_state = self._ep_state + (None,) * pad
-
-    def _side_ep_for(self, ep: int, side: int) -> None:
-        self._side_ep[ep] = side
 
     def _set_endpoint(self, ep: int, wid: str | None, rank: int, st: WorkerState | None) -> None:
         self._ensure(ep + 1)

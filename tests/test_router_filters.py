@@ -301,3 +301,19 @@ def test_events_for_unknown_workers_are_counted_drops():
     r.apply_event(BlockStored(worker_id="a", dp_rank=5, engine_hashes=[1], block_hashes=[1]))
     assert r.stats()["events_dropped_unknown_worker"] == 2
     assert BS == 16
+
+
+def test_re_add_worker_with_fewer_ranks_forgets_the_lost_rank():
+    r = make_router(workers=(Worker("a", dp_size=2),))
+    toks = tokens(4)
+    from test_router_helpers import store_prefix
+
+    store_prefix(r, "a", toks, 4, dp_rank=1)
+    r.route(RouteRequest("x", tokens(2, 900), hints=RoutingHints(pinned_dp_rank=1)))
+    r.drain_worker("a")
+    r.add_worker(Worker("a", dp_size=1, labels={"v": "2"}))  # re-register: rank 1 gone
+    assert set(r.active_load("a")) == {0}
+    assert r.worker_state("a").worker.labels == {"v": "2"} and not r.worker_state("a").draining
+    r.add_worker(Worker("a", dp_size=2))  # rank 1 back: empty cache, no load
+    d = r.route(RouteRequest("y", toks, hints=RoutingHints(pinned_dp_rank=1)))
+    assert d.overlap_blocks == 0 and r.active_load("a")[1]["inflight"] == 1
