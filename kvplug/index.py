@@ -93,19 +93,28 @@ class ApplyReport:
 class KvIndex:
     """The global KV prefix index over (worker, dp_rank) endpoints."""
 
-    def __init__(self, block_size: int, max_entries: int = 0, *, auto_add: bool = False) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        max_entries: int = 0,
+        *,
+        auto_add: bool = False,
+        backend: str | None = None,
+    ) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise InvalidEvent(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self.auto_add = auto_add  # unknown (worker, rank) in an event: register it (vs. raise)
-        self.core = core.Index(max_entries)
-        self.backend = core.backend
+        # backend: "c" / "reference" to pin one (tests); None = the active kvplug.core backend
+        self.backend = backend or core.backend
+        self._impl = core.load_backend(self.backend)
+        self.core = self._impl.Index(max_entries)
         self._ids: dict[tuple[str, int], int] = {}
         self._keys: dict[int, tuple[str, int]] = {}
         self._free: list[int] = []
         self._next_id = 0
         self._overlaps = Overlaps()
-        self._result = core.QueryResult() if core.backend == "c" else None
+        self._result = self._impl.QueryResult() if self.backend == "c" else None
         self.drops: Counter = Counter()
         self.unresolved_tier_copies = 0
         self._handlers = {
@@ -257,7 +266,7 @@ class KvIndex:
             # a shared copy of a chain whose parent only the worker itself holds
             root = self.core.resolve(own, parent)
             if root is not None:
-                _, seq = core.hash_blocks(ev.token_ids, self.block_size, root, ev.block_extra)
+                _, seq = self._impl.hash_blocks(ev.token_ids, self.block_size, root, ev.block_extra)
                 if len(seq) * self.block_size != len(ev.token_ids) or len(seq) != len(
                     ev.engine_hashes
                 ):
@@ -313,12 +322,11 @@ class KvIndex:
         """Sequence hashes (numpy uint64) of a request's full blocks, in its namespace."""
         seed = namespace_seed(lora_name, cache_salt)
         if self.backend == "c":
-            return core.hash_blocks(
+            return self._impl.hash_blocks(
                 token_ids, self.block_size, seed, block_extra, with_local=False
             )[1]
-        return np.asarray(
-            core.hash_blocks(token_ids, self.block_size, seed, block_extra)[1], np.uint64
-        )
+        seq = self._impl.hash_blocks(token_ids, self.block_size, seed, block_extra)[1]
+        return np.asarray(seq, np.uint64)
 
     def query(self, block_hashes) -> Overlaps:
         """Per endpoint overlaps of a request; the returned object is reused by the next query."""

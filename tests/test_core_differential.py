@@ -1,0 +1,215 @@
+"""Differential harness: random event streams through the C core and the reference.
+
+A Hypothesis RuleBasedStateMachine drives stores (by tokens and by hashes; duplicates,
+conflicts, orphans), removes with and without a tier, tier moves, clears, shared-tier stores,
+queries and an LRU bound through both indexes and demands identical answers and counters after
+every step. A deliberately broken index (ignores removes) must make the harness fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvplug import _reference as ref
+from kvplug.core import load_backend
+
+core = load_backend("c")
+SHARED = ref.SHARED
+BS = 1  # tokens per block: tiny, so random streams collide and share prefixes often
+ALPHABET = [0, 1]
+
+# every block of the alphabet, and the sequence hashes of all chains of up to 3 such blocks
+BLOCKS = [list(b) for b in itertools.product(ALPHABET, repeat=BS)]
+CHAIN_HASHES = sorted(
+    {
+        int(h)
+        for n in (1, 2)
+        for chain in itertools.product(range(len(BLOCKS)), repeat=n)
+        for h in ref.hash_blocks([t for b in chain for t in BLOCKS[b]], BS)[1]
+    }
+)
+
+endpoints = st.sampled_from([0, 1, 2, SHARED])
+tiers = st.sampled_from([0, 1, 2])
+engine_hashes = st.integers(0, 7)
+block_hash = st.one_of(st.sampled_from(CHAIN_HASHES), st.integers(0, 3))
+token_chain = st.lists(st.sampled_from(range(len(BLOCKS))), min_size=0, max_size=4)
+
+
+def flat(chain: list[int]) -> list[int]:
+    return [t for b in chain for t in BLOCKS[b]]
+
+
+def same_outcome(fc, fr):
+    """Run one operation on both; demand the same result or the same exception class."""
+    try:
+        rc = fc()
+    except Exception as err:  # noqa: BLE001 - the class is what we compare
+        with pytest.raises(type(err)):
+            fr()
+        return None
+    rr = fr()
+    return rc, rr
+
+
+class IndexMachine(RuleBasedStateMachine):
+    make_c = staticmethod(core.Index)
+
+    @initialize(bound=st.sampled_from([0, 0, 1, 2, 3, 5]))
+    def init(self, bound):
+        self.c = self.make_c(bound)
+        self.r = ref.Index(bound)
+
+    @rule(
+        ep=endpoints, tier=tiers, pairs=st.lists(st.tuples(engine_hashes, block_hash), max_size=5)
+    )
+    def store_hashes(self, ep, tier, pairs):
+        ehs = [p[0] for p in pairs]
+        hs = [p[1] for p in pairs]
+        same_outcome(
+            lambda: self.c.store(ep, tier, ehs, hs), lambda: self.r.store(ep, tier, ehs, hs)
+        )
+
+    @rule(
+        ep=endpoints,
+        tier=tiers,
+        parent=st.one_of(st.none(), engine_hashes),
+        ehs=st.lists(engine_hashes, min_size=0, max_size=3),
+        chain=token_chain,
+        seed=st.sampled_from([0, 0, 0, 1]),
+    )
+    def store_tokens(self, ep, tier, parent, ehs, chain, seed):
+        toks = flat(chain)[: len(ehs) * BS]
+        if len(toks) < len(ehs) * BS:
+            ehs = ehs[: len(toks) // BS]
+        res = same_outcome(
+            lambda: self.c.store_tokens(ep, tier, parent, ehs, toks, BS, seed),
+            lambda: self.r.store_tokens(ep, tier, parent, ehs, toks, BS, seed),
+        )
+        if res is not None:
+            assert res[0] == res[1]
+
+    @rule(ep=endpoints, ehs=st.lists(engine_hashes, max_size=4), tier=st.one_of(st.none(), tiers))
+    def remove(self, ep, ehs, tier):
+        same_outcome(lambda: self.c.remove(ep, ehs, tier), lambda: self.r.remove(ep, ehs, tier))
+
+    @rule(ep=endpoints, ehs=st.lists(engine_hashes, max_size=4), src=tiers, dst=tiers)
+    def move(self, ep, ehs, src, dst):
+        same_outcome(lambda: self.c.move(ep, ehs, src, dst), lambda: self.r.move(ep, ehs, src, dst))
+
+    @precondition(lambda self: hasattr(self, "c"))
+    @rule(ep=endpoints)
+    def clear(self, ep):
+        self.c.clear(ep)
+        self.r.clear(ep)
+
+    @rule(
+        chain=st.lists(st.sampled_from(range(len(BLOCKS))), max_size=5),
+        seed=st.sampled_from([0, 1]),
+    )
+    def query_tokens(self, chain, seed):
+        hs = [int(h) for h in ref.hash_blocks(flat(chain), BS, seed)[1]]
+        self._compare_query(hs)
+
+    @rule(hs=st.lists(block_hash, max_size=5))
+    def query_hashes(self, hs):
+        self._compare_query(hs)
+
+    @rule(ep=st.sampled_from([0, 1, 2, SHARED]), eh=engine_hashes)
+    def resolve(self, ep, eh):
+        assert self.c.resolve(ep, eh) == self.r.resolve(ep, eh)
+
+    def _compare_query(self, hs):
+        qc = self.c.query(hs)
+        qr = self.r.query(hs)
+        assert qc.matched() == qr.matched(), (hs, qc.matched(), qr.matched())
+        assert (qc.shared_prefix, qc.walked) == (qr.shared_prefix, qr.walked)
+        for ep in (0, 1, 2, 3):
+            assert qc.row(ep) == qr.row(ep)
+
+    @invariant()
+    def same_stats_and_holdings(self):
+        if not hasattr(self, "c"):
+            return
+        assert self.c.stats() == self.r.stats()
+        for ep in (0, 1, 2, SHARED):
+            assert self.c.holdings(ep) == self.r.holdings(ep)
+
+
+DIFF_SETTINGS = settings(
+    max_examples=1000,
+    stateful_step_count=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+
+
+def test_c_core_matches_reference():
+    run_state_machine_as_test(IndexMachine, settings=DIFF_SETTINGS)
+
+
+class IgnoresRemoves:
+    """A wrapper around the C index that silently drops every remove: a planted bug."""
+
+    def __init__(self, bound):
+        self._inner = core.Index(bound)
+
+    def remove(self, ep, ehs, tier=None):
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class BrokenMachine(IndexMachine):
+    make_c = staticmethod(IgnoresRemoves)
+
+
+def test_harness_catches_an_index_that_ignores_removes():
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            BrokenMachine,
+            settings=settings(
+                max_examples=300,
+                stateful_step_count=12,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                print_blob=False,
+            ),
+        )
+
+
+costs_in = st.lists(st.tuples(*[st.integers(0, 64)] * 6), min_size=1, max_size=8)
+
+
+weights = st.floats(0, 10, allow_nan=False)
+
+
+@settings(max_examples=1000, deadline=None, derandomize=True)
+@given(
+    rows=costs_in,
+    temperature=st.one_of(st.just(0.0), st.floats(0.01, 5.0)),
+    u=st.floats(0.0, 1.0, exclude_max=True),
+    w=st.tuples(*[weights] * 5),
+)
+def test_costs_and_select_match_reference(rows, temperature, u, w):
+    cols = [list(c) for c in zip(*rows, strict=True)]
+    p = ref.CostParams(*w)
+    cr = ref.costs(*cols, p)
+    cc = core.costs(*cols, p)
+    assert [float(x) for x in cc] == cr
+    assert core.select(cc, temperature, u) == ref.select(cr, temperature, u)
