@@ -181,3 +181,14 @@ def test_all_cleared_forgets_partial_pages_of_that_rank_only():
     dec.decode(_batch([_stored_map([6], None, [1], 1)], rank=1))
     dec.decode(_batch([{"type": "AllBlocksCleared"}], rank=0))
     assert dec.partial == {1: {6}}
+
+
+@pytest.mark.parametrize("name", sorted(B.STREAMS))
+def test_typed_fast_path_agrees_with_the_checked_slow_path(name):
+    fast, slow = SglangDecoder("w", page_size=4), SglangDecoder("w", page_size=4)
+    slow._fast_order = ()  # every payload through the generic, per-event-checked decoder
+    for payload in _golden(name):
+        probe = SglangDecoder("w", page_size=4)
+        assert probe._fast_items(payload, 0) is not None  # well-formed: the fast path takes it
+        assert fast.decode_items(payload) == slow.decode_items(payload)
+    assert fast.counts == slow.counts and not fast.drops and not slow.drops

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -84,6 +84,70 @@ class PartialPages(msgspec.Struct, frozen=True, kw_only=True):
 
 
 WireItem = KvEvent | PartialPages
+
+# --- fast path: typed decoding (validation in C); anything it rejects goes the slow path ---
+U32 = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN)]
+_TOKENS = msgspec.msgpack.Decoder(list[U32])
+_BIGRAMS = msgspec.msgpack.Decoder(list[tuple[U32, int]])
+
+
+class _StoredM(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
+    block_hashes: list[int]
+    parent_block_hash: int | None = None
+    token_ids: msgspec.Raw = msgspec.Raw()
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class _RemovedM(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _ClearedM(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
+    pass
+
+
+class _StoredA(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+    block_hashes: list[int]
+    parent_block_hash: int | None = None
+    token_ids: msgspec.Raw = msgspec.Raw()
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class _RemovedA(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _ClearedA(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+    pass
+
+
+class _BatchM(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_StoredM | _RemovedM | _ClearedM]
+    attn_dp_rank: int | None = None
+
+
+class _BatchA(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_StoredA | _RemovedA | _ClearedA]
+    attn_dp_rank: int | None = None
+
+
+_FAST = (msgspec.msgpack.Decoder(_BatchM), msgspec.msgpack.Decoder(_BatchA))
+_STORED_T = (_StoredM, _StoredA)
+_REMOVED_T = (_RemovedM, _RemovedA)
 
 
 class _Drop(Exception):
@@ -221,6 +285,7 @@ class SglangDecoder:
         self.counts: Counter[str] = Counter()
         self.filter = PartialPageFilter(self.drops, self.counts)
         self.last_error = ""
+        self._fast_order = _FAST
 
     @property
     def partial(self) -> dict[int, set[int]]:
@@ -241,6 +306,9 @@ class SglangDecoder:
 
         ``dp_rank`` is the rank of the socket it came on, used when the batch's own
         ``attn_dp_rank`` slot is nil or absent."""
+        fast = self._fast_items(payload, dp_rank)
+        if fast is not None:
+            return fast
         try:
             batch = _decoder.decode(payload)
         except (msgspec.DecodeError, ValueError, TypeError) as exc:
@@ -262,6 +330,93 @@ class SglangDecoder:
                 self._decode_event(raw, dp_rank, out)
             except _Drop as drop:
                 self._drop(drop.reason, dp_rank, seq, f"event {position}: {drop.detail}")
+        return rank, out
+
+    def _fast_items(
+        self, payload: bytes, dp_rank: int
+    ) -> tuple[int | None, list[WireItem]] | None:
+        """Typed decoding of a well-formed batch; None sends the payload down the slow path
+        (which drops and counts per event). Counts are committed only on success."""
+        batch = None
+        for i, decoder in enumerate(self._fast_order):
+            try:
+                batch = decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if i:
+                self._fast_order = self._fast_order[::-1]  # try this engine's form first
+            break
+        if batch is None:
+            return None
+        rank = batch.attn_dp_rank
+        if rank is not None:
+            if rank < 0:
+                return None
+            dp_rank = rank
+        wid = self.worker_id
+        out: list[WireItem] = []
+        counts: Counter[str] = Counter(batches=1)
+        for ev in batch.events:
+            if isinstance(ev, _STORED_T):
+                hashes = [h & MASK64 for h in ev.block_hashes]
+                medium = MEDIUM_TIERS.get(ev.medium) if ev.medium is not None else (
+                    Tier.DEVICE, False)
+                bs = ev.block_size
+                if medium is None or bs <= 0 or len(hashes) > MAX_BLOCKS_PER_EVENT:
+                    return None
+                if not hashes:
+                    continue
+                try:
+                    tokens = _TOKENS.decode(ev.token_ids)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    try:
+                        tokens = [t for t, _ in _BIGRAMS.decode(ev.token_ids)]
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        return None
+                if len(tokens) != len(hashes) * bs or bs > self.page_size:
+                    return None
+                if bs < self.page_size:
+                    counts["partial_pages"] += len(hashes)
+                    out.append(PartialPages(worker_id=wid, dp_rank=dp_rank, engine_hashes=hashes))
+                    continue
+                counts["stored_blocks"] += len(hashes)
+                parent = ev.parent_block_hash
+                out.append(
+                    BlockStored(
+                        worker_id=wid,
+                        dp_rank=dp_rank,
+                        tier=medium[0],
+                        shared=medium[1],
+                        parent_engine_hash=None if parent is None else parent & MASK64,
+                        engine_hashes=hashes,
+                        token_ids=tokens,
+                        block_size=bs,
+                        lora_name=ev.lora_name,
+                        cache_salt=ev.cache_salt,
+                    )
+                )
+            elif isinstance(ev, _REMOVED_T):
+                medium = MEDIUM_TIERS.get(ev.medium) if ev.medium is not None else (
+                    Tier.DEVICE, False)
+                if medium is None or len(ev.block_hashes) > MAX_BLOCKS_PER_EVENT:
+                    return None
+                if not ev.block_hashes:
+                    continue
+                counts["removed_blocks"] += len(ev.block_hashes)
+                shared = medium[1]
+                out.append(
+                    BlockRemoved(
+                        worker_id=wid,
+                        dp_rank=dp_rank,
+                        tier=None if shared or ev.medium is None else medium[0],
+                        engine_hashes=[h & MASK64 for h in ev.block_hashes],
+                        shared=shared,
+                    )
+                )
+            else:
+                counts["cleared"] += 1
+                out.append(AllCleared(worker_id=wid, dp_rank=dp_rank))
+        self.counts.update(counts)
         return rank, out
 
     def stats(self) -> dict[str, int]:
