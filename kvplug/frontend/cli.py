@@ -79,6 +79,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="recent decisions kept for GET /kvplug/decisions/{id} (default 10000)",
     )
     g.add_argument(
+        "--event-loop",
+        default="auto",
+        choices=["auto", "uvloop", "asyncio"],
+        help="auto: uvloop when installed (faster proxying), else asyncio",
+    )
+    g.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -266,12 +272,29 @@ async def _serve(args: argparse.Namespace) -> None:
         await running.close()
 
 
+def _run_loop(coro, choice: str) -> None:
+    factory = None
+    if choice in ("auto", "uvloop"):
+        try:
+            import uvloop
+
+            factory = uvloop.new_event_loop
+        except ImportError:
+            if choice == "uvloop":
+                raise ConfigError("--event-loop uvloop: uvloop is not installed") from None
+    if factory is None:
+        asyncio.run(coro)
+        return
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(coro)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        asyncio.run(_serve(args))
+        _run_loop(_serve(args), args.event_loop)
     except (ConfigError, KvplugError) as exc:
         print(f"kvplug serve: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ The bytes forwarded to the engine are the client's bytes unchanged, unless the b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -40,20 +40,19 @@ class ParsedRequest:
         return self.path == CHAT
 
 
-def _check_token_ids(ids: list, where: str) -> list[int]:
-    for pos, t in enumerate(ids):
-        # bool is an int subclass; a JSON true in a token list is a client bug
-        if type(t) is not int or t < 0 or t >= MAX_TOKEN_ID:
-            raise bad_request(
-                f"{where}[{pos}] = {t!r} is not a token id (an integer in [0, 2^32))",
-                code="invalid_prompt",
-                param=where,
-            )
-    return ids
+_TokenIds = list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN_ID)]]
 
 
-def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+def _check_token_ids(ids: Any, where: str) -> list[int]:
+    """Token ids as u32 ints (booleans and floats refused), validated in C by msgspec."""
+    try:
+        return msgspec.convert(ids, _TokenIds, strict=True)
+    except msgspec.ValidationError as exc:
+        raise bad_request(
+            f"{where} is not a list of token ids (integers in [0, 2^32)): {exc}",
+            code="invalid_prompt",
+            param=where,
+        ) from None
 
 
 def parse_request(raw: bytes, path: str) -> ParsedRequest:
@@ -105,26 +104,24 @@ def parse_request(raw: bytes, path: str) -> ParsedRequest:
                 "missing required field 'prompt'", code="missing_field", param="prompt"
             )
         prompt = body["prompt"]
+        first = prompt[0] if isinstance(prompt, list) and prompt else None
         if isinstance(prompt, str):
             req.prompt_text = prompt
-        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        elif isinstance(first, int):
             req.prompt_ids = _check_token_ids(prompt, "prompt")
-        elif isinstance(prompt, list) and prompt:
-            # a batch: all strings, or all token lists; kvplug routes on the first prompt
-            first = prompt[0]
-            if all(isinstance(p, str) for p in prompt):
-                req.prompt_text = first
-            elif all(_is_token_list(p) for p in prompt):
-                req.prompt_ids = _check_token_ids(first, "prompt[0]")
-            else:
-                raise bad_request(
-                    "'prompt' must be a string, a list of token ids, a list of "
-                    "strings or a list of token-id lists",
-                    param="prompt",
-                )
+        elif isinstance(first, str) and all(isinstance(p, str) for p in prompt):
+            # a batch of prompts: kvplug routes on the first one
+            req.prompt_text = first
+            req.batch_size = len(prompt)
+        elif isinstance(first, list) and all(isinstance(p, list) and p for p in prompt):
+            req.prompt_ids = _check_token_ids(first, "prompt[0]")
             req.batch_size = len(prompt)
         else:
-            raise bad_request("'prompt' must be a non-empty string or list", param="prompt")
+            raise bad_request(
+                "'prompt' must be a non-empty string, list of token ids, list of strings "
+                "or list of token-id lists",
+                param="prompt",
+            )
 
     if nvext is not None:
         token_data = nvext.get("token_data")

@@ -84,8 +84,10 @@ class StubEngine:
         self.fail: str | None = None
         self.requests: list[dict[str, Any]] = []  # {"path", "headers", "body"}
         self.sent: dict[str, bytes] = {}  # X-Request-Id -> the exact body bytes written
-        self.record_sent = True
-        self.held: dict[tuple[int, ...], int] = {}  # held prefix -> engine hash of its block
+        self.record_sent = True  # benchmarks turn recording off
+        self.record_requests = True
+        self.held: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent, block) -> hash
+        self.track_cache = True  # benchmarks turn the prefix cache off
         self.listeners: list[Callable[[list], None]] = []
         self.running = 0
         self.url: str | None = None
@@ -115,31 +117,36 @@ class StubEngine:
 
     # -- cache and events -----------------------------------------------------------------
     def _store_prefix(self, tokens: list[int]) -> int:
-        """Hold the prompt's full blocks; publish the new ones. Returns blocks already held."""
+        """Hold the prompt's full blocks; publish the new ones. Returns blocks already held.
+
+        A block is keyed by (its parent's engine hash, its tokens), so its hash names the
+        whole prefix - as in vLLM - at O(prompt) cost.
+        """
+        if not self.track_cache:
+            return 0
         bs = self.block_size
-        n_blocks = len(tokens) // bs
         hit = 0
-        parent: int | None = None
+        parent = 0
         new_hashes: list[int] = []
         new_tokens: list[int] = []
         first_parent: int | None = None
-        for i in range(n_blocks):
-            prefix = tuple(tokens[: (i + 1) * bs])
-            ehash = self.held.get(prefix)
+        for i in range(len(tokens) // bs):
+            block = tuple(tokens[i * bs : (i + 1) * bs])
+            key = (parent, block)
+            ehash = self.held.get(key)
             if ehash is not None and not new_hashes:
                 hit += 1
                 parent = ehash
                 continue
             if ehash is None:
-                digest = hashlib.blake2b(
-                    repr((self.worker_id, prefix)).encode(), digest_size=8
-                ).digest()
-                ehash = int.from_bytes(digest, "little") >> 1
-                self.held[prefix] = ehash
+                digest = hashlib.blake2b(repr((self.worker_id, key)).encode(), digest_size=8)
+                ehash = int.from_bytes(digest.digest(), "little") >> 1
+                self.held[key] = ehash
             if not new_hashes:
-                first_parent = parent
+                first_parent = parent if i > 0 else None
             new_hashes.append(ehash)
-            new_tokens.extend(prefix[i * bs :])
+            new_tokens.extend(block)
+            parent = ehash
         if new_hashes and self.listeners:
             event = BlockStored(
                 worker_id=self.worker_id,
@@ -190,9 +197,10 @@ class StubEngine:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await request.read()
         body = json.loads(raw)
-        self.requests.append(
-            {"path": request.path, "headers": CIMultiDict(request.headers), "body": body}
-        )
+        if self.record_requests:
+            self.requests.append(
+                {"path": request.path, "headers": CIMultiDict(request.headers), "body": body}
+            )
         if self.fail == "reset":
             request.transport.close()  # type: ignore[union-attr]
             raise asyncio.CancelledError  # nothing may be written any more

@@ -99,7 +99,11 @@ class LocalTokenizer:
             except Exception as exc:
                 raise ConfigError(f"{tj}: not a tokenizers file ({exc})") from None
 
+            fast = getattr(tok, "encode_batch_fast", None)  # tokenizers >= 0.20: no offsets
+
             def encode(text: str, add_special: bool) -> list[int]:
+                if fast is not None:
+                    return fast([text], add_special_tokens=add_special)[0].ids
                 return tok.encode(text, add_special_tokens=add_special).ids
 
             return encode
