@@ -9,6 +9,9 @@ load stays steady. Baselines measured in the same run:
 * ``hash+query``: ``index.request_hashes`` + ``index.query`` alone (the core's floor);
 * ``round-robin``: a full ``Router.route`` in round-robin mode (no hashing, no query).
 
+Also measured: the same kv decision with busy thresholds and an attribute threshold
+(``gpu_utilization<=0.9``, all fresh, nobody over) configured, i.e. the cost of the filters.
+
 Usage: python benchmarks/bench_router.py [--workers 8 64 512] [--blocks 1000000]
        [--decisions 2000] [--prompt-tokens 8192] [--block-size 16]
 """
@@ -154,6 +157,23 @@ def main(argv: list[str] | None = None) -> int:
         kv_hit = [t for t, o in zip(kv, overlap, strict=True) if o > 0]
         kv_miss = [t for t, o in zip(kv, overlap, strict=True) if o == 0]
         hash_us, query_us = time_floor(r, prompts, args.decisions)
+        # same fleet and index, with busy and attribute thresholds configured
+        rf = Router(
+            RouterConfig(
+                kv_block_size=args.block_size,
+                active_decode_blocks_threshold=0.9,
+                active_prefill_tokens_threshold_frac=4.0,
+                router_attribute_thresholds=["gpu_utilization<=0.9"],
+                router_attribute_max_age=1e9,
+            ),
+            rng=random.Random(n),
+            index=r.index,
+        )
+        for w in r.workers.values():
+            rf.add_worker(w)
+            rf.set_attributes(w.worker_id, {"gpu_utilization": 0.5})
+        time_route(rf, prompts, warm)
+        kv_filtered = time_route(rf, prompts, args.decisions)
         rr = build(n, "round-robin", args, docs, rng, seed=n)
         time_route(rr, prompts, warm)
         base = time_route(rr, prompts, args.decisions)
@@ -167,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             "kv_median_us_cached_prefix": statistics.median(kv_hit) if kv_hit else None,
             "kv_median_us_no_prefix": statistics.median(kv_miss) if kv_miss else None,
             "mean_overlap_blocks_of_pick": statistics.fmean(overlap),
+            "kv_with_filters_median_us": statistics.median(kv_filtered),
+            "kv_with_filters_p99_us": percentile(kv_filtered, 0.99),
             "hash_median_us": statistics.median(hash_us),
             "query_median_us": statistics.median(query_us),
             "hash_query_median_us": statistics.median(floor),
@@ -177,9 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         row["kv_over_round_robin"] = row["kv_median_us"] / row["round_robin_median_us"]
         row["kv_over_hash_query"] = row["kv_median_us"] / row["hash_query_median_us"]
         rows.append(row)
-        del r, rr
+        del r, rf, rr
     hdr = (
-        f"{'workers':>7} {'entries':>9} {'kv med':>8} {'kv p99':>8} {'hash':>7} {'query':>7} "
+        f"{'workers':>7} {'entries':>9} {'kv med':>8} {'kv p99':>8} {'+filters':>8} "
+        f"{'hash':>7} {'query':>7} "
         f"{'overhead':>8} {'rr med':>7} {'kv/rr':>6}"
     )
     print(
@@ -190,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     for x in rows:
         print(
             f"{x['workers']:>7} {x['indexed_entries']:>9} {x['kv_median_us']:>8.1f} "
-            f"{x['kv_p99_us']:>8.1f} {x['hash_median_us']:>7.1f} {x['query_median_us']:>7.1f} "
+            f"{x['kv_p99_us']:>8.1f} {x['kv_with_filters_median_us']:>8.1f} "
+            f"{x['hash_median_us']:>7.1f} {x['query_median_us']:>7.1f} "
             f"{x['router_overhead_median_us']:>8.1f} {x['round_robin_median_us']:>7.1f} "
             f"{x['kv_over_round_robin']:>6.1f}"
         )

@@ -21,6 +21,25 @@ class Exclusion:
     reason: str
 
 
+class AgeRecord:
+    """Ages of one attribute over the endpoints a filter or scorer read (vectors; NaN =
+    never observed); turned into a per-worker dict only when asked for."""
+
+    __slots__ = ("attribute", "endpoints", "ages", "ep_worker")
+
+    def __init__(
+        self,
+        attribute: str,
+        endpoints: np.ndarray,
+        ages: np.ndarray,
+        ep_worker: tuple[str | None, ...],
+    ) -> None:
+        self.attribute = attribute
+        self.endpoints = endpoints
+        self.ages = ages
+        self.ep_worker = ep_worker
+
+
 class CandidateTrace:
     """Vectors over the scored candidates, kept as computed; names resolved on demand."""
 
@@ -87,7 +106,7 @@ class Decision:
         "_excluded",
         "_static_excluded",
         "elapsed_us",
-        "attribute_ages",
+        "_age_records",
         "overlap_blocks",
         "cached_tokens",
         "prompt_tokens",
@@ -111,7 +130,7 @@ class Decision:
         excluded: list[Exclusion],
         static_excluded: tuple[Exclusion, ...] = (),
         elapsed_us: float,
-        attribute_ages: dict[str, dict[str, float | None]],
+        attribute_ages: list[AgeRecord],
         overlap_blocks: int,
         cached_tokens: int,
         prompt_tokens: int,
@@ -131,7 +150,7 @@ class Decision:
         self._excluded = excluded
         self._static_excluded = static_excluded  # draining / wrong role: shared, precomputed
         self.elapsed_us = elapsed_us
-        self.attribute_ages = attribute_ages
+        self._age_records = attribute_ages
         self.overlap_blocks = overlap_blocks
         self.cached_tokens = cached_tokens
         self.prompt_tokens = prompt_tokens
@@ -140,6 +159,17 @@ class Decision:
         self._trace = trace
 
     # ---------------------------------------------------------------- views
+    @property
+    def attribute_ages(self) -> dict[str, dict[str, float | None]]:
+        """``{worker_id: {attribute: age in seconds, None = never observed}}`` for every
+        attribute a filter or scorer read in this decision."""
+        out: dict[str, dict[str, float | None]] = {}
+        for rec in self._age_records:
+            for ep, age in zip(rec.endpoints.tolist(), rec.ages.tolist(), strict=True):
+                wid = rec.ep_worker[ep] or "?"
+                out.setdefault(wid, {})[rec.attribute] = None if age != age else round(age, 6)
+        return out
+
     @property
     def excluded(self) -> list[Exclusion]:
         """Every worker not picked from, with the filter and the reason: draining or wrong role

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvplug.config import AttributeThreshold
-from kvplug.decision import Exclusion
+from kvplug.decision import AgeRecord, Exclusion
 from kvplug.errors import AllWorkersOverloaded, NoCompatibleWorker, PinnedWorkerOverloaded
 from kvplug.request import RoutingHints
-from kvplug.workers import WorkerState
+from kvplug.workers import AttributeTable, WorkerState
 
-_OPS: dict[str, Callable[[float, float], bool]] = {
+_VOPS: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
     "<=": operator.le,
     "<": operator.lt,
     ">=": operator.ge,
@@ -40,7 +40,7 @@ class FilterResult:
     excluded: list[Exclusion] = field(default_factory=list)
     fallback_filters: list[str] = field(default_factory=list)
     penalised: set[int] = field(default_factory=set)  # endpoint ids with a missing attribute
-    attribute_ages: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    attribute_ages: list[AgeRecord] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,9 @@ class EndpointView:
     ep_state: list[WorkerState | None]
     kv_capacity: np.ndarray
     max_batched: np.ndarray
+    decode_limit: np.ndarray  # see busy_limits
+    prefill_limit: np.ndarray
+    attrs: AttributeTable
 
 
 def _name(view: EndpointView, ep: int) -> tuple[str, int]:
@@ -158,31 +161,51 @@ def hard_filters(
     return cands
 
 
-def busy_mask(
-    view: EndpointView,
-    cands: np.ndarray,
-    busy: BusyThresholds,
-    prefill_tokens: np.ndarray,
-    decode_blocks: np.ndarray,
+def busy_limits(
+    busy: BusyThresholds, kv_capacity: np.ndarray, max_batched: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(busy bool per candidate, badness = worst load/threshold ratio per candidate)."""
-    badness = np.zeros(len(cands))
-    pt = prefill_tokens[cands]
+    """Per endpoint: (decode-block limit, prefill-token limit); inf = no limit. Recomputed only
+    when thresholds or workers change, so a decision compares two gathers."""
+    decode = np.full(len(kv_capacity), np.inf)
     if busy.decode_frac is not None:
-        cap = view.kv_capacity[cands]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(
-                cap > 0, decode_blocks[cands] / (cap * max(busy.decode_frac, 1e-12)), 0
-            )
-        badness = np.maximum(badness, ratio)
+        decode = np.where(kv_capacity > 0, busy.decode_frac * kv_capacity, np.inf)
+    prefill = np.full(len(max_batched), np.inf)
     if busy.prefill_tokens is not None:
-        badness = np.maximum(badness, pt / max(busy.prefill_tokens, 1e-12))
+        prefill = np.minimum(prefill, float(busy.prefill_tokens))
     if busy.prefill_frac is not None:
-        mbt = view.max_batched[cands]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(mbt > 0, pt / (mbt * max(busy.prefill_frac, 1e-12)), 0)
-        badness = np.maximum(badness, ratio)
-    return badness > 1.0, badness
+        prefill = np.minimum(
+            prefill, np.where(max_batched > 0, busy.prefill_frac * max_batched, np.inf)
+        )
+    return decode, prefill
+
+
+def busy_mask(
+    view: EndpointView, cands: np.ndarray, prefill_tokens: np.ndarray, decode_blocks: np.ndarray
+) -> np.ndarray:
+    """Busy flag per candidate (the thresholds are OR-ed)."""
+    return (decode_blocks[cands] > view.decode_limit[cands]) | (
+        prefill_tokens[cands] > view.prefill_limit[cands]
+    )
+
+
+def busy_badness(
+    view: EndpointView, cands: np.ndarray, prefill_tokens: np.ndarray, decode_blocks: np.ndarray
+) -> np.ndarray:
+    """Worst load/limit ratio per candidate (> 1 = busy); ranks candidates for the fallback."""
+
+    def ratio(load: np.ndarray, limit: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(load))
+        finite = np.isfinite(limit)
+        pos = finite & (limit > 0)
+        out[pos] = load[pos] / limit[pos]
+        zero = finite & (limit <= 0) & (load > 0)
+        out[zero] = np.inf
+        return out
+
+    return np.maximum(
+        ratio(decode_blocks[cands], view.decode_limit[cands]),
+        ratio(prefill_tokens[cands], view.prefill_limit[cands]),
+    )
 
 
 def busy_reason(
@@ -234,70 +257,51 @@ def attribute_filter(
     res: FilterResult,
 ) -> np.ndarray:
     """One attribute threshold; returns the survivors (fallback: least-bad) or raises."""
-    op = _OPS[th.op]
-    keep: list[int] = []
-    failed: list[tuple[int, float, str]] = []  # (ep, badness, reason); inf = worst
-    ages = res.attribute_ages
-    for ep in cands.tolist():
-        st = view.ep_state[ep]
-        value, age = st.attribute(th.attribute, now, max_age) if st is not None else (None, None)
-        wid = view.ep_worker[ep] or "?"
-        ages.setdefault(wid, {})[th.attribute] = None if age is None else round(age, 6)
-        if value is None:
-            state = "missing" if age is None else f"stale ({age:.3g}s > {max_age:g}s)"
-            if th.on_missing == "penalise":
-                keep.append(ep)
-                res.penalised.add(ep)
-            elif th.on_missing == "worst":
-                failed.append((ep, float("inf"), f"{th.attribute} {state}: treated as worst"))
-            else:
-                res.excluded.append(
-                    Exclusion(
-                        wid,
-                        view.ep_rank[ep],
-                        f"attribute:{th.attribute}",
-                        f"{th.attribute} {state}",
-                    )
-                )
-            continue
-        if op(value, th.value):
-            keep.append(ep)
-        else:
-            if th.op in ("<=", "<"):
-                bad = value - th.value
-            elif th.op in (">=", ">"):
-                bad = th.value - value
-            else:
-                bad = 1.0
-            failed.append((ep, bad, f"{th.attribute}={value:g} fails {th.op} {th.value:g}"))
-    if keep or not failed or not th.fallback_on_empty:
-        for ep, _, reason in failed:
-            res.excluded.append(
-                Exclusion(
-                    view.ep_worker[ep] or "?", view.ep_rank[ep], f"attribute:{th.attribute}", reason
-                )
+    vals, fresh, ages = view.attrs.read(th.attribute, cands, now, max_age)
+    res.attribute_ages.append(AgeRecord(th.attribute, cands, ages, view.ep_worker))
+    with np.errstate(invalid="ignore"):
+        passes = _VOPS[th.op](vals, th.value) & fresh
+    missing = ~fresh
+    keep = passes.copy()
+    if th.on_missing == "penalise":
+        keep |= missing
+        res.penalised.update(cands[missing].tolist())
+    if bool(keep.all()):
+        return cands
+    # badness of the failing ones: distance past the threshold; a missing one is inf ("worst")
+    # or not eligible at all ("exclude": nan)
+    if th.op in ("<=", "<"):
+        bad = vals - th.value
+    elif th.op in (">=", ">"):
+        bad = th.value - vals
+    else:
+        bad = np.ones(len(cands))
+    bad = np.where(missing, np.inf if th.on_missing == "worst" else np.nan, bad)
+    name = f"attribute:{th.attribute}"
+
+    def reason(i: int) -> str:
+        if missing[i]:
+            age = ages[i]
+            state = "missing" if age != age else f"stale ({age:.3g}s > {max_age:g}s)"
+            tail = ": treated as worst" if th.on_missing == "worst" else ""
+            return f"{th.attribute} {state}{tail}"
+        return f"{th.attribute}={vals[i]:g} fails {th.op} {th.value:g}"
+
+    eligible = ~keep & ~np.isnan(bad)
+    fallback = not keep.any() and th.fallback_on_empty and bool(eligible.any())
+    if fallback:  # keep the least-bad
+        keep = eligible & (bad == bad[eligible].min())
+        res.fallback_filters.append(name)
+    for i in np.flatnonzero(~keep).tolist():
+        ep = int(cands[i])
+        res.excluded.append(Exclusion(view.ep_worker[ep] or "?", view.ep_rank[ep], name, reason(i)))
+    if not keep.any():
+        raise AllWorkersOverloaded(
+            _empty_message(
+                f"every eligible worker fails {th.attribute} {th.op} {th.value:g}", res.excluded
             )
-        if not keep:
-            raise AllWorkersOverloaded(
-                _empty_message(
-                    f"every eligible worker fails {th.attribute} {th.op} {th.value:g}", res.excluded
-                )
-            )
-        return np.asarray(keep, dtype=np.int64)
-    # fallback-on-empty: keep the least-bad
-    best = min(b for _, b, _ in failed)
-    kept = []
-    for ep, b, reason in failed:
-        if b == best:
-            kept.append(ep)
-        else:
-            res.excluded.append(
-                Exclusion(
-                    view.ep_worker[ep] or "?", view.ep_rank[ep], f"attribute:{th.attribute}", reason
-                )
-            )
-    res.fallback_filters.append(f"attribute:{th.attribute}")
-    return np.asarray(kept, dtype=np.int64)
+        )
+    return cands[keep]
 
 
 def apply_busy_and_labels(
@@ -312,10 +316,7 @@ def apply_busy_and_labels(
 ) -> np.ndarray:
     """Busy thresholds then the label selector, with the error classes decided correctly:
     nothing matching the labels is NoCompatibleWorker even if busy ones were removed first."""
-    if busy.active:
-        is_busy, badness = busy_mask(view, cands, busy, prefill_tokens, decode_blocks)
-    else:
-        is_busy = badness = None
+    is_busy = busy_mask(view, cands, prefill_tokens, decode_blocks) if busy.active else None
     if selector:
         # labels are evaluated on everyone first so the error class is right (nothing matching
         # is NoCompatibleWorker even if the busy ones were removed first); the busy ones'
@@ -353,6 +354,7 @@ def apply_busy_and_labels(
                     _empty_message("all eligible workers are overloaded", res.excluded)
                 )
             # fallback: among label-compatible candidates keep the least-busy
+            badness = busy_badness(view, cands, prefill_tokens, decode_blocks)
             pool = [i for i, ep in enumerate(cands.tolist()) if ok_set is None or ep in ok_set]
             best = min(float(badness[i]) for i in pool)
             keep_idx = [i for i in pool if float(badness[i]) == best]

@@ -33,7 +33,7 @@ from kvplug.load import LoadTracker
 from kvplug.prefill_model import PrefillPredictor, make_predictor
 from kvplug.request import RouteRequest, RoutingHints
 from kvplug.scoring import ScoringContext
-from kvplug.workers import Role, Stage, Worker, WorkerState, role_serves
+from kvplug.workers import Attribute, AttributeTable, Role, Stage, Worker, WorkerState, role_serves
 
 __all__ = ["Router", "RouteRequest", "RoutingHints", "Stage", "Worker", "Role", "Decision"]
 
@@ -144,12 +144,16 @@ class Router:
         self.kv_capacity = np.zeros(0)
         self.max_batched = np.zeros(0)
         self._is_cpu = np.zeros(0, dtype=bool)
+        self.attrs = AttributeTable()  # dynamic attributes by endpoint id
+        self.decode_limit = np.zeros(0)  # busy limits by endpoint id (filters.busy_limits)
+        self.prefill_limit = np.zeros(0)
         self._base: dict[Stage, np.ndarray] = {}
         self._base_is_range: dict[Stage, bool] = {}
         self._base_static: dict[Stage, tuple[Exclusion, ...]] = {}
         self._rr = 0
         self._seq = 0
         self._rules = self._make_stage_rules()
+        self._refresh_limits()
         self.counters = {
             "decisions": 0,
             "events_applied": 0,
@@ -187,6 +191,7 @@ class Router:
                 self._side_ep[ep] = self._approx.add_endpoint(worker.worker_id, rank)
         self._workers[worker.worker_id] = state
         self._base.clear()
+        self._refresh_limits()
 
     def drain_worker(self, worker_id: str) -> None:
         """No new requests; in-flight ones finish and release their load normally."""
@@ -208,6 +213,7 @@ class Router:
             self._approx.remove_worker(worker_id)
         del self._workers[worker_id]
         self._base.clear()
+        self._refresh_limits()
 
     def set_attributes(
         self, worker_id: str, values: dict[str, float], ts: float | None = None
@@ -232,11 +238,10 @@ class Router:
                 continue
             a = st.attributes.get(name)
             if a is None:
-                from kvplug.workers import Attribute
-
                 st.attributes[name] = Attribute(v, when)
             else:
                 a.value, a.ts = v, when
+            self.attrs.set(st.endpoint_ids, name, v, when)
 
     def set_busy_thresholds(
         self,
@@ -256,6 +261,7 @@ class Router:
             prefill_frac,
             self._busy.fallback if fallback is None else fallback,
         )
+        self._refresh_limits()
 
     # the filters' view of endpoints (kvplug.filters.EndpointView)
     @property
@@ -503,7 +509,7 @@ class Router:
         self._seq += 1
         self.counters["decisions"] += 1
         if res is None:
-            excluded, fb, ages = [], [], {}
+            excluded, fb, ages = [], [], []
         else:
             excluded, fb, ages = res.excluded, res.fallback_filters, res.attribute_ages
         d = Decision(
@@ -597,7 +603,8 @@ class Router:
 
         ctx = ScoringContext(
             endpoints=cands,
-            states=[self._ep_state[e] for e in cands.tolist()],
+            attrs=self.attrs,
+            ep_worker=self._ep_worker,
             now=now,
             max_age=self.config.router_attribute_max_age,
             request_blocks=float(full_blocks),
@@ -615,8 +622,7 @@ class Router:
         if ctx.ages:
             if res is None:
                 res = flt.FilterResult(cands)
-            for wid, a in ctx.ages.items():
-                res.attribute_ages.setdefault(wid, {}).update(a)
+            res.attribute_ages.extend(ctx.ages)
         trace = CandidateTrace(
             self._ep_worker,
             self._ep_rank,
@@ -671,6 +677,7 @@ class Router:
 
     def _ensure(self, n: int) -> None:
         self.load.ensure(n)
+        self.attrs.ensure(n)
         if n > len(self.kv_capacity):
             cap = max(n, 2 * len(self.kv_capacity), 16)
             for name, dtype in (
@@ -700,9 +707,18 @@ class Router:
             self.kv_capacity[ep] = st.worker.kv_capacity_blocks
             self.max_batched[ep] = st.worker.max_batched_tokens
             self._is_cpu[ep] = st.worker.is_cpu
+            self.attrs.clear([ep])
+            for name, a in st.attributes.items():  # a re-registered worker keeps its attributes
+                self.attrs.set([ep], name, a.value, a.ts)
         else:
             self.kv_capacity[ep] = 0
             self.max_batched[ep] = 0
+            self.attrs.clear([ep])
+
+    def _refresh_limits(self) -> None:
+        self.decode_limit, self.prefill_limit = flt.busy_limits(
+            self._busy, self.kv_capacity, self.max_batched
+        )
 
     def _base_candidates(self, stage: Stage) -> np.ndarray:
         eps: list[int] = []

@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from kvplug.decision import AgeRecord
 from kvplug.errors import ConfigError
-from kvplug.workers import WorkerState
+from kvplug.workers import AttributeTable
 
 
 @dataclass
@@ -21,7 +22,8 @@ class ScoringContext:
     """What scorers may read for one decision (vectors over the candidates)."""
 
     endpoints: np.ndarray
-    states: list[WorkerState]
+    attrs: AttributeTable
+    ep_worker: tuple[str | None, ...]
     now: float
     max_age: float
     request_blocks: float
@@ -31,21 +33,13 @@ class ScoringContext:
     shared_beyond: np.ndarray
     inflight: np.ndarray
     kv_cost: Callable[[], np.ndarray]  # lazily computed seed cost
-    ages: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    ages: list[AgeRecord] = field(default_factory=list)
 
     def attribute(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(values, present mask); stale = missing. Records ages for the decision."""
-        vals = np.zeros(len(self.endpoints))
-        present = np.zeros(len(self.endpoints), dtype=bool)
-        for i, st in enumerate(self.states):
-            v, age = st.attribute(name, self.now, self.max_age)
-            self.ages.setdefault(st.worker.worker_id, {})[name] = (
-                None if age is None else round(age, 6)
-            )
-            if v is not None:
-                vals[i] = v
-                present[i] = True
-        return vals, present
+        vals, fresh, ages = self.attrs.read(name, self.endpoints, self.now, self.max_age)
+        self.ages.append(AgeRecord(name, self.endpoints, ages, self.ep_worker))
+        return np.where(fresh, vals, 0.0), fresh
 
 
 def _minmax_lower_better(v: np.ndarray, present: np.ndarray) -> np.ndarray:

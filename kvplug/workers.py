@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from kvplug.errors import ConfigError
 
 
@@ -108,3 +110,46 @@ class WorkerState:
         if max_age > 0 and age > max_age:
             return None, age
         return a.value, age
+
+
+class AttributeTable:
+    """Attribute values and observation times as dense vectors by endpoint id (NaN time =
+    never observed), so filters and scorers read a whole candidate set in one gather."""
+
+    def __init__(self) -> None:
+        self._cap = 0
+        self.values: dict[str, np.ndarray] = {}
+        self.times: dict[str, np.ndarray] = {}
+
+    def ensure(self, n: int) -> None:
+        if n <= self._cap:
+            return
+        cap = max(n, 2 * self._cap, 16)
+        for table, fill in ((self.values, 0.0), (self.times, np.nan)):
+            for name, old in table.items():
+                new = np.full(cap, fill)
+                new[: len(old)] = old
+                table[name] = new
+        self._cap = cap
+
+    def set(self, endpoints: list[int], name: str, value: float, ts: float) -> None:
+        if name not in self.values:
+            self.values[name] = np.zeros(self._cap)
+            self.times[name] = np.full(self._cap, np.nan)
+        self.values[name][endpoints] = value
+        self.times[name][endpoints] = ts
+
+    def clear(self, endpoints: list[int]) -> None:
+        for name in self.times:
+            self.times[name][endpoints] = np.nan
+
+    def read(
+        self, name: str, endpoints: np.ndarray, now: float, max_age: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(values, fresh mask, ages with NaN = never observed) for the endpoints."""
+        n = len(endpoints)
+        if name not in self.values:
+            return np.zeros(n), np.zeros(n, dtype=bool), np.full(n, np.nan)
+        ages = now - self.times[name][endpoints]
+        fresh = ages <= max_age if max_age > 0 else ~np.isnan(ages)  # NaN compares False
+        return self.values[name][endpoints], fresh, ages
