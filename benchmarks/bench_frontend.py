@@ -75,8 +75,9 @@ async def _run_stubs(ports: list[int], output_tokens: int) -> None:
 def make_prompts(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     prefixes = [" ".join(rng.choice(WORDS) for _ in range(384)) for _ in range(8)]
-    return [prefixes[i % 8] + " " + " ".join(rng.choice(WORDS) for _ in range(128))
-            for i in range(n)]
+    return [
+        prefixes[i % 8] + " " + " ".join(rng.choice(WORDS) for _ in range(128)) for i in range(n)
+    ]
 
 
 def write_tokenizer(path: Path) -> None:
@@ -103,8 +104,12 @@ async def one(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
 
 
 def bodies(prompts: list, stream: bool, max_tokens: int) -> list[bytes]:
-    return [json.dumps({"model": MODEL, "prompt": p, "stream": stream,
-                        "max_tokens": max_tokens}).encode() for p in prompts]
+    return [
+        json.dumps(
+            {"model": MODEL, "prompt": p, "stream": stream, "max_tokens": max_tokens}
+        ).encode()
+        for p in prompts
+    ]
 
 
 async def latency(base: str, reqs: list[bytes], warmup: int) -> dict:
@@ -141,8 +146,9 @@ async def wait_ready(url: str, body: bytes, timeout: float = 60.0, proc=None) ->
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"{url}: process exited with {proc.returncode}")
             try:
-                async with s.post(url + "/v1/completions", data=body,
-                                  headers={"Content-Type": "application/json"}) as r:
+                async with s.post(
+                    url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+                ) as r:
                     await r.read()
                     if r.status == 200:
                         return
@@ -180,17 +186,16 @@ async def measure_round(target: dict, args, rnd: int) -> None:
     for stream in (False, True):
         kind = "stream" if stream else "plain"
         start = rnd * (n_lat + n_thr)
-        lat_reqs = bodies(prompts[start: start + n_lat + 20], stream, args.max_tokens)
+        lat_reqs = bodies(prompts[start : start + n_lat + 20], stream, args.max_tokens)
         cpu0 = cpu_seconds(target["pid"])
         lat = await latency(target["url"], lat_reqs, 20)
         cpu1 = cpu_seconds(target["pid"])
-        thr_reqs = bodies(prompts[start + n_lat: start + n_lat + n_thr], stream,
-                          args.max_tokens)
+        thr_reqs = bodies(prompts[start + n_lat : start + n_lat + n_thr], stream, args.max_tokens)
         thr = await throughput(target["url"], thr_reqs, args.concurrency)
         acc = target["acc"].setdefault(kind, {"lat": [], "rate": [], "cpu": []})
         acc["lat"] += lat.pop("samples")
         acc["rate"].append(thr["requests_per_s"])
-        acc["cpu"].append((cpu1 - cpu0) / len(lat_reqs))
+        acc["cpu"].append((cpu1 - cpu0, len(lat_reqs)))
 
 
 def summarise(target: dict) -> dict:
@@ -201,23 +206,40 @@ def summarise(target: dict) -> dict:
             "median_ms": statistics.median(lat) * 1e3,
             "p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3,
             "n": len(lat),
-            "cpu_ms_per_request": statistics.median(acc["cpu"]) * 1e3,
+            # summed over rounds: /proc counts CPU in 10 ms ticks
+            "cpu_ms_per_request": sum(c for c, _ in acc["cpu"])
+            / sum(n for _, n in acc["cpu"])
+            * 1e3,
         }
-        out[f"{kind}_throughput"] = {"requests_per_s": statistics.median(acc["rate"]),
-                                     "rounds": acc["rate"], "concurrency": None}
+        out[f"{kind}_throughput"] = {
+            "requests_per_s": statistics.median(acc["rate"]),
+            "rounds": acc["rate"],
+            "concurrency": None,
+        }
     return out
 
 
 async def main_async(args) -> dict:
     ports = [free_port() for _ in range(args.engines)]
     stubs = subprocess.Popen(
-        [sys.executable, __file__, "--_stubs", ",".join(map(str, ports)),
-         "--max-tokens", str(args.max_tokens)],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        [
+            sys.executable,
+            __file__,
+            "--_stubs",
+            ",".join(map(str, ports)),
+            "--max-tokens",
+            str(args.max_tokens),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     procs: list[subprocess.Popen] = [stubs]
     tmp = Path(tempfile.mkdtemp(prefix="kvplug-bench-"))
-    results: dict = {"config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                     "load_average_before": os.getloadavg()}
+    results: dict = {
+        "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+        "load_average_before": os.getloadavg(),
+    }
     try:
         assert stubs.stdout is not None and stubs.stdout.readline().strip() == "ready"
         engines = [f"http://127.0.0.1:{p}" for p in ports]
@@ -225,24 +247,63 @@ async def main_async(args) -> dict:
         text_prompts = make_prompts(per_round * args.rounds + 50)
         id_prompts = [token_ids(p) for p in text_prompts]
         warm = bodies(text_prompts[:1], False, 1)[0]
-        targets = [{"name": "engine (direct)", "url": engines[0], "pid": stubs.pid,
-                    "process": "stub engines", "prompts": text_prompts}]
+        targets = [
+            {
+                "name": "engine (direct)",
+                "url": engines[0],
+                "pid": stubs.pid,
+                "process": "stub engines",
+                "prompts": text_prompts,
+            }
+        ]
 
         write_tokenizer(tmp)
         kv_port = free_port()
-        cmd = [sys.executable, "-m", "kvplug.cli", "serve", "--host", "127.0.0.1", "--port",
-               str(kv_port), "--admin-port", "-1", "--worker-engine", "openai",
-               "--tokenizer", str(tmp), "--served-model-name", MODEL, "--kv-block-size", "16",
-               "--log-level", "warning", *sum((["--worker", f"e{i}={u}"]
-                                               for i, u in enumerate(engines)), [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvplug.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(kv_port),
+            "--admin-port",
+            "-1",
+            "--worker-engine",
+            "openai",
+            "--tokenizer",
+            str(tmp),
+            "--served-model-name",
+            MODEL,
+            "--kv-block-size",
+            "16",
+            "--log-level",
+            "warning",
+            *sum((["--worker", f"e{i}={u}"] for i, u in enumerate(engines)), []),
+        ]
         kv = subprocess.Popen(cmd, cwd=ROOT)
         procs.append(kv)
         kv_url = f"http://127.0.0.1:{kv_port}"
         await wait_ready(kv_url, warm, proc=kv)
-        targets.append({"name": "kvplug (text+tokenizer)", "url": kv_url, "pid": kv.pid,
-                        "process": "kvplug serve", "prompts": text_prompts})
-        targets.append({"name": "kvplug (token ids)", "url": kv_url, "pid": kv.pid,
-                        "process": "kvplug serve", "prompts": id_prompts})
+        targets.append(
+            {
+                "name": "kvplug (text+tokenizer)",
+                "url": kv_url,
+                "pid": kv.pid,
+                "process": "kvplug serve",
+                "prompts": text_prompts,
+            }
+        )
+        targets.append(
+            {
+                "name": "kvplug (token ids)",
+                "url": kv_url,
+                "pid": kv.pid,
+                "process": "kvplug serve",
+                "prompts": id_prompts,
+            }
+        )
 
         sgl_python = SGL_VENV / "bin" / "python"
         if args.no_sglang:
@@ -252,21 +313,50 @@ async def main_async(args) -> dict:
         else:
             sg_port, prom_port = free_port(), free_port()
             sg = subprocess.Popen(
-                [str(sgl_python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                 "--port", str(sg_port), "--worker-urls", *engines, "--policy", "cache_aware",
-                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom_port),
-                 "--log-level", "warn"],
-                cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                [
+                    str(sgl_python),
+                    "-m",
+                    "sglang_router.launch_router",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(sg_port),
+                    "--worker-urls",
+                    *engines,
+                    "--policy",
+                    "cache_aware",
+                    "--prometheus-host",
+                    "127.0.0.1",
+                    "--prometheus-port",
+                    str(prom_port),
+                    "--log-level",
+                    "warn",
+                ],
+                cwd=tmp,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             procs.append(sg)
             sg_url = f"http://127.0.0.1:{sg_port}"
             try:
                 await wait_ready(sg_url, warm, proc=sg)
-                shown = subprocess.run([str(SGL_VENV / "bin" / "pip"), "show", "sglang-router"],
-                                       capture_output=True, text=True).stdout
-                ver = next((ln.split()[-1] for ln in shown.splitlines()
-                            if ln.startswith("Version")), "?")
-                targets.append({"name": f"sglang-router {ver}", "url": sg_url, "pid": sg.pid,
-                                "process": "sglang-router", "prompts": text_prompts})
+                shown = subprocess.run(
+                    [str(SGL_VENV / "bin" / "pip"), "show", "sglang-router"],
+                    capture_output=True,
+                    text=True,
+                ).stdout
+                ver = next(
+                    (ln.split()[-1] for ln in shown.splitlines() if ln.startswith("Version")), "?"
+                )
+                targets.append(
+                    {
+                        "name": f"sglang-router {ver}",
+                        "url": sg_url,
+                        "pid": sg.pid,
+                        "process": "sglang-router",
+                        "prompts": text_prompts,
+                    }
+                )
                 results["sglang_router"] = f"sglang-router {ver}, --policy cache_aware"
             except RuntimeError as exc:
                 results["sglang_router"] = f"skipped: {exc}"
@@ -300,9 +390,11 @@ async def main_async(args) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = ["| target | mode | median ms | added median ms | p99 ms | added p99 ms | "
-             "proxy CPU ms/req | req/s | req/s vs direct |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| target | mode | median ms | added median ms | p99 ms | added p99 ms | "
+        "proxy CPU ms/req | req/s | req/s vs direct |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for t in results["targets"]:
         for kind in ("plain", "stream"):
             lat, thr = t[f"{kind}_latency"], t[f"{kind}_throughput"]
@@ -311,7 +403,8 @@ def table(results: dict) -> str:
                 f"{lat['median_ms']:.3f} | {lat['added_median_ms']:+.3f} | {lat['p99_ms']:.3f} | "
                 f"{lat['added_p99_ms']:+.3f} | {lat['cpu_ms_per_request']:.3f} | "
                 f"{thr['requests_per_s']:.0f} | "
-                f"{thr['vs_direct']:.2f} |")
+                f"{thr['vs_direct']:.2f} |"
+            )
     return "\n".join(lines)
 
 
