@@ -24,7 +24,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+async def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
     async with aiohttp.ClientSession() as session:
         for _ in range(int(timeout / 0.1)):
             if proc.poll() is not None:
@@ -39,7 +39,7 @@ async def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30.0) -
     raise AssertionError("launcher did not come up")
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 async def test_pd_request_through_the_launcher(tmp_path):
     board = TransferBoard()
     prefill = StubEngine("p", role="prefill", pd="sglang", board=board, block_size=16)
@@ -55,15 +55,19 @@ async def test_pd_request_through_the_launcher(tmp_path):
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        await _wait_ready(base, proc)
+        log_text = lambda: (tmp_path / "log").read_text()[-4000:]  # noqa: E731
+        try:
+            await _wait_ready(base, proc)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{log_text()}") from None
         async with aiohttp.ClientSession() as session:
             body = {"model": "stub-model", "prompt": "hello sglang " * 4, "max_tokens": 4}
             async with session.post(base + "/v1/completions", json=body) as resp:
                 text = await resp.text()
-                assert resp.status == 200, text
+                assert resp.status == 200, (text, log_text())
         p_req = [r for r in prefill.requests if r["path"].endswith("/completions")]
         d_req = [r for r in decode.requests if r["path"].endswith("/completions")]
-        assert len(p_req) == 1 and len(d_req) == 1
+        assert len(p_req) == 1 and len(d_req) == 1, (p_req, d_req, log_text())
         pb, db = p_req[0]["body"], d_req[0]["body"]
         assert pb["bootstrap_room"] == db["bootstrap_room"]
         assert 0 <= pb["bootstrap_room"] < 2**63
