@@ -126,6 +126,11 @@ class EngineAdapter:
     async def close(self) -> None:
         """Release per-process resources (shared sockets) at shutdown."""
 
+    def add_liveness_listener(self, fn: Callable[[str, bool], Any]) -> None:
+        """Register ``fn(worker_id, alive)``, to be called (from any thread) when the adapter's
+        own checks (metrics scrapes, event silence) change a worker's verdict. The frontend
+        marks the worker unhealthy / healthy. Default: this kind has no such checks."""
+
     # -- tokens ------------------------------------------------------------------------------
     def tokenize_body(
         self, model: str, *, prompt: str | None = None, messages: list | None = None

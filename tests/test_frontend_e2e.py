@@ -369,3 +369,40 @@ async def test_token_sources_engine_and_local_tokenizer(tmp_path):
         )
         trace = await h.trace(resp.headers["x-kvplug-decision-id"])
         assert trace["tokens"] == {"source": "tokenizer", "count": 7, "note": None}
+
+
+async def test_adapter_liveness_verdicts_reach_the_fleet():
+    import threading
+
+    from kvplug.adapters import register_adapter, unregister_adapter
+    from kvplug.frontend.stub_engine import StubAdapter
+
+    listeners = []
+
+    class Watched(StubAdapter):
+        kind = "watched"
+
+        def add_liveness_listener(self, fn):
+            listeners.append(fn)
+
+    register_adapter("watched", Watched)
+    try:
+        async with serving(
+            2, engine_kind="watched", settings=ServeSettings(health_interval=0)
+        ) as h:
+            assert len(listeners) == 1
+            t = threading.Thread(target=listeners[0], args=("w0", False))  # a scraper thread
+            t.start()
+            t.join()
+            for _ in range(50):
+                await asyncio.sleep(0.01)
+                if "w0" in h.frontend.fleet.unhealthy:
+                    break
+            assert h.frontend.fleet.unhealthy == {"w0"}
+            resp, _ = await h.complete(prompt(2, 15), headers={})
+            assert resp.headers["x-kvplug-worker"] == "w1"
+            listeners[0]("w0", True)
+            await asyncio.sleep(0.05)
+            assert not h.frontend.fleet.unhealthy
+    finally:
+        unregister_adapter("watched")

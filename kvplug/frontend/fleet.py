@@ -132,7 +132,19 @@ class Fleet:
         adapter = self.adapters.get(kind)
         if adapter is None:
             adapter = self.adapters[kind] = create_adapter(kind)
+            loop = asyncio.get_running_loop()
+
+            def on_liveness(worker_id: str, alive: bool) -> None:  # any thread
+                loop.call_soon_threadsafe(self._set_liveness, worker_id, alive)
+
+            adapter.add_liveness_listener(on_liveness)
         return adapter
+
+    def _set_liveness(self, worker_id: str, alive: bool) -> None:
+        if alive:
+            self.mark_healthy(worker_id)
+        else:
+            self.mark_unhealthy(worker_id, "its engine adapter reports it down")
 
     async def add(self, spec: WorkerSpec) -> WorkerEntry:
         async with self._lock:
