@@ -7,6 +7,7 @@ per-candidate view, the JSON form and the formula text are built only when asked
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,6 +20,42 @@ class Exclusion:
     dp_rank: int | None  # None: every rank of the worker
     filter: str
     reason: str
+
+
+class ExclusionGroup:
+    """Endpoints one filter excluded, expanded into Exclusions (with reasons) only on demand."""
+
+    __slots__ = ("filter", "endpoints", "reason", "ep_worker", "ep_rank")
+
+    def __init__(
+        self,
+        filter: str,
+        endpoints: np.ndarray,
+        reason: Callable[[int], str],
+        ep_worker: tuple[str | None, ...],
+        ep_rank: tuple[int, ...],
+    ) -> None:
+        self.filter = filter
+        self.endpoints = endpoints
+        self.reason = reason
+        self.ep_worker = ep_worker
+        self.ep_rank = ep_rank
+
+    def expand(self) -> list[Exclusion]:
+        return [
+            Exclusion(self.ep_worker[ep] or "?", self.ep_rank[ep], self.filter, self.reason(ep))
+            for ep in self.endpoints.tolist()
+        ]
+
+
+def expand_exclusions(items: Sequence[Exclusion | ExclusionGroup]) -> list[Exclusion]:
+    out: list[Exclusion] = []
+    for item in items:
+        if isinstance(item, ExclusionGroup):
+            out.extend(item.expand())
+        else:
+            out.append(item)
+    return out
 
 
 class AgeRecord:
@@ -127,7 +164,7 @@ class Decision:
         stage: str,
         fallback: bool,
         fallback_filters: list[str],
-        excluded: list[Exclusion],
+        excluded: list[Exclusion | ExclusionGroup],
         static_excluded: tuple[Exclusion, ...] = (),
         elapsed_us: float,
         attribute_ages: list[AgeRecord],
@@ -174,7 +211,7 @@ class Decision:
     def excluded(self) -> list[Exclusion]:
         """Every worker not picked from, with the filter and the reason: draining or wrong role
         for the stage first, then the request's filters in order."""
-        return [*self._static_excluded, *self._excluded]
+        return [*self._static_excluded, *expand_exclusions(self._excluded)]
 
     @property
     def trace(self) -> CandidateTrace:

@@ -13,13 +13,13 @@ keep the least-bad candidates (fallback-on-empty; the decision is marked) or rai
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvplug.config import AttributeThreshold
-from kvplug.decision import AgeRecord, Exclusion
+from kvplug.decision import AgeRecord, Exclusion, ExclusionGroup, expand_exclusions
 from kvplug.errors import AllWorkersOverloaded, NoCompatibleWorker, PinnedWorkerOverloaded
 from kvplug.request import RoutingHints
 from kvplug.workers import AttributeTable, WorkerState
@@ -37,7 +37,7 @@ _VOPS: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
 @dataclass
 class FilterResult:
     candidates: np.ndarray
-    excluded: list[Exclusion] = field(default_factory=list)
+    excluded: list[Exclusion | ExclusionGroup] = field(default_factory=list)
     fallback_filters: list[str] = field(default_factory=list)
     penalised: set[int] = field(default_factory=set)  # endpoint ids with a missing attribute
     attribute_ages: list[AgeRecord] = field(default_factory=list)
@@ -64,6 +64,7 @@ class EndpointView:
 
     ep_worker: list[str | None]
     ep_rank: list[int]
+    ep_rank_arr: np.ndarray
     ep_state: list[WorkerState | None]
     kv_capacity: np.ndarray
     max_batched: np.ndarray
@@ -86,6 +87,12 @@ def hard_filters(
 ) -> np.ndarray:
     """allow-list, explicit exclusions (retries), pin, DP-rank bounds, required taints."""
     ex = res.excluded
+
+    def eps_of(worker_ids: Iterable[str]) -> list[int]:
+        return [
+            ep for w in worker_ids if w in known_workers for ep in known_workers[w].endpoint_ids
+        ]
+
     if hints.allowed_worker_ids is not None:
         allowed = hints.allowed_worker_ids
         if hints.pinned_worker_id is not None and hints.pinned_worker_id not in allowed:
@@ -96,7 +103,7 @@ def hard_filters(
         cands = _keep(
             view,
             cands,
-            lambda ep: view.ep_worker[ep] in allowed,
+            _member(cands, eps_of(allowed)),
             ex,
             "allow-list",
             lambda ep: "not in the request's allowed worker ids",
@@ -105,7 +112,7 @@ def hard_filters(
         cands = _keep(
             view,
             cands,
-            lambda ep: view.ep_worker[ep] not in exclude_workers,
+            ~_member(cands, eps_of(exclude_workers)),
             ex,
             "exclude-workers",
             lambda ep: "excluded by the caller (retry)",
@@ -120,7 +127,7 @@ def hard_filters(
         cands = _keep(
             view,
             cands,
-            lambda ep: view.ep_worker[ep] == wid,
+            _member(cands, st.endpoint_ids),
             ex,
             "pin",
             lambda ep: f"request pinned to worker {wid}",
@@ -136,22 +143,18 @@ def hard_filters(
         cands = _keep(
             view,
             cands,
-            lambda ep: view.ep_rank[ep] == rank,
+            view.ep_rank_arr[cands] == rank,
             ex,
             "dp-rank",
             lambda ep: f"dp rank {view.ep_rank[ep]} != pinned rank {rank}",
         )
     if hints.required_taints:
         need = hints.required_taints
-
-        def has_taints(ep: int) -> bool:
-            st = view.ep_state[ep]
-            return st is not None and need <= st.worker.taints
-
+        tainted = [w for w, st in known_workers.items() if need <= st.worker.taints]
         cands = _keep(
             view,
             cands,
-            has_taints,
+            _member(cands, eps_of(tainted)),
             ex,
             "required-taints",
             lambda ep: f"missing taints {sorted(need - view.ep_state[ep].worker.taints)}",
@@ -159,6 +162,16 @@ def hard_filters(
     if len(cands) == 0:
         raise NoCompatibleWorker(_empty_message("no compatible worker", ex))
     return cands
+
+
+def _member(cands: np.ndarray, eps: Sequence[int]) -> np.ndarray:
+    """Bool mask: which candidates are in ``eps`` (a few ids: compare; many: isin)."""
+    if len(eps) <= 8:
+        mask = np.zeros(len(cands), dtype=bool)
+        for e in eps:
+            mask |= cands == e
+        return mask
+    return np.isin(cands, np.asarray(eps, dtype=np.int64))
 
 
 def busy_limits(
@@ -245,7 +258,8 @@ def label_filter(
         bad = {k: labels.get(k) for k, v in selector.items() if labels.get(k) != v}
         return f"labels {bad} do not match selector {selector}"
 
-    return _keep(view, cands, matches, res.excluded, "label-selector", why)
+    mask = np.fromiter((matches(ep) for ep in cands.tolist()), dtype=bool, count=len(cands))
+    return _keep(view, cands, mask, res.excluded, "label-selector", why)
 
 
 def attribute_filter(
@@ -382,22 +396,20 @@ def apply_busy_and_labels(
 def _keep(
     view: EndpointView,
     cands: np.ndarray,
-    pred: Callable[[int], bool],
-    excluded: list[Exclusion],
+    mask: np.ndarray,
+    excluded: list[Exclusion | ExclusionGroup],
     filter_name: str,
     reason: Callable[[int], str],
 ) -> np.ndarray:
-    keep: list[int] = []
-    for ep in cands.tolist():
-        if pred(ep):
-            keep.append(ep)
-        else:
-            wid, rank = _name(view, ep)
-            excluded.append(Exclusion(wid, rank, filter_name, reason(ep)))
-    return np.asarray(keep, dtype=np.int64)
+    """Candidates where ``mask``; the rest recorded as one lazily expanded group."""
+    if bool(mask.all()):
+        return cands
+    excluded.append(ExclusionGroup(filter_name, cands[~mask], reason, view.ep_worker, view.ep_rank))
+    return cands[mask]
 
 
-def _empty_message(head: str, excluded: Sequence[Exclusion]) -> str:
+def _empty_message(head: str, excluded: Sequence[Exclusion | ExclusionGroup]) -> str:
+    excluded = expand_exclusions(excluded)
     if not excluded:
         return f"{head}: no workers registered for this stage"
     shown = "; ".join(f"{e.worker_id}/{e.dp_rank} [{e.filter}] {e.reason}" for e in excluded[:8])

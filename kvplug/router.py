@@ -140,6 +140,7 @@ class Router:
         self._ep_worker: tuple[str | None, ...] = ()
         self._ep_rank: tuple[int, ...] = ()
         self._ep_state: tuple[WorkerState | None, ...] = ()
+        self.ep_rank_arr = np.zeros(0, dtype=np.int64)
         self._side_ep = np.zeros(0, dtype=np.int64)  # endpoint id -> approx side-index id
         self.kv_capacity = np.zeros(0)
         self.max_batched = np.zeros(0)
@@ -689,6 +690,9 @@ class Router:
                 new = np.zeros(cap, dtype=dtype)
                 new[: len(old)] = old
                 setattr(self, name, new)
+            ranks = np.zeros(cap, dtype=np.int64)
+            ranks[: len(self.ep_rank_arr)] = self.ep_rank_arr
+            self.ep_rank_arr = ranks
             side = np.zeros(cap, dtype=np.int64)
             side[: len(self._side_ep)] = self._side_ep[:cap]
             self._side_ep = side
@@ -703,6 +707,7 @@ class Router:
         w, r, s = list(self._ep_worker), list(self._ep_rank), list(self._ep_state)
         w[ep], r[ep], s[ep] = wid, rank, st
         self._ep_worker, self._ep_rank, self._ep_state = tuple(w), tuple(r), tuple(s)
+        self.ep_rank_arr[ep] = rank
         if st is not None:
             self.kv_capacity[ep] = st.worker.kv_capacity_blocks
             self.max_batched[ep] = st.worker.max_batched_tokens
