@@ -50,9 +50,22 @@ core = Extension(
     extra_link_args=link_args,
 )
 
+# vLLM integration (issue 4): one-pass msgpack decoder for KV-event batches (optional at run
+# time: integrations.vllm.wire falls back to msgspec without it)
+vllm_fastwire = (
+    Extension(  # only built where the source exists (the sanitizer test copies csrc only)
+        "integrations.vllm._fastwire",
+        sources=["integrations/vllm/_fastwire.pyx"],
+        include_dirs=[np.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+    )
+)
+
 setup(
     ext_modules=cythonize(
-        [core],
+        [core] + ([vllm_fastwire] if os.path.exists("integrations/vllm/_fastwire.pyx") else []),
         compiler_directives={"language_level": "3"},
         force=sanitize or debug,
     )

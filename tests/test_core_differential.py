@@ -9,6 +9,7 @@ every step. A deliberately broken index (ignores removes) must make the harness 
 from __future__ import annotations
 
 import itertools
+import os
 
 import hypothesis.strategies as st
 import pytest
@@ -148,8 +149,10 @@ class IndexMachine(RuleBasedStateMachine):
             assert self.c.holdings(ep) == self.r.holdings(ep)
 
 
+# KVPLUG_DIFF_EXAMPLES lowers the count only for the (slow) sanitizer run; the default is 1000.
+DIFF_EXAMPLES = int(os.environ.get("KVPLUG_DIFF_EXAMPLES", "1000"))
 DIFF_SETTINGS = settings(
-    max_examples=1000,
+    max_examples=DIFF_EXAMPLES,
     stateful_step_count=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -183,7 +186,7 @@ def test_harness_catches_an_index_that_ignores_removes():
         run_state_machine_as_test(
             BrokenMachine,
             settings=settings(
-                max_examples=300,
+                max_examples=min(300, DIFF_EXAMPLES),
                 stateful_step_count=12,
                 deadline=None,
                 derandomize=True,
@@ -199,7 +202,7 @@ costs_in = st.lists(st.tuples(*[st.integers(0, 64)] * 6), min_size=1, max_size=8
 weights = st.floats(0, 10, allow_nan=False)
 
 
-@settings(max_examples=1000, deadline=None, derandomize=True)
+@settings(max_examples=DIFF_EXAMPLES, deadline=None, derandomize=True)
 @given(
     rows=costs_in,
     temperature=st.one_of(st.just(0.0), st.floats(0.01, 5.0)),
