@@ -192,6 +192,10 @@ async def test_error_after_first_byte_reaches_the_client_cleanly():
         trace = await h.trace(resp.headers["x-kvplug-decision-id"])
         assert trace["outcome"] == "upstream_failed_mid_stream"
         assert "w0" not in h.frontend.fleet.unhealthy  # it answered; not a dead engine
+        # non-streamed: the body breaks half-way -> a clean 502 with an OpenAI error body
+        resp, raw = await h.complete(prompt(2, 10), max_tokens=10)
+        assert resp.status == 502 and json.loads(raw)["error"]["code"] == "engine_failed"
+        h.assert_idle()
 
 
 async def test_engine_http_errors_pass_through():

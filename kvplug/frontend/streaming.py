@@ -153,7 +153,23 @@ async def relay(
     headers = response_headers(upstream, extra_headers)
     if not ctype.startswith("text/event-stream"):
         # whole body: small answers (non-streamed completions, engine errors)
-        body = first_chunk + await upstream.content.read() if first_chunk else b""
+        try:
+            body = first_chunk + await upstream.content.read() if first_chunk else b""
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            payload = {
+                "error": {
+                    "message": f"the engine failed mid-answer: {error}",
+                    "type": "upstream_error",
+                    "code": "engine_failed",
+                }
+            }
+            headers["Content-Type"] = "application/json"
+            return (
+                web.Response(status=502, body=json.dumps(payload).encode(), headers=headers),
+                "upstream_failed_mid_stream",
+                error,
+            )
         lifecycle.first_token()
         if upstream.status == 200:
             total = completion_tokens(body)

@@ -265,6 +265,13 @@ class StubEngine:
             raw_answer = json.dumps(answer).encode()
             if self.record_sent:
                 self.sent[rid] = raw_answer
+            if self.fail == "midstream":  # half the body, then the connection drops
+                partial = web.StreamResponse(headers={"Content-Type": "application/json"})
+                partial.content_length = len(raw_answer)
+                await partial.prepare(request)
+                await partial.write(raw_answer[: len(raw_answer) // 2])
+                request.transport.close()  # type: ignore[union-attr]
+                return partial
             return web.Response(body=raw_answer, content_type="application/json")
         finally:
             self.running -= 1
