@@ -22,6 +22,9 @@ class Role(str, Enum):
     DECODE = "decode"
     BOTH = "both"
 
+    def __str__(self) -> str:
+        return self.value
+
 
 class Stage(str, Enum):
     """Which stage a routing request is for (PROTOCOLS.md §4.6)."""
@@ -29,6 +32,9 @@ class Stage(str, Enum):
     AGGREGATED = "aggregated"
     PREFILL = "prefill"
     DECODE = "decode"
+
+    def __str__(self) -> str:  # "prefill", not "Stage.PREFILL", in f-strings and logs
+        return self.value
 
 
 def role_serves(role: Role, stage: Stage) -> bool:

@@ -349,3 +349,10 @@ def test_every_mode_serialises():
         doc = json.loads(r.route(RouteRequest("x", tokens(2))).to_json())
         assert doc["mode"] == mode and len(doc["candidates"]) == 3
         assert doc["candidates"][0]["formula"].startswith("load(")
+
+
+def test_decision_stage_is_the_plain_value():
+    r = make_router(workers=(Worker("p", role=Role.PREFILL),))
+    d = r.route(RouteRequest("x", tokens(2), stage=Stage.PREFILL))
+    assert d.stage == "prefill" and f"{d.stage}" == "prefill"
+    assert json.loads(d.to_json())["stage"] == "prefill"
