@@ -138,7 +138,12 @@ _COUNTER = None
 
 def _run_in_worker(args) -> dict:
     spec, text = args
-    return run_policy(spec, text, _COUNTER)
+    try:
+        return run_policy(spec, text, _COUNTER)
+    except Exception as exc:  # carry the worker's traceback across the process boundary
+        import traceback
+
+        raise RuntimeError(f"policy {text!r} failed:\n{traceback.format_exc()}") from exc
 
 
 def run_bench(spec: BenchSpec, jobs: int = 1, progress: bool = True) -> dict:

@@ -197,10 +197,10 @@ def _cmd_sweep(args) -> int:
     )
     print()
     print(format_sweep(sweep))
+    path = Path(args.json or "sim_sweep.json")
+    if path.name == "sim_bench.json":
+        path = path.with_name("sim_sweep.json")
     if args.json:
-        path = Path(args.json)
-        if path.name == "sim_bench.json":
-            path = path.with_name("sim_sweep.json")
         report = sweep.pop("report")
         write_json(report, path.with_name(path.stem + "_runs.json"))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -209,7 +209,7 @@ def _cmd_sweep(args) -> int:
     if args.plots:
         from kvplug.sim.plots import plot_sweep
 
-        for p in plot_sweep(sweep, args.plots):
+        for p in plot_sweep(sweep, args.plots, prefix=path.stem):
             print(f"plot: {p}")
     return 0
 

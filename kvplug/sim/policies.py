@@ -26,6 +26,7 @@ ALIASES = {
 SIMPLE_MODES = ("round-robin", "random", "least-loaded", "power-of-two")
 DEFAULT_POLICIES = (
     "kv",
+    "kv:credit=1.5",
     "kv:temperature=0.1",
     "approx",
     "round-robin",

@@ -55,7 +55,8 @@ def run_sweep(
         "round_robin": {k: by_name["round-robin"][k] for k in keys},
         "report": report,
         "title": f"kv policy sweep: {report['trace']['requests']} requests, "
-        f"{spec.n_engines} engines",
+        f"{spec.n_engines} engines"
+        + (f", arrivals x{spec.speedup:g}" if spec.speedup != 1 else ""),
     }
 
 
