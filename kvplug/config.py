@@ -284,7 +284,7 @@ def _file_values(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _normalise_keys(data)
 
 
-def _bool_flag(parser: argparse.ArgumentParser, name: str, help_text: str) -> None:
+def _bool_flag(parser: Any, name: str, help_text: str) -> None:
     dest = name.lstrip("-").replace("-", "_")
     parser.add_argument(
         name, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text

@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -59,13 +60,17 @@ class BusyThresholds:
         )
 
 
-class EndpointView:
-    """What the filters read about endpoints (owned and updated by the router)."""
+class EndpointView(Protocol):
+    """What the filters read about endpoints (the router, which owns and updates it)."""
 
-    ep_worker: list[str | None]
-    ep_rank: list[int]
+    @property
+    def ep_worker(self) -> tuple[str | None, ...]: ...
+    @property
+    def ep_rank(self) -> tuple[int, ...]: ...
+    @property
+    def ep_state(self) -> tuple[WorkerState | None, ...]: ...
+
     ep_rank_arr: np.ndarray
-    ep_state: list[WorkerState | None]
     kv_capacity: np.ndarray
     max_batched: np.ndarray
     decode_limit: np.ndarray  # see busy_limits
@@ -151,13 +156,13 @@ def hard_filters(
     if hints.required_taints:
         need = hints.required_taints
         tainted = [w for w, st in known_workers.items() if need <= st.worker.taints]
+
+        def missing_taints(ep: int) -> str:
+            st = view.ep_state[ep]
+            return f"missing taints {sorted(need - (st.worker.taints if st else frozenset()))}"
+
         cands = _keep(
-            view,
-            cands,
-            _member(cands, eps_of(tainted)),
-            ex,
-            "required-taints",
-            lambda ep: f"missing taints {sorted(need - view.ep_state[ep].worker.taints)}",
+            view, cands, _member(cands, eps_of(tainted)), ex, "required-taints", missing_taints
         )
     if len(cands) == 0:
         raise NoCompatibleWorker(_empty_message("no compatible worker", ex))

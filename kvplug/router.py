@@ -378,7 +378,11 @@ class Router:
                 res,
             )
         thresholds = cfg.router_attribute_thresholds
-        profile = self._profile.get(stage) if cfg.router_mode == "profile" else None
+        profile = (
+            self._profile.get(stage)
+            if cfg.router_mode == "profile" and self._profile is not None
+            else None
+        )
         if profile is not None:
             thresholds = [*thresholds, *profile.attribute_filters]
             if profile.label_selector:
@@ -403,7 +407,10 @@ class Router:
         if res is None and self._base_is_range.get(stage):
             sel = slice(0, len(cands))
         hashes = None
-        dev = host = disk = shared = None
+        dev: Any = None  # overlap vectors (float64 per candidate) when the index was queried
+        host: Any = None
+        disk: Any = None
+        shared: Any = None
         if mode in ("kv", "profile") or self._approx is not None:
             hashes = req.block_hashes
             if hashes is None:
@@ -484,7 +491,7 @@ class Router:
             idx, trace = self._simple_pick(mode, req, cands, hints)
 
         ep = int(cands[idx])
-        wid = self._ep_worker[ep]
+        wid = self._ep_worker[ep] or "?"  # a candidate always has a worker
         rank = self._ep_rank[ep]
         if dev is not None:
             cached_blocks = int(dev[idx] + host[idx] + disk[idx])

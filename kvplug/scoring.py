@@ -131,9 +131,10 @@ class AttributeScorer(Scorer):
 
     def __init__(self, params: dict[str, Any]) -> None:
         super().__init__(params)
-        self.attribute = params.get("attributeKey") or params.get("attribute")
-        if not self.attribute:
+        attribute = params.get("attributeKey") or params.get("attribute")
+        if not attribute:
             raise ConfigError(f"{self.type_name} needs attributeKey")
+        self.attribute = str(attribute)
         algo = params.get("algorithm", {})
         if isinstance(algo, str):
             algo = {"type": algo}
