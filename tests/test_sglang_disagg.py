@@ -74,5 +74,8 @@ def test_dp_aware_option_sends_routed_dp_rank_per_hop():
     ctx = _ctx({"dp_aware": True}, dp_size=2, dp_rank=1)
     ctx.decode_options = {"dp_aware": True}
     ctx.decode_dp_rank = 0
-    assert adapter.prefill_request(BODY, ctx)["routed_dp_rank"] == 1
-    assert adapter.decode_request(BODY, None, ctx)["routed_dp_rank"] == 0
+    p = adapter.prefill_request(BODY, ctx)
+    assert p["routed_dp_rank"] == 1 == p["bootstrap_room"] % 2  # never contradicts the room
+    d = adapter.decode_request(BODY, None, ctx)
+    assert d["routed_dp_rank"] == 0 and d["disagg_prefill_dp_rank"] == 1
+    assert "disagg_prefill_dp_rank" not in p

@@ -19,7 +19,8 @@ it answers. PD: ``bootstrap_host`` (the prefill worker's host), ``bootstrap_port
 on both hops, which run **concurrently** (``PDStyle.CONCURRENT``). When the prefill worker
 has several DP ranks the room is chosen ≡ the routed rank (mod ``dp_size``), because SGLang's
 prefill picks rank ``bootstrap_room % dp_size``; option ``dp_aware: true`` also sends
-``routed_dp_rank`` on each hop.
+``routed_dp_rank`` on each hop (the rank within that worker) and, on the decode hop,
+``disagg_prefill_dp_rank`` (the prefill's rank).
 """
 
 from __future__ import annotations
@@ -187,7 +188,9 @@ class SglangAdapter(SglangHttpAdapter):
         out = {k: v for k, v in body.items() if k != "nvext"}
         out.update(bootstrap_fields(ctx, self.rng))
         if ctx.prefill_options.get("dp_aware"):
-            out["routed_dp_rank"] = ctx.prefill_dp_rank
+            # equal to bootstrap_room % dp_size by construction: SGLang >= 0.5.23 fails a
+            # prefill whose routed rank contradicts the room (follow_bootstrap_room)
+            out["routed_dp_rank"] = ctx.prefill_dp_rank - ctx.prefill_worker.dp_start
         return out
 
     def decode_request(
@@ -196,7 +199,10 @@ class SglangAdapter(SglangHttpAdapter):
         out = {k: v for k, v in body.items() if k != "nvext"}
         out.update(bootstrap_fields(ctx, self.rng))
         if ctx.decode_options.get("dp_aware"):
-            out["routed_dp_rank"] = ctx.decode_dp_rank
+            start = ctx.decode_worker.dp_start if ctx.decode_worker is not None else 0
+            out["routed_dp_rank"] = ctx.decode_dp_rank - start
+            # which prefill rank holds the KV: spares the decode the query to the bootstrap
+            out["disagg_prefill_dp_rank"] = ctx.prefill_dp_rank - ctx.prefill_worker.dp_start
         return out
 
     # -- internals -------------------------------------------------------------------------------
