@@ -187,8 +187,6 @@ def test_seeded_runs_are_deterministic():
 def test_softmax_frequencies_match_probabilities():
     """Chi-square goodness of fit, df=3, alpha=0.001 (critical value 16.27): a correct sampler
     fails this seeded check with probability 0.1%; a sampler off by 5% points fails it surely."""
-    if current_backend() == "reference":
-        pytest.skip("20k decisions: too slow on the pure-Python reference (same select contract)")
     r = make_router(
         workers=("a", "b", "c", "d"),
         router_temperature=0.4,
@@ -198,7 +196,8 @@ def test_softmax_frequencies_match_probabilities():
     toks = tokens(10)
     for w, n in (("a", 2), ("b", 5), ("c", 8)):
         store_prefix(r, w, toks, n)
-    n_draws = 20_000
+    # fewer draws on the pure-Python reference (slow hashing); the bound holds for any n
+    n_draws = 2_000 if current_backend() == "reference" else 20_000
     counts: dict[str, int] = {}
     probs = None
     for i in range(n_draws):
