@@ -226,10 +226,11 @@ def test_stale_replay_reply_dropped(sub):
     m = Mirror()
     attach(sub, eng, m)
     eng.store([1])
+    assert settle(eng, m)
     eng.store([2], send=False)
     eng.store([3])
     # answer the replay request with an extra stale batch (seq 0 again) before the real ones
-    assert wait_for(lambda: eng.pub.replay.poll(10) != 0, 3)
+    assert wait_for(lambda: eng.pub.replay.poll(10) != 0, 10)
     ident, _, start = eng.pub.replay.recv_multipart()
     eng.pub.send_reply(ident, 0, eng.pub.buffer[0][1])
     for seq, payload in list(eng.pub.buffer):

@@ -10,6 +10,7 @@ import pytest
 
 from integrations.vllm.wire import (
     END_SEQ,
+    FAST_PATH,
     BatchDecoder,
     WireError,
     encode_batch,
@@ -30,7 +31,8 @@ def as_dict(ev) -> dict:
         d.update(
             tier=int(ev.tier), parent_engine_hash=ev.parent_engine_hash,
             engine_hashes=[int(h) for h in ev.engine_hashes],
-            token_ids=[int(t) for t in ev.token_ids], block_size=ev.block_size,
+            token_ids=None if ev.token_ids is None else [int(t) for t in ev.token_ids],
+            block_size=ev.block_size,
             lora_name=ev.lora_name, cache_salt=ev.cache_salt,
         )
     elif isinstance(ev, BlockRemoved):
@@ -49,12 +51,17 @@ def test_golden_cases_present():
 def test_golden_decode(name):
     meta = json.loads((DATA / f"{name}.json").read_text())
     payload = (DATA / f"{name}.bin").read_bytes()
-    dec = BatchDecoder("w", block_size=32)
-    batch = dec.decode(payload, dp_rank=meta["dp_rank"])
-    assert batch is not None and batch.dropped == 0
-    assert [as_dict(e) for e in batch.events] == meta["expected"]
-    form = "map" if tuple(map(int, meta["version"].split("."))) >= (0, 24, 0) else "array"
-    assert getattr(dec.stats, f"{form}_form_batches") == 1
+    for fast in (True, False):  # the compiled one-pass path and the msgspec path
+        dec = BatchDecoder("w", block_size=32)
+        dec.use_fast = fast
+        batch = dec.decode(payload, dp_rank=meta["dp_rank"])
+        assert batch is not None and batch.dropped == 0
+        assert [as_dict(e) for e in batch.events] == meta["expected"]
+        if fast and FAST_PATH:
+            assert dec.stats.fast_batches == 1
+        if not fast:
+            form = "map" if tuple(map(int, meta["version"].split("."))) >= (0, 24) else "array"
+            assert getattr(dec.stats, f"{form}_form_batches") == 1
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -75,8 +82,9 @@ def test_golden_encode_byte_exact(name):
     got = encode_batch(events, meta["version"], ts=1795997663.76, dp_rank=meta["dp_rank"],
                        hash_form=meta["hash_form"])
     if meta["hash_form"] == "bytes":  # the digest's high bytes are filler; compare decoded
-        assert BatchDecoder("w").decode(got).events == BatchDecoder("w").decode(
-            (DATA / f"{name}.bin").read_bytes()).events
+        golden = BatchDecoder("w").decode((DATA / f"{name}.bin").read_bytes())
+        assert [as_dict(e) for e in BatchDecoder("w").decode(got).events] == [
+            as_dict(e) for e in golden.events]
     else:
         assert got == (DATA / f"{name}.bin").read_bytes()
 
@@ -249,3 +257,73 @@ def test_frames_and_replay_framing():
     assert parse_replay_reply([b"", b"", END_SEQ, b""]) is None
     with pytest.raises(WireError):
         parse_replay_reply([b"", b"a", b"b", b"c", b"d"])
+
+
+# -- the compiled fast path agrees with the msgspec path ------------------------------------
+
+
+def _random_batches(seed: int, n: int):
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        evs = []
+        for _ in range(rng.randrange(0, 8)):
+            r = rng.random()
+            nb = rng.randrange(0, 4)
+            hs = [rng.getrandbits(64) for _ in range(nb)]
+            if r < 0.45:
+                evs.append(BlockStored(
+                    worker_id="w", engine_hashes=hs, block_size=32,
+                    parent_engine_hash=rng.choice([None, rng.getrandbits(64)]),
+                    token_ids=[rng.randrange(0, rng.choice([128, 256, 70000, 2**32]))
+                               for _ in range(32 * nb)],
+                    tier=rng.choice(list(Tier)), lora_name=rng.choice([None, "ad", "é"]),
+                    cache_salt=rng.choice([None, None, "s"])))
+            elif r < 0.55:
+                evs.append(BlockStored(worker_id="w", engine_hashes=hs, tier_copy=True,
+                                       tier=Tier.HOST))
+            elif r < 0.95:
+                evs.append(BlockRemoved(worker_id="w", engine_hashes=hs,
+                                        tier=rng.choice(list(Tier))))
+            else:
+                evs.append(AllCleared(worker_id="w"))
+        version = rng.choice(["0.9.0", "0.10.2", "0.17.0", "0.23.0", "0.24.0", "0.32.0"])
+        form = rng.choice(["uint64", "int64", "bytes"])
+        out.append(encode_batch(evs, version, ts=1.0, dp_rank=rng.randrange(3), hash_form=form))
+    return out
+
+
+def _norm(events):
+    return [as_dict(e) | {"tier_copy": getattr(e, "tier_copy", None),
+                          "block_extra": getattr(e, "block_extra", None)} for e in events]
+
+
+@pytest.mark.skipif(not FAST_PATH, reason="compiled fast path not built")
+def test_fast_path_matches_msgspec_path():
+    for payload in _random_batches(5, 400):
+        fast, slow = BatchDecoder("w", block_size=32), BatchDecoder("w", block_size=32)
+        slow.use_fast = False
+        a, b = fast.decode(payload, dp_rank=2), slow.decode(payload, dp_rank=2)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert _norm(a.events) == _norm(b.events)
+            assert a.dp_rank == b.dp_rank and a.ts == b.ts
+            assert fast.stats.stored_blocks == slow.stats.stored_blocks
+            assert fast.stats.removed_blocks == slow.stats.removed_blocks
+
+
+@pytest.mark.skipif(not FAST_PATH, reason="compiled fast path not built")
+def test_fast_path_declines_garbage_without_crashing():
+    import random
+
+    rng = random.Random(3)
+    good = _random_batches(9, 50)
+    for payload in good:
+        for _ in range(20):  # truncations and byte flips
+            cut = payload[: rng.randrange(len(payload))]
+            flipped = bytearray(payload)
+            flipped[rng.randrange(len(payload))] = rng.randrange(256)
+            for bad in (cut, bytes(flipped)):
+                BatchDecoder("w", block_size=32).decode(bad)  # never raises

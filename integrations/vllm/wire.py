@@ -139,6 +139,13 @@ _DEC_EV_A = msgspec.msgpack.Decoder(_ArrayEvent)
 _DEC_EV_M = msgspec.msgpack.Decoder(_MapEvent)
 _DEC_TOKENS = msgspec.msgpack.Decoder(list[int])
 _DEC_ANY = msgspec.msgpack.Decoder()
+_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+
+try:  # the compiled one-pass decoder (built by setup.py); msgspec does everything without it
+    from integrations.vllm import _fastwire as _fast
+except ImportError:  # pragma: no cover - source checkouts without a build
+    _fast = None
+FAST_PATH = _fast is not None
 
 # -------------------------------------------------------------------------------------------
 # Hashes, media
@@ -225,7 +232,7 @@ def split_extra_keys(
     for i, entry in enumerate(extra_keys[:n_blocks]):
         if not entry:
             continue
-        items = list(entry)
+        items = list(entry) if isinstance(entry, (list, tuple)) else [entry]
         if lora_name is not None and items and items[0] == lora_name:
             items = items[1:]
         rest = []
@@ -266,6 +273,7 @@ class DecodeStats:
     skipped_groups: int = 0
     block_size_mismatch: int = 0
     tier_copies: int = 0
+    fast_batches: int = 0  # decoded by the compiled one-pass path
     array_form_batches: int = 0
     map_form_batches: int = 0
     last_error: str = ""
@@ -306,6 +314,7 @@ class BatchDecoder:
     ) -> None:
         self.worker_id = worker_id
         self.block_size = block_size
+        self.use_fast = True
         self.max_event_tokens = max_event_tokens
         self.full_attention_only = full_attention_only
         self.stats = DecodeStats()
@@ -315,6 +324,62 @@ class BatchDecoder:
     # -- batch level ----------------------------------------------------------------------
     def decode(self, payload: bytes | memoryview, dp_rank: int = 0) -> DecodedBatch | None:
         """Decode one payload; None when the batch itself is unreadable (counted)."""
+        if _fast is not None and self.use_fast and not self._group_kind:
+            got = _fast.decode_batch(payload, self.max_event_tokens, self.block_size)
+            if got is not None:
+                done = self._from_records(payload, got, dp_rank)
+                if done is not None:
+                    return done
+        return self.decode_msgspec(payload, dp_rank)
+
+    def _from_records(self, payload: Any, got: tuple, dp_rank: int) -> DecodedBatch | None:
+        """Normalised events from the compiled fast path's records (None: let msgspec do it)."""
+        ts, wire_rank, records, n_wire = got
+        keys_of: dict[int, Any] = {}
+        for i, rec in enumerate(records):
+            if rec[0] == "S" and rec[7] is not None:
+                keys = _DEC_ANY.decode(payload[rec[7][0]:rec[7][1]])
+                if not isinstance(keys, list):
+                    return None  # the msgspec path rejects and counts it
+                keys_of[i] = keys
+        st = self.stats
+        st.batches += 1
+        st.fast_batches += 1
+        st.events += n_wire
+        rank = wire_rank if wire_rank is not None else dp_rank
+        wid = self.worker_id
+        out: list[KvEvent] = []
+        for i, rec in enumerate(records):
+            kind = rec[0]
+            if kind == "S":
+                _, hashes, parent, tokens, bs, tier, lora, _span = rec
+                n = len(hashes)
+                st.stored_blocks += n
+                if tokens is None:
+                    st.tier_copies += 1
+                    out.append(BlockStored(worker_id=wid, dp_rank=rank, tier=_TIERS[tier],
+                                           parent_engine_hash=parent, engine_hashes=hashes,
+                                           tier_copy=True))
+                    continue
+                salt = extras = None
+                if i in keys_of:
+                    salt, extras = split_extra_keys(keys_of[i], n, lora, parent is None)
+                out.append(BlockStored(worker_id=wid, dp_rank=rank, tier=_TIERS[tier],
+                                       parent_engine_hash=parent, engine_hashes=hashes,
+                                       token_ids=tokens, block_size=bs, lora_name=lora,
+                                       cache_salt=salt, block_extra=extras))
+            elif kind == "R":
+                st.removed_blocks += len(rec[1])
+                out.append(BlockRemoved(worker_id=wid, dp_rank=rank, tier=_TIERS[rec[2]],
+                                        engine_hashes=rec[1]))
+            else:
+                st.cleared += 1
+                out.append(AllCleared(worker_id=wid, dp_rank=rank))
+        return DecodedBatch(ts, wire_rank, out, 0)
+
+    def decode_msgspec(self, payload: bytes | memoryview, dp_rank: int = 0) -> DecodedBatch | None:
+        """The general decoder (every shape, every error counted); ``decode`` uses it whenever
+        the compiled fast path declines a batch."""
         st = self.stats
         batch = None
         first, second = (_DEC_M, _DEC_A) if self._map_form_first else (_DEC_A, _DEC_M)
@@ -408,6 +473,8 @@ class BatchDecoder:
                 st.malformed_events += 1
                 st.last_error = f"BlockRemoved: {e}"
                 return 1
+            if not hashes:
+                return 0
             tier = medium_tier(ev.medium)  # unknown medium: remove from whichever tier holds it
             st.removed_blocks += len(hashes)
             prev = out[-1] if out else None
