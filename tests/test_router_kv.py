@@ -186,7 +186,8 @@ def test_seeded_runs_are_deterministic():
 
 def test_softmax_frequencies_match_probabilities():
     """Chi-square goodness of fit, df=3, alpha=0.001 (critical value 16.27): a correct sampler
-    fails this seeded check with probability 0.1%; a sampler off by 5% points fails it surely."""
+    fails this seeded check with probability 0.1%; with 20k draws a sampler off by 5 % points
+    fails it surely."""
     r = make_router(
         workers=("a", "b", "c", "d"),
         router_temperature=0.4,
