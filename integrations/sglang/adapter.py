@@ -133,7 +133,7 @@ class SglangAdapter(SglangHttpAdapter):
             info = None
         if info is not None:
             try:
-                self._subscribe(run, info)  # raises ConfigError on a page-size mismatch
+                await self._subscribe(run, info)  # raises ConfigError on a page-size mismatch
             except Exception:
                 self._runs.pop(worker.worker_id, None)
                 raise
@@ -238,12 +238,12 @@ class SglangAdapter(SglangHttpAdapter):
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 continue
             try:
-                self._subscribe(run, info or {})
+                await self._subscribe(run, info or {})
             except ConfigError as exc:
                 log.error("sglang worker %s: not subscribed: %s", run.worker.worker_id, exc)
                 return
 
-    def _subscribe(self, run: _Run, info: dict[str, Any]) -> None:
+    async def _subscribe(self, run: _Run, info: dict[str, Any]) -> None:
         worker, sink = run.worker, run.sink
         wid = worker.worker_id
         kv = kv_events_from_server_info(info, worker.url or "") if worker.url else None
@@ -280,7 +280,8 @@ class SglangAdapter(SglangHttpAdapter):
         if self._subscriber is None:
             self._subscriber = SglangSubscriber().start()
         for src in sources:
-            self._subscriber.add(src)
+            # add() waits for the subscriber thread to register the socket: not on the loop
+            await asyncio.to_thread(self._subscriber.add, src)
         run.info = kv
         run.subscribed = True
         log.info("sglang worker %s: subscribed %d rank(s), page size %d",
