@@ -1,0 +1,133 @@
+"""End to end over real sockets: `kvplug sim` engines behind `kvplug serve`. The frontend
+discovers each simulated engine as a vLLM one (/kv_event_sources, cache_config_info), consumes
+its ZMQ KV events, and routes follow-up prompts to the engine that cached their prefix."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+MODEL = "sim-llama-3-8b"  # kvplug sim's default served model name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            time.sleep(0.1)
+    raise AssertionError(f"{url} did not come up")
+
+
+def _post(url: str, body: dict) -> tuple[dict, dict]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
+
+
+@pytest.fixture
+def fleet_and_frontend():
+    base = _free_port()
+    ev, rp, front = _free_port(), _free_port(), _free_port()
+    # the two engines use base, base+1 / ev, ev+1 / rp, rp+1: make sure the +1s are free too
+    for p in (base + 1, ev + 1, rp + 1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                pytest.skip(f"port {p} busy")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    sim = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvplug.cli",
+            "sim",
+            "--engines",
+            "2",
+            "--base-port",
+            str(base),
+            "--events-base-port",
+            str(ev),
+            "--replay-base-port",
+            str(rp),
+            "--speed",
+            "10",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    serve = None
+    try:
+        _wait_http(f"http://127.0.0.1:{base}/health")
+        _wait_http(f"http://127.0.0.1:{base + 1}/health")
+        serve = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvplug.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(front),
+                "--kv-block-size",
+                "16",
+                "--log-level",
+                "warning",
+                "--worker",
+                f"a=http://127.0.0.1:{base}",
+                "--worker",
+                f"b=http://127.0.0.1:{base + 1}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        _wait_http(f"http://127.0.0.1:{front}/v1/models")
+        yield f"http://127.0.0.1:{front}"
+    finally:
+        for p in (serve, sim):
+            if p is not None:
+                p.terminate()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+def test_follow_ups_go_to_the_engine_holding_their_prefix(fleet_and_frontend):
+    url = fleet_and_frontend + "/v1/completions"
+    docs = {
+        "x": "Document X about prefix caches and paged attention. " * 50,
+        "y": "Document Y is a different text on load balancing and queues. " * 45,
+    }
+    home = {}
+    for name, doc in docs.items():
+        headers, body = _post(url, {"model": MODEL, "prompt": doc + " Q0?", "max_tokens": 4})
+        home[name] = headers["x-kvplug-worker"]
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    time.sleep(0.5)  # let the engines' KV events reach the router
+    for i in range(1, 5):
+        for name, doc in docs.items():
+            headers, body = _post(url, {"model": MODEL, "prompt": doc + f" Q{i}?", "max_tokens": 4})
+            assert headers["x-kvplug-worker"] == home[name], (name, i)
+            cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= len(doc.encode()) - 32  # all full blocks of the shared document
