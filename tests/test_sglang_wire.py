@@ -34,7 +34,7 @@ def _golden(name: str) -> list[bytes]:
 @pytest.mark.parametrize("name", sorted(B.STREAMS))
 def test_golden_payloads_are_byte_exact(name):
     # the committed bytes are what the documented schema encodes to (and what SGLang's own
-    # kv_events.py 0.5.15 / 0.5.23 produced for the same events when this was written)
+    # kv_events.py 0.5.15 / 0.5.18 / 0.5.23 produced for the same events when this was written)
     assert B.STREAMS[name]() == _golden(name)
 
 
@@ -166,13 +166,30 @@ def test_page_size_one_never_has_partial_pages():
     assert out[0].engine_hashes == [1, 2, 3] and dec.partial == {}
 
 
-def test_positional_events_with_more_trailing_fields_decode():
-    # a 0.5.16-0.5.19 style positional event carrying cache_salt/session_id/lora_name
+def test_arrays_0_5_18_with_metadata_decode_to_expected_events():
+    dec = SglangDecoder("sg-c", page_size=4)
+    assert dec.decode(_golden("v0_5_18")[0]) == [
+        BlockStored(worker_id="sg-c", engine_hashes=[U["H1"], U["H2"]],
+                    token_ids=[1, 2, 3, 4, 5, 6, 7, 8], block_size=4, cache_salt="tenant-b"),
+        BlockStored(worker_id="sg-c", engine_hashes=[U["H3"]], token_ids=[9, 10, 11, 12],
+                    block_size=4),  # nil medium slot: device
+        BlockRemoved(worker_id="sg-c", tier=Tier.DEVICE, engine_hashes=[U["H3"]]),
+        AllCleared(worker_id="sg-c"),
+    ]
+    assert not dec.drops
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_positional_events_with_unknown_trailing_fields_decode(fast):
     dec = SglangDecoder("w", page_size=2)
-    raw = ["BlockStored", [-1], None, [1, 2], 2, None, "GPU", "salt", "sess", "lora-x", "future"]
+    if not fast:
+        dec._fast_order = ()
+    raw = ["BlockStored", [-1], None, [1, 2], 2, None, "GPU", {"cache_salt": "s", "x": 1}, 9]
     out = dec.decode(_batch([raw]))
     assert out == [BlockStored(worker_id="w", engine_hashes=[MASK64], token_ids=[1, 2],
-                               block_size=2, cache_salt="salt", lora_name="lora-x")]
+                               block_size=2, cache_salt="s")]
+    bad = ["BlockStored", [-1], None, [1, 2], 2, None, "GPU", "not-a-map"]
+    assert dec.decode(_batch([bad])) == [] and dec.drops == {"bad_field": 1}
 
 
 def test_all_cleared_forgets_partial_pages_of_that_rank_only():

@@ -5,10 +5,11 @@ SGLang publishes msgpack ``KVEventBatch`` messages over ZMQ (the same three fram
 ``[ts, events, attn_dp_rank | nil]`` (the rank slot is absent from some 0.5.x builds, which
 trim trailing defaults). Events come in two encodings:
 
-* sglang ≤ 0.5.15: tagged positional arrays —
+* sglang ≤ 0.5.19: tagged positional arrays —
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium?,
-  cache_salt?, session_id?, lora_name?]``, ``["BlockRemoved", block_hashes, medium?]``,
-  ``["AllBlocksCleared"]``;
+  metadata?]``, ``["BlockRemoved", block_hashes, medium?]``, ``["AllBlocksCleared"]``; up to
+  0.5.16 a nil trailing ``medium`` is omitted, 0.5.17 always sends it, and 0.5.18–0.5.19 add
+  an eighth element ``{"cache_salt": ...}`` (``BlockStoredWithMetadata``) to salted stores;
 * sglang ≥ 0.5.20: tagged maps — ``{"type": "BlockStored", "block_hashes": ..., ...}`` with
   optional fields omitted when nil.
 
@@ -57,16 +58,14 @@ MEDIUM_TIERS: dict[str, tuple[Tier, bool]] = {
     "EXTERNAL": (Tier.DEVICE, True),  # L4 shared pool (e.g. Mooncake): readable by every worker
 }
 
-_STORED_FIELDS = (
+_STORED_FIELDS = (  # positional order (the map form names the same fields)
     "block_hashes",
     "parent_block_hash",
     "token_ids",
     "block_size",
     "lora_id",
     "medium",
-    "cache_salt",
-    "session_id",
-    "lora_name",
+    "metadata",  # 0.5.18-0.5.19: {"cache_salt": ...}
 )
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
@@ -112,6 +111,10 @@ class _ClearedM(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=Fal
     pass
 
 
+class _Metadata(msgspec.Struct, gc=False):
+    cache_salt: str | None = None
+
+
 class _StoredA(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
     block_hashes: list[int]
     parent_block_hash: int | None = None
@@ -119,9 +122,13 @@ class _StoredA(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
     block_size: int = 0
     lora_id: int | None = None
     medium: str | None = None
-    cache_salt: str | None = None
-    session_id: str | None = None
-    lora_name: str | None = None
+    metadata: _Metadata | None = None
+
+    @property
+    def cache_salt(self) -> str | None:
+        return None if self.metadata is None else self.metadata.cache_salt
+
+    lora_name = None  # not in the positional form
 
 
 class _RemovedA(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
@@ -206,6 +213,16 @@ def _medium(value: Any) -> tuple[Tier, bool]:
     if tier is None:
         raise _Drop("unknown_medium", f"medium {value!r}")
     return tier
+
+
+def _cache_salt(fields: dict[str, Any]) -> str | None:
+    """``cache_salt`` (maps, ≥ 0.5.20) or ``metadata.cache_salt`` (arrays, 0.5.18–0.5.19)."""
+    metadata = fields.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise _Drop("bad_field", f"metadata is {type(metadata).__name__}, not a map")
+        return _opt_str(metadata, "cache_salt")
+    return _opt_str(fields, "cache_salt")
 
 
 def _opt_str(fields: dict[str, Any], key: str) -> str | None:
@@ -460,7 +477,7 @@ class SglangDecoder:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise _Drop("bad_block_size", f"block_size {block_size!r}")
         tier, shared = _medium(f.get("medium"))
-        cache_salt = _opt_str(f, "cache_salt")
+        cache_salt = _cache_salt(f)
         lora_name = _opt_str(f, "lora_name")
         if not hashes:
             return

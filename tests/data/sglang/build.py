@@ -5,8 +5,9 @@ defaults and msgspec options) for the two encodings; no SGLang code is used. Run
 ``python tests/data/sglang/build.py`` to rewrite the ``*.msgpack`` files; the tests rebuild
 them in memory and demand the committed bytes (so an accidental change of either side shows).
 
-* ``v0_5_15_*``: events are tagged arrays (``array_like=True, omit_defaults=True``), the batch
-  ``[ts, events, attn_dp_rank]`` drops a nil rank (``omit_defaults`` on the batch too);
+* ``v0_5_15_*``: events are tagged arrays (``array_like=True, omit_defaults=True``);
+* ``v0_5_18_*``: tagged arrays without ``omit_defaults`` (0.5.17+), salted stores with the
+  eighth ``metadata`` element ``{"cache_salt": ...}`` (0.5.18-0.5.19);
 * ``v0_5_23_*``: events are tagged maps with nil optionals omitted; the batch always has three
   slots (rank may be nil).
 
@@ -51,6 +52,45 @@ class BlockRemoved15(Event15, tag="BlockRemoved"):
 
 
 class AllBlocksCleared15(Event15, tag="AllBlocksCleared"):
+    pass
+
+
+# --- 0.5.17-0.5.19: arrays without omit_defaults; 0.5.18+ salted stores carry metadata ---
+
+
+class Batch18(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Any]
+    attn_dp_rank: int | None = None
+
+
+class Event18(msgspec.Struct, array_like=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored18(Event18, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class Metadata18(msgspec.Struct, omit_defaults=True, gc=False):
+    cache_salt: str
+
+
+class BlockStoredWithMetadata18(BlockStored18, tag="BlockStored", kw_only=True):
+    metadata: Metadata18
+
+
+class BlockRemoved18(Event18, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class AllBlocksCleared18(Event18, tag="AllBlocksCleared"):
     pass
 
 
@@ -170,7 +210,30 @@ def v0_5_23_stream() -> list[bytes]:
     ]
 
 
-STREAMS = {"v0_5_15": v0_5_15_stream, "v0_5_23": v0_5_23_stream}
+def v0_5_18_stream() -> list[bytes]:
+    enc = msgspec.msgpack.Encoder()
+    return [
+        # a salted store (eighth element: metadata), then an unsalted one without a medium
+        # (0.5.17+ still sends the nil slot), a removal and a flush
+        enc.encode(
+            Batch18(
+                ts=1750000000.0,
+                events=[
+                    BlockStoredWithMetadata18(
+                        [H1, H2], None, T1 + T2, 4, None, "GPU",
+                        metadata=Metadata18(cache_salt="tenant-b"),
+                    ),
+                    BlockStored18([H3], None, T3, 4, None),
+                    BlockRemoved18([H3], "GPU"),
+                    AllBlocksCleared18(),
+                ],
+                attn_dp_rank=0,
+            )
+        ),
+    ]
+
+
+STREAMS = {"v0_5_15": v0_5_15_stream, "v0_5_18": v0_5_18_stream, "v0_5_23": v0_5_23_stream}
 
 
 def write() -> None:
