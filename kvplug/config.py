@@ -87,6 +87,8 @@ class RouterConfig:
     router_temperature: float = 0.0
     # --- the routing seed's cost (PROTOCOLS.md §4.1)
     router_kv_overlap_score_credit: float = 1.0
+    router_kv_overlap_score_credit_decay: float = 0.0  # credit x 1/(1 + decay*excess)
+    router_decode_active_request_weight: float = 0.0  # decode blocks per active request
     router_prefill_load_scale: float = 1.0
     router_host_cache_hit_weight: float = 0.75
     router_disk_cache_hit_weight: float = 0.25
@@ -130,6 +132,8 @@ class RouterConfig:
             raise ConfigError(f"--router-temperature must be >= 0, got {self.router_temperature}")
         for name in (
             "router_kv_overlap_score_credit",
+            "router_kv_overlap_score_credit_decay",
+            "router_decode_active_request_weight",
             "router_prefill_load_scale",
             "router_host_cache_hit_weight",
             "router_disk_cache_hit_weight",
@@ -316,6 +320,19 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         type=float,
         default=None,
         help="credit per device-overlap block; default 1.0",
+    )
+    g.add_argument(
+        "--router-kv-overlap-score-credit-decay",
+        type=float,
+        default=None,
+        help="decay the device credit of workers whose active prefill exceeds the least "
+        "loaded: credit x 1/(1 + decay x excess/request tokens); default 0 (off)",
+    )
+    g.add_argument(
+        "--router-decode-active-request-weight",
+        type=float,
+        default=None,
+        help="extra decode blocks per active request on a worker; default 0",
     )
     g.add_argument("--router-prefill-load-scale", type=float, default=None, help="default 1.0")
     g.add_argument("--router-host-cache-hit-weight", type=float, default=None, help="default 0.75")

@@ -250,9 +250,10 @@ class Decision:
         if t.kind == "cost":
             x = {k: float(v[i]) for k, v in t.inputs.items()}
             p = t.params
+            credit = p["overlap_score_credit"] * x.get("credit_factor", 1.0)
             adjusted = max(
                 x["prefill_blocks"]
-                - p["overlap_score_credit"] * x["device"]
+                - credit * x["device"]
                 - p["host_cache_hit_weight"] * x["host"]
                 - p["disk_cache_hit_weight"] * x["disk"]
                 - p["shared_cache_multiplier"] * x["shared_beyond"],
@@ -265,7 +266,7 @@ class Decision:
             text = (
                 f"cost({label})={float(t.values[i]):.1f} = {_g1(p['prefill_load_scale'])}*"
                 f"{_g(adjusted)} + {_g(x['decode_blocks'])} ({tiers}; "
-                f"prefill {_g(x['prefill_blocks'])} - {_g1(p['overlap_score_credit'])}*"
+                f"prefill {_g(x['prefill_blocks'])} - {_g1(credit)}*"
                 f"{_g(x['device'])}"
             )
             if x.get("host"):

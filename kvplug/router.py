@@ -440,8 +440,23 @@ class Router:
             prefill_vec, decode_vec = self._load_vectors(
                 rules, sel, dev, prefill_tok, decode_blk, n_tokens
             )
+            inputs = {
+                "device": dev,
+                "host": host,
+                "disk": disk,
+                "shared_beyond": shared,
+                "prefill_blocks": prefill_vec,
+                "decode_blocks": decode_vec,
+            }
+            credited = dev
+            if cfg.router_kv_overlap_score_credit_decay > 0 and rules.credit > 0:
+                factor = self._credit_factor(prefill_tok[sel], n_tokens)
+                credited = dev * factor
+                inputs["credit_factor"] = factor
             values = np.asarray(
-                self._core.costs(prefill_vec, dev, host, disk, shared, decode_vec, rules.params),
+                self._core.costs(
+                    prefill_vec, credited, host, disk, shared, decode_vec, rules.params
+                ),
                 dtype=np.float64,
             )
             if penalised is not None:
@@ -458,14 +473,7 @@ class Router:
                 cands,
                 "cost",
                 values,
-                {
-                    "device": dev,
-                    "host": host,
-                    "disk": disk,
-                    "shared_beyond": shared,
-                    "prefill_blocks": prefill_vec,
-                    "decode_blocks": decode_vec,
-                },
+                inputs,
                 rules.params_dict,
                 probs,
                 penalised,
@@ -603,8 +611,11 @@ class Router:
         def kv_cost() -> np.ndarray:
             if "c" not in cache:
                 pv, dv = self._load_vectors(rules, cands, dev, prefill_tok, decode_blk, n_tokens)
+                credited = dev
+                if self.config.router_kv_overlap_score_credit_decay > 0 and rules.credit > 0:
+                    credited = dev * self._credit_factor(prefill_tok[cands], n_tokens)
                 cache["c"] = np.asarray(
-                    self._core.costs(pv, dev, host, disk, shared, dv, rules.params),
+                    self._core.costs(pv, credited, host, disk, shared, dv, rules.params),
                     dtype=np.float64,
                 )
             return cache["c"]
@@ -818,9 +829,18 @@ class Router:
             decode_vec = decode_blk[sel] + (
                 full_blocks - dev if rules.assume_reuse else full_blocks
             )
+            weight = self.config.router_decode_active_request_weight
+            if weight > 0:
+                decode_vec += weight * self.load.inflight[sel]
         else:
             decode_vec = np.zeros(n)
         return prefill_vec, decode_vec
+
+    def _credit_factor(self, prefill_tokens: np.ndarray, n_tokens: int) -> np.ndarray:
+        """Dynamo's credit decay: 1/(1 + decay * excess), excess = active prefill tokens over
+        the least-loaded candidate's, in units of this request's size."""
+        excess = (prefill_tokens - prefill_tokens.min()) / max(n_tokens, 1)
+        return 1.0 / (1.0 + self.config.router_kv_overlap_score_credit_decay * excess)
 
     def _select(self, values: np.ndarray, temperature: float, u: float) -> int:
         return self._core.select(values.tolist() if self._as_seq else values, temperature, u)

@@ -356,3 +356,27 @@ def test_decision_stage_is_the_plain_value():
     d = r.route(RouteRequest("x", tokens(2), stage=Stage.PREFILL))
     assert d.stage == "prefill" and f"{d.stage}" == "prefill"
     assert json.loads(d.to_json())["stage"] == "prefill"
+
+
+def test_credit_decay_and_active_request_weight():
+    r = make_router(workers=("a", "b"), router_kv_overlap_score_credit_decay=1.0)
+    toks = tokens(8)
+    store_prefix(r, "a", toks, 8)
+    # a carries 16 blocks of unfinished prefill (2x this request's size) -> credit / (1 + 2)
+    r.route(RouteRequest("busy", tokens(16, 7000), hints=RoutingHints(pinned_worker_id="a")))
+    d = r.route(RouteRequest("x", toks))
+    rows = {c["worker_id"]: c for c in d.candidates}
+    assert rows["a"]["credit_factor"] == pytest.approx(1 / 3)
+    assert rows["b"]["credit_factor"] == 1.0
+    # a: prefill 24 - 8/3 = 21.33, decode 16 + 0; b: 8 + 8
+    assert rows["a"]["cost"] == pytest.approx(24 - 8 / 3 + 16)
+    assert rows["b"]["cost"] == pytest.approx(16) and d.worker_id == "b"
+    assert "0.3333*8" in d._formula(0)
+    r2 = make_router(
+        workers=("a", "b"),
+        router_decode_active_request_weight=5.0,
+        router_track_prefill_tokens=False,
+    )
+    r2.route(RouteRequest("p", tokens(1, 7000), hints=RoutingHints(pinned_worker_id="a")))
+    rows = {c["worker_id"]: c for c in r2.route(RouteRequest("x", tokens(2))).candidates}
+    assert rows["a"]["decode_blocks"] == 1 + 2 + 5 and rows["b"]["decode_blocks"] == 2
