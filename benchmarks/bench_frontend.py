@@ -56,7 +56,12 @@ def free_port() -> int:
 
 async def _run_stubs(ports: list[int], output_tokens: int) -> None:
     sys.path.insert(0, str(ROOT))
+    import logging
+
     from kvplug.frontend.stub_engine import StubEngine
+
+    # sglang-router probes workers with HTTP/2 prior knowledge first; aiohttp logs each refusal
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
 
     engines = []
     for i, port in enumerate(ports):
@@ -65,7 +70,17 @@ async def _run_stubs(ports: list[int], output_tokens: int) -> None:
         await e.start(port=port)
         engines.append(e)
     print("ready", flush=True)
-    await asyncio.Event().wait()
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        pass
+
+
+def _stubs_main(ports: list[int], output_tokens: int) -> None:
+    try:
+        asyncio.run(_run_stubs(ports, output_tokens))
+    except KeyboardInterrupt:
+        pass
 
 
 # ------------------------------------------------------------------------------------------
@@ -422,7 +437,7 @@ def main() -> None:
     ap.add_argument("--_stubs", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._stubs:
-        asyncio.run(_run_stubs([int(p) for p in args._stubs.split(",")], args.max_tokens))
+        _stubs_main([int(p) for p in args._stubs.split(",")], args.max_tokens)
         return
     if args.quick:
         args.latency_requests, args.throughput_requests = 100, 200
