@@ -211,6 +211,21 @@ def test_empty_envelopes_are_skipped_without_a_drop_or_a_gap():
     assert not dec.drops and dec.counts["gaps"] == 0 and dec.counts["empty_envelopes"] == 1
 
 
+def test_event_level_lora_name_and_per_block_salt():
+    dec = TrtllmDecoder("t", tokens_per_block=1, lora_names={7: "from-id"})
+    blocks = [{"block_hash": 1, "tokens": [{"token_id": 5}], "lora_id": 7, "cache_salt": "s"}]
+    out = dec.decode([
+        {"event_id": 0, "data": {"type": "stored", "parent_hash": None, "blocks": blocks,
+                                 "lora_name": "adapter-b"}},
+        {"event_id": 1, "data": {"type": "stored", "parent_hash": None,
+                                 "blocks": [dict(blocks[0], block_hash=2)]}},
+        {"event_id": 2, "data": {"type": "stored", "parent_hash": None,
+                                 "blocks": [dict(blocks[0], block_hash=3, lora_id="x")]}},
+    ])
+    assert [(e.lora_name, e.cache_salt) for e in out] == [("adapter-b", "s"), ("from-id", "s")]
+    assert dec.drops == {"bad_field": 1}
+
+
 def test_answer_that_is_not_a_list_is_dropped():
     dec = TrtllmDecoder("t", tokens_per_block=2)
     assert dec.decode({"error": "boom"}) == []

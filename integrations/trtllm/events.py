@@ -28,6 +28,8 @@ Rules (each tested in ``tests/test_trtllm_events.py``; PROTOCOLS.md §3.2–3.3)
   folded to their low 64 bits (an all-zero parent string means "no parent").
 * ``mm_keys`` and non-zero ``token_extra_id`` fold into the block's ``block_extra`` so such
   blocks can never match a text-only request.
+* LoRA: an event-level ``lora_name`` (some 2026 builds) names the adapter; otherwise a block's
+  non-zero ``lora_id`` maps through ``lora_names`` (default ``trtllm-lora-<id>``).
 """
 
 from __future__ import annotations
@@ -256,6 +258,9 @@ class TrtllmDecoder:
             raise _Drop("bad_event", "stored without a blocks list")
         if parent is not None and parent in state.partial:
             raise _Drop("parent_partial", f"parent {parent:#x} is a partial block")
+        data_lora = data.get("lora_name")  # some 2026 builds name the adapter per event
+        if data_lora is not None and not isinstance(data_lora, str):
+            raise _Drop("bad_field", f"lora_name {data_lora!r}")
         run_key: tuple | None = None
         run_hashes: list[int] = []
         run_tokens: list[int] = []
@@ -323,7 +328,11 @@ class TrtllmDecoder:
                 break
             salt = block.get("cache_salt")
             salt = str(salt) if salt is not None else None
-            lora = self._lora_name(block.get("lora_id"))
+            try:
+                lora = data_lora or self._lora_name(block.get("lora_id"))
+            except _Drop as drop:
+                self._drop(drop.reason, rank, None, f"blocks[{i}]: {drop.detail}")
+                break
             key = (tier, salt, lora)
             if key != run_key:
                 flush()
