@@ -101,6 +101,18 @@ class QueueScorer(Scorer):
         return _minmax_lower_better(v, present)
 
 
+class LoadAwareScorer(Scorer):
+    """llm-d's load-aware scorer on ``queue_depth``: empty queue 0.5, then linear down to 0 at
+    ``threshold`` (128) waiting requests; missing -> 0."""
+
+    type_name = "load-aware-scorer"
+
+    def score(self, ctx: ScoringContext) -> np.ndarray:
+        v, present = ctx.attribute(self.params.get("attribute", "queue_depth"))
+        threshold = float(self.params.get("threshold", 128))
+        return np.where(present, 0.5 * np.clip(1.0 - v / threshold, 0.0, 1.0), 0.0)
+
+
 class RunningRequestsScorer(Scorer):
     """Requests the router has in flight on the candidate, min-max lower-is-better."""
 
@@ -182,6 +194,7 @@ SCORERS: dict[str, type[Scorer]] = {
         PrefixCacheScorer,
         KvCostScorer,
         QueueScorer,
+        LoadAwareScorer,
         RunningRequestsScorer,
         KvCacheUtilizationScorer,
         AttributeScorer,

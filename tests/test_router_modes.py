@@ -389,3 +389,13 @@ def test_profile_per_stage_and_penalised_missing_attribute():
     assert rows["b"]["missing_attribute_penalty"] is True and d.worker_id == "a"
     d = r.route(RouteRequest("y", tokens(2), stage=Stage.PREFILL))
     assert set(d.candidates[0]["scores"]) == {"kv-cost-scorer"}
+
+
+def test_load_aware_scorer():
+    prof = load_profile({"plugins": [{"type": "load-aware-scorer"}]})
+    r = make_router(router_mode="profile", workers=("a", "b", "c", "d"), profile=prof)
+    for w, q in (("a", 0), ("b", 64), ("c", 500)):
+        r.set_attributes(w, {"queue_depth": q})
+    d = r.route(RouteRequest("x", tokens(1)))
+    assert d.scores == {"a": 0.5, "b": 0.25, "c": 0.0, "d": 0.0}
+    assert d.worker_id == "a"
