@@ -9,6 +9,7 @@ returns None, and the caller decodes the batch with the msgspec path, which coun
 each problem. So this module only has to be right on what it accepts.
 """
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, realloc
 from libc.string cimport memcmp
@@ -38,6 +39,12 @@ cdef inline uint64_t _be(const uint8_t *p, int k) noexcept nogil:
     for i in range(k):
         v = (v << 8) | p[i]
     return v
+
+
+cdef inline uint64_t _be64(const uint8_t *p) noexcept nogil:
+    return ((<uint64_t>p[0] << 56) | (<uint64_t>p[1] << 48) | (<uint64_t>p[2] << 40) |
+            (<uint64_t>p[3] << 32) | (<uint64_t>p[4] << 24) | (<uint64_t>p[5] << 16) |
+            (<uint64_t>p[6] << 8) | <uint64_t>p[7])
 
 
 cdef inline bint _nil(Reader *r) noexcept nogil:
@@ -167,6 +174,12 @@ cdef int _hash(Reader *r, uint64_t *out) noexcept nogil:
         return -1
     cdef uint8_t b = r.p[r.pos]
     cdef size_t k
+    if b == 0xCF:  # the common case: a uint64 >= 2**32
+        if r.pos + 9 > r.n:
+            return -1
+        out[0] = _be64(r.p + r.pos + 1)
+        r.pos += 9
+        return 0
     if b == 0xC4 or b == 0xC5 or b == 0xC6:
         if b == 0xC4 and _need(r, 2):
             k = r.p[r.pos + 1]
@@ -306,18 +319,30 @@ cdef inline bint _eq(const uint8_t *s, size_t n, const char *lit, size_t m) noex
 
 
 cdef Field _field(const uint8_t *s, size_t n) noexcept nogil:
-    if _eq(s, n, b"type", 4): return F_TYPE
-    if _eq(s, n, b"block_hashes", 12): return F_HASHES
-    if _eq(s, n, b"parent_block_hash", 17): return F_PARENT
-    if _eq(s, n, b"token_ids", 9): return F_TOKENS
-    if _eq(s, n, b"block_size", 10): return F_BLOCK_SIZE
-    if _eq(s, n, b"lora_id", 7): return F_LORA_ID
-    if _eq(s, n, b"medium", 6): return F_MEDIUM
-    if _eq(s, n, b"lora_name", 9): return F_LORA_NAME
-    if _eq(s, n, b"extra_keys", 10): return F_EXTRA_KEYS
-    if _eq(s, n, b"group_idx", 9): return F_GROUP
-    if _eq(s, n, b"kv_cache_spec_kind", 18): return F_SPEC_KIND
-    if _eq(s, n, b"kv_cache_spec_sliding_window", 28): return F_SPEC_WINDOW
+    if n == 4:
+        return F_TYPE if memcmp(s, b"type", 4) == 0 else F_UNKNOWN
+    if n == 6:
+        return F_MEDIUM if memcmp(s, b"medium", 6) == 0 else F_UNKNOWN
+    if n == 7:
+        return F_LORA_ID if memcmp(s, b"lora_id", 7) == 0 else F_UNKNOWN
+    if n == 9:
+        if memcmp(s, b"token_ids", 9) == 0: return F_TOKENS
+        if memcmp(s, b"lora_name", 9) == 0: return F_LORA_NAME
+        if memcmp(s, b"group_idx", 9) == 0: return F_GROUP
+        return F_UNKNOWN
+    if n == 10:
+        if memcmp(s, b"block_size", 10) == 0: return F_BLOCK_SIZE
+        if memcmp(s, b"extra_keys", 10) == 0: return F_EXTRA_KEYS
+        return F_UNKNOWN
+    if n == 12:
+        return F_HASHES if memcmp(s, b"block_hashes", 12) == 0 else F_UNKNOWN
+    if n == 17:
+        return F_PARENT if memcmp(s, b"parent_block_hash", 17) == 0 else F_UNKNOWN
+    if n == 18:
+        return F_SPEC_KIND if memcmp(s, b"kv_cache_spec_kind", 18) == 0 else F_UNKNOWN
+    if n == 28:
+        return F_SPEC_WINDOW if memcmp(s, b"kv_cache_spec_sliding_window", 28) == 0 \
+            else F_UNKNOWN
     return F_UNKNOWN  # locality, ownership, session_id, lookahead..., future fields
 
 
@@ -385,61 +410,99 @@ cdef int _hashes_into(Reader *r, U64Buf *buf) noexcept nogil:
 
 
 cdef object _token_array(Reader *r, size_t max_tokens):
-    """An array of token ids as u32[]; None if it is not one (or too long)."""
-    cdef size_t n, i
-    cdef uint64_t v
-    cdef bint neg
+    """An array of token ids as u32[]; None if it is not one (or too long).
+
+    Token ids are unsigned and msgpack writes the shortest form, so four encodings cover
+    them all; the loop reads them without the general integer reader."""
+    cdef size_t n, i, pos, end
+    cdef const uint8_t *p
+    cdef uint8_t b
     if _array_len(r, &n) < 0 or n > max_tokens or not _need(r, n):
         return None
     cdef cnp.ndarray arr = np.empty(n, dtype=np.uint32)
     cdef uint32_t *d = <uint32_t *>cnp.PyArray_DATA(arr)
+    p = r.p
+    pos = r.pos
+    end = r.n
     for i in range(n):
-        if _int(r, &v, &neg) < 0 or neg or v > 0xFFFFFFFF:
+        if pos >= end:
             return None
-        d[i] = <uint32_t>v
+        b = p[pos]
+        if b < 0x80:
+            d[i] = b
+            pos += 1
+        elif b == 0xCD:
+            if pos + 3 > end:
+                return None
+            d[i] = (<uint32_t>p[pos + 1] << 8) | p[pos + 2]
+            pos += 3
+        elif b == 0xCC:
+            if pos + 2 > end:
+                return None
+            d[i] = p[pos + 1]
+            pos += 2
+        elif b == 0xCE:
+            if pos + 5 > end:
+                return None
+            d[i] = ((<uint32_t>p[pos + 1] << 24) | (<uint32_t>p[pos + 2] << 16) |
+                    (<uint32_t>p[pos + 3] << 8) | p[pos + 4])
+            pos += 5
+        else:
+            return None  # negative, too wide, or not an int: the slow path says which
+    r.pos = pos
     return arr
 
 
-cdef int _read_field(Reader *r, Field f, dict rec, int *tier, int *group) except -2:
-    """Read one event field into rec / tier / group; -1 = not the fast path's business."""
+cdef struct Stored:
+    # one event's fields as read; Python objects live in the caller's locals
+    int tier
+    int has_parent
+    uint64_t parent
+    long block_size
+    size_t extra_start
+    size_t extra_end
+
+
+cdef int _read_stored_field(Reader *r, Field f, Stored *ev, list objs, size_t max_tokens) \
+        except -2:
+    """One BlockStored field; objs = [hashes, tokens, lora_name]. -1: not the fast path's."""
     cdef const uint8_t *s
-    cdef size_t n
+    cdef size_t n, start
     cdef uint64_t v
     cdef bint neg
-    cdef object obj = None
-    cdef size_t start
+    cdef object obj
     if f == F_HASHES:
         obj = _hash_array(r)
         if obj is None:
             return -1
-        rec["h"] = obj
+        objs[0] = obj
     elif f == F_PARENT:
         if not _nil(r):
-            if _hash(r, &v) < 0:
+            if _hash(r, &ev.parent) < 0:
                 return -1
-            rec["p"] = v
+            ev.has_parent = 1
     elif f == F_TOKENS:
-        obj = _token_array(r, <size_t>rec["_max"])
+        obj = _token_array(r, max_tokens)
         if obj is None:
             return -1
-        rec["t"] = obj
+        objs[1] = obj
     elif f == F_BLOCK_SIZE:
         if _int(r, &v, &neg) < 0 or neg or v > 0x7FFFFFFF:
             return -1
-        rec["bs"] = <long>v
+        ev.block_size = <long>v
     elif f == F_MEDIUM:
         if not _nil(r):
             if _str(r, &s, &n) < 0:
                 return -1
-            tier[0] = _tier(s, n)
-            if tier[0] < 0:
+            ev.tier = _tier(s, n)
+            if ev.tier < 0:
                 return -1  # unknown medium: the slow path counts it
     elif f == F_LORA_NAME:
         if not _nil(r):
             if _str(r, &s, &n) < 0:
                 return -1
             try:
-                rec["l"] = (<const char *>s)[:n].decode("utf-8", "strict")
+                objs[2] = (<const char *>s)[:n].decode("utf-8", "strict")
             except UnicodeDecodeError:
                 return -1
     elif f == F_EXTRA_KEYS:
@@ -447,19 +510,15 @@ cdef int _read_field(Reader *r, Field f, dict rec, int *tier, int *group) except
             start = r.pos
             if _skip(r, 0) < 0:
                 return -1
-            rec["x"] = (start, r.pos)  # rare: decoded in Python
+            ev.extra_start = start  # rare: decoded in Python
+            ev.extra_end = r.pos
     elif f == F_GROUP:
         if not _nil(r):
-            if _int(r, &v, &neg) < 0 or neg:
-                return -1
-            group[0] = <int>v if v < 0x7FFFFFFF else 0x7FFFFFFF
-            if group[0] != 0:
+            if _int(r, &v, &neg) < 0 or neg or v != 0:
                 return -1  # hybrid models: group semantics live in the slow path
     elif f == F_SPEC_KIND:
         if not _nil(r):
-            if _str(r, &s, &n) < 0:
-                return -1
-            if not _eq(s, n, b"full_attention", 14):
+            if _str(r, &s, &n) < 0 or not _eq(s, n, b"full_attention", 14):
                 return -1
     else:
         if _skip(r, 0) < 0:
@@ -467,35 +526,70 @@ cdef int _read_field(Reader *r, Field f, dict rec, int *tier, int *group) except
     return 0
 
 
-def decode_batch(const uint8_t[::1] buf, size_t max_tokens, long block_size):
+cdef int _read_removed_field(Reader *r, Field f, U64Buf *run, int *tier, bint *has) \
+        noexcept nogil:
+    cdef const uint8_t *s
+    cdef size_t n
+    cdef uint64_t v
+    cdef bint neg
+    if f == F_HASHES:
+        if _hashes_into(r, run) < 0:
+            return -1
+        has[0] = True
+    elif f == F_MEDIUM:
+        if not _nil(r):
+            if _str(r, &s, &n) < 0:
+                return -1
+            tier[0] = _tier(s, n)
+            if tier[0] < 0:
+                return -1
+    elif f == F_GROUP:
+        if not _nil(r):
+            if _int(r, &v, &neg) < 0 or neg or v != 0:
+                return -1
+    else:
+        if _skip(r, 0) < 0:
+            return -1
+    return 0
+
+
+def decode_batch(object payload, size_t max_tokens, long block_size):
     """(ts, dp_rank | None, records, n_wire_events) or None (not a fast-path batch).
 
     records: ``("S", hashes u64[], parent | None, tokens u32[] | None, block_size, tier,
     lora_name | None, extra_keys span | None)``, ``("R", hashes u64[], tier)`` (consecutive
     removes of one tier coalesced) and ``("C",)``.
     """
+    cdef Py_buffer view
+    PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+    try:
+        return _decode(<const uint8_t *>view.buf, <size_t>view.len, max_tokens, block_size)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef object _decode(const uint8_t *data, size_t size, size_t max_tokens, long block_size):
     cdef Reader rd
     cdef Reader *r = &rd
-    rd.p = &buf[0] if buf.shape[0] > 0 else NULL
-    rd.n = buf.shape[0]
+    rd.p = data
+    rd.n = size
     rd.pos = 0
     if rd.n == 0:
         return None
-    cdef size_t nb, nev, i, k, j, nfields
+    cdef size_t nb, nev, i, k, j, nfields, ev_start
     cdef double ts
     cdef const uint8_t *s
     cdef size_t sn
     cdef uint64_t v
-    cdef bint neg, is_map
-    cdef int tier, group, kind, run_tier = -2
-    cdef size_t ev_start
-    cdef bint has_hashes
+    cdef bint neg, is_map, has_hashes
+    cdef int tier, kind, run_tier = -2
     cdef Field f
     cdef U64Buf run
+    cdef Stored ev
     cdef object rank = None
     cdef list records = []
-    cdef dict rec
-    cdef size_t max_tok = max_tokens
+    cdef list objs = [None, None, None]
+    cdef object hashes, toks
     run.data = NULL
     run.n = 0
     run.cap = 0
@@ -510,16 +604,13 @@ def decode_batch(const uint8_t[::1] buf, size_t max_tokens, long block_size):
             is_map = False
             if _map_len(r, &nfields) == 0:
                 is_map = True
-            elif _array_len(r, &nfields) < 0 or nfields == 0:
-                return None
-            rec = {"_max": max_tok}
-            tier = 0
-            group = 0
-            kind = -1
-            if is_map:
-                # vLLM writes "type" first; insist on it (a map without it is the slow path's)
+                # vLLM writes "type" first; a map without it is the slow path's
                 if nfields == 0 or _str(r, &s, &sn) < 0 or not _eq(s, sn, b"type", 4):
                     return None
+                nfields -= 1
+            elif _array_len(r, &nfields) < 0 or nfields == 0:
+                return None
+            else:
                 nfields -= 1
             if _str(r, &s, &sn) < 0:
                 return None
@@ -531,39 +622,19 @@ def decode_batch(const uint8_t[::1] buf, size_t max_tokens, long block_size):
                 kind = 2
             else:
                 return None  # unknown kinds are counted by the slow path
-            if not is_map:
-                nfields -= 1
-            ev_start = run.n
-            has_hashes = False
-            for j in range(nfields):
-                if is_map:
-                    if _str(r, &s, &sn) < 0:
-                        return None
-                    f = _field(s, sn)
-                else:
-                    if kind == 0:
-                        f = STORED_ORDER[j] if j < 11 else F_SKIP
-                    elif kind == 1:
-                        f = REMOVED_ORDER[j] if j < 3 else F_SKIP
-                    else:
-                        f = F_SKIP
-                if kind == 2 or f == F_LORA_ID or f == F_SPEC_WINDOW or f == F_SKIP \
-                        or f == F_UNKNOWN or f == F_TYPE:
-                    if _skip(r, 0) < 0:
-                        return None
-                    continue
-                if kind == 1 and f == F_HASHES:
-                    if _hashes_into(r, &run) < 0:
-                        return None
-                    has_hashes = True
-                    continue
-                if kind == 1 and f != F_MEDIUM and f != F_GROUP:
-                    if _skip(r, 0) < 0:
-                        return None
-                    continue
-                if _read_field(r, f, rec, &tier, &group) < 0:
-                    return None
             if kind == 1:
+                ev_start = run.n
+                has_hashes = False
+                tier = 0
+                for j in range(nfields):
+                    if is_map:
+                        if _str(r, &s, &sn) < 0:
+                            return None
+                        f = _field(s, sn)
+                    else:
+                        f = REMOVED_ORDER[j] if j < 3 else F_SKIP
+                    if _read_removed_field(r, f, &run, &tier, &has_hashes) < 0:
+                        return None
                 if not has_hashes:
                     return None
                 if run.n == ev_start:
@@ -578,34 +649,58 @@ def decode_batch(const uint8_t[::1] buf, size_t max_tokens, long block_size):
                     run.n = k - ev_start
                 run_tier = tier
                 continue
-            if kind == 0 and "h" not in rec:
+            if kind == 2:
+                for j in range(nfields):
+                    if is_map and _skip(r, 0) < 0:
+                        return None
+                    if _skip(r, 0) < 0:
+                        return None
+                if run.n:
+                    records.append(("R", _take(&run), run_tier))
+                run_tier = -2
+                records.append(("C",))
+                continue
+            # BlockStored
+            ev.tier = 0
+            ev.has_parent = 0
+            ev.parent = 0
+            ev.block_size = 0
+            ev.extra_start = 0
+            ev.extra_end = 0
+            objs[0] = None
+            objs[1] = None
+            objs[2] = None
+            for j in range(nfields):
+                if is_map:
+                    if _str(r, &s, &sn) < 0:
+                        return None
+                    f = _field(s, sn)
+                else:
+                    f = STORED_ORDER[j] if j < 11 else F_SKIP
+                if _read_stored_field(r, f, &ev, objs, max_tokens) < 0:
+                    return None
+            hashes = objs[0]
+            if hashes is None:
                 return None
-            if kind == 0 and len(rec["h"]) == 0:
+            if len(hashes) == 0:
                 continue  # nothing stored (and a run of removes may go on)
+            toks = objs[1]
+            if toks is not None and len(toks) == 0:
+                toks = None  # offload copy by hash (the caller marks tier_copy)
+            elif toks is not None and (ev.block_size <= 0 or (
+                    block_size and ev.block_size != block_size)
+                    or <size_t>len(toks) != <size_t>len(hashes) * <size_t>ev.block_size):
+                return None  # the slow path counts the mismatch
             if run.n:
                 records.append(("R", _take(&run), run_tier))
             run_tier = -2
-            if kind == 2:
-                records.append(("C",))
-                continue
-            hashes = rec["h"]
-            toks = rec.get("t")
-            bs = rec.get("bs", 0)
-            if len(hashes) == 0:
-                continue
-            if toks is None or len(toks) == 0:
-                toks = None  # offload copy by hash (the caller marks tier_copy)
-            elif bs <= 0 or (block_size and bs != block_size) or \
-                    len(toks) != len(hashes) * bs:
-                return None  # the slow path counts the mismatch
-            records.append(("S", hashes, rec.get("p"), toks, bs, tier, rec.get("l"),
-                            rec.get("x")))
+            records.append(("S", hashes, ev.parent if ev.has_parent else None, toks,
+                            ev.block_size, ev.tier, objs[2],
+                            (ev.extra_start, ev.extra_end) if ev.extra_end else None))
         if run.n:
             records.append(("R", _take(&run), run_tier))
         if nb == 3:
-            if _nil(r):
-                rank = None
-            else:
+            if not _nil(r):
                 if _int(r, &v, &neg) < 0 or neg or v > 0x7FFFFFFF:
                     return None
                 rank = <long>v
