@@ -10,7 +10,8 @@ load stays steady. Baselines measured in the same run:
 * ``round-robin``: a full ``Router.route`` in round-robin mode (no hashing, no query).
 
 Also measured: the same kv decision with busy thresholds and an attribute threshold
-(``gpu_utilization<=0.9``, all fresh, nobody over) configured, i.e. the cost of the filters.
+(``gpu_utilization<=0.9``, all fresh, nobody over) configured, i.e. the cost of the filters;
+and approximate mode (no events: each decision also records its prompt in the side index).
 
 Usage: python benchmarks/bench_router.py [--workers 8 64 512] [--blocks 1000000]
        [--decisions 2000] [--prompt-tokens 8192] [--block-size 16]
@@ -174,6 +175,16 @@ def main(argv: list[str] | None = None) -> int:
             rf.set_attributes(w.worker_id, {"gpu_utilization": 0.5})
         time_route(rf, prompts, warm)
         kv_filtered = time_route(rf, prompts, args.decisions)
+        # approximate mode (no events): every decision also records its prompt in the side
+        # index (and, once the 2^20-block cap is reached, drops the oldest record)
+        ra = Router(
+            RouterConfig(kv_block_size=args.block_size, router_kv_events=False),
+            rng=random.Random(n),
+        )
+        for w in r.workers.values():
+            ra.add_worker(w)
+        time_route(ra, prompts, warm)
+        kv_approx = time_route(ra, prompts, args.decisions)
         rr = build(n, "round-robin", args, docs, rng, seed=n)
         time_route(rr, prompts, warm)
         base = time_route(rr, prompts, args.decisions)
@@ -189,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             "mean_overlap_blocks_of_pick": statistics.fmean(overlap),
             "kv_with_filters_median_us": statistics.median(kv_filtered),
             "kv_with_filters_p99_us": percentile(kv_filtered, 0.99),
+            "approx_median_us": statistics.median(kv_approx),
+            "approx_p99_us": percentile(kv_approx, 0.99),
             "hash_median_us": statistics.median(hash_us),
             "query_median_us": statistics.median(query_us),
             "hash_query_median_us": statistics.median(floor),
@@ -199,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         row["kv_over_round_robin"] = row["kv_median_us"] / row["round_robin_median_us"]
         row["kv_over_hash_query"] = row["kv_median_us"] / row["hash_query_median_us"]
         rows.append(row)
-        del r, rf, rr
+        del r, rf, ra, rr
     hdr = (
-        f"{'workers':>7} {'entries':>9} {'kv med':>8} {'kv p99':>8} {'+filters':>8} "
+        f"{'workers':>7} {'entries':>9} {'kv med':>8} {'kv p99':>8} {'+filters':>8} {'approx':>7} "
         f"{'hash':>7} {'query':>7} "
         f"{'overhead':>8} {'rr med':>7} {'kv/rr':>6}"
     )
@@ -214,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{x['workers']:>7} {x['indexed_entries']:>9} {x['kv_median_us']:>8.1f} "
             f"{x['kv_p99_us']:>8.1f} {x['kv_with_filters_median_us']:>8.1f} "
+            f"{x['approx_median_us']:>7.1f} "
             f"{x['hash_median_us']:>7.1f} {x['query_median_us']:>7.1f} "
             f"{x['router_overhead_median_us']:>8.1f} {x['round_robin_median_us']:>7.1f} "
             f"{x['kv_over_round_robin']:>6.1f}"

@@ -40,14 +40,10 @@ class ApproxIndex:
         if len(hashes) == 0:
             return
         h = np.array(hashes, dtype=np.uint64, copy=True)
-        # our own hashes double as the "engine" hashes: this namespace is ours alone
+        # our own hashes double as the "engine" hashes: this namespace is ours alone. The
+        # arrays go in as numpy buffers (the core reads them directly; no per-block objects).
         self.index.apply(
-            BlockStored(
-                worker_id=worker_id,
-                dp_rank=dp_rank,
-                engine_hashes=h.tolist(),
-                block_hashes=h.tolist(),
-            )
+            BlockStored(worker_id=worker_id, dp_rank=dp_rank, engine_hashes=h, block_hashes=h)
         )
         self._records.append((now, worker_id, dp_rank, h))
         self._blocks += len(h)
@@ -65,7 +61,7 @@ class ApproxIndex:
         _, wid, rank, h = self._records.popleft()
         self._blocks -= len(h)
         try:
-            self.index.apply(BlockRemoved(worker_id=wid, dp_rank=rank, engine_hashes=h.tolist()))
+            self.index.apply(BlockRemoved(worker_id=wid, dp_rank=rank, engine_hashes=h))
         except Exception:  # the worker was removed meanwhile: nothing left to drop
             pass
 
