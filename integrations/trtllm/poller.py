@@ -20,7 +20,6 @@ answering ``[]``; the request timeout allows for that.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from kvplug.events import KvEvent
 
@@ -36,6 +36,7 @@ from .events import TrtllmDecoder
 log = logging.getLogger("kvplug.integrations.trtllm")
 
 MAX_BODY = 64 << 20  # one drained answer; a bigger one is treated as garbage
+_json = msgspec.json.Decoder()
 
 
 class TrtllmPoller:
@@ -101,8 +102,8 @@ class TrtllmPoller:
             self._lost(f"answer over {MAX_BODY} bytes")
             return 0
         try:
-            envelopes = json.loads(body)
-        except ValueError as exc:
+            envelopes = _json.decode(body)  # arbitrary-precision ints, like json.loads
+        except (msgspec.DecodeError, ValueError) as exc:
             self._lost(f"unparsable JSON: {exc}")
             return 0
         if not isinstance(envelopes, list):
