@@ -75,7 +75,10 @@ def parse_metrics(text: str, ts: float | None = None) -> MetricsSample:
                 cache_config.update(s.labels)
                 continue
             engine = s.labels.get("engine", "0")
-            values.setdefault(fam.name, {})[engine] = float(s.value)
+            # counters: the parser names the family without "_total" only when the TYPE line
+            # does; normalise so both spellings land on one name
+            name = fam.name[:-6] if fam.name.endswith("_total") else fam.name
+            values.setdefault(name, {})[engine] = float(s.value)
     attrs: dict[str, float] = {}
     per_engine: dict[str, dict[str, float]] = {}
     for attr, (names, how) in _GAUGES.items():

@@ -1,0 +1,228 @@
+"""vLLM HTTP side: metrics parsing and scraping (liveness), discovery, block-size refusal, P/D
+bodies, and the adapter wiring events from a loopback publisher into a real Router."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from vllm_helpers import free_port, wait_for
+
+from integrations.vllm.adapter import RouterSink, VllmAdapter
+from integrations.vllm.discovery import check_block_size, discover, fetch_event_sources
+from integrations.vllm.metrics import MetricsScraper, parse_metrics
+from integrations.vllm.pd import MissingTransferParams, decode_body, pd_headers, prefill_body
+from integrations.vllm.publisher import VllmEventPublisher
+from kvplug.adapters import PDContext, create_adapter
+from kvplug.config import RouterConfig
+from kvplug.errors import ConfigError
+from kvplug.events import BlockStored
+from kvplug.request import RouteRequest
+from kvplug.router import Router
+from kvplug.workers import Worker
+
+DATA = Path(__file__).parent / "data" / "vllm"
+METRICS = (DATA / "metrics-0.32.0.txt").read_text()
+
+
+class FakeEngineHTTP:
+    """A loopback HTTP server answering like a vLLM engine's /metrics and /kv_event_sources."""
+
+    def __init__(self, sources: dict | None, metrics: str = METRICS) -> None:
+        self.sources = sources
+        self.metrics = metrics
+        self.up = True
+        outer = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def do_GET(self):  # noqa: N802 - http.server's name
+                if not outer.up:
+                    self.send_error(503)
+                    return
+                if self.path == "/metrics":
+                    body, ctype = outer.metrics.encode(), "text/plain; version=0.0.4"
+                elif self.path == "/kv_event_sources" and outer.sources is not None:
+                    body, ctype = json.dumps(outer.sources).encode(), "application/json"
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_parse_real_metrics():
+    s = parse_metrics(METRICS)
+    a = s.attributes
+    assert a["num_requests_running"] == 0 and a["num_requests_waiting"] == 0
+    assert a["kv_cache_usage"] == 0 and a["kv_usage"] == 0 and a["queue_depth"] == 0
+    assert a["block_size"] == 32 and a["num_gpu_blocks"] == 65536
+    assert s.block_size == 32 and s.num_gpu_blocks == 65536
+    assert s.cache_config["prefix_caching_hash_algo"] == "sha256"
+    assert "prefix_cache_queries" in a and "prefix_cache_hits" in a
+
+
+def test_parse_metrics_sums_engines_and_old_names():
+    text = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        "# TYPE vllm:gpu_cache_usage_perc gauge\n"
+        'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+        'vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.25\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 10.0\n'
+    )
+    s = parse_metrics(text)
+    assert s.attributes["num_requests_running"] == 5
+    assert s.attributes["kv_cache_usage"] == pytest.approx(0.375)
+    assert s.attributes["prefix_cache_hits"] == 10
+    assert s.per_engine["1"]["num_requests_running"] == 2
+
+
+def test_scraper_liveness_and_period():
+    eng = FakeEngineHTTP(None)
+    samples, verdicts = [], []
+    sc = MetricsScraper(eng.url + "/metrics", samples.append, period=0.05,
+                        on_failure=lambda n, e: verdicts.append(n), unhealthy_after=2).start()
+    try:
+        assert wait_for(lambda: len(samples) >= 3, 5)
+        assert sc.healthy
+        eng.up = False
+        assert wait_for(lambda: not sc.healthy, 5)
+        eng.up = True
+        assert wait_for(lambda: sc.healthy, 5)
+    finally:
+        sc.stop()
+        eng.close()
+    assert samples[0].attributes["block_size"] == 32 and verdicts
+
+
+def test_discovery_from_engine_and_fallback():
+    sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
+                     "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+                     "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000,
+                     "topic": "kv"},
+               "1": {"enable_kv_cache_events": True, "publisher": "zmq",
+                     "endpoint": "tcp://*:5558", "replay_endpoint": None, "topic": "kv"}}
+    eng = FakeEngineHTTP(sources)
+    try:
+        got = fetch_event_sources(eng.url)
+        assert [(s.dp_rank, s.endpoint, s.replay_endpoint, s.topic) for s in got] == [
+            (0, "tcp://*:5557", "tcp://*:5558", "kv"), (1, "tcp://*:5558", None, "kv")]
+        info = discover(eng.url)
+        assert info.discovered and info.block_size == 32 and info.num_gpu_blocks == 65536
+    finally:
+        eng.close()
+    old = FakeEngineHTTP(None)  # an engine before /kv_event_sources: 404
+    try:
+        info = discover(old.url, endpoint="tcp://*:6000", replay_endpoint="tcp://*:6100",
+                        dp_size=2)
+        assert not info.discovered
+        assert [(s.endpoint, s.replay_endpoint) for s in info.sources] == [
+            ("tcp://*:6000", "tcp://*:6100"), ("tcp://*:6001", "tcp://*:6101")]
+        with pytest.raises(ConfigError, match="no configured event endpoint"):
+            discover(old.url)
+    finally:
+        old.close()
+
+
+def test_block_size_refused_loudly():
+    assert check_block_size("w", 32, 32) == 32
+    assert check_block_size("w", None, 16) == 16
+    with pytest.raises(ConfigError, match="block size 32 .* 16 tokens"):
+        check_block_size("w", 32, 16)
+
+
+def test_pd_bodies():
+    body = {"model": "m", "prompt": "hi", "stream": True, "stream_options": {"a": 1},
+            "min_tokens": 5, "max_tokens": 50, "max_completion_tokens": 50}
+    p = prefill_body(body)
+    assert p["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                       "remote_engine_id": None, "remote_block_ids": None,
+                                       "remote_host": None, "remote_port": None}
+    assert p["stream"] is False and p["max_tokens"] == 1 and p["max_completion_tokens"] == 1
+    assert "stream_options" not in p and "min_tokens" not in p
+    assert body["stream"] is True and "kv_transfer_params" not in body  # not mutated
+    answer = {"id": "x", "choices": [{"text": "a"}], "kv_transfer_params": {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+        "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h",
+        "remote_port": 5600, "tp_size": 1, "future_key": {"x": [1]}}}
+    d = decode_body(body, answer)
+    assert d["kv_transfer_params"] == answer["kv_transfer_params"]  # unchanged, opaque
+    assert d["stream"] is True and d["max_tokens"] == 50
+    with pytest.raises(MissingTransferParams):
+        decode_body(body, {"choices": []})
+    assert pd_headers("rid", {"x-request-id": "old", "A": "b"}) == {"A": "b",
+                                                                    "X-Request-Id": "rid"}
+    adapter = create_adapter("vllm")
+    assert isinstance(adapter, VllmAdapter)
+    ctx = PDContext(request_id="rid", path="/v1/completions",
+                    prefill_worker=Worker(worker_id="p"))
+    assert adapter.prefill_request(body, ctx) == p
+    assert adapter.decode_request(body, answer, ctx) == d
+    assert adapter.request_headers(ctx) == {"X-Request-Id": "rid"}
+
+
+def test_adapter_feeds_router_and_drops_unknown_worker():
+    """Discovery -> subscriber -> Router; an event naming a worker the router does not know
+    is a counted drop that leaves the index as it was."""
+    port, rport = free_port(), free_port()
+    sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
+                     "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{rport}",
+                     "topic": ""}}
+    eng = FakeEngineHTTP(sources)
+    pub = VllmEventPublisher(f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}")
+    router = Router(RouterConfig(kv_block_size=32))
+    router.add_worker(Worker(worker_id="A", url=eng.url))
+    lock = threading.Lock()
+    adapter = VllmAdapter(metrics_period=0.1)
+    try:
+        adapter.start_worker_sync(router.workers["A"], RouterSink(router, "A", 32, lock))
+        assert adapter.events_ready("A")
+        time.sleep(0.3)
+        toks = list(range(64))
+        pub.publish([BlockStored(worker_id="A", engine_hashes=[11, 12], token_ids=toks,
+                                 block_size=32)])
+        want = {int(h) for h in router.index.request_hashes(toks)}
+
+        def held():
+            with lock:
+                ep = router.index.endpoint_id("A", 0)
+                return set(router.index.core.holdings(ep)) if ep is not None else set()
+
+        assert wait_for(lambda: held() == want, 5, lambda: pub.serve_replay(5))
+        with lock:
+            router.apply_event(BlockStored(worker_id="ghost", engine_hashes=[1],
+                                           token_ids=toks[:32], block_size=32))
+        assert router.counters["events_dropped_unknown_worker"] == 1 and held() == want
+        assert wait_for(lambda: router.workers["A"] and adapter.worker_alive("A"), 5)
+        with lock:
+            d = router.route(RouteRequest("r", toks + [1, 2, 3]))
+        assert d.worker_id == "A"
+        with pytest.raises(ConfigError):
+            adapter.start_worker_sync(Worker(worker_id="B", url=eng.url),
+                                      RouterSink(router, "B", 16, lock))
+    finally:
+        import asyncio
+
+        asyncio.run(adapter.close())
+        pub.close()
+        eng.close()
