@@ -22,10 +22,12 @@ from kvplug.approx import ApproxIndex
 from kvplug.config import RouterConfig
 from kvplug.decision import CandidateTrace, Decision, Exclusion
 from kvplug.errors import (
+    AllWorkersOverloaded,
     ConfigError,
     InvalidRequest,
     KvplugError,
     NoCompatibleWorker,
+    PinnedWorkerOverloaded,
     UnknownWorker,
 )
 from kvplug.events import AllCleared, KvEvent
@@ -161,6 +163,11 @@ class Router:
             "events_dropped_unknown_worker": 0,
             "events_dropped_invalid": 0,
             "attributes_dropped": 0,
+            "fallback_decisions": 0,
+            "no_compatible_worker": 0,
+            "all_workers_overloaded": 0,
+            "pinned_worker_overloaded": 0,
+            "invalid_requests": 0,
         }
 
     # ================================================================ workers
@@ -331,6 +338,26 @@ class Router:
 
     # ================================================================ routing
     def route(self, req: RouteRequest) -> Decision:
+        """Pick a worker (and DP rank) for one request and start tracking its load."""
+        try:
+            d = self._route(req)
+        except NoCompatibleWorker:
+            self.counters["no_compatible_worker"] += 1
+            raise
+        except PinnedWorkerOverloaded:
+            self.counters["pinned_worker_overloaded"] += 1
+            raise
+        except AllWorkersOverloaded:
+            self.counters["all_workers_overloaded"] += 1
+            raise
+        except InvalidRequest:
+            self.counters["invalid_requests"] += 1
+            raise
+        if d.fallback:
+            self.counters["fallback_decisions"] += 1
+        return d
+
+    def _route(self, req: RouteRequest) -> Decision:
         t0 = time.perf_counter()
         now = self._clock()
         cfg = self.config

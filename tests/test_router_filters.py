@@ -133,6 +133,9 @@ def test_all_overloaded_and_pinned_overloaded():
     with pytest.raises(PinnedWorkerOverloaded, match="pinned worker a"):
         r.route(RouteRequest("y", tokens(1), hints=RoutingHints(pinned_worker_id="a")))
     assert issubclass(PinnedWorkerOverloaded, RoutingError)
+    s = r.stats()
+    assert (s["all_workers_overloaded"], s["pinned_worker_overloaded"]) == (1, 1)
+    assert r.stats()["active_requests"] == 2  # failed routings hold no load
 
 
 def test_busy_fallback_keeps_least_busy():
