@@ -78,10 +78,6 @@ class EndpointView(Protocol):
     attrs: AttributeTable
 
 
-def _name(view: EndpointView, ep: int) -> tuple[str, int]:
-    return view.ep_worker[ep] or "?", view.ep_rank[ep]
-
-
 def hard_filters(
     view: EndpointView,
     cands: np.ndarray,

@@ -6,7 +6,6 @@ Cost selection (argmin / softmax over normalised cost logits) is the core's ``se
 
 from __future__ import annotations
 
-import math
 import random
 
 import numpy as np
@@ -92,9 +91,3 @@ def device_aware_weighted(
     idx = np.flatnonzero(group)
     pick = idx[argmin_random_tie(inflight[idx], rng)]
     return int(pick), {"cpu_group_load": load_cpu, "accelerator_group_load": load_acc}
-
-
-def check_unit(u: float) -> float:
-    if not (0.0 <= u < 1.0) or math.isnan(u):
-        raise ValueError(f"random draw {u} outside [0, 1)")
-    return u
