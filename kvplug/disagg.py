@@ -128,9 +128,9 @@ async def plan_two_stage(
             return _plan_concurrent(backend, ctx, body, pre, pd, attempt)
         try:
             prefill_body = adapter.prefill_request(body, pd)
-        except PDProtocolError as exc:
+        except Exception as exc:  # adapter code: any failure means "no P/D for this one"
             pre.lifecycle.finish()
-            return _fallback(backend, body, str(exc), pre)
+            return _fallback(backend, body, _why(exc), pre)
         headers = adapter.request_headers(pd)
         try:
             answer = await backend.send_prefill(ctx, pre, prefill_body, headers)
@@ -145,8 +145,8 @@ async def plan_two_stage(
             return _fallback(backend, body, str(exc), pre)
         try:
             decode_body = adapter.decode_request(body, answer, pd)
-        except PDProtocolError as exc:
-            return _fallback(backend, body, str(exc), pre)
+        except Exception as exc:  # e.g. no kv_transfer_params in the answer
+            return _fallback(backend, body, _why(exc), pre)
         return DecodePlan(
             body=decode_body,
             headers=headers,
@@ -177,10 +177,10 @@ def _plan_concurrent(
     try:
         prefill_body = adapter.prefill_request(body, pd)
         decode_body = adapter.decode_request(body, None, pd)
-    except PDProtocolError as exc:
+    except Exception as exc:
         pre.lifecycle.finish()
         dec.lifecycle.finish()
-        return _fallback(backend, body, str(exc), pre)
+        return _fallback(backend, body, _why(exc), pre)
     headers = adapter.request_headers(pd)
     task = asyncio.ensure_future(_background_prefill(backend, ctx, pre, prefill_body, headers))
     return DecodePlan(
@@ -191,6 +191,10 @@ def _plan_concurrent(
         decode=dec,
         prefill_task=task,
     )
+
+
+def _why(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, PDProtocolError) else f"{type(exc).__name__}: {exc}"
 
 
 async def _background_prefill(

@@ -140,3 +140,28 @@ async def test_sglang_style_concurrent_bootstrap():
         assert pre["stream"] is True  # SGLang sends the same body to both
         assert h.board.pulled == 1
         h.assert_idle()
+
+
+async def test_a_failing_adapter_transform_falls_back():
+    from kvplug.adapters import register_adapter, unregister_adapter
+    from kvplug.frontend.stub_engine import StubAdapter
+
+    class NoParams(StubAdapter):
+        kind = "no-params"
+
+        def decode_request(self, body, prefill_response, ctx):
+            raise ValueError("prefill answer has no kv_transfer_params")
+
+    register_adapter("no-params", NoParams)
+    try:
+        async with serving(PD, engine_kind="no-params") as h:
+            resp, raw = await h.complete(prompt(2, 9), stream=True)
+            assert resp.status == 200, raw
+            trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+            assert trace["stage"] == "aggregated"
+            assert trace["fallback_reason"] == (
+                "ValueError: prefill answer has no kv_transfer_params"
+            )
+            h.assert_idle()
+    finally:
+        unregister_adapter("no-params")
