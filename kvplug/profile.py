@@ -23,6 +23,7 @@ from kvplug.scoring import SCORERS, Scorer, ScoringContext
 from kvplug.workers import Stage
 
 FILTER_TYPES = (
+    "gpu-utilization-filter",
     "endpoint-attribute-filter",
     "attribute-filter",
     "utilization-filter",
@@ -85,6 +86,12 @@ def load_profile(source: str | os.PathLike[str] | dict[str, Any]) -> ProfileSet:
             raise ConfigError(f"scheduling profile {where}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"scheduling profile {where} is not valid YAML: {e}") from None
+    if (
+        isinstance(data, dict)
+        and "plugins" not in data
+        and ("filters" in data or "scorers" in data)
+    ):
+        data = _from_short_form(data, where)
     if not isinstance(data, dict) or not isinstance(data.get("plugins"), list):
         raise ConfigError(f"scheduling profile {where}: needs a 'plugins' list")
     plugins: dict[str, dict[str, Any]] = {}
@@ -126,6 +133,21 @@ def load_profile(source: str | os.PathLike[str] | dict[str, Any]) -> ProfileSet:
                     raise ConfigError(f"profile {prof.name}: softmax temperature must be > 0")
             elif ptype == "label-selector-filter":
                 prof.label_selector.update(parse_label_selector(params.get("selector")))
+            elif ptype == "gpu-utilization-filter":
+                # maxPercent of an attribute in [0, 1] (``scale: percent`` for 0..100 values)
+                pct = float(params.get("maxPercent", 90))
+                scale = 1.0 if params.get("scale", "fraction") == "percent" else 100.0
+                prof.attribute_filters.append(
+                    _threshold_from(
+                        {
+                            "attribute": params.get("attribute", "gpu_utilization"),
+                            "op": "<=",
+                            "value": pct / scale,
+                            "onMissing": params.get("onMissing", "exclude"),
+                            "fallbackOnEmpty": params.get("fallbackOnEmpty", True),
+                        }
+                    )
+                )
             elif ptype == "utilization-filter":
                 for cond in params.get("conditions", []):
                     prof.attribute_filters.append(
@@ -153,3 +175,37 @@ def load_profile(source: str | os.PathLike[str] | dict[str, Any]) -> ProfileSet:
         profiles[prof.name] = prof
     default = "default" if "default" in profiles else next(iter(profiles))
     return ProfileSet(profiles, default)
+
+
+def _from_short_form(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """The short form (as in the llm-d GPU-routing article): top-level ``filters`` and
+    ``scorers`` lists with parameters inline, optional ``picker``. Scorers with an
+    ``attributeKey`` and no type are attribute scorers; ``weight`` defaults to 1."""
+    plugins: list[dict[str, Any]] = []
+    refs: list[dict[str, Any]] = []
+    for section in ("filters", "scorers"):
+        items = data.get(section) or []
+        if not isinstance(items, list):
+            raise ConfigError(f"scheduling profile {where}: '{section}' must be a list")
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise ConfigError(f"scheduling profile {where}: {section}[{i}] is not a mapping")
+            params = {k: v for k, v in item.items() if k not in ("type", "name", "weight")}
+            ptype = item.get("type") or (
+                "endpoint-attribute-scorer" if "attributeKey" in item else None
+            )
+            if ptype is None:
+                raise ConfigError(f"scheduling profile {where}: {section}[{i}] needs a 'type'")
+            name = str(item.get("name") or f"{ptype}-{section}-{i}")
+            plugins.append({"type": ptype, "name": name, "parameters": params})
+            ref: dict[str, Any] = {"pluginRef": name}
+            if "weight" in item:
+                ref["weight"] = item["weight"]
+            refs.append(ref)
+    picker = data.get("picker")
+    if picker is not None:
+        ptype = picker if isinstance(picker, str) else picker.get("type")
+        params = {} if isinstance(picker, str) else {k: v for k, v in picker.items() if k != "type"}
+        plugins.append({"type": ptype, "name": "picker", "parameters": params})
+        refs.append({"pluginRef": "picker"})
+    return {"plugins": plugins, "schedulingProfiles": [{"name": "default", "plugins": refs}]}

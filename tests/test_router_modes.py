@@ -399,3 +399,55 @@ def test_load_aware_scorer():
     d = r.route(RouteRequest("x", tokens(1)))
     assert d.scores == {"a": 0.5, "b": 0.25, "c": 0.0, "d": 0.0}
     assert d.worker_id == "a"
+
+
+ARTICLE_SHORT_FORM = """
+filters:
+  - type: label-selector-filter
+    selector: "llm-d.ai/model-family=qwen,llm-d.ai/serving-role=decode"
+  - type: gpu-utilization-filter
+    maxPercent: 90
+    fallbackOnEmpty: true
+scorers:
+  - name: gpu-headroom
+    attributeKey: gpu_utilization
+    algorithm:
+      type: linear_lower_is_better
+      normalization:
+        fixedRange: {min: 0, max: 1}
+  - name: queue-pressure
+    attributeKey: queue_depth
+    algorithm:
+      type: linear_lower_is_better
+      normalization: adaptiveRange
+"""
+
+
+def test_short_form_profile_from_the_llm_d_article():
+    prof = load_profile(yaml.safe_load(ARTICLE_SHORT_FORM))
+    qwen = {"llm-d.ai/model-family": "qwen", "llm-d.ai/serving-role": "decode"}
+    ws = [
+        Worker("a", labels=qwen),
+        Worker("b", labels=qwen),
+        Worker("c", labels=qwen),
+        Worker("llama", labels={"llm-d.ai/model-family": "llama"}),
+    ]
+    r = make_router(router_mode="profile", workers=ws, profile=prof)
+    r.set_attributes("a", {"gpu_utilization": 0.95, "queue_depth": 0})  # over 90 %
+    r.set_attributes("b", {"gpu_utilization": 0.30, "queue_depth": 8})
+    r.set_attributes("c", {"gpu_utilization": 0.60, "queue_depth": 2})
+    d = r.route(RouteRequest("x", tokens(2)))
+    rows = {c["worker_id"]: c for c in d.candidates}
+    assert set(rows) == {"b", "c"}
+    # b: headroom 0.7 + queue 0 ; c: headroom 0.4 + queue 1
+    assert rows["b"]["score"] == pytest.approx(0.7) and rows["c"]["score"] == pytest.approx(1.4)
+    assert d.worker_id == "c"
+    assert {(e.worker_id, e.filter) for e in d.excluded} == {
+        ("llama", "label-selector"),
+        ("a", "attribute:gpu_utilization"),
+    }
+    # every qwen endpoint over 90 %: fallback keeps the least loaded instead of failing
+    for w in "bc":
+        r.set_attributes(w, {"gpu_utilization": 0.99})
+    d = r.route(RouteRequest("y", tokens(2)))
+    assert d.worker_id == "a" and d.fallback
