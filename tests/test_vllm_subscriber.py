@@ -278,3 +278,18 @@ def test_zmq_context_shared_cleanly():
     s = VllmSubscriber(context=ctx).start()
     s.stop()
     ctx.term()
+
+
+def test_configured_engine_address_is_dialled_when_not_bindable(sub):
+    """A worker config naming the engine's own bound address (tcp://host:port) cannot be bound
+    by kvplug (in use here; another host's elsewhere), so kvplug connects to it."""
+    eng = Engine("e1")
+    m = Mirror()
+    src = EventSource("e1", f"tcp://127.0.0.1:{eng.port}", m,
+                      replay_endpoint=f"tcp://127.0.0.1:{eng.rport}")
+    assert src.kvplug_binds
+    sub.add(src)
+    time.sleep(0.3)
+    assert not src.kvplug_binds
+    eng.store([1, 2])
+    assert settle(eng, m)

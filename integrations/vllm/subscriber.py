@@ -94,9 +94,11 @@ class EventSource:
     engine_host: str | None = None
     block_size: int = 0
 
+    endpoint_mode: str = "auto"  # "connect" once binding the address turned out impossible
+
     @property
     def kvplug_binds(self) -> bool:
-        return not engine_binds(self.endpoint)
+        return self.endpoint_mode != "connect" and not engine_binds(self.endpoint)
 
     @property
     def address(self) -> str:
@@ -349,15 +351,26 @@ class VllmSubscriber:
         key = (src.worker_id, src.dp_rank)
         if key in self._streams:
             self._remove_key(key)
+        sock = None
         if src.kvplug_binds:
             sock = self._bound.get(src.address)
             if sock is None:
                 sock = self._new_sub()
-                sock.bind(src.address)
-                self._bound[src.address] = sock
-                self._by_socket[sock] = []
-                self._poller.register(sock, zmq.POLLIN)
-        else:
+                try:
+                    sock.bind(src.address)
+                except zmq.ZMQError as e:
+                    # Not ours to bind: the address is another host's, or the engine itself
+                    # bound it (a configured endpoint naming the engine's address). Dial it.
+                    sock.close(linger=0)
+                    sock = None
+                    log.info("vLLM events: %s: cannot bind %s (%s); connecting instead",
+                             src.worker_id, src.address, e)
+                    src.endpoint_mode = "connect"
+                else:
+                    self._bound[src.address] = sock
+                    self._by_socket[sock] = []
+                    self._poller.register(sock, zmq.POLLIN)
+        if sock is None:
             sock = self._new_sub()
             sock.connect(src.address)
             self._by_socket[sock] = []
@@ -367,7 +380,7 @@ class VllmSubscriber:
         self._streams[key] = _Stream(src, BatchDecoder(src.worker_id, block_size=src.block_size))
         log.info(
             "vLLM events: %s rank %d %s %s (topic %r, replay %s)",
-            src.worker_id, src.dp_rank, "bound" if src.kvplug_binds else "connected",
+            src.worker_id, src.dp_rank, "bound" if src.kvplug_binds else "connected to",
             src.address, src.topic, src.replay_address,
         )
 
