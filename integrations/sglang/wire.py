@@ -446,10 +446,12 @@ class SglangDecoder:
     def _drop(self, reason: str, dp_rank: int, seq: int | None, detail: str) -> None:
         self.drops[reason] += 1
         self.last_error = f"{reason}: {detail}"
-        log.warning(
-            "sglang worker %s rank %s seq %s: dropped (%s) %s",
-            self.worker_id, dp_rank, seq, reason, detail,
-        )
+        n = self.drops[reason]
+        if n <= 5 or n % 1000 == 0:  # counters keep the totals; the log stays readable
+            log.warning(
+                "sglang worker %s rank %s seq %s: dropped (%s, %d so far) %s",
+                self.worker_id, dp_rank, seq, reason, n, detail,
+            )
 
     def _decode_event(self, raw: Any, dp_rank: int, out: list[WireItem]) -> None:
         if isinstance(raw, dict):

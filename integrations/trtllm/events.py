@@ -163,10 +163,12 @@ class TrtllmDecoder:
     # -- internals ---------------------------------------------------------------------------
     def _drop(self, reason: str, rank: Any, event_id: Any, detail: str) -> None:
         self.drops[reason] += 1
-        log.warning(
-            "trtllm worker %s rank %s event_id %s: dropped (%s) %s",
-            self.worker_id, rank, event_id, reason, detail,
-        )
+        n = self.drops[reason]
+        if n <= 5 or n % 1000 == 0:  # counters keep the totals; the log stays readable
+            log.warning(
+                "trtllm worker %s rank %s event_id %s: dropped (%s, %d so far) %s",
+                self.worker_id, rank, event_id, reason, n, detail,
+            )
 
     def _clear(self, rank: int, state: RankState, out: list[KvEvent]) -> None:
         state.partial.clear()
