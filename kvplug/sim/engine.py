@@ -131,11 +131,16 @@ class SimEngine:
         return bool(self.waiting or self.prefilling or self.decoding)
 
     def metrics(self) -> dict[str, float]:
-        """Gauges in vLLM's vocabulary (what a scraper would turn into router attributes)."""
+        """Gauges under the attribute names the vLLM metrics scraper gives the router (vLLM's
+        names and the aliases kvplug's scorers read)."""
+        running, waiting, usage = float(self.num_running), float(self.num_waiting), self.kv_usage()
         return {
-            "num_requests_running": float(self.num_running),
-            "num_requests_waiting": float(self.num_waiting),
-            "kv_cache_usage_perc": self.kv_usage(),
+            "num_requests_running": running,
+            "num_requests_waiting": waiting,
+            "kv_cache_usage": usage,
+            "running_requests": running,
+            "queue_depth": waiting,
+            "kv_usage": usage,
         }
 
     # -- input ----------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Routing policies for the replay, written ``NAME[:key=value,...]`` on the command line.
 
 ``NAME`` is ``kv``, ``approx`` (kv mode without engine events: the router records what it routed,
-with a TTL), or a simple mode (``round-robin``, ``random``, ``least-loaded``, ``power-of-two``).
+with a TTL), ``profile`` (an llm-d-style scheduling profile; default: the bundled
+``data/profile_llmd.yaml``, or ``profile:router_profile=FILE``), or a simple mode
+(``round-robin``, ``random``, ``least-loaded``, ``power-of-two``).
 Keys are :class:`kvplug.config.RouterConfig` fields or the short aliases below, e.g.
 ``kv:credit=0.5,temperature=0.1``.
 """
@@ -9,10 +11,13 @@ Keys are :class:`kvplug.config.RouterConfig` fields or the short aliases below, 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 ALIASES = {
     "credit": "router_kv_overlap_score_credit",
+    "credit_decay": "router_kv_overlap_score_credit_decay",
     "temperature": "router_temperature",
     "temp": "router_temperature",
     "prefill_scale": "router_prefill_load_scale",
@@ -29,6 +34,7 @@ DEFAULT_POLICIES = (
     "kv:credit=1.5",
     "kv:temperature=0.1",
     "approx",
+    "profile",
     "round-robin",
     "random",
     "least-loaded",
@@ -50,8 +56,14 @@ class Policy:
         values: dict[str, Any] = {"router_mode": self.mode, "kv_block_size": block_size}
         if self.name.split(":", 1)[0] == "approx":
             values["router_kv_events"] = False
+        if self.mode == "profile":
+            values["router_profile"] = str(bundled_profile_path())
         values.update(self.overrides)
         return RouterConfig(**values)
+
+
+def bundled_profile_path() -> Path:
+    return Path(str(resources.files("kvplug.sim") / "data" / "profile_llmd.yaml"))
 
 
 def _coerce(raw: str) -> Any:
@@ -75,10 +87,12 @@ def parse_policy(text: str) -> Policy:
     base, _, rest = text.strip().partition(":")
     if base == "approx":
         mode = "kv"
-    elif base in ("kv", *SIMPLE_MODES):
+    elif base in ("kv", "profile", *SIMPLE_MODES):
         mode = base
     else:
-        raise ValueError(f"policy {text!r}: {base!r} is not kv, approx or one of {SIMPLE_MODES}")
+        raise ValueError(
+            f"policy {text!r}: {base!r} is not kv, approx, profile or one of {SIMPLE_MODES}"
+        )
     known = {f.name for f in fields(RouterConfig)}
     overrides: dict[str, Any] = {}
     for term in filter(None, (t.strip() for t in rest.split(","))):
@@ -87,7 +101,7 @@ def parse_policy(text: str) -> Policy:
         if not sep or key not in known:
             raise ValueError(f"policy {text!r}: {term!r} is not KEY=VALUE with a router setting")
         overrides[key] = _coerce(raw.strip())
-    feed = mode == "kv" and base != "approx"
+    feed = mode in ("kv", "profile") and base != "approx"
     if "router_kv_events" in overrides:
-        feed = bool(overrides["router_kv_events"]) and mode == "kv"
+        feed = bool(overrides["router_kv_events"]) and mode in ("kv", "profile")
     return Policy(text.strip(), mode, overrides, feed)
