@@ -22,7 +22,7 @@ import numpy as np
 from kvplug.prefill_model import PrefillPredictor
 
 
-@dataclass
+@dataclass(slots=True)
 class ActiveRequest:
     request_id: str
     endpoint: int

@@ -20,7 +20,8 @@ class RoutingHints:
     required_taints: frozenset[str] = frozenset()  # worker must carry every one
 
     def is_empty(self) -> bool:
-        return (
+        """No constraint on where the request may go (expected_osl is not a constraint)."""
+        return self is NO_HINTS or (
             self.allowed_worker_ids is None
             and self.pinned_worker_id is None
             and self.pinned_dp_rank is None

@@ -845,17 +845,17 @@ class Router:
         device when KV reuse is assumed)."""
         bs = self.block_size
         n = len(dev)
-        if rules.prefill_term:
+        # few numpy ops on purpose: each costs ~1 us at these sizes
+        if rules.prefill_term and rules.track_prefill:
+            prefill_vec = prefill_tok[sel] * (1.0 / bs)
+            prefill_vec += n_tokens / bs
+        elif rules.prefill_term:
             prefill_vec = np.full(n, n_tokens / bs)
-            if rules.track_prefill:
-                prefill_vec += prefill_tok[sel] / bs
         else:
             prefill_vec = np.zeros(n)
         if rules.track_decode:
-            full_blocks = -(-n_tokens // bs)
-            decode_vec = decode_blk[sel] + (
-                full_blocks - dev if rules.assume_reuse else full_blocks
-            )
+            decode_vec = decode_blk[sel] - dev if rules.assume_reuse else decode_blk[sel] + 0.0
+            decode_vec += -(-n_tokens // bs)
             weight = self.config.router_decode_active_request_weight
             if weight > 0:
                 decode_vec += weight * self.load.inflight[sel]
