@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from integrations.trtllm.adapter import (
+    ContextAnswerFinal,
     TrtllmAdapter,
     context_is_final,
     context_request,
@@ -90,8 +91,8 @@ def test_without_prompt_token_ids_the_prompt_stays():
         ({"choices": []}, "0 choices"),
         ({"choices": [{"finish_reason": "length"}, {"finish_reason": "length"}]}, "2 choices"),
         ({"choices": [{"finish_reason": "length"}]}, "without choices"),
-        ({"choices": [{"disaggregated_params": {"request_type": "context_only",
-                                                "ctx_request_id": None}}]}, "ctx_request_id"),
+        ({"choices": [{"finish_reason": "length", "disaggregated_params": {
+            "request_type": "context_only", "ctx_request_id": None}}]}, "ctx_request_id"),
         (None, "no choices"),
     ],
 )
@@ -108,6 +109,19 @@ def test_finish_reason_decides_whether_generation_runs(reason, final):
     answer = json.loads(json.dumps(CTX))
     answer["choices"][0]["finish_reason"] = reason
     assert context_is_final(answer) is final
+
+
+def test_a_final_context_answer_never_gets_a_generation_hop():
+    answer = json.loads(json.dumps(CTX))
+    answer["choices"][0]["finish_reason"] = "stop"
+    try:
+        generation_request(CLIENT, answer, who="ctx-0")
+    except ContextAnswerFinal as exc:
+        assert isinstance(exc, PDProtocolError)  # unknown to a frontend: safe fallback
+        assert exc.response == final_response(answer)
+        assert "ctx-0" in str(exc) and "'stop'" in str(exc)
+    else:
+        raise AssertionError("a generation request was built for a finished answer")
 
 
 def test_final_response_drops_disaggregated_params():

@@ -43,6 +43,7 @@ DISAGG_FIELDS = {"request_type", "first_gen_tokens", "ctx_request_id", "encoded_
 class FakeTrtllmServe:
     def __init__(self, role: str) -> None:
         self.role = role
+        self.final_next = False
         self.requests: list[dict] = []
         self.runner = None
         self.url = ""
@@ -68,7 +69,16 @@ class FakeTrtllmServe:
             if params.get("request_type") != "context_only" or body.get("stream"):
                 return web.json_response({"message": "context server: context_only, "
                                           "stream=false expected", "code": 400}, status=400)
-            return web.json_response(CTX_ANSWER)
+            answer = copy.deepcopy(CTX_ANSWER)
+            if self.final_next:  # EOS as the first token: the context answer is complete
+                self.final_next = False
+                answer["choices"][0]["finish_reason"] = "stop"
+            return web.json_response(answer)
+        if not params:  # a plain (context_and_generation) request: served whole
+            answer = copy.deepcopy(CTX_ANSWER)
+            answer["choices"][0].update(text=" whole", finish_reason="stop",
+                                        disaggregated_params=None)
+            return web.json_response(answer)
         ctx_params = CTX_ANSWER["choices"][0]["disaggregated_params"]
         if params != {**ctx_params, "request_type": "generation_only"}:
             return web.json_response({"message": f"bad params {params}", "code": 400}, status=400)
@@ -150,11 +160,20 @@ async def test_disaggregated_request_through_kvplug_serve(tmp_path):
                 answer = await resp.json(content_type=None)
                 assert resp.status == 200, (answer, ctx.requests, gen.requests,
                                             (tmp_path / "log").read_text()[-4000:])
-        assert answer["choices"][0]["text"] == " the quick brown fox"
-        assert len(ctx.requests) == 1 and len(gen.requests) == 1
-        assert ctx.requests[0]["disaggregated_params"] == {"request_type": "context_only"}
-        assert ctx.requests[0]["max_tokens"] == 1 and ctx.requests[0]["stream"] is False
-        assert gen.requests[0]["max_tokens"] == 16
+            assert answer["choices"][0]["text"] == " the quick brown fox"
+            assert len(ctx.requests) == 1 and len(gen.requests) == 1
+            assert ctx.requests[0]["disaggregated_params"] == {"request_type": "context_only"}
+            assert ctx.requests[0]["max_tokens"] == 1 and ctx.requests[0]["stream"] is False
+            assert gen.requests[0]["max_tokens"] == 16
+            # a context answer that is already complete gets no generation-only hop: today's
+            # frontend falls back to serving the request whole on a decode-capable worker
+            ctx.final_next = True
+            async with session.post(base + "/v1/completions", json=body) as resp:
+                answer = await resp.json(content_type=None)
+                assert resp.status == 200, answer
+            assert len(ctx.requests) == 2 and len(gen.requests) == 2
+            assert "disaggregated_params" not in gen.requests[1]
+            assert answer["choices"][0]["text"] == " whole"
     finally:
         proc.terminate()
         try:

@@ -17,8 +17,10 @@ Disaggregation (``PDStyle.SEQUENTIAL``; PROTOCOLS.md §3.5, ``openai_disagg_serv
   ``max_tokens: 1`` (what 1.0-era orchestrators sent; harmless on newer ones). Option
   ``disagg_request_id: true`` adds a random 63-bit ``disagg_request_id`` (newer builds only:
   older ones reject unknown fields);
-* ``prefill_is_final(answer)``: ``finish_reason`` not in {``length``, ``not_finished``} means
-  the context answer is the whole answer (``final_response`` strips its params);
+* ``finish_reason`` not in {``length``, ``not_finished``} means the context answer is the
+  whole answer: ``decode_request`` raises ``ContextAnswerFinal`` (a ``PDProtocolError``
+  carrying the client's answer in ``.response``) instead of building a generation hop;
+  ``prefill_is_final`` / ``final_response`` expose the same rule;
 * generation hop: the client's body with the context answer's
   ``choices[0].disaggregated_params`` **verbatim** except ``request_type: generation_only``,
   and the prompt replaced by the answer's ``prompt_token_ids`` (``prompt`` for completions,
@@ -116,10 +118,25 @@ def final_response(answer: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class ContextAnswerFinal(PDProtocolError):
+    """The context answer already is the whole answer (``finish_reason`` not ``length`` /
+    ``not_finished``, e.g. EOS as the first token): no generation hop may follow — a
+    generation-only request would continue past the end. ``response`` is what the client
+    should get. A frontend that does not know this class treats it as any
+    ``PDProtocolError``: the request falls back to one worker doing both stages, which is
+    correct, only slower."""
+
+    def __init__(self, response: dict[str, Any], who: str) -> None:
+        reason = response["choices"][0].get("finish_reason")
+        super().__init__(f"context worker {who} finished the request ({reason!r})")
+        self.response = response
+
+
 def generation_request(
     body: Mapping[str, Any], answer: Any, *, path: str = "/v1/completions", who: str = "?"
 ) -> dict[str, Any]:
-    """The generation-only request: the client's body + the context answer's params."""
+    """The generation-only request: the client's body + the context answer's params.
+    Raises ``ContextAnswerFinal`` when the context answer is already complete."""
     choice = _first_choice(answer, who)
     params = choice.get("disaggregated_params")
     if not isinstance(params, dict):
@@ -129,6 +146,9 @@ def generation_request(
         )
     if params.get("ctx_request_id") is None:
         raise PDProtocolError(f"context worker {who}: disaggregated_params.ctx_request_id is null")
+    # checked after the answer's shape, as trtllm-serve's orchestrator does
+    if choice.get("finish_reason") not in CONTINUE_REASONS:
+        raise ContextAnswerFinal(final_response(answer), who)
     out = _client_body(body)
     out["disaggregated_params"] = {**params, "request_type": "generation_only"}
     prompt_ids = answer.get("prompt_token_ids")
