@@ -31,7 +31,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+# numpy's OpenBLAS threads spin on a small shared machine and steal the core from the benchmark
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -283,7 +286,7 @@ def bench_workers(workers: int, args, dynamo) -> dict:
 
     if dynamo is not None:
         res.update(bench_dynamo(dynamo, wl, res.pop("_dyn_queries"), args))
-    del idx
+    idx = None
     gc.collect()
     return res
 
@@ -371,7 +374,8 @@ def table(results: dict) -> str:
         w = r["workers"]
         lines.append("")
         lines.append(
-            f"{w} workers: {r['stored_blocks']:,} stored blocks ({r['distinct_blocks']:,} distinct),"
+            f"{w} workers: {r['stored_blocks']:,} stored blocks"
+            f" ({r['distinct_blocks']:,} distinct),"
             f" {r['events']:,} events ({r['blocks_per_event']:.1f} blocks/event)"
         )
         lines.append(

@@ -18,7 +18,10 @@
 #define NONE32 0xFFFFFFFFu
 #define EP_EMPTY 0xFFFFFFFEu /* never a valid endpoint id */
 #define HOLDER_EH_VALID 1u
-#define MIN_BITS 4
+#define MIN_CAP 16
+/* tables grow by 1.5x and stay at most 4/5 full (linear probing, multiply-high slot mapping) */
+#define LOAD_NUM 4
+#define LOAD_DEN 5
 
 typedef struct {
     kvp_engine_hash_t eh_first; /* one engine hash of ep mapped here (if HOLDER_EH_VALID) */
@@ -49,20 +52,20 @@ typedef struct {
     kvp_engine_hash_t eh;
     kvp_endpoint_t ep; /* EP_EMPTY = empty slot */
     uint32_t rec;
-    uint32_t refs[KVP_N_TIERS];
-    uint32_t pad;
+    uint16_t refs[KVP_N_TIERS]; /* an engine hash re-stored 65535 times is KVP_E_OVERFLOW */
 } mslot_t;
+#define REF_MAX 0xFFFFu
 
 struct kvp_index {
     uint64_t max_entries;
     bslot_t *bt;
-    unsigned bt_bits;
+    size_t bt_cap;
     size_t bt_count;
     block_t *pool;
     uint32_t pool_len, pool_cap, free_head;
     uint32_t lru_head, lru_tail; /* oldest, newest */
     mslot_t *mt;
-    unsigned mt_bits;
+    size_t mt_cap;
     size_t mt_count;
     uint64_t n_holdings;
     size_t ext_bytes;
@@ -80,14 +83,22 @@ struct kvp_index {
 };
 
 /* ---- small helpers ------------------------------------------------------------------------ */
-static inline size_t bslot_of(kvp_hash_t h, unsigned bits) {
-    return (size_t)((h * KPH_K0) >> (64 - bits));
+static inline size_t fastrange(uint64_t x, size_t cap) {
+    return (size_t)(((unsigned __int128)x * (uint64_t)cap) >> 64);
 }
-static inline size_t mslot_of(kvp_endpoint_t ep, kvp_engine_hash_t eh, unsigned bits) {
+static inline size_t bslot_of(kvp_hash_t h, size_t cap) {
+    uint64_t x = (h ^ (h >> 31)) * KPH_K0;
+    return fastrange(x ^ (x >> 29), cap);
+}
+static inline size_t mslot_of(kvp_endpoint_t ep, kvp_engine_hash_t eh, size_t cap) {
     uint64_t x = (eh ^ ((uint64_t)ep * KPH_K3)) * KPH_K0;
     x ^= x >> 29;
     x *= KPH_K1;
-    return (size_t)(x >> (64 - bits));
+    return fastrange(x ^ (x >> 32), cap);
+}
+static inline size_t grown_cap(size_t cap, size_t need) {
+    while (need * LOAD_DEN > cap * LOAD_NUM) cap = cap + cap / 2 + MIN_CAP;
+    return cap;
 }
 static inline int valid_ep(kvp_endpoint_t ep) { return ep < KVP_MAX_ENDPOINT || ep == KVP_SHARED; }
 static inline int valid_tier(int t) { return t >= 0 && t < KVP_N_TIERS; }
@@ -102,26 +113,25 @@ static holder_t *find_holder(block_t *b, kvp_endpoint_t ep) {
 
 /* ---- block table -------------------------------------------------------------------------- */
 static uint32_t bt_find(const kvp_index *idx, kvp_hash_t h) {
-    size_t mask = ((size_t)1 << idx->bt_bits) - 1;
-    size_t i = bslot_of(h, idx->bt_bits);
+    const size_t cap = idx->bt_cap;
+    size_t i = bslot_of(h, cap);
     for (;;) {
         const bslot_t *s = &idx->bt[i];
         if (s->rec == NONE32) return NONE32;
         if (s->key == h) return s->rec;
-        i = (i + 1) & mask;
+        if (++i == cap) i = 0;
     }
 }
 
-static void bt_put(bslot_t *bt, unsigned bits, kvp_hash_t h, uint32_t rec) {
-    size_t mask = ((size_t)1 << bits) - 1;
-    size_t i = bslot_of(h, bits);
-    while (bt[i].rec != NONE32) i = (i + 1) & mask;
+static void bt_put(bslot_t *bt, size_t cap, kvp_hash_t h, uint32_t rec) {
+    size_t i = bslot_of(h, cap);
+    while (bt[i].rec != NONE32)
+        if (++i == cap) i = 0;
     bt[i].key = h;
     bt[i].rec = rec;
 }
 
-static kvp_status bt_alloc(unsigned bits, bslot_t **out) {
-    size_t cap = (size_t)1 << bits;
+static kvp_status bt_alloc(size_t cap, bslot_t **out) {
     bslot_t *t = (bslot_t *)malloc(cap * sizeof(bslot_t));
     if (!t) return KVP_E_NOMEM;
     for (size_t i = 0; i < cap; i++) {
@@ -136,35 +146,33 @@ static kvp_status bt_alloc(unsigned bits, bslot_t **out) {
 /* Room for `extra` more blocks at load <= 3/4. */
 static kvp_status bt_reserve(kvp_index *idx, size_t extra) {
     size_t need = idx->bt_count + extra;
-    unsigned bits = idx->bt_bits;
-    while (need > (((size_t)3 << bits) >> 2)) bits++;
-    if (bits == idx->bt_bits) return KVP_OK;
-    if (bits > 40) return KVP_E_NOMEM;
+    if (need < idx->bt_count || need > ((size_t)1 << 40)) return KVP_E_NOMEM;
+    size_t cap = grown_cap(idx->bt_cap, need);
+    if (cap == idx->bt_cap) return KVP_OK;
     bslot_t *t;
-    if (bt_alloc(bits, &t) != KVP_OK) return KVP_E_NOMEM;
-    size_t old = (size_t)1 << idx->bt_bits;
-    for (size_t i = 0; i < old; i++)
-        if (idx->bt[i].rec != NONE32) bt_put(t, bits, idx->bt[i].key, idx->bt[i].rec);
+    if (bt_alloc(cap, &t) != KVP_OK) return KVP_E_NOMEM;
+    for (size_t i = 0; i < idx->bt_cap; i++)
+        if (idx->bt[i].rec != NONE32) bt_put(t, cap, idx->bt[i].key, idx->bt[i].rec);
     free(idx->bt);
     idx->bt = t;
-    idx->bt_bits = bits;
+    idx->bt_cap = cap;
     return KVP_OK;
 }
 
 static void bt_delete(kvp_index *idx, kvp_hash_t h) {
-    size_t mask = ((size_t)1 << idx->bt_bits) - 1;
-    size_t i = bslot_of(h, idx->bt_bits);
+    const size_t cap = idx->bt_cap;
+    size_t i = bslot_of(h, cap);
     for (;;) {
         if (idx->bt[i].rec == NONE32) return;
         if (idx->bt[i].key == h) break;
-        i = (i + 1) & mask;
+        if (++i == cap) i = 0;
     }
     /* backward-shift: pull later cluster members whose home is not in (i, j] */
     size_t j = i;
     for (;;) {
-        j = (j + 1) & mask;
+        if (++j == cap) j = 0;
         if (idx->bt[j].rec == NONE32) break;
-        size_t home = bslot_of(idx->bt[j].key, idx->bt_bits);
+        size_t home = bslot_of(idx->bt[j].key, cap);
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (stays) continue;
         idx->bt[i] = idx->bt[j];
@@ -177,27 +185,26 @@ static void bt_delete(kvp_index *idx, kvp_hash_t h) {
 
 /* ---- engine mapping table ----------------------------------------------------------------- */
 static mslot_t *mt_find(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh) {
-    size_t mask = ((size_t)1 << idx->mt_bits) - 1;
-    size_t i = mslot_of(ep, eh, idx->mt_bits);
+    const size_t cap = idx->mt_cap;
+    size_t i = mslot_of(ep, eh, cap);
     for (;;) {
         mslot_t *s = &idx->mt[i];
         if (s->ep == EP_EMPTY) return NULL;
         if (s->ep == ep && s->eh == eh) return s;
-        i = (i + 1) & mask;
+        if (++i == cap) i = 0;
     }
 }
 
-static mslot_t *mt_put(mslot_t *mt, unsigned bits, kvp_endpoint_t ep, kvp_engine_hash_t eh) {
-    size_t mask = ((size_t)1 << bits) - 1;
-    size_t i = mslot_of(ep, eh, bits);
-    while (mt[i].ep != EP_EMPTY) i = (i + 1) & mask;
+static mslot_t *mt_put(mslot_t *mt, size_t cap, kvp_endpoint_t ep, kvp_engine_hash_t eh) {
+    size_t i = mslot_of(ep, eh, cap);
+    while (mt[i].ep != EP_EMPTY)
+        if (++i == cap) i = 0;
     mt[i].ep = ep;
     mt[i].eh = eh;
     return &mt[i];
 }
 
-static kvp_status mt_alloc(unsigned bits, mslot_t **out) {
-    size_t cap = (size_t)1 << bits;
+static kvp_status mt_alloc(size_t cap, mslot_t **out) {
     mslot_t *t = (mslot_t *)calloc(cap, sizeof(mslot_t));
     if (!t) return KVP_E_NOMEM;
     for (size_t i = 0; i < cap; i++) t[i].ep = EP_EMPTY;
@@ -207,28 +214,26 @@ static kvp_status mt_alloc(unsigned bits, mslot_t **out) {
 
 static kvp_status mt_reserve(kvp_index *idx, size_t extra) {
     size_t need = idx->mt_count + extra;
-    unsigned bits = idx->mt_bits;
-    while (need > (((size_t)3 << bits) >> 2)) bits++;
-    if (bits == idx->mt_bits) return KVP_OK;
-    if (bits > 40) return KVP_E_NOMEM;
+    if (need < idx->mt_count || need > ((size_t)1 << 40)) return KVP_E_NOMEM;
+    size_t cap = grown_cap(idx->mt_cap, need);
+    if (cap == idx->mt_cap) return KVP_OK;
     mslot_t *t;
-    if (mt_alloc(bits, &t) != KVP_OK) return KVP_E_NOMEM;
-    size_t old = (size_t)1 << idx->mt_bits;
-    for (size_t i = 0; i < old; i++)
-        if (idx->mt[i].ep != EP_EMPTY) *mt_put(t, bits, idx->mt[i].ep, idx->mt[i].eh) = idx->mt[i];
+    if (mt_alloc(cap, &t) != KVP_OK) return KVP_E_NOMEM;
+    for (size_t i = 0; i < idx->mt_cap; i++)
+        if (idx->mt[i].ep != EP_EMPTY) *mt_put(t, cap, idx->mt[i].ep, idx->mt[i].eh) = idx->mt[i];
     free(idx->mt);
     idx->mt = t;
-    idx->mt_bits = bits;
+    idx->mt_cap = cap;
     return KVP_OK;
 }
 
 static void mt_delete_at(kvp_index *idx, size_t i) {
-    size_t mask = ((size_t)1 << idx->mt_bits) - 1;
+    const size_t cap = idx->mt_cap;
     size_t j = i;
     for (;;) {
-        j = (j + 1) & mask;
+        if (++j == cap) j = 0;
         if (idx->mt[j].ep == EP_EMPTY) break;
-        size_t home = mslot_of(idx->mt[j].ep, idx->mt[j].eh, idx->mt_bits);
+        size_t home = mslot_of(idx->mt[j].ep, idx->mt[j].eh, cap);
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (stays) continue;
         idx->mt[i] = idx->mt[j];
@@ -247,7 +252,7 @@ static kvp_status pool_reserve(kvp_index *idx, size_t extra) {
     if (need <= idx->pool_cap) return KVP_OK;
     if (need >= NONE32 - 1) return KVP_E_NOMEM;
     size_t cap = idx->pool_cap ? idx->pool_cap : 64;
-    while (cap < need) cap *= 2;
+    while (cap < need) cap += cap / 2;
     if (cap >= NONE32 - 1) cap = NONE32 - 2;
     block_t *p = (block_t *)realloc(idx->pool, cap * sizeof(block_t));
     if (!p) return KVP_E_NOMEM;
@@ -375,7 +380,7 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             idx->c.conflicting_stores++;
             return KVP_OK;
         }
-        if (m->refs[tier] == NONE32) return KVP_E_OVERFLOW;
+        if (m->refs[tier] == REF_MAX) return KVP_E_OVERFLOW;
         hd = find_holder(&idx->pool[r], ep);
         if (hd->count[tier] == NONE32) return KVP_E_OVERFLOW;
     } else {
@@ -383,7 +388,7 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
         if (r == NONE32) {
             r = pool_take(idx);
             idx->pool[r].hash = h;
-            bt_put(idx->bt, idx->bt_bits, h, r);
+            bt_put(idx->bt, idx->bt_cap, h, r);
             idx->bt_count++;
             if (idx->max_entries) lru_append(idx, r);
         }
@@ -406,7 +411,7 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             return KVP_E_OVERFLOW;
         }
         hd->nmaps++;
-        m = mt_put(idx->mt, idx->mt_bits, ep, eh);
+        m = mt_put(idx->mt, idx->mt_cap, ep, eh);
         m->rec = r;
         m->refs[0] = m->refs[1] = m->refs[2] = 0;
         idx->mt_count++;
@@ -444,7 +449,7 @@ static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
 /* Delete every mapping pointing at record r (or, with ep != EP_EMPTY, every mapping of ep),
  * scanning the table; deletion shifts entries back into the current slot, so re-check it. */
 static void scan_delete_mappings(kvp_index *idx, uint32_t r, kvp_endpoint_t ep) {
-    size_t cap = (size_t)1 << idx->mt_bits;
+    const size_t cap = idx->mt_cap;
     size_t i = 0;
     while (i < cap) {
         mslot_t *s = &idx->mt[i];
@@ -485,12 +490,12 @@ kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out) {
     kvp_index *idx = (kvp_index *)calloc(1, sizeof(kvp_index));
     if (!idx) return KVP_E_NOMEM;
     idx->max_entries = max_entries;
-    idx->bt_bits = MIN_BITS;
-    idx->mt_bits = MIN_BITS;
+    idx->bt_cap = MIN_CAP;
+    idx->mt_cap = MIN_CAP;
     idx->free_head = NONE32;
     idx->lru_head = idx->lru_tail = NONE32;
     idx->gen = 0;
-    if (bt_alloc(MIN_BITS, &idx->bt) != KVP_OK || mt_alloc(MIN_BITS, &idx->mt) != KVP_OK) {
+    if (bt_alloc(MIN_CAP, &idx->bt) != KVP_OK || mt_alloc(MIN_CAP, &idx->mt) != KVP_OK) {
         kvp_index_free(idx);
         return KVP_E_NOMEM;
     }
@@ -526,7 +531,10 @@ static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
                                   const kvp_engine_hash_t *ehs, const kvp_hash_t *hs, size_t n) {
     kvp_status st = KVP_OK;
     for (size_t i = 0; i < n; i++) {
-        if (i + 4 < n && idx->bt) __builtin_prefetch(&idx->bt[bslot_of(hs[i + 4], idx->bt_bits)]);
+        if (i + 4 < n) {
+            __builtin_prefetch(&idx->bt[bslot_of(hs[i + 4], idx->bt_cap)]);
+            __builtin_prefetch(&idx->mt[mslot_of(ep, ehs[i + 4], idx->mt_cap)]);
+        }
         st = add_ref(idx, ep, ehs[i], hs[i], tier);
         if (st != KVP_OK) break;
     }
@@ -644,7 +652,7 @@ kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int 
         }
         if (from_tier == to_tier) continue;
         /* overflow would only strike add_ref after the drop; check first so a move is atomic */
-        if (m->refs[to_tier] == NONE32) return KVP_E_OVERFLOW;
+        if (m->refs[to_tier] == REF_MAX) return KVP_E_OVERFLOW;
         holder_t *hd = find_holder(&idx->pool[m->rec], ep);
         if (hd->count[to_tier] == NONE32) return KVP_E_OVERFLOW;
         kvp_hash_t h = idx->pool[m->rec].hash;
@@ -661,7 +669,7 @@ kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int 
 kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
     if (idx == NULL) return KVP_E_NULL;
     if (!valid_ep(ep)) return KVP_E_ENDPOINT;
-    size_t cap = (size_t)1 << idx->mt_bits;
+    const size_t cap = idx->mt_cap;
     size_t i = 0;
     while (i < cap) {
         mslot_t *s = &idx->mt[i];
@@ -718,11 +726,11 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
     uint32_t *run = idx->run;
     size_t walked = 0;
     size_t n_active = 0;
-    const unsigned bits = idx->bt_bits;
+    const size_t bcap = idx->bt_cap;
     enum { AHEAD = 8 };
-    for (size_t i = 0; i < n && i < AHEAD; i++) __builtin_prefetch(&idx->bt[bslot_of(hs[i], bits)]);
+    for (size_t i = 0; i < n && i < AHEAD; i++) __builtin_prefetch(&idx->bt[bslot_of(hs[i], bcap)]);
     for (size_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) __builtin_prefetch(&idx->bt[bslot_of(hs[i + AHEAD], bits)]);
+        if (i + AHEAD < n) __builtin_prefetch(&idx->bt[bslot_of(hs[i + AHEAD], bcap)]);
         uint32_t r = bt_find(idx, hs[i]);
         walked = i + 1;
         int shared = 0;
@@ -797,8 +805,8 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
     out->blocks = idx->bt_count;
     out->entries = idx->n_holdings;
     out->engine_mappings = idx->mt_count;
-    out->memory_bytes = sizeof(kvp_index) + ((size_t)sizeof(bslot_t) << idx->bt_bits) +
-                        ((size_t)sizeof(mslot_t) << idx->mt_bits) +
+    out->memory_bytes = sizeof(kvp_index) + sizeof(bslot_t) * idx->bt_cap +
+                        sizeof(mslot_t) * idx->mt_cap +
                         (size_t)idx->pool_cap * sizeof(block_t) + idx->ext_bytes +
                         idx->ep_cap * 2 * sizeof(uint32_t) + idx->run_cap * sizeof(uint32_t) +
                         idx->seq_cap * sizeof(kvp_hash_t);
@@ -811,7 +819,7 @@ kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_
     if (cap > 0 && (hashes == NULL || counts == NULL)) return KVP_E_NULL;
     if (!valid_ep(ep)) return KVP_E_ENDPOINT;
     size_t n = 0;
-    size_t slots = (size_t)1 << idx->bt_bits;
+    size_t slots = idx->bt_cap;
     for (size_t i = 0; i < slots; i++) {
         if (idx->bt[i].rec == NONE32) continue;
         block_t *b = &idx->pool[idx->bt[i].rec];

@@ -165,9 +165,31 @@ cdef int _open_tokens(object tokens, TokenView *tv) except -1:
     cdef int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
     cdef str fmt
     cdef Py_ssize_t isz
+    cdef int tnum
     tv.has_buf = False
     tv.ptr = NULL
     tv.n = 0
+    if type(tokens) is np.ndarray:
+        # fast path: a 1-D aligned contiguous native 4/8-byte integer array, read in place (the
+        # caller's reference keeps it alive for the call)
+        tnum = cnp.PyArray_TYPE(<cnp.ndarray>tokens)
+        if (cnp.PyArray_NDIM(<cnp.ndarray>tokens) == 1
+                and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>tokens)
+                and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>tokens)):
+            if tnum == cnp.NPY_UINT32:
+                tv.dt = KVP_DT_U32
+            elif tnum == cnp.NPY_INT32:
+                tv.dt = KVP_DT_I32
+            elif tnum == cnp.NPY_INT64:
+                tv.dt = KVP_DT_I64
+            elif tnum == cnp.NPY_UINT64:
+                tv.dt = KVP_DT_U64
+            else:
+                tnum = -1
+            if tnum != -1:
+                tv.ptr = cnp.PyArray_DATA(<cnp.ndarray>tokens)
+                tv.n = <size_t>cnp.PyArray_DIM(<cnp.ndarray>tokens, 0)
+                return 0
     if isinstance(tokens, (bytes, bytearray)) or (
         isinstance(tokens, memoryview) and tokens.format in ("B", "b", "c")
     ):
@@ -272,6 +294,13 @@ cdef object _u64_slow(object seq, str what):
 cdef cnp.ndarray _as_u64(object x, str what):
     """x as an aligned, contiguous uint64 numpy array (a view for int64/uint64 arrays)."""
     cdef cnp.ndarray a
+    cdef int tnum
+    if type(x) is np.ndarray:
+        a = <cnp.ndarray>x
+        tnum = cnp.PyArray_TYPE(a)
+        if (tnum == cnp.NPY_UINT64 and cnp.PyArray_NDIM(a) == 1 and cnp.PyArray_ISCARRAY_RO(a)
+                and cnp.PyArray_ISNOTSWAPPED(a)):
+            return a  # fast path: used in place
     if isinstance(x, np.ndarray):
         a = <cnp.ndarray>x
         kind = a.dtype.kind
