@@ -110,6 +110,7 @@ async def test_prefill_errors_4xx_to_the_client_5xx_fall_back():
         assert resp.status == 200  # a 5xx prefill falls back to decode-only
         trace = await h.trace(resp.headers["x-kvplug-decision-id"])
         assert "HTTP 500" in trace["fallback_reason"]
+        assert "x-kvplug-prefill-worker" not in resp.headers
         h.assert_idle()
 
 
@@ -139,6 +140,8 @@ async def test_sglang_style_concurrent_bootstrap():
         assert pre["bootstrap_host"] == "127.0.0.1" and pre["bootstrap_port"] == 8998
         assert pre["stream"] is True  # SGLang sends the same body to both
         assert h.board.pulled == 1
+        pre_trace = await h.trace(resp.headers["x-kvplug-prefill-decision-id"])
+        assert pre_trace["outcome"] == "ok" and pre_trace["status"] == 200
         h.assert_idle()
 
 

@@ -10,7 +10,6 @@ two-stage requests).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -373,6 +372,8 @@ class Frontend:
         rec = routed.record
         rec.status = status
         rec.total_s = time.perf_counter() - started
+        if status == 200 and answer is None and raw.lstrip().startswith(b"data:"):
+            answer = {}  # a streamed prefill answer (SGLang sends the client's body as is)
         if status != 200 or not isinstance(answer, dict):
             rec.outcome = "engine_error"
             rec.error = raw[:500].decode(errors="replace")
@@ -492,7 +493,7 @@ class Frontend:
             "x-kvplug-dp-rank": str(d.dp_rank),
             "X-Request-Id": ctx.request_id,
         }
-        if plan is not None and plan.prefill is not None:
+        if plan is not None and plan.prefill is not None and plan.fallback_reason is None:
             headers["x-kvplug-prefill-worker"] = plan.prefill.decision.worker_id
             headers["x-kvplug-prefill-decision-id"] = plan.prefill.record.decision_id
         response, outcome, error = await relay(request, upstream, first, routed.lifecycle, headers)
@@ -553,7 +554,8 @@ class Frontend:
         return web.json_response(detail, status=200 if ok else 503)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
-        body = await asyncio.get_running_loop().run_in_executor(None, self.metrics.render)
+        # on the loop thread: the collectors read the router, which only this thread touches
+        body = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def handle_decision(self, request: web.Request) -> web.Response:
