@@ -34,7 +34,7 @@ import numpy as np
 from kvplug.events import BlockMoved, BlockRemoved, BlockStored
 from kvplug.sim.cache import BlockCache, CacheFull
 from kvplug.sim.steptime import REFERENCE, StepTimeModel
-from kvplug.sim.trace import _mix, output_tokens
+from kvplug.sim.trace import output_tokens
 
 _M64 = (1 << 64) - 1
 
@@ -238,9 +238,13 @@ class SimEngine:
         if any(stored):
             self._stored(req, first, hashes, stored)
 
-    def _output_block_hash(self, req: SimRequest, block_index: int) -> int:
-        x = np.array([(req.salt * 0x9E3779B97F4A7C15 + block_index) & _M64], dtype=np.uint64)
-        return int(_mix(x)[0])
+    @staticmethod
+    def _output_block_hash(req: SimRequest, block_index: int) -> int:
+        """A request-unique hash for a block filled by generated tokens (splitmix64)."""
+        x = (req.salt * 0x9E3779B97F4A7C15 + block_index) & _M64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+        return x ^ (x >> 31)
 
     # -- scheduling -----------------------------------------------------------------------------
     def _admit(self, req: SimRequest) -> bool:
