@@ -410,3 +410,14 @@ async def test_adapter_liveness_verdicts_reach_the_fleet():
             assert not h.frontend.fleet.unhealthy
     finally:
         unregister_adapter("watched")
+
+
+async def test_no_token_source_routes_on_load_only():
+    settings = ServeSettings(engine_tokenize=False, health_interval=0)
+    async with serving(2, settings=settings) as h:
+        resp, raw = await h.complete("text without a tokenizer", stream=True)
+        assert resp.status == 200, raw
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        assert trace["tokens"]["source"] == "none" and trace["tokens"]["count"] is None
+        assert trace["router"]["prompt_tokens"] == 0
+        h.assert_idle()

@@ -318,6 +318,14 @@ class Frontend:
             raise bad_request(str(exc), code="invalid_request") from None
         route_s = time.perf_counter() - t0
         self.metrics.route_seconds.labels(stage.value).observe(route_s)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "request %s (%s, attempt %d): %s",
+                ctx.request_id,
+                stage.value,
+                attempt,
+                decision.explain(),
+            )
         entry = self.fleet.workers[decision.worker_id]
         record = DecisionRecord(
             decision,
