@@ -13,8 +13,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +121,8 @@ class Frontend:
         self.block_size = router.index.block_size
         self._keys = itertools.count(1)
         self._req_counters: dict[tuple[str, int], Any] = {}
+        self._children: dict[tuple, Any] = {}  # prometheus children, looked up once
+        self._id_prefix = secrets.token_hex(6)  # request ids: unique per process and request
         self._tokenize_rr = itertools.count()
 
     # -- process lifecycle ----------------------------------------------------------------
@@ -136,6 +138,13 @@ class Frontend:
         await self.prober.stop()
         await self.fleet.close()
         await self.upstream.close()
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def _router_stats(self) -> dict[str, Any]:
         try:
@@ -181,7 +190,7 @@ class Frontend:
             if counter is None:
                 counter = self._req_counters[key] = m.requests.labels(path, str(status))
             counter.inc()
-            m.request_seconds.labels(path, "true" if stream else "false").observe(
+            self._child(m.request_seconds, path, "true" if stream else "false").observe(
                 time.perf_counter() - started
             )
 
@@ -239,7 +248,7 @@ class Frontend:
         hints = hints_from_request(req.nvext, request.headers)
         self._check_hint_workers(hints)
         tokens, source, note = await self.tokens.resolve(req)
-        self.metrics.token_source.labels(source).inc()
+        self._child(self.metrics.token_source, source).inc()
         limit = self.settings.max_prompt_tokens
         if limit and tokens is not None and len(tokens) > limit:
             raise ApiError(
@@ -250,10 +259,9 @@ class Frontend:
                 "context_length_exceeded",
                 "prompt",
             )
-        request_id = request.headers.get("X-Request-Id") or f"kvplug-{uuid.uuid4().hex}"
-        ctx = RequestContext(
-            next(self._keys), request_id, req, tokens, source, note, hints, model_workers
-        )
+        key = next(self._keys)
+        request_id = request.headers.get("X-Request-Id") or f"kvplug-{self._id_prefix}-{key}"
+        ctx = RequestContext(key, request_id, req, tokens, source, note, hints, model_workers)
         return await self._dispatch(request, ctx), req.stream
 
     # -- routing ---------------------------------------------------------------------------
@@ -317,7 +325,7 @@ class Frontend:
         except (InvalidRequest, InvalidTokens) as exc:
             raise bad_request(str(exc), code="invalid_request") from None
         route_s = time.perf_counter() - t0
-        self.metrics.route_seconds.labels(stage.value).observe(route_s)
+        self._child(self.metrics.route_seconds, stage.value).observe(route_s)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "request %s (%s, attempt %d): %s",

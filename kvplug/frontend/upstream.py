@@ -76,6 +76,7 @@ class Upstream:
                     total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout
                 ),
                 auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no cookies
                 skip_auto_headers=("Accept-Encoding", "User-Agent"),
             )
 
