@@ -252,7 +252,6 @@ def main() -> None:
     gen_s = time.perf_counter() - t
     blocks = sum(w[3] for w in work)
     nbytes = sum(len(w[2]) for w in work)
-    stored = sum(1 for w in work)
     print(f"workload: {len(work)} batches, {blocks} blocks, {nbytes / 1e6:.1f} MB "
           f"(generated in {gen_s:.1f}s), block size {args.block_size}, {args.engines} engines")
 
@@ -290,8 +289,8 @@ def main() -> None:
         "benchmark": "bench_ingest",
         "command": "python benchmarks/bench_ingest.py " + " ".join(sys.argv[1:]),
         "params": vars(args) | {"out": None},
-        "workload": {"batches": len(work), "blocks": blocks, "bytes": nbytes, "events_batches":
-                     stored, "vllm_version": "0.32.0", "encoding": "map, uint64 hashes"},
+        "workload": {"batches": len(work), "blocks": blocks, "bytes": nbytes,
+                     "vllm_version": "0.32.0", "encoding": "map, uint64 hashes"},
         "core_backend": kvplug.backend,
         "naive_decoder": NAIVE_LIB,
         "results": results,

