@@ -105,3 +105,24 @@ def test_bad_sizes_raise():
         BlockCache(0)
     with pytest.raises(ValueError):
         BlockCache(4, host_capacity=-1)
+
+
+def test_reload_is_not_evicted_by_the_offloads_that_make_its_room():
+    """Host tier full, the block to reload is the host's oldest: making device room offloads
+    a block, which must not push the block being reloaded out of the host tier."""
+    log, sink = _recorder()
+    c = BlockCache(2, host_capacity=2, sink=sink)
+    for h in (1, 2, 3, 4):  # each evicts the previous ones: host ends up holding 1, 2
+        c.reserve(1)
+        c.commit([h])
+        c.release([h])
+    assert c.host_blocks() == [1, 2] and c.lru_order() == [3, 4]
+    log.clear()
+    c.admit([], [1], 0)  # room comes from offloading 3: the host would overflow if 1 stayed
+    assert c.on_device(1) and not c.on_host(1)
+    assert c.host_blocks() == [2, 3]
+    # every event is consistent with what the tiers held at the time
+    assert log == [
+        ("moved", (Tier.DEVICE, Tier.HOST), [3]),
+        ("moved", (Tier.HOST, Tier.DEVICE), [1]),
+    ]

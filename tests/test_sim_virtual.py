@@ -105,3 +105,31 @@ def test_bad_policy_is_rejected_before_running():
     cfg = p.router_config(512)
     assert cfg.router_kv_overlap_score_credit == 0.5 and cfg.router_temperature == 0.1
     assert not parse_policy("approx").feed_events and parse_policy("kv").feed_events
+
+
+def test_event_stream_keeps_the_index_exactly_in_sync_with_the_engines(first_800):
+    """Small caches with a host tier force evictions, offloads, reloads and host drops: every
+    event the engines emit must apply cleanly, and at the end the router's index must hold
+    exactly what the engines hold (device + host, per engine)."""
+    from kvplug.sim.engine import EngineConfig
+
+    cfg = ReplayConfig(
+        n_engines=4, engine=EngineConfig(capacity_blocks=300, host_capacity_blocks=300)
+    )
+    res = replay(first_800, parse_policy("kv").router_config(512), cfg, policy="kv")
+    st = res.router_stats
+    for key in (
+        "unknown_moves",
+        "unknown_removes",
+        "conflicting_stores",
+        "orphan_stores",
+        "duplicate_stores",
+        "dropped_events",
+    ):
+        assert st[key] == 0, (key, st)
+    assert st["moved_blocks"] > 0 and st["removed_blocks"] > 0
+    assert sum(e.cache.counters["reloaded"] for e in res.engines) > 0
+    held = sum(len(e.cache.device_blocks()) + len(e.cache.host_blocks()) for e in res.engines)
+    assert st["entries"] == held
+    s = summarize(res)
+    assert s["hit_rate_host"] > 0

@@ -183,15 +183,21 @@ class BlockCache:
             refs[h] = r + 1
 
     def reload(self, hashes: Sequence[int]) -> None:
-        """Bring host-tier blocks to the device (referenced). Capacity must be made first."""
+        """Bring host-tier blocks to the device, referenced (one copy per block: the host copy
+        goes). Raises CacheFull, changing nothing, when the device cannot make room."""
+        if len(hashes) > self.free:
+            raise CacheFull(f"reload of {len(hashes)} blocks, {self.free} allocatable")
+        missing = [h for h in hashes if h not in self._host]
+        if missing:
+            raise KeyError(f"blocks not on the host tier: {missing[:4]}")
+        # leave the host tier first: the offloads that make room must not evict these
+        for h in hashes:
+            del self._host[h]
         self._make_room(len(hashes))
         for h in hashes:
             self._refs[h] = 1
         self.counters["reloaded"] += len(hashes)
         self._emit("moved", (Tier.HOST, Tier.DEVICE), list(hashes))
-        # the host copy is dropped: the device holds the block again (one copy per block)
-        for h in hashes:
-            self._host.pop(h, None)
 
     def commit(self, hashes: Sequence[int]) -> list[bool]:
         """Freshly computed blocks replace as many reserved anonymous blocks, now cached.
