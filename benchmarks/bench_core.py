@@ -244,7 +244,10 @@ def bench_workers(workers: int, args, dynamo) -> dict:
     res["distinct_blocks"] = st["blocks"]
     idx2 = core.Index()
     res["c_apply_hashes_blocks_per_s"] = n_blocks / apply_c_hashes(idx2, wl.events)
-    del idx2
+    idx2 = core.Index()
+    idx2.reserve(st["blocks"], st["engine_mappings"])  # a router knows its fleet's KV capacity
+    res["c_apply_tokens_presized_blocks_per_s"] = n_blocks / apply_c_tokens(idx2, wl.events)
+    idx2 = None
 
     sub, sub_blocks = first_blocks(wl.events, args.ref_blocks)
     dt, blocks = apply_kvindex(wl.events if not args.small else sub, workers)
@@ -380,6 +383,7 @@ def table(results: dict) -> str:
         )
         lines.append(
             f"  apply blocks/s: C store_tokens {fmt_rate(r['c_apply_tokens_blocks_per_s'])},"
+            f" presized {fmt_rate(r['c_apply_tokens_presized_blocks_per_s'])},"
             f" C store(hashes) {fmt_rate(r['c_apply_hashes_blocks_per_s'])},"
             f" KvIndex.apply_many {fmt_rate(r['kvindex_apply_many_blocks_per_s'])},"
             f" reference {fmt_rate(r['ref_apply_tokens_blocks_per_s'])}"
@@ -457,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     results["hashing"] = bench_hashing(args, dynamo)
     results["workers"] = [bench_workers(w, args, dynamo) for w in args.workers]
+    results["machine"]["loadavg_at_end"] = os.getloadavg()
     text = table(results)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

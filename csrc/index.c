@@ -23,17 +23,17 @@
 #define LOAD_NUM 4
 #define LOAD_DEN 5
 
-typedef struct {
+typedef struct { /* 24 bytes */
     kvp_engine_hash_t eh_first; /* one engine hash of ep mapped here (if HOLDER_EH_VALID) */
     kvp_endpoint_t ep;
-    uint32_t nmaps; /* engine mappings of ep to this block */
-    uint32_t count[KVP_N_TIERS];
-    uint32_t flags;
+    uint16_t nmaps; /* engine mappings of ep to this block */
+    uint16_t flags;
+    uint16_t count[KVP_N_TIERS]; /* sums of the mappings' refs; 65535 is KVP_E_OVERFLOW */
 } holder_t;
+#define COUNT_MAX 0xFFFFu
 
-typedef struct {
-    kvp_hash_t hash;
-    uint32_t lru_prev, lru_next; /* lru_next doubles as the free-list link */
+typedef struct { /* 40 bytes; LRU links live in side arrays, allocated only when bounded */
+    kvp_hash_t hash; /* on the free list: the next free record id */
     uint32_t n_holders;
     uint32_t ext_cap; /* 0: the single holder is inline; else holders live in ext */
     union {
@@ -63,7 +63,8 @@ struct kvp_index {
     size_t bt_count;
     block_t *pool;
     uint32_t pool_len, pool_cap, free_head;
-    uint32_t lru_head, lru_tail; /* oldest, newest */
+    uint32_t *lru_prev, *lru_next; /* pool_cap entries each, only when max_entries > 0 */
+    uint32_t lru_head, lru_tail;   /* oldest, newest */
     mslot_t *mt;
     size_t mt_cap;
     size_t mt_count;
@@ -257,6 +258,14 @@ static kvp_status pool_reserve(kvp_index *idx, size_t extra) {
     block_t *p = (block_t *)realloc(idx->pool, cap * sizeof(block_t));
     if (!p) return KVP_E_NOMEM;
     idx->pool = p;
+    if (idx->max_entries) {
+        uint32_t *lp = (uint32_t *)realloc(idx->lru_prev, cap * sizeof(uint32_t));
+        if (!lp) return KVP_E_NOMEM; /* pool_cap unchanged: the larger pool is simply unused */
+        idx->lru_prev = lp;
+        uint32_t *ln = (uint32_t *)realloc(idx->lru_next, cap * sizeof(uint32_t));
+        if (!ln) return KVP_E_NOMEM;
+        idx->lru_next = ln;
+    }
     idx->pool_cap = (uint32_t)cap;
     return KVP_OK;
 }
@@ -265,13 +274,13 @@ static uint32_t pool_take(kvp_index *idx) {
     uint32_t r;
     if (idx->free_head != NONE32) {
         r = idx->free_head;
-        idx->free_head = idx->pool[r].lru_next;
+        idx->free_head = (uint32_t)idx->pool[r].hash;
     } else {
         r = idx->pool_len++;
     }
     block_t *b = &idx->pool[r];
     memset(b, 0, sizeof(*b));
-    b->lru_prev = b->lru_next = NONE32;
+    if (idx->max_entries) idx->lru_prev[r] = idx->lru_next[r] = NONE32;
     return r;
 }
 
@@ -282,26 +291,23 @@ static void pool_give(kvp_index *idx, uint32_t r) {
         idx->ext_bytes -= (size_t)b->ext_cap * sizeof(holder_t);
     }
     memset(b, 0, sizeof(*b));
-    b->n_holders = 0;
-    b->lru_prev = NONE32;
-    b->lru_next = idx->free_head;
+    b->hash = idx->free_head;
     idx->free_head = r;
 }
 
 static void lru_unlink(kvp_index *idx, uint32_t r) {
-    block_t *b = &idx->pool[r];
-    if (b->lru_prev != NONE32) idx->pool[b->lru_prev].lru_next = b->lru_next;
-    else if (idx->lru_head == r) idx->lru_head = b->lru_next;
-    if (b->lru_next != NONE32) idx->pool[b->lru_next].lru_prev = b->lru_prev;
-    else if (idx->lru_tail == r) idx->lru_tail = b->lru_prev;
-    b->lru_prev = b->lru_next = NONE32;
+    uint32_t *prev = idx->lru_prev, *next = idx->lru_next;
+    if (prev[r] != NONE32) next[prev[r]] = next[r];
+    else if (idx->lru_head == r) idx->lru_head = next[r];
+    if (next[r] != NONE32) prev[next[r]] = prev[r];
+    else if (idx->lru_tail == r) idx->lru_tail = prev[r];
+    prev[r] = next[r] = NONE32;
 }
 
 static void lru_append(kvp_index *idx, uint32_t r) {
-    block_t *b = &idx->pool[r];
-    b->lru_prev = idx->lru_tail;
-    b->lru_next = NONE32;
-    if (idx->lru_tail != NONE32) idx->pool[idx->lru_tail].lru_next = r;
+    idx->lru_prev[r] = idx->lru_tail;
+    idx->lru_next[r] = NONE32;
+    if (idx->lru_tail != NONE32) idx->lru_next[idx->lru_tail] = r;
     else idx->lru_head = r;
     idx->lru_tail = r;
 }
@@ -382,9 +388,14 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
         }
         if (m->refs[tier] == REF_MAX) return KVP_E_OVERFLOW;
         hd = find_holder(&idx->pool[r], ep);
-        if (hd->count[tier] == NONE32) return KVP_E_OVERFLOW;
+        if (hd->count[tier] == COUNT_MAX) return KVP_E_OVERFLOW;
     } else {
         r = bt_find(idx, h);
+        if (r != NONE32) { /* refuse an overflowing store before any change */
+            holder_t *old = find_holder(&idx->pool[r], ep);
+            if (old && (old->count[tier] == COUNT_MAX || old->nmaps == COUNT_MAX))
+                return KVP_E_OVERFLOW;
+        }
         if (r == NONE32) {
             r = pool_take(idx);
             idx->pool[r].hash = h;
@@ -407,8 +418,6 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             hd->flags = HOLDER_EH_VALID;
             idx->n_holdings++;
             if (ep != KVP_SHARED && ep + 1 > idx->ep_limit) idx->ep_limit = ep + 1;
-        } else if (hd->count[tier] == NONE32) {
-            return KVP_E_OVERFLOW;
         }
         hd->nmaps++;
         m = mt_put(idx->mt, idx->mt_cap, ep, eh);
@@ -508,6 +517,8 @@ void kvp_index_free(kvp_index *idx) {
     for (uint32_t r = 0; r < idx->pool_len; r++)
         if (idx->pool[r].ext_cap) free(idx->pool[r].h.ext);
     free(idx->pool);
+    free(idx->lru_prev);
+    free(idx->lru_next);
     free(idx->bt);
     free(idx->mt);
     free(idx->ep_gen);
@@ -540,6 +551,16 @@ static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
     }
     evict_over_bound(idx);
     return st;
+}
+
+kvp_status kvp_index_reserve(kvp_index *idx, size_t n_blocks, size_t n_mappings) {
+    if (idx == NULL) return KVP_E_NULL;
+    kvp_status st;
+    size_t nb = n_blocks > idx->bt_count ? n_blocks - idx->bt_count : 0;
+    size_t nm = n_mappings > idx->mt_count ? n_mappings - idx->mt_count : 0;
+    if ((st = bt_reserve(idx, nb)) != KVP_OK) return st;
+    if ((st = mt_reserve(idx, nm)) != KVP_OK) return st;
+    return pool_reserve(idx, n_blocks > idx->pool_len ? n_blocks - idx->pool_len : 0);
 }
 
 kvp_status kvp_index_store(kvp_index *idx, kvp_endpoint_t ep, int tier,
@@ -654,7 +675,7 @@ kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int 
         /* overflow would only strike add_ref after the drop; check first so a move is atomic */
         if (m->refs[to_tier] == REF_MAX) return KVP_E_OVERFLOW;
         holder_t *hd = find_holder(&idx->pool[m->rec], ep);
-        if (hd->count[to_tier] == NONE32) return KVP_E_OVERFLOW;
+        if (hd->count[to_tier] == COUNT_MAX) return KVP_E_OVERFLOW;
         kvp_hash_t h = idx->pool[m->rec].hash;
         drop_ref(idx, ep, m, from_tier);
         /* the drop freed at most one record/mapping/holder slot, so add_ref cannot need memory */
@@ -808,6 +829,7 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
     out->memory_bytes = sizeof(kvp_index) + sizeof(bslot_t) * idx->bt_cap +
                         sizeof(mslot_t) * idx->mt_cap +
                         (size_t)idx->pool_cap * sizeof(block_t) + idx->ext_bytes +
+                        (idx->lru_prev ? (size_t)idx->pool_cap * 2 * sizeof(uint32_t) : 0) +
                         idx->ep_cap * 2 * sizeof(uint32_t) + idx->run_cap * sizeof(uint32_t) +
                         idx->seq_cap * sizeof(kvp_hash_t);
     return KVP_OK;

@@ -79,6 +79,7 @@ cdef extern from "kvplug.h" nogil:
     kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out)
     void kvp_index_free(kvp_index *idx)
     size_t kvp_index_endpoint_limit(const kvp_index *idx)
+    kvp_status kvp_index_reserve(kvp_index *idx, size_t n_blocks, size_t n_mappings)
     kvp_status kvp_index_store(kvp_index *idx, kvp_endpoint_t ep, int tier,
                                const kvp_engine_hash_t *ehs, const kvp_hash_t *hs, size_t n)
     kvp_status kvp_index_store_tokens(kvp_index *idx, kvp_endpoint_t ep, int tier, int has_parent,
@@ -564,6 +565,20 @@ cdef class Index:
 
     cdef inline void _release(self):
         PyThread_release_lock(self.lock)
+
+    def reserve(self, blocks, mappings=None):
+        """Pre-size for ``blocks`` distinct blocks and ``mappings`` engine mappings (default:
+        as many as blocks) so that building up to that size never rehashes."""
+        cdef kvp_status st
+        b = operator.index(blocks)
+        m = b if mappings is None else operator.index(mappings)
+        if b < 0 or m < 0 or b >= (1 << 40) or m >= (1 << 40):
+            raise InvalidArgument(f"reserve({blocks}, {mappings}): out of range")
+        self._acquire()
+        st = kvp_index_reserve(self.idx, <size_t>b, <size_t>m)
+        self._release()
+        if st != KVP_OK:
+            _raise_status(st, "reserve")
 
     @property
     def endpoint_limit(self):
