@@ -8,6 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 from aiohttp import web
@@ -74,6 +75,8 @@ class FakeSglang:
         self.page_size = page_size
         self.runner = None
         self.url = ""
+        self.loads_hits = 0
+        self.load_port_base: int | None = None
 
     async def server_info(self, request):
         if not self.new:
@@ -82,12 +85,16 @@ class FakeSglang:
         info["kv_events"] = dict(INFO["kv_events"], endpoint_port_base=self.port_base,
                                  block_size=self.page_size, dp_size=1, topic="kv")
         info["kv_events"].pop("replay_endpoint_port_base")
+        if self.load_port_base is not None:
+            info["kv_events"].update(load_endpoint_port_base=self.load_port_base,
+                                     load_topic="load")
         return web.json_response(info)
 
     async def get_server_info(self, request):
         return web.json_response({"page_size": self.page_size, "version": "0.5.5"})
 
     async def loads(self, request):
+        self.loads_hits += 1
         if not self.new:
             raise web.HTTPNotFound()
         assert request.query.get("include") == "core"
@@ -206,4 +213,59 @@ async def test_unreachable_worker_is_discovered_later():
     finally:
         await adapter.close()
         pub.close()
+        ctx.term()
+
+
+class LoadStat(msgspec.Struct, array_like=True, gc=False, tag=True):
+    """SGLang 0.5.23's pushed load gauge, restated from its documented wire shape."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_tokens: int
+    max_total_num_tokens: int
+    attn_dp_rank: int | None = None
+    num_waiting_uncached_tokens: int = 0
+    num_total_tokens: int = 0
+    max_running_requests: int = 0
+    total_prefill_uncached_tokens: int = 0
+    total_prefill_busy_us: int = 0
+
+
+async def test_pushed_load_channel_replaces_polling():
+    base, load_base = _free_base(1), _free_base(1)
+    ctx = zmq.Context()
+    load_pub = ctx.socket(zmq.PUB)
+    load_pub.setsockopt(zmq.LINGER, 0)
+    load_pub.bind(f"tcp://127.0.0.1:{load_base}")
+    fake = FakeSglang(base)
+    fake.load_port_base = load_base
+    await fake.start()
+    adapter = SglangAdapter(load_period=0.05, push_silence=1.0)
+    sink = Sink("pushed", 4)
+    payload = msgspec.msgpack.encode(LoadStat(4, 2, 1000, 4000, 0, 128, 1200, 256, 9, 9))
+    assert msgspec.msgpack.decode(payload)[:6] == ["LoadStat", 4, 2, 1000, 4000, 0]
+    seq = iter(range(10**6))
+
+    def push():
+        load_pub.send_multipart([b"load", next(seq).to_bytes(8, "big"), payload])
+
+    try:
+        await adapter.start_worker(Worker("pushed", url=fake.url, engine="sglang"), sink)
+        want = {"running_requests": 4.0, "queue_depth": 2.0, "waiting_uncached_tokens": 128.0,
+                "kv_used_tokens": 1000.0, "kv_total_tokens": 4000.0, "kv_usage": 0.25}
+        assert await _until(lambda: want in sink.attributes, nudge=push)
+        hits = fake.loads_hits
+        for _ in range(6):  # pushes keep flowing: no HTTP polling meanwhile
+            push()
+            await asyncio.sleep(0.05)
+        assert fake.loads_hits == hits
+        load_pub.send_multipart([b"load", next(seq).to_bytes(8, "big"), b"\xc1junk"])
+        await asyncio.sleep(0.1)
+        assert adapter._runs["pushed"].bad_pushes == 1
+        # the channel goes silent: /v1/loads polling resumes
+        assert await _until(lambda: fake.loads_hits > hits, timeout=5.0)
+    finally:
+        await adapter.close()
+        await fake.stop()
+        load_pub.close(0)
         ctx.term()

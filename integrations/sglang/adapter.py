@@ -9,9 +9,11 @@ Per worker, ``start_worker``:
    ``page_size``. A page size different from the router's block size is refused loudly
    (``ConfigError``): kvplug must hash prompts at the size the engine publishes.
 2. subscribes every DP rank through the shared ZMQ subscriber (``subscriber.py``);
-3. polls load every ``load_period`` seconds: ``GET /v1/loads?include=core``, else the
-   Prometheus ``metrics_url`` (``sglang:*``), into ``running_requests``, ``queue_depth``,
-   ``kv_usage``... (``metrics.py``).
+3. takes load pushed on SGLang's ZMQ load channel when the worker advertises one
+   (``load_endpoint_port_base``, ``--load-publish-endpoint``, ≥ 0.5.23), and otherwise —
+   or while that channel is silent — polls every ``load_period`` seconds
+   ``GET /v1/loads?include=core``, else the Prometheus ``metrics_url`` (``sglang:*``), into
+   ``running_requests``, ``queue_depth``, ``kv_usage``... (``metrics.py``).
 
 If the worker is not reachable yet, discovery retries in the background and subscribes once
 it answers. PD: ``bootstrap_host`` (the prefill worker's host), ``bootstrap_port`` (option
@@ -34,6 +36,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+import zmq
+import zmq.asyncio
 
 from integrations.vllm.subscriber import sources_for_engine
 from kvplug.adapters import PDContext, PDStyle, SglangHttpAdapter, WorkerSink, register_adapter
@@ -42,8 +46,10 @@ from kvplug.workers import Worker
 
 from .metrics import (
     KvEventsInfo,
+    attributes_from_load_stats,
     attributes_from_loads,
     attributes_from_prometheus,
+    decode_load_stat,
     kv_events_from_server_info,
     page_size_from_server_info,
 )
@@ -94,6 +100,9 @@ class _Run:
     tasks: list[asyncio.Task] = field(default_factory=list)
     load_errors: int = 0
     last_load_at: float | None = None
+    last_push_at: float | None = None  # newest LoadStat from the ZMQ load channel
+    pushed: dict[int, dict[str, int]] = field(default_factory=dict)
+    bad_pushes: int = 0
 
 
 class SglangAdapter(SglangHttpAdapter):
@@ -107,11 +116,13 @@ class SglangAdapter(SglangHttpAdapter):
         self,
         *,
         load_period: float = 0.5,
+        push_silence: float = 3.0,
         discovery_retry: float = 2.0,
         http_timeout: float = 5.0,
         rng: random.Random | None = None,
     ) -> None:
         self.load_period = load_period
+        self.push_silence = push_silence  # HTTP polling resumes after this long without pushes
         self.discovery_retry = discovery_retry
         self.http_timeout = http_timeout
         self.rng = rng or random.Random()
@@ -284,6 +295,8 @@ class SglangAdapter(SglangHttpAdapter):
             await asyncio.to_thread(self._subscriber.add, src)
         run.info = kv
         run.subscribed = True
+        if kv is not None and kv.load_port_base is not None:
+            run.tasks.append(asyncio.create_task(self._pushed_load(run, kv)))
         log.info("sglang worker %s: subscribed %d rank(s), page size %d",
                  wid, len(sources), page_size)
 
@@ -294,6 +307,11 @@ class SglangAdapter(SglangHttpAdapter):
         prom_url = worker.metrics_url or (None if base is None else base + "/metrics")
         use_loads = loads_url is not None
         while True:
+            if run.last_push_at is not None and (
+                time.monotonic() - run.last_push_at < self.push_silence
+            ):
+                await asyncio.sleep(self.load_period)  # the pushed channel is live
+                continue
             try:
                 session = self._http()
                 if use_loads:
@@ -317,6 +335,42 @@ class SglangAdapter(SglangHttpAdapter):
                     log.warning("sglang worker %s: load scrape failed (%d so far): %s",
                                 worker.worker_id, run.load_errors, exc)
             await asyncio.sleep(self.load_period)
+
+
+    async def _pushed_load(self, run: _Run, kv: KvEventsInfo) -> None:
+        """Subscribe to every rank's load PUB (SGLang's KV-event framing, topic ``load``)."""
+        ctx = zmq.asyncio.Context.instance()
+        sockets = []
+        try:
+            for i in range(kv.dp_size):
+                sock = ctx.socket(zmq.SUB)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # a gauge: anything big is junk
+                sock.setsockopt(zmq.SUBSCRIBE, kv.load_topic.encode())
+                sock.connect(kv.load_endpoint(run.worker.dp_start + i))
+                sockets.append((run.worker.dp_start + i, sock))
+            poller = zmq.asyncio.Poller()
+            for _, sock in sockets:
+                poller.register(sock, zmq.POLLIN)
+            by_sock = {sock: rank for rank, sock in sockets}
+            while True:
+                for sock, _ in await poller.poll():
+                    frames = await sock.recv_multipart()
+                    try:
+                        if len(frames) != 3 or len(frames[1]) != 8:
+                            raise ValueError(f"{len(frames)} frames")
+                        run.pushed[by_sock[sock]] = decode_load_stat(frames[2])
+                    except ValueError as exc:
+                        run.bad_pushes += 1
+                        if run.bad_pushes <= 3 or run.bad_pushes % 100 == 0:
+                            log.warning("sglang worker %s: bad load message (%d so far): %s",
+                                        run.worker.worker_id, run.bad_pushes, exc)
+                        continue
+                    run.last_push_at = time.monotonic()
+                    run.sink.set_attributes(attributes_from_load_stats(run.pushed))
+        finally:
+            for _, sock in sockets:
+                sock.close(0)
 
 
 register_adapter("sglang", SglangAdapter)

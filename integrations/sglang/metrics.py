@@ -114,9 +114,16 @@ class KvEventsInfo:
     block_size: int  # the page size events are emitted at: kvplug must hash at this size
     topic: str = ""
     replay_port_base: int | None = None
+    load_port_base: int | None = None  # --load-publish-endpoint (>= 0.5.23): pushed load
+    load_topic: str = "load"
 
     def endpoint(self, rank: int) -> str:
         return f"tcp://{_bracket(self.host)}:{self.port_base + rank}"
+
+    def load_endpoint(self, rank: int) -> str | None:
+        if self.load_port_base is None:
+            return None
+        return f"tcp://{_bracket(self.host)}:{self.load_port_base + rank}"
 
     def replay_endpoint(self, rank: int) -> str | None:
         if self.replay_port_base is None:
@@ -151,6 +158,7 @@ def kv_events_from_server_info(info: Any, worker_url: str) -> KvEventsInfo | Non
     if host in WILDCARD_HOSTS:
         host = urlsplit(worker_url).hostname or "127.0.0.1"
     replay = desc.get("replay_endpoint_port_base")
+    load = desc.get("load_endpoint_port_base")
     return KvEventsInfo(
         host=host.strip("[]"),
         port_base=base,
@@ -158,7 +166,56 @@ def kv_events_from_server_info(info: Any, worker_url: str) -> KvEventsInfo | Non
         block_size=block_size,
         topic=str(desc.get("topic") or ""),
         replay_port_base=int(replay) if isinstance(replay, int) else None,
+        load_port_base=int(load) if isinstance(load, int) and 0 < load <= 65535 else None,
+        load_topic=str(desc.get("load_topic") or "load"),
     )
+
+
+# ``LoadStat`` (sglang >= 0.5.23, ``--load-publish-endpoint``): frames ``[b"load", seq,
+# msgpack]`` with the payload ``["LoadStat", num_running_reqs, num_waiting_reqs, num_tokens,
+# max_total_num_tokens, attn_dp_rank, num_waiting_uncached_tokens, ...]`` (fields appended
+# over time; the first six are fixed).
+_LOAD_STAT_FIELDS = ("num_running_reqs", "num_waiting_reqs", "num_tokens",
+                     "max_total_num_tokens", "attn_dp_rank", "num_waiting_uncached_tokens")
+
+
+def decode_load_stat(payload: bytes) -> dict[str, int]:
+    """One pushed ``LoadStat`` → its known fields. Raises ValueError on anything else."""
+    import msgspec
+
+    try:
+        value = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"LoadStat is not msgpack: {exc}") from None
+    if not isinstance(value, list) or not value or value[0] != "LoadStat" or len(value) < 5:
+        raise ValueError("not a LoadStat array")
+    out: dict[str, int] = {}
+    for name, v in zip(_LOAD_STAT_FIELDS, value[1:], strict=False):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"LoadStat {name} = {v!r}")
+        out[name] = v
+    return out
+
+
+def attributes_from_load_stats(per_rank: dict[int, dict[str, int]]) -> dict[str, float]:
+    """The newest ``LoadStat`` of every rank → attributes (same names as ``/v1/loads``)."""
+    out: dict[str, float] = {}
+    usage: list[float] = []
+    for stat in per_rank.values():
+        for src, dst in (("num_running_reqs", "running_requests"),
+                         ("num_waiting_reqs", "queue_depth"),
+                         ("num_waiting_uncached_tokens", "waiting_uncached_tokens"),
+                         ("num_tokens", "kv_used_tokens"),
+                         ("max_total_num_tokens", "kv_total_tokens")):
+            if src in stat:
+                out[dst] = out.get(dst, 0.0) + stat[src]
+        if stat.get("max_total_num_tokens"):
+            usage.append(stat.get("num_tokens", 0) / stat["max_total_num_tokens"])
+    if usage:
+        out["kv_usage"] = max(usage)
+    return out
 
 
 def page_size_from_server_info(info: Any) -> int | None:
