@@ -421,3 +421,81 @@ async def test_no_token_source_routes_on_load_only():
         assert trace["tokens"]["source"] == "none" and trace["tokens"]["count"] is None
         assert trace["router"]["prompt_tokens"] == 0
         h.assert_idle()
+
+
+class _RecordingRouter:
+    """The real router, with its lifecycle calls recorded."""
+
+    def __init__(self, router):
+        self._router = router
+        self.calls = []
+
+    def __getattr__(self, name):
+        return getattr(self._router, name)
+
+    def on_first_token(self, rid):
+        self.calls.append(("first", rid))
+        self._router.on_first_token(rid)
+
+    def on_output_progress(self, rid, n):
+        self.calls.append(("progress", n))
+        self._router.on_output_progress(rid, n)
+
+    def on_finish(self, rid):
+        self.calls.append(("finish", rid))
+        self._router.on_finish(rid)
+
+
+def _boundary_reports_ok(progress: list[int], prompt: int, total: int, bs: int = 16) -> None:
+    """Each report crosses a block boundary of the whole sequence, and the last covers all."""
+    prev = 0
+    for v in progress:
+        assert (prompt + v) // bs > (prompt + prev) // bs, progress
+        prev = v
+    assert (prompt + prev) // bs == (prompt + total) // bs, progress
+
+
+async def test_block_boundaries_are_those_of_the_whole_sequence():
+    async with serving(1, stub_options={"token_delay": 0.01}) as h:
+        rec = _RecordingRouter(h.router)
+        h.frontend.router = rec
+        # 20 prompt tokens, block 16: the sequence crosses boundaries at outputs 12, 28, 44
+        resp, raw = await h.complete(list(range(20)), stream=True, max_tokens=50)
+        assert resp.status == 200
+        progress = [c[1] for c in rec.calls if c[0] == "progress"]
+        _boundary_reports_ok(progress, 20, 50)
+        assert 12 <= progress[0] < 16  # not 16: the prompt's partial block fills first
+        assert rec.calls[0][0] == "first" and rec.calls[-1][0] == "finish"
+        # chunks of 3 tokens (token_ids): a boundary is reported at the chunk that crosses it
+        rec.calls.clear()
+        h.engines["w0"].tokens_per_chunk = 3
+        resp, raw = await h.complete(list(range(20)), stream=True, max_tokens=30)
+        progress = [c[1] for c in rec.calls if c[0] == "progress"]
+        _boundary_reports_ok(progress, 20, 30)
+        assert 12 <= progress[0] < 16 and all(v % 3 == 0 for v in progress)
+        h.assert_idle()
+
+
+async def test_expected_osl_reaches_the_router():
+    """With output-block tracking on, nvext.agent_hints.osl weights the placeholder blocks."""
+    seen = {}
+    for osl in (None, 40):
+        async with serving(
+            1,
+            stub_options={"token_delay": 0.03},
+            router_config={"router_track_output_blocks": True},
+        ) as h:
+            nvext = {"agent_hints": {"osl": osl}} if osl else None
+            extra = {"nvext": nvext} if nvext else {}
+            task = asyncio.create_task(
+                h.complete(prompt(4, 16), stream=True, max_tokens=40, **extra)
+            )
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if h.router.active_load("w0")[0]["decode_blocks"] > 4.0:
+                    break  # the first output block was crossed (at 16 tokens)
+            seen[osl] = h.router.active_load("w0")[0]["decode_blocks"]
+            await task
+            h.assert_idle()
+    assert seen[None] == pytest.approx(5.0)  # 4 prompt blocks + 1 full-weight output block
+    assert 4.0 < seen[40] < 5.0  # the same block, weighted by 1 - 16/40

@@ -353,7 +353,10 @@ class Frontend:
             record.related.append(other.decision_id)
         ctx.records.append(record)
         self.decisions.add(record)
-        return Routed(decision, entry, Lifecycle(self.router, route_id, self.block_size), record)
+        lifecycle = Lifecycle(
+            self.router, route_id, self.block_size, len(ctx.tokens) if ctx.tokens else 0
+        )
+        return Routed(decision, entry, lifecycle, record)
 
     def stage_failed(self, routed: Routed, reason: str) -> None:
         routed.lifecycle.finish()

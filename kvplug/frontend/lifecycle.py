@@ -1,6 +1,6 @@
-"""One routed request's lifecycle as the router must hear it: first token, each output block
-boundary crossed, finish (success or failure). ``finish`` is idempotent, so a ``finally`` can
-always call it and the worker's active load returns to exactly zero."""
+"""One routed request's lifecycle as the router must hear it: first token, each block boundary
+the sequence crosses while generating, finish (success or failure). ``finish`` is idempotent,
+so a ``finally`` can always call it and the worker's active load returns to exactly zero."""
 
 from __future__ import annotations
 
@@ -13,24 +13,24 @@ class Lifecycle:
         "router",
         "route_id",
         "block_size",
+        "prompt_tokens",
         "first_seen",
         "tokens",
         "finished",
         "started",
         "first_at",
-        "on_done",
     )
 
-    def __init__(self, router: Any, route_id: str, block_size: int, on_done=None) -> None:
+    def __init__(self, router: Any, route_id: str, block_size: int, prompt_tokens: int = 0):
         self.router = router
         self.route_id = route_id
         self.block_size = max(1, block_size)
+        self.prompt_tokens = prompt_tokens  # boundaries are of the whole sequence (prompt+output)
         self.first_seen = False
         self.tokens = 0
         self.finished = False
         self.started = time.perf_counter()
         self.first_at: float | None = None
-        self.on_done = on_done  # called once with this object after the router heard finish
 
     def first_token(self) -> None:
         if not self.first_seen and not self.finished:
@@ -39,20 +39,18 @@ class Lifecycle:
             self.router.on_first_token(self.route_id)
 
     def output(self, total_tokens: int) -> None:
-        """Total generated so far; tells the router only when a block boundary is crossed."""
+        """Total generated so far; the router hears it when a block boundary was crossed."""
         if self.finished or total_tokens <= self.tokens:
             return
         if not self.first_seen:
             self.first_token()
-        crossed = total_tokens // self.block_size != self.tokens // self.block_size
+        p, bs = self.prompt_tokens, self.block_size
+        crossed = (p + total_tokens) // bs != (p + self.tokens) // bs
         self.tokens = total_tokens
         if crossed:
             self.router.on_output_progress(self.route_id, total_tokens)
 
     def finish(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        self.router.on_finish(self.route_id)
-        if self.on_done is not None:
-            self.on_done(self)
+        if not self.finished:
+            self.finished = True
+            self.router.on_finish(self.route_id)

@@ -181,17 +181,14 @@ async def relay(
     out = web.StreamResponse(status=upstream.status, headers=headers)
     await out.prepare(request)
     counter = SseCounter()
-    bs = lifecycle.block_size
     chunk = first_chunk
     outcome, error = "ok", None
     try:
         while chunk:
-            before = counter.tokens
             counter.feed(chunk)
             if counter.events and not lifecycle.first_seen:
                 lifecycle.first_token()
-            if counter.tokens // bs != before // bs:
-                lifecycle.output(counter.tokens)
+            lifecycle.output(counter.tokens)  # tells the router at block boundaries
             await out.write(chunk)
             chunk = await upstream.content.readany()
         lifecycle.output(counter.tokens)
