@@ -124,6 +124,12 @@ class KvIndex:
             AllCleared: self._cleared,
         }
 
+    def reserve(self, blocks: int) -> None:
+        """Pre-size the compiled index for ``blocks`` distinct blocks (e.g. the fleet's total KV
+        capacity) so that filling it never pauses to rehash. No-op on the reference."""
+        if hasattr(self.core, "reserve"):
+            self.core.reserve(blocks)
+
     # -- endpoints -------------------------------------------------------------------------------
     def add_endpoint(self, worker_id: str, dp_rank: int = 0) -> int:
         """Dense endpoint id of (worker_id, dp_rank); idempotent."""

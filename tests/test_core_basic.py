@@ -188,3 +188,27 @@ def test_costs_and_select(be):
         be.select([1.0], 0.0, 1.0)
     with pytest.raises(InvalidArgument):
         be.select([1.0, float("nan")], 1.0, 0.5)
+
+
+def test_c_refcount_overflow_is_an_error_not_corruption():
+    """The C core keeps 16-bit refcounts: the 65536th identical store is refused, nothing changes."""
+    core = load_backend("c")
+    idx = core.Index()
+    idx.store(0, 0, [1] * 65535, [10] * 65535)
+    before = idx.stats()
+    with pytest.raises(InvalidArgument, match="overflow"):
+        idx.store(0, 0, [1], [10])
+    assert idx.stats() == before
+    idx.remove(0, [1])
+    idx.store(0, 0, [1], [10])
+    assert idx.holdings(0) == {10: [65535, 0, 0]}
+
+
+def test_c_reserve_and_memory_accounting():
+    core = load_backend("c")
+    idx = core.Index()
+    small = idx.memory_bytes()
+    idx.reserve(100_000)
+    assert idx.memory_bytes() > small + 100_000 * 16
+    idx.store(0, 0, list(range(1000)), list(range(1000)))
+    assert idx.stats()["blocks"] == 1000
