@@ -175,3 +175,64 @@ async def test_bad_requests_are_400_not_crashes(fleet):
         async with s.get(f"http://127.0.0.1:{http}/health") as r:
             assert r.status == 200
     assert server.counters["bad_requests"] == 6
+
+
+async def test_host_tier_events_keep_a_vllm_fed_index_in_sync():
+    """Offloads and reloads go on the wire as vLLM offloading connectors send them (token-less
+    stores on the new medium, removals on the old); decoded and applied in order they must leave
+    an index holding exactly what the engine holds."""
+    from kvplug.index import KvIndex
+
+    http, ev, rp = _free_ports(3)
+    opts = FleetOptions(
+        engines=1,
+        base_port=http,
+        events_base_port=ev,
+        replay_base_port=rp,
+        block_size=16,
+        capacity_blocks=24,
+        host_blocks=40,
+        speed=50.0,
+    )
+    (server,) = await start_fleet(opts)
+    try:
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{ev}")
+        await asyncio.sleep(0.3)
+        prompts = [f"prompt number {i} " * 12 for i in range(3)]  # ~200 bytes = 12-13 blocks
+        async with aiohttp.ClientSession() as s:
+            for p in prompts + prompts[:1]:  # the last one reloads from the host tier
+                async with s.post(
+                    f"http://127.0.0.1:{http}/v1/completions", json={"prompt": p, "max_tokens": 2}
+                ) as r:
+                    assert r.status == 200
+                    last = await r.json()
+        await asyncio.sleep(0.3)
+        assert server.engine.cache.counters["reloaded"] > 0
+        assert last["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        dec = BatchDecoder("sim-0", block_size=16)
+        ix = KvIndex(16)
+        ix.add_endpoint("sim-0")
+        while sub.poll(0):
+            _, _, payload = split_frames(sub.recv_multipart())
+            batch = dec.decode(payload)
+            assert batch is not None and batch.dropped == 0
+            for e in batch.events:
+                ix.apply(e)
+        sub.close(0)
+        st = ix.stats()
+        for key in (
+            "unknown_moves",
+            "unknown_removes",
+            "orphan_stores",
+            "conflicting_stores",
+            "unresolved_tier_copies",
+            "dropped_events",
+        ):
+            assert st[key] == 0, (key, st)
+        cache = server.engine.cache
+        assert st["entries"] == len(cache.device_blocks()) + len(cache.host_blocks())
+    finally:
+        await server.stop()
