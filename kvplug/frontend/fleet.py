@@ -274,9 +274,20 @@ class Fleet:
         routable = [w for w, e in self.workers.items() if e.healthy and not e.draining]
         waiting = [w for w, e in self.workers.items() if e.adapter.events_ready(w) is False]
         ok = bool(routable) and not waiting
+        now = time.monotonic()
+        events = {
+            w: {
+                "events": e.sink.events,
+                "last_event_age_s": None
+                if e.sink.last_event_at is None
+                else round(now - e.sink.last_event_at, 3),
+            }
+            for w, e in self.workers.items()
+        }
         return ok, {
             "ready": ok,
             "routable_workers": routable,
             "event_sources_not_ready": waiting,
             "workers": len(self.workers),
+            "events": events,
         }
