@@ -39,15 +39,40 @@ def workload(seed: int) -> tuple[bytes, bytes, int]:
         hashes = list(range(h, h + PAGES))
         h += PAGES
         tokens = [rng.randrange(32000) for _ in range(BLOCK * PAGES)]
-        events.append({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
-                       "token_ids": tokens, "block_size": BLOCK, "lora_id": None,
-                       "medium": "GPU"})
-        envelopes.append({"event_id": i, "window_size": 4096, "data": {
-            "type": "stored", "parent_hash": None,
-            "blocks": [{"type": "stored_block", "block_hash": bh,
-                        "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0}
-                                   for t in tokens[j * BLOCK:(j + 1) * BLOCK]],
-                        "cache_level": 0, "priority": 35} for j, bh in enumerate(hashes)]}})
+        events.append(
+            {
+                "type": "BlockStored",
+                "block_hashes": hashes,
+                "parent_block_hash": None,
+                "token_ids": tokens,
+                "block_size": BLOCK,
+                "lora_id": None,
+                "medium": "GPU",
+            }
+        )
+        envelopes.append(
+            {
+                "event_id": i,
+                "window_size": 4096,
+                "data": {
+                    "type": "stored",
+                    "parent_hash": None,
+                    "blocks": [
+                        {
+                            "type": "stored_block",
+                            "block_hash": bh,
+                            "tokens": [
+                                {"type": "unique_token", "token_id": t, "token_extra_id": 0}
+                                for t in tokens[j * BLOCK : (j + 1) * BLOCK]
+                            ],
+                            "cache_level": 0,
+                            "priority": 35,
+                        }
+                        for j, bh in enumerate(hashes)
+                    ],
+                },
+            }
+        )
     sg = msgspec.msgpack.encode([1.0, events, 0])
     trt = json.dumps(envelopes, separators=(",", ":")).encode()
     return sg, trt, EVENTS * PAGES
@@ -79,8 +104,10 @@ def main() -> int:
 
     rows = [
         ("sglang decode (typed fast path)", rate(lambda: fast.decode(sg), blocks, args.rounds)),
-        ("sglang decode (checked path, baseline)",
-         rate(lambda: slow.decode(sg), blocks, args.rounds)),
+        (
+            "sglang decode (checked path, baseline)",
+            rate(lambda: slow.decode(sg), blocks, args.rounds),
+        ),
         ("trtllm JSON parse (msgspec) + decode", rate(trt_decode, blocks, args.rounds)),
     ]
     try:
@@ -100,12 +127,25 @@ def main() -> int:
         print(f"{name:42s} {r:12,.0f} {r * BLOCK:14,.0f} {r / base:11.2f}x")
     out = Path(__file__).resolve().parent / "results" / "bench_sglang.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({
-        "workload": {"events": EVENTS, "pages_per_event": PAGES, "block_size": BLOCK,
-                     "seed": args.seed, "rounds": args.rounds},
-        "machine": platform.platform(), "python": platform.python_version(),
-        "results": [{"path": n, "blocks_per_s": r, "vs_baseline": r / base} for n, r in rows],
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "workload": {
+                    "events": EVENTS,
+                    "pages_per_event": PAGES,
+                    "block_size": BLOCK,
+                    "seed": args.seed,
+                    "rounds": args.rounds,
+                },
+                "machine": platform.platform(),
+                "python": platform.python_version(),
+                "results": [
+                    {"path": n, "blocks_per_s": r, "vs_baseline": r / base} for n, r in rows
+                ],
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
     return 0
 

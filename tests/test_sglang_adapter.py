@@ -36,12 +36,22 @@ INFO = json.loads((DATA / "server_info_0_5_23.json").read_text())
 
 def test_loads_and_prometheus_give_the_same_attributes():
     a = attributes_from_loads(LOADS)
-    assert a == {"running_requests": 8.0, "queue_depth": 1.0, "waiting_uncached_tokens": 512.0,
-                 "kv_used_tokens": 12288.0, "kv_total_tokens": 32768.0, "kv_usage": 0.5,
-                 "prefix_cache_hit_rate": pytest.approx(0.6)}
+    assert a == {
+        "running_requests": 8.0,
+        "queue_depth": 1.0,
+        "waiting_uncached_tokens": 512.0,
+        "kv_used_tokens": 12288.0,
+        "kv_total_tokens": 32768.0,
+        "kv_usage": 0.5,
+        "prefix_cache_hit_rate": pytest.approx(0.6),
+    }
     b = attributes_from_prometheus(PROM)
-    assert b == {"running_requests": 8.0, "queue_depth": 1.0, "kv_usage": 0.5,
-                 "prefix_cache_hit_rate": pytest.approx(0.6)}
+    assert b == {
+        "running_requests": 8.0,
+        "queue_depth": 1.0,
+        "kv_usage": 0.5,
+        "prefix_cache_hit_rate": pytest.approx(0.6),
+    }
     for bad in ({}, {"loads": []}, {"loads": [{"dp_rank": 0}]}, [1], {"loads": ["x"]}):
         with pytest.raises(ValueError):
             attributes_from_loads(bad)
@@ -52,8 +62,15 @@ def test_loads_and_prometheus_give_the_same_attributes():
 def test_server_info_discovery():
     kv = kv_events_from_server_info(INFO, "http://10.0.0.7:30000")
     assert (kv.host, kv.port_base, kv.dp_size, kv.block_size, kv.topic) == (
-        "10.0.0.7", 5557, 2, 16, "kv")
-    assert kv.endpoint(1) == "tcp://10.0.0.7:5558" and kv.replay_endpoint(1) == "tcp://10.0.0.7:5568"
+        "10.0.0.7",
+        5557,
+        2,
+        16,
+        "kv",
+    )
+    assert (
+        kv.endpoint(1) == "tcp://10.0.0.7:5558" and kv.replay_endpoint(1) == "tcp://10.0.0.7:5568"
+    )
     concrete = {"kv_events": {**INFO["kv_events"], "endpoint_host": "::1"}}
     assert kv_events_from_server_info(concrete, "http://x:1").endpoint(0) == "tcp://[::1]:5557"
     assert kv_events_from_server_info({"page_size": 16}, "http://x:1") is None  # < 0.5.20
@@ -61,8 +78,9 @@ def test_server_info_discovery():
     with pytest.raises(ConfigError):
         kv_events_from_server_info({"kv_events": {"endpoint_port_base": "x"}}, "http://x:1")
     with pytest.raises(ConfigError):
-        kv_events_from_server_info({"kv_events": {"endpoint_port_base": 5557,
-                                                  "block_size": 0}}, "http://x:1")
+        kv_events_from_server_info(
+            {"kv_events": {"endpoint_port_base": 5557, "block_size": 0}}, "http://x:1"
+        )
 
 
 class FakeSglang:
@@ -82,12 +100,16 @@ class FakeSglang:
         if not self.new:
             raise web.HTTPNotFound()
         info = dict(INFO, page_size=self.page_size)
-        info["kv_events"] = dict(INFO["kv_events"], endpoint_port_base=self.port_base,
-                                 block_size=self.page_size, dp_size=1, topic="kv")
+        info["kv_events"] = dict(
+            INFO["kv_events"],
+            endpoint_port_base=self.port_base,
+            block_size=self.page_size,
+            dp_size=1,
+            topic="kv",
+        )
         info["kv_events"].pop("replay_endpoint_port_base")
         if self.load_port_base is not None:
-            info["kv_events"].update(load_endpoint_port_base=self.load_port_base,
-                                     load_topic="load")
+            info["kv_events"].update(load_endpoint_port_base=self.load_port_base, load_topic="load")
         return web.json_response(info)
 
     async def get_server_info(self, request):
@@ -154,14 +176,16 @@ async def _until(pred, nudge=None, timeout=5.0):
 async def test_adapter_discovers_subscribes_and_scrapes(new):
     base = _free_base(1)
     ctx = zmq.Context()
-    pub = SglangPublisher(ctx, base, _free_base(1), topic_in_replies=True,
-                          topic=b"kv" if new else b"")
+    pub = SglangPublisher(
+        ctx, base, _free_base(1), topic_in_replies=True, topic=b"kv" if new else b""
+    )
     fake = await FakeSglang(base, new=new).start()
     adapter = SglangAdapter(load_period=0.05)
     sink = Sink("sg", 4)
     # old servers do not advertise the publisher: the worker config names it
-    worker = Worker("sg", url=fake.url, engine="sglang",
-                    event_endpoint=None if new else f"tcp://*:{base}")
+    worker = Worker(
+        "sg", url=fake.url, engine="sglang", event_endpoint=None if new else f"tcp://*:{base}"
+    )
     try:
         with pytest.raises(ConfigError, match="page size 4"):
             await adapter.start_worker(worker, Sink("sg", 16))
@@ -169,8 +193,9 @@ async def test_adapter_discovers_subscribes_and_scrapes(new):
         await adapter.start_worker(worker, sink)
         assert adapter.events_ready("sg")
         pub.publish(golden("v0_5_15")[0])
-        assert await _until(lambda: len(sink.events) >= 2 and sink.attributes,
-                            nudge=pub.resend_last)
+        assert await _until(
+            lambda: len(sink.events) >= 2 and sink.attributes, nudge=pub.resend_last
+        )
         assert all(isinstance(e, BlockStored) for e in sink.events)
         assert [e.engine_hashes for e in sink.events][1] == [(-5) & (2**64 - 1)]
         want = attributes_from_loads(LOADS) if new else attributes_from_prometheus(PROM)
@@ -251,8 +276,14 @@ async def test_pushed_load_channel_replaces_polling():
 
     try:
         await adapter.start_worker(Worker("pushed", url=fake.url, engine="sglang"), sink)
-        want = {"running_requests": 4.0, "queue_depth": 2.0, "waiting_uncached_tokens": 128.0,
-                "kv_used_tokens": 1000.0, "kv_total_tokens": 4000.0, "kv_usage": 0.25}
+        want = {
+            "running_requests": 4.0,
+            "queue_depth": 2.0,
+            "waiting_uncached_tokens": 128.0,
+            "kv_used_tokens": 1000.0,
+            "kv_total_tokens": 4000.0,
+            "kv_usage": 0.25,
+        }
         assert await _until(lambda: want in sink.attributes, nudge=push)
         hits = fake.loads_hits
         for _ in range(6):  # pushes keep flowing: no HTTP polling meanwhile

@@ -12,16 +12,27 @@ from kvplug.adapters import PDContext, PDStyle, create_adapter
 from kvplug.errors import ConfigError
 from kvplug.workers import Role, Worker
 
-BODY = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-        "max_tokens": 32, "nvext": {"agent_hints": {"osl": 32}}}
+BODY = {
+    "model": "qwen",
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+    "max_tokens": 32,
+    "nvext": {"agent_hints": {"osl": 32}},
+}
 
 
 def _ctx(options=None, *, dp_size=1, dp_rank=0, url="http://10.1.2.3:30000"):
     p = Worker("p0", url=url, engine="sglang", role=Role.PREFILL, dp_size=dp_size)
     d = Worker("d0", url="http://10.1.2.4:30000", engine="sglang", role=Role.DECODE)
-    return PDContext(request_id="r", path="/v1/chat/completions", prefill_worker=p,
-                     prefill_dp_rank=dp_rank, prefill_options=options or {},
-                     decode_worker=d, decode_options={})
+    return PDContext(
+        request_id="r",
+        path="/v1/chat/completions",
+        prefill_worker=p,
+        prefill_dp_rank=dp_rank,
+        prefill_options=options or {},
+        decode_worker=d,
+        decode_options={},
+    )
 
 
 def test_same_bootstrap_fields_on_both_hops():
@@ -34,8 +45,15 @@ def test_same_bootstrap_fields_on_both_hops():
     d = adapter.decode_request(BODY, None, ctx)
     assert p == d  # SGLang: the same body to P and D
     room = p["bootstrap_room"]
-    assert p == {"model": "qwen", "messages": BODY["messages"], "stream": True, "max_tokens": 32,
-                 "bootstrap_host": "10.1.2.3", "bootstrap_port": 8998, "bootstrap_room": room}
+    assert p == {
+        "model": "qwen",
+        "messages": BODY["messages"],
+        "stream": True,
+        "max_tokens": 32,
+        "bootstrap_host": "10.1.2.3",
+        "bootstrap_port": 8998,
+        "bootstrap_room": room,
+    }
     assert isinstance(room, int) and 0 <= room < 2**63
     assert json.dumps(BODY, sort_keys=True) == before
     # a new request gets a new room

@@ -48,10 +48,29 @@ async def test_pd_request_through_the_launcher(tmp_path):
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "integrations.sglang.launch_router", "--host", "127.0.0.1",
-         "--port", str(port), "--pd-disaggregation", "--prefill", p_url, "none",
-         "--decode", d_url, "--kv-block-size", "16", "--admin-port", str(_free_port())],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "log", "w"),
+        [
+            sys.executable,
+            "-m",
+            "integrations.sglang.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--pd-disaggregation",
+            "--prefill",
+            p_url,
+            "none",
+            "--decode",
+            d_url,
+            "--kv-block-size",
+            "16",
+            "--admin-port",
+            str(_free_port()),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "log", "w"),
     )
     try:
         base = f"http://127.0.0.1:{port}"

@@ -17,10 +17,10 @@ from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored
 DATA = Path(__file__).parent / "data"
 SG = [p.read_bytes() for p in sorted((DATA / "sglang").glob("*.msgpack"))]
 TRT = json.loads((DATA / "trtllm" / "v2026_vswa_adp_events.json").read_bytes()) + json.loads(
-    (DATA / "trtllm" / "v1_events.json").read_bytes())
+    (DATA / "trtllm" / "v1_events.json").read_bytes()
+)
 
-FAST = settings(max_examples=150, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _well_formed(events, block_size):
@@ -37,14 +37,38 @@ def _well_formed(events, block_size):
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
     | st.text(max_size=8),
-    lambda children: st.lists(children, max_size=6)
-    | st.dictionaries(st.sampled_from(["type", "block_hashes", "token_ids", "parent_block_hash",
-                                       "block_size", "medium", "data", "event_id", "blocks",
-                                       "tokens", "token_id", "block_hash", "parent_hash",
-                                       "cache_level", "window_size", "attention_dp_rank"]),
-                      children, max_size=6),
+    lambda children: (
+        st.lists(children, max_size=6)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "type",
+                    "block_hashes",
+                    "token_ids",
+                    "parent_block_hash",
+                    "block_size",
+                    "medium",
+                    "data",
+                    "event_id",
+                    "blocks",
+                    "tokens",
+                    "token_id",
+                    "block_hash",
+                    "parent_hash",
+                    "cache_level",
+                    "window_size",
+                    "attention_dp_rank",
+                ]
+            ),
+            children,
+            max_size=6,
+        )
+    ),
     max_leaves=30,
 )
 
@@ -54,7 +78,7 @@ json_values = st.recursive(
 def test_sglang_mutated_and_truncated_payloads(payload, pos, junk):
     dec = SglangDecoder("w", page_size=4)
     pos %= len(payload)
-    for mutated in (payload[:pos], payload[:pos] + junk + payload[pos + len(junk):]):
+    for mutated in (payload[:pos], payload[:pos] + junk + payload[pos + len(junk) :]):
         _well_formed(dec.decode(mutated, seq=1), 4)
 
 

@@ -19,15 +19,38 @@ def _serve_ok(serve, workers, tmp_path):
 
 
 def test_aggregated_workers_and_policy(tmp_path):
-    serve, workers, notes = translate([
-        "--host", "127.0.0.1", "--port", "30000", "--worker-urls", "http://127.0.0.1:30001",
-        "http://127.0.0.1:30002", "--policy", "round_robin", "--cache-threshold", "0.3",
-        "--kv-block-size", "16",
-    ])
-    assert serve[:7] == ["serve", "--host", "127.0.0.1", "--port", "30000", "--worker-engine",
-                         "sglang"]
-    assert workers == {"workers": [{"url": "http://127.0.0.1:30001", "engine": "sglang"},
-                                   {"url": "http://127.0.0.1:30002", "engine": "sglang"}]}
+    serve, workers, notes = translate(
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30000",
+            "--worker-urls",
+            "http://127.0.0.1:30001",
+            "http://127.0.0.1:30002",
+            "--policy",
+            "round_robin",
+            "--cache-threshold",
+            "0.3",
+            "--kv-block-size",
+            "16",
+        ]
+    )
+    assert serve[:7] == [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30000",
+        "--worker-engine",
+        "sglang",
+    ]
+    assert workers == {
+        "workers": [
+            {"url": "http://127.0.0.1:30001", "engine": "sglang"},
+            {"url": "http://127.0.0.1:30002", "engine": "sglang"},
+        ]
+    }
     args, specs = _serve_ok(serve, workers, tmp_path)
     assert args.router_mode == "round-robin" and args.port == 30000
     assert [s.role for s in specs] == ["both", "both"]
@@ -35,18 +58,35 @@ def test_aggregated_workers_and_policy(tmp_path):
 
 
 def test_pd_flags_become_roles_and_bootstrap_ports(tmp_path):
-    serve, workers, notes = translate([
-        "--pd-disaggregation", "--prefill", "http://10.0.0.1:30000", "9000",
-        "--prefill", "http://10.0.0.2:30000", "none", "--prefill", "http://10.0.0.5:30000",
-        "--decode", "http://10.0.0.3:30000", "--decode", "http://10.0.0.4:30000",
-        "--prefill-policy", "random", "--dp-aware",
-    ])
+    serve, workers, notes = translate(
+        [
+            "--pd-disaggregation",
+            "--prefill",
+            "http://10.0.0.1:30000",
+            "9000",
+            "--prefill",
+            "http://10.0.0.2:30000",
+            "none",
+            "--prefill",
+            "http://10.0.0.5:30000",
+            "--decode",
+            "http://10.0.0.3:30000",
+            "--decode",
+            "http://10.0.0.4:30000",
+            "--prefill-policy",
+            "random",
+            "--dp-aware",
+        ]
+    )
     args, specs = _serve_ok(serve, workers, tmp_path)
     assert args.router_mode == "kv"  # cache_aware
     assert [(s.url, s.role) for s in specs] == [
-        ("http://10.0.0.1:30000", "prefill"), ("http://10.0.0.2:30000", "prefill"),
-        ("http://10.0.0.5:30000", "prefill"), ("http://10.0.0.3:30000", "decode"),
-        ("http://10.0.0.4:30000", "decode")]
+        ("http://10.0.0.1:30000", "prefill"),
+        ("http://10.0.0.2:30000", "prefill"),
+        ("http://10.0.0.5:30000", "prefill"),
+        ("http://10.0.0.3:30000", "decode"),
+        ("http://10.0.0.4:30000", "decode"),
+    ]
     assert [s.options.get("bootstrap_port", "-") for s in specs] == [9000, None, 8998, "-", "-"]
     assert all(s.options.get("dp_aware") for s in specs)
     assert any("policies" in n for n in notes)
@@ -58,10 +98,14 @@ def test_pd_flags_become_roles_and_bootstrap_ports(tmp_path):
         (["--api-key", "secret", "--worker-urls", "http://a:1"], "api-key"),
         (["--pd-disaggregation", "--prefill", "http://a:1"], "at least one"),
         (["--prefill", "http://a:1"], "need --pd-disaggregation"),
-        (["--pd-disaggregation", "--prefill", "http://a:1", "port", "--decode", "http://b:1"],
-         "not an integer"),
-        (["--pd-disaggregation", "--prefill", "http://a:1", "1", "2", "--decode", "http://b:1"],
-         "URL \\[BOOTSTRAP_PORT"),
+        (
+            ["--pd-disaggregation", "--prefill", "http://a:1", "port", "--decode", "http://b:1"],
+            "not an integer",
+        ),
+        (
+            ["--pd-disaggregation", "--prefill", "http://a:1", "1", "2", "--decode", "http://b:1"],
+            "URL \\[BOOTSTRAP_PORT",
+        ),
     ],
 )
 def test_bad_flags_are_refused(argv, match):

@@ -72,8 +72,9 @@ def test_two_ranks_gap_replay_restart_and_garbage(zmq_ctx):
     ]
     got = Collector()
     sink = filtered_sink(got)
-    info = KvEventsInfo(host="127.0.0.1", port_base=base, dp_size=2, block_size=4,
-                        replay_port_base=base + 2)
+    info = KvEventsInfo(
+        host="127.0.0.1", port_base=base, dp_size=2, block_size=4, replay_port_base=base + 2
+    )
     sub = SglangSubscriber(replay_timeout=2.0, context=zmq_ctx).start()
     try:
         for src in sources_from_info("sg", info, sink):
@@ -84,28 +85,53 @@ def test_two_ranks_gap_replay_restart_and_garbage(zmq_ctx):
         pubs[0].publish(g15[0], lose=True)  # sent before anyone listened: replayed on catch-up
         pubs[0].publish(b"\xc1 not msgpack")
         pubs[0].publish(g15[1], lose=True)
-        pubs[0].publish(msgspec.msgpack.encode(
-            [2.0, [{"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}], 0]))
+        pubs[0].publish(
+            msgspec.msgpack.encode(
+                [2.0, [{"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}], 0]
+            )
+        )
         # rank 1: its batch says attn_dp_rank 1
         pubs[1].publish(g23[0], lose=True)
         pubs[1].publish(g23[1])
-        ev = got.wait_for(lambda e: sum(isinstance(x, BlockRemoved) for x in e) >= 4,
-                          nudge=lambda: [p.resend_last() for p in pubs])
+        ev = got.wait_for(
+            lambda e: sum(isinstance(x, BlockRemoved) for x in e) >= 4,
+            nudge=lambda: [p.resend_last() for p in pubs],
+        )
         r0 = [e for e in ev if e.dp_rank == 0]
         r1 = [e for e in ev if e.dp_rank == 1]
         assert r0 == [
-            BlockStored(worker_id="sg", tier=Tier.DEVICE, engine_hashes=[_u(-8070450532247928832),
-                        1234567890123456789], token_ids=[1, 2, 3, 4, 5, 6, 7, 8], block_size=4),
-            BlockStored(worker_id="sg", parent_engine_hash=1234567890123456789,
-                        engine_hashes=[_u(-5)], token_ids=[9, 10, 11, 12], block_size=4),
-            BlockStored(worker_id="sg", tier=Tier.HOST, engine_hashes=[
-                _u(-8070450532247928832), 1234567890123456789],
-                token_ids=[1, 2, 3, 4, 5, 6, 7, 8], block_size=4),
+            BlockStored(
+                worker_id="sg",
+                tier=Tier.DEVICE,
+                engine_hashes=[_u(-8070450532247928832), 1234567890123456789],
+                token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+                block_size=4,
+            ),
+            BlockStored(
+                worker_id="sg",
+                parent_engine_hash=1234567890123456789,
+                engine_hashes=[_u(-5)],
+                token_ids=[9, 10, 11, 12],
+                block_size=4,
+            ),
+            BlockStored(
+                worker_id="sg",
+                tier=Tier.HOST,
+                engine_hashes=[_u(-8070450532247928832), 1234567890123456789],
+                token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+                block_size=4,
+            ),
             BlockRemoved(worker_id="sg", tier=Tier.DEVICE, engine_hashes=[_u(-5)]),
             BlockRemoved(worker_id="sg", tier=Tier.DEVICE, engine_hashes=[7]),
         ]
-        assert [type(e) for e in r1] == [BlockStored, BlockStored, BlockStored, BlockStored,
-                                         BlockRemoved, BlockRemoved]
+        assert [type(e) for e in r1] == [
+            BlockStored,
+            BlockStored,
+            BlockStored,
+            BlockStored,
+            BlockRemoved,
+            BlockRemoved,
+        ]
         assert 0 in pubs[0].requests and 0 in pubs[1].requests  # catch-up replays from seq 0
         stats = sub.stats()
         assert stats["streams"]["sg/0"]["malformed"] == 1  # the garbage, counted and dropped
@@ -155,8 +181,9 @@ def test_events_land_in_the_index(zmq_ctx):
             time.sleep(0.05)
         got.wait_for(lambda e: len(e) >= 2)
         ep = index.endpoint_id("sg", 1)
-        hashes = index.request_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
-                                      lora_name="sql-lora", cache_salt="tenant-a")
+        hashes = index.request_hashes(
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], lora_name="sql-lora", cache_salt="tenant-a"
+        )
         overlaps = index.query(hashes)
         assert overlaps.local[ep] == 3 and overlaps.device[ep] == 3
         plain = index.query(index.request_hashes([1, 2, 3, 4, 5, 6, 7, 8]))

@@ -43,26 +43,52 @@ def test_arrays_0_5_15_decode_to_expected_events():
     payloads = _golden("v0_5_15")
     got = [dec.decode(payloads[0], dp_rank=0, seq=0)]
     assert got[0] == [
-        BlockStored(worker_id="sg-a", dp_rank=0, tier=Tier.DEVICE, parent_engine_hash=None,
-                    engine_hashes=[U["H1"], U["H2"]], token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
-                    block_size=4),
-        BlockStored(worker_id="sg-a", dp_rank=0, tier=Tier.DEVICE, parent_engine_hash=U["H2"],
-                    engine_hashes=[U["H3"]], token_ids=[9, 10, 11, 12], block_size=4),
+        BlockStored(
+            worker_id="sg-a",
+            dp_rank=0,
+            tier=Tier.DEVICE,
+            parent_engine_hash=None,
+            engine_hashes=[U["H1"], U["H2"]],
+            token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+            block_size=4,
+        ),
+        BlockStored(
+            worker_id="sg-a",
+            dp_rank=0,
+            tier=Tier.DEVICE,
+            parent_engine_hash=U["H2"],
+            engine_hashes=[U["H3"]],
+            token_ids=[9, 10, 11, 12],
+            block_size=4,
+        ),
         # the partial tail page [13, 14] is not stored
     ]
     assert dec.partial == {0: {U["HP"]}}
     got += [dec.decode(p, dp_rank=0, seq=i) for i, p in enumerate(payloads[1:], 1)]
     assert got[1] == [
-        BlockStored(worker_id="sg-a", dp_rank=0, tier=Tier.HOST, parent_engine_hash=None,
-                    engine_hashes=[U["H1"], U["H2"]], token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
-                    block_size=4),
+        BlockStored(
+            worker_id="sg-a",
+            dp_rank=0,
+            tier=Tier.HOST,
+            parent_engine_hash=None,
+            engine_hashes=[U["H1"], U["H2"]],
+            token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+            block_size=4,
+        ),
         # the partial page's removal is swallowed, the full page leaves the device tier
         BlockRemoved(worker_id="sg-a", dp_rank=0, tier=Tier.DEVICE, engine_hashes=[U["H3"]]),
     ]
     assert dec.partial == {}  # emptied by the removal, then the flush
     assert got[2] == [
-        BlockStored(worker_id="sg-a", dp_rank=0, tier=Tier.DEVICE, parent_engine_hash=None,
-                    engine_hashes=[U["H4"]], token_ids=[20, 21, 22, 23], block_size=4),
+        BlockStored(
+            worker_id="sg-a",
+            dp_rank=0,
+            tier=Tier.DEVICE,
+            parent_engine_hash=None,
+            engine_hashes=[U["H4"]],
+            token_ids=[20, 21, 22, 23],
+            block_size=4,
+        ),
         AllCleared(worker_id="sg-a", dp_rank=0),
     ]
     assert dec.counts["partial_removes_swallowed"] == 1
@@ -74,22 +100,51 @@ def test_maps_0_5_23_decode_to_expected_events():
     got = [dec.decode(p, dp_rank=0, seq=i) for i, p in enumerate(_golden("v0_5_23"))]
     # the batch's attn_dp_rank (1) wins over the socket's rank (0)
     assert got[0] == [
-        BlockStored(worker_id="sg-b", dp_rank=1, tier=Tier.DEVICE, parent_engine_hash=None,
-                    engine_hashes=[U["H1"], U["H2"]], token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
-                    block_size=4, cache_salt="tenant-a", lora_name="sql-lora"),
+        BlockStored(
+            worker_id="sg-b",
+            dp_rank=1,
+            tier=Tier.DEVICE,
+            parent_engine_hash=None,
+            engine_hashes=[U["H1"], U["H2"]],
+            token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+            block_size=4,
+            cache_salt="tenant-a",
+            lora_name="sql-lora",
+        ),
         # EAGLE3 bigram page: the first element of each pair is the token at that position
-        BlockStored(worker_id="sg-b", dp_rank=1, tier=Tier.DEVICE, parent_engine_hash=U["H2"],
-                    engine_hashes=[U["H4"]], token_ids=[9, 10, 11, 12], block_size=4,
-                    cache_salt="tenant-a", lora_name="sql-lora"),
+        BlockStored(
+            worker_id="sg-b",
+            dp_rank=1,
+            tier=Tier.DEVICE,
+            parent_engine_hash=U["H2"],
+            engine_hashes=[U["H4"]],
+            token_ids=[9, 10, 11, 12],
+            block_size=4,
+            cache_salt="tenant-a",
+            lora_name="sql-lora",
+        ),
     ]
     assert got[1] == [
-        BlockStored(worker_id="sg-b", dp_rank=1, shared=True, parent_engine_hash=None,
-                    engine_hashes=[U["H5"]], token_ids=[40, 41, 42, 43], block_size=4),
-        BlockStored(worker_id="sg-b", dp_rank=1, tier=Tier.DISK, parent_engine_hash=None,
-                    engine_hashes=[U["H1"]], token_ids=[1, 2, 3, 4], block_size=4),
+        BlockStored(
+            worker_id="sg-b",
+            dp_rank=1,
+            shared=True,
+            parent_engine_hash=None,
+            engine_hashes=[U["H5"]],
+            token_ids=[40, 41, 42, 43],
+            block_size=4,
+        ),
+        BlockStored(
+            worker_id="sg-b",
+            dp_rank=1,
+            tier=Tier.DISK,
+            parent_engine_hash=None,
+            engine_hashes=[U["H1"]],
+            token_ids=[1, 2, 3, 4],
+            block_size=4,
+        ),
         BlockRemoved(worker_id="sg-b", dp_rank=1, tier=Tier.DEVICE, engine_hashes=[U["H4"]]),
-        BlockRemoved(worker_id="sg-b", dp_rank=1, tier=None, engine_hashes=[U["H5"]],
-                     shared=True),
+        BlockRemoved(worker_id="sg-b", dp_rank=1, tier=None, engine_hashes=[U["H5"]], shared=True),
     ]
     # nil rank slot: the socket's rank
     assert got[2] == [AllCleared(worker_id="sg-b", dp_rank=0)]
@@ -106,8 +161,15 @@ def _batch(events, rank=0):
 
 
 def _stored_map(hashes, parent, tokens, block_size, **extra):
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-            "token_ids": tokens, "block_size": block_size, "lora_id": None, **extra}
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": block_size,
+        "lora_id": None,
+        **extra,
+    }
 
 
 @pytest.mark.parametrize(
@@ -143,8 +205,10 @@ def test_bad_events_are_dropped_and_counted_alone(event, reason):
         (msgspec.msgpack.encode({"ts": 1.0, "events": []}), "bad_batch"),
         (msgspec.msgpack.encode([1.0, [], "rank-one"]), "bad_batch"),
         (msgspec.msgpack.encode([1.0, [], -1]), "bad_batch"),
-        (msgspec.msgpack.encode([1.0, [_stored_map([1], None, [1, 2, 3, 4], 4)]])[:-3],
-         "bad_msgpack"),
+        (
+            msgspec.msgpack.encode([1.0, [_stored_map([1], None, [1, 2, 3, 4], 4)]])[:-3],
+            "bad_msgpack",
+        ),
     ],
 )
 def test_bad_batches_are_dropped_and_counted(payload, reason):
@@ -169,10 +233,16 @@ def test_page_size_one_never_has_partial_pages():
 def test_arrays_0_5_18_with_metadata_decode_to_expected_events():
     dec = SglangDecoder("sg-c", page_size=4)
     assert dec.decode(_golden("v0_5_18")[0]) == [
-        BlockStored(worker_id="sg-c", engine_hashes=[U["H1"], U["H2"]],
-                    token_ids=[1, 2, 3, 4, 5, 6, 7, 8], block_size=4, cache_salt="tenant-b"),
-        BlockStored(worker_id="sg-c", engine_hashes=[U["H3"]], token_ids=[9, 10, 11, 12],
-                    block_size=4),  # nil medium slot: device
+        BlockStored(
+            worker_id="sg-c",
+            engine_hashes=[U["H1"], U["H2"]],
+            token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+            block_size=4,
+            cache_salt="tenant-b",
+        ),
+        BlockStored(
+            worker_id="sg-c", engine_hashes=[U["H3"]], token_ids=[9, 10, 11, 12], block_size=4
+        ),  # nil medium slot: device
         BlockRemoved(worker_id="sg-c", tier=Tier.DEVICE, engine_hashes=[U["H3"]]),
         AllCleared(worker_id="sg-c"),
     ]
@@ -186,8 +256,11 @@ def test_positional_events_with_unknown_trailing_fields_decode(fast):
         dec._fast_order = ()
     raw = ["BlockStored", [-1], None, [1, 2], 2, None, "GPU", {"cache_salt": "s", "x": 1}, 9]
     out = dec.decode(_batch([raw]))
-    assert out == [BlockStored(worker_id="w", engine_hashes=[MASK64], token_ids=[1, 2],
-                               block_size=2, cache_salt="s")]
+    assert out == [
+        BlockStored(
+            worker_id="w", engine_hashes=[MASK64], token_ids=[1, 2], block_size=2, cache_salt="s"
+        )
+    ]
     bad = ["BlockStored", [-1], None, [1, 2], 2, None, "GPU", "not-a-map"]
     assert dec.decode(_batch([bad])) == [] and dec.drops == {"bad_field": 1}
 

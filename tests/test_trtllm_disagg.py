@@ -47,8 +47,10 @@ def test_context_request_fields():
     assert json.dumps(CLIENT, sort_keys=True) == before  # the client's body is not mutated
     newer = context_request(CLIENT, max_tokens_one=False, disagg_request_id=12345)
     assert newer["max_tokens"] == 64
-    assert newer["disaggregated_params"] == {"request_type": "context_only",
-                                             "disagg_request_id": 12345}
+    assert newer["disaggregated_params"] == {
+        "request_type": "context_only",
+        "disagg_request_id": 12345,
+    }
 
 
 def test_generation_request_carries_params_verbatim_and_prompt_token_ids():
@@ -70,8 +72,12 @@ def test_generation_request_carries_params_verbatim_and_prompt_token_ids():
 
 
 def test_generation_request_for_chat_sets_prompt_token_ids_and_keeps_messages():
-    chat = {"model": "llama", "messages": [{"role": "user", "content": "hi"}],
-            "max_completion_tokens": 10, "stream": False}
+    chat = {
+        "model": "llama",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 10,
+        "stream": False,
+    }
     ctx = context_request(chat)
     assert ctx["max_completion_tokens"] == 1 and ctx["max_tokens"] == 1
     gen = generation_request(chat, CTX, path="/v1/chat/completions")
@@ -91,8 +97,20 @@ def test_without_prompt_token_ids_the_prompt_stays():
         ({"choices": []}, "0 choices"),
         ({"choices": [{"finish_reason": "length"}, {"finish_reason": "length"}]}, "2 choices"),
         ({"choices": [{"finish_reason": "length"}]}, "without choices"),
-        ({"choices": [{"finish_reason": "length", "disaggregated_params": {
-            "request_type": "context_only", "ctx_request_id": None}}]}, "ctx_request_id"),
+        (
+            {
+                "choices": [
+                    {
+                        "finish_reason": "length",
+                        "disaggregated_params": {
+                            "request_type": "context_only",
+                            "ctx_request_id": None,
+                        },
+                    }
+                ]
+            },
+            "ctx_request_id",
+        ),
         (None, "no choices"),
     ],
 )
@@ -135,12 +153,17 @@ def test_adapter_registered_and_wired():
     assert isinstance(adapter, TrtllmAdapter) and adapter.pd_style is PDStyle.SEQUENTIAL
     adapter.rng = random.Random(7)
     worker = Worker("ctx-0", url="http://127.0.0.1:8001", engine="trtllm", role=Role.PREFILL)
-    pd = PDContext(request_id="r1", path="/v1/completions", prefill_worker=worker,
-                   prefill_options={"disagg_request_id": True})
+    pd = PDContext(
+        request_id="r1",
+        path="/v1/completions",
+        prefill_worker=worker,
+        prefill_options={"disagg_request_id": True},
+    )
     ctx = adapter.prefill_request(CLIENT, pd)
     rid = ctx["disaggregated_params"]["disagg_request_id"]
     assert isinstance(rid, int) and 0 <= rid < 2**63
     assert adapter.decode_request(CLIENT, CTX, pd)["disaggregated_params"]["request_type"] == (
-        "generation_only")
+        "generation_only"
+    )
     assert adapter.prefill_is_final(CTX) is False
     assert adapter.request_headers(pd) == {}

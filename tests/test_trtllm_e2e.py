@@ -26,18 +26,57 @@ CTX_ANSWER = json.loads((DATA / "context_response.json").read_bytes())
 
 # CompletionRequest / DisaggregatedParams fields of trtllm-serve 1.2 (extra="forbid")
 COMPLETION_FIELDS = {
-    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
-    "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix",
-    "temperature", "top_p", "user", "lora_request", "prompt_ignore_length", "use_beam_search",
-    "top_k", "top_p_min", "min_p", "repetition_penalty", "length_penalty", "early_stopping",
-    "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
-    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
-    "return_context_logits", "detokenize", "add_special_tokens", "response_format",
+    "model",
+    "prompt",
+    "best_of",
+    "echo",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "max_tokens",
+    "n",
+    "presence_penalty",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "suffix",
+    "temperature",
+    "top_p",
+    "user",
+    "lora_request",
+    "prompt_ignore_length",
+    "use_beam_search",
+    "top_k",
+    "top_p_min",
+    "min_p",
+    "repetition_penalty",
+    "length_penalty",
+    "early_stopping",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "return_context_logits",
+    "detokenize",
+    "add_special_tokens",
+    "response_format",
     "disaggregated_params",
 }
-DISAGG_FIELDS = {"request_type", "first_gen_tokens", "ctx_request_id", "encoded_opaque_state",
-                 "draft_tokens", "disagg_request_id", "ctx_dp_rank", "ctx_info_endpoint",
-                 "schedule_style"}
+DISAGG_FIELDS = {
+    "request_type",
+    "first_gen_tokens",
+    "ctx_request_id",
+    "encoded_opaque_state",
+    "draft_tokens",
+    "disagg_request_id",
+    "ctx_dp_rank",
+    "ctx_info_endpoint",
+    "schedule_style",
+}
 
 
 class FakeTrtllmServe:
@@ -62,13 +101,16 @@ class FakeTrtllmServe:
         self.requests.append(body)
         why = self._invalid(body)
         if why:
-            return web.json_response({"object": "error", "message": why, "type": "BadRequest",
-                                      "code": 400}, status=400)
+            return web.json_response(
+                {"object": "error", "message": why, "type": "BadRequest", "code": 400}, status=400
+            )
         params = body.get("disaggregated_params") or {}
         if self.role == "context":
             if params.get("request_type") != "context_only" or body.get("stream"):
-                return web.json_response({"message": "context server: context_only, "
-                                          "stream=false expected", "code": 400}, status=400)
+                return web.json_response(
+                    {"message": "context server: context_only, stream=false expected", "code": 400},
+                    status=400,
+                )
             answer = copy.deepcopy(CTX_ANSWER)
             if self.final_next:  # EOS as the first token: the context answer is complete
                 self.final_next = False
@@ -76,18 +118,21 @@ class FakeTrtllmServe:
             return web.json_response(answer)
         if not params:  # a plain (context_and_generation) request: served whole
             answer = copy.deepcopy(CTX_ANSWER)
-            answer["choices"][0].update(text=" whole", finish_reason="stop",
-                                        disaggregated_params=None)
+            answer["choices"][0].update(
+                text=" whole", finish_reason="stop", disaggregated_params=None
+            )
             return web.json_response(answer)
         ctx_params = CTX_ANSWER["choices"][0]["disaggregated_params"]
         if params != {**ctx_params, "request_type": "generation_only"}:
             return web.json_response({"message": f"bad params {params}", "code": 400}, status=400)
         if body.get("prompt") != CTX_ANSWER["prompt_token_ids"]:
-            return web.json_response({"message": "prompt is not the context's token ids",
-                                      "code": 400}, status=400)
+            return web.json_response(
+                {"message": "prompt is not the context's token ids", "code": 400}, status=400
+            )
         answer = copy.deepcopy(CTX_ANSWER)
-        answer["choices"][0].update(text=" the quick brown fox", finish_reason="stop",
-                                    disaggregated_params=None)
+        answer["choices"][0].update(
+            text=" the quick brown fox", finish_reason="stop", disaggregated_params=None
+        )
         answer.pop("prompt_token_ids")
         return web.json_response(answer)
 
@@ -98,8 +143,12 @@ class FakeTrtllmServe:
         return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "llama", "object": "model",
-                                                              "owned_by": "tensorrt_llm"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": "llama", "object": "model", "owned_by": "tensorrt_llm"}],
+            }
+        )
 
     async def start(self) -> str:
         app = web.Application()
@@ -130,17 +179,38 @@ async def test_disaggregated_request_through_kvplug_serve(tmp_path):
     await ctx.start()
     await gen.start()
     config = tmp_path / "workers.yaml"
-    config.write_text(yaml.safe_dump({"workers": [
-        {"id": "ctx-0", "engine": "trtllm", "url": ctx.url, "role": "prefill"},
-        {"id": "gen-0", "engine": "trtllm", "url": gen.url, "role": "decode"},
-    ]}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "workers": [
+                    {"id": "ctx-0", "engine": "trtllm", "url": ctx.url, "role": "prefill"},
+                    {"id": "gen-0", "engine": "trtllm", "url": gen.url, "role": "decode"},
+                ]
+            }
+        )
+    )
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvplug.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--admin-port", str(_free_port()), "--worker-config", str(config),
-         "--kv-block-size", "32"],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "log", "w"),
+        [
+            sys.executable,
+            "-m",
+            "kvplug.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--admin-port",
+            str(_free_port()),
+            "--worker-config",
+            str(config),
+            "--kv-block-size",
+            "32",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "log", "w"),
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -154,12 +224,20 @@ async def test_disaggregated_request_through_kvplug_serve(tmp_path):
                 except aiohttp.ClientError:
                     pass
                 await asyncio.sleep(0.1)
-            body = {"model": "llama", "prompt": "The quick brown fox", "max_tokens": 16,
-                    "temperature": 0.0}
+            body = {
+                "model": "llama",
+                "prompt": "The quick brown fox",
+                "max_tokens": 16,
+                "temperature": 0.0,
+            }
             async with session.post(base + "/v1/completions", json=body) as resp:
                 answer = await resp.json(content_type=None)
-                assert resp.status == 200, (answer, ctx.requests, gen.requests,
-                                            (tmp_path / "log").read_text()[-4000:])
+                assert resp.status == 200, (
+                    answer,
+                    ctx.requests,
+                    gen.requests,
+                    (tmp_path / "log").read_text()[-4000:],
+                )
             assert answer["choices"][0]["text"] == " the quick brown fox"
             assert len(ctx.requests) == 1 and len(gen.requests) == 1
             assert ctx.requests[0]["disaggregated_params"] == {"request_type": "context_only"}

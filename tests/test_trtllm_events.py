@@ -39,16 +39,34 @@ def test_v1_drain_decodes_to_expected_events():
     out = dec.decode(_fixture("v1_events.json"))
     assert out == [
         AllCleared(worker_id="t", dp_rank=0),  # created: a (re)start of the cache
-        BlockStored(worker_id="t", tier=Tier.DEVICE, parent_engine_hash=None,
-                    engine_hashes=[101, BIG1], token_ids=[1, 2, 3, 4, 5, 6, 7, 8], block_size=4),
+        BlockStored(
+            worker_id="t",
+            tier=Tier.DEVICE,
+            parent_engine_hash=None,
+            engine_hashes=[101, BIG1],
+            token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+            block_size=4,
+        ),
         # the chain stops at the partial block 103 (2 tokens)
-        BlockStored(worker_id="t", tier=Tier.DEVICE, parent_engine_hash=BIG1,
-                    engine_hashes=[BIG2], token_ids=[9, 10, 11, 12], block_size=4),
+        BlockStored(
+            worker_id="t",
+            tier=Tier.DEVICE,
+            parent_engine_hash=BIG1,
+            engine_hashes=[BIG2],
+            token_ids=[9, 10, 11, 12],
+            block_size=4,
+        ),
         BlockMoved(worker_id="t", from_tier=Tier.DEVICE, to_tier=Tier.HOST, engine_hashes=[101]),
         # event 4 changes only the priority: nothing; event 5 removes 103 (swallowed) and BIG2
         BlockRemoved(worker_id="t", engine_hashes=[BIG2]),
-        BlockStored(worker_id="t", tier=Tier.HOST, parent_engine_hash=None,
-                    engine_hashes=[BIG3], token_ids=[20, 21, 22, 23], block_size=4),
+        BlockStored(
+            worker_id="t",
+            tier=Tier.HOST,
+            parent_engine_hash=None,
+            engine_hashes=[BIG3],
+            token_ids=[20, 21, 22, 23],
+            block_size=4,
+        ),
     ]
     assert dec.ranks[0].window == 4096
     assert dec.ranks[0].capacity_blocks == [1024, 4096]
@@ -60,23 +78,47 @@ def test_v1_drain_decodes_to_expected_events():
 def test_2026_vswa_adp_drain_decodes_to_expected_events():
     dec = TrtllmDecoder("t2", tokens_per_block=4, lora_names={3: "sql-lora"})
     out = dec.decode(_fixture("v2026_vswa_adp_events.json"))
-    mm_extra = _block_extra({"mm_keys": [{"type": "mm_key", "hash": "ab" * 32,
-                                          "start_offset": 0}]}, [0, 0, 0, 0])
+    mm_extra = _block_extra(
+        {"mm_keys": [{"type": "mm_key", "hash": "ab" * 32, "start_offset": 0}]}, [0, 0, 0, 0]
+    )
     assert mm_extra != 0
     assert out == [
         AllCleared(worker_id="t2", dp_rank=0),  # one clear per created run, not per window
         AllCleared(worker_id="t2", dp_rank=1),
         # the 512-token window's copy is skipped; the 8192 window's is split by tier
-        BlockStored(worker_id="t2", dp_rank=0, tier=Tier.DEVICE, parent_engine_hash=None,
-                    engine_hashes=[BIG1, 201], token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
-                    block_size=4, cache_salt="tenant-a", lora_name="sql-lora"),
-        BlockStored(worker_id="t2", dp_rank=0, tier=Tier.HOST, parent_engine_hash=201,
-                    engine_hashes=[202], token_ids=[9, 10, 11, 12], block_size=4,
-                    cache_salt="tenant-a", lora_name="sql-lora"),
+        BlockStored(
+            worker_id="t2",
+            dp_rank=0,
+            tier=Tier.DEVICE,
+            parent_engine_hash=None,
+            engine_hashes=[BIG1, 201],
+            token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+            block_size=4,
+            cache_salt="tenant-a",
+            lora_name="sql-lora",
+        ),
+        BlockStored(
+            worker_id="t2",
+            dp_rank=0,
+            tier=Tier.HOST,
+            parent_engine_hash=201,
+            engine_hashes=[202],
+            token_ids=[9, 10, 11, 12],
+            block_size=4,
+            cache_salt="tenant-a",
+            lora_name="sql-lora",
+        ),
         # rank 1: the multimodal block carries its extra key; hex token ids stop the chain
-        BlockStored(worker_id="t2", dp_rank=1, tier=Tier.DEVICE, parent_engine_hash=None,
-                    engine_hashes=[301], token_ids=[7, 7, 7, 7], block_size=4,
-                    block_extra=[mm_extra]),
+        BlockStored(
+            worker_id="t2",
+            dp_rank=1,
+            tier=Tier.DEVICE,
+            parent_engine_hash=None,
+            engine_hashes=[301],
+            token_ids=[7, 7, 7, 7],
+            block_size=4,
+            block_extra=[mm_extra],
+        ),
         BlockRemoved(worker_id="t2", dp_rank=0, engine_hashes=[202]),
     ]
     assert dec.ranks[0].window == 8192 and dec.ranks[1].window == 8192
@@ -95,18 +137,33 @@ def test_gap_and_restart_clear_and_resync():
     gap = dec.decode(drains[1])  # ids 3 and 4 never arrived
     assert gap[0] == AllCleared(worker_id="t", dp_rank=0)
     assert gap[1:] == [
-        BlockStored(worker_id="t", parent_engine_hash=None, engine_hashes=[14],
-                    token_ids=[1, 2, 3, 4], block_size=4),
-        BlockStored(worker_id="t", parent_engine_hash=14, engine_hashes=[15],
-                    token_ids=[30, 31, 32, 33], block_size=4),
+        BlockStored(
+            worker_id="t",
+            parent_engine_hash=None,
+            engine_hashes=[14],
+            token_ids=[1, 2, 3, 4],
+            block_size=4,
+        ),
+        BlockStored(
+            worker_id="t",
+            parent_engine_hash=14,
+            engine_hashes=[15],
+            token_ids=[30, 31, 32, 33],
+            block_size=4,
+        ),
     ]
     assert dec.counts["gaps"] == 1
     assert dec.decode(drains[2]) == []  # an empty drain: nothing new, not "zero blocks"
     restart = dec.decode(drains[3])  # ids back to 0 with created
     assert restart == [
         AllCleared(worker_id="t", dp_rank=0),
-        BlockStored(worker_id="t", parent_engine_hash=None, engine_hashes=[21],
-                    token_ids=[40, 41, 42, 43], block_size=4),
+        BlockStored(
+            worker_id="t",
+            parent_engine_hash=None,
+            engine_hashes=[21],
+            token_ids=[40, 41, 42, 43],
+            block_size=4,
+        ),
     ]
     assert dec.counts["gaps"] == 1 and dec.counts["id_regressions"] == 0
     assert dec.decode(drains[4]) == [BlockRemoved(worker_id="t", engine_hashes=[21])]
@@ -114,8 +171,11 @@ def test_gap_and_restart_clear_and_resync():
 
 def test_id_regression_without_created_clears():
     dec = TrtllmDecoder("t", tokens_per_block=1)
-    stored = {"type": "stored", "parent_hash": None,
-              "blocks": [{"block_hash": 1, "tokens": [{"token_id": 5}]}]}
+    stored = {
+        "type": "stored",
+        "parent_hash": None,
+        "blocks": [{"block_hash": 1, "tokens": [{"token_id": 5}]}],
+    }
     dec.decode([{"event_id": 7, "data": stored}])
     out = dec.decode([{"event_id": 3, "data": stored}])
     assert out[0] == AllCleared(worker_id="t", dp_rank=0)
@@ -126,9 +186,15 @@ def test_late_subscriber_adopts_first_window_and_switches_to_a_larger_one():
     dec = TrtllmDecoder("t", tokens_per_block=1)
 
     def stored(eid, window, h):
-        return {"event_id": eid, "window_size": window,
-                "data": {"type": "stored", "parent_hash": None,
-                         "blocks": [{"block_hash": h, "tokens": [{"token_id": 1}]}]}}
+        return {
+            "event_id": eid,
+            "window_size": window,
+            "data": {
+                "type": "stored",
+                "parent_hash": None,
+                "blocks": [{"block_hash": h, "tokens": [{"token_id": 1}]}],
+            },
+        }
 
     assert len(dec.decode([stored(10, 512, 1)])) == 1
     out = dec.decode([stored(11, 4096, 2), stored(12, 512, 3), stored(13, 4096, 4)])
@@ -138,19 +204,39 @@ def test_late_subscriber_adopts_first_window_and_switches_to_a_larger_one():
 
 def test_events_without_window_or_rank_are_rank_zero_and_indexed():
     dec = TrtllmDecoder("t", tokens_per_block=2)
-    out = dec.decode([{"event_id": 0, "data": {
-        "type": "stored", "parent_hash": None,
-        "blocks": [{"block_hash": 9, "tokens": [{"token_id": 1}, {"token_id": 2}]}]}}])
+    out = dec.decode(
+        [
+            {
+                "event_id": 0,
+                "data": {
+                    "type": "stored",
+                    "parent_hash": None,
+                    "blocks": [{"block_hash": 9, "tokens": [{"token_id": 1}, {"token_id": 2}]}],
+                },
+            }
+        ]
+    )
     assert out == [BlockStored(worker_id="t", engine_hashes=[9], token_ids=[1, 2], block_size=2)]
 
 
 def test_hex_string_hashes_fold_to_u64_and_zero_parent_is_root():
     dec = TrtllmDecoder("t", tokens_per_block=1)
-    out = dec.decode([{"event_id": 0, "hash_algo": "v2_sha256", "data": {
-        "type": "stored", "parent_hash": "00" * 32,
-        "blocks": [{"block_hash": "11" * 32, "tokens": [{"token_id": 3}]}]}}])
-    assert out == [BlockStored(worker_id="t", engine_hashes=[0x1111111111111111],
-                               token_ids=[3], block_size=1)]
+    out = dec.decode(
+        [
+            {
+                "event_id": 0,
+                "hash_algo": "v2_sha256",
+                "data": {
+                    "type": "stored",
+                    "parent_hash": "00" * 32,
+                    "blocks": [{"block_hash": "11" * 32, "tokens": [{"token_id": 3}]}],
+                },
+            }
+        ]
+    )
+    assert out == [
+        BlockStored(worker_id="t", engine_hashes=[0x1111111111111111], token_ids=[3], block_size=1)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -159,22 +245,42 @@ def test_hex_string_hashes_fold_to_u64_and_zero_parent_is_root():
         ("not-an-object", "bad_event"),
         ({"event_id": 1}, "bad_event"),
         ({"event_id": -1, "data": {"type": "removed", "block_hashes": []}}, "bad_event"),
-        ({"event_id": 1, "attention_dp_rank": "0", "data": {"type": "removed",
-                                                            "block_hashes": []}}, "bad_event"),
+        (
+            {
+                "event_id": 1,
+                "attention_dp_rank": "0",
+                "data": {"type": "removed", "block_hashes": []},
+            },
+            "bad_event",
+        ),
         ({"event_id": 1, "data": {"type": "exploded"}}, "unknown_event"),
         ({"event_id": 1, "data": {"type": "removed", "block_hashes": [2**64]}}, "bad_hash"),
         ({"event_id": 1, "data": {"type": "removed", "block_hashes": ["zz"]}}, "bad_hash"),
         ({"event_id": 1, "data": {"type": "removed"}}, "bad_event"),
         ({"event_id": 1, "data": {"type": "stored", "parent_hash": None}}, "bad_event"),
-        ({"event_id": 1, "data": {"type": "updated", "block_hash": 5,
-                                  "cache_level": {"old_value": 0, "new_value": 7}}},
-         "bad_cache_level"),
+        (
+            {
+                "event_id": 1,
+                "data": {
+                    "type": "updated",
+                    "block_hash": 5,
+                    "cache_level": {"old_value": 0, "new_value": 7},
+                },
+            },
+            "bad_cache_level",
+        ),
     ],
 )
 def test_bad_envelopes_are_dropped_and_counted_alone(envelope, reason):
     dec = TrtllmDecoder("t", tokens_per_block=1)
-    good = {"event_id": 0, "data": {"type": "stored", "parent_hash": None,
-                                    "blocks": [{"block_hash": 1, "tokens": [{"token_id": 1}]}]}}
+    good = {
+        "event_id": 0,
+        "data": {
+            "type": "stored",
+            "parent_hash": None,
+            "blocks": [{"block_hash": 1, "tokens": [{"token_id": 1}]}],
+        },
+    }
     out = dec.decode([good, envelope])
     assert out == [BlockStored(worker_id="t", engine_hashes=[1], token_ids=[1], block_size=1)]
     assert dec.drops == {reason: 1}
@@ -183,12 +289,16 @@ def test_bad_envelopes_are_dropped_and_counted_alone(envelope, reason):
 @pytest.mark.parametrize(
     ("block", "reason"),
     [
-        ({"block_hash": 2, "tokens": [{"token_id": 1}, {"token_id": 2}, {"token_id": 3}]},
-         "block_size_mismatch"),
+        (
+            {"block_hash": 2, "tokens": [{"token_id": 1}, {"token_id": 2}, {"token_id": 3}]},
+            "block_size_mismatch",
+        ),
         ({"block_hash": 2, "tokens": [{"token_id": -4}, {"token_id": 2}]}, "bad_tokens"),
         ({"block_hash": 2, "tokens": [7, 8]}, "bad_tokens"),
-        ({"block_hash": 2, "tokens": [{"token_id": 1}, {"token_id": 2}], "cache_level": 2},
-         "bad_cache_level"),
+        (
+            {"block_hash": 2, "tokens": [{"token_id": 1}, {"token_id": 2}], "cache_level": 2},
+            "bad_cache_level",
+        ),
         ({"block_hash": None, "tokens": []}, "bad_hash"),
         ("block", "bad_block"),
     ],
@@ -197,8 +307,14 @@ def test_a_bad_block_stops_the_chain_but_keeps_the_blocks_before_it(block, reaso
     dec = TrtllmDecoder("t", tokens_per_block=2)
     good = {"block_hash": 1, "tokens": [{"token_id": 1}, {"token_id": 2}]}
     after = {"block_hash": 3, "tokens": [{"token_id": 5}, {"token_id": 6}]}
-    out = dec.decode([{"event_id": 0, "data": {"type": "stored", "parent_hash": None,
-                                               "blocks": [good, block, after]}}])
+    out = dec.decode(
+        [
+            {
+                "event_id": 0,
+                "data": {"type": "stored", "parent_hash": None, "blocks": [good, block, after]},
+            }
+        ]
+    )
     assert out == [BlockStored(worker_id="t", engine_hashes=[1], token_ids=[1, 2], block_size=2)]
     assert dec.drops == {reason: 1}
 
@@ -214,14 +330,35 @@ def test_empty_envelopes_are_skipped_without_a_drop_or_a_gap():
 def test_event_level_lora_name_and_per_block_salt():
     dec = TrtllmDecoder("t", tokens_per_block=1, lora_names={7: "from-id"})
     blocks = [{"block_hash": 1, "tokens": [{"token_id": 5}], "lora_id": 7, "cache_salt": "s"}]
-    out = dec.decode([
-        {"event_id": 0, "data": {"type": "stored", "parent_hash": None, "blocks": blocks,
-                                 "lora_name": "adapter-b"}},
-        {"event_id": 1, "data": {"type": "stored", "parent_hash": None,
-                                 "blocks": [dict(blocks[0], block_hash=2)]}},
-        {"event_id": 2, "data": {"type": "stored", "parent_hash": None,
-                                 "blocks": [dict(blocks[0], block_hash=3, lora_id="x")]}},
-    ])
+    out = dec.decode(
+        [
+            {
+                "event_id": 0,
+                "data": {
+                    "type": "stored",
+                    "parent_hash": None,
+                    "blocks": blocks,
+                    "lora_name": "adapter-b",
+                },
+            },
+            {
+                "event_id": 1,
+                "data": {
+                    "type": "stored",
+                    "parent_hash": None,
+                    "blocks": [dict(blocks[0], block_hash=2)],
+                },
+            },
+            {
+                "event_id": 2,
+                "data": {
+                    "type": "stored",
+                    "parent_hash": None,
+                    "blocks": [dict(blocks[0], block_hash=3, lora_id="x")],
+                },
+            },
+        ]
+    )
     assert [(e.lora_name, e.cache_salt) for e in out] == [("adapter-b", "s"), ("from-id", "s")]
     assert dec.drops == {"bad_field": 1}
 
@@ -234,12 +371,32 @@ def test_answer_that_is_not_a_list_is_dropped():
 
 def test_store_chained_on_a_partial_block_is_dropped_and_lost_stream_clears_all_ranks():
     dec = TrtllmDecoder("t", tokens_per_block=2)
-    dec.decode([{"event_id": 0, "attention_dp_rank": 1, "data": {
-        "type": "stored", "parent_hash": None,
-        "blocks": [{"block_hash": 8, "tokens": [{"token_id": 1}]}]}}])
-    out = dec.decode([{"event_id": 1, "attention_dp_rank": 1, "data": {
-        "type": "stored", "parent_hash": 8,
-        "blocks": [{"block_hash": 9, "tokens": [{"token_id": 1}, {"token_id": 2}]}]}}])
+    dec.decode(
+        [
+            {
+                "event_id": 0,
+                "attention_dp_rank": 1,
+                "data": {
+                    "type": "stored",
+                    "parent_hash": None,
+                    "blocks": [{"block_hash": 8, "tokens": [{"token_id": 1}]}],
+                },
+            }
+        ]
+    )
+    out = dec.decode(
+        [
+            {
+                "event_id": 1,
+                "attention_dp_rank": 1,
+                "data": {
+                    "type": "stored",
+                    "parent_hash": 8,
+                    "blocks": [{"block_hash": 9, "tokens": [{"token_id": 1}, {"token_id": 2}]}],
+                },
+            }
+        ]
+    )
     assert out == [] and dec.drops == {"parent_partial": 1}
     assert dec.lost_stream() == [AllCleared(worker_id="t", dp_rank=1)]
     assert dec.ranks[1].last_event_id is None and dec.ranks[1].partial == set()

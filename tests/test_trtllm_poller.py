@@ -51,10 +51,13 @@ class FakeTrtllmWorker:
                 return web.Response(status=500, text="internal error")
             if self.garbage_next:
                 self.garbage_next = False
-                return web.Response(body=b'[{"event_id": 3, "data": ',
-                                    content_type="application/json")
-            return web.Response(body=json.dumps(drained, separators=(",", ":")).encode(),
-                                content_type="application/json")
+                return web.Response(
+                    body=b'[{"event_id": 3, "data": ', content_type="application/json"
+                )
+            return web.Response(
+                body=json.dumps(drained, separators=(",", ":")).encode(),
+                content_type="application/json",
+            )
         finally:
             self.inflight -= 1
 
@@ -138,10 +141,17 @@ async def test_poller_follows_drains_gaps_and_restarts(fake):
         fake.events = drains[4]
         await poller.poll_once()
     kinds = [type(e).__name__ for e in got]
-    assert kinds == ["AllCleared", "BlockStored", "BlockStored",  # start-up
-                     "AllCleared", "BlockStored", "BlockStored",  # gap: clear, resync
-                     "AllCleared", "BlockStored",  # restart
-                     "BlockRemoved"]
+    assert kinds == [
+        "AllCleared",
+        "BlockStored",
+        "BlockStored",  # start-up
+        "AllCleared",
+        "BlockStored",
+        "BlockStored",  # gap: clear, resync
+        "AllCleared",
+        "BlockStored",  # restart
+        "BlockRemoved",
+    ]
     assert poller.counts["empty_polls"] == 1 and poller.decoder.counts["gaps"] == 1
 
 
@@ -159,21 +169,33 @@ async def test_lost_or_garbled_answers_clear_every_rank(fake):
         assert fake.events == []
         fake.garbage_next = True
         await poller.poll_once()
-        assert got[n + 1:] == [AllCleared(worker_id="t", dp_rank=0)]
+        assert got[n + 1 :] == [AllCleared(worker_id="t", dp_rank=0)]
         assert poller.counts["lost_answers"] == 2
         # the stream continues: after a lost answer the next ids are accepted without a gap
-        fake.events = [{"event_id": 9, "data": {"type": "stored", "parent_hash": None, "blocks": [
-            {"block_hash": 77, "tokens": [{"token_id": t} for t in (1, 2, 3, 4)]}]}}]
+        fake.events = [
+            {
+                "event_id": 9,
+                "data": {
+                    "type": "stored",
+                    "parent_hash": None,
+                    "blocks": [
+                        {"block_hash": 77, "tokens": [{"token_id": t} for t in (1, 2, 3, 4)]}
+                    ],
+                },
+            }
+        ]
         await poller.poll_once()
-        assert got[-1] == BlockStored(worker_id="t", engine_hashes=[77], token_ids=[1, 2, 3, 4],
-                                      block_size=4)
+        assert got[-1] == BlockStored(
+            worker_id="t", engine_hashes=[77], token_ids=[1, 2, 3, 4], block_size=4
+        )
 
 
 async def test_refused_connection_clears_nothing():
     got: list = []
     async with aiohttp.ClientSession() as session:
-        poller = TrtllmPoller("http://127.0.0.1:9", TrtllmDecoder("t", 4), got.extend,
-                              session=session, timeout=2)
+        poller = TrtllmPoller(
+            "http://127.0.0.1:9", TrtllmDecoder("t", 4), got.extend, session=session, timeout=2
+        )
         assert await poller.poll_once() == 0
     assert got == [] and poller.counts["connect_errors"] == 1 and not poller.connected
 
@@ -187,10 +209,10 @@ async def test_adapter_is_the_sole_consumer_and_fills_the_index(fake):
     adapter = TrtllmAdapter(load_period=0.05, poll_max_interval=0.02)
     with pytest.raises(ConfigError, match="tokens_per_block 32"):
         await adapter.start_worker(Worker("trt-a", url=fake.url, engine="trtllm"), sink)
-    fake.prometheus = fake.prometheus.replace("tokens_per_block{model_name=\"llama\","
-                                              "engine_type=\"trtllm\"} 32.0",
-                                              "tokens_per_block{model_name=\"llama\","
-                                              "engine_type=\"trtllm\"} 4.0")
+    fake.prometheus = fake.prometheus.replace(
+        'tokens_per_block{model_name="llama",engine_type="trtllm"} 32.0',
+        'tokens_per_block{model_name="llama",engine_type="trtllm"} 4.0',
+    )
     fake.hold = 0.01
     fake.events = json.loads((DATA / "v1_events.json").read_bytes())
     try:
@@ -203,11 +225,20 @@ async def test_adapter_is_the_sole_consumer_and_fills_the_index(fake):
             await asyncio.sleep(0.01)
         assert adapter.events_ready("trt-a")
         assert [type(e).__name__ for e in sink.events] == [
-            "AllCleared", "BlockStored", "BlockStored", "BlockMoved", "BlockRemoved",
-            "BlockStored"]
-        assert sink.attributes[-1] == {"running_requests": 5.0, "queue_depth": 2.0,
-                                       "kv_usage": 0.25, "prefix_cache_hit_rate": 0.75,
-                                       "kv_max_blocks": 1000.0}
+            "AllCleared",
+            "BlockStored",
+            "BlockStored",
+            "BlockMoved",
+            "BlockRemoved",
+            "BlockStored",
+        ]
+        assert sink.attributes[-1] == {
+            "running_requests": 5.0,
+            "queue_depth": 2.0,
+            "kv_usage": 0.25,
+            "prefix_cache_hit_rate": 0.75,
+            "kv_max_blocks": 1000.0,
+        }
         # the index holds what the engine holds: [1..4] moved to host, [5..8] on device,
         # [9..12] (BIG2) removed, the partial block never stored
         ep = index.endpoint_id("trt-a", 0)
@@ -232,9 +263,14 @@ async def test_load_falls_back_to_drained_iteration_stats():
             if sink.attributes:
                 break
             await asyncio.sleep(0.01)
-        assert sink.attributes[0] == {"running_requests": 5.0, "queue_depth": 2.0,
-                                      "kv_used_blocks": 250.0, "kv_max_blocks": 1000.0,
-                                      "kv_usage": 0.25, "prefix_cache_hit_rate": 0.75}
+        assert sink.attributes[0] == {
+            "running_requests": 5.0,
+            "queue_depth": 2.0,
+            "kv_used_blocks": 250.0,
+            "kv_max_blocks": 1000.0,
+            "kv_usage": 0.25,
+            "prefix_cache_hit_rate": 0.75,
+        }
         assert len(sink.attributes) == 1
     finally:
         await adapter.close()
@@ -244,5 +280,6 @@ async def test_load_falls_back_to_drained_iteration_stats():
 def test_removed_events_reach_the_index_as_any_tier_removals():
     # the decoder leaves the tier open (TRT-LLM does not say which tier a removal left)
     ev = TrtllmDecoder("t", 1).decode(
-        [{"event_id": 0, "data": {"type": "removed", "block_hashes": [5]}}])
+        [{"event_id": 0, "data": {"type": "removed", "block_hashes": [5]}}]
+    )
     assert ev == [BlockRemoved(worker_id="t", engine_hashes=[5])] and ev[0].tier is None

@@ -139,8 +139,11 @@ class SglangAdapter(SglangHttpAdapter):
         try:
             info = await self._server_info(worker)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            log.warning("sglang worker %s: /server_info not reachable yet (%s); retrying in "
-                        "the background", worker.worker_id, exc)
+            log.warning(
+                "sglang worker %s: /server_info not reachable yet (%s); retrying in the background",
+                worker.worker_id,
+                exc,
+            )
             info = None
         if info is not None:
             try:
@@ -171,8 +174,10 @@ class SglangAdapter(SglangHttpAdapter):
         run = self._runs.get(worker_id)
         if run is None:
             return False
-        return run.subscribed and self._subscriber is not None and self._subscriber.has_worker(
-            worker_id
+        return (
+            run.subscribed
+            and self._subscriber is not None
+            and self._subscriber.has_worker(worker_id)
         )
 
     async def close(self) -> None:
@@ -274,19 +279,33 @@ class SglangAdapter(SglangHttpAdapter):
             if replay is not None:
                 replay = replay.replace("0.0.0.0", "*")
             sources = sources_for_engine(
-                wid, endpoint, deliver, replay_endpoint=replay,
-                topic=kv.topic if kv else "", dp_start=worker.dp_start, dp_size=worker.dp_size,
-                engine_url=worker.url, block_size=page_size,
+                wid,
+                endpoint,
+                deliver,
+                replay_endpoint=replay,
+                topic=kv.topic if kv else "",
+                dp_start=worker.dp_start,
+                dp_size=worker.dp_size,
+                engine_url=worker.url,
+                block_size=page_size,
             )
         elif kv is not None:
             if kv.dp_size != worker.dp_size:
-                log.warning("sglang worker %s: engine reports dp_size %d, config says %d; "
-                            "subscribing to the engine's ranks", wid, kv.dp_size, worker.dp_size)
+                log.warning(
+                    "sglang worker %s: engine reports dp_size %d, config says %d; "
+                    "subscribing to the engine's ranks",
+                    wid,
+                    kv.dp_size,
+                    worker.dp_size,
+                )
             sources = sources_from_info(wid, kv, deliver, dp_start=worker.dp_start)
         else:
-            log.warning("sglang worker %s: no kv_events in /server_info and no event_endpoint "
-                        "configured: no KV events (start the engine with --kv-events-config "
-                        "'{\"publisher\": \"zmq\", ...}')", wid)
+            log.warning(
+                "sglang worker %s: no kv_events in /server_info and no event_endpoint "
+                "configured: no KV events (start the engine with --kv-events-config "
+                '\'{"publisher": "zmq", ...}\')',
+                wid,
+            )
             return
         if self._subscriber is None:
             self._subscriber = SglangSubscriber().start()
@@ -297,8 +316,9 @@ class SglangAdapter(SglangHttpAdapter):
         run.subscribed = True
         if kv is not None and kv.load_port_base is not None:
             run.tasks.append(asyncio.create_task(self._pushed_load(run, kv)))
-        log.info("sglang worker %s: subscribed %d rank(s), page size %d",
-                 wid, len(sources), page_size)
+        log.info(
+            "sglang worker %s: subscribed %d rank(s), page size %d", wid, len(sources), page_size
+        )
 
     async def _poll_load(self, run: _Run) -> None:
         worker = run.worker
@@ -332,10 +352,13 @@ class SglangAdapter(SglangHttpAdapter):
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 run.load_errors += 1
                 if run.load_errors <= 3 or run.load_errors % 100 == 0:
-                    log.warning("sglang worker %s: load scrape failed (%d so far): %s",
-                                worker.worker_id, run.load_errors, exc)
+                    log.warning(
+                        "sglang worker %s: load scrape failed (%d so far): %s",
+                        worker.worker_id,
+                        run.load_errors,
+                        exc,
+                    )
             await asyncio.sleep(self.load_period)
-
 
     async def _pushed_load(self, run: _Run, kv: KvEventsInfo) -> None:
         """Subscribe to every rank's load PUB (SGLang's KV-event framing, topic ``load``)."""
@@ -363,8 +386,12 @@ class SglangAdapter(SglangHttpAdapter):
                     except ValueError as exc:
                         run.bad_pushes += 1
                         if run.bad_pushes <= 3 or run.bad_pushes % 100 == 0:
-                            log.warning("sglang worker %s: bad load message (%d so far): %s",
-                                        run.worker.worker_id, run.bad_pushes, exc)
+                            log.warning(
+                                "sglang worker %s: bad load message (%d so far): %s",
+                                run.worker.worker_id,
+                                run.bad_pushes,
+                                exc,
+                            )
                         continue
                     run.last_push_at = time.monotonic()
                     run.sink.set_attributes(attributes_from_load_stats(run.pushed))

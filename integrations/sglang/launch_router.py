@@ -48,8 +48,13 @@ POLICY_MODES = {
     "power_of_two": "power-of-two",
 }
 DEFAULT_BOOTSTRAP_PORT = 8998
-UNUSED_TUNING = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold",
-                 "eviction_interval_secs", "max_tree_size")
+UNUSED_TUNING = (
+    "cache_threshold",
+    "balance_abs_threshold",
+    "balance_rel_threshold",
+    "eviction_interval_secs",
+    "max_tree_size",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-policy", default=None)
     p.add_argument("--decode-policy", default=None)
     p.add_argument("--pd-disaggregation", action="store_true")
-    p.add_argument("--prefill", action="append", nargs="+", default=[],
-                   metavar="URL [BOOTSTRAP_PORT|none]")
+    p.add_argument(
+        "--prefill", action="append", nargs="+", default=[], metavar="URL [BOOTSTRAP_PORT|none]"
+    )
     p.add_argument("--decode", action="append", nargs=1, default=[], metavar="URL")
     p.add_argument("--dp-aware", action="store_true")
     p.add_argument("--api-key", default=None)
@@ -89,8 +95,9 @@ def _prefill_entry(values: list[str], dp_aware: bool) -> dict[str, Any]:
             try:
                 port = int(values[1])
             except ValueError:
-                raise ConfigError(f"--prefill {url}: bootstrap port {values[1]!r} is not an "
-                                  "integer or 'none'") from None
+                raise ConfigError(
+                    f"--prefill {url}: bootstrap port {values[1]!r} is not an integer or 'none'"
+                ) from None
     options: dict[str, Any] = {"bootstrap_port": port}
     if dp_aware:
         options["dp_aware"] = True
@@ -102,8 +109,10 @@ def translate(argv: list[str]) -> tuple[list[str], dict[str, Any], list[str]]:
     args, rest = build_parser().parse_known_args(argv)
     notes: list[str] = []
     if args.api_key:
-        raise ConfigError("--api-key is not supported by kvplug serve (no client "
-                          "authentication); put an authenticating proxy in front instead")
+        raise ConfigError(
+            "--api-key is not supported by kvplug serve (no client "
+            "authentication); put an authenticating proxy in front instead"
+        )
     workers: list[dict[str, Any]] = []
     if args.pd_disaggregation:
         if not args.prefill or not args.decode:
@@ -115,8 +124,9 @@ def translate(argv: list[str]) -> tuple[list[str], dict[str, Any], list[str]]:
                 entry["options"] = {"dp_aware": True}
             workers.append(entry)
         if args.worker_urls:
-            notes.append("--worker-urls with --pd-disaggregation: also serving them as "
-                         "aggregated workers")
+            notes.append(
+                "--worker-urls with --pd-disaggregation: also serving them as aggregated workers"
+            )
     elif args.prefill or args.decode:
         raise ConfigError("--prefill/--decode need --pd-disaggregation")
     workers += [{"url": u, "engine": "sglang"} for u in args.worker_urls]
@@ -126,12 +136,16 @@ def translate(argv: list[str]) -> tuple[list[str], dict[str, Any], list[str]]:
         mode = "kv"
         notes.append(f"--policy {args.policy}: no kvplug equivalent, using kv (event-driven)")
     if len(policies) > 1:
-        notes.append(f"prefill/decode policies {sorted(policies)}: kvplug routes both stages "
-                     f"with mode {mode}")
+        notes.append(
+            f"prefill/decode policies {sorted(policies)}: kvplug routes both stages "
+            f"with mode {mode}"
+        )
     unused = [n for n in UNUSED_TUNING if getattr(args, n) is not None]
     if unused:
-        notes.append("unused (kvplug reads real KV events): "
-                     + ", ".join("--" + n.replace("_", "-") for n in unused))
+        notes.append(
+            "unused (kvplug reads real KV events): "
+            + ", ".join("--" + n.replace("_", "-") for n in unused)
+        )
     if args.prometheus_host or args.prometheus_port:
         notes.append(f"metrics are served at http://{args.host}:{args.port}/metrics")
     serve = ["serve", "--host", args.host, "--port", str(args.port), "--worker-engine", "sglang"]

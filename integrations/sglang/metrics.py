@@ -175,8 +175,14 @@ def kv_events_from_server_info(info: Any, worker_url: str) -> KvEventsInfo | Non
 # msgpack]`` with the payload ``["LoadStat", num_running_reqs, num_waiting_reqs, num_tokens,
 # max_total_num_tokens, attn_dp_rank, num_waiting_uncached_tokens, ...]`` (fields appended
 # over time; the first six are fixed).
-_LOAD_STAT_FIELDS = ("num_running_reqs", "num_waiting_reqs", "num_tokens",
-                     "max_total_num_tokens", "attn_dp_rank", "num_waiting_uncached_tokens")
+_LOAD_STAT_FIELDS = (
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_tokens",
+    "max_total_num_tokens",
+    "attn_dp_rank",
+    "num_waiting_uncached_tokens",
+)
 
 
 def decode_load_stat(payload: bytes) -> dict[str, int]:
@@ -204,11 +210,13 @@ def attributes_from_load_stats(per_rank: dict[int, dict[str, int]]) -> dict[str,
     out: dict[str, float] = {}
     usage: list[float] = []
     for stat in per_rank.values():
-        for src, dst in (("num_running_reqs", "running_requests"),
-                         ("num_waiting_reqs", "queue_depth"),
-                         ("num_waiting_uncached_tokens", "waiting_uncached_tokens"),
-                         ("num_tokens", "kv_used_tokens"),
-                         ("max_total_num_tokens", "kv_total_tokens")):
+        for src, dst in (
+            ("num_running_reqs", "running_requests"),
+            ("num_waiting_reqs", "queue_depth"),
+            ("num_waiting_uncached_tokens", "waiting_uncached_tokens"),
+            ("num_tokens", "kv_used_tokens"),
+            ("max_total_num_tokens", "kv_total_tokens"),
+        ):
             if src in stat:
                 out[dst] = out.get(dst, 0.0) + stat[src]
         if stat.get("max_total_num_tokens"):

@@ -262,7 +262,9 @@ class PartialPageFilter:
                     self.drops["parent_partial"] += 1
                     log.warning(
                         "sglang worker %s rank %d: store chained onto partial page %#x dropped",
-                        item.worker_id, item.dp_rank, item.parent_engine_hash,
+                        item.worker_id,
+                        item.dp_rank,
+                        item.parent_engine_hash,
                     )
                     continue
                 out.append(item)
@@ -309,9 +311,7 @@ class SglangDecoder:
         return self.filter.partial
 
     # -- public ------------------------------------------------------------------------------
-    def decode(
-        self, payload: bytes, *, dp_rank: int = 0, seq: int | None = None
-    ) -> list[KvEvent]:
+    def decode(self, payload: bytes, *, dp_rank: int = 0, seq: int | None = None) -> list[KvEvent]:
         """One message payload → events, partial pages filtered."""
         decoded = self.decode_items(payload, dp_rank=dp_rank, seq=seq)
         return [] if decoded is None else self.filter.apply(decoded[1])
@@ -349,9 +349,7 @@ class SglangDecoder:
                 self._drop(drop.reason, dp_rank, seq, f"event {position}: {drop.detail}")
         return rank, out
 
-    def _fast_items(
-        self, payload: bytes, dp_rank: int
-    ) -> tuple[int | None, list[WireItem]] | None:
+    def _fast_items(self, payload: bytes, dp_rank: int) -> tuple[int | None, list[WireItem]] | None:
         """Typed decoding of a well-formed batch; None sends the payload down the slow path
         (which drops and counts per event). Counts are committed only on success."""
         batch = None
@@ -376,8 +374,9 @@ class SglangDecoder:
         for ev in batch.events:
             if isinstance(ev, _STORED_T):
                 hashes = [h & MASK64 for h in ev.block_hashes]
-                medium = MEDIUM_TIERS.get(ev.medium) if ev.medium is not None else (
-                    Tier.DEVICE, False)
+                medium = (
+                    MEDIUM_TIERS.get(ev.medium) if ev.medium is not None else (Tier.DEVICE, False)
+                )
                 bs = ev.block_size
                 if medium is None or bs <= 0 or len(hashes) > MAX_BLOCKS_PER_EVENT:
                     return None
@@ -413,8 +412,9 @@ class SglangDecoder:
                     )
                 )
             elif isinstance(ev, _REMOVED_T):
-                medium = MEDIUM_TIERS.get(ev.medium) if ev.medium is not None else (
-                    Tier.DEVICE, False)
+                medium = (
+                    MEDIUM_TIERS.get(ev.medium) if ev.medium is not None else (Tier.DEVICE, False)
+                )
                 if medium is None or len(ev.block_hashes) > MAX_BLOCKS_PER_EVENT:
                     return None
                 if not ev.block_hashes:
@@ -450,7 +450,12 @@ class SglangDecoder:
         if n <= 5 or n % 1000 == 0:  # counters keep the totals; the log stays readable
             log.warning(
                 "sglang worker %s rank %s seq %s: dropped (%s, %d so far) %s",
-                self.worker_id, dp_rank, seq, reason, n, detail,
+                self.worker_id,
+                dp_rank,
+                seq,
+                reason,
+                n,
+                detail,
             )
 
     def _decode_event(self, raw: Any, dp_rank: int, out: list[WireItem]) -> None:
@@ -491,8 +496,9 @@ class SglangDecoder:
         if block_size < self.page_size:
             # the partial tail page of a radix node: never matchable, kept for its removal
             self.counts["partial_pages"] += len(hashes)
-            out.append(PartialPages(worker_id=self.worker_id, dp_rank=dp_rank,
-                                    engine_hashes=hashes))
+            out.append(
+                PartialPages(worker_id=self.worker_id, dp_rank=dp_rank, engine_hashes=hashes)
+            )
             return
         if block_size != self.page_size:
             raise _Drop(

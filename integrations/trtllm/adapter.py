@@ -204,8 +204,10 @@ class TrtllmAdapter(TrtllmHttpAdapter):
         if worker.url is None:
             raise ConfigError(f"trtllm worker {worker.worker_id}: needs a url")
         if worker.worker_id in self._runs:
-            raise ConfigError(f"trtllm worker {worker.worker_id}: already polled (one consumer "
-                              "per worker: its event queue drains on every read)")
+            raise ConfigError(
+                f"trtllm worker {worker.worker_id}: already polled (one consumer "
+                "per worker: its event queue drains on every read)"
+            )
         session = self._http()
         tpb = await self._tokens_per_block(worker)
         if tpb is not None and tpb != sink.block_size:
@@ -216,8 +218,12 @@ class TrtllmAdapter(TrtllmHttpAdapter):
             )
         decoder = TrtllmDecoder(worker.worker_id, sink.block_size, lora_names=self.lora_names)
         poller = TrtllmPoller(
-            worker.url, decoder, sink.apply_threadsafe, session=session,
-            min_interval=self.poll_min_interval, max_interval=self.poll_max_interval,
+            worker.url,
+            decoder,
+            sink.apply_threadsafe,
+            session=session,
+            min_interval=self.poll_min_interval,
+            max_interval=self.poll_max_interval,
             timeout=self.http_timeout,
         )
         run = _Run(worker, sink, poller)
@@ -250,8 +256,11 @@ class TrtllmAdapter(TrtllmHttpAdapter):
 
     def stats(self) -> dict[str, Any]:
         return {
-            w: {"poller": dict(r.poller.counts), "decoder": r.poller.decoder.stats(),
-                "load_errors": r.load_errors}
+            w: {
+                "poller": dict(r.poller.counts),
+                "decoder": r.poller.decoder.stats(),
+                "load_errors": r.load_errors,
+            }
             for w, r in self._runs.items()
         }
 
@@ -298,8 +307,11 @@ class TrtllmAdapter(TrtllmHttpAdapter):
                 _, tpb = parse_prometheus(await resp.text())
                 return tpb
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            log.info("trtllm worker %s: no tokens_per_block at start (%s); not checked",
-                     worker.worker_id, exc)
+            log.info(
+                "trtllm worker %s: no tokens_per_block at start (%s); not checked",
+                worker.worker_id,
+                exc,
+            )
             return None
 
     async def _poll_load(self, run: _Run) -> None:
@@ -327,8 +339,12 @@ class TrtllmAdapter(TrtllmHttpAdapter):
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 run.load_errors += 1
                 if run.load_errors <= 3 or run.load_errors % 100 == 0:
-                    log.warning("trtllm worker %s: load scrape failed (%d so far): %s",
-                                worker.worker_id, run.load_errors, exc)
+                    log.warning(
+                        "trtllm worker %s: load scrape failed (%d so far): %s",
+                        worker.worker_id,
+                        run.load_errors,
+                        exc,
+                    )
             await asyncio.sleep(self.load_period)
 
 

@@ -167,7 +167,12 @@ class TrtllmDecoder:
         if n <= 5 or n % 1000 == 0:  # counters keep the totals; the log stays readable
             log.warning(
                 "trtllm worker %s rank %s event_id %s: dropped (%s, %d so far) %s",
-                self.worker_id, rank, event_id, reason, n, detail,
+                self.worker_id,
+                rank,
+                event_id,
+                reason,
+                n,
+                detail,
             )
 
     def _clear(self, rank: int, state: RankState, out: list[KvEvent]) -> None:
@@ -210,7 +215,10 @@ class TrtllmDecoder:
                 self.counts["gaps" if event_id > last else "id_regressions"] += 1
                 log.warning(
                     "trtllm worker %s rank %d: event_id %d after %d; clearing and resyncing",
-                    self.worker_id, rank, event_id, last,
+                    self.worker_id,
+                    rank,
+                    event_id,
+                    last,
                 )
                 self._clear(rank, state, out)
                 state.in_created_run = False
@@ -314,7 +322,9 @@ class TrtllmDecoder:
                 break
             if len(tokens) > self.tokens_per_block:
                 self._drop(
-                    "block_size_mismatch", rank, None,
+                    "block_size_mismatch",
+                    rank,
+                    None,
                     f"blocks[{i}] has {len(tokens)} tokens, tokens_per_block is "
                     f"{self.tokens_per_block}",
                 )
@@ -401,7 +411,10 @@ class TrtllmDecoder:
         self.counts["moved_blocks"] += 1
         out.append(
             BlockMoved(
-                worker_id=self.worker_id, dp_rank=rank, from_tier=src, to_tier=dst,
+                worker_id=self.worker_id,
+                dp_rank=rank,
+                from_tier=src,
+                to_tier=dst,
                 engine_hashes=[h],
             )
         )

@@ -77,8 +77,10 @@ def parse_iteration_stats(stats: Any) -> tuple[dict[str, float] | None, int | No
     usage: list[float] = []
     hit: list[float] = []
     for entry in latest.values():
-        for src, dst in (("numActiveRequests", "running_requests"),
-                         ("numQueuedRequests", "queue_depth")):
+        for src, dst in (
+            ("numActiveRequests", "running_requests"),
+            ("numQueuedRequests", "queue_depth"),
+        ):
             v = _num(entry, src)
             if v is not None:
                 out[dst] = out.get(dst, 0.0) + v

@@ -91,8 +91,7 @@ class TrtllmPoller:
             # nothing was sent, nothing drained: the worker is down (or not up yet)
             self.counts["connect_errors"] += 1
             if self.connected:
-                log.warning("trtllm worker %s: %s unreachable: %s",
-                            self.worker_id, self.url, exc)
+                log.warning("trtllm worker %s: %s unreachable: %s", self.worker_id, self.url, exc)
             self.connected = False
             return 0
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -124,8 +123,9 @@ class TrtllmPoller:
     def _lost(self, why: str) -> None:
         """An answer that may have drained events we never saw: clear and resync."""
         self.counts["lost_answers"] += 1
-        log.warning("trtllm worker %s: event drain lost (%s); clearing its blocks",
-                    self.worker_id, why)
+        log.warning(
+            "trtllm worker %s: event drain lost (%s); clearing its blocks", self.worker_id, why
+        )
         events = self.decoder.lost_stream()
         if events:
             self.deliver(events)

@@ -25,8 +25,9 @@ class SglangPublisher:
     replay); ``topic_in_replies``: 0.5.23 replies ``[topic, seq, payload]``, older ones
     ``[seq, payload]``. Replay requests are served from a background thread."""
 
-    def __init__(self, ctx, port: int, replay_port: int, *, topic_in_replies: bool,
-                 topic: bytes = b""):
+    def __init__(
+        self, ctx, port: int, replay_port: int, *, topic_in_replies: bool, topic: bytes = b""
+    ):
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(f"tcp://127.0.0.1:{port}")
