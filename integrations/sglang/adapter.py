@@ -293,7 +293,8 @@ class SglangAdapter(SglangHttpAdapter):
             if kv.dp_size != worker.dp_size:
                 log.warning(
                     "sglang worker %s: engine reports dp_size %d, config says %d; "
-                    "subscribing to the engine's ranks",
+                    "subscribing to the engine's ranks, but the router only routes (and "
+                    "indexes) the configured ones: set dp_size in the worker config",
                     wid,
                     kv.dp_size,
                     worker.dp_size,
