@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvplug.errors import RoutingError
+from kvplug.errors import InvalidRequest, RoutingError
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
 from kvplug.sim.trace import TRACE_BLOCK_TOKENS, TraceRecord, block_hashes_of, expand_tokens
 
@@ -204,9 +204,9 @@ def replay(
         r0 = time.perf_counter()
         try:
             decision = router.route(rreq)
-        except RoutingError:
+        except (RoutingError, InvalidRequest) as exc:
             route_errors += 1
-            sreq.rejected = "routing error"
+            sreq.rejected = f"routing error: {exc}"
             requests.append(sreq)
             continue
         route_s += time.perf_counter() - r0

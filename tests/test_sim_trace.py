@@ -1,0 +1,86 @@
+"""Trace loading, slicing, expansion to tokens, block hashes and the oracle bound."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from kvplug.sim.trace import (
+    block_hashes_of,
+    expand_tokens,
+    iter_trace,
+    load_trace,
+    oracle_hit_rate,
+)
+
+
+def _write(path, records, gz=False):
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if gz:
+        with gzip.open(path, "wt") as fh:
+            fh.write(text)
+    else:
+        path.write_text(text)
+
+
+RECS = [
+    {"timestamp": 1000, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]},
+    {"timestamp": 1500, "input_length": 1536, "output_length": 7, "hash_ids": [1, 2, 4]},
+    {"timestamp": 4000, "input_length": 600, "output_length": 1, "hash_ids": [9, 10]},
+]
+
+
+def test_bundled_trace_matches_its_documented_statistics():
+    recs = load_trace()
+    assert len(recs) == 12_031
+    assert recs[-1].arrival_s == pytest.approx(3536.999)
+    oracle = oracle_hit_rate(recs)
+    assert oracle["all_id_hit_rate"] == pytest.approx(0.366, abs=0.001)  # the trace README's 36.6 %
+
+
+def test_slicing_and_rebasing(tmp_path):
+    p = tmp_path / "t.jsonl.gz"
+    _write(p, RECS, gz=True)
+    recs = load_trace(p, start_s=1.2, speedup=2.0)
+    assert [r.input_length for r in recs] == [1536, 600]
+    assert [r.arrival_s for r in recs] == [0.0, pytest.approx(1.25)]
+    assert (
+        len(load_trace(p, duration_s=2.0)) == 2
+    )  # trace time [0, 2) s and len(load_trace(p, limit=1)) == 1
+
+
+def test_bad_lines_name_their_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps(RECS[0]) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+        list(iter_trace(p))
+    p.write_text(json.dumps({"timestamp": 0, "input_length": 5}) + "\n")
+    with pytest.raises(ValueError, match=":1"):
+        list(iter_trace(p))
+
+
+def test_oracle_by_hand(tmp_path):
+    p = tmp_path / "t.jsonl"
+    _write(p, RECS)
+    o = oracle_hit_rate(load_trace(p))
+    # full blocks: r0 has 2 (ids 1, 2), r1 has 3 (1, 2, 4: 1 and 2 seen), r2 has 1 (9)
+    assert o["full_blocks"] == 6 and o["full_block_hit_rate"] == pytest.approx(2 / 6)
+    assert o["all_ids"] == 8 and o["all_id_hit_rate"] == pytest.approx(2 / 8)
+
+
+def test_token_expansion_preserves_prefixes_and_only_them():
+    a = expand_tokens([1, 2, 3], 1100)
+    b = expand_tokens([1, 2, 4], 1536)
+    assert a.dtype == np.uint32 and len(a) == 1100 and len(b) == 1536
+    assert np.array_equal(a[:1024], b[:1024])  # shared ids -> shared tokens
+    assert not np.array_equal(a[1024:1100], b[1024:1100])
+    assert int(a.max()) < 128_000
+    with pytest.raises(ValueError):
+        expand_tokens([1], 600)  # one 512-token id cannot cover 600 tokens
+
+
+def test_block_hashes_are_per_id_and_deterministic():
+    h1 = block_hashes_of([5, 6, 7], 2)
+    assert len(h1) == 2 and h1 == block_hashes_of([5, 6, 8], 2)
+    assert len(set(block_hashes_of(list(range(1000))))) == 1000
