@@ -150,6 +150,8 @@ class SglangAdapter(SglangHttpAdapter):
                 await self._subscribe(run, info)  # raises ConfigError on a page-size mismatch
             except Exception:
                 self._runs.pop(worker.worker_id, None)
+                if self._subscriber is not None:  # ranks added before the failure
+                    await asyncio.to_thread(self._subscriber.remove, worker.worker_id)
                 raise
         else:
             run.tasks.append(asyncio.create_task(self._discover_later(run)))
