@@ -116,3 +116,33 @@ async def test_admin_add_of_an_unreachable_worker_marks_it_unhealthy():
             resp, _ = await h.complete(prompt(2, 2))
             assert resp.headers["x-kvplug-worker"] == "w0"
         h.assert_idle()
+
+
+async def test_an_adapter_that_fails_to_start_leaves_nothing_behind():
+    from kvplug.adapters import EngineAdapter, register_adapter, unregister_adapter
+    from kvplug.errors import ConfigError
+
+    class Broken(EngineAdapter):
+        kind = "broken"
+
+        async def start_worker(self, worker, sink):
+            raise RuntimeError("no event source")
+
+    register_adapter("broken", Broken)
+    try:
+        async with serving(1, admin_token=TOKEN) as h:
+            status, body = await admin(
+                h,
+                "POST",
+                "/admin/workers",
+                {"id": "b", "url": "http://127.0.0.1:9", "engine": "broken"},
+            )
+            assert status == 400 and "no event source" in body["error"]["message"]
+            assert "b" not in h.router.workers and "b" not in h.frontend.fleet.workers
+        with pytest.raises(ConfigError, match="no event source"):
+            async with serving(
+                [{"id": "ok"}, {"id": "bad", "url": "http://127.0.0.1:9", "engine": "broken"}]
+            ):
+                pass
+    finally:
+        unregister_adapter("broken")

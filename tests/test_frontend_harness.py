@@ -114,14 +114,19 @@ async def serving(
     cfg = {"kv_block_size": BS, **(router_config or {})}
     router = Router(RouterConfig(**cfg), rng=random.Random(0))
     settings = settings or ServeSettings(health_interval=0.2, health_timeout=1.0)
-    running = await start_frontend(
-        router,
-        specs,
-        settings,
-        tokenizer=tokenizer,
-        admin_token=admin_token,
-        default_engine=engine_kind,
-    )
+    try:
+        running = await start_frontend(
+            router,
+            specs,
+            settings,
+            tokenizer=tokenizer,
+            admin_token=admin_token,
+            default_engine=engine_kind,
+        )
+    except BaseException:
+        for engine in engines.values():
+            await engine.stop()
+        raise
     session = aiohttp.ClientSession()
     try:
         yield Harness(router, running, engines, session, board)

@@ -128,8 +128,8 @@ class Frontend:
     # -- process lifecycle ----------------------------------------------------------------
     async def start(self, specs=()) -> None:
         await self.upstream.start()
-        for spec in specs:
-            await self.fleet.add(spec)
+        if specs:
+            await self.fleet.add_many(list(specs))
         if self.fleet.workers:
             await self.prober.probe_all()
         self.prober.start()

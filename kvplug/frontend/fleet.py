@@ -146,34 +146,67 @@ class Fleet:
         else:
             self.mark_unhealthy(worker_id, "its engine adapter reports it down")
 
+    def _register(self, spec: WorkerSpec) -> WorkerEntry:
+        """The synchronous part of adding: the router learns the worker (in call order)."""
+        if spec.worker_id in self.workers:
+            raise ConfigError(f"worker {spec.worker_id!r} already exists")
+        adapter = self.adapter_for(spec.engine)
+        if spec.role == "prefill" and adapter.pd_style is PDStyle.NONE:
+            raise ConfigError(
+                f"worker {spec.worker_id}: engine kind {spec.engine!r} has no "
+                "disaggregated mode, it cannot be a prefill worker"
+            )
+        worker = spec.to_worker()
+        self.router.add_worker(worker)
+        sink = FleetSink(spec.worker_id, self.router, asyncio.get_running_loop())
+        entry = WorkerEntry(spec, worker, adapter, sink)
+        self.workers[spec.worker_id] = entry
+        return entry
+
+    def _unregister(self, entry: WorkerEntry) -> None:
+        entry.sink.active = False
+        if self.workers.get(entry.spec.worker_id) is entry:
+            del self.workers[entry.spec.worker_id]
+            self.router.remove_worker(entry.spec.worker_id)
+            self._refresh_unhealthy()
+
+    async def _start(self, entry: WorkerEntry) -> WorkerEntry:
+        spec = entry.spec
+        try:
+            await entry.adapter.start_worker(entry.worker, entry.sink)
+        except Exception as exc:
+            self._unregister(entry)
+            raise ConfigError(
+                f"worker {spec.worker_id}: its {spec.engine} adapter failed to start: {exc}"
+            ) from exc
+        log.info(
+            "worker %s added (%s %s, role %s)", spec.worker_id, spec.engine, spec.url, spec.role
+        )
+        return entry
+
     async def add(self, spec: WorkerSpec) -> WorkerEntry:
         async with self._lock:
-            if spec.worker_id in self.workers:
-                raise ConfigError(f"worker {spec.worker_id!r} already exists")
-            adapter = self.adapter_for(spec.engine)
-            if spec.role == "prefill" and adapter.pd_style is PDStyle.NONE:
-                raise ConfigError(
-                    f"worker {spec.worker_id}: engine kind {spec.engine!r} has no "
-                    "disaggregated mode, it cannot be a prefill worker"
-                )
-            worker = spec.to_worker()
-            self.router.add_worker(worker)
-            sink = FleetSink(spec.worker_id, self.router, asyncio.get_running_loop())
-            entry = WorkerEntry(spec, worker, adapter, sink)
-            self.workers[spec.worker_id] = entry
+            return await self._start(self._register(spec))
+
+    async def add_many(self, specs: list[WorkerSpec]) -> list[WorkerEntry]:
+        """Register all (in order, so the router's view is deterministic), then start their
+        adapters concurrently (discovery can take seconds per engine)."""
+        async with self._lock:
+            entries: list[WorkerEntry] = []
             try:
-                await adapter.start_worker(worker, sink)
-            except Exception as exc:
-                del self.workers[spec.worker_id]
-                sink.active = False
-                self.router.remove_worker(spec.worker_id)
-                raise ConfigError(
-                    f"worker {spec.worker_id}: its {spec.engine} adapter failed to start: {exc}"
-                ) from exc
-            log.info(
-                "worker %s added (%s %s, role %s)", spec.worker_id, spec.engine, spec.url, spec.role
+                for spec in specs:
+                    entries.append(self._register(spec))
+            except BaseException:
+                for entry in entries:
+                    self._unregister(entry)
+                raise
+            results = await asyncio.gather(
+                *(self._start(e) for e in entries), return_exceptions=True
             )
-            return entry
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise ConfigError("; ".join(str(e) for e in errors))
+        return entries
 
     def drain(self, worker_id: str) -> WorkerEntry:
         entry = self.get(worker_id)
