@@ -67,10 +67,18 @@ def _add_fleet_args(p: argparse.ArgumentParser, engines: int) -> None:
 
 def _spec(args, policies):
     from kvplug.sim.bench import BenchSpec
+    from kvplug.sim.policies import parse_policy
 
     for name in ("engines", "capacity_blocks", "max_batched_tokens", "jobs"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.host_blocks < 0 or args.event_delay < 0 or args.speedup <= 0:
+        raise SystemExit("--host-blocks and --event-delay must be >= 0, --speedup > 0")
+    for text in policies:
+        try:
+            parse_policy(text)
+        except ValueError as exc:
+            raise SystemExit(f"kvplug: {exc}") from None
     return BenchSpec(
         policies=list(policies),
         n_engines=args.engines,

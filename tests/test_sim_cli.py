@@ -1,0 +1,90 @@
+"""`kvplug demo` and `kvplug bench` (table, JSON, plots, sweep) through the real command."""
+
+import json
+
+from kvplug.cli import main
+
+
+def test_demo_writes_table_json_and_plots(tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    rc = main(
+        [
+            "demo",
+            "--limit",
+            "200",
+            "--jobs",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out),
+            "--plots",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "round-robin" in text and "oracle" in text and "kv vs" in text
+    report = json.loads(out.read_text())
+    assert [r["policy"] for r in report["results"]] == ["kv", "round-robin", "random"]
+    assert report["spec"]["n_engines"] == 4 and report["trace"]["requests"] == 200
+    assert {p.name for p in tmp_path.glob("*.png")} == {
+        "demo_ttft_cdf.png",
+        "demo_hit_rate.png",
+        "demo_load.png",
+    }
+
+
+def test_bench_sweep_grid(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    rc = main(
+        [
+            "bench",
+            "--sweep",
+            "credit=0.5,1",
+            "temperature=0",
+            "--limit",
+            "120",
+            "--engines",
+            "2",
+            "--jobs",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out),
+            "--plots",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0
+    sweep = json.loads(out.read_text())
+    assert sweep["x_values"] == [0.5, 1.0] and sweep["y_values"] == [0.0]
+    assert len(sweep["grid"]) == 1 and len(sweep["grid"][0]) == 2
+    runs = json.loads((tmp_path / "sweep_runs.json").read_text())
+    assert [r["policy"] for r in runs["results"]] == [
+        "kv:credit=0.5,temperature=0",
+        "kv:credit=1,temperature=0",
+        "round-robin",
+    ]
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    assert "hit rate: rows router_temperature" in capsys.readouterr().out
+
+
+def test_bench_rejects_a_bad_policy_before_replaying(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit, match="not kv"):
+        main(
+            [
+                "bench",
+                "--policies",
+                "kv",
+                "nonsense",
+                "--limit",
+                "10",
+                "--json",
+                "",
+                "--no-progress",
+                "--jobs",
+                "1",
+            ]
+        )
