@@ -271,7 +271,7 @@ class SglangAdapter(SglangHttpAdapter):
         if page_size != sink.block_size:
             raise ConfigError(
                 f"sglang worker {wid} emits KV events at page size {page_size} but the router "
-                f"hashes blocks of {sink.block_size}: start the router with --block-size "
+                f"hashes blocks of {sink.block_size}: start the router with --kv-block-size "
                 f"{page_size} or the engine with --page-size {sink.block_size}"
             )
         deliver = filtered_sink(sink.apply_threadsafe)

@@ -213,7 +213,7 @@ class TrtllmAdapter(TrtllmHttpAdapter):
         if tpb is not None and tpb != sink.block_size:
             raise ConfigError(
                 f"trtllm worker {worker.worker_id} has tokens_per_block {tpb} but the router "
-                f"hashes blocks of {sink.block_size}: start the router with --block-size {tpb} "
+                f"hashes blocks of {sink.block_size}: start the router with --kv-block-size {tpb} "
                 f"or the engine with kv_cache_config.tokens_per_block {sink.block_size}"
             )
         decoder = TrtllmDecoder(worker.worker_id, sink.block_size, lora_names=self.lora_names)

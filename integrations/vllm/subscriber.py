@@ -223,6 +223,7 @@ class VllmSubscriber:
         self._streams: dict[tuple[str, int], _Stream] = {}
         self._by_socket: dict[zmq.Socket, list[EventSource]] = {}
         self._bound: dict[str, zmq.Socket] = {}  # address -> shared bound SUB
+        self._routes: dict[zmq.Socket, dict[bytes | None, dict[int, _Stream]]] = {}
         self._poller = zmq.Poller()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -348,6 +349,7 @@ class VllmSubscriber:
                 done.set()
 
     def _add(self, src: EventSource) -> None:
+        self._routes.clear()
         key = (src.worker_id, src.dp_rank)
         if key in self._streams:
             self._remove_key(key)
@@ -396,6 +398,7 @@ class VllmSubscriber:
             self._remove_key(key)
 
     def _remove_key(self, key: tuple[str, int]) -> None:
+        self._routes.clear()
         st = self._streams.pop(key)
         self._close_replay(st)
         for sock, srcs in list(self._by_socket.items()):
@@ -431,21 +434,18 @@ class VllmSubscriber:
             if st.replay_sock is None:
                 break
 
-    def _route(self, sock: zmq.Socket, topic: bytes, batch: DecodedBatch | None) -> _Stream | None:
-        srcs = self._by_socket.get(sock, [])
-        cands = [s for s in srcs if s.topic.encode() == topic] or [
-            s for s in srcs if not s.kvplug_binds  # a connected socket is one engine's
-        ]
-        if not cands:
-            return None
-        if batch is not None and batch.dp_rank is not None:
-            for s in cands:
-                if s.dp_rank == batch.dp_rank:
-                    return self._streams.get((s.worker_id, s.dp_rank))
-            if len({s.worker_id for s in cands}) == 1 and not cands[0].kvplug_binds:
-                return self._streams.get((cands[0].worker_id, cands[0].dp_rank))
-            return None
-        return self._streams.get((cands[0].worker_id, cands[0].dp_rank))
+    def _routes_for(self, sock: zmq.Socket) -> dict[bytes | None, dict[int, _Stream]]:
+        """topic (None on a connected socket: one engine's) -> rank -> stream; cached."""
+        routes = self._routes.get(sock)
+        if routes is None:
+            routes = {}
+            for src in self._by_socket.get(sock, []):
+                st = self._streams.get((src.worker_id, src.dp_rank))
+                if st is not None:
+                    key = src.topic.encode() if src.kvplug_binds else None
+                    routes.setdefault(key, {})[src.dp_rank] = st
+            self._routes[sock] = routes
+        return routes
 
     def _on_live(self, sock: zmq.Socket, frames: list[bytes], out: dict) -> None:
         try:
@@ -454,27 +454,28 @@ class VllmSubscriber:
             self.counters["malformed_frames"] += 1
             self._droplog("frames", "vLLM events: malformed message dropped: %s", e)
             return
-        srcs = self._by_socket.get(sock, [])
-        decoder = None
-        for s in srcs:
-            if s.topic.encode() == topic or not s.kvplug_binds:
-                decoder = self._streams[(s.worker_id, s.dp_rank)].decoder
-                break
-        if decoder is None:
+        routes = self._routes_for(sock)
+        connected = None in routes
+        ranks = routes.get(None) if connected else routes.get(topic)
+        if not ranks:
             self.counters["unknown_source"] += 1
             self._droplog("unknown", "vLLM events: batch seq %d on topic %r from an unknown "
                           "engine dropped", seq, topic)
             return
-        batch = decoder.decode(payload, dp_rank=srcs[0].dp_rank)
-        st = self._route(sock, topic, batch)
-        if st is None:
-            self.counters["unknown_source"] += 1
-            self._droplog("unknown", "vLLM events: batch seq %d (topic %r, rank %s) from an "
-                          "unknown engine rank dropped", seq, topic,
-                          batch.dp_rank if batch else "?")
-            return
-        if st.decoder is not decoder and batch is not None:
-            batch = st.decoder.decode(payload, dp_rank=st.src.dp_rank)  # per-rank stats
+        first = next(iter(ranks.values()))
+        batch = first.decoder.decode(payload, dp_rank=first.src.dp_rank)
+        st: _Stream | None = first
+        if batch is not None and batch.dp_rank is not None and batch.dp_rank != first.src.dp_rank:
+            st = ranks.get(batch.dp_rank)
+            if st is None and connected and len(ranks) == 1:
+                st = first  # a connected socket is one rank's; _apply says so and fixes it
+            elif st is None:
+                self.counters["unknown_source"] += 1
+                self._droplog("unknown", "vLLM events: batch seq %d (topic %r) from rank %d, "
+                              "which is not configured, dropped", seq, topic, batch.dp_rank)
+                return
+            elif st is not first:
+                batch = st.decoder.decode(payload, dp_rank=st.src.dp_rank)  # per-rank stats
         st.stats.last_message_at = time.monotonic()
         self._on_batch(st, seq, payload, batch, out)
 
