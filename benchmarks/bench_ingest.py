@@ -205,8 +205,7 @@ def run_zmq(work, block_size, n_engines) -> tuple[float, KvIndex, dict]:
     done = threading.Event()
 
     def sink(events):
-        idx.apply_many(events)
-        applied[0] += sum(len(getattr(e, "engine_hashes", ())) for e in events)
+        applied[0] += idx.apply_many(events).blocks
         if applied[0] >= total:
             done.set()
 

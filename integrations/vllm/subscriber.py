@@ -21,7 +21,6 @@ import logging
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,7 +171,7 @@ class _Stream:
     decoder: BatchDecoder
     stats: StreamStats = field(default_factory=StreamStats)
     expected: int | None = None  # next seq; None before the first message
-    last_digest: int = 0  # crc of the last applied payload: tells a repeat from a restart
+    last_payload: bytes = b""  # the last applied payload: tells a repeat from a restart
     replaying: bool = False
     replay_sock: zmq.Socket | None = None
     replay_deadline: float = 0.0
@@ -507,7 +506,7 @@ class VllmSubscriber:
                 self._finish_replay(st, out)  # nothing to ask: declare the gap lost
             return
         # seq < expected
-        if seq == st.expected - 1 and zlib.crc32(payload) == st.last_digest:
+        if seq == st.expected - 1 and payload == st.last_payload:
             s.duplicates += 1
             return
         s.restarts += 1
@@ -527,7 +526,7 @@ class VllmSubscriber:
     ) -> None:
         s = st.stats
         st.expected = seq + 1
-        st.last_digest = zlib.crc32(payload)
+        st.last_payload = payload
         s.last_seq = seq
         s.batches += 1
         if batch is None:
