@@ -22,6 +22,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_pair() -> int:
+    """A port p with p and p + 1 both free (the two engines of the fleet use p and p + 1)."""
+    for _ in range(50):
+        p = _free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    pytest.skip("no two adjacent free ports")
+
+
 def _wait_http(url: str, timeout: float = 20.0) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -41,18 +54,14 @@ def _post(url: str, body: dict) -> tuple[dict, dict]:
         return {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
 
 
-@pytest.fixture
-def fleet_and_frontend():
-    base = _free_port()
-    ev, rp, front = _free_port(), _free_port(), _free_port()
-    # the two engines use base, base+1 / ev, ev+1 / rp, rp+1: make sure the +1s are free too
-    for p in (base + 1, ev + 1, rp + 1):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError:
-                pytest.skip(f"port {p} busy")
+@pytest.fixture(params=["engines-bind", "router-binds"])
+def fleet_and_frontend(request):
+    base, ev, rp = _free_pair(), _free_pair(), _free_pair()  # engine i uses port + i
+    front = _free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    extra = []
+    if request.param == "router-binds":  # one SUB bound by kvplug, engines told apart by topic
+        extra = ["--events-connect", f"tcp://127.0.0.1:{_free_port()}"]
     sim = subprocess.Popen(
         [
             sys.executable,
@@ -69,6 +78,7 @@ def fleet_and_frontend():
             str(rp),
             "--speed",
             "10",
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -247,7 +247,7 @@ def _register_sim(sub) -> None:
         "--events-connect",
         default=None,
         help="connect every engine's PUB to this endpoint (a router-bound SUB) instead "
-        "of binding one port each",
+        "of binding one port each; engine i then publishes on topic TOPIC.sim-i",
     )
     p.add_argument("--topic", default="kv", help="ZMQ topic of the event frames")
     p.add_argument("--vllm-version", default="0.32", help="event encoding of this vLLM version")

@@ -181,15 +181,18 @@ class SimServer:
             ),
         )
         self.port = opts.base_port + index
+        self.topic = opts.topic
         if opts.events_connect:
+            # every engine connects to one router-bound SUB: the topic tells them apart
             self.endpoint = opts.events_connect
+            self.topic = f"{opts.topic}.{self.worker_id}"
         else:
             self.endpoint = f"tcp://*:{opts.events_base_port + index}"
         self.replay_endpoint = f"tcp://*:{opts.replay_base_port + index}"
         self.publisher = VllmEventPublisher(
             self.endpoint,
             replay_endpoint=self.replay_endpoint,
-            topic=opts.topic,
+            topic=self.topic,
             version=opts.vllm_version,
         )
         self.streams: dict[str, _Stream] = {}
@@ -509,7 +512,7 @@ class SimServer:
             "buffer_steps": self.publisher.buffer.maxlen,
             "hwm": 100_000,
             "max_queue_size": 100_000,
-            "topic": self.opts.topic,
+            "topic": self.topic,
         }
         return web.json_response({"0": cfg})
 
@@ -585,7 +588,7 @@ def describe(servers: list[SimServer]) -> str:
     for s in servers:
         lines.append(
             f"{s.worker_id}: http://{s.opts.host}:{s.port}  events {s.endpoint} topic "
-            f"{s.opts.topic!r}  replay {s.replay_endpoint}  block size {s.opts.block_size}, "
+            f"{s.topic!r}  replay {s.replay_endpoint}  block size {s.opts.block_size}, "
             f"{s.engine.cache.capacity} blocks"
         )
     return "\n".join(lines)
