@@ -18,10 +18,16 @@ from kvplug.frontend.stub_engine import StubEngine, TransferBoard
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (held open together, so no two are the same)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 async def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -45,7 +51,7 @@ async def test_pd_request_through_the_launcher(tmp_path):
     prefill = StubEngine("p", role="prefill", pd="sglang", board=board, block_size=16)
     decode = StubEngine("d", role="decode", pd="sglang", board=board, block_size=16)
     p_url, d_url = await prefill.start(), await decode.start()
-    port = _free_port()
+    port, admin_port = _free_ports(2)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
         [
@@ -65,7 +71,7 @@ async def test_pd_request_through_the_launcher(tmp_path):
             "--kv-block-size",
             "16",
             "--admin-port",
-            str(_free_port()),
+            str(admin_port),
         ],
         cwd=ROOT,
         env=env,

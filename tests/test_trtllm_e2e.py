@@ -167,10 +167,16 @@ class FakeTrtllmServe:
         await self.runner.cleanup()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (held open together, so no two are the same)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @pytest.mark.timeout(120)
@@ -189,7 +195,7 @@ async def test_disaggregated_request_through_kvplug_serve(tmp_path):
             }
         )
     )
-    port = _free_port()
+    port, admin_port = _free_ports(2)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -201,7 +207,7 @@ async def test_disaggregated_request_through_kvplug_serve(tmp_path):
             "--port",
             str(port),
             "--admin-port",
-            str(_free_port()),
+            str(admin_port),
             "--worker-config",
             str(config),
             "--kv-block-size",
