@@ -129,6 +129,22 @@ class FakeTrtllmServe:
             return web.json_response(
                 {"message": "prompt is not the context's token ids", "code": 400}, status=400
             )
+        if body.get("stream"):  # trtllm-serve's SSE: one chunk per piece, then [DONE]
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i, piece in enumerate([" the", " quick", " brown", " fox"]):
+                chunk = {
+                    "id": "cmpl-gen",
+                    "object": "text_completion",
+                    "model": "llama",
+                    "choices": [
+                        {"index": 0, "text": piece, "finish_reason": "stop" if i == 3 else None}
+                    ],
+                }
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         answer = copy.deepcopy(CTX_ANSWER)
         answer["choices"][0].update(
             text=" the quick brown fox", finish_reason="stop", disaggregated_params=None
@@ -258,6 +274,19 @@ async def test_disaggregated_request_through_kvplug_serve(tmp_path):
             assert len(ctx.requests) == 2 and len(gen.requests) == 2
             assert "disaggregated_params" not in gen.requests[1]
             assert answer["choices"][0]["text"] == " whole"
+            # a streaming client: the context hop is still one JSON answer, the generation
+            # hop streams back through kvplug chunk by chunk
+            stream_body = dict(body, stream=True)
+            async with session.post(base + "/v1/completions", json=stream_body) as resp:
+                raw = await resp.read()
+                assert resp.status == 200, raw
+            assert ctx.requests[2]["stream"] is False and gen.requests[2]["stream"] is True
+            texts = [
+                json.loads(line[6:])["choices"][0]["text"]
+                for line in raw.decode().split("\n")
+                if line.startswith("data: {")
+            ]
+            assert "".join(texts) == " the quick brown fox" and raw.rstrip().endswith(b"[DONE]")
     finally:
         proc.terminate()
         try:
