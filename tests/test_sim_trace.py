@@ -84,3 +84,25 @@ def test_block_hashes_are_per_id_and_deterministic():
     h1 = block_hashes_of([5, 6, 7], 2)
     assert len(h1) == 2 and h1 == block_hashes_of([5, 6, 8], 2)
     assert len(set(block_hashes_of(list(range(1000))))) == 1000
+
+
+def test_shared_prefix_workload():
+    from kvplug.sim.trace import parse_workload, synthetic_shared_prefix
+
+    recs = synthetic_shared_prefix(groups=4, system=1024, question=600, requests=200, seed=1)
+    assert recs == synthetic_shared_prefix(
+        groups=4, system=1024, question=600, requests=200, seed=1
+    )
+    assert len(recs) == 200 and all(r.input_length == 1624 for r in recs)
+    assert all(b.arrival_s >= a.arrival_s for a, b in zip(recs, recs[1:], strict=False))
+    heads = {r.hash_ids[:2] for r in recs}
+    assert len(heads) == 4  # one shared 2-block prefix per group
+    tails = [r.hash_ids[2:] for r in recs]
+    assert len(set(tails)) == 200  # the rest is unique to each request
+    # 3 full blocks per request, 2 shared: hit rate = 2/3 minus each group's first request
+    assert oracle_hit_rate(recs)["full_block_hit_rate"] == pytest.approx((200 * 2 - 4 * 2) / 600)
+    assert len(parse_workload("shared-prefix:groups=2,requests=10")) == 10
+    with pytest.raises(ValueError):
+        parse_workload("shared-prefix:colour=3")
+    with pytest.raises(ValueError):
+        parse_workload("zipf")

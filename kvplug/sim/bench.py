@@ -25,7 +25,13 @@ import numpy as np
 
 from kvplug.sim.engine import EngineConfig
 from kvplug.sim.policies import parse_policy
-from kvplug.sim.trace import TRACE_BLOCK_TOKENS, TraceRecord, load_trace, oracle_hit_rate
+from kvplug.sim.trace import (
+    TRACE_BLOCK_TOKENS,
+    TraceRecord,
+    load_trace,
+    oracle_hit_rate,
+    parse_workload,
+)
 from kvplug.sim.virtual import ReplayConfig, replay, summarize
 
 
@@ -44,9 +50,15 @@ class BenchSpec:
     event_delay_s: float = 0.005
     mode: str = "hashes"
     seed: int = 0
+    workload: str | None = None  # e.g. "shared-prefix:groups=32" instead of the trace
     extra: dict[str, Any] = field(default_factory=dict)
 
     def records(self) -> list[TraceRecord]:
+        if self.workload:
+            recs = parse_workload(self.workload)
+            if self.limit is not None:
+                recs = recs[: self.limit]
+            return recs
         return load_trace(
             self.trace,
             start_s=self.start_s,

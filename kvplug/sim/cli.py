@@ -29,6 +29,13 @@ def _add_fleet_args(p: argparse.ArgumentParser, engines: int) -> None:
         default=None,
         help="Mooncake-format JSONL(.gz); default: the bundled Mooncake FAST'25 conversation trace",
     )
+    g.add_argument(
+        "--workload",
+        default=None,
+        metavar="shared-prefix[:k=v,...]",
+        help="a generated workload instead of the trace: shared-prefix with groups, "
+        "system, question, output (tokens), rate (req/s), requests, seed",
+    )
     g.add_argument("--start", type=float, default=0.0, help="slice start, seconds into the trace")
     g.add_argument(
         "--duration", type=float, default=None, help="slice length in seconds (default: all)"
@@ -74,11 +81,15 @@ def _spec(args, policies):
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.host_blocks < 0 or args.event_delay < 0 or args.speedup <= 0:
         raise SystemExit("--host-blocks and --event-delay must be >= 0, --speedup > 0")
-    for text in policies:
-        try:
+    try:
+        for text in policies:
             parse_policy(text)
-        except ValueError as exc:
-            raise SystemExit(f"kvplug: {exc}") from None
+        if args.workload:
+            from kvplug.sim.trace import parse_workload
+
+            parse_workload(args.workload)
+    except ValueError as exc:
+        raise SystemExit(f"kvplug: {exc}") from None
     return BenchSpec(
         policies=list(policies),
         n_engines=args.engines,
@@ -93,6 +104,7 @@ def _spec(args, policies):
         event_delay_s=args.event_delay,
         mode=args.mode,
         seed=args.seed,
+        workload=args.workload,
     )
 
 

@@ -167,3 +167,67 @@ def oracle_hit_rate(records: list[TraceRecord], block_tokens: int = TRACE_BLOCK_
         "all_ids": every,
         "all_id_hit_rate": every_hit / every if every else 0.0,
     }
+
+
+SHARED_PREFIX_DEFAULTS = {
+    "groups": 256,  # distinct system prompts: 4,096 prefix blocks, > one engine's 1,640
+    "system": 8192,  # tokens of each group's shared prefix
+    "question": 1024,  # unique tokens per request after the prefix
+    "output": 256,
+    "rate": 8.0,  # requests per second (Poisson)
+    "requests": 8000,
+    "seed": 0,
+}
+
+
+def synthetic_shared_prefix(**params) -> list[TraceRecord]:
+    """A generated workload in the trace format, like SGLang's ``generated-shared-prefix``:
+    ``groups`` system prompts of ``system`` tokens, each request one group's prompt (uniform)
+    plus ``question`` unique tokens, ``output`` tokens out, Poisson arrivals at ``rate``/s.
+    Block ids: group g's prefix blocks are shared by its requests, the rest unique."""
+    p = {**SHARED_PREFIX_DEFAULTS, **params}
+    unknown = set(params) - set(SHARED_PREFIX_DEFAULTS)
+    if unknown:
+        raise ValueError(
+            f"unknown shared-prefix parameter(s) {sorted(unknown)}; "
+            f"known: {sorted(SHARED_PREFIX_DEFAULTS)}"
+        )
+    groups, system, question = int(p["groups"]), int(p["system"]), int(p["question"])
+    output, rate, n = int(p["output"]), float(p["rate"]), int(p["requests"])
+    if min(groups, n) < 1 or system < 0 or question < 1 or output < 1 or rate <= 0:
+        raise ValueError(f"bad shared-prefix parameters {p}")
+    rng = np.random.default_rng(int(p["seed"]))
+    bt = TRACE_BLOCK_TOKENS
+    sys_blocks = system // bt  # full shared blocks; a partial one is mixed with the question
+    gaps = rng.exponential(1.0 / rate, n)
+    gaps[0] = 0.0
+    arrivals = np.cumsum(gaps)
+    group_of = rng.integers(0, groups, n)
+    next_id = groups * sys_blocks
+    out = []
+    for i in range(n):
+        g = int(group_of[i])
+        length = system + question
+        total_blocks = -(-length // bt)
+        shared = list(range(g * sys_blocks, (g + 1) * sys_blocks))
+        unique = list(range(next_id, next_id + total_blocks - sys_blocks))
+        next_id += total_blocks - sys_blocks
+        out.append(TraceRecord(float(arrivals[i]), length, output, tuple(shared + unique)))
+    return out
+
+
+def parse_workload(text: str) -> list[TraceRecord]:
+    """``shared-prefix[:key=value,...]`` -> records (see :func:`synthetic_shared_prefix`)."""
+    name, _, rest = text.partition(":")
+    if name != "shared-prefix":
+        raise ValueError(f"unknown workload {name!r} (known: shared-prefix)")
+    params: dict[str, float] = {}
+    for term in filter(None, (t.strip() for t in rest.split(","))):
+        key, sep, raw = term.partition("=")
+        try:
+            params[key.strip()] = float(raw)
+        except ValueError:
+            raise ValueError(f"workload term {term!r} is not KEY=NUMBER") from None
+        if not sep:
+            raise ValueError(f"workload term {term!r} is not KEY=NUMBER")
+    return synthetic_shared_prefix(**params)
