@@ -90,11 +90,15 @@ async def test_lifecycle_is_exact_during_and_after_a_stream():
             await asyncio.sleep(0.02)
             if h.engines["w1"].requests and h.router.active_load("w1")[0]["inflight"]:
                 break
-        await asyncio.sleep(0.7)  # ~17 tokens generated: past the first output block
-        load = h.router.active_load("w1")[0]
+        for _ in range(250):  # until generation passes the first output block (16 tokens)
+            await asyncio.sleep(0.02)
+            load = h.router.active_load("w1")[0]
+            if load["decode_blocks"] >= 5:
+                break
         assert load["inflight"] == 1
         assert load["prefill_tokens"] == 0  # released at the first token
         assert load["decode_blocks"] >= 4 + 1  # prompt blocks + at least one output block
+        assert not task.done()
         assert h.router.active_load("w0")[0]["inflight"] == 0
         resp, raw = await task
         assert resp.status == 200 and raw.endswith(b"[DONE]\n\n")
