@@ -14,6 +14,13 @@ from array import array
 import numpy as np
 
 cimport numpy as cnp
+from cpython.list cimport PyList_GET_ITEM
+from cpython.long cimport PyLong_CheckExact
+from cpython.ref cimport PyObject
+
+
+cdef extern from "Python.h":
+    long PyLong_AsLongAndOverflow(object obj, int *overflow) except? -1
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer
 from cpython.pythread cimport NOWAIT_LOCK, WAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock, PyThread_release_lock, PyThread_type_lock
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
@@ -161,6 +168,26 @@ cdef object _seq_to_int64(object tokens):
     raise InvalidTokens("token ids could not be read")  # pragma: no cover
 
 
+cdef object _list_to_u32(list tokens):
+    """A list of exact ints in [0, 2**32) as a uint32 array, or None (the caller then takes the
+    slow path, which reports the offending position)."""
+    cdef Py_ssize_t n = len(tokens), i
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, [<cnp.npy_intp>n], cnp.NPY_UINT32, 0)
+    cdef uint32_t *p = <uint32_t *>cnp.PyArray_DATA(out)
+    cdef PyObject *item
+    cdef long v
+    cdef int overflow = 0
+    for i in range(n):
+        item = <PyObject *>PyList_GET_ITEM(tokens, i)
+        if not PyLong_CheckExact(<object>item):
+            return None
+        v = PyLong_AsLongAndOverflow(<object>item, &overflow)
+        if overflow or v < 0 or v > 0xFFFFFFFF:
+            return None
+        p[i] = <uint32_t>v
+    return out
+
+
 cdef int _open_tokens(object tokens, TokenView *tv) except -1:
     """Point tv at a contiguous integer buffer for tokens (in place when possible)."""
     cdef int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
@@ -209,7 +236,14 @@ cdef int _open_tokens(object tokens, TokenView *tv) except -1:
     if not PyObject_CheckBuffer(tokens):
         if isinstance(tokens, (str, dict, set)) or tokens is None:
             raise InvalidTokens(f"tokens must be a sequence of integers, got {type(tokens).__name__}")
-        tokens = _seq_to_int64(tokens)
+        if type(tokens) is list:
+            converted = _list_to_u32(<list>tokens)
+            if converted is not None:
+                tokens = converted
+            else:
+                tokens = _seq_to_int64(tokens)
+        else:
+            tokens = _seq_to_int64(tokens)
     elif isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:
             raise InvalidTokens(f"tokens must be 1-D, got shape {tokens.shape}")
