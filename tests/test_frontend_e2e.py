@@ -486,13 +486,13 @@ async def test_expected_osl_reaches_the_router():
     for osl in (None, 40):
         async with serving(
             1,
-            stub_options={"token_delay": 0.03},
+            stub_options={"token_delay": 0.05},
             router_config={"router_track_output_blocks": True},
         ) as h:
             nvext = {"agent_hints": {"osl": osl}} if osl else None
             extra = {"nvext": nvext} if nvext else {}
             task = asyncio.create_task(
-                h.complete(prompt(4, 16), stream=True, max_tokens=40, **extra)
+                h.complete(prompt(4, 16), stream=True, max_tokens=24, **extra)
             )
             for _ in range(200):
                 await asyncio.sleep(0.01)
