@@ -263,8 +263,10 @@ def format_table(report: dict, markdown: bool = False) -> str:
     note = (
         f"{tr['requests']} requests over {tr['span_s'] / 60:.1f} min on "
         f"{report['spec']['n_engines']} engines; oracle (infinite shared cache) "
-        f"{tr['oracle_hit_rate']:.1%}, fleet-LRU bound {tr['fleet_lru_hit_rate']:.1%}; "
-        f"imb = max/mean across engines"
+        f"{tr['oracle_hit_rate']:.1%}, fleet-LRU bound {tr['fleet_lru_hit_rate']:.1%}\n"
+        "hit % = prompt blocks reused from a KV cache; TTFT = time to first token; E2E = "
+        "request latency; imb = max/mean across engines of routed requests / busy time; "
+        "wall = replay time"
     )
     if markdown:
         lines = [
