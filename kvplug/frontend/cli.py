@@ -285,8 +285,17 @@ def _run_loop(coro, choice: str) -> None:
     if factory is None:
         asyncio.run(coro)
         return
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(coro)
+    if hasattr(asyncio, "Runner"):  # Python >= 3.11
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(coro)
+        return
+    loop = factory()
+    try:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(coro)
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
 
 
 def run(args: argparse.Namespace) -> int:
