@@ -109,6 +109,10 @@ class VllmAdapter(VllmHttpAdapter):
         host = urlsplit(worker.url).hostname if worker.url else None
         ranks = range(worker.dp_start, worker.dp_start + worker.dp_size)
         self.subscriber.start()
+        if not any(rs.dp_rank in ranks for rs in info.sources):
+            log.warning("vLLM worker %s: the engine publishes ranks %s, none in %d..%d: "
+                        "no events will be consumed", worker.worker_id,
+                        [rs.dp_rank for rs in info.sources], ranks.start, ranks.stop - 1)
         for rs in info.sources:
             if rs.dp_rank not in ranks:
                 continue

@@ -173,6 +173,7 @@ class _Stream:
     expected: int | None = None  # next seq; None before the first message
     last_payload: bytes = b""  # the last applied payload: tells a repeat from a restart
     replaying: bool = False
+    catching_up: bool = False  # the first replay, from seq 0, after joining a running engine
     replay_sock: zmq.Socket | None = None
     replay_deadline: float = 0.0
     pending: list[tuple[int, bytes]] = field(default_factory=list)
@@ -466,8 +467,10 @@ class VllmSubscriber:
         st: _Stream | None = first
         if batch is not None and batch.dp_rank is not None and batch.dp_rank != first.src.dp_rank:
             st = ranks.get(batch.dp_rank)
-            if st is None and connected and len(ranks) == 1:
-                st = first  # a connected socket is one rank's; _apply says so and fixes it
+            if st is None and len(ranks) == 1:
+                # one rank configured for this socket/topic (vLLM rank r publishes on port + r,
+                # so a socket sees one rank): it is that rank's; _apply says so and fixes it
+                st = first
             elif st is None:
                 self.counters["unknown_source"] += 1
                 self._droplog("unknown", "vLLM events: batch seq %d (topic %r) from rank %d, "
@@ -488,7 +491,9 @@ class VllmSubscriber:
         if st.expected is None:
             st.expected = seq
             if seq > 0 and self.catch_up and st.src.replay_address:
+                # joined a running engine: fetch what it still buffers from its start
                 st.expected = 0
+                st.catching_up = True
                 st.pending.append((seq, payload))
                 self._start_replay(st, 0, out)
                 return
@@ -543,7 +548,7 @@ class VllmSubscriber:
                           st.decoder.stats.last_error)
         s.events += len(batch.events)
         if batch.dp_rank is not None and batch.dp_rank != st.src.dp_rank:
-            # a connected socket is one rank's: trust the socket, say so once
+            # a socket (or topic) configured for one rank: trust the configuration, say so
             self._droplog("rank", "vLLM events: %s: batch says rank %d on rank %d's socket",
                           st.src.worker_id, batch.dp_rank, st.src.dp_rank)
             evs = [_with_rank(e, st.src.dp_rank) for e in batch.events]
@@ -624,6 +629,13 @@ class VllmSubscriber:
     def _lost(self, st: _Stream, next_seq: int, out: dict) -> None:
         """Batches expected..next_seq-1 cannot be had: clear the rank so nothing stale stays."""
         s = st.stats
+        if st.catching_up and st.expected == 0:
+            # the engine ran before kvplug joined and no longer buffers its first batches:
+            # expected, and nothing is indexed yet that could be stale
+            log.info("vLLM events: %s rank %d: joined at seq %d (older batches not buffered)",
+                     st.src.worker_id, st.src.dp_rank, next_seq)
+            st.expected = next_seq
+            return
         s.replay_failures += 1
         s.missed_batches += next_seq - (st.expected or 0)
         log.warning("vLLM events: %s rank %d lost batches %d..%d; clearing its blocks",
@@ -634,6 +646,7 @@ class VllmSubscriber:
     def _finish_replay(self, st: _Stream, out: dict) -> None:
         self._close_replay(st)
         st.replaying = False
+        st.catching_up = False
         pending, st.pending = sorted(st.pending, key=lambda p: p[0]), []
         for seq, payload in pending:
             assert st.expected is not None
