@@ -191,3 +191,44 @@ def test_events_land_in_the_index(zmq_ctx):
     finally:
         sub.stop()
         pub.close()
+
+
+def test_engines_connecting_to_one_kvplug_bound_socket_are_told_apart_by_topic(zmq_ctx):
+    # SGLang engines whose --kv-events-config endpoint is a concrete address connect to it:
+    # kvplug binds one SUB there and attributes each message by its topic frame
+    from integrations.vllm.subscriber import sources_for_engine
+
+    port = _free_base(1)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    got_a, got_b = Collector(), Collector()
+    sub = SglangSubscriber(context=zmq_ctx).start()
+    pubs = []
+    try:
+        for wid, topic, got in (("sg-a", "a", got_a), ("sg-b", "b", got_b)):
+            for src in sources_for_engine(
+                wid, endpoint, filtered_sink(got), topic=topic, block_size=4
+            ):
+                sub.add(src)
+        for topic in (b"a", b"b"):
+            pub = zmq_ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.connect(endpoint)
+            pubs.append((topic, pub))
+        g15, g18 = golden("v0_5_15"), golden("v0_5_18")
+
+        def send():
+            pubs[0][1].send_multipart([b"a", (0).to_bytes(8, "big"), g15[0]])
+            pubs[1][1].send_multipart([b"b", (0).to_bytes(8, "big"), g18[0]])
+
+        got_a.wait_for(lambda e: len(e) >= 2, nudge=send)
+        got_b.wait_for(lambda e: len(e) >= 4, nudge=send)
+        time.sleep(0.1)
+        # each engine's events, once (repeats of seq 0 are ignored), under its own worker id
+        assert [e.worker_id for e in got_a.events] == ["sg-a", "sg-a"]
+        assert [e.worker_id for e in got_b.events] == ["sg-b"] * 4
+        assert got_a.events[1].engine_hashes == [_u(-5)]
+        assert got_b.events[0].cache_salt == "tenant-b"
+    finally:
+        sub.stop()
+        for _, p in pubs:
+            p.close(0)
