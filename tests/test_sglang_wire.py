@@ -142,6 +142,8 @@ def test_maps_0_5_23_decode_to_expected_events():
             engine_hashes=[U["H1"]],
             token_ids=[1, 2, 3, 4],
             block_size=4,
+            cache_salt="tenant-a",
+            lora_name="sql-lora",
         ),
         BlockRemoved(worker_id="sg-b", dp_rank=1, tier=Tier.DEVICE, engine_hashes=[U["H4"]]),
         BlockRemoved(worker_id="sg-b", dp_rank=1, tier=None, engine_hashes=[U["H5"]], shared=True),

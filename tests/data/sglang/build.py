@@ -205,13 +205,15 @@ def v0_5_23_stream() -> list[bytes]:
                 attn_dp_rank=1,
             )
         ),
-        # a page in the shared external pool, a disk copy, removals per medium
+        # a page in the shared external pool, a disk copy of a salted LoRA page, removals
         enc.encode(
             Batch23(
                 ts=1800000001.0,
                 events=[
                     BlockStored23([H5], None, [40, 41, 42, 43], 4, None, "EXTERNAL"),
-                    BlockStored23([H1], None, T1, 4, None, "DISK"),
+                    BlockStored23(
+                        [H1], None, T1, 4, None, "DISK", cache_salt="tenant-a", lora_name="sql-lora"
+                    ),
                     BlockRemoved23([HPX, H4], "GPU"),
                     BlockRemoved23([H5], "EXTERNAL"),
                 ],
