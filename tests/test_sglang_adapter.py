@@ -206,7 +206,7 @@ async def test_adapter_discovers_subscribes_and_scrapes(new):
         await adapter.close()
         await fake.stop()
         pub.close()
-        ctx.term()
+        ctx.destroy(linger=0)  # never hangs on a socket left open by a failed test
 
 
 async def test_unreachable_worker_is_discovered_later():
@@ -238,7 +238,7 @@ async def test_unreachable_worker_is_discovered_later():
     finally:
         await adapter.close()
         pub.close()
-        ctx.term()
+        ctx.destroy(linger=0)  # never hangs on a socket left open by a failed test
 
 
 class LoadStat(msgspec.Struct, array_like=True, gc=False, tag=True):
@@ -299,4 +299,4 @@ async def test_pushed_load_channel_replaces_polling():
         await adapter.close()
         await fake.stop()
         load_pub.close(0)
-        ctx.term()
+        ctx.destroy(linger=0)  # never hangs on a socket left open by a failed test
