@@ -7,9 +7,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from integrations.sglang.wire import MASK64, SglangDecoder
-from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier
+from integrations.sglang.wire import MASK64, SglangDecoder, encode_batch
+from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, Tier
 
 DATA = Path(__file__).parent / "data" / "sglang"
 
@@ -284,3 +286,80 @@ def test_typed_fast_path_agrees_with_the_checked_slow_path(name):
         assert probe._fast_items(payload, 0) is not None  # well-formed: the fast path takes it
         assert fast.decode_items(payload) == slow.decode_items(payload)
     assert fast.counts == slow.counts and not fast.drops and not slow.drops
+
+
+# -- encoder round trip ------------------------------------------------------------------------
+
+u64 = st.integers(0, MASK64)
+
+
+@st.composite
+def _sglang_events(draw, worker="w", rank=0, bs=4, salted=True, lora=True):
+    events = []
+    for _ in range(draw(st.integers(0, 5))):
+        kind = draw(st.sampled_from(["stored", "removed", "cleared"]))
+        if kind == "cleared":
+            events.append(AllCleared(worker_id=worker, dp_rank=rank))
+            continue
+        n = draw(st.integers(1, 3))
+        hashes = draw(st.lists(u64, min_size=n, max_size=n))
+        shared = draw(st.booleans())
+        tier = Tier.DEVICE if shared else draw(st.sampled_from(list(Tier)))
+        if kind == "removed":
+            events.append(
+                BlockRemoved(
+                    worker_id=worker,
+                    dp_rank=rank,
+                    tier=None if shared else tier,
+                    engine_hashes=hashes,
+                    shared=shared,
+                )
+            )
+            continue
+        events.append(
+            BlockStored(
+                worker_id=worker,
+                dp_rank=rank,
+                tier=tier,
+                shared=shared,
+                parent_engine_hash=draw(st.none() | u64),
+                engine_hashes=hashes,
+                token_ids=draw(
+                    st.lists(st.integers(0, 2**32 - 1), min_size=n * bs, max_size=n * bs)
+                ),
+                block_size=bs,
+                cache_salt=draw(st.none() | st.text(max_size=5)) if salted else None,
+                lora_name=draw(st.none() | st.text(min_size=1, max_size=5)) if lora else None,
+            )
+        )
+    return events
+
+
+@settings(max_examples=60, deadline=None)
+@given(_sglang_events(rank=1), st.booleans())
+def test_encoder_round_trips_through_the_decoder_0_5_23(events, fast):
+    dec = SglangDecoder("w", page_size=4)
+    if not fast:
+        dec._fast_order = ()
+    assert dec.decode(encode_batch(events, "0.5.23", attn_dp_rank=1)) == events
+    assert not dec.drops
+
+
+@settings(max_examples=40, deadline=None)
+@given(_sglang_events(lora=False), st.sampled_from(["0.5.15", "0.5.18"]))
+def test_encoder_round_trips_through_the_decoder_arrays(events, form):
+    dec = SglangDecoder("w", page_size=4)
+    if form == "0.5.15" and any(getattr(e, "cache_salt", None) is not None for e in events):
+        with pytest.raises(ValueError):
+            encode_batch(events, form)
+        return
+    assert dec.decode(encode_batch(events, form)) == events
+
+
+def test_encoder_refuses_what_sglang_cannot_say():
+    with pytest.raises(ValueError):
+        encode_batch(
+            [BlockMoved(worker_id="w", from_tier=Tier.DEVICE, to_tier=Tier.HOST, engine_hashes=[1])]
+        )
+    with pytest.raises(ValueError):
+        encode_batch([], "0.4.0")

@@ -538,3 +538,74 @@ class SglangDecoder:
                 shared=shared,
             )
         )
+
+
+# -------------------------------------------------------------------------------------------
+# Encoder (simulated SGLang engines, tests): kvplug events -> the bytes a given SGLang sends
+# -------------------------------------------------------------------------------------------
+
+_TIER_MEDIUM = {Tier.DEVICE: "GPU", Tier.HOST: "CPU_PINNED", Tier.DISK: "DISK"}
+_enc = msgspec.msgpack.Encoder()
+
+
+def _signed(h: int) -> int:
+    """u64 -> the signed int64 SGLang puts on the wire."""
+    h &= MASK64
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+def encode_batch(
+    events: Sequence[KvEvent],
+    form: str = "0.5.23",
+    *,
+    ts: float = 0.0,
+    attn_dp_rank: int | None = 0,
+) -> bytes:
+    """One ``KVEventBatch`` payload as SGLang ``form`` encodes it: ``"0.5.15"`` (arrays, nil
+    trailing fields omitted), ``"0.5.18"`` (arrays, salt in a metadata element) or
+    ``"0.5.23"`` (maps). ``BlockMoved`` has no SGLang form (raises ValueError); a salt or
+    LoRA name the form cannot carry raises ValueError too."""
+    if form not in ("0.5.15", "0.5.18", "0.5.23"):
+        raise ValueError(f"unknown SGLang form {form!r}")
+    out: list[Any] = []
+    for ev in events:
+        if isinstance(ev, AllCleared):
+            out.append({"type": "AllBlocksCleared"} if form == "0.5.23" else ["AllBlocksCleared"])
+            continue
+        if isinstance(ev, BlockStored | BlockRemoved):
+            medium = "EXTERNAL" if ev.shared else _TIER_MEDIUM.get(ev.tier or Tier.DEVICE)
+            hashes = [_signed(h) for h in ev.engine_hashes]
+        if isinstance(ev, BlockStored):
+            if ev.token_ids is None:
+                raise ValueError("SGLang stores always carry token ids")
+            parent = None if ev.parent_engine_hash is None else _signed(ev.parent_engine_hash)
+            tokens = list(ev.token_ids)
+            if form == "0.5.23":
+                item = {
+                    "type": "BlockStored",
+                    "block_hashes": hashes,
+                    "parent_block_hash": parent,
+                    "token_ids": tokens,
+                    "block_size": ev.block_size,
+                    "lora_id": None,
+                    "medium": medium,
+                }
+                if ev.cache_salt is not None:
+                    item["cache_salt"] = ev.cache_salt
+                if ev.lora_name is not None:
+                    item["lora_name"] = ev.lora_name
+            else:
+                if ev.lora_name is not None or (ev.cache_salt is not None and form == "0.5.15"):
+                    raise ValueError(f"SGLang {form} arrays cannot carry this namespace")
+                item = ["BlockStored", hashes, parent, tokens, ev.block_size, None, medium]
+                if ev.cache_salt is not None:
+                    item.append({"cache_salt": ev.cache_salt})
+            out.append(item)
+        elif isinstance(ev, BlockRemoved):
+            if form == "0.5.23":
+                out.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": medium})
+            else:
+                out.append(["BlockRemoved", hashes, medium])
+        elif not isinstance(ev, AllCleared):
+            raise ValueError(f"{type(ev).__name__} has no SGLang wire form")
+    return _enc.encode([ts, out, attn_dp_rank])
