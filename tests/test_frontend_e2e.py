@@ -306,6 +306,7 @@ async def test_models_health_ready_metrics():
         assert 'kvplug_requests_total{endpoint="/v1/completions",status="400"} 1.0' in text
         assert 'kvplug_rejected_requests_total{reason="invalid_json"} 1.0' in text
         assert 'kvplug_worker_healthy{worker="w0"} 1.0' in text
+        assert 'kvplug_worker_active_decode_blocks{worker="w0"} 0.0' in text
         assert 'kvplug_token_source_total{source="request"} 1.0' in text
         assert "kvplug_route_duration_seconds_bucket" in text
         async with h.session.get(h.url + "/kvplug/decisions/999999") as r:

@@ -290,6 +290,18 @@ class Fleet:
         serving = frozenset(w for w, e in self.workers.items() if model in e.models or not e.models)
         return None if len(serving) == len(self.workers) else serving
 
+    def _router_load(self, worker_id: str) -> dict[str, float]:
+        """The router's active load of a worker, summed over its DP ranks."""
+        try:
+            ranks = self.router.active_load(worker_id)
+        except Exception:
+            return {}
+        out: dict[str, float] = {}
+        for values in ranks.values():
+            for key, value in values.items():
+                out[key] = out.get(key, 0.0) + float(value)
+        return out
+
     def snapshot(self) -> list[dict[str, Any]]:
         return [
             {
@@ -298,6 +310,7 @@ class Fleet:
                 "draining": e.draining,
                 "inflight": e.inflight,
                 "events": e.sink.events,
+                "load": self._router_load(w),
             }
             for w, e in list(self.workers.items())
         ]

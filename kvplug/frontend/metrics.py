@@ -60,13 +60,26 @@ class _StateCollector:
             "KV events received from the worker since it was added",
             labels=["worker"],
         )
+        prefill = GaugeMetricFamily(
+            "kvplug_worker_active_prefill_tokens",
+            "Router's active prompt tokens not yet past their first token (all DP ranks)",
+            labels=["worker"],
+        )
+        decode = GaugeMetricFamily(
+            "kvplug_worker_active_decode_blocks",
+            "Router's active decode blocks of the worker (all DP ranks)",
+            labels=["worker"],
+        )
         for w in self._snapshot():
             wid = w["id"]
             healthy.add_metric([wid], 1.0 if w["healthy"] else 0.0)
             draining.add_metric([wid], 1.0 if w["draining"] else 0.0)
             inflight.add_metric([wid], float(w["inflight"]))
             events.add_metric([wid], float(w["events"]))
-        yield from (healthy, draining, inflight, events)
+            load = w.get("load") or {}
+            prefill.add_metric([wid], load.get("prefill_tokens", 0.0))
+            decode.add_metric([wid], load.get("decode_blocks", 0.0))
+        yield from (healthy, draining, inflight, events, prefill, decode)
         stats = GaugeMetricFamily(
             "kvplug_router_stat", "Router and KV index counters", labels=["stat"]
         )
