@@ -175,6 +175,27 @@ def apply_c_hashes(idx, events) -> float:
     return time.perf_counter() - t0
 
 
+def batched_by_worker(events, max_blocks: int = 65536):
+    """Concatenate consecutive events per worker into store() batches of up to max_blocks."""
+    per: dict[int, list[Event]] = {}
+    for ev in events:
+        per.setdefault(ev.worker, []).append(ev)
+    out = []
+    for w, evs in per.items():
+        eng = np.concatenate([e.engine for e in evs])
+        seq = np.concatenate([e.seq for e in evs])
+        for a in range(0, len(eng), max_blocks):
+            out.append((w, eng[a : a + max_blocks], seq[a : a + max_blocks]))
+    return out
+
+
+def apply_c_batches(idx, batches) -> float:
+    t0 = time.perf_counter()
+    for w, eng, seq in batches:
+        idx.store(w, 0, eng, seq)
+    return time.perf_counter() - t0
+
+
 def apply_kvindex(events, workers: int) -> tuple[float, int]:
     kv = KvIndex(BS)
     for w in range(workers):
@@ -247,7 +268,14 @@ def bench_workers(workers: int, args, dynamo) -> dict:
     idx2 = core.Index()
     idx2.reserve(st["blocks"], st["engine_mappings"])  # a router knows its fleet's KV capacity
     res["c_apply_tokens_presized_blocks_per_s"] = n_blocks / apply_c_tokens(idx2, wl.events)
+    batches = batched_by_worker(wl.events)
+    idx2 = core.Index()
+    res["c_apply_batched_blocks_per_s"] = n_blocks / apply_c_batches(idx2, batches)
+    idx2 = core.Index()
+    idx2.reserve(st["blocks"], st["engine_mappings"])
+    res["c_apply_batched_presized_blocks_per_s"] = n_blocks / apply_c_batches(idx2, batches)
     idx2 = None
+    batches = None
 
     sub, sub_blocks = first_blocks(wl.events, args.ref_blocks)
     dt, blocks = apply_kvindex(wl.events if not args.small else sub, workers)
@@ -385,6 +413,8 @@ def table(results: dict) -> str:
             f"  apply blocks/s: C store_tokens {fmt_rate(r['c_apply_tokens_blocks_per_s'])},"
             f" presized {fmt_rate(r['c_apply_tokens_presized_blocks_per_s'])},"
             f" C store(hashes) {fmt_rate(r['c_apply_hashes_blocks_per_s'])},"
+            f" batched {fmt_rate(r['c_apply_batched_blocks_per_s'])}"
+            f" (presized {fmt_rate(r['c_apply_batched_presized_blocks_per_s'])}),"
             f" KvIndex.apply_many {fmt_rate(r['kvindex_apply_many_blocks_per_s'])},"
             f" reference {fmt_rate(r['ref_apply_tokens_blocks_per_s'])}"
             f" (C/ref {r['c_apply_tokens_blocks_per_s'] / r['ref_apply_tokens_blocks_per_s']:.0f}x)"
@@ -424,6 +454,70 @@ def table(results: dict) -> str:
             row += f"   {q['mean_walked_blocks']:.0f}"
             lines.append(row)
     return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    """The docs table (docs/core.md) from a results dict."""
+    dyn = "dynamo_apply_blocks_per_s" in results["workers"][0]
+    out = []
+    h = results["hashing"]
+    out.append("| hashing | tokens/s | vs reference | vs Dynamo |")
+    out.append("| --- | --- | --- | --- |")
+    d = h.get("dynamo_list_tokens_per_s")
+    ref_rate = h["ref_list_tokens_per_s"]
+    for label, key in (
+        ("C, numpy uint32 buffer", "c_numpy_tokens_per_s"),
+        ("C, Python list", "c_list_tokens_per_s"),
+    ):
+        out.append(
+            f"| {label} | {fmt_rate(h[key])} | {h[key] / ref_rate:.0f}x | {h[key] / d:.1f}x |"
+            if d
+            else f"| {label} | {fmt_rate(h[key])} | {h[key] / ref_rate:.0f}x | - |"
+        )
+    out.append("")
+    head = "| workers | apply C (tokens) | apply C presized | apply KvIndex.apply_many | reference"
+    head += " | Dynamo apply |" if dyn else " |"
+    out.append(head)
+    out.append("| --- " * (6 if dyn else 5) + "|")
+    for r in results["workers"]:
+        row = (
+            f"| {r['workers']} | {fmt_rate(r['c_apply_tokens_blocks_per_s'])}"
+            f" | {fmt_rate(r['c_apply_tokens_presized_blocks_per_s'])}"
+            f" | {fmt_rate(r['kvindex_apply_many_blocks_per_s'])}"
+            f" | {fmt_rate(r['ref_apply_tokens_blocks_per_s'])}"
+        )
+        if dyn:
+            row += f" | {fmt_rate(r['dynamo_apply_blocks_per_s'])}"
+        out.append(row + " |")
+    out.append("")
+    head = "| workers | prompt | C median us | C p99 us | hash+query median us | ref median us"
+    head += " | Dynamo median us | Dynamo p99 us | Dynamo / C |" if dyn else " |"
+    out.append(head)
+    out.append("| --- " * (9 if dyn else 6) + "|")
+    for r in results["workers"]:
+        for n_tok, q in r["queries"].items():
+            row = (
+                f"| {r['workers']} | {n_tok} | {q['c_median_us']:.2f} | {q['c_p99_us']:.2f}"
+                f" | {q['c_hash_and_query_median_us']:.2f} | {q['ref_median_us']:.1f}"
+            )
+            if dyn:
+                dq = r["dynamo_queries"][n_tok]
+                row += (
+                    f" | {dq['median_us']:.2f} | {dq['p99_us']:.2f}"
+                    f" | {dq['median_us'] / q['c_median_us']:.1f}x"
+                )
+            out.append(row + " |")
+    out.append("")
+    out.append("| workers | C MiB per M blocks (own accounting) | C RSS delta | Dynamo RSS delta |")
+    out.append("| --- | --- | --- | --- |")
+    for r in results["workers"]:
+        dr = r.get("dynamo_rss_mib_per_million_blocks")
+        out.append(
+            f"| {r['workers']} | {r['c_mib_per_million_blocks']:.1f}"
+            f" | {r['c_rss_mib_per_million_blocks']:.1f}"
+            f" | {'-' if dr is None else f'{dr:.1f}'} |"
+        )
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,7 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")
-    print(f"\nwrote {args.out}")
+    md = Path(args.out).with_suffix(".md")
+    md.write_text(markdown(results) + "\n")
+    print(f"\nwrote {args.out} and {md}")
     return 0
 
 
