@@ -133,3 +133,30 @@ def test_event_stream_keeps_the_index_exactly_in_sync_with_the_engines(first_800
     assert st["entries"] == held
     s = summarize(res)
     assert s["hit_rate_host"] > 0
+
+
+def test_disaggregated_replay(first_800):
+    """P/D: each request is prefilled on a prefill engine, its KV transferred, decoded on a
+    decode engine; stages never cross roles, the index stays in sync, kv still beats
+    round-robin on the prefill side."""
+    from kvplug.sim.steptime import REFERENCE
+
+    recs = first_800[:300]
+    cfg = ReplayConfig(n_engines=6, n_prefill=4)
+    res = replay(recs, parse_policy("kv").router_config(512), cfg, policy="kv")
+    prefill_ids = {f"sim-{i}" for i in range(4)}
+    assert all(p.worker_id in prefill_ids for p in res.prefill_requests)
+    assert all(d.worker_id not in prefill_ids for d in res.requests)
+    for p, d in zip(res.prefill_requests, res.requests, strict=True):
+        assert not d.rejected and d.finished >= d.first_token
+        # the decode hop starts after the prefill hop ended and the full blocks crossed over
+        cacheable = min(d.prompt_blocks, (d.prompt_len - 1) // 512)
+        assert d.first_token >= p.finished + REFERENCE.transfer_ms(cacheable * 512) / 1000
+        assert d.remote_blocks + d.hit_device == cacheable
+    st = res.router_stats
+    assert st["unknown_removes"] == st["unknown_moves"] == st["dropped_events"] == 0
+    kv = summarize(res)
+    rr = summarize(replay(recs, parse_policy("round-robin").router_config(512), cfg))
+    assert kv["transferred_blocks"] > 0 and kv["hit_rate"] > rr["hit_rate"]
+    with pytest.raises(ValueError):
+        ReplayConfig(n_engines=2, n_prefill=2)

@@ -51,6 +51,7 @@ class BenchSpec:
     mode: str = "hashes"
     seed: int = 0
     workload: str | None = None  # e.g. "shared-prefix:groups=32" instead of the trace
+    n_prefill: int = 0  # > 0: disaggregated fleet, this many prefill engines, the rest decode
     extra: dict[str, Any] = field(default_factory=dict)
 
     def records(self) -> list[TraceRecord]:
@@ -81,6 +82,7 @@ class BenchSpec:
             event_delay_s=self.event_delay_s,
             feed_events=feed_events,
             seed=self.seed,
+            n_prefill=self.n_prefill,
         )
 
 
@@ -203,7 +205,8 @@ def run_bench(spec: BenchSpec, jobs: int = 1, progress: bool = True) -> dict:
         if bar is not None:
             bar.close()
     oracle = oracle_hit_rate(records)
-    fleet_cap = spec.n_engines * (spec.capacity_blocks + spec.host_capacity_blocks)
+    prompt_engines = spec.n_prefill or spec.n_engines  # where prompts are computed and cached
+    fleet_cap = prompt_engines * (spec.capacity_blocks + spec.host_capacity_blocks)
     report = {
         "spec": asdict(spec),
         "trace": {
@@ -260,9 +263,13 @@ def format_table(report: dict, markdown: bool = False) -> str:
     rows = [[fmt.format(r[key]) for key, _, fmt in COLUMNS] for r in report["results"]]
     head = [title for _, title, _ in COLUMNS]
     tr = report["trace"]
+    n_prefill = report["spec"].get("n_prefill", 0)
+    fleet = f"{report['spec']['n_engines']} engines"
+    if n_prefill:
+        fleet += f" ({n_prefill} prefill + {report['spec']['n_engines'] - n_prefill} decode)"
     note = (
         f"{tr['requests']} requests over {tr['span_s'] / 60:.1f} min on "
-        f"{report['spec']['n_engines']} engines; oracle (infinite shared cache) "
+        f"{fleet}; oracle (infinite shared cache) "
         f"{tr['oracle_hit_rate']:.1%}, fleet-LRU bound {tr['fleet_lru_hit_rate']:.1%}\n"
         "hit % = prompt blocks reused from a KV cache; TTFT = time to first token; E2E = "
         "request latency; imb = max/mean across engines of routed requests / busy time; "

@@ -54,6 +54,12 @@ def _add_fleet_args(p: argparse.ArgumentParser, engines: int) -> None:
         default=0,
         help="host-tier KV blocks per engine (0 = no host tier)",
     )
+    g.add_argument(
+        "--prefill-engines",
+        type=int,
+        default=0,
+        help="disaggregated fleet: this many prefill engines, the rest decode (0 = aggregated)",
+    )
     g.add_argument("--max-batched-tokens", type=int, default=8192, help="chunked-prefill budget")
     g.add_argument("--event-delay", type=float, default=0.005, help="KV event latency, seconds")
     g.add_argument(
@@ -79,6 +85,8 @@ def _spec(args, policies):
     for name in ("engines", "capacity_blocks", "max_batched_tokens", "jobs"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.prefill_engines < args.engines:
+        raise SystemExit("--prefill-engines must be in [0, --engines)")
     if args.host_blocks < 0 or args.event_delay < 0 or args.speedup <= 0:
         raise SystemExit("--host-blocks and --event-delay must be >= 0, --speedup > 0")
     try:
@@ -105,6 +113,7 @@ def _spec(args, policies):
         mode=args.mode,
         seed=args.seed,
         workload=args.workload,
+        n_prefill=args.prefill_engines,
     )
 
 

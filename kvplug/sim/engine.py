@@ -52,6 +52,7 @@ class SimRequest:
     block_hashes: Sequence[int]
     token_ids: np.ndarray | None = None
     salt: int = 0  # seeds this request's output-block hashes / stand-in output tokens
+    kv_from_remote: bool = False  # decode stage of a P/D request: prompt KV arrives by transfer
     # --- engine state ---
     worker_id: str = ""
     computed: int = 0  # prompt tokens whose KV exists (cached prefix + computed chunks)
@@ -60,6 +61,7 @@ class SimRequest:
     reserved: int = 0  # anonymous blocks still reserved for this request
     hit_device: int = 0  # prompt blocks found on the device at admission
     hit_host: int = 0  # prompt blocks reloaded from the host tier
+    remote_blocks: int = 0  # prompt blocks received from a prefill engine (P/D)
     reload_tokens: int = 0  # pending host->device copy, charged to its first step
     admitted: float = math.nan
     first_token: float = math.nan
@@ -113,6 +115,7 @@ class SimEngine:
             "prompt_blocks": 0,
             "hit_blocks_device": 0,
             "hit_blocks_host": 0,
+            "remote_blocks": 0,
         }
 
     # -- introspection ------------------------------------------------------------------------
@@ -262,6 +265,15 @@ class SimEngine:
         req.hit_device, req.hit_host = len(dev), len(host)
         req.computed = hits * self.bs
         req.reload_tokens = len(host) * self.bs
+        if req.kv_from_remote and cacheable > hits:
+            # P/D decode side: the prefill engine's blocks arrived by KV transfer (asynchronous,
+            # before the request was queued here, as NIXL pulls are) and enter this engine's
+            # prefix cache (vLLM's decode engine reports them as stored)
+            remote = list(req.block_hashes[hits:cacheable])
+            self._commit(req, remote)
+            req.remote_blocks = len(remote)
+            req.computed = cacheable * self.bs
+            self.stats["remote_blocks"] += len(remote)
         st = self.stats
         st["requests"] += 1
         st["prompt_blocks"] += nf

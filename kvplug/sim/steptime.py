@@ -44,6 +44,9 @@ class StepTimeModel:
     kv_read_ms_per_1k: float = KV_READ_MS_PER_1K
     overhead_ms: float = 0.0  # launch + sampling per step (assumed 0: folded into the rooflines)
     host_reload_gbps: float = 40.0  # host->device copy for host-tier hits (assumption: PCIe 5 x16)
+    transfer_gbps: float = (
+        25.0  # P/D KV transfer prefill->decode engine (assumption: ~200 Gb/s RDMA)
+    )
     kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
 
     def prefill_ms(self, n: int, cached: int) -> float:
@@ -61,6 +64,12 @@ class StepTimeModel:
         if tokens <= 0:
             return 0.0
         return tokens * self.kv_bytes_per_token / (self.host_reload_gbps * 1e9) * 1e3
+
+    def transfer_ms(self, tokens: int) -> float:
+        """Prefill-to-decode engine KV transfer time of ``tokens`` tokens (P/D)."""
+        if tokens <= 0:
+            return 0.0
+        return tokens * self.kv_bytes_per_token / (self.transfer_gbps * 1e9) * 1e3
 
     def step_ms(
         self,

@@ -63,6 +63,7 @@ class ReplayConfig:
     attribute_period_s: float = 1.0
     sample_period_s: float = 10.0  # load-per-engine time series for the plots
     seed: int = 0
+    n_prefill: int = 0  # > 0: disaggregated, engines [0, n_prefill) prefill, the rest decode
 
     def __post_init__(self) -> None:
         if self.mode not in ("hashes", "tokens"):
@@ -71,6 +72,8 @@ class ReplayConfig:
             raise ValueError("n_engines must be >= 1")
         if self.event_delay_s < 0:
             raise ValueError("event_delay_s must be >= 0")
+        if not 0 <= self.n_prefill < self.n_engines:
+            raise ValueError("n_prefill must be in [0, n_engines): decode engines are needed")
 
 
 @dataclass
@@ -84,6 +87,7 @@ class ReplayResult:
     route_seconds: float  # wall time inside router.route()
     wall_seconds: float
     router_stats: dict
+    prefill_requests: list[SimRequest] = field(default_factory=list)  # P/D: the prefill hops
 
 
 def _engine_id(i: int) -> str:
@@ -102,10 +106,15 @@ def replay(
     policy: str = "",
     progress: Callable[[int], None] | None = None,
 ) -> ReplayResult:
-    """Replay ``records`` through a fresh Router built from ``router_config``."""
+    """Replay ``records`` through a fresh Router built from ``router_config``.
+
+    With ``cfg.n_prefill > 0`` the fleet is disaggregated: engines ``0..n_prefill-1`` are prefill
+    workers, the rest decode workers. Each request is routed twice (stage PREFILL at arrival;
+    stage DECODE when its prefill finishes) and its prompt KV is transferred to the decode engine.
+    """
     from kvplug.request import RouteRequest
     from kvplug.router import Router
-    from kvplug.workers import Worker
+    from kvplug.workers import Role, Stage, Worker
 
     cfg = cfg or ReplayConfig()
     if router_config.kv_block_size != cfg.engine.block_size:
@@ -119,20 +128,29 @@ def replay(
     router = Router(router_config, clock=clock, rng=random.Random(cfg.seed))
     engines = make_fleet(cfg)
     by_id = {e.worker_id: e for e in engines}
-    for e in engines:
+    pd = cfg.n_prefill > 0
+    for i, e in enumerate(engines):
+        role = Role.BOTH if not pd else (Role.PREFILL if i < cfg.n_prefill else Role.DECODE)
         router.add_worker(
             Worker(
                 worker_id=e.worker_id,
                 engine="sim",
+                role=role,
                 kv_capacity_blocks=cfg.engine.capacity_blocks,
                 max_batched_tokens=cfg.engine.max_batched_tokens,
             )
         )
+    # engines that receive new requests only at trace arrivals, and (P/D) the decode engines,
+    # which receive them at prefill completions and so advance in step with the event heap
+    arrival_engines = engines[: cfg.n_prefill] if pd else engines
+    decode_engines = engines[cfg.n_prefill :] if pd else []
     feed_events = cfg.feed_events
     delay = cfg.event_delay_s
     heap: list[tuple] = []  # (time, seq, kind, payload)
     seq = 0
     requests: list[SimRequest] = []
+    prefill_requests: list[SimRequest] = []
+    handoff: dict[str, tuple[SimRequest, RouteRequest]] = {}  # prefill id -> decode request
     route_errors = 0
     route_s = 0.0
     samples_t: list[float] = []
@@ -141,9 +159,9 @@ def replay(
     next_sample = 0.0
     tokens_mode = cfg.mode == "tokens"
 
-    def collect() -> None:
+    def collect(group) -> None:
         nonlocal seq
-        for e in engines:
+        for e in group:
             out = e.outputs
             if not out:
                 continue
@@ -156,8 +174,45 @@ def replay(
                 heapq.heappush(heap, (t, seq, kind, payload))
             out.clear()
 
+    def route(sreq: SimRequest, rreq: RouteRequest, t: float, queue_at: float | None = None):
+        """Route and queue the request on the chosen engine at ``queue_at`` (default ``t``)."""
+        nonlocal route_errors, route_s, seq
+        r0 = time.perf_counter()
+        try:
+            decision = router.route(rreq)
+        except (RoutingError, InvalidRequest) as exc:
+            route_errors += 1
+            sreq.rejected = f"routing error: {exc}"
+            return
+        route_s += time.perf_counter() - r0
+        engine = by_id[decision.worker_id]
+        if queue_at is None or queue_at <= t:
+            engine.add_request(sreq, t)
+        else:
+            seq += 1
+            heapq.heappush(heap, (queue_at, seq, "queue", (engine, sreq)))
+
+    def start_decode(p_req: SimRequest, t: float) -> None:
+        """Prefill done: pick the decode engine now; the request queues there once its prompt
+        KV has been transferred (full blocks at ``transfer_gbps``)."""
+        d_req, rreq = handoff.pop(p_req.request_id)
+        if p_req.rejected:
+            d_req.rejected = f"prefill failed: {p_req.rejected}"
+            return
+        cacheable = min(d_req.prompt_blocks, (d_req.prompt_len - 1) // TRACE_BLOCK_TOKENS)
+        transfer_s = cfg.engine.model.transfer_ms(cacheable * TRACE_BLOCK_TOKENS) / 1000.0
+        route(d_req, rreq, t, queue_at=t + transfer_s)
+
     def deliver(until: float) -> None:
-        while heap and heap[0][0] <= until:
+        while True:
+            if decode_engines:  # bring the decode engines up to the next item first
+                x = min(heap[0][0], until) if heap else until
+                for e in decode_engines:
+                    if e.has_work():
+                        e.advance(x)
+                collect(decode_engines)
+            if not heap or heap[0][0] > until:
+                return
             t, _, kind, payload = heapq.heappop(heap)
             clock.now = t
             if kind == "kv":
@@ -166,18 +221,31 @@ def replay(
                 router.on_first_token(payload.request_id)
             elif kind == "progress":
                 router.on_output_progress(payload.request_id, payload.generated)
-            else:  # finish
-                if not payload.rejected and math.isnan(payload.first_token):
-                    pass  # cannot happen: a request finishes after its first token
+            elif kind == "queue":  # P/D: transferred KV landed, the decode request queues
+                engine, d_req = payload
+                engine.add_request(d_req, t)
+            else:  # finish (success or rejection)
                 router.on_finish(payload.request_id)
+                if payload.request_id in handoff:
+                    start_decode(payload, t)
+
+    def make_route_request(rid: str, sreq: SimRequest, stage) -> RouteRequest:
+        if tokens_mode:
+            return RouteRequest(request_id=rid, token_ids=sreq.token_ids, stage=stage)
+        return RouteRequest(
+            request_id=rid,
+            token_ids=PromptLength(sreq.prompt_len),
+            block_hashes=np.asarray(sreq.block_hashes, dtype=np.uint64),
+            stage=stage,
+        )
 
     wall0 = time.perf_counter()
     for i, rec in enumerate(records):
         t = rec.arrival_s
-        for e in engines:
+        for e in arrival_engines:
             if e.has_work():
                 e.advance(t)
-        collect()
+        collect(arrival_engines)
         deliver(t)
         clock.now = t
         if t >= next_attr:
@@ -190,33 +258,34 @@ def replay(
             next_sample = t + cfg.sample_period_s
         nf = rec.input_length // TRACE_BLOCK_TOKENS
         hashes = block_hashes_of(rec.hash_ids, nf)
-        rid = f"r{i}"
-        sreq = SimRequest(rid, t, rec.input_length, max(rec.output_length, 1), hashes, salt=i + 1)
-        if tokens_mode:
-            sreq.token_ids = expand_tokens(rec.hash_ids, rec.input_length)
-            rreq = RouteRequest(request_id=rid, token_ids=sreq.token_ids)
-        else:
-            rreq = RouteRequest(
-                request_id=rid,
-                token_ids=PromptLength(rec.input_length),
-                block_hashes=np.asarray(hashes, dtype=np.uint64),
-            )
-        r0 = time.perf_counter()
-        try:
-            decision = router.route(rreq)
-        except (RoutingError, InvalidRequest) as exc:
-            route_errors += 1
-            sreq.rejected = f"routing error: {exc}"
-            requests.append(sreq)
-            continue
-        route_s += time.perf_counter() - r0
+        tokens = expand_tokens(rec.hash_ids, rec.input_length) if tokens_mode else None
+        out_len = max(rec.output_length, 1)
+        sreq = SimRequest(f"r{i}", t, rec.input_length, out_len, hashes, tokens, salt=i + 1)
         requests.append(sreq)
-        by_id[decision.worker_id].add_request(sreq, t)
+        if pd:
+            # the prefill hop generates one token (vLLM's max_tokens=1 prefill request); the
+            # decode hop generates the whole output from the transferred KV
+            p_req = SimRequest(f"r{i}:p", t, rec.input_length, 1, hashes, tokens, salt=-(i + 1))
+            prefill_requests.append(p_req)
+            sreq.kv_from_remote = True
+            handoff[p_req.request_id] = (
+                sreq,
+                make_route_request(sreq.request_id, sreq, Stage.DECODE),
+            )
+            route(p_req, make_route_request(p_req.request_id, p_req, Stage.PREFILL), t)
+            if p_req.rejected and p_req.request_id in handoff:
+                start_decode(p_req, t)
+        else:
+            route(sreq, make_route_request(sreq.request_id, sreq, Stage.AGGREGATED), t)
         if progress is not None:
             progress(1)
-    for e in engines:
+    for e in arrival_engines:
         e.run_until_idle()
-    collect()
+    collect(arrival_engines)
+    deliver(math.inf)
+    for e in decode_engines:  # nothing left to hand off: drain
+        e.run_until_idle()
+    collect(decode_engines)
     deliver(math.inf)
     return ReplayResult(
         policy=policy or router_config.router_mode,
@@ -228,6 +297,7 @@ def replay(
         route_seconds=route_s,
         wall_seconds=time.perf_counter() - wall0,
         router_stats=_router_stats(router),
+        prefill_requests=prefill_requests,
     )
 
 
@@ -241,9 +311,11 @@ def _router_stats(router) -> dict:
 def summarize(res: ReplayResult) -> dict:
     """Per-policy figures: hit rate, TTFT, end-to-end latency, throughput, load imbalance."""
     done = [r for r in res.requests if not r.rejected and not math.isnan(r.first_token)]
-    prompt_blocks = sum(r.prompt_blocks for r in done)
-    hit_dev = sum(r.hit_device for r in done)
-    hit_host = sum(r.hit_host for r in done)
+    # cache reuse is where prompts are computed: the prefill hops in P/D
+    hit_src = [r for r in res.prefill_requests if not r.rejected] if res.prefill_requests else done
+    prompt_blocks = sum(r.prompt_blocks for r in hit_src)
+    hit_dev = sum(r.hit_device for r in hit_src)
+    hit_host = sum(r.hit_host for r in hit_src)
     ttft = np.array([r.first_token - r.arrival for r in done]) if done else np.zeros(1)
     e2e = np.array([r.finished - r.arrival for r in done]) if done else np.zeros(1)
     out_tokens = sum(r.output_len for r in done)
@@ -278,6 +350,7 @@ def summarize(res: ReplayResult) -> dict:
         "imbalance_prefill_tokens": imbalance(per_engine_prefill),
         "imbalance_busy": imbalance(per_engine_busy),
         "busy_fraction_mean": float(per_engine_busy.mean() / (t1 - t0)) if t1 > t0 else 0.0,
+        "transferred_blocks": sum(r.remote_blocks for r in done),
         "route_errors": res.route_errors,
         "route_us_mean": 1e6 * res.route_seconds / max(1, len(res.requests)),
         "wall_s": res.wall_seconds,
