@@ -56,16 +56,16 @@ class StageBackend(Protocol):
         attempt: int,
         exclude: frozenset[str],
         allowed: frozenset[str] | None = None,
-    ) -> RoutedStage:
+    ) -> Any:
         """Route one stage (raises RoutingError) and record the decision."""
 
     async def send_prefill(
-        self, ctx: Any, routed: RoutedStage, body: dict[str, Any], headers: dict[str, str]
+        self, ctx: Any, routed: Any, body: dict[str, Any], headers: dict[str, str]
     ) -> dict[str, Any]:
         """Send the prefill hop and return its JSON answer; releases the stage's load.
         Raises StageUnavailable (no answer) or PrefillRejected (error status)."""
 
-    def stage_failed(self, routed: RoutedStage, reason: str) -> None:
+    def stage_failed(self, routed: Any, reason: str) -> None:
         """The worker failed before answering: mark it, release the stage's load."""
 
     def decode_capable(self) -> frozenset[str]:
@@ -77,8 +77,8 @@ class DecodePlan:
     body: dict[str, Any]  # what goes to the decode (or fallback) worker
     headers: dict[str, str]  # extra headers for that hop (vLLM: the same X-Request-Id)
     stage: Stage  # DECODE, or AGGREGATED on the fallback path
-    prefill: RoutedStage | None = None
-    decode: RoutedStage | None = None  # already routed (CONCURRENT style)
+    prefill: Any = None  # the prefill stage's RoutedStage
+    decode: Any = None  # the decode stage's RoutedStage, already routed (CONCURRENT style)
     prefill_task: asyncio.Task | None = None  # CONCURRENT: the prefill hop in flight
     allowed: frozenset[str] | None = None  # fallback: decode-capable workers only
     fallback_reason: str | None = None

@@ -460,7 +460,7 @@ class Frontend:
     ) -> web.StreamResponse:
         exclude: set[str] = set()
         failures: list[str] = []
-        preset = plan.decode if plan is not None else None
+        preset: Routed | None = plan.decode if plan is not None else None
         attempts = 1 if preset is not None else self.settings.retries + 1
         for attempt in range(attempts):
             routed = (
@@ -547,7 +547,7 @@ class Frontend:
         body = entry.adapter.tokenize_body(req.model, prompt=req.prompt_text, messages=req.messages)
         status, answer, raw = await self.upstream.post_json(
             entry.spec.worker_id,
-            entry.url_base + entry.adapter.tokenize_path,
+            entry.url_base + (entry.adapter.tokenize_path or "/tokenize"),
             body,
             {"Content-Type": "application/json"},
             timeout=self.settings.connect_timeout,

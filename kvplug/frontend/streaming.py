@@ -156,10 +156,10 @@ async def relay(
         try:
             body = first_chunk + await upstream.content.read() if first_chunk else b""
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            why = f"{type(exc).__name__}: {exc}"
             payload = {
                 "error": {
-                    "message": f"the engine failed mid-answer: {error}",
+                    "message": f"the engine failed mid-answer: {why}",
                     "type": "upstream_error",
                     "code": "engine_failed",
                 }
@@ -168,7 +168,7 @@ async def relay(
             return (
                 web.Response(status=502, body=json.dumps(payload).encode(), headers=headers),
                 "upstream_failed_mid_stream",
-                error,
+                why,
             )
         lifecycle.first_token()
         if upstream.status == 200:
@@ -182,7 +182,8 @@ async def relay(
     await out.prepare(request)
     counter = SseCounter()
     chunk = first_chunk
-    outcome, error = "ok", None
+    outcome: str = "ok"
+    error: str | None = None
     try:
         while chunk:
             counter.feed(chunk)

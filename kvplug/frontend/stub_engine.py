@@ -404,7 +404,7 @@ class StubEngine:
                 f"decode stub: X-Request-Id {rid!r} != remote_request_id "
                 f"{params.get('remote_request_id')!r}"
             )
-        pulled = self.board.pending.pop((params.get("remote_engine_id"), rid), None)
+        pulled = self.board.pending.pop((str(params.get("remote_engine_id")), str(rid)), None)
         if pulled is None:
             return "decode stub: nothing to pull for this request"
         if pulled != tokens:

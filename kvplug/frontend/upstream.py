@@ -114,14 +114,14 @@ class Upstream:
     ) -> tuple[int, Any, bytes]:
         """POST a JSON body and read a JSON answer: ``(status, parsed or None, raw)``."""
         assert self.session is not None
-        kwargs = {}
-        if timeout is not None:
-            kwargs["timeout"] = aiohttp.ClientTimeout(
-                total=timeout, sock_connect=self.connect_timeout
-            )
+        hop_timeout = (
+            self.session.timeout
+            if timeout is None
+            else aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout)
+        )
         try:
             async with self.session.post(
-                url, data=json.dumps(body).encode(), headers=headers, **kwargs
+                url, data=json.dumps(body).encode(), headers=headers, timeout=hop_timeout
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
