@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from urllib.parse import urlsplit
 
@@ -146,3 +147,37 @@ async def test_an_adapter_that_fails_to_start_leaves_nothing_behind():
                 pass
     finally:
         unregister_adapter("broken")
+
+
+async def test_busy_threshold_at_run_time():
+    workers = [{"id": "w0", "kv_capacity_blocks": 100}, {"id": "w1", "kv_capacity_blocks": 100}]
+    async with serving(workers, admin_token=TOKEN) as h:
+        status, body = await admin(h, "GET", "/admin/busy_threshold")
+        assert status == 200 and body["active_decode_blocks_threshold"] is None
+        for bad in (
+            {"active_decode_blocks_threshold": "high"},
+            {"nope": 1},
+            {"active_prefill_tokens_threshold": -5},
+            [1],
+        ):
+            status, body = await admin(h, "POST", "/admin/busy_threshold", bad)
+            assert status == 400, bad
+        # w0 busy: a long stream holds 20 of its 100 blocks, over a 10% threshold
+        h.engines["w0"].token_delay = 0.05
+        task = asyncio.create_task(
+            h.complete(prompt(20, 1), stream=True, max_tokens=20, headers={"x-kvplug-worker": "w0"})
+        )
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if h.router.active_load("w0")[0]["inflight"]:
+                break
+        status, body = await admin(
+            h, "POST", "/admin/busy_threshold", {"active_decode_blocks_threshold": 0.1}
+        )
+        assert status == 200 and body["active_decode_blocks_threshold"] == 0.1
+        resp, _ = await h.complete(prompt(20, 1))  # its prefix is on w0, but w0 is busy
+        assert resp.headers["x-kvplug-worker"] == "w1"
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        assert any(e["worker_id"] == "w0" for e in trace["router"]["excluded"])
+        await task
+        h.assert_idle()

@@ -11,6 +11,8 @@ when ``--admin-token`` (or ``KVPLUG_ADMIN_TOKEN``) is set; every call needs
 | POST | /admin/workers/{id}/drain | - | the worker (no new requests) |
 | POST | /admin/workers/{id}/undrain | - | the worker |
 | DELETE | /admin/workers/{id} | - | the removed worker |
+| GET | /admin/busy_threshold | - | the router's busy thresholds (Dynamo's names) |
+| POST | /admin/busy_threshold | thresholds (absent = unset) | the new thresholds |
 """
 
 from __future__ import annotations
@@ -99,6 +101,64 @@ class AdminApi:
         return web.json_response(entry.describe())
 
 
+_BUSY_KEYS = (
+    ("active_decode_blocks_threshold", "decode_frac"),
+    ("active_prefill_tokens_threshold", "prefill_tokens"),
+    ("active_prefill_tokens_threshold_frac", "prefill_frac"),
+)
+
+
+def _busy_json(thresholds) -> dict:
+    out = {name: getattr(thresholds, attr) for name, attr in _BUSY_KEYS}
+    out["busy_threshold_fallback"] = thresholds.fallback
+    return out
+
+
+class BusyThresholdApi:
+    """Dynamo's runtime ``GET/POST /busy_threshold``, on the admin listener."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+
+    async def get(self, request: web.Request) -> web.Response:
+        return web.json_response(_busy_json(self.router.busy_thresholds))
+
+    async def post(self, request: web.Request) -> web.Response:
+        try:
+            data = json.loads(await request.read())
+        except ValueError as exc:
+            return ApiError(400, f"body is not JSON: {exc}", code="invalid_json").response()
+        if not isinstance(data, dict):
+            return ApiError(400, "body must be a JSON object", code="invalid_json").response()
+        known = {name for name, _ in _BUSY_KEYS} | {"busy_threshold_fallback", "model"}
+        unknown = set(data) - known
+        if unknown:
+            return ApiError(
+                400,
+                f"unknown keys {sorted(unknown)}; known: {sorted(known)}",
+                code="invalid_threshold",
+            ).response()
+        values = {}
+        for name, attr in _BUSY_KEYS:
+            v = data.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                return ApiError(
+                    400, f"{name} must be a number or null", code="invalid_threshold"
+                ).response()
+            values[attr] = v
+        fallback = data.get("busy_threshold_fallback")
+        if fallback is not None and not isinstance(fallback, bool):
+            return ApiError(
+                400, "busy_threshold_fallback must be a boolean", code="invalid_threshold"
+            ).response()
+        try:
+            self.router.set_busy_thresholds(**values, fallback=fallback)
+        except ConfigError as exc:
+            return ApiError(400, str(exc), code="invalid_threshold").response()
+        log.info("admin: busy thresholds now %s", _busy_json(self.router.busy_thresholds))
+        return web.json_response(_busy_json(self.router.busy_thresholds))
+
+
 def build_admin_app(
     fleet: Fleet, token: str, default_engine: str = "vllm", prober=None
 ) -> web.Application:
@@ -111,4 +171,7 @@ def build_admin_app(
     app.router.add_post("/admin/workers/{worker_id}/drain", api.drain_worker)
     app.router.add_post("/admin/workers/{worker_id}/undrain", api.undrain_worker)
     app.router.add_delete("/admin/workers/{worker_id}", api.remove_worker)
+    busy = BusyThresholdApi(fleet.router)
+    app.router.add_get("/admin/busy_threshold", busy.get)
+    app.router.add_post("/admin/busy_threshold", busy.post)
     return app
