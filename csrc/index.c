@@ -73,6 +73,8 @@ struct kvp_index {
     kvp_stats c; /* counters only; sizes are filled in by kvp_index_stats */
     /* query scratch */
     uint32_t *ep_gen, *ep_pos;
+    uint32_t *act_ep;   /* endpoints still continuing the prefix, and their best tier */
+    uint8_t *act_best;
     size_t ep_cap;
     uint32_t ep_limit;
     uint32_t gen;
@@ -367,6 +369,12 @@ static kvp_status grow_ep_scratch(kvp_index *idx, kvp_endpoint_t ep) {
     uint32_t *p = (uint32_t *)realloc(idx->ep_pos, cap * sizeof(uint32_t));
     if (!p) return KVP_E_NOMEM;
     idx->ep_pos = p;
+    uint32_t *a = (uint32_t *)realloc(idx->act_ep, cap * sizeof(uint32_t));
+    if (!a) return KVP_E_NOMEM;
+    idx->act_ep = a;
+    uint8_t *ab = (uint8_t *)realloc(idx->act_best, cap);
+    if (!ab) return KVP_E_NOMEM;
+    idx->act_best = ab;
     memset(g + idx->ep_cap, 0, (cap - idx->ep_cap) * sizeof(uint32_t));
     memset(p + idx->ep_cap, 0, (cap - idx->ep_cap) * sizeof(uint32_t));
     idx->ep_cap = cap;
@@ -523,6 +531,8 @@ void kvp_index_free(kvp_index *idx) {
     free(idx->mt);
     free(idx->ep_gen);
     free(idx->ep_pos);
+    free(idx->act_ep);
+    free(idx->act_best);
     free(idx->run);
     free(idx->seq);
     free(idx);
@@ -712,6 +722,28 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
     return KVP_OK;
 }
 
+static inline int best_tier(const holder_t *h) { return h->count[0] ? 0 : (h->count[1] ? 1 : 2); }
+
+/* Same endpoints in the same order with the same best tiers (holders of one chain usually are:
+ * they were appended by the same store events). Exact; a mismatch just means a full check. */
+static inline int same_holders(const block_t *a, const block_t *b) {
+    if (a->n_holders != b->n_holders) return 0;
+    const holder_t *ha = holders_of((block_t *)a), *hb = holders_of((block_t *)b);
+    for (uint32_t k = 0; k < a->n_holders; k++)
+        if (ha[k].ep != hb[k].ep || best_tier(&ha[k]) != best_tier(&hb[k])) return 0;
+    return 1;
+}
+
+/* Credit `pending` repeated positions to every active endpoint. */
+static inline void settle(const uint32_t *act, const uint8_t *act_best, size_t n_act,
+                          size_t pending, uint32_t *ep_pos, int32_t **tier_out) {
+    if (pending == 0) return;
+    for (size_t k = 0; k < n_act; k++) {
+        tier_out[act_best[k]][act[k]] += (int32_t)pending;
+        ep_pos[act[k]] += (uint32_t)pending;
+    }
+}
+
 kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_query_out *out) {
     if (idx == NULL || out == NULL) return KVP_E_NULL;
     if (n > 0 && hs == NULL) return KVP_E_NULL;
@@ -743,10 +775,15 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
     }
     const uint32_t gen = idx->gen;
     uint32_t *ep_gen = idx->ep_gen, *ep_pos = idx->ep_pos;
+    uint32_t *act = idx->act_ep;
+    uint8_t *act_best = idx->act_best;
     int32_t *tier_out[KVP_N_TIERS] = {out->device, out->host, out->disk};
     uint32_t *run = idx->run;
     size_t walked = 0;
-    size_t n_active = 0;
+    size_t n_act = 0;   /* endpoints continuing after the last position */
+    size_t pending = 0; /* positions since the last full check whose holders repeat it exactly */
+    uint32_t prev_r = NONE32;
+    int prev_shared = 0;
     const size_t bcap = idx->bt_cap;
     enum { AHEAD = 8 };
     for (size_t i = 0; i < n && i < AHEAD; i++) __builtin_prefetch(&idx->bt[bslot_of(hs[i], bcap)]);
@@ -758,49 +795,67 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
         size_t n_cont = 0;
         if (r != NONE32) {
             touch(idx, r);
-            block_t *b = &idx->pool[r];
-            const holder_t *hd = holders_of(b);
+            const block_t *b = &idx->pool[r];
+            const holder_t *hd = holders_of((block_t *)b);
             const uint32_t nh = b->n_holders;
-            if (i == 0) {
-                for (uint32_t k = 0; k < nh; k++) {
-                    uint32_t ep = hd[k].ep;
-                    if (ep == KVP_SHARED) {
-                        shared = 1;
-                        continue;
-                    }
-                    int best = hd[k].count[0] ? 0 : (hd[k].count[1] ? 1 : 2);
-                    ep_gen[ep] = gen;
-                    ep_pos[ep] = 0;
-                    out->touched[out->n_touched++] = ep;
-                    tier_out[best][ep]++;
-                    n_cont++;
-                }
-            } else if (n_active > 0) {
-                const uint32_t prev = (uint32_t)(i - 1);
-                for (uint32_t k = 0; k < nh; k++) {
-                    uint32_t ep = hd[k].ep;
-                    if (ep == KVP_SHARED) {
-                        shared = 1;
-                        continue;
-                    }
-                    if (ep_gen[ep] != gen || ep_pos[ep] != prev) continue;
-                    int best = hd[k].count[0] ? 0 : (hd[k].count[1] ? 1 : 2);
-                    ep_pos[ep] = (uint32_t)i;
-                    tier_out[best][ep]++;
-                    n_cont++;
-                }
+            if (n_act > 0 && prev_r != NONE32 && same_holders(&idx->pool[prev_r], b)) {
+                /* the same endpoints with the same best tiers as the previous block: every
+                 * active endpoint continues; settle the counts later in one pass */
+                pending++;
+                shared = prev_shared;
+                n_cont = n_act;
             } else {
-                for (uint32_t k = 0; k < nh; k++)
-                    if (hd[k].ep == KVP_SHARED) {
-                        shared = 1;
-                        break;
+                settle(act, act_best, n_act, pending, ep_pos, tier_out);
+                pending = 0;
+                if (i == 0) {
+                    for (uint32_t k = 0; k < nh; k++) {
+                        uint32_t ep = hd[k].ep;
+                        if (ep == KVP_SHARED) {
+                            shared = 1;
+                            continue;
+                        }
+                        int best = best_tier(&hd[k]);
+                        ep_gen[ep] = gen;
+                        ep_pos[ep] = 0;
+                        out->touched[out->n_touched++] = ep;
+                        tier_out[best][ep]++;
+                        act[n_cont] = ep;
+                        act_best[n_cont++] = (uint8_t)best;
                     }
+                } else if (n_act > 0) {
+                    const uint32_t prev = (uint32_t)(i - 1);
+                    for (uint32_t k = 0; k < nh; k++) {
+                        uint32_t ep = hd[k].ep;
+                        if (ep == KVP_SHARED) {
+                            shared = 1;
+                            continue;
+                        }
+                        if (ep_gen[ep] != gen || ep_pos[ep] != prev) continue;
+                        int best = best_tier(&hd[k]);
+                        ep_pos[ep] = (uint32_t)i;
+                        tier_out[best][ep]++;
+                        act[n_cont] = ep;
+                        act_best[n_cont++] = (uint8_t)best;
+                    }
+                } else {
+                    for (uint32_t k = 0; k < nh; k++)
+                        if (hd[k].ep == KVP_SHARED) {
+                            shared = 1;
+                            break;
+                        }
+                }
             }
+        } else {
+            settle(act, act_best, n_act, pending, ep_pos, tier_out);
+            pending = 0;
         }
         run[i] = (uint32_t)shared;
-        n_active = n_cont;
+        n_act = n_cont;
+        prev_r = r;
+        prev_shared = shared;
         if (n_cont == 0 && !shared) break;
     }
+    settle(act, act_best, n_act, pending, ep_pos, tier_out);
     /* run[i] = shared blocks in a row starting at position i (0 at and past the walk's end) */
     run[walked] = 0;
     for (size_t i = walked; i-- > 0;) run[i] = run[i] ? run[i + 1] + 1 : 0;
@@ -830,7 +885,7 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
                         sizeof(mslot_t) * idx->mt_cap +
                         (size_t)idx->pool_cap * sizeof(block_t) + idx->ext_bytes +
                         (idx->lru_prev ? (size_t)idx->pool_cap * 2 * sizeof(uint32_t) : 0) +
-                        idx->ep_cap * 2 * sizeof(uint32_t) + idx->run_cap * sizeof(uint32_t) +
+                        idx->ep_cap * (3 * sizeof(uint32_t) + 1) + idx->run_cap * sizeof(uint32_t) +
                         idx->seq_cap * sizeof(kvp_hash_t);
     return KVP_OK;
 }
