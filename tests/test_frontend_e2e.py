@@ -504,3 +504,57 @@ async def test_expected_osl_reaches_the_router():
             h.assert_idle()
     assert seen[None] == pytest.approx(5.0)  # 4 prompt blocks + 1 full-weight output block
     assert 4.0 < seen[40] < 5.0  # the same block, weighted by 1 - 16/40
+
+
+async def test_load_returns_to_zero_under_concurrent_mixed_traffic():
+    """100 concurrent requests: streamed and not, chat and completions, clients that hang up,
+    an engine that breaks mid-stream, one that resets: afterwards the router holds nothing."""
+    import random
+
+    async with serving(3, stub_options={"token_delay": 0.005}) as h:
+        h.engines["w1"].fail = "midstream"
+        rng = random.Random(7)
+
+        async def one(i: int) -> None:
+            stream = rng.random() < 0.7
+            if rng.random() < 0.3:
+                body = {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": f"q{i % 5}"}],
+                    "stream": stream,
+                    "max_tokens": rng.randint(1, 30),
+                }
+                path = "/v1/chat/completions"
+            else:
+                body = {
+                    "model": MODEL,
+                    "prompt": prompt(rng.randint(1, 6), i % 5),
+                    "stream": stream,
+                    "max_tokens": rng.randint(1, 30),
+                }
+                path = "/v1/completions"
+            hang_up = stream and rng.random() < 0.2
+            async with h.session.post(h.url + path, json=body) as r:
+                if hang_up:
+                    await r.content.readany()
+                    r.close()
+                    return
+                await r.read()
+                assert r.status in (200, 502), r.status
+
+        async def flip_reset() -> None:
+            await asyncio.sleep(0.05)
+            h.engines["w2"].fail = "reset"
+            await asyncio.sleep(0.1)
+            h.engines["w2"].fail = None
+
+        await asyncio.gather(flip_reset(), *(one(i) for i in range(100)))
+        for _ in range(200):
+            if h.router.stats()["active_requests"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        h.assert_idle()
+        stats = h.router.stats()
+        assert (
+            stats["load_unknown_request_updates"] == 0 and stats["load_duplicate_request_ids"] == 0
+        )
