@@ -558,3 +558,20 @@ async def test_load_returns_to_zero_under_concurrent_mixed_traffic():
         assert (
             stats["load_unknown_request_updates"] == 0 and stats["load_duplicate_request_ids"] == 0
         )
+
+
+async def test_chunked_body_over_the_limit_is_413():
+    settings = ServeSettings(max_body_bytes=4096, health_interval=0)
+    async with serving(1, settings=settings) as h:
+
+        async def chunks():
+            yield b'{"model": "stub-model", "prompt": "'
+            for _ in range(10):
+                yield b"x" * 1000
+            yield b'"}'
+
+        async with h.session.post(h.url + "/v1/completions", data=chunks()) as r:
+            assert r.status == 413
+            assert (await r.json())["error"]["code"] == "body_too_large"
+        assert not h.engines["w0"].requests
+        h.assert_idle()
