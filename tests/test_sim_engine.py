@@ -140,3 +140,19 @@ def test_token_mode_events_carry_the_blocks_tokens():
     assert len(stored[1].token_ids) == 512
     progress = [o for o in e.outputs if o[0] == "progress"]
     assert len(progress) == 2  # context crosses 1536 and 2048
+
+
+def test_abort_frees_the_blocks_and_keeps_the_cached_prefix():
+    e = SimEngine("w", EngineConfig(capacity_blocks=20))
+    a = _req("a", 0.0, 2048, 500, [1, 2, 3, 4])
+    b = _req("b", 0.0, 1024, 5, [7, 8])
+    e.add_request(a, 0.0)
+    e.advance(0.2)  # a prefilled and decoding
+    assert a in e.decoding
+    e.add_request(b, e.now)
+    assert e.abort(a, e.now) and a.rejected == "aborted" and not e.abort(a, e.now)
+    assert e.outputs[-1] == ("finish", a.finished, a)
+    assert e.cache.reserved == 0 and e.cache.active == 0  # a's output reservation went
+    assert e.cache.match_prefix(a.block_hashes) == (4, 0)  # a's prompt stays cached
+    assert b in e.waiting  # not admitted before the next step
+    assert e.abort(b, e.now) and not e.has_work() and b.rejected == "aborted"

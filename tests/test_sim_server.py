@@ -236,3 +236,21 @@ async def test_host_tier_events_keep_a_vllm_fed_index_in_sync():
         assert st["entries"] == len(cache.device_blocks()) + len(cache.host_blocks())
     finally:
         await server.stop()
+
+
+async def test_client_disconnect_aborts_the_request(fleet):
+    server, http, _, _ = fleet
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(
+            f"http://127.0.0.1:{http}/v1/completions",
+            json={"prompt": "tell me a long story", "max_tokens": 3000, "stream": True},
+        )
+        assert r.status == 200
+        await r.content.readline()  # the first chunk arrives, then the client hangs up
+        r.close()
+    for _ in range(100):
+        if not server.engine.has_work():
+            break
+        await asyncio.sleep(0.02)
+    assert not server.engine.has_work() and server.counters["aborted"] == 1
+    assert not server.streams

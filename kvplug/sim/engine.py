@@ -291,6 +291,25 @@ class SimEngine:
             req.reserved = 0
         self.outputs.append(("finish", t, req))
 
+    def abort(self, req: SimRequest, t: float) -> bool:
+        """Stop a request wherever it is (client went away): its blocks are released (cached
+        ones stay cached) and it finishes now. False if it is not here or already done."""
+        if not math.isnan(req.finished):
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+            req.finished = t
+            req.rejected = "aborted"
+            self.outputs.append(("finish", t, req))
+            return True
+        for group in (self.prefilling, self.decoding):
+            if req in group:
+                group.remove(req)
+                req.rejected = "aborted"
+                self._finish(req, max(t, self.now))
+                return True
+        return False
+
     def _generated_one(self, req: SimRequest, t: float) -> bool:
         """Bookkeeping after a token is sampled; returns True when the request finished."""
         req.generated += 1

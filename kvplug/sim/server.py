@@ -199,7 +199,7 @@ class SimServer:
         self._wake = asyncio.Event()
         self._wall0 = time.monotonic()
         self._tasks: list[asyncio.Task] = []
-        self.counters = {"requests": 0, "bad_requests": 0, "event_batches": 0}
+        self.counters = {"requests": 0, "bad_requests": 0, "event_batches": 0, "aborted": 0}
         self.runner: web.AppRunner | None = None
 
     # -- time ------------------------------------------------------------------------------------
@@ -294,6 +294,9 @@ class SimServer:
                     return
         finally:
             self.streams.pop(st.req.request_id, None)
+            if not st.done:  # the client went away mid-request: free the engine, as vLLM aborts
+                self.engine.abort(st.req, self.virtual_now())
+                self.counters["aborted"] += 1
 
     # -- HTTP ------------------------------------------------------------------------------------
     def app(self) -> web.Application:
