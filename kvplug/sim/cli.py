@@ -249,8 +249,8 @@ def _register_sim(sub) -> None:
         "sim",
         help="run a fleet of simulated vLLM-like engines: OpenAI HTTP, /metrics, ZMQ KV events",
     )
-    p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--engines", type=int, default=2, help="simulated engines (default 2)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     p.add_argument("--base-port", type=int, default=8100, help="engine i serves HTTP on base+i")
     p.add_argument(
         "--events-base-port",
@@ -272,15 +272,17 @@ def _register_sim(sub) -> None:
     )
     p.add_argument("--topic", default="kv", help="ZMQ topic of the event frames")
     p.add_argument("--vllm-version", default="0.32", help="event encoding of this vLLM version")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (16)")
     p.add_argument(
         "--capacity-blocks",
         type=int,
         default=None,
         help="device KV blocks per engine (default: 840k tokens / block size)",
     )
-    p.add_argument("--host-blocks", type=int, default=0)
-    p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--host-blocks", type=int, default=0, help="host-tier blocks (0 = none)")
+    p.add_argument(
+        "--max-batched-tokens", type=int, default=8192, help="chunked-prefill budget (8192)"
+    )
     p.add_argument(
         "--speed",
         type=float,
