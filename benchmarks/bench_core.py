@@ -475,14 +475,19 @@ def markdown(results: dict) -> str:
             else f"| {label} | {fmt_rate(h[key])} | {h[key] / ref_rate:.0f}x | - |"
         )
     out.append("")
-    head = "| workers | apply C (tokens) | apply C presized | apply KvIndex.apply_many | reference"
-    head += " | Dynamo apply |" if dyn else " |"
+    head = (
+        "| workers | C store_tokens per event | same, presized | C store, 64k batches"
+        " | same, presized | KvIndex.apply_many | reference"
+    )
+    head += " | Dynamo apply_event |" if dyn else " |"
     out.append(head)
-    out.append("| --- " * (6 if dyn else 5) + "|")
+    out.append("| --- " * (8 if dyn else 7) + "|")
     for r in results["workers"]:
         row = (
             f"| {r['workers']} | {fmt_rate(r['c_apply_tokens_blocks_per_s'])}"
             f" | {fmt_rate(r['c_apply_tokens_presized_blocks_per_s'])}"
+            f" | {fmt_rate(r['c_apply_batched_blocks_per_s'])}"
+            f" | {fmt_rate(r['c_apply_batched_presized_blocks_per_s'])}"
             f" | {fmt_rate(r['kvindex_apply_many_blocks_per_s'])}"
             f" | {fmt_rate(r['ref_apply_tokens_blocks_per_s'])}"
         )
@@ -548,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
             "platform": platform.platform(),
+            "loadavg_at_start": os.getloadavg(),
         },
         "block_size": BS,
         "target_stored_blocks": args.blocks,
