@@ -226,3 +226,40 @@ def test_adapter_feeds_router_and_drops_unknown_worker():
         asyncio.run(adapter.close())
         pub.close()
         eng.close()
+
+
+def test_adapter_clears_a_restarted_engine_before_it_publishes():
+    """The engine restarted (new process start time in /metrics) but published nothing yet:
+    its old blocks must leave the index now, not at its first batch."""
+    port, rport = free_port(), free_port()
+    sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
+                     "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{rport}"}}
+    eng = FakeEngineHTTP(sources)
+    pub = VllmEventPublisher(f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}")
+    router = Router(RouterConfig(kv_block_size=32))
+    router.add_worker(Worker(worker_id="A", url=eng.url))
+    lock = threading.Lock()
+    adapter = VllmAdapter(metrics_period=0.1)
+    try:
+        adapter.start_worker_sync(router.workers["A"], RouterSink(router, "A", 32, lock))
+        time.sleep(0.3)
+        pub.publish([BlockStored(worker_id="A", engine_hashes=[11, 12],
+                                 token_ids=list(range(64)), block_size=32)])
+
+        def held():
+            with lock:
+                ep = router.index.endpoint_id("A", 0)
+                return len(router.index.core.holdings(ep)) if ep is not None else -1
+
+        assert wait_for(lambda: held() == 2, 5, lambda: pub.serve_replay(5))
+        assert parse_metrics(eng.metrics).attributes["process_start_time"] > 0
+        pub.restart()
+        eng.metrics = eng.metrics.replace("process_start_time_seconds 1.79600119038e+09",
+                                          "process_start_time_seconds 1.79600999e+09")
+        assert wait_for(lambda: held() == 0, 5, lambda: pub.serve_replay(5))
+    finally:
+        import asyncio
+
+        asyncio.run(adapter.close())
+        pub.close()
+        eng.close()

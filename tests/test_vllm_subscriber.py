@@ -307,3 +307,40 @@ def test_joining_a_running_engine_catches_up_from_its_buffer(sub):
     assert settle(eng, m, expect={5, 6, 7})
     st = sub.stats()["streams"]["e1/0"]
     assert st["replay_failures"] == 0 and 0 in eng.pub.replay_requests
+
+
+def test_resync_after_restart_the_sequence_numbers_did_not_show(sub):
+    """The old engine published only seq 0; the new one's seq 0 was missed and its seq 1 looks
+    like the next batch. A resync (process start time changed) clears and replays from 0."""
+    eng = Engine("e1")
+    m = Mirror()
+    attach(sub, eng, m)
+    eng.store([1, 2])
+    assert settle(eng, m)
+    seen = sub.restarts("e1")
+    eng.pub.restart()
+    eng.truth = set()
+    eng.store([5], send=False)  # missed
+    eng.store([6])
+    assert wait_for(lambda: 6 in m.hashes("e1"), 5, eng.pump)
+    assert m.hashes("e1") == {1, 2, 6}  # stale 1, 2; missing 5: seq numbers cannot tell
+    sub.resync("e1", if_restarts_at=seen)
+    assert settle(eng, m)  # exactly the new engine's {5, 6}
+
+
+def test_resync_is_a_no_op_when_the_restart_was_already_seen(sub):
+    eng = Engine("e1")
+    m = Mirror()
+    attach(sub, eng, m)
+    eng.store([1])
+    eng.store([2])
+    assert settle(eng, m)
+    seen = sub.restarts("e1")
+    eng.pub.restart()
+    eng.truth = set()
+    eng.store([7])  # seq 0 after seq 1: the subscriber sees the restart itself
+    assert settle(eng, m)
+    assert sub.restarts("e1") == seen + 1
+    sub.resync("e1", if_restarts_at=seen)
+    time.sleep(0.3)
+    assert m.hashes("e1") == {7}  # not cleared a second time

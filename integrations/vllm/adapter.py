@@ -44,6 +44,8 @@ class _WorkerRun:
     info: EngineInfo
     scraper: MetricsScraper | None
     alive: bool = True
+    started_at: float | None = None  # the engine's process_start_time_seconds
+    restarts_seen: int = 0  # subscriber.restarts() at the last good scrape
 
 
 class VllmAdapter(VllmHttpAdapter):
@@ -91,6 +93,19 @@ class VllmAdapter(VllmHttpAdapter):
             except Exception:
                 log.exception("liveness listener failed for %s", run.worker_id)
 
+    def _check_restart(self, run: _WorkerRun, sample: MetricsSample) -> None:
+        """A new process start time = a restarted engine with an empty cache. The sequence
+        numbers usually show it first; when they cannot (no batch from the new engine yet, or
+        its first batches were missed) the subscriber clears and rebuilds the worker."""
+        started = sample.attributes.get("process_start_time")
+        if started is None:
+            return
+        if run.started_at is not None and started != run.started_at:
+            log.warning("vLLM worker %s restarted (process start time changed)", run.worker_id)
+            self.subscriber.resync(run.worker_id, if_restarts_at=run.restarts_seen)
+        run.started_at = started
+        run.restarts_seen = self.subscriber.restarts(run.worker_id)
+
     # -- lifecycle ----------------------------------------------------------------------------
     async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.start_worker_sync,
@@ -126,6 +141,7 @@ class VllmAdapter(VllmHttpAdapter):
         run = _WorkerRun(worker.worker_id, info, None)
         if murl:
             def on_sample(s: MetricsSample, _run: _WorkerRun = run) -> None:
+                self._check_restart(_run, s)
                 sink.set_attributes(s.attributes)  # stamped on the router's clock
                 self._set_alive(_run, True)
 

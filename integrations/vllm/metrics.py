@@ -90,6 +90,10 @@ def parse_metrics(text: str, ts: float | None = None) -> MetricsSample:
                 for eng, v in by_engine.items():
                     per_engine.setdefault(eng, {})[attr] = v
                 break
+    start = values.get("process_start_time_seconds")
+    if start:
+        # changes when the engine's API server (and with it the engine) restarted
+        attrs["process_start_time"] = next(iter(start.values()))
     for key in _CACHE_NUMERIC:
         v = cache_config.get(key)
         try:

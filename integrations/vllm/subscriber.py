@@ -287,6 +287,22 @@ class VllmSubscriber:
         else:
             done.wait(5.0)
 
+    def restarts(self, worker_id: str) -> int:
+        """How many restarts the sequence numbers revealed, over a worker's ranks."""
+        return sum(s.stats.restarts for (w, _), s in list(self._streams.items()) if w == worker_id)
+
+    def resync(self, worker_id: str, if_restarts_at: int | None = None) -> None:
+        """The engine restarted (e.g. its process start time changed): clear its ranks and
+        rebuild them from its replay buffer (seq 0 on), or from the live stream without one.
+
+        ``if_restarts_at``: ``restarts(worker_id)`` as the caller last saw it; when the
+        sequence numbers already revealed this restart (the count grew), the subscriber is
+        consuming the new engine and nothing is done — a second clear would drop its blocks.
+        """
+        self._cmds.put(("resync", (worker_id, if_restarts_at)))
+        if self._thread is None or not self._thread.is_alive():
+            self._apply_commands()
+
     def last_message_at(self, worker_id: str) -> float | None:
         """Monotonic time of the newest batch from any rank of a worker (a liveness signal)."""
         items = list(self._streams.items())
@@ -347,6 +363,32 @@ class VllmSubscriber:
                 wid, done = arg
                 self._remove(wid)
                 done.set()
+            elif cmd == "resync":
+                wid, seen = arg
+                out: dict = {}
+                self._resync(wid, seen, out)
+                self._flush(out)
+
+    def _resync(self, worker_id: str, seen: int | None, out: dict) -> None:
+        streams = [s for (w, _), s in self._streams.items() if w == worker_id]
+        if seen is not None and sum(s.stats.restarts for s in streams) > seen:
+            return  # the sequence numbers showed this restart already
+        for st in streams:
+            st.stats.restarts += 1
+            log.warning("vLLM events: %s rank %d: engine restarted; clearing its blocks and "
+                        "rebuilding from its replay buffer", st.src.worker_id, st.src.dp_rank)
+            self._emit(st, [AllCleared(worker_id=st.src.worker_id, dp_rank=st.src.dp_rank)],
+                       out)
+            self._close_replay(st)
+            st.replaying = False
+            st.pending = []
+            st.last_payload = b""
+            if st.src.replay_address:
+                st.expected = 0
+                st.catching_up = True
+                self._start_replay(st, 0, out)
+            else:
+                st.expected = None
 
     def _add(self, src: EventSource) -> None:
         self._routes.clear()
@@ -515,8 +557,8 @@ class VllmSubscriber:
             s.duplicates += 1
             return
         s.restarts += 1
-        log.warning("vLLM events: %s rank %d seq went back from %d to %d: engine restarted, "
-                    "clearing its blocks", st.src.worker_id, st.src.dp_rank, st.expected - 1, seq)
+        log.warning("vLLM events: %s rank %d: seq %d after %d: engine restarted, clearing its "
+                    "blocks", st.src.worker_id, st.src.dp_rank, seq, st.expected - 1)
         self._emit(st, [AllCleared(worker_id=st.src.worker_id, dp_rank=st.src.dp_rank)], out)
         st.expected = 0
         if seq > 0 and st.src.replay_address:
