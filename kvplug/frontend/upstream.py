@@ -68,7 +68,11 @@ class Upstream:
     async def start(self) -> None:
         if self.session is None:
             connector = aiohttp.TCPConnector(
-                limit=self.limit, keepalive_timeout=60, enable_cleanup_closed=False
+                limit=self.limit,
+                # idle connections close before uvicorn's 5 s keep-alive (vLLM, SGLang) does,
+                # so a request never goes out on a socket the engine is closing
+                keepalive_timeout=4.0,
+                enable_cleanup_closed=False,
             )
             self.session = aiohttp.ClientSession(
                 connector=connector,
