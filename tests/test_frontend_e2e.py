@@ -397,7 +397,7 @@ async def test_adapter_liveness_verdicts_reach_the_fleet():
     register_adapter("watched", Watched)
     try:
         async with serving(
-            2, engine_kind="watched", settings=ServeSettings(health_interval=0)
+            2, engine_kind="watched", settings=ServeSettings(health_interval=0.05)
         ) as h:
             assert len(listeners) == 1
             t = threading.Thread(target=listeners[0], args=("w0", False))  # a scraper thread
@@ -410,6 +410,8 @@ async def test_adapter_liveness_verdicts_reach_the_fleet():
             assert h.frontend.fleet.unhealthy == {"w0"}
             resp, _ = await h.complete(prompt(2, 15), headers={})
             assert resp.headers["x-kvplug-worker"] == "w1"
+            await asyncio.sleep(0.3)  # health probes pass meanwhile: the adapter's word stands
+            assert h.frontend.fleet.unhealthy == {"w0"}
             listeners[0]("w0", True)
             await asyncio.sleep(0.05)
             assert not h.frontend.fleet.unhealthy

@@ -74,7 +74,7 @@ class WorkerEntry:
         "worker",
         "adapter",
         "sink",
-        "healthy",
+        "down_by",
         "draining",
         "last_error",
         "last_probe",
@@ -90,7 +90,7 @@ class WorkerEntry:
         self.worker = worker
         self.adapter = adapter
         self.sink = sink
-        self.healthy = True  # optimistic until a request or a probe fails
+        self.down_by: set[str] = set()  # who says it is down: request, probe, adapter
         self.draining = False
         self.last_error: str | None = None
         self.last_probe: float | None = None
@@ -98,11 +98,16 @@ class WorkerEntry:
         self.inflight = 0
         self.url_base = spec.url
 
+    @property
+    def healthy(self) -> bool:
+        return not self.down_by  # optimistic until a request, a probe or the adapter says no
+
     def describe(self) -> dict[str, Any]:
         ready = self.adapter.events_ready(self.spec.worker_id)
         return {
             **self.spec.to_dict(),
             "healthy": self.healthy,
+            "down_by": sorted(self.down_by),
             "draining": self.draining,
             "inflight": self.inflight,
             "last_error": self.last_error,
@@ -142,9 +147,9 @@ class Fleet:
 
     def _set_liveness(self, worker_id: str, alive: bool) -> None:
         if alive:
-            self.mark_healthy(worker_id)
+            self.mark_healthy(worker_id, source="adapter")
         else:
-            self.mark_unhealthy(worker_id, "its engine adapter reports it down")
+            self.mark_unhealthy(worker_id, "its engine adapter reports it down", source="adapter")
 
     def _register(self, spec: WorkerSpec) -> WorkerEntry:
         """The synchronous part of adding: the router learns the worker (in call order)."""
@@ -253,23 +258,29 @@ class Fleet:
     def _refresh_unhealthy(self) -> None:
         self.unhealthy = frozenset(w for w, e in self.workers.items() if not e.healthy)
 
-    def mark_unhealthy(self, worker_id: str, reason: str) -> None:
+    def mark_unhealthy(self, worker_id: str, reason: str, source: str = "request") -> None:
+        """``source``: "request" (failed before its first byte), "probe" (health path) or
+        "adapter" (the engine adapter's own verdict). A passing probe clears the first two;
+        only the adapter clears its own."""
         entry = self.workers.get(worker_id)
         if entry is None:
             return
         if entry.healthy:
             log.warning("worker %s marked unhealthy: %s", worker_id, reason)
-        entry.healthy = False
+        entry.down_by.add(source)
         entry.last_error = reason
         self._refresh_unhealthy()
 
-    def mark_healthy(self, worker_id: str) -> None:
+    def mark_healthy(self, worker_id: str, source: str = "probe") -> None:
         entry = self.workers.get(worker_id)
         if entry is None or entry.healthy:
+            if entry is not None and source == "adapter":
+                entry.down_by.discard("adapter")
             return
-        log.info("worker %s healthy again", worker_id)
-        entry.healthy = True
-        self._refresh_unhealthy()
+        entry.down_by -= {"adapter"} if source == "adapter" else {"request", "probe"}
+        if entry.healthy:
+            log.info("worker %s healthy again", worker_id)
+            self._refresh_unhealthy()
 
     # -- views --------------------------------------------------------------------------------
     @property

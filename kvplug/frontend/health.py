@@ -77,7 +77,7 @@ class HealthProber:
             if not entry.models and not entry.spec.models:
                 await self._discover_models(entry)
         else:
-            self.fleet.mark_unhealthy(worker_id, reason)
+            self.fleet.mark_unhealthy(worker_id, reason, source="probe")
         return ok
 
     async def _discover_models(self, entry: WorkerEntry) -> None:
