@@ -75,6 +75,13 @@ class WorkerSink(Protocol):
 
     def set_attributes(self, values: dict[str, float], ts: float | None = None) -> None: ...
 
+    def update_capacity(
+        self, kv_capacity_blocks: int | None = None, max_batched_tokens: int | None = None
+    ) -> None:
+        """What the engine says about its size (e.g. vLLM's ``num_gpu_blocks``), for the busy
+        thresholds; values given in the worker config are not overridden."""
+        ...
+
 
 @dataclass
 class PDContext:

@@ -181,3 +181,42 @@ async def test_busy_threshold_at_run_time():
         assert any(e["worker_id"] == "w0" for e in trace["router"]["excluded"])
         await task
         h.assert_idle()
+
+
+async def test_engine_reported_capacity_reaches_the_router():
+    import threading
+
+    from kvplug.adapters import register_adapter, unregister_adapter
+    from kvplug.frontend.stub_engine import StubAdapter
+
+    sinks = {}
+
+    class Sized(StubAdapter):
+        kind = "sized"
+
+        async def start_worker(self, worker, sink):
+            await super().start_worker(worker, sink)
+            sinks[worker.worker_id] = sink
+
+    register_adapter("sized", Sized)
+    try:
+        workers = [{"id": "w0"}, {"id": "w1", "kv_capacity_blocks": 7}]
+        async with serving(workers, engine_kind="sized", admin_token=TOKEN) as h:
+            await h.complete(prompt(4, 3), headers={"x-kvplug-worker": "w0"})
+            blocks_before = h.router.stats()["index"]["blocks"]
+            await admin(h, "POST", "/admin/workers/w0/drain")
+            # a scraper thread reports the engine's sizes
+            t = threading.Thread(target=sinks["w0"].update_capacity, args=(1000, 8192))
+            t.start()
+            t.join()
+            sinks["w1"].update_capacity(2000, 4096)  # from the loop thread
+            await asyncio.sleep(0.05)
+            w0, w1 = h.router.workers["w0"], h.router.workers["w1"]
+            assert (w0.kv_capacity_blocks, w0.max_batched_tokens) == (1000, 8192)
+            assert (w1.kv_capacity_blocks, w1.max_batched_tokens) == (7, 4096)  # config wins
+            assert h.router.stats()["index"]["blocks"] == blocks_before  # index kept
+            resp, _ = await h.complete(prompt(4, 3))  # w0 is still draining
+            assert resp.headers["x-kvplug-worker"] == "w1"
+            h.assert_idle()
+    finally:
+        unregister_adapter("sized")

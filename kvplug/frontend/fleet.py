@@ -8,6 +8,7 @@ does the reverse. Health is the frontend's: an engine that failed a request or a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -32,6 +33,7 @@ class FleetSink:
         "last_event_at",
         "errors",
         "active",
+        "on_capacity",
     )
 
     def __init__(self, worker_id: str, router: Any, loop: asyncio.AbstractEventLoop) -> None:
@@ -43,6 +45,7 @@ class FleetSink:
         self.errors = 0
         self.last_event_at: float | None = None
         self.active = True  # false once the worker is removed: late events are dropped
+        self.on_capacity: Any = None  # set by the fleet
 
     def apply(self, event) -> None:
         if not self.active:
@@ -66,6 +69,21 @@ class FleetSink:
     def set_attributes(self, values: dict[str, float], ts: float | None = None) -> None:
         if self.active:
             self._router.set_attributes(self.worker_id, values, ts)
+
+    def update_capacity(
+        self, kv_capacity_blocks: int | None = None, max_batched_tokens: int | None = None
+    ) -> None:
+        if not self.active or self.on_capacity is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # called from an adapter's thread
+            running = None
+        args = (self.worker_id, kv_capacity_blocks, max_batched_tokens)
+        if running is self._loop:
+            self.on_capacity(*args)
+        else:
+            self._loop.call_soon_threadsafe(self.on_capacity, *args)
 
 
 class WorkerEntry:
@@ -145,6 +163,37 @@ class Fleet:
             adapter.add_liveness_listener(on_liveness)
         return adapter
 
+    def _set_capacity(self, worker_id: str, blocks: int | None, batched: int | None) -> None:
+        """Re-register the worker with the sizes its engine reported (load is kept)."""
+        entry = self.workers.get(worker_id)
+        if entry is None:
+            return
+        changed = False
+        if (
+            blocks
+            and not entry.spec.kv_capacity_blocks
+            and entry.worker.kv_capacity_blocks != blocks
+        ):
+            entry.worker = dataclasses.replace(entry.worker, kv_capacity_blocks=int(blocks))
+            changed = True
+        if (
+            batched
+            and not entry.spec.max_batched_tokens
+            and entry.worker.max_batched_tokens != batched
+        ):
+            entry.worker = dataclasses.replace(entry.worker, max_batched_tokens=int(batched))
+            changed = True
+        if changed:
+            self.router.add_worker(entry.worker)
+            if entry.draining:
+                self.router.drain_worker(worker_id)
+            log.info(
+                "worker %s: %s KV blocks, %s batched tokens (from the engine)",
+                worker_id,
+                entry.worker.kv_capacity_blocks,
+                entry.worker.max_batched_tokens,
+            )
+
     def _set_liveness(self, worker_id: str, alive: bool) -> None:
         if alive:
             self.mark_healthy(worker_id, source="adapter")
@@ -164,6 +213,7 @@ class Fleet:
         worker = spec.to_worker()
         self.router.add_worker(worker)
         sink = FleetSink(spec.worker_id, self.router, asyncio.get_running_loop())
+        sink.on_capacity = self._set_capacity
         entry = WorkerEntry(spec, worker, adapter, sink)
         self.workers[spec.worker_id] = entry
         return entry
