@@ -577,3 +577,11 @@ async def test_chunked_body_over_the_limit_is_413():
             assert (await r.json())["error"]["code"] == "body_too_large"
         assert not h.engines["w0"].requests
         h.assert_idle()
+
+
+async def test_unknown_paths_and_methods_are_openai_errors():
+    async with serving(1) as h:
+        async with h.session.get(h.url + "/v1/completions") as r:
+            assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
+        async with h.session.post(h.url + "/v1/embeddings", json={}) as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"

@@ -593,8 +593,27 @@ class Frontend:
         )
 
 
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """Unknown paths and methods answer with an OpenAI-style error body too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, str(exc.status))
+        return ApiError(
+            exc.status,
+            f"{request.method} {request.path}: {exc.reason}",
+            "invalid_request_error",
+            code,
+        ).response()
+
+
 def build_app(frontend: Frontend) -> web.Application:
-    app = web.Application(client_max_size=frontend.settings.max_body_bytes)
+    app = web.Application(
+        client_max_size=frontend.settings.max_body_bytes, middlewares=[openai_errors]
+    )
     app.router.add_post("/v1/completions", frontend.handle_completions)
     app.router.add_post("/v1/chat/completions", frontend.handle_chat)
     app.router.add_get("/v1/models", frontend.handle_models)
