@@ -46,6 +46,33 @@ def _wait_http(url: str, timeout: float = 20.0) -> None:
     raise AssertionError(f"{url} did not come up")
 
 
+def _wait_for_event_streams(front: str, engines: dict[str, int], timeout: float = 20.0) -> None:
+    """Until kvplug has received events from every engine. A PUB drops what it sends before a
+    new subscriber's subscription reaches it (ZMQ), so the first batch after start-up may be
+    lost; the next batch shows the sequence gap and kvplug replays. Warm-up requests sent
+    straight to the engines produce those batches."""
+    end = time.monotonic() + timeout
+    n = 0
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(front + "/ready", timeout=2) as r:
+                body = r.read()
+        except urllib.error.HTTPError as exc:  # 503 while not ready; the body still says why
+            body = exc.read()
+        events = json.loads(body).get("events", {})
+        missing = [w for w in engines if not (events.get(w) or {}).get("events")]
+        if not missing:
+            return
+        for w in missing:
+            n += 1
+            _post(
+                f"http://127.0.0.1:{engines[w]}/v1/completions",
+                {"model": MODEL, "prompt": f"warm-up {n} " * 8, "max_tokens": 1},
+            )
+        time.sleep(0.3)
+    raise AssertionError("kvplug received no KV events from the simulated engines")
+
+
 def _post(url: str, body: dict) -> tuple[dict, dict]:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -112,6 +139,7 @@ def fleet_and_frontend(request):
             env=env,
         )
         _wait_http(f"http://127.0.0.1:{front}/v1/models")
+        _wait_for_event_streams(f"http://127.0.0.1:{front}", {"a": base, "b": base + 1})
         yield f"http://127.0.0.1:{front}"
     finally:
         for p in (serve, sim):

@@ -52,11 +52,12 @@ class BenchSpec:
     seed: int = 0
     workload: str | None = None  # e.g. "shared-prefix:groups=32" instead of the trace
     n_prefill: int = 0  # > 0: disaggregated fleet, this many prefill engines, the rest decode
+    block_tokens: int = TRACE_BLOCK_TOKENS  # tokens per trace hash id = engine/router block size
     extra: dict[str, Any] = field(default_factory=dict)
 
     def records(self) -> list[TraceRecord]:
         if self.workload:
-            recs = parse_workload(self.workload)
+            recs = parse_workload(self.workload, self.block_tokens)
             if self.limit is not None:
                 recs = recs[: self.limit]
             return recs
@@ -72,7 +73,7 @@ class BenchSpec:
         return ReplayConfig(
             n_engines=self.n_engines,
             engine=EngineConfig(
-                block_size=TRACE_BLOCK_TOKENS,
+                block_size=self.block_tokens,
                 capacity_blocks=self.capacity_blocks,
                 host_capacity_blocks=self.host_capacity_blocks,
                 max_batched_tokens=self.max_batched_tokens,
@@ -86,12 +87,14 @@ class BenchSpec:
         )
 
 
-def fleet_lru_hit_rate(records: list[TraceRecord], capacity_blocks: int) -> float:
+def fleet_lru_hit_rate(
+    records: list[TraceRecord], capacity_blocks: int, block_tokens: int = TRACE_BLOCK_TOKENS
+) -> float:
     """Prefix hit rate of one LRU cache of ``capacity_blocks`` shared by every request."""
     lru: OrderedDict[int, None] = OrderedDict()
     total = hit = 0
     for r in records:
-        ids = r.hash_ids[: r.input_length // TRACE_BLOCK_TOKENS]
+        ids = r.hash_ids[: r.input_length // block_tokens]
         run = True
         for h in ids:
             total += 1
@@ -123,9 +126,7 @@ def run_policy(spec: BenchSpec, policy_text: str, counter=None) -> dict:
                 counter.value += pending[0]
             pending[0] = 0
 
-    res = replay(
-        records, pol.router_config(TRACE_BLOCK_TOKENS), cfg, policy=pol.name, progress=tick
-    )
+    res = replay(records, pol.router_config(spec.block_tokens), cfg, policy=pol.name, progress=tick)
     if counter is not None and pending[0]:
         with counter.get_lock():
             counter.value += pending[0]
@@ -204,7 +205,7 @@ def run_bench(spec: BenchSpec, jobs: int = 1, progress: bool = True) -> dict:
         poller.join()
         if bar is not None:
             bar.close()
-    oracle = oracle_hit_rate(records)
+    oracle = oracle_hit_rate(records, spec.block_tokens)
     prompt_engines = spec.n_prefill or spec.n_engines  # where prompts are computed and cached
     fleet_cap = prompt_engines * (spec.capacity_blocks + spec.host_capacity_blocks)
     report = {
@@ -214,7 +215,7 @@ def run_bench(spec: BenchSpec, jobs: int = 1, progress: bool = True) -> dict:
             "span_s": records[-1].arrival_s - records[0].arrival_s,
             "oracle_hit_rate": oracle["full_block_hit_rate"],
             "oracle_hit_rate_all_ids": oracle["all_id_hit_rate"],
-            "fleet_lru_hit_rate": fleet_lru_hit_rate(records, fleet_cap),
+            "fleet_lru_hit_rate": fleet_lru_hit_rate(records, fleet_cap, spec.block_tokens),
             "fleet_lru_capacity_blocks": fleet_cap,
         },
         "results": results,

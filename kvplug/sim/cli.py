@@ -45,8 +45,16 @@ def _add_fleet_args(p: argparse.ArgumentParser, engines: int) -> None:
     g.add_argument(
         "--capacity-blocks",
         type=int,
-        default=1640,
-        help="device KV blocks (512 tokens) per engine; 1640 = 8B model on one H200",
+        default=None,
+        help="device KV blocks per engine (default: 840k tokens, the 8B model on one H200, "
+        "= 1640 blocks of 512)",
+    )
+    g.add_argument(
+        "--block-tokens",
+        type=int,
+        default=512,
+        help="tokens per trace hash id, = the engines' and the router's block size (512 for "
+        "the Mooncake traces)",
     )
     g.add_argument(
         "--host-blocks",
@@ -81,8 +89,11 @@ def _add_fleet_args(p: argparse.ArgumentParser, engines: int) -> None:
 def _spec(args, policies):
     from kvplug.sim.bench import BenchSpec
     from kvplug.sim.policies import parse_policy
+    from kvplug.sim.steptime import capacity_blocks
 
-    for name in ("engines", "capacity_blocks", "max_batched_tokens", "jobs"):
+    if args.capacity_blocks is None:
+        args.capacity_blocks = capacity_blocks(max(args.block_tokens, 1))
+    for name in ("engines", "capacity_blocks", "max_batched_tokens", "jobs", "block_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.prefill_engines < args.engines:
@@ -95,7 +106,7 @@ def _spec(args, policies):
         if args.workload:
             from kvplug.sim.trace import parse_workload
 
-            parse_workload(args.workload)
+            parse_workload(args.workload, args.block_tokens)
     except ValueError as exc:
         raise SystemExit(f"kvplug: {exc}") from None
     return BenchSpec(
@@ -114,6 +125,7 @@ def _spec(args, policies):
         seed=args.seed,
         workload=args.workload,
         n_prefill=args.prefill_engines,
+        block_tokens=args.block_tokens,
     )
 
 
@@ -153,12 +165,15 @@ def _cmd_demo(args) -> int:
     from kvplug.sim.bench import run_bench
 
     spec = _spec(args, args.policies)
+    if args.workload:
+        source = f"generated workload {args.workload}"
+    else:
+        span = f"first {int(args.duration // 60)} min" if args.duration else "all"
+        source = f"Mooncake conversation trace (Kimi, FAST'25), {span}"
     print(
-        "kvplug demo: Mooncake conversation trace (Kimi, FAST'25), "
-        f"{'first ' + str(int(args.duration // 60)) + ' min' if args.duration else 'all'}, "
-        f"{args.engines} simulated Llama-3-8B/H200 engines ({args.capacity_blocks} KV blocks "
-        "of 512 "
-        f"tokens each), virtual time; policies: {', '.join(args.policies)}"
+        f"kvplug demo: {source}, {args.engines} simulated Llama-3-8B/H200 engines "
+        f"({args.capacity_blocks} KV blocks of {args.block_tokens} tokens each), virtual time; "
+        f"policies: {', '.join(args.policies)}"
     )
     report = run_bench(spec, jobs=args.jobs, progress=not args.no_progress)
     _finish_report(report, args, prefix="demo")

@@ -180,7 +180,7 @@ SHARED_PREFIX_DEFAULTS = {
 }
 
 
-def synthetic_shared_prefix(**params) -> list[TraceRecord]:
+def synthetic_shared_prefix(block_tokens: int = TRACE_BLOCK_TOKENS, **params) -> list[TraceRecord]:
     """A generated workload in the trace format, like SGLang's ``generated-shared-prefix``:
     ``groups`` system prompts of ``system`` tokens, each request one group's prompt (uniform)
     plus ``question`` unique tokens, ``output`` tokens out, Poisson arrivals at ``rate``/s.
@@ -197,7 +197,7 @@ def synthetic_shared_prefix(**params) -> list[TraceRecord]:
     if min(groups, n) < 1 or system < 0 or question < 1 or output < 1 or rate <= 0:
         raise ValueError(f"bad shared-prefix parameters {p}")
     rng = np.random.default_rng(int(p["seed"]))
-    bt = TRACE_BLOCK_TOKENS
+    bt = block_tokens
     sys_blocks = system // bt  # full shared blocks; a partial one is mixed with the question
     gaps = rng.exponential(1.0 / rate, n)
     gaps[0] = 0.0
@@ -216,7 +216,7 @@ def synthetic_shared_prefix(**params) -> list[TraceRecord]:
     return out
 
 
-def parse_workload(text: str) -> list[TraceRecord]:
+def parse_workload(text: str, block_tokens: int = TRACE_BLOCK_TOKENS) -> list[TraceRecord]:
     """``shared-prefix[:key=value,...]`` -> records (see :func:`synthetic_shared_prefix`)."""
     name, _, rest = text.partition(":")
     if name != "shared-prefix":
@@ -230,4 +230,4 @@ def parse_workload(text: str) -> list[TraceRecord]:
             raise ValueError(f"workload term {term!r} is not KEY=NUMBER") from None
         if not sep:
             raise ValueError(f"workload term {term!r} is not KEY=NUMBER")
-    return synthetic_shared_prefix(**params)
+    return synthetic_shared_prefix(block_tokens, **params)

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvplug.errors import InvalidRequest, RoutingError
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
-from kvplug.sim.trace import TRACE_BLOCK_TOKENS, TraceRecord, block_hashes_of, expand_tokens
+from kvplug.sim.trace import TraceRecord, block_hashes_of, expand_tokens
 
 
 class VirtualClock:
@@ -122,8 +122,7 @@ def replay(
             f"router block size {router_config.kv_block_size} != engine block size "
             f"{cfg.engine.block_size}"
         )
-    if cfg.engine.block_size != TRACE_BLOCK_TOKENS:
-        raise ValueError(f"trace replay needs {TRACE_BLOCK_TOKENS}-token engine blocks")
+    bt = cfg.engine.block_size  # = the trace's tokens per hash id
     clock = VirtualClock()
     router = Router(router_config, clock=clock, rng=random.Random(cfg.seed))
     engines = make_fleet(cfg)
@@ -199,8 +198,8 @@ def replay(
         if p_req.rejected:
             d_req.rejected = f"prefill failed: {p_req.rejected}"
             return
-        cacheable = min(d_req.prompt_blocks, (d_req.prompt_len - 1) // TRACE_BLOCK_TOKENS)
-        transfer_s = cfg.engine.model.transfer_ms(cacheable * TRACE_BLOCK_TOKENS) / 1000.0
+        cacheable = min(d_req.prompt_blocks, (d_req.prompt_len - 1) // bt)
+        transfer_s = cfg.engine.model.transfer_ms(cacheable * bt) / 1000.0
         route(d_req, rreq, t, queue_at=t + transfer_s)
 
     def deliver(until: float) -> None:
@@ -256,9 +255,9 @@ def replay(
             samples_t.append(t)
             samples.append([e.num_running + e.num_waiting for e in engines])
             next_sample = t + cfg.sample_period_s
-        nf = rec.input_length // TRACE_BLOCK_TOKENS
+        nf = rec.input_length // bt
         hashes = block_hashes_of(rec.hash_ids, nf)
-        tokens = expand_tokens(rec.hash_ids, rec.input_length) if tokens_mode else None
+        tokens = expand_tokens(rec.hash_ids, rec.input_length, bt) if tokens_mode else None
         out_len = max(rec.output_length, 1)
         sreq = SimRequest(f"r{i}", t, rec.input_length, out_len, hashes, tokens, salt=i + 1)
         requests.append(sreq)
