@@ -12,8 +12,11 @@ policy's ratios to round-robin measured in the same run. Extra arguments go to `
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from kvplug.cli import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from kvplug.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))
