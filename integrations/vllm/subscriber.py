@@ -316,9 +316,9 @@ class VllmSubscriber:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = dict(self.counters)
-            out["streams"] = {
+            out["streams"] = {  # list(): the subscriber thread may add or remove streams
                 f"{w}/{r}": {**s.stats.__dict__, **{"decode": s.decoder.stats.as_dict()}}
-                for (w, r), s in self._streams.items()
+                for (w, r), s in list(self._streams.items())
             }
         return out
 
