@@ -254,3 +254,29 @@ async def test_client_disconnect_aborts_the_request(fleet):
         await asyncio.sleep(0.02)
     assert not server.engine.has_work() and server.counters["aborted"] == 1
     assert not server.streams
+
+
+async def test_an_engine_failure_ends_requests_instead_of_hanging_them(fleet):
+    server, http, _, _ = fleet
+    real_step = server.engine.step
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated model bug")
+        return real_step()
+
+    server.engine.step = failing_step
+    async with aiohttp.ClientSession() as s:
+        async with s.post(
+            f"http://127.0.0.1:{http}/v1/completions", json={"prompt": "hello", "max_tokens": 3}
+        ) as r:
+            assert r.status == 200
+            body = await asyncio.wait_for(r.json(), 5)
+        assert body["usage"]["completion_tokens"] == 0
+        async with s.post(  # the engine keeps serving afterwards
+            f"http://127.0.0.1:{http}/v1/completions", json={"prompt": "hello", "max_tokens": 3}
+        ) as r:
+            assert (await r.json())["usage"]["completion_tokens"] == 3
+    assert server.counters["engine_errors"] == 1

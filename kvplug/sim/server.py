@@ -199,7 +199,13 @@ class SimServer:
         self._wake = asyncio.Event()
         self._wall0 = time.monotonic()
         self._tasks: list[asyncio.Task] = []
-        self.counters = {"requests": 0, "bad_requests": 0, "event_batches": 0, "aborted": 0}
+        self.counters = {
+            "requests": 0,
+            "bad_requests": 0,
+            "event_batches": 0,
+            "aborted": 0,
+            "engine_errors": 0,
+        }
         self.runner: web.AppRunner | None = None
 
     # -- time ------------------------------------------------------------------------------------
@@ -214,7 +220,21 @@ class SimServer:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            eng.step()
+            try:
+                eng.step()
+            except Exception:  # a model bug must not hang every open request: fail them all
+                log.exception("%s: engine step failed; aborting in-flight requests", self.worker_id)
+                self.counters["engine_errors"] += 1
+                for req in [*eng.waiting, *eng.prefilling, *eng.decoding]:
+                    try:
+                        eng.abort(req, eng.now)
+                    except Exception:
+                        log.exception("%s: abort of %s failed", self.worker_id, req.request_id)
+                eng.waiting.clear()
+                eng.prefilling.clear()
+                eng.decoding.clear()
+                self._dispatch()
+                continue
             delay = self._wall0 + eng.now / self.opts.speed - time.monotonic()
             await asyncio.sleep(max(0.0, delay))
             self._dispatch()
