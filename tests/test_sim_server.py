@@ -275,6 +275,7 @@ async def test_an_engine_failure_ends_requests_instead_of_hanging_them(fleet):
             assert r.status == 200
             body = await asyncio.wait_for(r.json(), 5)
         assert body["usage"]["completion_tokens"] == 0
+        assert body["choices"][0]["finish_reason"] == "abort"
         async with s.post(  # the engine keeps serving afterwards
             f"http://127.0.0.1:{http}/v1/completions", json={"prompt": "hello", "max_tokens": 3}
         ) as r:

@@ -398,6 +398,9 @@ class SimServer:
                 },
             }
 
+        def finish_reason() -> str:
+            return "abort" if st.req.rejected else "length"  # the simulator never samples EOS
+
         if body.get("stream"):
             resp = web.StreamResponse(
                 headers={
@@ -426,7 +429,7 @@ class SimServer:
                         "choices": [choice],
                     }
                     await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            final_choice = {"index": 0, "finish_reason": "length"}
+            final_choice = {"index": 0, "finish_reason": finish_reason()}
             final_choice.update({"delta": {}} if chat else {"text": ""})
             final = {
                 "id": rid,
@@ -449,10 +452,10 @@ class SimServer:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": content},
-                "finish_reason": "length",
+                "finish_reason": finish_reason(),
             }
         else:
-            choice = {"index": 0, "text": content, "finish_reason": "length"}
+            choice = {"index": 0, "text": content, "finish_reason": finish_reason()}
         out = {
             "id": rid,
             "object": obj,
