@@ -83,3 +83,41 @@ def test_core_under_asan_and_ubsan(tmp_path):
     out = run.stdout[-5000:] + run.stderr[-5000:]
     assert "AddressSanitizer" not in out and "runtime error" not in out, out
     assert run.returncode == 0, out
+
+
+@pytest.mark.timeout(300)
+def test_c_api_stress_under_asan_ubsan_and_leak_checker(tmp_path):
+    """csrc/test/stress.c drives the C API directly (no Python), so LeakSanitizer can be on."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not available")
+    exe = tmp_path / "kvp_stress"
+    flags = [
+        "-std=c11",
+        "-O1",
+        "-g",
+        "-fsanitize=address,undefined",
+        "-fno-sanitize-recover=undefined",
+        "-fno-omit-frame-pointer",
+    ]
+    sources = [
+        str(ROOT / "csrc" / "test" / "stress.c"),
+        *map(str, sorted((ROOT / "csrc").glob("*.c"))),
+    ]
+    build = subprocess.run(
+        ["gcc", *flags, "-I", str(ROOT / "csrc"), *sources, "-lm", "-o", str(exe)],
+        capture_output=True,
+        text=True,
+    )
+    if build.returncode != 0 and "asan" in build.stderr.lower():
+        pytest.skip(f"gcc cannot link the sanitizers here: {build.stderr[-300:]}")
+    assert build.returncode == 0, build.stderr[-3000:]
+    env = dict(
+        os.environ,
+        ASAN_OPTIONS="detect_leaks=1:halt_on_error=1",
+        UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
+    )
+    env.pop("LD_PRELOAD", None)
+    run = subprocess.run([str(exe), "20000"], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (
+        run.stdout[-2000:] + run.stderr[-3000:]
+    )

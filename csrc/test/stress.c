@@ -1,0 +1,157 @@
+/* C-level stress of the core's API, meant to run under ASan/UBSan/LSan (tests/test_core_sanitizer.py
+ * compiles it with -fsanitize=address,undefined and runs it with leak detection on).
+ *
+ * Random stores (by hashes and by tokens), removes, moves, clears and queries over a small key
+ * space on bounded and unbounded indexes, plus invalid arguments that must come back as a
+ * status, then frees everything. Checks cheap invariants; the differential tests in Python
+ * check exact answers against the reference.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../kvplug.h"
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint64_t next_u64(void) { /* splitmix64 */
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static uint32_t below(uint32_t n) { return (uint32_t)(next_u64() % n); }
+
+#define CHECK(cond)                                                              \
+    do {                                                                         \
+        if (!(cond)) {                                                           \
+            fprintf(stderr, "check failed at %s:%d: %s\n", __FILE__, __LINE__, #cond); \
+            return 1;                                                            \
+        }                                                                        \
+    } while (0)
+
+static kvp_endpoint_t pick_ep(void) {
+    uint32_t r = below(10);
+    return r == 9 ? KVP_SHARED : r % 6;
+}
+
+static int run(uint64_t max_entries, int steps) {
+    kvp_index *idx = NULL;
+    CHECK(kvp_index_new(max_entries, &idx) == KVP_OK && idx != NULL);
+    enum { CAP = 64, NB = 8, BS = 4 };
+    int32_t local[CAP], device[CAP], host[CAP], disk[CAP], beyond[CAP];
+    uint32_t touched[CAP];
+    memset(local, 0, sizeof local);
+    memset(device, 0, sizeof device);
+    memset(host, 0, sizeof host);
+    memset(disk, 0, sizeof disk);
+    memset(beyond, 0, sizeof beyond);
+    kvp_query_out q = {local, device, host, disk, beyond, touched, CAP, 0, 0, 0, 0};
+    kvp_engine_hash_t ehs[NB];
+    kvp_hash_t hs[NB];
+    uint32_t toks[NB * BS];
+    for (int s = 0; s < steps; s++) {
+        kvp_endpoint_t ep = pick_ep();
+        size_t n = below(NB + 1);
+        for (size_t i = 0; i < n; i++) {
+            ehs[i] = below(24);
+            hs[i] = below(16);
+        }
+        for (size_t i = 0; i < n * BS; i++) toks[i] = below(2);
+        int tier = (int)below(3);
+        switch (below(8)) {
+        case 0:
+            CHECK(kvp_index_store(idx, ep, tier, ehs, hs, n) == KVP_OK);
+            break;
+        case 1: {
+            int stored = -1;
+            size_t pos = 0;
+            kvp_status st = kvp_index_store_tokens(idx, ep, tier, (int)below(2), below(24), ehs, n,
+                                                   toks, KVP_DT_U32, n * BS, BS, below(2), NULL,
+                                                   0, &stored, &pos);
+            CHECK(st == KVP_OK && (stored == 0 || stored == 1));
+            break;
+        }
+        case 2:
+            CHECK(kvp_index_remove(idx, ep, below(4) == 0 ? KVP_TIER_ANY : tier, ehs, n) == KVP_OK);
+            break;
+        case 3:
+            CHECK(kvp_index_move(idx, ep, tier, (int)below(3), ehs, n) == KVP_OK);
+            break;
+        case 4:
+            if (below(8) == 0) CHECK(kvp_index_clear(idx, ep) == KVP_OK);
+            break;
+        default: {
+            kvp_hash_t qh[NB];
+            size_t qn = below(NB + 1);
+            uint32_t qt[NB * BS];
+            for (size_t i = 0; i < qn * BS; i++) qt[i] = below(2);
+            size_t pos;
+            CHECK(kvp_hash_blocks(qt, KVP_DT_U32, qn * BS, BS, 0, NULL, 0, NULL, qh, NB, &pos) ==
+                  KVP_OK);
+            if (below(3) == 0)
+                for (size_t i = 0; i < qn; i++) qh[i] = below(16);
+            CHECK(kvp_index_query(idx, qh, qn, &q) == KVP_OK);
+            CHECK(q.walked <= qn);
+            for (size_t k = 0; k < q.n_touched; k++) {
+                uint32_t e = touched[k];
+                CHECK(e < CAP && local[e] > 0 && (size_t)local[e] <= q.walked);
+                CHECK(device[e] + host[e] + disk[e] == local[e]);
+            }
+            break;
+        }
+        }
+        kvp_stats st;
+        CHECK(kvp_index_stats(idx, &st) == KVP_OK);
+        CHECK(st.entries >= st.blocks);
+        if (max_entries) CHECK(st.entries <= max_entries || st.blocks == 0);
+    }
+    /* invalid arguments come back as statuses */
+    CHECK(kvp_index_store(NULL, 0, 0, ehs, hs, 1) == KVP_E_NULL);
+    CHECK(kvp_index_store(idx, KVP_MAX_ENDPOINT, 0, ehs, hs, 1) == KVP_E_ENDPOINT);
+    CHECK(kvp_index_store(idx, 0, 3, ehs, hs, 1) == KVP_E_TIER);
+    CHECK(kvp_index_store(idx, 0, 0, NULL, hs, 1) == KVP_E_NULL);
+    CHECK(kvp_index_remove(idx, 0, 7, ehs, 1) == KVP_E_TIER);
+    CHECK(kvp_index_move(idx, 0, 0, -1, ehs, 1) == KVP_E_TIER);
+    CHECK(kvp_index_clear(idx, 0xFFFFFFFEu) == KVP_E_ENDPOINT);
+    CHECK(kvp_index_query(idx, NULL, 3, &q) == KVP_E_NULL);
+    kvp_query_out small = q;
+    small.cap = 0;
+    kvp_stats s0;
+    kvp_index_stats(idx, &s0);
+    if (kvp_index_endpoint_limit(idx) > 0) CHECK(kvp_index_query(idx, hs, 1, &small) == KVP_E_BUFFER);
+    int stored;
+    size_t pos = 0;
+    int32_t bad[4] = {1, 2, -3, 4};
+    CHECK(kvp_index_store_tokens(idx, 0, 0, 0, 0, ehs, 1, bad, KVP_DT_I32, 4, 4, 0, NULL, 0, &stored,
+                                 &pos) == KVP_E_TOKEN &&
+          pos == 2);
+    CHECK(kvp_index_store_tokens(idx, 0, 0, 0, 0, ehs, 2, toks, KVP_DT_U32, 4, 4, 0, NULL, 0, &stored,
+                                 &pos) == KVP_E_ARG);
+    kvp_stats s1;
+    kvp_index_stats(idx, &s1);
+    CHECK(memcmp(&s0, &s1, sizeof s0) == 0);
+    size_t chosen;
+    double costs[3] = {1.0, 0.5, 0.5};
+    CHECK(kvp_select(costs, 3, 0.0, 0.99, &chosen) == KVP_OK && chosen == 2);
+    CHECK(kvp_select(costs, 0, 0.0, 0.5, &chosen) == KVP_E_ARG);
+    CHECK(kvp_select(costs, 3, -1.0, 0.5, &chosen) == KVP_E_ARG);
+    CHECK(kvp_hash_blocks(toks, KVP_DT_U32, 8, 0, 0, NULL, 0, NULL, hs, NB, &pos) == KVP_E_ARG);
+    kvp_index_free(idx);
+    kvp_index_free(NULL);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    int steps = argc > 1 ? atoi(argv[1]) : 20000;
+    uint64_t bounds[] = {0, 1, 3, 7, 40};
+    for (size_t b = 0; b < sizeof bounds / sizeof bounds[0]; b++) {
+        for (int round = 0; round < 4; round++) {
+            if (run(bounds[b], steps) != 0) {
+                fprintf(stderr, "failed: bound %llu round %d\n", (unsigned long long)bounds[b], round);
+                return 1;
+            }
+        }
+    }
+    printf("ok\n");
+    return 0;
+}
