@@ -367,3 +367,17 @@ def test_real_engine_payloads():
         assert rep.dropped == 0
     held = set(idx.core.holdings(idx.endpoint_id("w")))
     assert held == {int(h) for h in idx.request_hashes(after)}
+
+
+def test_lora_identity():
+    """0.14+: lora_name (and the deprecated lora_id); <= 0.13: only lora_id, named from it so
+    adapter blocks never match base-model requests. The name in extra_keys is not an extra."""
+    base = dict(GOOD, block_hashes=[1, 2], token_ids=list(range(64)))
+    new = dict(base, lora_id=3, lora_name="ad", extra_keys=[["ad", "salt-1"], ["ad"]])
+    old = dict(base, lora_id=3, lora_name=None, extra_keys=[[3], [3]])
+    for fast in (True, False):
+        dec = BatchDecoder("w", block_size=32)
+        dec.use_fast = fast
+        e1, e2 = dec.decode(msgspec.msgpack.encode([1.0, [new, old], 0])).events
+        assert (e1.lora_name, e1.cache_salt, e1.block_extra) == ("ad", "salt-1", None)
+        assert (e2.lora_name, e2.cache_salt, e2.block_extra) == ("lora-id:3", None, None)

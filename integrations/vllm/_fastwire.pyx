@@ -472,6 +472,7 @@ cdef struct Stored:
     # one event's fields as read; Python objects live in the caller's locals
     int tier
     int has_parent
+    int has_lora_id
     uint64_t parent
     long block_size
     size_t extra_start
@@ -505,6 +506,11 @@ cdef int _read_stored_field(Reader *r, Field f, Stored *ev, list objs, size_t ma
         if _int(r, &v, &neg) < 0 or neg or v > 0x7FFFFFFF:
             return -1
         ev.block_size = <long>v
+    elif f == F_LORA_ID:
+        if not _nil(r):
+            if _skip(r, 0) < 0:
+                return -1
+            ev.has_lora_id = 1
     elif f == F_MEDIUM:
         if not _nil(r):
             if _str(r, &s, &n) < 0:
@@ -679,6 +685,7 @@ cdef object _decode(const uint8_t *data, size_t size, size_t max_tokens, long bl
             # BlockStored
             ev.tier = 0
             ev.has_parent = 0
+            ev.has_lora_id = 0
             ev.parent = 0
             ev.block_size = 0
             ev.extra_start = 0
@@ -698,6 +705,8 @@ cdef object _decode(const uint8_t *data, size_t size, size_t max_tokens, long bl
             hashes = objs[0]
             if hashes is None:
                 return None
+            if ev.has_lora_id and objs[2] is None:
+                return None  # a LoRA id without a name (vLLM <= 0.13): the slow path names it
             if len(hashes) == 0:
                 continue  # nothing stored (and a run of removes may go on)
             toks = objs[1]

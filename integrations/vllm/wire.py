@@ -215,15 +215,20 @@ def _stable_u64(obj: Any) -> int:
 
 
 def split_extra_keys(
-    extra_keys: list | None, n_blocks: int, lora_name: str | None, first_block_is_root: bool
+    extra_keys: list | None,
+    n_blocks: int,
+    lora_name: str | None,
+    first_block_is_root: bool,
+    lora_id: int | None = None,
 ) -> tuple[str | None, list[int] | None]:
     """(cache_salt, per-block extra u64) from vLLM's untagged per-block extra keys.
 
-    Per vLLM's docstring each block's entry holds, in order: the LoRA name (when ``lora_name`` is
-    set), ``[mm_id, offset]`` pairs, the cache salt (block 0 only), prompt-embeds digests. The
-    salt is the one plain string left on block 0 after the LoRA name; it only matters at the
-    chain root (a continuation inherits its parent's namespace). Multimodal pairs and digests
-    fold into a per-block u64 extra so such blocks never match a text-only request.
+    Per vLLM's docstring each block's entry holds, in order: the LoRA identity (its name;
+    ``lora_int_id`` up to 0.11), ``[mm_id, offset]`` pairs, the cache salt (block 0 only),
+    prompt-embeds digests. The LoRA identity is carried by the event's ``lora_name`` instead;
+    the salt is the plain string left on block 0 and only matters at the chain root (a
+    continuation inherits its parent's namespace). Multimodal pairs and digests fold into a
+    per-block u64 extra so such blocks never match a text-only request.
     """
     if not extra_keys:
         return None, None
@@ -233,14 +238,15 @@ def split_extra_keys(
         if not entry:
             continue
         items = list(entry) if isinstance(entry, (list, tuple)) else [entry]
-        if lora_name is not None and items and items[0] == lora_name:
+        if items and (
+            (lora_name is not None and items[0] == lora_name)
+            or (lora_id is not None and items[0] == lora_id and not isinstance(items[0], bool))
+        ):
             items = items[1:]
         rest = []
         for it in items:
             if i == 0 and first_block_is_root and isinstance(it, str) and salt is None:
                 salt = it
-            elif isinstance(it, int) and lora_name is None and not rest and i == 0:
-                pass  # <= 0.11 lora_int_id: LoRA identity comes from lora_name/lora_id instead
             else:
                 rest.append(it)
         if rest:
@@ -248,6 +254,14 @@ def split_extra_keys(
                 extras = [0] * n_blocks
             extras[i] = _stable_u64(rest)
     return salt, extras
+
+
+def lora_namespace(lora_name: str | None, lora_id: int | None) -> str | None:
+    """The LoRA namespace of an event: its name, or (vLLM <= 0.13 sends only the int id) a
+    name derived from the id, so adapter blocks never match base-model requests."""
+    if lora_name is not None:
+        return lora_name
+    return None if lora_id is None else f"lora-id:{lora_id}"
 
 
 # -------------------------------------------------------------------------------------------
@@ -574,7 +588,8 @@ class BatchDecoder:
                 f"BlockStored: {len(tokens)} token ids for {n} blocks of block_size {bs}"
             )
             return 1
-        salt, extras = split_extra_keys(ev.extra_keys, n, ev.lora_name, parent is None)
+        salt, extras = split_extra_keys(ev.extra_keys, n, ev.lora_name, parent is None,
+                                        ev.lora_id)
         st.stored_blocks += n
         out.append(
             BlockStored(
@@ -585,7 +600,7 @@ class BatchDecoder:
                 engine_hashes=hashes,
                 token_ids=tokens,
                 block_size=bs,
-                lora_name=ev.lora_name,
+                lora_name=lora_namespace(ev.lora_name, ev.lora_id),
                 cache_salt=salt,
                 block_extra=extras,
             )
