@@ -236,6 +236,38 @@ class KvIndex:
         return int(tier)
 
     def _stored(self, ev: BlockStored) -> None:
+        ep = self._ids.get((ev.worker_id, ev.dp_rank))
+        tokens = ev.token_ids
+        if (
+            ep is not None
+            and tokens is not None
+            and not ev.shared
+            and not ev.tier_copy
+            and ev.block_hashes is None
+            and ev.tier in _TIERS
+            and (not ev.block_size or ev.block_size == self.block_size)
+            and (len(tokens) > 0 or len(ev.engine_hashes) == 0)
+        ):
+            # the common case, one worker's new blocks by tokens, without the general dispatch
+            lora, salt = ev.lora_name, ev.cache_salt
+            seed = namespace_seed(lora, salt) if (lora or salt) else 0
+            try:
+                self.core.store_tokens(
+                    ep,
+                    ev.tier,
+                    ev.parent_engine_hash,
+                    ev.engine_hashes,
+                    tokens,
+                    self.block_size,
+                    seed,
+                    ev.block_extra,
+                )
+            except (KvplugError, ValueError, TypeError, OverflowError) as err:
+                raise InvalidEvent(f"{self._where(ev)}: {err}") from err
+            return
+        self._stored_general(ev)
+
+    def _stored_general(self, ev: BlockStored) -> None:
         own = self._endpoint(ev.worker_id, ev.dp_rank)
         ep = SHARED if ev.shared else own
         tier = self._tier(ev, ev.tier)
@@ -252,8 +284,7 @@ class KvIndex:
             elif ev.block_hashes is not None:
                 if len(ev.block_hashes) != n:
                     raise InvalidEvent(
-                        f"{self._where(ev)}: {n} engine hashes, "
-                        f"{len(ev.block_hashes)} block hashes"
+                        f"{self._where(ev)}: {n} engine hashes, {len(ev.block_hashes)} block hashes"
                     )
                 self.core.store(ep, tier, ehs, ev.block_hashes)
             elif ev.token_ids is not None and (n == 0 or len(ev.token_ids) > 0):
