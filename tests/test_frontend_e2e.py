@@ -176,6 +176,8 @@ async def test_all_workers_dead_is_a_clean_502():
         assert resp.status == 502
         err = json.loads(raw)["error"]
         assert err["code"] == "engine_unavailable" and "retried once" in err["message"]
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])  # why it went where
+        assert trace["outcome"] == "unavailable" and trace["attempt"] == 1
         h.assert_idle()
         resp, raw = await h.complete(prompt(2, 9))  # both unhealthy now: nothing to route to
         assert resp.status == 503 and json.loads(raw)["error"]["code"] == "no_compatible_worker"

@@ -493,7 +493,7 @@ class Frontend:
                     upstream.release()
                 else:
                     upstream.close()
-        raise ApiError(
+        err = ApiError(
             502,
             "the engine failed before answering"
             f"{' (retried once on another worker)' if attempts > 1 else ''}: "
@@ -501,6 +501,13 @@ class Frontend:
             "upstream_error",
             "engine_unavailable",
         )
+        if ctx.records:
+            last = ctx.records[-1]
+            err.headers = {
+                "x-kvplug-decision-id": last.decision_id,
+                "x-kvplug-worker": last.worker_id,
+            }
+        raise err
 
     async def _relay(
         self, request, ctx, routed: Routed, upstream, first: bytes, plan: DecodePlan | None

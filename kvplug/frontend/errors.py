@@ -24,6 +24,7 @@ class ApiError(Exception):
         self.type = type_
         self.code = code if code is not None else str(status)
         self.param = param
+        self.headers: dict[str, str] = {}  # e.g. the decision id of a request that failed
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.code, self.param)
@@ -33,7 +34,7 @@ class ApiError(Exception):
             status=self.status,
             body=json.dumps(self.body()).encode(),
             content_type="application/json",
-            headers=headers,
+            headers={**self.headers, **(headers or {})} or None,
         )
 
 
