@@ -32,13 +32,24 @@ typedef struct { /* 24 bytes */
 } holder_t;
 #define COUNT_MAX 0xFFFFu
 
+/* Holders of a block with more than one: a header, then the array. The header caches "this
+ * block's holders equal those of record eq_prev while its holders had version eq_prev_ver",
+ * which lets a query walk skip comparing long identical holder lists (popular prefixes). */
+typedef struct {
+    uint32_t hver;        /* clock stamp of the last change to these holders */
+    uint32_t eq_prev;     /* record verified to have equal holders (NONE32: none) ... */
+    uint32_t eq_prev_ver; /* ... while its hver was this */
+    uint32_t pad;
+    holder_t h[];
+} ext_t;
+
 typedef struct { /* 40 bytes; LRU links live in side arrays, allocated only when bounded */
     kvp_hash_t hash; /* on the free list: the next free record id */
     uint32_t n_holders;
     uint32_t ext_cap; /* 0: the single holder is inline; else holders live in ext */
     union {
         holder_t one;
-        holder_t *ext;
+        ext_t *ext;
     } h;
 } block_t;
 
@@ -70,6 +81,7 @@ struct kvp_index {
     size_t mt_count;
     uint64_t n_holdings;
     size_t ext_bytes;
+    uint32_t hclock; /* holder-change clock (ext_t.hver) */
     kvp_stats c; /* counters only; sizes are filled in by kvp_index_stats */
     /* query scratch */
     uint32_t *ep_gen, *ep_pos;
@@ -105,7 +117,7 @@ static inline size_t grown_cap(size_t cap, size_t need) {
 }
 static inline int valid_ep(kvp_endpoint_t ep) { return ep < KVP_MAX_ENDPOINT || ep == KVP_SHARED; }
 static inline int valid_tier(int t) { return t >= 0 && t < KVP_N_TIERS; }
-static inline holder_t *holders_of(block_t *b) { return b->ext_cap ? b->h.ext : &b->h.one; }
+static inline holder_t *holders_of(block_t *b) { return b->ext_cap ? b->h.ext->h : &b->h.one; }
 
 static holder_t *find_holder(block_t *b, kvp_endpoint_t ep) {
     holder_t *hs = holders_of(b);
@@ -290,7 +302,7 @@ static void pool_give(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
     if (b->ext_cap) {
         free(b->h.ext);
-        idx->ext_bytes -= (size_t)b->ext_cap * sizeof(holder_t);
+        idx->ext_bytes -= sizeof(ext_t) + (size_t)b->ext_cap * sizeof(holder_t);
     }
     memset(b, 0, sizeof(*b));
     b->hash = idx->free_head;
@@ -327,22 +339,43 @@ static void delete_block(kvp_index *idx, uint32_t r) {
     pool_give(idx, r);
 }
 
+static uint32_t clock_next(kvp_index *idx) {
+    if (++idx->hclock == 0) { /* wrapped: no cached equality may survive */
+        for (uint32_t r = 0; r < idx->pool_len; r++)
+            if (idx->pool[r].ext_cap) idx->pool[r].h.ext->eq_prev = NONE32;
+        idx->hclock = 1;
+    }
+    return idx->hclock;
+}
+
+/* Any change to a block's holders or their counts invalidates equality cached with it. */
+static inline void holders_changed(kvp_index *idx, block_t *b) {
+    if (b->ext_cap) {
+        b->h.ext->hver = clock_next(idx);
+        b->h.ext->eq_prev = NONE32;
+    }
+}
+
 /* Make room for one more holder on b (before any state changes). */
 static kvp_status holder_room(kvp_index *idx, block_t *b) {
     if (b->n_holders == 0) return KVP_OK;
     if (b->ext_cap == 0) {
-        holder_t *ext = (holder_t *)malloc(4 * sizeof(holder_t));
+        ext_t *ext = (ext_t *)malloc(sizeof(ext_t) + 4 * sizeof(holder_t));
         if (!ext) return KVP_E_NOMEM;
-        ext[0] = b->h.one;
+        ext->h[0] = b->h.one;
+        ext->eq_prev = NONE32;
+        ext->eq_prev_ver = 0;
+        ext->pad = 0;
         b->h.ext = ext;
         b->ext_cap = 4;
-        idx->ext_bytes += 4 * sizeof(holder_t);
+        ext->hver = clock_next(idx);
+        idx->ext_bytes += sizeof(ext_t) + 4 * sizeof(holder_t);
         return KVP_OK;
     }
     if (b->n_holders < b->ext_cap) return KVP_OK;
-    if (b->ext_cap >= (NONE32 >> 1)) return KVP_E_NOMEM;
+    if (b->ext_cap >= (NONE32 >> 2)) return KVP_E_NOMEM;
     uint32_t cap = b->ext_cap * 2;
-    holder_t *ext = (holder_t *)realloc(b->h.ext, (size_t)cap * sizeof(holder_t));
+    ext_t *ext = (ext_t *)realloc(b->h.ext, sizeof(ext_t) + (size_t)cap * sizeof(holder_t));
     if (!ext) return KVP_E_NOMEM;
     idx->ext_bytes += (size_t)(cap - b->ext_cap) * sizeof(holder_t);
     b->h.ext = ext;
@@ -350,12 +383,13 @@ static kvp_status holder_room(kvp_index *idx, block_t *b) {
     return KVP_OK;
 }
 
-static void remove_holder_at(block_t *b, holder_t *hd) {
+static void remove_holder_at(kvp_index *idx, block_t *b, holder_t *hd) {
     holder_t *hs = holders_of(b);
     uint32_t last = b->n_holders - 1;
     size_t k = (size_t)(hd - hs);
     if (k != last) hs[k] = hs[last];
     b->n_holders--;
+    holders_changed(idx, b);
 }
 
 static kvp_status grow_ep_scratch(kvp_index *idx, kvp_endpoint_t ep) {
@@ -436,6 +470,7 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
     if (m->refs[tier] > 0) idx->c.duplicate_stores++;
     m->refs[tier]++;
     hd->count[tier]++;
+    holders_changed(idx, &idx->pool[r]);
     idx->c.stored_blocks++;
     touch(idx, r);
     return KVP_OK;
@@ -457,9 +492,11 @@ static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
         mt_delete_at(idx, (size_t)(m - idx->mt));
     }
     if (holder_gone) {
-        remove_holder_at(b, hd);
+        remove_holder_at(idx, b, hd);
         idx->n_holdings--;
         if (b->n_holders == 0) delete_block(idx, r);
+    } else {
+        holders_changed(idx, b);
     }
 }
 
@@ -523,7 +560,7 @@ kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out) {
 void kvp_index_free(kvp_index *idx) {
     if (idx == NULL) return;
     for (uint32_t r = 0; r < idx->pool_len; r++)
-        if (idx->pool[r].ext_cap) free(idx->pool[r].h.ext);
+        if (idx->pool[r].ext_cap) free(idx->pool[r].h.ext);  /* ext_t, header included */
     free(idx->pool);
     free(idx->lru_prev);
     free(idx->lru_next);
@@ -715,7 +752,7 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
         block_t *b = &idx->pool[r];
         holder_t *hd = find_holder(b, ep);
         if (hd != NULL) {
-            remove_holder_at(b, hd);
+            remove_holder_at(idx, b, hd);
             idx->n_holdings--;
             if (b->n_holders == 0) delete_block(idx, r);
         }
@@ -727,12 +764,21 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
 static inline int best_tier(const holder_t *h) { return h->count[0] ? 0 : (h->count[1] ? 1 : 2); }
 
 /* Same endpoints in the same order with the same best tiers (holders of one chain usually are:
- * they were appended by the same store events). Exact; a mismatch just means a full check. */
-static inline int same_holders(const block_t *a, const block_t *b) {
+ * they were appended by the same store events). Exact; a mismatch just means a full check.
+ * A positive answer between two multi-holder blocks is cached in b's header until either
+ * block's holders change. */
+static inline int same_holders(uint32_t ra, block_t *a, block_t *b) {
     if (a->n_holders != b->n_holders) return 0;
-    const holder_t *ha = holders_of((block_t *)a), *hb = holders_of((block_t *)b);
+    if (a->ext_cap && b->ext_cap && b->h.ext->eq_prev == ra &&
+        b->h.ext->eq_prev_ver == a->h.ext->hver)
+        return 1;
+    const holder_t *ha = holders_of(a), *hb = holders_of(b);
     for (uint32_t k = 0; k < a->n_holders; k++)
         if (ha[k].ep != hb[k].ep || best_tier(&ha[k]) != best_tier(&hb[k])) return 0;
+    if (a->ext_cap && b->ext_cap) {
+        b->h.ext->eq_prev = ra;
+        b->h.ext->eq_prev_ver = a->h.ext->hver;
+    }
     return 1;
 }
 
@@ -797,10 +843,10 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
         size_t n_cont = 0;
         if (r != NONE32) {
             touch(idx, r);
-            const block_t *b = &idx->pool[r];
-            const holder_t *hd = holders_of((block_t *)b);
+            block_t *b = &idx->pool[r];
+            const holder_t *hd = holders_of(b);
             const uint32_t nh = b->n_holders;
-            if (n_act > 0 && prev_r != NONE32 && same_holders(&idx->pool[prev_r], b)) {
+            if (n_act > 0 && prev_r != NONE32 && same_holders(prev_r, &idx->pool[prev_r], b)) {
                 /* the same endpoints with the same best tiers as the previous block: every
                  * active endpoint continues; settle the counts later in one pass */
                 pending++;

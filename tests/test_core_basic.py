@@ -212,3 +212,24 @@ def test_c_reserve_and_memory_accounting():
     assert idx.memory_bytes() > small + 100_000 * 16
     idx.store(0, 0, list(range(1000)), list(range(1000)))
     assert idx.stats()["blocks"] == 1000
+
+
+def test_repeated_holder_lists_follow_every_change(be):
+    """Blocks held by the same endpoints are walked in bulk; any change must still show."""
+    idx = be.Index()
+    hs = [10, 20, 30, 40]
+    for ep in (0, 1, 2):
+        idx.store(ep, 0, [ep * 10 + k for k in range(4)], hs)
+    for _ in range(2):  # the second walk may reuse what the first verified
+        assert idx.query(hs).matched() == {e: (4, 4, 0, 0, 0) for e in (0, 1, 2)}
+    idx.move(1, [12], 0, 1)  # endpoint 1's third block goes to host
+    assert idx.query(hs).row(1) == (4, 3, 1, 0, 0)
+    idx.remove(2, [21])  # endpoint 2 loses its second block
+    assert idx.query(hs).row(2) == (1, 1, 0, 0, 0)
+    idx.store(2, 0, [21], [20])
+    assert idx.query(hs).row(2) == (4, 4, 0, 0, 0)
+    idx.clear(0)
+    q = idx.query(hs)
+    assert q.row(0) == (0, 0, 0, 0, 0) and q.row(1) == (4, 3, 1, 0, 0)
+    idx.store(SHARED, 2, [7, 8, 9, 6], hs)
+    assert idx.query(hs + [50]).row(2) == (4, 4, 0, 0, 0) and idx.query(hs).shared_prefix == 4
