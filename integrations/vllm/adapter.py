@@ -128,14 +128,18 @@ class VllmAdapter(VllmHttpAdapter):
             log.warning("vLLM worker %s: the engine publishes ranks %s, none in %d..%d: "
                         "no events will be consumed", worker.worker_id,
                         [rs.dp_rank for rs in info.sources], ranks.start, ranks.stop - 1)
-        for rs in info.sources:
-            if rs.dp_rank not in ranks:
-                continue
-            self.subscriber.add(EventSource(
-                worker_id=worker.worker_id, endpoint=rs.endpoint, sink=sink.apply_threadsafe,
-                replay_endpoint=rs.replay_endpoint, topic=rs.topic, dp_rank=rs.dp_rank,
-                engine_host=host, block_size=bs,
-            ))
+        try:
+            for rs in info.sources:
+                if rs.dp_rank not in ranks:
+                    continue
+                self.subscriber.add(EventSource(
+                    worker_id=worker.worker_id, endpoint=rs.endpoint, sink=sink.apply_threadsafe,
+                    replay_endpoint=rs.replay_endpoint, topic=rs.topic, dp_rank=rs.dp_rank,
+                    engine_host=host, block_size=bs,
+                ))
+        except Exception:
+            self.subscriber.remove(worker.worker_id)  # a failed start leaves nothing behind
+            raise
         scraper = None
         murl = worker.metrics_url or (worker.url.rstrip("/") + "/metrics" if worker.url else None)
         run = _WorkerRun(worker.worker_id, info, None)
