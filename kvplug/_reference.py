@@ -95,7 +95,7 @@ def _token_list(tokens: object) -> list[int]:
             raise InvalidTokens(f"byte buffer of {len(raw)} bytes is not whole u32 tokens")
         return [int.from_bytes(raw[i : i + 4], "little") for i in range(0, len(raw), 4)]
     out = []
-    for i, t in enumerate(tokens):  # type: ignore[attr-defined]
+    for i, t in enumerate(tokens):  # type: ignore[arg-type,var-annotated]
         try:
             out.append(operator.index(t))
         except TypeError:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -117,7 +118,7 @@ class KvIndex:
         self._result = self._impl.QueryResult() if self.backend == "c" else None
         self.drops: Counter = Counter()
         self.unresolved_tier_copies = 0
-        self._handlers = {
+        self._handlers: dict[type, Callable[[Any], None]] = {
             BlockStored: self._stored,
             BlockRemoved: self._removed,
             BlockMoved: self._moved,
@@ -299,16 +300,16 @@ class KvIndex:
     def _store_tokens(self, ev: BlockStored, own: int, ep: int, tier: int) -> None:
         seed = namespace_seed(ev.lora_name, ev.cache_salt)
         parent = ev.parent_engine_hash
+        tokens = ev.token_ids
+        assert tokens is not None  # the caller dispatches token stores only
         if ep == SHARED and parent is not None and self.core.resolve(SHARED, parent) is None:
             # a shared copy of a chain whose parent only the worker itself holds
             root = self.core.resolve(own, parent)
             if root is not None:
-                _, seq = self._impl.hash_blocks(ev.token_ids, self.block_size, root, ev.block_extra)
-                if len(seq) * self.block_size != len(ev.token_ids) or len(seq) != len(
-                    ev.engine_hashes
-                ):
+                _, seq = self._impl.hash_blocks(tokens, self.block_size, root, ev.block_extra)
+                if len(seq) * self.block_size != len(tokens) or len(seq) != len(ev.engine_hashes):
                     raise InvalidEvent(
-                        f"{self._where(ev)}: {len(ev.token_ids)} tokens for "
+                        f"{self._where(ev)}: {len(tokens)} tokens for "
                         f"{len(ev.engine_hashes)} blocks of {self.block_size}"
                     )
                 self.core.store(ep, tier, ev.engine_hashes, seq)
@@ -380,7 +381,8 @@ class KvIndex:
             return ov
         r = self.core.query(block_hashes)
         if len(ov.local) < need:
-            ov.__init__(max(need, 2 * len(ov.local)))
+            cap = max(need, 2 * len(ov.local))
+            ov._set_arrays(*(np.zeros(cap, np.int32) for _ in range(5)))
         for arr in (ov.local, ov.device, ov.host, ov.disk):
             arr[:] = 0
         ov.shared_beyond[:] = r.shared_prefix

@@ -191,7 +191,7 @@ def test_costs_and_select(be):
 
 
 def test_c_refcount_overflow_is_an_error_not_corruption():
-    """The C core keeps 16-bit refcounts: the 65536th identical store is refused, nothing changes."""
+    """The C core keeps 16-bit refcounts: the 65536th identical store is refused, unchanged."""
     core = load_backend("c")
     idx = core.Index()
     idx.store(0, 0, [1] * 65535, [10] * 65535)
