@@ -138,6 +138,20 @@ static uint32_t bt_find(const kvp_index *idx, kvp_hash_t h) {
     }
 }
 
+static uint32_t bt_probe(const kvp_index *idx, kvp_hash_t h, size_t *empty) {
+    const size_t cap = idx->bt_cap;
+    size_t i = bslot_of(h, cap);
+    for (;;) {
+        const bslot_t *s = &idx->bt[i];
+        if (s->rec == NONE32) {
+            *empty = i;
+            return NONE32;
+        }
+        if (s->key == h) return s->rec;
+        if (++i == cap) i = 0;
+    }
+}
+
 static void bt_put(bslot_t *bt, size_t cap, kvp_hash_t h, uint32_t rec) {
     size_t i = bslot_of(h, cap);
     while (bt[i].rec != NONE32)
@@ -199,6 +213,22 @@ static void bt_delete(kvp_index *idx, kvp_hash_t h) {
 }
 
 /* ---- engine mapping table ----------------------------------------------------------------- */
+/* Probe once: the slot holding (ep, eh), or NULL with *empty = where it would be inserted. */
+static mslot_t *mt_probe(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh,
+                         size_t *empty) {
+    const size_t cap = idx->mt_cap;
+    size_t i = mslot_of(ep, eh, cap);
+    for (;;) {
+        mslot_t *s = &idx->mt[i];
+        if (s->ep == EP_EMPTY) {
+            *empty = i;
+            return NULL;
+        }
+        if (s->ep == ep && s->eh == eh) return s;
+        if (++i == cap) i = 0;
+    }
+}
+
 static mslot_t *mt_find(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh) {
     const size_t cap = idx->mt_cap;
     size_t i = mslot_of(ep, eh, cap);
@@ -419,7 +449,8 @@ static kvp_status grow_ep_scratch(kvp_index *idx, kvp_endpoint_t ep) {
 /* Capacity for one new block, record and mapping must have been reserved by the caller. */
 static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh, kvp_hash_t h,
                           int tier) {
-    mslot_t *m = mt_find(idx, ep, eh);
+    size_t m_empty = 0, b_empty = 0;
+    mslot_t *m = mt_probe(idx, ep, eh, &m_empty);
     uint32_t r;
     holder_t *hd;
     if (m != NULL) {
@@ -432,7 +463,7 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
         hd = find_holder(&idx->pool[r], ep);
         if (hd->count[tier] == COUNT_MAX) return KVP_E_OVERFLOW;
     } else {
-        r = bt_find(idx, h);
+        r = bt_probe(idx, h, &b_empty);
         if (r != NONE32) { /* refuse an overflowing store before any change */
             holder_t *old = find_holder(&idx->pool[r], ep);
             if (old && (old->count[tier] == COUNT_MAX || old->nmaps == COUNT_MAX))
@@ -441,7 +472,8 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
         if (r == NONE32) {
             r = pool_take(idx);
             idx->pool[r].hash = h;
-            bt_put(idx->bt, idx->bt_cap, h, r);
+            idx->bt[b_empty].key = h; /* the probe's empty slot: nothing moved since */
+            idx->bt[b_empty].rec = r;
             idx->bt_count++;
             if (idx->max_entries) lru_append(idx, r);
         }
@@ -462,7 +494,9 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             if (ep != KVP_SHARED && ep + 1 > idx->ep_limit) idx->ep_limit = ep + 1;
         }
         hd->nmaps++;
-        m = mt_put(idx->mt, idx->mt_cap, ep, eh);
+        m = &idx->mt[m_empty]; /* the probe's empty slot: the engine map is untouched since */
+        m->ep = ep;
+        m->eh = eh;
         m->rec = r;
         m->refs[0] = m->refs[1] = m->refs[2] = 0;
         idx->mt_count++;
