@@ -146,8 +146,12 @@ def test_real_vllm_engines_end_to_end(engines):
     a, b, startup = engines
     t0 = time.monotonic()
     rng = random.Random(7)
-    # start from empty caches whatever ran before; the AllBlocksCleared rides the next step,
-    # so it reaches kvplug (after the catch-up replay of earlier batches) before our stores
+    # each engine publishes before kvplug joins: for A kvplug's first live batch is then not
+    # seq 0 and it catches up through A's real replay ROUTER (0.32: topic-framed replies)
+    for eng in (a, b):
+        eng.complete(prompt(rng, 64))
+    # then empty caches: the AllBlocksCleared rides the next engine step, so it reaches kvplug
+    # (after the replayed batches) before the stores below
     for eng in (a, b):
         eng.post("/reset_prefix_cache")
     lock = threading.Lock()
@@ -200,6 +204,12 @@ def test_real_vllm_engines_end_to_end(engines):
     assert len(sinks["B"].mirror.hashes("B")) == 6
     assert router.counters["events_dropped_invalid"] == 0
     assert router.counters["events_dropped_unknown_worker"] == 0
+    streams = adapter.stats()["subscriber"]["streams"]
+    # A binds its PUB: what it published before kvplug connected came through its replay
+    # ROUTER. B's PUB connects to kvplug's SUB and queues until then: no replay needed.
+    assert streams["A/0"]["replayed_batches"] >= 1, streams["A/0"]
+    for key in ("A/0", "B/0"):
+        assert streams[key]["replay_failures"] == 0 and streams[key]["gaps"] == 0, streams[key]
 
     # ---- (b) routing follows the cached prefix ----------------------------------------------
     with lock:
