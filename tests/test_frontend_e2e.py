@@ -587,3 +587,25 @@ async def test_unknown_paths_and_methods_are_openai_errors():
             assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
         async with h.session.post(h.url + "/v1/embeddings", json={}) as r:
             assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+
+
+async def test_api_keys():
+    settings = ServeSettings(api_key="front-key", engine_api_key="engine-key", health_interval=0)
+    async with serving(1, settings=settings) as h:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            resp, raw = await h.complete([1, 2, 3], headers=headers)
+            assert resp.status == 401
+            assert json.loads(raw)["error"]["code"] == "invalid_api_key"
+        async with h.session.get(h.url + "/v1/models") as r:
+            assert r.status == 401
+        async with h.session.get(h.url + "/health") as r:
+            assert r.status == 200  # probes need no key
+        assert not h.engines["w0"].requests
+        resp, _ = await h.complete([1, 2, 3], headers={"Authorization": "Bearer front-key"})
+        assert resp.status == 200
+        assert h.engines["w0"].requests[-1]["headers"]["Authorization"] == "Bearer engine-key"
+        h.assert_idle()
+    # without kvplug keys the client's header goes to the engine unchanged
+    async with serving(1) as h:
+        await h.complete([1, 2, 3], headers={"Authorization": "Bearer client"})
+        assert h.engines["w0"].requests[-1]["headers"]["Authorization"] == "Bearer client"

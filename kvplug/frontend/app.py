@@ -10,6 +10,7 @@ two-stage requests).
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import json
 import logging
@@ -68,6 +69,8 @@ class ServeSettings:
     prefill_timeout: float = 120.0
     served_model_names: list[str] = field(default_factory=list)
     engine_tokenize: bool = True
+    api_key: str | None = None  # clients must send "Authorization: Bearer <key>" to /v1/*
+    engine_api_key: str | None = None  # sent to the engines instead of the client's header
 
 
 @dataclass(slots=True)
@@ -407,6 +410,10 @@ class Frontend:
         allowed: frozenset[str] | None = None
         plan: DecodePlan | None = None
         hop_headers = forward_headers(request.headers, ctx.request_id)
+        if self.settings.api_key is not None:  # kvplug's key is not the engines'
+            hop_headers = {k: v for k, v in hop_headers.items() if k.lower() != "authorization"}
+        if self.settings.engine_api_key:
+            hop_headers["Authorization"] = f"Bearer {self.settings.engine_api_key}"
         ctx.forward = hop_headers
         if self.fleet.disaggregated:
             plan = await self._plan(ctx)
@@ -600,6 +607,23 @@ class Frontend:
         )
 
 
+def api_key_check(key: str):
+    """vLLM's ``--api-key`` semantics: every ``/v1`` call needs the bearer token."""
+    expected = f"Bearer {key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith("/v1"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return ApiError(
+                    401, "missing or wrong API key", "authentication_error", "invalid_api_key"
+                ).response()
+        return await handler(request)
+
+    return check
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler):
     """Unknown paths and methods answer with an OpenAI-style error body too."""
@@ -618,9 +642,10 @@ async def openai_errors(request: web.Request, handler):
 
 
 def build_app(frontend: Frontend) -> web.Application:
-    app = web.Application(
-        client_max_size=frontend.settings.max_body_bytes, middlewares=[openai_errors]
-    )
+    middlewares = [openai_errors]
+    if frontend.settings.api_key:
+        middlewares.insert(0, api_key_check(frontend.settings.api_key))
+    app = web.Application(client_max_size=frontend.settings.max_body_bytes, middlewares=middlewares)
     app.router.add_post("/v1/completions", frontend.handle_completions)
     app.router.add_post("/v1/chat/completions", frontend.handle_chat)
     app.router.add_get("/v1/models", frontend.handle_models)

@@ -173,6 +173,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a health probe may take (default 2)",
     )
 
+    k = parser.add_argument_group("API keys")
+    k.add_argument(
+        "--api-key",
+        default=os.environ.get("KVPLUG_API_KEY"),
+        help="clients must send 'Authorization: Bearer KEY' to /v1/* (or env KVPLUG_API_KEY); "
+        "default: no check",
+    )
+    k.add_argument(
+        "--engine-api-key",
+        default=os.environ.get("KVPLUG_ENGINE_API_KEY"),
+        help="bearer token kvplug sends to the engines (their --api-key; or env "
+        "KVPLUG_ENGINE_API_KEY); default: the client's Authorization header is forwarded, "
+        "unless --api-key is set",
+    )
+
     a = parser.add_argument_group("admin API")
     a.add_argument(
         "--admin-host",
@@ -212,6 +227,8 @@ def settings_from_args(args: argparse.Namespace):
         prefill_timeout=args.prefill_timeout,
         served_model_names=list(args.served_model_name),
         engine_tokenize=args.engine_tokenize,
+        api_key=args.api_key or None,
+        engine_api_key=args.engine_api_key or None,
     )
 
 
