@@ -119,11 +119,22 @@ static inline int valid_ep(kvp_endpoint_t ep) { return ep < KVP_MAX_ENDPOINT || 
 static inline int valid_tier(int t) { return t >= 0 && t < KVP_N_TIERS; }
 static inline holder_t *holders_of(block_t *b) { return b->ext_cap ? b->h.ext->h : &b->h.one; }
 
+/* Holders are kept sorted by endpoint id: lookups bisect, and blocks held by the same
+ * endpoints have identical holder lists whatever order the stores came in (see same_holders). */
+static uint32_t holder_lower_bound(const holder_t *hs, uint32_t n, kvp_endpoint_t ep) {
+    uint32_t lo = 0, hi = n;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (hs[mid].ep < ep) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
 static holder_t *find_holder(block_t *b, kvp_endpoint_t ep) {
     holder_t *hs = holders_of(b);
-    for (uint32_t i = 0; i < b->n_holders; i++)
-        if (hs[i].ep == ep) return &hs[i];
-    return NULL;
+    uint32_t k = holder_lower_bound(hs, b->n_holders, ep);
+    return (k < b->n_holders && hs[k].ep == ep) ? &hs[k] : NULL;
 }
 
 /* ---- block table -------------------------------------------------------------------------- */
@@ -415,9 +426,9 @@ static kvp_status holder_room(kvp_index *idx, block_t *b) {
 
 static void remove_holder_at(kvp_index *idx, block_t *b, holder_t *hd) {
     holder_t *hs = holders_of(b);
-    uint32_t last = b->n_holders - 1;
     size_t k = (size_t)(hd - hs);
-    if (k != last) hs[k] = hs[last];
+    size_t tail = (size_t)b->n_holders - 1 - k;
+    if (tail) memmove(&hs[k], &hs[k + 1], tail * sizeof(holder_t));
     b->n_holders--;
     holders_changed(idx, b);
 }
@@ -485,7 +496,12 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
                 if (b->n_holders == 0) delete_block(idx, r);
                 return st;
             }
-            hd = &holders_of(b)[b->n_holders++];
+            holder_t *hs = holders_of(b);
+            uint32_t k = holder_lower_bound(hs, b->n_holders, ep);
+            if (k < b->n_holders)
+                memmove(&hs[k + 1], &hs[k], (size_t)(b->n_holders - k) * sizeof(holder_t));
+            b->n_holders++;
+            hd = &hs[k];
             memset(hd, 0, sizeof(*hd));
             hd->ep = ep;
             hd->eh_first = eh;
@@ -797,8 +813,8 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
 
 static inline int best_tier(const holder_t *h) { return h->count[0] ? 0 : (h->count[1] ? 1 : 2); }
 
-/* Same endpoints in the same order with the same best tiers (holders of one chain usually are:
- * they were appended by the same store events). Exact; a mismatch just means a full check.
+/* Same endpoints (holder lists are sorted) with the same best tiers. Exact; a mismatch just
+ * means a full check.
  * A positive answer between two multi-holder blocks is cached in b's header until either
  * block's holders change. */
 static inline int same_holders(uint32_t ra, block_t *a, block_t *b) {
