@@ -83,6 +83,7 @@ class DecodePlan:
     allowed: frozenset[str] | None = None  # fallback: decode-capable workers only
     fallback_reason: str | None = None
     prefill_answer: dict[str, Any] | None = None
+    exclude: frozenset[str] = frozenset()  # workers the decode stage must not use
 
 
 def _fallback(
@@ -153,6 +154,8 @@ async def plan_two_stage(
             stage=Stage.DECODE,
             prefill=pre,
             prefill_answer=answer,
+            # a both-role worker never decodes its own prefill: transferring to itself is waste
+            exclude=frozenset({pre.decision.worker_id}),
         )
     return _fallback(backend, body, f"every prefill attempt failed (last: {last_error})")
 

@@ -168,3 +168,24 @@ async def test_a_failing_adapter_transform_falls_back():
             h.assert_idle()
     finally:
         unregister_adapter("no-params")
+
+
+async def test_a_both_role_worker_decodes_its_own_prefill_only_as_a_last_resort():
+    workers = [
+        {"id": "p0", "role": "prefill"},
+        {"id": "x", "role": "both"},
+        {"id": "d0", "role": "decode"},
+    ]
+    async with serving(workers) as h:
+        a = prompt(6, 11)
+        for _ in range(4):  # x prefills (pinned); the decode goes elsewhere, though x ties
+            resp, raw = await h.complete(a, headers={"x-kvplug-prefill-worker": "x"})
+            assert resp.status == 200, raw
+            assert resp.headers["x-kvplug-prefill-worker"] == "x"
+            assert resp.headers["x-kvplug-worker"] == "d0"
+        await h.engines["d0"].stop()  # now only x can decode
+        resp, raw = await h.complete(a, headers={"x-kvplug-prefill-worker": "x"})
+        assert resp.status == 200, raw
+        assert resp.headers["x-kvplug-worker"] == "x"
+        assert h.board.pulled == 5
+        h.assert_idle()

@@ -465,16 +465,24 @@ class Frontend:
         allowed: frozenset[str] | None,
         plan: DecodePlan | None,
     ) -> web.StreamResponse:
-        exclude: set[str] = set()
+        # the prefill worker is kept off its own decode stage unless nothing else can decode
+        soft = plan.exclude if plan is not None else frozenset()
+        exclude: set[str] = set(soft)
         failures: list[str] = []
         preset: Routed | None = plan.decode if plan is not None else None
         attempts = 1 if preset is not None else self.settings.retries + 1
         for attempt in range(attempts):
-            routed = (
-                preset
-                if preset is not None
-                else self.route_stage(ctx, stage, attempt, frozenset(exclude), allowed)
-            )
+            if preset is not None:
+                routed = preset
+            else:
+                try:
+                    routed = self.route_stage(ctx, stage, attempt, frozenset(exclude), allowed)
+                except ApiError as exc:
+                    if exc.status != 503 or not soft or not soft <= exclude:
+                        raise
+                    exclude -= soft
+                    soft = frozenset()
+                    routed = self.route_stage(ctx, stage, attempt, frozenset(exclude), allowed)
             if plan is not None and plan.fallback_reason is not None:
                 routed.record.fallback_reason = plan.fallback_reason
             entry = routed.entry

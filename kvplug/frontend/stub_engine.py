@@ -219,12 +219,15 @@ class StubEngine:
             )
 
         kv_params: dict[str, Any] | None = None
-        if self.role == "prefill":
+        asked = body.get("kv_transfer_params")
+        asked = asked if isinstance(asked, dict) else {}
+        # a "both" stub plays either part, as vLLM's kv_both connector role does
+        if self.role == "prefill" or (self.role == "both" and asked.get("do_remote_decode")):
             check = self._check_prefill(request, body)
             if isinstance(check, web.Response):
                 return check
             kv_params = check
-        elif self.role == "decode":
+        elif self.role == "decode" or (self.role == "both" and asked.get("do_remote_prefill")):
             problem = await self._check_decode(request, body, tokens)
             if problem is not None:
                 return self._error(400, problem)
