@@ -327,7 +327,21 @@ class Frontend:
             ) from None
         except (InvalidRequest, InvalidTokens) as exc:
             raise bad_request(str(exc), code="invalid_request") from None
-        route_s = time.perf_counter() - t0
+        try:
+            return self._routed(ctx, stage, attempt, route_id, decision, time.perf_counter() - t0)
+        except BaseException:
+            self.router.on_finish(route_id)  # the router must not keep a request nobody serves
+            raise
+
+    def _routed(
+        self,
+        ctx: RequestContext,
+        stage: Stage,
+        attempt: int,
+        route_id: str,
+        decision: Any,
+        route_s: float,
+    ) -> Routed:
         self._child(self.metrics.route_seconds, stage.value).observe(route_s)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -499,6 +513,10 @@ class Frontend:
                 if attempt + 1 < attempts:
                     self.metrics.retries.labels(stage.value).inc()
                 continue
+            except BaseException:  # cancelled, or a bug: the router must still hear the end
+                entry.inflight -= 1
+                routed.lifecycle.finish()
+                raise
             try:
                 return await self._relay(request, ctx, routed, upstream, first, plan)
             finally:
