@@ -609,3 +609,20 @@ async def test_api_keys():
     async with serving(1) as h:
         await h.complete([1, 2, 3], headers={"Authorization": "Bearer client"})
         assert h.engines["w0"].requests[-1]["headers"]["Authorization"] == "Bearer client"
+
+
+async def test_approximate_mode_for_engines_without_events():
+    """--no-router-kv-events with 'openai' engines (no event source): kvplug remembers what it
+    routed where, so a follow-up sharing the prefix goes back to the same engine."""
+    async with serving(3, engine_kind="openai", router_config={"router_kv_events": False}) as h:
+        a, b = prompt(8, 21), prompt(8, 22)
+        homes = {}
+        for name, p in (("a", a), ("b", b)):
+            resp, _ = await h.complete(p)
+            homes[name] = resp.headers["x-kvplug-worker"]
+        assert h.router.stats()["events_applied"] == 0  # nothing came from the engines
+        for _ in range(3):
+            for name, p in (("a", a), ("b", b)):
+                resp, _ = await h.complete(p + prompt(1, 99))
+                assert resp.headers["x-kvplug-worker"] == homes[name]
+        h.assert_idle()
