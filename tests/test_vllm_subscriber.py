@@ -12,7 +12,7 @@ import time
 
 import pytest
 import zmq
-from vllm_helpers import Mirror, free_port, wait_for
+from vllm_helpers import Mirror, free_port, free_port_run, wait_for
 
 from integrations.vllm.publisher import VllmEventPublisher
 from integrations.vllm.subscriber import (
@@ -227,6 +227,7 @@ def test_stale_replay_reply_dropped(sub):
     attach(sub, eng, m)
     eng.store([1])
     assert settle(eng, m)
+    eng.pub.auto_serve = False  # this test answers the replay request itself
     eng.store([2], send=False)
     eng.store([3])
     # answer the replay request with an extra stale batch (seq 0 again) before the real ones
@@ -242,9 +243,7 @@ def test_stale_replay_reply_dropped(sub):
 
 
 def test_dp_ranks_on_offset_ports(sub):
-    port, rport = free_port(), free_port()
-    while free_port() == port + 1:
-        pass
+    port, rport = free_port_run(2), free_port_run(2)
     m = Mirror()
     pubs = [VllmEventPublisher(f"tcp://*:{port + r}", replay_endpoint=f"tcp://*:{rport + r}",
                                dp_rank=r) for r in range(2)]

@@ -16,6 +16,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(n: int) -> int:
+    """A base port with n consecutive free ports (vLLM's DP ranks use port + rank)."""
+    for _ in range(200):
+        base = free_port()
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports")
+
+
 class Mirror:
     """What a consumer of the normalised events believes each (worker, rank) holds.
 

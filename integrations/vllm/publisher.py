@@ -59,6 +59,7 @@ class VllmEventPublisher:
             self.replay.setsockopt(zmq.LINGER, 0)
             self.replay.bind(replay_endpoint)
         self.replay_requests: list[int] = []
+        self.auto_serve = True  # answer waiting replay requests on every publish
 
     # -- publishing ---------------------------------------------------------------------------
     def encode(self, events: Iterable[KvEvent], ts: float | None = None) -> bytes:
@@ -78,7 +79,8 @@ class VllmEventPublisher:
         self.buffer.append((seq, payload))
         if send:
             self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
-        self.serve_replay()
+        if self.auto_serve:
+            self.serve_replay()
         return seq
 
     def send_raw(self, frames: list[bytes]) -> None:

@@ -235,6 +235,7 @@ class VllmSubscriber:
             "malformed_frames": 0,
             "stale_replies": 0,
             "sink_errors": 0,
+            "internal_errors": 0,
         }
 
     # -- public API ---------------------------------------------------------------------------
@@ -327,17 +328,12 @@ class VllmSubscriber:
         self._ready.set()
         try:
             while self._running:
-                self._apply_commands()
                 try:
-                    ready = dict(self._poller.poll(50))
-                except zmq.ZMQError as e:  # a socket closed under us during remove
-                    log.debug("poll: %s", e)
-                    continue
-                out: dict[int, tuple[Sink, list[KvEvent]]] = {}
-                for sock in ready:
-                    self._drain(sock, out)
-                self._check_replay_timeouts(out)
-                self._flush(out)
+                    self._step()
+                except Exception:  # never let the consumer thread die
+                    self.counters["internal_errors"] += 1
+                    log.exception("vLLM events: subscriber loop error")
+                    time.sleep(0.1)
         finally:
             for st in self._streams.values():
                 self._close_replay(st)
@@ -345,6 +341,22 @@ class VllmSubscriber:
                 sock.close(linger=0)
             self._by_socket.clear()
             self._bound.clear()
+
+    def _step(self) -> None:
+        """One round: commands, a poll, drain what is readable, replay timeouts, sinks."""
+        self._apply_commands()
+        try:
+            ready = dict(self._poller.poll(50))
+        except zmq.ZMQError as e:  # a socket closed under us during remove
+            log.debug("poll: %s", e)
+            return
+        out: dict[int, tuple[Sink, list[KvEvent]]] = {}
+        try:
+            for sock in ready:
+                self._drain(sock, out)
+            self._check_replay_timeouts(out)
+        finally:
+            self._flush(out)  # what was decoded before an error still reaches the index
 
     def _apply_commands(self) -> None:
         while True:
@@ -462,7 +474,11 @@ class VllmSubscriber:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
                 except zmq.Again:
                     break
-                self._on_live(sock, frames, out)
+                try:
+                    self._on_live(sock, frames, out)
+                except Exception:  # a bug must cost one message, never the thread
+                    self.counters["internal_errors"] += 1
+                    log.exception("vLLM events: message dropped after an internal error")
             return
         st = next((s for s in self._streams.values() if s.replay_sock is sock), None)
         if st is None:
@@ -472,7 +488,12 @@ class VllmSubscriber:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 break
-            self._on_replay(st, frames, out)
+            try:
+                self._on_replay(st, frames, out)
+            except Exception:
+                self.counters["internal_errors"] += 1
+                log.exception("vLLM replay from %s: reply dropped after an internal error",
+                              st.src.worker_id)
             if st.replay_sock is None:
                 break
 
