@@ -13,7 +13,9 @@ An engine kind (``vllm``, ``sglang``, ``trtllm``, ``openai``...) is an adapter o
 * the **health path** probed by the frontend;
 * the **disaggregated (P/D) transforms**: ``pd_style`` says how the two stages run, and
   ``prefill_request`` / ``decode_request`` / ``request_headers`` build the two hops' bodies and
-  headers (vLLM ``kv_transfer_params``, SGLang ``bootstrap_*``, TRT-LLM ``disaggregated_params``).
+  headers (vLLM ``kv_transfer_params``, SGLang ``bootstrap_*``, TRT-LLM ``disaggregated_params``);
+  ``final_answer`` says when a ``SEQUENTIAL`` prefill answer already is the client's whole
+  answer (a stop condition on the first token), so no decode hop is sent.
 
 Registering a kind (an integration does this at import time)::
 
@@ -168,6 +170,20 @@ class EngineAdapter:
         ``None`` for ``CONCURRENT`` ones (both hops are built before either is sent)."""
         raise PDProtocolError(f"engine kind {self.kind!r} has no disaggregated decode mode")
 
+    def final_answer(
+        self, body: dict[str, Any], prefill_response: dict[str, Any], ctx: PDContext
+    ) -> dict[str, Any] | None:
+        """The client's answer when the prefill answer already is the whole answer, else
+        ``None`` (then ``decode_request`` builds the decode hop).
+
+        Asked for ``SEQUENTIAL`` kinds after the prefill answer arrives and before
+        ``decode_request``. The answer returned goes to the client as it is (rendered as an
+        SSE stream for a streaming client) and no decode stage is routed. Only claim an answer
+        final when the client's own request would have ended there too: the prefill hop ran a
+        modified request (one token, no ``min_tokens``). A raised exception means "no P/D for
+        this request" (decode-only fallback), as from the other transforms."""
+        return None
+
     def request_headers(self, ctx: PDContext) -> dict[str, str]:
         """Extra headers for both hops (vLLM pairs P and D by ``X-Request-Id``)."""
         return {"X-Request-Id": ctx.request_id}
@@ -175,6 +191,14 @@ class EngineAdapter:
 
 # -------------------------------------------------------------------------------------------
 # Built-in adapters: wire formats only (see the module docstring)
+
+
+def min_tokens_over_one(body: Mapping[str, Any]) -> bool:
+    """Whether the client asked for more than one token before a stop may end the output:
+    a prefill hop run without ``min_tokens`` (it fights ``max_tokens: 1``) that stopped at
+    once then does not answer the client's request."""
+    value = body.get("min_tokens")
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1
 
 
 def _strip_for_prefill(body: dict[str, Any]) -> dict[str, Any]:
@@ -230,6 +254,39 @@ class VllmHttpAdapter(EngineAdapter):
         out = dict(body)
         out["kv_transfer_params"] = params
         return out
+
+    def final_answer(
+        self, body: dict[str, Any], prefill_response: dict[str, Any], ctx: PDContext
+    ) -> dict[str, Any] | None:
+        """vLLM's NixlConnector hands a prefill's KV to a remote decoder only when the request
+        was length-capped; a prefill that stopped (EOS or a stop string as its one token)
+        answers with ``finish_reason: "stop"`` and no ``kv_transfer_params`` — that answer is
+        the client's. With ``kv_transfer_params`` present the decode hop is sent anyway (the
+        decoder regenerates from the prompt and stops the same way) so the prefill's blocks
+        are released rather than held until their expiry."""
+        if not isinstance(prefill_response, dict) or _vllm_transfer_params(prefill_response):
+            return None
+        choices = prefill_response.get("choices")
+        if not isinstance(choices, list) or not choices:
+            return None
+        if not all(isinstance(c, dict) and c.get("finish_reason") == "stop" for c in choices):
+            return None
+        if min_tokens_over_one(body):
+            return None
+        return prefill_response
+
+
+def _vllm_transfer_params(answer: dict[str, Any]) -> bool:
+    """Whether the answer carries ``kv_transfer_params`` (top level; some builds nest it)."""
+    if isinstance(answer.get("kv_transfer_params"), dict):
+        return True
+    choices = answer.get("choices")
+    return (
+        isinstance(choices, list)
+        and bool(choices)
+        and isinstance(choices[0], dict)
+        and isinstance(choices[0].get("kv_transfer_params"), dict)
+    )
 
 
 class SglangHttpAdapter(EngineAdapter):
@@ -294,6 +351,13 @@ class TrtllmHttpAdapter(EngineAdapter):
                 f"context worker {ctx.prefill_worker.worker_id} answered without "
                 "choices[0].disaggregated_params"
             )
+        finished = choices[0].get("finish_reason") not in ("length", "not_finished")
+        if finished and min_tokens_over_one(body):
+            # finished, but not the client's answer (final_answer said no): served whole
+            raise PDProtocolError(
+                f"context worker {ctx.prefill_worker.worker_id} finished the request "
+                f"({choices[0].get('finish_reason')!r}) but the client asked min_tokens > 1"
+            )
         out = dict(body)
         out["disaggregated_params"] = {**params, "request_type": "generation_only"}
         prompt_ids = (prefill_response or {}).get("prompt_token_ids")
@@ -301,6 +365,22 @@ class TrtllmHttpAdapter(EngineAdapter):
             prompt_ids = choices[0].get("prompt_token_ids")
         if isinstance(prompt_ids, list) and "prompt" in out:
             out["prompt"] = prompt_ids
+        return out
+
+    def final_answer(
+        self, body: dict[str, Any], prefill_response: dict[str, Any], ctx: PDContext
+    ) -> dict[str, Any] | None:
+        """``finish_reason`` not ``length`` / ``not_finished``: the context answer is the whole
+        answer (``openai_disagg_service.py`` returns it); its ``disaggregated_params`` go."""
+        choices = prefill_response.get("choices") if isinstance(prefill_response, dict) else None
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            return None  # decode_request says what is wrong with it
+        if choices[0].get("finish_reason") in ("length", "not_finished"):
+            return None
+        if min_tokens_over_one(body):
+            return None
+        out = copy.deepcopy(prefill_response)
+        out["choices"][0].pop("disaggregated_params", None)
         return out
 
 

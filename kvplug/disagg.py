@@ -9,6 +9,12 @@ The engine specifics live in the prefill worker's adapter (``kvplug.adapters``):
   route(DECODE) first, build both bodies, send the prefill hop in the background and stream
   the decode hop back.
 
+A ``SEQUENTIAL`` prefill answer may already be the client's whole answer (a stop condition on
+its one token: TRT-LLM ``finish_reason`` not ``length``/``not_finished``, vLLM ``stop`` without
+``kv_transfer_params``): the adapter's ``final_answer`` says so, the plan carries that answer in
+``final_answer`` and no decode stage is routed (``final_answer_sse`` renders it for a streaming
+client).
+
 A prefill worker that refuses the connection is marked failed and the prefill retried once on
 the next-best prefill worker. When no prefill worker can be used (none routable, every try
 failed, an answer without transfer metadata), the request falls back to one decode-capable
@@ -21,6 +27,7 @@ The transport is the caller's (``StageBackend``): this module knows no HTTP.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -76,7 +83,7 @@ class StageBackend(Protocol):
 class DecodePlan:
     body: dict[str, Any]  # what goes to the decode (or fallback) worker
     headers: dict[str, str]  # extra headers for that hop (vLLM: the same X-Request-Id)
-    stage: Stage  # DECODE, or AGGREGATED on the fallback path
+    stage: Stage  # DECODE; AGGREGATED on the fallback path; PREFILL when final_answer is set
     prefill: Any = None  # the prefill stage's RoutedStage
     decode: Any = None  # the decode stage's RoutedStage, already routed (CONCURRENT style)
     prefill_task: asyncio.Task | None = None  # CONCURRENT: the prefill hop in flight
@@ -84,6 +91,8 @@ class DecodePlan:
     fallback_reason: str | None = None
     prefill_answer: dict[str, Any] | None = None
     exclude: frozenset[str] = frozenset()  # workers the decode stage must not use
+    # the prefill answer already is the client's whole answer: send it, route no decode stage
+    final_answer: dict[str, Any] | None = None
 
 
 def _fallback(
@@ -145,9 +154,21 @@ async def plan_two_stage(
                 raise
             return _fallback(backend, body, str(exc), pre)
         try:
-            decode_body = adapter.decode_request(body, answer, pd)
+            final = adapter.final_answer(body, answer, pd)
+            if final is None:
+                decode_body = adapter.decode_request(body, answer, pd)
         except Exception as exc:  # e.g. no kv_transfer_params in the answer
             return _fallback(backend, body, _why(exc), pre)
+        if final is not None:
+            pre.lifecycle.finish()  # send_prefill released it already; idempotent
+            return DecodePlan(
+                body=body,
+                headers=headers,
+                stage=Stage.PREFILL,
+                prefill=pre,
+                prefill_answer=answer,
+                final_answer=final,
+            )
         return DecodePlan(
             body=decode_body,
             headers=headers,
@@ -224,3 +245,74 @@ async def settle_prefill(plan: DecodePlan, timeout: float = 30.0) -> None:
     finally:
         if plan.prefill is not None:
             plan.prefill.lifecycle.finish()
+
+
+# -------------------------------------------------------------------------------------------
+# A final prefill answer for a streaming client: the same answer as OpenAI stream chunks
+
+_MESSAGE_DELTA_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
+
+
+def final_answer_chunks(answer: dict[str, Any], body: dict[str, Any], chat: bool) -> list[dict]:
+    """A non-streamed completion (``chat``: chat completion) answer as the chunk sequence a
+    streamed request gets: chat a role chunk then a content chunk per choice, completions one
+    chunk per choice; the usage chunk (empty ``choices``) when the client asked
+    ``stream_options.include_usage`` (and usage in every chunk with
+    ``continuous_usage_stats``, vLLM's option)."""
+    opts = body.get("stream_options")
+    opts = opts if isinstance(opts, dict) else {}
+    usage = answer.get("usage") if opts.get("include_usage") else None
+    every = usage is not None and bool(opts.get("continuous_usage_stats"))
+    head: dict[str, Any] = {
+        "id": answer.get("id"),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": answer.get("created"),
+        "model": answer.get("model"),
+    }
+    if answer.get("system_fingerprint") is not None:
+        head["system_fingerprint"] = answer["system_fingerprint"]
+
+    def chunk(choices: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
+        out = {**head, "choices": choices}
+        if with_usage:
+            out["usage"] = usage
+        return out
+
+    chunks = []
+    choices = answer.get("choices")
+    for i, choice in enumerate(choices if isinstance(choices, list) else ()):
+        if not isinstance(choice, dict):
+            continue
+        index = choice.get("index", i)
+        rest = {
+            k: v
+            for k, v in choice.items()
+            if k not in ("message", "index", "disaggregated_params", "kv_transfer_params")
+        }
+        if not chat:
+            chunks.append(chunk([{"index": index, **rest}], every))
+            continue
+        message = choice.get("message")
+        message = message if isinstance(message, dict) else {}
+        role = {"index": index, "delta": {"role": message.get("role", "assistant"), "content": ""}}
+        chunks.append(chunk([{**role, "logprobs": None, "finish_reason": None}], every))
+        delta = {k: message[k] for k in _MESSAGE_DELTA_FIELDS if message.get(k) is not None}
+        tool_calls = message.get("tool_calls")
+        if isinstance(tool_calls, list) and tool_calls:
+            delta["tool_calls"] = [
+                {"index": j, **call} if isinstance(call, dict) else call
+                for j, call in enumerate(tool_calls)
+            ]
+        chunks.append(chunk([{"index": index, "delta": delta, **rest}], every))
+    if usage is not None:
+        chunks.append(chunk([], True))
+    return chunks
+
+
+def final_answer_sse(answer: dict[str, Any], body: dict[str, Any], chat: bool) -> bytes:
+    """``final_answer_chunks`` as SSE ``data:`` events, ending with ``data: [DONE]``."""
+    events = [
+        b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n"
+        for c in final_answer_chunks(answer, body, chat)
+    ]
+    return b"".join(events) + b"data: [DONE]\n\n"

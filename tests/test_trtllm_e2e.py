@@ -265,22 +265,23 @@ async def test_disaggregated_request_through_kvplug_serve(tmp_path):
             assert ctx.requests[0]["disaggregated_params"] == {"request_type": "context_only"}
             assert ctx.requests[0]["max_tokens"] == 1 and ctx.requests[0]["stream"] is False
             assert gen.requests[0]["max_tokens"] == 16
-            # a context answer that is already complete gets no generation-only hop: today's
-            # frontend falls back to serving the request whole on a decode-capable worker
+            # a context answer that is already complete is the client's answer: no
+            # generation hop at all (PROTOCOLS.md §3.5 step 3)
             ctx.final_next = True
             async with session.post(base + "/v1/completions", json=body) as resp:
                 answer = await resp.json(content_type=None)
                 assert resp.status == 200, answer
-            assert len(ctx.requests) == 2 and len(gen.requests) == 2
-            assert "disaggregated_params" not in gen.requests[1]
-            assert answer["choices"][0]["text"] == " whole"
+            assert len(ctx.requests) == 2 and len(gen.requests) == 1
+            assert answer["choices"][0]["text"] == " the"
+            assert answer["choices"][0]["finish_reason"] == "stop"
+            assert "disaggregated_params" not in answer["choices"][0]
             # a streaming client: the context hop is still one JSON answer, the generation
             # hop streams back through kvplug chunk by chunk
             stream_body = dict(body, stream=True)
             async with session.post(base + "/v1/completions", json=stream_body) as resp:
                 raw = await resp.read()
                 assert resp.status == 200, raw
-            assert ctx.requests[2]["stream"] is False and gen.requests[2]["stream"] is True
+            assert ctx.requests[2]["stream"] is False and gen.requests[1]["stream"] is True
             texts = [
                 json.loads(line[6:])["choices"][0]["text"]
                 for line in raw.decode().split("\n")

@@ -18,9 +18,12 @@ Disaggregation (``PDStyle.SEQUENTIAL``; PROTOCOLS.md §3.5, ``openai_disagg_serv
   ``disagg_request_id: true`` adds a random 63-bit ``disagg_request_id`` (newer builds only:
   older ones reject unknown fields);
 * ``finish_reason`` not in {``length``, ``not_finished``} means the context answer is the
-  whole answer: ``decode_request`` raises ``ContextAnswerFinal`` (a ``PDProtocolError``
-  carrying the client's answer in ``.response``) instead of building a generation hop;
-  ``prefill_is_final`` / ``final_response`` expose the same rule;
+  whole answer: ``final_answer`` returns it (its ``disaggregated_params`` removed) and the
+  frontend sends it to the client with no generation hop (PROTOCOLS.md §3.5 step 3). Unless
+  the client asked ``min_tokens`` > 1 while the context hop ran with ``max_tokens: 1`` and no
+  ``min_tokens``: that stop is not the client's, and the request falls back to one worker.
+  ``decode_request`` never builds a generation hop for a finished answer: it raises
+  ``ContextAnswerFinal`` (a ``PDProtocolError`` carrying the answer in ``.response``);
 * generation hop: the client's body with the context answer's
   ``choices[0].disaggregated_params`` **verbatim** except ``request_type: generation_only``,
   and the prompt replaced by the answer's ``prompt_token_ids`` (``prompt`` for completions,
@@ -46,6 +49,7 @@ from kvplug.adapters import (
     PDStyle,
     TrtllmHttpAdapter,
     WorkerSink,
+    min_tokens_over_one,
     register_adapter,
 )
 from kvplug.errors import ConfigError
@@ -122,9 +126,9 @@ class ContextAnswerFinal(PDProtocolError):
     """The context answer already is the whole answer (``finish_reason`` not ``length`` /
     ``not_finished``, e.g. EOS as the first token): no generation hop may follow — a
     generation-only request would continue past the end. ``response`` is what the client
-    should get. A frontend that does not know this class treats it as any
-    ``PDProtocolError``: the request falls back to one worker doing both stages, which is
-    correct, only slower."""
+    should get. The frontend asks ``final_answer`` before ``decode_request``, so in the
+    serving path this is raised only when that answer is not the client's (``min_tokens``):
+    as a ``PDProtocolError`` it makes the request fall back to one worker doing both stages."""
 
     def __init__(self, response: dict[str, Any], who: str) -> None:
         reason = response["choices"][0].get("finish_reason")
@@ -132,12 +136,7 @@ class ContextAnswerFinal(PDProtocolError):
         self.response = response
 
 
-def generation_request(
-    body: Mapping[str, Any], answer: Any, *, path: str = "/v1/completions", who: str = "?"
-) -> dict[str, Any]:
-    """The generation-only request: the client's body + the context answer's params.
-    Raises ``ContextAnswerFinal`` when the context answer is already complete."""
-    choice = _first_choice(answer, who)
+def _context_params(choice: dict[str, Any], who: str) -> dict[str, Any]:
     params = choice.get("disaggregated_params")
     if not isinstance(params, dict):
         raise PDProtocolError(
@@ -146,6 +145,16 @@ def generation_request(
         )
     if params.get("ctx_request_id") is None:
         raise PDProtocolError(f"context worker {who}: disaggregated_params.ctx_request_id is null")
+    return params
+
+
+def generation_request(
+    body: Mapping[str, Any], answer: Any, *, path: str = "/v1/completions", who: str = "?"
+) -> dict[str, Any]:
+    """The generation-only request: the client's body + the context answer's params.
+    Raises ``ContextAnswerFinal`` when the context answer is already complete."""
+    choice = _first_choice(answer, who)
+    params = _context_params(choice, who)
     # checked after the answer's shape, as trtllm-serve's orchestrator does
     if choice.get("finish_reason") not in CONTINUE_REASONS:
         raise ContextAnswerFinal(final_response(answer), who)
@@ -279,11 +288,21 @@ class TrtllmAdapter(TrtllmHttpAdapter):
             body, prefill_response, path=ctx.path, who=ctx.prefill_worker.worker_id
         )
 
+    def final_answer(
+        self, body: dict[str, Any], prefill_response: dict[str, Any], ctx: PDContext
+    ) -> dict[str, Any] | None:
+        who = ctx.prefill_worker.worker_id
+        choice = _first_choice(prefill_response, who)
+        if choice.get("finish_reason") in CONTINUE_REASONS:
+            return None
+        # as trtllm-serve: a finished answer must still be a well-formed context answer
+        _context_params(choice, who)
+        if bool(ctx.prefill_options.get("ctx_max_tokens_one", True)) and min_tokens_over_one(body):
+            return None  # stopped without the client's min_tokens: decode_request refuses
+        return final_response(prefill_response)
+
     def prefill_is_final(self, prefill_response: dict[str, Any]) -> bool:
         return context_is_final(prefill_response)
-
-    def final_response(self, prefill_response: dict[str, Any]) -> dict[str, Any]:
-        return final_response(prefill_response)
 
     def request_headers(self, ctx: PDContext) -> dict[str, str]:
         return {}

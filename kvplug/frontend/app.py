@@ -26,6 +26,7 @@ from kvplug.disagg import (
     DecodePlan,
     PrefillRejected,
     StageUnavailable,
+    final_answer_sse,
     plan_two_stage,
     settle_prefill,
 )
@@ -45,7 +46,7 @@ from kvplug.frontend.hints import RequestHints, hints_from_request
 from kvplug.frontend.lifecycle import Lifecycle
 from kvplug.frontend.metrics import FrontendMetrics
 from kvplug.frontend.parsing import CHAT, COMPLETIONS, ParsedRequest, parse_request
-from kvplug.frontend.streaming import relay
+from kvplug.frontend.streaming import completion_tokens, relay
 from kvplug.frontend.tokens import LocalTokenizer, TokenResolver
 from kvplug.frontend.upstream import Upstream, UpstreamUnavailable, forward_headers
 from kvplug.request import NO_HINTS, RouteRequest, RoutingHints
@@ -431,6 +432,8 @@ class Frontend:
         ctx.forward = hop_headers
         if self.fleet.disaggregated:
             plan = await self._plan(ctx)
+            if plan.final_answer is not None:
+                return await self._answer_from_prefill(request, ctx, plan)
             stage, allowed = plan.stage, plan.allowed
             body = _json.encode(plan.body) if plan.body is not ctx.req.body else ctx.req.raw
             hop_headers = {**hop_headers, **plan.headers}
@@ -465,9 +468,49 @@ class Frontend:
             log.warning(
                 "request %s: decode-only fallback: %s", ctx.request_id, plan.fallback_reason
             )
+        elif plan.final_answer is not None:
+            self.metrics.disagg.labels("answered_by_prefill").inc()
         else:
             self.metrics.disagg.labels("two_stage").inc()
         return plan
+
+    async def _answer_from_prefill(
+        self, request: web.Request, ctx: RequestContext, plan: DecodePlan
+    ) -> web.StreamResponse:
+        """The prefill answer already is the whole answer: it goes to the client (as an SSE
+        stream for a streaming client) and no decode stage is routed. The prefill stage's
+        load was released when its answer arrived."""
+        pre: Routed = plan.prefill
+        answer = plan.final_answer
+        rec, lc, d = pre.record, pre.lifecycle, pre.decision
+        rec.outcome = "answered_by_prefill"
+        body = _json.encode(answer)
+        rec.output_tokens = completion_tokens(body)
+        if lc.first_at is not None:
+            rec.ttft_s = lc.first_at - lc.started
+        headers = {
+            "x-kvplug-decision-id": rec.decision_id,
+            "x-kvplug-worker": d.worker_id,
+            "x-kvplug-dp-rank": str(d.dp_rank),
+            "x-kvplug-prefill-worker": d.worker_id,
+            "x-kvplug-prefill-decision-id": rec.decision_id,
+            "X-Request-Id": ctx.request_id,
+        }
+        if not ctx.req.stream:
+            headers["Content-Type"] = "application/json"
+            return web.Response(body=body, headers=headers)
+        headers["Content-Type"] = "text/event-stream"
+        headers["Cache-Control"] = "no-cache"
+        out = web.StreamResponse(headers=headers)
+        await out.prepare(request)
+        if rec.ttft_s is not None:
+            self.metrics.ttft_seconds.observe(rec.ttft_s)
+        try:
+            await out.write(final_answer_sse(answer, ctx.req.body, ctx.req.path == CHAT))
+            await out.write_eof()
+        except ConnectionResetError:
+            rec.error = "client closed the connection"
+        return out
 
     async def _send(
         self,

@@ -82,6 +82,9 @@ class StubEngine:
         self.board = board or TransferBoard()
         self.tokens_per_chunk = tokens_per_chunk
         self.fail: str | None = None
+        # EOS as output token number eos_at (finish_reason "stop"); a prefill stub then hands
+        # off no KV, as vLLM's NixlConnector does for a request that was not length-capped
+        self.eos_at: int | None = None
         self.requests: list[dict[str, Any]] = []  # {"path", "headers", "body"}
         self.sent: dict[str, bytes] = {}  # X-Request-Id -> the exact body bytes written
         self.record_sent = True  # benchmarks turn recording off
@@ -236,17 +239,20 @@ class StubEngine:
         n_out = int(
             body.get("max_tokens") or body.get("max_completion_tokens") or self.output_tokens
         )
+        finish = "length"
+        if self.eos_at is not None and self.eos_at <= n_out:
+            n_out, finish, kv_params = self.eos_at, "stop", None
         rid = request.headers.get("X-Request-Id", "stub")
         if kv_params is not None:
             self.board.pending[(self.worker_id, rid)] = tokens
         self.running += 1
         try:
             if body.get("stream"):
-                return await self._stream(request, body, chat, n_out, rid)
+                return await self._stream(request, body, chat, n_out, rid, finish)
             if self.token_delay:
                 await asyncio.sleep(self.token_delay * n_out)
             text = "".join(f"t{i} " for i in range(n_out))
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -280,7 +286,13 @@ class StubEngine:
             self.running -= 1
 
     async def _stream(
-        self, request: web.Request, body: dict, chat: bool, n_out: int, rid: str
+        self,
+        request: web.Request,
+        body: dict,
+        chat: bool,
+        n_out: int,
+        rid: str,
+        last_finish: str = "length",
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -333,7 +345,7 @@ class StubEngine:
                 await asyncio.sleep(self.token_delay)
             k = min(step, n_out - n_sent)
             text = "".join(f"t{n_sent + i} " for i in range(k))
-            finish = "length" if n_sent + k >= n_out else None
+            finish = last_finish if n_sent + k >= n_out else None
             if chat:
                 choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
             else:
