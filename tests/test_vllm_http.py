@@ -194,9 +194,16 @@ def test_adapter_feeds_router_and_drops_unknown_worker():
     router.add_worker(Worker(worker_id="A", url=eng.url))
     lock = threading.Lock()
     adapter = VllmAdapter(metrics_period=0.1)
+    capacity = []
+
+    class Sink(RouterSink):
+        def update_capacity(self, kv_capacity_blocks=None, max_batched_tokens=None):
+            capacity.append(kv_capacity_blocks)
+
     try:
-        adapter.start_worker_sync(router.workers["A"], RouterSink(router, "A", 32, lock))
+        adapter.start_worker_sync(router.workers["A"], Sink(router, "A", 32, lock))
         assert adapter.events_ready("A")
+        assert capacity == [65536]  # num_gpu_blocks from vllm:cache_config_info, reported once
         time.sleep(0.3)
         toks = list(range(64))
         pub.publish([BlockStored(worker_id="A", engine_hashes=[11, 12], token_ids=toks,

@@ -46,6 +46,7 @@ class _WorkerRun:
     alive: bool = True
     started_at: float | None = None  # the engine's process_start_time_seconds
     restarts_seen: int = 0  # subscriber.restarts() at the last good scrape
+    capacity_reported: int = 0  # num_gpu_blocks last handed to the sink
 
 
 class VllmAdapter(VllmHttpAdapter):
@@ -92,6 +93,16 @@ class VllmAdapter(VllmHttpAdapter):
                 fn(run.worker_id, alive)
             except Exception:
                 log.exception("liveness listener failed for %s", run.worker_id)
+
+    @staticmethod
+    def _report_capacity(run: _WorkerRun, sink: Any, blocks: int | None) -> None:
+        """The engine's KV capacity in blocks (``num_gpu_blocks``, per DP rank) to sinks that
+        take it (the frontend re-registers the worker with it unless configured)."""
+        update = getattr(sink, "update_capacity", None)
+        if update is None or not blocks or blocks == run.capacity_reported:
+            return
+        run.capacity_reported = blocks
+        update(kv_capacity_blocks=blocks)
 
     def _check_restart(self, run: _WorkerRun, sample: MetricsSample) -> None:
         """A new process start time = a restarted engine with an empty cache. The sequence
@@ -147,6 +158,7 @@ class VllmAdapter(VllmHttpAdapter):
             def on_sample(s: MetricsSample, _run: _WorkerRun = run) -> None:
                 self._check_restart(_run, s)
                 sink.set_attributes(s.attributes)  # stamped on the router's clock
+                self._report_capacity(_run, sink, s.num_gpu_blocks)
                 self._set_alive(_run, True)
 
             def on_failure(n: int, e: Exception, _run: _WorkerRun = run) -> None:
@@ -157,6 +169,7 @@ class VllmAdapter(VllmHttpAdapter):
                                      on_failure=on_failure, unhealthy_after=self.unhealthy_after)
             run.scraper = scraper
             scraper.start()
+        self._report_capacity(run, sink, info.num_gpu_blocks)
         with self._lock:
             old = self._runs.pop(worker.worker_id, None)
             self._runs[worker.worker_id] = run
