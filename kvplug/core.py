@@ -7,6 +7,7 @@ never a silent fall back to the (100x slower) reference.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from types import ModuleType
 
@@ -27,7 +28,9 @@ def load_backend(name: str) -> ModuleType:
         try:
             from kvplug import _core
         except ImportError as err:
-            raise ImportError(f"{_BUILD_HINT} ({err})") from err
+            found = importlib.util.find_spec("kvplug._core") is not None
+            why = f"loading it failed: {err}" if found else "no compiled kvplug/_core*.so found"
+            raise ImportError(f"{_BUILD_HINT} ({why})") from err
         return _core
     raise ImportError(f"unknown kvplug core backend {name!r}: expected 'c' or 'reference'")
 
