@@ -233,3 +233,31 @@ def test_repeated_holder_lists_follow_every_change(be):
     assert q.row(0) == (0, 0, 0, 0, 0) and q.row(1) == (4, 3, 1, 0, 0)
     idx.store(SHARED, 2, [7, 8, 9, 6], hs)
     assert idx.query(hs + [50]).row(2) == (4, 4, 0, 0, 0) and idx.query(hs).shared_prefix == 4
+
+
+def test_missing_compiled_core_is_a_loud_import_error():
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['kvplug._core'] = None\n"
+        "try:\n    import kvplug\nexcept ImportError as e:\n    print('ERR', e)\n"
+        "else:\n    print('OK', kvplug.backend)\n"
+    )
+    env_c = {"KVPLUG_CORE": "c"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env_c},
+    ).stdout
+    assert out.startswith("ERR") and "pip install -e ." in out and "KVPLUG_CORE=reference" in out
+    env_r = {"KVPLUG_CORE": "reference"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env_r},
+    ).stdout
+    assert out.strip() == "OK reference"
