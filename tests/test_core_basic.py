@@ -261,3 +261,44 @@ def test_missing_compiled_core_is_a_loud_import_error():
         env={**os.environ, **env_r},
     ).stdout
     assert out.strip() == "OK reference"
+
+
+def test_c_index_is_safe_under_concurrent_threads():
+    """Big calls release the GIL; the per-index lock must still serialise them."""
+    import threading
+
+    core = load_backend("c")
+    idx = core.Index()
+    n = 4096  # above the GIL-release thresholds
+    rng = np.random.default_rng(0)
+    chains = [rng.integers(0, 2**63, n, dtype=np.uint64) for _ in range(4)]
+    errors = []
+
+    def writer(ep):
+        try:
+            for _ in range(20):
+                idx.store(ep, 0, chains[ep], chains[ep])
+                idx.remove(ep, chains[ep])
+            idx.store(ep, 0, chains[ep], chains[ep])
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    def reader():
+        out = core.QueryResult()
+        try:
+            for i in range(40):
+                idx.query(chains[i % 4], out)
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=writer, args=(ep,)) for ep in range(4)]
+    threads.append(threading.Thread(target=reader))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    s = idx.stats()
+    assert s["entries"] == 4 * n and s["engine_mappings"] == 4 * n
+    for ep in range(4):
+        assert idx.query(chains[ep]).row(ep) == (n, n, 0, 0, 0)
