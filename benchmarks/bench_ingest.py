@@ -10,8 +10,8 @@ clock covers decoding and applying to ``KvIndex``.
 Measured in the same run:
 * ``kvplug``: ``BatchDecoder.decode`` (typed msgspec structs, tokens validated into u32
   buffers, consecutive removes coalesced) + ``KvIndex.apply_many``;
-* ``zmq``: the same through real loopback ZMQ sockets and the ``VllmSubscriber`` thread
-  (publisher in this process too, so both share the 2 cores);
+* ``zmq``: the same through real loopback ZMQ sockets from a publisher process (the engines'
+  side) into the ``VllmSubscriber`` thread (the consumer uses one core, the publisher the other);
 * ``naive``: ``msgpack.unpackb`` (or untyped msgspec) + per-event dict handling into the same
   normalised events + ``KvIndex.apply`` one event at a time.
 
@@ -206,8 +206,32 @@ def run_naive(work, block_size, n_engines) -> tuple[float, KvIndex]:
     return time.perf_counter() - t0, idx
 
 
+def _publisher_process(work, n_engines, conn, go) -> None:
+    """The engines' side, in its own process: PUB sockets, then every batch as fast as ZMQ
+    takes it once told to go."""
+    import zmq
+
+    ctx = zmq.Context()
+    pubs = {}
+    for i in range(n_engines):
+        sock = ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop: the benchmark counts every block
+        pubs[f"w{i}"] = (sock, sock.bind_to_random_port("tcp://127.0.0.1"))
+    conn.send({w: port for w, (_s, port) in pubs.items()})
+    go.wait()
+    for worker, seq, payload, _blocks in work:
+        pubs[worker][0].send_multipart([b"", seq.to_bytes(8, "big"), payload])
+    conn.recv()  # the consumer is done: now the sockets may go
+    for sock, _port in pubs.values():
+        sock.close(0)
+    ctx.term()
+
+
 def run_zmq(work, block_size, n_engines) -> tuple[float, KvIndex, dict]:
-    """Through loopback ZMQ and the real subscriber thread (its sink applies to the index)."""
+    """Through loopback ZMQ from a publisher *process* (as an engine is) into the real
+    subscriber thread, whose sink applies to the index: one core consumes."""
+    import multiprocessing as mp
+
     import zmq
 
     from integrations.vllm.subscriber import EventSource, VllmSubscriber
@@ -222,27 +246,27 @@ def run_zmq(work, block_size, n_engines) -> tuple[float, KvIndex, dict]:
         if applied[0] >= total:
             done.set()
 
+    mpc = mp.get_context("fork")
+    conn, child_conn = mpc.Pipe()
+    go = mpc.Event()
+    child = mpc.Process(target=_publisher_process, args=(work, n_engines, child_conn, go))
+    child.start()
+    ports = conn.recv()
     ctx = zmq.Context()
     sub = VllmSubscriber(context=ctx, catch_up=False)
-    pubs = {}
-    for i in range(n_engines):
-        s = zmq.Context.socket(ctx, zmq.PUB)
-        s.setsockopt(zmq.SNDHWM, 0)
-        port = s.bind_to_random_port("tcp://127.0.0.1")
-        pubs[f"w{i}"] = s
-        sub.add(EventSource(f"w{i}", f"tcp://*:{port}", sink, engine_host="127.0.0.1",
+    for worker, port in ports.items():
+        sub.add(EventSource(worker, f"tcp://*:{port}", sink, engine_host="127.0.0.1",
                             block_size=block_size))
     sub.start()
-    time.sleep(0.5)
+    time.sleep(0.5)  # SUB connections up before the first batch
     t0 = time.perf_counter()
-    for worker, seq, payload, _blocks in work:
-        pubs[worker].send_multipart([b"", seq.to_bytes(8, "big"), payload])
+    go.set()
     done.wait(120)
     dt = time.perf_counter() - t0
+    conn.send("done")
+    child.join(30)
     stats = sub.stats()
     sub.stop()
-    for s in pubs.values():
-        s.close(0)
     ctx.term()
     gaps = sum(s["gaps"] for s in stats["streams"].values())
     return dt, idx, {"gaps": gaps, "complete": applied[0] >= total}
