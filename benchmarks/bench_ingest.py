@@ -58,8 +58,14 @@ except ImportError:  # msgpack is not a kvplug dependency
 class EngineModel:
     """One simulated engine: a block cache of fixed capacity with LRU eviction."""
 
-    def __init__(self, rng: random.Random, worker: str, capacity: int, block_size: int,
-                 systems: list[list[int]]) -> None:
+    def __init__(
+        self,
+        rng: random.Random,
+        worker: str,
+        capacity: int,
+        block_size: int,
+        systems: list[list[int]],
+    ) -> None:
         self.rng = rng
         self.worker = worker
         self.capacity = capacity
@@ -82,7 +88,8 @@ class EngineModel:
                 s.extend(self.rng.randrange(32000) for _ in range(self.rng.randrange(64, 256)))
             else:  # a new session on one of the system prompts
                 s = list(self.rng.choice(self.systems)) + [
-                    self.rng.randrange(32000) for _ in range(self.rng.randrange(64, 512))]
+                    self.rng.randrange(32000) for _ in range(self.rng.randrange(64, 512))
+                ]
                 self.sessions.append(s)
                 if len(self.sessions) > 64:
                     self.sessions.pop(0)
@@ -113,20 +120,30 @@ class EngineModel:
         overflow = len(self.cache) + len(new_hashes) - self.capacity
         for _ in range(max(0, overflow)):
             k = next(iter(self.cache))
-            events.append(BlockRemoved(worker_id=self.worker, tier=Tier.DEVICE,
-                                       engine_hashes=[self.cache.pop(k)]))
+            events.append(
+                BlockRemoved(
+                    worker_id=self.worker, tier=Tier.DEVICE, engine_hashes=[self.cache.pop(k)]
+                )
+            )
         for k, h in zip(new_keys, new_hashes, strict=True):
             self.cache[k] = h
-        events.append(BlockStored(
-            worker_id=self.worker, parent_engine_hash=parent, engine_hashes=new_hashes,
-            token_ids=tokens[first_new * bs: n * bs], block_size=bs))
+        events.append(
+            BlockStored(
+                worker_id=self.worker,
+                parent_engine_hash=parent,
+                engine_hashes=new_hashes,
+                token_ids=tokens[first_new * bs : n * bs],
+                block_size=bs,
+            )
+        )
         return events
 
 
 def make_workload(n_batches: int, block_size: int, n_engines: int, seed: int) -> list[tuple]:
     rng = random.Random(seed)
-    systems = [[rng.randrange(32000) for _ in range(rng.choice((256, 512, 1024)))]
-               for _ in range(8)]
+    systems = [
+        [rng.randrange(32000) for _ in range(rng.choice((256, 512, 1024)))] for _ in range(8)
+    ]
     engines = [EngineModel(rng, f"w{i}", 4096, block_size, systems) for i in range(n_engines)]
     out = []  # (worker, payload, blocks in it)
     seqs = [0] * n_engines
@@ -179,16 +196,27 @@ def naive_events(worker: str, payload: bytes) -> list:
     for ev in batch[1]:
         kind = ev["type"] if isinstance(ev, dict) else ev[0]
         if kind == "BlockStored":
-            out.append(BlockStored(
-                worker_id=worker, dp_rank=rank,
-                tier=Tier.DEVICE if ev.get("medium") in (None, "GPU") else Tier.HOST,
-                parent_engine_hash=None if ev["parent_block_hash"] is None
-                else fold_hash(ev["parent_block_hash"]),
-                engine_hashes=[fold_hash(h) for h in ev["block_hashes"]],
-                token_ids=[int(t) for t in ev["token_ids"]], block_size=ev["block_size"]))
+            out.append(
+                BlockStored(
+                    worker_id=worker,
+                    dp_rank=rank,
+                    tier=Tier.DEVICE if ev.get("medium") in (None, "GPU") else Tier.HOST,
+                    parent_engine_hash=None
+                    if ev["parent_block_hash"] is None
+                    else fold_hash(ev["parent_block_hash"]),
+                    engine_hashes=[fold_hash(h) for h in ev["block_hashes"]],
+                    token_ids=[int(t) for t in ev["token_ids"]],
+                    block_size=ev["block_size"],
+                )
+            )
         elif kind == "BlockRemoved":
-            out.append(BlockRemoved(worker_id=worker, dp_rank=rank,
-                                    engine_hashes=[fold_hash(h) for h in ev["block_hashes"]]))
+            out.append(
+                BlockRemoved(
+                    worker_id=worker,
+                    dp_rank=rank,
+                    engine_hashes=[fold_hash(h) for h in ev["block_hashes"]],
+                )
+            )
         elif kind == "AllBlocksCleared":
             out.append(AllCleared(worker_id=worker, dp_rank=rank))
     return out
@@ -255,8 +283,11 @@ def run_zmq(work, block_size, n_engines) -> tuple[float, KvIndex, dict]:
     ctx = zmq.Context()
     sub = VllmSubscriber(context=ctx, catch_up=False)
     for worker, port in ports.items():
-        sub.add(EventSource(worker, f"tcp://*:{port}", sink, engine_host="127.0.0.1",
-                            block_size=block_size))
+        sub.add(
+            EventSource(
+                worker, f"tcp://*:{port}", sink, engine_host="127.0.0.1", block_size=block_size
+            )
+        )
     sub.start()
     time.sleep(0.5)  # SUB connections up before the first batch
     t0 = time.perf_counter()
@@ -288,8 +319,10 @@ def main() -> None:
     gen_s = time.perf_counter() - t
     blocks = sum(w[3] for w in work)
     nbytes = sum(len(w[2]) for w in work)
-    print(f"workload: {len(work)} batches, {blocks} blocks, {nbytes / 1e6:.1f} MB "
-          f"(generated in {gen_s:.1f}s), block size {args.block_size}, {args.engines} engines")
+    print(
+        f"workload: {len(work)} batches, {blocks} blocks, {nbytes / 1e6:.1f} MB "
+        f"(generated in {gen_s:.1f}s), block size {args.block_size}, {args.engines} engines"
+    )
 
     results = {}
     ref_stats = None
@@ -301,9 +334,13 @@ def main() -> None:
         st = idx.stats()
         if ref_stats is None:
             ref_stats = st
-        results[name] = {"seconds": best, "blocks_per_s": blocks / best,
-                         "mb_per_s": nbytes / best / 1e6,
-                         "index_blocks": st.get("blocks"), "index_entries": st.get("entries")}
+        results[name] = {
+            "seconds": best,
+            "blocks_per_s": blocks / best,
+            "mb_per_s": nbytes / best / 1e6,
+            "index_blocks": st.get("blocks"),
+            "index_entries": st.get("entries"),
+        }
     dec_s = app_s = None
     for _ in range(args.repeat):
         d, a = run_split(work, args.block_size, args.engines)
@@ -313,18 +350,27 @@ def main() -> None:
     if not args.no_zmq:
         dt, idx, extra = run_zmq(work, args.block_size, args.engines)
         st = idx.stats()
-        results["zmq"] = {"seconds": dt, "blocks_per_s": blocks / dt, "mb_per_s": nbytes / dt / 1e6,
-                          "index_blocks": st.get("blocks"), "index_entries": st.get("entries"),
-                          **extra}
+        results["zmq"] = {
+            "seconds": dt,
+            "blocks_per_s": blocks / dt,
+            "mb_per_s": nbytes / dt / 1e6,
+            "index_blocks": st.get("blocks"),
+            "index_entries": st.get("entries"),
+            **extra,
+        }
     same = all(r["index_entries"] == results["kvplug"]["index_entries"] for r in results.values())
 
     base = results["naive"]["blocks_per_s"]
     print(f"\n{'path':<8} {'blocks/s':>12} {'MB/s':>8} {'vs naive':>9} {'index entries':>14}")
     for name, r in results.items():
-        print(f"{name:<8} {r['blocks_per_s']:>12,.0f} {r['mb_per_s']:>8.1f} "
-              f"{r['blocks_per_s'] / base:>8.2f}x {r['index_entries']:>14,}")
-    print(f"\nkvplug halves: decode {split['decode_only_blocks_per_s']:,.0f} blocks/s, "
-          f"apply {split['apply_only_blocks_per_s']:,.0f} blocks/s")
+        print(
+            f"{name:<8} {r['blocks_per_s']:>12,.0f} {r['mb_per_s']:>8.1f} "
+            f"{r['blocks_per_s'] / base:>8.2f}x {r['index_entries']:>14,}"
+        )
+    print(
+        f"\nkvplug halves: decode {split['decode_only_blocks_per_s']:,.0f} blocks/s, "
+        f"apply {split['apply_only_blocks_per_s']:,.0f} blocks/s"
+    )
     print(f"all paths built the same index: {same}")
 
     import kvplug
@@ -333,16 +379,24 @@ def main() -> None:
         "benchmark": "bench_ingest",
         "command": "python benchmarks/bench_ingest.py " + " ".join(sys.argv[1:]),
         "params": vars(args) | {"out": None},
-        "workload": {"batches": len(work), "blocks": blocks, "bytes": nbytes,
-                     "vllm_version": "0.32.0", "encoding": "map, uint64 hashes"},
+        "workload": {
+            "batches": len(work),
+            "blocks": blocks,
+            "bytes": nbytes,
+            "vllm_version": "0.32.0",
+            "encoding": "map, uint64 hashes",
+        },
         "core_backend": kvplug.backend,
         "naive_decoder": NAIVE_LIB,
         "results": results,
         "ratio_vs_naive": {k: v["blocks_per_s"] / base for k, v in results.items()},
         "kvplug_split": split,
         "same_index": same,
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                    "platform": platform.platform()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

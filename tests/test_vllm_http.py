@@ -100,8 +100,13 @@ def test_parse_metrics_sums_engines_and_old_names():
 def test_scraper_liveness_and_period():
     eng = FakeEngineHTTP(None)
     samples, verdicts = [], []
-    sc = MetricsScraper(eng.url + "/metrics", samples.append, period=0.05,
-                        on_failure=lambda n, e: verdicts.append(n), unhealthy_after=2).start()
+    sc = MetricsScraper(
+        eng.url + "/metrics",
+        samples.append,
+        period=0.05,
+        on_failure=lambda n, e: verdicts.append(n),
+        unhealthy_after=2,
+    ).start()
     try:
         assert wait_for(lambda: len(samples) >= 3, 5)
         assert sc.healthy
@@ -116,28 +121,44 @@ def test_scraper_liveness_and_period():
 
 
 def test_discovery_from_engine_and_fallback():
-    sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
-                     "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
-                     "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000,
-                     "topic": "kv"},
-               "1": {"enable_kv_cache_events": True, "publisher": "zmq",
-                     "endpoint": "tcp://*:5558", "replay_endpoint": None, "topic": "kv"}}
+    sources = {
+        "0": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5557",
+            "replay_endpoint": "tcp://*:5558",
+            "buffer_steps": 10000,
+            "hwm": 100000,
+            "max_queue_size": 100000,
+            "topic": "kv",
+        },
+        "1": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5558",
+            "replay_endpoint": None,
+            "topic": "kv",
+        },
+    }
     eng = FakeEngineHTTP(sources)
     try:
         got = fetch_event_sources(eng.url)
         assert [(s.dp_rank, s.endpoint, s.replay_endpoint, s.topic) for s in got] == [
-            (0, "tcp://*:5557", "tcp://*:5558", "kv"), (1, "tcp://*:5558", None, "kv")]
+            (0, "tcp://*:5557", "tcp://*:5558", "kv"),
+            (1, "tcp://*:5558", None, "kv"),
+        ]
         info = discover(eng.url)
         assert info.discovered and info.block_size == 32 and info.num_gpu_blocks == 65536
     finally:
         eng.close()
     old = FakeEngineHTTP(None)  # an engine before /kv_event_sources: 404
     try:
-        info = discover(old.url, endpoint="tcp://*:6000", replay_endpoint="tcp://*:6100",
-                        dp_size=2)
+        info = discover(old.url, endpoint="tcp://*:6000", replay_endpoint="tcp://*:6100", dp_size=2)
         assert not info.discovered
         assert [(s.endpoint, s.replay_endpoint) for s in info.sources] == [
-            ("tcp://*:6000", "tcp://*:6100"), ("tcp://*:6001", "tcp://*:6101")]
+            ("tcp://*:6000", "tcp://*:6100"),
+            ("tcp://*:6001", "tcp://*:6101"),
+        ]
         with pytest.raises(ConfigError, match="no configured event endpoint"):
             discover(old.url)
     finally:
@@ -152,30 +173,51 @@ def test_block_size_refused_loudly():
 
 
 def test_pd_bodies():
-    body = {"model": "m", "prompt": "hi", "stream": True, "stream_options": {"a": 1},
-            "min_tokens": 5, "max_tokens": 50, "max_completion_tokens": 50}
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "stream": True,
+        "stream_options": {"a": 1},
+        "min_tokens": 5,
+        "max_tokens": 50,
+        "max_completion_tokens": 50,
+    }
     p = prefill_body(body)
-    assert p["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
-                                       "remote_engine_id": None, "remote_block_ids": None,
-                                       "remote_host": None, "remote_port": None}
+    assert p["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
     assert p["stream"] is False and p["max_tokens"] == 1 and p["max_completion_tokens"] == 1
     assert "stream_options" not in p and "min_tokens" not in p
     assert body["stream"] is True and "kv_transfer_params" not in body  # not mutated
-    answer = {"id": "x", "choices": [{"text": "a"}], "kv_transfer_params": {
-        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
-        "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h",
-        "remote_port": 5600, "tp_size": 1, "future_key": {"x": [1]}}}
+    answer = {
+        "id": "x",
+        "choices": [{"text": "a"}],
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [[1, 2]],
+            "remote_engine_id": "e",
+            "remote_request_id": "r",
+            "remote_host": "h",
+            "remote_port": 5600,
+            "tp_size": 1,
+            "future_key": {"x": [1]},
+        },
+    }
     d = decode_body(body, answer)
     assert d["kv_transfer_params"] == answer["kv_transfer_params"]  # unchanged, opaque
     assert d["stream"] is True and d["max_tokens"] == 50
     with pytest.raises(MissingTransferParams):
         decode_body(body, {"choices": []})
-    assert pd_headers("rid", {"x-request-id": "old", "A": "b"}) == {"A": "b",
-                                                                    "X-Request-Id": "rid"}
+    assert pd_headers("rid", {"x-request-id": "old", "A": "b"}) == {"A": "b", "X-Request-Id": "rid"}
     adapter = create_adapter("vllm")
     assert isinstance(adapter, VllmAdapter)
-    ctx = PDContext(request_id="rid", path="/v1/completions",
-                    prefill_worker=Worker(worker_id="p"))
+    ctx = PDContext(request_id="rid", path="/v1/completions", prefill_worker=Worker(worker_id="p"))
     assert adapter.prefill_request(body, ctx) == p
     assert adapter.decode_request(body, answer, ctx) == d
     assert adapter.request_headers(ctx) == {"X-Request-Id": "rid"}
@@ -185,9 +227,15 @@ def test_adapter_feeds_router_and_drops_unknown_worker():
     """Discovery -> subscriber -> Router; an event naming a worker the router does not know
     is a counted drop that leaves the index as it was."""
     port, rport = free_port(), free_port()
-    sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
-                     "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{rport}",
-                     "topic": ""}}
+    sources = {
+        "0": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            "replay_endpoint": f"tcp://*:{rport}",
+            "topic": "",
+        }
+    }
     eng = FakeEngineHTTP(sources)
     pub = VllmEventPublisher(f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}")
     router = Router(RouterConfig(kv_block_size=32))
@@ -206,8 +254,9 @@ def test_adapter_feeds_router_and_drops_unknown_worker():
         assert capacity == [65536]  # num_gpu_blocks from vllm:cache_config_info, reported once
         time.sleep(0.3)
         toks = list(range(64))
-        pub.publish([BlockStored(worker_id="A", engine_hashes=[11, 12], token_ids=toks,
-                                 block_size=32)])
+        pub.publish(
+            [BlockStored(worker_id="A", engine_hashes=[11, 12], token_ids=toks, block_size=32)]
+        )
         want = {int(h) for h in router.index.request_hashes(toks)}
 
         def held():
@@ -217,16 +266,20 @@ def test_adapter_feeds_router_and_drops_unknown_worker():
 
         assert wait_for(lambda: held() == want, 5, lambda: pub.serve_replay(5))
         with lock:
-            router.apply_event(BlockStored(worker_id="ghost", engine_hashes=[1],
-                                           token_ids=toks[:32], block_size=32))
+            router.apply_event(
+                BlockStored(
+                    worker_id="ghost", engine_hashes=[1], token_ids=toks[:32], block_size=32
+                )
+            )
         assert router.counters["events_dropped_unknown_worker"] == 1 and held() == want
         assert wait_for(lambda: router.workers["A"] and adapter.worker_alive("A"), 5)
         with lock:
             d = router.route(RouteRequest("r", toks + [1, 2, 3]))
         assert d.worker_id == "A"
         with pytest.raises(ConfigError):
-            adapter.start_worker_sync(Worker(worker_id="B", url=eng.url),
-                                      RouterSink(router, "B", 16, lock))
+            adapter.start_worker_sync(
+                Worker(worker_id="B", url=eng.url), RouterSink(router, "B", 16, lock)
+            )
     finally:
         import asyncio
 
@@ -239,8 +292,14 @@ def test_adapter_clears_a_restarted_engine_before_it_publishes():
     """The engine restarted (new process start time in /metrics) but published nothing yet:
     its old blocks must leave the index now, not at its first batch."""
     port, rport = free_port(), free_port()
-    sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
-                     "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{rport}"}}
+    sources = {
+        "0": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            "replay_endpoint": f"tcp://*:{rport}",
+        }
+    }
     eng = FakeEngineHTTP(sources)
     pub = VllmEventPublisher(f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}")
     router = Router(RouterConfig(kv_block_size=32))
@@ -250,8 +309,13 @@ def test_adapter_clears_a_restarted_engine_before_it_publishes():
     try:
         adapter.start_worker_sync(router.workers["A"], RouterSink(router, "A", 32, lock))
         time.sleep(0.3)
-        pub.publish([BlockStored(worker_id="A", engine_hashes=[11, 12],
-                                 token_ids=list(range(64)), block_size=32)])
+        pub.publish(
+            [
+                BlockStored(
+                    worker_id="A", engine_hashes=[11, 12], token_ids=list(range(64)), block_size=32
+                )
+            ]
+        )
 
         def held():
             with lock:
@@ -261,8 +325,10 @@ def test_adapter_clears_a_restarted_engine_before_it_publishes():
         assert wait_for(lambda: held() == 2, 5, lambda: pub.serve_replay(5))
         assert parse_metrics(eng.metrics).attributes["process_start_time"] > 0
         pub.restart()
-        eng.metrics = eng.metrics.replace("process_start_time_seconds 1.79600119038e+09",
-                                          "process_start_time_seconds 1.79600999e+09")
+        eng.metrics = eng.metrics.replace(
+            "process_start_time_seconds 1.79600119038e+09",
+            "process_start_time_seconds 1.79600999e+09",
+        )
         assert wait_for(lambda: held() == 0, 5, lambda: pub.serve_replay(5))
     finally:
         import asyncio

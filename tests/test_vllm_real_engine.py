@@ -51,13 +51,16 @@ class TeeSink(RouterSink):
         events = list(events)
         for e in events:
             if isinstance(e, BlockStored) and e.token_ids is not None:
-                prev = () if e.parent_engine_hash is None else self.prefix.get(
-                    int(e.parent_engine_hash), None)
+                prev = (
+                    ()
+                    if e.parent_engine_hash is None
+                    else self.prefix.get(int(e.parent_engine_hash), None)
+                )
                 if prev is None:
                     continue
                 toks = list(e.token_ids)
                 for i, h in enumerate(e.engine_hashes):
-                    prev = prev + tuple(toks[i * BS:(i + 1) * BS])
+                    prev = prev + tuple(toks[i * BS : (i + 1) * BS])
                     self.prefix[int(h)] = prev
         self.mirror(events)
         super().apply_many(events)
@@ -70,11 +73,21 @@ def prompt(rng: random.Random, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def engines():
     t0 = time.monotonic()
-    a = Engine("a", free_port(), f"tcp://*:{free_port()}", f"tcp://*:{free_port()}",
-               extra_args=["--max-model-len", "1024"])
-    b = Engine("b", free_port(), f"tcp://127.0.0.1:{free_port()}", f"tcp://*:{free_port()}",
-               topic="engine-b",
-               extra_args=["--max-model-len", "512", "--num-gpu-blocks-override", "24"])
+    a = Engine(
+        "a",
+        free_port(),
+        f"tcp://*:{free_port()}",
+        f"tcp://*:{free_port()}",
+        extra_args=["--max-model-len", "1024"],
+    )
+    b = Engine(
+        "b",
+        free_port(),
+        f"tcp://127.0.0.1:{free_port()}",
+        f"tcp://*:{free_port()}",
+        topic="engine-b",
+        extra_args=["--max-model-len", "512", "--num-gpu-blocks-override", "24"],
+    )
     try:
         for e in (a, b):
             e.start()
@@ -104,10 +117,31 @@ def test_kvplug_serve_routes_by_prefix_on_real_engines(engines, tmp_path):
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvplug.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--admin-port", "-1", "--worker", f"a={a.url}", "--worker", f"b={b.url}",
-         "--kv-block-size", str(BS), "--tokenizer", str(MODEL)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
+        [
+            sys.executable,
+            "-m",
+            "kvplug.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--admin-port",
+            "-1",
+            "--worker",
+            f"a={a.url}",
+            "--worker",
+            f"b={b.url}",
+            "--kv-block-size",
+            str(BS),
+            "--tokenizer",
+            str(MODEL),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=root,
+    )
 
     def ready() -> bool:
         try:
@@ -117,10 +151,12 @@ def test_kvplug_serve_routes_by_prefix_on_real_engines(engines, tmp_path):
             return False
 
     def complete(text: str) -> str:
-        body = json.dumps({"model": "tiny", "prompt": text, "max_tokens": 1,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": "tiny", "prompt": text, "max_tokens": 1, "temperature": 0}
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.headers["x-kvplug-worker"]
 
@@ -175,8 +211,9 @@ def test_real_vllm_engines_end_to_end(engines):
         assert info.discovered and info.block_size == BS, info
     # an engine with another block size is refused loudly
     with pytest.raises(ConfigError, match="block size 32"):
-        adapter.start_worker_sync(Worker(worker_id="X", url=a.url),
-                                  RouterSink(router, "X", 16, lock))
+        adapter.start_worker_sync(
+            Worker(worker_id="X", url=a.url), RouterSink(router, "X", 16, lock)
+        )
     time.sleep(1.0)  # SUB connections settle before the first events
 
     idx = router.index
@@ -199,7 +236,10 @@ def test_real_vllm_engines_end_to_end(engines):
     want_a, want_b = set(kv(pa1)) | set(kv(pa2)), set(kv(pb1))
     assert len(want_a) == 9 and len(want_b) == 6
     assert wait_for(lambda: holdings("A") == want_a and holdings("B") == want_b, 15), (
-        len(holdings("A")), len(holdings("B")), adapter.stats())
+        len(holdings("A")),
+        len(holdings("B")),
+        adapter.stats(),
+    )
     assert len(sinks["A"].mirror.hashes("A")) == 9  # engine-reported hashes
     assert len(sinks["B"].mirror.hashes("B")) == 6
     assert router.counters["events_dropped_invalid"] == 0
@@ -232,8 +272,9 @@ def test_real_vllm_engines_end_to_end(engines):
         return held and len(expect) == len(held) and holdings("B") == expect
 
     assert wait_for(b_matches_engine, 15), adapter.stats()
-    removed = sum(len(e.engine_hashes) for e in sinks["B"].mirror.events
-                  if type(e).__name__ == "BlockRemoved")
+    removed = sum(
+        len(e.engine_hashes) for e in sinks["B"].mirror.events if type(e).__name__ == "BlockRemoved"
+    )
     assert removed > 0, "B's small cache should have evicted blocks"
     assert not want_b <= holdings("B"), "pb1's evicted blocks must have left the index"
     assert holdings("A") == want_a  # A untouched
@@ -242,7 +283,9 @@ def test_real_vllm_engines_end_to_end(engines):
     pb_new = prompt(rng, 100)  # AllBlocksCleared comes with the next engine step
     b.complete(pb_new)
     assert wait_for(lambda: holdings("B") == set(kv(pb_new)), 15), (
-        len(holdings("B")), adapter.stats())
+        len(holdings("B")),
+        adapter.stats(),
+    )
 
     # ---- (d) kill A: the liveness verdict takes it out of routing -------------------------
     a.kill()

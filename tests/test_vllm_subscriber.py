@@ -30,9 +30,14 @@ BS = 32
 
 
 def stored(worker, hashes, parent=None, rank=0):
-    return BlockStored(worker_id=worker, dp_rank=rank, engine_hashes=hashes,
-                       parent_engine_hash=parent, token_ids=list(range(BS * len(hashes))),
-                       block_size=BS)
+    return BlockStored(
+        worker_id=worker,
+        dp_rank=rank,
+        engine_hashes=hashes,
+        parent_engine_hash=parent,
+        token_ids=list(range(BS * len(hashes))),
+        block_size=BS,
+    )
 
 
 def removed(worker, hashes, rank=0):
@@ -42,15 +47,29 @@ def removed(worker, hashes, rank=0):
 class Engine:
     """A publisher plus the truth: the hashes the engine holds."""
 
-    def __init__(self, worker, *, version="0.32.0", bind=True, replay=True, topic="",
-                 sub_port=None, buffer_steps=10_000):
+    def __init__(
+        self,
+        worker,
+        *,
+        version="0.32.0",
+        bind=True,
+        replay=True,
+        topic="",
+        sub_port=None,
+        buffer_steps=10_000,
+    ):
         self.worker = worker
         self.port = sub_port or free_port()
         self.rport = free_port() if replay else None
         self.endpoint = f"tcp://*:{self.port}" if bind else f"tcp://127.0.0.1:{self.port}"
         self.replay_endpoint = f"tcp://*:{self.rport}" if replay else None
-        self.pub = VllmEventPublisher(self.endpoint, replay_endpoint=self.replay_endpoint,
-                                      topic=topic, version=version, buffer_steps=buffer_steps)
+        self.pub = VllmEventPublisher(
+            self.endpoint,
+            replay_endpoint=self.replay_endpoint,
+            topic=topic,
+            version=version,
+            buffer_steps=buffer_steps,
+        )
         self.topic = topic
         self.truth: set[int] = set()
 
@@ -63,9 +82,14 @@ class Engine:
         return self.pub.publish([removed(self.worker, hashes)], send=send)
 
     def sources(self, sink):
-        return sources_for_engine(self.worker, self.endpoint, sink,
-                                  replay_endpoint=self.replay_endpoint, topic=self.topic,
-                                  engine_url="http://127.0.0.1:8000")
+        return sources_for_engine(
+            self.worker,
+            self.endpoint,
+            sink,
+            replay_endpoint=self.replay_endpoint,
+            topic=self.topic,
+            engine_url="http://127.0.0.1:8000",
+        )
 
     def pump(self):
         self.pub.serve_replay(5)
@@ -98,11 +122,20 @@ def test_endpoint_rules():
     assert offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
     assert connect_address("tcp://*:5557", "10.0.0.7") == "tcp://10.0.0.7:5557"
-    srcs = sources_for_engine("e", "tcp://*:6000", print, replay_endpoint="tcp://*:6100",
-                              dp_start=0, dp_size=3, engine_url="http://h:8000")
+    srcs = sources_for_engine(
+        "e",
+        "tcp://*:6000",
+        print,
+        replay_endpoint="tcp://*:6100",
+        dp_start=0,
+        dp_size=3,
+        engine_url="http://h:8000",
+    )
     assert [(s.address, s.replay_address, s.dp_rank) for s in srcs] == [
-        ("tcp://h:6000", "tcp://h:6100", 0), ("tcp://h:6001", "tcp://h:6101", 1),
-        ("tcp://h:6002", "tcp://h:6102", 2)]
+        ("tcp://h:6000", "tcp://h:6100", 0),
+        ("tcp://h:6001", "tcp://h:6101", 1),
+        ("tcp://h:6002", "tcp://h:6102", 2),
+    ]
 
 
 @pytest.mark.parametrize("version", ["0.20.0", "0.32.0"])  # old and new replay framings
@@ -245,10 +278,18 @@ def test_stale_replay_reply_dropped(sub):
 def test_dp_ranks_on_offset_ports(sub):
     port, rport = free_port_run(2), free_port_run(2)
     m = Mirror()
-    pubs = [VllmEventPublisher(f"tcp://*:{port + r}", replay_endpoint=f"tcp://*:{rport + r}",
-                               dp_rank=r) for r in range(2)]
-    for src in sources_for_engine("e", f"tcp://*:{port}", m, replay_endpoint=f"tcp://*:{rport}",
-                                  dp_size=2, engine_url="http://127.0.0.1:1"):
+    pubs = [
+        VllmEventPublisher(f"tcp://*:{port + r}", replay_endpoint=f"tcp://*:{rport + r}", dp_rank=r)
+        for r in range(2)
+    ]
+    for src in sources_for_engine(
+        "e",
+        f"tcp://*:{port}",
+        m,
+        replay_endpoint=f"tcp://*:{rport}",
+        dp_size=2,
+        engine_url="http://127.0.0.1:1",
+    ):
         sub.add(src)
     time.sleep(0.3)
     pubs[0].publish([stored("e", [1])])
@@ -284,8 +325,9 @@ def test_configured_engine_address_is_dialled_when_not_bindable(sub):
     by kvplug (in use here; another host's elsewhere), so kvplug connects to it."""
     eng = Engine("e1")
     m = Mirror()
-    src = EventSource("e1", f"tcp://127.0.0.1:{eng.port}", m,
-                      replay_endpoint=f"tcp://127.0.0.1:{eng.rport}")
+    src = EventSource(
+        "e1", f"tcp://127.0.0.1:{eng.port}", m, replay_endpoint=f"tcp://127.0.0.1:{eng.rport}"
+    )
     assert src.kvplug_binds
     sub.add(src)
     time.sleep(0.3)

@@ -29,15 +29,19 @@ def as_dict(ev) -> dict:
     d = {"kind": type(ev).__name__, "worker_id": ev.worker_id, "dp_rank": ev.dp_rank}
     if isinstance(ev, BlockStored):
         d.update(
-            tier=int(ev.tier), parent_engine_hash=ev.parent_engine_hash,
+            tier=int(ev.tier),
+            parent_engine_hash=ev.parent_engine_hash,
             engine_hashes=[int(h) for h in ev.engine_hashes],
             token_ids=None if ev.token_ids is None else [int(t) for t in ev.token_ids],
             block_size=ev.block_size,
-            lora_name=ev.lora_name, cache_salt=ev.cache_salt,
+            lora_name=ev.lora_name,
+            cache_salt=ev.cache_salt,
         )
     elif isinstance(ev, BlockRemoved):
-        d.update(tier=None if ev.tier is None else int(ev.tier),
-                 engine_hashes=[int(h) for h in ev.engine_hashes])
+        d.update(
+            tier=None if ev.tier is None else int(ev.tier),
+            engine_hashes=[int(h) for h in ev.engine_hashes],
+        )
     return d
 
 
@@ -71,20 +75,36 @@ def test_golden_encode_byte_exact(name):
     exp = meta["expected"]
     s1, s2, rm, _ = exp
     events = [
-        BlockStored(worker_id="w", engine_hashes=s1["engine_hashes"], token_ids=s1["token_ids"],
-                    block_size=32, cache_salt=s1["cache_salt"] if meta["salt"] else None),
-        BlockStored(worker_id="w", engine_hashes=s2["engine_hashes"], token_ids=s2["token_ids"],
-                    block_size=32, parent_engine_hash=s2["parent_engine_hash"]),
+        BlockStored(
+            worker_id="w",
+            engine_hashes=s1["engine_hashes"],
+            token_ids=s1["token_ids"],
+            block_size=32,
+            cache_salt=s1["cache_salt"] if meta["salt"] else None,
+        ),
+        BlockStored(
+            worker_id="w",
+            engine_hashes=s2["engine_hashes"],
+            token_ids=s2["token_ids"],
+            block_size=32,
+            parent_engine_hash=s2["parent_engine_hash"],
+        ),
         BlockRemoved(worker_id="w", engine_hashes=rm["engine_hashes"][:1], tier=Tier.DEVICE),
         BlockRemoved(worker_id="w", engine_hashes=rm["engine_hashes"][1:], tier=Tier.DEVICE),
         AllCleared(worker_id="w"),
     ]
-    got = encode_batch(events, meta["version"], ts=1795997663.76, dp_rank=meta["dp_rank"],
-                       hash_form=meta["hash_form"])
+    got = encode_batch(
+        events,
+        meta["version"],
+        ts=1795997663.76,
+        dp_rank=meta["dp_rank"],
+        hash_form=meta["hash_form"],
+    )
     if meta["hash_form"] == "bytes":  # the digest's high bytes are filler; compare decoded
         golden = BatchDecoder("w").decode((DATA / f"{name}.bin").read_bytes())
         assert [as_dict(e) for e in BatchDecoder("w").decode(got).events] == [
-            as_dict(e) for e in golden.events]
+            as_dict(e) for e in golden.events
+        ]
     else:
         assert got == (DATA / f"{name}.bin").read_bytes()
 
@@ -99,8 +119,12 @@ def test_real_vllm_bytes_match_schema_build():
 
 def test_observed_prefix_bytes_decode():
     """The batch prefix PROTOCOLS §1.9 shows from a real engine: array(3), f64, map events."""
-    ev = {"type": "BlockRemoved", "block_hashes": [4056113903006588459], "medium": "GPU",
-          "group_idx": 0}
+    ev = {
+        "type": "BlockRemoved",
+        "block_hashes": [4056113903006588459],
+        "medium": "GPU",
+        "group_idx": 0,
+    }
     payload = msgspec.msgpack.encode([1795997663.76, [ev], 0])
     assert payload[:1] == b"\x93" and payload[1:2] == b"\xcb"
     assert bytes.fromhex("cf384a361ac53b1e2b") in payload
@@ -133,16 +157,31 @@ def test_medium_tiers():
 
 
 def test_offload_store_without_tokens_is_tier_copy():
-    ev = {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
-          "token_ids": [], "block_size": 0, "lora_id": None, "medium": "CPU", "lora_name": None}
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [11, 12],
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 0,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+    }
     (e,) = BatchDecoder("w").decode(msgspec.msgpack.encode([1.0, [ev], 0])).events
     assert e.tier_copy and e.tier == Tier.HOST and list(e.engine_hashes) == [11, 12]
 
 
 def test_unknown_medium_store_dropped_remove_kept():
-    st = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-          "token_ids": list(range(32)), "block_size": 32, "lora_id": None, "medium": "TAPE",
-          "lora_name": None}
+    st = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": list(range(32)),
+        "block_size": 32,
+        "lora_id": None,
+        "medium": "TAPE",
+        "lora_name": None,
+    }
     rm = {"type": "BlockRemoved", "block_hashes": [1], "medium": "TAPE"}
     dec = BatchDecoder("w")
     b = dec.decode(msgspec.msgpack.encode([1.0, [st, rm], 0]))
@@ -151,25 +190,65 @@ def test_unknown_medium_store_dropped_remove_kept():
 
 
 def test_unknown_fields_and_future_array_fields_ignored():
-    st = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-          "token_ids": list(range(32)), "block_size": 32, "lora_id": None, "medium": "GPU",
-          "lora_name": "ad1", "session_id": "s", "ownership": "x", "locality": "LOCAL",
-          "lookahead_token_ids": [[1, 2]], "brand_new": {"a": 1}}
+    st = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": list(range(32)),
+        "block_size": 32,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": "ad1",
+        "session_id": "s",
+        "ownership": "x",
+        "locality": "LOCAL",
+        "lookahead_token_ids": [[1, 2]],
+        "brand_new": {"a": 1},
+    }
     (e,) = BatchDecoder("w").decode(msgspec.msgpack.encode([1.0, [st], 0])).events
     assert e.lora_name == "ad1" and list(e.engine_hashes) == [1]
-    arr = ["BlockStored", [1], None, list(range(32)), 32, None, "GPU", None, None, 0,
-           "full_attention", None, "LOCAL", "x", "future", 42]
+    arr = [
+        "BlockStored",
+        [1],
+        None,
+        list(range(32)),
+        32,
+        None,
+        "GPU",
+        None,
+        None,
+        0,
+        "full_attention",
+        None,
+        "LOCAL",
+        "x",
+        "future",
+        42,
+    ]
     (e,) = BatchDecoder("w").decode(msgspec.msgpack.encode([1.0, [arr], 0])).events
     assert list(e.engine_hashes) == [1] and e.block_size == 32
 
 
 def test_hybrid_non_prefix_groups_skipped():
     def st(h, g, kind):
-        return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None,
-                "token_ids": list(range(32)), "block_size": 32, "lora_id": None,
-                "medium": "GPU", "lora_name": None, "group_idx": g, "kv_cache_spec_kind": kind}
-    evs = [st(1, 0, "full_attention"), st(1, 1, "sliding_window"),
-           {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 1}]
+        return {
+            "type": "BlockStored",
+            "block_hashes": [h],
+            "parent_block_hash": None,
+            "token_ids": list(range(32)),
+            "block_size": 32,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "group_idx": g,
+            "kv_cache_spec_kind": kind,
+        }
+
+    evs = [
+        st(1, 0, "full_attention"),
+        st(1, 1, "sliding_window"),
+        {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 1},
+    ]
     dec = BatchDecoder("w")
     b = dec.decode(msgspec.msgpack.encode([1.0, evs, 0]))
     assert [type(e).__name__ for e in b.events] == ["BlockStored"]
@@ -177,9 +256,17 @@ def test_hybrid_non_prefix_groups_skipped():
 
 
 def test_multimodal_extra_keys_make_block_extra():
-    ev = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
-          "token_ids": list(range(64)), "block_size": 32, "lora_id": None, "medium": "GPU",
-          "lora_name": None, "extra_keys": [[["img-abc", 0], "salt-9"], None]}
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": None,
+        "token_ids": list(range(64)),
+        "block_size": 32,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [[["img-abc", 0], "salt-9"], None],
+    }
     (e,) = BatchDecoder("w").decode(msgspec.msgpack.encode([1.0, [ev], 0])).events
     assert e.cache_salt == "salt-9"
     assert e.block_extra is not None and e.block_extra[0] != 0 and e.block_extra[1] == 0
@@ -188,9 +275,16 @@ def test_multimodal_extra_keys_make_block_extra():
 # -- bad input ---------------------------------------------------------------------------
 
 
-GOOD = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-        "token_ids": list(range(32)), "block_size": 32, "lora_id": None, "medium": "GPU",
-        "lora_name": None}
+GOOD = {
+    "type": "BlockStored",
+    "block_hashes": [1],
+    "parent_block_hash": None,
+    "token_ids": list(range(32)),
+    "block_size": 32,
+    "lora_id": None,
+    "medium": "GPU",
+    "lora_name": None,
+}
 
 
 @pytest.mark.parametrize(
@@ -217,8 +311,16 @@ def test_bad_events_dropped_rest_kept():
     huge_hash = dict(GOOD, block_hashes=[2**64 + 5] if False else ["x"])
     unknown = {"type": "BlockTeleported", "block_hashes": [1]}
     unknown_arr = ["BlockTeleported", [1]]
-    evs = [GOOD, bad_tokens, neg_token, bad_type, huge_hash, unknown, unknown_arr,
-           dict(GOOD, block_hashes=[2])]
+    evs = [
+        GOOD,
+        bad_tokens,
+        neg_token,
+        bad_type,
+        huge_hash,
+        unknown,
+        unknown_arr,
+        dict(GOOD, block_hashes=[2]),
+    ]
     dec = BatchDecoder("w", block_size=32)
     b = dec.decode(msgspec.msgpack.encode([1.0, evs, 0]))
     assert b is not None
@@ -274,19 +376,29 @@ def _random_batches(seed: int, n: int):
             nb = rng.randrange(0, 4)
             hs = [rng.getrandbits(64) for _ in range(nb)]
             if r < 0.45:
-                evs.append(BlockStored(
-                    worker_id="w", engine_hashes=hs, block_size=32,
-                    parent_engine_hash=rng.choice([None, rng.getrandbits(64)]),
-                    token_ids=[rng.randrange(0, rng.choice([128, 256, 70000, 2**32]))
-                               for _ in range(32 * nb)],
-                    tier=rng.choice(list(Tier)), lora_name=rng.choice([None, "ad", "é"]),
-                    cache_salt=rng.choice([None, None, "s"])))
+                evs.append(
+                    BlockStored(
+                        worker_id="w",
+                        engine_hashes=hs,
+                        block_size=32,
+                        parent_engine_hash=rng.choice([None, rng.getrandbits(64)]),
+                        token_ids=[
+                            rng.randrange(0, rng.choice([128, 256, 70000, 2**32]))
+                            for _ in range(32 * nb)
+                        ],
+                        tier=rng.choice(list(Tier)),
+                        lora_name=rng.choice([None, "ad", "é"]),
+                        cache_salt=rng.choice([None, None, "s"]),
+                    )
+                )
             elif r < 0.55:
-                evs.append(BlockStored(worker_id="w", engine_hashes=hs, tier_copy=True,
-                                       tier=Tier.HOST))
+                evs.append(
+                    BlockStored(worker_id="w", engine_hashes=hs, tier_copy=True, tier=Tier.HOST)
+                )
             elif r < 0.95:
-                evs.append(BlockRemoved(worker_id="w", engine_hashes=hs,
-                                        tier=rng.choice(list(Tier))))
+                evs.append(
+                    BlockRemoved(worker_id="w", engine_hashes=hs, tier=rng.choice(list(Tier)))
+                )
             else:
                 evs.append(AllCleared(worker_id="w"))
         version = rng.choice(["0.9.0", "0.10.2", "0.17.0", "0.23.0", "0.24.0", "0.32.0"])
@@ -296,8 +408,14 @@ def _random_batches(seed: int, n: int):
 
 
 def _norm(events):
-    return [as_dict(e) | {"tier_copy": getattr(e, "tier_copy", None),
-                          "block_extra": getattr(e, "block_extra", None)} for e in events]
+    return [
+        as_dict(e)
+        | {
+            "tier_copy": getattr(e, "tier_copy", None),
+            "block_extra": getattr(e, "block_extra", None),
+        }
+        for e in events
+    ]
 
 
 @pytest.mark.skipif(not FAST_PATH, reason="compiled fast path not built")

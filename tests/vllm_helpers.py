@@ -73,8 +73,9 @@ class Mirror:
             return set(self.held.get((worker, rank), {}))
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0, pump: Callable[[], None] | None = None
-             ) -> bool:
+def wait_for(
+    cond: Callable[[], bool], timeout: float = 5.0, pump: Callable[[], None] | None = None
+) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if pump is not None:

@@ -119,16 +119,19 @@ class VllmAdapter(VllmHttpAdapter):
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.start_worker_sync,
-                                                         worker, sink)
+        await asyncio.get_running_loop().run_in_executor(None, self.start_worker_sync, worker, sink)
 
     def start_worker_sync(self, worker: Worker, sink: WorkerSink) -> EngineInfo:
         """Blocking form of ``start_worker`` (tests, threads). Raises ConfigError on a block
         size mismatch or when no event endpoint can be found."""
         topic = worker.labels.get("kv_events_topic", "") if worker.labels else ""
         info = discover(
-            worker.url, endpoint=worker.event_endpoint, replay_endpoint=worker.replay_endpoint,
-            topic=topic, dp_start=worker.dp_start, dp_size=worker.dp_size,
+            worker.url,
+            endpoint=worker.event_endpoint,
+            replay_endpoint=worker.replay_endpoint,
+            topic=topic,
+            dp_start=worker.dp_start,
+            dp_size=worker.dp_size,
             metrics_url=worker.metrics_url,
         )
         bs = check_block_size(worker.worker_id, info.block_size, sink.block_size)
@@ -136,18 +139,30 @@ class VllmAdapter(VllmHttpAdapter):
         ranks = range(worker.dp_start, worker.dp_start + worker.dp_size)
         self.subscriber.start()
         if not any(rs.dp_rank in ranks for rs in info.sources):
-            log.warning("vLLM worker %s: the engine publishes ranks %s, none in %d..%d: "
-                        "no events will be consumed", worker.worker_id,
-                        [rs.dp_rank for rs in info.sources], ranks.start, ranks.stop - 1)
+            log.warning(
+                "vLLM worker %s: the engine publishes ranks %s, none in %d..%d: "
+                "no events will be consumed",
+                worker.worker_id,
+                [rs.dp_rank for rs in info.sources],
+                ranks.start,
+                ranks.stop - 1,
+            )
         try:
             for rs in info.sources:
                 if rs.dp_rank not in ranks:
                     continue
-                self.subscriber.add(EventSource(
-                    worker_id=worker.worker_id, endpoint=rs.endpoint, sink=sink.apply_threadsafe,
-                    replay_endpoint=rs.replay_endpoint, topic=rs.topic, dp_rank=rs.dp_rank,
-                    engine_host=host, block_size=bs,
-                ))
+                self.subscriber.add(
+                    EventSource(
+                        worker_id=worker.worker_id,
+                        endpoint=rs.endpoint,
+                        sink=sink.apply_threadsafe,
+                        replay_endpoint=rs.replay_endpoint,
+                        topic=rs.topic,
+                        dp_rank=rs.dp_rank,
+                        engine_host=host,
+                        block_size=bs,
+                    )
+                )
         except Exception:
             self.subscriber.remove(worker.worker_id)  # a failed start leaves nothing behind
             raise
@@ -155,6 +170,7 @@ class VllmAdapter(VllmHttpAdapter):
         murl = worker.metrics_url or (worker.url.rstrip("/") + "/metrics" if worker.url else None)
         run = _WorkerRun(worker.worker_id, info, None)
         if murl:
+
             def on_sample(s: MetricsSample, _run: _WorkerRun = run) -> None:
                 self._check_restart(_run, s)
                 sink.set_attributes(s.attributes)  # stamped on the router's clock
@@ -165,8 +181,13 @@ class VllmAdapter(VllmHttpAdapter):
                 if n >= self.unhealthy_after:
                     self._set_alive(_run, False)
 
-            scraper = MetricsScraper(murl, on_sample, period=self.metrics_period,
-                                     on_failure=on_failure, unhealthy_after=self.unhealthy_after)
+            scraper = MetricsScraper(
+                murl,
+                on_sample,
+                period=self.metrics_period,
+                on_failure=on_failure,
+                unhealthy_after=self.unhealthy_after,
+            )
             run.scraper = scraper
             scraper.start()
         self._report_capacity(run, sink, info.num_gpu_blocks)
@@ -175,9 +196,14 @@ class VllmAdapter(VllmHttpAdapter):
             self._runs[worker.worker_id] = run
         if old is not None and old.scraper is not None:
             old.scraper.stop()
-        log.info("vLLM worker %s: %d event source(s) (%s), block size %s, %s GPU blocks",
-                 worker.worker_id, len(info.sources),
-                 "discovered" if info.discovered else "configured", bs, info.num_gpu_blocks)
+        log.info(
+            "vLLM worker %s: %d event source(s) (%s), block size %s, %s GPU blocks",
+            worker.worker_id,
+            len(info.sources),
+            "discovered" if info.discovered else "configured",
+            bs,
+            info.num_gpu_blocks,
+        )
         return info
 
     async def stop_worker(self, worker_id: str) -> None:
@@ -199,8 +225,10 @@ class VllmAdapter(VllmHttpAdapter):
         self.subscriber.stop()
 
     def stats(self) -> dict[str, Any]:
-        return {"subscriber": self.subscriber.stats(),
-                "alive": {w: r.alive for w, r in self._runs.items()}}
+        return {
+            "subscriber": self.subscriber.stats(),
+            "alive": {w: r.alive for w, r in self._runs.items()},
+        }
 
     # -- P/D ------------------------------------------------------------------------------------
     def prefill_request(self, body: dict[str, Any], ctx: PDContext) -> dict[str, Any]:
@@ -220,8 +248,9 @@ class RouterSink:
     whatever calls ``route``) — the subscriber thread applies events concurrently.
     """
 
-    def __init__(self, router: Any, worker_id: str, block_size: int,
-                 lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self, router: Any, worker_id: str, block_size: int, lock: threading.Lock | None = None
+    ) -> None:
         self.router = router
         self.worker_id = worker_id
         self.block_size = block_size

@@ -69,8 +69,9 @@ def fetch_event_sources(base_url: str, timeout: float = 2.0) -> list[RankSource]
         endpoint = cfg.get("endpoint")
         if not isinstance(endpoint, str):
             continue
-        out.append(RankSource(int(rank), endpoint, cfg.get("replay_endpoint"),
-                              str(cfg.get("topic") or "")))
+        out.append(
+            RankSource(int(rank), endpoint, cfg.get("replay_endpoint"), str(cfg.get("topic") or ""))
+        )
     return out or None
 
 
@@ -79,8 +80,9 @@ def configured_sources(
 ) -> list[RankSource]:
     """Sources from configuration, offset per DP rank the way vLLM offsets them."""
     return [
-        RankSource(r, offset_endpoint(endpoint, r) or endpoint,
-                   offset_endpoint(replay_endpoint, r), topic)
+        RankSource(
+            r, offset_endpoint(endpoint, r) or endpoint, offset_endpoint(replay_endpoint, r), topic
+        )
         for r in range(dp_start, dp_start + dp_size)
     ]
 
@@ -103,8 +105,9 @@ def discover(
         try:
             sources = fetch_event_sources(base_url, timeout)
         except (OSError, ValueError) as e:
-            log.warning("vLLM %s: GET /kv_event_sources failed (%s); using configuration",
-                        base_url, e)
+            log.warning(
+                "vLLM %s: GET /kv_event_sources failed (%s); using configuration", base_url, e
+            )
     discovered = sources is not None
     if sources is None:
         if not endpoint:
@@ -127,14 +130,21 @@ def discover(
     return info
 
 
-def check_block_size(worker_id: str, engine_block_size: int | None, router_block_size: int,
-                     configured: int | None = None) -> int:
+def check_block_size(
+    worker_id: str,
+    engine_block_size: int | None,
+    router_block_size: int,
+    configured: int | None = None,
+) -> int:
     """The engine's block size, refusing one that differs from the router's (loudly)."""
     bs = engine_block_size or configured
     if bs is None:
-        log.warning("vLLM %s: block size unknown (no cache_config_info); assuming the router's "
-                    "%d — stores of another size will be dropped and counted", worker_id,
-                    router_block_size)
+        log.warning(
+            "vLLM %s: block size unknown (no cache_config_info); assuming the router's "
+            "%d — stores of another size will be dropped and counted",
+            worker_id,
+            router_block_size,
+        )
         return router_block_size
     if bs != router_block_size:
         raise ConfigError(

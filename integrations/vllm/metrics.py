@@ -27,16 +27,20 @@ _GAUGES: dict[str, tuple[tuple[str, ...], str]] = {
     "num_requests_running": (("vllm:num_requests_running",), "sum"),
     "num_requests_waiting": (("vllm:num_requests_waiting",), "sum"),
     "kv_cache_usage": (("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), "mean"),
-    "prefix_cache_queries": (("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
-                             "sum"),
+    "prefix_cache_queries": (("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"), "sum"),
     "prefix_cache_hits": (("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"), "sum"),
     "external_prefix_cache_queries": (("vllm:external_prefix_cache_queries",), "sum"),
     "external_prefix_cache_hits": (("vllm:external_prefix_cache_hits",), "sum"),
     "num_preemptions": (("vllm:num_preemptions",), "sum"),
 }
 _CACHE_INFO = "vllm:cache_config_info"
-_CACHE_NUMERIC = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "hash_block_size",
-                  "gpu_memory_utilization")
+_CACHE_NUMERIC = (
+    "block_size",
+    "num_gpu_blocks",
+    "num_cpu_blocks",
+    "hash_block_size",
+    "gpu_memory_utilization",
+)
 
 
 @dataclass
@@ -102,14 +106,20 @@ def parse_metrics(text: str, ts: float | None = None) -> MetricsSample:
         except ValueError:
             pass
     # the names kvplug's scorers and filters read (llm-d style)
-    for alias, src in (("queue_depth", "num_requests_waiting"),
-                       ("running_requests", "num_requests_running"),
-                       ("kv_usage", "kv_cache_usage"),
-                       ("gpu_cache_usage_perc", "kv_cache_usage")):
+    for alias, src in (
+        ("queue_depth", "num_requests_waiting"),
+        ("running_requests", "num_requests_running"),
+        ("kv_usage", "kv_cache_usage"),
+        ("gpu_cache_usage_perc", "kv_cache_usage"),
+    ):
         if src in attrs:
             attrs[alias] = attrs[src]
-    return MetricsSample(ts=time.time() if ts is None else ts, attributes=attrs,
-                         cache_config=cache_config, per_engine=per_engine)
+    return MetricsSample(
+        ts=time.time() if ts is None else ts,
+        attributes=attrs,
+        cache_config=cache_config,
+        per_engine=per_engine,
+    )
 
 
 def scrape(url: str, timeout: float = 2.0) -> MetricsSample:
@@ -159,8 +169,9 @@ class MetricsScraper:
         except Exception as e:  # network errors, bad text: counted, never fatal
             self.failures += 1
             if self.failures in (1, self.unhealthy_after) or self.failures % 100 == 0:
-                log.warning("vLLM metrics %s: scrape failed (%d in a row): %s",
-                            self.url, self.failures, e)
+                log.warning(
+                    "vLLM metrics %s: scrape failed (%d in a row): %s", self.url, self.failures, e
+                )
             if self.on_failure is not None:
                 self.on_failure(self.failures, e)
             return None
@@ -172,8 +183,9 @@ class MetricsScraper:
 
     def start(self) -> MetricsScraper:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvplug-vllm-metrics",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="kvplug-vllm-metrics", daemon=True
+            )
             self._thread.start()
         return self
 

@@ -67,8 +67,9 @@ class VllmEventPublisher:
             events, self.version, ts=ts, dp_rank=self.dp_rank, hash_form=self.hash_form
         )
 
-    def publish(self, events: Iterable[KvEvent], *, ts: float | None = None,
-                send: bool = True) -> int:
+    def publish(
+        self, events: Iterable[KvEvent], *, ts: float | None = None, send: bool = True
+    ) -> int:
         """Encode and publish one batch; returns its seq. ``send=False`` buffers it for replay
         without sending it live (a message the subscriber 'lost')."""
         return self.publish_payload(self.encode(events, ts), send=send)

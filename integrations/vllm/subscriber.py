@@ -387,10 +387,13 @@ class VllmSubscriber:
             return  # the sequence numbers showed this restart already
         for st in streams:
             st.stats.restarts += 1
-            log.warning("vLLM events: %s rank %d: engine restarted; clearing its blocks and "
-                        "rebuilding from its replay buffer", st.src.worker_id, st.src.dp_rank)
-            self._emit(st, [AllCleared(worker_id=st.src.worker_id, dp_rank=st.src.dp_rank)],
-                       out)
+            log.warning(
+                "vLLM events: %s rank %d: engine restarted; clearing its blocks and "
+                "rebuilding from its replay buffer",
+                st.src.worker_id,
+                st.src.dp_rank,
+            )
+            self._emit(st, [AllCleared(worker_id=st.src.worker_id, dp_rank=st.src.dp_rank)], out)
             self._close_replay(st)
             st.replaying = False
             st.pending = []
@@ -419,8 +422,12 @@ class VllmSubscriber:
                     # bound it (a configured endpoint naming the engine's address). Dial it.
                     sock.close(linger=0)
                     sock = None
-                    log.info("vLLM events: %s: cannot bind %s (%s); connecting instead",
-                             src.worker_id, src.address, e)
+                    log.info(
+                        "vLLM events: %s: cannot bind %s (%s); connecting instead",
+                        src.worker_id,
+                        src.address,
+                        e,
+                    )
                     src.endpoint_mode = "connect"
                 else:
                     self._bound[src.address] = sock
@@ -436,8 +443,12 @@ class VllmSubscriber:
         self._streams[key] = _Stream(src, BatchDecoder(src.worker_id, block_size=src.block_size))
         log.info(
             "vLLM events: %s rank %d %s %s (topic %r, replay %s)",
-            src.worker_id, src.dp_rank, "bound" if src.kvplug_binds else "connected to",
-            src.address, src.topic, src.replay_address,
+            src.worker_id,
+            src.dp_rank,
+            "bound" if src.kvplug_binds else "connected to",
+            src.address,
+            src.topic,
+            src.replay_address,
         )
 
     def _new_sub(self) -> zmq.Socket:
@@ -492,8 +503,9 @@ class VllmSubscriber:
                 self._on_replay(st, frames, out)
             except Exception:
                 self.counters["internal_errors"] += 1
-                log.exception("vLLM replay from %s: reply dropped after an internal error",
-                              st.src.worker_id)
+                log.exception(
+                    "vLLM replay from %s: reply dropped after an internal error", st.src.worker_id
+                )
             if st.replay_sock is None:
                 break
 
@@ -522,8 +534,12 @@ class VllmSubscriber:
         ranks = routes.get(None) if connected else routes.get(topic)
         if not ranks:
             self.counters["unknown_source"] += 1
-            self._droplog("unknown", "vLLM events: batch seq %d on topic %r from an unknown "
-                          "engine dropped", seq, topic)
+            self._droplog(
+                "unknown",
+                "vLLM events: batch seq %d on topic %r from an unknown engine dropped",
+                seq,
+                topic,
+            )
             return
         first = next(iter(ranks.values()))
         batch = first.decoder.decode(payload, dp_rank=first.src.dp_rank)
@@ -536,8 +552,14 @@ class VllmSubscriber:
                 st = first
             elif st is None:
                 self.counters["unknown_source"] += 1
-                self._droplog("unknown", "vLLM events: batch seq %d (topic %r) from rank %d, "
-                              "which is not configured, dropped", seq, topic, batch.dp_rank)
+                self._droplog(
+                    "unknown",
+                    "vLLM events: batch seq %d (topic %r) from rank %d, "
+                    "which is not configured, dropped",
+                    seq,
+                    topic,
+                    batch.dp_rank,
+                )
                 return
             elif st is not first:
                 batch = st.decoder.decode(payload, dp_rank=st.src.dp_rank)  # per-rank stats
@@ -565,8 +587,13 @@ class VllmSubscriber:
             return
         if seq > st.expected:
             s.gaps += 1
-            log.warning("vLLM events: %s rank %d gap: expected seq %d, got %d",
-                        st.src.worker_id, st.src.dp_rank, st.expected, seq)
+            log.warning(
+                "vLLM events: %s rank %d gap: expected seq %d, got %d",
+                st.src.worker_id,
+                st.src.dp_rank,
+                st.expected,
+                seq,
+            )
             st.pending.append((seq, payload))
             if st.src.replay_address:
                 self._start_replay(st, st.expected, out)
@@ -578,8 +605,13 @@ class VllmSubscriber:
             s.duplicates += 1
             return
         s.restarts += 1
-        log.warning("vLLM events: %s rank %d: seq %d after %d: engine restarted, clearing its "
-                    "blocks", st.src.worker_id, st.src.dp_rank, seq, st.expected - 1)
+        log.warning(
+            "vLLM events: %s rank %d: seq %d after %d: engine restarted, clearing its blocks",
+            st.src.worker_id,
+            st.src.dp_rank,
+            seq,
+            st.expected - 1,
+        )
         self._emit(st, [AllCleared(worker_id=st.src.worker_id, dp_rank=st.src.dp_rank)], out)
         st.expected = 0
         if seq > 0 and st.src.replay_address:
@@ -601,19 +633,36 @@ class VllmSubscriber:
             batch = st.decoder.decode(payload, dp_rank=st.src.dp_rank)
         if batch is None:
             s.malformed += 1
-            self._droplog("batch", "vLLM events: %s rank %d seq %d: %s; batch dropped",
-                          st.src.worker_id, st.src.dp_rank, seq, st.decoder.stats.last_error)
+            self._droplog(
+                "batch",
+                "vLLM events: %s rank %d seq %d: %s; batch dropped",
+                st.src.worker_id,
+                st.src.dp_rank,
+                seq,
+                st.decoder.stats.last_error,
+            )
             return
         if batch.dropped:
             s.dropped_events += batch.dropped
-            self._droplog("event", "vLLM events: %s rank %d seq %d: dropped %d event(s): %s",
-                          st.src.worker_id, st.src.dp_rank, seq, batch.dropped,
-                          st.decoder.stats.last_error)
+            self._droplog(
+                "event",
+                "vLLM events: %s rank %d seq %d: dropped %d event(s): %s",
+                st.src.worker_id,
+                st.src.dp_rank,
+                seq,
+                batch.dropped,
+                st.decoder.stats.last_error,
+            )
         s.events += len(batch.events)
         if batch.dp_rank is not None and batch.dp_rank != st.src.dp_rank:
             # a socket (or topic) configured for one rank: trust the configuration, say so
-            self._droplog("rank", "vLLM events: %s: batch says rank %d on rank %d's socket",
-                          st.src.worker_id, batch.dp_rank, st.src.dp_rank)
+            self._droplog(
+                "rank",
+                "vLLM events: %s: batch says rank %d on rank %d's socket",
+                st.src.worker_id,
+                batch.dp_rank,
+                st.src.dp_rank,
+            )
             evs = [_with_rank(e, st.src.dp_rank) for e in batch.events]
         else:
             evs = batch.events
@@ -663,8 +712,9 @@ class VllmSubscriber:
             item = parse_replay_reply(frames)
         except WireError as e:
             self.counters["malformed_frames"] += 1
-            self._droplog("replay", "vLLM replay from %s: malformed reply dropped: %s",
-                          st.src.worker_id, e)
+            self._droplog(
+                "replay", "vLLM replay from %s: malformed reply dropped: %s", st.src.worker_id, e
+            )
             return
         if item is None:
             self._finish_replay(st, out)
@@ -681,8 +731,14 @@ class VllmSubscriber:
         if item.seq < st.expected:
             s.stale_replies += 1
             self.counters["stale_replies"] += 1
-            self._droplog("stale", "vLLM replay from %s rank %d: stale seq %d (have up to %d) "
-                          "dropped", st.src.worker_id, st.src.dp_rank, item.seq, st.expected - 1)
+            self._droplog(
+                "stale",
+                "vLLM replay from %s rank %d: stale seq %d (have up to %d) dropped",
+                st.src.worker_id,
+                st.src.dp_rank,
+                item.seq,
+                st.expected - 1,
+            )
             return
         if item.seq > st.expected:
             self._lost(st, item.seq, out)
@@ -695,14 +751,23 @@ class VllmSubscriber:
         if st.catching_up and st.expected == 0:
             # the engine ran before kvplug joined and no longer buffers its first batches:
             # expected, and nothing is indexed yet that could be stale
-            log.info("vLLM events: %s rank %d: joined at seq %d (older batches not buffered)",
-                     st.src.worker_id, st.src.dp_rank, next_seq)
+            log.info(
+                "vLLM events: %s rank %d: joined at seq %d (older batches not buffered)",
+                st.src.worker_id,
+                st.src.dp_rank,
+                next_seq,
+            )
             st.expected = next_seq
             return
         s.replay_failures += 1
         s.missed_batches += next_seq - (st.expected or 0)
-        log.warning("vLLM events: %s rank %d lost batches %d..%d; clearing its blocks",
-                    st.src.worker_id, st.src.dp_rank, st.expected, next_seq - 1)
+        log.warning(
+            "vLLM events: %s rank %d lost batches %d..%d; clearing its blocks",
+            st.src.worker_id,
+            st.src.dp_rank,
+            st.expected,
+            next_seq - 1,
+        )
         self._emit(st, [AllCleared(worker_id=st.src.worker_id, dp_rank=st.src.dp_rank)], out)
         st.expected = next_seq
 
@@ -723,8 +788,11 @@ class VllmSubscriber:
         now = time.monotonic()
         for st in self._streams.values():
             if st.replaying and now > st.replay_deadline:
-                log.warning("vLLM events: replay from %s rank %d timed out",
-                            st.src.worker_id, st.src.dp_rank)
+                log.warning(
+                    "vLLM events: replay from %s rank %d timed out",
+                    st.src.worker_id,
+                    st.src.dp_rank,
+                )
                 self._finish_replay(st, out)
 
 

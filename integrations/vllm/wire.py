@@ -38,8 +38,14 @@ MAP_FORM_SINCE = (0, 24, 0)  # first vLLM version that encodes events as maps wi
 DEFAULT_MAX_EVENT_TOKENS = 1 << 21  # one event carrying more tokens is dropped as absurd
 # KV-cache group kinds whose blocks do not describe a reusable prompt prefix (hybrid models)
 NON_PREFIX_KINDS = frozenset(
-    {"sliding_window", "sliding_window_mla", "mamba", "chunked_local_attention",
-     "encoder_only_attention", "cross_attention"}
+    {
+        "sliding_window",
+        "sliding_window_mla",
+        "mamba",
+        "chunked_local_attention",
+        "encoder_only_attention",
+        "cross_attention",
+    }
 )
 
 # -------------------------------------------------------------------------------------------
@@ -352,7 +358,7 @@ class BatchDecoder:
         keys_of: dict[int, Any] = {}
         for i, rec in enumerate(records):
             if rec[0] == "S" and rec[7] is not None:
-                keys = _DEC_ANY.decode(payload[rec[7][0]:rec[7][1]])
+                keys = _DEC_ANY.decode(payload[rec[7][0] : rec[7][1]])
                 if not isinstance(keys, list):
                     return None  # the msgspec path rejects and counts it
                 keys_of[i] = keys
@@ -371,21 +377,41 @@ class BatchDecoder:
                 st.stored_blocks += n
                 if tokens is None:
                     st.tier_copies += 1
-                    out.append(BlockStored(worker_id=wid, dp_rank=rank, tier=_TIERS[tier],
-                                           parent_engine_hash=parent, engine_hashes=hashes,
-                                           tier_copy=True))
+                    out.append(
+                        BlockStored(
+                            worker_id=wid,
+                            dp_rank=rank,
+                            tier=_TIERS[tier],
+                            parent_engine_hash=parent,
+                            engine_hashes=hashes,
+                            tier_copy=True,
+                        )
+                    )
                     continue
                 salt = extras = None
                 if i in keys_of:
                     salt, extras = split_extra_keys(keys_of[i], n, lora, parent is None)
-                out.append(BlockStored(worker_id=wid, dp_rank=rank, tier=_TIERS[tier],
-                                       parent_engine_hash=parent, engine_hashes=hashes,
-                                       token_ids=tokens, block_size=bs, lora_name=lora,
-                                       cache_salt=salt, block_extra=extras))
+                out.append(
+                    BlockStored(
+                        worker_id=wid,
+                        dp_rank=rank,
+                        tier=_TIERS[tier],
+                        parent_engine_hash=parent,
+                        engine_hashes=hashes,
+                        token_ids=tokens,
+                        block_size=bs,
+                        lora_name=lora,
+                        cache_salt=salt,
+                        block_extra=extras,
+                    )
+                )
             elif kind == "R":
                 st.removed_blocks += len(rec[1])
-                out.append(BlockRemoved(worker_id=wid, dp_rank=rank, tier=_TIERS[rec[2]],
-                                        engine_hashes=rec[1]))
+                out.append(
+                    BlockRemoved(
+                        worker_id=wid, dp_rank=rank, tier=_TIERS[rec[2]], engine_hashes=rec[1]
+                    )
+                )
             else:
                 st.cleared += 1
                 out.append(AllCleared(worker_id=wid, dp_rank=rank))
@@ -588,8 +614,7 @@ class BatchDecoder:
                 f"BlockStored: {len(tokens)} token ids for {n} blocks of block_size {bs}"
             )
             return 1
-        salt, extras = split_extra_keys(ev.extra_keys, n, ev.lora_name, parent is None,
-                                        ev.lora_id)
+        salt, extras = split_extra_keys(ev.extra_keys, n, ev.lora_name, parent is None, ev.lora_id)
         st.stored_blocks += n
         out.append(
             BlockStored(
@@ -704,8 +729,15 @@ _REMOVED_FIELDS = (
 )
 DP_RANK_SINCE = (0, 9, 2)
 # Fields without a default (always present, even when None); the rest are omitted when None.
-_REQUIRED = {"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-             "lora_name"}
+_REQUIRED = {
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+}
 
 
 def _wire_hash(h: int, hash_form: str) -> int | bytes:

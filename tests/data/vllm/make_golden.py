@@ -104,8 +104,12 @@ def case(name: str, version: str, form: str, *, salt: bool, rank: int = 0, extra
     if "group_idx" in fields:
         kw["group_idx"] = 0
     stored1 = s["BlockStored"](**kw)
-    kw2 = dict(kw, block_hashes=[wire_hash(H[2], form)], token_ids=TOKENS[:32],
-               parent_block_hash=wire_hash(H[1], form))
+    kw2 = dict(
+        kw,
+        block_hashes=[wire_hash(H[2], form)],
+        token_ids=TOKENS[:32],
+        parent_block_hash=wire_hash(H[1], form),
+    )
     if "extra_keys" in kw2:
         kw2["extra_keys"] = None
     stored2 = s["BlockStored"](**kw2)
@@ -123,21 +127,52 @@ def case(name: str, version: str, form: str, *, salt: bool, rank: int = 0, extra
     payload = msgspec.msgpack.encode(s["Batch"](**batch_kw))
     worker = "w"
     expected = [
-        {"kind": "BlockStored", "worker_id": worker, "dp_rank": rank, "tier": 0,
-         "parent_engine_hash": None, "engine_hashes": H[:2], "token_ids": TOKENS,
-         "block_size": 32, "lora_name": None,
-         "cache_salt": "tenant-1" if salt and v >= (0, 17, 0) else None},
-        {"kind": "BlockStored", "worker_id": worker, "dp_rank": rank, "tier": 0,
-         "parent_engine_hash": H[1], "engine_hashes": [H[2]], "token_ids": TOKENS[:32],
-         "block_size": 32, "lora_name": None, "cache_salt": None},
-        {"kind": "BlockRemoved", "worker_id": worker, "dp_rank": rank, "tier": 0,
-         "engine_hashes": [H[0], H[2]]},
+        {
+            "kind": "BlockStored",
+            "worker_id": worker,
+            "dp_rank": rank,
+            "tier": 0,
+            "parent_engine_hash": None,
+            "engine_hashes": H[:2],
+            "token_ids": TOKENS,
+            "block_size": 32,
+            "lora_name": None,
+            "cache_salt": "tenant-1" if salt and v >= (0, 17, 0) else None,
+        },
+        {
+            "kind": "BlockStored",
+            "worker_id": worker,
+            "dp_rank": rank,
+            "tier": 0,
+            "parent_engine_hash": H[1],
+            "engine_hashes": [H[2]],
+            "token_ids": TOKENS[:32],
+            "block_size": 32,
+            "lora_name": None,
+            "cache_salt": None,
+        },
+        {
+            "kind": "BlockRemoved",
+            "worker_id": worker,
+            "dp_rank": rank,
+            "tier": 0,
+            "engine_hashes": [H[0], H[2]],
+        },
         {"kind": "AllCleared", "worker_id": worker, "dp_rank": rank},
     ]
     (HERE / f"{name}.bin").write_bytes(payload)
     (HERE / f"{name}.json").write_text(
-        json.dumps({"version": version, "hash_form": form, "salt": salt, "dp_rank": rank,
-                    "expected": expected}, indent=1) + "\n"
+        json.dumps(
+            {
+                "version": version,
+                "hash_form": form,
+                "salt": salt,
+                "dp_rank": rank,
+                "expected": expected,
+            },
+            indent=1,
+        )
+        + "\n"
     )
     print(f"{name}: {len(payload)} bytes")
 
@@ -162,8 +197,17 @@ sys.stdout.buffer.write(msgspec.msgpack.encode(KVEventBatch(ts=float(sys.argv[3]
 
 def vllm_case(vllm_python: str) -> None:
     out = subprocess.run(
-        [vllm_python, "-c", VLLM_SNIPPET, ",".join(map(str, H)), ",".join(map(str, TOKENS)),
-         repr(TS)], capture_output=True, check=True, cwd="/",
+        [
+            vllm_python,
+            "-c",
+            VLLM_SNIPPET,
+            ",".join(map(str, H)),
+            ",".join(map(str, TOKENS)),
+            repr(TS),
+        ],
+        capture_output=True,
+        check=True,
+        cwd="/",
     ).stdout
     (HERE / "v0.32.0-vllm.bin").write_bytes(out)
     print(f"v0.32.0-vllm: {len(out)} bytes (vLLM's own encoder)")
