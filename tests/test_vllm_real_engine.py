@@ -166,7 +166,12 @@ def test_kvplug_serve_routes_by_prefix_on_real_engines(engines, tmp_path):
         sys_p = "".join(rng.choice("abcdefgh ") for _ in range(384))  # 12 blocks of 1-byte tokens
         first = complete(sys_p + " first question")
         time.sleep(1.0)  # the engine's events reach the index
-        follow = [complete(sys_p + f" follow-up {i}") for i in range(6)]
+        follow = []
+        for i in range(6):
+            # spaced like a client's turns: the frontend releases a finished request's load
+            # just after answering, and this test is about prefix affinity, not load races
+            time.sleep(0.5)
+            follow.append(complete(sys_p + f" follow-up {i}"))
         # a load-only policy would spread these; the cached 12-block prefix keeps them together
         assert follow == [first] * 6, (first, follow)
     finally:
