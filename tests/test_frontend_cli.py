@@ -3,11 +3,8 @@ fleet given as a workers YAML file."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +14,7 @@ import pytest
 
 from kvplug.cli import build_parser
 from kvplug.frontend.stub_engine import StubEngine
+from kvplug.testing import free_ports, serve_command, stop_process, wait_ready_async
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(90)
@@ -60,12 +58,6 @@ def test_bad_worker_config_exits_with_a_message(tmp_path):
     assert proc.returncode == 2 and "role" in proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_serve_process_with_a_worker_config(tmp_path):
     engines = [StubEngine(f"e{i}", model="m1") for i in range(2)]
     for e in engines:
@@ -78,42 +70,23 @@ async def test_serve_process_with_a_worker_config(tmp_path):
             for i, e in enumerate(engines)
         )
     )
-    port, admin_port = _free_port(), _free_port()
+    port, admin_port = free_ports(2)
     env = {**os.environ, "KVPLUG_ADMIN_TOKEN": "tok"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvplug.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--admin-port",
-            str(admin_port),
-            "--worker-config",
-            str(cfg),
-            "--kv-block-size",
-            "16",
-            "--log-level",
-            "warning",
-        ],
-        cwd=ROOT,
-        env=env,
+    cmd = serve_command(
+        port,
+        "--worker-config",
+        str(cfg),
+        "--kv-block-size",
+        "16",
+        "--log-level",
+        "warning",
+        admin_port=admin_port,
     )
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
+        await wait_ready_async(url + "/ready", proc=proc, timeout=30)
         async with aiohttp.ClientSession() as s:
-            for _ in range(150):
-                try:
-                    async with s.get(url + "/ready") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                assert proc.poll() is None, "kvplug serve exited"
-                await asyncio.sleep(0.2)
             body = {"model": "m1", "prompt": list(range(64)), "max_tokens": 3, "stream": True}
             async with s.post(url + "/v1/completions", json=body) as r:
                 assert r.status == 200
@@ -129,11 +102,7 @@ async def test_serve_process_with_a_worker_config(tmp_path):
             async with s.post(url + "/v1/completions", data=b"{") as r:
                 assert r.status == 400 and json.loads(await r.read())["error"]["code"]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         for e in engines:
             await e.stop()
     assert proc.returncode == 0

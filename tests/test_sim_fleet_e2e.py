@@ -4,6 +4,7 @@ its ZMQ KV events, and routes follow-up prompts to the engine that cached their 
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,19 +14,15 @@ import urllib.request
 
 import pytest
 
+from kvplug.testing import free_port, serve_command, stop_process, wait_ready
+
 MODEL = "sim-llama-3-8b"  # kvplug sim's default served model name
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _free_pair() -> int:
     """A port p with p and p + 1 both free (the two engines of the fleet use p and p + 1)."""
     for _ in range(50):
-        p = _free_port()
+        p = free_port()
         try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", p + 1))
@@ -33,17 +30,6 @@ def _free_pair() -> int:
         except OSError:
             continue
     pytest.skip("no two adjacent free ports")
-
-
-def _wait_http(url: str, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except (urllib.error.URLError, ConnectionError, OSError):
-            time.sleep(0.1)
-    raise AssertionError(f"{url} did not come up")
 
 
 def _wait_for_event_streams(front: str, engines: dict[str, int], timeout: float = 20.0) -> None:
@@ -73,6 +59,20 @@ def _wait_for_event_streams(front: str, engines: dict[str, int], timeout: float 
     raise AssertionError("kvplug received no KV events from the simulated engines")
 
 
+def _wait_index_blocks(front: str, at_least: int, timeout: float = 20.0) -> None:
+    key = 'kvplug_router_stat{stat="index.blocks"} '
+    end = time.monotonic() + timeout
+    blocks = 0.0
+    while time.monotonic() < end:
+        with urllib.request.urlopen(front + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        blocks = float(text.split(key)[1].split()[0]) if key in text else 0.0
+        if blocks >= at_least:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"router indexed {blocks} blocks, expected at least {at_least}")
+
+
 def _post(url: str, body: dict) -> tuple[dict, dict]:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -84,11 +84,11 @@ def _post(url: str, body: dict) -> tuple[dict, dict]:
 @pytest.fixture(params=["engines-bind", "router-binds"])
 def fleet_and_frontend(request):
     base, ev, rp = _free_pair(), _free_pair(), _free_pair()  # engine i uses port + i
-    front = _free_port()
+    front = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     extra = []
     if request.param == "router-binds":  # one SUB bound by kvplug, engines told apart by topic
-        extra = ["--events-connect", f"tcp://127.0.0.1:{_free_port()}"]
+        extra = ["--events-connect", f"tcp://127.0.0.1:{free_port()}"]
     sim = subprocess.Popen(
         [
             sys.executable,
@@ -113,18 +113,11 @@ def fleet_and_frontend(request):
     )
     serve = None
     try:
-        _wait_http(f"http://127.0.0.1:{base}/health")
-        _wait_http(f"http://127.0.0.1:{base + 1}/health")
+        wait_ready(f"http://127.0.0.1:{base}/health", proc=sim, timeout=20, interval=0.1)
+        wait_ready(f"http://127.0.0.1:{base + 1}/health", proc=sim, timeout=20, interval=0.1)
         serve = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvplug.cli",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(front),
+            serve_command(
+                front,
                 "--kv-block-size",
                 "16",
                 "--log-level",
@@ -133,22 +126,17 @@ def fleet_and_frontend(request):
                 f"a=http://127.0.0.1:{base}",
                 "--worker",
                 f"b=http://127.0.0.1:{base + 1}",
-            ],
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
         )
-        _wait_http(f"http://127.0.0.1:{front}/v1/models")
+        wait_ready(f"http://127.0.0.1:{front}/v1/models", proc=serve, timeout=20, interval=0.1)
         _wait_for_event_streams(f"http://127.0.0.1:{front}", {"a": base, "b": base + 1})
         yield f"http://127.0.0.1:{front}"
     finally:
         for p in (serve, sim):
-            if p is not None:
-                p.terminate()
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_process(p, timeout=5, sig=signal.SIGTERM)
 
 
 def test_follow_ups_go_to_the_engine_holding_their_prefix(fleet_and_frontend):
@@ -162,7 +150,8 @@ def test_follow_ups_go_to_the_engine_holding_their_prefix(fleet_and_frontend):
         headers, body = _post(url, {"model": MODEL, "prompt": doc + " Q0?", "max_tokens": 4})
         home[name] = headers["x-kvplug-worker"]
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    time.sleep(0.5)  # let the engines' KV events reach the router
+    # the engines' KV events reach the router asynchronously: wait until it indexes both documents
+    _wait_index_blocks(fleet_and_frontend, sum(len(doc.encode()) // 16 for doc in docs.values()))
     for i in range(1, 5):
         for name, doc in docs.items():
             headers, body = _post(url, {"model": MODEL, "prompt": doc + f" Q{i}?", "max_tokens": 4})

@@ -6,19 +6,19 @@ them back verbatim)."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import os
-import socket
+import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
 from aiohttp import web
+
+from kvplug.testing import free_ports, serve_command, stop_process, wait_ready_async
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "trtllm"
@@ -183,18 +183,6 @@ class FakeTrtllmServe:
         await self.runner.cleanup()
 
 
-def _free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (held open together, so no two are the same)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @pytest.mark.timeout(120)
 async def test_disaggregated_request_through_kvplug_serve(tmp_path):
     ctx, gen = FakeTrtllmServe("context"), FakeTrtllmServe("generation")
@@ -211,41 +199,21 @@ async def test_disaggregated_request_through_kvplug_serve(tmp_path):
             }
         )
     )
-    port, admin_port = _free_ports(2)
+    port, admin_port = free_ports(2)
+    log = tmp_path / "log"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvplug.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--admin-port",
-            str(admin_port),
-            "--worker-config",
-            str(config),
-            "--kv-block-size",
-            "32",
-        ],
+        serve_command(
+            port, "--worker-config", str(config), "--kv-block-size", "32", admin_port=admin_port
+        ),
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "log", "w"),
+        stderr=open(log, "w"),
     )
     base = f"http://127.0.0.1:{port}"
     try:
+        await wait_ready_async(base + "/health", proc=proc, timeout=90, interval=0.1, log=log)
         async with aiohttp.ClientSession() as session:
-            for _ in range(600):
-                assert proc.poll() is None, (tmp_path / "log").read_text()
-                try:
-                    async with session.get(base + "/health") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.1)
             body = {
                 "model": "llama",
                 "prompt": "The quick brown fox",
@@ -289,10 +257,6 @@ async def test_disaggregated_request_through_kvplug_serve(tmp_path):
             ]
             assert "".join(texts) == " the quick brown fox" and raw.rstrip().endswith(b"[DONE]")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, timeout=10, sig=signal.SIGTERM)
         await ctx.stop()
         await gen.stop()

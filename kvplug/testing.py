@@ -1,0 +1,142 @@
+"""Run `kvplug serve` (or an engine) as a subprocess and wait until it answers.
+
+Used by kvplug's own process-level tests and benchmarks; also handy in a deployment's smoke
+tests. Readiness is polled (with a deadline), never slept for, and a child that exits while we
+wait fails fast with the tail of its log instead of running into the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+__all__ = [
+    "free_port",
+    "free_ports",
+    "serve_command",
+    "stop_process",
+    "wait_ready",
+    "wait_ready_async",
+]
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (held open together, so no two are the same)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def serve_command(
+    port: int, *args: str, admin_port: int = -1, host: str = "127.0.0.1"
+) -> list[str]:
+    """argv for `python -m kvplug.cli serve` on host:port (admin API off unless admin_port)."""
+    return [
+        sys.executable,
+        "-m",
+        "kvplug.cli",
+        "serve",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--admin-port",
+        str(admin_port),
+        *args,
+    ]
+
+
+def _exited(proc: subprocess.Popen | None, what: str, log: Path | None) -> None:
+    if proc is not None and proc.poll() is not None:
+        tail = log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else ""
+        raise RuntimeError(f"{what}: process exited with {proc.returncode} while starting\n{tail}")
+
+
+def wait_ready(
+    url: str,
+    *,
+    proc: subprocess.Popen | None = None,
+    timeout: float = 60.0,
+    interval: float = 0.2,
+    log: Path | None = None,
+) -> None:
+    """Poll GET url until it answers 200 (blocking). Raises RuntimeError if proc exits first or
+    the deadline passes; log (the child's output file) is quoted in the error."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _exited(proc, url, log)
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):  # refused, 503 while starting, reset
+            pass
+        time.sleep(interval)
+    _exited(proc, url, log)
+    raise RuntimeError(f"{url} not ready within {timeout}s")
+
+
+async def wait_ready_async(
+    url: str,
+    *,
+    proc: subprocess.Popen | None = None,
+    timeout: float = 60.0,
+    interval: float = 0.2,
+    log: Path | None = None,
+    json_body: bytes | None = None,
+) -> None:
+    """wait_ready for an event loop that must keep running (e.g. it serves stub engines).
+    With json_body the probe is a POST of that body (ready = a request goes through)."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            _exited(proc, url, log)
+            try:
+                if json_body is None:
+                    probe = session.get(url)
+                else:
+                    probe = session.post(
+                        url, data=json_body, headers={"Content-Type": "application/json"}
+                    )
+                async with probe as r:
+                    await r.read()
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(interval)
+    _exited(proc, url, log)
+    raise RuntimeError(f"{url} not ready within {timeout}s")
+
+
+def stop_process(
+    proc: subprocess.Popen | None, timeout: float = 15.0, sig: int = signal.SIGINT
+) -> None:
+    """Ask proc to stop (SIGINT: kvplug serve shuts down cleanly), kill it after timeout."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
