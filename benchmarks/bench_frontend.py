@@ -27,8 +27,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,15 +37,13 @@ from pathlib import Path
 import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+from kvplug.testing import free_port, serve_command, stop_process, wait_ready_async  # noqa: E402
+
 MODEL = "stub-model"
 SGL_VENV = Path(os.environ.get("KVPLUG_SGL_VENV", "/work/sgl-venv"))
 WORDS = [f"w{i}" for i in range(2000)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------
@@ -55,7 +51,6 @@ def free_port() -> int:
 
 
 async def _run_stubs(ports: list[int], output_tokens: int) -> None:
-    sys.path.insert(0, str(ROOT))
     import logging
 
     from kvplug.frontend.stub_engine import StubEngine
@@ -154,36 +149,6 @@ async def throughput(base: str, reqs: list[bytes], concurrency: int) -> dict:
     return {"requests_per_s": len(reqs) / elapsed, "n": len(reqs), "concurrency": concurrency}
 
 
-async def wait_ready(url: str, body: bytes, timeout: float = 60.0, proc=None) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-            try:
-                async with s.post(
-                    url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
-                ) as r:
-                    await r.read()
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} did not become ready in {timeout}s")
-
-
-def stop(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 # ------------------------------------------------------------------------------------------
 
 
@@ -274,17 +239,8 @@ async def main_async(args) -> dict:
 
         write_tokenizer(tmp)
         kv_port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvplug.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(kv_port),
-            "--admin-port",
-            "-1",
+        cmd = serve_command(
+            kv_port,
             "--worker-engine",
             "openai",
             "--tokenizer",
@@ -296,11 +252,11 @@ async def main_async(args) -> dict:
             "--log-level",
             "warning",
             *sum((["--worker", f"e{i}={u}"] for i, u in enumerate(engines)), []),
-        ]
+        )
         kv = subprocess.Popen(cmd, cwd=ROOT)
         procs.append(kv)
         kv_url = f"http://127.0.0.1:{kv_port}"
-        await wait_ready(kv_url, warm, proc=kv)
+        await wait_ready_async(kv_url + "/v1/completions", proc=kv, json_body=warm)
         targets.append(
             {
                 "name": "kvplug (text+tokenizer)",
@@ -354,7 +310,7 @@ async def main_async(args) -> dict:
             procs.append(sg)
             sg_url = f"http://127.0.0.1:{sg_port}"
             try:
-                await wait_ready(sg_url, warm, proc=sg)
+                await wait_ready_async(sg_url + "/v1/completions", proc=sg, json_body=warm)
                 shown = subprocess.run(
                     [str(SGL_VENV / "bin" / "pip"), "show", "sglang-router"],
                     capture_output=True,
@@ -388,7 +344,7 @@ async def main_async(args) -> dict:
         results["targets"] = [summarise(t) for t in targets]
     finally:
         for p in reversed(procs):
-            stop(p)
+            stop_process(p, timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
     results["load_average_after"] = os.getloadavg()
 
