@@ -135,7 +135,9 @@ def chain_hash(prev: int, local: int, extra: int = 0) -> int:
     prev &= MASK64
     local &= MASK64
     extra &= MASK64
-    return fmix64(_mum(prev ^ K2, local ^ K3) ^ _mum(extra ^ K1, prev ^ local ^ K0) ^ _rotl(prev, 31))
+    return fmix64(
+        _mum(prev ^ K2, local ^ K3) ^ _mum(extra ^ K1, prev ^ local ^ K0) ^ _rotl(prev, 31)
+    )
 
 
 def hash_blocks(
@@ -192,7 +194,13 @@ class QueryResult:
 
     def row(self, ep: int) -> tuple[int, int, int, int, int]:
         if ep in self.local:
-            return (self.local[ep], self.device[ep], self.host[ep], self.disk[ep], self.shared_beyond[ep])
+            return (
+                self.local[ep],
+                self.device[ep],
+                self.host[ep],
+                self.disk[ep],
+                self.shared_beyond[ep],
+            )
         return (0, 0, 0, 0, self.shared_prefix)
 
     def matched(self) -> dict[int, tuple[int, int, int, int, int]]:
@@ -319,7 +327,7 @@ class Index:
             raise InvalidArgument(
                 f"{len(engine_hashes)} engine hashes but {len(block_hashes)} block hashes"
             )
-        for eh, h in zip(engine_hashes, block_hashes):
+        for eh, h in zip(engine_hashes, block_hashes, strict=True):
             self._add_ref(ep, _u64(eh, "engine hash"), _u64(h, "block hash"), tier)
         self._evict_over_bound()
 
