@@ -53,19 +53,36 @@ typedef struct { /* 40 bytes; LRU links live in side arrays, allocated only when
     } h;
 } block_t;
 
+/* A block-table slot is 8 bytes: the high 32 bits of the mixed block hash (which also pick the
+ * home slot, so a rehash needs no record access) and the record id. A tag match is confirmed
+ * against the record's full hash, which a hit reads anyway. */
 typedef struct {
-    kvp_hash_t key;
+    uint32_t tag;
     uint32_t rec; /* NONE32 = empty slot */
-    uint32_t pad;
 } bslot_t;
 
+/* One engine mapping in 16 bytes. meta packs the endpoint (21 bits: ids < 2^20, the shared
+ * tier as 2^20), then a 3-bit refcount per tier; refcounts past 7 (rare: the same engine hash
+ * stored again and again) move to the overflow table and set M_OVF, so no count is ever lost. */
 typedef struct {
     kvp_engine_hash_t eh;
-    kvp_endpoint_t ep; /* EP_EMPTY = empty slot */
-    uint32_t rec;
-    uint16_t refs[KVP_N_TIERS]; /* an engine hash re-stored 65535 times is KVP_E_OVERFLOW */
+    uint32_t rec; /* NONE32 = empty slot */
+    uint32_t meta;
 } mslot_t;
-#define REF_MAX 0xFFFFu
+#define M_EP_MASK 0x1FFFFFu
+#define M_SHARED_CODE 0x100000u
+#define M_REF_SHIFT 21
+#define M_REF_BITS 3
+#define M_REF_INLINE_MAX 7u
+#define M_OVF (1u << 30)
+
+/* Refcounts of mappings whose inline 3-bit counts overflowed, keyed by (endpoint code, eh). */
+typedef struct {
+    kvp_engine_hash_t eh;
+    uint32_t code; /* OVF_EMPTY = empty slot */
+    uint32_t refs[KVP_N_TIERS];
+} oslot_t;
+#define OVF_EMPTY 0xFFFFFFFFu
 
 struct kvp_index {
     uint64_t max_entries;
@@ -79,6 +96,8 @@ struct kvp_index {
     mslot_t *mt;
     size_t mt_cap;
     size_t mt_count;
+    oslot_t *ot; /* overflowed mapping refcounts (NULL until first needed) */
+    size_t ot_cap, ot_count;
     uint64_t n_holdings;
     size_t ext_bytes;
     uint32_t hclock; /* holder-change clock (ext_t.hver) */
@@ -101,12 +120,18 @@ struct kvp_index {
 static inline size_t fastrange(uint64_t x, size_t cap) {
     return (size_t)(((unsigned __int128)x * (uint64_t)cap) >> 64);
 }
-static inline size_t bslot_of(kvp_hash_t h, size_t cap) {
+static inline uint32_t btag_of(kvp_hash_t h) {
     uint64_t x = (h ^ (h >> 31)) * KPH_K0;
-    return fastrange(x ^ (x >> 29), cap);
+    return (uint32_t)((x ^ (x >> 29)) >> 32);
 }
-static inline size_t mslot_of(kvp_endpoint_t ep, kvp_engine_hash_t eh, size_t cap) {
-    uint64_t x = (eh ^ ((uint64_t)ep * KPH_K3)) * KPH_K0;
+static inline size_t bhome_of(uint32_t tag, size_t cap) { /* cap < 2^32 */
+    return (size_t)(((uint64_t)tag * cap) >> 32);
+}
+static inline size_t bslot_of(kvp_hash_t h, size_t cap) { return bhome_of(btag_of(h), cap); }
+static inline uint32_t ep_code(kvp_endpoint_t ep) { return ep == KVP_SHARED ? M_SHARED_CODE : ep; }
+static inline uint32_t m_code(const mslot_t *m) { return m->meta & M_EP_MASK; }
+static inline size_t mslot_of(uint32_t code, kvp_engine_hash_t eh, size_t cap) {
+    uint64_t x = (eh ^ ((uint64_t)code * KPH_K3)) * KPH_K0;
     x ^= x >> 29;
     x *= KPH_K1;
     return fastrange(x ^ (x >> 32), cap);
@@ -138,36 +163,31 @@ static holder_t *find_holder(block_t *b, kvp_endpoint_t ep) {
 }
 
 /* ---- block table -------------------------------------------------------------------------- */
-static uint32_t bt_find(const kvp_index *idx, kvp_hash_t h) {
-    const size_t cap = idx->bt_cap;
-    size_t i = bslot_of(h, cap);
-    for (;;) {
-        const bslot_t *s = &idx->bt[i];
-        if (s->rec == NONE32) return NONE32;
-        if (s->key == h) return s->rec;
-        if (++i == cap) i = 0;
-    }
-}
-
 static uint32_t bt_probe(const kvp_index *idx, kvp_hash_t h, size_t *empty) {
     const size_t cap = idx->bt_cap;
-    size_t i = bslot_of(h, cap);
+    const uint32_t tag = btag_of(h);
+    size_t i = bhome_of(tag, cap);
     for (;;) {
         const bslot_t *s = &idx->bt[i];
         if (s->rec == NONE32) {
             *empty = i;
             return NONE32;
         }
-        if (s->key == h) return s->rec;
+        if (s->tag == tag && idx->pool[s->rec].hash == h) return s->rec;
         if (++i == cap) i = 0;
     }
 }
 
-static void bt_put(bslot_t *bt, size_t cap, kvp_hash_t h, uint32_t rec) {
-    size_t i = bslot_of(h, cap);
+static inline uint32_t bt_find(const kvp_index *idx, kvp_hash_t h) {
+    size_t empty;
+    return bt_probe(idx, h, &empty);
+}
+
+static void bt_put(bslot_t *bt, size_t cap, uint32_t tag, uint32_t rec) {
+    size_t i = bhome_of(tag, cap);
     while (bt[i].rec != NONE32)
         if (++i == cap) i = 0;
-    bt[i].key = h;
+    bt[i].tag = tag;
     bt[i].rec = rec;
 }
 
@@ -175,36 +195,36 @@ static kvp_status bt_alloc(size_t cap, bslot_t **out) {
     bslot_t *t = (bslot_t *)malloc(cap * sizeof(bslot_t));
     if (!t) return KVP_E_NOMEM;
     for (size_t i = 0; i < cap; i++) {
-        t[i].key = 0;
+        t[i].tag = 0;
         t[i].rec = NONE32;
-        t[i].pad = 0;
     }
     *out = t;
     return KVP_OK;
 }
 
-/* Room for `extra` more blocks at load <= 3/4. */
+/* Room for `extra` more blocks within the load bound. */
 static kvp_status bt_reserve(kvp_index *idx, size_t extra) {
     size_t need = idx->bt_count + extra;
-    if (need < idx->bt_count || need > ((size_t)1 << 40)) return KVP_E_NOMEM;
+    if (need < idx->bt_count || need > ((size_t)1 << 31)) return KVP_E_NOMEM;
     size_t cap = grown_cap(idx->bt_cap, need);
     if (cap == idx->bt_cap) return KVP_OK;
     bslot_t *t;
     if (bt_alloc(cap, &t) != KVP_OK) return KVP_E_NOMEM;
     for (size_t i = 0; i < idx->bt_cap; i++)
-        if (idx->bt[i].rec != NONE32) bt_put(t, cap, idx->bt[i].key, idx->bt[i].rec);
+        if (idx->bt[i].rec != NONE32) bt_put(t, cap, idx->bt[i].tag, idx->bt[i].rec);
     free(idx->bt);
     idx->bt = t;
     idx->bt_cap = cap;
     return KVP_OK;
 }
 
-static void bt_delete(kvp_index *idx, kvp_hash_t h) {
+/* Delete record r's slot (found by id, so no hash comparison is needed). */
+static void bt_delete(kvp_index *idx, uint32_t r) {
     const size_t cap = idx->bt_cap;
-    size_t i = bslot_of(h, cap);
+    size_t i = bslot_of(idx->pool[r].hash, cap);
     for (;;) {
         if (idx->bt[i].rec == NONE32) return;
-        if (idx->bt[i].key == h) break;
+        if (idx->bt[i].rec == r) break;
         if (++i == cap) i = 0;
     }
     /* backward-shift: pull later cluster members whose home is not in (i, j] */
@@ -212,14 +232,14 @@ static void bt_delete(kvp_index *idx, kvp_hash_t h) {
     for (;;) {
         if (++j == cap) j = 0;
         if (idx->bt[j].rec == NONE32) break;
-        size_t home = bslot_of(idx->bt[j].key, cap);
+        size_t home = bhome_of(idx->bt[j].tag, cap);
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (stays) continue;
         idx->bt[i] = idx->bt[j];
         i = j;
     }
     idx->bt[i].rec = NONE32;
-    idx->bt[i].key = 0;
+    idx->bt[i].tag = 0;
     idx->bt_count--;
 }
 
@@ -228,34 +248,28 @@ static void bt_delete(kvp_index *idx, kvp_hash_t h) {
 static mslot_t *mt_probe(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh,
                          size_t *empty) {
     const size_t cap = idx->mt_cap;
-    size_t i = mslot_of(ep, eh, cap);
+    const uint32_t code = ep_code(ep);
+    size_t i = mslot_of(code, eh, cap);
     for (;;) {
         mslot_t *s = &idx->mt[i];
-        if (s->ep == EP_EMPTY) {
+        if (s->rec == NONE32) {
             *empty = i;
             return NULL;
         }
-        if (s->ep == ep && s->eh == eh) return s;
+        if (s->eh == eh && m_code(s) == code) return s;
         if (++i == cap) i = 0;
     }
 }
 
 static mslot_t *mt_find(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh) {
-    const size_t cap = idx->mt_cap;
-    size_t i = mslot_of(ep, eh, cap);
-    for (;;) {
-        mslot_t *s = &idx->mt[i];
-        if (s->ep == EP_EMPTY) return NULL;
-        if (s->ep == ep && s->eh == eh) return s;
-        if (++i == cap) i = 0;
-    }
+    size_t empty;
+    return mt_probe(idx, ep, eh, &empty);
 }
 
-static mslot_t *mt_put(mslot_t *mt, size_t cap, kvp_endpoint_t ep, kvp_engine_hash_t eh) {
-    size_t i = mslot_of(ep, eh, cap);
-    while (mt[i].ep != EP_EMPTY)
+static mslot_t *mt_put(mslot_t *mt, size_t cap, uint32_t code, kvp_engine_hash_t eh) {
+    size_t i = mslot_of(code, eh, cap);
+    while (mt[i].rec != NONE32)
         if (++i == cap) i = 0;
-    mt[i].ep = ep;
     mt[i].eh = eh;
     return &mt[i];
 }
@@ -264,8 +278,11 @@ static kvp_status mt_alloc(size_t cap, mslot_t **out) {
     if (cap > SIZE_MAX / sizeof(mslot_t)) return KVP_E_NOMEM;
     mslot_t *t = (mslot_t *)malloc(cap * sizeof(mslot_t));
     if (!t) return KVP_E_NOMEM;
-    memset(t, 0, cap * sizeof(mslot_t));
-    for (size_t i = 0; i < cap; i++) t[i].ep = EP_EMPTY;
+    for (size_t i = 0; i < cap; i++) {
+        t[i].eh = 0;
+        t[i].rec = NONE32;
+        t[i].meta = 0;
+    }
     *out = t;
     return KVP_OK;
 }
@@ -278,27 +295,124 @@ static kvp_status mt_reserve(kvp_index *idx, size_t extra) {
     mslot_t *t;
     if (mt_alloc(cap, &t) != KVP_OK) return KVP_E_NOMEM;
     for (size_t i = 0; i < idx->mt_cap; i++)
-        if (idx->mt[i].ep != EP_EMPTY) *mt_put(t, cap, idx->mt[i].ep, idx->mt[i].eh) = idx->mt[i];
+        if (idx->mt[i].rec != NONE32) *mt_put(t, cap, m_code(&idx->mt[i]), idx->mt[i].eh) = idx->mt[i];
     free(idx->mt);
     idx->mt = t;
     idx->mt_cap = cap;
     return KVP_OK;
 }
 
+/* ---- overflowed refcounts (small open-addressing table, at most half full) ----------------- */
+static oslot_t *ot_find(const kvp_index *idx, uint32_t code, kvp_engine_hash_t eh) {
+    if (idx->ot_cap == 0) return NULL;
+    size_t i = mslot_of(code, eh, idx->ot_cap);
+    for (;;) {
+        oslot_t *o = &idx->ot[i];
+        if (o->code == OVF_EMPTY) return NULL;
+        if (o->code == code && o->eh == eh) return o;
+        if (++i == idx->ot_cap) i = 0;
+    }
+}
+
+static oslot_t *ot_put(oslot_t *ot, size_t cap, uint32_t code, kvp_engine_hash_t eh) {
+    size_t i = mslot_of(code, eh, cap);
+    while (ot[i].code != OVF_EMPTY)
+        if (++i == cap) i = 0;
+    ot[i].code = code;
+    ot[i].eh = eh;
+    return &ot[i];
+}
+
+/* Room for one more overflowed mapping; called before any change that may need it. */
+static kvp_status ot_reserve_one(kvp_index *idx) {
+    if ((idx->ot_count + 1) * 2 <= idx->ot_cap) return KVP_OK;
+    size_t cap = idx->ot_cap ? idx->ot_cap * 2 : 16;
+    if (cap > SIZE_MAX / sizeof(oslot_t)) return KVP_E_NOMEM;
+    oslot_t *t = (oslot_t *)malloc(cap * sizeof(oslot_t));
+    if (!t) return KVP_E_NOMEM;
+    for (size_t i = 0; i < cap; i++) {
+        memset(&t[i], 0, sizeof t[i]);
+        t[i].code = OVF_EMPTY;
+    }
+    for (size_t i = 0; i < idx->ot_cap; i++)
+        if (idx->ot[i].code != OVF_EMPTY) *ot_put(t, cap, idx->ot[i].code, idx->ot[i].eh) = idx->ot[i];
+    free(idx->ot);
+    idx->ot = t;
+    idx->ot_cap = cap;
+    return KVP_OK;
+}
+
+static void ot_delete(kvp_index *idx, uint32_t code, kvp_engine_hash_t eh) {
+    oslot_t *o = ot_find(idx, code, eh);
+    if (o == NULL) return;
+    const size_t cap = idx->ot_cap;
+    size_t i = (size_t)(o - idx->ot), j = i;
+    for (;;) { /* backward shift */
+        if (++j == cap) j = 0;
+        if (idx->ot[j].code == OVF_EMPTY) break;
+        size_t home = mslot_of(idx->ot[j].code, idx->ot[j].eh, cap);
+        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (stays) continue;
+        idx->ot[i] = idx->ot[j];
+        i = j;
+    }
+    memset(&idx->ot[i], 0, sizeof idx->ot[i]);
+    idx->ot[i].code = OVF_EMPTY;
+    idx->ot_count--;
+}
+
+/* ---- mapping refcounts -------------------------------------------------------------------- */
+static inline uint32_t mref(const kvp_index *idx, const mslot_t *m, int t) {
+    if (m->meta & M_OVF) return ot_find(idx, m_code(m), m->eh)->refs[t];
+    return (m->meta >> (M_REF_SHIFT + M_REF_BITS * t)) & M_REF_INLINE_MAX;
+}
+static inline int mref_any(const kvp_index *idx, const mslot_t *m) {
+    if (m->meta & M_OVF) {
+        const oslot_t *o = ot_find(idx, m_code(m), m->eh);
+        return (o->refs[0] | o->refs[1] | o->refs[2]) != 0;
+    }
+    return (m->meta >> M_REF_SHIFT) & ((1u << (M_REF_BITS * KVP_N_TIERS)) - 1);
+}
+/* Whether incrementing tier t needs a new overflow slot (reserve it before changing state). */
+static inline int mref_inc_needs_ovf(const mslot_t *m, int t) {
+    return !(m->meta & M_OVF) &&
+           ((m->meta >> (M_REF_SHIFT + M_REF_BITS * t)) & M_REF_INLINE_MAX) == M_REF_INLINE_MAX;
+}
+/* Increment; the caller made room with ot_reserve_one() when mref_inc_needs_ovf(). */
+static inline void mref_inc(kvp_index *idx, mslot_t *m, int t) {
+    if (!(m->meta & M_OVF) && !mref_inc_needs_ovf(m, t)) {
+        m->meta += 1u << (M_REF_SHIFT + M_REF_BITS * t);
+        return;
+    }
+    if (!(m->meta & M_OVF)) {
+        oslot_t *o = ot_put(idx->ot, idx->ot_cap, m_code(m), m->eh);
+        for (int k = 0; k < KVP_N_TIERS; k++) o->refs[k] = mref(idx, m, k);
+        idx->ot_count++;
+        m->meta = m_code(m) | M_OVF; /* inline counts now live in o */
+    }
+    ot_find(idx, m_code(m), m->eh)->refs[t]++;
+}
+static inline void mref_dec(kvp_index *idx, mslot_t *m, int t) {
+    if (m->meta & M_OVF) ot_find(idx, m_code(m), m->eh)->refs[t]--;
+    else m->meta -= 1u << (M_REF_SHIFT + M_REF_BITS * t);
+}
+
 static void mt_delete_at(kvp_index *idx, size_t i) {
     const size_t cap = idx->mt_cap;
+    if (idx->mt[i].meta & M_OVF) ot_delete(idx, m_code(&idx->mt[i]), idx->mt[i].eh);
     size_t j = i;
     for (;;) {
         if (++j == cap) j = 0;
-        if (idx->mt[j].ep == EP_EMPTY) break;
-        size_t home = mslot_of(idx->mt[j].ep, idx->mt[j].eh, cap);
+        if (idx->mt[j].rec == NONE32) break;
+        size_t home = mslot_of(m_code(&idx->mt[j]), idx->mt[j].eh, cap);
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (stays) continue;
         idx->mt[i] = idx->mt[j];
         i = j;
     }
-    memset(&idx->mt[i], 0, sizeof(mslot_t));
-    idx->mt[i].ep = EP_EMPTY;
+    idx->mt[i].eh = 0;
+    idx->mt[i].rec = NONE32;
+    idx->mt[i].meta = 0;
     idx->mt_count--;
 }
 
@@ -375,7 +489,7 @@ static inline void touch(kvp_index *idx, uint32_t r) {
 }
 
 static void delete_block(kvp_index *idx, uint32_t r) {
-    bt_delete(idx, idx->pool[r].hash);
+    bt_delete(idx, r);
     if (idx->max_entries) lru_unlink(idx, r);
     pool_give(idx, r);
 }
@@ -470,9 +584,12 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             idx->c.conflicting_stores++;
             return KVP_OK;
         }
-        if (m->refs[tier] == REF_MAX) return KVP_E_OVERFLOW;
         hd = find_holder(&idx->pool[r], ep);
         if (hd->count[tier] == COUNT_MAX) return KVP_E_OVERFLOW;
+        if (mref_inc_needs_ovf(m, tier)) { /* before any change: the only allocation here */
+            kvp_status st = ot_reserve_one(idx);
+            if (st != KVP_OK) return st;
+        }
     } else {
         r = bt_probe(idx, h, &b_empty);
         if (r != NONE32) { /* refuse an overflowing store before any change */
@@ -483,7 +600,7 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
         if (r == NONE32) {
             r = pool_take(idx);
             idx->pool[r].hash = h;
-            idx->bt[b_empty].key = h; /* the probe's empty slot: nothing moved since */
+            idx->bt[b_empty].tag = btag_of(h); /* the probe's empty slot: nothing moved since */
             idx->bt[b_empty].rec = r;
             idx->bt_count++;
             if (idx->max_entries) lru_append(idx, r);
@@ -511,14 +628,13 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
         }
         hd->nmaps++;
         m = &idx->mt[m_empty]; /* the probe's empty slot: the engine map is untouched since */
-        m->ep = ep;
         m->eh = eh;
         m->rec = r;
-        m->refs[0] = m->refs[1] = m->refs[2] = 0;
+        m->meta = ep_code(ep); /* refs 0 */
         idx->mt_count++;
     }
-    if (m->refs[tier] > 0) idx->c.duplicate_stores++;
-    m->refs[tier]++;
+    if (mref(idx, m, tier) > 0) idx->c.duplicate_stores++;
+    mref_inc(idx, m, tier);
     hd->count[tier]++;
     holders_changed(idx, &idx->pool[r]);
     idx->c.stored_blocks++;
@@ -530,9 +646,9 @@ static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
     uint32_t r = m->rec;
     block_t *b = &idx->pool[r];
     holder_t *hd = find_holder(b, ep);
-    m->refs[tier]--;
+    mref_dec(idx, m, tier);
     hd->count[tier]--;
-    int mapping_gone = (m->refs[0] | m->refs[1] | m->refs[2]) == 0;
+    int mapping_gone = !mref_any(idx, m);
     int holder_gone = (hd->count[0] | hd->count[1] | hd->count[2]) == 0;
     if (mapping_gone) {
         if (!holder_gone) {
@@ -557,7 +673,7 @@ static void scan_delete_mappings(kvp_index *idx, uint32_t r, kvp_endpoint_t ep) 
     size_t i = 0;
     while (i < cap) {
         mslot_t *s = &idx->mt[i];
-        int hit = s->ep != EP_EMPTY && (ep != EP_EMPTY ? s->ep == ep : s->rec == r);
+        int hit = s->rec != NONE32 && (ep != EP_EMPTY ? m_code(s) == ep_code(ep) : s->rec == r);
         if (hit) mt_delete_at(idx, i);
         else i++;
     }
@@ -616,6 +732,7 @@ void kvp_index_free(kvp_index *idx) {
     free(idx->lru_next);
     free(idx->bt);
     free(idx->mt);
+    free(idx->ot);
     free(idx->ep_gen);
     free(idx->ep_pos);
     free(idx->act_ep);
@@ -643,7 +760,7 @@ static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
     for (size_t i = 0; i < n; i++) {
         if (i + STORE_AHEAD < n) {
             __builtin_prefetch(&idx->bt[bslot_of(hs[i + STORE_AHEAD], idx->bt_cap)]);
-            __builtin_prefetch(&idx->mt[mslot_of(ep, ehs[i + STORE_AHEAD], idx->mt_cap)]);
+            __builtin_prefetch(&idx->mt[mslot_of(ep_code(ep), ehs[i + STORE_AHEAD], idx->mt_cap)]);
         }
         st = add_ref(idx, ep, ehs[i], hs[i], tier);
         if (st != KVP_OK) break;
@@ -741,7 +858,7 @@ kvp_status kvp_index_remove(kvp_index *idx, kvp_endpoint_t ep, int tier,
         mslot_t *m = mt_find(idx, ep, eh);
         int any = 0;
         for (int t = 0; t < KVP_N_TIERS && m; t++)
-            if (m->refs[t] > 0 && (tier == KVP_TIER_ANY || t == tier)) any = 1;
+            if (mref(idx, m, t) > 0 && (tier == KVP_TIER_ANY || t == tier)) any = 1;
         if (!any) {
             idx->c.unknown_removes++;
             continue;
@@ -749,7 +866,7 @@ kvp_status kvp_index_remove(kvp_index *idx, kvp_endpoint_t ep, int tier,
         for (int t = 0; t < KVP_N_TIERS; t++) {
             m = mt_find(idx, ep, eh); /* a drop may shift slots */
             if (m == NULL) break;
-            if (m->refs[t] > 0 && (tier == KVP_TIER_ANY || t == tier)) drop_ref(idx, ep, m, t);
+            if (mref(idx, m, t) > 0 && (tier == KVP_TIER_ANY || t == tier)) drop_ref(idx, ep, m, t);
         }
         idx->c.removed_blocks++;
     }
@@ -766,15 +883,15 @@ kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int 
     if (st != KVP_OK) return st;
     for (size_t i = 0; i < n; i++) {
         mslot_t *m = mt_find(idx, ep, engine_hashes[i]);
-        if (m == NULL || m->refs[from_tier] == 0) {
+        if (m == NULL || mref(idx, m, from_tier) == 0) {
             idx->c.unknown_moves++;
             continue;
         }
         if (from_tier == to_tier) continue;
         /* overflow would only strike add_ref after the drop; check first so a move is atomic */
-        if (m->refs[to_tier] == REF_MAX) return KVP_E_OVERFLOW;
         holder_t *hd = find_holder(&idx->pool[m->rec], ep);
         if (hd->count[to_tier] == COUNT_MAX) return KVP_E_OVERFLOW;
+        if (mref_inc_needs_ovf(m, to_tier) && (st = ot_reserve_one(idx)) != KVP_OK) return st;
         kvp_hash_t h = idx->pool[m->rec].hash;
         drop_ref(idx, ep, m, from_tier);
         /* the drop freed at most one record/mapping/holder slot, so add_ref cannot need memory */
@@ -791,9 +908,10 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
     if (!valid_ep(ep)) return KVP_E_ENDPOINT;
     const size_t cap = idx->mt_cap;
     size_t i = 0;
+    const uint32_t code = ep_code(ep);
     while (i < cap) {
         mslot_t *s = &idx->mt[i];
-        if (s->ep != ep) {
+        if (s->rec == NONE32 || m_code(s) != code) {
             i++;
             continue;
         }
@@ -980,7 +1098,7 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
     out->entries = idx->n_holdings;
     out->engine_mappings = idx->mt_count;
     out->memory_bytes = sizeof(kvp_index) + sizeof(bslot_t) * idx->bt_cap +
-                        sizeof(mslot_t) * idx->mt_cap +
+                        sizeof(mslot_t) * idx->mt_cap + sizeof(oslot_t) * idx->ot_cap +
                         (size_t)idx->pool_cap * sizeof(block_t) + idx->ext_bytes +
                         (idx->lru_prev ? (size_t)idx->pool_cap * 2 * sizeof(uint32_t) : 0) +
                         idx->ep_cap * (3 * sizeof(uint32_t) + 1) + idx->run_cap * sizeof(uint32_t) +

@@ -302,3 +302,25 @@ def test_c_index_is_safe_under_concurrent_threads():
     assert s["entries"] == 4 * n and s["engine_mappings"] == 4 * n
     for ep in range(4):
         assert idx.query(chains[ep]).row(ep) == (n, n, 0, 0, 0)
+
+
+def test_many_duplicate_stores_keep_exact_refcounts():
+    """Refcounts past the C engine map's small inline counters move to its overflow table:
+    every reference still counts, removes and moves stay exact, nothing errors."""
+    c, r = load_backend("c").Index(), load_backend("reference").Index()
+    for idx in (c, r):
+        for tier in (0, 1, 2):
+            idx.store(3, tier, [7] * (20 + tier), [70] * (20 + tier))
+        idx.store(3, 0, [8] * 9, [70] * 9)  # a second engine hash of the same block
+        idx.store(0xFFFFFFFF, 1, [7] * 12, [70] * 12)  # same engine hash on the shared tier
+        idx.move(3, [7] * 5, 1, 2)
+        idx.remove(3, [7] * 18, 0)
+    assert c.holdings(3) == r.holdings(3) == {70: [2 + 9, 16, 27]}
+    assert c.stats() == r.stats()
+    for idx in (c, r):
+        idx.remove(3, [7] * 60)  # tier=None: one reference from every tier per remove
+        idx.remove(3, [8] * 9)
+        idx.remove(0xFFFFFFFF, [7] * 12, 1)
+    assert c.stats() == r.stats()
+    assert c.holdings(3) == r.holdings(3) == {}
+    assert c.stats()["blocks"] == 0 and c.stats()["engine_mappings"] == 0
