@@ -17,41 +17,49 @@
 
 #define NONE32 0xFFFFFFFFu
 #define EP_EMPTY 0xFFFFFFFEu /* never a valid endpoint id */
-#define HOLDER_EH_VALID 1u
+#define EP_EXT 0xFFFFFFFDu   /* block_t.one.ep: the holders live in an ext_t */
 #define MIN_CAP 16
 /* tables grow by 1.5x and stay at most 4/5 full (linear probing, multiply-high slot mapping) */
 #define LOAD_NUM 4
 #define LOAD_DEN 5
 
-typedef struct { /* 24 bytes */
-    kvp_engine_hash_t eh_first; /* one engine hash of ep mapped here (if HOLDER_EH_VALID) */
+/* 12 bytes. When the index is bounded, each holder also keeps one engine hash of ep mapped to
+ * the block (eh_first, in a parallel array: rec_eh for an inline holder, after the holders in an
+ * ext_t) so eviction finds the mapping without a table scan; unbounded indexes never evict and
+ * keep no engine hashes per holder. */
+typedef struct {
     kvp_endpoint_t ep;
-    uint16_t nmaps; /* engine mappings of ep to this block */
-    uint16_t flags;
     uint16_t count[KVP_N_TIERS]; /* sums of the mappings' refs; 65535 is KVP_E_OVERFLOW */
+    uint16_t nmaps;              /* engine mappings of ep to this block | HOLDER_EH_VALID */
 } holder_t;
 #define COUNT_MAX 0xFFFFu
+#define NMAPS_MASK 0x7FFFu       /* 32767 engine hashes of one endpoint on one block at most */
+#define HOLDER_EH_VALID 0x8000u  /* bounded index: the holder's eh_first is still mapped */
 
-/* Holders of a block with more than one: a header, then the array. The header caches "this
- * block's holders equal those of record eq_prev while its holders had version eq_prev_ver",
- * which lets a query walk skip comparing long identical holder lists (popular prefixes). */
+/* Holders of a block with more than one: a header, then the array (then, bounded, one engine
+ * hash per holder). The header caches "this block's holders equal those of record eq_prev while
+ * its holders had version eq_prev_ver", which lets a query walk skip comparing long identical
+ * holder lists (popular prefixes). */
 typedef struct {
     uint32_t hver;        /* clock stamp of the last change to these holders */
     uint32_t eq_prev;     /* record verified to have equal holders (NONE32: none) ... */
     uint32_t eq_prev_ver; /* ... while its hver was this */
-    uint32_t pad;
+    uint32_t cap;         /* holders allocated (a multiple of 4, so the eh array is aligned) */
     holder_t h[];
 } ext_t;
 
-typedef struct { /* 40 bytes; LRU links live in side arrays, allocated only when bounded */
+/* 24 bytes; LRU links and eh_first live in side arrays, allocated only when bounded. A block
+ * with one holder keeps it inline; with more, one.ep is EP_EXT and the bytes after it hold the
+ * ext_t pointer (memcpy'd: they are not pointer-aligned in holder_t terms). */
+typedef struct {
     kvp_hash_t hash; /* on the free list: the next free record id */
     uint32_t n_holders;
-    uint32_t ext_cap; /* 0: the single holder is inline; else holders live in ext */
-    union {
-        holder_t one;
-        ext_t *ext;
-    } h;
+    holder_t one;
 } block_t;
+
+_Static_assert(sizeof(holder_t) == 12, "holder_t is 12 bytes");
+_Static_assert(sizeof(block_t) == 24, "block_t is 24 bytes");
+_Static_assert(sizeof(ext_t) % 8 == 0, "ext_t header keeps the eh array aligned");
 
 /* A block-table slot is 8 bytes: the high 32 bits of the mixed block hash (which also pick the
  * home slot, so a rehash needs no record access) and the record id. A tag match is confirmed
@@ -92,6 +100,7 @@ struct kvp_index {
     block_t *pool;
     uint32_t pool_len, pool_cap, free_head;
     uint32_t *lru_prev, *lru_next; /* pool_cap entries each, only when max_entries > 0 */
+    kvp_engine_hash_t *rec_eh;     /* eh_first of a record's inline holder, only when bounded */
     uint32_t lru_head, lru_tail;   /* oldest, newest */
     mslot_t *mt;
     size_t mt_cap;
@@ -142,7 +151,28 @@ static inline size_t grown_cap(size_t cap, size_t need) {
 }
 static inline int valid_ep(kvp_endpoint_t ep) { return ep < KVP_MAX_ENDPOINT || ep == KVP_SHARED; }
 static inline int valid_tier(int t) { return t >= 0 && t < KVP_N_TIERS; }
-static inline holder_t *holders_of(block_t *b) { return b->ext_cap ? b->h.ext->h : &b->h.one; }
+static inline int is_ext(const block_t *b) { return b->one.ep == EP_EXT; }
+static inline ext_t *ext_of(const block_t *b) {
+    ext_t *e;
+    memcpy(&e, (const char *)&b->one + sizeof(uint32_t), sizeof e);
+    return e;
+}
+static inline void set_ext(block_t *b, ext_t *e) {
+    b->one.ep = EP_EXT;
+    memcpy((char *)&b->one + sizeof(uint32_t), &e, sizeof e);
+}
+static inline holder_t *holders_of(block_t *b) { return is_ext(b) ? ext_of(b)->h : &b->one; }
+static inline size_t ext_size(uint32_t cap, int bounded) {
+    return sizeof(ext_t) + (size_t)cap * (sizeof(holder_t) + (bounded ? sizeof(kvp_engine_hash_t) : 0));
+}
+static inline kvp_engine_hash_t *ext_eh(ext_t *e) {
+    return (kvp_engine_hash_t *)(void *)((char *)e->h + (size_t)e->cap * sizeof(holder_t));
+}
+/* Bounded only: where holder k of record r keeps its eh_first. */
+static inline kvp_engine_hash_t *eh_first_of(kvp_index *idx, uint32_t r, uint32_t k) {
+    block_t *b = &idx->pool[r];
+    return is_ext(b) ? &ext_eh(ext_of(b))[k] : &idx->rec_eh[r];
+}
 
 /* Holders are kept sorted by endpoint id: lookups bisect, and blocks held by the same
  * endpoints have identical holder lists whatever order the stores came in (see same_holders). */
@@ -434,6 +464,10 @@ static kvp_status pool_reserve(kvp_index *idx, size_t extra) {
         uint32_t *ln = (uint32_t *)realloc(idx->lru_next, cap * sizeof(uint32_t));
         if (!ln) return KVP_E_NOMEM;
         idx->lru_next = ln;
+        kvp_engine_hash_t *re =
+            (kvp_engine_hash_t *)realloc(idx->rec_eh, cap * sizeof(kvp_engine_hash_t));
+        if (!re) return KVP_E_NOMEM;
+        idx->rec_eh = re;
     }
     idx->pool_cap = (uint32_t)cap;
     return KVP_OK;
@@ -455,9 +489,10 @@ static uint32_t pool_take(kvp_index *idx) {
 
 static void pool_give(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
-    if (b->ext_cap) {
-        free(b->h.ext);
-        idx->ext_bytes -= sizeof(ext_t) + (size_t)b->ext_cap * sizeof(holder_t);
+    if (is_ext(b)) {
+        ext_t *e = ext_of(b);
+        idx->ext_bytes -= ext_size(e->cap, idx->max_entries != 0);
+        free(e);
     }
     memset(b, 0, sizeof(*b));
     b->hash = idx->free_head;
@@ -497,7 +532,7 @@ static void delete_block(kvp_index *idx, uint32_t r) {
 static uint32_t clock_next(kvp_index *idx) {
     if (++idx->hclock == 0) { /* wrapped: no cached equality may survive */
         for (uint32_t r = 0; r < idx->pool_len; r++)
-            if (idx->pool[r].ext_cap) idx->pool[r].h.ext->eq_prev = NONE32;
+            if (is_ext(&idx->pool[r])) ext_of(&idx->pool[r])->eq_prev = NONE32;
         idx->hclock = 1;
     }
     return idx->hclock;
@@ -505,44 +540,59 @@ static uint32_t clock_next(kvp_index *idx) {
 
 /* Any change to a block's holders or their counts invalidates equality cached with it. */
 static inline void holders_changed(kvp_index *idx, block_t *b) {
-    if (b->ext_cap) {
-        b->h.ext->hver = clock_next(idx);
-        b->h.ext->eq_prev = NONE32;
+    if (is_ext(b)) {
+        ext_t *e = ext_of(b);
+        e->hver = clock_next(idx);
+        e->eq_prev = NONE32;
     }
 }
 
-/* Make room for one more holder on b (before any state changes). */
-static kvp_status holder_room(kvp_index *idx, block_t *b) {
+/* Make room for one more holder on record r (before any state changes). */
+static kvp_status holder_room(kvp_index *idx, uint32_t r) {
+    block_t *b = &idx->pool[r];
+    const int bounded = idx->max_entries != 0;
     if (b->n_holders == 0) return KVP_OK;
-    if (b->ext_cap == 0) {
-        ext_t *ext = (ext_t *)malloc(sizeof(ext_t) + 4 * sizeof(holder_t));
+    if (!is_ext(b)) {
+        ext_t *ext = (ext_t *)malloc(ext_size(4, bounded));
         if (!ext) return KVP_E_NOMEM;
-        ext->h[0] = b->h.one;
+        ext->cap = 4;
+        ext->h[0] = b->one;
+        if (bounded) ext_eh(ext)[0] = idx->rec_eh[r];
         ext->eq_prev = NONE32;
         ext->eq_prev_ver = 0;
-        ext->pad = 0;
-        b->h.ext = ext;
-        b->ext_cap = 4;
         ext->hver = clock_next(idx);
-        idx->ext_bytes += sizeof(ext_t) + 4 * sizeof(holder_t);
+        set_ext(b, ext);
+        idx->ext_bytes += ext_size(4, bounded);
         return KVP_OK;
     }
-    if (b->n_holders < b->ext_cap) return KVP_OK;
-    if (b->ext_cap >= (NONE32 >> 2)) return KVP_E_NOMEM;
-    uint32_t cap = b->ext_cap * 2;
-    ext_t *ext = (ext_t *)realloc(b->h.ext, sizeof(ext_t) + (size_t)cap * sizeof(holder_t));
+    ext_t *ext = ext_of(b);
+    const uint32_t old = ext->cap;
+    if (b->n_holders < old) return KVP_OK;
+    if (old >= (NONE32 >> 5)) return KVP_E_NOMEM;
+    const uint32_t cap = old * 2;
+    ext = (ext_t *)realloc(ext, ext_size(cap, bounded));
     if (!ext) return KVP_E_NOMEM;
-    idx->ext_bytes += (size_t)(cap - b->ext_cap) * sizeof(holder_t);
-    b->h.ext = ext;
-    b->ext_cap = cap;
+    if (bounded) /* the engine hashes follow the holders: move them past the new holder slots */
+        memmove((char *)ext->h + (size_t)cap * sizeof(holder_t),
+                (char *)ext->h + (size_t)old * sizeof(holder_t), old * sizeof(kvp_engine_hash_t));
+    ext->cap = cap;
+    idx->ext_bytes += ext_size(cap, bounded) - ext_size(old, bounded);
+    set_ext(b, ext);
     return KVP_OK;
 }
 
-static void remove_holder_at(kvp_index *idx, block_t *b, holder_t *hd) {
+static void remove_holder_at(kvp_index *idx, uint32_t r, holder_t *hd) {
+    block_t *b = &idx->pool[r];
     holder_t *hs = holders_of(b);
     size_t k = (size_t)(hd - hs);
     size_t tail = (size_t)b->n_holders - 1 - k;
-    if (tail) memmove(&hs[k], &hs[k + 1], tail * sizeof(holder_t));
+    if (tail) {
+        memmove(&hs[k], &hs[k + 1], tail * sizeof(holder_t));
+        if (idx->max_entries && is_ext(b)) {
+            kvp_engine_hash_t *eh = ext_eh(ext_of(b));
+            memmove(&eh[k], &eh[k + 1], tail * sizeof(kvp_engine_hash_t));
+        }
+    }
     b->n_holders--;
     holders_changed(idx, b);
 }
@@ -594,7 +644,7 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
         r = bt_probe(idx, h, &b_empty);
         if (r != NONE32) { /* refuse an overflowing store before any change */
             holder_t *old = find_holder(&idx->pool[r], ep);
-            if (old && (old->count[tier] == COUNT_MAX || old->nmaps == COUNT_MAX))
+            if (old && (old->count[tier] == COUNT_MAX || (old->nmaps & NMAPS_MASK) == NMAPS_MASK))
                 return KVP_E_OVERFLOW;
         }
         if (r == NONE32) {
@@ -608,21 +658,28 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
         block_t *b = &idx->pool[r];
         hd = find_holder(b, ep);
         if (hd == NULL) {
-            kvp_status st = holder_room(idx, b);
+            kvp_status st = holder_room(idx, r);
             if (st != KVP_OK) {
                 if (b->n_holders == 0) delete_block(idx, r);
                 return st;
             }
             holder_t *hs = holders_of(b);
             uint32_t k = holder_lower_bound(hs, b->n_holders, ep);
-            if (k < b->n_holders)
+            if (k < b->n_holders) {
                 memmove(&hs[k + 1], &hs[k], (size_t)(b->n_holders - k) * sizeof(holder_t));
+                if (idx->max_entries) { /* k < n_holders: b is an ext */
+                    kvp_engine_hash_t *ehs = ext_eh(ext_of(b));
+                    memmove(&ehs[k + 1], &ehs[k], (size_t)(b->n_holders - k) * sizeof(*ehs));
+                }
+            }
             b->n_holders++;
             hd = &hs[k];
             memset(hd, 0, sizeof(*hd));
             hd->ep = ep;
-            hd->eh_first = eh;
-            hd->flags = HOLDER_EH_VALID;
+            if (idx->max_entries) {
+                *eh_first_of(idx, r, k) = eh;
+                hd->nmaps = HOLDER_EH_VALID;
+            }
             idx->n_holdings++;
             if (ep != KVP_SHARED && ep + 1 > idx->ep_limit) idx->ep_limit = ep + 1;
         }
@@ -653,12 +710,14 @@ static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
     if (mapping_gone) {
         if (!holder_gone) {
             hd->nmaps--;
-            if (hd->eh_first == m->eh) hd->flags &= ~HOLDER_EH_VALID;
+            if (idx->max_entries &&
+                *eh_first_of(idx, r, (uint32_t)(hd - holders_of(b))) == m->eh)
+                hd->nmaps &= (uint16_t)~HOLDER_EH_VALID;
         }
         mt_delete_at(idx, (size_t)(m - idx->mt));
     }
     if (holder_gone) {
-        remove_holder_at(idx, b, hd);
+        remove_holder_at(idx, r, hd);
         idx->n_holdings--;
         if (b->n_holders == 0) delete_block(idx, r);
     } else {
@@ -684,8 +743,8 @@ static void evict_block(kvp_index *idx, uint32_t r) {
     holder_t *hs = holders_of(b);
     int need_scan = 0;
     for (uint32_t k = 0; k < b->n_holders; k++) {
-        if (hs[k].nmaps == 1 && (hs[k].flags & HOLDER_EH_VALID)) {
-            mslot_t *m = mt_find(idx, hs[k].ep, hs[k].eh_first);
+        if ((hs[k].nmaps & NMAPS_MASK) == 1 && (hs[k].nmaps & HOLDER_EH_VALID)) {
+            mslot_t *m = mt_find(idx, hs[k].ep, *eh_first_of(idx, r, k));
             if (m) mt_delete_at(idx, (size_t)(m - idx->mt));
         } else {
             need_scan = 1;
@@ -726,10 +785,11 @@ kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out) {
 void kvp_index_free(kvp_index *idx) {
     if (idx == NULL) return;
     for (uint32_t r = 0; r < idx->pool_len; r++)
-        if (idx->pool[r].ext_cap) free(idx->pool[r].h.ext);  /* ext_t, header included */
+        if (is_ext(&idx->pool[r])) free(ext_of(&idx->pool[r])); /* ext_t, header included */
     free(idx->pool);
     free(idx->lru_prev);
     free(idx->lru_next);
+    free(idx->rec_eh);
     free(idx->bt);
     free(idx->mt);
     free(idx->ot);
@@ -920,7 +980,7 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
         block_t *b = &idx->pool[r];
         holder_t *hd = find_holder(b, ep);
         if (hd != NULL) {
-            remove_holder_at(idx, b, hd);
+            remove_holder_at(idx, r, hd);
             idx->n_holdings--;
             if (b->n_holders == 0) delete_block(idx, r);
         }
@@ -937,15 +997,15 @@ static inline int best_tier(const holder_t *h) { return h->count[0] ? 0 : (h->co
  * block's holders change. */
 static inline int same_holders(uint32_t ra, block_t *a, block_t *b) {
     if (a->n_holders != b->n_holders) return 0;
-    if (a->ext_cap && b->ext_cap && b->h.ext->eq_prev == ra &&
-        b->h.ext->eq_prev_ver == a->h.ext->hver)
+    const int both_ext = is_ext(a) && is_ext(b);
+    if (both_ext && ext_of(b)->eq_prev == ra && ext_of(b)->eq_prev_ver == ext_of(a)->hver)
         return 1;
     const holder_t *ha = holders_of(a), *hb = holders_of(b);
     for (uint32_t k = 0; k < a->n_holders; k++)
         if (ha[k].ep != hb[k].ep || best_tier(&ha[k]) != best_tier(&hb[k])) return 0;
-    if (a->ext_cap && b->ext_cap) {
-        b->h.ext->eq_prev = ra;
-        b->h.ext->eq_prev_ver = a->h.ext->hver;
+    if (both_ext) {
+        ext_of(b)->eq_prev = ra;
+        ext_of(b)->eq_prev_ver = ext_of(a)->hver;
     }
     return 1;
 }
@@ -1101,6 +1161,7 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
                         sizeof(mslot_t) * idx->mt_cap + sizeof(oslot_t) * idx->ot_cap +
                         (size_t)idx->pool_cap * sizeof(block_t) + idx->ext_bytes +
                         (idx->lru_prev ? (size_t)idx->pool_cap * 2 * sizeof(uint32_t) : 0) +
+                        (idx->rec_eh ? (size_t)idx->pool_cap * sizeof(kvp_engine_hash_t) : 0) +
                         idx->ep_cap * (3 * sizeof(uint32_t) + 1) + idx->run_cap * sizeof(uint32_t) +
                         idx->seq_cap * sizeof(kvp_hash_t);
     return KVP_OK;
