@@ -19,9 +19,18 @@
 #define EP_EMPTY 0xFFFFFFFEu /* never a valid endpoint id */
 #define EP_EXT 0xFFFFFFFDu   /* block_t.one.ep: the holders live in an ext_t */
 #define MIN_CAP 16
-/* tables grow by 1.5x and stay at most 4/5 full (linear probing, multiply-high slot mapping) */
-#define LOAD_NUM 4
-#define LOAD_DEN 5
+/* Hash tables stay at most LOAD_NUM/LOAD_DEN full (linear probing, multiply-high slot mapping)
+ * and grow by (GROW_DEN + 1) / GROW_DEN; the record pool grows by POOL_GROW_DEN + 1 / ... */
+#ifndef LOAD_NUM
+#define LOAD_NUM 17
+#define LOAD_DEN 20
+#endif
+#ifndef GROW_DEN
+#define GROW_DEN 2
+#endif
+#ifndef POOL_GROW_DEN
+#define POOL_GROW_DEN 8
+#endif
 
 /* 12 bytes. When the index is bounded, each holder also keeps one engine hash of ep mapped to
  * the block (eh_first, in a parallel array: rec_eh for an inline holder, after the holders in an
@@ -146,7 +155,7 @@ static inline size_t mslot_of(uint32_t code, kvp_engine_hash_t eh, size_t cap) {
     return fastrange(x ^ (x >> 32), cap);
 }
 static inline size_t grown_cap(size_t cap, size_t need) {
-    while (need * LOAD_DEN > cap * LOAD_NUM) cap = cap + cap / 2 + MIN_CAP;
+    while (need * LOAD_DEN > cap * LOAD_NUM) cap = cap + cap / GROW_DEN + MIN_CAP;
     return cap;
 }
 static inline int valid_ep(kvp_endpoint_t ep) { return ep < KVP_MAX_ENDPOINT || ep == KVP_SHARED; }
@@ -452,7 +461,7 @@ static kvp_status pool_reserve(kvp_index *idx, size_t extra) {
     if (need <= idx->pool_cap) return KVP_OK;
     if (need >= NONE32 - 1) return KVP_E_NOMEM;
     size_t cap = idx->pool_cap ? idx->pool_cap : 64;
-    while (cap < need) cap += cap / 2;
+    while (cap < need) cap += cap / POOL_GROW_DEN;
     if (cap >= NONE32 - 1) cap = NONE32 - 2;
     block_t *p = (block_t *)realloc(idx->pool, cap * sizeof(block_t));
     if (!p) return KVP_E_NOMEM;
