@@ -42,6 +42,7 @@ typedef struct {
     uint16_t nmaps;              /* engine mappings of ep to this block | HOLDER_EH_VALID */
 } holder_t;
 #define COUNT_MAX 0xFFFFu
+#define EXT_MIN_CAP 2u           /* first holder array of a shared block (then doubles) */
 #define NMAPS_MASK 0x7FFFu       /* 32767 engine hashes of one endpoint on one block at most */
 #define HOLDER_EH_VALID 0x8000u  /* bounded index: the holder's eh_first is still mapped */
 
@@ -53,7 +54,7 @@ typedef struct {
     uint32_t hver;        /* clock stamp of the last change to these holders */
     uint32_t eq_prev;     /* record verified to have equal holders (NONE32: none) ... */
     uint32_t eq_prev_ver; /* ... while its hver was this */
-    uint32_t cap;         /* holders allocated (a multiple of 4, so the eh array is aligned) */
+    uint32_t cap;         /* holders allocated (even, so the eh array after them is aligned) */
     holder_t h[];
 } ext_t;
 
@@ -562,16 +563,16 @@ static kvp_status holder_room(kvp_index *idx, uint32_t r) {
     const int bounded = idx->max_entries != 0;
     if (b->n_holders == 0) return KVP_OK;
     if (!is_ext(b)) {
-        ext_t *ext = (ext_t *)malloc(ext_size(4, bounded));
+        ext_t *ext = (ext_t *)malloc(ext_size(EXT_MIN_CAP, bounded));
         if (!ext) return KVP_E_NOMEM;
-        ext->cap = 4;
+        ext->cap = EXT_MIN_CAP;
         ext->h[0] = b->one;
         if (bounded) ext_eh(ext)[0] = idx->rec_eh[r];
         ext->eq_prev = NONE32;
         ext->eq_prev_ver = 0;
         ext->hver = clock_next(idx);
         set_ext(b, ext);
-        idx->ext_bytes += ext_size(4, bounded);
+        idx->ext_bytes += ext_size(EXT_MIN_CAP, bounded);
         return KVP_OK;
     }
     ext_t *ext = ext_of(b);
