@@ -18,6 +18,7 @@
 #define NONE32 0xFFFFFFFFu
 #define EP_EMPTY 0xFFFFFFFEu /* never a valid endpoint id */
 #define EP_EXT 0xFFFFFFFDu   /* block_t.one.ep: the holders live in an ext_t */
+#define EP_NONE 0xFFFFFFFCu  /* block_t.one.ep: no holder */
 #define MIN_CAP 16
 /* Hash tables stay at most LOAD_NUM/LOAD_DEN full (linear probing, multiply-high slot mapping)
  * and grow by (GROW_DEN + 1) / GROW_DEN; the record pool grows by POOL_GROW_DEN + 1 / ... */
@@ -55,20 +56,22 @@ typedef struct {
     uint32_t eq_prev;     /* record verified to have equal holders (NONE32: none) ... */
     uint32_t eq_prev_ver; /* ... while its hver was this */
     uint32_t cap;         /* holders allocated (even, so the eh array after them is aligned) */
+    uint32_t n;           /* holders in use */
+    uint32_t pad;
     holder_t h[];
 } ext_t;
 
-/* 24 bytes; LRU links and eh_first live in side arrays, allocated only when bounded. A block
- * with one holder keeps it inline; with more, one.ep is EP_EXT and the bytes after it hold the
- * ext_t pointer (memcpy'd: they are not pointer-aligned in holder_t terms). */
-typedef struct {
+/* 20 bytes (4-aligned); LRU links and eh_first live in side arrays, allocated only when
+ * bounded. A block with one holder keeps it inline (one.ep == EP_NONE: none yet, or the last
+ * one just left); with more, one.ep is EP_EXT and the bytes after it hold the ext_t pointer
+ * (memcpy'd: they are not pointer-aligned) and ext_t.n counts the holders. */
+typedef struct __attribute__((packed, aligned(4))) {
     kvp_hash_t hash; /* on the free list: the next free record id */
-    uint32_t n_holders;
     holder_t one;
 } block_t;
 
 _Static_assert(sizeof(holder_t) == 12, "holder_t is 12 bytes");
-_Static_assert(sizeof(block_t) == 24, "block_t is 24 bytes");
+_Static_assert(sizeof(block_t) == 20, "block_t is 20 bytes");
 _Static_assert(sizeof(ext_t) % 8 == 0, "ext_t header keeps the eh array aligned");
 
 /* A block-table slot is 8 bytes: the high 32 bits of the mixed block hash (which also pick the
@@ -172,6 +175,9 @@ static inline void set_ext(block_t *b, ext_t *e) {
     memcpy((char *)&b->one + sizeof(uint32_t), &e, sizeof e);
 }
 static inline holder_t *holders_of(block_t *b) { return is_ext(b) ? ext_of(b)->h : &b->one; }
+static inline uint32_t nh_of(const block_t *b) {
+    return is_ext(b) ? ext_of(b)->n : (b->one.ep != EP_NONE);
+}
 static inline size_t ext_size(uint32_t cap, int bounded) {
     return sizeof(ext_t) + (size_t)cap * (sizeof(holder_t) + (bounded ? sizeof(kvp_engine_hash_t) : 0));
 }
@@ -198,8 +204,9 @@ static uint32_t holder_lower_bound(const holder_t *hs, uint32_t n, kvp_endpoint_
 
 static holder_t *find_holder(block_t *b, kvp_endpoint_t ep) {
     holder_t *hs = holders_of(b);
-    uint32_t k = holder_lower_bound(hs, b->n_holders, ep);
-    return (k < b->n_holders && hs[k].ep == ep) ? &hs[k] : NULL;
+    const uint32_t n = nh_of(b);
+    uint32_t k = holder_lower_bound(hs, n, ep);
+    return (k < n && hs[k].ep == ep) ? &hs[k] : NULL;
 }
 
 /* ---- block table -------------------------------------------------------------------------- */
@@ -493,6 +500,7 @@ static uint32_t pool_take(kvp_index *idx) {
     }
     block_t *b = &idx->pool[r];
     memset(b, 0, sizeof(*b));
+    b->one.ep = EP_NONE;
     if (idx->max_entries) idx->lru_prev[r] = idx->lru_next[r] = NONE32;
     return r;
 }
@@ -505,6 +513,7 @@ static void pool_give(kvp_index *idx, uint32_t r) {
         free(e);
     }
     memset(b, 0, sizeof(*b));
+    b->one.ep = EP_NONE; /* no holders: clear() may still meet mappings to a freed record */
     b->hash = idx->free_head;
     idx->free_head = r;
 }
@@ -561,11 +570,13 @@ static inline void holders_changed(kvp_index *idx, block_t *b) {
 static kvp_status holder_room(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
     const int bounded = idx->max_entries != 0;
-    if (b->n_holders == 0) return KVP_OK;
+    if (nh_of(b) == 0) return KVP_OK;
     if (!is_ext(b)) {
         ext_t *ext = (ext_t *)malloc(ext_size(EXT_MIN_CAP, bounded));
         if (!ext) return KVP_E_NOMEM;
         ext->cap = EXT_MIN_CAP;
+        ext->n = 1;
+        ext->pad = 0;
         ext->h[0] = b->one;
         if (bounded) ext_eh(ext)[0] = idx->rec_eh[r];
         ext->eq_prev = NONE32;
@@ -577,7 +588,7 @@ static kvp_status holder_room(kvp_index *idx, uint32_t r) {
     }
     ext_t *ext = ext_of(b);
     const uint32_t old = ext->cap;
-    if (b->n_holders < old) return KVP_OK;
+    if (ext->n < old) return KVP_OK;
     if (old >= (NONE32 >> 5)) return KVP_E_NOMEM;
     const uint32_t cap = old * 2;
     ext = (ext_t *)realloc(ext, ext_size(cap, bounded));
@@ -595,7 +606,7 @@ static void remove_holder_at(kvp_index *idx, uint32_t r, holder_t *hd) {
     block_t *b = &idx->pool[r];
     holder_t *hs = holders_of(b);
     size_t k = (size_t)(hd - hs);
-    size_t tail = (size_t)b->n_holders - 1 - k;
+    size_t tail = (size_t)nh_of(b) - 1 - k;
     if (tail) {
         memmove(&hs[k], &hs[k + 1], tail * sizeof(holder_t));
         if (idx->max_entries && is_ext(b)) {
@@ -603,7 +614,8 @@ static void remove_holder_at(kvp_index *idx, uint32_t r, holder_t *hd) {
             memmove(&eh[k], &eh[k + 1], tail * sizeof(kvp_engine_hash_t));
         }
     }
-    b->n_holders--;
+    if (is_ext(b)) ext_of(b)->n--;
+    else b->one.ep = EP_NONE;
     holders_changed(idx, b);
 }
 
@@ -670,19 +682,20 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
         if (hd == NULL) {
             kvp_status st = holder_room(idx, r);
             if (st != KVP_OK) {
-                if (b->n_holders == 0) delete_block(idx, r);
+                if (nh_of(b) == 0) delete_block(idx, r);
                 return st;
             }
             holder_t *hs = holders_of(b);
-            uint32_t k = holder_lower_bound(hs, b->n_holders, ep);
-            if (k < b->n_holders) {
-                memmove(&hs[k + 1], &hs[k], (size_t)(b->n_holders - k) * sizeof(holder_t));
-                if (idx->max_entries) { /* k < n_holders: b is an ext */
+            const uint32_t n = nh_of(b);
+            uint32_t k = holder_lower_bound(hs, n, ep);
+            if (k < n) {
+                memmove(&hs[k + 1], &hs[k], (size_t)(n - k) * sizeof(holder_t));
+                if (idx->max_entries) { /* k < n: b is an ext */
                     kvp_engine_hash_t *ehs = ext_eh(ext_of(b));
-                    memmove(&ehs[k + 1], &ehs[k], (size_t)(b->n_holders - k) * sizeof(*ehs));
+                    memmove(&ehs[k + 1], &ehs[k], (size_t)(n - k) * sizeof(*ehs));
                 }
             }
-            b->n_holders++;
+            if (is_ext(b)) ext_of(b)->n++; /* inline: setting one.ep below makes it 1 */
             hd = &hs[k];
             memset(hd, 0, sizeof(*hd));
             hd->ep = ep;
@@ -729,7 +742,7 @@ static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
     if (holder_gone) {
         remove_holder_at(idx, r, hd);
         idx->n_holdings--;
-        if (b->n_holders == 0) delete_block(idx, r);
+        if (nh_of(b) == 0) delete_block(idx, r);
     } else {
         holders_changed(idx, b);
     }
@@ -752,7 +765,8 @@ static void evict_block(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
     holder_t *hs = holders_of(b);
     int need_scan = 0;
-    for (uint32_t k = 0; k < b->n_holders; k++) {
+    const uint32_t n = nh_of(b);
+    for (uint32_t k = 0; k < n; k++) {
         if ((hs[k].nmaps & NMAPS_MASK) == 1 && (hs[k].nmaps & HOLDER_EH_VALID)) {
             mslot_t *m = mt_find(idx, hs[k].ep, *eh_first_of(idx, r, k));
             if (m) mt_delete_at(idx, (size_t)(m - idx->mt));
@@ -761,9 +775,9 @@ static void evict_block(kvp_index *idx, uint32_t r) {
         }
     }
     if (need_scan) scan_delete_mappings(idx, r, EP_EMPTY);
-    idx->n_holdings -= b->n_holders;
+    idx->n_holdings -= n;
     idx->c.evicted_blocks++;
-    idx->c.evicted_entries += b->n_holders;
+    idx->c.evicted_entries += n;
     delete_block(idx, r);
 }
 
@@ -992,7 +1006,7 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
         if (hd != NULL) {
             remove_holder_at(idx, r, hd);
             idx->n_holdings--;
-            if (b->n_holders == 0) delete_block(idx, r);
+            if (nh_of(b) == 0) delete_block(idx, r);
         }
     }
     idx->c.cleared_endpoints++;
@@ -1006,12 +1020,13 @@ static inline int best_tier(const holder_t *h) { return h->count[0] ? 0 : (h->co
  * A positive answer between two multi-holder blocks is cached in b's header until either
  * block's holders change. */
 static inline int same_holders(uint32_t ra, block_t *a, block_t *b) {
-    if (a->n_holders != b->n_holders) return 0;
+    const uint32_t n = nh_of(a);
+    if (n != nh_of(b)) return 0;
     const int both_ext = is_ext(a) && is_ext(b);
     if (both_ext && ext_of(b)->eq_prev == ra && ext_of(b)->eq_prev_ver == ext_of(a)->hver)
         return 1;
     const holder_t *ha = holders_of(a), *hb = holders_of(b);
-    for (uint32_t k = 0; k < a->n_holders; k++)
+    for (uint32_t k = 0; k < n; k++)
         if (ha[k].ep != hb[k].ep || best_tier(&ha[k]) != best_tier(&hb[k])) return 0;
     if (both_ext) {
         ext_of(b)->eq_prev = ra;
@@ -1083,7 +1098,7 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
             touch(idx, r);
             block_t *b = &idx->pool[r];
             const holder_t *hd = holders_of(b);
-            const uint32_t nh = b->n_holders;
+            const uint32_t nh = nh_of(b);
             if (n_act > 0 && prev_r != NONE32 && same_holders(prev_r, &idx->pool[prev_r], b)) {
                 /* the same endpoints with the same best tiers as the previous block: every
                  * active endpoint continues; settle the counts later in one pass */
