@@ -1,11 +1,14 @@
 /* The prefix index: kvplug block hash -> holders (endpoint, count per tier), and
  * (endpoint, engine hash) -> (block, refcount per tier). Rules: kvplug/_reference.py Index.
  *
- * Layout
- *   block table  open addressing, linear probing, backward-shift deletion: hash -> record id
- *   records      a pool of block records with stable ids (free list); one holder inline,
- *                more in a growable side array; LRU links (maintained only when bounded)
- *   engine map   open addressing on (endpoint, engine hash) -> record id + refs per tier
+ * Layout (sizes matter: see docs/core.md, memory per million blocks)
+ *   block table  open addressing, linear probing, backward-shift deletion: 8-byte slots
+ *                (32-bit hash tag, record id)
+ *   records      a pool of 20-byte block records with stable ids (free list): hash and one
+ *                inline holder; more holders in a growable side array; LRU links and per-holder
+ *                engine hashes only when bounded
+ *   engine map   open addressing on (endpoint, engine hash), 16-byte slots -> record id,
+ *                3-bit refs per tier (larger refcounts in an overflow table)
  * Invariant: a holder's count per tier is the sum of the refs of that endpoint's mappings to
  * the block, so holders and mappings are created and destroyed together.
  */

@@ -40,7 +40,7 @@ typedef enum {
     KVP_E_TIER = 5,     /* tier not 0, 1, 2 (or KVP_TIER_ANY where allowed) */
     KVP_E_NOMEM = 6,    /* allocation failed; the index is unchanged or consistently partial */
     KVP_E_BUFFER = 7,   /* a caller-provided buffer is too small */
-    KVP_E_OVERFLOW = 8  /* a reference count would overflow 32 bits */
+    KVP_E_OVERFLOW = 8  /* a holder's 16-bit per-tier count would overflow (65,535 references) */
 } kvp_status;
 
 /* Token buffer element types. All are read with unaligned-safe loads. */
