@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -22,6 +20,8 @@ from pathlib import Path
 import pytest
 from real_engine.engines import MODEL, Engine, missing_reason
 from vllm_helpers import free_port
+
+from kvplug.testing import serve_command, stop_process, wait_ready
 
 REASON = missing_reason()
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,17 +71,8 @@ def fleet():
             e.wait_healthy(deadline)
         port = free_port()
         serve = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvplug.cli",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--admin-port",
-                "-1",
+            serve_command(
+                port,
                 "--kv-block-size",
                 "32",
                 "--tokenizer",
@@ -92,27 +83,15 @@ def fleet():
                 f"a={engines[0].url}",
                 "--worker",
                 f"b={engines[1].url}",
-            ],
+            ),
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         url = f"http://127.0.0.1:{port}"
-        while time.monotonic() < deadline:
-            assert serve.poll() is None, "kvplug serve exited"
-            try:
-                if _get(url + "/ready")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
+        wait_ready(url + "/ready", proc=serve, timeout=max(1.0, deadline - time.monotonic()))
         yield url, engines
     finally:
-        if serve is not None and serve.poll() is None:
-            serve.send_signal(signal.SIGINT)
-            try:
-                serve.wait(15)
-            except subprocess.TimeoutExpired:
-                serve.kill()
+        stop_process(serve)
         for e in engines:
             e.stop()
 
@@ -174,8 +153,17 @@ def test_prefix_routing_stream_and_load_on_real_engines(fleet):
         trace = _trace(url, headers)
         assert trace["output_tokens"] == usage["completion_tokens"] == 12
         assert trace["router"]["overlap_blocks"] >= 10
-    text = _get(url + "/metrics")[1].decode()
-    for w in ("a", "b"):
-        assert _metric(text, "kvplug_worker_active_decode_blocks", w) == 0.0
-        assert _metric(text, "kvplug_worker_active_prefill_tokens", w) == 0.0
-        assert _metric(text, "kvplug_worker_inflight_requests", w) == 0.0
+    # every finished request's load is released (just after its last bytes went out)
+    load = (
+        "kvplug_worker_active_decode_blocks",
+        "kvplug_worker_active_prefill_tokens",
+        "kvplug_worker_inflight_requests",
+    )
+    deadline = time.monotonic() + 10
+    while True:
+        text = _get(url + "/metrics")[1].decode()
+        left = {(n, w): _metric(text, n, w) for n in load for w in ("a", "b")}
+        if not any(left.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not any(left.values()), left

@@ -105,29 +105,24 @@ def test_kvplug_serve_routes_by_prefix_on_real_engines(engines, tmp_path):
     engines; requests sharing a prompt prefix keep going to the engine that cached it."""
     import json
     import os
+    import signal
     import subprocess
-    import sys
     import urllib.request
 
     from real_engine.engines import MODEL
 
+    from kvplug.testing import serve_command, stop_process, wait_ready
+
     a, b, _ = engines
     port = free_port()
-    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "wb")  # noqa: SIM115
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvplug.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--admin-port",
-            "-1",
+        serve_command(
+            port,
             "--worker",
             f"a={a.url}",
             "--worker",
@@ -136,50 +131,57 @@ def test_kvplug_serve_routes_by_prefix_on_real_engines(engines, tmp_path):
             str(BS),
             "--tokenizer",
             str(MODEL),
-        ],
+        ),
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
         cwd=root,
     )
 
-    def ready() -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
     def complete(text: str) -> str:
         body = json.dumps(
             {"model": "tiny", "prompt": text, "max_tokens": 1, "temperature": 0}
         ).encode()
         req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+            url + "/v1/completions", body, {"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.headers["x-kvplug-worker"]
 
+    def metrics() -> dict[str, float]:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            lines = r.read().decode().splitlines()
+        samples = (ln.rpartition(" ") for ln in lines if ln and not ln.startswith("#"))
+        return {key: float(value) for key, _, value in samples}
+
+    def index_blocks() -> float:
+        return metrics().get('kvplug_router_stat{stat="index.blocks"}', 0.0)
+
+    def load_released() -> bool:
+        # the frontend releases a request's load just after sending its last bytes, so the
+        # next request could otherwise still see it (and a load-aware policy spread them)
+        m = metrics()
+        return all(
+            m.get(f'kvplug_worker_inflight_requests{{worker="{w}"}}', 0.0) == 0.0
+            for w in ("a", "b")
+        )
+
     try:
-        assert wait_for(ready, 60), (tmp_path / "serve.log").read_text()[-2000:]
+        wait_ready(url + "/ready", proc=proc, timeout=60, log=log_path)
         rng = random.Random(11)
         sys_p = "".join(rng.choice("abcdefgh ") for _ in range(384))  # 12 blocks of 1-byte tokens
+        blocks_before = index_blocks()
         first = complete(sys_p + " first question")
-        time.sleep(1.0)  # the engine's events reach the index
+        # the engine's events for the shared prefix reach the index
+        assert wait_for(lambda: index_blocks() >= blocks_before + 12, 30), index_blocks()
         follow = []
         for i in range(6):
-            # spaced like a client's turns: the frontend releases a finished request's load
-            # just after answering, and this test is about prefix affinity, not load races
-            time.sleep(0.5)
+            assert wait_for(load_released, 10), metrics()
             follow.append(complete(sys_p + f" follow-up {i}"))
         # a load-only policy would spread these; the cached 12-block prefix keeps them together
         assert follow == [first] * 6, (first, follow)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, sig=signal.SIGTERM)
         log.close()
 
 

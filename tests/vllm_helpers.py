@@ -8,12 +8,9 @@ import time
 from collections.abc import Callable
 
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent
+from kvplug.testing import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["Mirror", "free_port", "free_port_run", "wait_for"]
 
 
 def free_port_run(n: int) -> int:
