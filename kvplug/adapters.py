@@ -298,7 +298,7 @@ class SglangHttpAdapter(EngineAdapter):
 
     kind = "sglang"
     pd_style = PDStyle.CONCURRENT
-    tokenize_path = None  # no /tokenize in the OpenAI server across versions
+    tokenize_path: str | None = None  # no /tokenize in the OpenAI server across versions
 
     def _bootstrap(self, ctx: PDContext) -> dict[str, Any]:
         if "bootstrap" not in ctx.scratch:

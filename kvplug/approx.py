@@ -9,11 +9,18 @@ oldest records go first, and the side index itself is LRU-bounded by the same ca
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 
 from kvplug.events import BlockRemoved, BlockStored
+
+
+def _as_sequence(hashes: np.ndarray) -> Sequence[int]:
+    """A u64 array where the events declare Sequence[int]: it is one (len, index, iteration),
+    and the core reads its buffer without per-block objects."""
+    return cast(Sequence[int], hashes)
 
 
 class ApproxIndex:
@@ -42,8 +49,9 @@ class ApproxIndex:
         h = np.array(hashes, dtype=np.uint64, copy=True)
         # our own hashes double as the "engine" hashes: this namespace is ours alone. The
         # arrays go in as numpy buffers (the core reads them directly; no per-block objects).
+        seq = _as_sequence(h)
         self.index.apply(
-            BlockStored(worker_id=worker_id, dp_rank=dp_rank, engine_hashes=h, block_hashes=h)
+            BlockStored(worker_id=worker_id, dp_rank=dp_rank, engine_hashes=seq, block_hashes=seq)
         )
         self._records.append((now, worker_id, dp_rank, h))
         self._blocks += len(h)
@@ -61,7 +69,9 @@ class ApproxIndex:
         _, wid, rank, h = self._records.popleft()
         self._blocks -= len(h)
         try:
-            self.index.apply(BlockRemoved(worker_id=wid, dp_rank=rank, engine_hashes=h))
+            self.index.apply(
+                BlockRemoved(worker_id=wid, dp_rank=rank, engine_hashes=_as_sequence(h))
+            )
         except Exception:  # the worker was removed meanwhile: nothing left to drop
             pass
 

@@ -310,11 +310,13 @@ class SglangAdapter(SglangHttpAdapter):
                 wid,
             )
             return
-        if self._subscriber is None:
-            self._subscriber = SglangSubscriber().start()
+        subscriber = self._subscriber
+        if subscriber is None:
+            subscriber = self._subscriber = SglangSubscriber()
+            subscriber.start()
         for src in sources:
             # add() waits for the subscriber thread to register the socket: not on the loop
-            await asyncio.to_thread(self._subscriber.add, src)
+            await asyncio.to_thread(subscriber.add, src)
         run.info = kv
         run.subscribed = True
         if kv is not None and kv.load_port_base is not None:
@@ -328,7 +330,8 @@ class SglangAdapter(SglangHttpAdapter):
         base = None if worker.url is None else worker.url.rstrip("/")
         loads_url = None if base is None else base + "/v1/loads?include=core"
         prom_url = worker.metrics_url or (None if base is None else base + "/metrics")
-        use_loads = loads_url is not None
+        if prom_url is None:  # no URL at all: nothing to scrape (loads_url is None too)
+            return
         while True:
             if run.last_push_at is not None and (
                 time.monotonic() - run.last_push_at < self.push_silence
@@ -337,10 +340,10 @@ class SglangAdapter(SglangHttpAdapter):
                 continue
             try:
                 session = self._http()
-                if use_loads:
+                if loads_url is not None:
                     async with session.get(loads_url) as resp:
                         if resp.status in (404, 405) and prom_url:
-                            use_loads = False  # older than 0.5.15: Prometheus instead
+                            loads_url = None  # older than 0.5.15: Prometheus instead
                             continue
                         resp.raise_for_status()
                         attrs = attributes_from_loads(await resp.json(content_type=None))
@@ -369,12 +372,16 @@ class SglangAdapter(SglangHttpAdapter):
         sockets = []
         try:
             for i in range(kv.dp_size):
+                rank = run.worker.dp_start + i
+                endpoint = kv.load_endpoint(rank)
+                if endpoint is None:  # no load channel advertised (the caller checks first)
+                    return
                 sock = ctx.socket(zmq.SUB)
+                sockets.append((rank, sock))
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # a gauge: anything big is junk
                 sock.setsockopt(zmq.SUBSCRIBE, kv.load_topic.encode())
-                sock.connect(kv.load_endpoint(run.worker.dp_start + i))
-                sockets.append((run.worker.dp_start + i, sock))
+                sock.connect(endpoint)
             poller = zmq.asyncio.Poller()
             for _, sock in sockets:
                 poller.register(sock, zmq.POLLIN)

@@ -340,6 +340,7 @@ class TrtllmAdapter(TrtllmHttpAdapter):
         while True:
             try:
                 session = self._http()
+                attrs: dict[str, float] | None  # None: no new iteration since the last poll
                 if run.prometheus:
                     async with session.get(self._prom_url(worker), timeout=timeout) as resp:
                         if resp.status == 404 and worker.metrics_url is None:

@@ -99,10 +99,10 @@ def parse_metrics(text: str, ts: float | None = None) -> MetricsSample:
         # changes when the engine's API server (and with it the engine) restarted
         attrs["process_start_time"] = next(iter(start.values()))
     for key in _CACHE_NUMERIC:
-        v = cache_config.get(key)
+        raw = cache_config.get(key)
         try:
-            if v not in (None, "", "None"):
-                attrs[key] = float(v)
+            if raw not in (None, "", "None"):
+                attrs[key] = float(raw)
         except ValueError:
             pass
     # the names kvplug's scorers and filters read (llm-d style)

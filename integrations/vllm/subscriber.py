@@ -543,14 +543,14 @@ class VllmSubscriber:
             return
         first = next(iter(ranks.values()))
         batch = first.decoder.decode(payload, dp_rank=first.src.dp_rank)
-        st: _Stream | None = first
+        st = first
         if batch is not None and batch.dp_rank is not None and batch.dp_rank != first.src.dp_rank:
-            st = ranks.get(batch.dp_rank)
-            if st is None and len(ranks) == 1:
+            routed = ranks.get(batch.dp_rank)
+            if routed is None and len(ranks) == 1:
                 # one rank configured for this socket/topic (vLLM rank r publishes on port + r,
                 # so a socket sees one rank): it is that rank's; _apply says so and fixes it
-                st = first
-            elif st is None:
+                pass
+            elif routed is None:
                 self.counters["unknown_source"] += 1
                 self._droplog(
                     "unknown",
@@ -561,7 +561,8 @@ class VllmSubscriber:
                     batch.dp_rank,
                 )
                 return
-            elif st is not first:
+            elif routed is not first:
+                st = routed
                 batch = st.decoder.decode(payload, dp_rank=st.src.dp_rank)  # per-rank stats
         st.stats.last_message_at = time.monotonic()
         self._on_batch(st, seq, payload, batch, out)

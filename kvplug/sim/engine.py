@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvplug.events import BlockMoved, BlockRemoved, BlockStored
+from kvplug.events import BlockMoved, BlockRemoved, BlockStored, KvEvent
 from kvplug.sim.cache import BlockCache, CacheFull
 from kvplug.sim.steptime import REFERENCE, StepTimeModel
 from kvplug.sim.trace import output_tokens
@@ -168,6 +168,7 @@ class SimEngine:
 
     def _flush_cache_events(self, t: float) -> None:
         wid, rank = self.worker_id, self.dp_rank
+        ev: KvEvent
         for kind, tier, hashes in self._pending_cache:
             if kind == "removed":
                 ev = BlockRemoved(worker_id=wid, dp_rank=rank, tier=tier, engine_hashes=hashes)

@@ -429,8 +429,11 @@ class SimServer:
                         "choices": [choice],
                     }
                     await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            final_choice = {"index": 0, "finish_reason": finish_reason()}
-            final_choice.update({"delta": {}} if chat else {"text": ""})
+            final_choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason()}
+            if chat:
+                final_choice["delta"] = {}
+            else:
+                final_choice["text"] = ""
             final = {
                 "id": rid,
                 "object": obj + ".chunk" if chat else obj,

@@ -229,7 +229,7 @@ def replay(
                     start_decode(payload, t)
 
     def make_route_request(rid: str, sreq: SimRequest, stage) -> RouteRequest:
-        if tokens_mode:
+        if sreq.token_ids is not None:  # tokens mode: every request carries its tokens
             return RouteRequest(request_id=rid, token_ids=sreq.token_ids, stage=stage)
         return RouteRequest(
             request_id=rid,
