@@ -433,7 +433,7 @@ class Frontend:
         if self.fleet.disaggregated:
             plan = await self._plan(ctx)
             if plan.final_answer is not None:
-                return await self._answer_from_prefill(request, ctx, plan)
+                return await self._answer_from_prefill(request, ctx, plan, plan.final_answer)
             stage, allowed = plan.stage, plan.allowed
             body = _json.encode(plan.body) if plan.body is not ctx.req.body else ctx.req.raw
             hop_headers = {**hop_headers, **plan.headers}
@@ -475,13 +475,12 @@ class Frontend:
         return plan
 
     async def _answer_from_prefill(
-        self, request: web.Request, ctx: RequestContext, plan: DecodePlan
+        self, request: web.Request, ctx: RequestContext, plan: DecodePlan, answer: dict[str, Any]
     ) -> web.StreamResponse:
         """The prefill answer already is the whole answer: it goes to the client (as an SSE
         stream for a streaming client) and no decode stage is routed. The prefill stage's
         load was released when its answer arrived."""
         pre: Routed = plan.prefill
-        answer = plan.final_answer
         rec, lc, d = pre.record, pre.lifecycle, pre.decision
         rec.outcome = "answered_by_prefill"
         body = _json.encode(answer)
@@ -710,6 +709,10 @@ async def openai_errors(request: web.Request, handler):
         ).response()
 
 
+# the Frontend behind an app (for handlers and middlewares outside the class)
+FRONTEND_KEY = web.AppKey("frontend", Frontend)
+
+
 def build_app(frontend: Frontend) -> web.Application:
     middlewares = [openai_errors]
     if frontend.settings.api_key:
@@ -722,5 +725,5 @@ def build_app(frontend: Frontend) -> web.Application:
     app.router.add_get("/ready", frontend.handle_ready)
     app.router.add_get("/metrics", frontend.handle_metrics)
     app.router.add_get("/kvplug/decisions/{decision_id}", frontend.handle_decision)
-    app["frontend"] = frontend
+    app[FRONTEND_KEY] = frontend
     return app
