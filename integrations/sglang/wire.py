@@ -40,11 +40,11 @@ from typing import Annotated, Any
 
 import msgspec
 
+from integrations.common import MASK64, EventDrop, int64_hash, u64_hash
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
 log = logging.getLogger("kvplug.integrations.sglang")
 
-MASK64 = (1 << 64) - 1
 MAX_TOKEN = 1 << 32
 MAX_BLOCKS_PER_EVENT = 1 << 20  # far beyond any real radix node; bounds a hostile payload
 MAX_PARTIAL_PER_RANK = 1 << 20  # partial pages whose removal was lost must not grow forever
@@ -152,18 +152,12 @@ class _BatchA(msgspec.Struct, array_like=True, gc=False):
     attn_dp_rank: int | None = None
 
 
-_FAST = (msgspec.msgpack.Decoder(_BatchM), msgspec.msgpack.Decoder(_BatchA))
+_FAST: tuple[msgspec.msgpack.Decoder[Any], ...] = (
+    msgspec.msgpack.Decoder(_BatchM),
+    msgspec.msgpack.Decoder(_BatchA),
+)
 _STORED_T = (_StoredM, _StoredA)
 _REMOVED_T = (_RemovedM, _RemovedA)
-
-
-class _Drop(Exception):
-    """One event (or batch) is unusable; ``reason`` is the counter key."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(detail or reason)
-        self.reason = reason
-        self.detail = detail
 
 
 def _as_fields(raw: Any, names: Sequence[str], kind: str) -> dict[str, Any]:
@@ -177,31 +171,23 @@ def _as_fields(raw: Any, names: Sequence[str], kind: str) -> dict[str, Any]:
     return dict(zip(names, values, strict=False))
 
 
-def _engine_hash(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _Drop("bad_hash", f"{what} is {type(value).__name__}, not an integer")
-    if not -(1 << 63) <= value <= MASK64:
-        raise _Drop("bad_hash", f"{what} {value} is outside int64/uint64")
-    return value & MASK64
-
-
 def _hash_list(value: Any) -> list[int]:
     if not isinstance(value, list):
-        raise _Drop("bad_hash", "block_hashes is not a list")
+        raise EventDrop("bad_hash", "block_hashes is not a list")
     if len(value) > MAX_BLOCKS_PER_EVENT:
-        raise _Drop("too_many_blocks", f"{len(value)} block hashes in one event")
-    return [_engine_hash(h, f"block_hashes[{i}]") for i, h in enumerate(value)]
+        raise EventDrop("too_many_blocks", f"{len(value)} block hashes in one event")
+    return [u64_hash(h, f"block_hashes[{i}]") for i, h in enumerate(value)]
 
 
 def _tokens(value: Any) -> list[int]:
     if not isinstance(value, list):
-        raise _Drop("bad_tokens", "token_ids is not a list")
+        raise EventDrop("bad_tokens", "token_ids is not a list")
     out: list[int] = []
     for i, t in enumerate(value):
         if isinstance(t, list) and len(t) == 2:  # EAGLE3 bigram page: (t_j, t_j+1)
             t = t[0]
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < MAX_TOKEN:
-            raise _Drop("bad_tokens", f"token_ids[{i}] = {t!r} is not a u32 token id")
+            raise EventDrop("bad_tokens", f"token_ids[{i}] = {t!r} is not a u32 token id")
         out.append(t)
     return out
 
@@ -211,7 +197,7 @@ def _medium(value: Any) -> tuple[Tier, bool]:
         return Tier.DEVICE, False
     tier = MEDIUM_TIERS.get(value) if isinstance(value, str) else None
     if tier is None:
-        raise _Drop("unknown_medium", f"medium {value!r}")
+        raise EventDrop("unknown_medium", f"medium {value!r}")
     return tier
 
 
@@ -220,7 +206,7 @@ def _cache_salt(fields: dict[str, Any]) -> str | None:
     metadata = fields.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
-            raise _Drop("bad_field", f"metadata is {type(metadata).__name__}, not a map")
+            raise EventDrop("bad_field", f"metadata is {type(metadata).__name__}, not a map")
         return _opt_str(metadata, "cache_salt")
     return _opt_str(fields, "cache_salt")
 
@@ -230,7 +216,7 @@ def _opt_str(fields: dict[str, Any], key: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise _Drop("bad_field", f"{key} is {type(value).__name__}, not a string")
+        raise EventDrop("bad_field", f"{key} is {type(value).__name__}, not a string")
     return value
 
 
@@ -257,8 +243,8 @@ class PartialPageFilter:
                     self.counts["partial_overflow"] += 1
                 held.update(item.engine_hashes)
             elif isinstance(item, BlockStored):
-                held = self.partial.get(item.dp_rank)
-                if held and item.parent_engine_hash in held:
+                partial = self.partial.get(item.dp_rank)
+                if partial and item.parent_engine_hash in partial:
                     self.drops["parent_partial"] += 1
                     log.warning(
                         "sglang worker %s rank %d: store chained onto partial page %#x dropped",
@@ -269,13 +255,13 @@ class PartialPageFilter:
                     continue
                 out.append(item)
             elif isinstance(item, BlockRemoved):
-                held = self.partial.get(item.dp_rank)
-                if held:
-                    kept = [h for h in item.engine_hashes if h not in held]
+                partial = self.partial.get(item.dp_rank)
+                if partial:
+                    kept = [h for h in item.engine_hashes if h not in partial]
                     swallowed = len(item.engine_hashes) - len(kept)
                     if swallowed:
                         self.counts["partial_removes_swallowed"] += swallowed
-                        held.difference_update(item.engine_hashes)
+                        partial.difference_update(item.engine_hashes)
                         if not kept:
                             continue
                         item = msgspec.structs.replace(item, engine_hashes=kept)
@@ -345,7 +331,7 @@ class SglangDecoder:
         for position, raw in enumerate(batch[1]):
             try:
                 self._decode_event(raw, dp_rank, out)
-            except _Drop as drop:
+            except EventDrop as drop:
                 self._drop(drop.reason, dp_rank, seq, f"event {position}: {drop.detail}")
         return rank, out
 
@@ -464,7 +450,7 @@ class SglangDecoder:
         elif isinstance(raw, list) and raw:
             tag = raw[0]
         else:
-            raise _Drop("bad_event", f"event is {type(raw).__name__}")
+            raise EventDrop("bad_event", f"event is {type(raw).__name__}")
         if tag == "BlockStored":
             self._stored(_as_fields(raw, _STORED_FIELDS, tag), dp_rank, out)
         elif tag == "BlockRemoved":
@@ -473,23 +459,23 @@ class SglangDecoder:
             self.counts["cleared"] += 1
             out.append(AllCleared(worker_id=self.worker_id, dp_rank=dp_rank))
         else:
-            raise _Drop("unknown_event", f"event type {tag!r}")
+            raise EventDrop("unknown_event", f"event type {tag!r}")
 
     def _stored(self, f: dict[str, Any], dp_rank: int, out: list[WireItem]) -> None:
         hashes = _hash_list(f.get("block_hashes"))
         parent_raw = f.get("parent_block_hash")
-        parent = None if parent_raw is None else _engine_hash(parent_raw, "parent_block_hash")
+        parent = None if parent_raw is None else u64_hash(parent_raw, "parent_block_hash")
         tokens = _tokens(f.get("token_ids"))
         block_size = f.get("block_size")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise _Drop("bad_block_size", f"block_size {block_size!r}")
+            raise EventDrop("bad_block_size", f"block_size {block_size!r}")
         tier, shared = _medium(f.get("medium"))
         cache_salt = _cache_salt(f)
         lora_name = _opt_str(f, "lora_name")
         if not hashes:
             return
         if len(tokens) != len(hashes) * block_size:
-            raise _Drop(
+            raise EventDrop(
                 "length_mismatch",
                 f"{len(tokens)} tokens for {len(hashes)} blocks of {block_size}",
             )
@@ -501,7 +487,7 @@ class SglangDecoder:
             )
             return
         if block_size != self.page_size:
-            raise _Drop(
+            raise EventDrop(
                 "block_size_mismatch",
                 f"block_size {block_size} but the worker advertised page size {self.page_size}",
             )
@@ -548,12 +534,6 @@ _TIER_MEDIUM = {Tier.DEVICE: "GPU", Tier.HOST: "CPU_PINNED", Tier.DISK: "DISK"}
 _enc = msgspec.msgpack.Encoder()
 
 
-def _signed(h: int) -> int:
-    """u64 -> the signed int64 SGLang puts on the wire."""
-    h &= MASK64
-    return h - (1 << 64) if h >= 1 << 63 else h
-
-
 def encode_batch(
     events: Sequence[KvEvent],
     form: str = "0.5.23",
@@ -574,12 +554,13 @@ def encode_batch(
             continue
         if isinstance(ev, BlockStored | BlockRemoved):
             medium = "EXTERNAL" if ev.shared else _TIER_MEDIUM.get(ev.tier or Tier.DEVICE)
-            hashes = [_signed(h) for h in ev.engine_hashes]
+            hashes = [int64_hash(h) for h in ev.engine_hashes]
         if isinstance(ev, BlockStored):
             if ev.token_ids is None:
                 raise ValueError("SGLang stores always carry token ids")
-            parent = None if ev.parent_engine_hash is None else _signed(ev.parent_engine_hash)
+            parent = None if ev.parent_engine_hash is None else int64_hash(ev.parent_engine_hash)
             tokens = list(ev.token_ids)
+            item: dict[str, Any] | list[Any]
             if form == "0.5.23":
                 item = {
                     "type": "BlockStored",
@@ -599,7 +580,7 @@ def encode_batch(
                     raise ValueError(f"SGLang {form} arrays cannot carry this namespace")
                 item = ["BlockStored", hashes, parent, tokens, ev.block_size, None, medium]
                 if ev.cache_salt is not None:
-                    item.append({"cache_salt": ev.cache_salt})
+                    item = [*item, {"cache_salt": ev.cache_salt}]
             out.append(item)
         elif isinstance(ev, BlockRemoved):
             if form == "0.5.23":

@@ -41,21 +41,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from integrations.common import MASK64, EventDrop, u64_hash
 from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, KvEvent, Tier
 
 log = logging.getLogger("kvplug.integrations.trtllm")
 
-MASK64 = (1 << 64) - 1
 MAX_TOKEN = 1 << 32
 MAX_PARTIAL_PER_RANK = 1 << 20
 CACHE_LEVEL_TIERS = {0: Tier.DEVICE, 1: Tier.HOST}
-
-
-class _Drop(Exception):
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(detail or reason)
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass
@@ -74,22 +67,16 @@ def parse_hash(value: Any, what: str, *, allow_none: bool = False) -> int | None
     if value is None:
         if allow_none:
             return None
-        raise _Drop("bad_hash", f"{what} is null")
-    if isinstance(value, bool):
-        raise _Drop("bad_hash", f"{what} is a boolean")
-    if isinstance(value, int):
-        if not -(1 << 63) <= value <= MASK64:
-            raise _Drop("bad_hash", f"{what} {value} is outside uint64")
-        return value & MASK64
+        raise EventDrop("bad_hash", f"{what} is null")
     if isinstance(value, str):
         try:
             h = int(value, 16)
         except ValueError:
-            raise _Drop("bad_hash", f"{what} {value!r} is not hex") from None
+            raise EventDrop("bad_hash", f"{what} {value!r} is not hex") from None
         if allow_none and h == 0:
             return None  # V2 hashing writes an all-zero digest for "no parent"
         return h & MASK64
-    raise _Drop("bad_hash", f"{what} is {type(value).__name__}")
+    return u64_hash(value, what)
 
 
 def _block_extra(block: dict[str, Any], extra_ids: list[int]) -> int:
@@ -137,7 +124,7 @@ class TrtllmDecoder:
         for envelope in envelopes:
             try:
                 self._envelope(envelope, out)
-            except _Drop as drop:
+            except EventDrop as drop:
                 rank = envelope.get("attention_dp_rank") if isinstance(envelope, dict) else None
                 eid = envelope.get("event_id") if isinstance(envelope, dict) else None
                 self._drop(drop.reason, rank, eid, drop.detail)
@@ -181,7 +168,7 @@ class TrtllmDecoder:
 
     def _envelope(self, env: Any, out: list[KvEvent]) -> None:
         if not isinstance(env, dict):
-            raise _Drop("bad_event", f"envelope is {type(env).__name__}")
+            raise EventDrop("bad_event", f"envelope is {type(env).__name__}")
         if not env:
             # KVCacheEventSerializer renders a None event as {} (the LLM API's own tests skip
             # them with ``if event:``): nothing happened, and no event_id was used
@@ -189,19 +176,19 @@ class TrtllmDecoder:
             return
         data = env.get("data")
         if not isinstance(data, dict):
-            raise _Drop("bad_event", "no data object")
+            raise EventDrop("bad_event", "no data object")
         kind = data.get("type")
         rank = env.get("attention_dp_rank", 0)
         if rank is None:
             rank = 0
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise _Drop("bad_event", f"attention_dp_rank {rank!r}")
+            raise EventDrop("bad_event", f"attention_dp_rank {rank!r}")
         event_id = env.get("event_id")
         if isinstance(event_id, bool) or not isinstance(event_id, int) or event_id < 0:
-            raise _Drop("bad_event", f"event_id {event_id!r}")
+            raise EventDrop("bad_event", f"event_id {event_id!r}")
         window = env.get("window_size")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-            raise _Drop("bad_event", f"window_size {window!r}")
+            raise EventDrop("bad_event", f"window_size {window!r}")
         algo = env.get("hash_algo")
         if isinstance(algo, str):
             self.hash_algo = algo
@@ -228,7 +215,7 @@ class TrtllmDecoder:
             return
         state.in_created_run = False
         if kind not in ("stored", "removed", "updated"):
-            raise _Drop("unknown_event", f"data.type {kind!r}")
+            raise EventDrop("unknown_event", f"data.type {kind!r}")
         if window is not None:
             if state.window is None:
                 state.window = window  # subscribed late: adopt the first window seen
@@ -265,12 +252,12 @@ class TrtllmDecoder:
         parent = parse_hash(data.get("parent_hash"), "parent_hash", allow_none=True)
         blocks = data.get("blocks")
         if not isinstance(blocks, list):
-            raise _Drop("bad_event", "stored without a blocks list")
+            raise EventDrop("bad_event", "stored without a blocks list")
         if parent is not None and parent in state.partial:
-            raise _Drop("parent_partial", f"parent {parent:#x} is a partial block")
+            raise EventDrop("parent_partial", f"parent {parent:#x} is a partial block")
         data_lora = data.get("lora_name")  # some 2026 builds name the adapter per event
         if data_lora is not None and not isinstance(data_lora, str):
-            raise _Drop("bad_field", f"lora_name {data_lora!r}")
+            raise EventDrop("bad_field", f"lora_name {data_lora!r}")
         run_key: tuple | None = None
         run_hashes: list[int] = []
         run_tokens: list[int] = []
@@ -306,7 +293,7 @@ class TrtllmDecoder:
                 break
             try:
                 h = parse_hash(block.get("block_hash"), f"blocks[{i}].block_hash")
-            except _Drop as drop:
+            except EventDrop as drop:
                 self._drop(drop.reason, rank, None, drop.detail)
                 break
             assert h is not None
@@ -342,7 +329,7 @@ class TrtllmDecoder:
             salt = str(salt) if salt is not None else None
             try:
                 lora = data_lora or self._lora_name(block.get("lora_id"))
-            except _Drop as drop:
+            except EventDrop as drop:
                 self._drop(drop.reason, rank, None, f"blocks[{i}]: {drop.detail}")
                 break
             key = (tier, salt, lora)
@@ -374,13 +361,13 @@ class TrtllmDecoder:
         if lora_id is None or lora_id == 0 or isinstance(lora_id, bool):
             return None
         if not isinstance(lora_id, int):
-            raise _Drop("bad_field", f"lora_id {lora_id!r}")
+            raise EventDrop("bad_field", f"lora_id {lora_id!r}")
         return self.lora_names.get(lora_id, f"trtllm-lora-{lora_id}")
 
     def _removed(self, data: dict, rank: int, state: RankState, out: list[KvEvent]) -> None:
         raw = data.get("block_hashes")
         if not isinstance(raw, list):
-            raise _Drop("bad_event", "removed without block_hashes")
+            raise EventDrop("bad_event", "removed without block_hashes")
         hashes = []
         for i, value in enumerate(raw):
             h = parse_hash(value, f"block_hashes[{i}]")
@@ -405,7 +392,7 @@ class TrtllmDecoder:
         src = CACHE_LEVEL_TIERS.get(old) if isinstance(old, int) else None
         dst = CACHE_LEVEL_TIERS.get(new) if isinstance(new, int) else None
         if src is None or dst is None:
-            raise _Drop("bad_cache_level", f"cache_level {old!r} -> {new!r}")
+            raise EventDrop("bad_cache_level", f"cache_level {old!r} -> {new!r}")
         if h in state.partial or src == dst:
             return
         self.counts["moved_blocks"] += 1

@@ -30,9 +30,9 @@ from typing import Any
 
 import msgspec
 
+from integrations.common import MASK64, int64_hash, u64_hash
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
-MASK64 = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # replay end marker
 MAP_FORM_SINCE = (0, 24, 0)  # first vLLM version that encodes events as maps with "type"
 DEFAULT_MAX_EVENT_TOKENS = 1 << 21  # one event carrying more tokens is dropped as absurd
@@ -150,7 +150,7 @@ _TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 try:  # the compiled one-pass decoder (built by setup.py); msgspec does everything without it
     from integrations.vllm import _fastwire as _fast
 except ImportError:  # pragma: no cover - source checkouts without a build
-    _fast = None
+    _fast = None  # type: ignore[assignment]
 FAST_PATH = _fast is not None
 
 # -------------------------------------------------------------------------------------------
@@ -164,11 +164,7 @@ def fold_hash(h: int | bytes) -> int:
         if not h:
             raise ValueError("empty block hash")
         return int.from_bytes(h[-8:], "big")
-    if isinstance(h, bool) or not isinstance(h, int):
-        raise ValueError(f"block hash of type {type(h).__name__}")
-    if not -(1 << 63) <= h <= MASK64:
-        raise ValueError(f"block hash {h} outside int64/uint64")
-    return h & MASK64
+    return u64_hash(h, "block hash")  # EventDrop is a ValueError
 
 
 def fold_hashes(hs: list) -> list[int]:
@@ -703,8 +699,9 @@ def parse_version(version: str | tuple[int, ...]) -> tuple[int, int, int]:
 
 _TIER_MEDIUM = {Tier.DEVICE: "GPU", Tier.HOST: "CPU", Tier.DISK: "STORAGE"}
 
-# Fields of BlockStored in declaration order, with the (major, minor) version that added them.
-_STORED_FIELDS: tuple[tuple[str, tuple[int, int]], ...] = (
+# Fields of BlockStored in declaration order, with the (major, minor, patch) version that added
+# them.
+_STORED_FIELDS: tuple[tuple[str, tuple[int, int, int]], ...] = (
     ("block_hashes", (0, 9, 0)),
     ("parent_block_hash", (0, 9, 0)),
     ("token_ids", (0, 9, 0)),
@@ -745,7 +742,7 @@ def _wire_hash(h: int, hash_form: str) -> int | bytes:
     if hash_form == "uint64":
         return h
     if hash_form == "int64":
-        return h - (1 << 64) if h >= (1 << 63) else h
+        return int64_hash(h)
     if hash_form == "bytes":
         # 32-byte digest whose low 64 bits are h; the high bytes are a fixed filler
         return b"\x5a" * 24 + h.to_bytes(8, "big")

@@ -1,0 +1,37 @@
+"""Normalisation shared by the engine integrations' event decoders and test encoders.
+
+Engines publish 64-bit block hashes as uint64 or int64 (msgpack picks the signed form for
+values with the top bit set when the engine hashes into a signed type); kvplug keys them as
+u64. A malformed field costs one event, counted by ``reason``, never the batch or the thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MASK64 = (1 << 64) - 1
+
+
+class EventDrop(ValueError):
+    """One event (or batch) is unusable; ``reason`` is the counter key, ``detail`` the why."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(detail or reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def u64_hash(value: Any, what: str) -> int:
+    """An integer hash in int64 or uint64 range -> u64; anything else raises
+    ``EventDrop("bad_hash")`` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EventDrop("bad_hash", f"{what} is {type(value).__name__}, not an integer")
+    if not -(1 << 63) <= value <= MASK64:
+        raise EventDrop("bad_hash", f"{what} {value} is outside int64/uint64")
+    return value & MASK64
+
+
+def int64_hash(h: int) -> int:
+    """u64 -> the signed int64 an engine puts on the wire (inverse of ``u64_hash``)."""
+    h &= MASK64
+    return h - (1 << 64) if h >= 1 << 63 else h
