@@ -39,6 +39,7 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
+from integrations.aio import LazySession, cancel_and_wait
 from integrations.vllm.subscriber import sources_for_engine
 from kvplug.adapters import PDContext, PDStyle, SglangHttpAdapter, WorkerSink, register_adapter
 from kvplug.errors import ConfigError
@@ -128,7 +129,7 @@ class SglangAdapter(SglangHttpAdapter):
         self.rng = rng or random.Random()
         self._subscriber: SglangSubscriber | None = None
         self._runs: dict[str, _Run] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._session = LazySession(timeout=http_timeout)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:
@@ -162,13 +163,7 @@ class SglangAdapter(SglangHttpAdapter):
         run = self._runs.pop(worker_id, None)
         if run is None:
             return
-        for task in run.tasks:
-            task.cancel()
-        for task in run.tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(run.tasks)
         if self._subscriber is not None and run.subscribed:
             await asyncio.to_thread(self._subscriber.remove, worker_id)
 
@@ -188,9 +183,7 @@ class SglangAdapter(SglangHttpAdapter):
         if self._subscriber is not None:
             await asyncio.to_thread(self._subscriber.stop)
             self._subscriber = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._session.close()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -225,11 +218,7 @@ class SglangAdapter(SglangHttpAdapter):
 
     # -- internals -------------------------------------------------------------------------------
     def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.http_timeout)
-            )
-        return self._session
+        return self._session.get()
 
     async def _server_info(self, worker: Worker) -> dict[str, Any] | None:
         """``/server_info`` JSON, ``{}`` when the worker has no URL (config-only)."""

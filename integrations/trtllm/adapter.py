@@ -43,6 +43,7 @@ from typing import Any
 
 import aiohttp
 
+from integrations.aio import LazySession, cancel_and_wait
 from kvplug.adapters import (
     PDContext,
     PDProtocolError,
@@ -206,7 +207,7 @@ class TrtllmAdapter(TrtllmHttpAdapter):
         self.lora_names = dict(lora_names or {})
         self.rng = rng or random.Random()
         self._runs: dict[str, _Run] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._session = LazySession()  # timeouts per request
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:
@@ -244,13 +245,7 @@ class TrtllmAdapter(TrtllmHttpAdapter):
         run = self._runs.pop(worker_id, None)
         if run is None:
             return
-        for task in run.tasks:
-            task.cancel()
-        for task in run.tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(run.tasks)
 
     def events_ready(self, worker_id: str) -> bool | None:
         run = self._runs.get(worker_id)
@@ -259,9 +254,7 @@ class TrtllmAdapter(TrtllmHttpAdapter):
     async def close(self) -> None:
         for worker_id in list(self._runs):
             await self.stop_worker(worker_id)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._session.close()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -309,9 +302,7 @@ class TrtllmAdapter(TrtllmHttpAdapter):
 
     # -- internals -------------------------------------------------------------------------------
     def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
-        return self._session
+        return self._session.get()
 
     def _prom_url(self, worker: Worker) -> str:
         return worker.metrics_url or (worker.url or "").rstrip("/") + "/prometheus/metrics"
