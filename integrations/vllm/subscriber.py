@@ -480,33 +480,42 @@ class VllmSubscriber:
     # -- receiving ----------------------------------------------------------------------------
     def _drain(self, sock: zmq.Socket, out: dict) -> None:
         if sock in self._by_socket:
-            for _ in range(self.max_drain):
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
-                except zmq.Again:
-                    break
-                try:
-                    self._on_live(sock, frames, out)
-                except Exception:  # a bug must cost one message, never the thread
-                    self.counters["internal_errors"] += 1
-                    log.exception("vLLM events: message dropped after an internal error")
+            self._receive(
+                sock,
+                lambda frames: self._on_live(sock, frames, out),
+                "vLLM events: message dropped after an internal error",
+            )
             return
         st = next((s for s in self._streams.values() if s.replay_sock is sock), None)
         if st is None:
             return
+        self._receive(
+            sock,
+            lambda frames: self._on_replay(st, frames, out),
+            f"vLLM replay from {st.src.worker_id}: reply dropped after an internal error",
+            until=lambda: st.replay_sock is None,  # the replay ended (socket closed)
+        )
+
+    def _receive(
+        self,
+        sock: zmq.Socket,
+        handle: Callable[[list[bytes]], None],
+        dropped: str,
+        until: Callable[[], bool] | None = None,
+    ) -> None:
+        """Hand up to max_drain waiting messages to handle; a bug in it costs that one
+        message (counted, logged as ``dropped``), never the thread."""
         for _ in range(self.max_drain):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 break
             try:
-                self._on_replay(st, frames, out)
+                handle(frames)
             except Exception:
                 self.counters["internal_errors"] += 1
-                log.exception(
-                    "vLLM replay from %s: reply dropped after an internal error", st.src.worker_id
-                )
-            if st.replay_sock is None:
+                log.exception("%s", dropped)
+            if until is not None and until():
                 break
 
     def _routes_for(self, sock: zmq.Socket) -> dict[bytes | None, dict[int, _Stream]]:

@@ -168,22 +168,14 @@ class Fleet:
         entry = self.workers.get(worker_id)
         if entry is None:
             return
-        changed = False
-        if (
-            blocks
-            and not entry.spec.kv_capacity_blocks
-            and entry.worker.kv_capacity_blocks != blocks
-        ):
-            entry.worker = dataclasses.replace(entry.worker, kv_capacity_blocks=int(blocks))
-            changed = True
-        if (
-            batched
-            and not entry.spec.max_batched_tokens
-            and entry.worker.max_batched_tokens != batched
-        ):
-            entry.worker = dataclasses.replace(entry.worker, max_batched_tokens=int(batched))
-            changed = True
+        changed: dict[str, int] = {}
+        for name, reported in (("kv_capacity_blocks", blocks), ("max_batched_tokens", batched)):
+            # a size set in the worker's config wins over what the engine says
+            configured = getattr(entry.spec, name)
+            if reported and not configured and getattr(entry.worker, name) != reported:
+                changed[name] = int(reported)
         if changed:
+            entry.worker = dataclasses.replace(entry.worker, **changed)
             self.router.add_worker(entry.worker)
             if entry.draining:
                 self.router.drain_worker(worker_id)
