@@ -21,6 +21,7 @@ import aiohttp
 
 __all__ = [
     "free_port",
+    "free_port_run",
     "free_ports",
     "serve_command",
     "stop_process",
@@ -44,6 +45,27 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def free_port_run(n: int) -> int:
+    """A base port p with p .. p + n - 1 all free (engines of a fleet or DP ranks use p + i)."""
+    for _ in range(200):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports")
 
 
 def serve_command(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 
 import aiohttp
 import pytest
@@ -17,41 +16,19 @@ from kvplug.frontend.app import ServeSettings
 from kvplug.frontend.config import spec_from_mapping
 from kvplug.frontend.server import start_frontend
 from kvplug.router import Router
+from kvplug.testing import free_port_run
 
 sim_server = pytest.importorskip("kvplug.sim.server")
 pytestmark = pytest.mark.timeout(90)
-
-
-def _free_block(n: int) -> int:
-    """A base port with ``n`` consecutive free ports."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    pytest.skip("no block of free ports")
 
 
 async def _fleet(roles: list[str]):
     n = len(roles)
     opts = sim_server.FleetOptions(
         engines=n,
-        base_port=_free_block(n),
-        events_base_port=_free_block(n),
-        replay_base_port=_free_block(n),
+        base_port=free_port_run(n),
+        events_base_port=free_port_run(n),
+        replay_base_port=free_port_run(n),
         speed=20.0,
     )
     servers = await sim_server.start_fleet(opts)

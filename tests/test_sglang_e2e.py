@@ -3,9 +3,8 @@ of a prefill and a decode stub engine speaking SGLang's bootstrap handshake."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import socket
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,35 +13,9 @@ import aiohttp
 import pytest
 
 from kvplug.frontend.stub_engine import StubEngine, TransferBoard
+from kvplug.testing import free_ports, stop_process, wait_ready_async
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (held open together, so no two are the same)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-async def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    async with aiohttp.ClientSession() as session:
-        for _ in range(int(timeout / 0.1)):
-            if proc.poll() is not None:
-                raise AssertionError(f"launcher exited with {proc.returncode}")
-            try:
-                async with session.get(url + "/health") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError("launcher did not come up")
 
 
 @pytest.mark.timeout(120)
@@ -51,7 +24,8 @@ async def test_pd_request_through_the_launcher(tmp_path):
     prefill = StubEngine("p", role="prefill", pd="sglang", board=board, block_size=16)
     decode = StubEngine("d", role="decode", pd="sglang", board=board, block_size=16)
     p_url, d_url = await prefill.start(), await decode.start()
-    port, admin_port = _free_ports(2)
+    port, admin_port = free_ports(2)
+    log = tmp_path / "log"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
         [
@@ -76,15 +50,12 @@ async def test_pd_request_through_the_launcher(tmp_path):
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "log", "w"),
+        stderr=open(log, "w"),
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        log_text = lambda: (tmp_path / "log").read_text()[-4000:]  # noqa: E731
-        try:
-            await _wait_ready(base, proc)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{log_text()}") from None
+        log_text = lambda: log.read_text()[-4000:]  # noqa: E731
+        await wait_ready_async(base + "/health", proc=proc, timeout=60, interval=0.1, log=log)
         async with aiohttp.ClientSession() as session:
             body = {"model": "stub-model", "prompt": "hello sglang " * 4, "max_tokens": 4}
             async with session.post(base + "/v1/completions", json=body) as resp:
@@ -100,10 +71,6 @@ async def test_pd_request_through_the_launcher(tmp_path):
         assert pb["bootstrap_port"] is None and "bootstrap_port" in db  # "--prefill URL none"
         assert board.pulled == 1  # the decode stub found its prefill partner
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, timeout=10, sig=signal.SIGTERM)
         await prefill.stop()
         await decode.stop()

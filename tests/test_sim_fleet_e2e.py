@@ -5,7 +5,6 @@ its ZMQ KV events, and routes follow-up prompts to the engine that cached their 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,22 +13,9 @@ import urllib.request
 
 import pytest
 
-from kvplug.testing import free_port, serve_command, stop_process, wait_ready
+from kvplug.testing import free_port, free_port_run, serve_command, stop_process, wait_ready
 
 MODEL = "sim-llama-3-8b"  # kvplug sim's default served model name
-
-
-def _free_pair() -> int:
-    """A port p with p and p + 1 both free (the two engines of the fleet use p and p + 1)."""
-    for _ in range(50):
-        p = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    pytest.skip("no two adjacent free ports")
 
 
 def _wait_for_event_streams(front: str, engines: dict[str, int], timeout: float = 20.0) -> None:
@@ -83,7 +69,7 @@ def _post(url: str, body: dict) -> tuple[dict, dict]:
 
 @pytest.fixture(params=["engines-bind", "router-binds"])
 def fleet_and_frontend(request):
-    base, ev, rp = _free_pair(), _free_pair(), _free_pair()  # engine i uses port + i
+    base, ev, rp = free_port_run(2), free_port_run(2), free_port_run(2)  # engine i uses port + i
     front = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     extra = []

@@ -2,34 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable
 
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent
-from kvplug.testing import free_port
+from kvplug.testing import free_port, free_port_run
 
 __all__ = ["Mirror", "free_port", "free_port_run", "wait_for"]
-
-
-def free_port_run(n: int) -> int:
-    """A base port with n consecutive free ports (vLLM's DP ranks use port + rank)."""
-    for _ in range(200):
-        base = free_port()
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no run of {n} free ports")
 
 
 class Mirror:
