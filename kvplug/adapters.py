@@ -201,6 +201,38 @@ def min_tokens_over_one(body: Mapping[str, Any]) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1
 
 
+# vLLM NixlConnector: "prefill only, a remote decoder pulls the KV" (the decoder's fields are
+# filled in by the prefill engine's answer)
+VLLM_PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def vllm_prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's prefill hop: not streamed, one token, remote decode (the client's body is kept)."""
+    out = _strip_for_prefill(body)
+    out["kv_transfer_params"] = dict(VLLM_PREFILL_KV_TRANSFER_PARAMS)
+    return out
+
+
+def vllm_transfer_params(answer: Any) -> dict[str, Any] | None:
+    """A vLLM prefill answer's ``kv_transfer_params`` (top level; some builds nest it in the
+    first choice), or None."""
+    if not isinstance(answer, dict):
+        return None
+    params = answer.get("kv_transfer_params")
+    if params is None:
+        choices = answer.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            params = choices[0].get("kv_transfer_params")
+    return params if isinstance(params, dict) else None
+
+
 def _strip_for_prefill(body: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(body)
     out["stream"] = False
@@ -231,22 +263,13 @@ class VllmHttpAdapter(EngineAdapter):
     pd_style = PDStyle.SEQUENTIAL
 
     def prefill_request(self, body: dict[str, Any], ctx: PDContext) -> dict[str, Any]:
-        out = _strip_for_prefill(body)
-        out["kv_transfer_params"] = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
-        return out
+        return vllm_prefill_body(body)
 
     def decode_request(
         self, body: dict[str, Any], prefill_response: dict[str, Any] | None, ctx: PDContext
     ) -> dict[str, Any]:
-        params = (prefill_response or {}).get("kv_transfer_params")
-        if not isinstance(params, dict):
+        params = vllm_transfer_params(prefill_response)
+        if params is None:
             raise PDProtocolError(
                 f"prefill worker {ctx.prefill_worker.worker_id} answered without "
                 "kv_transfer_params (is it started with a kv_producer NixlConnector?)"
@@ -264,7 +287,9 @@ class VllmHttpAdapter(EngineAdapter):
         the client's. With ``kv_transfer_params`` present the decode hop is sent anyway (the
         decoder regenerates from the prompt and stops the same way) so the prefill's blocks
         are released rather than held until their expiry."""
-        if not isinstance(prefill_response, dict) or _vllm_transfer_params(prefill_response):
+        if not isinstance(prefill_response, dict):
+            return None
+        if vllm_transfer_params(prefill_response) is not None:
             return None
         choices = prefill_response.get("choices")
         if not isinstance(choices, list) or not choices:
@@ -274,19 +299,6 @@ class VllmHttpAdapter(EngineAdapter):
         if min_tokens_over_one(body):
             return None
         return prefill_response
-
-
-def _vllm_transfer_params(answer: dict[str, Any]) -> bool:
-    """Whether the answer carries ``kv_transfer_params`` (top level; some builds nest it)."""
-    if isinstance(answer.get("kv_transfer_params"), dict):
-        return True
-    choices = answer.get("choices")
-    return (
-        isinstance(choices, list)
-        and bool(choices)
-        and isinstance(choices[0], dict)
-        and isinstance(choices[0].get("kv_transfer_params"), dict)
-    )
 
 
 class SglangHttpAdapter(EngineAdapter):

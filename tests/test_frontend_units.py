@@ -350,6 +350,10 @@ def test_vllm_http_adapter_transforms():
     assert a.request_headers(ctx) == {"X-Request-Id": "rid-1"}
     with pytest.raises(PDProtocolError):
         a.decode_request(client, {"choices": []}, ctx)
+    # some vLLM builds put the params in the first choice: final_answer sees them, so must this
+    nested = {"choices": [{"text": "x", "finish_reason": "length", "kv_transfer_params": params}]}
+    assert a.final_answer(client, nested, ctx) is None
+    assert a.decode_request(client, nested, ctx)["kv_transfer_params"] == params
 
 
 def test_sglang_and_trtllm_transforms():

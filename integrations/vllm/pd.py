@@ -10,21 +10,24 @@ transfer by it.
 
 from __future__ import annotations
 
-import copy
 import uuid
 from typing import Any
 
-PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from kvplug.adapters import VLLM_PREFILL_KV_TRANSFER_PARAMS as PREFILL_KV_TRANSFER_PARAMS
+from kvplug.adapters import PDProtocolError, vllm_prefill_body, vllm_transfer_params
+
+__all__ = [
+    "PREFILL_KV_TRANSFER_PARAMS",
+    "MissingTransferParams",
+    "decode_body",
+    "new_request_id",
+    "pd_headers",
+    "prefill_body",
+    "transfer_params",
+]
 
 
-class MissingTransferParams(ValueError):
+class MissingTransferParams(PDProtocolError):
     """The prefill answer has no ``kv_transfer_params`` (engine not a kv_producer?)."""
 
 
@@ -34,26 +37,13 @@ def new_request_id() -> str:
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill hop's body (the client's body is not modified)."""
-    out = copy.deepcopy(body)
-    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
-    out["stream"] = False
-    out.pop("stream_options", None)  # only valid with stream=true
-    out.pop("min_tokens", None)  # would fight max_tokens=1
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    return out
+    return vllm_prefill_body(body)
 
 
 def transfer_params(prefill_response: dict[str, Any] | None) -> dict[str, Any]:
     """The prefill answer's ``kv_transfer_params`` (top level; some builds nest it in choices)."""
-    resp = prefill_response or {}
-    params = resp.get("kv_transfer_params")
+    params = vllm_transfer_params(prefill_response)
     if params is None:
-        choices = resp.get("choices")
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            params = choices[0].get("kv_transfer_params")
-    if not isinstance(params, dict):
         raise MissingTransferParams(
             "prefill answer has no kv_transfer_params: is the prefill engine started with a "
             "NixlConnector in kv_role kv_producer (--kv-transfer-config)?"
