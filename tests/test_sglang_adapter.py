@@ -291,8 +291,7 @@ async def test_pushed_load_channel_replaces_polling():
             await asyncio.sleep(0.05)
         assert fake.loads_hits == hits
         load_pub.send_multipart([b"load", next(seq).to_bytes(8, "big"), b"\xc1junk"])
-        await asyncio.sleep(0.1)
-        assert adapter._runs["pushed"].bad_pushes == 1
+        assert await _until(lambda: adapter._runs["pushed"].bad_pushes == 1)
         # the channel goes silent: /v1/loads polling resumes
         assert await _until(lambda: fake.loads_hits > hits, timeout=5.0)
     finally:

@@ -4,6 +4,7 @@ integration's decoder (and replay client) read back as the blocks of the prompt 
 import asyncio
 import json
 import socket
+import time
 
 import aiohttp
 import pytest
@@ -209,18 +210,24 @@ async def test_host_tier_events_keep_a_vllm_fed_index_in_sync():
                 ) as r:
                     assert r.status == 200
                     last = await r.json()
-        await asyncio.sleep(0.3)
         assert server.engine.cache.counters["reloaded"] > 0
         assert last["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         dec = BatchDecoder("sim-0", block_size=16)
         ix = KvIndex(16)
         ix.add_endpoint("sim-0")
-        while sub.poll(0):
-            _, _, payload = split_frames(sub.recv_multipart())
-            batch = dec.decode(payload)
-            assert batch is not None and batch.dropped == 0
-            for e in batch.events:
-                ix.apply(e)
+        cache = server.engine.cache
+        deadline = time.monotonic() + 10
+        while True:  # until the events in flight have arrived (or the deadline)
+            while sub.poll(0):
+                _, _, payload = split_frames(sub.recv_multipart())
+                batch = dec.decode(payload)
+                assert batch is not None and batch.dropped == 0
+                for e in batch.events:
+                    ix.apply(e)
+            held = len(cache.device_blocks()) + len(cache.host_blocks())
+            if ix.stats()["entries"] == held or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
         sub.close(0)
         st = ix.stats()
         for key in (
@@ -232,7 +239,6 @@ async def test_host_tier_events_keep_a_vllm_fed_index_in_sync():
             "dropped_events",
         ):
             assert st[key] == 0, (key, st)
-        cache = server.engine.cache
         assert st["entries"] == len(cache.device_blocks()) + len(cache.host_blocks())
     finally:
         await server.stop()
