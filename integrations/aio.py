@@ -1,4 +1,4 @@
-"""asyncio plumbing shared by the adapters that poll their engines over HTTP (SGLang, TRT-LLM)."""
+"""Plumbing shared by the adapters that poll their engines over HTTP (SGLang, TRT-LLM)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,12 @@ class LazySession:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def log_due(count: int) -> bool:
+    """Whether the count-th repeat of a recurring failure (a scrape, a bad message) is logged:
+    the first three, then every hundredth, so a dead endpoint cannot flood the log."""
+    return count <= 3 or count % 100 == 0
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task]) -> None:

@@ -332,6 +332,11 @@ def apply_busy_and_labels(
     """Busy thresholds then the label selector, with the error classes decided correctly:
     nothing matching the labels is NoCompatibleWorker even if busy ones were removed first."""
     is_busy = busy_mask(view, cands, prefill_tokens, decode_blocks) if busy.active else None
+
+    def busy_exclusion(ep: int) -> Exclusion:
+        reason = busy_reason(view, ep, busy, prefill_tokens, decode_blocks)
+        return Exclusion(view.ep_worker[ep] or "?", view.ep_rank[ep], "busy", reason)
+
     if selector:
         # labels are evaluated on everyone first so the error class is right (nothing matching
         # is NoCompatibleWorker even if the busy ones were removed first); the busy ones'
@@ -356,15 +361,7 @@ def apply_busy_and_labels(
                     + busy_reason(view, ep, busy, prefill_tokens, decode_blocks)
                 )
             if not busy.fallback:
-                for ep in cands.tolist():
-                    res.excluded.append(
-                        Exclusion(
-                            view.ep_worker[ep] or "?",
-                            view.ep_rank[ep],
-                            "busy",
-                            busy_reason(view, ep, busy, prefill_tokens, decode_blocks),
-                        )
-                    )
+                res.excluded.extend(busy_exclusion(ep) for ep in cands.tolist())
                 raise AllWorkersOverloaded(
                     _empty_message("all eligible workers are overloaded", res.excluded)
                 )
@@ -378,16 +375,11 @@ def apply_busy_and_labels(
             res.fallback_filters.append("busy")
         else:
             keep_mask = ~is_busy
-        for i, ep in enumerate(cands.tolist()):
-            if not keep_mask[i] and is_busy[i]:
-                res.excluded.append(
-                    Exclusion(
-                        view.ep_worker[ep] or "?",
-                        view.ep_rank[ep],
-                        "busy",
-                        busy_reason(view, ep, busy, prefill_tokens, decode_blocks),
-                    )
-                )
+        res.excluded.extend(
+            busy_exclusion(ep)
+            for i, ep in enumerate(cands.tolist())
+            if not keep_mask[i] and is_busy[i]
+        )
         cands = cands[keep_mask]
     if selector:
         cands = label_filter(view, cands, selector, res)

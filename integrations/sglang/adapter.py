@@ -39,7 +39,7 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
-from integrations.aio import LazySession, cancel_and_wait
+from integrations.aio import LazySession, cancel_and_wait, log_due
 from integrations.vllm.subscriber import sources_for_engine
 from kvplug.adapters import PDContext, PDStyle, SglangHttpAdapter, WorkerSink, register_adapter
 from kvplug.errors import ConfigError
@@ -346,7 +346,7 @@ class SglangAdapter(SglangHttpAdapter):
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 run.load_errors += 1
-                if run.load_errors <= 3 or run.load_errors % 100 == 0:
+                if log_due(run.load_errors):
                     log.warning(
                         "sglang worker %s: load scrape failed (%d so far): %s",
                         worker.worker_id,
@@ -384,7 +384,7 @@ class SglangAdapter(SglangHttpAdapter):
                         run.pushed[by_sock[sock]] = decode_load_stat(frames[2])
                     except ValueError as exc:
                         run.bad_pushes += 1
-                        if run.bad_pushes <= 3 or run.bad_pushes % 100 == 0:
+                        if log_due(run.bad_pushes):
                             log.warning(
                                 "sglang worker %s: bad load message (%d so far): %s",
                                 run.worker.worker_id,

@@ -43,7 +43,7 @@ from typing import Any
 
 import aiohttp
 
-from integrations.aio import LazySession, cancel_and_wait
+from integrations.aio import LazySession, cancel_and_wait, log_due
 from kvplug.adapters import (
     PDContext,
     PDProtocolError,
@@ -349,7 +349,7 @@ class TrtllmAdapter(TrtllmHttpAdapter):
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 run.load_errors += 1
-                if run.load_errors <= 3 or run.load_errors % 100 == 0:
+                if log_due(run.load_errors):
                     log.warning(
                         "trtllm worker %s: load scrape failed (%d so far): %s",
                         worker.worker_id,
