@@ -1,0 +1,79 @@
+"""kvplug.testing: the subprocess helpers the process-level tests and benchmarks rely on."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvplug.testing import (
+    free_port,
+    free_port_run,
+    free_ports,
+    serve_command,
+    stop_process,
+    wait_ready,
+    wait_ready_async,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_wait_ready_fails_fast_with_the_log_when_the_child_exits(tmp_path):
+    log = tmp_path / "log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; print('bad flag --x'); sys.exit(3)"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with 3") as err:
+        wait_ready(f"http://127.0.0.1:{free_port()}/ready", proc=proc, timeout=30, log=log)
+    assert "bad flag --x" in str(err.value)
+    assert time.monotonic() - t0 < 15  # did not sit out the timeout
+
+
+def test_wait_ready_gives_up_at_the_deadline():
+    with pytest.raises(RuntimeError, match="not ready within"):
+        wait_ready(f"http://127.0.0.1:{free_port()}/ready", timeout=0.5, interval=0.05)
+
+
+async def test_wait_ready_async_then_stop(tmp_path):
+    (tmp_path / "ok").write_text("ok")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        await wait_ready_async(f"http://127.0.0.1:{port}/ok", proc=proc, timeout=30)
+        wait_ready(f"http://127.0.0.1:{port}/ok", proc=proc, timeout=5)
+        with pytest.raises(RuntimeError, match="not ready within"):  # 404 is not ready
+            await wait_ready_async(f"http://127.0.0.1:{port}/missing", proc=proc, timeout=0.5)
+    finally:
+        stop_process(proc, timeout=5)
+    assert proc.returncode is not None
+    stop_process(proc)  # already gone: nothing to do
+
+
+def test_ports_and_command():
+    a, b, c = free_ports(3)
+    assert len({a, b, c}) == 3
+    base = free_port_run(3)
+    socks = [socket.socket() for _ in range(3)]
+    try:
+        for i, s in enumerate(socks):
+            s.bind(("127.0.0.1", base + i))  # all three were free
+    finally:
+        for s in socks:
+            s.close()
+    cmd = serve_command(8123, "--kv-block-size", "16", admin_port=8124)
+    assert cmd[0] == sys.executable and cmd[1:4] == ["-m", "kvplug.cli", "serve"]
+    assert cmd[cmd.index("--port") + 1] == "8123" and cmd[cmd.index("--admin-port") + 1] == "8124"
+    assert cmd[-2:] == ["--kv-block-size", "16"]
