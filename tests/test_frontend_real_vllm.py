@@ -102,6 +102,24 @@ def _index_blocks(url: str) -> float:
     return float(text.split(key)[1].split()[0]) if key in text else 0.0
 
 
+LOAD_METRICS = (
+    "kvplug_worker_active_decode_blocks",
+    "kvplug_worker_active_prefill_tokens",
+    "kvplug_worker_inflight_requests",
+)
+
+
+def _wait_load_released(url: str, timeout: float = 10.0) -> dict:
+    """Poll /metrics until no worker carries load; returns what is left ({} = released)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = _get(url + "/metrics")[1].decode()
+        left = {(n, w): v for n in LOAD_METRICS for w in ("a", "b") if (v := _metric(text, n, w))}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
 def _trace(url: str, headers: dict) -> dict:
     return json.loads(_get(f"{url}/kvplug/decisions/{headers['x-kvplug-decision-id']}")[1])
 
@@ -131,11 +149,13 @@ def test_prefix_routing_stream_and_load_on_real_engines(fleet):
     )
     home = headers["x-kvplug-worker"]
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # the engine's events for this prompt reach the index
-        if _index_blocks(url) >= blocks_before + 10:
-            break
+    while _index_blocks(url) < blocks_before + 10:  # the engine's events reach the index
+        assert time.monotonic() < deadline, "the engine's KV events did not reach the index"
         time.sleep(0.2)
     for i in range(1, 4):
+        # the frontend releases a request's load just after its last bytes went out: the next
+        # request must not see the previous one's (this test is about prefix affinity)
+        assert _wait_load_released(url) == {}
         body = {
             "model": "tiny",
             "prompt": doc + f"Q{i}",
@@ -153,17 +173,4 @@ def test_prefix_routing_stream_and_load_on_real_engines(fleet):
         trace = _trace(url, headers)
         assert trace["output_tokens"] == usage["completion_tokens"] == 12
         assert trace["router"]["overlap_blocks"] >= 10
-    # every finished request's load is released (just after its last bytes went out)
-    load = (
-        "kvplug_worker_active_decode_blocks",
-        "kvplug_worker_active_prefill_tokens",
-        "kvplug_worker_inflight_requests",
-    )
-    deadline = time.monotonic() + 10
-    while True:
-        text = _get(url + "/metrics")[1].decode()
-        left = {(n, w): _metric(text, n, w) for n in load for w in ("a", "b")}
-        if not any(left.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert not any(left.values()), left
+    assert _wait_load_released(url) == {}
