@@ -2,8 +2,8 @@
  * (endpoint, engine hash) -> (block, refcount per tier). Rules: kvplug/_reference.py Index.
  *
  * Layout (sizes matter: see docs/core.md, memory per million blocks)
- *   block table  open addressing, linear probing, backward-shift deletion: 8-byte slots
- *                (32-bit hash tag, record id)
+ *   block table  open addressing, linear probing, backward-shift deletion: 6-byte slots
+ *                (16-bit hash tag, record id)
  *   records      a pool of 20-byte block records with stable ids (free list): hash and one
  *                inline holder; more holders in a growable side array; LRU links and per-holder
  *                engine hashes only when bounded
@@ -77,13 +77,16 @@ _Static_assert(sizeof(holder_t) == 12, "holder_t is 12 bytes");
 _Static_assert(sizeof(block_t) == 20, "block_t is 20 bytes");
 _Static_assert(sizeof(ext_t) % 8 == 0, "ext_t header keeps the eh array aligned");
 
-/* A block-table slot is 8 bytes: the high 32 bits of the mixed block hash (which also pick the
- * home slot, so a rehash needs no record access) and the record id. A tag match is confirmed
- * against the record's full hash, which a hit reads anyway. */
-typedef struct {
-    uint32_t tag;
+/* A block-table slot is 6 bytes: a 16-bit tag (low bits of the mixed block hash, independent of
+ * the home slot, which its high 32 bits pick) and the record id. A tag match is confirmed
+ * against the record's full hash, which a hit reads anyway; a false tag match costs one record
+ * read with probability 2^-16 per probed slot. Rehash and backward-shift deletion recompute a
+ * slot's home from its record's hash (records are read in table order, prefetched). */
+typedef struct __attribute__((packed)) {
     uint32_t rec; /* NONE32 = empty slot */
+    uint16_t tag;
 } bslot_t;
+_Static_assert(sizeof(bslot_t) == 6, "bslot_t is 6 bytes");
 
 /* One engine mapping in 16 bytes. meta packs the endpoint (21 bits: ids < 2^20, the shared
  * tier as 2^20), then a 3-bit refcount per tier; refcounts past 7 (rare: the same engine hash
@@ -145,14 +148,15 @@ struct kvp_index {
 static inline size_t fastrange(uint64_t x, size_t cap) {
     return (size_t)(((unsigned __int128)x * (uint64_t)cap) >> 64);
 }
-static inline uint32_t btag_of(kvp_hash_t h) {
+static inline uint64_t bmix_of(kvp_hash_t h) {
     uint64_t x = (h ^ (h >> 31)) * KPH_K0;
-    return (uint32_t)((x ^ (x >> 29)) >> 32);
+    return x ^ (x >> 29);
 }
-static inline size_t bhome_of(uint32_t tag, size_t cap) { /* cap < 2^32 */
-    return (size_t)(((uint64_t)tag * cap) >> 32);
+static inline uint16_t btag_of(uint64_t mixed) { return (uint16_t)mixed; }
+static inline size_t bhome_of(uint64_t mixed, size_t cap) { /* cap < 2^32 */
+    return (size_t)(((mixed >> 32) * cap) >> 32);
 }
-static inline size_t bslot_of(kvp_hash_t h, size_t cap) { return bhome_of(btag_of(h), cap); }
+static inline size_t bslot_of(kvp_hash_t h, size_t cap) { return bhome_of(bmix_of(h), cap); }
 static inline uint32_t ep_code(kvp_endpoint_t ep) { return ep == KVP_SHARED ? M_SHARED_CODE : ep; }
 static inline uint32_t m_code(const mslot_t *m) { return m->meta & M_EP_MASK; }
 static inline size_t mslot_of(uint32_t code, kvp_engine_hash_t eh, size_t cap) {
@@ -215,15 +219,17 @@ static holder_t *find_holder(block_t *b, kvp_endpoint_t ep) {
 /* ---- block table -------------------------------------------------------------------------- */
 static uint32_t bt_probe(const kvp_index *idx, kvp_hash_t h, size_t *empty) {
     const size_t cap = idx->bt_cap;
-    const uint32_t tag = btag_of(h);
-    size_t i = bhome_of(tag, cap);
+    const uint64_t mixed = bmix_of(h);
+    const uint16_t tag = btag_of(mixed);
+    size_t i = bhome_of(mixed, cap);
     for (;;) {
         const bslot_t *s = &idx->bt[i];
-        if (s->rec == NONE32) {
+        const uint32_t rec = s->rec;
+        if (rec == NONE32) {
             *empty = i;
             return NONE32;
         }
-        if (s->tag == tag && idx->pool[s->rec].hash == h) return s->rec;
+        if (s->tag == tag && idx->pool[rec].hash == h) return rec;
         if (++i == cap) i = 0;
     }
 }
@@ -233,15 +239,8 @@ static inline uint32_t bt_find(const kvp_index *idx, kvp_hash_t h) {
     return bt_probe(idx, h, &empty);
 }
 
-static void bt_put(bslot_t *bt, size_t cap, uint32_t tag, uint32_t rec) {
-    size_t i = bhome_of(tag, cap);
-    while (bt[i].rec != NONE32)
-        if (++i == cap) i = 0;
-    bt[i].tag = tag;
-    bt[i].rec = rec;
-}
-
 static kvp_status bt_alloc(size_t cap, bslot_t **out) {
+    if (cap > SIZE_MAX / sizeof(bslot_t)) return KVP_E_NOMEM;
     bslot_t *t = (bslot_t *)malloc(cap * sizeof(bslot_t));
     if (!t) return KVP_E_NOMEM;
     for (size_t i = 0; i < cap; i++) {
@@ -252,7 +251,9 @@ static kvp_status bt_alloc(size_t cap, bslot_t **out) {
     return KVP_OK;
 }
 
-/* Room for `extra` more blocks within the load bound. */
+/* Room for `extra` more blocks within the load bound. The old table is walked in slot order
+ * (homes ascend, so the new table is written almost sequentially); each slot's home comes
+ * from its record's hash, prefetched ahead. */
 static kvp_status bt_reserve(kvp_index *idx, size_t extra) {
     size_t need = idx->bt_count + extra;
     if (need < idx->bt_count || need > ((size_t)1 << 31)) return KVP_E_NOMEM;
@@ -260,8 +261,19 @@ static kvp_status bt_reserve(kvp_index *idx, size_t extra) {
     if (cap == idx->bt_cap) return KVP_OK;
     bslot_t *t;
     if (bt_alloc(cap, &t) != KVP_OK) return KVP_E_NOMEM;
-    for (size_t i = 0; i < idx->bt_cap; i++)
-        if (idx->bt[i].rec != NONE32) bt_put(t, cap, idx->bt[i].tag, idx->bt[i].rec);
+    enum { REHASH_AHEAD = 16 };
+    const size_t old_cap = idx->bt_cap;
+    const bslot_t *old = idx->bt;
+    for (size_t i = 0; i < old_cap; i++) {
+        if (i + REHASH_AHEAD < old_cap && old[i + REHASH_AHEAD].rec != NONE32)
+            __builtin_prefetch(&idx->pool[old[i + REHASH_AHEAD].rec]);
+        const uint32_t r = old[i].rec;
+        if (r == NONE32) continue;
+        size_t j = bhome_of(bmix_of(idx->pool[r].hash), cap);
+        while (t[j].rec != NONE32)
+            if (++j == cap) j = 0;
+        t[j] = old[i];
+    }
     free(idx->bt);
     idx->bt = t;
     idx->bt_cap = cap;
@@ -281,8 +293,9 @@ static void bt_delete(kvp_index *idx, uint32_t r) {
     size_t j = i;
     for (;;) {
         if (++j == cap) j = 0;
-        if (idx->bt[j].rec == NONE32) break;
-        size_t home = bhome_of(idx->bt[j].tag, cap);
+        const uint32_t rj = idx->bt[j].rec;
+        if (rj == NONE32) break;
+        size_t home = bslot_of(idx->pool[rj].hash, cap);
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (stays) continue;
         idx->bt[i] = idx->bt[j];
@@ -675,7 +688,7 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
         if (r == NONE32) {
             r = pool_take(idx);
             idx->pool[r].hash = h;
-            idx->bt[b_empty].tag = btag_of(h); /* the probe's empty slot: nothing moved since */
+            idx->bt[b_empty].tag = btag_of(bmix_of(h)); /* the probe's empty slot: nothing moved */
             idx->bt[b_empty].rec = r;
             idx->bt_count++;
             if (idx->max_entries) lru_append(idx, r);
