@@ -12,8 +12,15 @@
  * Invariant: a holder's count per tier is the sum of the refs of that endpoint's mappings to
  * the block, so holders and mappings are created and destroyed together.
  */
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* mremap */
+#endif
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#define KVP_HAVE_MREMAP 1
+#endif
 
 #include "kvp_internal.h"
 #include "kvplug.h"
@@ -33,7 +40,13 @@
 #define GROW_DEN 2
 #endif
 #ifndef POOL_GROW_DEN
-#define POOL_GROW_DEN 8
+#define POOL_GROW_DEN 8      /* while the pool is small (realloc may copy) */
+#endif
+#ifndef POOL_GROW_DEN_BIG
+#define POOL_GROW_DEN_BIG 32 /* once it is a mapping that mremap grows without copying */
+#endif
+#ifndef KVP_BIG_BYTES
+#define KVP_BIG_BYTES ((size_t)1 << 20) /* arrays this large get their own mapping (Linux) */
 #endif
 
 /* 12 bytes. When the index is bounded, each holder also keeps one engine hash of ep mapped to
@@ -118,6 +131,7 @@ struct kvp_index {
     size_t bt_count;
     block_t *pool;
     uint32_t pool_len, pool_cap, free_head;
+    size_t pool_bytes, lru_prev_bytes, lru_next_bytes, rec_eh_bytes; /* allocated sizes */
     uint32_t *lru_prev, *lru_next; /* pool_cap entries each, only when max_entries > 0 */
     kvp_engine_hash_t *rec_eh;     /* eh_first of a record's inline holder, only when bounded */
     uint32_t lru_head, lru_tail;   /* oldest, newest */
@@ -480,27 +494,61 @@ static void mt_delete_at(kvp_index *idx, size_t i) {
 }
 
 /* ---- records and LRU ---------------------------------------------------------------------- */
+/* The record pool and its side arrays grow often and only grow. On Linux, once an array reaches
+ * KVP_BIG_BYTES it lives in its own anonymous mapping that mremap enlarges without copying, so
+ * the pool can grow in 1/32 steps (little reserved-but-unused capacity) at no cost; below that,
+ * and elsewhere, realloc. *bytes is the array's allocated size, updated only on success. */
+static int arr_grow(void **p, size_t *bytes, size_t new_bytes) {
+    if (new_bytes <= *bytes) return 1; /* grown before a sibling array's failure */
+#ifdef KVP_HAVE_MREMAP
+    if (new_bytes >= KVP_BIG_BYTES) {
+        void *q;
+        if (*p != NULL && *bytes >= KVP_BIG_BYTES) {
+            q = mremap(*p, *bytes, new_bytes, MREMAP_MAYMOVE);
+        } else {
+            q = mmap(NULL, new_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (q != MAP_FAILED && *bytes) memcpy(q, *p, *bytes);
+            if (q != MAP_FAILED) free(*p);
+        }
+        if (q == MAP_FAILED) return 0;
+        *p = q;
+        *bytes = new_bytes;
+        return 1;
+    }
+#endif
+    void *q = realloc(*p, new_bytes);
+    if (q == NULL) return 0;
+    *p = q;
+    *bytes = new_bytes;
+    return 1;
+}
+
+static void arr_free(void *p, size_t bytes) {
+#ifdef KVP_HAVE_MREMAP
+    if (p != NULL && bytes >= KVP_BIG_BYTES) {
+        munmap(p, bytes);
+        return;
+    }
+#endif
+    (void)bytes;
+    free(p);
+}
+
 static kvp_status pool_reserve(kvp_index *idx, size_t extra) {
     size_t need = (size_t)idx->pool_len + extra;
     if (need <= idx->pool_cap) return KVP_OK;
     if (need >= NONE32 - 1) return KVP_E_NOMEM;
     size_t cap = idx->pool_cap ? idx->pool_cap : 64;
-    while (cap < need) cap += cap / POOL_GROW_DEN;
+    while (cap < need)
+        cap += cap / (cap * sizeof(block_t) >= KVP_BIG_BYTES ? POOL_GROW_DEN_BIG : POOL_GROW_DEN);
     if (cap >= NONE32 - 1) cap = NONE32 - 2;
-    block_t *p = (block_t *)realloc(idx->pool, cap * sizeof(block_t));
-    if (!p) return KVP_E_NOMEM;
-    idx->pool = p;
+    /* pool_cap changes only once every array has grown; a failure leaves larger arrays unused */
+    if (!arr_grow((void **)&idx->pool, &idx->pool_bytes, cap * sizeof(block_t))) return KVP_E_NOMEM;
     if (idx->max_entries) {
-        uint32_t *lp = (uint32_t *)realloc(idx->lru_prev, cap * sizeof(uint32_t));
-        if (!lp) return KVP_E_NOMEM; /* pool_cap unchanged: the larger pool is simply unused */
-        idx->lru_prev = lp;
-        uint32_t *ln = (uint32_t *)realloc(idx->lru_next, cap * sizeof(uint32_t));
-        if (!ln) return KVP_E_NOMEM;
-        idx->lru_next = ln;
-        kvp_engine_hash_t *re =
-            (kvp_engine_hash_t *)realloc(idx->rec_eh, cap * sizeof(kvp_engine_hash_t));
-        if (!re) return KVP_E_NOMEM;
-        idx->rec_eh = re;
+        if (!arr_grow((void **)&idx->lru_prev, &idx->lru_prev_bytes, cap * sizeof(uint32_t)) ||
+            !arr_grow((void **)&idx->lru_next, &idx->lru_next_bytes, cap * sizeof(uint32_t)) ||
+            !arr_grow((void **)&idx->rec_eh, &idx->rec_eh_bytes, cap * sizeof(kvp_engine_hash_t)))
+            return KVP_E_NOMEM;
     }
     idx->pool_cap = (uint32_t)cap;
     return KVP_OK;
@@ -826,10 +874,10 @@ void kvp_index_free(kvp_index *idx) {
     if (idx == NULL) return;
     for (uint32_t r = 0; r < idx->pool_len; r++)
         if (is_ext(&idx->pool[r])) free(ext_of(&idx->pool[r])); /* ext_t, header included */
-    free(idx->pool);
-    free(idx->lru_prev);
-    free(idx->lru_next);
-    free(idx->rec_eh);
+    arr_free(idx->pool, idx->pool_bytes);
+    arr_free(idx->lru_prev, idx->lru_prev_bytes);
+    arr_free(idx->lru_next, idx->lru_next_bytes);
+    arr_free(idx->rec_eh, idx->rec_eh_bytes);
     free(idx->bt);
     free(idx->mt);
     free(idx->ot);
@@ -1200,9 +1248,8 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
     out->engine_mappings = idx->mt_count;
     out->memory_bytes = sizeof(kvp_index) + sizeof(bslot_t) * idx->bt_cap +
                         sizeof(mslot_t) * idx->mt_cap + sizeof(oslot_t) * idx->ot_cap +
-                        (size_t)idx->pool_cap * sizeof(block_t) + idx->ext_bytes +
-                        (idx->lru_prev ? (size_t)idx->pool_cap * 2 * sizeof(uint32_t) : 0) +
-                        (idx->rec_eh ? (size_t)idx->pool_cap * sizeof(kvp_engine_hash_t) : 0) +
+                        idx->pool_bytes + idx->ext_bytes + idx->lru_prev_bytes +
+                        idx->lru_next_bytes + idx->rec_eh_bytes +
                         idx->ep_cap * (3 * sizeof(uint32_t) + 1) + idx->run_cap * sizeof(uint32_t) +
                         idx->seq_cap * sizeof(kvp_hash_t);
     return KVP_OK;
