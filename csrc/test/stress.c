@@ -141,6 +141,65 @@ static int run(uint64_t max_entries, int steps) {
     return 0;
 }
 
+/* Many distinct blocks: table rehashes, long probe clusters, removes that shift them back, and
+ * a record pool large enough to live in its own mapping (built with a small KVP_BIG_BYTES). */
+static int grow_and_shrink(uint64_t max_entries) {
+    kvp_index *idx = NULL;
+    CHECK(kvp_index_new(max_entries, &idx) == KVP_OK);
+    enum { N = 30000, BATCH = 64, EPS = 4 };
+    static kvp_engine_hash_t ehs[N];
+    static kvp_hash_t hs[N];
+    for (size_t i = 0; i < N; i++) {
+        ehs[i] = next_u64();
+        hs[i] = next_u64() | 1; /* distinct with overwhelming probability */
+    }
+    for (size_t i = 0; i < N; i += BATCH) {
+        kvp_endpoint_t ep = (kvp_endpoint_t)((i / BATCH) % EPS);
+        size_t n = N - i < BATCH ? N - i : BATCH;
+        CHECK(kvp_index_store(idx, ep, (int)(i % 3), &ehs[i], &hs[i], n) == KVP_OK);
+    }
+    kvp_stats st;
+    CHECK(kvp_index_stats(idx, &st) == KVP_OK);
+    if (max_entries == 0) CHECK(st.blocks == N && st.entries == N && st.engine_mappings == N);
+    else CHECK(st.entries <= max_entries);
+    size_t found_n = 0;
+    for (size_t i = 0; i < N; i++) {
+        kvp_hash_t h;
+        int found;
+        CHECK(kvp_index_resolve(idx, (kvp_endpoint_t)((i / BATCH) % EPS), ehs[i], &h, &found) ==
+              KVP_OK);
+        CHECK(!found || h == hs[i]);
+        found_n += (size_t)found;
+    }
+    CHECK(found_n == st.engine_mappings);
+    for (size_t i = 0; i < N; i += 2 * BATCH) { /* remove every other batch */
+        size_t n = N - i < BATCH ? N - i : BATCH;
+        CHECK(kvp_index_remove(idx, (kvp_endpoint_t)((i / BATCH) % EPS), KVP_TIER_ANY, &ehs[i], n) ==
+              KVP_OK);
+    }
+    for (size_t i = 0; i < N; i++) {
+        kvp_hash_t h;
+        int found;
+        CHECK(kvp_index_resolve(idx, (kvp_endpoint_t)((i / BATCH) % EPS), ehs[i], &h, &found) ==
+              KVP_OK);
+        if ((i / BATCH) % 2 == 0) CHECK(!found);
+        else if (max_entries == 0) CHECK(found && h == hs[i]);
+        if (found) { /* the block table still finds the block after the shifts */
+            enum { CAP = EPS };
+            int32_t a[5][CAP] = {{0}};
+            uint32_t touched[CAP];
+            kvp_query_out q = {a[0], a[1], a[2], a[3], a[4], touched, CAP, 0, 0, 0, 0};
+            CHECK(kvp_index_query(idx, &hs[i], 1, &q) == KVP_OK);
+            CHECK(q.n_touched == 1 && a[0][(i / BATCH) % EPS] == 1);
+        }
+    }
+    for (kvp_endpoint_t ep = 0; ep < EPS; ep++) CHECK(kvp_index_clear(idx, ep) == KVP_OK);
+    CHECK(kvp_index_stats(idx, &st) == KVP_OK);
+    CHECK(st.blocks == 0 && st.entries == 0 && st.engine_mappings == 0);
+    kvp_index_free(idx);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     int steps = argc > 1 ? atoi(argv[1]) : 20000;
     uint64_t bounds[] = {0, 1, 3, 7, 40};
@@ -151,6 +210,10 @@ int main(int argc, char **argv) {
                 return 1;
             }
         }
+    }
+    if (grow_and_shrink(0) != 0 || grow_and_shrink(5000) != 0) {
+        fprintf(stderr, "failed: grow_and_shrink\n");
+        return 1;
     }
     printf("ok\n");
     return 0;
