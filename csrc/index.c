@@ -93,8 +93,8 @@ _Static_assert(sizeof(ext_t) % 8 == 0, "ext_t header keeps the eh array aligned"
 /* A block-table slot is 6 bytes: a 16-bit tag (low bits of the mixed block hash, independent of
  * the home slot, which its high 32 bits pick) and the record id. A tag match is confirmed
  * against the record's full hash, which a hit reads anyway; a false tag match costs one record
- * read with probability 2^-16 per probed slot. Rehash and backward-shift deletion recompute a
- * slot's home from its record's hash (records are read in table order, prefetched). */
+ * read with probability 2^-16 per probed slot. Rehash (from the pool, sequentially) and
+ * backward-shift deletion recompute a slot's home from its record's hash. */
 typedef struct __attribute__((packed)) {
     uint32_t rec; /* NONE32 = empty slot */
     uint16_t tag;
@@ -265,9 +265,9 @@ static kvp_status bt_alloc(size_t cap, bslot_t **out) {
     return KVP_OK;
 }
 
-/* Room for `extra` more blocks within the load bound. The old table is walked in slot order
- * (homes ascend, so the new table is written almost sequentially); each slot's home comes
- * from its record's hash, prefetched ahead. */
+/* Room for `extra` more blocks within the load bound. The new table is filled from the record
+ * pool, read sequentially (a live record has a holder; free ones have none), each record's home
+ * slot prefetched ahead: slots keep only a 16-bit tag, so homes come from the records' hashes. */
 static kvp_status bt_reserve(kvp_index *idx, size_t extra) {
     size_t need = idx->bt_count + extra;
     if (need < idx->bt_count || need > ((size_t)1 << 31)) return KVP_E_NOMEM;
@@ -276,17 +276,18 @@ static kvp_status bt_reserve(kvp_index *idx, size_t extra) {
     bslot_t *t;
     if (bt_alloc(cap, &t) != KVP_OK) return KVP_E_NOMEM;
     enum { REHASH_AHEAD = 16 };
-    const size_t old_cap = idx->bt_cap;
-    const bslot_t *old = idx->bt;
-    for (size_t i = 0; i < old_cap; i++) {
-        if (i + REHASH_AHEAD < old_cap && old[i + REHASH_AHEAD].rec != NONE32)
-            __builtin_prefetch(&idx->pool[old[i + REHASH_AHEAD].rec]);
-        const uint32_t r = old[i].rec;
-        if (r == NONE32) continue;
-        size_t j = bhome_of(bmix_of(idx->pool[r].hash), cap);
+    const uint32_t n = idx->pool_len;
+    const block_t *pool = idx->pool;
+    for (uint32_t r = 0; r < n; r++) {
+        if (r + REHASH_AHEAD < n)
+            __builtin_prefetch(&t[bslot_of(pool[r + REHASH_AHEAD].hash, cap)], 1);
+        if (pool[r].one.ep == EP_NONE) continue;
+        const uint64_t mixed = bmix_of(pool[r].hash);
+        size_t j = bhome_of(mixed, cap);
         while (t[j].rec != NONE32)
             if (++j == cap) j = 0;
-        t[j] = old[i];
+        t[j].rec = r;
+        t[j].tag = btag_of(mixed);
     }
     free(idx->bt);
     idx->bt = t;
