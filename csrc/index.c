@@ -59,7 +59,7 @@ typedef struct {
     uint16_t nmaps;              /* engine mappings of ep to this block | HOLDER_EH_VALID */
 } holder_t;
 #define COUNT_MAX 0xFFFFu
-#define EXT_MIN_CAP 2u           /* first holder array of a shared block (then 4, then +1/4) */
+#define EXT_MIN_CAP 2u           /* first holder array of a shared block (then doubles) */
 #define NMAPS_MASK 0x7FFFu       /* 32767 engine hashes of one endpoint on one block at most */
 #define HOLDER_EH_VALID 0x8000u  /* bounded index: the holder's eh_first is still mapped */
 
@@ -71,7 +71,7 @@ typedef struct {
     uint32_t hver;        /* clock stamp of the last change to these holders */
     uint32_t eq_prev;     /* record verified to have equal holders (NONE32: none) ... */
     uint32_t eq_prev_ver; /* ... while its hver was this */
-    uint32_t cap;         /* holders allocated (even when bounded: the eh array stays aligned) */
+    uint32_t cap;         /* holders allocated (even, so the eh array after them is aligned) */
     uint32_t n;           /* holders in use */
     uint32_t pad;
     holder_t h[];
@@ -655,10 +655,7 @@ static kvp_status holder_room(kvp_index *idx, uint32_t r) {
     const uint32_t old = ext->cap;
     if (ext->n < old) return KVP_OK;
     if (old >= (NONE32 >> 5)) return KVP_E_NOMEM;
-    /* 2, 4, then +1/4 (5, 6, 7, 8, 10, 12, 15, ...): little unused room in the many arrays of
-     * a few holders. Bounded: kept even, so the eh array after the holders stays 8-aligned. */
-    uint32_t cap = old < 4 ? old * 2 : old + old / 4;
-    if (bounded) cap = (cap + 1) & ~1u;
+    const uint32_t cap = old * 2;
     ext = (ext_t *)realloc(ext, ext_size(cap, bounded));
     if (!ext) return KVP_E_NOMEM;
     if (bounded) /* the engine hashes follow the holders: move them past the new holder slots */
