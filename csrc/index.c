@@ -42,8 +42,12 @@
 #ifndef POOL_GROW_DEN
 #define POOL_GROW_DEN 8      /* while the pool is small (realloc may copy) */
 #endif
-#ifndef POOL_GROW_DEN_BIG
-#define POOL_GROW_DEN_BIG 32 /* once it is a mapping that mremap grows without copying */
+#ifndef POOL_GROW_DEN_BIG /* once >= KVP_BIG_BYTES: a mapping that mremap grows without copying */
+#if defined(__linux__)
+#define POOL_GROW_DEN_BIG 32
+#else
+#define POOL_GROW_DEN_BIG POOL_GROW_DEN
+#endif
 #endif
 #ifndef KVP_BIG_BYTES
 #define KVP_BIG_BYTES ((size_t)1 << 20) /* arrays this large get their own mapping (Linux) */
@@ -132,6 +136,7 @@ struct kvp_index {
     block_t *pool;
     uint32_t pool_len, pool_cap, free_head;
     size_t pool_bytes, lru_prev_bytes, lru_next_bytes, rec_eh_bytes; /* allocated sizes */
+    unsigned char pool_mapped, lru_prev_mapped, lru_next_mapped, rec_eh_mapped; /* own mmap */
     uint32_t *lru_prev, *lru_next; /* pool_cap entries each, only when max_entries > 0 */
     kvp_engine_hash_t *rec_eh;     /* eh_first of a record's inline holder, only when bounded */
     uint32_t lru_head, lru_tail;   /* oldest, newest */
@@ -495,25 +500,29 @@ static void mt_delete_at(kvp_index *idx, size_t i) {
 }
 
 /* ---- records and LRU ---------------------------------------------------------------------- */
-/* The record pool and its side arrays grow often and only grow. On Linux, once an array reaches
- * KVP_BIG_BYTES it lives in its own anonymous mapping that mremap enlarges without copying, so
- * the pool can grow in 1/32 steps (little reserved-but-unused capacity) at no cost; below that,
- * and elsewhere, realloc. *bytes is the array's allocated size, updated only on success. */
-static int arr_grow(void **p, size_t *bytes, size_t new_bytes) {
+/* The record pool and its side arrays grow often and only grow. On Linux, an array that must
+ * grow past KVP_BIG_BYTES moves to its own anonymous mapping, which mremap then enlarges without
+ * copying, so the pool can grow in 1/32 steps (little reserved-but-unused capacity) at no cost.
+ * First allocations (e.g. reserve()) and small arrays use malloc/realloc. *bytes is the array's
+ * allocated size and *mapped whether it is such a mapping; both change only on success. */
+static int arr_grow(void **p, size_t *bytes, unsigned char *mapped, size_t new_bytes) {
     if (new_bytes <= *bytes) return 1; /* grown before a sibling array's failure */
 #ifdef KVP_HAVE_MREMAP
-    if (new_bytes >= KVP_BIG_BYTES) {
+    if (*mapped || (*p != NULL && new_bytes >= KVP_BIG_BYTES)) {
         void *q;
-        if (*p != NULL && *bytes >= KVP_BIG_BYTES) {
+        if (*mapped) {
             q = mremap(*p, *bytes, new_bytes, MREMAP_MAYMOVE);
         } else {
             q = mmap(NULL, new_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-            if (q != MAP_FAILED && *bytes) memcpy(q, *p, *bytes);
-            if (q != MAP_FAILED) free(*p);
+            if (q != MAP_FAILED) {
+                memcpy(q, *p, *bytes);
+                free(*p);
+            }
         }
         if (q == MAP_FAILED) return 0;
         *p = q;
         *bytes = new_bytes;
+        *mapped = 1;
         return 1;
     }
 #endif
@@ -524,14 +533,15 @@ static int arr_grow(void **p, size_t *bytes, size_t new_bytes) {
     return 1;
 }
 
-static void arr_free(void *p, size_t bytes) {
+static void arr_free(void *p, size_t bytes, unsigned char mapped) {
 #ifdef KVP_HAVE_MREMAP
-    if (p != NULL && bytes >= KVP_BIG_BYTES) {
+    if (mapped) {
         munmap(p, bytes);
         return;
     }
 #endif
     (void)bytes;
+    (void)mapped;
     free(p);
 }
 
@@ -544,11 +554,15 @@ static kvp_status pool_reserve(kvp_index *idx, size_t extra) {
         cap += cap / (cap * sizeof(block_t) >= KVP_BIG_BYTES ? POOL_GROW_DEN_BIG : POOL_GROW_DEN);
     if (cap >= NONE32 - 1) cap = NONE32 - 2;
     /* pool_cap changes only once every array has grown; a failure leaves larger arrays unused */
-    if (!arr_grow((void **)&idx->pool, &idx->pool_bytes, cap * sizeof(block_t))) return KVP_E_NOMEM;
+    if (!arr_grow((void **)&idx->pool, &idx->pool_bytes, &idx->pool_mapped, cap * sizeof(block_t)))
+        return KVP_E_NOMEM;
     if (idx->max_entries) {
-        if (!arr_grow((void **)&idx->lru_prev, &idx->lru_prev_bytes, cap * sizeof(uint32_t)) ||
-            !arr_grow((void **)&idx->lru_next, &idx->lru_next_bytes, cap * sizeof(uint32_t)) ||
-            !arr_grow((void **)&idx->rec_eh, &idx->rec_eh_bytes, cap * sizeof(kvp_engine_hash_t)))
+        if (!arr_grow((void **)&idx->lru_prev, &idx->lru_prev_bytes, &idx->lru_prev_mapped,
+                      cap * sizeof(uint32_t)) ||
+            !arr_grow((void **)&idx->lru_next, &idx->lru_next_bytes, &idx->lru_next_mapped,
+                      cap * sizeof(uint32_t)) ||
+            !arr_grow((void **)&idx->rec_eh, &idx->rec_eh_bytes, &idx->rec_eh_mapped,
+                      cap * sizeof(kvp_engine_hash_t)))
             return KVP_E_NOMEM;
     }
     idx->pool_cap = (uint32_t)cap;
@@ -875,10 +889,10 @@ void kvp_index_free(kvp_index *idx) {
     if (idx == NULL) return;
     for (uint32_t r = 0; r < idx->pool_len; r++)
         if (is_ext(&idx->pool[r])) free(ext_of(&idx->pool[r])); /* ext_t, header included */
-    arr_free(idx->pool, idx->pool_bytes);
-    arr_free(idx->lru_prev, idx->lru_prev_bytes);
-    arr_free(idx->lru_next, idx->lru_next_bytes);
-    arr_free(idx->rec_eh, idx->rec_eh_bytes);
+    arr_free(idx->pool, idx->pool_bytes, idx->pool_mapped);
+    arr_free(idx->lru_prev, idx->lru_prev_bytes, idx->lru_prev_mapped);
+    arr_free(idx->lru_next, idx->lru_next_bytes, idx->lru_next_mapped);
+    arr_free(idx->rec_eh, idx->rec_eh_bytes, idx->rec_eh_mapped);
     free(idx->bt);
     free(idx->mt);
     free(idx->ot);
