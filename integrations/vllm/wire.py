@@ -58,7 +58,9 @@ NON_PREFIX_KINDS = frozenset(
 Hash = int | bytes
 
 
-class _StoredA(msgspec.Struct, tag="BlockStored", array_like=True):
+# One field list per event kind; the array (<= 0.23) and map (>= 0.24) encodings differ only
+# in msgspec's framing, so each is a tagged subclass of the same fields.
+class _StoredFields(msgspec.Struct):
     block_hashes: list[Hash] = []
     parent_block_hash: Hash | None = None
     token_ids: msgspec.Raw = msgspec.Raw()
@@ -74,7 +76,7 @@ class _StoredA(msgspec.Struct, tag="BlockStored", array_like=True):
     ownership: str | None = None
 
 
-class _RemovedA(msgspec.Struct, tag="BlockRemoved", array_like=True):
+class _RemovedFields(msgspec.Struct):
     block_hashes: list[Hash] = []
     medium: str | None = None
     group_idx: int | None = None
@@ -82,38 +84,33 @@ class _RemovedA(msgspec.Struct, tag="BlockRemoved", array_like=True):
     ownership: str | None = None
 
 
-class _ClearedA(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
+class _ClearedFields(msgspec.Struct):
     medium: str | None = None  # not sent by vLLM; tolerated if some fork adds it
 
 
-class _StoredM(msgspec.Struct, tag="BlockStored", tag_field="type"):
-    block_hashes: list[Hash] = []
-    parent_block_hash: Hash | None = None
-    token_ids: msgspec.Raw = msgspec.Raw()
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
+class _StoredA(_StoredFields, tag="BlockStored", array_like=True):
+    pass
+
+
+class _RemovedA(_RemovedFields, tag="BlockRemoved", array_like=True):
+    pass
+
+
+class _ClearedA(_ClearedFields, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
+class _StoredM(_StoredFields, tag="BlockStored", tag_field="type"):
+    session_id: str | None = None  # map form only
     lookahead_token_ids: msgspec.Raw = msgspec.Raw()  # EAGLE only; not indexed
 
 
-class _RemovedM(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
-    block_hashes: list[Hash] = []
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+class _RemovedM(_RemovedFields, tag="BlockRemoved", tag_field="type"):
+    pass
 
 
-class _ClearedM(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
-    medium: str | None = None
+class _ClearedM(_ClearedFields, tag="AllBlocksCleared", tag_field="type"):
+    pass
 
 
 _ArrayEvent = _StoredA | _RemovedA | _ClearedA
