@@ -269,14 +269,20 @@ def test_real_vllm_engines_end_to_end(engines):
     assert d.worker_id == "B", d.explain()
 
     # ---- (c) evictions on B's 24-block cache, then a cache reset -----------------------------
-    for _ in range(4):
-        b.complete(prompt(rng, 200))
+    fillers = [prompt(rng, 200) for _ in range(4)]
+    for p in fillers:
+        b.complete(p)
+    # the HTTP reply can arrive before the engine's publisher thread has sent the step's events:
+    # wait until the last prompt's blocks are indexed, not only for a consistent state (the
+    # state before these requests was already consistent)
+    last_blocks = set(kv(fillers[-1]))
 
     def b_matches_engine() -> bool:
         with lock:
             held = sinks["B"].mirror.hashes("B")
             expect = {kv(sinks["B"].prefix[h])[-1] for h in held if h in sinks["B"].prefix}
-        return held and len(expect) == len(held) and holdings("B") == expect
+        now = holdings("B")
+        return bool(held) and len(expect) == len(held) and now == expect and last_blocks <= now
 
     assert wait_for(b_matches_engine, 15), adapter.stats()
     removed = sum(
