@@ -27,6 +27,7 @@ MODES = (
 )
 MISSING_POLICIES = ("exclude", "penalise", "worst")
 PREFILL_LOAD_MODELS = ("none", "calibrated")
+QUEUE_POLICIES = ("fcfs", "wspt", "lcfs")  # admission queue order (kvplug.admission)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,11 @@ class RouterConfig:
     active_prefill_tokens_threshold: int | None = None  # absolute tokens
     active_prefill_tokens_threshold_frac: float | None = None  # x max_batched_tokens
     busy_threshold_fallback: bool = False  # False: AllWorkersOverloaded, as Dynamo
+    # --- admission queue (kvplug.admission; off by default, as Dynamo since v1.4)
+    router_queue_threshold: float | None = None  # hold while all eligible > this x max_batched
+    router_queue_policy: str = "fcfs"  # fcfs | wspt | lcfs
+    router_queue_max_length: int = 0  # waiting requests; 0 = no cap
+    router_queue_max_wait: float = 0.0  # seconds before a waiting request fails; 0 = no limit
     # --- events / approximate mode (PROTOCOLS.md §4.4)
     router_kv_events: bool = True
     router_ttl_secs: float = 120.0
@@ -158,6 +164,16 @@ class RouterConfig:
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+        if self.router_queue_threshold is not None and self.router_queue_threshold < 0:
+            raise ConfigError(
+                f"--router-queue-threshold must be >= 0, got {self.router_queue_threshold}"
+            )
+        if self.router_queue_policy not in QUEUE_POLICIES:
+            raise ConfigError(
+                f"--router-queue-policy {self.router_queue_policy!r} not in {QUEUE_POLICIES}"
+            )
+        if self.router_queue_max_length < 0 or self.router_queue_max_wait < 0:
+            raise ConfigError("--router-queue-max-length and --router-queue-max-wait must be >= 0")
         if self.router_accelerator_weight <= 0:
             raise ConfigError("--router-accelerator-weight must be > 0")
         if self.router_max_tree_size < 0 or self.router_max_index_entries < 0:
