@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from kvplug.admission import QueueFull, QueueTimeout, Scope, best_cached_tokens
 from kvplug.disagg import (
     DecodePlan,
     PrefillRejected,
@@ -46,6 +47,7 @@ from kvplug.frontend.hints import RequestHints, hints_from_request
 from kvplug.frontend.lifecycle import Lifecycle
 from kvplug.frontend.metrics import FrontendMetrics
 from kvplug.frontend.parsing import CHAT, COMPLETIONS, ParsedRequest, parse_request
+from kvplug.frontend.queueing import FrontendQueue
 from kvplug.frontend.streaming import completion_tokens, relay
 from kvplug.frontend.tokens import LocalTokenizer, TokenResolver
 from kvplug.frontend.upstream import Upstream, UpstreamUnavailable, forward_headers
@@ -86,6 +88,8 @@ class RequestContext:
     model_workers: frozenset[str] | None
     forward: dict[str, str] = field(default_factory=dict)  # client headers for the engine
     records: list[DecisionRecord] = field(default_factory=list)
+    ticket: Any = None  # released from the admission queue, not yet routed
+    queue_wait_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -128,6 +132,12 @@ class Frontend:
         self._children: dict[tuple, Any] = {}  # prometheus children, looked up once
         self._id_prefix = secrets.token_hex(6)  # request ids: unique per process and request
         self._tokenize_rr = itertools.count()
+        # Dynamo's --router-queue-threshold: requests wait while every eligible worker is busy
+        config = getattr(router, "config", None)
+        self.queue: FrontendQueue | None = None
+        if getattr(config, "router_queue_threshold", None) is not None:
+            self.queue = FrontendQueue(router, self.metrics)
+        self._on_release = self.queue.pump if self.queue is not None else None
 
     # -- process lifecycle ----------------------------------------------------------------
     async def start(self, specs=()) -> None:
@@ -139,6 +149,8 @@ class Frontend:
         self.prober.start()
 
     async def close(self) -> None:
+        if self.queue is not None:
+            await self.queue.close()
         await self.prober.stop()
         await self.fleet.close()
         await self.upstream.close()
@@ -266,7 +278,60 @@ class Frontend:
         key = next(self._keys)
         request_id = request.headers.get("X-Request-Id") or f"kvplug-{self._id_prefix}-{key}"
         ctx = RequestContext(key, request_id, req, tokens, source, note, hints, model_workers)
-        return await self._dispatch(request, ctx), req.stream
+        if self.queue is not None:
+            await self._admit(ctx)
+        try:
+            return await self._dispatch(request, ctx), req.stream
+        finally:
+            self._admitted(ctx)
+
+    # -- admission queue ------------------------------------------------------------------
+    def _queue_scope(self, ctx: RequestContext) -> Scope:
+        """The workers the request's first routing stage could use (its busy check)."""
+        stage = Stage.PREFILL if self.fleet.disaggregated else Stage.AGGREGATED
+        hints = self._hints_for(ctx, stage, None)
+        unhealthy = self.fleet.unhealthy
+        if unhealthy and hints.pinned_worker_id in unhealthy:
+            unhealthy = unhealthy - {hints.pinned_worker_id}
+        return Scope(
+            stage,
+            hints.allowed_worker_ids,
+            hints.pinned_worker_id,
+            hints.pinned_dp_rank,
+            frozenset(unhealthy),
+        )
+
+    async def _admit(self, ctx: RequestContext) -> None:
+        """Wait in the admission queue while every eligible worker is over the threshold."""
+        queue = self.queue
+        assert queue is not None
+        scope = self._queue_scope(ctx)
+        tokens = ctx.tokens or []
+        salt = ctx.req.body.get("cache_salt")
+
+        def cached() -> int:
+            return best_cached_tokens(
+                self.router, tokens, scope, salt if isinstance(salt, str) else None
+            )
+
+        try:
+            ticket = await queue.wait(scope, len(tokens), cached, ctx.hints.priority_jump)
+        except QueueFull as exc:
+            raise ApiError(529, str(exc), "service_unavailable", "queue_full") from None
+        except QueueTimeout as exc:
+            raise ApiError(503, str(exc), "service_unavailable", "queue_timeout") from None
+        if ticket is not None:
+            ctx.ticket = ticket
+            ctx.queue_wait_s = ticket.waited
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("request %s waited %.3f s in the queue", ctx.request_id, ticket.waited)
+
+    def _admitted(self, ctx: RequestContext) -> None:
+        """The released request was routed (or failed): the queue examines its next head."""
+        ticket = ctx.ticket
+        if ticket is not None and self.queue is not None:
+            ctx.ticket = None
+            self.queue.done(ticket)
 
     # -- routing ---------------------------------------------------------------------------
     def _hints_for(
@@ -321,18 +386,24 @@ class Frontend:
         try:
             decision = self.router.route(rreq)
         except RoutingError as exc:
+            self._admitted(ctx)
             status, code = _ROUTING_ERRORS.get(type(exc), (503, "routing_error"))
             self.metrics.routing_errors.labels(code).inc()
             raise ApiError(
                 status, f"no worker can take the request: {exc}", "service_unavailable", code
             ) from None
         except (InvalidRequest, InvalidTokens) as exc:
+            self._admitted(ctx)
             raise bad_request(str(exc), code="invalid_request") from None
         try:
             return self._routed(ctx, stage, attempt, route_id, decision, time.perf_counter() - t0)
         except BaseException:
             self.router.on_finish(route_id)  # the router must not keep a request nobody serves
+            if self._on_release is not None:
+                self._on_release()
             raise
+        finally:
+            self._admitted(ctx)  # its load is in the router now (or gone)
 
     def _routed(
         self,
@@ -366,13 +437,18 @@ class Frontend:
             entry.url_base,
             route_s * 1e6,
         )
+        record.queue_wait_s = ctx.queue_wait_s
         for other in ctx.records:
             other.related.append(record.decision_id)
             record.related.append(other.decision_id)
         ctx.records.append(record)
         self.decisions.add(record)
         lifecycle = Lifecycle(
-            self.router, route_id, self.block_size, len(ctx.tokens) if ctx.tokens else 0
+            self.router,
+            route_id,
+            self.block_size,
+            len(ctx.tokens) if ctx.tokens else 0,
+            self._on_release,
         )
         return Routed(decision, entry, lifecycle, record)
 

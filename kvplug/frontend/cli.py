@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 
+from kvplug.config import QUEUE_POLICIES
 from kvplug.errors import ConfigError, KvplugError
 
 DESCRIPTION = """\
@@ -89,6 +90,45 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default="info",
         choices=["debug", "info", "warning", "error"],
         help="default info",
+    )
+
+    q = parser.add_argument_group(
+        "admission queue",
+        "Dynamo's router queue: a request waits (instead of being routed) while every worker "
+        "it could go to has more active prefill tokens than THRESHOLD x its max_batched_tokens "
+        "(a worker without a known budget never counts as busy); waiting requests are "
+        "routed, in policy order, as load drops",
+    )
+    q.add_argument(
+        "--router-queue-threshold",
+        type=float,
+        default=None,
+        metavar="FRAC",
+        help="fraction of max_batched_tokens (e.g. 1.0); default: off (no queue), as Dynamo",
+    )
+    q.add_argument(
+        "--router-queue-policy",
+        choices=QUEUE_POLICIES,
+        default=None,
+        help="order of release: fcfs (arrival; tail TTFT), wspt (shortest uncached prompt "
+        "first; mean TTFT), lcfs (newest first); nvext.agent_hints.latency_sensitivity "
+        "(seconds) moves a request ahead; default fcfs",
+    )
+    q.add_argument(
+        "--router-queue-max-length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="waiting requests at most; more are refused with HTTP 529 queue_full "
+        "(default 0 = no cap)",
+    )
+    q.add_argument(
+        "--router-queue-max-wait",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds a request may wait before it fails with HTTP 503 queue_timeout "
+        "(default 0 = no limit)",
     )
 
     w = parser.add_argument_group("workers")

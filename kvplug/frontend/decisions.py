@@ -37,6 +37,7 @@ class DecisionRecord:
         "related",
         "created",
         "fallback_reason",
+        "queue_wait_s",
     )
 
     def __init__(
@@ -76,6 +77,7 @@ class DecisionRecord:
         self.related: list[str] = []  # other decisions of the same request (retries, P/D stages)
         self.created = time.time()
         self.fallback_reason: str | None = None
+        self.queue_wait_s: float | None = None  # time in the admission queue (None: not queued)
 
     def to_json(self) -> dict[str, Any]:
         to_dict = getattr(self.decision, "to_dict", None)
@@ -103,6 +105,7 @@ class DecisionRecord:
                 "route_us": round(self.route_us, 1),
                 "ttft_s": self.ttft_s,
                 "total_s": self.total_s,
+                "queue_wait_s": self.queue_wait_s,
             },
             "output_tokens": self.output_tokens,
             "related_decisions": list(self.related),

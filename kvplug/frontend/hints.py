@@ -9,7 +9,9 @@ Headers win over ``nvext`` (as in Dynamo). Recognised:
 - pin the DP rank: ``nvext.dp_rank``, ``x-dynamo-dp-rank``, ``x-kvplug-dp-rank``;
 - allow-list: ``nvext.allowed_worker_ids``, ``x-kvplug-allowed-workers`` (comma-separated);
 - expected output length: ``nvext.agent_hints.osl`` (output-block weighting);
-- label selector: ``nvext.labels`` (object of strings).
+- label selector: ``nvext.labels`` (object of strings);
+- admission-queue priority: ``nvext.agent_hints.latency_sensitivity`` (seconds, >= 0; Dynamo's
+  ``priority_jump``: the request counts as having arrived that much earlier).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class RequestHints:
     allowed_worker_ids: frozenset[str] | None = None
     expected_osl: int | None = None
     labels: Mapping[str, str] | None = None
+    priority_jump: float = 0.0
 
     def pins(self) -> list[str]:
         return [w for w in (self.worker_id, self.prefill_worker_id) if w is not None]
@@ -93,11 +96,24 @@ def hints_from_request(nvext: Mapping[str, Any] | None, headers: Mapping[str, st
         allowed = frozenset(_worker_id(w, "nvext.allowed_worker_ids[]") for w in ids)  # type: ignore[misc]
 
     osl = None
+    jump = 0.0
     agent = nv.get("agent_hints")
     if agent is not None:
         if not isinstance(agent, dict):
             raise bad_request("nvext.agent_hints must be an object", param="nvext.agent_hints")
         osl = _int(agent.get("osl"), "nvext.agent_hints.osl", minimum=1)
+        sensitivity = agent.get("latency_sensitivity")
+        if sensitivity is not None:
+            if (
+                isinstance(sensitivity, bool)
+                or not isinstance(sensitivity, (int, float))
+                or not 0 <= sensitivity < float("inf")
+            ):
+                raise bad_request(
+                    "nvext.agent_hints.latency_sensitivity must be a number of seconds >= 0",
+                    param="nvext.agent_hints.latency_sensitivity",
+                )
+            jump = float(sensitivity)
 
     labels = nv.get("labels")
     if labels is not None and (
@@ -106,7 +122,7 @@ def hints_from_request(nvext: Mapping[str, Any] | None, headers: Mapping[str, st
     ):
         raise bad_request("nvext.labels must be an object of strings", param="nvext.labels")
 
-    return RequestHints(worker, prefill, dp_rank, allowed, osl, labels or None)
+    return RequestHints(worker, prefill, dp_rank, allowed, osl, labels or None, jump)
 
 
 _HEADERS = (

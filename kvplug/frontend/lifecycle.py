@@ -1,10 +1,13 @@
 """One routed request's lifecycle as the router must hear it: first token, each block boundary
 the sequence crosses while generating, finish (success or failure). ``finish`` is idempotent,
-so a ``finally`` can always call it and the worker's active load returns to exactly zero."""
+so a ``finally`` can always call it and the worker's active load returns to exactly zero.
+``on_release`` (optional) hears every first token and finish too: load dropped, so the
+admission queue may let a waiting request go."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -19,9 +22,17 @@ class Lifecycle:
         "finished",
         "started",
         "first_at",
+        "on_release",
     )
 
-    def __init__(self, router: Any, route_id: str, block_size: int, prompt_tokens: int = 0):
+    def __init__(
+        self,
+        router: Any,
+        route_id: str,
+        block_size: int,
+        prompt_tokens: int = 0,
+        on_release: Callable[[], None] | None = None,
+    ):
         self.router = router
         self.route_id = route_id
         self.block_size = max(1, block_size)
@@ -31,12 +42,15 @@ class Lifecycle:
         self.finished = False
         self.started = time.perf_counter()
         self.first_at: float | None = None
+        self.on_release = on_release
 
     def first_token(self) -> None:
         if not self.first_seen and not self.finished:
             self.first_seen = True
             self.first_at = time.perf_counter()
             self.router.on_first_token(self.route_id)
+            if self.on_release is not None:
+                self.on_release()
 
     def output(self, total_tokens: int) -> None:
         """Total generated so far; the router hears it when a block boundary was crossed."""
@@ -54,3 +68,5 @@ class Lifecycle:
         if not self.finished:
             self.finished = True
             self.router.on_finish(self.route_id)
+            if self.on_release is not None:
+                self.on_release()

@@ -149,6 +149,23 @@ class FrontendMetrics:
             registry=r,
         )
         self.inflight = Gauge("kvplug_inflight_requests", "Client requests in flight", registry=r)
+        # admission queue (--router-queue-threshold); the depth reads the queue at scrape time
+        self.queue_depth = Gauge(
+            "kvplug_router_queue_depth", "Requests waiting in the admission queue", registry=r
+        )
+        self.queue_requests = Counter(
+            "kvplug_router_queue_requests",
+            "Admission queue: queued, released, timeout, cancelled, rejected_full",
+            ["outcome"],
+            registry=r,
+        )
+        self.queue_wait_seconds = Histogram(
+            "kvplug_router_queue_wait_seconds",
+            "Time spent in the admission queue, by how the request left it",
+            ["outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def attach_state(self, snapshot, router_stats) -> None:
         self.registry.register(_StateCollector(snapshot, router_stats))
