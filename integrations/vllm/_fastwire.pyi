@@ -1,6 +1,16 @@
 # Type stub for the compiled one-pass vLLM event decoder (integrations/vllm/_fastwire.pyx).
+from collections.abc import Callable
 from typing import Any
 
-def decode_batch(
-    payload: bytes | memoryview, max_tokens: int, block_size: int
-) -> tuple[float, int | None, list[tuple[Any, ...]], int] | None: ...
+from kvplug.events import KvEvent
+
+class FastDecoder:
+    def decode(
+        self,
+        payload: bytes | memoryview,
+        max_tokens: int,
+        block_size: int,
+        worker_id: str,
+        dp_rank: int,
+        extra_fn: Callable[[bytes, int, str | None, bool], tuple[Any, Any] | None],
+    ) -> tuple[float, int | None, list[KvEvent], int, int, int, int, int] | None: ...

@@ -2,17 +2,20 @@
 """Fast path of the vLLM KV-event decoder: one pass over a msgpack ``KVEventBatch``.
 
 Handles the shapes a healthy engine sends (array- or map-form events, uint64 / int64 / bin
-hashes, GPU/CPU/STORAGE media, group 0, full-attention stores) and writes hashes and token ids
-straight into numpy buffers: no Python int per token. Anything else — an unknown kind, a wrong
-type, a truncated payload, another KV-cache group, an unknown medium, a token outside u32 —
-returns None, and the caller decodes the batch with the msgspec path, which counts and logs
-each problem. So this module only has to be right on what it accepts.
+hashes, GPU/CPU/STORAGE media, group 0, full-attention stores). A batch is first parsed and
+checked in C alone: hashes and token ids go straight into the decoder's reused u64 / u32
+buffers (no Python int per token or hash, nothing allocated per event); only then are the
+kvplug events built, each with its own compact numpy arrays. Anything else — an unknown kind, a
+wrong type, a truncated payload, another KV-cache group, an unknown medium, a token outside
+u32 — returns None, and the caller decodes the batch with the msgspec path, which counts and
+logs each problem. So this module only has to be right on what it accepts.
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.object cimport PyObject
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, realloc
-from libc.string cimport memcmp
+from libc.string cimport memcmp, memcpy
 
 import numpy as np
 
@@ -353,106 +356,6 @@ cdef int _tier(const uint8_t *s, size_t n) noexcept nogil:
     return -1
 
 
-# ---- growable u64 buffer for coalesced removes ---------------------------------------------
-cdef struct U64Buf:
-    uint64_t *data
-    size_t n
-    size_t cap
-
-
-cdef int _push(U64Buf *b, uint64_t v) noexcept nogil:
-    cdef uint64_t *d
-    if b.n == b.cap:
-        d = <uint64_t *>realloc(b.data, (b.cap * 2 + 16) * sizeof(uint64_t))
-        if d == NULL:
-            return -1
-        b.data = d
-        b.cap = b.cap * 2 + 16
-    b.data[b.n] = v
-    b.n += 1
-    return 0
-
-
-cdef object _take(U64Buf *b):
-    cdef cnp.ndarray arr = np.empty(b.n, dtype=np.uint64)
-    cdef uint64_t *dst = <uint64_t *>cnp.PyArray_DATA(arr)
-    cdef size_t i
-    for i in range(b.n):
-        dst[i] = b.data[i]
-    b.n = 0
-    return arr
-
-
-# ---- events --------------------------------------------------------------------------------
-cdef object _hash_array(Reader *r):
-    """An array of block hashes as u64[]; None if it is not one."""
-    cdef size_t n, i
-    if _array_len(r, &n) < 0 or not _need(r, n):
-        return None
-    cdef cnp.ndarray arr = np.empty(n, dtype=np.uint64)
-    cdef uint64_t *d = <uint64_t *>cnp.PyArray_DATA(arr)
-    for i in range(n):
-        if _hash(r, &d[i]) < 0:
-            return None
-    return arr
-
-
-cdef int _hashes_into(Reader *r, U64Buf *buf) noexcept nogil:
-    """Append an array of block hashes to buf (removes are coalesced there)."""
-    cdef size_t n, i
-    cdef uint64_t v
-    if _array_len(r, &n) < 0 or not _need(r, n):
-        return -1
-    for i in range(n):
-        if _hash(r, &v) < 0 or _push(buf, v) < 0:
-            return -1
-    return 0
-
-
-cdef object _token_array(Reader *r, size_t max_tokens):
-    """An array of token ids as u32[]; None if it is not one (or too long).
-
-    Token ids are unsigned and msgpack writes the shortest form, so four encodings cover
-    them all; the loop reads them without the general integer reader."""
-    cdef size_t n, i, pos, end
-    cdef const uint8_t *p
-    cdef uint8_t b
-    if _array_len(r, &n) < 0 or n > max_tokens or not _need(r, n):
-        return None
-    cdef cnp.ndarray arr = np.empty(n, dtype=np.uint32)
-    cdef uint32_t *d = <uint32_t *>cnp.PyArray_DATA(arr)
-    p = r.p
-    pos = r.pos
-    end = r.n
-    for i in range(n):
-        if pos >= end:
-            return None
-        b = p[pos]
-        if b < 0x80:
-            d[i] = b
-            pos += 1
-        elif b == 0xCD:
-            if pos + 3 > end:
-                return None
-            d[i] = (<uint32_t>p[pos + 1] << 8) | p[pos + 2]
-            pos += 3
-        elif b == 0xCC:
-            if pos + 2 > end:
-                return None
-            d[i] = p[pos + 1]
-            pos += 2
-        elif b == 0xCE:
-            if pos + 5 > end:
-                return None
-            d[i] = ((<uint32_t>p[pos + 1] << 24) | (<uint32_t>p[pos + 2] << 16) |
-                    (<uint32_t>p[pos + 3] << 8) | p[pos + 4])
-            pos += 5
-        else:
-            return None  # negative, too wide, or not an int: the slow path says which
-    r.pos = pos
-    return arr
-
-
 cdef bint _all_nil_array(const uint8_t *p, size_t n) noexcept nogil:
     """An array whose items are all nil (vLLM 0.32 sends one None per block)."""
     cdef Reader r
@@ -468,174 +371,346 @@ cdef bint _all_nil_array(const uint8_t *p, size_t n) noexcept nogil:
     return True
 
 
-cdef struct Stored:
-    # one event's fields as read; Python objects live in the caller's locals
+# ---- reusable decode buffers ---------------------------------------------------------------
+# One batch is parsed in pure C first (every check done, nothing allocated per event), then the
+# events are built: a declined batch costs no Python objects, and the buffers live on with the
+# decoder so a healthy stream allocates only the events' own arrays.
+
+cdef struct Rec:
+    # one output event; hashes/tokens are spans of the decoder's buffers
+    int kind            # 0 stored, 1 removed (a coalesced run), 2 cleared
     int tier
     int has_parent
     int has_lora_id
     uint64_t parent
+    size_t h_off
+    size_t h_n
+    size_t t_off
+    Py_ssize_t t_n      # -1: no token_ids (a tier copy)
     long block_size
-    size_t extra_start
+    size_t lora_start   # the lora_name string's bytes in the payload (lora_n < 0: none)
+    Py_ssize_t lora_n
+    size_t extra_start  # extra_keys span in the payload (extra_end == 0: none)
     size_t extra_end
 
 
-cdef int _read_stored_field(Reader *r, Field f, Stored *ev, list objs, size_t max_tokens) \
-        except -2:
-    """One BlockStored field; objs = [hashes, tokens, lora_name]. -1: not the fast path's."""
-    cdef const uint8_t *s
-    cdef size_t n, start
-    cdef uint64_t v
-    cdef bint neg
-    cdef object obj
-    if f == F_HASHES:
-        obj = _hash_array(r)
-        if obj is None:
-            return -1
-        objs[0] = obj
-    elif f == F_PARENT:
-        if not _nil(r):
-            if _hash(r, &ev.parent) < 0:
-                return -1
-            ev.has_parent = 1
-    elif f == F_TOKENS:
-        obj = _token_array(r, max_tokens)
-        if obj is None:
-            return -1
-        objs[1] = obj
-    elif f == F_BLOCK_SIZE:
-        if _int(r, &v, &neg) < 0 or neg or v > 0x7FFFFFFF:
-            return -1
-        ev.block_size = <long>v
-    elif f == F_LORA_ID:
-        if not _nil(r):
-            if _skip(r, 0) < 0:
-                return -1
-            ev.has_lora_id = 1
-    elif f == F_MEDIUM:
-        if not _nil(r):
-            if _str(r, &s, &n) < 0:
-                return -1
-            ev.tier = _tier(s, n)
-            if ev.tier < 0:
-                return -1  # unknown medium: the slow path counts it
-    elif f == F_LORA_NAME:
-        if not _nil(r):
-            if _str(r, &s, &n) < 0:
-                return -1
-            try:
-                objs[2] = (<const char *>s)[:n].decode("utf-8", "strict")
-            except UnicodeDecodeError:
-                return -1
-    elif f == F_EXTRA_KEYS:
-        if not _nil(r):
-            start = r.pos
-            if _skip(r, 0) < 0:
-                return -1
-            if not _all_nil_array(r.p + start, r.pos - start):
-                ev.extra_start = start  # salt, LoRA, multimodal: decoded in Python
-                ev.extra_end = r.pos
-    elif f == F_GROUP:
-        if not _nil(r):
-            if _int(r, &v, &neg) < 0 or neg or v != 0:
-                return -1  # hybrid models: group semantics live in the slow path
-    elif f == F_SPEC_KIND:
-        if not _nil(r):
-            if _str(r, &s, &n) < 0 or not _eq(s, n, b"full_attention", 14):
-                return -1
-    else:
-        if _skip(r, 0) < 0:
-            return -1
+cdef int _grow(void **data, size_t *cap, size_t need, size_t item) noexcept nogil:
+    """Make room for ``need`` items (amortised doubling)."""
+    cdef size_t c
+    cdef void *d
+    if need <= cap[0]:
+        return 0
+    c = cap[0] * 2 + 64
+    if c < need:
+        c = need
+    d = realloc(data[0], c * item)
+    if d == NULL:
+        return -1
+    data[0] = d
+    cap[0] = c
     return 0
 
 
-cdef int _read_removed_field(Reader *r, Field f, U64Buf *run, int *tier, bint *has) \
-        noexcept nogil:
-    cdef const uint8_t *s
-    cdef size_t n
-    cdef uint64_t v
-    cdef bint neg
-    if f == F_HASHES:
-        if _hashes_into(r, run) < 0:
+cdef extern from "Python.h":
+    object PyObject_Vectorcall(object callable, PyObject **args, size_t nargsf, object kwnames)
+
+from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier
+
+cdef tuple _TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+cdef object _STORED = BlockStored
+cdef object _REMOVED = BlockRemoved
+cdef object _CLEARED = AllCleared
+cdef object _TRUE = True
+# keyword names of the events as built here (the fields kvplug.events defines)
+cdef tuple _KW_STORED = ("worker_id", "dp_rank", "tier", "parent_engine_hash", "engine_hashes",
+                         "token_ids", "block_size")
+cdef tuple _KW_STORED_NS = _KW_STORED + ("lora_name", "cache_salt", "block_extra")
+cdef tuple _KW_COPY = ("worker_id", "dp_rank", "tier", "parent_engine_hash", "engine_hashes",
+                       "tier_copy")
+cdef tuple _KW_REMOVED = ("worker_id", "dp_rank", "tier", "engine_hashes")
+cdef tuple _KW_CLEARED = ("worker_id", "dp_rank")
+
+DEF KEEP_ITEMS = 1 << 20  # buffers grown past this by a huge batch are released after it
+
+
+cdef inline cnp.ndarray _copy_array(const void *src, size_t n, int typenum, size_t item):
+    cdef cnp.npy_intp dim = <cnp.npy_intp>n
+    cdef cnp.ndarray arr = cnp.PyArray_EMPTY(1, &dim, typenum, 0)
+    if n:
+        memcpy(cnp.PyArray_DATA(arr), src, n * item)
+    return arr
+
+
+cdef class FastDecoder:
+    """The compiled one-pass decoder of one stream (not thread-safe; one per BatchDecoder)."""
+
+    cdef uint64_t *hashes
+    cdef size_t h_n, h_cap
+    cdef uint32_t *tokens
+    cdef size_t t_n, t_cap
+    cdef Rec *recs
+    cdef size_t r_n, r_cap
+    cdef bint busy
+
+    def __dealloc__(self):
+        free(self.hashes)
+        free(self.tokens)
+        free(self.recs)
+
+    cdef void _trim(self) noexcept:
+        if self.h_cap > KEEP_ITEMS:
+            free(self.hashes)
+            self.hashes = NULL
+            self.h_cap = 0
+        if self.t_cap > KEEP_ITEMS:
+            free(self.tokens)
+            self.tokens = NULL
+            self.t_cap = 0
+        if self.r_cap > KEEP_ITEMS:
+            free(self.recs)
+            self.recs = NULL
+            self.r_cap = 0
+
+    def decode(self, object payload, size_t max_tokens, long block_size, str worker_id,
+               object dp_rank, object extra_fn):
+        """``(ts, wire_rank | None, events, n_wire_events, stored_blocks, removed_blocks,
+        cleared, tier_copies)`` or None (not a fast-path batch: decode it the general way).
+
+        Events are kvplug events for ``worker_id`` and the batch's rank (``dp_rank`` when the
+        batch carries none); consecutive removes of one tier are coalesced into one event.
+        ``extra_fn(extra_keys_bytes, n_blocks, lora_name, is_root)`` turns a store's
+        non-trivial ``extra_keys`` into ``(cache_salt, block_extra)``, or None to decline.
+        """
+        cdef Py_buffer view
+        cdef double ts = 0
+        cdef long rank = -1
+        cdef size_t nev = 0
+        cdef int ok
+        if self.busy:  # re-entered (from extra_fn): decline rather than clobber the buffers
+            return None
+        self.busy = True
+        PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+        try:
+            self.h_n = 0
+            self.t_n = 0
+            self.r_n = 0
+            # the GIL is kept: a batch takes microseconds, and giving the GIL away can cost the
+            # subscriber thread a whole switch interval to get it back
+            ok = self._parse(<const uint8_t *>view.buf, <size_t>view.len, max_tokens, block_size,
+                             &ts, &rank, &nev)
+            if ok < 0:
+                return None
+            return self._build(<const uint8_t *>view.buf, ts, rank, nev, worker_id, dp_rank,
+                               extra_fn)
+        finally:
+            PyBuffer_Release(&view)
+            self._trim()
+            self.busy = False
+
+    # -- phase 1: parse and check, pure C ----------------------------------------------------
+    cdef Rec *_new_rec(self) noexcept nogil:
+        if _grow(<void **>&self.recs, &self.r_cap, self.r_n + 1, sizeof(Rec)) < 0:
+            return NULL
+        self.r_n += 1
+        return &self.recs[self.r_n - 1]
+
+    cdef int _hashes_into(self, Reader *r, size_t *off, size_t *n_out) noexcept nogil:
+        """An array of block hashes appended to the hash buffer."""
+        cdef size_t n, i
+        if _array_len(r, &n) < 0 or not _need(r, n):  # every hash takes >= 1 byte
             return -1
-        has[0] = True
-    elif f == F_MEDIUM:
-        if not _nil(r):
-            if _str(r, &s, &n) < 0:
-                return -1
-            tier[0] = _tier(s, n)
-            if tier[0] < 0:
-                return -1
-    elif f == F_GROUP:
-        if not _nil(r):
-            if _int(r, &v, &neg) < 0 or neg or v != 0:
-                return -1
-    else:
-        if _skip(r, 0) < 0:
+        if _grow(<void **>&self.hashes, &self.h_cap, self.h_n + n, sizeof(uint64_t)) < 0:
             return -1
-    return 0
+        off[0] = self.h_n
+        for i in range(n):
+            if _hash(r, &self.hashes[self.h_n + i]) < 0:
+                return -1
+        self.h_n += n
+        n_out[0] = n
+        return 0
 
+    cdef int _tokens_into(self, Reader *r, size_t max_tokens, Rec *ev) noexcept nogil:
+        """An array of token ids appended to the token buffer as u32.
 
-def decode_batch(object payload, size_t max_tokens, long block_size):
-    """(ts, dp_rank | None, records, n_wire_events) or None (not a fast-path batch).
+        Token ids are unsigned and msgpack writes the shortest form, so four encodings cover
+        them all; the loop reads them without the general integer reader. Anything else
+        (negative, wider than u32, not an int) declines: the slow path says which."""
+        cdef size_t n, i, pos, end
+        cdef const uint8_t *p
+        cdef uint8_t b
+        cdef uint32_t *d
+        if _array_len(r, &n) < 0 or n > max_tokens or not _need(r, n):
+            return -1
+        if _grow(<void **>&self.tokens, &self.t_cap, self.t_n + n, sizeof(uint32_t)) < 0:
+            return -1
+        d = self.tokens + self.t_n
+        p = r.p
+        pos = r.pos
+        end = r.n
+        for i in range(n):
+            if pos >= end:
+                return -1
+            b = p[pos]
+            if b < 0x80:
+                d[i] = b
+                pos += 1
+            elif b == 0xCD:
+                if pos + 3 > end:
+                    return -1
+                d[i] = (<uint32_t>p[pos + 1] << 8) | p[pos + 2]
+                pos += 3
+            elif b == 0xCC:
+                if pos + 2 > end:
+                    return -1
+                d[i] = p[pos + 1]
+                pos += 2
+            elif b == 0xCE:
+                if pos + 5 > end:
+                    return -1
+                d[i] = ((<uint32_t>p[pos + 1] << 24) | (<uint32_t>p[pos + 2] << 16) |
+                        (<uint32_t>p[pos + 3] << 8) | p[pos + 4])
+                pos += 5
+            else:
+                return -1
+        r.pos = pos
+        ev.t_off = self.t_n
+        ev.t_n = <Py_ssize_t>n
+        self.t_n += n
+        return 0
 
-    records: ``("S", hashes u64[], parent | None, tokens u32[] | None, block_size, tier,
-    lora_name | None, extra_keys span | None)``, ``("R", hashes u64[], tier)`` (consecutive
-    removes of one tier coalesced) and ``("C",)``.
-    """
-    cdef Py_buffer view
-    PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
-    try:
-        return _decode(<const uint8_t *>view.buf, <size_t>view.len, max_tokens, block_size)
-    finally:
-        PyBuffer_Release(&view)
+    cdef int _stored_field(self, Reader *r, Field f, Rec *ev, size_t max_tokens) noexcept nogil:
+        """One BlockStored field into ev. -1: not the fast path's."""
+        cdef const uint8_t *s
+        cdef size_t n, start
+        cdef uint64_t v
+        cdef bint neg
+        if f == F_HASHES:
+            if self._hashes_into(r, &ev.h_off, &ev.h_n) < 0:
+                return -1
+        elif f == F_PARENT:
+            if not _nil(r):
+                if _hash(r, &ev.parent) < 0:
+                    return -1
+                ev.has_parent = 1
+        elif f == F_TOKENS:
+            if self._tokens_into(r, max_tokens, ev) < 0:
+                return -1
+        elif f == F_BLOCK_SIZE:
+            if _int(r, &v, &neg) < 0 or neg or v > 0x7FFFFFFF:
+                return -1
+            ev.block_size = <long>v
+        elif f == F_LORA_ID:
+            if not _nil(r):
+                if _skip(r, 0) < 0:
+                    return -1
+                ev.has_lora_id = 1
+        elif f == F_MEDIUM:
+            if not _nil(r):
+                if _str(r, &s, &n) < 0:
+                    return -1
+                ev.tier = _tier(s, n)
+                if ev.tier < 0:
+                    return -1  # unknown medium: the slow path counts it
+        elif f == F_LORA_NAME:
+            if _nil(r):
+                ev.lora_n = -1
+            else:
+                if _str(r, &s, &n) < 0:
+                    return -1
+                ev.lora_start = <size_t>(s - r.p)
+                ev.lora_n = <Py_ssize_t>n
+        elif f == F_EXTRA_KEYS:
+            if not _nil(r):
+                start = r.pos
+                if _skip(r, 0) < 0:
+                    return -1
+                if _all_nil_array(r.p + start, r.pos - start):
+                    ev.extra_end = 0
+                else:
+                    ev.extra_start = start  # salt, LoRA, multimodal: decoded in Python
+                    ev.extra_end = r.pos
+        elif f == F_GROUP:
+            if not _nil(r):
+                if _int(r, &v, &neg) < 0 or neg or v != 0:
+                    return -1  # hybrid models: group semantics live in the slow path
+        elif f == F_SPEC_KIND:
+            if not _nil(r):
+                if _str(r, &s, &n) < 0 or not _eq(s, n, b"full_attention", 14):
+                    return -1
+        else:
+            if _skip(r, 0) < 0:
+                return -1
+        return 0
 
+    cdef int _removed_field(self, Reader *r, Field f, size_t *off, size_t *n_out, int *tier,
+                            bint *has) noexcept nogil:
+        cdef const uint8_t *s
+        cdef size_t n
+        cdef uint64_t v
+        cdef bint neg
+        if f == F_HASHES:
+            if has[0]:
+                # a repeated key: the last one counts (msgspec's rule); drop the first's hashes
+                self.h_n = off[0]
+            if self._hashes_into(r, off, n_out) < 0:
+                return -1
+            has[0] = True
+        elif f == F_MEDIUM:
+            if not _nil(r):
+                if _str(r, &s, &n) < 0:
+                    return -1
+                tier[0] = _tier(s, n)
+                if tier[0] < 0:
+                    return -1
+        elif f == F_GROUP:
+            if not _nil(r):
+                if _int(r, &v, &neg) < 0 or neg or v != 0:
+                    return -1
+        else:
+            if _skip(r, 0) < 0:
+                return -1
+        return 0
 
-cdef object _decode(const uint8_t *data, size_t size, size_t max_tokens, long block_size):
-    cdef Reader rd
-    cdef Reader *r = &rd
-    rd.p = data
-    rd.n = size
-    rd.pos = 0
-    if rd.n == 0:
-        return None
-    cdef size_t nb, nev, i, k, j, nfields, ev_start
-    cdef double ts
-    cdef const uint8_t *s
-    cdef size_t sn
-    cdef uint64_t v
-    cdef bint neg, is_map, has_hashes
-    cdef int tier, kind, run_tier = -2
-    cdef Field f
-    cdef U64Buf run
-    cdef Stored ev
-    cdef object rank = None
-    cdef list records = []
-    cdef list objs = [None, None, None]
-    cdef object hashes, toks
-    run.data = NULL
-    run.n = 0
-    run.cap = 0
-    try:
+    cdef int _parse(self, const uint8_t *data, size_t size, size_t max_tokens, long block_size,
+                    double *ts, long *rank, size_t *n_events) noexcept nogil:
+        cdef Reader rd
+        cdef Reader *r = &rd
+        cdef size_t nb, nev, i, j, nfields, h_mark, t_mark, h_off, h_n
+        cdef const uint8_t *s
+        cdef size_t sn
+        cdef uint64_t v
+        cdef bint neg, is_map, has_hashes
+        cdef int tier, kind
+        cdef Field f
+        cdef Rec *ev
+        cdef Rec *run = NULL  # the open run of removes (consecutive, one tier)
+        cdef Py_ssize_t run_i = -1
+        rd.p = data
+        rd.n = size
+        rd.pos = 0
+        if size == 0:
+            return -1
         if _array_len(r, &nb) < 0 or nb < 2 or nb > 3:
-            return None
-        if _double(r, &ts) < 0:
-            return None
+            return -1
+        if _double(r, ts) < 0:
+            return -1
         if _array_len(r, &nev) < 0:
-            return None
+            return -1
+        n_events[0] = nev
         for i in range(nev):
             is_map = False
             if _map_len(r, &nfields) == 0:
                 is_map = True
                 # vLLM writes "type" first; a map without it is the slow path's
                 if nfields == 0 or _str(r, &s, &sn) < 0 or not _eq(s, sn, b"type", 4):
-                    return None
+                    return -1
                 nfields -= 1
             elif _array_len(r, &nfields) < 0 or nfields == 0:
-                return None
+                return -1
             else:
                 nfields -= 1
             if _str(r, &s, &sn) < 0:
-                return None
+                return -1
             if _eq(s, sn, b"BlockStored", 11):
                 kind = 0
             elif _eq(s, sn, b"BlockRemoved", 12):
@@ -643,94 +718,173 @@ cdef object _decode(const uint8_t *data, size_t size, size_t max_tokens, long bl
             elif _eq(s, sn, b"AllBlocksCleared", 16):
                 kind = 2
             else:
-                return None  # unknown kinds are counted by the slow path
+                return -1  # unknown kinds are counted by the slow path
             if kind == 1:
-                ev_start = run.n
                 has_hashes = False
                 tier = 0
+                h_off = self.h_n
+                h_n = 0
                 for j in range(nfields):
                     if is_map:
                         if _str(r, &s, &sn) < 0:
-                            return None
+                            return -1
                         f = _field(s, sn)
                     else:
                         f = REMOVED_ORDER[j] if j < 3 else F_SKIP
-                    if _read_removed_field(r, f, &run, &tier, &has_hashes) < 0:
-                        return None
+                    if self._removed_field(r, f, &h_off, &h_n, &tier, &has_hashes) < 0:
+                        return -1
                 if not has_hashes:
-                    return None
-                if run.n == ev_start:
+                    return -1
+                if h_n == 0:
                     continue  # an empty remove changes nothing
-                if run_tier != tier and ev_start > 0:
-                    # the run so far had another tier: emit it, keep this event's hashes
-                    k = run.n
-                    run.n = ev_start
-                    records.append(("R", _take(&run), run_tier))
-                    for j in range(k - ev_start):
-                        run.data[j] = run.data[ev_start + j]
-                    run.n = k - ev_start
-                run_tier = tier
+                if run_i >= 0 and self.recs[run_i].tier == tier:
+                    # hashes are contiguous: nothing else appended since the run's last remove
+                    self.recs[run_i].h_n += h_n
+                    continue
+                ev = self._new_rec()
+                if ev == NULL:
+                    return -1
+                ev.kind = 1
+                ev.tier = tier
+                ev.h_off = h_off
+                ev.h_n = h_n
+                run_i = <Py_ssize_t>(self.r_n - 1)
                 continue
             if kind == 2:
                 for j in range(nfields):
                     if is_map and _skip(r, 0) < 0:
-                        return None
+                        return -1
                     if _skip(r, 0) < 0:
-                        return None
-                if run.n:
-                    records.append(("R", _take(&run), run_tier))
-                run_tier = -2
-                records.append(("C",))
+                        return -1
+                ev = self._new_rec()
+                if ev == NULL:
+                    return -1
+                ev.kind = 2
+                ev.tier = 0
+                run_i = -1
                 continue
             # BlockStored
+            h_mark = self.h_n
+            t_mark = self.t_n
+            ev = self._new_rec()
+            if ev == NULL:
+                return -1
+            ev.kind = 0
             ev.tier = 0
             ev.has_parent = 0
             ev.has_lora_id = 0
             ev.parent = 0
+            ev.h_off = 0
+            ev.h_n = 0
+            ev.t_off = 0
+            ev.t_n = -1
             ev.block_size = 0
+            ev.lora_start = 0
+            ev.lora_n = -1
             ev.extra_start = 0
             ev.extra_end = 0
-            objs[0] = None
-            objs[1] = None
-            objs[2] = None
+            has_hashes = False
             for j in range(nfields):
                 if is_map:
                     if _str(r, &s, &sn) < 0:
-                        return None
+                        return -1
                     f = _field(s, sn)
                 else:
                     f = STORED_ORDER[j] if j < 11 else F_SKIP
-                if _read_stored_field(r, f, &ev, objs, max_tokens) < 0:
-                    return None
-            hashes = objs[0]
-            if hashes is None:
-                return None
-            if ev.has_lora_id and objs[2] is None:
-                return None  # a LoRA id without a name (vLLM <= 0.13): the slow path names it
-            if len(hashes) == 0:
-                continue  # nothing stored (and a run of removes may go on)
-            toks = objs[1]
-            if toks is not None and len(toks) == 0:
-                toks = None  # offload copy by hash (the caller marks tier_copy)
-            elif toks is not None and (ev.block_size <= 0 or (
+                if f == F_HASHES:
+                    has_hashes = True
+                if self._stored_field(r, f, ev, max_tokens) < 0:
+                    return -1
+            if not has_hashes:
+                return -1
+            if ev.has_lora_id and ev.lora_n < 0:
+                return -1  # a LoRA id without a name (vLLM <= 0.13): the slow path names it
+            if ev.h_n == 0:
+                # nothing stored (and a run of removes may go on): forget what it appended
+                self.r_n -= 1
+                self.h_n = h_mark
+                self.t_n = t_mark
+                continue
+            if ev.t_n == 0:
+                ev.t_n = -1  # offload copy by hash (the caller marks tier_copy)
+            elif ev.t_n > 0 and (ev.block_size <= 0 or (
                     block_size and ev.block_size != block_size)
-                    or <size_t>len(toks) != <size_t>len(hashes) * <size_t>ev.block_size):
-                return None  # the slow path counts the mismatch
-            if run.n:
-                records.append(("R", _take(&run), run_tier))
-            run_tier = -2
-            records.append(("S", hashes, ev.parent if ev.has_parent else None, toks,
-                            ev.block_size, ev.tier, objs[2],
-                            (ev.extra_start, ev.extra_end) if ev.extra_end else None))
-        if run.n:
-            records.append(("R", _take(&run), run_tier))
+                    or <size_t>ev.t_n != ev.h_n * <size_t>ev.block_size):
+                return -1  # the slow path counts the mismatch
+            run_i = -1
         if nb == 3:
             if not _nil(r):
                 if _int(r, &v, &neg) < 0 or neg or v > 0x7FFFFFFF:
-                    return None
-                rank = <long>v
+                    return -1
+                rank[0] = <long>v
         if rd.pos != rd.n:
-            return None  # trailing bytes: not a well-formed batch
-        return ts, rank, records, nev
-    finally:
-        free(run.data)
+            return -1  # trailing bytes: not a well-formed batch
+        return 0
+
+    # -- phase 2: the events ---------------------------------------------------------------
+    cdef object _build(self, const uint8_t *data, double ts, long wire_rank, size_t nev,
+                       str worker_id, object dp_rank, object extra_fn):
+        cdef list events = []
+        cdef size_t i
+        cdef Rec *ev
+        cdef object rank = dp_rank if wire_rank < 0 else wire_rank
+        cdef object hashes, toks, parent, lora, salt, extras, got, e, tier
+        cdef object bs_obj
+        cdef PyObject *argv[10]
+        cdef size_t stored_blocks = 0, removed_blocks = 0, cleared = 0, copies = 0
+        argv[0] = <PyObject *>worker_id
+        argv[1] = <PyObject *>rank
+        for i in range(self.r_n):
+            ev = &self.recs[i]
+            tier = _TIERS[ev.tier]
+            argv[2] = <PyObject *>tier
+            if ev.kind == 1:
+                hashes = _copy_array(self.hashes + ev.h_off, ev.h_n, cnp.NPY_UINT64, 8)
+                argv[3] = <PyObject *>hashes
+                e = PyObject_Vectorcall(_REMOVED, argv, 0, _KW_REMOVED)
+                removed_blocks += ev.h_n
+            elif ev.kind == 2:
+                e = PyObject_Vectorcall(_CLEARED, argv, 0, _KW_CLEARED)
+                cleared += 1
+            else:
+                hashes = _copy_array(self.hashes + ev.h_off, ev.h_n, cnp.NPY_UINT64, 8)
+                parent = ev.parent if ev.has_parent else None
+                argv[3] = <PyObject *>parent
+                argv[4] = <PyObject *>hashes
+                stored_blocks += ev.h_n
+                if ev.t_n < 0:
+                    argv[5] = <PyObject *>_TRUE
+                    e = PyObject_Vectorcall(_STORED, argv, 0, _KW_COPY)
+                    copies += 1
+                else:
+                    toks = _copy_array(self.tokens + ev.t_off, <size_t>ev.t_n,
+                                       cnp.NPY_UINT32, 4)
+                    bs_obj = ev.block_size
+                    argv[5] = <PyObject *>toks
+                    argv[6] = <PyObject *>bs_obj
+                    if ev.lora_n < 0 and ev.extra_end == 0:
+                        e = PyObject_Vectorcall(_STORED, argv, 0, _KW_STORED)
+                    else:
+                        lora = None
+                        if ev.lora_n >= 0:
+                            try:
+                                lora = (<const char *>data + ev.lora_start)[:ev.lora_n].decode(
+                                    "utf-8", "strict")
+                            except UnicodeDecodeError:
+                                return None
+                        salt = extras = None
+                        if ev.extra_end:
+                            got = extra_fn(
+                                (<const char *>data + ev.extra_start)[
+                                    :ev.extra_end - ev.extra_start],
+                                ev.h_n, lora, not ev.has_parent)
+                            if got is None:
+                                return None
+                            salt, extras = got
+                        argv[7] = <PyObject *>lora
+                        argv[8] = <PyObject *>salt
+                        argv[9] = <PyObject *>extras
+                        e = PyObject_Vectorcall(_STORED, argv, 0, _KW_STORED_NS)
+            events.append(e)
+        return (ts, None if wire_rank < 0 else wire_rank, events, nev, stored_blocks,
+                removed_blocks, cleared, copies)

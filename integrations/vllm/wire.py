@@ -255,6 +255,20 @@ def split_extra_keys(
     return salt, extras
 
 
+def _fast_extra_keys(
+    raw: bytes, n_blocks: int, lora_name: str | None, is_root: bool
+) -> tuple[str | None, list[int] | None] | None:
+    """The compiled decoder's callback for a store's non-trivial ``extra_keys`` (msgpack
+    bytes): (cache_salt, per-block extra), or None to leave the batch to the msgspec path."""
+    try:
+        keys = _DEC_ANY.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(keys, list):
+        return None  # the msgspec path rejects and counts it
+    return split_extra_keys(keys, n_blocks, lora_name, is_root)
+
+
 def lora_namespace(lora_name: str | None, lora_id: int | None) -> str | None:
     """The LoRA namespace of an event: its name, or (vLLM <= 0.13 sends only the int id) a
     name derived from the id, so adapter blocks never match base-model requests."""
@@ -333,82 +347,32 @@ class BatchDecoder:
         self.stats = DecodeStats()
         self._map_form_first = True  # which decoder to try first; flips to what the engine sends
         self._group_kind: dict[int, str] = {}
+        self._fast = _fast.FastDecoder() if _fast is not None else None  # reused buffers
 
     # -- batch level ----------------------------------------------------------------------
     def decode(self, payload: bytes | memoryview, dp_rank: int = 0) -> DecodedBatch | None:
         """Decode one payload; None when the batch itself is unreadable (counted)."""
-        if _fast is not None and self.use_fast and not self._group_kind:
-            got = _fast.decode_batch(payload, self.max_event_tokens, self.block_size)
+        if self._fast is not None and self.use_fast and not self._group_kind:
+            got = self._fast.decode(
+                payload,
+                self.max_event_tokens,
+                self.block_size,
+                self.worker_id,
+                dp_rank,
+                _fast_extra_keys,
+            )
             if got is not None:
-                done = self._from_records(payload, got, dp_rank)
-                if done is not None:
-                    return done
+                ts, wire_rank, events, n_wire, stored, removed, cleared, copies = got
+                st = self.stats
+                st.batches += 1
+                st.fast_batches += 1
+                st.events += n_wire
+                st.stored_blocks += stored
+                st.removed_blocks += removed
+                st.cleared += cleared
+                st.tier_copies += copies
+                return DecodedBatch(ts, wire_rank, events, 0)
         return self.decode_msgspec(payload, dp_rank)
-
-    def _from_records(self, payload: Any, got: tuple, dp_rank: int) -> DecodedBatch | None:
-        """Normalised events from the compiled fast path's records (None: let msgspec do it)."""
-        ts, wire_rank, records, n_wire = got
-        keys_of: dict[int, Any] = {}
-        for i, rec in enumerate(records):
-            if rec[0] == "S" and rec[7] is not None:
-                keys = _DEC_ANY.decode(payload[rec[7][0] : rec[7][1]])
-                if not isinstance(keys, list):
-                    return None  # the msgspec path rejects and counts it
-                keys_of[i] = keys
-        st = self.stats
-        st.batches += 1
-        st.fast_batches += 1
-        st.events += n_wire
-        rank = wire_rank if wire_rank is not None else dp_rank
-        wid = self.worker_id
-        out: list[KvEvent] = []
-        for i, rec in enumerate(records):
-            kind = rec[0]
-            if kind == "S":
-                _, hashes, parent, tokens, bs, tier, lora, _span = rec
-                n = len(hashes)
-                st.stored_blocks += n
-                if tokens is None:
-                    st.tier_copies += 1
-                    out.append(
-                        BlockStored(
-                            worker_id=wid,
-                            dp_rank=rank,
-                            tier=_TIERS[tier],
-                            parent_engine_hash=parent,
-                            engine_hashes=hashes,
-                            tier_copy=True,
-                        )
-                    )
-                    continue
-                salt = extras = None
-                if i in keys_of:
-                    salt, extras = split_extra_keys(keys_of[i], n, lora, parent is None)
-                out.append(
-                    BlockStored(
-                        worker_id=wid,
-                        dp_rank=rank,
-                        tier=_TIERS[tier],
-                        parent_engine_hash=parent,
-                        engine_hashes=hashes,
-                        token_ids=tokens,
-                        block_size=bs,
-                        lora_name=lora,
-                        cache_salt=salt,
-                        block_extra=extras,
-                    )
-                )
-            elif kind == "R":
-                st.removed_blocks += len(rec[1])
-                out.append(
-                    BlockRemoved(
-                        worker_id=wid, dp_rank=rank, tier=_TIERS[rec[2]], engine_hashes=rec[1]
-                    )
-                )
-            else:
-                st.cleared += 1
-                out.append(AllCleared(worker_id=wid, dp_rank=rank))
-        return DecodedBatch(ts, wire_rank, out, 0)
 
     def decode_msgspec(self, payload: bytes | memoryview, dp_rank: int = 0) -> DecodedBatch | None:
         """The general decoder (every shape, every error counted); ``decode`` uses it whenever
