@@ -47,7 +47,7 @@ from kvplug.frontend.hints import RequestHints, hints_from_request
 from kvplug.frontend.lifecycle import Lifecycle
 from kvplug.frontend.metrics import FrontendMetrics
 from kvplug.frontend.parsing import CHAT, COMPLETIONS, ParsedRequest, parse_request
-from kvplug.frontend.queueing import FrontendQueue
+from kvplug.frontend.queueing import ClientGone, FrontendQueue
 from kvplug.frontend.streaming import completion_tokens, relay
 from kvplug.frontend.tokens import LocalTokenizer, TokenResolver
 from kvplug.frontend.upstream import Upstream, UpstreamUnavailable, forward_headers
@@ -279,7 +279,7 @@ class Frontend:
         request_id = request.headers.get("X-Request-Id") or f"kvplug-{self._id_prefix}-{key}"
         ctx = RequestContext(key, request_id, req, tokens, source, note, hints, model_workers)
         if self.queue is not None:
-            await self._admit(ctx)
+            await self._admit(request, ctx)
         try:
             return await self._dispatch(request, ctx), req.stream
         finally:
@@ -301,7 +301,7 @@ class Frontend:
             frozenset(unhealthy),
         )
 
-    async def _admit(self, ctx: RequestContext) -> None:
+    async def _admit(self, request: web.Request, ctx: RequestContext) -> None:
         """Wait in the admission queue while every eligible worker is over the threshold."""
         queue = self.queue
         assert queue is not None
@@ -314,8 +314,14 @@ class Frontend:
                 self.router, tokens, scope, salt if isinstance(salt, str) else None
             )
 
+        def gone() -> bool:
+            transport = request.transport
+            return transport is None or transport.is_closing()
+
         try:
-            ticket = await queue.wait(scope, len(tokens), cached, ctx.hints.priority_jump)
+            ticket = await queue.wait(scope, len(tokens), cached, ctx.hints.priority_jump, gone)
+        except ClientGone as exc:  # nobody reads this answer; 499 as nginx counts it
+            raise ApiError(499, str(exc), "client_closed_request", "client_closed") from None
         except QueueFull as exc:
             raise ApiError(529, str(exc), "service_unavailable", "queue_full") from None
         except QueueTimeout as exc:

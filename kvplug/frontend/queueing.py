@@ -23,6 +23,11 @@ log = logging.getLogger(__name__)
 
 RECHECK_INTERVAL = 1.0  # seconds; Dynamo: 60 s
 RECHECK_INTERVAL_DECAY = 0.1  # with a prefill-load model load decays between events (Dynamo too)
+CLIENT_CHECK_INTERVAL = 0.25  # seconds between looks at a waiting request's connection
+
+
+class ClientGone(Exception):
+    """The client of a waiting request closed its connection; it left the queue."""
 
 
 class FrontendQueue:
@@ -49,10 +54,12 @@ class FrontendQueue:
         prompt_tokens: int,
         cached_tokens: Callable[[], int] | None = None,
         priority_jump: float = 0.0,
+        gone: Callable[[], bool] | None = None,
     ) -> Ticket | None:
         """Return at once (None) when the request may be routed now; else wait until released
         and return its ticket, which is in transit until :meth:`done`. Raises ``QueueFull``,
-        ``QueueTimeout``; a cancelled waiter leaves the queue."""
+        ``QueueTimeout``, ``ClientGone`` (``gone()`` turned true: the client hung up; aiohttp
+        does not cancel handlers on disconnect); a cancelled waiter leaves the queue too."""
         core = self.core
         if not core.should_queue(self.router, scope):
             return None
@@ -76,8 +83,14 @@ class FrontendQueue:
         self._ensure_recheck()
         self.pump()  # it may be the head of an idle fleet (queued behind one in transit)
         try:
-            await fut
-        except asyncio.CancelledError:  # the client went away (or the server stops)
+            while True:
+                await asyncio.wait((fut,), timeout=CLIENT_CHECK_INTERVAL if gone else None)
+                if fut.done():
+                    fut.result()  # raises QueueTimeout
+                    break
+                if gone is not None and gone():
+                    raise ClientGone("the client closed the connection while its request waited")
+        except (asyncio.CancelledError, ClientGone):  # the client went away, the server stops
             if core.cancel(ticket):
                 self._left(ticket)
             else:

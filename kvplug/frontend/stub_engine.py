@@ -82,6 +82,7 @@ class StubEngine:
         self.board = board or TransferBoard()
         self.tokens_per_chunk = tokens_per_chunk
         self.fail: str | None = None
+        self.gate: asyncio.Event | None = None  # when set: requests wait for it once recorded
         # EOS as output token number eos_at (finish_reason "stop"); a prefill stub then hands
         # off no KV, as vLLM's NixlConnector does for a request that was not length-capped
         self.eos_at: int | None = None
@@ -204,6 +205,8 @@ class StubEngine:
             self.requests.append(
                 {"path": request.path, "headers": CIMultiDict(request.headers), "body": body}
             )
+        if self.gate is not None:
+            await self.gate.wait()
         if self.fail == "reset":
             request.transport.close()  # type: ignore[union-attr]
             raise asyncio.CancelledError  # nothing may be written any more
