@@ -200,3 +200,30 @@ async def test_queue_off_by_default():
         for resp, _ in await asyncio.gather(hog, other):
             assert resp.status == 200
         h.assert_idle()
+
+
+async def test_disaggregated_fleet_waits_for_the_prefill_workers():
+    pd = [
+        {"id": "p0", "role": "prefill", "max_batched_tokens": 64},
+        {"id": "d0", "role": "decode"},  # unknown budget: would never count as busy
+    ]
+    async with serving(pd, router_config=queue_config()) as h:
+        q = h.frontend.queue
+        q.recheck_interval = 30.0
+        prefill = h.engines["p0"]
+        prefill.gate = asyncio.Event()
+        hog = asyncio.create_task(h.complete(prompt(4, 1), headers={"X-Request-Id": "hog"}))
+        await until(lambda: len(prefill.requests) == 1)
+        # the busy check looks at the prefill stage's workers only
+        second = asyncio.create_task(h.complete(prompt(3, 2), headers={"X-Request-Id": "two"}))
+        await until(lambda: q.core.depth == 1)
+        await asyncio.sleep(0.1)
+        assert len(prefill.requests) == 1 and not h.engines["d0"].requests
+        prefill.gate.set()  # the hog's prefill answers: its load is released, "two" goes
+        for resp, raw in await asyncio.gather(hog, second):
+            assert resp.status == 200, raw
+            assert resp.headers["x-kvplug-prefill-worker"] == "p0"
+        trace = await h.trace(second.result()[0].headers["x-kvplug-prefill-decision-id"])
+        assert trace["timings"]["queue_wait_s"] > 0
+        h.assert_idle()
+        assert q.core.depth == 0 and q.core.in_transit is None
