@@ -227,3 +227,37 @@ async def test_disaggregated_fleet_waits_for_the_prefill_workers():
         assert trace["timings"]["queue_wait_s"] > 0
         h.assert_idle()
         assert q.core.depth == 0 and q.core.in_transit is None
+
+
+async def test_many_concurrent_requests_drain_and_leave_no_load():
+    workers = [{"id": "w0", "max_batched_tokens": 64}, {"id": "w1", "max_batched_tokens": 64}]
+    cfg = queue_config("wspt")
+    async with serving(workers, router_config=cfg, stub_options={"token_delay": 0.005}) as h:
+        q = h.frontend.queue
+
+        async def hang_up(i: int) -> None:
+            body = {"model": MODEL, "prompt": prompt(3, 500 + i), "max_tokens": 4}
+            timeout = aiohttp.ClientTimeout(total=0.05)
+            async with aiohttp.ClientSession(timeout=timeout) as s:
+                try:
+                    async with s.post(h.url + "/v1/completions", json=body) as resp:
+                        await resp.read()
+                except asyncio.TimeoutError:
+                    pass
+
+        tasks = [
+            asyncio.create_task(
+                h.complete(prompt(2 + i % 4, i + 1), stream=bool(i % 2), max_tokens=6)
+            )
+            for i in range(40)
+        ]
+        hangups = [asyncio.create_task(hang_up(i)) for i in range(5)]
+        results = await asyncio.gather(*tasks)
+        await asyncio.gather(*hangups)
+        assert all(resp.status == 200 for resp, _ in results)
+        assert q.core.counters["queued"] > 0  # the fleet was over threshold at times
+        await until(lambda: q.core.depth == 0 and h.router.stats()["active_requests"] == 0)
+        assert q.core.in_transit is None
+        c = q.core.counters
+        assert c["queued"] == c["released"] + c["cancelled"] + c["timeout"]
+        h.assert_idle()
