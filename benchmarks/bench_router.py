@@ -9,12 +9,15 @@ load stays steady. Baselines measured in the same run:
 * ``hash+query``: ``index.request_hashes`` + ``index.query`` alone (the core's floor);
 * ``round-robin``: a full ``Router.route`` in round-robin mode (no hashing, no query).
 
-Also measured: the same kv decision with busy thresholds and an attribute threshold
+Also measured: decisions with ``--inflight`` requests kept in flight (each decision finishes
+the oldest), so the active-block dedup (``--router-assume-kv-reuse``, on by default) walks a
+populated trie of shared document prefixes, and the same with the flag off; the same kv
+decision with busy thresholds and an attribute threshold
 (``gpu_utilization<=0.9``, all fresh, nobody over) configured, i.e. the cost of the filters;
 and approximate mode (no events: each decision also records its prompt in the side index).
 
 Usage: python benchmarks/bench_router.py [--workers 8 64 512] [--blocks 1000000]
-       [--decisions 2000] [--prompt-tokens 8192] [--block-size 16]
+       [--decisions 2000] [--prompt-tokens 8192] [--block-size 16] [--inflight 32]
 """
 
 from __future__ import annotations
@@ -109,6 +112,23 @@ def time_route(
     return out
 
 
+def time_route_inflight(r: Router, prompts: list[np.ndarray], n: int, window: int) -> list[float]:
+    """Route with ``window`` requests in flight: each decision finishes the oldest one."""
+    out = []
+    live: list[str] = []
+    for i in range(n):
+        req = RouteRequest(f"f{i}", prompts[i % len(prompts)])
+        t0 = time.perf_counter_ns()
+        r.route(req)
+        out.append((time.perf_counter_ns() - t0) / 1000)
+        live.append(req.request_id)
+        if len(live) > window:
+            r.on_finish(live.pop(0))
+    for rid in live:
+        r.on_finish(rid)
+    return out
+
+
 def time_floor(r: Router, prompts: list[np.ndarray], n: int) -> tuple[list[float], list[float]]:
     hash_us, query_us = [], []
     for i in range(n):
@@ -131,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--inflight", type=int, default=32)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -157,7 +178,19 @@ def main(argv: list[str] | None = None) -> int:
         kv = time_route(r, prompts, args.decisions, overlap)
         kv_hit = [t for t, o in zip(kv, overlap, strict=True) if o > 0]
         kv_miss = [t for t, o in zip(kv, overlap, strict=True) if o == 0]
+        inflight = time_route_inflight(r, prompts, args.decisions, args.inflight)
+        active_nodes = r.load.active.nodes()
         hash_us, query_us = time_floor(r, prompts, args.decisions)
+        # the same fleet and index without the dedup (--no-router-assume-kv-reuse)
+        rn = Router(
+            RouterConfig(kv_block_size=args.block_size, router_assume_kv_reuse=False),
+            rng=random.Random(n),
+            index=r.index,
+        )
+        for w in r.workers.values():
+            rn.add_worker(w)
+        time_route(rn, prompts, warm)
+        inflight_nodedup = time_route_inflight(rn, prompts, args.decisions, args.inflight)
         # same fleet and index, with busy and attribute thresholds configured
         rf = Router(
             RouterConfig(
@@ -198,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
             "kv_median_us_cached_prefix": statistics.median(kv_hit) if kv_hit else None,
             "kv_median_us_no_prefix": statistics.median(kv_miss) if kv_miss else None,
             "mean_overlap_blocks_of_pick": statistics.fmean(overlap),
+            "inflight": args.inflight,
+            "kv_inflight_median_us": statistics.median(inflight),
+            "kv_inflight_p99_us": percentile(inflight, 0.99),
+            "kv_inflight_no_reuse_median_us": statistics.median(inflight_nodedup),
+            "active_trie_nodes_after": active_nodes,
             "kv_with_filters_median_us": statistics.median(kv_filtered),
             "kv_with_filters_p99_us": percentile(kv_filtered, 0.99),
             "approx_median_us": statistics.median(kv_approx),
@@ -212,9 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         row["kv_over_round_robin"] = row["kv_median_us"] / row["round_robin_median_us"]
         row["kv_over_hash_query"] = row["kv_median_us"] / row["hash_query_median_us"]
         rows.append(row)
-        del r, rf, ra, rr
+        del r, rf, ra, rr, rn
     hdr = (
-        f"{'workers':>7} {'entries':>9} {'kv med':>8} {'kv p99':>8} {'+filters':>8} {'approx':>7} "
+        f"{'workers':>7} {'entries':>9} {'kv med':>8} {'kv p99':>8} {'inflight':>8} "
+        f"{'no-reuse':>8} {'+filters':>8} {'approx':>7} "
         f"{'hash':>7} {'query':>7} "
         f"{'overhead':>8} {'rr med':>7} {'kv/rr':>6}"
     )
@@ -226,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     for x in rows:
         print(
             f"{x['workers']:>7} {x['indexed_entries']:>9} {x['kv_median_us']:>8.1f} "
-            f"{x['kv_p99_us']:>8.1f} {x['kv_with_filters_median_us']:>8.1f} "
+            f"{x['kv_p99_us']:>8.1f} {x['kv_inflight_median_us']:>8.1f} "
+            f"{x['kv_inflight_no_reuse_median_us']:>8.1f} {x['kv_with_filters_median_us']:>8.1f} "
             f"{x['approx_median_us']:>7.1f} "
             f"{x['hash_median_us']:>7.1f} {x['query_median_us']:>7.1f} "
             f"{x['router_overhead_median_us']:>8.1f} {x['round_robin_median_us']:>7.1f} "

@@ -97,7 +97,10 @@ class RouterConfig:
     # --- active-load tracking (PROTOCOLS.md §4.3)
     router_track_active_blocks: bool = True
     router_track_prefill_tokens: bool = True
-    router_assume_kv_reuse: bool = True
+    router_assume_kv_reuse: bool = True  # active blocks deduplicated by hash (Dynamo)
+    # with reuse assumed: the request's device-resident prefix is not new decode load either
+    # (kvplug; Dynamo counts only in-flight blocks). Measured better in the replay sim.
+    router_decode_resident_credit: bool = True
     router_track_output_blocks: bool = False
     router_prefill_load_model: str = "none"
     # --- busy thresholds (all unset by default, as Dynamo); OR-ed
@@ -357,7 +360,16 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     _bool_flag(g, "--router-track-active-blocks", "decode load from in-flight blocks (default on)")
     _bool_flag(g, "--router-track-prefill-tokens", "prompt tokens until first token (default on)")
     _bool_flag(
-        g, "--router-assume-kv-reuse", "incoming blocks already resident are not new load (on)"
+        g,
+        "--router-assume-kv-reuse",
+        "count in-flight prompt blocks once per block hash on a worker: a request's blocks "
+        "already active there are not new decode load (Dynamo; default on)",
+    )
+    _bool_flag(
+        g,
+        "--router-decode-resident-credit",
+        "with --router-assume-kv-reuse, the request's device-cached prefix is not new decode "
+        "load either (kvplug; default on; off = Dynamo's exact active-only dedup)",
     )
     _bool_flag(g, "--router-track-output-blocks", "placeholder output blocks (default off)")
     g.add_argument(

@@ -263,6 +263,8 @@ class Decision:
             for name in ("host", "disk", "shared_beyond"):
                 if x.get(name):
                     tiers += f", {name} {_g(x[name])}"
+            if x.get("active_prefix"):  # blocks of this prompt already in flight there
+                tiers += f", {_g(x['active_prefix'])} already active"
             text = (
                 f"cost({label})={float(t.values[i]):.1f} = {_g1(p['prefill_load_scale'])}*"
                 f"{_g(adjusted)} + {_g(x['decode_blocks'])} ({tiers}; "

@@ -2,7 +2,9 @@
 
 * prefill tokens: uncached prompt tokens of requests routed to the endpoint that have not
   produced their first token yet (released by ``first_token``);
-* decode blocks: blocks of the endpoint's active requests (released by ``finish``), plus, with
+* decode blocks: blocks of the endpoint's active requests (released by ``finish``); with KV reuse
+  assumed, the prompt blocks are counted once per distinct block hash on the endpoint
+  (:mod:`kvplug.active_blocks`), so requests sharing a prefix share its blocks; plus, with
   output tracking, one placeholder block per block boundary generation crosses, weighted by
   ``1 - progress`` toward the expected output length when one is given (full weight otherwise);
 * in-flight: active request count (least-loaded, device-aware, power-of-two, running scorer);
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvplug.active_blocks import ActiveBlocks, Walk, _Node
 from kvplug.prefill_model import PrefillPredictor
 
 
@@ -28,7 +31,8 @@ class ActiveRequest:
     endpoint: int
     prompt_tokens: int
     prefill_tokens: int  # uncached tokens counted as prefill load (0 if not tracked)
-    decode_blocks: float  # prompt-side blocks counted as decode load (0 if not tracked)
+    decode_blocks: float  # prompt-side blocks counted as decode load (0 if not tracked);
+    # with a deduplicated chain: only the blocks outside it (the trailing partial block)
     expected_osl: int | None
     track_output: bool
     routed_at: float
@@ -36,6 +40,8 @@ class ActiveRequest:
     prefill_done: bool = False
     output_tokens: int = 0
     output_contrib: float = 0.0  # weighted placeholder blocks currently counted
+    chain: _Node | None = None  # tail of its deduplicated prompt chain (ActiveBlocks)
+    deduplicated: bool = False
 
 
 class LoadTracker:
@@ -52,6 +58,7 @@ class LoadTracker:
         self.head_duration = np.ones(0)
         self._pending: dict[int, deque[str]] = {}
         self.requests: dict[str, ActiveRequest] = {}
+        self.active = ActiveBlocks()  # deduplicated prompt blocks (--router-assume-kv-reuse)
         self.counters = {"unknown_request_updates": 0, "duplicate_request_ids": 0}
 
     # ------------------------------------------------------------------ sizing
@@ -98,11 +105,17 @@ class LoadTracker:
         expected_osl: int | None,
         track_output: bool,
         now: float,
+        chain: tuple[np.ndarray, Walk] | None = None,
     ) -> ActiveRequest:
+        """Start tracking a request. ``chain`` = (its block hashes, their ``ActiveBlocks.walk``)
+        deduplicates its prompt blocks by hash on the endpoint: ``decode_blocks`` then counts
+        only the blocks outside the hashed chain (a trailing partial block)."""
         if request_id in self.requests:
             # a retry with the same id: the old attempt's load goes, the new one counts
             self.counters["duplicate_request_ids"] += 1
             self.finish(request_id)
+            if chain is not None:  # releasing the old attempt may have reshaped the trie
+                chain = (chain[0], self.active.walk(chain[0]))
         uncached = max(prompt_tokens - cached_tokens, 0) if track_prefill else 0
         r = ActiveRequest(
             request_id,
@@ -114,6 +127,10 @@ class LoadTracker:
             track_output and track_decode,
             now,
         )
+        if chain is not None and track_decode:
+            r.chain, new = self.active.add(endpoint, chain[0], chain[1])
+            r.deduplicated = True
+            self.decode_blocks[endpoint] += new
         self.requests[request_id] = r
         self.inflight[endpoint] += 1
         self.decode_blocks[endpoint] += r.decode_blocks
@@ -167,6 +184,8 @@ class LoadTracker:
             return False
         self._release_prefill(r, now)
         ep = r.endpoint
+        if r.deduplicated:
+            self.decode_blocks[ep] -= self.active.release(ep, r.chain)
         self.decode_blocks[ep] -= r.decode_blocks + r.output_contrib
         self.inflight[ep] -= 1
         if self.inflight[ep] == 0:  # no float drift survives an idle endpoint

@@ -53,6 +53,7 @@ class _StageRules:
         "track_decode",
         "credit",
         "assume_reuse",
+        "resident_credit",
         "params",
     )
 
@@ -64,12 +65,14 @@ class _StageRules:
         credit: float,
         assume_reuse: bool,
         params: Any,
+        resident_credit: bool = False,
     ) -> None:
         self.prefill_term = prefill_term
         self.track_prefill = track_prefill
         self.track_decode = track_decode
         self.credit = credit
-        self.assume_reuse = assume_reuse
+        self.assume_reuse = assume_reuse  # dedupe active blocks by hash
+        self.resident_credit = resident_credit  # and the device-resident prefix is not new
         self.params = params
         self.params_dict: dict[str, float] = {}  # the same numbers, for explanations
 
@@ -155,6 +158,7 @@ class Router:
         self._base_static: dict[Stage, tuple[Exclusion, ...]] = {}
         self._rr = 0
         self._seq = 0
+        self._depth_buf = np.zeros(0)  # ActiveBlocks.depths output, per endpoint id
         self._rules = self._make_stage_rules()
         self._refresh_limits()
         self.counters = {
@@ -456,6 +460,21 @@ class Router:
                     dev = dev + extra
                     shared = np.maximum(shared - extra, 0.0)
         full_blocks = -(-n_tokens // bs)
+        # --router-assume-kv-reuse: prompt blocks already active on an endpoint (by hash) are
+        # not new decode load there (Dynamo's active-sequence dedup)
+        chain: tuple[np.ndarray, Any] | None = None
+        active_depth: np.ndarray | None = None  # per candidate, leading blocks already active
+        if rules.track_decode and rules.assume_reuse and hashes is not None:
+            chain_hashes = hashes
+            if req.block_hashes is not None:  # the caller's buffer: the trie keeps views of it
+                chain_hashes = np.array(hashes, dtype=np.uint64, copy=True)
+            walk = load.active.walk(chain_hashes)
+            chain = (chain_hashes, walk)
+            if walk:
+                buf = self._depth_buf
+                if len(buf) < len(load.inflight):
+                    buf = self._depth_buf = np.zeros(len(load.inflight))
+                active_depth = load.active.depths(walk, buf)[sel]
         penalised = None
         if res is not None and res.penalised:
             penalised = np.fromiter(
@@ -465,7 +484,7 @@ class Router:
         probs = None
         if mode == "kv":
             prefill_vec, decode_vec = self._load_vectors(
-                rules, sel, dev, prefill_tok, decode_blk, n_tokens
+                rules, sel, dev, active_depth, prefill_tok, decode_blk, n_tokens
             )
             inputs = {
                 "device": dev,
@@ -475,6 +494,8 @@ class Router:
                 "prefill_blocks": prefill_vec,
                 "decode_blocks": decode_vec,
             }
+            if active_depth is not None:
+                inputs["active_prefix"] = active_depth
             credited = dev
             if cfg.router_kv_overlap_score_credit_decay > 0 and rules.credit > 0:
                 factor = self._credit_factor(prefill_tok[sel], n_tokens)
@@ -521,6 +542,7 @@ class Router:
                 penalised,
                 now,
                 res,
+                active_depth,
             )
         else:
             idx, trace = self._simple_pick(mode, req, cands, hints)
@@ -528,12 +550,10 @@ class Router:
         ep = int(cands[idx])
         wid = self._ep_worker[ep] or "?"  # a candidate always has a worker
         rank = self._ep_rank[ep]
-        if dev is not None:
-            cached_blocks = int(dev[idx] + host[idx] + disk[idx])
-            incoming_blocks = full_blocks - (cached_blocks if rules.assume_reuse else 0)
-        else:
-            cached_blocks = 0
-            incoming_blocks = full_blocks
+        cached_blocks = int(dev[idx] + host[idx] + disk[idx]) if dev is not None else 0
+        # deduplicated: the hashed chain is counted by the tracker; only a trailing partial
+        # block is the request's own
+        incoming_blocks = full_blocks if chain is None else max(full_blocks - len(chain[0]), 0)
         cached_tokens = min(cached_blocks * bs, n_tokens)
         load.add(
             req.request_id,
@@ -546,6 +566,7 @@ class Router:
             expected_osl=hints.expected_osl,
             track_output=cfg.router_track_output_blocks,
             now=now,
+            chain=chain,
         )
         if self._approx is not None and hashes is not None:
             self._approx.record(wid, rank, hashes, now)
@@ -630,6 +651,7 @@ class Router:
         penalised: np.ndarray | None,
         now: float,
         res: flt.FilterResult | None,
+        active_depth: np.ndarray | None,
     ) -> tuple[int, CandidateTrace, Any]:
         bs = self.block_size
         full_blocks = -(-n_tokens // bs)
@@ -637,7 +659,9 @@ class Router:
 
         def kv_cost() -> np.ndarray:
             if "c" not in cache:
-                pv, dv = self._load_vectors(rules, cands, dev, prefill_tok, decode_blk, n_tokens)
+                pv, dv = self._load_vectors(
+                    rules, cands, dev, active_depth, prefill_tok, decode_blk, n_tokens
+                )
                 credited = dev
                 if self.config.router_kv_overlap_score_credit_decay > 0 and rules.credit > 0:
                     credited = dev * self._credit_factor(prefill_tok[cands], n_tokens)
@@ -816,6 +840,7 @@ class Router:
                 credit,
                 cfg.router_assume_kv_reuse,
                 params(credit),
+                cfg.router_decode_resident_credit,
             ),
             # prefill stage: no decode-side load, full credit, reuse assumed
             Stage.PREFILL: _StageRules(
@@ -834,15 +859,17 @@ class Router:
         self,
         rules: _StageRules,
         sel: np.ndarray | slice,  # candidate endpoint ids, or a slice when they are 0..n-1
-        dev: np.ndarray,
+        dev: np.ndarray,  # per candidate: device-resident prefix blocks
+        active_depth: np.ndarray | None,  # per candidate: leading blocks already active (dedup)
         prefill_tok: np.ndarray,
         decode_blk: np.ndarray,
         n_tokens: int,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(prefill blocks, decode blocks) per candidate, the seed's load terms:
         prefill = active uncached prompt tokens / block size + the request's tokens / block size;
-        decode = active blocks + the request's blocks (minus those already resident on the
-        device when KV reuse is assumed)."""
+        decode = active blocks + the request's blocks, minus, when KV reuse is assumed, those of
+        its chain already active on the endpoint (Dynamo's dedup by block hash) or, with the
+        resident credit, already cached on its device (whichever prefix is longer)."""
         bs = self.block_size
         n = len(dev)
         # few numpy ops on purpose: each costs ~1 us at these sizes
@@ -854,7 +881,15 @@ class Router:
         else:
             prefill_vec = np.zeros(n)
         if rules.track_decode:
-            decode_vec = decode_blk[sel] - dev if rules.assume_reuse else decode_blk[sel] + 0.0
+            if not rules.assume_reuse:
+                decode_vec = decode_blk[sel] + 0.0
+            elif rules.resident_credit:  # cached or in flight: either way no new KV memory
+                shared = dev if active_depth is None else np.maximum(active_depth, dev)
+                decode_vec = decode_blk[sel] - shared
+            elif active_depth is not None:
+                decode_vec = decode_blk[sel] - active_depth
+            else:
+                decode_vec = decode_blk[sel] + 0.0
             decode_vec += -(-n_tokens // bs)
             weight = self.config.router_decode_active_request_weight
             if weight > 0:

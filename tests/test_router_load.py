@@ -97,7 +97,9 @@ def test_cached_prefix_is_not_prefill_load():
     store_prefix(r, "a", toks, 6)
     r.route(RouteRequest("x", toks))
     assert loads(r, "a")["prefill_tokens"] == 2 * BS  # only the uncached part
-    assert loads(r, "a")["decode_blocks"] == 2  # reuse assumed: resident blocks are not new
+    # tracked decode load is what is in flight: all 8 distinct blocks (the resident-prefix
+    # credit applies when scoring the next request, not to the tracked load)
+    assert loads(r, "a")["decode_blocks"] == 8
 
 
 def test_output_blocks_off_by_default():

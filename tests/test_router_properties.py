@@ -71,7 +71,7 @@ def test_kv_decision_is_the_seed_formula_over_tracked_load(fleet, credit, scale,
     # the probe's own load is already in active_load: take it out again
     chosen = names.index(d.worker_id if d.dp_rank == 0 else f"{d.worker_id}/{d.dp_rank}")
     pre[chosen] -= (12 * BS - d.cached_tokens) / BS
-    dec[chosen] -= 12 - (d.overlap_blocks if reuse else 0)
+    dec[chosen] -= 12  # tracked: the probe's 12 distinct blocks (it shares none in flight)
     want = _reference.costs(
         pre,
         dev,

@@ -27,6 +27,7 @@ ALIASES = {
     "prefill_model": "router_prefill_load_model",
     "ttl": "router_ttl_secs",
     "assume_reuse": "router_assume_kv_reuse",
+    "resident_credit": "router_decode_resident_credit",
 }
 SIMPLE_MODES = ("round-robin", "random", "least-loaded", "power-of-two")
 DEFAULT_POLICIES = (
