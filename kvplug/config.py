@@ -26,6 +26,8 @@ MODES = (
     "power-of-two",
 )
 MISSING_POLICIES = ("exclude", "penalise", "worst")
+# linear: scale*adjusted_prefill + decode (the seed); lmetric: scale*adjusted_prefill * (decode+1)
+SELECTION_POLICIES = ("linear", "lmetric")
 PREFILL_LOAD_MODELS = ("none", "calibrated")
 QUEUE_POLICIES = ("fcfs", "wspt", "lcfs")  # admission queue order (kvplug.admission)
 
@@ -86,6 +88,7 @@ class RouterConfig:
     router_mode: str = "kv"
     kv_block_size: int = 16
     router_temperature: float = 0.0
+    router_selection_policy: str = "linear"  # how prefill and decode combine (SELECTION_POLICIES)
     # --- the routing seed's cost (PROTOCOLS.md §4.1)
     router_kv_overlap_score_credit: float = 1.0
     router_kv_overlap_score_credit_decay: float = 0.0  # credit x 1/(1 + decay*excess)
@@ -135,6 +138,11 @@ class RouterConfig:
     def validate(self) -> None:
         if self.router_mode not in MODES:
             raise ConfigError(f"--router-mode {self.router_mode!r} is not one of {MODES}")
+        if self.router_selection_policy not in SELECTION_POLICIES:
+            raise ConfigError(
+                f"--router-selection-policy {self.router_selection_policy!r} "
+                f"is not one of {SELECTION_POLICIES}"
+            )
         if self.kv_block_size <= 0:
             raise ConfigError(f"--kv-block-size must be positive, got {self.kv_block_size}")
         if self.router_temperature < 0:
@@ -333,6 +341,13 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         type=float,
         default=None,
         help="0: lowest cost wins; >0: softmax over normalised cost logits",
+    )
+    g.add_argument(
+        "--router-selection-policy",
+        choices=SELECTION_POLICIES,
+        default=None,
+        help="kv cost: linear = scale*adjusted_prefill + decode (default); "
+        "lmetric = scale*adjusted_prefill * (decode + 1)",
     )
     g.add_argument(
         "--router-kv-overlap-score-credit",

@@ -265,9 +265,15 @@ class Decision:
                     tiers += f", {name} {_g(x[name])}"
             if x.get("active_prefix"):  # blocks of this prompt already in flight there
                 tiers += f", {_g(x['active_prefix'])} already active"
+            # lmetric multiplies the scaled adjusted prefill by (decode + 1); linear adds decode
+            combine = (
+                f" x ({_g(x['decode_blocks'])} + 1)"
+                if p.get("lmetric")
+                else f" + {_g(x['decode_blocks'])}"
+            )
             text = (
                 f"cost({label})={float(t.values[i]):.1f} = {_g1(p['prefill_load_scale'])}*"
-                f"{_g(adjusted)} + {_g(x['decode_blocks'])} ({tiers}; "
+                f"{_g(adjusted)}{combine} ({tiers}; "
                 f"prefill {_g(x['prefill_blocks'])} - {_g1(credit)}*"
                 f"{_g(x['device'])}"
             )

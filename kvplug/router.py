@@ -501,12 +501,7 @@ class Router:
                 factor = self._credit_factor(prefill_tok[sel], n_tokens)
                 credited = dev * factor
                 inputs["credit_factor"] = factor
-            values = np.asarray(
-                self._core.costs(
-                    prefill_vec, credited, host, disk, shared, decode_vec, rules.params
-                ),
-                dtype=np.float64,
-            )
+            values = self._kv_costs(rules, prefill_vec, credited, host, disk, shared, decode_vec)
             if penalised is not None:
                 values = np.where(
                     penalised, values * (1.0 + cfg.router_missing_attribute_penalty), values
@@ -665,10 +660,7 @@ class Router:
                 credited = dev
                 if self.config.router_kv_overlap_score_credit_decay > 0 and rules.credit > 0:
                     credited = dev * self._credit_factor(prefill_tok[cands], n_tokens)
-                cache["c"] = np.asarray(
-                    self._core.costs(pv, credited, host, disk, shared, dv, rules.params),
-                    dtype=np.float64,
-                )
+                cache["c"] = self._kv_costs(rules, pv, credited, host, disk, shared, dv)
             return cache["c"]
 
         ctx = ScoringContext(
@@ -898,6 +890,32 @@ class Router:
             decode_vec = np.zeros(n)
         return prefill_vec, decode_vec
 
+    def _kv_costs(
+        self,
+        rules: _StageRules,
+        prefill_vec: np.ndarray,
+        credited: np.ndarray,
+        host: np.ndarray,
+        disk: np.ndarray,
+        shared: np.ndarray,
+        decode_vec: np.ndarray,
+    ) -> np.ndarray:
+        """The cost per candidate under --router-selection-policy: linear (the seed's
+        ``scale*adjusted_prefill + decode``, one core call) or lmetric
+        (``scale*adjusted_prefill * (decode + 1)``: the core's cost with no decode term is
+        exactly the scaled adjusted prefill)."""
+        if self.config.router_selection_policy == "lmetric":
+            zeros = np.zeros(len(decode_vec))
+            prefill_cost = np.asarray(
+                self._core.costs(prefill_vec, credited, host, disk, shared, zeros, rules.params),
+                dtype=np.float64,
+            )
+            return prefill_cost * (decode_vec + 1.0)
+        return np.asarray(
+            self._core.costs(prefill_vec, credited, host, disk, shared, decode_vec, rules.params),
+            dtype=np.float64,
+        )
+
     def _credit_factor(self, prefill_tokens: np.ndarray, n_tokens: int) -> np.ndarray:
         """Dynamo's credit decay: 1/(1 + decay * excess), excess = active prefill tokens over
         the least-loaded candidate's, in units of this request's size."""
@@ -917,4 +935,5 @@ class Router:
             "prefill_load_scale": cfg.router_prefill_load_scale,
             "temperature": cfg.router_temperature,
             "missing_penalty": cfg.router_missing_attribute_penalty,
+            "lmetric": float(cfg.router_selection_policy == "lmetric"),
         }

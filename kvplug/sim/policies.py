@@ -1,7 +1,7 @@
 """Routing policies for the replay, written ``NAME[:key=value,...]`` on the command line.
 
-``NAME`` is ``kv``, ``approx`` (kv mode without engine events: the router records what it routed,
-with a TTL), ``profile`` (an llm-d-style scheduling profile; default: the bundled
+``NAME`` is ``kv``, ``lmetric`` (kv mode with ``--router-selection-policy lmetric``), ``approx``
+(kv mode without engine events: the router records what it routed, with a TTL), ``profile`` (an llm-d-style scheduling profile; default: the bundled
 ``data/profile_llmd.yaml``, or ``profile:router_profile=FILE``), or a simple mode
 (``round-robin``, ``random``, ``least-loaded``, ``power-of-two``).
 Keys are :class:`kvplug.config.RouterConfig` fields or the short aliases below, e.g.
@@ -28,6 +28,7 @@ ALIASES = {
     "ttl": "router_ttl_secs",
     "assume_reuse": "router_assume_kv_reuse",
     "resident_credit": "router_decode_resident_credit",
+    "selection": "router_selection_policy",
 }
 SIMPLE_MODES = ("round-robin", "random", "least-loaded", "power-of-two")
 DEFAULT_POLICIES = (
@@ -57,6 +58,8 @@ class Policy:
         values: dict[str, Any] = {"router_mode": self.mode, "kv_block_size": block_size}
         if self.name.split(":", 1)[0] == "approx":
             values["router_kv_events"] = False
+        if self.name.split(":", 1)[0] == "lmetric":
+            values["router_selection_policy"] = "lmetric"
         if self.mode == "profile":
             values["router_profile"] = str(bundled_profile_path())
         values.update(self.overrides)
@@ -86,13 +89,14 @@ def parse_policy(text: str) -> Policy:
     from kvplug.config import RouterConfig
 
     base, _, rest = text.strip().partition(":")
-    if base == "approx":
+    if base in ("approx", "lmetric"):
         mode = "kv"
     elif base in ("kv", "profile", *SIMPLE_MODES):
         mode = base
     else:
         raise ValueError(
-            f"policy {text!r}: {base!r} is not kv, approx, profile or one of {SIMPLE_MODES}"
+            f"policy {text!r}: {base!r} is not kv, lmetric, approx, profile or one of "
+            f"{SIMPLE_MODES}"
         )
     known = {f.name for f in fields(RouterConfig)}
     overrides: dict[str, Any] = {}
