@@ -127,6 +127,38 @@ def order_key(policy: str, arrival: float, prompt_tokens: int, cached: int, jump
     return (1.0 + jump) / max(1, prompt_tokens - cached)  # wspt
 
 
+def _eligible(router: Any, scope: Scope, ep: int) -> bool:
+    """Could the router pick endpoint ``ep`` for ``scope`` (before load-based filters)?"""
+    state = router.ep_state[ep]
+    if state is None or state.draining:
+        return False
+    wid = router.ep_worker[ep]
+    if scope.pinned_worker is not None and wid != scope.pinned_worker:
+        return False
+    if scope.pinned_rank is not None and router.ep_rank[ep] != scope.pinned_rank:
+        return False  # a DP-rank pin applies with or without a worker pin (as the router's)
+    if scope.allowed is not None and wid not in scope.allowed:
+        return False
+    return wid not in scope.exclude and role_serves(state.worker.role, scope.stage)
+
+
+def _named_endpoints(router: Any, scope: Scope) -> list[int] | None:
+    """Endpoints of the pinned or allow-listed workers; None when the scope names none."""
+    if scope.pinned_worker is not None:
+        names: Iterable[str] = (scope.pinned_worker,)
+    elif scope.allowed is not None:
+        names = scope.allowed
+    else:
+        return None
+    out: list[int] = []
+    for wid in names:
+        try:
+            out.extend(int(ep) for ep in router.worker_state(wid).endpoint_ids)
+        except KeyError:  # UnknownWorker: not (or no longer) registered
+            continue
+    return out
+
+
 def eligible_endpoints(router: Any, scope: Scope) -> list[int]:
     """Endpoint ids the router could pick for ``scope`` (before load-based filters)."""
     out: list[int] = []
@@ -219,19 +251,33 @@ class AdmissionQueue:
 
     # ------------------------------------------------------------------ the busy check
     def fleet_busy(self, router: Any, scope: Scope = ANY, now: float | None = None) -> bool:
-        """True when every eligible endpoint is over threshold (False when none is eligible)."""
+        """True when every eligible endpoint is over threshold (False when none is eligible).
+
+        Vectorised over endpoints, then only a few are checked for eligibility: the idle ones
+        until one is eligible (the usual answer, "not busy"), else the busy ones until one is
+        eligible (busy; none eligible = not busy). Cheap with hundreds of workers."""
         if self.threshold is None:
             return False
-        eps = eligible_endpoints(router, scope)
-        if not eps:
+        states = router.ep_state
+        n = len(states)
+        if n == 0:
             return False
-        tokens = router.load.prefill_tokens_at(self.clock() if now is None else now)
-        budget = router.max_batched
-        idx = np.asarray(eps, dtype=np.int64)
-        if int(idx.max()) >= min(len(tokens), len(budget)):
-            return False  # an endpoint the load arrays do not cover yet: idle
-        limit = np.where(budget[idx] > 0, budget[idx], UNKNOWN_MAX_BATCHED_TOKENS) * self.threshold
-        return bool(np.all(tokens[idx] > limit))
+        tokens = np.zeros(n)
+        load = router.load.prefill_tokens_at(self.clock() if now is None else now)
+        k = min(n, len(load))
+        tokens[:k] = load[:k]
+        budget = np.full(n, float(UNKNOWN_MAX_BATCHED_TOKENS))
+        known = np.asarray(router.max_batched[: min(n, len(router.max_batched))], dtype=float)
+        budget[: len(known)] = np.where(known > 0, known, UNKNOWN_MAX_BATCHED_TOKENS)
+        busy = tokens > budget * self.threshold
+        few = _named_endpoints(router, scope)
+        if few is not None:  # pinned or allow-listed: look at those workers' endpoints only
+            eligible = [ep for ep in few if ep < n and _eligible(router, scope, ep)]
+            return bool(eligible) and bool(busy[eligible].all())
+        for ep in np.flatnonzero(~busy).tolist():
+            if _eligible(router, scope, ep):
+                return False
+        return any(_eligible(router, scope, ep) for ep in np.flatnonzero(busy).tolist())
 
     def should_queue(self, router: Any, scope: Scope = ANY) -> bool:
         """Must a new request wait? Yes when anything waits already (no overtaking) or is

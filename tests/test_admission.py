@@ -116,6 +116,8 @@ def test_dp_ranks_are_endpoints_and_a_pinned_rank_is_its_own_scope():
     assert not q.fleet_busy(r)
     assert q.fleet_busy(r, Scope(pinned_worker="w0", pinned_rank=0))
     assert not q.fleet_busy(r, Scope(pinned_worker="w0", pinned_rank=1))
+    assert q.fleet_busy(r, Scope(pinned_rank=0))  # a rank pin alone bounds the ranks too
+    assert eligible_endpoints(r, Scope(pinned_rank=1)) == [r.index.endpoint_id("w0", 1)]
 
 
 def test_role_scope():
