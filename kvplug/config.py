@@ -28,6 +28,8 @@ MODES = (
 MISSING_POLICIES = ("exclude", "penalise", "worst")
 # linear: scale*adjusted_prefill + decode (the seed); lmetric: scale*adjusted_prefill * (decode+1)
 SELECTION_POLICIES = ("linear", "lmetric")
+# when to skip the remote prefill stage and serve a request on a decode worker (kvplug.disagg)
+CONDITIONAL_DISAGG_POLICIES = ("off", "isl_bounding", "prefill_load", "isl_or_load")
 PREFILL_LOAD_MODELS = ("none", "calibrated")
 QUEUE_POLICIES = ("fcfs", "wspt", "lcfs")  # admission queue order (kvplug.admission)
 
@@ -116,6 +118,16 @@ class RouterConfig:
     router_queue_policy: str = "fcfs"  # fcfs | wspt | lcfs
     router_queue_max_length: int = 0  # waiting requests; 0 = no cap
     router_queue_max_wait: float = 0.0  # seconds before a waiting request fails; 0 = no limit
+    # --- conditional disaggregation (PROTOCOLS.md §4.6; kvplug.disagg; Dynamo's defaults)
+    router_conditional_disagg: str = "off"  # CONDITIONAL_DISAGG_POLICIES
+    router_conditional_disagg_eff_isl_threshold: int = 2048  # tokens, strict <
+    router_conditional_disagg_eff_isl_ratio_threshold: float = 0.7  # effective/raw, strict <
+    # prefill_load: chosen prefill worker busy if active prefill tokens > this x max_batched;
+    # None = inherit router_queue_threshold (None too: no load signal, never busy)
+    router_conditional_disagg_prefill_busy_threshold: float | None = None
+    # decode-busy guard: no bypass if the decode worker's projected decode blocks > this x
+    # kv_capacity_blocks (unknown capacity: no bypass); None = guard off
+    router_conditional_disagg_decode_busy_threshold: float | None = None
     # --- events / approximate mode (PROTOCOLS.md §4.4)
     router_kv_events: bool = True
     router_ttl_secs: float = 120.0
@@ -179,6 +191,24 @@ class RouterConfig:
             raise ConfigError(
                 f"--router-queue-threshold must be >= 0, got {self.router_queue_threshold}"
             )
+        if self.router_conditional_disagg not in CONDITIONAL_DISAGG_POLICIES:
+            raise ConfigError(
+                f"--router-conditional-disagg {self.router_conditional_disagg!r} "
+                f"not in {CONDITIONAL_DISAGG_POLICIES}"
+            )
+        if self.router_conditional_disagg_eff_isl_threshold < 0:
+            raise ConfigError("--router-conditional-disagg-eff-isl-threshold must be >= 0")
+        if not 0.0 <= self.router_conditional_disagg_eff_isl_ratio_threshold <= 1.0:
+            raise ConfigError(
+                "--router-conditional-disagg-eff-isl-ratio-threshold must be in [0, 1]"
+            )
+        for name in (
+            "router_conditional_disagg_prefill_busy_threshold",
+            "router_conditional_disagg_decode_busy_threshold",
+        ):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
         if self.router_queue_policy not in QUEUE_POLICIES:
             raise ConfigError(
                 f"--router-queue-policy {self.router_queue_policy!r} not in {QUEUE_POLICIES}"
@@ -469,6 +499,42 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="device-aware-weighted: accelerator throughput weight vs CPU; default 8",
     )
     g.add_argument("--router-profile", default=None, help="llm-d style scheduling profile YAML")
+    g.add_argument(
+        "--router-conditional-disagg",
+        choices=CONDITIONAL_DISAGG_POLICIES,
+        default=None,
+        help="disaggregated fleets: serve a request on a decode worker (local prefill) instead "
+        "of the remote prefill stage when isl_bounding (effective ISL on the best decode "
+        "worker small and mostly cached), prefill_load (best prefill worker busy) or "
+        "isl_or_load says so; default off",
+    )
+    g.add_argument(
+        "--router-conditional-disagg-eff-isl-threshold",
+        type=int,
+        default=None,
+        help="isl_bounding: effective ISL (prompt - cached on the decode worker) must be "
+        "below this many tokens; default 2048",
+    )
+    g.add_argument(
+        "--router-conditional-disagg-eff-isl-ratio-threshold",
+        type=float,
+        default=None,
+        help="isl_bounding: effective ISL / prompt tokens must be below this; default 0.7",
+    )
+    g.add_argument(
+        "--router-conditional-disagg-prefill-busy-threshold",
+        type=float,
+        default=None,
+        help="prefill_load: the best prefill worker is busy when its active prefill tokens "
+        "exceed this x max_batched_tokens; default: --router-queue-threshold",
+    )
+    g.add_argument(
+        "--router-conditional-disagg-decode-busy-threshold",
+        type=float,
+        default=None,
+        help="no bypass when the decode worker's projected decode blocks exceed this "
+        "fraction of its KV capacity; default unset (guard off)",
+    )
     g.add_argument(
         "--router-max-prompt-tokens",
         type=int,

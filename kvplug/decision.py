@@ -150,6 +150,7 @@ class Decision:
         "request_blocks",
         "chosen_index",
         "_trace",
+        "conditional_disagg",
     )
 
     def __init__(
@@ -194,6 +195,9 @@ class Decision:
         self.request_blocks = request_blocks  # a trailing partial block counts
         self.chosen_index = chosen_index
         self._trace = trace
+        # set by the two-stage dispatch: why the remote prefill stage was used or skipped
+        # (kvplug.disagg.BypassVerdict.to_dict())
+        self.conditional_disagg: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- views
     @property
@@ -216,6 +220,11 @@ class Decision:
     @property
     def trace(self) -> CandidateTrace:
         return self._trace
+
+    def chosen_input(self, name: str) -> float | None:
+        """One input of the pick's score (e.g. ``device``, ``decode_blocks``), if recorded."""
+        vec = self._trace.inputs.get(name)
+        return None if vec is None else float(vec[self.chosen_index])
 
     @property
     def candidates(self) -> list[dict[str, Any]]:
@@ -303,6 +312,8 @@ class Decision:
             text += f" [fallback: {', '.join(self.fallback_filters)}]"
         if self.excluded:
             text += f" [{len(self.excluded)} excluded]"
+        if self.conditional_disagg is not None:
+            text += f" [conditional disagg: {self.conditional_disagg['reason']}]"
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -325,6 +336,7 @@ class Decision:
             "candidates": self.candidates,
             "excluded": [asdict(e) for e in self.excluded],
             "attribute_ages": self.attribute_ages,
+            "conditional_disagg": self.conditional_disagg,
         }
 
     def to_json(self) -> str:

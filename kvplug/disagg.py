@@ -15,6 +15,21 @@ its one token: TRT-LLM ``finish_reason`` not ``length``/``not_finished``, vLLM `
 ``final_answer`` and no decode stage is routed (``final_answer_sse`` renders it for a streaming
 client).
 
+Conditional disaggregation (``--router-conditional-disagg``, PROTOCOLS.md §4.6, Dynamo's
+policies): before the prefill stage, the router previews where the request would run whole on
+a decode-capable worker. The remote prefill stage is *skipped* (the request goes to that worker
+as one aggregated request, local prefill + decode) when the policy says so:
+
+* ``isl_bounding``: effective ISL = prompt tokens - tokens cached on that worker's device is
+  small (< ``eff_isl_threshold``, 2048) AND mostly cached (effective/prompt < 0.7);
+* ``prefill_load``: the prefill worker the router would pick is busy (active prefill tokens >
+  threshold x its max batched tokens);
+* ``isl_or_load``: either.
+
+An optional decode-busy guard vetoes a bypass onto a worker whose projected decode blocks exceed
+a fraction of its KV capacity. The verdict (inputs, numbers, reason) is recorded on the
+decision that carries the request (``Decision.conditional_disagg``).
+
 A prefill worker that refuses the connection is marked failed and the prefill retried once on
 the next-best prefill worker. When no prefill worker can be used (none routable, every try
 failed, an answer without transfer metadata), the request falls back to one decode-capable
@@ -28,11 +43,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from kvplug.adapters import PDContext, PDProtocolError, PDStyle
-from kvplug.errors import RoutingError
+from kvplug.errors import AllWorkersOverloaded, RoutingError
 from kvplug.workers import Stage
 
 
@@ -78,6 +93,158 @@ class StageBackend(Protocol):
     def decode_capable(self) -> frozenset[str]:
         """Workers that can serve a whole request on the fallback path."""
 
+    # conditional disaggregation only (``plan_two_stage(conditional=...)``):
+    # ``router`` (kvplug.router.Router) and
+    # ``preview_stage(ctx, stage, allowed) -> Decision`` (Router.preview of that stage's
+    # request; raises RoutingError)
+
+
+@dataclass(frozen=True)
+class ConditionalDisagg:
+    """When to skip the remote prefill stage (``RouterConfig.router_conditional_disagg*``)."""
+
+    policy: str = "off"  # off | isl_bounding | prefill_load | isl_or_load
+    eff_isl_threshold: int = 2048
+    eff_isl_ratio_threshold: float = 0.7
+    prefill_busy_threshold: float | None = None  # x max_batched_tokens; None: no load signal
+    decode_busy_threshold: float | None = None  # fraction of KV capacity; None: guard off
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ConditionalDisagg:
+        busy = cfg.router_conditional_disagg_prefill_busy_threshold
+        if busy is None:  # Dynamo: inherit the queue threshold
+            busy = getattr(cfg, "router_queue_threshold", None)
+        return cls(
+            cfg.router_conditional_disagg,
+            cfg.router_conditional_disagg_eff_isl_threshold,
+            cfg.router_conditional_disagg_eff_isl_ratio_threshold,
+            busy,
+            cfg.router_conditional_disagg_decode_busy_threshold,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "off"
+
+    @property
+    def uses_isl(self) -> bool:
+        return self.policy in ("isl_bounding", "isl_or_load")
+
+    @property
+    def uses_load(self) -> bool:
+        return self.policy in ("prefill_load", "isl_or_load")
+
+
+@dataclass
+class BypassVerdict:
+    """One conditional-disaggregation decision and everything it was based on."""
+
+    policy: str
+    bypass: bool  # True: the remote prefill stage is skipped
+    reason: str
+    decode_worker: str  # where the request would run whole
+    prompt_tokens: int
+    cached_tokens: int  # on that worker's device
+    effective_isl: int
+    isl_ok: bool | None = None  # the isl_bounding condition (None: not evaluated)
+    prefill_worker: str | None = None  # the prefill worker the router would pick
+    prefill_busy: bool | None = None  # None: no signal (treated as calm)
+    decode_busy: bool | None = None  # None: guard off (or not reached)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def isl_bounding(
+    prompt_tokens: int, cached_tokens: int, eff_isl_threshold: int, ratio_threshold: float
+) -> tuple[bool, int, float]:
+    """Dynamo's predicate: (bypass?, effective ISL, effective/prompt ratio); both strict."""
+    eff = max(prompt_tokens - cached_tokens, 0)
+    ratio = eff / max(prompt_tokens, 1)
+    return eff < eff_isl_threshold and ratio < ratio_threshold, eff, ratio
+
+
+def decide_bypass(backend: Any, ctx: Any, cond: ConditionalDisagg) -> BypassVerdict | None:
+    """Preview the request on the decode-capable workers (and, for the load policies, the
+    prefill stage) and apply ``cond``. None when the policy cannot apply (not a kv-scoring
+    mode, or no decode-capable worker can take the request): the two stages go ahead."""
+    router = backend.router
+    if not cond.enabled or router.config.router_mode not in ("kv", "profile"):
+        return None
+    try:
+        dec = backend.preview_stage(ctx, Stage.AGGREGATED, backend.decode_capable())
+    except RoutingError:
+        return None
+    bs = router.block_size
+    prompt = int(dec.prompt_tokens)
+    device = dec.chosen_input("device") or 0.0
+    cached = min(int(device) * bs, prompt)
+    isl_ok, eff, ratio = isl_bounding(
+        prompt, cached, cond.eff_isl_threshold, cond.eff_isl_ratio_threshold
+    )
+    verdict = BypassVerdict(cond.policy, False, "", dec.worker_id, prompt, cached, eff)
+    reasons = []
+    if cond.uses_isl:
+        verdict.isl_ok = isl_ok
+        cmp_isl = "<" if eff < cond.eff_isl_threshold else ">="
+        cmp_ratio = "<" if ratio < cond.eff_isl_ratio_threshold else ">="
+        reasons.append(
+            f"effective ISL {eff} {cmp_isl} {cond.eff_isl_threshold} and "
+            f"{eff}/{prompt} = {ratio:.2f} {cmp_ratio} {cond.eff_isl_ratio_threshold} "
+            f"on {dec.worker_id}"
+        )
+    if cond.uses_load:
+        verdict.prefill_busy, text = _prefill_busy(backend, ctx, cond, verdict)
+        reasons.append(text)
+    says_bypass = bool(verdict.isl_ok) or bool(verdict.prefill_busy)
+    if says_bypass and cond.decode_busy_threshold is not None:
+        cap = (
+            router.kv_capacity[dec.endpoint_id] if dec.endpoint_id < len(router.kv_capacity) else 0
+        )
+        projected = dec.chosen_input("decode_blocks")
+        if cap <= 0 or projected is None:
+            what = "KV capacity" if cap <= 0 else "projected decode load"
+            reasons.append(f"decode worker {dec.worker_id}'s {what} unknown: no bypass")
+            says_bypass = False
+        else:
+            verdict.decode_busy = projected > cond.decode_busy_threshold * cap
+            reasons.append(
+                f"decode blocks {projected:g} {'>' if verdict.decode_busy else '<='} "
+                f"{cond.decode_busy_threshold} x {cap:g}"
+            )
+            says_bypass = not verdict.decode_busy
+    verdict.bypass = says_bypass
+    verdict.reason = ("prefill on the decode worker: " if says_bypass else "remote prefill: ") + (
+        "; ".join(reasons)
+    )
+    return verdict
+
+
+def _prefill_busy(
+    backend: Any, ctx: Any, cond: ConditionalDisagg, verdict: BypassVerdict
+) -> tuple[bool | None, str]:
+    """Is the prefill worker the router would pick over the busy line? None = no signal."""
+    if cond.prefill_busy_threshold is None:
+        return None, "prefill load unknown (no busy threshold)"
+    try:
+        pre = backend.preview_stage(ctx, Stage.PREFILL, None)
+    except AllWorkersOverloaded:
+        return True, "every prefill worker is overloaded"
+    except RoutingError:
+        return None, "no routable prefill worker"
+    verdict.prefill_worker = pre.worker_id
+    router = backend.router
+    ep = pre.endpoint_id
+    limit = router.max_batched[ep] if ep < len(router.max_batched) else 0
+    if limit <= 0:
+        return None, f"prefill worker {pre.worker_id}'s max batched tokens unknown"
+    active = router.endpoint_load(ep)["prefill_tokens"]
+    busy = active > cond.prefill_busy_threshold * limit
+    return busy, (
+        f"prefill worker {pre.worker_id} active prefill {active:g} tokens "
+        f"{'>' if busy else '<='} {cond.prefill_busy_threshold} x {limit:g}"
+    )
+
 
 @dataclass
 class DecodePlan:
@@ -93,6 +260,8 @@ class DecodePlan:
     exclude: frozenset[str] = frozenset()  # workers the decode stage must not use
     # the prefill answer already is the client's whole answer: send it, route no decode stage
     final_answer: dict[str, Any] | None = None
+    # conditional disaggregation's verdict (bypass: stage AGGREGATED on a decode worker)
+    conditional: BypassVerdict | None = None
 
 
 def _fallback(
@@ -116,8 +285,38 @@ async def plan_two_stage(
     path: str,
     token_ids: list[int] | None,
     retries: int = 1,
+    conditional: ConditionalDisagg | None = None,
 ) -> DecodePlan:
-    """Run the prefill stage (or start it) and say how to send the decode stage."""
+    """Run the prefill stage (or start it) and say how to send the decode stage; with
+    ``conditional`` enabled, first decide whether to skip the prefill stage altogether."""
+    verdict = None
+    if conditional is not None and conditional.enabled:
+        verdict = decide_bypass(backend, ctx, conditional)
+        if verdict is not None and verdict.bypass:
+            return DecodePlan(
+                body=body,
+                headers={},
+                stage=Stage.AGGREGATED,
+                allowed=backend.decode_capable(),
+                conditional=verdict,
+            )
+    plan = await _plan_stages(backend, ctx, body, request_id, path, token_ids, retries)
+    if verdict is not None:
+        plan.conditional = verdict
+        if plan.prefill is not None:  # the prefill decision says why it was not skipped
+            plan.prefill.decision.conditional_disagg = verdict.to_dict()
+    return plan
+
+
+async def _plan_stages(
+    backend: StageBackend,
+    ctx: Any,
+    body: dict[str, Any],
+    request_id: str,
+    path: str,
+    token_ids: list[int] | None,
+    retries: int,
+) -> DecodePlan:
     exclude: set[str] = set()
     last_error = "no prefill attempt"
     for attempt in range(retries + 1):

@@ -172,6 +172,7 @@ class Router:
             "all_workers_overloaded": 0,
             "pinned_worker_overloaded": 0,
             "invalid_requests": 0,
+            "previews": 0,
         }
 
     # ================================================================ workers
@@ -361,7 +362,13 @@ class Router:
             self.counters["fallback_decisions"] += 1
         return d
 
-    def _route(self, req: RouteRequest) -> Decision:
+    def preview(self, req: RouteRequest) -> Decision:
+        """The decision ``route`` would make now, without booking it: no load is tracked, no
+        approximate-mode record, ``decision_id`` 0 (e.g. conditional disaggregation asks where a
+        request would go before choosing its path). Raises what ``route`` raises."""
+        return self._route(req, book=False)
+
+    def _route(self, req: RouteRequest, book: bool = True) -> Decision:
         t0 = time.perf_counter()
         now = self._clock()
         cfg = self.config
@@ -550,23 +557,26 @@ class Router:
         # block is the request's own
         incoming_blocks = full_blocks if chain is None else max(full_blocks - len(chain[0]), 0)
         cached_tokens = min(cached_blocks * bs, n_tokens)
-        load.add(
-            req.request_id,
-            ep,
-            n_tokens,
-            cached_tokens,
-            track_prefill=rules.track_prefill,
-            track_decode=rules.track_decode,
-            decode_blocks=float(max(incoming_blocks, 0)),
-            expected_osl=hints.expected_osl,
-            track_output=cfg.router_track_output_blocks,
-            now=now,
-            chain=chain,
-        )
-        if self._approx is not None and hashes is not None:
-            self._approx.record(wid, rank, hashes, now)
-        self._seq += 1
-        self.counters["decisions"] += 1
+        if book:
+            load.add(
+                req.request_id,
+                ep,
+                n_tokens,
+                cached_tokens,
+                track_prefill=rules.track_prefill,
+                track_decode=rules.track_decode,
+                decode_blocks=float(max(incoming_blocks, 0)),
+                expected_osl=hints.expected_osl,
+                track_output=cfg.router_track_output_blocks,
+                now=now,
+                chain=chain,
+            )
+            if self._approx is not None and hashes is not None:
+                self._approx.record(wid, rank, hashes, now)
+            self._seq += 1
+            self.counters["decisions"] += 1
+        else:
+            self.counters["previews"] += 1
         if res is None:
             excluded, fb, ages = [], [], []
         else:
@@ -575,7 +585,7 @@ class Router:
             worker_id=wid,
             dp_rank=rank,
             endpoint_id=ep,
-            decision_id=self._seq,
+            decision_id=self._seq if book else 0,
             request_id=req.request_id,
             mode=mode,
             stage=stage,  # a str enum: compares and serialises as its value
@@ -718,6 +728,16 @@ class Router:
                 "inflight": int(self.load.inflight[ep]),
             }
             for rank, ep in zip(st.worker.dp_ranks, st.endpoint_ids, strict=False)
+        }
+
+    def endpoint_load(self, endpoint_id: int) -> dict[str, float]:
+        """Active prefill tokens, decode blocks and in-flight requests of one endpoint id."""
+        if not 0 <= endpoint_id < len(self.load.inflight):
+            return {"prefill_tokens": 0.0, "decode_blocks": 0.0, "inflight": 0}
+        return {
+            "prefill_tokens": float(self.load.prefill_tokens_at(self._clock())[endpoint_id]),
+            "decode_blocks": float(self.load.decode_blocks[endpoint_id]),
+            "inflight": int(self.load.inflight[endpoint_id]),
         }
 
     def stats(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from kvplug.admission import QueueFull, QueueTimeout, Scope, best_cached_tokens
 from kvplug.disagg import (
+    ConditionalDisagg,
     DecodePlan,
     PrefillRejected,
     StageUnavailable,
@@ -374,20 +375,8 @@ class Frontend:
         exclude: frozenset[str],
         allowed: frozenset[str] | None = None,
     ) -> Routed:
-        hints = self._hints_for(ctx, stage, allowed)
-        unhealthy = self.fleet.unhealthy
-        if unhealthy and hints.pinned_worker_id in unhealthy:
-            unhealthy = unhealthy - {hints.pinned_worker_id}  # an explicit pin is tried anyway
-        route_id = f"r{ctx.key}.{stage.value[0]}{attempt}"
-        salt = ctx.req.body.get("cache_salt")
-        rreq = RouteRequest(
-            request_id=route_id,
-            token_ids=ctx.tokens or (),
-            cache_salt=salt if isinstance(salt, str) else None,
-            stage=stage,
-            hints=hints,
-            exclude_workers=exclude | unhealthy if unhealthy else exclude,
-        )
+        rreq = self._route_request(ctx, stage, attempt, exclude, allowed)
+        route_id = rreq.request_id
         t0 = time.perf_counter()
         try:
             decision = self.router.route(rreq)
@@ -410,6 +399,35 @@ class Frontend:
             raise
         finally:
             self._admitted(ctx)  # its load is in the router now (or gone)
+
+    def _route_request(
+        self,
+        ctx: RequestContext,
+        stage: Stage,
+        attempt: int,
+        exclude: frozenset[str],
+        allowed: frozenset[str] | None,
+    ) -> RouteRequest:
+        hints = self._hints_for(ctx, stage, allowed)
+        unhealthy = self.fleet.unhealthy
+        if unhealthy and hints.pinned_worker_id in unhealthy:
+            unhealthy = unhealthy - {hints.pinned_worker_id}  # an explicit pin is tried anyway
+        salt = ctx.req.body.get("cache_salt")
+        return RouteRequest(
+            request_id=f"r{ctx.key}.{stage.value[0]}{attempt}",
+            token_ids=ctx.tokens or (),
+            cache_salt=salt if isinstance(salt, str) else None,
+            stage=stage,
+            hints=hints,
+            exclude_workers=exclude | unhealthy if unhealthy else exclude,
+        )
+
+    def preview_stage(
+        self, ctx: RequestContext, stage: Stage, allowed: frozenset[str] | None = None
+    ) -> Any:
+        """Where ``route_stage`` would send this stage now, booking nothing (conditional
+        disaggregation); raises RoutingError."""
+        return self.router.preview(self._route_request(ctx, stage, 0, frozenset(), allowed))
 
     def _routed(
         self,
@@ -535,6 +553,7 @@ class Frontend:
                 ctx.req.path,
                 ctx.tokens,
                 self.settings.retries,
+                ConditionalDisagg.from_config(self.router.config),
             )
         except PrefillRejected as exc:
             self.metrics.disagg.labels("prefill_rejected").inc()
@@ -545,7 +564,9 @@ class Frontend:
                 "invalid_request_error",
                 "prefill_rejected",
             ) from None
-        if plan.fallback_reason is not None:
+        if plan.conditional is not None and plan.conditional.bypass:
+            self.metrics.disagg.labels("prefill_skipped").inc()
+        elif plan.fallback_reason is not None:
             self.metrics.disagg.labels("fallback").inc()
             log.warning(
                 "request %s: decode-only fallback: %s", ctx.request_id, plan.fallback_reason
@@ -623,6 +644,8 @@ class Frontend:
                     routed = self.route_stage(ctx, stage, attempt, frozenset(exclude), allowed)
             if plan is not None and plan.fallback_reason is not None:
                 routed.record.fallback_reason = plan.fallback_reason
+            if plan is not None and plan.conditional is not None and plan.conditional.bypass:
+                routed.decision.conditional_disagg = plan.conditional.to_dict()
             entry = routed.entry
             entry.inflight += 1
             try:
