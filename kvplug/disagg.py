@@ -198,16 +198,15 @@ def decide_bypass(backend: Any, ctx: Any, cond: ConditionalDisagg) -> BypassVerd
         reasons.append(text)
     says_bypass = bool(verdict.isl_ok) or bool(verdict.prefill_busy)
     if says_bypass and cond.decode_busy_threshold is not None:
-        cap = (
-            router.kv_capacity[dec.endpoint_id] if dec.endpoint_id < len(router.kv_capacity) else 0
-        )
+        ep = dec.endpoint_id
+        cap = float(router.kv_capacity[ep]) if ep < len(router.kv_capacity) else 0.0
         projected = dec.chosen_input("decode_blocks")
         if cap <= 0 or projected is None:
             what = "KV capacity" if cap <= 0 else "projected decode load"
             reasons.append(f"decode worker {dec.worker_id}'s {what} unknown: no bypass")
             says_bypass = False
         else:
-            verdict.decode_busy = projected > cond.decode_busy_threshold * cap
+            verdict.decode_busy = bool(projected > cond.decode_busy_threshold * cap)
             reasons.append(
                 f"decode blocks {projected:g} {'>' if verdict.decode_busy else '<='} "
                 f"{cond.decode_busy_threshold} x {cap:g}"
@@ -235,11 +234,11 @@ def _prefill_busy(
     verdict.prefill_worker = pre.worker_id
     router = backend.router
     ep = pre.endpoint_id
-    limit = router.max_batched[ep] if ep < len(router.max_batched) else 0
+    limit = float(router.max_batched[ep]) if ep < len(router.max_batched) else 0.0
     if limit <= 0:
         return None, f"prefill worker {pre.worker_id}'s max batched tokens unknown"
     active = router.endpoint_load(ep)["prefill_tokens"]
-    busy = active > cond.prefill_busy_threshold * limit
+    busy = bool(active > cond.prefill_busy_threshold * limit)
     return busy, (
         f"prefill worker {pre.worker_id} active prefill {active:g} tokens "
         f"{'>' if busy else '<='} {cond.prefill_busy_threshold} x {limit:g}"
