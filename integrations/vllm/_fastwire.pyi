@@ -14,3 +14,6 @@ class FastDecoder:
         dp_rank: int,
         extra_fn: Callable[[bytes, int, str | None, bool], tuple[Any, Any] | None],
     ) -> tuple[float, int | None, list[KvEvent], int, int, int, int, int] | None: ...
+    def parse_only(
+        self, payload: bytes | memoryview, max_tokens: int, block_size: int
+    ) -> tuple[int, int, int] | None: ...

@@ -14,8 +14,8 @@ logs each problem. So this module only has to be right on what it accepts.
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.object cimport PyObject
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
-from libc.stdlib cimport free, realloc
-from libc.string cimport memcmp, memcpy
+from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.string cimport memcmp, memcpy, memset
 
 import numpy as np
 
@@ -58,7 +58,7 @@ cdef inline bint _nil(Reader *r) noexcept nogil:
     return False
 
 
-cdef int _array_len(Reader *r, size_t *out) noexcept nogil:
+cdef inline int _array_len(Reader *r, size_t *out) noexcept nogil:
     """Array header -> length; -1 if the next value is not an array (or truncated)."""
     if r.pos >= r.n:
         return -1
@@ -78,7 +78,7 @@ cdef int _array_len(Reader *r, size_t *out) noexcept nogil:
     return -1
 
 
-cdef int _map_len(Reader *r, size_t *out) noexcept nogil:
+cdef inline int _map_len(Reader *r, size_t *out) noexcept nogil:
     if r.pos >= r.n:
         return -1
     cdef uint8_t b = r.p[r.pos]
@@ -97,7 +97,7 @@ cdef int _map_len(Reader *r, size_t *out) noexcept nogil:
     return -1
 
 
-cdef int _str(Reader *r, const uint8_t **s, size_t *n) noexcept nogil:
+cdef inline int _str(Reader *r, const uint8_t **s, size_t *n) noexcept nogil:
     if r.pos >= r.n:
         return -1
     cdef uint8_t b = r.p[r.pos]
@@ -124,7 +124,7 @@ cdef int _str(Reader *r, const uint8_t **s, size_t *n) noexcept nogil:
     return 0
 
 
-cdef int _int(Reader *r, uint64_t *out, bint *neg) noexcept nogil:
+cdef inline int _int(Reader *r, uint64_t *out, bint *neg) noexcept nogil:
     """Any msgpack integer -> its 64-bit two's complement; ``neg`` tells a negative value."""
     if r.pos >= r.n:
         return -1
@@ -170,7 +170,7 @@ cdef int _int(Reader *r, uint64_t *out, bint *neg) noexcept nogil:
     return 0
 
 
-cdef int _hash(Reader *r, uint64_t *out) noexcept nogil:
+cdef inline int _hash(Reader *r, uint64_t *out) noexcept nogil:
     """A block hash: any integer (folded to u64) or bin (its last 8 bytes, big-endian)."""
     cdef bint neg
     if r.pos >= r.n:
@@ -321,7 +321,7 @@ cdef inline bint _eq(const uint8_t *s, size_t n, const char *lit, size_t m) noex
     return n == m and memcmp(s, lit, m) == 0
 
 
-cdef Field _field(const uint8_t *s, size_t n) noexcept nogil:
+cdef inline Field _field(const uint8_t *s, size_t n) noexcept nogil:
     if n == 4:
         return F_TYPE if memcmp(s, b"type", 4) == 0 else F_UNKNOWN
     if n == 6:
@@ -444,8 +444,14 @@ cdef inline cnp.ndarray _copy_array(const void *src, size_t n, int typenum, size
 cdef class FastDecoder:
     """The compiled one-pass decoder of one stream (not thread-safe; one per BatchDecoder)."""
 
-    cdef uint64_t *hashes
+    cdef uint64_t *hashes     # stores' hashes
     cdef size_t h_n, h_cap
+    cdef uint64_t *rhashes    # removes' hashes (each output remove is one contiguous span)
+    cdef size_t rh_n, rh_cap
+    cdef uint64_t *set_keys   # engine hashes stores touched since the last remove event began
+    cdef uint32_t *set_gen    # (open addressing; a slot is live when its gen == cur_gen)
+    cdef size_t set_n, set_cap
+    cdef uint32_t cur_gen
     cdef uint32_t *tokens
     cdef size_t t_n, t_cap
     cdef Rec *recs
@@ -454,6 +460,9 @@ cdef class FastDecoder:
 
     def __dealloc__(self):
         free(self.hashes)
+        free(self.rhashes)
+        free(self.set_keys)
+        free(self.set_gen)
         free(self.tokens)
         free(self.recs)
 
@@ -462,6 +471,17 @@ cdef class FastDecoder:
             free(self.hashes)
             self.hashes = NULL
             self.h_cap = 0
+        if self.rh_cap > KEEP_ITEMS:
+            free(self.rhashes)
+            self.rhashes = NULL
+            self.rh_cap = 0
+        if self.set_cap > KEEP_ITEMS:
+            free(self.set_keys)
+            free(self.set_gen)
+            self.set_keys = NULL
+            self.set_gen = NULL
+            self.set_cap = 0
+            self.set_n = 0
         if self.t_cap > KEEP_ITEMS:
             free(self.tokens)
             self.tokens = NULL
@@ -492,6 +512,7 @@ cdef class FastDecoder:
         PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
         try:
             self.h_n = 0
+            self.rh_n = 0
             self.t_n = 0
             self.r_n = 0
             # the GIL is kept: a batch takes microseconds, and giving the GIL away can cost the
@@ -507,6 +528,28 @@ cdef class FastDecoder:
             self._trim()
             self.busy = False
 
+    def parse_only(self, object payload, size_t max_tokens, long block_size):
+        """Phase 1 alone (for stage timings): (events, hashes, tokens) parsed, or None."""
+        cdef Py_buffer view
+        cdef double ts = 0
+        cdef long rank = -1
+        cdef size_t nev = 0
+        if self.busy:
+            return None
+        PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+        try:
+            self.h_n = 0
+            self.rh_n = 0
+            self.t_n = 0
+            self.r_n = 0
+            if self._parse(<const uint8_t *>view.buf, <size_t>view.len, max_tokens, block_size,
+                           &ts, &rank, &nev) < 0:
+                return None
+            return self.r_n, self.h_n + self.rh_n, self.t_n
+        finally:
+            PyBuffer_Release(&view)
+            self._trim()
+
     # -- phase 1: parse and check, pure C ----------------------------------------------------
     cdef Rec *_new_rec(self) noexcept nogil:
         if _grow(<void **>&self.recs, &self.r_cap, self.r_n + 1, sizeof(Rec)) < 0:
@@ -515,7 +558,7 @@ cdef class FastDecoder:
         return &self.recs[self.r_n - 1]
 
     cdef int _hashes_into(self, Reader *r, size_t *off, size_t *n_out) noexcept nogil:
-        """An array of block hashes appended to the hash buffer."""
+        """A store's array of block hashes appended to the hash buffer."""
         cdef size_t n, i
         if _array_len(r, &n) < 0 or not _need(r, n):  # every hash takes >= 1 byte
             return -1
@@ -527,6 +570,79 @@ cdef class FastDecoder:
                 return -1
         self.h_n += n
         n_out[0] = n
+        return 0
+
+    cdef int _rhashes_into(self, Reader *r, size_t *off, size_t *n_out) noexcept nogil:
+        """A remove's array of block hashes appended to the remove-hash buffer."""
+        cdef size_t n, i
+        if _array_len(r, &n) < 0 or not _need(r, n):
+            return -1
+        if _grow(<void **>&self.rhashes, &self.rh_cap, self.rh_n + n, sizeof(uint64_t)) < 0:
+            return -1
+        off[0] = self.rh_n
+        for i in range(n):
+            if _hash(r, &self.rhashes[self.rh_n + i]) < 0:
+                return -1
+        self.rh_n += n
+        n_out[0] = n
+        return 0
+
+    # -- the set of hashes stores touched since the open remove event ----------------------
+    cdef inline void _set_reset(self) noexcept nogil:
+        self.set_n = 0
+        self.cur_gen += 1
+        if self.cur_gen == 0:  # wrapped: every slot must read as empty again
+            if self.set_cap:
+                memset(self.set_gen, 0, self.set_cap * sizeof(uint32_t))
+            self.cur_gen = 1
+
+    cdef inline size_t _slot(self, uint64_t h) noexcept nogil:
+        return <size_t>((h * <uint64_t>0x9E3779B97F4A7C15) >> 40) & (self.set_cap - 1)
+
+    cdef bint _set_has(self, uint64_t h) noexcept nogil:
+        cdef size_t i
+        if self.set_n == 0:
+            return False
+        i = self._slot(h)
+        while self.set_gen[i] == self.cur_gen:
+            if self.set_keys[i] == h:
+                return True
+            i = (i + 1) & (self.set_cap - 1)
+        return False
+
+    cdef int _set_add(self, uint64_t h) noexcept nogil:
+        cdef size_t i, j, old_cap
+        cdef uint64_t *old_keys
+        cdef uint32_t *old_gen
+        if (self.set_n + 1) * 2 > self.set_cap:  # keep the load <= 1/2
+            old_cap, old_keys, old_gen = self.set_cap, self.set_keys, self.set_gen
+            self.set_cap = 64 if old_cap == 0 else old_cap * 2
+            self.set_keys = <uint64_t *>malloc(self.set_cap * sizeof(uint64_t))
+            self.set_gen = <uint32_t *>calloc(self.set_cap, sizeof(uint32_t))
+            if self.set_keys == NULL or self.set_gen == NULL:
+                free(self.set_keys)
+                free(self.set_gen)
+                self.set_keys, self.set_gen, self.set_cap = old_keys, old_gen, old_cap
+                return -1
+            if self.cur_gen == 0:
+                self.cur_gen = 1
+            for j in range(old_cap):
+                if old_gen[j] == self.cur_gen:
+                    i = self._slot(old_keys[j])
+                    while self.set_gen[i] == self.cur_gen:
+                        i = (i + 1) & (self.set_cap - 1)
+                    self.set_gen[i] = self.cur_gen
+                    self.set_keys[i] = old_keys[j]
+            free(old_keys)
+            free(old_gen)
+        i = self._slot(h)
+        while self.set_gen[i] == self.cur_gen:
+            if self.set_keys[i] == h:
+                return 0
+            i = (i + 1) & (self.set_cap - 1)
+        self.set_gen[i] = self.cur_gen
+        self.set_keys[i] = h
+        self.set_n += 1
         return 0
 
     cdef int _tokens_into(self, Reader *r, size_t max_tokens, Rec *ev) noexcept nogil:
@@ -547,7 +663,29 @@ cdef class FastDecoder:
         p = r.p
         pos = r.pos
         end = r.n
-        for i in range(n):
+        i = 0
+        # While 5 bytes (the widest token) remain: no bounds check, and no branch on the width
+        # (vocabularies over 64k mix 3- and 5-byte ids, which a branch would keep mispredicting):
+        # the 4 bytes after the type byte are read big-endian and shifted by the type's width.
+        while i < n and pos + 5 <= end:
+            b = p[pos]
+            if b < 0x80:
+                d[i] = b
+                pos += 1
+            elif b == 0xCD:
+                d[i] = (<uint32_t>p[pos + 1] << 8) | p[pos + 2]
+                pos += 3
+            elif b == 0xCC:
+                d[i] = p[pos + 1]
+                pos += 2
+            elif b == 0xCE:
+                d[i] = ((<uint32_t>p[pos + 1] << 24) | (<uint32_t>p[pos + 2] << 16) |
+                        (<uint32_t>p[pos + 3] << 8) | p[pos + 4])
+                pos += 5
+            else:
+                return -1
+            i += 1
+        while i < n:  # the last few tokens of the payload, checked
             if pos >= end:
                 return -1
             b = p[pos]
@@ -572,6 +710,7 @@ cdef class FastDecoder:
                 pos += 5
             else:
                 return -1
+            i += 1
         r.pos = pos
         ev.t_off = self.t_n
         ev.t_n = <Py_ssize_t>n
@@ -651,8 +790,8 @@ cdef class FastDecoder:
         if f == F_HASHES:
             if has[0]:
                 # a repeated key: the last one counts (msgspec's rule); drop the first's hashes
-                self.h_n = off[0]
-            if self._hashes_into(r, off, n_out) < 0:
+                self.rh_n = off[0]
+            if self._rhashes_into(r, off, n_out) < 0:
                 return -1
             has[0] = True
         elif f == F_MEDIUM:
@@ -675,7 +814,7 @@ cdef class FastDecoder:
                     double *ts, long *rank, size_t *n_events) noexcept nogil:
         cdef Reader rd
         cdef Reader *r = &rd
-        cdef size_t nb, nev, i, j, nfields, h_mark, t_mark, h_off, h_n
+        cdef size_t nb, nev, i, j, k, nfields, h_mark, t_mark, h_off, h_n
         cdef const uint8_t *s
         cdef size_t sn
         cdef uint64_t v
@@ -683,8 +822,13 @@ cdef class FastDecoder:
         cdef int tier, kind
         cdef Field f
         cdef Rec *ev
-        cdef Rec *run = NULL  # the open run of removes (consecutive, one tier)
-        cdef Py_ssize_t run_i = -1
+        cdef Rec *rm
+        # The last remove output (-1: none since the start or a clear). A later remove of its
+        # tier joins it — moving earlier past the stores in between — when none of those
+        # stores holds or chains to one of its hashes (the set): the index ends up the same,
+        # with one event (one index call) instead of one per eviction burst.
+        cdef Py_ssize_t rm_i = -1
+        cdef bint clash
         rd.p = data
         rd.n = size
         rd.pos = 0
@@ -722,7 +866,7 @@ cdef class FastDecoder:
             if kind == 1:
                 has_hashes = False
                 tier = 0
-                h_off = self.h_n
+                h_off = self.rh_n
                 h_n = 0
                 for j in range(nfields):
                     if is_map:
@@ -737,18 +881,25 @@ cdef class FastDecoder:
                     return -1
                 if h_n == 0:
                     continue  # an empty remove changes nothing
-                if run_i >= 0 and self.recs[run_i].tier == tier:
-                    # hashes are contiguous: nothing else appended since the run's last remove
-                    self.recs[run_i].h_n += h_n
-                    continue
-                ev = self._new_rec()
-                if ev == NULL:
+                if rm_i >= 0 and self.recs[rm_i].tier == tier:
+                    clash = False
+                    for k in range(h_n):
+                        if self._set_has(self.rhashes[h_off + k]):
+                            clash = True
+                            break
+                    if not clash:
+                        # contiguous: rm_i is the last remove, its hashes end the buffer
+                        self.recs[rm_i].h_n += h_n
+                        continue
+                rm = self._new_rec()
+                if rm == NULL:
                     return -1
-                ev.kind = 1
-                ev.tier = tier
-                ev.h_off = h_off
-                ev.h_n = h_n
-                run_i = <Py_ssize_t>(self.r_n - 1)
+                rm.kind = 1
+                rm.tier = tier
+                rm.h_off = h_off
+                rm.h_n = h_n
+                rm_i = <Py_ssize_t>(self.r_n - 1)
+                self._set_reset()
                 continue
             if kind == 2:
                 for j in range(nfields):
@@ -761,7 +912,7 @@ cdef class FastDecoder:
                     return -1
                 ev.kind = 2
                 ev.tier = 0
-                run_i = -1
+                rm_i = -1
                 continue
             # BlockStored
             h_mark = self.h_n
@@ -811,7 +962,12 @@ cdef class FastDecoder:
                     block_size and ev.block_size != block_size)
                     or <size_t>ev.t_n != ev.h_n * <size_t>ev.block_size):
                 return -1  # the slow path counts the mismatch
-            run_i = -1
+            if rm_i >= 0:  # what a later remove must not move past
+                for k in range(ev.h_n):
+                    if self._set_add(self.hashes[ev.h_off + k]) < 0:
+                        return -1
+                if ev.has_parent and self._set_add(ev.parent) < 0:
+                    return -1
         if nb == 3:
             if not _nil(r):
                 if _int(r, &v, &neg) < 0 or neg or v > 0x7FFFFFFF:
@@ -839,7 +995,7 @@ cdef class FastDecoder:
             tier = _TIERS[ev.tier]
             argv[2] = <PyObject *>tier
             if ev.kind == 1:
-                hashes = _copy_array(self.hashes + ev.h_off, ev.h_n, cnp.NPY_UINT64, 8)
+                hashes = _copy_array(self.rhashes + ev.h_off, ev.h_n, cnp.NPY_UINT64, 8)
                 argv[3] = <PyObject *>hashes
                 e = PyObject_Vectorcall(_REMOVED, argv, 0, _KW_REMOVED)
                 removed_blocks += ev.h_n

@@ -282,6 +282,50 @@ def lora_namespace(lora_name: str | None, lora_id: int | None) -> str | None:
 # -------------------------------------------------------------------------------------------
 
 
+def coalesce_removes(events: list[KvEvent]) -> list[KvEvent]:
+    """One batch's removes gathered into as few events as the index allows (each is a call).
+
+    vLLM sends one ``BlockRemoved`` per evicted hash, interleaved with the stores of the
+    requests that needed the room. A remove joins the batch's previous remove (same tier and
+    rank; no clear in between), i.e. moves earlier past the stores in between, unless one of
+    those stores holds or chains to (``parent``) one of its hashes — then the order matters and
+    it starts a new event. The compiled decoder applies the same rule.
+    """
+    out: list[KvEvent] = []
+    rm: BlockRemoved | None = None
+    touched: set[int] = set()
+    for e in events:
+        if type(e) is BlockRemoved:
+            if (
+                rm is not None
+                and rm.tier == e.tier
+                and rm.dp_rank == e.dp_rank
+                and rm.shared == e.shared
+                and touched.isdisjoint(e.engine_hashes)
+            ):
+                rm.engine_hashes.extend(e.engine_hashes)  # type: ignore[attr-defined]
+                continue
+            rm = BlockRemoved(
+                worker_id=e.worker_id,
+                dp_rank=e.dp_rank,
+                tier=e.tier,
+                engine_hashes=list(e.engine_hashes),
+                shared=e.shared,
+            )
+            touched = set()
+            out.append(rm)
+            continue
+        if type(e) is BlockStored:
+            if rm is not None:
+                touched.update(e.engine_hashes)
+                if e.parent_engine_hash is not None:
+                    touched.add(e.parent_engine_hash)
+        else:
+            rm = None  # a clear (or anything else) is a barrier
+        out.append(e)
+    return out
+
+
 @dataclass
 class DecodeStats:
     """What the decoder saw and what it dropped (each drop is also logged by the subscriber)."""
@@ -401,7 +445,7 @@ class BatchDecoder:
         for ev in batch.events:
             dropped += self._convert(ev, rank, out)
         st.events += len(batch.events)
-        return DecodedBatch(batch.ts, batch.data_parallel_rank, out, dropped)
+        return DecodedBatch(batch.ts, batch.data_parallel_rank, coalesce_removes(out), dropped)
 
     def _decode_slow(self, payload: bytes | memoryview, dp_rank: int) -> DecodedBatch | None:
         """Event-by-event decode: salvages a batch with unknown kinds or one bad event."""
@@ -423,7 +467,7 @@ class BatchDecoder:
                 dropped += 1
                 continue
             dropped += self._convert(ev, rank, out)
-        return DecodedBatch(batch.ts, batch.data_parallel_rank, out, dropped)
+        return DecodedBatch(batch.ts, batch.data_parallel_rank, coalesce_removes(out), dropped)
 
     def _decode_one(self, raw: msgspec.Raw) -> Any:
         st = self.stats
@@ -474,20 +518,11 @@ class BatchDecoder:
                 return 0
             tier = medium_tier(ev.medium)  # unknown medium: remove from whichever tier holds it
             st.removed_blocks += len(hashes)
-            prev = out[-1] if out else None
-            # vLLM sends one event per evicted hash: coalesce a run of removes into one event
-            if (
-                type(prev) is BlockRemoved
-                and prev.tier == tier
-                and prev.dp_rank == rank
-                and isinstance(prev.engine_hashes, list)
-            ):
-                prev.engine_hashes.extend(hashes)
-            else:
-                removed = BlockRemoved(
-                    worker_id=self.worker_id, dp_rank=rank, tier=tier, engine_hashes=list(hashes)
+            out.append(
+                BlockRemoved(
+                    worker_id=self.worker_id, dp_rank=rank, tier=tier, engine_hashes=hashes
                 )
-                out.append(removed)
+            )
             return 0
         if isinstance(ev, (_StoredM, _StoredA)):
             return self._convert_stored(ev, rank, out)
