@@ -115,7 +115,7 @@ class ActiveBlocks:
             parent = node
         tail = parent
         if pos < n:
-            tail = _Node(hashes[pos:], parent, {ep: 1})
+            tail = _Node(hashes[pos:] if pos else hashes, parent, {ep: 1})
             key = int(hashes[pos])
             if parent is None:
                 self._roots[key] = tail

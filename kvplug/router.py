@@ -159,6 +159,7 @@ class Router:
         self._rr = 0
         self._seq = 0
         self._depth_buf = np.zeros(0)  # ActiveBlocks.depths output, per endpoint id
+        self._lmetric = cfg.router_selection_policy == "lmetric"
         self._rules = self._make_stage_rules()
         self._refresh_limits()
         self.counters = {
@@ -924,7 +925,7 @@ class Router:
         ``scale*adjusted_prefill + decode``, one core call) or lmetric
         (``scale*adjusted_prefill * (decode + 1)``: the core's cost with no decode term is
         exactly the scaled adjusted prefill)."""
-        if self.config.router_selection_policy == "lmetric":
+        if self._lmetric:
             zeros = np.zeros(len(decode_vec))
             prefill_cost = np.asarray(
                 self._core.costs(prefill_vec, credited, host, disk, shared, zeros, rules.params),
