@@ -1,8 +1,9 @@
 """Routing policies for the replay, written ``NAME[:key=value,...]`` on the command line.
 
 ``NAME`` is ``kv``, ``lmetric`` (kv mode with ``--router-selection-policy lmetric``), ``approx``
-(kv mode without engine events: the router records what it routed, with a TTL), ``profile`` (an llm-d-style scheduling profile; default: the bundled
-``data/profile_llmd.yaml``, or ``profile:router_profile=FILE``), or a simple mode
+(kv mode without engine events: the router records what it routed, with a TTL), ``profile``
+(an llm-d-style scheduling profile; default: the bundled ``data/profile_llmd.yaml``, or
+``profile:router_profile=FILE``), or a simple mode
 (``round-robin``, ``random``, ``least-loaded``, ``power-of-two``).
 Keys are :class:`kvplug.config.RouterConfig` fields or the short aliases below, e.g.
 ``kv:credit=0.5,temperature=0.1``.
