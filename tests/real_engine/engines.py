@@ -48,6 +48,7 @@ class Engine:
     workdir: str = ""
     log_path: str = ""
     extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)  # over the defaults below
 
     @property
     def url(self) -> str:
@@ -93,6 +94,7 @@ class Engine:
             OMP_NUM_THREADS="1",
             VLLM_LOGGING_LEVEL="WARNING",
         )
+        env.update(self.extra_env)
         env.pop("PYTHONPATH", None)
         log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
