@@ -414,3 +414,32 @@ def test_internal_error_and_failing_sink_cost_one_message_not_the_thread(sub):
     eng.store([4])
     # the thread lives on; seq 3 was dropped, so 4 is a gap: the replay brings 3 back
     assert wait_for(lambda: {3, 4} <= m.hashes("e1"), 5, eng.pump)
+
+
+def test_backlog_reaches_the_sink_in_bounded_ordered_batches():
+    """Batches queued before the thread runs are drained in one round but handed to the sink
+    every ``flush_every`` messages, in sequence order, none lost."""
+    eng = Engine("e1", replay=False)
+    m = Mirror()
+    calls: list[int] = []
+
+    def sink(events):
+        calls.append(len(events))
+        m(events)
+
+    sub = VllmSubscriber(flush_every=8)
+    try:
+        for src in eng.sources(sink):
+            sub.add(src)  # not started: the SUB socket connects now
+        time.sleep(0.3)
+        for i in range(60):
+            eng.store([1000 + i])
+        time.sleep(0.3)  # all 60 wait in the SUB's queue
+        sub.start()
+        assert settle(eng, m)
+    finally:
+        sub.stop()
+    stored_order = [int(e.engine_hashes[0]) for e in m.events if isinstance(e, BlockStored)]
+    assert stored_order == [1000 + i for i in range(60)]
+    assert len(calls) >= 60 // 8 and max(calls) <= 8
+    assert sub.stats()["streams"]["e1/0"]["batches"] == 60

@@ -204,7 +204,9 @@ class VllmSubscriber:
     ``replay_timeout``: how long live batches wait for a replay before the gap is declared lost
     (then the rank is cleared, so the index never claims blocks it may have missed removals
     of). ``catch_up``: when the first batch seen from a stream is not seq 0, ask for a replay
-    from 0 (the engine keeps the last ``buffer_steps`` batches).
+    from 0 (the engine keeps the last ``buffer_steps`` batches). ``max_drain``: messages taken
+    from one socket per poll round; ``flush_every``: messages whose events go to the sinks in
+    one call (a lock or a hop to the router's loop each).
     """
 
     def __init__(
@@ -213,11 +215,13 @@ class VllmSubscriber:
         replay_timeout: float = 2.0,
         catch_up: bool = True,
         max_drain: int = 4096,
+        flush_every: int = 16,
         context: zmq.Context | None = None,
     ) -> None:
         self.replay_timeout = replay_timeout
         self.catch_up = catch_up
         self.max_drain = max_drain
+        self.flush_every = max(1, flush_every)
         self._ctx = context or zmq.Context.instance()
         self._cmds: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[tuple[str, int], _Stream] = {}
@@ -484,6 +488,7 @@ class VllmSubscriber:
                 sock,
                 lambda frames: self._on_live(sock, frames, out),
                 "vLLM events: message dropped after an internal error",
+                out,
             )
             return
         st = next((s for s in self._streams.values() if s.replay_sock is sock), None)
@@ -493,6 +498,7 @@ class VllmSubscriber:
             sock,
             lambda frames: self._on_replay(st, frames, out),
             f"vLLM replay from {st.src.worker_id}: reply dropped after an internal error",
+            out,
             until=lambda: st.replay_sock is None,  # the replay ended (socket closed)
         )
 
@@ -501,13 +507,17 @@ class VllmSubscriber:
         sock: zmq.Socket,
         handle: Callable[[list[bytes]], None],
         dropped: str,
+        out: dict,
         until: Callable[[], bool] | None = None,
     ) -> None:
         """Hand up to max_drain waiting messages to handle; a bug in it costs that one
-        message (counted, logged as ``dropped``), never the thread."""
-        for _ in range(self.max_drain):
+        message (counted, logged as ``dropped``), never the thread. Every ``flush_every``
+        messages the decoded events go to the sinks: a backlog is applied in bounded batches
+        (holding thousands of batches' events first costs more than the extra sink calls)."""
+        flush_every = self.flush_every
+        for i in range(1, self.max_drain + 1):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = _recv_frames(sock)
             except zmq.Again:
                 break
             try:
@@ -515,6 +525,9 @@ class VllmSubscriber:
             except Exception:
                 self.counters["internal_errors"] += 1
                 log.exception("%s", dropped)
+            if i % flush_every == 0:
+                self._flush(out)
+                out.clear()
             if until is not None and until():
                 break
 
@@ -804,6 +817,18 @@ class VllmSubscriber:
                     st.src.dp_rank,
                 )
                 self._finish_replay(st, out)
+
+
+def _recv_frames(sock: zmq.Socket) -> list[bytes]:
+    """One waiting multipart message (zmq.Again if none). Frame by frame with ``more``: about
+    a microsecond less per message than ``recv_multipart``, whose RCVMORE lookups build an
+    enum each (measured; ``copy=False`` alone is slower still for KB-sized payloads)."""
+    f = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = [f.bytes]
+    while f.more:
+        f = sock.recv(zmq.NOBLOCK, copy=False)
+        frames.append(f.bytes)
+    return frames
 
 
 def _split(frames: list[bytes]) -> tuple[bytes, int, bytes]:
