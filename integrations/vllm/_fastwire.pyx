@@ -669,6 +669,16 @@ cdef class FastDecoder:
         # the 4 bytes after the type byte are read big-endian and shifted by the type's width.
         while i < n and pos + 5 <= end:
             b = p[pos]
+            if b == 0xCD and i + 4 <= n and pos + 12 <= end and p[pos + 3] == 0xCD \
+                    and p[pos + 6] == 0xCD and p[pos + 9] == 0xCD:
+                # four uint16 ids in a row (most ids of a vocabulary up to 64k): one branch
+                d[i] = (<uint32_t>p[pos + 1] << 8) | p[pos + 2]
+                d[i + 1] = (<uint32_t>p[pos + 4] << 8) | p[pos + 5]
+                d[i + 2] = (<uint32_t>p[pos + 7] << 8) | p[pos + 8]
+                d[i + 3] = (<uint32_t>p[pos + 10] << 8) | p[pos + 11]
+                pos += 12
+                i += 4
+                continue
             if b < 0x80:
                 d[i] = b
                 pos += 1
