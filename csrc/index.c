@@ -105,28 +105,38 @@ typedef struct __attribute__((packed)) {
 } bslot_t;
 _Static_assert(sizeof(bslot_t) == 6, "bslot_t is 6 bytes");
 
-/* One engine mapping in 16 bytes. meta packs the endpoint (21 bits: ids < 2^20, the shared
- * tier as 2^20), then a 3-bit refcount per tier; refcounts past 7 (rare: the same engine hash
- * stored again and again) move to the overflow table and set M_OVF, so no count is ever lost. */
-typedef struct {
+/* One engine mapping in 12 bytes, in its endpoint's own table (so no endpoint field): the
+ * engine hash and the record id, whose top bit (M_SIDE) says where the mapping's refcounts
+ * live. Without it (at most one such mapping per endpoint and block: the first one made), the
+ * refcounts are the holder's counts minus those of the endpoint's other mappings to the block
+ * (their sum is kept in the side table when there are any, so usually there are none and the
+ * holder's counts are the mapping's). With it, the side table holds them, keyed by (endpoint,
+ * engine hash). Mappings added to a block the endpoint already holds get M_SIDE. */
+typedef struct __attribute__((packed, aligned(4))) {
     kvp_engine_hash_t eh;
-    uint32_t rec; /* NONE32 = empty slot */
-    uint32_t meta;
+    uint32_t rec; /* NONE32 = empty slot; else record id | M_SIDE */
 } mslot_t;
-#define M_EP_MASK 0x1FFFFFu
-#define M_SHARED_CODE 0x100000u
-#define M_REF_SHIFT 21
-#define M_REF_BITS 3
-#define M_REF_INLINE_MAX 7u
-#define M_OVF (1u << 30)
+_Static_assert(sizeof(mslot_t) == 12, "mslot_t is 12 bytes");
+#define M_SIDE 0x80000000u
+#define M_REC_MASK 0x7FFFFFFFu
+#define POOL_MAX_RECORDS 0x7FFFFFF0u /* record ids must leave M_SIDE free */
 
-/* Refcounts of mappings whose inline 3-bit counts overflowed, keyed by (endpoint code, eh). */
+/* One endpoint's engine map: open addressing on the engine hash, linear probing. */
 typedef struct {
-    kvp_engine_hash_t eh;
+    mslot_t *t;
+    uint32_t cap, count;
+} emap_t;
+
+/* Side table: refcounts of M_SIDE mappings keyed by (endpoint code, engine hash), and per
+ * (endpoint code | OT_SUM, record id) the sum of that endpoint's M_SIDE refcounts on the block. */
+typedef struct {
+    uint64_t key;
     uint32_t code; /* OVF_EMPTY = empty slot */
     uint32_t refs[KVP_N_TIERS];
 } oslot_t;
 #define OVF_EMPTY 0xFFFFFFFFu
+#define OT_SUM 0x40000000u
+#define M_SHARED_CODE 0x100000u
 
 struct kvp_index {
     uint64_t max_entries;
@@ -140,10 +150,12 @@ struct kvp_index {
     uint32_t *lru_prev, *lru_next; /* pool_cap entries each, only when max_entries > 0 */
     kvp_engine_hash_t *rec_eh;     /* eh_first of a record's inline holder, only when bounded */
     uint32_t lru_head, lru_tail;   /* oldest, newest */
-    mslot_t *mt;
-    size_t mt_cap;
-    size_t mt_count;
-    oslot_t *ot; /* overflowed mapping refcounts (NULL until first needed) */
+    emap_t *em;        /* engine maps of endpoints 0 .. em_cap-1 */
+    size_t em_cap;
+    emap_t em_shared;  /* the shared tier's */
+    size_t mt_count;   /* mappings, all endpoints */
+    size_t mt_slots;   /* slots allocated, all endpoints */
+    oslot_t *ot; /* side table (NULL until first needed) */
     size_t ot_cap, ot_count;
     uint64_t n_holdings;
     size_t ext_bytes;
@@ -177,12 +189,14 @@ static inline size_t bhome_of(uint64_t mixed, size_t cap) { /* cap < 2^32 */
 }
 static inline size_t bslot_of(kvp_hash_t h, size_t cap) { return bhome_of(bmix_of(h), cap); }
 static inline uint32_t ep_code(kvp_endpoint_t ep) { return ep == KVP_SHARED ? M_SHARED_CODE : ep; }
-static inline uint32_t m_code(const mslot_t *m) { return m->meta & M_EP_MASK; }
-static inline size_t mslot_of(uint32_t code, kvp_engine_hash_t eh, size_t cap) {
-    uint64_t x = (eh ^ ((uint64_t)code * KPH_K3)) * KPH_K0;
+static inline size_t mslot_of(kvp_engine_hash_t eh, size_t cap) {
+    uint64_t x = eh * KPH_K0;
     x ^= x >> 29;
     x *= KPH_K1;
     return fastrange(x ^ (x >> 32), cap);
+}
+static inline size_t oslot_of(uint32_t code, uint64_t key, size_t cap) {
+    return mslot_of(key ^ ((uint64_t)code * KPH_K3), cap);
 }
 static inline size_t grown_cap(size_t cap, size_t need) {
     while (need * LOAD_DEN > cap * LOAD_NUM) cap = cap + cap / GROW_DEN + MIN_CAP;
@@ -326,35 +340,38 @@ static void bt_delete(kvp_index *idx, uint32_t r) {
     idx->bt_count--;
 }
 
-/* ---- engine mapping table ----------------------------------------------------------------- */
-/* Probe once: the slot holding (ep, eh), or NULL with *empty = where it would be inserted. */
-static mslot_t *mt_probe(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh,
-                         size_t *empty) {
-    const size_t cap = idx->mt_cap;
-    const uint32_t code = ep_code(ep);
-    size_t i = mslot_of(code, eh, cap);
+/* ---- engine mapping tables (one per endpoint) --------------------------------------------- */
+static inline uint32_t m_rec(const mslot_t *m) { return m->rec & M_REC_MASK; }
+static inline int m_side(const mslot_t *m) { return (m->rec & M_SIDE) != 0; }
+
+static inline emap_t *emap_of(const kvp_index *idx, kvp_endpoint_t ep) {
+    if (ep == KVP_SHARED) return (emap_t *)&idx->em_shared;
+    return (size_t)ep < idx->em_cap ? &idx->em[ep] : NULL;
+}
+
+/* Probe once: the slot holding eh, or NULL with *empty = where it would be inserted (only
+ * meaningful when the table has capacity). */
+static mslot_t *mt_probe(const emap_t *em, kvp_engine_hash_t eh, size_t *empty) {
+    const size_t cap = em ? em->cap : 0;
+    if (cap == 0) {
+        *empty = 0;
+        return NULL;
+    }
+    size_t i = mslot_of(eh, cap);
     for (;;) {
-        mslot_t *s = &idx->mt[i];
+        mslot_t *s = &em->t[i];
         if (s->rec == NONE32) {
             *empty = i;
             return NULL;
         }
-        if (s->eh == eh && m_code(s) == code) return s;
+        if (s->eh == eh) return s;
         if (++i == cap) i = 0;
     }
 }
 
 static mslot_t *mt_find(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh) {
     size_t empty;
-    return mt_probe(idx, ep, eh, &empty);
-}
-
-static mslot_t *mt_put(mslot_t *mt, size_t cap, uint32_t code, kvp_engine_hash_t eh) {
-    size_t i = mslot_of(code, eh, cap);
-    while (mt[i].rec != NONE32)
-        if (++i == cap) i = 0;
-    mt[i].eh = eh;
-    return &mt[i];
+    return mt_probe(emap_of(idx, ep), eh, &empty);
 }
 
 static kvp_status mt_alloc(size_t cap, mslot_t **out) {
@@ -364,52 +381,63 @@ static kvp_status mt_alloc(size_t cap, mslot_t **out) {
     for (size_t i = 0; i < cap; i++) {
         t[i].eh = 0;
         t[i].rec = NONE32;
-        t[i].meta = 0;
     }
     *out = t;
     return KVP_OK;
 }
 
-static kvp_status mt_reserve(kvp_index *idx, size_t extra) {
-    size_t need = idx->mt_count + extra;
-    if (need < idx->mt_count || need > ((size_t)1 << 40)) return KVP_E_NOMEM;
-    size_t cap = grown_cap(idx->mt_cap, need);
-    if (cap == idx->mt_cap) return KVP_OK;
+/* Room for `extra` more mappings of ep (whose emap_t must exist). */
+static kvp_status mt_reserve(kvp_index *idx, kvp_endpoint_t ep, size_t extra) {
+    emap_t *em = emap_of(idx, ep);
+    size_t need = (size_t)em->count + extra;
+    if (need < em->count || need > ((size_t)1 << 31)) return KVP_E_NOMEM;
+    size_t cap = grown_cap(em->cap, need);
+    if (cap == em->cap) return KVP_OK;
+    if (cap > NONE32) return KVP_E_NOMEM;
     mslot_t *t;
     if (mt_alloc(cap, &t) != KVP_OK) return KVP_E_NOMEM;
-    for (size_t i = 0; i < idx->mt_cap; i++)
-        if (idx->mt[i].rec != NONE32) *mt_put(t, cap, m_code(&idx->mt[i]), idx->mt[i].eh) = idx->mt[i];
-    free(idx->mt);
-    idx->mt = t;
-    idx->mt_cap = cap;
+    for (size_t i = 0; i < em->cap; i++) {
+        if (em->t[i].rec == NONE32) continue;
+        size_t j = mslot_of(em->t[i].eh, cap);
+        while (t[j].rec != NONE32)
+            if (++j == cap) j = 0;
+        t[j] = em->t[i];
+    }
+    free(em->t);
+    idx->mt_slots += cap - em->cap;
+    em->t = t;
+    em->cap = (uint32_t)cap;
     return KVP_OK;
 }
 
-/* ---- overflowed refcounts (small open-addressing table, at most half full) ----------------- */
-static oslot_t *ot_find(const kvp_index *idx, uint32_t code, kvp_engine_hash_t eh) {
+/* ---- side table (small open addressing, at most half full) --------------------------------- */
+static oslot_t *ot_find(const kvp_index *idx, uint32_t code, uint64_t key) {
     if (idx->ot_cap == 0) return NULL;
-    size_t i = mslot_of(code, eh, idx->ot_cap);
+    size_t i = oslot_of(code, key, idx->ot_cap);
     for (;;) {
         oslot_t *o = &idx->ot[i];
         if (o->code == OVF_EMPTY) return NULL;
-        if (o->code == code && o->eh == eh) return o;
+        if (o->code == code && o->key == key) return o;
         if (++i == idx->ot_cap) i = 0;
     }
 }
 
-static oslot_t *ot_put(oslot_t *ot, size_t cap, uint32_t code, kvp_engine_hash_t eh) {
-    size_t i = mslot_of(code, eh, cap);
+/* Insert a zeroed entry; the caller made room with ot_reserve() and checked it is absent. */
+static oslot_t *ot_put(oslot_t *ot, size_t cap, uint32_t code, uint64_t key) {
+    size_t i = oslot_of(code, key, cap);
     while (ot[i].code != OVF_EMPTY)
         if (++i == cap) i = 0;
+    memset(&ot[i], 0, sizeof ot[i]);
     ot[i].code = code;
-    ot[i].eh = eh;
+    ot[i].key = key;
     return &ot[i];
 }
 
-/* Room for one more overflowed mapping; called before any change that may need it. */
-static kvp_status ot_reserve_one(kvp_index *idx) {
-    if ((idx->ot_count + 1) * 2 <= idx->ot_cap) return KVP_OK;
-    size_t cap = idx->ot_cap ? idx->ot_cap * 2 : 16;
+/* Room for `extra` more entries; called before any change that may need them. */
+static kvp_status ot_reserve(kvp_index *idx, size_t extra) {
+    if ((idx->ot_count + extra) * 2 <= idx->ot_cap) return KVP_OK;
+    size_t cap = idx->ot_cap ? idx->ot_cap : 16;
+    while ((idx->ot_count + extra) * 2 > cap) cap *= 2;
     if (cap > SIZE_MAX / sizeof(oslot_t)) return KVP_E_NOMEM;
     oslot_t *t = (oslot_t *)malloc(cap * sizeof(oslot_t));
     if (!t) return KVP_E_NOMEM;
@@ -418,22 +446,22 @@ static kvp_status ot_reserve_one(kvp_index *idx) {
         t[i].code = OVF_EMPTY;
     }
     for (size_t i = 0; i < idx->ot_cap; i++)
-        if (idx->ot[i].code != OVF_EMPTY) *ot_put(t, cap, idx->ot[i].code, idx->ot[i].eh) = idx->ot[i];
+        if (idx->ot[i].code != OVF_EMPTY) *ot_put(t, cap, idx->ot[i].code, idx->ot[i].key) = idx->ot[i];
     free(idx->ot);
     idx->ot = t;
     idx->ot_cap = cap;
     return KVP_OK;
 }
 
-static void ot_delete(kvp_index *idx, uint32_t code, kvp_engine_hash_t eh) {
-    oslot_t *o = ot_find(idx, code, eh);
+static void ot_delete(kvp_index *idx, uint32_t code, uint64_t key) {
+    oslot_t *o = ot_find(idx, code, key);
     if (o == NULL) return;
     const size_t cap = idx->ot_cap;
     size_t i = (size_t)(o - idx->ot), j = i;
     for (;;) { /* backward shift */
         if (++j == cap) j = 0;
         if (idx->ot[j].code == OVF_EMPTY) break;
-        size_t home = mslot_of(idx->ot[j].code, idx->ot[j].eh, cap);
+        size_t home = oslot_of(idx->ot[j].code, idx->ot[j].key, cap);
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (stays) continue;
         idx->ot[i] = idx->ot[j];
@@ -445,60 +473,58 @@ static void ot_delete(kvp_index *idx, uint32_t code, kvp_engine_hash_t eh) {
 }
 
 /* ---- mapping refcounts -------------------------------------------------------------------- */
-static inline uint32_t mref(const kvp_index *idx, const mslot_t *m, int t) {
-    if (m->meta & M_OVF) return ot_find(idx, m_code(m), m->eh)->refs[t];
-    return (m->meta >> (M_REF_SHIFT + M_REF_BITS * t)) & M_REF_INLINE_MAX;
+/* Refs of mapping m (of endpoint code `code`, whose holder on the block is hd) in tier t. */
+static inline uint32_t mref(const kvp_index *idx, uint32_t code, const mslot_t *m,
+                            const holder_t *hd, int t) {
+    if (m_side(m)) return ot_find(idx, code, m->eh)->refs[t];
+    uint32_t c = hd->count[t];
+    if ((hd->nmaps & NMAPS_MASK) > 1) c -= ot_find(idx, code | OT_SUM, m_rec(m))->refs[t];
+    return c;
 }
-static inline int mref_any(const kvp_index *idx, const mslot_t *m) {
-    if (m->meta & M_OVF) {
-        const oslot_t *o = ot_find(idx, m_code(m), m->eh);
-        return (o->refs[0] | o->refs[1] | o->refs[2]) != 0;
-    }
-    return (m->meta >> M_REF_SHIFT) & ((1u << (M_REF_BITS * KVP_N_TIERS)) - 1);
+static inline int mref_any(const kvp_index *idx, uint32_t code, const mslot_t *m,
+                           const holder_t *hd) {
+    for (int t = 0; t < KVP_N_TIERS; t++)
+        if (mref(idx, code, m, hd, t)) return 1;
+    return 0;
 }
-/* Whether incrementing tier t needs a new overflow slot (reserve it before changing state). */
-static inline int mref_inc_needs_ovf(const mslot_t *m, int t) {
-    return !(m->meta & M_OVF) &&
-           ((m->meta >> (M_REF_SHIFT + M_REF_BITS * t)) & M_REF_INLINE_MAX) == M_REF_INLINE_MAX;
+/* The holder's count changes with the mapping's; an M_SIDE mapping's entry and its block sum
+ * follow it. Incrementing cannot fail (entries exist); the caller updates hd->count. */
+static inline void mref_inc(kvp_index *idx, uint32_t code, const mslot_t *m, int t) {
+    if (!m_side(m)) return;
+    ot_find(idx, code, m->eh)->refs[t]++;
+    ot_find(idx, code | OT_SUM, m_rec(m))->refs[t]++;
 }
-/* Increment; the caller made room with ot_reserve_one() when mref_inc_needs_ovf(). */
-static inline void mref_inc(kvp_index *idx, mslot_t *m, int t) {
-    if (!(m->meta & M_OVF) && !mref_inc_needs_ovf(m, t)) {
-        m->meta += 1u << (M_REF_SHIFT + M_REF_BITS * t);
-        return;
-    }
-    if (!(m->meta & M_OVF)) {
-        oslot_t *o = ot_put(idx->ot, idx->ot_cap, m_code(m), m->eh);
-        for (int k = 0; k < KVP_N_TIERS; k++) o->refs[k] = mref(idx, m, k);
-        idx->ot_count++;
-        m->meta = m_code(m) | M_OVF; /* inline counts now live in o */
-    }
-    ot_find(idx, m_code(m), m->eh)->refs[t]++;
-}
-static inline void mref_dec(kvp_index *idx, mslot_t *m, int t) {
-    if (m->meta & M_OVF) ot_find(idx, m_code(m), m->eh)->refs[t]--;
-    else m->meta -= 1u << (M_REF_SHIFT + M_REF_BITS * t);
+static inline void mref_dec(kvp_index *idx, uint32_t code, const mslot_t *m, int t) {
+    if (!m_side(m)) return;
+    ot_find(idx, code, m->eh)->refs[t]--;
+    oslot_t *s = ot_find(idx, code | OT_SUM, m_rec(m));
+    s->refs[t]--;
+    if ((s->refs[0] | s->refs[1] | s->refs[2]) == 0) ot_delete(idx, code | OT_SUM, m_rec(m));
 }
 
-static void mt_delete_at(kvp_index *idx, size_t i) {
-    const size_t cap = idx->mt_cap;
-    if (idx->mt[i].meta & M_OVF) ot_delete(idx, m_code(&idx->mt[i]), idx->mt[i].eh);
+static inline uint32_t mref_of(const kvp_index *idx, kvp_endpoint_t ep, const mslot_t *m, int t) {
+    return mref(idx, ep_code(ep), m, find_holder(&idx->pool[m_rec(m)], ep), t);
+}
+
+/* Delete the mapping in slot i of em (its side entry too). */
+static void mt_delete_at(kvp_index *idx, emap_t *em, uint32_t code, size_t i) {
+    const size_t cap = em->cap;
+    if (m_side(&em->t[i])) ot_delete(idx, code, em->t[i].eh);
     size_t j = i;
     for (;;) {
         if (++j == cap) j = 0;
-        if (idx->mt[j].rec == NONE32) break;
-        size_t home = mslot_of(m_code(&idx->mt[j]), idx->mt[j].eh, cap);
+        if (em->t[j].rec == NONE32) break;
+        size_t home = mslot_of(em->t[j].eh, cap);
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (stays) continue;
-        idx->mt[i] = idx->mt[j];
+        em->t[i] = em->t[j];
         i = j;
     }
-    idx->mt[i].eh = 0;
-    idx->mt[i].rec = NONE32;
-    idx->mt[i].meta = 0;
+    em->t[i].eh = 0;
+    em->t[i].rec = NONE32;
+    em->count--;
     idx->mt_count--;
 }
-
 /* ---- records and LRU ---------------------------------------------------------------------- */
 /* The record pool and its side arrays grow often and only grow. On Linux, an array that must
  * grow past KVP_BIG_BYTES moves to its own anonymous mapping, which mremap then enlarges without
@@ -548,11 +574,11 @@ static void arr_free(void *p, size_t bytes, unsigned char mapped) {
 static kvp_status pool_reserve(kvp_index *idx, size_t extra) {
     size_t need = (size_t)idx->pool_len + extra;
     if (need <= idx->pool_cap) return KVP_OK;
-    if (need >= NONE32 - 1) return KVP_E_NOMEM;
+    if (need >= POOL_MAX_RECORDS) return KVP_E_NOMEM;
     size_t cap = idx->pool_cap ? idx->pool_cap : 64;
     while (cap < need)
         cap += cap / (cap * sizeof(block_t) >= KVP_BIG_BYTES ? POOL_GROW_DEN_BIG : POOL_GROW_DEN);
-    if (cap >= NONE32 - 1) cap = NONE32 - 2;
+    if (cap >= POOL_MAX_RECORDS) cap = POOL_MAX_RECORDS - 1;
     /* pool_cap changes only once every array has grown; a failure leaves larger arrays unused */
     if (!arr_grow((void **)&idx->pool, &idx->pool_bytes, &idx->pool_mapped, cap * sizeof(block_t)))
         return KVP_E_NOMEM;
@@ -715,6 +741,11 @@ static kvp_status grow_ep_scratch(kvp_index *idx, kvp_endpoint_t ep) {
     uint8_t *ab = (uint8_t *)realloc(idx->act_best, cap);
     if (!ab) return KVP_E_NOMEM;
     idx->act_best = ab;
+    emap_t *em = (emap_t *)realloc(idx->em, cap * sizeof(emap_t));
+    if (!em) return KVP_E_NOMEM;
+    idx->em = em;
+    memset(em + idx->em_cap, 0, (cap - idx->em_cap) * sizeof(emap_t));
+    idx->em_cap = cap;
     memset(g + idx->ep_cap, 0, (cap - idx->ep_cap) * sizeof(uint32_t));
     memset(p + idx->ep_cap, 0, (cap - idx->ep_cap) * sizeof(uint32_t));
     idx->ep_cap = cap;
@@ -722,31 +753,31 @@ static kvp_status grow_ep_scratch(kvp_index *idx, kvp_endpoint_t ep) {
 }
 
 /* ---- core ops (mirror _reference.Index._add_ref / _drop_ref) ------------------------------- */
-/* Capacity for one new block, record and mapping must have been reserved by the caller. */
+/* Capacity for one new block, record and mapping of ep must have been reserved by the caller. */
 static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh, kvp_hash_t h,
                           int tier) {
     size_t m_empty = 0, b_empty = 0;
-    mslot_t *m = mt_probe(idx, ep, eh, &m_empty);
+    emap_t *em = emap_of(idx, ep);
+    const uint32_t code = ep_code(ep);
+    mslot_t *m = mt_probe(em, eh, &m_empty);
     uint32_t r;
     holder_t *hd;
     if (m != NULL) {
-        r = m->rec;
+        r = m_rec(m);
         if (idx->pool[r].hash != h) {
             idx->c.conflicting_stores++;
             return KVP_OK;
         }
         hd = find_holder(&idx->pool[r], ep);
         if (hd->count[tier] == COUNT_MAX) return KVP_E_OVERFLOW;
-        if (mref_inc_needs_ovf(m, tier)) { /* before any change: the only allocation here */
-            kvp_status st = ot_reserve_one(idx);
-            if (st != KVP_OK) return st;
-        }
     } else {
         r = bt_probe(idx, h, &b_empty);
-        if (r != NONE32) { /* refuse an overflowing store before any change */
-            holder_t *old = find_holder(&idx->pool[r], ep);
-            if (old && (old->count[tier] == COUNT_MAX || (old->nmaps & NMAPS_MASK) == NMAPS_MASK))
+        holder_t *old = r != NONE32 ? find_holder(&idx->pool[r], ep) : NULL;
+        if (old) { /* refuse an overflowing store, make room for side entries, before any change */
+            if (old->count[tier] == COUNT_MAX || (old->nmaps & NMAPS_MASK) == NMAPS_MASK)
                 return KVP_E_OVERFLOW;
+            kvp_status st = ot_reserve(idx, 2);
+            if (st != KVP_OK) return st;
         }
         if (r == NONE32) {
             r = pool_take(idx);
@@ -757,7 +788,8 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             if (idx->max_entries) lru_append(idx, r);
         }
         block_t *b = &idx->pool[r];
-        hd = find_holder(b, ep);
+        hd = old;
+        uint32_t side = 0;
         if (hd == NULL) {
             kvp_status st = holder_room(idx, r);
             if (st != KVP_OK) {
@@ -784,16 +816,31 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             }
             idx->n_holdings++;
             if (ep != KVP_SHARED && ep + 1 > idx->ep_limit) idx->ep_limit = ep + 1;
+        } else { /* ep already maps another engine hash here: this one's refs go to the side */
+            side = M_SIDE;
+            ot_put(idx->ot, idx->ot_cap, code, eh);
+            idx->ot_count++;
+            if (ot_find(idx, code | OT_SUM, r) == NULL) {
+                ot_put(idx->ot, idx->ot_cap, code | OT_SUM, r);
+                idx->ot_count++;
+            }
         }
         hd->nmaps++;
-        m = &idx->mt[m_empty]; /* the probe's empty slot: the engine map is untouched since */
+        m = &em->t[m_empty]; /* the probe's empty slot: the engine map is untouched since */
         m->eh = eh;
-        m->rec = r;
-        m->meta = ep_code(ep); /* refs 0 */
+        m->rec = r | side;
+        em->count++;
         idx->mt_count++;
+        /* a new mapping has no refs yet: not a duplicate */
+        mref_inc(idx, code, m, tier);
+        hd->count[tier]++;
+        holders_changed(idx, &idx->pool[r]);
+        idx->c.stored_blocks++;
+        touch(idx, r);
+        return KVP_OK;
     }
-    if (mref(idx, m, tier) > 0) idx->c.duplicate_stores++;
-    mref_inc(idx, m, tier);
+    if (mref(idx, code, m, hd, tier) > 0) idx->c.duplicate_stores++;
+    mref_inc(idx, code, m, tier);
     hd->count[tier]++;
     holders_changed(idx, &idx->pool[r]);
     idx->c.stored_blocks++;
@@ -801,13 +848,16 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
     return KVP_OK;
 }
 
+/* Drop one ref of mapping m (slot of ep's engine map) in tier t, which it must hold. */
 static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
-    uint32_t r = m->rec;
+    emap_t *em = emap_of(idx, ep);
+    const uint32_t code = ep_code(ep);
+    uint32_t r = m_rec(m);
     block_t *b = &idx->pool[r];
     holder_t *hd = find_holder(b, ep);
-    mref_dec(idx, m, tier);
+    mref_dec(idx, code, m, tier);
     hd->count[tier]--;
-    int mapping_gone = !mref_any(idx, m);
+    int mapping_gone = !mref_any(idx, code, m, hd);
     int holder_gone = (hd->count[0] | hd->count[1] | hd->count[2]) == 0;
     if (mapping_gone) {
         if (!holder_gone) {
@@ -816,7 +866,7 @@ static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
                 *eh_first_of(idx, r, (uint32_t)(hd - holders_of(b))) == m->eh)
                 hd->nmaps &= (uint16_t)~HOLDER_EH_VALID;
         }
-        mt_delete_at(idx, (size_t)(m - idx->mt));
+        mt_delete_at(idx, em, code, (size_t)(m - em->t));
     }
     if (holder_gone) {
         remove_holder_at(idx, r, hd);
@@ -827,15 +877,16 @@ static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
     }
 }
 
-/* Delete every mapping pointing at record r (or, with ep != EP_EMPTY, every mapping of ep),
- * scanning the table; deletion shifts entries back into the current slot, so re-check it. */
+/* Delete every mapping of ep to record r, scanning ep's table; deletion shifts entries back
+ * into the current slot, so re-check it. */
 static void scan_delete_mappings(kvp_index *idx, uint32_t r, kvp_endpoint_t ep) {
-    const size_t cap = idx->mt_cap;
+    emap_t *em = emap_of(idx, ep);
+    if (em == NULL) return;
+    const uint32_t code = ep_code(ep);
     size_t i = 0;
-    while (i < cap) {
-        mslot_t *s = &idx->mt[i];
-        int hit = s->rec != NONE32 && (ep != EP_EMPTY ? m_code(s) == ep_code(ep) : s->rec == r);
-        if (hit) mt_delete_at(idx, i);
+    while (i < em->cap) {
+        mslot_t *s = &em->t[i];
+        if (s->rec != NONE32 && m_rec(s) == r) mt_delete_at(idx, em, code, i);
         else i++;
     }
 }
@@ -843,17 +894,19 @@ static void scan_delete_mappings(kvp_index *idx, uint32_t r, kvp_endpoint_t ep) 
 static void evict_block(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
     holder_t *hs = holders_of(b);
-    int need_scan = 0;
     const uint32_t n = nh_of(b);
     for (uint32_t k = 0; k < n; k++) {
+        const kvp_endpoint_t ep = hs[k].ep;
         if ((hs[k].nmaps & NMAPS_MASK) == 1 && (hs[k].nmaps & HOLDER_EH_VALID)) {
-            mslot_t *m = mt_find(idx, hs[k].ep, *eh_first_of(idx, r, k));
-            if (m) mt_delete_at(idx, (size_t)(m - idx->mt));
+            emap_t *em = emap_of(idx, ep);
+            size_t empty;
+            mslot_t *m = mt_probe(em, *eh_first_of(idx, r, k), &empty);
+            if (m) mt_delete_at(idx, em, ep_code(ep), (size_t)(m - em->t));
         } else {
-            need_scan = 1;
+            scan_delete_mappings(idx, r, ep);
         }
+        ot_delete(idx, ep_code(ep) | OT_SUM, r);
     }
-    if (need_scan) scan_delete_mappings(idx, r, EP_EMPTY);
     idx->n_holdings -= n;
     idx->c.evicted_blocks++;
     idx->c.evicted_entries += n;
@@ -873,11 +926,10 @@ kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out) {
     if (!idx) return KVP_E_NOMEM;
     idx->max_entries = max_entries;
     idx->bt_cap = MIN_CAP;
-    idx->mt_cap = MIN_CAP;
     idx->free_head = NONE32;
     idx->lru_head = idx->lru_tail = NONE32;
     idx->gen = 0;
-    if (bt_alloc(MIN_CAP, &idx->bt) != KVP_OK || mt_alloc(MIN_CAP, &idx->mt) != KVP_OK) {
+    if (bt_alloc(MIN_CAP, &idx->bt) != KVP_OK) {
         kvp_index_free(idx);
         return KVP_E_NOMEM;
     }
@@ -894,7 +946,9 @@ void kvp_index_free(kvp_index *idx) {
     arr_free(idx->lru_next, idx->lru_next_bytes, idx->lru_next_mapped);
     arr_free(idx->rec_eh, idx->rec_eh_bytes, idx->rec_eh_mapped);
     free(idx->bt);
-    free(idx->mt);
+    for (size_t e = 0; e < idx->em_cap; e++) free(idx->em[e].t);
+    free(idx->em);
+    free(idx->em_shared.t);
     free(idx->ot);
     free(idx->ep_gen);
     free(idx->ep_pos);
@@ -911,7 +965,7 @@ static kvp_status reserve_for_store(kvp_index *idx, kvp_endpoint_t ep, size_t n)
     kvp_status st;
     if ((st = grow_ep_scratch(idx, ep)) != KVP_OK) return st;
     if ((st = bt_reserve(idx, n)) != KVP_OK) return st;
-    if ((st = mt_reserve(idx, n)) != KVP_OK) return st;
+    if ((st = mt_reserve(idx, ep, n)) != KVP_OK) return st;
     return pool_reserve(idx, n);
 }
 
@@ -920,10 +974,11 @@ enum { STORE_AHEAD = 12 }; /* blocks to prefetch ahead: covers DRAM latency at ~
 static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
                                   const kvp_engine_hash_t *ehs, const kvp_hash_t *hs, size_t n) {
     kvp_status st = KVP_OK;
+    const emap_t *em = emap_of(idx, ep); /* reserved: exists, and does not move during the loop */
     for (size_t i = 0; i < n; i++) {
         if (i + STORE_AHEAD < n) {
             __builtin_prefetch(&idx->bt[bslot_of(hs[i + STORE_AHEAD], idx->bt_cap)]);
-            __builtin_prefetch(&idx->mt[mslot_of(ep_code(ep), ehs[i + STORE_AHEAD], idx->mt_cap)]);
+            __builtin_prefetch(&em->t[mslot_of(ehs[i + STORE_AHEAD], em->cap)]);
         }
         st = add_ref(idx, ep, ehs[i], hs[i], tier);
         if (st != KVP_OK) break;
@@ -932,13 +987,26 @@ static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
     return st;
 }
 
+kvp_status kvp_index_reserve_endpoint(kvp_index *idx, kvp_endpoint_t ep, size_t n_mappings) {
+    if (idx == NULL) return KVP_E_NULL;
+    if (!valid_ep(ep)) return KVP_E_ENDPOINT;
+    kvp_status st = grow_ep_scratch(idx, ep);
+    if (st != KVP_OK) return st;
+    const emap_t *em = emap_of(idx, ep);
+    return mt_reserve(idx, ep, n_mappings > em->count ? n_mappings - em->count : 0);
+}
+
 kvp_status kvp_index_reserve(kvp_index *idx, size_t n_blocks, size_t n_mappings) {
     if (idx == NULL) return KVP_E_NULL;
     kvp_status st;
     size_t nb = n_blocks > idx->bt_count ? n_blocks - idx->bt_count : 0;
-    size_t nm = n_mappings > idx->mt_count ? n_mappings - idx->mt_count : 0;
     if ((st = bt_reserve(idx, nb)) != KVP_OK) return st;
-    if ((st = mt_reserve(idx, nm)) != KVP_OK) return st;
+    /* engine maps are per endpoint: spread the mappings over the endpoints that have stored */
+    if (idx->ep_limit > 0 && n_mappings > 0) {
+        const size_t per = (n_mappings + idx->ep_limit - 1) / idx->ep_limit;
+        for (kvp_endpoint_t e = 0; e < idx->ep_limit; e++)
+            if ((st = kvp_index_reserve_endpoint(idx, e, per)) != KVP_OK) return st;
+    }
     return pool_reserve(idx, n_blocks > idx->pool_len ? n_blocks - idx->pool_len : 0);
 }
 
@@ -964,7 +1032,7 @@ kvp_status kvp_index_resolve(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine
     if (!valid_ep(ep)) return KVP_E_ENDPOINT;
     const mslot_t *m = mt_find(idx, ep, eh);
     *found = m != NULL;
-    *out = m ? idx->pool[m->rec].hash : 0;
+    *out = m ? idx->pool[m_rec(m)].hash : 0;
     return KVP_OK;
 }
 
@@ -989,7 +1057,7 @@ kvp_status kvp_index_store_tokens(kvp_index *idx, kvp_endpoint_t ep, int tier, i
             idx->c.orphan_stores++;
             return KVP_OK;
         }
-        root = idx->pool[m->rec].hash;
+        root = idx->pool[m_rec(m)].hash;
     }
     kvp_status st = kvp_check_tokens(tokens, dt, n_tokens, err_pos);
     if (st != KVP_OK) return st;
@@ -1021,7 +1089,7 @@ kvp_status kvp_index_remove(kvp_index *idx, kvp_endpoint_t ep, int tier,
         mslot_t *m = mt_find(idx, ep, eh);
         int any = 0;
         for (int t = 0; t < KVP_N_TIERS && m; t++)
-            if (mref(idx, m, t) > 0 && (tier == KVP_TIER_ANY || t == tier)) any = 1;
+            if (mref_of(idx, ep, m, t) > 0 && (tier == KVP_TIER_ANY || t == tier)) any = 1;
         if (!any) {
             idx->c.unknown_removes++;
             continue;
@@ -1029,7 +1097,8 @@ kvp_status kvp_index_remove(kvp_index *idx, kvp_endpoint_t ep, int tier,
         for (int t = 0; t < KVP_N_TIERS; t++) {
             m = mt_find(idx, ep, eh); /* a drop may shift slots */
             if (m == NULL) break;
-            if (mref(idx, m, t) > 0 && (tier == KVP_TIER_ANY || t == tier)) drop_ref(idx, ep, m, t);
+            if (mref_of(idx, ep, m, t) > 0 && (tier == KVP_TIER_ANY || t == tier))
+                drop_ref(idx, ep, m, t);
         }
         idx->c.removed_blocks++;
     }
@@ -1046,18 +1115,20 @@ kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int 
     if (st != KVP_OK) return st;
     for (size_t i = 0; i < n; i++) {
         mslot_t *m = mt_find(idx, ep, engine_hashes[i]);
-        if (m == NULL || mref(idx, m, from_tier) == 0) {
+        if (m == NULL || mref_of(idx, ep, m, from_tier) == 0) {
             idx->c.unknown_moves++;
             continue;
         }
         if (from_tier == to_tier) continue;
         /* overflow would only strike add_ref after the drop; check first so a move is atomic */
-        holder_t *hd = find_holder(&idx->pool[m->rec], ep);
+        holder_t *hd = find_holder(&idx->pool[m_rec(m)], ep);
         if (hd->count[to_tier] == COUNT_MAX) return KVP_E_OVERFLOW;
-        if (mref_inc_needs_ovf(m, to_tier) && (st = ot_reserve_one(idx)) != KVP_OK) return st;
-        kvp_hash_t h = idx->pool[m->rec].hash;
+        /* the re-added mapping may need side entries (when it is dropped but the holder stays) */
+        if ((st = ot_reserve(idx, 2)) != KVP_OK) return st;
+        kvp_hash_t h = idx->pool[m_rec(m)].hash;
         drop_ref(idx, ep, m, from_tier);
-        /* the drop freed at most one record/mapping/holder slot, so add_ref cannot need memory */
+        /* the drop freed at most one record/mapping/holder slot and the side entries are
+         * reserved, so add_ref cannot need memory */
         st = add_ref(idx, ep, engine_hashes[i], h, to_tier);
         if (st != KVP_OK) return st;
         idx->c.stored_blocks--; /* a move is not a new store */
@@ -1069,24 +1140,29 @@ kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int 
 kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
     if (idx == NULL) return KVP_E_NULL;
     if (!valid_ep(ep)) return KVP_E_ENDPOINT;
-    const size_t cap = idx->mt_cap;
-    size_t i = 0;
+    emap_t *em = emap_of(idx, ep);
     const uint32_t code = ep_code(ep);
-    while (i < cap) {
-        mslot_t *s = &idx->mt[i];
-        if (s->rec == NONE32 || m_code(s) != code) {
-            i++;
-            continue;
+    if (em != NULL && em->t != NULL) {
+        for (size_t i = 0; i < em->cap; i++) {
+            const mslot_t *s = &em->t[i];
+            if (s->rec == NONE32) continue;
+            const uint32_t r = m_rec(s);
+            if (m_side(s)) ot_delete(idx, code, s->eh);
+            /* the first mapping met removes the holder; later ones to the block find none */
+            block_t *b = &idx->pool[r];
+            holder_t *hd = find_holder(b, ep);
+            if (hd != NULL) {
+                ot_delete(idx, code | OT_SUM, r);
+                remove_holder_at(idx, r, hd);
+                idx->n_holdings--;
+                if (nh_of(b) == 0) delete_block(idx, r);
+            }
         }
-        uint32_t r = s->rec;
-        mt_delete_at(idx, i);
-        block_t *b = &idx->pool[r];
-        holder_t *hd = find_holder(b, ep);
-        if (hd != NULL) {
-            remove_holder_at(idx, r, hd);
-            idx->n_holdings--;
-            if (nh_of(b) == 0) delete_block(idx, r);
-        }
+        idx->mt_count -= em->count;
+        idx->mt_slots -= em->cap;
+        free(em->t);
+        em->t = NULL;
+        em->cap = em->count = 0;
     }
     idx->c.cleared_endpoints++;
     return KVP_OK;
@@ -1262,7 +1338,8 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
     out->entries = idx->n_holdings;
     out->engine_mappings = idx->mt_count;
     out->memory_bytes = sizeof(kvp_index) + sizeof(bslot_t) * idx->bt_cap +
-                        sizeof(mslot_t) * idx->mt_cap + sizeof(oslot_t) * idx->ot_cap +
+                        sizeof(mslot_t) * idx->mt_slots + sizeof(emap_t) * idx->em_cap +
+                        sizeof(oslot_t) * idx->ot_cap +
                         idx->pool_bytes + idx->ext_bytes + idx->lru_prev_bytes +
                         idx->lru_next_bytes + idx->rec_eh_bytes +
                         idx->ep_cap * (3 * sizeof(uint32_t) + 1) + idx->run_cap * sizeof(uint32_t) +
