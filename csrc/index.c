@@ -27,8 +27,8 @@
 
 #define NONE32 0xFFFFFFFFu
 #define EP_EMPTY 0xFFFFFFFEu /* never a valid endpoint id */
-#define EP_EXT 0xFFFFFFFDu   /* block_t.one.ep: the holders live in an ext_t */
-#define EP_NONE 0xFFFFFFFCu  /* block_t.one.ep: no holder */
+#define EP_EXT 0xFFFFFFFDu   /* block_t.ep: the holders live in an ext_t */
+#define EP_NONE 0xFFFFFFFCu  /* block_t.ep: no holder */
 #define MIN_CAP 16
 /* Hash tables stay at most LOAD_NUM/LOAD_DEN full (linear probing, multiply-high slot mapping)
  * and grow by (GROW_DEN + 1) / GROW_DEN; the record pool grows by POOL_GROW_DEN + 1 / ... */
@@ -81,17 +81,23 @@ typedef struct {
     holder_t h[];
 } ext_t;
 
-/* 20 bytes (4-aligned); LRU links and eh_first live in side arrays, allocated only when
- * bounded. A block with one holder keeps it inline (one.ep == EP_NONE: none yet, or the last
- * one just left); with more, one.ep is EP_EXT and the bytes after it hold the ext_t pointer
- * (memcpy'd: they are not pointer-aligned) and ext_t.n counts the holders. */
-typedef struct __attribute__((packed, aligned(4))) {
+/* 16 bytes; LRU links and eh_first live in side arrays, allocated only when bounded. A block
+ * with one holder usually keeps it inline, compactly: ep, and `packed` with an 8-bit count per
+ * tier and 7 bits of nmaps (plus IN_EH_VALID). ep == EP_NONE: no holder (none yet, or the last
+ * one just left). ep == EP_EXT: the holders live in an ext_t (ext_t.n of them), whose id in
+ * the index's ext table is `packed`; a block gets one when a second endpoint holds it, or when
+ * its inline holder's counts outgrow 8 bits (or its mappings 7), so nothing is ever lost. */
+typedef struct {
     kvp_hash_t hash; /* on the free list: the next free record id */
-    holder_t one;
+    uint32_t ep;     /* the inline holder's endpoint, EP_NONE or EP_EXT */
+    uint32_t packed; /* inline holder (see pack_holder), or the ext id */
 } block_t;
+#define IN_COUNT_MAX 0xFFu  /* an inline holder's count per tier */
+#define IN_NMAPS_MAX 0x7Fu  /* an inline holder's engine mappings */
+#define IN_EH_VALID 0x80u
 
 _Static_assert(sizeof(holder_t) == 12, "holder_t is 12 bytes");
-_Static_assert(sizeof(block_t) == 20, "block_t is 20 bytes");
+_Static_assert(sizeof(block_t) == 16, "block_t is 16 bytes");
 _Static_assert(sizeof(ext_t) % 8 == 0, "ext_t header keeps the eh array aligned");
 
 /* A block-table slot is 6 bytes: a 16-bit tag (low bits of the mixed block hash, independent of
@@ -159,6 +165,9 @@ struct kvp_index {
     size_t ot_cap, ot_count;
     uint64_t n_holdings;
     size_t ext_bytes;
+    ext_t **ext_tab;    /* holder arrays by ext id (NULL: free id) */
+    uint32_t *ext_free; /* free ext ids (a stack; ext_cap entries) */
+    uint32_t ext_len, ext_cap, ext_nfree;
     uint32_t hclock; /* holder-change clock (ext_t.hver) */
     kvp_stats c; /* counters only; sizes are filled in by kvp_index_stats */
     /* query scratch */
@@ -204,19 +213,37 @@ static inline size_t grown_cap(size_t cap, size_t need) {
 }
 static inline int valid_ep(kvp_endpoint_t ep) { return ep < KVP_MAX_ENDPOINT || ep == KVP_SHARED; }
 static inline int valid_tier(int t) { return t >= 0 && t < KVP_N_TIERS; }
-static inline int is_ext(const block_t *b) { return b->one.ep == EP_EXT; }
-static inline ext_t *ext_of(const block_t *b) {
-    ext_t *e;
-    memcpy(&e, (const char *)&b->one + sizeof(uint32_t), sizeof e);
-    return e;
+static inline int is_ext(const block_t *b) { return b->ep == EP_EXT; }
+static inline ext_t *ext_of(const kvp_index *idx, const block_t *b) {
+    return idx->ext_tab[b->packed];
 }
-static inline void set_ext(block_t *b, ext_t *e) {
-    b->one.ep = EP_EXT;
-    memcpy((char *)&b->one + sizeof(uint32_t), &e, sizeof e);
+static inline uint32_t nh_of(const kvp_index *idx, const block_t *b) {
+    return is_ext(b) ? ext_of(idx, b)->n : (b->ep != EP_NONE);
 }
-static inline holder_t *holders_of(block_t *b) { return is_ext(b) ? ext_of(b)->h : &b->one; }
-static inline uint32_t nh_of(const block_t *b) {
-    return is_ext(b) ? ext_of(b)->n : (b->one.ep != EP_NONE);
+static inline void unpack_holder(const block_t *b, holder_t *h) {
+    const uint32_t p = b->packed;
+    h->ep = b->ep;
+    h->count[0] = (uint16_t)(p & 0xFF);
+    h->count[1] = (uint16_t)((p >> 8) & 0xFF);
+    h->count[2] = (uint16_t)((p >> 16) & 0xFF);
+    h->nmaps = (uint16_t)(((p >> 24) & IN_NMAPS_MAX) | ((p >> 24) & IN_EH_VALID ? HOLDER_EH_VALID : 0));
+}
+/* The caller made sure it fits (counts <= IN_COUNT_MAX, nmaps <= IN_NMAPS_MAX): see to_ext. */
+static inline void pack_holder(block_t *b, const holder_t *h) {
+    uint32_t nm = (h->nmaps & IN_NMAPS_MAX) | (h->nmaps & HOLDER_EH_VALID ? IN_EH_VALID : 0);
+    b->ep = h->ep;
+    b->packed = (uint32_t)h->count[0] | (uint32_t)h->count[1] << 8 | (uint32_t)h->count[2] << 16 |
+                nm << 24;
+}
+/* A block's holders: its ext_t's array, or the inline holder unpacked into *tmp (changes to
+ * which holder_sync writes back). */
+static inline holder_t *holders_of(const kvp_index *idx, const block_t *b, holder_t *tmp) {
+    if (is_ext(b)) return ext_of(idx, b)->h;
+    unpack_holder(b, tmp);
+    return tmp;
+}
+static inline void holder_sync(kvp_index *idx, uint32_t r, const holder_t *hd, const holder_t *tmp) {
+    if (hd == tmp) pack_holder(&idx->pool[r], hd);
 }
 static inline size_t ext_size(uint32_t cap, int bounded) {
     return sizeof(ext_t) + (size_t)cap * (sizeof(holder_t) + (bounded ? sizeof(kvp_engine_hash_t) : 0));
@@ -227,7 +254,7 @@ static inline kvp_engine_hash_t *ext_eh(ext_t *e) {
 /* Bounded only: where holder k of record r keeps its eh_first. */
 static inline kvp_engine_hash_t *eh_first_of(kvp_index *idx, uint32_t r, uint32_t k) {
     block_t *b = &idx->pool[r];
-    return is_ext(b) ? &ext_eh(ext_of(b))[k] : &idx->rec_eh[r];
+    return is_ext(b) ? &ext_eh(ext_of(idx, b))[k] : &idx->rec_eh[r];
 }
 
 /* Holders are kept sorted by endpoint id: lookups bisect, and blocks held by the same
@@ -242,11 +269,19 @@ static uint32_t holder_lower_bound(const holder_t *hs, uint32_t n, kvp_endpoint_
     return lo;
 }
 
-static holder_t *find_holder(block_t *b, kvp_endpoint_t ep) {
-    holder_t *hs = holders_of(b);
-    const uint32_t n = nh_of(b);
-    uint32_t k = holder_lower_bound(hs, n, ep);
-    return (k < n && hs[k].ep == ep) ? &hs[k] : NULL;
+/* ep's holder on b (in b's ext_t, or unpacked into *tmp), or NULL; *k_out = its position. */
+static holder_t *find_holder(const kvp_index *idx, const block_t *b, kvp_endpoint_t ep,
+                             holder_t *tmp, uint32_t *k_out) {
+    if (!is_ext(b)) {
+        if (b->ep != ep) return NULL;
+        unpack_holder(b, tmp);
+        if (k_out) *k_out = 0;
+        return tmp;
+    }
+    const ext_t *e = ext_of(idx, b);
+    uint32_t k = holder_lower_bound(e->h, e->n, ep);
+    if (k_out) *k_out = k;
+    return (k < e->n && e->h[k].ep == ep) ? (holder_t *)&e->h[k] : NULL;
 }
 
 /* ---- block table -------------------------------------------------------------------------- */
@@ -300,7 +335,7 @@ static kvp_status bt_reserve(kvp_index *idx, size_t extra) {
     for (uint32_t r = 0; r < n; r++) {
         if (r + REHASH_AHEAD < n)
             __builtin_prefetch(&t[bslot_of(pool[r + REHASH_AHEAD].hash, cap)], 1);
-        if (pool[r].one.ep == EP_NONE) continue;
+        if (pool[r].ep == EP_NONE) continue;
         const uint64_t mixed = bmix_of(pool[r].hash);
         size_t j = bhome_of(mixed, cap);
         while (t[j].rec != NONE32)
@@ -503,7 +538,8 @@ static inline void mref_dec(kvp_index *idx, uint32_t code, const mslot_t *m, int
 }
 
 static inline uint32_t mref_of(const kvp_index *idx, kvp_endpoint_t ep, const mslot_t *m, int t) {
-    return mref(idx, ep_code(ep), m, find_holder(&idx->pool[m_rec(m)], ep), t);
+    holder_t tmp;
+    return mref(idx, ep_code(ep), m, find_holder(idx, &idx->pool[m_rec(m)], ep, &tmp, NULL), t);
 }
 
 /* Delete the mapping in slot i of em (its side entry too). */
@@ -605,7 +641,7 @@ static uint32_t pool_take(kvp_index *idx) {
     }
     block_t *b = &idx->pool[r];
     memset(b, 0, sizeof(*b));
-    b->one.ep = EP_NONE;
+    b->ep = EP_NONE;
     if (idx->max_entries) idx->lru_prev[r] = idx->lru_next[r] = NONE32;
     return r;
 }
@@ -613,12 +649,14 @@ static uint32_t pool_take(kvp_index *idx) {
 static void pool_give(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
     if (is_ext(b)) {
-        ext_t *e = ext_of(b);
+        ext_t *e = ext_of(idx, b);
         idx->ext_bytes -= ext_size(e->cap, idx->max_entries != 0);
         free(e);
+        idx->ext_tab[b->packed] = NULL;
+        idx->ext_free[idx->ext_nfree++] = b->packed;
     }
     memset(b, 0, sizeof(*b));
-    b->one.ep = EP_NONE; /* no holders: clear() may still meet mappings to a freed record */
+    b->ep = EP_NONE; /* no holders: clear() may still meet mappings to a freed record */
     b->hash = idx->free_head;
     idx->free_head = r;
 }
@@ -655,8 +693,8 @@ static void delete_block(kvp_index *idx, uint32_t r) {
 
 static uint32_t clock_next(kvp_index *idx) {
     if (++idx->hclock == 0) { /* wrapped: no cached equality may survive */
-        for (uint32_t r = 0; r < idx->pool_len; r++)
-            if (is_ext(&idx->pool[r])) ext_of(&idx->pool[r])->eq_prev = NONE32;
+        for (uint32_t id = 0; id < idx->ext_len; id++)
+            if (idx->ext_tab[id]) idx->ext_tab[id]->eq_prev = NONE32;
         idx->hclock = 1;
     }
     return idx->hclock;
@@ -665,33 +703,61 @@ static uint32_t clock_next(kvp_index *idx) {
 /* Any change to a block's holders or their counts invalidates equality cached with it. */
 static inline void holders_changed(kvp_index *idx, block_t *b) {
     if (is_ext(b)) {
-        ext_t *e = ext_of(b);
+        ext_t *e = ext_of(idx, b);
         e->hver = clock_next(idx);
         e->eq_prev = NONE32;
     }
+}
+
+/* Room for one more ext id (before any state changes). */
+static kvp_status ext_id_reserve(kvp_index *idx) {
+    if (idx->ext_nfree > 0 || idx->ext_len < idx->ext_cap) return KVP_OK;
+    if (idx->ext_cap >= (NONE32 >> 2)) return KVP_E_NOMEM;
+    uint32_t cap = idx->ext_cap ? idx->ext_cap * 2 : 16;
+    ext_t **t = (ext_t **)realloc(idx->ext_tab, cap * sizeof(ext_t *));
+    if (!t) return KVP_E_NOMEM;
+    idx->ext_tab = t;
+    uint32_t *f = (uint32_t *)realloc(idx->ext_free, cap * sizeof(uint32_t));
+    if (!f) return KVP_E_NOMEM; /* ext_tab grew, ext_cap did not: consistent */
+    idx->ext_free = f;
+    idx->ext_cap = cap;
+    return KVP_OK;
+}
+
+/* Move record r's inline holder (it has one) into a new ext_t: before a second holder joins,
+ * or before a count or the mapping count outgrows the inline fields. Nothing changes on failure. */
+static kvp_status to_ext(kvp_index *idx, uint32_t r) {
+    block_t *b = &idx->pool[r];
+    const int bounded = idx->max_entries != 0;
+    if (ext_id_reserve(idx) != KVP_OK) return KVP_E_NOMEM;
+    ext_t *ext = (ext_t *)malloc(ext_size(EXT_MIN_CAP, bounded));
+    if (!ext) return KVP_E_NOMEM;
+    ext->cap = EXT_MIN_CAP;
+    ext->n = 1;
+    ext->pad = 0;
+    unpack_holder(b, &ext->h[0]);
+    if (bounded) ext_eh(ext)[0] = idx->rec_eh[r];
+    ext->eq_prev = NONE32;
+    ext->eq_prev_ver = 0;
+    ext->hver = clock_next(idx);
+    const uint32_t id = idx->ext_nfree > 0 ? idx->ext_free[--idx->ext_nfree] : idx->ext_len++;
+    idx->ext_tab[id] = ext;
+    b->ep = EP_EXT;
+    b->packed = id;
+    idx->ext_bytes += ext_size(EXT_MIN_CAP, bounded);
+    return KVP_OK;
 }
 
 /* Make room for one more holder on record r (before any state changes). */
 static kvp_status holder_room(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
     const int bounded = idx->max_entries != 0;
-    if (nh_of(b) == 0) return KVP_OK;
+    if (nh_of(idx, b) == 0) return KVP_OK;
     if (!is_ext(b)) {
-        ext_t *ext = (ext_t *)malloc(ext_size(EXT_MIN_CAP, bounded));
-        if (!ext) return KVP_E_NOMEM;
-        ext->cap = EXT_MIN_CAP;
-        ext->n = 1;
-        ext->pad = 0;
-        ext->h[0] = b->one;
-        if (bounded) ext_eh(ext)[0] = idx->rec_eh[r];
-        ext->eq_prev = NONE32;
-        ext->eq_prev_ver = 0;
-        ext->hver = clock_next(idx);
-        set_ext(b, ext);
-        idx->ext_bytes += ext_size(EXT_MIN_CAP, bounded);
-        return KVP_OK;
+        kvp_status st = to_ext(idx, r);
+        if (st != KVP_OK) return st;
     }
-    ext_t *ext = ext_of(b);
+    ext_t *ext = ext_of(idx, b);
     const uint32_t old = ext->cap;
     if (ext->n < old) return KVP_OK;
     if (old >= (NONE32 >> 5)) return KVP_E_NOMEM;
@@ -703,24 +769,28 @@ static kvp_status holder_room(kvp_index *idx, uint32_t r) {
                 (char *)ext->h + (size_t)old * sizeof(holder_t), old * sizeof(kvp_engine_hash_t));
     ext->cap = cap;
     idx->ext_bytes += ext_size(cap, bounded) - ext_size(old, bounded);
-    set_ext(b, ext);
+    idx->ext_tab[b->packed] = ext;
     return KVP_OK;
 }
 
-static void remove_holder_at(kvp_index *idx, uint32_t r, holder_t *hd) {
+/* Remove holder k of record r. */
+static void remove_holder_at(kvp_index *idx, uint32_t r, uint32_t k) {
     block_t *b = &idx->pool[r];
-    holder_t *hs = holders_of(b);
-    size_t k = (size_t)(hd - hs);
-    size_t tail = (size_t)nh_of(b) - 1 - k;
+    if (!is_ext(b)) {
+        b->ep = EP_NONE;
+        b->packed = 0;
+        return;
+    }
+    ext_t *e = ext_of(idx, b);
+    size_t tail = (size_t)e->n - 1 - k;
     if (tail) {
-        memmove(&hs[k], &hs[k + 1], tail * sizeof(holder_t));
-        if (idx->max_entries && is_ext(b)) {
-            kvp_engine_hash_t *eh = ext_eh(ext_of(b));
+        memmove(&e->h[k], &e->h[k + 1], tail * sizeof(holder_t));
+        if (idx->max_entries) {
+            kvp_engine_hash_t *eh = ext_eh(e);
             memmove(&eh[k], &eh[k + 1], tail * sizeof(kvp_engine_hash_t));
         }
     }
-    if (is_ext(b)) ext_of(b)->n--;
-    else b->one.ep = EP_NONE;
+    e->n--;
     holders_changed(idx, b);
 }
 
@@ -761,23 +831,35 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
     const uint32_t code = ep_code(ep);
     mslot_t *m = mt_probe(em, eh, &m_empty);
     uint32_t r;
-    holder_t *hd;
+    holder_t tmp, *hd;
+    int dup = 0;
     if (m != NULL) {
         r = m_rec(m);
         if (idx->pool[r].hash != h) {
             idx->c.conflicting_stores++;
             return KVP_OK;
         }
-        hd = find_holder(&idx->pool[r], ep);
+        hd = find_holder(idx, &idx->pool[r], ep, &tmp, NULL);
         if (hd->count[tier] == COUNT_MAX) return KVP_E_OVERFLOW;
+        if (hd == &tmp && hd->count[tier] == IN_COUNT_MAX) { /* before any change */
+            kvp_status st = to_ext(idx, r);
+            if (st != KVP_OK) return st;
+            hd = &ext_of(idx, &idx->pool[r])->h[0];
+        }
+        dup = mref(idx, code, m, hd, tier) > 0;
     } else {
         r = bt_probe(idx, h, &b_empty);
-        holder_t *old = r != NONE32 ? find_holder(&idx->pool[r], ep) : NULL;
-        if (old) { /* refuse an overflowing store, make room for side entries, before any change */
+        holder_t *old = r != NONE32 ? find_holder(idx, &idx->pool[r], ep, &tmp, NULL) : NULL;
+        if (old) { /* refuse an overflowing store, make room, before any change */
             if (old->count[tier] == COUNT_MAX || (old->nmaps & NMAPS_MASK) == NMAPS_MASK)
                 return KVP_E_OVERFLOW;
             kvp_status st = ot_reserve(idx, 2);
             if (st != KVP_OK) return st;
+            if (old == &tmp &&
+                (old->count[tier] == IN_COUNT_MAX || (old->nmaps & NMAPS_MASK) == IN_NMAPS_MAX)) {
+                if ((st = to_ext(idx, r)) != KVP_OK) return st;
+                old = &ext_of(idx, &idx->pool[r])->h[0];
+            }
         }
         if (r == NONE32) {
             r = pool_take(idx);
@@ -791,23 +873,25 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
         hd = old;
         uint32_t side = 0;
         if (hd == NULL) {
-            kvp_status st = holder_room(idx, r);
-            if (st != KVP_OK) {
-                if (nh_of(b) == 0) delete_block(idx, r);
-                return st;
-            }
-            holder_t *hs = holders_of(b);
-            const uint32_t n = nh_of(b);
-            uint32_t k = holder_lower_bound(hs, n, ep);
-            if (k < n) {
-                memmove(&hs[k + 1], &hs[k], (size_t)(n - k) * sizeof(holder_t));
-                if (idx->max_entries) { /* k < n: b is an ext */
-                    kvp_engine_hash_t *ehs = ext_eh(ext_of(b));
-                    memmove(&ehs[k + 1], &ehs[k], (size_t)(n - k) * sizeof(*ehs));
+            uint32_t k = 0;
+            if (nh_of(idx, b) == 0) { /* the only holder: inline */
+                hd = &tmp;
+            } else {
+                kvp_status st = holder_room(idx, r);
+                if (st != KVP_OK) return st;
+                ext_t *e = ext_of(idx, b);
+                const uint32_t n = e->n;
+                k = holder_lower_bound(e->h, n, ep);
+                if (k < n) {
+                    memmove(&e->h[k + 1], &e->h[k], (size_t)(n - k) * sizeof(holder_t));
+                    if (idx->max_entries) {
+                        kvp_engine_hash_t *ehs = ext_eh(e);
+                        memmove(&ehs[k + 1], &ehs[k], (size_t)(n - k) * sizeof(*ehs));
+                    }
                 }
+                e->n++;
+                hd = &e->h[k];
             }
-            if (is_ext(b)) ext_of(b)->n++; /* inline: setting one.ep below makes it 1 */
-            hd = &hs[k];
             memset(hd, 0, sizeof(*hd));
             hd->ep = ep;
             if (idx->max_entries) {
@@ -831,17 +915,11 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
         m->rec = r | side;
         em->count++;
         idx->mt_count++;
-        /* a new mapping has no refs yet: not a duplicate */
-        mref_inc(idx, code, m, tier);
-        hd->count[tier]++;
-        holders_changed(idx, &idx->pool[r]);
-        idx->c.stored_blocks++;
-        touch(idx, r);
-        return KVP_OK;
     }
-    if (mref(idx, code, m, hd, tier) > 0) idx->c.duplicate_stores++;
+    if (dup) idx->c.duplicate_stores++;
     mref_inc(idx, code, m, tier);
     hd->count[tier]++;
+    holder_sync(idx, r, hd, &tmp);
     holders_changed(idx, &idx->pool[r]);
     idx->c.stored_blocks++;
     touch(idx, r);
@@ -854,7 +932,9 @@ static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
     const uint32_t code = ep_code(ep);
     uint32_t r = m_rec(m);
     block_t *b = &idx->pool[r];
-    holder_t *hd = find_holder(b, ep);
+    holder_t tmp;
+    uint32_t k;
+    holder_t *hd = find_holder(idx, b, ep, &tmp, &k);
     mref_dec(idx, code, m, tier);
     hd->count[tier]--;
     int mapping_gone = !mref_any(idx, code, m, hd);
@@ -862,17 +942,17 @@ static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
     if (mapping_gone) {
         if (!holder_gone) {
             hd->nmaps--;
-            if (idx->max_entries &&
-                *eh_first_of(idx, r, (uint32_t)(hd - holders_of(b))) == m->eh)
+            if (idx->max_entries && *eh_first_of(idx, r, k) == m->eh)
                 hd->nmaps &= (uint16_t)~HOLDER_EH_VALID;
         }
         mt_delete_at(idx, em, code, (size_t)(m - em->t));
     }
     if (holder_gone) {
-        remove_holder_at(idx, r, hd);
+        remove_holder_at(idx, r, k);
         idx->n_holdings--;
-        if (nh_of(b) == 0) delete_block(idx, r);
+        if (nh_of(idx, b) == 0) delete_block(idx, r);
     } else {
+        holder_sync(idx, r, hd, &tmp);
         holders_changed(idx, b);
     }
 }
@@ -893,8 +973,9 @@ static void scan_delete_mappings(kvp_index *idx, uint32_t r, kvp_endpoint_t ep) 
 
 static void evict_block(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
-    holder_t *hs = holders_of(b);
-    const uint32_t n = nh_of(b);
+    holder_t tmp;
+    const holder_t *hs = holders_of(idx, b, &tmp);
+    const uint32_t n = nh_of(idx, b);
     for (uint32_t k = 0; k < n; k++) {
         const kvp_endpoint_t ep = hs[k].ep;
         if ((hs[k].nmaps & NMAPS_MASK) == 1 && (hs[k].nmaps & HOLDER_EH_VALID)) {
@@ -939,8 +1020,9 @@ kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out) {
 
 void kvp_index_free(kvp_index *idx) {
     if (idx == NULL) return;
-    for (uint32_t r = 0; r < idx->pool_len; r++)
-        if (is_ext(&idx->pool[r])) free(ext_of(&idx->pool[r])); /* ext_t, header included */
+    for (uint32_t id = 0; id < idx->ext_len; id++) free(idx->ext_tab[id]); /* NULL when free */
+    free(idx->ext_tab);
+    free(idx->ext_free);
     arr_free(idx->pool, idx->pool_bytes, idx->pool_mapped);
     arr_free(idx->lru_prev, idx->lru_prev_bytes, idx->lru_prev_mapped);
     arr_free(idx->lru_next, idx->lru_next_bytes, idx->lru_next_mapped);
@@ -1121,8 +1203,11 @@ kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int 
         }
         if (from_tier == to_tier) continue;
         /* overflow would only strike add_ref after the drop; check first so a move is atomic */
-        holder_t *hd = find_holder(&idx->pool[m_rec(m)], ep);
+        holder_t tmp;
+        holder_t *hd = find_holder(idx, &idx->pool[m_rec(m)], ep, &tmp, NULL);
         if (hd->count[to_tier] == COUNT_MAX) return KVP_E_OVERFLOW;
+        if (hd == &tmp && hd->count[to_tier] == IN_COUNT_MAX && (st = to_ext(idx, m_rec(m))) != KVP_OK)
+            return st;
         /* the re-added mapping may need side entries (when it is dropped but the holder stays) */
         if ((st = ot_reserve(idx, 2)) != KVP_OK) return st;
         kvp_hash_t h = idx->pool[m_rec(m)].hash;
@@ -1150,12 +1235,13 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
             if (m_side(s)) ot_delete(idx, code, s->eh);
             /* the first mapping met removes the holder; later ones to the block find none */
             block_t *b = &idx->pool[r];
-            holder_t *hd = find_holder(b, ep);
-            if (hd != NULL) {
+            holder_t tmp;
+            uint32_t k;
+            if (find_holder(idx, b, ep, &tmp, &k) != NULL) {
                 ot_delete(idx, code | OT_SUM, r);
-                remove_holder_at(idx, r, hd);
+                remove_holder_at(idx, r, k);
                 idx->n_holdings--;
-                if (nh_of(b) == 0) delete_block(idx, r);
+                if (nh_of(idx, b) == 0) delete_block(idx, r);
             }
         }
         idx->mt_count -= em->count;
@@ -1174,19 +1260,25 @@ static inline int best_tier(const holder_t *h) { return h->count[0] ? 0 : (h->co
  * means a full check.
  * A positive answer between two multi-holder blocks is cached in b's header until either
  * block's holders change. */
-static inline int same_holders(uint32_t ra, block_t *a, block_t *b) {
-    const uint32_t n = nh_of(a);
-    if (n != nh_of(b)) return 0;
+static inline int same_holders(const kvp_index *idx, uint32_t ra, const block_t *a,
+                               const block_t *b) {
+    const uint32_t n = nh_of(idx, a);
+    if (n != nh_of(idx, b)) return 0;
     const int both_ext = is_ext(a) && is_ext(b);
-    if (both_ext && ext_of(b)->eq_prev == ra && ext_of(b)->eq_prev_ver == ext_of(a)->hver)
+    if (both_ext) {
+        ext_t *ea = ext_of(idx, a), *eb = ext_of(idx, b);
+        if (eb->eq_prev == ra && eb->eq_prev_ver == ea->hver) return 1;
+        for (uint32_t k = 0; k < n; k++)
+            if (ea->h[k].ep != eb->h[k].ep || best_tier(&ea->h[k]) != best_tier(&eb->h[k]))
+                return 0;
+        eb->eq_prev = ra;
+        eb->eq_prev_ver = ea->hver;
         return 1;
-    const holder_t *ha = holders_of(a), *hb = holders_of(b);
+    }
+    holder_t ta, tb;
+    const holder_t *ha = holders_of(idx, a, &ta), *hb = holders_of(idx, b, &tb);
     for (uint32_t k = 0; k < n; k++)
         if (ha[k].ep != hb[k].ep || best_tier(&ha[k]) != best_tier(&hb[k])) return 0;
-    if (both_ext) {
-        ext_of(b)->eq_prev = ra;
-        ext_of(b)->eq_prev_ver = ext_of(a)->hver;
-    }
     return 1;
 }
 
@@ -1252,9 +1344,10 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
         if (r != NONE32) {
             touch(idx, r);
             block_t *b = &idx->pool[r];
-            const holder_t *hd = holders_of(b);
-            const uint32_t nh = nh_of(b);
-            if (n_act > 0 && prev_r != NONE32 && same_holders(prev_r, &idx->pool[prev_r], b)) {
+            holder_t tmp;
+            const holder_t *hd = holders_of(idx, b, &tmp);
+            const uint32_t nh = nh_of(idx, b);
+            if (n_act > 0 && prev_r != NONE32 && same_holders(idx, prev_r, &idx->pool[prev_r], b)) {
                 /* the same endpoints with the same best tiers as the previous block: every
                  * active endpoint continues; settle the counts later in one pass */
                 pending++;
@@ -1342,6 +1435,7 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
                         sizeof(oslot_t) * idx->ot_cap +
                         idx->pool_bytes + idx->ext_bytes + idx->lru_prev_bytes +
                         idx->lru_next_bytes + idx->rec_eh_bytes +
+                        (size_t)idx->ext_cap * (sizeof(ext_t *) + sizeof(uint32_t)) +
                         idx->ep_cap * (3 * sizeof(uint32_t) + 1) + idx->run_cap * sizeof(uint32_t) +
                         idx->seq_cap * sizeof(kvp_hash_t);
     return KVP_OK;
@@ -1357,7 +1451,8 @@ kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_
     for (size_t i = 0; i < slots; i++) {
         if (idx->bt[i].rec == NONE32) continue;
         block_t *b = &idx->pool[idx->bt[i].rec];
-        holder_t *hd = find_holder(b, ep);
+        holder_t tmp;
+        holder_t *hd = find_holder(idx, b, ep, &tmp, NULL);
         if (hd == NULL) continue;
         if (n < cap) {
             hashes[n] = b->hash;
