@@ -1255,6 +1255,9 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
 }
 
 static inline int best_tier(const holder_t *h) { return h->count[0] ? 0 : (h->count[1] ? 1 : 2); }
+static inline int inline_best_tier(uint32_t packed) {
+    return (packed & 0xFF) ? 0 : ((packed & 0xFF00) ? 1 : 2);
+}
 
 /* Same endpoints (holder lists are sorted) with the same best tiers. Exact; a mismatch just
  * means a full check.
@@ -1275,6 +1278,8 @@ static inline int same_holders(const kvp_index *idx, uint32_t ra, const block_t 
         eb->eq_prev_ver = ea->hver;
         return 1;
     }
+    if (!is_ext(a) && !is_ext(b)) /* one inline holder each (n == 1: n == 0 never walks here) */
+        return a->ep == b->ep && inline_best_tier(a->packed) == inline_best_tier(b->packed);
     holder_t ta, tb;
     const holder_t *ha = holders_of(idx, a, &ta), *hb = holders_of(idx, b, &tb);
     for (uint32_t k = 0; k < n; k++)
@@ -1344,9 +1349,6 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
         if (r != NONE32) {
             touch(idx, r);
             block_t *b = &idx->pool[r];
-            holder_t tmp;
-            const holder_t *hd = holders_of(idx, b, &tmp);
-            const uint32_t nh = nh_of(idx, b);
             if (n_act > 0 && prev_r != NONE32 && same_holders(idx, prev_r, &idx->pool[prev_r], b)) {
                 /* the same endpoints with the same best tiers as the previous block: every
                  * active endpoint continues; settle the counts later in one pass */
@@ -1354,6 +1356,9 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
                 shared = prev_shared;
                 n_cont = n_act;
             } else {
+                holder_t tmp;
+                const holder_t *hd = holders_of(idx, b, &tmp);
+                const uint32_t nh = nh_of(idx, b);
                 settle(act, act_best, n_act, pending, ep_pos, tier_out);
                 pending = 0;
                 if (i == 0) {
