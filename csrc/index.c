@@ -4,11 +4,12 @@
  * Layout (sizes matter: see docs/core.md, memory per million blocks)
  *   block table  open addressing, linear probing, backward-shift deletion: 6-byte slots
  *                (16-bit hash tag, record id)
- *   records      a pool of 20-byte block records with stable ids (free list): hash and one
- *                inline holder; more holders in a growable side array; LRU links and per-holder
- *                engine hashes only when bounded
- *   engine map   open addressing on (endpoint, engine hash), 16-byte slots -> record id,
- *                3-bit refs per tier (larger refcounts in an overflow table)
+ *   records      a pool of 16-byte block records with stable ids (free list): hash and one
+ *                compact inline holder (8-bit counts); more holders, or larger counts, in a
+ *                growable holder array; LRU links and per-holder engine hashes only when bounded
+ *   engine maps  one per endpoint, open addressing on the engine hash, 12-byte slots ->
+ *                record id; refcounts from the holder (first mapping of the endpoint to the
+ *                block) or from a side table (further ones)
  * Invariant: a holder's count per tier is the sum of the refs of that endpoint's mappings to
  * the block, so holders and mappings are created and destroyed together.
  */

@@ -305,8 +305,9 @@ def test_c_index_is_safe_under_concurrent_threads():
 
 
 def test_many_duplicate_stores_keep_exact_refcounts():
-    """Refcounts past the C engine map's small inline counters move to its overflow table:
-    every reference still counts, removes and moves stay exact, nothing errors."""
+    """Many references per mapping, and a second engine hash of a held block (C: side-table
+    refcounts), on an endpoint and the shared tier: every reference still counts, removes and
+    moves stay exact, nothing errors."""
     c, r = load_backend("c").Index(), load_backend("reference").Index()
     for idx in (c, r):
         for tier in (0, 1, 2):
