@@ -266,13 +266,14 @@ def bench_workers(workers: int, args, dynamo) -> dict:
     idx2 = core.Index()
     res["c_apply_hashes_blocks_per_s"] = n_blocks / apply_c_hashes(idx2, wl.events)
     idx2 = core.Index()
-    idx2.reserve(st["blocks"], st["engine_mappings"])  # a router knows its fleet's KV capacity
+    # a router knows its fleet's KV capacity (engine maps are per endpoint: spread over workers)
+    idx2.reserve(st["blocks"], st["engine_mappings"], workers)
     res["c_apply_tokens_presized_blocks_per_s"] = n_blocks / apply_c_tokens(idx2, wl.events)
     batches = batched_by_worker(wl.events)
     idx2 = core.Index()
     res["c_apply_batched_blocks_per_s"] = n_blocks / apply_c_batches(idx2, batches)
     idx2 = core.Index()
-    idx2.reserve(st["blocks"], st["engine_mappings"])
+    idx2.reserve(st["blocks"], st["engine_mappings"], workers)
     res["c_apply_batched_presized_blocks_per_s"] = n_blocks / apply_c_batches(idx2, batches)
     idx2 = None
     batches = None

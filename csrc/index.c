@@ -4,11 +4,12 @@
  * Layout (sizes matter: see docs/core.md, memory per million blocks)
  *   block table  open addressing, linear probing, backward-shift deletion: 6-byte slots
  *                (16-bit hash tag, record id)
- *   records      a pool of 20-byte block records with stable ids (free list): hash and one
- *                inline holder; more holders in a growable side array; LRU links and per-holder
- *                engine hashes only when bounded
- *   engine map   open addressing on (endpoint, engine hash), 16-byte slots -> record id,
- *                3-bit refs per tier (larger refcounts in an overflow table)
+ *   records      a pool of 16-byte block records with stable ids (free list): hash and one
+ *                compact inline holder (8-bit counts); more holders, or larger counts, in a
+ *                growable holder array; LRU links and per-holder engine hashes only when bounded
+ *   engine maps  one per endpoint, open addressing on the engine hash, 12-byte slots ->
+ *                record id; refcounts from the holder (first mapping of the endpoint to the
+ *                block) or from a side table (further ones)
  * Invariant: a holder's count per tier is the sum of the refs of that endpoint's mappings to
  * the block, so holders and mappings are created and destroyed together.
  */
@@ -27,8 +28,8 @@
 
 #define NONE32 0xFFFFFFFFu
 #define EP_EMPTY 0xFFFFFFFEu /* never a valid endpoint id */
-#define EP_EXT 0xFFFFFFFDu   /* block_t.one.ep: the holders live in an ext_t */
-#define EP_NONE 0xFFFFFFFCu  /* block_t.one.ep: no holder */
+#define EP_EXT 0xFFFFFFFDu   /* block_t.ep: the holders live in an ext_t */
+#define EP_NONE 0xFFFFFFFCu  /* block_t.ep: no holder */
 #define MIN_CAP 16
 /* Hash tables stay at most LOAD_NUM/LOAD_DEN full (linear probing, multiply-high slot mapping)
  * and grow by (GROW_DEN + 1) / GROW_DEN; the record pool grows by POOL_GROW_DEN + 1 / ... */
@@ -81,17 +82,23 @@ typedef struct {
     holder_t h[];
 } ext_t;
 
-/* 20 bytes (4-aligned); LRU links and eh_first live in side arrays, allocated only when
- * bounded. A block with one holder keeps it inline (one.ep == EP_NONE: none yet, or the last
- * one just left); with more, one.ep is EP_EXT and the bytes after it hold the ext_t pointer
- * (memcpy'd: they are not pointer-aligned) and ext_t.n counts the holders. */
-typedef struct __attribute__((packed, aligned(4))) {
+/* 16 bytes; LRU links and eh_first live in side arrays, allocated only when bounded. A block
+ * with one holder usually keeps it inline, compactly: ep, and `packed` with an 8-bit count per
+ * tier and 7 bits of nmaps (plus IN_EH_VALID). ep == EP_NONE: no holder (none yet, or the last
+ * one just left). ep == EP_EXT: the holders live in an ext_t (ext_t.n of them), whose id in
+ * the index's ext table is `packed`; a block gets one when a second endpoint holds it, or when
+ * its inline holder's counts outgrow 8 bits (or its mappings 7), so nothing is ever lost. */
+typedef struct {
     kvp_hash_t hash; /* on the free list: the next free record id */
-    holder_t one;
+    uint32_t ep;     /* the inline holder's endpoint, EP_NONE or EP_EXT */
+    uint32_t packed; /* inline holder (see pack_holder), or the ext id */
 } block_t;
+#define IN_COUNT_MAX 0xFFu  /* an inline holder's count per tier */
+#define IN_NMAPS_MAX 0x7Fu  /* an inline holder's engine mappings */
+#define IN_EH_VALID 0x80u
 
 _Static_assert(sizeof(holder_t) == 12, "holder_t is 12 bytes");
-_Static_assert(sizeof(block_t) == 20, "block_t is 20 bytes");
+_Static_assert(sizeof(block_t) == 16, "block_t is 16 bytes");
 _Static_assert(sizeof(ext_t) % 8 == 0, "ext_t header keeps the eh array aligned");
 
 /* A block-table slot is 6 bytes: a 16-bit tag (low bits of the mixed block hash, independent of
@@ -105,28 +112,38 @@ typedef struct __attribute__((packed)) {
 } bslot_t;
 _Static_assert(sizeof(bslot_t) == 6, "bslot_t is 6 bytes");
 
-/* One engine mapping in 16 bytes. meta packs the endpoint (21 bits: ids < 2^20, the shared
- * tier as 2^20), then a 3-bit refcount per tier; refcounts past 7 (rare: the same engine hash
- * stored again and again) move to the overflow table and set M_OVF, so no count is ever lost. */
-typedef struct {
+/* One engine mapping in 12 bytes, in its endpoint's own table (so no endpoint field): the
+ * engine hash and the record id, whose top bit (M_SIDE) says where the mapping's refcounts
+ * live. Without it (at most one such mapping per endpoint and block: the first one made), the
+ * refcounts are the holder's counts minus those of the endpoint's other mappings to the block
+ * (their sum is kept in the side table when there are any, so usually there are none and the
+ * holder's counts are the mapping's). With it, the side table holds them, keyed by (endpoint,
+ * engine hash). Mappings added to a block the endpoint already holds get M_SIDE. */
+typedef struct __attribute__((packed, aligned(4))) {
     kvp_engine_hash_t eh;
-    uint32_t rec; /* NONE32 = empty slot */
-    uint32_t meta;
+    uint32_t rec; /* NONE32 = empty slot; else record id | M_SIDE */
 } mslot_t;
-#define M_EP_MASK 0x1FFFFFu
-#define M_SHARED_CODE 0x100000u
-#define M_REF_SHIFT 21
-#define M_REF_BITS 3
-#define M_REF_INLINE_MAX 7u
-#define M_OVF (1u << 30)
+_Static_assert(sizeof(mslot_t) == 12, "mslot_t is 12 bytes");
+#define M_SIDE 0x80000000u
+#define M_REC_MASK 0x7FFFFFFFu
+#define POOL_MAX_RECORDS 0x7FFFFFF0u /* record ids must leave M_SIDE free */
 
-/* Refcounts of mappings whose inline 3-bit counts overflowed, keyed by (endpoint code, eh). */
+/* One endpoint's engine map: open addressing on the engine hash, linear probing. */
 typedef struct {
-    kvp_engine_hash_t eh;
+    mslot_t *t;
+    uint32_t cap, count;
+} emap_t;
+
+/* Side table: refcounts of M_SIDE mappings keyed by (endpoint code, engine hash), and per
+ * (endpoint code | OT_SUM, record id) the sum of that endpoint's M_SIDE refcounts on the block. */
+typedef struct {
+    uint64_t key;
     uint32_t code; /* OVF_EMPTY = empty slot */
     uint32_t refs[KVP_N_TIERS];
 } oslot_t;
 #define OVF_EMPTY 0xFFFFFFFFu
+#define OT_SUM 0x40000000u
+#define M_SHARED_CODE 0x100000u
 
 struct kvp_index {
     uint64_t max_entries;
@@ -140,13 +157,18 @@ struct kvp_index {
     uint32_t *lru_prev, *lru_next; /* pool_cap entries each, only when max_entries > 0 */
     kvp_engine_hash_t *rec_eh;     /* eh_first of a record's inline holder, only when bounded */
     uint32_t lru_head, lru_tail;   /* oldest, newest */
-    mslot_t *mt;
-    size_t mt_cap;
-    size_t mt_count;
-    oslot_t *ot; /* overflowed mapping refcounts (NULL until first needed) */
+    emap_t *em;        /* engine maps of endpoints 0 .. em_cap-1 */
+    size_t em_cap;
+    emap_t em_shared;  /* the shared tier's */
+    size_t mt_count;   /* mappings, all endpoints */
+    size_t mt_slots;   /* slots allocated, all endpoints */
+    oslot_t *ot; /* side table (NULL until first needed) */
     size_t ot_cap, ot_count;
     uint64_t n_holdings;
     size_t ext_bytes;
+    ext_t **ext_tab;    /* holder arrays by ext id (NULL: free id) */
+    uint32_t *ext_free; /* free ext ids (a stack; ext_cap entries) */
+    uint32_t ext_len, ext_cap, ext_nfree;
     uint32_t hclock; /* holder-change clock (ext_t.hver) */
     kvp_stats c; /* counters only; sizes are filled in by kvp_index_stats */
     /* query scratch */
@@ -177,12 +199,14 @@ static inline size_t bhome_of(uint64_t mixed, size_t cap) { /* cap < 2^32 */
 }
 static inline size_t bslot_of(kvp_hash_t h, size_t cap) { return bhome_of(bmix_of(h), cap); }
 static inline uint32_t ep_code(kvp_endpoint_t ep) { return ep == KVP_SHARED ? M_SHARED_CODE : ep; }
-static inline uint32_t m_code(const mslot_t *m) { return m->meta & M_EP_MASK; }
-static inline size_t mslot_of(uint32_t code, kvp_engine_hash_t eh, size_t cap) {
-    uint64_t x = (eh ^ ((uint64_t)code * KPH_K3)) * KPH_K0;
+static inline size_t mslot_of(kvp_engine_hash_t eh, size_t cap) {
+    uint64_t x = eh * KPH_K0;
     x ^= x >> 29;
     x *= KPH_K1;
     return fastrange(x ^ (x >> 32), cap);
+}
+static inline size_t oslot_of(uint32_t code, uint64_t key, size_t cap) {
+    return mslot_of(key ^ ((uint64_t)code * KPH_K3), cap);
 }
 static inline size_t grown_cap(size_t cap, size_t need) {
     while (need * LOAD_DEN > cap * LOAD_NUM) cap = cap + cap / GROW_DEN + MIN_CAP;
@@ -190,19 +214,37 @@ static inline size_t grown_cap(size_t cap, size_t need) {
 }
 static inline int valid_ep(kvp_endpoint_t ep) { return ep < KVP_MAX_ENDPOINT || ep == KVP_SHARED; }
 static inline int valid_tier(int t) { return t >= 0 && t < KVP_N_TIERS; }
-static inline int is_ext(const block_t *b) { return b->one.ep == EP_EXT; }
-static inline ext_t *ext_of(const block_t *b) {
-    ext_t *e;
-    memcpy(&e, (const char *)&b->one + sizeof(uint32_t), sizeof e);
-    return e;
+static inline int is_ext(const block_t *b) { return b->ep == EP_EXT; }
+static inline ext_t *ext_of(const kvp_index *idx, const block_t *b) {
+    return idx->ext_tab[b->packed];
 }
-static inline void set_ext(block_t *b, ext_t *e) {
-    b->one.ep = EP_EXT;
-    memcpy((char *)&b->one + sizeof(uint32_t), &e, sizeof e);
+static inline uint32_t nh_of(const kvp_index *idx, const block_t *b) {
+    return is_ext(b) ? ext_of(idx, b)->n : (b->ep != EP_NONE);
 }
-static inline holder_t *holders_of(block_t *b) { return is_ext(b) ? ext_of(b)->h : &b->one; }
-static inline uint32_t nh_of(const block_t *b) {
-    return is_ext(b) ? ext_of(b)->n : (b->one.ep != EP_NONE);
+static inline void unpack_holder(const block_t *b, holder_t *h) {
+    const uint32_t p = b->packed;
+    h->ep = b->ep;
+    h->count[0] = (uint16_t)(p & 0xFF);
+    h->count[1] = (uint16_t)((p >> 8) & 0xFF);
+    h->count[2] = (uint16_t)((p >> 16) & 0xFF);
+    h->nmaps = (uint16_t)(((p >> 24) & IN_NMAPS_MAX) | ((p >> 24) & IN_EH_VALID ? HOLDER_EH_VALID : 0));
+}
+/* The caller made sure it fits (counts <= IN_COUNT_MAX, nmaps <= IN_NMAPS_MAX): see to_ext. */
+static inline void pack_holder(block_t *b, const holder_t *h) {
+    uint32_t nm = (h->nmaps & IN_NMAPS_MAX) | (h->nmaps & HOLDER_EH_VALID ? IN_EH_VALID : 0);
+    b->ep = h->ep;
+    b->packed = (uint32_t)h->count[0] | (uint32_t)h->count[1] << 8 | (uint32_t)h->count[2] << 16 |
+                nm << 24;
+}
+/* A block's holders: its ext_t's array, or the inline holder unpacked into *tmp (changes to
+ * which holder_sync writes back). */
+static inline holder_t *holders_of(const kvp_index *idx, const block_t *b, holder_t *tmp) {
+    if (is_ext(b)) return ext_of(idx, b)->h;
+    unpack_holder(b, tmp);
+    return tmp;
+}
+static inline void holder_sync(kvp_index *idx, uint32_t r, const holder_t *hd, const holder_t *tmp) {
+    if (hd == tmp) pack_holder(&idx->pool[r], hd);
 }
 static inline size_t ext_size(uint32_t cap, int bounded) {
     return sizeof(ext_t) + (size_t)cap * (sizeof(holder_t) + (bounded ? sizeof(kvp_engine_hash_t) : 0));
@@ -213,7 +255,7 @@ static inline kvp_engine_hash_t *ext_eh(ext_t *e) {
 /* Bounded only: where holder k of record r keeps its eh_first. */
 static inline kvp_engine_hash_t *eh_first_of(kvp_index *idx, uint32_t r, uint32_t k) {
     block_t *b = &idx->pool[r];
-    return is_ext(b) ? &ext_eh(ext_of(b))[k] : &idx->rec_eh[r];
+    return is_ext(b) ? &ext_eh(ext_of(idx, b))[k] : &idx->rec_eh[r];
 }
 
 /* Holders are kept sorted by endpoint id: lookups bisect, and blocks held by the same
@@ -228,11 +270,19 @@ static uint32_t holder_lower_bound(const holder_t *hs, uint32_t n, kvp_endpoint_
     return lo;
 }
 
-static holder_t *find_holder(block_t *b, kvp_endpoint_t ep) {
-    holder_t *hs = holders_of(b);
-    const uint32_t n = nh_of(b);
-    uint32_t k = holder_lower_bound(hs, n, ep);
-    return (k < n && hs[k].ep == ep) ? &hs[k] : NULL;
+/* ep's holder on b (in b's ext_t, or unpacked into *tmp), or NULL; *k_out = its position. */
+static holder_t *find_holder(const kvp_index *idx, const block_t *b, kvp_endpoint_t ep,
+                             holder_t *tmp, uint32_t *k_out) {
+    if (!is_ext(b)) {
+        if (b->ep != ep) return NULL;
+        unpack_holder(b, tmp);
+        if (k_out) *k_out = 0;
+        return tmp;
+    }
+    const ext_t *e = ext_of(idx, b);
+    uint32_t k = holder_lower_bound(e->h, e->n, ep);
+    if (k_out) *k_out = k;
+    return (k < e->n && e->h[k].ep == ep) ? (holder_t *)&e->h[k] : NULL;
 }
 
 /* ---- block table -------------------------------------------------------------------------- */
@@ -286,7 +336,7 @@ static kvp_status bt_reserve(kvp_index *idx, size_t extra) {
     for (uint32_t r = 0; r < n; r++) {
         if (r + REHASH_AHEAD < n)
             __builtin_prefetch(&t[bslot_of(pool[r + REHASH_AHEAD].hash, cap)], 1);
-        if (pool[r].one.ep == EP_NONE) continue;
+        if (pool[r].ep == EP_NONE) continue;
         const uint64_t mixed = bmix_of(pool[r].hash);
         size_t j = bhome_of(mixed, cap);
         while (t[j].rec != NONE32)
@@ -326,35 +376,38 @@ static void bt_delete(kvp_index *idx, uint32_t r) {
     idx->bt_count--;
 }
 
-/* ---- engine mapping table ----------------------------------------------------------------- */
-/* Probe once: the slot holding (ep, eh), or NULL with *empty = where it would be inserted. */
-static mslot_t *mt_probe(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh,
-                         size_t *empty) {
-    const size_t cap = idx->mt_cap;
-    const uint32_t code = ep_code(ep);
-    size_t i = mslot_of(code, eh, cap);
+/* ---- engine mapping tables (one per endpoint) --------------------------------------------- */
+static inline uint32_t m_rec(const mslot_t *m) { return m->rec & M_REC_MASK; }
+static inline int m_side(const mslot_t *m) { return (m->rec & M_SIDE) != 0; }
+
+static inline emap_t *emap_of(const kvp_index *idx, kvp_endpoint_t ep) {
+    if (ep == KVP_SHARED) return (emap_t *)&idx->em_shared;
+    return (size_t)ep < idx->em_cap ? &idx->em[ep] : NULL;
+}
+
+/* Probe once: the slot holding eh, or NULL with *empty = where it would be inserted (only
+ * meaningful when the table has capacity). */
+static mslot_t *mt_probe(const emap_t *em, kvp_engine_hash_t eh, size_t *empty) {
+    const size_t cap = em ? em->cap : 0;
+    if (cap == 0) {
+        *empty = 0;
+        return NULL;
+    }
+    size_t i = mslot_of(eh, cap);
     for (;;) {
-        mslot_t *s = &idx->mt[i];
+        mslot_t *s = &em->t[i];
         if (s->rec == NONE32) {
             *empty = i;
             return NULL;
         }
-        if (s->eh == eh && m_code(s) == code) return s;
+        if (s->eh == eh) return s;
         if (++i == cap) i = 0;
     }
 }
 
 static mslot_t *mt_find(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh) {
     size_t empty;
-    return mt_probe(idx, ep, eh, &empty);
-}
-
-static mslot_t *mt_put(mslot_t *mt, size_t cap, uint32_t code, kvp_engine_hash_t eh) {
-    size_t i = mslot_of(code, eh, cap);
-    while (mt[i].rec != NONE32)
-        if (++i == cap) i = 0;
-    mt[i].eh = eh;
-    return &mt[i];
+    return mt_probe(emap_of(idx, ep), eh, &empty);
 }
 
 static kvp_status mt_alloc(size_t cap, mslot_t **out) {
@@ -364,52 +417,63 @@ static kvp_status mt_alloc(size_t cap, mslot_t **out) {
     for (size_t i = 0; i < cap; i++) {
         t[i].eh = 0;
         t[i].rec = NONE32;
-        t[i].meta = 0;
     }
     *out = t;
     return KVP_OK;
 }
 
-static kvp_status mt_reserve(kvp_index *idx, size_t extra) {
-    size_t need = idx->mt_count + extra;
-    if (need < idx->mt_count || need > ((size_t)1 << 40)) return KVP_E_NOMEM;
-    size_t cap = grown_cap(idx->mt_cap, need);
-    if (cap == idx->mt_cap) return KVP_OK;
+/* Room for `extra` more mappings of ep (whose emap_t must exist). */
+static kvp_status mt_reserve(kvp_index *idx, kvp_endpoint_t ep, size_t extra) {
+    emap_t *em = emap_of(idx, ep);
+    size_t need = (size_t)em->count + extra;
+    if (need < em->count || need > ((size_t)1 << 31)) return KVP_E_NOMEM;
+    size_t cap = grown_cap(em->cap, need);
+    if (cap == em->cap) return KVP_OK;
+    if (cap > NONE32) return KVP_E_NOMEM;
     mslot_t *t;
     if (mt_alloc(cap, &t) != KVP_OK) return KVP_E_NOMEM;
-    for (size_t i = 0; i < idx->mt_cap; i++)
-        if (idx->mt[i].rec != NONE32) *mt_put(t, cap, m_code(&idx->mt[i]), idx->mt[i].eh) = idx->mt[i];
-    free(idx->mt);
-    idx->mt = t;
-    idx->mt_cap = cap;
+    for (size_t i = 0; i < em->cap; i++) {
+        if (em->t[i].rec == NONE32) continue;
+        size_t j = mslot_of(em->t[i].eh, cap);
+        while (t[j].rec != NONE32)
+            if (++j == cap) j = 0;
+        t[j] = em->t[i];
+    }
+    free(em->t);
+    idx->mt_slots += cap - em->cap;
+    em->t = t;
+    em->cap = (uint32_t)cap;
     return KVP_OK;
 }
 
-/* ---- overflowed refcounts (small open-addressing table, at most half full) ----------------- */
-static oslot_t *ot_find(const kvp_index *idx, uint32_t code, kvp_engine_hash_t eh) {
+/* ---- side table (small open addressing, at most half full) --------------------------------- */
+static oslot_t *ot_find(const kvp_index *idx, uint32_t code, uint64_t key) {
     if (idx->ot_cap == 0) return NULL;
-    size_t i = mslot_of(code, eh, idx->ot_cap);
+    size_t i = oslot_of(code, key, idx->ot_cap);
     for (;;) {
         oslot_t *o = &idx->ot[i];
         if (o->code == OVF_EMPTY) return NULL;
-        if (o->code == code && o->eh == eh) return o;
+        if (o->code == code && o->key == key) return o;
         if (++i == idx->ot_cap) i = 0;
     }
 }
 
-static oslot_t *ot_put(oslot_t *ot, size_t cap, uint32_t code, kvp_engine_hash_t eh) {
-    size_t i = mslot_of(code, eh, cap);
+/* Insert a zeroed entry; the caller made room with ot_reserve() and checked it is absent. */
+static oslot_t *ot_put(oslot_t *ot, size_t cap, uint32_t code, uint64_t key) {
+    size_t i = oslot_of(code, key, cap);
     while (ot[i].code != OVF_EMPTY)
         if (++i == cap) i = 0;
+    memset(&ot[i], 0, sizeof ot[i]);
     ot[i].code = code;
-    ot[i].eh = eh;
+    ot[i].key = key;
     return &ot[i];
 }
 
-/* Room for one more overflowed mapping; called before any change that may need it. */
-static kvp_status ot_reserve_one(kvp_index *idx) {
-    if ((idx->ot_count + 1) * 2 <= idx->ot_cap) return KVP_OK;
-    size_t cap = idx->ot_cap ? idx->ot_cap * 2 : 16;
+/* Room for `extra` more entries; called before any change that may need them. */
+static kvp_status ot_reserve(kvp_index *idx, size_t extra) {
+    if ((idx->ot_count + extra) * 2 <= idx->ot_cap) return KVP_OK;
+    size_t cap = idx->ot_cap ? idx->ot_cap : 16;
+    while ((idx->ot_count + extra) * 2 > cap) cap *= 2;
     if (cap > SIZE_MAX / sizeof(oslot_t)) return KVP_E_NOMEM;
     oslot_t *t = (oslot_t *)malloc(cap * sizeof(oslot_t));
     if (!t) return KVP_E_NOMEM;
@@ -418,22 +482,22 @@ static kvp_status ot_reserve_one(kvp_index *idx) {
         t[i].code = OVF_EMPTY;
     }
     for (size_t i = 0; i < idx->ot_cap; i++)
-        if (idx->ot[i].code != OVF_EMPTY) *ot_put(t, cap, idx->ot[i].code, idx->ot[i].eh) = idx->ot[i];
+        if (idx->ot[i].code != OVF_EMPTY) *ot_put(t, cap, idx->ot[i].code, idx->ot[i].key) = idx->ot[i];
     free(idx->ot);
     idx->ot = t;
     idx->ot_cap = cap;
     return KVP_OK;
 }
 
-static void ot_delete(kvp_index *idx, uint32_t code, kvp_engine_hash_t eh) {
-    oslot_t *o = ot_find(idx, code, eh);
+static void ot_delete(kvp_index *idx, uint32_t code, uint64_t key) {
+    oslot_t *o = ot_find(idx, code, key);
     if (o == NULL) return;
     const size_t cap = idx->ot_cap;
     size_t i = (size_t)(o - idx->ot), j = i;
     for (;;) { /* backward shift */
         if (++j == cap) j = 0;
         if (idx->ot[j].code == OVF_EMPTY) break;
-        size_t home = mslot_of(idx->ot[j].code, idx->ot[j].eh, cap);
+        size_t home = oslot_of(idx->ot[j].code, idx->ot[j].key, cap);
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (stays) continue;
         idx->ot[i] = idx->ot[j];
@@ -445,60 +509,59 @@ static void ot_delete(kvp_index *idx, uint32_t code, kvp_engine_hash_t eh) {
 }
 
 /* ---- mapping refcounts -------------------------------------------------------------------- */
-static inline uint32_t mref(const kvp_index *idx, const mslot_t *m, int t) {
-    if (m->meta & M_OVF) return ot_find(idx, m_code(m), m->eh)->refs[t];
-    return (m->meta >> (M_REF_SHIFT + M_REF_BITS * t)) & M_REF_INLINE_MAX;
+/* Refs of mapping m (of endpoint code `code`, whose holder on the block is hd) in tier t. */
+static inline uint32_t mref(const kvp_index *idx, uint32_t code, const mslot_t *m,
+                            const holder_t *hd, int t) {
+    if (m_side(m)) return ot_find(idx, code, m->eh)->refs[t];
+    uint32_t c = hd->count[t];
+    if ((hd->nmaps & NMAPS_MASK) > 1) c -= ot_find(idx, code | OT_SUM, m_rec(m))->refs[t];
+    return c;
 }
-static inline int mref_any(const kvp_index *idx, const mslot_t *m) {
-    if (m->meta & M_OVF) {
-        const oslot_t *o = ot_find(idx, m_code(m), m->eh);
-        return (o->refs[0] | o->refs[1] | o->refs[2]) != 0;
-    }
-    return (m->meta >> M_REF_SHIFT) & ((1u << (M_REF_BITS * KVP_N_TIERS)) - 1);
+static inline int mref_any(const kvp_index *idx, uint32_t code, const mslot_t *m,
+                           const holder_t *hd) {
+    for (int t = 0; t < KVP_N_TIERS; t++)
+        if (mref(idx, code, m, hd, t)) return 1;
+    return 0;
 }
-/* Whether incrementing tier t needs a new overflow slot (reserve it before changing state). */
-static inline int mref_inc_needs_ovf(const mslot_t *m, int t) {
-    return !(m->meta & M_OVF) &&
-           ((m->meta >> (M_REF_SHIFT + M_REF_BITS * t)) & M_REF_INLINE_MAX) == M_REF_INLINE_MAX;
+/* The holder's count changes with the mapping's; an M_SIDE mapping's entry and its block sum
+ * follow it. Incrementing cannot fail (entries exist); the caller updates hd->count. */
+static inline void mref_inc(kvp_index *idx, uint32_t code, const mslot_t *m, int t) {
+    if (!m_side(m)) return;
+    ot_find(idx, code, m->eh)->refs[t]++;
+    ot_find(idx, code | OT_SUM, m_rec(m))->refs[t]++;
 }
-/* Increment; the caller made room with ot_reserve_one() when mref_inc_needs_ovf(). */
-static inline void mref_inc(kvp_index *idx, mslot_t *m, int t) {
-    if (!(m->meta & M_OVF) && !mref_inc_needs_ovf(m, t)) {
-        m->meta += 1u << (M_REF_SHIFT + M_REF_BITS * t);
-        return;
-    }
-    if (!(m->meta & M_OVF)) {
-        oslot_t *o = ot_put(idx->ot, idx->ot_cap, m_code(m), m->eh);
-        for (int k = 0; k < KVP_N_TIERS; k++) o->refs[k] = mref(idx, m, k);
-        idx->ot_count++;
-        m->meta = m_code(m) | M_OVF; /* inline counts now live in o */
-    }
-    ot_find(idx, m_code(m), m->eh)->refs[t]++;
-}
-static inline void mref_dec(kvp_index *idx, mslot_t *m, int t) {
-    if (m->meta & M_OVF) ot_find(idx, m_code(m), m->eh)->refs[t]--;
-    else m->meta -= 1u << (M_REF_SHIFT + M_REF_BITS * t);
+static inline void mref_dec(kvp_index *idx, uint32_t code, const mslot_t *m, int t) {
+    if (!m_side(m)) return;
+    ot_find(idx, code, m->eh)->refs[t]--;
+    oslot_t *s = ot_find(idx, code | OT_SUM, m_rec(m));
+    s->refs[t]--;
+    if ((s->refs[0] | s->refs[1] | s->refs[2]) == 0) ot_delete(idx, code | OT_SUM, m_rec(m));
 }
 
-static void mt_delete_at(kvp_index *idx, size_t i) {
-    const size_t cap = idx->mt_cap;
-    if (idx->mt[i].meta & M_OVF) ot_delete(idx, m_code(&idx->mt[i]), idx->mt[i].eh);
+static inline uint32_t mref_of(const kvp_index *idx, kvp_endpoint_t ep, const mslot_t *m, int t) {
+    holder_t tmp;
+    return mref(idx, ep_code(ep), m, find_holder(idx, &idx->pool[m_rec(m)], ep, &tmp, NULL), t);
+}
+
+/* Delete the mapping in slot i of em (its side entry too). */
+static void mt_delete_at(kvp_index *idx, emap_t *em, uint32_t code, size_t i) {
+    const size_t cap = em->cap;
+    if (m_side(&em->t[i])) ot_delete(idx, code, em->t[i].eh);
     size_t j = i;
     for (;;) {
         if (++j == cap) j = 0;
-        if (idx->mt[j].rec == NONE32) break;
-        size_t home = mslot_of(m_code(&idx->mt[j]), idx->mt[j].eh, cap);
+        if (em->t[j].rec == NONE32) break;
+        size_t home = mslot_of(em->t[j].eh, cap);
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (stays) continue;
-        idx->mt[i] = idx->mt[j];
+        em->t[i] = em->t[j];
         i = j;
     }
-    idx->mt[i].eh = 0;
-    idx->mt[i].rec = NONE32;
-    idx->mt[i].meta = 0;
+    em->t[i].eh = 0;
+    em->t[i].rec = NONE32;
+    em->count--;
     idx->mt_count--;
 }
-
 /* ---- records and LRU ---------------------------------------------------------------------- */
 /* The record pool and its side arrays grow often and only grow. On Linux, an array that must
  * grow past KVP_BIG_BYTES moves to its own anonymous mapping, which mremap then enlarges without
@@ -548,11 +611,11 @@ static void arr_free(void *p, size_t bytes, unsigned char mapped) {
 static kvp_status pool_reserve(kvp_index *idx, size_t extra) {
     size_t need = (size_t)idx->pool_len + extra;
     if (need <= idx->pool_cap) return KVP_OK;
-    if (need >= NONE32 - 1) return KVP_E_NOMEM;
+    if (need >= POOL_MAX_RECORDS) return KVP_E_NOMEM;
     size_t cap = idx->pool_cap ? idx->pool_cap : 64;
     while (cap < need)
         cap += cap / (cap * sizeof(block_t) >= KVP_BIG_BYTES ? POOL_GROW_DEN_BIG : POOL_GROW_DEN);
-    if (cap >= NONE32 - 1) cap = NONE32 - 2;
+    if (cap >= POOL_MAX_RECORDS) cap = POOL_MAX_RECORDS - 1;
     /* pool_cap changes only once every array has grown; a failure leaves larger arrays unused */
     if (!arr_grow((void **)&idx->pool, &idx->pool_bytes, &idx->pool_mapped, cap * sizeof(block_t)))
         return KVP_E_NOMEM;
@@ -579,7 +642,7 @@ static uint32_t pool_take(kvp_index *idx) {
     }
     block_t *b = &idx->pool[r];
     memset(b, 0, sizeof(*b));
-    b->one.ep = EP_NONE;
+    b->ep = EP_NONE;
     if (idx->max_entries) idx->lru_prev[r] = idx->lru_next[r] = NONE32;
     return r;
 }
@@ -587,12 +650,14 @@ static uint32_t pool_take(kvp_index *idx) {
 static void pool_give(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
     if (is_ext(b)) {
-        ext_t *e = ext_of(b);
+        ext_t *e = ext_of(idx, b);
         idx->ext_bytes -= ext_size(e->cap, idx->max_entries != 0);
         free(e);
+        idx->ext_tab[b->packed] = NULL;
+        idx->ext_free[idx->ext_nfree++] = b->packed;
     }
     memset(b, 0, sizeof(*b));
-    b->one.ep = EP_NONE; /* no holders: clear() may still meet mappings to a freed record */
+    b->ep = EP_NONE; /* no holders: clear() may still meet mappings to a freed record */
     b->hash = idx->free_head;
     idx->free_head = r;
 }
@@ -629,8 +694,8 @@ static void delete_block(kvp_index *idx, uint32_t r) {
 
 static uint32_t clock_next(kvp_index *idx) {
     if (++idx->hclock == 0) { /* wrapped: no cached equality may survive */
-        for (uint32_t r = 0; r < idx->pool_len; r++)
-            if (is_ext(&idx->pool[r])) ext_of(&idx->pool[r])->eq_prev = NONE32;
+        for (uint32_t id = 0; id < idx->ext_len; id++)
+            if (idx->ext_tab[id]) idx->ext_tab[id]->eq_prev = NONE32;
         idx->hclock = 1;
     }
     return idx->hclock;
@@ -639,33 +704,61 @@ static uint32_t clock_next(kvp_index *idx) {
 /* Any change to a block's holders or their counts invalidates equality cached with it. */
 static inline void holders_changed(kvp_index *idx, block_t *b) {
     if (is_ext(b)) {
-        ext_t *e = ext_of(b);
+        ext_t *e = ext_of(idx, b);
         e->hver = clock_next(idx);
         e->eq_prev = NONE32;
     }
+}
+
+/* Room for one more ext id (before any state changes). */
+static kvp_status ext_id_reserve(kvp_index *idx) {
+    if (idx->ext_nfree > 0 || idx->ext_len < idx->ext_cap) return KVP_OK;
+    if (idx->ext_cap >= (NONE32 >> 2)) return KVP_E_NOMEM;
+    uint32_t cap = idx->ext_cap ? idx->ext_cap * 2 : 16;
+    ext_t **t = (ext_t **)realloc(idx->ext_tab, cap * sizeof(ext_t *));
+    if (!t) return KVP_E_NOMEM;
+    idx->ext_tab = t;
+    uint32_t *f = (uint32_t *)realloc(idx->ext_free, cap * sizeof(uint32_t));
+    if (!f) return KVP_E_NOMEM; /* ext_tab grew, ext_cap did not: consistent */
+    idx->ext_free = f;
+    idx->ext_cap = cap;
+    return KVP_OK;
+}
+
+/* Move record r's inline holder (it has one) into a new ext_t: before a second holder joins,
+ * or before a count or the mapping count outgrows the inline fields. Nothing changes on failure. */
+static kvp_status to_ext(kvp_index *idx, uint32_t r) {
+    block_t *b = &idx->pool[r];
+    const int bounded = idx->max_entries != 0;
+    if (ext_id_reserve(idx) != KVP_OK) return KVP_E_NOMEM;
+    ext_t *ext = (ext_t *)malloc(ext_size(EXT_MIN_CAP, bounded));
+    if (!ext) return KVP_E_NOMEM;
+    ext->cap = EXT_MIN_CAP;
+    ext->n = 1;
+    ext->pad = 0;
+    unpack_holder(b, &ext->h[0]);
+    if (bounded) ext_eh(ext)[0] = idx->rec_eh[r];
+    ext->eq_prev = NONE32;
+    ext->eq_prev_ver = 0;
+    ext->hver = clock_next(idx);
+    const uint32_t id = idx->ext_nfree > 0 ? idx->ext_free[--idx->ext_nfree] : idx->ext_len++;
+    idx->ext_tab[id] = ext;
+    b->ep = EP_EXT;
+    b->packed = id;
+    idx->ext_bytes += ext_size(EXT_MIN_CAP, bounded);
+    return KVP_OK;
 }
 
 /* Make room for one more holder on record r (before any state changes). */
 static kvp_status holder_room(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
     const int bounded = idx->max_entries != 0;
-    if (nh_of(b) == 0) return KVP_OK;
+    if (nh_of(idx, b) == 0) return KVP_OK;
     if (!is_ext(b)) {
-        ext_t *ext = (ext_t *)malloc(ext_size(EXT_MIN_CAP, bounded));
-        if (!ext) return KVP_E_NOMEM;
-        ext->cap = EXT_MIN_CAP;
-        ext->n = 1;
-        ext->pad = 0;
-        ext->h[0] = b->one;
-        if (bounded) ext_eh(ext)[0] = idx->rec_eh[r];
-        ext->eq_prev = NONE32;
-        ext->eq_prev_ver = 0;
-        ext->hver = clock_next(idx);
-        set_ext(b, ext);
-        idx->ext_bytes += ext_size(EXT_MIN_CAP, bounded);
-        return KVP_OK;
+        kvp_status st = to_ext(idx, r);
+        if (st != KVP_OK) return st;
     }
-    ext_t *ext = ext_of(b);
+    ext_t *ext = ext_of(idx, b);
     const uint32_t old = ext->cap;
     if (ext->n < old) return KVP_OK;
     if (old >= (NONE32 >> 5)) return KVP_E_NOMEM;
@@ -677,24 +770,28 @@ static kvp_status holder_room(kvp_index *idx, uint32_t r) {
                 (char *)ext->h + (size_t)old * sizeof(holder_t), old * sizeof(kvp_engine_hash_t));
     ext->cap = cap;
     idx->ext_bytes += ext_size(cap, bounded) - ext_size(old, bounded);
-    set_ext(b, ext);
+    idx->ext_tab[b->packed] = ext;
     return KVP_OK;
 }
 
-static void remove_holder_at(kvp_index *idx, uint32_t r, holder_t *hd) {
+/* Remove holder k of record r. */
+static void remove_holder_at(kvp_index *idx, uint32_t r, uint32_t k) {
     block_t *b = &idx->pool[r];
-    holder_t *hs = holders_of(b);
-    size_t k = (size_t)(hd - hs);
-    size_t tail = (size_t)nh_of(b) - 1 - k;
+    if (!is_ext(b)) {
+        b->ep = EP_NONE;
+        b->packed = 0;
+        return;
+    }
+    ext_t *e = ext_of(idx, b);
+    size_t tail = (size_t)e->n - 1 - k;
     if (tail) {
-        memmove(&hs[k], &hs[k + 1], tail * sizeof(holder_t));
-        if (idx->max_entries && is_ext(b)) {
-            kvp_engine_hash_t *eh = ext_eh(ext_of(b));
+        memmove(&e->h[k], &e->h[k + 1], tail * sizeof(holder_t));
+        if (idx->max_entries) {
+            kvp_engine_hash_t *eh = ext_eh(e);
             memmove(&eh[k], &eh[k + 1], tail * sizeof(kvp_engine_hash_t));
         }
     }
-    if (is_ext(b)) ext_of(b)->n--;
-    else b->one.ep = EP_NONE;
+    e->n--;
     holders_changed(idx, b);
 }
 
@@ -715,6 +812,11 @@ static kvp_status grow_ep_scratch(kvp_index *idx, kvp_endpoint_t ep) {
     uint8_t *ab = (uint8_t *)realloc(idx->act_best, cap);
     if (!ab) return KVP_E_NOMEM;
     idx->act_best = ab;
+    emap_t *em = (emap_t *)realloc(idx->em, cap * sizeof(emap_t));
+    if (!em) return KVP_E_NOMEM;
+    idx->em = em;
+    memset(em + idx->em_cap, 0, (cap - idx->em_cap) * sizeof(emap_t));
+    idx->em_cap = cap;
     memset(g + idx->ep_cap, 0, (cap - idx->ep_cap) * sizeof(uint32_t));
     memset(p + idx->ep_cap, 0, (cap - idx->ep_cap) * sizeof(uint32_t));
     idx->ep_cap = cap;
@@ -722,31 +824,43 @@ static kvp_status grow_ep_scratch(kvp_index *idx, kvp_endpoint_t ep) {
 }
 
 /* ---- core ops (mirror _reference.Index._add_ref / _drop_ref) ------------------------------- */
-/* Capacity for one new block, record and mapping must have been reserved by the caller. */
+/* Capacity for one new block, record and mapping of ep must have been reserved by the caller. */
 static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh, kvp_hash_t h,
                           int tier) {
     size_t m_empty = 0, b_empty = 0;
-    mslot_t *m = mt_probe(idx, ep, eh, &m_empty);
+    emap_t *em = emap_of(idx, ep);
+    const uint32_t code = ep_code(ep);
+    mslot_t *m = mt_probe(em, eh, &m_empty);
     uint32_t r;
-    holder_t *hd;
+    holder_t tmp, *hd;
+    int dup = 0;
     if (m != NULL) {
-        r = m->rec;
+        r = m_rec(m);
         if (idx->pool[r].hash != h) {
             idx->c.conflicting_stores++;
             return KVP_OK;
         }
-        hd = find_holder(&idx->pool[r], ep);
+        hd = find_holder(idx, &idx->pool[r], ep, &tmp, NULL);
         if (hd->count[tier] == COUNT_MAX) return KVP_E_OVERFLOW;
-        if (mref_inc_needs_ovf(m, tier)) { /* before any change: the only allocation here */
-            kvp_status st = ot_reserve_one(idx);
+        if (hd == &tmp && hd->count[tier] == IN_COUNT_MAX) { /* before any change */
+            kvp_status st = to_ext(idx, r);
             if (st != KVP_OK) return st;
+            hd = &ext_of(idx, &idx->pool[r])->h[0];
         }
+        dup = mref(idx, code, m, hd, tier) > 0;
     } else {
         r = bt_probe(idx, h, &b_empty);
-        if (r != NONE32) { /* refuse an overflowing store before any change */
-            holder_t *old = find_holder(&idx->pool[r], ep);
-            if (old && (old->count[tier] == COUNT_MAX || (old->nmaps & NMAPS_MASK) == NMAPS_MASK))
+        holder_t *old = r != NONE32 ? find_holder(idx, &idx->pool[r], ep, &tmp, NULL) : NULL;
+        if (old) { /* refuse an overflowing store, make room, before any change */
+            if (old->count[tier] == COUNT_MAX || (old->nmaps & NMAPS_MASK) == NMAPS_MASK)
                 return KVP_E_OVERFLOW;
+            kvp_status st = ot_reserve(idx, 2);
+            if (st != KVP_OK) return st;
+            if (old == &tmp &&
+                (old->count[tier] == IN_COUNT_MAX || (old->nmaps & NMAPS_MASK) == IN_NMAPS_MAX)) {
+                if ((st = to_ext(idx, r)) != KVP_OK) return st;
+                old = &ext_of(idx, &idx->pool[r])->h[0];
+            }
         }
         if (r == NONE32) {
             r = pool_take(idx);
@@ -757,25 +871,28 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             if (idx->max_entries) lru_append(idx, r);
         }
         block_t *b = &idx->pool[r];
-        hd = find_holder(b, ep);
+        hd = old;
+        uint32_t side = 0;
         if (hd == NULL) {
-            kvp_status st = holder_room(idx, r);
-            if (st != KVP_OK) {
-                if (nh_of(b) == 0) delete_block(idx, r);
-                return st;
-            }
-            holder_t *hs = holders_of(b);
-            const uint32_t n = nh_of(b);
-            uint32_t k = holder_lower_bound(hs, n, ep);
-            if (k < n) {
-                memmove(&hs[k + 1], &hs[k], (size_t)(n - k) * sizeof(holder_t));
-                if (idx->max_entries) { /* k < n: b is an ext */
-                    kvp_engine_hash_t *ehs = ext_eh(ext_of(b));
-                    memmove(&ehs[k + 1], &ehs[k], (size_t)(n - k) * sizeof(*ehs));
+            uint32_t k = 0;
+            if (nh_of(idx, b) == 0) { /* the only holder: inline */
+                hd = &tmp;
+            } else {
+                kvp_status st = holder_room(idx, r);
+                if (st != KVP_OK) return st;
+                ext_t *e = ext_of(idx, b);
+                const uint32_t n = e->n;
+                k = holder_lower_bound(e->h, n, ep);
+                if (k < n) {
+                    memmove(&e->h[k + 1], &e->h[k], (size_t)(n - k) * sizeof(holder_t));
+                    if (idx->max_entries) {
+                        kvp_engine_hash_t *ehs = ext_eh(e);
+                        memmove(&ehs[k + 1], &ehs[k], (size_t)(n - k) * sizeof(*ehs));
+                    }
                 }
+                e->n++;
+                hd = &e->h[k];
             }
-            if (is_ext(b)) ext_of(b)->n++; /* inline: setting one.ep below makes it 1 */
-            hd = &hs[k];
             memset(hd, 0, sizeof(*hd));
             hd->ep = ep;
             if (idx->max_entries) {
@@ -784,76 +901,94 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             }
             idx->n_holdings++;
             if (ep != KVP_SHARED && ep + 1 > idx->ep_limit) idx->ep_limit = ep + 1;
+        } else { /* ep already maps another engine hash here: this one's refs go to the side */
+            side = M_SIDE;
+            ot_put(idx->ot, idx->ot_cap, code, eh);
+            idx->ot_count++;
+            if (ot_find(idx, code | OT_SUM, r) == NULL) {
+                ot_put(idx->ot, idx->ot_cap, code | OT_SUM, r);
+                idx->ot_count++;
+            }
         }
         hd->nmaps++;
-        m = &idx->mt[m_empty]; /* the probe's empty slot: the engine map is untouched since */
+        m = &em->t[m_empty]; /* the probe's empty slot: the engine map is untouched since */
         m->eh = eh;
-        m->rec = r;
-        m->meta = ep_code(ep); /* refs 0 */
+        m->rec = r | side;
+        em->count++;
         idx->mt_count++;
     }
-    if (mref(idx, m, tier) > 0) idx->c.duplicate_stores++;
-    mref_inc(idx, m, tier);
+    if (dup) idx->c.duplicate_stores++;
+    mref_inc(idx, code, m, tier);
     hd->count[tier]++;
+    holder_sync(idx, r, hd, &tmp);
     holders_changed(idx, &idx->pool[r]);
     idx->c.stored_blocks++;
     touch(idx, r);
     return KVP_OK;
 }
 
+/* Drop one ref of mapping m (slot of ep's engine map) in tier t, which it must hold. */
 static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
-    uint32_t r = m->rec;
+    emap_t *em = emap_of(idx, ep);
+    const uint32_t code = ep_code(ep);
+    uint32_t r = m_rec(m);
     block_t *b = &idx->pool[r];
-    holder_t *hd = find_holder(b, ep);
-    mref_dec(idx, m, tier);
+    holder_t tmp;
+    uint32_t k;
+    holder_t *hd = find_holder(idx, b, ep, &tmp, &k);
+    mref_dec(idx, code, m, tier);
     hd->count[tier]--;
-    int mapping_gone = !mref_any(idx, m);
+    int mapping_gone = !mref_any(idx, code, m, hd);
     int holder_gone = (hd->count[0] | hd->count[1] | hd->count[2]) == 0;
     if (mapping_gone) {
         if (!holder_gone) {
             hd->nmaps--;
-            if (idx->max_entries &&
-                *eh_first_of(idx, r, (uint32_t)(hd - holders_of(b))) == m->eh)
+            if (idx->max_entries && *eh_first_of(idx, r, k) == m->eh)
                 hd->nmaps &= (uint16_t)~HOLDER_EH_VALID;
         }
-        mt_delete_at(idx, (size_t)(m - idx->mt));
+        mt_delete_at(idx, em, code, (size_t)(m - em->t));
     }
     if (holder_gone) {
-        remove_holder_at(idx, r, hd);
+        remove_holder_at(idx, r, k);
         idx->n_holdings--;
-        if (nh_of(b) == 0) delete_block(idx, r);
+        if (nh_of(idx, b) == 0) delete_block(idx, r);
     } else {
+        holder_sync(idx, r, hd, &tmp);
         holders_changed(idx, b);
     }
 }
 
-/* Delete every mapping pointing at record r (or, with ep != EP_EMPTY, every mapping of ep),
- * scanning the table; deletion shifts entries back into the current slot, so re-check it. */
+/* Delete every mapping of ep to record r, scanning ep's table; deletion shifts entries back
+ * into the current slot, so re-check it. */
 static void scan_delete_mappings(kvp_index *idx, uint32_t r, kvp_endpoint_t ep) {
-    const size_t cap = idx->mt_cap;
+    emap_t *em = emap_of(idx, ep);
+    if (em == NULL) return;
+    const uint32_t code = ep_code(ep);
     size_t i = 0;
-    while (i < cap) {
-        mslot_t *s = &idx->mt[i];
-        int hit = s->rec != NONE32 && (ep != EP_EMPTY ? m_code(s) == ep_code(ep) : s->rec == r);
-        if (hit) mt_delete_at(idx, i);
+    while (i < em->cap) {
+        mslot_t *s = &em->t[i];
+        if (s->rec != NONE32 && m_rec(s) == r) mt_delete_at(idx, em, code, i);
         else i++;
     }
 }
 
 static void evict_block(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
-    holder_t *hs = holders_of(b);
-    int need_scan = 0;
-    const uint32_t n = nh_of(b);
+    holder_t tmp;
+    const holder_t *hs = holders_of(idx, b, &tmp);
+    const uint32_t n = nh_of(idx, b);
     for (uint32_t k = 0; k < n; k++) {
+        const kvp_endpoint_t ep = hs[k].ep;
         if ((hs[k].nmaps & NMAPS_MASK) == 1 && (hs[k].nmaps & HOLDER_EH_VALID)) {
-            mslot_t *m = mt_find(idx, hs[k].ep, *eh_first_of(idx, r, k));
-            if (m) mt_delete_at(idx, (size_t)(m - idx->mt));
+            emap_t *em = emap_of(idx, ep);
+            size_t empty;
+            mslot_t *m = mt_probe(em, *eh_first_of(idx, r, k), &empty);
+            if (m) mt_delete_at(idx, em, ep_code(ep), (size_t)(m - em->t));
         } else {
-            need_scan = 1;
+            scan_delete_mappings(idx, r, ep);
         }
+        ot_delete(idx, ep_code(ep) | OT_SUM, r);
     }
-    if (need_scan) scan_delete_mappings(idx, r, EP_EMPTY);
     idx->n_holdings -= n;
     idx->c.evicted_blocks++;
     idx->c.evicted_entries += n;
@@ -873,11 +1008,10 @@ kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out) {
     if (!idx) return KVP_E_NOMEM;
     idx->max_entries = max_entries;
     idx->bt_cap = MIN_CAP;
-    idx->mt_cap = MIN_CAP;
     idx->free_head = NONE32;
     idx->lru_head = idx->lru_tail = NONE32;
     idx->gen = 0;
-    if (bt_alloc(MIN_CAP, &idx->bt) != KVP_OK || mt_alloc(MIN_CAP, &idx->mt) != KVP_OK) {
+    if (bt_alloc(MIN_CAP, &idx->bt) != KVP_OK) {
         kvp_index_free(idx);
         return KVP_E_NOMEM;
     }
@@ -887,14 +1021,17 @@ kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out) {
 
 void kvp_index_free(kvp_index *idx) {
     if (idx == NULL) return;
-    for (uint32_t r = 0; r < idx->pool_len; r++)
-        if (is_ext(&idx->pool[r])) free(ext_of(&idx->pool[r])); /* ext_t, header included */
+    for (uint32_t id = 0; id < idx->ext_len; id++) free(idx->ext_tab[id]); /* NULL when free */
+    free(idx->ext_tab);
+    free(idx->ext_free);
     arr_free(idx->pool, idx->pool_bytes, idx->pool_mapped);
     arr_free(idx->lru_prev, idx->lru_prev_bytes, idx->lru_prev_mapped);
     arr_free(idx->lru_next, idx->lru_next_bytes, idx->lru_next_mapped);
     arr_free(idx->rec_eh, idx->rec_eh_bytes, idx->rec_eh_mapped);
     free(idx->bt);
-    free(idx->mt);
+    for (size_t e = 0; e < idx->em_cap; e++) free(idx->em[e].t);
+    free(idx->em);
+    free(idx->em_shared.t);
     free(idx->ot);
     free(idx->ep_gen);
     free(idx->ep_pos);
@@ -911,7 +1048,7 @@ static kvp_status reserve_for_store(kvp_index *idx, kvp_endpoint_t ep, size_t n)
     kvp_status st;
     if ((st = grow_ep_scratch(idx, ep)) != KVP_OK) return st;
     if ((st = bt_reserve(idx, n)) != KVP_OK) return st;
-    if ((st = mt_reserve(idx, n)) != KVP_OK) return st;
+    if ((st = mt_reserve(idx, ep, n)) != KVP_OK) return st;
     return pool_reserve(idx, n);
 }
 
@@ -920,10 +1057,11 @@ enum { STORE_AHEAD = 12 }; /* blocks to prefetch ahead: covers DRAM latency at ~
 static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
                                   const kvp_engine_hash_t *ehs, const kvp_hash_t *hs, size_t n) {
     kvp_status st = KVP_OK;
+    const emap_t *em = emap_of(idx, ep); /* reserved: exists, and does not move during the loop */
     for (size_t i = 0; i < n; i++) {
         if (i + STORE_AHEAD < n) {
             __builtin_prefetch(&idx->bt[bslot_of(hs[i + STORE_AHEAD], idx->bt_cap)]);
-            __builtin_prefetch(&idx->mt[mslot_of(ep_code(ep), ehs[i + STORE_AHEAD], idx->mt_cap)]);
+            __builtin_prefetch(&em->t[mslot_of(ehs[i + STORE_AHEAD], em->cap)]);
         }
         st = add_ref(idx, ep, ehs[i], hs[i], tier);
         if (st != KVP_OK) break;
@@ -932,13 +1070,26 @@ static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
     return st;
 }
 
+kvp_status kvp_index_reserve_endpoint(kvp_index *idx, kvp_endpoint_t ep, size_t n_mappings) {
+    if (idx == NULL) return KVP_E_NULL;
+    if (!valid_ep(ep)) return KVP_E_ENDPOINT;
+    kvp_status st = grow_ep_scratch(idx, ep);
+    if (st != KVP_OK) return st;
+    const emap_t *em = emap_of(idx, ep);
+    return mt_reserve(idx, ep, n_mappings > em->count ? n_mappings - em->count : 0);
+}
+
 kvp_status kvp_index_reserve(kvp_index *idx, size_t n_blocks, size_t n_mappings) {
     if (idx == NULL) return KVP_E_NULL;
     kvp_status st;
     size_t nb = n_blocks > idx->bt_count ? n_blocks - idx->bt_count : 0;
-    size_t nm = n_mappings > idx->mt_count ? n_mappings - idx->mt_count : 0;
     if ((st = bt_reserve(idx, nb)) != KVP_OK) return st;
-    if ((st = mt_reserve(idx, nm)) != KVP_OK) return st;
+    /* engine maps are per endpoint: spread the mappings over the endpoints that have stored */
+    if (idx->ep_limit > 0 && n_mappings > 0) {
+        const size_t per = (n_mappings + idx->ep_limit - 1) / idx->ep_limit;
+        for (kvp_endpoint_t e = 0; e < idx->ep_limit; e++)
+            if ((st = kvp_index_reserve_endpoint(idx, e, per)) != KVP_OK) return st;
+    }
     return pool_reserve(idx, n_blocks > idx->pool_len ? n_blocks - idx->pool_len : 0);
 }
 
@@ -964,7 +1115,7 @@ kvp_status kvp_index_resolve(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine
     if (!valid_ep(ep)) return KVP_E_ENDPOINT;
     const mslot_t *m = mt_find(idx, ep, eh);
     *found = m != NULL;
-    *out = m ? idx->pool[m->rec].hash : 0;
+    *out = m ? idx->pool[m_rec(m)].hash : 0;
     return KVP_OK;
 }
 
@@ -989,7 +1140,7 @@ kvp_status kvp_index_store_tokens(kvp_index *idx, kvp_endpoint_t ep, int tier, i
             idx->c.orphan_stores++;
             return KVP_OK;
         }
-        root = idx->pool[m->rec].hash;
+        root = idx->pool[m_rec(m)].hash;
     }
     kvp_status st = kvp_check_tokens(tokens, dt, n_tokens, err_pos);
     if (st != KVP_OK) return st;
@@ -1021,7 +1172,7 @@ kvp_status kvp_index_remove(kvp_index *idx, kvp_endpoint_t ep, int tier,
         mslot_t *m = mt_find(idx, ep, eh);
         int any = 0;
         for (int t = 0; t < KVP_N_TIERS && m; t++)
-            if (mref(idx, m, t) > 0 && (tier == KVP_TIER_ANY || t == tier)) any = 1;
+            if (mref_of(idx, ep, m, t) > 0 && (tier == KVP_TIER_ANY || t == tier)) any = 1;
         if (!any) {
             idx->c.unknown_removes++;
             continue;
@@ -1029,7 +1180,8 @@ kvp_status kvp_index_remove(kvp_index *idx, kvp_endpoint_t ep, int tier,
         for (int t = 0; t < KVP_N_TIERS; t++) {
             m = mt_find(idx, ep, eh); /* a drop may shift slots */
             if (m == NULL) break;
-            if (mref(idx, m, t) > 0 && (tier == KVP_TIER_ANY || t == tier)) drop_ref(idx, ep, m, t);
+            if (mref_of(idx, ep, m, t) > 0 && (tier == KVP_TIER_ANY || t == tier))
+                drop_ref(idx, ep, m, t);
         }
         idx->c.removed_blocks++;
     }
@@ -1046,18 +1198,23 @@ kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int 
     if (st != KVP_OK) return st;
     for (size_t i = 0; i < n; i++) {
         mslot_t *m = mt_find(idx, ep, engine_hashes[i]);
-        if (m == NULL || mref(idx, m, from_tier) == 0) {
+        if (m == NULL || mref_of(idx, ep, m, from_tier) == 0) {
             idx->c.unknown_moves++;
             continue;
         }
         if (from_tier == to_tier) continue;
         /* overflow would only strike add_ref after the drop; check first so a move is atomic */
-        holder_t *hd = find_holder(&idx->pool[m->rec], ep);
+        holder_t tmp;
+        holder_t *hd = find_holder(idx, &idx->pool[m_rec(m)], ep, &tmp, NULL);
         if (hd->count[to_tier] == COUNT_MAX) return KVP_E_OVERFLOW;
-        if (mref_inc_needs_ovf(m, to_tier) && (st = ot_reserve_one(idx)) != KVP_OK) return st;
-        kvp_hash_t h = idx->pool[m->rec].hash;
+        if (hd == &tmp && hd->count[to_tier] == IN_COUNT_MAX && (st = to_ext(idx, m_rec(m))) != KVP_OK)
+            return st;
+        /* the re-added mapping may need side entries (when it is dropped but the holder stays) */
+        if ((st = ot_reserve(idx, 2)) != KVP_OK) return st;
+        kvp_hash_t h = idx->pool[m_rec(m)].hash;
         drop_ref(idx, ep, m, from_tier);
-        /* the drop freed at most one record/mapping/holder slot, so add_ref cannot need memory */
+        /* the drop freed at most one record/mapping/holder slot and the side entries are
+         * reserved, so add_ref cannot need memory */
         st = add_ref(idx, ep, engine_hashes[i], h, to_tier);
         if (st != KVP_OK) return st;
         idx->c.stored_blocks--; /* a move is not a new store */
@@ -1069,48 +1226,65 @@ kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int 
 kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
     if (idx == NULL) return KVP_E_NULL;
     if (!valid_ep(ep)) return KVP_E_ENDPOINT;
-    const size_t cap = idx->mt_cap;
-    size_t i = 0;
+    emap_t *em = emap_of(idx, ep);
     const uint32_t code = ep_code(ep);
-    while (i < cap) {
-        mslot_t *s = &idx->mt[i];
-        if (s->rec == NONE32 || m_code(s) != code) {
-            i++;
-            continue;
+    if (em != NULL && em->t != NULL) {
+        for (size_t i = 0; i < em->cap; i++) {
+            const mslot_t *s = &em->t[i];
+            if (s->rec == NONE32) continue;
+            const uint32_t r = m_rec(s);
+            if (m_side(s)) ot_delete(idx, code, s->eh);
+            /* the first mapping met removes the holder; later ones to the block find none */
+            block_t *b = &idx->pool[r];
+            holder_t tmp;
+            uint32_t k;
+            if (find_holder(idx, b, ep, &tmp, &k) != NULL) {
+                ot_delete(idx, code | OT_SUM, r);
+                remove_holder_at(idx, r, k);
+                idx->n_holdings--;
+                if (nh_of(idx, b) == 0) delete_block(idx, r);
+            }
         }
-        uint32_t r = s->rec;
-        mt_delete_at(idx, i);
-        block_t *b = &idx->pool[r];
-        holder_t *hd = find_holder(b, ep);
-        if (hd != NULL) {
-            remove_holder_at(idx, r, hd);
-            idx->n_holdings--;
-            if (nh_of(b) == 0) delete_block(idx, r);
-        }
+        idx->mt_count -= em->count;
+        idx->mt_slots -= em->cap;
+        free(em->t);
+        em->t = NULL;
+        em->cap = em->count = 0;
     }
     idx->c.cleared_endpoints++;
     return KVP_OK;
 }
 
 static inline int best_tier(const holder_t *h) { return h->count[0] ? 0 : (h->count[1] ? 1 : 2); }
+static inline int inline_best_tier(uint32_t packed) {
+    return (packed & 0xFF) ? 0 : ((packed & 0xFF00) ? 1 : 2);
+}
 
 /* Same endpoints (holder lists are sorted) with the same best tiers. Exact; a mismatch just
  * means a full check.
  * A positive answer between two multi-holder blocks is cached in b's header until either
  * block's holders change. */
-static inline int same_holders(uint32_t ra, block_t *a, block_t *b) {
-    const uint32_t n = nh_of(a);
-    if (n != nh_of(b)) return 0;
+static inline int same_holders(const kvp_index *idx, uint32_t ra, const block_t *a,
+                               const block_t *b) {
+    const uint32_t n = nh_of(idx, a);
+    if (n != nh_of(idx, b)) return 0;
     const int both_ext = is_ext(a) && is_ext(b);
-    if (both_ext && ext_of(b)->eq_prev == ra && ext_of(b)->eq_prev_ver == ext_of(a)->hver)
+    if (both_ext) {
+        ext_t *ea = ext_of(idx, a), *eb = ext_of(idx, b);
+        if (eb->eq_prev == ra && eb->eq_prev_ver == ea->hver) return 1;
+        for (uint32_t k = 0; k < n; k++)
+            if (ea->h[k].ep != eb->h[k].ep || best_tier(&ea->h[k]) != best_tier(&eb->h[k]))
+                return 0;
+        eb->eq_prev = ra;
+        eb->eq_prev_ver = ea->hver;
         return 1;
-    const holder_t *ha = holders_of(a), *hb = holders_of(b);
+    }
+    if (!is_ext(a) && !is_ext(b)) /* one inline holder each (n == 1: n == 0 never walks here) */
+        return a->ep == b->ep && inline_best_tier(a->packed) == inline_best_tier(b->packed);
+    holder_t ta, tb;
+    const holder_t *ha = holders_of(idx, a, &ta), *hb = holders_of(idx, b, &tb);
     for (uint32_t k = 0; k < n; k++)
         if (ha[k].ep != hb[k].ep || best_tier(&ha[k]) != best_tier(&hb[k])) return 0;
-    if (both_ext) {
-        ext_of(b)->eq_prev = ra;
-        ext_of(b)->eq_prev_ver = ext_of(a)->hver;
-    }
     return 1;
 }
 
@@ -1176,15 +1350,16 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
         if (r != NONE32) {
             touch(idx, r);
             block_t *b = &idx->pool[r];
-            const holder_t *hd = holders_of(b);
-            const uint32_t nh = nh_of(b);
-            if (n_act > 0 && prev_r != NONE32 && same_holders(prev_r, &idx->pool[prev_r], b)) {
+            if (n_act > 0 && prev_r != NONE32 && same_holders(idx, prev_r, &idx->pool[prev_r], b)) {
                 /* the same endpoints with the same best tiers as the previous block: every
                  * active endpoint continues; settle the counts later in one pass */
                 pending++;
                 shared = prev_shared;
                 n_cont = n_act;
             } else {
+                holder_t tmp;
+                const holder_t *hd = holders_of(idx, b, &tmp);
+                const uint32_t nh = nh_of(idx, b);
                 settle(act, act_best, n_act, pending, ep_pos, tier_out);
                 pending = 0;
                 if (i == 0) {
@@ -1262,9 +1437,11 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
     out->entries = idx->n_holdings;
     out->engine_mappings = idx->mt_count;
     out->memory_bytes = sizeof(kvp_index) + sizeof(bslot_t) * idx->bt_cap +
-                        sizeof(mslot_t) * idx->mt_cap + sizeof(oslot_t) * idx->ot_cap +
+                        sizeof(mslot_t) * idx->mt_slots + sizeof(emap_t) * idx->em_cap +
+                        sizeof(oslot_t) * idx->ot_cap +
                         idx->pool_bytes + idx->ext_bytes + idx->lru_prev_bytes +
                         idx->lru_next_bytes + idx->rec_eh_bytes +
+                        (size_t)idx->ext_cap * (sizeof(ext_t *) + sizeof(uint32_t)) +
                         idx->ep_cap * (3 * sizeof(uint32_t) + 1) + idx->run_cap * sizeof(uint32_t) +
                         idx->seq_cap * sizeof(kvp_hash_t);
     return KVP_OK;
@@ -1280,7 +1457,8 @@ kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_
     for (size_t i = 0; i < slots; i++) {
         if (idx->bt[i].rec == NONE32) continue;
         block_t *b = &idx->pool[idx->bt[i].rec];
-        holder_t *hd = find_holder(b, ep);
+        holder_t tmp;
+        holder_t *hd = find_holder(idx, b, ep, &tmp, NULL);
         if (hd == NULL) continue;
         if (n < cap) {
             hashes[n] = b->hash;

@@ -93,8 +93,12 @@ typedef struct {
 
 kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out);
 void kvp_index_free(kvp_index *idx);
-/* Pre-size for n_blocks distinct blocks and n_mappings engine mappings (avoids growth rehashes). */
+/* Pre-size for n_blocks distinct blocks (avoids growth rehashes); engine maps are per endpoint,
+ * so n_mappings is spread evenly over the endpoint ids below kvp_index_endpoint_limit() (none
+ * when no endpoint has stored yet: use kvp_index_reserve_endpoint). */
 kvp_status kvp_index_reserve(kvp_index *idx, size_t n_blocks, size_t n_mappings);
+/* Pre-size ep's engine map for n_mappings mappings. */
+kvp_status kvp_index_reserve_endpoint(kvp_index *idx, kvp_endpoint_t ep, size_t n_mappings);
 /* 1 + the largest non-shared endpoint id ever stored (query buffers must cover it). */
 size_t kvp_index_endpoint_limit(const kvp_index *idx);
 

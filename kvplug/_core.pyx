@@ -87,6 +87,7 @@ cdef extern from "kvplug.h" nogil:
     void kvp_index_free(kvp_index *idx)
     size_t kvp_index_endpoint_limit(const kvp_index *idx)
     kvp_status kvp_index_reserve(kvp_index *idx, size_t n_blocks, size_t n_mappings)
+    kvp_status kvp_index_reserve_endpoint(kvp_index *idx, kvp_endpoint_t ep, size_t n_mappings)
     kvp_status kvp_index_store(kvp_index *idx, kvp_endpoint_t ep, int tier,
                                const kvp_engine_hash_t *ehs, const kvp_hash_t *hs, size_t n)
     kvp_status kvp_index_store_tokens(kvp_index *idx, kvp_endpoint_t ep, int tier, int has_parent,
@@ -600,16 +601,31 @@ cdef class Index:
     cdef inline void _release(self):
         PyThread_release_lock(self.lock)
 
-    def reserve(self, blocks, mappings=None):
+    def reserve(self, blocks, mappings=None, endpoints=None):
         """Pre-size for ``blocks`` distinct blocks and ``mappings`` engine mappings (default:
-        as many as blocks) so that building up to that size never rehashes."""
-        cdef kvp_status st
+        as many as blocks) so that building up to that size never rehashes. Engine maps are
+        per endpoint: the mappings are spread evenly over endpoint ids ``0 .. endpoints-1``
+        (default: the ids below ``endpoint_limit``, i.e. those that have stored)."""
+        cdef kvp_status st = KVP_OK
+        cdef size_t per, e
         b = operator.index(blocks)
         m = b if mappings is None else operator.index(mappings)
+        n_ep = None if endpoints is None else operator.index(endpoints)
         if b < 0 or m < 0 or b >= (1 << 40) or m >= (1 << 40):
             raise InvalidArgument(f"reserve({blocks}, {mappings}): out of range")
+        if n_ep is not None and not 0 <= n_ep <= MAX_ENDPOINT:
+            raise InvalidArgument(f"reserve(endpoints={endpoints}): out of range")
         self._acquire()
-        st = kvp_index_reserve(self.idx, <size_t>b, <size_t>m)
+        if n_ep:
+            per = <size_t>((m + n_ep - 1) // n_ep)
+            for e in range(<size_t>n_ep):
+                st = kvp_index_reserve_endpoint(self.idx, <kvp_endpoint_t>e, per)
+                if st != KVP_OK:
+                    break
+            if st == KVP_OK:
+                st = kvp_index_reserve(self.idx, <size_t>b, 0)
+        else:
+            st = kvp_index_reserve(self.idx, <size_t>b, <size_t>m)
         self._release()
         if st != KVP_OK:
             _raise_status(st, "reserve")

@@ -305,8 +305,9 @@ def test_c_index_is_safe_under_concurrent_threads():
 
 
 def test_many_duplicate_stores_keep_exact_refcounts():
-    """Refcounts past the C engine map's small inline counters move to its overflow table:
-    every reference still counts, removes and moves stay exact, nothing errors."""
+    """Many references per mapping, and a second engine hash of a held block (C: side-table
+    refcounts), on an endpoint and the shared tier: every reference still counts, removes and
+    moves stay exact, nothing errors."""
     c, r = load_backend("c").Index(), load_backend("reference").Index()
     for idx in (c, r):
         for tier in (0, 1, 2):
@@ -353,3 +354,92 @@ def test_bounded_eviction_with_many_holders_matches_reference():
     for ep in range(40):
         assert c.holdings(ep) == r.holdings(ep)
     assert c.stats()["evicted_blocks"] > 0
+
+
+@pytest.mark.parametrize("bound", [0, 1, 3, 50])
+def test_large_counts_and_many_engine_hashes_per_block_match_reference(bound):
+    """C records keep a lone holder inline with 8-bit counts and a 7-bit mapping count, and an
+    endpoint's further engine hashes of a block it holds keep their refcounts in a side table:
+    counts past 255, more than 127 engine hashes of one block, and every remove / move / clear
+    order must still match the reference exactly (bounded or not)."""
+    import random
+
+    rng = random.Random(bound + 11)
+    most = 0  # the largest count seen: the run must pass the inline limit
+    c = load_backend("c").Index(max_entries=bound)
+    r = load_backend("reference").Index(max_entries=bound)
+    for step in range(1500):
+        ep = rng.choice([0, 1, SHARED])
+        blk = rng.randrange(3)
+        op = rng.random()
+        if op < 0.55:  # many references: a few engine hashes stored again and again, or many
+            eh = blk * 1000 + (rng.randrange(2) if rng.random() < 0.7 else rng.randrange(200))
+            n = rng.randrange(1, 60)
+            args = (ep, rng.randrange(3), [eh] * n, [blk] * n)
+            for idx in (c, r):
+                idx.store(*args)
+        elif op < 0.75:
+            ehs = [blk * 1000 + rng.randrange(200) for _ in range(rng.randrange(1, 30))]
+            tier = rng.choice([None, 0, 1, 2])
+            for idx in (c, r):
+                idx.remove(ep, ehs, tier)
+        elif op < 0.95:
+            ehs = [blk * 1000 + rng.randrange(2)] * rng.randrange(1, 20)
+            src, dst = rng.randrange(3), rng.randrange(3)
+            for idx in (c, r):
+                idx.move(ep, ehs, src, dst)
+        elif op < 0.955:
+            for idx in (c, r):
+                idx.clear(ep)
+        else:
+            assert c.query([0, 1, 2]).matched() == r.query([0, 1, 2]).matched()
+        if step % 25 == 0 or step > 1450:
+            assert c.stats() == r.stats(), step
+            for e in (0, 1, SHARED):
+                assert c.holdings(e) == r.holdings(e), (step, e)
+                for eh in (0, 1, 1000, 1001, 2000, 2001, 7, 1150):
+                    assert c.resolve(e, eh) == r.resolve(e, eh)
+                most = max([most] + [max(v) for v in c.holdings(e).values()])
+    if bound == 0:
+        assert most > 255
+
+
+def test_c_inline_holder_limits_are_invisible():
+    """300 references in one tier and 200 engine hashes of one block on one endpoint: the
+    C record outgrows its inline holder without losing a count."""
+    c, r = load_backend("c").Index(), load_backend("reference").Index()
+    for idx in (c, r):
+        idx.store(4, 2, [9] * 300, [77] * 300)
+        idx.store(4, 0, list(range(100, 300)), [77] * 200)
+        idx.move(4, [9] * 10, 2, 1)
+    assert c.holdings(4) == r.holdings(4) == {77: [200, 10, 290]}
+    assert c.stats() == r.stats()
+    for idx in (c, r):
+        idx.remove(4, list(range(100, 300)))
+        idx.remove(4, [9] * 290, 2)
+    assert c.holdings(4) == r.holdings(4) == {77: [0, 10, 0]}
+    for idx in (c, r):
+        idx.remove(4, [9] * 10)
+    assert c.stats() == r.stats()
+    assert c.stats()["blocks"] == 0 and c.stats()["engine_mappings"] == 0
+
+
+def test_c_reserve_spreads_mappings_over_endpoints():
+    core = load_backend("c")
+    idx = core.Index()
+    base = idx.memory_bytes()
+    idx.reserve(36_000, 36_000, endpoints=4)  # engine maps are per endpoint
+    assert idx.memory_bytes() >= base + 36_000 * (12 + 16 + 6)
+    grown = idx.memory_bytes()
+    for ep in range(4):
+        blocks = list(range(ep * 9000, (ep + 1) * 9000))
+        idx.store(ep, 0, blocks, blocks)
+    assert idx.memory_bytes() == grown  # nothing grew
+    assert idx.stats()["engine_mappings"] == 36_000
+    idx2 = core.Index()
+    idx2.store(3, 0, [1], [1])
+    before = idx2.memory_bytes()
+    idx2.reserve(10, 8000)  # spread over the endpoint ids that have stored (0..3)
+    assert idx2.memory_bytes() >= before + 8000 * 12
+    with pytest.raises(InvalidArgument):
+        idx2.reserve(10, 10, endpoints=-1)

@@ -200,6 +200,70 @@ static int grow_and_shrink(uint64_t max_entries) {
     return 0;
 }
 
+/* Few blocks, many references: counts past a record's inline 8 bits, more than 127 engine hashes
+ * of one block on one endpoint (side-table refcounts), moves and partial removes; then every
+ * reference is removed again and the index must be empty. */
+static int heavy_counts(uint64_t max_entries) {
+    kvp_index *idx = NULL;
+    CHECK(kvp_index_new(max_entries, &idx) == KVP_OK);
+    CHECK(kvp_index_reserve_endpoint(idx, 2, 500) == KVP_OK);
+    CHECK(kvp_index_reserve_endpoint(idx, KVP_MAX_ENDPOINT, 1) == KVP_E_ENDPOINT);
+    CHECK(kvp_index_reserve(idx, 16, 64) == KVP_OK);
+    enum { EHS = 200, REPS = 64 };
+    kvp_engine_hash_t ehs[REPS];
+    kvp_hash_t hs[REPS];
+    for (int s = 0; s < 3000; s++) {
+        kvp_endpoint_t ep = below(4) == 3 ? KVP_SHARED : below(3);
+        size_t n = 1 + below(REPS);
+        kvp_engine_hash_t one = below(8) == 0 ? below(EHS) : below(3);
+        for (size_t i = 0; i < n; i++) {
+            ehs[i] = below(3) == 0 ? below(EHS) : one;
+            hs[i] = ehs[i] % 3; /* an engine hash always names the same block */
+        }
+        int tier = (int)below(3);
+        switch (below(10)) {
+        case 0:
+        case 1:
+            CHECK(kvp_index_remove(idx, ep, below(2) ? KVP_TIER_ANY : tier, ehs, n) == KVP_OK);
+            break;
+        case 2:
+            CHECK(kvp_index_move(idx, ep, tier, (int)below(3), ehs, n) == KVP_OK);
+            break;
+        case 3:
+            if (below(20) == 0) CHECK(kvp_index_clear(idx, ep) == KVP_OK);
+            break;
+        default:
+            CHECK(kvp_index_store(idx, ep, tier, ehs, hs, n) == KVP_OK);
+        }
+    }
+    if (max_entries == 0) { /* the phase did pass the inline limits */
+        kvp_hash_t held[8];
+        uint32_t counts[24], most = 0;
+        size_t nh = 0;
+        CHECK(kvp_index_holdings(idx, 0, held, counts, 8, &nh) == KVP_OK && nh > 0);
+        for (size_t i = 0; i < 3 * nh; i++) most = counts[i] > most ? counts[i] : most;
+        CHECK(most > 255);
+    }
+    for (kvp_endpoint_t ep = 0; ep < 4; ep++) { /* remove every reference, one call per tier */
+        kvp_endpoint_t e = ep == 3 ? KVP_SHARED : ep;
+        for (int round = 0; round < 70000; round++) {
+            kvp_stats st;
+            CHECK(kvp_index_stats(idx, &st) == KVP_OK);
+            size_t before = st.removed_blocks;
+            kvp_engine_hash_t all[EHS];
+            for (size_t i = 0; i < EHS; i++) all[i] = i;
+            CHECK(kvp_index_remove(idx, e, KVP_TIER_ANY, all, EHS) == KVP_OK);
+            CHECK(kvp_index_stats(idx, &st) == KVP_OK);
+            if (st.removed_blocks == before) break;
+        }
+    }
+    kvp_stats st;
+    CHECK(kvp_index_stats(idx, &st) == KVP_OK);
+    CHECK(st.blocks == 0 && st.entries == 0 && st.engine_mappings == 0);
+    kvp_index_free(idx);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     int steps = argc > 1 ? atoi(argv[1]) : 20000;
     uint64_t bounds[] = {0, 1, 3, 7, 40};
@@ -210,6 +274,10 @@ int main(int argc, char **argv) {
                 return 1;
             }
         }
+    }
+    if (heavy_counts(0) != 0 || heavy_counts(2) != 0 || heavy_counts(500) != 0) {
+        fprintf(stderr, "failed: heavy_counts\n");
+        return 1;
     }
     if (grow_and_shrink(0) != 0 || grow_and_shrink(5000) != 0) {
         fprintf(stderr, "failed: grow_and_shrink\n");
