@@ -281,12 +281,12 @@ class VllmHttpAdapter(EngineAdapter):
     def final_answer(
         self, body: dict[str, Any], prefill_response: dict[str, Any], ctx: PDContext
     ) -> dict[str, Any] | None:
-        """vLLM's NixlConnector hands a prefill's KV to a remote decoder only when the request
-        was length-capped; a prefill that stopped (EOS or a stop string as its one token)
-        answers with ``finish_reason: "stop"`` and no ``kv_transfer_params`` — that answer is
-        the client's. With ``kv_transfer_params`` present the decode hop is sent anyway (the
-        decoder regenerates from the prompt and stops the same way) so the prefill's blocks
-        are released rather than held until their expiry."""
+        """A prefill that stopped (EOS or a stop string as its one token) and answers with
+        ``finish_reason: "stop"`` and no ``kv_transfer_params`` (a connector that hands off
+        length-capped prefills only) is the client's answer. With
+        ``kv_transfer_params`` present (0.32 hands off stopped prefills too) the decode hop is
+        sent anyway: the decoder pulls the KV and stops the same way, and the prefill's blocks
+        are released rather than held until their lease expires."""
         if not isinstance(prefill_response, dict):
             return None
         if vllm_transfer_params(prefill_response) is not None:

