@@ -3,17 +3,20 @@
 Workload (seeded): engines serving multi-turn sessions over shared system prompts. Each vLLM
 0.32 batch (msgpack, map-form events, uint64 hashes) is one scheduler step: a few
 ``BlockStored`` events (a new prompt's blocks chained to its cached prefix via
-``parent_block_hash``, 16-token blocks) and the ``BlockRemoved`` events of the blocks evicted to
-make room — one event per evicted hash, as vLLM sends them. Payloads are encoded up front; the
-clock covers decoding and applying to ``KvIndex``.
+``parent_block_hash``; 16-token blocks by default) and the ``BlockRemoved`` events of the blocks
+evicted to make room — one event per evicted hash, as vLLM sends them. Payloads are encoded up
+front; the clock covers decoding and applying to ``KvIndex``.
 
 Measured in the same run (paths alternate within each of ``--repeat`` rounds; best round):
 * ``kvplug``: ``BatchDecoder.decode`` (the compiled one-pass decoder: hashes and token ids into
-  u64/u32 buffers, consecutive removes coalesced) + ``KvIndex.apply_many``, on an index presized
+  u64/u32 buffers, a batch's removes gathered) + ``KvIndex.apply_many``, on an index presized
   for the fleet's KV capacity (steady state);
 * ``kvplug_growing``: the same on an index growing from empty (what the first minutes cost);
 * ``zmq``: the same through real loopback ZMQ sockets from a publisher process (the engines'
-  side) into the ``VllmSubscriber`` thread (the consumer uses one core, the publisher the other);
+  side) into the ``VllmSubscriber`` thread while the publisher sends (2 vCPUs shared);
+* ``zmq_queued``: the publisher sends everything first, then the subscriber thread drains its
+  queues: the consumer alone (receive, sequence checks, decode, apply); its thread CPU time is
+  reported for both ZMQ rows;
 * ``naive``: ``msgpack.unpackb`` (or untyped msgspec) + per-event dict handling into the same
   normalised events + ``KvIndex.apply`` one event at a time.
 Wall-clock blocks/s (the headline) and thread-CPU blocks/s (robust to a busy machine), plus the
