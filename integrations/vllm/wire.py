@@ -262,11 +262,11 @@ def _fast_extra_keys(
     bytes): (cache_salt, per-block extra), or None to leave the batch to the msgspec path."""
     try:
         keys = _DEC_ANY.decode(raw)
-    except msgspec.DecodeError:
-        return None
-    if not isinstance(keys, list):
-        return None  # the msgspec path rejects and counts it
-    return split_extra_keys(keys, n_blocks, lora_name, is_root)
+        if not isinstance(keys, list):
+            return None  # the msgspec path rejects and counts it
+        return split_extra_keys(keys, n_blocks, lora_name, is_root)
+    except (msgspec.MsgspecError, ValueError, TypeError):
+        return None  # whatever it is, the msgspec path says what (and counts it)
 
 
 def lora_namespace(lora_name: str | None, lora_id: int | None) -> str | None:
