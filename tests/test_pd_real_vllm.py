@@ -3,14 +3,14 @@ that move the KV cache with NIXL (NixlConnector pull mode over UCX; recipe in
 ``real_engine/nixl.py`` and docs/vllm.md).
 
 Needs the venv, model and NIXL from ``.ci/setup_vllm.sh``; skipped (with the reason) without
-them. For a non-streamed and a streamed completion through kvplug it checks: the prefill
-engine ran the prefill (one more length-capped request, the prompt computed locally); the
-decode engine pulled every prompt token over NIXL (``external_kv_transfer``) and computed none
-itself, with one more successful NIXL transfer and no failed one; the output equals an
-aggregated run on one engine token for token *and* logprob for logprob (the tiny random model
-tends to repeat a token, so the logprobs are what tie the output to the transferred KV); the
-decision traces show the prefill and the decode stage on the right workers, linked; the
-router's load is back to zero.
+them. For completions through kvplug (non-streamed, streamed, chat, a prefill that stops on
+its one token, four at once) it checks: the prefill engine ran the prefill (one more
+length-capped request, the prompt computed locally); the decode engine pulled every prompt
+token over NIXL (``external_kv_transfer``) and computed none itself, one more NIXL transfer,
+none failed, no lease expired; the output equals an aggregated run on one engine token for
+token *and* logprob for logprob (the tiny random model tends to repeat a token, so the
+logprobs are what tie the output to the transferred KV); the decision traces show the prefill
+and the decode stage on the right workers, linked; the router's load is back to zero.
 """
 
 from __future__ import annotations
