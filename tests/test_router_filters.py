@@ -306,6 +306,29 @@ def test_events_for_unknown_workers_are_counted_drops():
     assert BS == 16
 
 
+def test_event_batches_count_drops_like_single_events_and_keep_the_rest():
+    from kvplug.events import BlockRemoved, BlockStored
+
+    single, batched = make_router(workers=("a",)), make_router(workers=("a",))
+    events = [
+        BlockStored(worker_id="a", engine_hashes=[1, 2], block_hashes=[11, 12]),
+        BlockStored(worker_id="ghost", engine_hashes=[3], block_hashes=[13]),
+        BlockStored(worker_id="a", dp_rank=5, engine_hashes=[3], block_hashes=[13]),
+        BlockStored(worker_id="a", engine_hashes=[4, 5], block_hashes=[14]),  # lengths differ
+        BlockStored(worker_id="a", parent_engine_hash=2, engine_hashes=[6], block_hashes=[16]),
+        BlockRemoved(worker_id="a", engine_hashes=[1]),
+    ]
+    for ev in events:
+        single.apply_event(ev)
+    assert batched.apply_events(iter(events)) == 3
+    keys = ("events_applied", "events_dropped_unknown_worker", "events_dropped_invalid")
+    assert [batched.stats()[k] for k in keys] == [3, 2, 1]
+    assert [single.stats()[k] for k in keys] == [3, 2, 1]
+    ep = batched.index.endpoint_id("a", 0)
+    assert set(batched.index.core.holdings(ep)) == {12, 16}
+    assert set(single.index.core.holdings(ep)) == {12, 16}
+
+
 def test_re_add_worker_with_fewer_ranks_forgets_the_lost_rank():
     r = make_router(workers=(Worker("a", dp_size=2),))
     toks = tokens(4)

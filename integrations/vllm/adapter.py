@@ -261,10 +261,14 @@ class RouterSink:
         self.apply_many([event])
 
     def apply_many(self, events: Any) -> None:
+        batch = events if isinstance(events, list) else list(events)
         with self.lock:
-            for e in events:
-                self.router.apply_event(e)
-                self.events += 1
+            if hasattr(self.router, "apply_events"):
+                self.router.apply_events(batch)
+            else:
+                for e in batch:
+                    self.router.apply_event(e)
+            self.events += len(batch)
 
     def apply_threadsafe(self, events: Any) -> None:
         self.apply_many(events)

@@ -60,8 +60,20 @@ class FleetSink:
         self.last_event_at = time.monotonic()
 
     def apply_many(self, events: Iterable) -> None:
-        for event in events:
-            self.apply(event)
+        """A subscriber's batch: one pass through the index (``Router.apply_events``)."""
+        if not self.active:
+            return
+        batch = events if isinstance(events, list) else list(events)
+        try:
+            applied = self._router.apply_events(batch)
+        except Exception as exc:  # a bad event must never take the frontend down
+            self.errors += 1
+            log.warning("worker %s: event batch dropped: %s", self.worker_id, exc)
+            return
+        self.events += applied
+        self.errors += len(batch) - applied
+        if applied:
+            self.last_event_at = time.monotonic()
 
     def apply_threadsafe(self, events: Iterable) -> None:
         self._loop.call_soon_threadsafe(self.apply_many, list(events))
