@@ -305,15 +305,7 @@ class Router:
     def apply_event(self, event: KvEvent) -> None:
         """Feed one normalised KV event to the index. An unknown worker or rank, or a malformed
         event, is a counted and logged drop: what is indexed already stays."""
-        st = self._workers.get(getattr(event, "worker_id", None))  # type: ignore[arg-type]
-        if st is None or event.dp_rank not in st.worker.dp_ranks:
-            self.counters["events_dropped_unknown_worker"] += 1
-            log.warning(
-                "dropped %s for unknown worker %r rank %r",
-                type(event).__name__,
-                getattr(event, "worker_id", None),
-                getattr(event, "dp_rank", None),
-            )
+        if not self._from_known_worker(event):
             return
         try:
             self.index.apply(event)
@@ -329,25 +321,26 @@ class Router:
             return
         self.counters["events_applied"] += 1
 
+    def _from_known_worker(self, event: KvEvent) -> bool:
+        """Whether the event's (worker, rank) is registered; if not, a counted, logged drop."""
+        st = self._workers.get(getattr(event, "worker_id", None))  # type: ignore[arg-type]
+        if st is not None and getattr(event, "dp_rank", None) in st.worker.dp_ranks:
+            return True
+        self.counters["events_dropped_unknown_worker"] += 1
+        log.warning(
+            "dropped %s for unknown worker %r rank %r",
+            type(event).__name__,
+            getattr(event, "worker_id", None),
+            getattr(event, "dp_rank", None),
+        )
+        return False
+
     def apply_events(self, events: Iterable[KvEvent]) -> int:
         """Feed a batch of events (a subscriber's backlog) with the per-event checks of
         ``apply_event`` but one pass through the index (``KvIndex.apply_many``): the ingestion
         benchmark's path. Returns how many were applied; drops are counted as in
         ``apply_event`` (the index logs its drops rate-limited)."""
-        known: list[KvEvent] = []
-        workers = self._workers
-        for event in events:
-            st = workers.get(getattr(event, "worker_id", None))  # type: ignore[arg-type]
-            if st is None or getattr(event, "dp_rank", None) not in st.worker.dp_ranks:
-                self.counters["events_dropped_unknown_worker"] += 1
-                log.warning(
-                    "dropped %s for unknown worker %r rank %r",
-                    type(event).__name__,
-                    getattr(event, "worker_id", None),
-                    getattr(event, "dp_rank", None),
-                )
-                continue
-            known.append(event)
+        known = [event for event in events if self._from_known_worker(event)]
         report = self.index.apply_many(known)
         self.counters["events_dropped_invalid"] += report.dropped
         self.counters["events_applied"] += report.applied

@@ -14,11 +14,11 @@ import json
 import os
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from real_engine.engines import MODEL, Engine, missing_reason
+from real_engine.http import http_get, http_post
 from vllm_helpers import free_port
 
 from kvplug.testing import serve_command, stop_process, wait_ready
@@ -33,20 +33,7 @@ pytestmark = [
 ]
 
 
-def _get(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def _post(url: str, body: dict) -> tuple[dict, bytes]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return {k.lower(): v for k, v in r.headers.items()}, r.read()
+_get, _post = http_get, http_post
 
 
 def _metric(text: str, name: str, worker: str) -> float:

@@ -21,13 +21,12 @@ import random
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from real_engine.engines import MODEL, Engine, missing_reason
+from real_engine.http import http_get, http_post
 from real_engine.nixl import nixl_engine, nixl_missing_reason, unpin
 
 from kvplug.testing import free_ports, serve_command, stop_process, wait_ready
@@ -46,24 +45,11 @@ pytestmark = [
 
 
 def _get(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+    return http_get(url)
 
 
 def _post(url: str, body: dict) -> tuple[dict, bytes]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return {k.lower(): v for k, v in r.headers.items()}, r.read()
-    except urllib.error.HTTPError as e:
-        raise AssertionError(
-            f"{url}: HTTP {e.code}: {e.read()[:2000]!r}\nkvplug serve log: {_serve_log()}"
-        ) from None
+    return http_post(url, body, context=lambda: f"kvplug serve log: {_serve_log()}")
 
 
 def _serve_log(n: int = 3000) -> str:
