@@ -40,6 +40,7 @@ from kvplug.errors import (
     PinnedWorkerOverloaded,
     RoutingError,
 )
+from kvplug.frontend.batch import serve_batch
 from kvplug.frontend.decisions import DecisionRecord, DecisionStore
 from kvplug.frontend.errors import ApiError, bad_request
 from kvplug.frontend.fleet import Fleet, WorkerEntry
@@ -63,6 +64,7 @@ _json = msgspec.json.Encoder()
 @dataclass
 class ServeSettings:
     max_prompt_tokens: int = 0  # 0 = no limit
+    max_batch_prompts: int = 256  # prompts in one batched completion; 0 = no limit
     max_body_bytes: int = 16 * 1024 * 1024
     retries: int = 1
     decision_store_size: int = 10_000
@@ -264,27 +266,55 @@ class Frontend:
         model_workers = self._check_model(req)
         hints = hints_from_request(req.nvext, request.headers)
         self._check_hint_workers(hints)
+        if req.batch_size > 1:
+            self._check_batch_size(req.batch_size)
+            if req.prompts is not None and not self.fleet.disaggregated:
+                # one sub-request per prompt, each routed on its own tokens
+                return await serve_batch(self, request, req, hints, model_workers), req.stream
         tokens, source, note = await self.tokens.resolve(req)
         self._child(self.metrics.token_source, source).inc()
+        self.check_prompt_tokens(tokens, "prompt")
+        key = next(self._keys)
+        request_id = request.headers.get("X-Request-Id") or f"kvplug-{self._id_prefix}-{key}"
+        ctx = RequestContext(key, request_id, req, tokens, source, note, hints, model_workers)
+        if self.queue is not None:
+            await self.admit(request, ctx)
+        try:
+            return await self._dispatch(request, ctx), req.stream
+        finally:
+            self.admitted(ctx)
+
+    def check_prompt_tokens(self, tokens: list[int] | None, where: str) -> None:
         limit = self.settings.max_prompt_tokens
         if limit and tokens is not None and len(tokens) > limit:
             raise ApiError(
                 400,
-                f"the prompt has {len(tokens)} tokens, over the limit of "
+                f"the {where} has {len(tokens)} tokens, over the limit of "
                 f"{limit} (--max-prompt-tokens)",
                 "invalid_request_error",
                 "context_length_exceeded",
                 "prompt",
             )
-        key = next(self._keys)
-        request_id = request.headers.get("X-Request-Id") or f"kvplug-{self._id_prefix}-{key}"
-        ctx = RequestContext(key, request_id, req, tokens, source, note, hints, model_workers)
-        if self.queue is not None:
-            await self._admit(request, ctx)
-        try:
-            return await self._dispatch(request, ctx), req.stream
-        finally:
-            self._admitted(ctx)
+
+    def _check_batch_size(self, size: int) -> None:
+        limit = self.settings.max_batch_prompts
+        if limit and size > limit:
+            raise ApiError(
+                400,
+                f"the batch has {size} prompts, over the limit of {limit} (--max-batch-prompts)",
+                "invalid_request_error",
+                "batch_too_large",
+                "prompt",
+            )
+
+    def hop_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+        """The headers sent to the engines: the client's, minus kvplug's own and hop-by-hop."""
+        hop_headers = forward_headers(request.headers, request_id)
+        if self.settings.api_key is not None:  # kvplug's key is not the engines'
+            hop_headers = {k: v for k, v in hop_headers.items() if k.lower() != "authorization"}
+        if self.settings.engine_api_key:
+            hop_headers["Authorization"] = f"Bearer {self.settings.engine_api_key}"
+        return hop_headers
 
     # -- admission queue ------------------------------------------------------------------
     def _queue_scope(self, ctx: RequestContext) -> Scope:
@@ -302,7 +332,7 @@ class Frontend:
             frozenset(unhealthy),
         )
 
-    async def _admit(self, request: web.Request, ctx: RequestContext) -> None:
+    async def admit(self, request: web.Request, ctx: RequestContext) -> None:
         """Wait in the admission queue while every eligible worker is over the threshold."""
         queue = self.queue
         assert queue is not None
@@ -333,7 +363,7 @@ class Frontend:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("request %s waited %.3f s in the queue", ctx.request_id, ticket.waited)
 
-    def _admitted(self, ctx: RequestContext) -> None:
+    def admitted(self, ctx: RequestContext) -> None:
         """The released request was routed (or failed): the queue examines its next head."""
         ticket = ctx.ticket
         if ticket is not None and self.queue is not None:
@@ -381,14 +411,14 @@ class Frontend:
         try:
             decision = self.router.route(rreq)
         except RoutingError as exc:
-            self._admitted(ctx)
+            self.admitted(ctx)
             status, code = _ROUTING_ERRORS.get(type(exc), (503, "routing_error"))
             self.metrics.routing_errors.labels(code).inc()
             raise ApiError(
                 status, f"no worker can take the request: {exc}", "service_unavailable", code
             ) from None
         except (InvalidRequest, InvalidTokens) as exc:
-            self._admitted(ctx)
+            self.admitted(ctx)
             raise bad_request(str(exc), code="invalid_request") from None
         try:
             return self._routed(ctx, stage, attempt, route_id, decision, time.perf_counter() - t0)
@@ -398,7 +428,7 @@ class Frontend:
                 self._on_release()
             raise
         finally:
-            self._admitted(ctx)  # its load is in the router now (or gone)
+            self.admitted(ctx)  # its load is in the router now (or gone)
 
     def _route_request(
         self,
@@ -524,11 +554,7 @@ class Frontend:
         body = ctx.req.raw
         allowed: frozenset[str] | None = None
         plan: DecodePlan | None = None
-        hop_headers = forward_headers(request.headers, ctx.request_id)
-        if self.settings.api_key is not None:  # kvplug's key is not the engines'
-            hop_headers = {k: v for k, v in hop_headers.items() if k.lower() != "authorization"}
-        if self.settings.engine_api_key:
-            hop_headers["Authorization"] = f"Bearer {self.settings.engine_api_key}"
+        hop_headers = self.hop_headers(request, ctx.request_id)
         ctx.forward = hop_headers
         if self.fleet.disaggregated:
             plan = await self._plan(ctx)
@@ -624,6 +650,32 @@ class Frontend:
         allowed: frozenset[str] | None,
         plan: DecodePlan | None,
     ) -> web.StreamResponse:
+        routed, upstream, first = await self.open_upstream(
+            ctx, stage, body, hop_headers, allowed, plan
+        )
+        try:
+            return await self._relay(request, ctx, routed, upstream, first, plan)
+        finally:
+            routed.entry.inflight -= 1
+            routed.lifecycle.finish()
+            if upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()
+
+    async def open_upstream(
+        self,
+        ctx: RequestContext,
+        stage: Stage,
+        body: bytes,
+        hop_headers: dict[str, str],
+        allowed: frozenset[str] | None,
+        plan: DecodePlan | None,
+    ) -> tuple[Routed, Any, bytes]:
+        """Route and send one request, retrying on another worker before the first byte.
+
+        Returns ``(routed, upstream response, first body bytes)``; the caller then owns one
+        ``entry.inflight``, ``routed.lifecycle.finish()`` and releasing the response."""
         # the prefill worker is kept off its own decode stage unless nothing else can decode
         soft = plan.exclude if plan is not None else frozenset()
         exclude: set[str] = set(soft)
@@ -664,15 +716,7 @@ class Frontend:
                 entry.inflight -= 1
                 routed.lifecycle.finish()
                 raise
-            try:
-                return await self._relay(request, ctx, routed, upstream, first, plan)
-            finally:
-                entry.inflight -= 1
-                routed.lifecycle.finish()
-                if upstream.content.at_eof():
-                    upstream.release()
-                else:
-                    upstream.close()
+            return routed, upstream, first
         err = ApiError(
             502,
             "the engine failed before answering"

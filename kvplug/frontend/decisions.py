@@ -38,6 +38,7 @@ class DecisionRecord:
         "created",
         "fallback_reason",
         "queue_wait_s",
+        "batch",
     )
 
     def __init__(
@@ -78,6 +79,8 @@ class DecisionRecord:
         self.created = time.time()
         self.fallback_reason: str | None = None
         self.queue_wait_s: float | None = None  # time in the admission queue (None: not queued)
+        # one prompt of a split batch: {"request_id", "prompt_index", "size"}
+        self.batch: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         to_dict = getattr(self.decision, "to_dict", None)
@@ -109,6 +112,7 @@ class DecisionRecord:
             },
             "output_tokens": self.output_tokens,
             "related_decisions": list(self.related),
+            "batch": self.batch,
             "created_unix": self.created,
             "router": trace,
         }

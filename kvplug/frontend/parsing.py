@@ -33,7 +33,8 @@ class ParsedRequest:
     prompt_ids: list[int] | None = None  # token ids given by the client (prompt or nvext)
     messages: list[dict[str, Any]] | None = None  # chat
     nvext: dict[str, Any] | None = None
-    batch_size: int = 1  # completions prompt lists: routed on the first prompt
+    batch_size: int = 1  # completions prompt lists
+    prompts: list[Any] | None = None  # a batch of 2+ prompts (strings or validated id lists)
 
     @property
     def is_chat(self) -> bool:
@@ -110,12 +111,19 @@ def parse_request(raw: bytes, path: str) -> ParsedRequest:
         elif isinstance(first, int):
             req.prompt_ids = _check_token_ids(prompt, "prompt")
         elif isinstance(first, str) and all(isinstance(p, str) for p in prompt):
-            # a batch of prompts: kvplug routes on the first one
+            # a batch: split per prompt by the frontend (kvplug/frontend/batch.py); a batch
+            # of one is a single prompt
             req.prompt_text = first
             req.batch_size = len(prompt)
+            if len(prompt) > 1:
+                req.prompts = prompt
         elif isinstance(first, list) and all(isinstance(p, list) and p for p in prompt):
             req.prompt_ids = _check_token_ids(first, "prompt[0]")
             req.batch_size = len(prompt)
+            if len(prompt) > 1:
+                req.prompts = [req.prompt_ids] + [
+                    _check_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt) if i
+                ]
         else:
             raise bad_request(
                 "'prompt' must be a non-empty string, list of token ids, list of strings "

@@ -13,6 +13,9 @@ per token) and records what it was sent. What it does for real:
   ``remote_request_id`` differs from its ``X-Request-Id``, and "pulls" the blocks from the
   shared ``TransferBoard``) and SGLang bootstrap (both hops carry the same
   ``bootstrap_room``; the decode stub waits for its prefill partner on the board);
+* batches as vLLM answers them: ``prompt`` as a list of prompts, ``n`` choices each, choice
+  ``j`` of prompt ``i`` numbered ``i * n + j`` (streamed: a step's chunks prompt by prompt),
+  usage summed; ``tag_text = True`` makes each choice's text name its prompt and choice;
 * failures on demand: ``fail = "reset"`` (connection closed before any byte), ``"midstream"``
   (closed after two chunks), ``"http500"``, ``"http400"``.
 
@@ -82,6 +85,7 @@ class StubEngine:
         self.board = board or TransferBoard()
         self.tokens_per_chunk = tokens_per_chunk
         self.fail: str | None = None
+        self.tag_text = False  # output text names the prompt and choice it answers
         self.gate: asyncio.Event | None = None  # when set: requests wait for it once recorded
         # EOS as output token number eos_at (finish_reason "stop"); a prefill stub then hands
         # off no KV, as vLLM's NixlConnector does for a request that was not length-capped
@@ -215,14 +219,17 @@ class StubEngine:
         if self.fail == "http400":
             return self._error(400, "stub engine refuses this request")
         if chat:
-            tokens = stub_tokenize(stub_render_chat(body["messages"]))
+            batch = [stub_tokenize(stub_render_chat(body["messages"]))]
         else:
             prompt = body["prompt"]
-            tokens = (
-                prompt
-                if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
-                else stub_tokenize(prompt if isinstance(prompt, str) else prompt[0])
-            )
+            if isinstance(prompt, str):
+                batch = [stub_tokenize(prompt)]
+            elif isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+                batch = [prompt]
+            else:
+                batch = [p if isinstance(p, list) else stub_tokenize(p) for p in prompt]
+        tokens = batch[0]
+        n_choices = int(body.get("n") or 1)
 
         kv_params: dict[str, Any] | None = None
         asked = body.get("kv_transfer_params")
@@ -238,7 +245,7 @@ class StubEngine:
             if problem is not None:
                 return self._error(400, problem)
 
-        cached = self._store_prefix(tokens)
+        cached = sum(self._store_prefix(t) for t in batch)
         n_out = int(
             body.get("max_tokens") or body.get("max_completion_tokens") or self.output_tokens
         )
@@ -251,25 +258,35 @@ class StubEngine:
         self.running += 1
         try:
             if body.get("stream"):
-                return await self._stream(request, body, chat, n_out, rid, finish)
+                return await self._stream(request, body, chat, n_out, rid, finish, batch, n_choices)
             if self.token_delay:
                 await asyncio.sleep(self.token_delay * n_out)
-            text = "".join(f"t{i} " for i in range(n_out))
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
+            choices = []
+            for i, prompt_tokens in enumerate(batch):
+                for j in range(n_choices):
+                    text = self._text(prompt_tokens, j, 0, n_out)
+                    choice: dict[str, Any] = {
+                        "index": i * n_choices + j,
+                        "finish_reason": finish,
+                        "logprobs": None,
+                    }
+                    if chat:
+                        choice["message"] = {"role": "assistant", "content": text}
+                    else:
+                        choice["text"] = text
+                    choices.append(choice)
+            n_prompt = sum(len(t) for t in batch)
+            n_gen = n_out * n_choices * len(batch)
             answer = {
                 "id": f"cmpl-{rid}",
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()),
                 "model": body.get("model", self.model),
-                "choices": [choice],
+                "choices": choices,
                 "usage": {
-                    "prompt_tokens": len(tokens),
-                    "completion_tokens": n_out,
-                    "total_tokens": len(tokens) + n_out,
+                    "prompt_tokens": n_prompt,
+                    "completion_tokens": n_gen,
+                    "total_tokens": n_prompt + n_gen,
                     "prompt_tokens_details": {"cached_tokens": cached * self.block_size},
                 },
                 "kv_transfer_params": kv_params,
@@ -288,6 +305,13 @@ class StubEngine:
         finally:
             self.running -= 1
 
+    def _text(self, prompt_tokens: list[int], choice: int, start: int, count: int) -> str:
+        """Output tokens ``start .. start+count`` of one choice, as text."""
+        if self.tag_text:
+            tag = f"{prompt_tokens[0] if prompt_tokens else 0}/{len(prompt_tokens)}/{choice}"
+            return "".join(f"t{start + i}@{tag} " for i in range(count))
+        return "".join(f"t{start + i} " for i in range(count))
+
     async def _stream(
         self,
         request: web.Request,
@@ -296,6 +320,8 @@ class StubEngine:
         n_out: int,
         rid: str,
         last_finish: str = "length",
+        batch: list[list[int]] | None = None,
+        n_choices: int = 1,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -326,18 +352,20 @@ class StubEngine:
                 payload["usage"] = usage
             return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
+        batch = batch or [[]]
         if chat:
-            await emit(
-                event(
-                    [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "finish_reason": None,
-                        }
-                    ]
+            for j in range(n_choices):
+                await emit(
+                    event(
+                        [
+                            {
+                                "index": j,
+                                "delta": {"role": "assistant", "content": ""},
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
                 )
-            )
         n_sent = 0
         step = max(1, self.tokens_per_chunk)
         while n_sent < n_out:
@@ -347,21 +375,34 @@ class StubEngine:
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
             k = min(step, n_out - n_sent)
-            text = "".join(f"t{n_sent + i} " for i in range(k))
             finish = last_finish if n_sent + k >= n_out else None
-            if chat:
-                choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            if step > 1:
-                choice["token_ids"] = list(range(n_sent, n_sent + k))
-            await emit(event([choice]))
+            for i, prompt_tokens in enumerate(batch):
+                for j in range(n_choices):
+                    text = self._text(prompt_tokens, j, n_sent, k)
+                    index = i * n_choices + j
+                    if chat:
+                        choice = {
+                            "index": index,
+                            "delta": {"content": text},
+                            "finish_reason": finish,
+                        }
+                    else:
+                        choice = {
+                            "index": index,
+                            "text": text,
+                            "logprobs": None,
+                            "finish_reason": finish,
+                        }
+                    if step > 1:
+                        choice["token_ids"] = list(range(n_sent, n_sent + k))
+                    await emit(event([choice]))
             n_sent += k
         opts = body.get("stream_options") or {}
         if opts.get("include_usage"):
-            await emit(
-                event([], {"prompt_tokens": 0, "completion_tokens": n_out, "total_tokens": n_out})
-            )
+            n_gen = n_out * n_choices * len(batch)
+            n_prompt = sum(len(t) for t in batch)
+            usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen}
+            await emit(event([], {**usage, "total_tokens": n_prompt + n_gen}))
         await emit(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
