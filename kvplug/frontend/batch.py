@@ -222,8 +222,15 @@ async def serve_batch(
         return await batch.run()
     finally:
         for part in parts:
-            part.release("cancelled", "the batch ended before this prompt's answer")
+            _cancel(part)
             fe.admitted(part.ctx)
+
+
+def _cancel(part: _Part, why: str = "the batch ended before this prompt's answer") -> None:
+    part.release("cancelled", why)
+    for rec in part.ctx.records:  # also attempts cancelled while they were being sent
+        if rec.outcome == "in_flight":
+            rec.outcome, rec.error = "cancelled", why
 
 
 class _Batch:
@@ -430,19 +437,34 @@ class _Batch:
         tasks = [asyncio.ensure_future(self._pump(p, queue)) for p in self.parts]
         running = len(tasks)
         end = _DONE
+        why = "another prompt of the batch failed"
         try:
-            while running:
-                part, item = await queue.get()
-                if item is None:
-                    running -= 1
-                    continue
-                if isinstance(item, _Broken):
-                    end = sse_error(f"the engine failed mid-stream on prompt {part.index}: {item}")
-                    break
-                if isinstance(item, _EngineError):
-                    break  # its error event was already passed on
-                await out.write(item)
-            else:
+            try:
+                while running:
+                    part, item = await queue.get()
+                    if item is None:
+                        running -= 1
+                        continue
+                    if isinstance(item, _Broken):
+                        end = sse_error(
+                            f"the engine failed mid-stream on prompt {part.index}: {item}"
+                        )
+                        break
+                    if isinstance(item, _EngineError):
+                        break  # its error event was already passed on
+                    await out.write(item)
+            except ConnectionResetError:
+                why = "client closed the connection"
+                raise
+            finally:
+                # everything is released before the client sees the end of the stream
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for p in self.parts:
+                    _cancel(p, why)
+                self._observe_ttft()
+            if not running:
                 usage = sum_usage([c.get("usage") for c in self.usage_chunks])
                 if usage is not None:
                     final = dict(self.usage_chunks[0])
@@ -452,16 +474,19 @@ class _Batch:
             await out.write_eof()
         except ConnectionResetError:
             for p in self.parts:
-                p.release("client_disconnected", "client closed the connection")
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            ttfts = [p.routed.lifecycle.first_at for p in self.parts if p.routed is not None]
-            firsts = [t for t in ttfts if t is not None]
-            if firsts:
-                self.fe.metrics.ttft_seconds.observe(min(firsts) - self.started)
+                rec = p.routed.record if p.routed is not None else None
+                if rec is not None and rec.outcome == "cancelled":
+                    rec.outcome = "client_disconnected"
         return out
+
+    def _observe_ttft(self) -> None:
+        firsts = [
+            p.routed.lifecycle.first_at
+            for p in self.parts
+            if p.routed is not None and p.routed.lifecycle.first_at is not None
+        ]
+        if firsts:
+            self.fe.metrics.ttft_seconds.observe(min(firsts) - self.started)
 
 
 class _Broken(str):

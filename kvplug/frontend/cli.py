@@ -66,6 +66,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "checked when token ids are known)",
     )
     g.add_argument(
+        "--max-batch-prompts",
+        type=int,
+        default=256,
+        metavar="N",
+        help="refuse /v1/completions batches (prompt as a list) of more than N prompts with "
+        "HTTP 400 (0 = no limit; each prompt of a batch is routed and sent on its own)",
+    )
+    g.add_argument(
         "--max-body-bytes",
         type=int,
         default=16 * 1024 * 1024,
@@ -252,11 +260,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace):
     from kvplug.frontend.app import ServeSettings
 
-    for name in ("max_prompt_tokens", "max_body_bytes", "retries", "decision_store_size"):
+    for name in (
+        "max_prompt_tokens",
+        "max_batch_prompts",
+        "max_body_bytes",
+        "retries",
+        "decision_store_size",
+    ):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     return ServeSettings(
         max_prompt_tokens=args.max_prompt_tokens,
+        max_batch_prompts=args.max_batch_prompts,
         max_body_bytes=args.max_body_bytes,
         retries=args.retries,
         decision_store_size=args.decision_store_size,

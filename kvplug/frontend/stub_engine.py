@@ -74,6 +74,7 @@ class StubEngine:
         model: str = "stub-model",
         board: TransferBoard | None = None,
         tokens_per_chunk: int = 1,
+        tag_text: bool = False,
     ) -> None:
         self.worker_id = worker_id
         self.block_size = block_size
@@ -85,7 +86,7 @@ class StubEngine:
         self.board = board or TransferBoard()
         self.tokens_per_chunk = tokens_per_chunk
         self.fail: str | None = None
-        self.tag_text = False  # output text names the prompt and choice it answers
+        self.tag_text = tag_text  # output text names the prompt and choice it answers
         self.gate: asyncio.Event | None = None  # when set: requests wait for it once recorded
         # EOS as output token number eos_at (finish_reason "stop"); a prefill stub then hands
         # off no KV, as vLLM's NixlConnector does for a request that was not length-capped
