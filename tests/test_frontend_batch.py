@@ -302,3 +302,20 @@ async def test_per_prompt_token_limit_and_bad_ids():
         assert resp.status == 400 and json.loads(raw)["error"]["param"] == "prompt[1]"
         assert not h.engines["w0"].requests
         h.assert_idle()
+
+
+async def test_disaggregated_fleets_keep_a_batch_whole():
+    """P/D fleets: the batch goes through both stages as one request, routed on its first
+    prompt (docs/frontend.md), as before per-prompt splitting existed."""
+    pd = [{"id": "p0", "role": "prefill"}, {"id": "d0", "role": "decode"}]
+    async with serving(pd) as h:
+        batch = [prompt(2, 1), prompt(2, 2)]
+        resp, raw = await h.complete(batch, max_tokens=3)
+        assert resp.status == 200, raw
+        assert resp.headers["x-kvplug-worker"] == "d0"
+        assert resp.headers["x-kvplug-prefill-worker"] == "p0"
+        assert h.engines["d0"].requests[-1]["body"]["prompt"] == batch
+        assert [c["index"] for c in json.loads(raw)["choices"]] == [0, 1]
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        assert trace["batch"] is None and trace["tokens"]["count"] == len(batch[0])
+        h.assert_idle()
