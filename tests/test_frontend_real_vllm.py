@@ -5,7 +5,9 @@ Needs the venv and model from ``.ci/setup_vllm.sh``; skipped (with the reason) w
 Checks: the local tokenizer (``--tokenizer`` = the model directory) gives the engine's own token
 ids for text and chat; the engines' KV events (discovered through ``/kv_event_sources``) route a
 follow-up to the engine holding its prefix; a real stream passes through and the frontend's
-token count equals the engine's ``usage``; load is back to zero afterwards.
+token count equals the engine's ``usage``; load is back to zero afterwards; a batch whose
+prompts are cached on different engines is split between them and merged into vLLM's own batch
+answer (seeded sampling's token ids, choice numbering with ``n=2``, usage), streamed and not.
 """
 
 from __future__ import annotations
@@ -159,5 +161,81 @@ def test_prefix_routing_stream_and_load_on_real_engines(fleet):
         usage = json.loads(events[-2][6:])["usage"]
         trace = _trace(url, headers)
         assert trace["output_tokens"] == usage["completion_tokens"] == 12
+        assert trace["router"]["overlap_blocks"] >= 10
+    assert _wait_load_released(url) == {}
+
+
+def _stream_token_ids(raw: bytes) -> tuple[dict[int, list[int]], dict, int]:
+    """Streamed token ids per choice index, the final usage, and how many [DONE] there were."""
+    ids: dict[int, list[int]] = {}
+    usage: dict = {}
+    done = 0
+    for event in raw.split(b"\n\n"):
+        if not event.startswith(b"data: "):
+            continue
+        if event == b"data: [DONE]":
+            done += 1
+            continue
+        chunk = json.loads(event[6:])
+        for c in chunk["choices"]:
+            ids.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+        if not chunk["choices"] and chunk.get("usage"):
+            usage = chunk["usage"]
+    return ids, usage, done
+
+
+def test_batch_is_split_across_engines_and_merged_as_vllm_answers(fleet):
+    url, engines = fleet
+    docs = [
+        "".join(f"Alpha {i}: the first document lives on engine a. " for i in range(8)),
+        "".join(f"Beta {i}: the second document lives on engine b. " for i in range(8)),
+    ]
+    blocks_before = _index_blocks(url)
+    for doc, worker in zip(docs, ("a", "b"), strict=True):
+        body = {"model": "tiny", "prompt": doc, "max_tokens": 1}
+        headers, _ = _post(
+            url + "/v1/completions", {**body, "nvext": {"backend_instance_id": worker}}
+        )
+        assert headers["x-kvplug-worker"] == worker
+    deadline = time.monotonic() + 30
+    while _index_blocks(url) < blocks_before + 20:  # both engines' events reached the index
+        assert time.monotonic() < deadline, "the engines' KV events did not reach the index"
+        time.sleep(0.2)
+    assert _wait_load_released(url) == {}
+    body = {
+        "model": "tiny",
+        "prompt": [docs[0] + "Question one?", docs[1] + "Question two?"],
+        "max_tokens": 6,
+        "n": 2,  # vLLM refuses n > 1 with greedy sampling: seeded sampling instead
+        "temperature": 1.0,
+        "seed": 1234,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    # non-streamed: the merged answer is engine a's own answer to the whole batch
+    headers, raw = _post(url + "/v1/completions", body)
+    assert headers["x-kvplug-worker"] == "a,b"
+    merged = json.loads(raw)
+    reference = engines[0].post("/v1/completions", body)
+    assert [c["index"] for c in merged["choices"]] == [0, 1, 2, 3]
+    assert [c["index"] for c in reference["choices"]] == [0, 1, 2, 3]
+    for got, want in zip(merged["choices"], reference["choices"], strict=True):
+        assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+        assert got["prompt_token_ids"] == want["prompt_token_ids"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert merged["usage"][key] == reference["usage"][key], key
+    assert _wait_load_released(url) == {}
+    # streamed: per choice the same token ids, one summed usage chunk, one [DONE]
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    headers, raw = _post(url + "/v1/completions", stream)
+    assert headers["x-kvplug-worker"] == "a,b"
+    ids, usage, done = _stream_token_ids(raw)
+    assert done == 1 and raw.rstrip().endswith(b"data: [DONE]")
+    assert ids == {c["index"]: c["token_ids"] for c in reference["choices"]}
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert usage[key] == reference["usage"][key], key
+    for decision_id in headers["x-kvplug-decision-id"].split(","):
+        trace = json.loads(_get(f"{url}/kvplug/decisions/{decision_id}")[1])
+        assert trace["outcome"] == "ok" and trace["output_tokens"] == 12  # 2 choices x 6
         assert trace["router"]["overlap_blocks"] >= 10
     assert _wait_load_released(url) == {}
