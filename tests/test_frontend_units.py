@@ -41,11 +41,13 @@ def test_parse_completion_text_and_ids():
     assert parse_request(raw, COMPLETIONS).raw is raw  # forwarded unchanged
 
 
-def test_parse_batches_route_on_first_prompt():
+def test_parse_batches_keep_every_prompt():
     r = parse_request(body(model="m", prompt=["a", "b"]), COMPLETIONS)
-    assert r.prompt_text == "a" and r.batch_size == 2
+    assert r.prompt_text == "a" and r.batch_size == 2 and r.prompts == ["a", "b"]
     r = parse_request(body(model="m", prompt=[[5, 6], [7]]), COMPLETIONS)
-    assert r.prompt_ids == [5, 6]
+    assert r.prompt_ids == [5, 6] and r.prompts == [[5, 6], [7]]
+    r = parse_request(body(model="m", prompt=[[5, 6]]), COMPLETIONS)  # a batch of one
+    assert r.prompt_ids == [5, 6] and r.batch_size == 1 and r.prompts is None
 
 
 @pytest.mark.parametrize(
