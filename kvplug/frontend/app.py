@@ -5,7 +5,9 @@
 ``GET /metrics`` (Prometheus), ``GET /kvplug/decisions/{id}`` (a recent decision's JSON trace).
 Every routed answer carries ``x-kvplug-decision-id``, ``x-kvplug-worker`` and
 ``x-kvplug-dp-rank`` (plus ``x-kvplug-prefill-worker`` / ``x-kvplug-prefill-decision-id`` for
-two-stage requests).
+two-stage requests). A batched completion (``prompt`` as a list of 2+ prompts) is split into
+one routed sub-request per prompt (``kvplug/frontend/batch.py``); those headers are then
+comma-separated lists in prompt order.
 """
 
 from __future__ import annotations
