@@ -319,3 +319,27 @@ async def test_disaggregated_fleets_keep_a_batch_whole():
         trace = await h.trace(resp.headers["x-kvplug-decision-id"])
         assert trace["batch"] is None and trace["tokens"]["count"] == len(batch[0])
         h.assert_idle()
+
+
+async def test_concurrent_batches_with_hang_ups_and_failures_leave_no_load():
+    async with serving(3, stub_options={"token_delay": 0.01}) as h:
+        h.engines["w2"].fail = "http500"
+
+        async def one(k: int) -> None:
+            batch = [prompt(2, 100 + 3 * k + i) for i in range(3)]
+            body = {"model": MODEL, "prompt": batch, "stream": k % 2 == 0, "max_tokens": 20}
+            async with h.session.post(h.url + "/v1/completions", json=body) as resp:
+                if k % 3 == 0:
+                    await resp.content.readany()  # hang up early
+                    return
+                raw = await resp.read()
+                workers = resp.headers.get("x-kvplug-worker", "")
+                assert resp.status in (200, 500), raw
+                assert (resp.status == 500) == ("w2" in workers.split(",")), workers
+
+        await asyncio.gather(*(one(k) for k in range(24)))
+        for _ in range(100):
+            if h.router.stats()["active_requests"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        h.assert_idle()

@@ -432,7 +432,12 @@ class _Batch:
             "Cache-Control": "no-cache",
         }
         out = web.StreamResponse(status=200, headers=headers)
-        await out.prepare(self.request)
+        try:
+            await out.prepare(self.request)
+        except ConnectionResetError:  # gone while the engines were starting
+            for p in self.parts:
+                _cancel(p, "client closed the connection")
+            return out
         queue: asyncio.Queue = asyncio.Queue(maxsize=64)  # slow client: engines wait
         tasks = [asyncio.ensure_future(self._pump(p, queue)) for p in self.parts]
         running = len(tasks)
