@@ -67,6 +67,17 @@ class Index:
         seed: int = 0,
         extra: Hashes | None = None,
     ) -> bool: ...
+    def store_tokens_many(
+        self,
+        eps: Sequence[int],
+        tiers: Sequence[int],
+        parents: Sequence[int | None],
+        engine_hashes: Sequence[Hashes],
+        tokens: Sequence[Tokens],
+        block_size: int,
+        seeds: Sequence[int] | None = None,
+        extras: Sequence[Hashes | None] | None = None,
+    ) -> list[tuple[int, Exception]]: ...
     def resolve(self, ep: int, engine_hash: int) -> int | None: ...
     def remove(self, ep: int, engine_hashes: Hashes, tier: int | None = None) -> None: ...
     def move(self, ep: int, engine_hashes: Hashes, from_tier: int, to_tier: int) -> None: ...

@@ -28,7 +28,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 from kvplug._reference import CostParams, softmax_probs  # pure arithmetic, identical on both
-from kvplug.errors import InvalidArgument, InvalidTokens
+from kvplug.errors import InvalidArgument, InvalidTokens, KvplugError
 
 cnp.import_array()
 
@@ -96,6 +96,27 @@ cdef extern from "kvplug.h" nogil:
                                       size_t n_tokens, size_t block_size, uint64_t seed,
                                       const uint64_t *extra, size_t n_extra, int *stored,
                                       size_t *err_pos)
+    ctypedef struct kvp_store_tokens_req:
+        kvp_endpoint_t ep
+        int tier
+        int has_parent
+        kvp_engine_hash_t parent
+        const kvp_engine_hash_t *engine_hashes
+        size_t n_blocks
+        const void *tokens
+        kvp_dtype dt
+        size_t n_tokens
+        uint64_t seed
+        const uint64_t *extra
+        size_t n_extra
+    ctypedef struct kvp_store_result:
+        kvp_status status
+        int stored
+        size_t err_pos
+    kvp_status kvp_index_store_tokens_batch(kvp_index *idx, size_t block_size,
+                                            const kvp_store_tokens_req *reqs, size_t n,
+                                            kvp_store_result *results, size_t *n_done,
+                                            size_t *n_failed)
     kvp_status kvp_index_remove(kvp_index *idx, kvp_endpoint_t ep, int tier,
                                 const kvp_engine_hash_t *ehs, size_t n)
     kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int to_tier,
@@ -127,13 +148,17 @@ cdef size_t NOGIL_TOKENS = 16384
 cdef size_t NOGIL_BLOCKS = 1024
 
 
-cdef int _raise_status(kvp_status st, str where) except -1:
+cdef object _status_error(kvp_status st, str where):
     msg = f"{where}: {kvp_status_str(st).decode()}"
     if st == KVP_E_NOMEM:
-        raise MemoryError(msg)
+        return MemoryError(msg)
     if st == KVP_E_TOKEN:
-        raise InvalidTokens(msg)
-    raise InvalidArgument(msg)
+        return InvalidTokens(msg)
+    return InvalidArgument(msg)
+
+
+cdef int _raise_status(kvp_status st, str where) except -1:
+    raise _status_error(st, where)
 
 
 # ---- token buffers -------------------------------------------------------------------------
@@ -712,6 +737,132 @@ cdef class Index:
         finally:
             _release_tokens(&tv)
         return bool(stored)
+
+    def store_tokens_many(self, eps, tiers, parents, engine_hashes, tokens, block_size,
+                          seeds=None, extras=None):
+        """Apply a batch of token stores in one call, in order; event i is exactly
+        ``store_tokens(eps[i], tiers[i], parents[i], engine_hashes[i], tokens[i], block_size,
+        seeds[i], extras[i])`` (``seeds`` / ``extras`` None: 0 / None for all).
+
+        A failing event does not stop the others and changes nothing (as its single call):
+        returns ``[(i, exception), ...]`` in event order, the exception being the one
+        ``store_tokens`` would have raised for it. Orphans are not failures (counted in
+        ``orphan_stores``). Raises only for a malformed batch (sequences of different lengths)
+        or MemoryError (events before the one that ran out of memory stay applied)."""
+        cdef size_t bs = _block_size(block_size)
+        cdef tuple ep_t = tuple(eps), tier_t = tuple(tiers), par_t = tuple(parents)
+        cdef tuple eh_t = tuple(engine_hashes), tok_t = tuple(tokens)
+        cdef tuple seed_t = None if seeds is None else tuple(seeds)
+        cdef tuple ex_t = None if extras is None else tuple(extras)
+        cdef Py_ssize_t n = len(ep_t), i, j
+        cdef size_t n_run = 0, n_done = 0, n_failed = 0, total_tokens = 0
+        cdef kvp_store_tokens_req *reqs = NULL
+        cdef kvp_store_result *res = NULL
+        cdef TokenView *tvs = NULL
+        cdef Py_ssize_t *slot = NULL  # event index of each request handed to C
+        cdef kvp_store_tokens_req *r
+        cdef cnp.ndarray ehs, ex
+        cdef kvp_status st = KVP_OK
+        cdef list keep = []  # converted arrays the requests point into
+        cdef list failures = []
+        cdef dict early = {}  # event index -> exception raised while reading its arguments
+        if (len(tier_t) != n or len(par_t) != n or len(eh_t) != n or len(tok_t) != n
+                or (seed_t is not None and len(seed_t) != n)
+                or (ex_t is not None and len(ex_t) != n)):
+            raise InvalidArgument("store_tokens_many: argument sequences differ in length")
+        if n == 0:
+            return failures
+        reqs = <kvp_store_tokens_req *>malloc(n * sizeof(kvp_store_tokens_req))
+        res = <kvp_store_result *>malloc(n * sizeof(kvp_store_result))
+        tvs = <TokenView *>malloc(n * sizeof(TokenView))
+        slot = <Py_ssize_t *>malloc(n * sizeof(Py_ssize_t))
+        if reqs == NULL or res == NULL or tvs == NULL or slot == NULL:
+            free(reqs); free(res); free(tvs); free(slot)
+            raise MemoryError("store_tokens_many: cannot allocate the batch")
+        try:
+            # read every event's arguments first (no index access): the same conversions and
+            # checks as store_tokens, an event that fails them is reported and skipped
+            for i in range(n):
+                r = &reqs[n_run]
+                tvs[n_run].has_buf = False
+                try:
+                    r.ep = _ep(ep_t[i])
+                    r.tier = _tier(tier_t[i])
+                    r.seed = 0 if seed_t is None else _seed(seed_t[i])
+                    ehs = _as_u64(eh_t[i], "engine_hashes")
+                    r.engine_hashes = _u64_ptr(ehs)
+                    r.n_blocks = <size_t>ehs.shape[0]
+                    parent = par_t[i]
+                    r.has_parent = parent is not None
+                    r.parent = 0
+                    if r.has_parent:
+                        try:
+                            r.parent = <uint64_t>(operator.index(parent) & MASK64)
+                        except TypeError:
+                            raise InvalidArgument("parent_engine_hash must be an integer") from None
+                    r.extra = NULL
+                    r.n_extra = 0
+                    if ex_t is not None and ex_t[i] is not None:
+                        ex = _as_u64(ex_t[i], "extra")
+                        r.extra = _u64_ptr(ex)
+                        r.n_extra = <size_t>ex.shape[0]
+                        keep.append(ex)
+                    _open_tokens(tok_t[i], &tvs[n_run])
+                    if tvs[n_run].n != r.n_blocks * bs:
+                        _release_tokens(&tvs[n_run])
+                        raise InvalidArgument(
+                            f"{tvs[n_run].n} tokens for {r.n_blocks} blocks of {bs} "
+                            f"(endpoint {ep_t[i]})")
+                except (KvplugError, ValueError, TypeError, OverflowError) as err:
+                    early[i] = err
+                    continue
+                keep.append(ehs)
+                r.tokens = tvs[n_run].ptr
+                r.dt = tvs[n_run].dt
+                r.n_tokens = tvs[n_run].n
+                total_tokens += r.n_tokens
+                slot[n_run] = i
+                n_run += 1
+            if n_run:
+                self._acquire()
+                try:
+                    if total_tokens >= NOGIL_TOKENS:
+                        with nogil:
+                            st = kvp_index_store_tokens_batch(self.idx, bs, reqs, n_run, res,
+                                                              &n_done, &n_failed)
+                    else:
+                        st = kvp_index_store_tokens_batch(self.idx, bs, reqs, n_run, res,
+                                                          &n_done, &n_failed)
+                finally:
+                    self._release()
+            # failures in event order: argument errors and the core's per-request statuses
+            j = 0
+            for i in range(n):
+                if i in early:
+                    failures.append((i, early[i]))
+                    continue
+                if <size_t>j >= n_done:
+                    break  # not attempted (the batch stopped on KVP_E_NOMEM)
+                if res[j].status != KVP_OK:
+                    failures.append((i, self._store_error(&res[j], &reqs[j], &tvs[j], bs,
+                                                          ep_t[i])))
+                j += 1
+            if st == KVP_E_NOMEM:
+                raise MemoryError(f"store_tokens_many: out of memory at event {slot[n_done - 1]}")
+        finally:
+            for j in range(<Py_ssize_t>n_run):
+                _release_tokens(&tvs[j])
+            free(reqs); free(res); free(tvs); free(slot)
+        return failures
+
+    cdef object _store_error(self, kvp_store_result *r, kvp_store_tokens_req *q, TokenView *tv,
+                             size_t bs, object ep):
+        """The exception store_tokens raises for this status."""
+        if r.status == KVP_E_TOKEN:
+            return _token_error(tv, r.err_pos, bs)
+        if r.status == KVP_E_ARG and q.extra != NULL:
+            return InvalidArgument(f"extra has {q.n_extra} entries for {q.n_blocks} full blocks")
+        return _status_error(r.status, f"store_tokens on endpoint {ep}")
 
     def resolve(self, ep, engine_hash):
         """The kvplug hash an endpoint's engine hash maps to, or None."""

@@ -373,6 +373,47 @@ class Index:
         self.store(ep, tier, engine_hashes, seq)
         return True
 
+    def store_tokens_many(
+        self,
+        eps: Sequence[int],
+        tiers: Sequence[int],
+        parents: Sequence[int | None],
+        engine_hashes: Sequence[Sequence[int]],
+        tokens: Sequence[Sequence[int]],
+        block_size: int,
+        seeds: Sequence[int] | None = None,
+        extras: Sequence[Sequence[int] | None] | None = None,
+    ) -> list[tuple[int, Exception]]:
+        """A batch of ``store_tokens`` calls in order (``seeds`` / ``extras`` None: 0 / None).
+
+        An event that fails is skipped (changing nothing, as its single call) and the rest
+        still run; returns ``[(i, exception), ...]`` in event order. Orphans are not failures.
+        """
+        n = len(eps)
+        if any(
+            x is not None and len(x) != n
+            for x in (tiers, parents, engine_hashes, tokens, seeds, extras)
+        ):
+            raise InvalidArgument("store_tokens_many: argument sequences differ in length")
+        if block_size <= 0:
+            raise InvalidArgument(f"block_size must be positive, got {block_size}")
+        failures: list[tuple[int, Exception]] = []
+        for i in range(n):
+            try:
+                self.store_tokens(
+                    eps[i],
+                    tiers[i],
+                    parents[i],
+                    engine_hashes[i],
+                    tokens[i],
+                    block_size,
+                    0 if seeds is None else seeds[i],
+                    None if extras is None else extras[i],
+                )
+            except (KvplugError, ValueError, TypeError, OverflowError) as err:
+                failures.append((i, err))
+        return failures
+
     def remove(self, ep: int, engine_hashes: Sequence[int], tier: int | None = None) -> None:
         self._check_ep(ep)
         if tier is not None:
