@@ -69,15 +69,11 @@ class Index:
     ) -> bool: ...
     def store_tokens_many(
         self,
-        eps: Sequence[int],
-        tiers: Sequence[int],
-        parents: Sequence[int | None],
-        engine_hashes: Sequence[Hashes],
-        tokens: Sequence[Tokens],
+        rows: Sequence[
+            tuple[int, int, int | None, Hashes, Tokens, int, Hashes | None]
+        ],
         block_size: int,
-        seeds: Sequence[int] | None = None,
-        extras: Sequence[Hashes | None] | None = None,
-    ) -> list[tuple[int, Exception]]: ...
+    ) -> tuple[int, list[tuple[int, Exception]]]: ...
     def resolve(self, ep: int, engine_hash: int) -> int | None: ...
     def remove(self, ep: int, engine_hashes: Hashes, tier: int | None = None) -> None: ...
     def move(self, ep: int, engine_hashes: Hashes, from_tier: int, to_tier: int) -> None: ...

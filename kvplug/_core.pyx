@@ -15,7 +15,7 @@ import numpy as np
 
 cimport numpy as cnp
 from cpython.list cimport PyList_GET_ITEM
-from cpython.long cimport PyLong_CheckExact
+from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_CheckExact
 from cpython.ref cimport PyObject
 
 
@@ -29,6 +29,7 @@ from libc.string cimport memcpy
 
 from kvplug._reference import CostParams, softmax_probs  # pure arithmetic, identical on both
 from kvplug.errors import InvalidArgument, InvalidTokens, KvplugError
+from kvplug.events import Tier as _Tier
 
 cnp.import_array()
 
@@ -392,6 +393,12 @@ cdef inline const uint64_t *_u64_ptr(cnp.ndarray a):
 
 # ---- validation ------------------------------------------------------------------------------
 cdef kvp_endpoint_t _ep(object ep) except? 0xFFFFFFFE:
+    cdef long v
+    cdef int overflow = 0
+    if PyLong_CheckExact(ep):  # fast path, same answer as below
+        v = PyLong_AsLongAndOverflow(ep, &overflow)
+        if not overflow and 0 <= v < (1 << 20):
+            return <kvp_endpoint_t>v
     try:
         e = operator.index(ep)
     except TypeError:
@@ -402,6 +409,12 @@ cdef kvp_endpoint_t _ep(object ep) except? 0xFFFFFFFE:
 
 
 cdef int _tier(object tier) except -2:
+    cdef long v
+    cdef int overflow = 0
+    if PyLong_CheckExact(tier) or type(tier) is _Tier:  # fast path, same answer as below
+        v = PyLong_AsLongAndOverflow(tier, &overflow)
+        if not overflow and 0 <= v <= 2:
+            return <int>v
     if tier not in (DEVICE, HOST, DISK):
         raise InvalidArgument(f"tier {tier} is not 0 (device), 1 (host) or 2 (disk)")
     return <int>operator.index(tier)
@@ -420,6 +433,8 @@ cdef size_t _block_size(object block_size) except 0:
 
 
 cdef uint64_t _seed(object seed) except? 0:
+    if PyLong_CheckExact(seed):  # fast path: the value modulo 2**64, as below
+        return <uint64_t>PyLong_AsUnsignedLongLongMask(seed)
     try:
         return <uint64_t>(operator.index(seed) & MASK64)
     except TypeError:
@@ -738,89 +753,108 @@ cdef class Index:
             _release_tokens(&tv)
         return bool(stored)
 
-    def store_tokens_many(self, eps, tiers, parents, engine_hashes, tokens, block_size,
-                          seeds=None, extras=None):
-        """Apply a batch of token stores in one call, in order; event i is exactly
-        ``store_tokens(eps[i], tiers[i], parents[i], engine_hashes[i], tokens[i], block_size,
-        seeds[i], extras[i])`` (``seeds`` / ``extras`` None: 0 / None for all).
+    def store_tokens_many(self, rows, block_size):
+        """Apply a batch of token stores in one call, in order. ``rows``: a sequence of
+        ``(ep, tier, parent_engine_hash, engine_hashes, tokens, seed, extra)`` tuples; row i is
+        exactly ``store_tokens(ep, tier, parent_engine_hash, engine_hashes, tokens, block_size,
+        seed, extra)``.
 
-        A failing event does not stop the others and changes nothing (as its single call):
-        returns ``[(i, exception), ...]`` in event order, the exception being the one
-        ``store_tokens`` would have raised for it. Orphans are not failures (counted in
-        ``orphan_stores``). Raises only for a malformed batch (sequences of different lengths)
-        or MemoryError (events before the one that ran out of memory stay applied)."""
+        Returns ``(blocks, failures)``: the engine hashes in the rows that did not fail, and
+        ``[(i, exception), ...]`` in row order, the exception being the one ``store_tokens``
+        would have raised for that row. A failing row changes nothing (as its single call)
+        and the others still run. Orphans are not failures (counted in ``orphan_stores``).
+        Raises only for a malformed row (not a 7-tuple) or MemoryError (rows before the one
+        that ran out of memory stay applied)."""
         cdef size_t bs = _block_size(block_size)
-        cdef tuple ep_t = tuple(eps), tier_t = tuple(tiers), par_t = tuple(parents)
-        cdef tuple eh_t = tuple(engine_hashes), tok_t = tuple(tokens)
-        cdef tuple seed_t = None if seeds is None else tuple(seeds)
-        cdef tuple ex_t = None if extras is None else tuple(extras)
-        cdef Py_ssize_t n = len(ep_t), i, j
-        cdef size_t n_run = 0, n_done = 0, n_failed = 0, total_tokens = 0
-        cdef kvp_store_tokens_req *reqs = NULL
-        cdef kvp_store_result *res = NULL
-        cdef TokenView *tvs = NULL
-        cdef Py_ssize_t *slot = NULL  # event index of each request handed to C
+        cdef tuple rows_t = tuple(rows)
+        cdef tuple row
+        cdef Py_ssize_t n = len(rows_t), i, j
+        cdef size_t n_run = 0, n_done = 0, n_failed = 0, total_tokens = 0, blocks = 0
+        # small batches (the common case: one engine step) live on the stack
+        cdef kvp_store_tokens_req small_reqs[16]
+        cdef kvp_store_result small_res[16]
+        cdef TokenView small_tvs[16]
+        cdef Py_ssize_t small_slot[16]
+        cdef kvp_store_tokens_req *reqs = small_reqs
+        cdef kvp_store_result *res = small_res
+        cdef TokenView *tvs = small_tvs
+        cdef Py_ssize_t *slot = small_slot  # row index of each request handed to C
+        cdef void *heap = NULL
         cdef kvp_store_tokens_req *r
         cdef cnp.ndarray ehs, ex
         cdef kvp_status st = KVP_OK
-        cdef list keep = []  # converted arrays the requests point into
-        cdef list failures = []
-        cdef dict early = {}  # event index -> exception raised while reading its arguments
-        if (len(tier_t) != n or len(par_t) != n or len(eh_t) != n or len(tok_t) != n
-                or (seed_t is not None and len(seed_t) != n)
-                or (ex_t is not None and len(ex_t) != n)):
-            raise InvalidArgument("store_tokens_many: argument sequences differ in length")
+        cdef list keep = None  # arrays converted here that the requests point into
+        cdef list early = None  # (row index, exception) of rows whose arguments are bad
+        cdef list failures
+        for i in range(n):
+            if type(rows_t[i]) is not tuple or len(<tuple>rows_t[i]) != 7:
+                raise InvalidArgument(f"store_tokens_many: row {i} is not a 7-tuple")
         if n == 0:
-            return failures
-        reqs = <kvp_store_tokens_req *>malloc(n * sizeof(kvp_store_tokens_req))
-        res = <kvp_store_result *>malloc(n * sizeof(kvp_store_result))
-        tvs = <TokenView *>malloc(n * sizeof(TokenView))
-        slot = <Py_ssize_t *>malloc(n * sizeof(Py_ssize_t))
-        if reqs == NULL or res == NULL or tvs == NULL or slot == NULL:
-            free(reqs); free(res); free(tvs); free(slot)
-            raise MemoryError("store_tokens_many: cannot allocate the batch")
+            return 0, []
+        if n > 16:
+            heap = malloc(n * (sizeof(kvp_store_tokens_req) + sizeof(kvp_store_result)
+                               + sizeof(TokenView) + sizeof(Py_ssize_t)))
+            if heap == NULL:
+                raise MemoryError("store_tokens_many: cannot allocate the batch")
+            reqs = <kvp_store_tokens_req *>heap
+            res = <kvp_store_result *>(reqs + n)
+            tvs = <TokenView *>(res + n)
+            slot = <Py_ssize_t *>(tvs + n)
         try:
             # read every event's arguments first (no index access): the same conversions and
-            # checks as store_tokens, an event that fails them is reported and skipped
+            # checks as store_tokens; an event failing them is reported and skipped
             for i in range(n):
                 r = &reqs[n_run]
                 tvs[n_run].has_buf = False
+                row = <tuple>rows_t[i]
                 try:
-                    r.ep = _ep(ep_t[i])
-                    r.tier = _tier(tier_t[i])
-                    r.seed = 0 if seed_t is None else _seed(seed_t[i])
-                    ehs = _as_u64(eh_t[i], "engine_hashes")
+                    r.ep = _ep(row[0])
+                    r.tier = _tier(row[1])
+                    r.seed = _seed(row[5])
+                    ehs = _as_u64(row[3], "engine_hashes")
+                    if ehs is not row[3]:
+                        if keep is None:
+                            keep = []
+                        keep.append(ehs)
                     r.engine_hashes = _u64_ptr(ehs)
                     r.n_blocks = <size_t>ehs.shape[0]
-                    parent = par_t[i]
+                    parent = row[2]
                     r.has_parent = parent is not None
                     r.parent = 0
                     if r.has_parent:
-                        try:
-                            r.parent = <uint64_t>(operator.index(parent) & MASK64)
-                        except TypeError:
-                            raise InvalidArgument("parent_engine_hash must be an integer") from None
+                        if PyLong_CheckExact(parent):
+                            r.parent = <uint64_t>PyLong_AsUnsignedLongLongMask(parent)
+                        else:
+                            try:
+                                r.parent = <uint64_t>(operator.index(parent) & MASK64)
+                            except TypeError:
+                                raise InvalidArgument(
+                                    "parent_engine_hash must be an integer") from None
                     r.extra = NULL
                     r.n_extra = 0
-                    if ex_t is not None and ex_t[i] is not None:
-                        ex = _as_u64(ex_t[i], "extra")
+                    if row[6] is not None:
+                        ex = _as_u64(row[6], "extra")
                         r.extra = _u64_ptr(ex)
                         r.n_extra = <size_t>ex.shape[0]
+                        if keep is None:
+                            keep = []
                         keep.append(ex)
-                    _open_tokens(tok_t[i], &tvs[n_run])
+                    _open_tokens(row[4], &tvs[n_run])
                     if tvs[n_run].n != r.n_blocks * bs:
                         _release_tokens(&tvs[n_run])
                         raise InvalidArgument(
                             f"{tvs[n_run].n} tokens for {r.n_blocks} blocks of {bs} "
-                            f"(endpoint {ep_t[i]})")
+                            f"(endpoint {row[0]})")
                 except (KvplugError, ValueError, TypeError, OverflowError) as err:
-                    early[i] = err
+                    if early is None:
+                        early = []
+                    early.append((i, err))
                     continue
-                keep.append(ehs)
                 r.tokens = tvs[n_run].ptr
                 r.dt = tvs[n_run].dt
                 r.n_tokens = tvs[n_run].n
                 total_tokens += r.n_tokens
+                blocks += r.n_blocks
                 slot[n_run] = i
                 n_run += 1
             if n_run:
@@ -835,25 +869,30 @@ cdef class Index:
                                                           &n_done, &n_failed)
                 finally:
                     self._release()
-            # failures in event order: argument errors and the core's per-request statuses
-            j = 0
-            for i in range(n):
-                if i in early:
-                    failures.append((i, early[i]))
-                    continue
-                if <size_t>j >= n_done:
-                    break  # not attempted (the batch stopped on KVP_E_NOMEM)
+            if n_failed == 0 and st == KVP_OK:
+                return blocks, ([] if early is None else early)
+            # failures in event order: argument errors merged with the core's statuses
+            failures = []
+            if early is None:
+                early = []
+            i = 0
+            for j in range(<Py_ssize_t>n_done):
+                while i < len(early) and early[i][0] < slot[j]:
+                    failures.append(early[i])
+                    i += 1
                 if res[j].status != KVP_OK:
-                    failures.append((i, self._store_error(&res[j], &reqs[j], &tvs[j], bs,
-                                                          ep_t[i])))
-                j += 1
+                    blocks -= reqs[j].n_blocks
+                    failures.append((slot[j], self._store_error(&res[j], &reqs[j], &tvs[j], bs,
+                                                                rows_t[slot[j]][0])))
             if st == KVP_E_NOMEM:
+                # later events were not attempted: nothing after this one is reported
                 raise MemoryError(f"store_tokens_many: out of memory at event {slot[n_done - 1]}")
+            failures.extend(early[i:])
+            return blocks, failures
         finally:
             for j in range(<Py_ssize_t>n_run):
                 _release_tokens(&tvs[j])
-            free(reqs); free(res); free(tvs); free(slot)
-        return failures
+            free(heap)
 
     cdef object _store_error(self, kvp_store_result *r, kvp_store_tokens_req *q, TokenView *tv,
                              size_t bs, object ep):

@@ -374,45 +374,31 @@ class Index:
         return True
 
     def store_tokens_many(
-        self,
-        eps: Sequence[int],
-        tiers: Sequence[int],
-        parents: Sequence[int | None],
-        engine_hashes: Sequence[Sequence[int]],
-        tokens: Sequence[Sequence[int]],
-        block_size: int,
-        seeds: Sequence[int] | None = None,
-        extras: Sequence[Sequence[int] | None] | None = None,
-    ) -> list[tuple[int, Exception]]:
-        """A batch of ``store_tokens`` calls in order (``seeds`` / ``extras`` None: 0 / None).
+        self, rows: Sequence[tuple], block_size: int
+    ) -> tuple[int, list[tuple[int, Exception]]]:
+        """A batch of ``store_tokens`` calls in order: each row is ``(ep, tier,
+        parent_engine_hash, engine_hashes, tokens, seed, extra)``.
 
-        An event that fails is skipped (changing nothing, as its single call) and the rest
-        still run; returns ``[(i, exception), ...]`` in event order. Orphans are not failures.
+        A row that fails is skipped (changing nothing, as its single call) and the rest still
+        run. Returns ``(blocks, failures)``: the engine hashes in the rows that did not fail,
+        and ``[(i, exception), ...]`` in row order. Orphans are not failures.
         """
-        n = len(eps)
-        if any(
-            x is not None and len(x) != n
-            for x in (tiers, parents, engine_hashes, tokens, seeds, extras)
-        ):
-            raise InvalidArgument("store_tokens_many: argument sequences differ in length")
         if block_size <= 0:
             raise InvalidArgument(f"block_size must be positive, got {block_size}")
+        rows = list(rows)
+        for i, row in enumerate(rows):
+            if type(row) is not tuple or len(row) != 7:
+                raise InvalidArgument(f"store_tokens_many: row {i} is not a 7-tuple")
+        blocks = 0
         failures: list[tuple[int, Exception]] = []
-        for i in range(n):
+        for i, (ep, tier, parent, ehs, tokens, seed, extra) in enumerate(rows):
             try:
-                self.store_tokens(
-                    eps[i],
-                    tiers[i],
-                    parents[i],
-                    engine_hashes[i],
-                    tokens[i],
-                    block_size,
-                    0 if seeds is None else seeds[i],
-                    None if extras is None else extras[i],
-                )
+                self.store_tokens(ep, tier, parent, ehs, tokens, block_size, seed, extra)
             except (KvplugError, ValueError, TypeError, OverflowError) as err:
                 failures.append((i, err))
-        return failures
+                continue
+            blocks += len(ehs)
+        return blocks, failures
 
     def remove(self, ep: int, engine_hashes: Sequence[int], tier: int | None = None) -> None:
         self._check_ep(ep)
