@@ -268,6 +268,7 @@ def test_harness_catches_a_batch_that_stops_at_the_first_failure():
                 derandomize=True,
                 database=None,
                 print_blob=False,
+                report_multiple_bugs=False,
             ),
         )
 
