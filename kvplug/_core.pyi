@@ -69,9 +69,7 @@ class Index:
     ) -> bool: ...
     def store_tokens_many(
         self,
-        rows: Sequence[
-            tuple[int, int, int | None, Hashes, Tokens, int, Hashes | None]
-        ],
+        rows: Sequence[tuple[int, int, int | None, Hashes, Tokens, int, Hashes | None]],
         block_size: int,
     ) -> tuple[int, list[tuple[int, Exception]]]: ...
     def resolve(self, ep: int, engine_hash: int) -> int | None: ...
