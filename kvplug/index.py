@@ -214,10 +214,20 @@ class KvIndex:
         bs = self.block_size
         run: list[BlockStored] = []  # the pending run of plain token stores
         rows: list[tuple] = []  # their store_tokens arguments
+        add_run, add_row = run.append, rows.append
+        # (worker_id, dp_rank) and endpoint id of the previous store (a batch is usually one
+        # worker's); forgotten after any other event (with auto_add it may register one)
+        last_key: tuple | None = None
+        last_ep = None
         for ev in events:
             if type(ev) is BlockStored:
                 try:
-                    ep = ids.get((ev.worker_id, ev.dp_rank))
+                    key = (ev.worker_id, ev.dp_rank)
+                    if key == last_key:
+                        ep = last_ep
+                    else:
+                        ep = ids.get(key)
+                        last_key, last_ep = key, ep
                     tokens = ev.token_ids
                     if (
                         ep is not None
@@ -231,7 +241,7 @@ class KvIndex:
                     ):
                         lora, salt = ev.lora_name, ev.cache_salt
                         seed = namespace_seed(lora, salt) if (lora or salt) else 0
-                        rows.append(
+                        add_row(
                             (
                                 ep,
                                 ev.tier,
@@ -242,13 +252,15 @@ class KvIndex:
                                 ev.block_extra,
                             )
                         )
-                        run.append(ev)
+                        add_run(ev)
                         continue
                 except Exception:  # noqa: BLE001 - the general path below reports it
                     pass
             if run:
                 self._store_run(report, run, rows)
-                run, rows = [], []
+                run.clear()
+                rows.clear()
+            last_key = None
             handler = handlers.get(type(ev))
             try:
                 if handler is None:
