@@ -421,6 +421,12 @@ cdef int _tier(object tier) except -2:
 
 
 cdef size_t _block_size(object block_size) except 0:
+    cdef long v
+    cdef int overflow = 0
+    if PyLong_CheckExact(block_size):  # fast path, same answer as below
+        v = PyLong_AsLongAndOverflow(block_size, &overflow)
+        if not overflow and 0 < v < (1 << 62):
+            return <size_t>v
     try:
         bs = operator.index(block_size)
     except TypeError:

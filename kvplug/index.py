@@ -257,7 +257,11 @@ class KvIndex:
                 except Exception:  # noqa: BLE001 - the general path below reports it
                     pass
             if run:
-                self._store_run(report, run, rows)
+                blocks, failures = self.core.store_tokens_many(rows, bs)
+                if failures:
+                    self._drop_failed_stores(report, run, failures)
+                report.applied += len(run) - len(failures)
+                report.blocks += blocks
                 run.clear()
                 rows.clear()
             last_key = None
@@ -274,20 +278,23 @@ class KvIndex:
             if hashes is not None:
                 report.blocks += len(hashes)
         if run:
-            self._store_run(report, run, rows)
+            blocks, failures = self.core.store_tokens_many(rows, bs)
+            if failures:
+                self._drop_failed_stores(report, run, failures)
+            report.applied += len(run) - len(failures)
+            report.blocks += blocks
         return report
 
-    def _store_run(self, report: ApplyReport, run: list[BlockStored], rows: list[tuple]) -> None:
-        """One store_tokens_many call for a run of plain token stores; failures are dropped
-        exactly as ``_stored`` raises them (InvalidEvent naming worker and rank)."""
-        blocks, failures = self.core.store_tokens_many(rows, self.block_size)
+    def _drop_failed_stores(
+        self, report: ApplyReport, run: list[BlockStored], failures: list[tuple[int, Exception]]
+    ) -> None:
+        """Drop the stores of a run that store_tokens_many reported as failed, exactly as
+        ``_stored`` raises them (InvalidEvent naming worker and rank, the core's reason)."""
         for i, err in failures:
             ev = run[i]
             wrapped = InvalidEvent(f"{self._where(ev)}: {err}")
             wrapped.__cause__ = err
             self._drop(report, ev, wrapped)
-        report.applied += len(run) - len(failures)
-        report.blocks += blocks
 
     def _drop(self, report: ApplyReport, ev: object, err: Exception) -> None:
         reason = type(err).__name__
