@@ -1161,6 +1161,31 @@ kvp_status kvp_index_store_tokens(kvp_index *idx, kvp_endpoint_t ep, int tier, i
     return st;
 }
 
+kvp_status kvp_index_store_tokens_batch(kvp_index *idx, size_t block_size,
+                                        const kvp_store_tokens_req *reqs, size_t n,
+                                        kvp_store_result *results, size_t *n_done,
+                                        size_t *n_failed) {
+    if (idx == NULL || n_done == NULL || n_failed == NULL) return KVP_E_NULL;
+    *n_done = 0;
+    *n_failed = 0;
+    if (n > 0 && (reqs == NULL || results == NULL)) return KVP_E_NULL;
+    for (size_t i = 0; i < n; i++) {
+        const kvp_store_tokens_req *r = &reqs[i];
+        kvp_store_result *out = &results[i];
+        out->err_pos = 0;
+        out->status = kvp_index_store_tokens(idx, r->ep, r->tier, r->has_parent, r->parent,
+                                             r->engine_hashes, r->n_blocks, r->tokens, r->dt,
+                                             r->n_tokens, block_size, r->seed, r->extra,
+                                             r->n_extra, &out->stored, &out->err_pos);
+        *n_done = i + 1;
+        if (out->status != KVP_OK) {
+            (*n_failed)++;
+            if (out->status == KVP_E_NOMEM) return KVP_E_NOMEM;
+        }
+    }
+    return KVP_OK;
+}
+
 kvp_status kvp_index_remove(kvp_index *idx, kvp_endpoint_t ep, int tier,
                             const kvp_engine_hash_t *engine_hashes, size_t n) {
     if (idx == NULL) return KVP_E_NULL;

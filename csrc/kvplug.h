@@ -112,6 +112,39 @@ kvp_status kvp_index_store_tokens(kvp_index *idx, kvp_endpoint_t ep, int tier, i
                                   size_t n_tokens, size_t block_size, uint64_t seed,
                                   const uint64_t *extra, size_t n_extra, int *stored,
                                   size_t *err_pos);
+/* One store of a batch: the arguments of kvp_index_store_tokens (block size is per batch). */
+typedef struct {
+    kvp_endpoint_t ep;
+    int tier;
+    int has_parent;
+    kvp_engine_hash_t parent;
+    const kvp_engine_hash_t *engine_hashes;
+    size_t n_blocks;
+    const void *tokens;
+    kvp_dtype dt;
+    size_t n_tokens;
+    uint64_t seed;
+    const uint64_t *extra; /* NULL: none */
+    size_t n_extra;
+} kvp_store_tokens_req;
+
+/* What kvp_index_store_tokens returned for one request. */
+typedef struct {
+    kvp_status status;
+    int stored;     /* 0: orphan (counted) or failed */
+    size_t err_pos; /* status == KVP_E_TOKEN: the bad token's position in that request */
+} kvp_store_result;
+
+/* Apply reqs[0 .. n) in order, each exactly as kvp_index_store_tokens would (same checks, same
+ * counters). A failing request is reported in its results[i] and changes nothing (except for
+ * KVP_E_OVERFLOW, which, as in the single call, keeps the blocks before the overflowing one);
+ * the requests after it still run. Only KVP_E_NOMEM stops the batch: the call returns it with
+ * *n_done = index of that request + 1 (its result says NOMEM; later ones were not attempted).
+ * Otherwise returns KVP_OK with *n_done = n; *n_failed = requests whose status is not KVP_OK. */
+kvp_status kvp_index_store_tokens_batch(kvp_index *idx, size_t block_size,
+                                        const kvp_store_tokens_req *reqs, size_t n,
+                                        kvp_store_result *results, size_t *n_done,
+                                        size_t *n_failed);
 kvp_status kvp_index_remove(kvp_index *idx, kvp_endpoint_t ep, int tier /* or KVP_TIER_ANY */,
                             const kvp_engine_hash_t *engine_hashes, size_t n);
 kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int to_tier,

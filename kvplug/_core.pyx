@@ -15,7 +15,7 @@ import numpy as np
 
 cimport numpy as cnp
 from cpython.list cimport PyList_GET_ITEM
-from cpython.long cimport PyLong_CheckExact
+from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_CheckExact
 from cpython.ref cimport PyObject
 
 
@@ -28,7 +28,8 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 from kvplug._reference import CostParams, softmax_probs  # pure arithmetic, identical on both
-from kvplug.errors import InvalidArgument, InvalidTokens
+from kvplug.errors import InvalidArgument, InvalidTokens, KvplugError
+from kvplug.events import Tier as _Tier
 
 cnp.import_array()
 
@@ -96,6 +97,27 @@ cdef extern from "kvplug.h" nogil:
                                       size_t n_tokens, size_t block_size, uint64_t seed,
                                       const uint64_t *extra, size_t n_extra, int *stored,
                                       size_t *err_pos)
+    ctypedef struct kvp_store_tokens_req:
+        kvp_endpoint_t ep
+        int tier
+        int has_parent
+        kvp_engine_hash_t parent
+        const kvp_engine_hash_t *engine_hashes
+        size_t n_blocks
+        const void *tokens
+        kvp_dtype dt
+        size_t n_tokens
+        uint64_t seed
+        const uint64_t *extra
+        size_t n_extra
+    ctypedef struct kvp_store_result:
+        kvp_status status
+        int stored
+        size_t err_pos
+    kvp_status kvp_index_store_tokens_batch(kvp_index *idx, size_t block_size,
+                                            const kvp_store_tokens_req *reqs, size_t n,
+                                            kvp_store_result *results, size_t *n_done,
+                                            size_t *n_failed)
     kvp_status kvp_index_remove(kvp_index *idx, kvp_endpoint_t ep, int tier,
                                 const kvp_engine_hash_t *ehs, size_t n)
     kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int to_tier,
@@ -127,13 +149,17 @@ cdef size_t NOGIL_TOKENS = 16384
 cdef size_t NOGIL_BLOCKS = 1024
 
 
-cdef int _raise_status(kvp_status st, str where) except -1:
+cdef object _status_error(kvp_status st, str where):
     msg = f"{where}: {kvp_status_str(st).decode()}"
     if st == KVP_E_NOMEM:
-        raise MemoryError(msg)
+        return MemoryError(msg)
     if st == KVP_E_TOKEN:
-        raise InvalidTokens(msg)
-    raise InvalidArgument(msg)
+        return InvalidTokens(msg)
+    return InvalidArgument(msg)
+
+
+cdef int _raise_status(kvp_status st, str where) except -1:
+    raise _status_error(st, where)
 
 
 # ---- token buffers -------------------------------------------------------------------------
@@ -367,6 +393,12 @@ cdef inline const uint64_t *_u64_ptr(cnp.ndarray a):
 
 # ---- validation ------------------------------------------------------------------------------
 cdef kvp_endpoint_t _ep(object ep) except? 0xFFFFFFFE:
+    cdef long v
+    cdef int overflow = 0
+    if PyLong_CheckExact(ep):  # fast path, same answer as below
+        v = PyLong_AsLongAndOverflow(ep, &overflow)
+        if not overflow and 0 <= v < (1 << 20):
+            return <kvp_endpoint_t>v
     try:
         e = operator.index(ep)
     except TypeError:
@@ -377,12 +409,24 @@ cdef kvp_endpoint_t _ep(object ep) except? 0xFFFFFFFE:
 
 
 cdef int _tier(object tier) except -2:
+    cdef long v
+    cdef int overflow = 0
+    if PyLong_CheckExact(tier) or type(tier) is _Tier:  # fast path, same answer as below
+        v = PyLong_AsLongAndOverflow(tier, &overflow)
+        if not overflow and 0 <= v <= 2:
+            return <int>v
     if tier not in (DEVICE, HOST, DISK):
         raise InvalidArgument(f"tier {tier} is not 0 (device), 1 (host) or 2 (disk)")
     return <int>operator.index(tier)
 
 
 cdef size_t _block_size(object block_size) except 0:
+    cdef long v
+    cdef int overflow = 0
+    if PyLong_CheckExact(block_size):  # fast path, same answer as below
+        v = PyLong_AsLongAndOverflow(block_size, &overflow)
+        if not overflow and 0 < v < (1 << 62):
+            return <size_t>v
     try:
         bs = operator.index(block_size)
     except TypeError:
@@ -395,6 +439,8 @@ cdef size_t _block_size(object block_size) except 0:
 
 
 cdef uint64_t _seed(object seed) except? 0:
+    if PyLong_CheckExact(seed):  # fast path: the value modulo 2**64, as below
+        return <uint64_t>PyLong_AsUnsignedLongLongMask(seed)
     try:
         return <uint64_t>(operator.index(seed) & MASK64)
     except TypeError:
@@ -712,6 +758,156 @@ cdef class Index:
         finally:
             _release_tokens(&tv)
         return bool(stored)
+
+    def store_tokens_many(self, rows, block_size):
+        """Apply a batch of token stores in one call, in order. ``rows``: a sequence of
+        ``(ep, tier, parent_engine_hash, engine_hashes, tokens, seed, extra)`` tuples; row i is
+        exactly ``store_tokens(ep, tier, parent_engine_hash, engine_hashes, tokens, block_size,
+        seed, extra)``.
+
+        Returns ``(blocks, failures)``: the engine hashes in the rows that did not fail, and
+        ``[(i, exception), ...]`` in row order, the exception being the one ``store_tokens``
+        would have raised for that row. A failing row changes nothing (as its single call)
+        and the others still run. Orphans are not failures (counted in ``orphan_stores``).
+        Raises only for a malformed row (not a 7-tuple) or MemoryError (rows before the one
+        that ran out of memory stay applied)."""
+        cdef size_t bs = _block_size(block_size)
+        cdef tuple rows_t = tuple(rows)
+        cdef tuple row
+        cdef Py_ssize_t n = len(rows_t), i, j
+        cdef size_t n_run = 0, n_done = 0, n_failed = 0, total_tokens = 0, blocks = 0
+        # small batches (the common case: one engine step) live on the stack
+        cdef kvp_store_tokens_req small_reqs[16]
+        cdef kvp_store_result small_res[16]
+        cdef TokenView small_tvs[16]
+        cdef Py_ssize_t small_slot[16]
+        cdef kvp_store_tokens_req *reqs = small_reqs
+        cdef kvp_store_result *res = small_res
+        cdef TokenView *tvs = small_tvs
+        cdef Py_ssize_t *slot = small_slot  # row index of each request handed to C
+        cdef void *heap = NULL
+        cdef kvp_store_tokens_req *r
+        cdef cnp.ndarray ehs, ex
+        cdef kvp_status st = KVP_OK
+        cdef list keep = None  # arrays converted here that the requests point into
+        cdef list early = None  # (row index, exception) of rows whose arguments are bad
+        cdef list failures
+        for i in range(n):
+            if type(rows_t[i]) is not tuple or len(<tuple>rows_t[i]) != 7:
+                raise InvalidArgument(f"store_tokens_many: row {i} is not a 7-tuple")
+        if n == 0:
+            return 0, []
+        if n > 16:
+            heap = malloc(n * (sizeof(kvp_store_tokens_req) + sizeof(kvp_store_result)
+                               + sizeof(TokenView) + sizeof(Py_ssize_t)))
+            if heap == NULL:
+                raise MemoryError("store_tokens_many: cannot allocate the batch")
+            reqs = <kvp_store_tokens_req *>heap
+            res = <kvp_store_result *>(reqs + n)
+            tvs = <TokenView *>(res + n)
+            slot = <Py_ssize_t *>(tvs + n)
+        try:
+            # read every event's arguments first (no index access): the same conversions and
+            # checks as store_tokens; an event failing them is reported and skipped
+            for i in range(n):
+                r = &reqs[n_run]
+                tvs[n_run].has_buf = False
+                row = <tuple>rows_t[i]
+                try:
+                    r.ep = _ep(row[0])
+                    r.tier = _tier(row[1])
+                    r.seed = _seed(row[5])
+                    ehs = _as_u64(row[3], "engine_hashes")
+                    if ehs is not row[3]:
+                        if keep is None:
+                            keep = []
+                        keep.append(ehs)
+                    r.engine_hashes = _u64_ptr(ehs)
+                    r.n_blocks = <size_t>ehs.shape[0]
+                    parent = row[2]
+                    r.has_parent = parent is not None
+                    r.parent = 0
+                    if r.has_parent:
+                        if PyLong_CheckExact(parent):
+                            r.parent = <uint64_t>PyLong_AsUnsignedLongLongMask(parent)
+                        else:
+                            try:
+                                r.parent = <uint64_t>(operator.index(parent) & MASK64)
+                            except TypeError:
+                                raise InvalidArgument(
+                                    "parent_engine_hash must be an integer") from None
+                    r.extra = NULL
+                    r.n_extra = 0
+                    if row[6] is not None:
+                        ex = _as_u64(row[6], "extra")
+                        r.extra = _u64_ptr(ex)
+                        r.n_extra = <size_t>ex.shape[0]
+                        if keep is None:
+                            keep = []
+                        keep.append(ex)
+                    _open_tokens(row[4], &tvs[n_run])
+                    if tvs[n_run].n != r.n_blocks * bs:
+                        _release_tokens(&tvs[n_run])
+                        raise InvalidArgument(
+                            f"{tvs[n_run].n} tokens for {r.n_blocks} blocks of {bs} "
+                            f"(endpoint {row[0]})")
+                except (KvplugError, ValueError, TypeError, OverflowError) as err:
+                    if early is None:
+                        early = []
+                    early.append((i, err))
+                    continue
+                r.tokens = tvs[n_run].ptr
+                r.dt = tvs[n_run].dt
+                r.n_tokens = tvs[n_run].n
+                total_tokens += r.n_tokens
+                blocks += r.n_blocks
+                slot[n_run] = i
+                n_run += 1
+            if n_run:
+                self._acquire()
+                try:
+                    if total_tokens >= NOGIL_TOKENS:
+                        with nogil:
+                            st = kvp_index_store_tokens_batch(self.idx, bs, reqs, n_run, res,
+                                                              &n_done, &n_failed)
+                    else:
+                        st = kvp_index_store_tokens_batch(self.idx, bs, reqs, n_run, res,
+                                                          &n_done, &n_failed)
+                finally:
+                    self._release()
+            if n_failed == 0 and st == KVP_OK:
+                return blocks, ([] if early is None else early)
+            # failures in event order: argument errors merged with the core's statuses
+            failures = []
+            if early is None:
+                early = []
+            i = 0
+            for j in range(<Py_ssize_t>n_done):
+                while i < len(early) and early[i][0] < slot[j]:
+                    failures.append(early[i])
+                    i += 1
+                if res[j].status != KVP_OK:
+                    blocks -= reqs[j].n_blocks
+                    failures.append((slot[j], self._store_error(&res[j], &reqs[j], &tvs[j], bs,
+                                                                rows_t[slot[j]][0])))
+            if st == KVP_E_NOMEM:
+                # later events were not attempted: nothing after this one is reported
+                raise MemoryError(f"store_tokens_many: out of memory at event {slot[n_done - 1]}")
+            failures.extend(early[i:])
+            return blocks, failures
+        finally:
+            for j in range(<Py_ssize_t>n_run):
+                _release_tokens(&tvs[j])
+            free(heap)
+
+    cdef object _store_error(self, kvp_store_result *r, kvp_store_tokens_req *q, TokenView *tv,
+                             size_t bs, object ep):
+        """The exception store_tokens raises for this status."""
+        if r.status == KVP_E_TOKEN:
+            return _token_error(tv, r.err_pos, bs)
+        if r.status == KVP_E_ARG and q.extra != NULL:
+            return InvalidArgument(f"extra has {q.n_extra} entries for {q.n_blocks} full blocks")
+        return _status_error(r.status, f"store_tokens on endpoint {ep}")
 
     def resolve(self, ep, engine_hash):
         """The kvplug hash an endpoint's engine hash maps to, or None."""

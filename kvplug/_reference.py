@@ -373,6 +373,33 @@ class Index:
         self.store(ep, tier, engine_hashes, seq)
         return True
 
+    def store_tokens_many(
+        self, rows: Sequence[tuple], block_size: int
+    ) -> tuple[int, list[tuple[int, Exception]]]:
+        """A batch of ``store_tokens`` calls in order: each row is ``(ep, tier,
+        parent_engine_hash, engine_hashes, tokens, seed, extra)``.
+
+        A row that fails is skipped (changing nothing, as its single call) and the rest still
+        run. Returns ``(blocks, failures)``: the engine hashes in the rows that did not fail,
+        and ``[(i, exception), ...]`` in row order. Orphans are not failures.
+        """
+        if block_size <= 0:
+            raise InvalidArgument(f"block_size must be positive, got {block_size}")
+        rows = list(rows)
+        for i, row in enumerate(rows):
+            if type(row) is not tuple or len(row) != 7:
+                raise InvalidArgument(f"store_tokens_many: row {i} is not a 7-tuple")
+        blocks = 0
+        failures: list[tuple[int, Exception]] = []
+        for i, (ep, tier, parent, ehs, tokens, seed, extra) in enumerate(rows):
+            try:
+                self.store_tokens(ep, tier, parent, ehs, tokens, block_size, seed, extra)
+            except (KvplugError, ValueError, TypeError, OverflowError) as err:
+                failures.append((i, err))
+                continue
+            blocks += len(ehs)
+        return blocks, failures
+
     def remove(self, ep: int, engine_hashes: Sequence[int], tier: int | None = None) -> None:
         self._check_ep(ep)
         if tier is not None:

@@ -81,14 +81,20 @@ class Overlaps:
         return f"Overlaps(walked={self.walked}, shared_prefix={self.shared_prefix}, rows={rows})"
 
 
-@dataclass
+def _empty_counter() -> Counter:
+    # an empty Counter without Counter.__init__'s update() call (4x cheaper; apply_many makes
+    # one per batch); Counter keeps no state beyond the dict itself
+    return Counter.__new__(Counter)
+
+
+@dataclass(slots=True)
 class ApplyReport:
     """What ``apply_many`` did: events applied, events dropped (by reason), blocks in them."""
 
     applied: int = 0
     dropped: int = 0
     blocks: int = 0
-    reasons: Counter = field(default_factory=Counter)
+    reasons: Counter = field(default_factory=_empty_counter)
 
 
 class KvIndex:
@@ -195,10 +201,70 @@ class KvIndex:
         handler(event)
 
     def apply_many(self, events: Iterable[KvEvent]) -> ApplyReport:
-        """Apply events in order; a bad event is counted, logged and skipped, never raised."""
+        """Apply events in order; a bad event is counted, logged and skipped, never raised.
+
+        Runs of consecutive plain token stores (the stores ``apply`` takes its fast path for:
+        a registered endpoint, tokens given, not shared, not a tier copy) go to the core in one
+        ``store_tokens_many`` call; any other event first flushes the run, so the order is
+        kept. Outcomes, counters, drop reasons and log lines are those of ``apply`` per event.
+        """
         report = ApplyReport()
         handlers = self._handlers
+        ids = self._ids
+        bs = self.block_size
+        run: list[BlockStored] = []  # the pending run of plain token stores
+        rows: list[tuple] = []  # their store_tokens arguments
+        add_run, add_row = run.append, rows.append
+        # (worker_id, dp_rank) and endpoint id of the previous store (a batch is usually one
+        # worker's); forgotten after any other event (with auto_add it may register one)
+        last_key: tuple | None = None
+        last_ep = None
         for ev in events:
+            if type(ev) is BlockStored:
+                try:
+                    key = (ev.worker_id, ev.dp_rank)
+                    if key == last_key:
+                        ep = last_ep
+                    else:
+                        ep = ids.get(key)
+                        last_key, last_ep = key, ep
+                    tokens = ev.token_ids
+                    if (
+                        ep is not None
+                        and tokens is not None
+                        and not ev.shared
+                        and not ev.tier_copy
+                        and ev.block_hashes is None
+                        and ev.tier in _TIERS
+                        and (not ev.block_size or ev.block_size == bs)
+                        and (len(tokens) > 0 or len(ev.engine_hashes) == 0)
+                    ):
+                        lora, salt = ev.lora_name, ev.cache_salt
+                        seed = namespace_seed(lora, salt) if (lora or salt) else 0
+                        add_row(
+                            (
+                                ep,
+                                ev.tier,
+                                ev.parent_engine_hash,
+                                ev.engine_hashes,
+                                tokens,
+                                seed,
+                                ev.block_extra,
+                            )
+                        )
+                        add_run(ev)
+                        continue
+                except Exception:  # noqa: BLE001 - the general path below reports it
+                    pass
+            if run:
+                blocks, failures = self.core.store_tokens_many(rows, bs)
+                if failures:
+                    self._drop_failed_stores(report, run, failures)
+                report.applied += len(run) - len(failures)
+                report.blocks += blocks
+                run.clear()
+                rows.clear()
+            last_key = None
             handler = handlers.get(type(ev))
             try:
                 if handler is None:
@@ -211,7 +277,24 @@ class KvIndex:
             hashes = getattr(ev, "engine_hashes", None)
             if hashes is not None:
                 report.blocks += len(hashes)
+        if run:
+            blocks, failures = self.core.store_tokens_many(rows, bs)
+            if failures:
+                self._drop_failed_stores(report, run, failures)
+            report.applied += len(run) - len(failures)
+            report.blocks += blocks
         return report
+
+    def _drop_failed_stores(
+        self, report: ApplyReport, run: list[BlockStored], failures: list[tuple[int, Exception]]
+    ) -> None:
+        """Drop the stores of a run that store_tokens_many reported as failed, exactly as
+        ``_stored`` raises them (InvalidEvent naming worker and rank, the core's reason)."""
+        for i, err in failures:
+            ev = run[i]
+            wrapped = InvalidEvent(f"{self._where(ev)}: {err}")
+            wrapped.__cause__ = err
+            self._drop(report, ev, wrapped)
 
     def _drop(self, report: ApplyReport, ev: object, err: Exception) -> None:
         reason = type(err).__name__

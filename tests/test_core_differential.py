@@ -102,6 +102,42 @@ class IndexMachine(RuleBasedStateMachine):
         if res is not None:
             assert res[0] == res[1]
 
+    @rule(
+        rows=st.lists(
+            st.tuples(
+                endpoints,
+                st.sampled_from([0, 1, 2, 7]),  # 7: not a tier
+                st.one_of(st.none(), engine_hashes),
+                st.lists(engine_hashes, min_size=0, max_size=3),
+                token_chain,
+                st.sampled_from([0, 0, 0, 1]),
+                st.sampled_from(["none", "none", "whole", "short"]),  # per-block extra keys
+                st.sampled_from(["ok"] * 6 + ["long", "short", "bad_token"]),
+            ),
+            max_size=5,
+        )
+    )
+    def store_tokens_many(self, rows):
+        batch = []
+        for ep, tier, parent, ehs, chain, seed, extra, shape in rows:
+            toks = flat(chain)[: len(ehs) * BS]
+            ehs = ehs[: len(toks) // BS]
+            if shape == "long":
+                toks = toks + [0]
+            elif shape == "short" and toks:
+                toks = toks[:-1]
+            elif shape == "bad_token" and toks:
+                # (no parent: the reference reads the tokens before it resolves the parent)
+                toks, parent = [2**32] + toks[1:], None
+            ex = None
+            if extra != "none":
+                ex = [3] * (len(ehs) if extra == "whole" else max(0, len(ehs) - 1))
+            batch.append((ep, tier, parent, ehs, toks, seed, ex))
+        blocks_c, fail_c = self.c.store_tokens_many(batch, BS)
+        blocks_r, fail_r = self.r.store_tokens_many(batch, BS)
+        assert blocks_c == blocks_r
+        assert [(i, type(e)) for i, e in fail_c] == [(i, type(e)) for i, e in fail_r]
+
     @rule(ep=endpoints, ehs=st.lists(engine_hashes, max_size=4), tier=st.one_of(st.none(), tiers))
     def remove(self, ep, ehs, tier):
         same_outcome(lambda: self.c.remove(ep, ehs, tier), lambda: self.r.remove(ep, ehs, tier))
@@ -192,6 +228,47 @@ def test_harness_catches_an_index_that_ignores_removes():
                 derandomize=True,
                 database=None,
                 print_blob=False,
+            ),
+        )
+
+
+class BatchStopsAtFirstFailure:
+    """A wrapper whose store_tokens_many gives up at the first bad row: a planted bug (the
+    rows after a failing one must still be applied)."""
+
+    def __init__(self, bound):
+        self._inner = core.Index(bound)
+
+    def store_tokens_many(self, rows, block_size):
+        blocks = 0
+        for i, (ep, tier, parent, ehs, toks, seed, extra) in enumerate(rows):
+            try:
+                self._inner.store_tokens(ep, tier, parent, ehs, toks, block_size, seed, extra)
+            except Exception as err:  # noqa: BLE001
+                return blocks, [(i, err)]
+            blocks += len(ehs)
+        return blocks, []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class BrokenBatchMachine(IndexMachine):
+    make_c = staticmethod(BatchStopsAtFirstFailure)
+
+
+def test_harness_catches_a_batch_that_stops_at_the_first_failure():
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            BrokenBatchMachine,
+            settings=settings(
+                max_examples=min(300, DIFF_EXAMPLES),
+                stateful_step_count=12,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                print_blob=False,
+                report_multiple_bugs=False,
             ),
         )
 

@@ -22,6 +22,7 @@ TESTS = [
     "test_hash_vectors.py",
     "test_index_events.py",
     "test_core_differential.py",
+    "test_index_batch.py",
 ]
 
 

@@ -264,6 +264,117 @@ static int heavy_counts(uint64_t max_entries) {
     return 0;
 }
 
+/* Batches of token stores (some invalid: bad tier, endpoint, token, lengths, short extras,
+ * unknown parents) into one index and the same requests one call at a time into another: the
+ * per-request statuses, the counters and every endpoint's holdings must be identical. */
+static int same_holdings(const kvp_index *a, const kvp_index *b, kvp_endpoint_t ep) {
+    enum { HCAP = 4096 };
+    static kvp_hash_t ha[HCAP], hb[HCAP];
+    static uint32_t ca[3 * HCAP], cb[3 * HCAP];
+    size_t na = 0, nb = 0;
+    if (kvp_index_holdings(a, ep, ha, ca, HCAP, &na) != KVP_OK) return 0;
+    if (kvp_index_holdings(b, ep, hb, cb, HCAP, &nb) != KVP_OK) return 0;
+    if (na != nb) return 0;
+    /* holdings come in table order, which may differ: compare as sets */
+    for (size_t i = 0; i < na; i++) {
+        size_t j = 0;
+        while (j < nb && hb[j] != ha[i]) j++;
+        if (j == nb || memcmp(&ca[3 * i], &cb[3 * j], 3 * sizeof(uint32_t)) != 0) return 0;
+    }
+    return 1;
+}
+
+static int batch_phase(uint64_t max_entries, int rounds) {
+    enum { NR = 24, NB = 6, BS = 4 };
+    kvp_index *a = NULL, *b = NULL;
+    CHECK(kvp_index_new(max_entries, &a) == KVP_OK && kvp_index_new(max_entries, &b) == KVP_OK);
+    static kvp_engine_hash_t ehs[NR][NB];
+    static uint32_t toks[NR][NB * BS + 1];
+    static uint64_t extra[NR][NB];
+    kvp_store_tokens_req reqs[NR];
+    kvp_store_result res[NR];
+    size_t total_failed = 0, token_errors = 0;
+    for (int round = 0; round < rounds; round++) {
+        size_t n = below(NR + 1);
+        for (size_t i = 0; i < n; i++) {
+            kvp_store_tokens_req *r = &reqs[i];
+            size_t nb = below(NB + 1);
+            for (size_t k = 0; k < nb; k++) {
+                ehs[i][k] = below(32);
+                extra[i][k] = below(2);
+            }
+            for (size_t k = 0; k < nb * BS + 1; k++) toks[i][k] = below(3);
+            memset(r, 0, sizeof *r);
+            r->ep = below(16) == 0 ? KVP_MAX_ENDPOINT : pick_ep();
+            r->tier = below(16) == 0 ? 3 : (int)below(3);
+            r->has_parent = (int)below(2);
+            r->parent = below(32);
+            r->engine_hashes = ehs[i];
+            r->n_blocks = nb;
+            r->tokens = toks[i];
+            r->dt = KVP_DT_U32;
+            r->n_tokens = nb * BS + (below(16) == 0); /* sometimes one token too many */
+            r->seed = below(2);
+            if (below(4) == 0) {
+                r->extra = extra[i];
+                r->n_extra = nb - (nb > 0 && below(4) == 0); /* sometimes one short */
+            }
+            if (nb > 0 && below(16) == 0) { /* a token outside [0, 2^32) */
+                r->dt = KVP_DT_U64;
+                r->tokens = ehs[i]; /* read as u64 "tokens": n_tokens must match */
+                r->n_tokens = nb;
+                ehs[i][0] = 0x100000000ull;
+                r->n_blocks = nb / BS; /* whole blocks of u64 tokens only */
+            }
+        }
+        size_t done = 99, failed = 99;
+        CHECK(kvp_index_store_tokens_batch(a, BS, reqs, n, res, &done, &failed) == KVP_OK);
+        CHECK(done == n);
+        size_t failed_single = 0;
+        for (size_t i = 0; i < n; i++) {
+            const kvp_store_tokens_req *r = &reqs[i];
+            int stored = -1;
+            size_t pos = 0;
+            kvp_status st = kvp_index_store_tokens(b, r->ep, r->tier, r->has_parent, r->parent,
+                                                   r->engine_hashes, r->n_blocks, r->tokens, r->dt,
+                                                   r->n_tokens, BS, r->seed, r->extra, r->n_extra,
+                                                   &stored, &pos);
+            CHECK(st == res[i].status && stored == res[i].stored);
+            if (st == KVP_E_TOKEN) CHECK(pos == res[i].err_pos);
+            token_errors += st == KVP_E_TOKEN;
+            failed_single += st != KVP_OK;
+        }
+        CHECK(failed == failed_single);
+        total_failed += failed;
+        kvp_stats sa, sb;
+        CHECK(kvp_index_stats(a, &sa) == KVP_OK && kvp_index_stats(b, &sb) == KVP_OK);
+        sa.memory_bytes = sb.memory_bytes = 0;
+        CHECK(memcmp(&sa, &sb, sizeof sa) == 0);
+        if (round % 16 == 0) {
+            for (kvp_endpoint_t ep = 0; ep < 6; ep++) CHECK(same_holdings(a, b, ep));
+            CHECK(same_holdings(a, b, KVP_SHARED));
+        }
+        if (below(8) == 0) { /* removes between batches, the same on both */
+            kvp_endpoint_t ep = pick_ep();
+            CHECK(kvp_index_remove(a, ep, KVP_TIER_ANY, ehs[0], NB) == KVP_OK);
+            CHECK(kvp_index_remove(b, ep, KVP_TIER_ANY, ehs[0], NB) == KVP_OK);
+        }
+    }
+    kvp_stats fin;
+    CHECK(kvp_index_stats(a, &fin) == KVP_OK);
+    CHECK(total_failed > 0 && token_errors > 0 && fin.stored_blocks > 0 && fin.orphan_stores > 0);
+    size_t done = 0, failed = 0;
+    CHECK(kvp_index_store_tokens_batch(NULL, BS, reqs, 1, res, &done, &failed) == KVP_E_NULL);
+    CHECK(kvp_index_store_tokens_batch(a, BS, NULL, 1, res, &done, &failed) == KVP_E_NULL);
+    CHECK(kvp_index_store_tokens_batch(a, BS, reqs, 1, NULL, &done, &failed) == KVP_E_NULL);
+    CHECK(kvp_index_store_tokens_batch(a, BS, reqs, 1, res, NULL, &failed) == KVP_E_NULL);
+    CHECK(kvp_index_store_tokens_batch(a, BS, NULL, 0, NULL, &done, &failed) == KVP_OK &&
+          done == 0 && failed == 0);
+    kvp_index_free(a);
+    kvp_index_free(b);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     int steps = argc > 1 ? atoi(argv[1]) : 20000;
     uint64_t bounds[] = {0, 1, 3, 7, 40};
@@ -277,6 +388,10 @@ int main(int argc, char **argv) {
     }
     if (heavy_counts(0) != 0 || heavy_counts(2) != 0 || heavy_counts(500) != 0) {
         fprintf(stderr, "failed: heavy_counts\n");
+        return 1;
+    }
+    if (batch_phase(0, 2000) != 0 || batch_phase(5, 2000) != 0 || batch_phase(60, 2000) != 0) {
+        fprintf(stderr, "failed: batch_phase\n");
         return 1;
     }
     if (grow_and_shrink(0) != 0 || grow_and_shrink(5000) != 0) {
