@@ -136,6 +136,12 @@ def pd_fleet():
                 "warning",
                 "--worker-config",
                 str(config),
+                # generous: NIXL's busy-polling threads and two engines share 2 cores, and a
+                # connect or probe that misses the default 5 s / 2 s is not a P/D failure
+                "--connect-timeout",
+                "30",
+                "--health-timeout",
+                "10",
             ),
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
