@@ -217,10 +217,11 @@ class BrokenMachine(IndexMachine):
     make_c = staticmethod(IgnoresRemoves)
 
 
-def test_harness_catches_an_index_that_ignores_removes():
+def assert_harness_catches(machine: type, **extra_settings) -> None:
+    """The differential machine must fail on an index with a planted bug."""
     with pytest.raises(AssertionError):
         run_state_machine_as_test(
-            BrokenMachine,
+            machine,
             settings=settings(
                 max_examples=min(300, DIFF_EXAMPLES),
                 stateful_step_count=12,
@@ -228,8 +229,13 @@ def test_harness_catches_an_index_that_ignores_removes():
                 derandomize=True,
                 database=None,
                 print_blob=False,
+                **extra_settings,
             ),
         )
+
+
+def test_harness_catches_an_index_that_ignores_removes():
+    assert_harness_catches(BrokenMachine)
 
 
 class BatchStopsAtFirstFailure:
@@ -258,19 +264,7 @@ class BrokenBatchMachine(IndexMachine):
 
 
 def test_harness_catches_a_batch_that_stops_at_the_first_failure():
-    with pytest.raises(AssertionError):
-        run_state_machine_as_test(
-            BrokenBatchMachine,
-            settings=settings(
-                max_examples=min(300, DIFF_EXAMPLES),
-                stateful_step_count=12,
-                deadline=None,
-                derandomize=True,
-                database=None,
-                print_blob=False,
-                report_multiple_bugs=False,
-            ),
-        )
+    assert_harness_catches(BrokenBatchMachine, report_multiple_bugs=False)
 
 
 costs_in = st.lists(st.tuples(*[st.integers(0, 64)] * 6), min_size=1, max_size=8)
