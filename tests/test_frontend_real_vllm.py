@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from real_engine.engines import MODEL, Engine, missing_reason
+from real_engine.engines import MODEL, Engine, missing_reason, start_engines
 from real_engine.http import http_get, http_post
 from vllm_helpers import free_port
 
@@ -53,11 +53,8 @@ def fleet():
     ]
     serve = None
     try:
-        for e in engines:
-            e.start()
-        deadline = time.monotonic() + 300
-        for e in engines:
-            e.wait_healthy(deadline)
+        deadline = time.monotonic() + 300  # engines and kvplug serve together
+        start_engines(engines)
         port = free_port()
         serve = subprocess.Popen(
             serve_command(

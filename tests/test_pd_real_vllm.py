@@ -3,9 +3,10 @@ that move the KV cache with NIXL (NixlConnector pull mode over UCX; recipe in
 ``real_engine/nixl.py`` and docs/vllm.md).
 
 Needs the venv, model and NIXL from ``.ci/setup_vllm.sh`` and ``KVPLUG_REAL_PD=1`` (opt-in:
-see ``OPT_IN``); skipped (with the reason) otherwise. For completions through kvplug (non-streamed, streamed, chat, a prefill that stops on
-its one token, four at once) it checks: the prefill engine ran the prefill (one more
-length-capped request, the prompt computed locally); the decode engine pulled every prompt
+see ``OPT_IN``); skipped (with the reason) otherwise. For completions through kvplug
+(non-streamed, streamed, chat, a prefill that stops on its one token, four at once) it
+checks: the prefill engine ran the prefill (one more length-capped request, the prompt
+computed locally); the decode engine pulled every prompt
 token over NIXL (``external_kv_transfer``) and computed none itself, one more NIXL transfer,
 none failed, no lease expired; the output equals an aggregated run on one engine token for
 token *and* logprob for logprob (the tiny random model tends to repeat a token, so the
@@ -25,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from real_engine.engines import MODEL, Engine, missing_reason
+from real_engine.engines import MODEL, Engine, missing_reason, start_engines
 from real_engine.http import http_get, http_post
 from real_engine.nixl import nixl_engine, nixl_missing_reason, unpin
 
@@ -116,11 +117,9 @@ def pd_fleet():
     engines = (prefill, decode)
     serve = serve_log = None
     try:
+        deadline = time.monotonic() + 300  # engines and kvplug serve together
+        start_engines(engines)
         for e in engines:
-            e.start()
-        deadline = time.monotonic() + 300
-        for e in engines:
-            e.wait_healthy(deadline)
             assert unpin(e) > 0, f"no threads found for engine {e.name}"
         config = SERVE_LOG.parent / "workers.yaml"
         config.write_text(

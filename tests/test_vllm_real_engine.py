@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from real_engine.engines import Engine, missing_reason
+from real_engine.engines import Engine, missing_reason, start_engines
 from vllm_helpers import Mirror, free_port, wait_for
 
 from integrations.vllm.adapter import RouterSink, VllmAdapter
@@ -89,11 +89,7 @@ def engines():
         extra_args=["--max-model-len", "512", "--num-gpu-blocks-override", "24"],
     )
     try:
-        for e in (a, b):
-            e.start()
-        deadline = time.monotonic() + 240
-        for e in (a, b):
-            e.wait_healthy(deadline)
+        start_engines((a, b), timeout=240)
         yield a, b, time.monotonic() - t0
     finally:
         for e in (a, b):

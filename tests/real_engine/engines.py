@@ -159,3 +159,12 @@ class Engine:
                 self.proc.wait(15)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 self.kill()
+
+
+def start_engines(engines, timeout: float = 300) -> None:
+    """Start every engine, then wait until all are healthy (they start in parallel)."""
+    for e in engines:
+        e.start()
+    deadline = time.monotonic() + timeout
+    for e in engines:
+        e.wait_healthy(deadline)
