@@ -161,21 +161,10 @@ def _named_endpoints(router: Any, scope: Scope) -> list[int] | None:
 
 def eligible_endpoints(router: Any, scope: Scope) -> list[int]:
     """Endpoint ids the router could pick for ``scope`` (before load-based filters)."""
-    out: list[int] = []
-    for wid, worker in router.workers.items():
-        if scope.pinned_worker is not None and wid != scope.pinned_worker:
-            continue
-        if scope.allowed is not None and wid not in scope.allowed:
-            continue
-        if wid in scope.exclude or not role_serves(worker.role, scope.stage):
-            continue
-        state = router.worker_state(wid)
-        if state.draining:
-            continue
-        for rank, ep in zip(worker.dp_ranks, state.endpoint_ids, strict=False):
-            if scope.pinned_rank is None or rank == scope.pinned_rank:
-                out.append(int(ep))
-    return out
+    n = len(router.ep_state)
+    few = _named_endpoints(router, scope)
+    candidates: Iterable[int] = range(n) if few is None else few
+    return [ep for ep in candidates if ep < n and _eligible(router, scope, ep)]
 
 
 def best_cached_tokens(
