@@ -51,10 +51,10 @@ core = Extension(
 )
 
 # vLLM integration (issue 4): one-pass msgpack decoder for KV-event batches (optional at run
-# time: integrations.vllm.wire falls back to msgspec without it)
+# time: kvplug.integrations.vllm.wire falls back to msgspec without it)
 vllm_fastwire = (
     Extension(  # only built where the source exists (the sanitizer test copies csrc only)
-        "integrations.vllm._fastwire",
+        "kvplug.integrations.vllm._fastwire",
         sources=["integrations/vllm/_fastwire.pyx"],
         include_dirs=[np.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

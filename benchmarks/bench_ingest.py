@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from integrations.vllm.wire import BatchDecoder, encode_batch, fold_hash  # noqa: E402
+from kvplug.integrations.vllm.wire import BatchDecoder, encode_batch, fold_hash  # noqa: E402
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier  # noqa: E402
 from kvplug.index import KvIndex  # noqa: E402
 
@@ -199,7 +199,7 @@ def run_kvplug_growing(work, block_size, n_engines) -> tuple[float, float, KvInd
 
 def run_stages(work, block_size, n_engines, repeat: int) -> dict[str, float]:
     """CPU seconds (best of ``repeat``) of each stage of the kvplug path, timed apart."""
-    from integrations.vllm.wire import _fast
+    from kvplug.integrations.vllm.wire import _fast
 
     best: dict[str, float] = {}
 
@@ -338,7 +338,7 @@ def run_zmq(work, block_size, n_engines, queued=False) -> tuple[float, float, Kv
 
     import zmq
 
-    from integrations.vllm.subscriber import EventSource, VllmSubscriber
+    from kvplug.integrations.vllm.subscriber import EventSource, VllmSubscriber
 
     idx = fresh_index(block_size, n_engines)
     total = sum(w[3] for w in work)

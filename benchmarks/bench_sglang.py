@@ -24,8 +24,8 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from integrations.sglang.wire import SglangDecoder  # noqa: E402
-from integrations.trtllm.events import TrtllmDecoder  # noqa: E402
+from kvplug.integrations.sglang.wire import SglangDecoder  # noqa: E402
+from kvplug.integrations.trtllm.events import TrtllmDecoder  # noqa: E402
 
 BLOCK = 16
 PAGES = 8

@@ -27,7 +27,7 @@ Registering a kind (an integration does this at import time)::
 
     register_adapter("vllm", VllmAdapter, replace=True)
 
-``create_adapter(kind)`` first imports ``integrations.<kind>.adapter`` if that module exists
+``create_adapter(kind)`` first imports ``kvplug.integrations.<kind>.adapter`` if that module exists
 (so an installed integration replaces the built-in minimal adapter), then builds one adapter
 instance from the registered factory. The frontend makes one instance per kind and per serving
 process, so an adapter may keep per-process state (one bound ZMQ socket for many engines).
@@ -448,15 +448,15 @@ def unregister_adapter(kind: str) -> None:
 
 
 def _load_plugin(kind: str) -> None:
-    """Import ``integrations.<kind>.adapter`` once, if it exists; it registers itself."""
+    """Import ``kvplug.integrations.<kind>.adapter`` once, if it exists; it registers itself."""
     if kind in _plugins_tried or not kind.isidentifier():
         return
     _plugins_tried.add(kind)
-    module = f"integrations.{kind}.adapter"
+    module = f"kvplug.integrations.{kind}.adapter"
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name not in (module, f"integrations.{kind}", "integrations"):
+        if exc.name not in (module, f"kvplug.integrations.{kind}", "kvplug.integrations"):
             raise  # the integration exists but a dependency of it is missing: say so
 
 

@@ -131,7 +131,7 @@ class Router:
             cfg.active_prefill_tokens_threshold_frac,
             cfg.busy_threshold_fallback,
         )
-        from kvplug.profile import load_profile
+        from kvplug.profiles import load_profile
 
         if profile is not None and not hasattr(profile, "get"):
             profile = load_profile(profile)  # a mapping or a path

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from real_engine.engines import MODEL, Engine, missing_reason, start_engines
-from real_engine.http import http_get, http_post
+from real_engine.engine_http import http_get, http_post
 from real_engine.nixl import nixl_engine, nixl_missing_reason, unpin
 
 from kvplug.testing import free_ports, serve_command, stop_process, wait_ready
@@ -43,6 +43,7 @@ PROMPT_TOKENS = 150  # 4 full 32-token blocks and a partial one
 MAX_TOKENS = 8
 pytestmark = [
     pytest.mark.real_engine,
+    pytest.mark.opt_in,
     pytest.mark.slow,
     pytest.mark.timeout(480),
     pytest.mark.skipif(REASON is not None, reason=f"real vLLM P/D unavailable: {REASON}"),

@@ -14,7 +14,7 @@ from test_router_kv import seed_example_router
 
 from kvplug.config import RouterConfig, add_router_arguments
 from kvplug.errors import ConfigError
-from kvplug.profile import load_profile
+from kvplug.profiles import load_profile
 from kvplug.request import RouteRequest, RoutingHints
 
 pytestmark = pytest.mark.usefixtures("core_backend")

@@ -12,7 +12,7 @@ from test_router_helpers import FakeClock, make_router, store_prefix, tokens
 
 from kvplug.config import RouterConfig, add_router_arguments
 from kvplug.errors import ConfigError, InvalidRequest
-from kvplug.profile import load_profile
+from kvplug.profiles import load_profile
 from kvplug.request import RouteRequest, RoutingHints
 from kvplug.workers import Worker
 

@@ -13,8 +13,8 @@ import pytest
 import zmq
 from aiohttp import web
 
-from integrations.sglang.adapter import SglangAdapter
-from integrations.sglang.metrics import (
+from kvplug.integrations.sglang.adapter import SglangAdapter
+from kvplug.integrations.sglang.metrics import (
     attributes_from_loads,
     attributes_from_prometheus,
     kv_events_from_server_info,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from integrations.sglang.adapter import SglangAdapter, bootstrap_room
+from kvplug.integrations.sglang.adapter import SglangAdapter, bootstrap_room
 from kvplug.adapters import PDContext, PDStyle, create_adapter
 from kvplug.errors import ConfigError
 from kvplug.workers import Role, Worker

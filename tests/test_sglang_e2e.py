@@ -31,7 +31,7 @@ async def test_pd_request_through_the_launcher(tmp_path):
         [
             sys.executable,
             "-m",
-            "integrations.sglang.launch_router",
+            "kvplug.integrations.sglang.launch_router",
             "--host",
             "127.0.0.1",
             "--port",

@@ -10,8 +10,8 @@ import msgspec
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from integrations.sglang.wire import MASK64, SglangDecoder
-from integrations.trtllm.events import TrtllmDecoder
+from kvplug.integrations.sglang.wire import MASK64, SglangDecoder
+from kvplug.integrations.trtllm.events import TrtllmDecoder
 from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored
 
 DATA = Path(__file__).parent / "data"

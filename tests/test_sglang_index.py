@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from integrations.sglang.wire import SglangDecoder
-from integrations.trtllm.events import TrtllmDecoder
+from kvplug.integrations.sglang.wire import SglangDecoder
+from kvplug.integrations.trtllm.events import TrtllmDecoder
 
 index_mod = pytest.importorskip("kvplug.index")
 DATA = Path(__file__).parent / "data"

@@ -12,9 +12,9 @@ import msgspec
 import pytest
 import zmq
 
-from integrations.sglang.metrics import KvEventsInfo
-from integrations.sglang.subscriber import SglangSubscriber, filtered_sink, sources_from_info
-from integrations.sglang.wire import MASK64
+from kvplug.integrations.sglang.metrics import KvEventsInfo
+from kvplug.integrations.sglang.subscriber import SglangSubscriber, filtered_sink, sources_from_info
+from kvplug.integrations.sglang.wire import MASK64
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier
 
 DATA = Path(__file__).parent / "data" / "sglang"
@@ -196,7 +196,7 @@ def test_events_land_in_the_index(zmq_ctx):
 def test_engines_connecting_to_one_kvplug_bound_socket_are_told_apart_by_topic(zmq_ctx):
     # SGLang engines whose --kv-events-config endpoint is a concrete address connect to it:
     # kvplug binds one SUB there and attributes each message by its topic frame
-    from integrations.vllm.subscriber import sources_for_engine
+    from kvplug.integrations.vllm.subscriber import sources_for_engine
 
     port = _free_base(1)
     endpoint = f"tcp://127.0.0.1:{port}"

@@ -7,7 +7,7 @@ import pytest
 from kvplug.events import BlockRemoved, BlockStored
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
 from kvplug.sim.steptime import REFERENCE
-from kvplug.sim.trace import block_hashes_of, load_trace
+from kvplug.sim.traces import block_hashes_of, load_trace
 
 
 def _req(rid, t, prompt, out, ids, salt=0):
@@ -123,7 +123,7 @@ def test_request_larger_than_the_cache_is_rejected_not_stuck():
 
 
 def test_token_mode_events_carry_the_blocks_tokens():
-    from kvplug.sim.trace import expand_tokens
+    from kvplug.sim.traces import expand_tokens
 
     e = SimEngine("w", EngineConfig(capacity_blocks=100, events_with_tokens=True))
     ids = [11, 12, 13]

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from kvplug.sim.trace import (
+from kvplug.sim.traces import (
     block_hashes_of,
     expand_tokens,
     iter_trace,
@@ -87,7 +87,7 @@ def test_block_hashes_are_per_id_and_deterministic():
 
 
 def test_shared_prefix_workload():
-    from kvplug.sim.trace import parse_workload, synthetic_shared_prefix
+    from kvplug.sim.traces import parse_workload, synthetic_shared_prefix
 
     recs = synthetic_shared_prefix(groups=4, system=1024, question=600, requests=200, seed=1)
     assert recs == synthetic_shared_prefix(

@@ -5,7 +5,7 @@ import pytest
 
 from kvplug.sim.bench import BenchSpec, fleet_lru_hit_rate, format_table, run_bench
 from kvplug.sim.policies import parse_policy
-from kvplug.sim.trace import load_trace, oracle_hit_rate
+from kvplug.sim.traces import load_trace, oracle_hit_rate
 from kvplug.sim.virtual import ReplayConfig, replay, summarize
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.trtllm.adapter import (
+from kvplug.integrations.trtllm.adapter import (
     ContextAnswerFinal,
     TrtllmAdapter,
     context_is_final,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from integrations.vllm.wire import FAST_PATH, BatchDecoder, coalesce_removes, encode_batch
+from kvplug.integrations.vllm.wire import FAST_PATH, BatchDecoder, coalesce_removes, encode_batch
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier
 from kvplug.index import KvIndex
 

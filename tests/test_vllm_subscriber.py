@@ -14,8 +14,8 @@ import pytest
 import zmq
 from vllm_helpers import Mirror, free_port, free_port_run, wait_for
 
-from integrations.vllm.publisher import VllmEventPublisher
-from integrations.vllm.subscriber import (
+from kvplug.integrations.vllm.publisher import VllmEventPublisher
+from kvplug.integrations.vllm.subscriber import (
     EventSource,
     VllmSubscriber,
     connect_address,

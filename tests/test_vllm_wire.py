@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from integrations.vllm.wire import (
+from kvplug.integrations.vllm.wire import (
     END_SEQ,
     FAST_PATH,
     BatchDecoder,

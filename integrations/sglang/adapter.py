@@ -39,8 +39,8 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
-from integrations.aio import LazySession, cancel_and_wait, log_due
-from integrations.vllm.subscriber import sources_for_engine
+from kvplug.integrations.aio import LazySession, cancel_and_wait, log_due
+from kvplug.integrations.vllm.subscriber import sources_for_engine
 from kvplug.adapters import PDContext, PDStyle, SglangHttpAdapter, WorkerSink, register_adapter
 from kvplug.errors import ConfigError
 from kvplug.workers import Worker

@@ -1,9 +1,9 @@
 """Drop-in for ``python -m sglang_router.launch_router``: the same flags, kvplug underneath.
 
-    python -m integrations.sglang.launch_router --host 127.0.0.1 --port 30000 \\
+    python -m kvplug.integrations.sglang.launch_router --host 127.0.0.1 --port 30000 \\
         --worker-urls http://127.0.0.1:30001 http://127.0.0.1:30002 --kv-block-size 16
 
-    python -m integrations.sglang.launch_router --pd-disaggregation \\
+    python -m kvplug.integrations.sglang.launch_router --pd-disaggregation \\
         --prefill http://10.0.0.1:30000 8998 --prefill http://10.0.0.2:30000 none \\
         --decode http://10.0.0.3:30000 --decode http://10.0.0.4:30000 --port 30000
 
@@ -59,7 +59,7 @@ UNUSED_TUNING = (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m integrations.sglang.launch_router",
+        prog="python -m kvplug.integrations.sglang.launch_router",
         description="sglang-router compatible launcher for kvplug serve (see the module doc); "
         "unknown arguments are passed to kvplug serve",
     )

@@ -1,9 +1,9 @@
 """SGLang event streams through the vLLM integration's ZMQ subscriber.
 
 SGLang speaks vLLM's transport (PUB ``[topic, seq, payload]``, ROUTER replay with both reply
-framings, port + rank per DP rank), so kvplug reuses ``integrations.vllm.subscriber`` —
+framings, port + rank per DP rank), so kvplug reuses ``kvplug.integrations.vllm.subscriber`` —
 sequence tracking, gap replay, restart clears, one thread for every engine — and only swaps
-the payload decoder per stream for SGLang's (``integrations.sglang.wire``). The per-worker
+the payload decoder per stream for SGLang's (``kvplug.integrations.sglang.wire``). The per-worker
 ``PartialPageFilter`` runs in the sink, after the subscriber attributed a batch to its worker.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from integrations.vllm.subscriber import EventSource, VllmSubscriber
-from integrations.vllm.wire import DecodedBatch
+from kvplug.integrations.vllm.subscriber import EventSource, VllmSubscriber
+from kvplug.integrations.vllm.wire import DecodedBatch
 from kvplug.events import KvEvent
 
 from .metrics import KvEventsInfo

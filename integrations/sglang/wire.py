@@ -40,7 +40,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from integrations.common import MASK64, EventDrop, int64_hash, u64_hash
+from kvplug.integrations.common import MASK64, EventDrop, int64_hash, u64_hash
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
 log = logging.getLogger("kvplug.integrations.sglang")

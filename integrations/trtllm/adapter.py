@@ -43,7 +43,7 @@ from typing import Any
 
 import aiohttp
 
-from integrations.aio import LazySession, cancel_and_wait, log_due
+from kvplug.integrations.aio import LazySession, cancel_and_wait, log_due
 from kvplug.adapters import (
     PDContext,
     PDProtocolError,

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from integrations.common import MASK64, EventDrop, u64_hash
+from kvplug.integrations.common import MASK64, EventDrop, u64_hash
 from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, KvEvent, Tier
 
 log = logging.getLogger("kvplug.integrations.trtllm")

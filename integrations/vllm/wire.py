@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from integrations.common import MASK64, int64_hash, u64_hash
+from kvplug.integrations.common import MASK64, int64_hash, u64_hash
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # replay end marker
@@ -145,7 +145,7 @@ _DEC_ANY = msgspec.msgpack.Decoder()
 _TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 
 try:  # the compiled one-pass decoder (built by setup.py); msgspec does everything without it
-    from integrations.vllm import _fastwire as _fast
+    from kvplug.integrations.vllm import _fastwire as _fast
 except ImportError:  # pragma: no cover - source checkouts without a build
     _fast = None  # type: ignore[assignment]
 FAST_PATH = _fast is not None

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvplug.sim.engine import EngineConfig
 from kvplug.sim.policies import parse_policy
-from kvplug.sim.trace import (
+from kvplug.sim.traces import (
     TRACE_BLOCK_TOKENS,
     TraceRecord,
     load_trace,

@@ -104,7 +104,7 @@ def _spec(args, policies):
         for text in policies:
             parse_policy(text)
         if args.workload:
-            from kvplug.sim.trace import parse_workload
+            from kvplug.sim.traces import parse_workload
 
             parse_workload(args.workload, args.block_tokens)
     except ValueError as exc:

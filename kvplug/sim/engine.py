@@ -34,7 +34,7 @@ import numpy as np
 from kvplug.events import BlockMoved, BlockRemoved, BlockStored, KvEvent
 from kvplug.sim.cache import BlockCache, CacheFull
 from kvplug.sim.steptime import REFERENCE, StepTimeModel
-from kvplug.sim.trace import output_tokens
+from kvplug.sim.traces import output_tokens
 
 _M64 = (1 << 64) - 1
 

@@ -30,7 +30,7 @@ from aiohttp import web
 from kvplug.events import BlockMoved, BlockStored, KvEvent
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
 from kvplug.sim.steptime import capacity_blocks
-from kvplug.sim.trace import output_tokens
+from kvplug.sim.traces import output_tokens
 
 log = logging.getLogger("kvplug.sim.server")
 
@@ -163,7 +163,7 @@ class SimServer:
     """One simulated engine: HTTP app + event publisher + the stepping task."""
 
     def __init__(self, index: int, opts: FleetOptions) -> None:
-        from integrations.vllm.publisher import VllmEventPublisher
+        from kvplug.integrations.vllm.publisher import VllmEventPublisher
 
         self.index = index
         self.opts = opts

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvplug.errors import InvalidRequest, RoutingError
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
-from kvplug.sim.trace import TraceRecord, block_hashes_of, expand_tokens
+from kvplug.sim.traces import TraceRecord, block_hashes_of, expand_tokens
 
 
 class VirtualClock:
