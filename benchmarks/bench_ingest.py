@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvplug.integrations.vllm.wire import BatchDecoder, encode_batch, fold_hash  # noqa: E402
+
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier  # noqa: E402
 from kvplug.index import KvIndex  # noqa: E402
 
@@ -337,7 +338,6 @@ def run_zmq(work, block_size, n_engines, queued=False) -> tuple[float, float, Kv
     import multiprocessing as mp
 
     import zmq
-
     from kvplug.integrations.vllm.subscriber import EventSource, VllmSubscriber
 
     idx = fresh_index(block_size, n_engines)

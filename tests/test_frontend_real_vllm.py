@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from real_engine.engines import MODEL, Engine, missing_reason, start_engines
 from real_engine.engine_http import http_get, http_post
+from real_engine.engines import MODEL, Engine, missing_reason, start_engines
 from vllm_helpers import free_port
 
 from kvplug.testing import serve_command, stop_process, wait_ready

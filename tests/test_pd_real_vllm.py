@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from real_engine.engines import MODEL, Engine, missing_reason, start_engines
 from real_engine.engine_http import http_get, http_post
+from real_engine.engines import MODEL, Engine, missing_reason, start_engines
 from real_engine.nixl import nixl_engine, nixl_missing_reason, unpin
 
 from kvplug.testing import free_ports, serve_command, stop_process, wait_ready

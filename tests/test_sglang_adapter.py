@@ -12,7 +12,6 @@ import msgspec
 import pytest
 import zmq
 from aiohttp import web
-
 from kvplug.integrations.sglang.adapter import SglangAdapter
 from kvplug.integrations.sglang.metrics import (
     attributes_from_loads,
@@ -20,6 +19,7 @@ from kvplug.integrations.sglang.metrics import (
     kv_events_from_server_info,
     page_size_from_server_info,
 )
+
 from kvplug.errors import ConfigError
 from kvplug.events import BlockStored
 from kvplug.workers import Worker

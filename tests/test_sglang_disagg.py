@@ -6,8 +6,8 @@ import json
 import random
 
 import pytest
-
 from kvplug.integrations.sglang.adapter import SglangAdapter, bootstrap_room
+
 from kvplug.adapters import PDContext, PDStyle, create_adapter
 from kvplug.errors import ConfigError
 from kvplug.workers import Role, Worker

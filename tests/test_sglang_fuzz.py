@@ -9,9 +9,9 @@ from pathlib import Path
 import msgspec
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-
 from kvplug.integrations.sglang.wire import MASK64, SglangDecoder
 from kvplug.integrations.trtllm.events import TrtllmDecoder
+
 from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored
 
 DATA = Path(__file__).parent / "data"

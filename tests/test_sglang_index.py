@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from kvplug.integrations.sglang.wire import SglangDecoder
 from kvplug.integrations.trtllm.events import TrtllmDecoder
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from kvplug.integrations.sglang.launch_router import translate
+
 from kvplug.cli import build_parser
 from kvplug.errors import ConfigError
 from kvplug.frontend.config import load_worker_config

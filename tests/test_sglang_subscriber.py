@@ -11,10 +11,10 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-
 from kvplug.integrations.sglang.metrics import KvEventsInfo
 from kvplug.integrations.sglang.subscriber import SglangSubscriber, filtered_sink, sources_from_info
 from kvplug.integrations.sglang.wire import MASK64
+
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier
 
 DATA = Path(__file__).parent / "data" / "sglang"

@@ -9,8 +9,8 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvplug.integrations.sglang.wire import MASK64, SglangDecoder, encode_batch
+
 from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, Tier
 
 DATA = Path(__file__).parent / "data" / "sglang"

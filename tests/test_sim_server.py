@@ -9,8 +9,13 @@ import time
 import aiohttp
 import pytest
 import zmq
+from kvplug.integrations.vllm.wire import (
+    BatchDecoder,
+    parse_replay_reply,
+    replay_request,
+    split_frames,
+)
 
-from kvplug.integrations.vllm.wire import BatchDecoder, parse_replay_reply, replay_request, split_frames
 from kvplug.events import BlockStored
 from kvplug.sim.server import FleetOptions, render_chat, start_fleet, tokenize_text
 

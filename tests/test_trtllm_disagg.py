@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 
 import pytest
-
 from kvplug.integrations.trtllm.adapter import (
     ContextAnswerFinal,
     TrtllmAdapter,
@@ -16,6 +15,7 @@ from kvplug.integrations.trtllm.adapter import (
     final_response,
     generation_request,
 )
+
 from kvplug.adapters import PDContext, PDProtocolError, PDStyle, create_adapter
 from kvplug.workers import Role, Worker
 

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from kvplug.integrations.trtllm.events import TrtllmDecoder, _block_extra
+
 from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, Tier
 
 DATA = Path(__file__).parent / "data" / "trtllm"

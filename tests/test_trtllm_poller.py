@@ -9,10 +9,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-
 from kvplug.integrations.trtllm.adapter import TrtllmAdapter
 from kvplug.integrations.trtllm.events import TrtllmDecoder
 from kvplug.integrations.trtllm.poller import TrtllmPoller
+
 from kvplug.errors import ConfigError
 from kvplug.events import AllCleared, BlockRemoved, BlockStored
 from kvplug.workers import Worker

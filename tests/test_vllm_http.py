@@ -10,13 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_helpers import free_port, wait_for
-
 from kvplug.integrations.vllm.adapter import RouterSink, VllmAdapter
 from kvplug.integrations.vllm.discovery import check_block_size, discover, fetch_event_sources
 from kvplug.integrations.vllm.metrics import MetricsScraper, parse_metrics
 from kvplug.integrations.vllm.pd import MissingTransferParams, decode_body, pd_headers, prefill_body
 from kvplug.integrations.vllm.publisher import VllmEventPublisher
+from vllm_helpers import free_port, wait_for
+
 from kvplug.adapters import PDContext, create_adapter
 from kvplug.config import RouterConfig
 from kvplug.errors import ConfigError

@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from kvplug.integrations.vllm.wire import FAST_PATH, BatchDecoder, coalesce_removes, encode_batch
+
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier
 from kvplug.index import KvIndex
 

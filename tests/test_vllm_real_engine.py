@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+from kvplug.integrations.vllm.adapter import RouterSink, VllmAdapter
 from real_engine.engines import Engine, missing_reason, start_engines
 from vllm_helpers import Mirror, free_port, wait_for
 
-from kvplug.integrations.vllm.adapter import RouterSink, VllmAdapter
 from kvplug.config import RouterConfig
 from kvplug.errors import ConfigError
 from kvplug.events import BlockStored

@@ -12,8 +12,6 @@ import time
 
 import pytest
 import zmq
-from vllm_helpers import Mirror, free_port, free_port_run, wait_for
-
 from kvplug.integrations.vllm.publisher import VllmEventPublisher
 from kvplug.integrations.vllm.subscriber import (
     EventSource,
@@ -23,6 +21,8 @@ from kvplug.integrations.vllm.subscriber import (
     offset_endpoint,
     sources_for_engine,
 )
+from vllm_helpers import Mirror, free_port, free_port_run, wait_for
+
 from kvplug.errors import ConfigError
 from kvplug.events import BlockRemoved, BlockStored
 

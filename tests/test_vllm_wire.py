@@ -7,7 +7,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
 from kvplug.integrations.vllm.wire import (
     END_SEQ,
     FAST_PATH,
@@ -19,6 +18,7 @@ from kvplug.integrations.vllm.wire import (
     parse_replay_reply,
     split_frames,
 )
+
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier
 
 DATA = Path(__file__).parent / "data" / "vllm"

@@ -38,9 +38,9 @@ from urllib.parse import urlsplit
 import aiohttp
 import zmq
 import zmq.asyncio
-
 from kvplug.integrations.aio import LazySession, cancel_and_wait, log_due
 from kvplug.integrations.vllm.subscriber import sources_for_engine
+
 from kvplug.adapters import PDContext, PDStyle, SglangHttpAdapter, WorkerSink, register_adapter
 from kvplug.errors import ConfigError
 from kvplug.workers import Worker

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvplug.integrations.vllm.subscriber import EventSource, VllmSubscriber
 from kvplug.integrations.vllm.wire import DecodedBatch
+
 from kvplug.events import KvEvent
 
 from .metrics import KvEventsInfo

@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
-
 from kvplug.integrations.common import MASK64, EventDrop, int64_hash, u64_hash
+
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
 log = logging.getLogger("kvplug.integrations.sglang")

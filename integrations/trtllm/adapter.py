@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-
 from kvplug.integrations.aio import LazySession, cancel_and_wait, log_due
+
 from kvplug.adapters import (
     PDContext,
     PDProtocolError,

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvplug.integrations.common import MASK64, EventDrop, u64_hash
+
 from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, KvEvent, Tier
 
 log = logging.getLogger("kvplug.integrations.trtllm")

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-
 from kvplug.integrations.common import MASK64, int64_hash, u64_hash
+
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # replay end marker
