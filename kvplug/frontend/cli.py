@@ -221,6 +221,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a health probe may take (default 2)",
     )
 
+    g2 = parser.add_argument_group("gateway endpoint picker")
+    g2.add_argument(
+        "--epp-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve the Gateway API Inference Extension's endpoint-picker protocol "
+        "(Envoy ext_proc over gRPC, with gRPC health) on this port, so Envoy, kgateway, Istio "
+        "or llm-d can use kvplug as their picker (needs the gateway extra); default: off",
+    )
+    g2.add_argument(
+        "--epp-host",
+        default="127.0.0.1",
+        help="address of the endpoint picker (default 127.0.0.1)",
+    )
+
     k = parser.add_argument_group("API keys")
     k.add_argument(
         "--api-key",
@@ -325,6 +341,18 @@ async def _serve(args: argparse.Namespace) -> None:
         default_engine=args.worker_engine,
     )
     log = logging.getLogger("kvplug.serve")
+    picker = None
+    if args.epp_port is not None:
+        try:
+            from kvplug.frontend.epp import start_endpoint_picker
+
+            picker = await start_endpoint_picker(running.frontend, args.epp_host, args.epp_port)
+        except ImportError as exc:
+            await running.close()
+            raise ConfigError(f"--epp-port: {exc}") from None
+        except BaseException:
+            await running.close()
+            raise
     log.info("kvplug serving the OpenAI API on %s (%d workers)", running.url, len(specs))
     if running.admin_url:
         log.info("admin API on %s", running.admin_url)
@@ -341,6 +369,8 @@ async def _serve(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         log.info("shutting down")
+        if picker is not None:
+            await picker.close()
         await running.close()
 
 
