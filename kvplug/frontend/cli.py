@@ -237,6 +237,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="address of the endpoint picker (default 127.0.0.1)",
     )
 
+    r = parser.add_argument_group("router replicas")
+    r.add_argument(
+        "--replica-sync",
+        default=None,
+        metavar="NATS_URL",
+        help="share in-flight load with the other kvplug replicas over NATS "
+        "(e.g. nats://127.0.0.1:4222), so replicas do not herd onto one worker; every replica "
+        "subscribes to every engine's events itself (needs the replicas extra); default: off",
+    )
+    r.add_argument(
+        "--replica-namespace",
+        default="default",
+        help="replicas of one fleet share a namespace (NATS subject kvplug.<namespace>.load)",
+    )
+    r.add_argument(
+        "--replica-id",
+        default=None,
+        help="this replica's name on the wire (default: random)",
+    )
+
     k = parser.add_argument_group("API keys")
     k.add_argument(
         "--api-key",
@@ -353,6 +373,21 @@ async def _serve(args: argparse.Namespace) -> None:
         except BaseException:
             await running.close()
             raise
+    sync = None
+    if args.replica_sync:
+        from kvplug.replica_sync import LoadSync
+
+        sync = LoadSync(
+            router, args.replica_sync, namespace=args.replica_namespace, replica_id=args.replica_id
+        )
+        try:
+            await sync.start()
+        except ImportError as exc:
+            await running.close()
+            raise ConfigError(f"--replica-sync needs the replicas extra: {exc}") from None
+        except Exception as exc:
+            await running.close()
+            raise ConfigError(f"--replica-sync: cannot reach {args.replica_sync}: {exc}") from None
     log.info("kvplug serving the OpenAI API on %s (%d workers)", running.url, len(specs))
     if running.admin_url:
         log.info("admin API on %s", running.admin_url)
@@ -369,6 +404,8 @@ async def _serve(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         log.info("shutting down")
+        if sync is not None:
+            await sync.close()
         if picker is not None:
             await picker.close()
         await running.close()
