@@ -247,9 +247,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "subscribes to every engine's events itself (needs the replicas extra); default: off",
     )
     r.add_argument(
-        "--replica-namespace",
+        "--discovery",
+        default=None,
+        metavar="ETCD_URL",
+        help="also take workers from etcd (e.g. etcd://127.0.0.1:2379): engines register under "
+        "/kvplug/<namespace>/workers/<id> with a lease; a worker whose lease expires leaves "
+        "(needs the replicas extra); default: off",
+    )
+    r.add_argument(
+        "--fleet-namespace",
         default="default",
-        help="replicas of one fleet share a namespace (NATS subject kvplug.<namespace>.load)",
+        help="the replicas of one fleet share a namespace (NATS subject kvplug.<namespace>.load, "
+        "etcd prefix /kvplug/<namespace>/workers/)",
     )
     r.add_argument(
         "--replica-id",
@@ -378,7 +387,7 @@ async def _serve(args: argparse.Namespace) -> None:
         from kvplug.replica_sync import LoadSync
 
         sync = LoadSync(
-            router, args.replica_sync, namespace=args.replica_namespace, replica_id=args.replica_id
+            router, args.replica_sync, namespace=args.fleet_namespace, replica_id=args.replica_id
         )
         try:
             await sync.start()
@@ -388,6 +397,23 @@ async def _serve(args: argparse.Namespace) -> None:
         except Exception as exc:
             await running.close()
             raise ConfigError(f"--replica-sync: cannot reach {args.replica_sync}: {exc}") from None
+    discovery = None
+    if args.discovery:
+        from kvplug.etcd_discovery import EtcdDiscovery
+
+        discovery = EtcdDiscovery(
+            running.frontend.fleet,
+            args.discovery,
+            namespace=args.fleet_namespace,
+            default_engine=args.worker_engine,
+        )
+        try:
+            await discovery.start()
+        except (ImportError, ConnectionError, ConfigError) as exc:
+            if sync is not None:
+                await sync.close()
+            await running.close()
+            raise ConfigError(f"--discovery: {exc}") from None
     log.info("kvplug serving the OpenAI API on %s (%d workers)", running.url, len(specs))
     if running.admin_url:
         log.info("admin API on %s", running.admin_url)
@@ -404,6 +430,8 @@ async def _serve(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         log.info("shutting down")
+        if discovery is not None:
+            await discovery.close()
         if sync is not None:
             await sync.close()
         if picker is not None:
