@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -44,8 +45,18 @@ class ActiveRequest:
     deduplicated: bool = False
 
 
+class LoadListener(Protocol):
+    """Hears this router's own request lifecycle (router replicas share it: kvplug.replica_sync).
+    Requests folded in from other replicas are applied with ``notify=False`` and not heard."""
+
+    def added(self, request: ActiveRequest) -> None: ...
+    def first_token(self, request_id: str) -> None: ...
+    def finished(self, request_id: str) -> None: ...
+
+
 class LoadTracker:
     def __init__(self, block_size: int, predictor: PrefillPredictor | None = None) -> None:
+        self.listener: LoadListener | None = None
         self.block_size = block_size
         self.predictor = predictor
         self._cap = 0
@@ -106,6 +117,7 @@ class LoadTracker:
         track_output: bool,
         now: float,
         chain: tuple[np.ndarray, Walk] | None = None,
+        notify: bool = True,
     ) -> ActiveRequest:
         """Start tracking a request. ``chain`` = (its block hashes, their ``ActiveBlocks.walk``)
         deduplicates its prompt blocks by hash on the endpoint: ``decode_blocks`` then counts
@@ -146,13 +158,17 @@ class LoadTracker:
                     self._set_head(endpoint, r, now)
         else:
             r.prefill_done = True
+        if notify and self.listener is not None:
+            self.listener.added(r)
         return r
 
-    def first_token(self, request_id: str, now: float) -> bool:
+    def first_token(self, request_id: str, now: float, notify: bool = True) -> bool:
         r = self.requests.get(request_id)
         if r is None:
             self.counters["unknown_request_updates"] += 1
             return False
+        if notify and self.listener is not None and not r.prefill_done:
+            self.listener.first_token(request_id)
         self._release_prefill(r, now)
         return True
 
@@ -177,11 +193,13 @@ class LoadTracker:
         r.output_contrib = new
         return True
 
-    def finish(self, request_id: str, now: float = 0.0) -> bool:
+    def finish(self, request_id: str, now: float = 0.0, notify: bool = True) -> bool:
         r = self.requests.pop(request_id, None)
         if r is None:
             self.counters["unknown_request_updates"] += 1
             return False
+        if notify and self.listener is not None:
+            self.listener.finished(request_id)
         self._release_prefill(r, now)
         ep = r.endpoint
         if r.deduplicated:

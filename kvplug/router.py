@@ -207,6 +207,16 @@ class Router:
         self._base.clear()
         self._refresh_limits()
 
+    def endpoint_of(self, worker_id: str, dp_rank: int) -> int | None:
+        """The endpoint id of a worker's DP rank, or None if this router does not know it."""
+        st = self._workers.get(worker_id)
+        if st is None:
+            return None
+        for rank, ep in zip(st.worker.dp_ranks, st.endpoint_ids, strict=False):
+            if rank == dp_rank:
+                return ep
+        return None
+
     def drain_worker(self, worker_id: str) -> None:
         """No new requests; in-flight ones finish and release their load normally."""
         self._state(worker_id).draining = True
@@ -766,6 +776,9 @@ class Router:
         s["index"] = self.index.stats()
         if self._approx is not None:
             s["approx"] = self._approx.stats()
+        replica_stats = getattr(self.load.listener, "stats_dict", None)
+        if replica_stats is not None:  # replicas sharing load (kvplug.replica_sync)
+            s["replica_sync"] = replica_stats()
         return s
 
     # ---------------------------------------------------------------- internals

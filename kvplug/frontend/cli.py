@@ -221,6 +221,51 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a health probe may take (default 2)",
     )
 
+    g2 = parser.add_argument_group("gateway endpoint picker")
+    g2.add_argument(
+        "--epp-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve the Gateway API Inference Extension's endpoint-picker protocol "
+        "(Envoy ext_proc over gRPC, with gRPC health) on this port, so Envoy, kgateway, Istio "
+        "or llm-d can use kvplug as their picker (needs the gateway extra); default: off",
+    )
+    g2.add_argument(
+        "--epp-host",
+        default="127.0.0.1",
+        help="address of the endpoint picker (default 127.0.0.1)",
+    )
+
+    r = parser.add_argument_group("router replicas")
+    r.add_argument(
+        "--replica-sync",
+        default=None,
+        metavar="NATS_URL",
+        help="share in-flight load with the other kvplug replicas over NATS "
+        "(e.g. nats://127.0.0.1:4222), so replicas do not herd onto one worker; every replica "
+        "subscribes to every engine's events itself (needs the replicas extra); default: off",
+    )
+    r.add_argument(
+        "--discovery",
+        default=None,
+        metavar="ETCD_URL",
+        help="also take workers from etcd (e.g. etcd://127.0.0.1:2379): engines register under "
+        "/kvplug/<namespace>/workers/<id> with a lease; a worker whose lease expires leaves "
+        "(needs the replicas extra); default: off",
+    )
+    r.add_argument(
+        "--fleet-namespace",
+        default="default",
+        help="the replicas of one fleet share a namespace (NATS subject kvplug.<namespace>.load, "
+        "etcd prefix /kvplug/<namespace>/workers/)",
+    )
+    r.add_argument(
+        "--replica-id",
+        default=None,
+        help="this replica's name on the wire (default: random)",
+    )
+
     k = parser.add_argument_group("API keys")
     k.add_argument(
         "--api-key",
@@ -325,6 +370,50 @@ async def _serve(args: argparse.Namespace) -> None:
         default_engine=args.worker_engine,
     )
     log = logging.getLogger("kvplug.serve")
+    picker = None
+    if args.epp_port is not None:
+        try:
+            from kvplug.frontend.epp import start_endpoint_picker
+
+            picker = await start_endpoint_picker(running.frontend, args.epp_host, args.epp_port)
+        except ImportError as exc:
+            await running.close()
+            raise ConfigError(f"--epp-port: {exc}") from None
+        except BaseException:
+            await running.close()
+            raise
+    sync = None
+    if args.replica_sync:
+        from kvplug.replica_sync import LoadSync
+
+        sync = LoadSync(
+            router, args.replica_sync, namespace=args.fleet_namespace, replica_id=args.replica_id
+        )
+        try:
+            await sync.start()
+        except ImportError as exc:
+            await running.close()
+            raise ConfigError(f"--replica-sync needs the replicas extra: {exc}") from None
+        except Exception as exc:
+            await running.close()
+            raise ConfigError(f"--replica-sync: cannot reach {args.replica_sync}: {exc}") from None
+    discovery = None
+    if args.discovery:
+        from kvplug.etcd_discovery import EtcdDiscovery
+
+        discovery = EtcdDiscovery(
+            running.frontend.fleet,
+            args.discovery,
+            namespace=args.fleet_namespace,
+            default_engine=args.worker_engine,
+        )
+        try:
+            await discovery.start()
+        except (ImportError, ConnectionError, ConfigError) as exc:
+            if sync is not None:
+                await sync.close()
+            await running.close()
+            raise ConfigError(f"--discovery: {exc}") from None
     log.info("kvplug serving the OpenAI API on %s (%d workers)", running.url, len(specs))
     if running.admin_url:
         log.info("admin API on %s", running.admin_url)
@@ -341,6 +430,12 @@ async def _serve(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         log.info("shutting down")
+        if discovery is not None:
+            await discovery.close()
+        if sync is not None:
+            await sync.close()
+        if picker is not None:
+            await picker.close()
         await running.close()
 
 

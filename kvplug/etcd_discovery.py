@@ -1,0 +1,239 @@
+"""Workers discovered through etcd: engines register with a lease, router replicas watch.
+
+An engine (or the kvplug plugin running beside it) writes its worker spec - the same mapping
+the workers YAML and the admin API take - as JSON under ``/kvplug/<namespace>/workers/<id>``,
+attached to a lease it keeps alive. Every ``kvplug serve --discovery etcd://...`` replica reads
+the prefix, adds those workers, and watches it from the next revision on: a put adds or
+updates a worker, a delete removes it. When an engine dies its lease expires, etcd deletes the
+key, and the worker leaves every replica at once. Workers given on the command line or through
+the admin API are never touched by discovery.
+
+Client: ``aetcd`` (asyncio over etcd's v3 gRPC API), the ``replicas`` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvplug.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def workers_prefix(namespace: str) -> str:
+    return f"/kvplug/{namespace}/workers/"
+
+
+def parse_etcd_url(url: str) -> tuple[str, int]:
+    """``etcd://host:port`` (or http://) -> (host, port); ``ConfigError`` otherwise."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("etcd", "http") or not parts.hostname:
+        raise ConfigError(f"discovery URL {url!r}: expected etcd://HOST:PORT")
+    try:
+        port = parts.port or 2379
+    except ValueError:
+        raise ConfigError(f"discovery URL {url!r}: bad port") from None
+    return parts.hostname, port
+
+
+async def _client(url: str, timeout: float) -> Any:
+    import aetcd  # the replicas extra
+
+    host, port = parse_etcd_url(url)
+    client = aetcd.Client(host=host, port=port, timeout=int(max(timeout, 1)))
+    try:
+        await asyncio.wait_for(client.connect(), timeout)
+        await asyncio.wait_for(client.status(), timeout)  # proves the server answers
+    except Exception as exc:
+        await client.close()
+        raise ConnectionError(f"no etcd server answered at {url}: {exc}") from None
+    return client
+
+
+class EtcdRegistration:
+    """The engine side: keep ``spec`` registered under a lease for as long as this runs."""
+
+    def __init__(
+        self, url: str, spec: dict[str, Any], *, namespace: str = "default", ttl: int = 10
+    ) -> None:
+        worker_id = spec.get("id") or spec.get("worker_id")
+        if not isinstance(worker_id, str) or not worker_id:
+            raise ConfigError("an etcd registration needs the worker's 'id'")
+        self.url = url
+        self.spec = spec
+        self.key = (workers_prefix(namespace) + worker_id).encode()
+        self.ttl = ttl
+        self._client: Any = None
+        self._lease: Any = None
+        self._keepalive: asyncio.Task | None = None
+
+    async def start(self, timeout: float = 5.0) -> None:
+        self._client = await _client(self.url, timeout)
+        self._lease = await self._client.lease(self.ttl)
+        await self._client.put(self.key, json.dumps(self.spec).encode(), lease=self._lease)
+        self._keepalive = asyncio.create_task(self._refresh(), name="kvplug-etcd-keepalive")
+        log.info("registered %s in etcd (lease %d s)", self.key.decode(), self.ttl)
+
+    async def _refresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                await self._lease.refresh()
+            except Exception as exc:  # etcd away: the key expires unless it comes back in time
+                log.warning("etcd lease refresh failed: %s", exc)
+
+    async def close(self, revoke: bool = True) -> None:
+        """Deregister (``revoke``) or just stop refreshing (the lease then expires)."""
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            try:
+                await self._keepalive
+            except asyncio.CancelledError:
+                pass
+        if self._client is not None:
+            if revoke and self._lease is not None:
+                try:
+                    await self._lease.revoke()
+                except Exception as exc:
+                    log.warning("etcd lease revoke failed: %s", exc)
+            await self._client.close()
+            self._client = None
+
+
+@dataclass
+class DiscoveryStats:
+    added: int = 0
+    updated: int = 0
+    removed: int = 0
+    invalid: int = 0  # values that are not a valid worker spec: counted, logged, skipped
+    watch_restarts: int = 0
+
+
+class EtcdDiscovery:
+    """The router side: mirror the registered workers into a ``Fleet``."""
+
+    def __init__(
+        self,
+        fleet: Any,
+        url: str,
+        *,
+        namespace: str = "default",
+        default_engine: str = "vllm",
+        timeout: float = 5.0,
+    ) -> None:
+        self.fleet = fleet
+        self.url = url
+        self.prefix = workers_prefix(namespace).encode()
+        self.default_engine = default_engine
+        self.timeout = timeout
+        self.stats = DiscoveryStats()
+        self.synced = asyncio.Event()  # the first full read is applied
+        self._mine: dict[str, str] = {}  # worker id -> the JSON it was added from
+        self._client: Any = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._client = await _client(self.url, self.timeout)
+        revision = await self._read_all()
+        self.synced.set()
+        self._task = asyncio.create_task(self._watch(revision), name="kvplug-etcd-watch")
+        log.info("discovery: %d workers from %s%s", len(self._mine), self.url, self.prefix.decode())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def _read_all(self) -> int:
+        got = await self._client.get_prefix(self.prefix)
+        seen = set()
+        for kv in got:
+            worker_id = self._worker_id(kv.key)
+            seen.add(worker_id)
+            await self._put(worker_id, kv.value)
+        for worker_id in set(self._mine) - seen:  # deleted while we were not watching
+            await self._delete(worker_id)
+        return int(got.header.revision)
+
+    async def _watch(self, revision: int) -> None:
+        while True:
+            try:
+                watch = await self._client.watch_prefix(self.prefix, start_revision=revision + 1)
+                async for event in watch:
+                    revision = max(revision, int(event.kv.mod_revision))
+                    worker_id = self._worker_id(event.kv.key)
+                    if event.kind == "PUT":
+                        await self._put(worker_id, event.kv.value)
+                    else:
+                        await self._delete(worker_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # compaction, etcd restart: re-read, then watch again
+                self.stats.watch_restarts += 1
+                log.warning("discovery: watch of %s ended (%s); re-reading", self.url, exc)
+                await asyncio.sleep(1.0)
+                try:
+                    revision = await self._read_all()
+                except Exception as exc2:
+                    log.warning("discovery: re-read failed: %s", exc2)
+
+    def _worker_id(self, key: bytes) -> str:
+        return key[len(self.prefix) :].decode("utf-8", "replace")
+
+    async def _put(self, worker_id: str, value: bytes) -> None:
+        from kvplug.frontend.config import spec_from_mapping
+
+        text = value.decode("utf-8", "replace")
+        if self._mine.get(worker_id) == text:
+            return  # a lease refresh or an identical re-registration
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict):
+                raise ConfigError("not a JSON object")
+            data.setdefault("id", worker_id)
+            if data["id"] != worker_id:
+                raise ConfigError(f"its id {data['id']!r} is not its key's")
+            spec = spec_from_mapping(data, f"etcd worker {worker_id}", self.default_engine)
+        except (ValueError, ConfigError) as exc:
+            self.stats.invalid += 1
+            log.warning("discovery: skipped worker %r: %s", worker_id, exc)
+            return
+        if worker_id in self.fleet.workers and worker_id not in self._mine:
+            self.stats.invalid += 1
+            log.warning(
+                "discovery: %r is already configured statically; etcd entry ignored", worker_id
+            )
+            return
+        if worker_id in self._mine:  # changed: re-add with the new spec
+            await self.fleet.remove(worker_id)
+            self.stats.updated += 1
+        else:
+            self.stats.added += 1
+        try:
+            await self.fleet.add(spec)
+        except ConfigError as exc:
+            self.stats.invalid += 1
+            self._mine.pop(worker_id, None)
+            log.warning("discovery: could not add %r: %s", worker_id, exc)
+            return
+        self._mine[worker_id] = text
+        log.info("discovery: worker %s (%s) joined", worker_id, spec.url)
+
+    async def _delete(self, worker_id: str) -> None:
+        if self._mine.pop(worker_id, None) is None:
+            return
+        if worker_id in self.fleet.workers:
+            await self.fleet.remove(worker_id)
+        self.stats.removed += 1
+        log.info("discovery: worker %s left (lease expired or deregistered)", worker_id)

@@ -1,0 +1,307 @@
+"""In-flight load shared between router replicas over NATS, so replicas do not herd.
+
+Every replica subscribes to every engine's KV events, so their prefix indexes converge on their
+own; what a replica cannot see is the requests *other* replicas have just sent. Without that, N
+replicas that each see an idle worker all send to it. As Dynamo's router replicas do, each
+replica publishes its own requests' lifecycle (added / first token / finished) on one NATS
+subject, and folds every other replica's into its load tracker as if it had routed them.
+
+Wire (JSON on ``kvplug.<namespace>.load``, one message per batch, sent at most every
+``flush_s``): ``{"replica": id, "seq": n, "events": [[kind, request_id, ...], ...]}`` with kind
+``"a"`` (added: worker id, DP rank, prompt tokens, uncached prefill tokens, decode blocks,
+expected output length), ``"t"`` (first token), ``"f"`` (finished), and ``"bye"`` when a replica
+stops. A batch with no events is a heartbeat (every ``heartbeat_s``). A replica silent for
+``expiry_s`` is presumed dead and its requests are released, so a killed replica's load does not
+stay on its workers forever.
+
+What is approximate, on purpose: a remote request's prompt blocks are counted in full on the
+worker (this replica does not know their hashes, so it cannot deduplicate them against its own
+in-flight prompts), and output-block growth is not shared. Both overstate a busy worker's load
+slightly, which errs toward spreading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvplug.load import ActiveRequest
+
+log = logging.getLogger(__name__)
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+
+@dataclass
+class SyncStats:
+    published_batches: int = 0
+    published_events: int = 0
+    received_batches: int = 0
+    applied_events: int = 0
+    dropped_unknown_worker: int = 0  # a peer routed to a worker this replica does not know
+    dropped_malformed: int = 0
+    expired_peers: int = 0
+    peers: dict[str, float] = field(default_factory=dict)  # peer id -> last heard (monotonic)
+
+
+class LoadSync:
+    """Publishes this router's request lifecycle and folds in its peers'."""
+
+    def __init__(
+        self,
+        router: Any,
+        nats_url: str,
+        *,
+        namespace: str = "default",
+        replica_id: str | None = None,
+        flush_s: float = 0.001,
+        heartbeat_s: float = 1.0,
+        expiry_s: float = 5.0,
+        connect_timeout: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.router = router
+        self.nats_url = nats_url
+        self.subject = f"kvplug.{namespace}.load"
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self.flush_s = flush_s
+        self.heartbeat_s = heartbeat_s
+        self.expiry_s = expiry_s
+        self.connect_timeout = connect_timeout
+        self.clock = clock
+        self.stats = SyncStats()
+        self._outbox: list[list[Any]] = []
+        self._wake = asyncio.Event()
+        self._remote: dict[str, set[str]] = {}  # peer -> its request ids held here (prefixed)
+        self._seq = 0
+        self._nc: Any = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        import nats  # the replicas extra
+
+        async def error(exc: Exception) -> None:  # one line, not nats-py's traceback
+            log.warning("load sync: NATS %s: %s", self.nats_url, exc or type(exc).__name__)
+
+        async def disconnected() -> None:
+            log.warning("load sync: disconnected from %s; reconnecting", self.nats_url)
+
+        async def reconnected() -> None:
+            log.info("load sync: reconnected to %s", self.nats_url)
+
+        # nats-py retries a first connection forever; a replica that cannot reach NATS at start
+        # should say so and stop, and only reconnect forever once it has been connected.
+        try:
+            self._nc = await asyncio.wait_for(
+                nats.connect(
+                    servers=[self.nats_url],
+                    name=f"kvplug-{self.replica_id}",
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    connect_timeout=2,
+                    error_cb=error,
+                    disconnected_cb=disconnected,
+                    reconnected_cb=reconnected,
+                ),
+                timeout=self.connect_timeout,
+            )
+        except (asyncio.TimeoutError, OSError) as exc:
+            raise ConnectionError(
+                f"no NATS server answered at {self.nats_url} within {self.connect_timeout:g} s"
+            ) from exc
+        await self._nc.subscribe(self.subject, cb=self._on_message)
+        self.router.load.listener = self
+        self._tasks = [
+            asyncio.create_task(self._flusher(), name="kvplug-load-sync-flush"),
+            asyncio.create_task(self._heartbeats(), name="kvplug-load-sync-heartbeat"),
+        ]
+        log.info("replica %s shares load on %s at %s", self.replica_id, self.subject, self.nats_url)
+
+    async def close(self, say_bye: bool = True) -> None:
+        """Stop; with ``say_bye`` peers release this replica's requests at once."""
+        if self.router.load.listener is self:
+            self.router.load.listener = None
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if self._nc is not None:
+            if say_bye and self._nc.is_connected:
+                await self._publish([["bye"]])
+                await self._nc.flush(timeout=2)
+            await self._nc.close()
+            self._nc = None
+
+    # -- this replica's requests (LoadListener) ----------------------------------------------
+    def added(self, r: ActiveRequest) -> None:
+        worker = self.router.ep_worker[r.endpoint]
+        if worker is None:
+            return
+        blocks = r.decode_blocks
+        if r.deduplicated:  # the hashed chain lives in this replica's trie: send it in full
+            blocks += r.prompt_tokens // self.router.load.block_size
+        self._queue(
+            [
+                "a",
+                r.request_id,
+                worker,
+                int(self.router.ep_rank[r.endpoint]),
+                r.prompt_tokens,
+                r.prefill_tokens,
+                blocks,
+                r.expected_osl,
+            ]
+        )
+
+    def first_token(self, request_id: str) -> None:
+        self._queue(["t", request_id])
+
+    def finished(self, request_id: str) -> None:
+        self._queue(["f", request_id])
+
+    def _queue(self, event: list[Any]) -> None:
+        self._outbox.append(event)
+        self._wake.set()
+
+    # -- publishing ----------------------------------------------------------------------------
+    async def _publish(self, events: list[list[Any]]) -> None:
+        self._seq += 1
+        payload = _encode({"replica": self.replica_id, "seq": self._seq, "events": events})
+        await self._nc.publish(self.subject, payload)
+        self.stats.published_batches += 1
+        self.stats.published_events += len(events)
+
+    async def _flusher(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.flush_s:
+                await asyncio.sleep(self.flush_s)  # let a burst of decisions share one message
+            events, self._outbox = self._outbox, []
+            if events:
+                try:
+                    await self._publish(events)
+                except Exception as exc:  # NATS down: peers will expire our requests
+                    log.warning("load sync: publish failed (%s); %d events lost", exc, len(events))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self._publish([])
+            except Exception as exc:
+                log.debug("load sync: heartbeat failed: %s", exc)
+            self.expire_silent_peers()
+
+    # -- peers' requests -------------------------------------------------------------------------
+    async def _on_message(self, msg: Any) -> None:
+        self.apply_batch(msg.data)
+
+    def apply_batch(self, data: bytes) -> None:
+        """Fold one peer batch into the load tracker; malformed input is counted, never raised."""
+        try:
+            batch = _decode(data)
+            peer = batch["replica"]
+            events = batch["events"]
+            if not isinstance(peer, str) or not isinstance(events, list):
+                raise TypeError("bad batch shape")
+        except Exception:
+            self.stats.dropped_malformed += 1
+            return
+        if peer == self.replica_id:
+            return
+        self.stats.received_batches += 1
+        self.stats.peers[peer] = self.clock()
+        held = self._remote.setdefault(peer, set())
+        for event in events:
+            try:
+                self._apply(peer, held, event)
+            except Exception:
+                self.stats.dropped_malformed += 1
+
+    def _apply(self, peer: str, held: set[str], event: list[Any]) -> None:
+        load = self.router.load
+        kind = event[0]
+        if kind == "bye":
+            self._release_peer(peer)
+            return
+        rid = f"{peer}/{event[1]}"
+        now = self.clock()
+        if kind == "a":
+            _, _, worker, rank, prompt_tokens, prefill_tokens, blocks, osl = event
+            ep = self.router.endpoint_of(str(worker), int(rank))
+            if ep is None:
+                self.stats.dropped_unknown_worker += 1
+                return
+            prompt_tokens = int(prompt_tokens)
+            load.add(
+                rid,
+                ep,
+                prompt_tokens,
+                max(prompt_tokens - int(prefill_tokens), 0),
+                track_prefill=True,
+                track_decode=True,
+                decode_blocks=float(blocks),
+                expected_osl=None if osl is None else int(osl),
+                track_output=False,
+                now=now,
+                notify=False,
+            )
+            held.add(rid)
+        elif kind == "t":
+            load.first_token(rid, now, notify=False)
+        elif kind == "f":
+            if rid in held:
+                held.discard(rid)
+                load.finish(rid, now, notify=False)
+        else:
+            raise ValueError(f"unknown event kind {kind!r}")
+        self.stats.applied_events += 1
+
+    def _release_peer(self, peer: str) -> None:
+        now = self.clock()
+        for rid in self._remote.pop(peer, set()):
+            self.router.load.finish(rid, now, notify=False)
+        self.stats.peers.pop(peer, None)
+
+    def expire_silent_peers(self) -> list[str]:
+        """Release the requests of peers not heard from for ``expiry_s`` (crashed replicas)."""
+        cutoff = self.clock() - self.expiry_s
+        gone = [p for p, seen in self.stats.peers.items() if seen < cutoff]
+        for peer in gone:
+            log.warning(
+                "load sync: replica %s silent for %.1f s: its load released", peer, self.expiry_s
+            )
+            self._release_peer(peer)
+            self.stats.expired_peers += 1
+        return gone
+
+    def remote_inflight(self) -> int:
+        return sum(len(ids) for ids in self._remote.values())
+
+    def stats_dict(self) -> dict[str, int]:
+        """Counters for Router.stats() (so /metrics shows drops: kvplug_router_stat)."""
+        st = self.stats
+        return {
+            "published_batches": st.published_batches,
+            "published_events": st.published_events,
+            "received_batches": st.received_batches,
+            "applied_events": st.applied_events,
+            "dropped_unknown_worker": st.dropped_unknown_worker,
+            "dropped_malformed": st.dropped_malformed,
+            "expired_peers": st.expired_peers,
+            "peers": len(st.peers),
+            "remote_inflight": self.remote_inflight(),
+        }

@@ -1,0 +1,147 @@
+"""Workers joining and leaving through a real etcd server (kvplug.etcd_discovery), seen by a
+running frontend: registration with a lease, watch, lease expiry, deregistration, bad values."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+
+import pytest
+from test_frontend_harness import MODEL, prompt, serving
+
+from kvplug.errors import ConfigError
+from kvplug.etcd_discovery import (
+    EtcdDiscovery,
+    EtcdRegistration,
+    parse_etcd_url,
+    workers_prefix,
+)
+from kvplug.frontend.stub_engine import StubEngine, publish
+from kvplug.testing import free_ports
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def etcd_url(tmp_path):
+    binary = shutil.which("etcd")
+    if binary is None:  # CI installs it (.ci/run); a skip there fails the run
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    client, peer = free_ports(2)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--data-dir",
+            str(tmp_path / "etcd"),
+            "--listen-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--advertise-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"default=http://127.0.0.1:{peer}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield f"etcd://127.0.0.1:{client}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def _until(cond, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def _started(obj, attempts: int = 60) -> None:
+    for _ in range(attempts):  # etcd takes a moment to serve after its process starts
+        try:
+            return await obj.start()
+        except ConnectionError:
+            await asyncio.sleep(0.2)
+    await obj.start()
+
+
+async def test_workers_join_and_leave_through_etcd(etcd_url):
+    async with serving(1) as h:  # w0 is static: discovery must never touch it
+        engine = StubEngine("e1", block_size=16, model=MODEL)
+        await engine.start()
+        publish(engine)
+        discovery = EtcdDiscovery(h.frontend.fleet, etcd_url, namespace="t", default_engine="stub")
+        reg = EtcdRegistration(
+            etcd_url, {"id": "e1", "url": engine.url, "engine": "stub"}, namespace="t", ttl=2
+        )
+        try:
+            await _started(reg)  # registered before the router starts: found by the first read
+            await _started(discovery)
+            assert "e1" in h.frontend.fleet.workers and discovery.stats.added == 1
+            resp, _ = await h.complete(prompt(2, 1), headers={"x-kvplug-worker": "e1"})
+            assert resp.status == 200 and resp.headers["x-kvplug-worker"] == "e1"
+            # the engine dies: no more keep-alives, the lease expires, the worker leaves
+            await reg.close(revoke=False)
+            await _until(lambda: "e1" not in h.frontend.fleet.workers)
+            assert discovery.stats.removed == 1 and "w0" in h.frontend.fleet.workers
+            # it comes back (registered while the router watches), then deregisters cleanly
+            reg = EtcdRegistration(
+                etcd_url, {"id": "e1", "url": engine.url, "engine": "stub"}, namespace="t"
+            )
+            await reg.start()
+            await _until(lambda: "e1" in h.frontend.fleet.workers)
+            await reg.close()
+            await _until(lambda: "e1" not in h.frontend.fleet.workers)
+            assert discovery.stats.added == 2 and discovery.stats.removed == 2
+            h.assert_idle()
+        finally:
+            await reg.close()
+            await discovery.close()
+            await engine.stop()
+
+
+async def test_bad_entries_are_counted_and_static_workers_kept(etcd_url):
+    import aetcd
+
+    async with serving(1) as h:
+        discovery = EtcdDiscovery(h.frontend.fleet, etcd_url, namespace="t", default_engine="stub")
+        await _started(discovery)
+        host, port = parse_etcd_url(etcd_url)
+        client = aetcd.Client(host=host, port=port)
+        await client.connect()
+        try:
+            prefix = workers_prefix("t")
+            bad = {
+                "junk": b"\xff not json",
+                "list": b"[1, 2]",
+                "nourl": json.dumps({"engine": "stub"}).encode(),
+                "wrongid": json.dumps({"id": "other", "url": "http://127.0.0.1:1"}).encode(),
+                "w0": json.dumps({"url": "http://127.0.0.1:1", "engine": "stub"}).encode(),
+            }
+            for name, value in bad.items():
+                await client.put((prefix + name).encode(), value)
+            await _until(lambda: discovery.stats.invalid == len(bad))
+            assert set(h.frontend.fleet.workers) == {"w0"}  # static w0 untouched
+            await client.delete((prefix + "w0").encode())
+            await asyncio.sleep(0.3)
+            assert "w0" in h.frontend.fleet.workers
+            resp, _ = await h.complete(prompt(1, 2))
+            assert resp.status == 200
+        finally:
+            await client.close()
+            await discovery.close()
+
+
+def test_discovery_urls():
+    assert parse_etcd_url("etcd://10.0.0.1:2379") == ("10.0.0.1", 2379)
+    assert parse_etcd_url("etcd://etcd") == ("etcd", 2379)
+    for bad in ("nats://x:1", "etcd://", "etcd://h:99999"):
+        with pytest.raises(ConfigError):
+            parse_etcd_url(bad)
