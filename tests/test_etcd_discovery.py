@@ -1,4 +1,4 @@
-"""Workers joining and leaving through a real etcd server (kvplug.etcd_discovery), seen by a
+"""Workers joining and leaving through a real etcd server (kvplug.discovery.etcd), seen by a
 running frontend: registration with a lease, watch, lease expiry, deregistration, bad values."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import subprocess
 import pytest
 from test_frontend_harness import MODEL, prompt, serving
 
-from kvplug.errors import ConfigError
-from kvplug.etcd_discovery import (
+from kvplug.discovery.etcd import (
     EtcdDiscovery,
     EtcdRegistration,
     parse_etcd_url,
     workers_prefix,
 )
+from kvplug.errors import ConfigError
 from kvplug.frontend.stub_engine import StubEngine, publish
 from kvplug.testing import free_ports
 

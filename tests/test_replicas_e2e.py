@@ -25,7 +25,7 @@ import pytest
 from test_etcd_discovery import etcd_url  # noqa: F401 - fixture
 from test_replica_sync import nats_url  # noqa: F401 - fixture
 
-from kvplug.etcd_discovery import EtcdRegistration
+from kvplug.discovery.etcd import EtcdRegistration
 from kvplug.testing import free_port, free_port_run, serve_command, stop_process, wait_ready
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]

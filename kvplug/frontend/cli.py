@@ -250,9 +250,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--discovery",
         default=None,
         metavar="ETCD_URL",
-        help="also take workers from etcd (e.g. etcd://127.0.0.1:2379): engines register under "
-        "/kvplug/<namespace>/workers/<id> with a lease; a worker whose lease expires leaves "
-        "(needs the replicas extra); default: off",
+        help="also take workers from etcd (etcd://HOST:2379: engines register under "
+        "/kvplug/<namespace>/workers/<id> with a lease; a worker whose lease expires leaves; "
+        "needs the replicas extra) or from a Kubernetes Service's EndpointSlices "
+        "(kubernetes://NAMESPACE/SERVICE[?port=NAME&engine=KIND], in-cluster credentials); "
+        "default: off",
     )
     r.add_argument(
         "--fleet-namespace",
@@ -399,17 +401,10 @@ async def _serve(args: argparse.Namespace) -> None:
             raise ConfigError(f"--replica-sync: cannot reach {args.replica_sync}: {exc}") from None
     discovery = None
     if args.discovery:
-        from kvplug.etcd_discovery import EtcdDiscovery
-
-        discovery = EtcdDiscovery(
-            running.frontend.fleet,
-            args.discovery,
-            namespace=args.fleet_namespace,
-            default_engine=args.worker_engine,
-        )
         try:
+            discovery = _discovery(args, running.frontend.fleet)
             await discovery.start()
-        except (ImportError, ConnectionError, ConfigError) as exc:
+        except (ImportError, ConnectionError, ConfigError, OSError) as exc:
             if sync is not None:
                 await sync.close()
             await running.close()
@@ -437,6 +432,19 @@ async def _serve(args: argparse.Namespace) -> None:
         if picker is not None:
             await picker.close()
         await running.close()
+
+
+def _discovery(args: argparse.Namespace, fleet):
+    """etcd://HOST:PORT or kubernetes://NAMESPACE/SERVICE (kvplug.discovery)."""
+    if args.discovery.startswith(("kubernetes://", "k8s://")):
+        from kvplug.discovery.kubernetes import KubernetesDiscovery
+
+        return KubernetesDiscovery.from_url(fleet, args.discovery, args.worker_engine)
+    from kvplug.discovery.etcd import EtcdDiscovery
+
+    return EtcdDiscovery(
+        fleet, args.discovery, namespace=args.fleet_namespace, default_engine=args.worker_engine
+    )
 
 
 def _run_loop(coro, choice: str) -> None:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvplug.discovery.mirror import FleetMirror
 from kvplug.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -105,15 +105,6 @@ class EtcdRegistration:
             self._client = None
 
 
-@dataclass
-class DiscoveryStats:
-    added: int = 0
-    updated: int = 0
-    removed: int = 0
-    invalid: int = 0  # values that are not a valid worker spec: counted, logged, skipped
-    watch_restarts: int = 0
-
-
 class EtcdDiscovery:
     """The router side: mirror the registered workers into a ``Fleet``."""
 
@@ -126,14 +117,12 @@ class EtcdDiscovery:
         default_engine: str = "vllm",
         timeout: float = 5.0,
     ) -> None:
-        self.fleet = fleet
+        self.mirror = FleetMirror(fleet, "etcd", default_engine)
+        self.stats = self.mirror.stats
         self.url = url
         self.prefix = workers_prefix(namespace).encode()
-        self.default_engine = default_engine
         self.timeout = timeout
-        self.stats = DiscoveryStats()
         self.synced = asyncio.Event()  # the first full read is applied
-        self._mine: dict[str, str] = {}  # worker id -> the JSON it was added from
         self._client: Any = None
         self._task: asyncio.Task | None = None
 
@@ -142,7 +131,12 @@ class EtcdDiscovery:
         revision = await self._read_all()
         self.synced.set()
         self._task = asyncio.create_task(self._watch(revision), name="kvplug-etcd-watch")
-        log.info("discovery: %d workers from %s%s", len(self._mine), self.url, self.prefix.decode())
+        log.info(
+            "discovery: %d workers from %s%s",
+            len(self.mirror.workers),
+            self.url,
+            self.prefix.decode(),
+        )
 
     async def close(self) -> None:
         if self._task is not None:
@@ -157,13 +151,12 @@ class EtcdDiscovery:
 
     async def _read_all(self) -> int:
         got = await self._client.get_prefix(self.prefix)
-        seen = set()
+        wanted = {}
         for kv in got:
             worker_id = self._worker_id(kv.key)
-            seen.add(worker_id)
-            await self._put(worker_id, kv.value)
-        for worker_id in set(self._mine) - seen:  # deleted while we were not watching
-            await self._delete(worker_id)
+            wanted[worker_id] = (self._decode(worker_id, kv.value), False)
+        # also removes workers deleted while nobody watched
+        await self.mirror.replace_all({w: v for w, v in wanted.items() if v[0] is not None})
         return int(got.header.revision)
 
     async def _watch(self, revision: int) -> None:
@@ -174,9 +167,11 @@ class EtcdDiscovery:
                     revision = max(revision, int(event.kv.mod_revision))
                     worker_id = self._worker_id(event.kv.key)
                     if event.kind == "PUT":
-                        await self._put(worker_id, event.kv.value)
+                        mapping = self._decode(worker_id, event.kv.value)
+                        if mapping is not None:
+                            await self.mirror.put(worker_id, mapping)
                     else:
-                        await self._delete(worker_id)
+                        await self.mirror.delete(worker_id)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # compaction, etcd restart: re-read, then watch again
@@ -191,49 +186,9 @@ class EtcdDiscovery:
     def _worker_id(self, key: bytes) -> str:
         return key[len(self.prefix) :].decode("utf-8", "replace")
 
-    async def _put(self, worker_id: str, value: bytes) -> None:
-        from kvplug.frontend.config import spec_from_mapping
-
-        text = value.decode("utf-8", "replace")
-        if self._mine.get(worker_id) == text:
-            return  # a lease refresh or an identical re-registration
+    def _decode(self, worker_id: str, value: bytes) -> Any:
         try:
-            data = json.loads(text)
-            if not isinstance(data, dict):
-                raise ConfigError("not a JSON object")
-            data.setdefault("id", worker_id)
-            if data["id"] != worker_id:
-                raise ConfigError(f"its id {data['id']!r} is not its key's")
-            spec = spec_from_mapping(data, f"etcd worker {worker_id}", self.default_engine)
-        except (ValueError, ConfigError) as exc:
-            self.stats.invalid += 1
-            log.warning("discovery: skipped worker %r: %s", worker_id, exc)
-            return
-        if worker_id in self.fleet.workers and worker_id not in self._mine:
-            self.stats.invalid += 1
-            log.warning(
-                "discovery: %r is already configured statically; etcd entry ignored", worker_id
-            )
-            return
-        if worker_id in self._mine:  # changed: re-add with the new spec
-            await self.fleet.remove(worker_id)
-            self.stats.updated += 1
-        else:
-            self.stats.added += 1
-        try:
-            await self.fleet.add(spec)
-        except ConfigError as exc:
-            self.stats.invalid += 1
-            self._mine.pop(worker_id, None)
-            log.warning("discovery: could not add %r: %s", worker_id, exc)
-            return
-        self._mine[worker_id] = text
-        log.info("discovery: worker %s (%s) joined", worker_id, spec.url)
-
-    async def _delete(self, worker_id: str) -> None:
-        if self._mine.pop(worker_id, None) is None:
-            return
-        if worker_id in self.fleet.workers:
-            await self.fleet.remove(worker_id)
-        self.stats.removed += 1
-        log.info("discovery: worker %s left (lease expired or deregistered)", worker_id)
+            return json.loads(value.decode("utf-8"))
+        except ValueError as exc:
+            self.mirror._invalid(worker_id, f"not JSON: {exc}")
+            return None
