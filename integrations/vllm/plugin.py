@@ -57,6 +57,11 @@ LABELS_ENV = "KVPLUG_WORKER_LABELS"
 OWNER_ENV = "KVPLUG_VLLM_PLUGIN_PID"  # the one process that registers; children inherit it
 
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+_HINTS = {
+    401: f": is {TOKEN_ENV} kvplug serve's --admin-token?",
+    404: f": is {ROUTER_URL_ENV} kvplug serve's admin API (--admin-port, default --port + 1)?",
+    405: f": is {ROUTER_URL_ENV} kvplug serve's admin API (--admin-port, default --port + 1)?",
+}
 
 _registrar: Registrar | None = None
 
@@ -315,7 +320,8 @@ def worker_entry(
     worker_id: str | None, url: str, args: ServeArgs, view: EngineView, labels: dict[str, str]
 ) -> dict[str, Any]:
     """The admin API body (``POST /admin/workers``) for this engine."""
-    entry: dict[str, Any] = {"engine": "vllm", "url": url, "role": ROLES.get(args.kv_role, "both")}
+    role = ROLES.get(args.kv_role or "", "both")
+    entry: dict[str, Any] = {"engine": "vllm", "url": url, "role": role}
     if worker_id:
         entry["id"] = worker_id
     labels = dict(labels)
@@ -458,9 +464,10 @@ class Registrar:
                     continue
                 if e.status < 500:
                     log.error(
-                        "kvplug refused the registration of %s (%s); not retrying",
+                        "kvplug refused the registration of %s (%s)%s; not retrying",
                         self.entry["url"],
                         e,
+                        _HINTS.get(e.status, ""),
                     )
                     return False
                 err: Exception = e
