@@ -277,13 +277,17 @@ async def test_a_wrong_url_or_token_says_which(caplog):
         assert await admin_workers(running) == {}
 
 
-async def test_a_stale_worker_of_the_same_id_is_replaced(monkeypatch):
-    monkeypatch.setenv(WORKER_ID_ENV, "engine-a")
+@pytest.mark.parametrize("named", [True, False])
+async def test_a_stale_worker_of_the_same_id_is_replaced(monkeypatch, named):
+    """A restarted engine finds its old entry (same KVPLUG_WORKER_ID, or the same host:port)."""
     async with kvplug_serve() as running, sim_engine() as old, sim_engine() as sim:
+        if named:
+            monkeypatch.setenv(WORKER_ID_ENV, "engine-a")
+        stale = "engine-a" if named else f"127.0.0.1:{sim.port}"
         async with aiohttp.ClientSession() as s:
             async with s.post(
                 running.admin_url + "/admin/workers",
-                json={"id": "engine-a", "url": f"http://127.0.0.1:{old.port}"},
+                json={"id": stale, "url": f"http://127.0.0.1:{old.port}"},
                 headers={"Authorization": f"Bearer {TOKEN}"},
             ) as r:
                 assert r.status == 201
@@ -291,8 +295,8 @@ async def test_a_stale_worker_of_the_same_id_is_replaced(monkeypatch):
         try:
             await until(lambda: is_set(reg.registered))
             workers = await admin_workers(running)
-            assert list(workers) == ["engine-a"]
-            assert workers["engine-a"]["url"] == f"http://127.0.0.1:{sim.port}"
+            assert list(workers) == [stale]
+            assert workers[stale]["url"] == f"http://127.0.0.1:{sim.port}"
         finally:
             reg.stopping.set()
 

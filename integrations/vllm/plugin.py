@@ -321,9 +321,12 @@ def worker_entry(
 ) -> dict[str, Any]:
     """The admin API body (``POST /admin/workers``) for this engine."""
     role = ROLES.get(args.kv_role or "", "both")
-    entry: dict[str, Any] = {"engine": "vllm", "url": url, "role": role}
-    if worker_id:
-        entry["id"] = worker_id
+    parts = urlsplit(url)
+    # kvplug's own default id (host:port), given explicitly so that a restarted engine can
+    # replace its stale entry (409) under either
+    default_id = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+    entry: dict[str, Any] = {"id": worker_id or default_id, "engine": "vllm", "url": url}
+    entry["role"] = role
     labels = dict(labels)
     if view.sources:
         ranks = sorted(s.dp_rank for s in view.sources)
@@ -456,7 +459,7 @@ class Registrar:
             try:
                 answer = self._admin("POST", "/admin/workers", self.entry, timeout=60)
             except AdminError as e:
-                if e.status == 409 and "id" in self.entry and replaced < 3:
+                if e.status == 409 and replaced < 3:
                     # this engine's id from an earlier run that kvplug still holds: replace it
                     log.warning("worker %s already registered; replacing it", self.entry["id"])
                     self._delete(self.entry["id"])
