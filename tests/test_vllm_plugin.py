@@ -363,6 +363,13 @@ def test_args_from_vllm_namespace_and_argv():
         512,
     )
     assert args_from_argv([]).port == 8000
+    assert args_from_namespace(SimpleNamespace(port=1, host=None, headless=True)).headless
+
+
+def test_a_headless_engine_does_not_register():
+    reg = Registrar("http://127.0.0.1:1", TOKEN, ServeArgs(port=free_port(), headless=True))
+    reg.start()
+    assert reg.done.wait(5) and not reg.registered.is_set()
 
 
 def test_worker_entry_roles_ranks_and_labels():

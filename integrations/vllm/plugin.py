@@ -116,6 +116,7 @@ class ServeArgs:
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None
     max_num_batched_tokens: int | None = None
+    headless: bool = False  # engine cores only, no API server (vllm serve --headless)
 
 
 _EVENTS_FIELDS = ("enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "topic")
@@ -152,6 +153,7 @@ def args_from_namespace(ns: Any) -> ServeArgs:
         data_parallel_size=int(getattr(ns, "data_parallel_size", None) or 1),
         data_parallel_rank=getattr(ns, "data_parallel_rank", None),
         max_num_batched_tokens=batched if isinstance(batched, int) else None,
+        headless=bool(getattr(ns, "headless", False)),
     )
 
 
@@ -399,6 +401,9 @@ class Registrar:
                 else self.args_source.get(120.0, self.stopping)
             )
             if args is None:
+                return
+            if args.headless:
+                log.info("headless engine (no API server): the API server registers, not this")
                 return
             local, advertised = self._engine_urls(args)
             if local is None:
