@@ -234,8 +234,8 @@ async def _has_events(running, worker_id: str) -> bool:
 async def test_kvplug_unreachable_at_first_is_retried(caplog):
     admin_port = free_port()
     async with sim_engine() as sim:
-        reg = Registrar(
-            f"http://127.0.0.1:{admin_port}", TOKEN, engine_args(sim), poll=0.05, max_backoff=0.3
+        reg = Registrar(  # host:port without a scheme is taken as http
+            f"127.0.0.1:{admin_port}", TOKEN, engine_args(sim), poll=0.05, max_backoff=0.3
         ).start()
         try:
             await asyncio.sleep(0.6)  # a few refused attempts

@@ -363,7 +363,8 @@ class Registrar:
         max_backoff: float = 15.0,
         drain_wait: float = 10.0,
     ) -> None:
-        self.router_url = router_url.rstrip("/")
+        router_url = router_url.strip().rstrip("/")
+        self.router_url = router_url if "://" in router_url else f"http://{router_url}"
         self.token = token
         self.args_source = args
         self.poll = poll
