@@ -75,8 +75,8 @@ fi
 # load kvplug's vLLM plugin (the vllm.general_plugins entry point; it does nothing without
 # KVPLUG_ROUTER_URL). --no-deps: everything the plugin imports is already in vLLM's venv, and
 # vLLM's own pins stay untouched. Reinstalled when the venv's kvplug is another checkout's.
-plugin_ok() {
-  "$VENV/bin/python" - "$HERE" >/dev/null 2>&1 <<'PY'
+plugin_ok() {  # run from / (-I): the checkout in the working directory must not shadow it
+  (cd / && "$VENV/bin/python" -I - "$HERE" >/dev/null 2>&1) <<'PY'
 import importlib.metadata as md, pathlib, sys
 import kvplug.integrations.vllm.plugin as plugin
 here = pathlib.Path(sys.argv[1]).resolve()
