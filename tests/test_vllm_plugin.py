@@ -6,9 +6,10 @@ plugin runs in. The real-engine test is ``tests/test_vllm_plugin_real.py``.
 Checks: nothing happens without ``KVPLUG_ROUTER_URL``; only the first process acts (children,
 forked or spawned, inherit the marker); the registration carries what the engine reports (real
 event endpoints, capacity, models, role from ``--kv-transfer-config``) and the worker routes;
-kvplug unreachable at first → retried in the background; a refusal (block size) is logged, not
-retried; a stale worker of the same id is replaced; shutdown drains, then removes; an engine
-whose API closes is taken out at once; the command line parsed from a namespace or argv.
+kvplug unreachable at first → retried in the background; a refusal (block size, wrong URL or
+token) is logged, not retried; a stale worker of the same id is replaced; a restarted kvplug
+gets the worker again; shutdown drains, then removes; an engine whose API closes is taken out
+at once; the command line parsed from a namespace or argv.
 """
 
 from __future__ import annotations
@@ -246,6 +247,27 @@ async def test_kvplug_unreachable_at_first_is_retried(caplog):
                 assert list(await admin_workers(running)) == [f"127.0.0.1:{sim.port}"]
                 await asyncio.to_thread(reg.shutdown)
                 assert await admin_workers(running) == {}
+        finally:
+            reg.stopping.set()
+
+
+async def test_a_restarted_kvplug_gets_the_worker_again(caplog):
+    (admin_port,) = free_ports(1)
+    async with sim_engine() as sim:
+        reg = Registrar(
+            f"http://127.0.0.1:{admin_port}", TOKEN, engine_args(sim), poll=0.05, recheck=0.2
+        ).start()
+        try:
+            async with kvplug_serve(admin_port=admin_port) as running:
+                await until(lambda: is_set(reg.registered))
+                assert list(await admin_workers(running)) == [f"127.0.0.1:{sim.port}"]
+            async with kvplug_serve(admin_port=admin_port) as running:  # a new kvplug serve
+
+                async def back() -> bool:
+                    return list(await admin_workers(running)) == [f"127.0.0.1:{sim.port}"]
+
+                await until(back)
+                assert "no longer has worker" in caplog.text
         finally:
             reg.stopping.set()
 

@@ -362,6 +362,7 @@ class Registrar:
         poll: float = 0.5,
         max_backoff: float = 15.0,
         drain_wait: float = 10.0,
+        recheck: float = 5.0,
     ) -> None:
         router_url = router_url.strip().rstrip("/")
         self.router_url = router_url if "://" in router_url else f"http://{router_url}"
@@ -370,6 +371,7 @@ class Registrar:
         self.poll = poll
         self.max_backoff = max_backoff
         self.drain_wait = drain_wait
+        self.recheck = recheck
         self.worker_id: str | None = os.environ.get(WORKER_ID_ENV) or None
         self.registered = threading.Event()
         self.stopping = threading.Event()
@@ -507,12 +509,17 @@ class Registrar:
         return False
 
     def _watch(self, local: str) -> None:
-        """After registering: when the engine's listener closes (it is shutting down), take
-        the worker out of routing at once rather than at process exit. A bare TCP connect,
-        not an HTTP request: nothing shows up in the engine's access log."""
+        """After registering, until shutdown:
+
+        * when the engine's listener closes (it is shutting down), take the worker out of
+          routing at once rather than at process exit. A bare TCP connect, not an HTTP
+          request: nothing shows up in the engine's access log;
+        * every ``recheck`` seconds, ask kvplug whether it still has the worker: a restarted
+          ``kvplug serve`` has forgotten it, so register again."""
         parts = urlsplit(local)
         address = (parts.hostname or "127.0.0.1", parts.port or 80)
         refused = 0
+        next_check = time.monotonic() + self.recheck
         while not self.stopping.wait(self.poll):
             try:
                 socket.create_connection(address, timeout=5).close()
@@ -525,6 +532,27 @@ class Registrar:
                 log.info("the engine's API is closed: deregistering from kvplug")
                 self.deregister()
                 return
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.recheck
+                if self._forgotten() and not self._register_with_retries():
+                    return
+
+    def _forgotten(self) -> bool:
+        """kvplug answers and no longer lists this worker (kvplug restarted)."""
+        try:
+            workers = self._admin("GET", "/admin/workers", timeout=5)["workers"]
+        except Exception:  # noqa: BLE001 - kvplug down or restarting: ask again later
+            return False
+        if any(w.get("id") == self.worker_id for w in workers):
+            return False
+        with self._lock:
+            if self._deregistered:
+                return False
+            self.registered.clear()
+        log.warning(
+            "kvplug no longer has worker %s (restarted?): registering again", self.worker_id
+        )
+        return True
 
     # -- deregistration -------------------------------------------------------------------------
     def _delete(self, worker_id: str) -> None:
