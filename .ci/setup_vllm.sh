@@ -71,6 +71,28 @@ else
     log "WARNING: NIXL did not install: tests/test_pd_real_vllm.py will be skipped"
 fi
 
+# kvplug itself, editable from this checkout (it tracks the code under test), so the engines
+# load kvplug's vLLM plugin (the vllm.general_plugins entry point; it does nothing without
+# KVPLUG_ROUTER_URL). --no-deps: everything the plugin imports is already in vLLM's venv, and
+# vLLM's own pins stay untouched. Reinstalled when the venv's kvplug is another checkout's.
+plugin_ok() {  # run from / (-I): the checkout in the working directory must not shadow it
+  (cd / && "$VENV/bin/python" -I - "$HERE" >/dev/null 2>&1) <<'PY'
+import importlib.metadata as md, pathlib, sys
+import kvplug.integrations.vllm.plugin as plugin
+here = pathlib.Path(sys.argv[1]).resolve()
+ours = pathlib.Path(plugin.__file__).resolve().is_relative_to(here)
+entry = "kvplug.integrations.vllm.plugin:register"
+sys.exit(not (ours and any(e.value == entry for e in md.entry_points(group="vllm.general_plugins"))))
+PY
+}
+if plugin_ok; then
+  log "reusing kvplug (editable from $HERE) in $VENV"
+else
+  log "installing kvplug (editable from $HERE) into $VENV for its vLLM plugin"
+  "$VENV/bin/python" -m pip install -q --no-deps -e "$HERE" && plugin_ok ||
+    { log "kvplug did not install into $VENV: the vLLM plugin tests cannot run"; exit 1; }
+fi
+
 if [ -f "$MODEL/config.json" ] && [ -f "$MODEL/tokenizer.json" ]; then
   log "reusing model $MODEL"
 else

@@ -195,10 +195,12 @@ class EngineAdapter:
 
 def min_tokens_over_one(body: Mapping[str, Any]) -> bool:
     """Whether the client asked for more than one token before a stop may end the output:
-    a prefill hop run without ``min_tokens`` (it fights ``max_tokens: 1``) that stopped at
-    once then does not answer the client's request."""
-    value = body.get("min_tokens")
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1
+    a prefill hop run without ``min_tokens`` / ``min_completion_tokens`` (they fight
+    ``max_tokens: 1``) that stopped at once then does not answer the client's request."""
+    return any(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v > 1
+        for v in (body.get("min_tokens"), body.get("min_completion_tokens"))
+    )
 
 
 # vLLM NixlConnector: "prefill only, a remote decoder pulls the KV" (the decoder's fields are
@@ -238,6 +240,7 @@ def _strip_for_prefill(body: dict[str, Any]) -> dict[str, Any]:
     out["stream"] = False
     out.pop("stream_options", None)
     out.pop("min_tokens", None)
+    out.pop("min_completion_tokens", None)  # as upstream's P/D proxy does
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1

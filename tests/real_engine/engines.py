@@ -37,6 +37,35 @@ def missing_reason() -> str | None:
     return None
 
 
+def plugin_missing_reason() -> str | None:
+    """Why the engines here would not load kvplug's vLLM plugin from this checkout, or None
+    (``.ci/setup_vllm.sh`` installs it editable into the venv)."""
+    reason = missing_reason()
+    if reason is not None:
+        return reason
+    checkout = Path(__file__).resolve().parents[2]
+    probe = (
+        "import importlib.metadata as md, pathlib, sys\n"
+        "import kvplug.integrations.vllm.plugin as p\n"
+        "eps = [e.value for e in md.entry_points(group='vllm.general_plugins')]\n"
+        "print(pathlib.Path(p.__file__).resolve(), eps)\n"
+    )
+    out = subprocess.run(
+        [str(VENV / "bin" / "python"), "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=tempfile.gettempdir(),
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        timeout=120,
+    )
+    if out.returncode != 0 or "kvplug.integrations.vllm.plugin:register" not in out.stdout:
+        return f"kvplug's vLLM plugin is not installed in {VENV} (run .ci/setup_vllm.sh)"
+    if not out.stdout.startswith(str(checkout)):
+        found = out.stdout.split()[0]
+        return f"{VENV} loads kvplug from another checkout ({found}): rerun .ci/setup_vllm.sh"
+    return None
+
+
 @dataclass
 class Engine:
     name: str
