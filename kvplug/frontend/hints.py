@@ -12,6 +12,10 @@ Headers win over ``nvext`` (as in Dynamo). Recognised:
 - label selector: ``nvext.labels`` (object of strings);
 - admission-queue priority: ``nvext.agent_hints.latency_sensitivity`` (seconds, >= 0; Dynamo's
   ``priority_jump``: the request counts as having arrived that much earlier).
+
+Pins, DP-rank pins, allow-lists and label selectors *steer* routing: they are read only when
+the operator trusts its clients (``kvplug serve --client-routing-hints trust``). By default
+(``ignore``) they are left unread and counted; ``reject`` refuses such requests (403).
 """
 
 from __future__ import annotations
@@ -61,10 +65,40 @@ def _int(value: Any, where: str, minimum: int = 0) -> int | None:
     return value
 
 
-def hints_from_request(nvext: Mapping[str, Any] | None, headers: Mapping[str, str]) -> RequestHints:
-    """Collect the hints; ``ApiError`` (400) when one has the wrong type."""
+# kvplug serve --client-routing-hints
+HINT_POLICIES = ("ignore", "trust", "reject")
+# nvext keys that steer routing (the headers in _HEADERS all do)
+_STEERING_NVEXT = (
+    "backend_instance_id",
+    "decode_worker_id",
+    "prefill_worker_id",
+    "dp_rank",
+    "allowed_worker_ids",
+    "labels",
+)
+
+
+def steering_hints(nvext: Mapping[str, Any] | None, headers: Mapping[str, str]) -> list[str]:
+    """The routing-steering hints the request carries (header names, ``nvext.<key>``)."""
+    found = [h for h in _HEADERS if h in headers]
+    if nvext:
+        found += [f"nvext.{k}" for k in _STEERING_NVEXT if nvext.get(k) is not None]
+    return found
+
+
+def hints_from_request(
+    nvext: Mapping[str, Any] | None, headers: Mapping[str, str], steering: bool = True
+) -> RequestHints:
+    """Collect the hints; ``ApiError`` (400) when one has the wrong type. With
+    ``steering=False`` only the advisory hints (``nvext.agent_hints``) are read."""
     nv = nvext or {}
-    if not nv and not any(h in headers for h in _HEADERS):
+    if not steering:
+        agent = nv.get("agent_hints")
+        if agent is None:
+            return NO_HINTS
+        nv = {"agent_hints": agent}
+        headers = {}
+    elif not nv and not any(h in headers for h in _HEADERS):
         return NO_HINTS  # the common case costs one scan of a few header names
     header_pin = headers.get("x-kvplug-worker") or headers.get("x-worker-instance-id")
     if header_pin is not None:
