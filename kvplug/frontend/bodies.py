@@ -39,6 +39,14 @@ def check_content_encoding(request: web.Request) -> None:
 
 async def read_body(request: web.Request, limit: int, timeout: float | None) -> bytes:
     """The whole (decoded) body, or an ``ApiError`` (400, 408, 413, 415)."""
+    try:
+        return await _read(request, limit, timeout)
+    except ApiError as exc:
+        exc.close_connection = True  # what is left of the body must not be read as a request
+        raise
+
+
+async def _read(request: web.Request, limit: int, timeout: float | None) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(f"request body of {request.content_length} bytes is over", limit)
     check_content_encoding(request)

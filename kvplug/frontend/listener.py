@@ -55,8 +55,10 @@ class HeadDeadline(asyncio.Protocol):
 
     def connection_made(self, transport: Any) -> None:
         self._transport = transport
-        self._inner.connection_made(transport)
+        # armed first, so it fires before aiohttp's own idle timer of the same length (3.14+),
+        # which would close the connection without a word
         self._timer = asyncio.get_running_loop().call_later(self._timeout, self._expire)
+        self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
         if self._timer is not None:

@@ -52,11 +52,16 @@ def _local_url(addresses: list[tuple[str, int]]) -> str:
 
 
 async def _serve_app(
-    app: web.Application, host: str, port: int, header_timeout: float, backlog: int = 1024
+    app: web.Application, host: str, port: int, settings: ServeSettings, backlog: int = 1024
 ) -> tuple[web.AppRunner, Listeners]:
     kwargs: dict[str, Any] = {}
+    header_timeout = settings.client_header_timeout
     if header_timeout > 0:  # later heads on a kept-alive connection (kvplug/frontend/listener.py)
         kwargs["keepalive_timeout"] = header_timeout
+    if settings.client_body_timeout > 0:
+        # after an early answer (408, 413) aiohttp reads and drops what the client still
+        # sends for this long (default 10 s) before closing: no longer than a body may take
+        kwargs["lingering_time"] = min(10.0, settings.client_body_timeout)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, **kwargs)
     await runner.setup()
     listeners = Listeners(runner, header_timeout)
@@ -88,7 +93,7 @@ async def start_frontend(
     listeners: list[Listeners] = []
     try:
         await frontend.start(list(specs))  # a refusal closes what it opened (below)
-        runner, api = await _serve_app(build_app(frontend), host, port, s.client_header_timeout)
+        runner, api = await _serve_app(build_app(frontend), host, port, s)
         runners.append(runner)
         listeners.append(api)
         url = _local_url(api.addresses())
@@ -99,9 +104,7 @@ async def start_frontend(
             admin_app = build_admin_app(
                 frontend.fleet, admin_token, default_engine, frontend.prober, s.client_body_timeout
             )
-            runner, adm = await _serve_app(
-                admin_app, admin_host, admin_port, s.client_header_timeout
-            )
+            runner, adm = await _serve_app(admin_app, admin_host, admin_port, s)
             runners.append(runner)
             listeners.append(adm)
             admin_url = _local_url(adm.addresses())
