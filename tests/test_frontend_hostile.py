@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import time
 import zlib
 
@@ -234,3 +235,25 @@ async def test_slow_loris_heads_and_bodies_are_timed_out():
         # an ordinary client is unaffected
         resp, _ = await h.complete([1, 2, 3])
         assert resp.status == 200
+
+
+async def test_a_client_hanging_up_mid_body_is_not_a_server_error(caplog):
+    async with serving(1, settings=ServeSettings(api_key="k", health_interval=0)) as h:
+        host, port = h.url.split("//")[1].rsplit(":", 1)
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                b'Content-Length: 500\r\n\r\n{"model": "stub-model", "pro'
+            )
+            await writer.drain()
+            writer.close()
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            metrics = h.frontend.metrics.render().decode()
+            if 'status="499"' in metrics:
+                break
+        assert 'kvplug_requests_total{endpoint="/v1/completions",status="499"} 3.0' in metrics
+        assert 'status="500"' not in metrics
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        h.assert_idle()

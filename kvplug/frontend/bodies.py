@@ -4,7 +4,8 @@ aiohttp decodes ``Content-Encoding: gzip | deflate`` (and ``br`` / ``zstd`` when
 libraries are installed) before a handler reads the body, so what kvplug reads, routes on and
 forwards is always the decoded JSON (``hop_headers`` drops the client's ``Content-Encoding``).
 A coding aiohttp does not decode is refused (415), a body that does not decode is a 400, a body
-over the limit a 413 and a body that takes longer than the body timeout a 408: never a 5xx.
+over the limit a 413, a body that takes longer than the body timeout a 408 and a client that
+hangs up mid-body a 499 (counted, never sent): never a 5xx.
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ async def _read(request: web.Request, limit: int, timeout: float | None) -> byte
             f"the request body did not arrive within {timeout:g} s (--client-body-timeout)",
             "invalid_request_error",
             "body_timeout",
+        ) from None
+    except ConnectionError:  # nobody reads this answer; 499 as nginx counts it
+        raise ApiError(
+            499,
+            "the client closed the connection before sending its whole body",
+            "client_closed_request",
+            "client_closed",
         ) from None
     except RequestPayloadError as exc:  # truncated, or not in the coding it claims
         coding = _coding(request)

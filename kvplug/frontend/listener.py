@@ -21,6 +21,9 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
+
 from kvplug.frontend.errors import error_body
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,35 @@ def _timeout_answer(timeout: float) -> bytes:
         b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     )
+
+
+class ClientFaultFilter(logging.Filter):
+    """aiohttp logs, with a traceback at ERROR, every request a client got wrong at the HTTP
+    level (a malformed head, a body not in its Content-Encoding, a connection dropped
+    mid-body) - after kvplug has answered it with a 4xx or the client has gone. A hostile
+    client could fill the log that way: those records are counted and dropped instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, _CLIENT_FAULTS):
+            self.dropped += 1
+            return False
+        return True
+
+
+_CLIENT_FAULTS = (HttpProcessingError, RequestPayloadError, ConnectionError)
+CLIENT_FAULTS = ClientFaultFilter()
+
+
+def quiet_client_faults() -> None:
+    """Install ``CLIENT_FAULTS`` on aiohttp's server logger (once per process)."""
+    logger = logging.getLogger("aiohttp.server")
+    if CLIENT_FAULTS not in logger.filters:
+        logger.addFilter(CLIENT_FAULTS)
 
 
 class HeadDeadline(asyncio.Protocol):

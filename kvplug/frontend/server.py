@@ -14,7 +14,7 @@ from aiohttp import web
 from kvplug.frontend.admin import build_admin_app
 from kvplug.frontend.app import Frontend, ServeSettings, build_app
 from kvplug.frontend.config import WorkerSpec
-from kvplug.frontend.listener import Listeners, is_loopback, url_of
+from kvplug.frontend.listener import Listeners, is_loopback, quiet_client_faults, url_of
 from kvplug.frontend.tokens import LocalTokenizer
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ async def start_frontend(
     default_engine: str = "vllm",
 ) -> RunningFrontend:
     """Serve on ``host:port`` (0 = any free port); the admin API only with a token."""
+    quiet_client_faults()
     frontend = Frontend(router, settings, tokenizer)
     s = frontend.settings
     runners: list[web.AppRunner] = []
