@@ -728,7 +728,11 @@ async def run(args) -> dict:
         warm = json.dumps(body).encode()
         await wait_ready_async(api + "/health", proc=serve, log=log_path)
         timeout = aiohttp.ClientTimeout(total=30)
-        connector = aiohttp.TCPConnector(limit=args.concurrency)
+        # idle pooled connections close before the server's idle timeout does (a client racing
+        # a server-side close would count as "no answer")
+        connector = aiohttp.TCPConnector(
+            limit=args.concurrency, keepalive_timeout=HEADER_TIMEOUT / 2
+        )
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             async with session.post(api + path, data=warm, headers=_auth()) as r:
                 result["valid_request_before"] = r.status

@@ -257,3 +257,18 @@ async def test_a_client_hanging_up_mid_body_is_not_a_server_error(caplog):
         assert 'status="500"' not in metrics
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
         h.assert_idle()
+
+
+async def test_a_worker_url_no_http_client_can_resolve_is_refused():
+    """Found by benchmarks/fuzz_http.py: an admin-added worker at http://xxx...(300 chars) was
+    accepted, and every request routed to it was a 500 (UnicodeError in the HTTP client)."""
+    async with serving(1, admin_token=TOKEN) as h:
+        for url in ("http://" + "x" * 300, "http://a..b:8000", "http://" + "y" * 64 + ".io"):
+            async with h.session.post(
+                h.admin_url + "/admin/workers",
+                json={"id": "bad", "url": url, "engine": "stub"},
+                headers=AUTH,
+            ) as r:
+                assert r.status == 400, url
+                _error(await r.read(), "invalid_worker")
+        assert list(h.frontend.fleet.workers) == ["w0"]

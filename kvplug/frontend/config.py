@@ -24,6 +24,7 @@ workers:
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,11 +133,28 @@ def normalise_url(url: Any, where: str) -> str:
         raise ConfigError(f"{where}: url {url[:200]!r} is not a URL") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{where}: url {url!r} is not http(s)://host[:port]")
+    if not _resolvable_name(parts.hostname):
+        raise ConfigError(f"{where}: url {url[:200]!r}: the host is not an address or DNS name")
     try:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError:
         raise ConfigError(f"{where}: url {url!r} has a bad port") from None
     return url.rstrip("/")
+
+
+def _resolvable_name(host: str) -> bool:
+    """An IP address, or a name DNS can carry (IDNA-encodable, labels of 1-63 bytes, at most
+    253 in all): anything else fails only later, deep inside the HTTP client."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    try:
+        encoded = host.encode("idna")
+    except UnicodeError:
+        return False
+    return 0 < len(encoded) <= 253
 
 
 def default_worker_id(url: str) -> str:
@@ -164,7 +182,12 @@ def _metrics_url(d: dict, where: str) -> str | None:
             parts = urlsplit(url)
         except ValueError:
             parts = None
-        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        if (
+            parts is None
+            or parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or not _resolvable_name(parts.hostname)
+        ):
             raise ConfigError(
                 f"{where}: metrics_url {url[:200]!r} is not http(s)://host[:port]/path"
             )

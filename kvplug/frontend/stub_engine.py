@@ -95,9 +95,9 @@ def _check_body(body: Any, chat: bool) -> None:
         _bounded_int(body.get(name), name, 0, _MAX_OUTPUT_TOKENS)
     if not isinstance(body.get("stream", False), (bool, type(None))):
         raise ValueError("stream must be a boolean")
-    asked = body.get("kv_transfer_params")
-    if asked is not None and not isinstance(asked, dict):
-        raise ValueError("kv_transfer_params must be an object")
+    for name in ("kv_transfer_params", "stream_options"):
+        if body.get(name) is not None and not isinstance(body[name], dict):
+            raise ValueError(f"{name} must be an object")
 
 
 class StubEngine:
