@@ -44,7 +44,7 @@ async def test_decision_traces_need_the_api_key():
 async def test_client_routing_hints_are_ignored_and_counted_by_default(caplog):
     assert ServeSettings().client_routing_hints == "ignore"
     async with serving(2, routing_hints="ignore") as h:
-        with caplog.at_level(logging.WARNING, "kvplug.frontend.app"):
+        with caplog.at_level(logging.WARNING, "kvplug.frontend.hints"):
             # trusted, a pin to an unknown worker would be a 400: ignored, it is routed
             for headers, extra in (
                 ({"x-kvplug-worker": "ghost", "x-kvplug-allowed-workers": "ghost"}, {}),

@@ -36,7 +36,6 @@ from kvplug.disagg import (
 )
 from kvplug.errors import (
     AllWorkersOverloaded,
-    ConfigError,
     InvalidRequest,
     InvalidTokens,
     NoCompatibleWorker,
@@ -49,12 +48,7 @@ from kvplug.frontend.decisions import DecisionRecord, DecisionStore
 from kvplug.frontend.errors import ApiError, bad_request
 from kvplug.frontend.fleet import Fleet, WorkerEntry
 from kvplug.frontend.health import HealthProber
-from kvplug.frontend.hints import (
-    HINT_POLICIES,
-    RequestHints,
-    hints_from_request,
-    steering_hints,
-)
+from kvplug.frontend.hints import ClientHints, RequestHints, check_hint_targets
 from kvplug.frontend.lifecycle import Lifecycle
 from kvplug.frontend.metrics import FrontendMetrics
 from kvplug.frontend.parsing import CHAT, COMPLETIONS, ParsedRequest, parse_request
@@ -138,17 +132,13 @@ class Frontend:
     ) -> None:
         self.router = router
         self.settings = s = settings or ServeSettings()
-        if s.client_routing_hints not in HINT_POLICIES:
-            raise ConfigError(
-                f"client_routing_hints must be one of {HINT_POLICIES}, "
-                f"got {s.client_routing_hints!r}"
-            )
         self.fleet = Fleet(router)
         self.fleet.configured_models = set(s.served_model_names)
         self.upstream = Upstream(s.connect_timeout, s.request_timeout)
         self.prober = HealthProber(self.fleet, self.upstream, s.health_interval, s.health_timeout)
         self.decisions = DecisionStore(s.decision_store_size)
         self.metrics = FrontendMetrics()
+        self.client_hints = ClientHints(s.client_routing_hints, self.metrics.hints_ignored)
         self.metrics.attach_state(self.fleet.snapshot, self._router_stats)
         self.tokens = TokenResolver(tokenizer, self._engine_tokenize if s.engine_tokenize else None)
         self.block_size = router.index.block_size
@@ -157,7 +147,6 @@ class Frontend:
         self._children: dict[tuple, Any] = {}  # prometheus children, looked up once
         self._id_prefix = secrets.token_hex(6)  # request ids: unique per process and request
         self._tokenize_rr = itertools.count()
-        self._warned_hints = False
         # Dynamo's --router-queue-threshold: requests wait while every eligible worker is busy
         config = getattr(router, "config", None)
         self.queue: FrontendQueue | None = None
@@ -253,67 +242,14 @@ class Frontend:
             )
         return self.fleet.workers_for_model(req.model)
 
-    def _client_hints(self, request: web.Request, req: ParsedRequest) -> RequestHints:
-        """The request's routing hints, as far as ``--client-routing-hints`` trusts them."""
-        policy = self.settings.client_routing_hints
-        if policy != "trust":
-            steering = steering_hints(req.nvext, request.headers)
-            if steering:
-                if policy == "reject":
-                    raise ApiError(
-                        403,
-                        f"this server does not accept client routing hints ({', '.join(steering)})"
-                        "; its operator can allow them with --client-routing-hints trust",
-                        "permission_error",
-                        "routing_hints_not_allowed",
-                    )
-                self._ignored_hints(steering)
-        return hints_from_request(req.nvext, request.headers, steering=policy == "trust")
-
-    def _ignored_hints(self, steering: list[str]) -> None:
-        for hint in steering:
-            self._child(self.metrics.hints_ignored, hint).inc()
-        if not self._warned_hints:
-            self._warned_hints = True
-            log.warning(
-                "a client sent routing hints (%s): ignored, as every later one is "
-                "(counted in kvplug_routing_hints_ignored_total); start kvplug serve with "
-                "--client-routing-hints trust to honour them",
-                ", ".join(steering),
-            )
-
     def _check_hint_workers(self, hints: RequestHints) -> None:
-        workers = self.fleet.workers
-        for worker_id in hints.pins():
-            if worker_id not in workers:
-                raise bad_request(
-                    f"unknown worker {worker_id!r} in the request's routing hints",
-                    code="unknown_worker",
-                )
-        if hints.allowed_worker_ids is not None:
-            unknown = hints.allowed_worker_ids - workers.keys()
-            if unknown == hints.allowed_worker_ids:
-                raise bad_request(
-                    f"none of the allowed workers {sorted(unknown)} is known", code="unknown_worker"
-                )
-        rank = hints.dp_rank
-        if rank is not None:  # a rank no candidate has is the same mistake as an unknown worker
-            scope = [hints.worker_id] if hints.worker_id is not None else hints.allowed_worker_ids
-            entries = (
-                workers.values() if scope is None else [workers[w] for w in scope if w in workers]
-            )
-            if not any(rank in e.worker.dp_ranks for e in entries):
-                raise bad_request(
-                    f"no worker has DP rank {rank} (the request's routing hints)",
-                    code="unknown_dp_rank",
-                    param="dp_rank",
-                )
+        check_hint_targets(hints, self.fleet.workers)
 
     async def _serve(self, request: web.Request, path: str) -> tuple[web.StreamResponse, bool]:
         raw = await self._read_body(request)
         req = parse_request(raw, path)
         model_workers = self._check_model(req)
-        hints = self._client_hints(request, req)
+        hints = self.client_hints.read(req.nvext, request.headers)
         self._check_hint_workers(hints)
         if req.batch_size > 1:
             self._check_batch_size(req.batch_size)

@@ -20,11 +20,15 @@ the operator trusts its clients (``kvplug serve --client-routing-hints trust``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvplug.frontend.errors import bad_request
+from kvplug.errors import ConfigError
+from kvplug.frontend.errors import ApiError, bad_request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -168,3 +172,77 @@ _HEADERS = (
     "x-dynamo-dp-rank",
     "x-kvplug-allowed-workers",
 )
+
+
+class ClientHints:
+    """Reads a request's hints as ``--client-routing-hints`` says: ``trust`` all of them,
+    ``ignore`` the steering ones (counted per hint in ``ignored``, a Prometheus counter, and
+    logged once), or ``reject`` a request carrying any (403)."""
+
+    def __init__(self, policy: str, ignored: Any = None) -> None:
+        if policy not in HINT_POLICIES:
+            raise ConfigError(
+                f"client_routing_hints must be one of {HINT_POLICIES}, got {policy!r}"
+            )
+        self.policy = policy
+        self._ignored = ignored
+        self._children: dict[str, Any] = {}
+        self._warned = False
+
+    def read(self, nvext: Mapping[str, Any] | None, headers: Mapping[str, str]) -> RequestHints:
+        if self.policy != "trust":
+            steering = steering_hints(nvext, headers)
+            if steering:
+                if self.policy == "reject":
+                    raise ApiError(
+                        403,
+                        f"this server does not accept client routing hints ({', '.join(steering)})"
+                        "; its operator can allow them with --client-routing-hints trust",
+                        "permission_error",
+                        "routing_hints_not_allowed",
+                    )
+                self._count(steering)
+        return hints_from_request(nvext, headers, steering=self.policy == "trust")
+
+    def _count(self, steering: list[str]) -> None:
+        if self._ignored is not None:
+            for hint in steering:
+                child = self._children.get(hint)
+                if child is None:
+                    child = self._children[hint] = self._ignored.labels(hint)
+                child.inc()
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "a client sent routing hints (%s): ignored, as every later one is "
+                "(counted in kvplug_routing_hints_ignored_total); start kvplug serve with "
+                "--client-routing-hints trust to honour them",
+                ", ".join(steering),
+            )
+
+
+def check_hint_targets(hints: RequestHints, workers: Mapping[str, Any]) -> None:
+    """400 for hints naming what the fleet does not have: a pinned or allowed worker, or a DP
+    rank no candidate worker has (``workers``: worker id -> entry with ``worker.dp_ranks``)."""
+    for worker_id in hints.pins():
+        if worker_id not in workers:
+            raise bad_request(
+                f"unknown worker {worker_id!r} in the request's routing hints",
+                code="unknown_worker",
+            )
+    if hints.allowed_worker_ids is not None:
+        unknown = hints.allowed_worker_ids - workers.keys()
+        if unknown == hints.allowed_worker_ids:
+            raise bad_request(
+                f"none of the allowed workers {sorted(unknown)} is known", code="unknown_worker"
+            )
+    rank = hints.dp_rank
+    if rank is not None:  # a rank no candidate has is the same mistake as an unknown worker
+        scope = [hints.worker_id] if hints.worker_id is not None else hints.allowed_worker_ids
+        entries = workers.values() if scope is None else [workers[w] for w in scope if w in workers]
+        if not any(rank in e.worker.dp_ranks for e in entries):
+            raise bad_request(
+                f"no worker has DP rank {rank} (the request's routing hints)",
+                code="unknown_dp_rank",
+                param="dp_rank",
+            )
