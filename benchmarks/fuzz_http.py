@@ -675,6 +675,19 @@ async def slow_loris(host: str, port: int, rng: random.Random, stop: float, out:
             out.unexpected += 1
 
 
+def _hardening_flags(src: str | None) -> list[str]:
+    """Hints trusted (every hint path is parsed) and short client timeouts; a source tree
+    from before those flags existed (``--serve-src``) trusts hints and has no timeouts."""
+    cli = Path(src or ROOT) / "kvplug" / "frontend" / "cli.py"
+    if "--client-header-timeout" not in cli.read_text():
+        return []
+    return [
+        "--client-routing-hints", "trust",
+        "--client-header-timeout", str(HEADER_TIMEOUT),
+        "--client-body-timeout", str(BODY_TIMEOUT),
+    ]  # fmt: skip
+
+
 def count_tracebacks(log: Path) -> int:
     try:
         return log.read_text(errors="replace").count("Traceback (most recent call last)")
@@ -707,20 +720,26 @@ async def run(args) -> dict:
         "--served-model-name", MODEL,
         "--api-key", API_KEY,
         "--admin-token", ADMIN_TOKEN,
-        "--client-routing-hints", "trust",
-        "--client-header-timeout", str(HEADER_TIMEOUT),
-        "--client-body-timeout", str(BODY_TIMEOUT),
+        *_hardening_flags(args.serve_src),
         "--max-body-bytes", str(MAX_BODY),
         "--health-interval", "1",
         "--log-level", "warning",
         admin_port=admin_port,
     )  # fmt: skip
+    env = dict(os.environ)
+    if args.serve_src:  # another kvplug source tree (e.g. the code before the fixes)
+        env["PYTHONPATH"] = os.pathsep.join([args.serve_src, env.get("PYTHONPATH", "")])
     api, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
     tallies: dict[str, Tally] = {k: Tally() for k in KINDS}
     loris = Tally()
-    result: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "_stubs"}}
+    result: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items() if k != "_stubs"},
+        "serve_src": args.serve_src or str(ROOT),
+    }
     with open(log_path, "w") as log_file:
-        serve = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+        serve = subprocess.Popen(  # `python -m` puts its cwd first on sys.path
+            cmd, cwd=args.serve_src or ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env
+        )
     procs.append(serve)
     try:
         assert stubs.stdout is not None and stubs.stdout.readline().strip() == "ready"
@@ -736,7 +755,7 @@ async def run(args) -> dict:
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             async with session.post(api + path, data=warm, headers=_auth()) as r:
                 result["valid_request_before"] = r.status
-            names = list(KINDS)
+            names = [k for k in KINDS if k not in args.skip]
             done = 0
             t0 = time.monotonic()
             stop_at = t0 + args.seconds if args.seconds else float("inf")
@@ -788,10 +807,13 @@ async def run(args) -> dict:
             healthy = False
             after = None
             if alive:
-                async with session.get(api + "/health") as r:
-                    healthy = r.status == 200
-                async with session.post(api + path, data=warm, headers=_auth()) as r:
-                    after = r.status
+                try:  # a frozen server (the old dp_size freeze) answers neither
+                    async with session.get(api + "/health") as r:
+                        healthy = r.status == 200
+                    async with session.post(api + path, data=warm, headers=_auth()) as r:
+                        after = r.status
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    print(f"  server not answering at the end: {type(exc).__name__}", flush=True)
     finally:
         alive_at_end = serve.poll() is None
         for p in reversed(procs):
@@ -865,6 +887,18 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--slow-connections", type=int, default=4, help="slow-loris connections")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--skip",
+        type=lambda v: [k for k in v.split(",") if k],
+        default=[],
+        metavar="KIND,...",
+        help="kinds not to send (e.g. huge_dp_size against a server it would freeze)",
+    )
+    ap.add_argument(
+        "--serve-src",
+        help="run kvplug serve from this source tree instead (a baseline: the same fuzz "
+        "against other code, e.g. a `git worktree` of the commit before the fixes)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fuzz_http.json"),
                     help="JSON results ('-': do not write)")  # fmt: skip
     ap.add_argument("--_stubs", help=argparse.SUPPRESS)
