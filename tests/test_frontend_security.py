@@ -222,3 +222,44 @@ async def test_an_unknown_engine_size_is_logged_as_unknown_not_zero(caplog):
         lines = [r.getMessage() for r in caplog.records if "(from the engine)" in r.getMessage()]
         assert lines == ["worker w0: 500 KV blocks, unknown batched tokens (from the engine)"]
         assert MODEL
+
+
+def test_kvplug_serve_logs_what_it_binds_and_exits_cleanly_when_it_refuses(tmp_path):
+    import os
+    import subprocess
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from kvplug.testing import free_ports, serve_command, stop_process
+
+    root = Path(__file__).resolve().parent.parent
+    port, admin_port = free_ports(2)
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "KVPLUG_ADMIN_TOKEN": TOKEN}
+    cmd = serve_command(port, "--admin-host", "0.0.0.0", admin_port=admin_port, host="0.0.0.0")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while "serving the OpenAI API" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        stop_process(proc)
+    text = log.read_text()
+    assert f"serving the OpenAI API on http://0.0.0.0:{port} " in text  # not 127.0.0.1
+    assert f"admin API on http://0.0.0.0:{admin_port}" in text
+    assert "admin API listens beyond this machine" in text
+    # a vLLM worker that is not there: kvplug serve refuses to start, and says only why
+    proc2 = subprocess.run(
+        [*serve_command(port, "--worker", "http://127.0.0.1:9"), "--kv-block-size", "16"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc2.returncode == 2, proc2.stderr[-2000:]
+    assert "kvplug serve:" in proc2.stderr and "Unclosed" not in proc2.stderr, proc2.stderr
