@@ -195,12 +195,17 @@ class Router:
             ]
             for rank, ep in gone:  # ranks that went away: their load and cache with them
                 self.load.drop_endpoint(ep)
-                self._set_endpoint(ep, None, 0, None)
                 self.index.apply(AllCleared(worker_id=worker.worker_id, dp_rank=rank))
+            self._set_endpoints([(ep, None, 0, None) for _rank, ep in gone])
         n = max(eps) + 1
         self._ensure(n)
+        self._set_endpoints(
+            [
+                (ep, worker.worker_id, rank, state)
+                for rank, ep in zip(worker.dp_ranks, eps, strict=True)
+            ]
+        )
         for rank, ep in zip(worker.dp_ranks, eps, strict=False):
-            self._set_endpoint(ep, worker.worker_id, rank, state)
             if self._approx is not None:  # the side index numbers endpoints its own way
                 self._side_ep[ep] = self._approx.add_endpoint(worker.worker_id, rank)
         self._workers[worker.worker_id] = state
@@ -231,7 +236,7 @@ class Router:
         st = self._state(worker_id)
         for ep in st.endpoint_ids:
             self.load.drop_endpoint(ep)
-            self._set_endpoint(ep, None, 0, None)
+        self._set_endpoints([(ep, None, 0, None) for ep in st.endpoint_ids])
         self.index.remove_worker(worker_id)
         if self._approx is not None:
             self._approx.remove_worker(worker_id)
@@ -814,11 +819,20 @@ class Router:
             self._ep_rank = self._ep_rank + (0,) * pad
             self._ep_state = self._ep_state + (None,) * pad
 
-    def _set_endpoint(self, ep: int, wid: str | None, rank: int, st: WorkerState | None) -> None:
-        self._ensure(ep + 1)
+    def _set_endpoints(self, items: list[tuple[int, str | None, int, WorkerState | None]]) -> None:
+        """Set many endpoints with one copy of the lookup tuples (a worker's DP ranks: linear
+        in its dp_size, not quadratic)."""
+        if not items:
+            return
+        self._ensure(max(ep for ep, *_ in items) + 1)
         w, r, s = list(self._ep_worker), list(self._ep_rank), list(self._ep_state)
-        w[ep], r[ep], s[ep] = wid, rank, st
+        for ep, wid, rank, st in items:
+            w[ep], r[ep], s[ep] = wid, rank, st
         self._ep_worker, self._ep_rank, self._ep_state = tuple(w), tuple(r), tuple(s)
+        for ep, _wid, rank, st in items:
+            self._fill_endpoint(ep, rank, st)
+
+    def _fill_endpoint(self, ep: int, rank: int, st: WorkerState | None) -> None:
         self.ep_rank_arr[ep] = rank
         if st is not None:
             self.kv_capacity[ep] = st.worker.kv_capacity_blocks

@@ -4,6 +4,7 @@ Router, and ``kvplug serve``'s app started in-process on a free port."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from typing import Any
 
@@ -89,9 +90,11 @@ async def serving(
     tokenizer=None,
     engine_kind: str = "stub",
     stub_options: dict | None = None,
+    routing_hints: str = "trust",
 ):
     """Start stub engines (``workers``: a count, or dicts of StubEngine/worker-spec options),
-    a Router and the frontend; yield a Harness; stop everything."""
+    a Router and the frontend; yield a Harness; stop everything. The tests steer requests
+    with pins, so client routing hints are trusted unless ``routing_hints`` says otherwise."""
     if isinstance(workers, int):
         workers = [{"id": f"w{i}"} for i in range(workers)]
     board = TransferBoard()
@@ -114,6 +117,7 @@ async def serving(
     cfg = {"kv_block_size": BS, **(router_config or {})}
     router = Router(RouterConfig(**cfg), rng=random.Random(0))
     settings = settings or ServeSettings(health_interval=0.2, health_timeout=1.0)
+    settings = dataclasses.replace(settings, client_routing_hints=routing_hints)
     try:
         running = await start_frontend(
             router,

@@ -86,7 +86,7 @@ async def test_held_while_over_threshold_then_released_in_policy_order(policy, e
             traces[resp.headers["X-Request-Id"]] = await h.trace(
                 resp.headers["x-kvplug-decision-id"]
             )
-        ids = [int(traces[f"b{n}"]["decision_id"]) for n in expected]
+        ids = [traces[f"b{n}"]["router"]["decision_id"] for n in expected]
         assert ids == sorted(ids)
         assert traces["hog"]["timings"]["queue_wait_s"] is None  # routed at once
         waits = [traces[f"b{n}"]["timings"]["queue_wait_s"] for n in expected]

@@ -413,11 +413,28 @@ def test_decision_store_is_a_bounded_lru():
         )
         for i in range(5)
     ]
+    ids = [r.decision_id for r in recs]
     for r in recs[:3]:
         store.add(r)
-    assert store.get("0") is recs[0]  # refreshed: now the newest
+    assert store.get(ids[0]) is recs[0]  # refreshed: now the newest
     store.add(recs[3])
     store.add(recs[4])
-    assert store.get("1") is None and store.get("2") is None and store.get("0") is recs[0]
+    assert store.get(ids[1]) is None and store.get(ids[2]) is None
+    assert store.get(ids[0]) is recs[0]
     assert len(store) == 3
-    assert store.get("4").to_json()["router"] == {"decision_id": 4}
+    assert store.get(ids[4]).to_json()["router"] == {"decision_id": 4}
+
+
+def test_decision_ids_are_random_not_the_routers_sequence():
+    """Issue 9 §5: ids counted up from 1, so anyone could walk every client's traces."""
+    from kvplug.frontend.decisions import DecisionRecord
+
+    ids = [
+        DecisionRecord(
+            _D(i), "r", "aggregated", 0, COMPLETIONS, "m", "request", None, 4, None, 1.0
+        ).decision_id
+        for i in range(1, 201)
+    ]
+    assert len(set(ids)) == len(ids)
+    assert not any(d.isdigit() for d in ids)
+    assert all(len(d) >= 24 for d in ids)  # 96 random bits

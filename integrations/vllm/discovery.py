@@ -200,6 +200,6 @@ def check_block_size(
         raise ConfigError(
             f"vLLM worker {worker_id} uses block size {bs} but the router indexes blocks of "
             f"{router_block_size} tokens: start the engine with --block-size "
-            f"{router_block_size} or the router with --block-size {bs}"
+            f"{router_block_size} or the router with --kv-block-size {bs}"
         )
     return bs

@@ -38,7 +38,10 @@ class VllmEventPublisher:
         buffer_steps: int = 10_000,
         hash_form: str = "uint64",
         context: zmq.Context | None = None,
+        bind: bool | None = None,
     ) -> None:
+        """``bind``: None binds a wildcard endpoint and connects to any other, as vLLM does;
+        True binds exactly ``endpoint`` (one interface, e.g. the simulator's --host)."""
         self.version = version
         self.topic = topic.encode()
         self.dp_rank = dp_rank
@@ -49,7 +52,9 @@ class VllmEventPublisher:
         self.pub = self._ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
-        if engine_binds(endpoint):
+        if "[" in endpoint:  # an IPv6 literal
+            self.pub.setsockopt(zmq.IPV6, 1)
+        if bind or (bind is None and engine_binds(endpoint)):
             self.pub.bind(endpoint)
         else:
             self.pub.connect(endpoint)
@@ -57,6 +62,8 @@ class VllmEventPublisher:
         if replay_endpoint:
             self.replay = self._ctx.socket(zmq.ROUTER)
             self.replay.setsockopt(zmq.LINGER, 0)
+            if "[" in replay_endpoint:
+                self.replay.setsockopt(zmq.IPV6, 1)
             self.replay.bind(replay_endpoint)
         self.replay_requests: list[int] = []
         self.auto_serve = True  # answer waiting replay requests on every publish

@@ -17,18 +17,30 @@ when ``--admin-token`` (or ``KVPLUG_ADMIN_TOKEN``) is set; every call needs
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
+import math
+from typing import Any
 
 from aiohttp import web
 
 from kvplug.errors import ConfigError, UnknownWorker
+from kvplug.frontend.app import bearer_matches
+from kvplug.frontend.bodies import read_body
 from kvplug.frontend.config import spec_from_mapping
 from kvplug.frontend.errors import ApiError
 from kvplug.frontend.fleet import Fleet
+from kvplug.frontend.parsing import decode_json
 
 log = logging.getLogger(__name__)
+
+ADMIN_MAX_BODY_BYTES = 1024 * 1024
+BODY_TIMEOUT_KEY = web.AppKey("body_timeout", float)
+
+
+async def _json_body(request: web.Request) -> Any:
+    """The decoded JSON body (strict: no NaN/Infinity, bounded depth); ``ApiError`` if not."""
+    raw = await read_body(request, ADMIN_MAX_BODY_BYTES, request.app[BODY_TIMEOUT_KEY])
+    return decode_json(raw)
 
 
 def _auth_middleware(token: str):
@@ -36,8 +48,7 @@ def _auth_middleware(token: str):
 
     @web.middleware
     async def check(request: web.Request, handler):
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+        if not bearer_matches(request, expected):
             return ApiError(
                 401,
                 "admin API: missing or wrong bearer token",
@@ -60,9 +71,9 @@ class AdminApi:
 
     async def add_worker(self, request: web.Request) -> web.Response:
         try:
-            data = json.loads(await request.read())
-        except ValueError as exc:
-            return ApiError(400, f"body is not JSON: {exc}", code="invalid_json").response()
+            data = await _json_body(request)
+        except ApiError as exc:
+            return exc.response()
         try:
             spec = spec_from_mapping(data, "admin add", self.default_engine)
             entry = await self.fleet.add(spec)
@@ -125,9 +136,9 @@ class BusyThresholdApi:
 
     async def post(self, request: web.Request) -> web.Response:
         try:
-            data = json.loads(await request.read())
-        except ValueError as exc:
-            return ApiError(400, f"body is not JSON: {exc}", code="invalid_json").response()
+            data = await _json_body(request)
+        except ApiError as exc:
+            return exc.response()
         if not isinstance(data, dict):
             return ApiError(400, "body must be a JSON object", code="invalid_json").response()
         known = {name for name, _ in _BUSY_KEYS} | {"busy_threshold_fallback", "model"}
@@ -141,9 +152,11 @@ class BusyThresholdApi:
         values = {}
         for name, attr in _BUSY_KEYS:
             v = data.get(name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+            ):
                 return ApiError(
-                    400, f"{name} must be a number or null", code="invalid_threshold"
+                    400, f"{name} must be a finite number or null", code="invalid_threshold"
                 ).response()
             values[attr] = v
         fallback = data.get("busy_threshold_fallback")
@@ -160,12 +173,19 @@ class BusyThresholdApi:
 
 
 def build_admin_app(
-    fleet: Fleet, token: str, default_engine: str = "vllm", prober=None
+    fleet: Fleet,
+    token: str,
+    default_engine: str = "vllm",
+    prober=None,
+    body_timeout: float = 60.0,
 ) -> web.Application:
     if not token:
         raise ConfigError("the admin API needs a non-empty bearer token")
     api = AdminApi(fleet, default_engine, prober)
-    app = web.Application(middlewares=[_auth_middleware(token)], client_max_size=1024 * 1024)
+    app = web.Application(
+        middlewares=[_auth_middleware(token)], client_max_size=ADMIN_MAX_BODY_BYTES
+    )
+    app[BODY_TIMEOUT_KEY] = body_timeout
     app.router.add_get("/admin/workers", api.list_workers)
     app.router.add_post("/admin/workers", api.add_worker)
     app.router.add_post("/admin/workers/{worker_id}/drain", api.drain_worker)

@@ -43,11 +43,12 @@ from kvplug.errors import (
     RoutingError,
 )
 from kvplug.frontend.batch import serve_batch
+from kvplug.frontend.bodies import read_body
 from kvplug.frontend.decisions import DecisionRecord, DecisionStore
 from kvplug.frontend.errors import ApiError, bad_request
 from kvplug.frontend.fleet import Fleet, WorkerEntry
 from kvplug.frontend.health import HealthProber
-from kvplug.frontend.hints import RequestHints, hints_from_request
+from kvplug.frontend.hints import ClientHints, RequestHints, check_hint_targets
 from kvplug.frontend.lifecycle import Lifecycle
 from kvplug.frontend.metrics import FrontendMetrics
 from kvplug.frontend.parsing import CHAT, COMPLETIONS, ParsedRequest, parse_request
@@ -78,6 +79,10 @@ class ServeSettings:
     served_model_names: list[str] = field(default_factory=list)
     engine_tokenize: bool = True
     api_key: str | None = None  # clients must send "Authorization: Bearer <key>" to /v1/*
+    # pins, allow-lists, label selectors from clients: "ignore" (counted), "trust", "reject"
+    client_routing_hints: str = "ignore"
+    client_header_timeout: float = 30.0  # a request head must arrive within (0 = no limit)
+    client_body_timeout: float = 60.0  # a request body must arrive within (0 = no limit)
     engine_api_key: str | None = None  # sent to the engines instead of the client's header
 
 
@@ -112,6 +117,10 @@ _ROUTING_ERRORS = {
 }
 
 
+_DROP_ALWAYS = frozenset({"content-encoding"})
+_DROP_WITH_KEY = _DROP_ALWAYS | {"authorization"}
+
+
 class Frontend:
     """State of one serving process: router, fleet, upstream client, token resolver, traces."""
 
@@ -129,6 +138,7 @@ class Frontend:
         self.prober = HealthProber(self.fleet, self.upstream, s.health_interval, s.health_timeout)
         self.decisions = DecisionStore(s.decision_store_size)
         self.metrics = FrontendMetrics()
+        self.client_hints = ClientHints(s.client_routing_hints, self.metrics.hints_ignored)
         self.metrics.attach_state(self.fleet.snapshot, self._router_stats)
         self.tokens = TokenResolver(tokenizer, self._engine_tokenize if s.engine_tokenize else None)
         self.block_size = router.index.block_size
@@ -216,24 +226,8 @@ class Frontend:
             )
 
     async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.settings.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise ApiError(
-                413,
-                f"request body of {request.content_length} bytes is over the "
-                f"{limit}-byte limit (--max-body-bytes)",
-                "invalid_request_error",
-                "body_too_large",
-            )
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ApiError(
-                413,
-                f"request body is over the {limit}-byte limit (--max-body-bytes)",
-                "invalid_request_error",
-                "body_too_large",
-            ) from None
+        s = self.settings
+        return await read_body(request, s.max_body_bytes, s.client_body_timeout)
 
     def _check_model(self, req: ParsedRequest) -> frozenset[str] | None:
         known = self.fleet.models()
@@ -249,24 +243,13 @@ class Frontend:
         return self.fleet.workers_for_model(req.model)
 
     def _check_hint_workers(self, hints: RequestHints) -> None:
-        for worker_id in hints.pins():
-            if worker_id not in self.fleet.workers:
-                raise bad_request(
-                    f"unknown worker {worker_id!r} in the request's routing hints",
-                    code="unknown_worker",
-                )
-        if hints.allowed_worker_ids is not None:
-            unknown = hints.allowed_worker_ids - self.fleet.workers.keys()
-            if unknown == hints.allowed_worker_ids:
-                raise bad_request(
-                    f"none of the allowed workers {sorted(unknown)} is known", code="unknown_worker"
-                )
+        check_hint_targets(hints, self.fleet.workers)
 
     async def _serve(self, request: web.Request, path: str) -> tuple[web.StreamResponse, bool]:
         raw = await self._read_body(request)
         req = parse_request(raw, path)
         model_workers = self._check_model(req)
-        hints = hints_from_request(req.nvext, request.headers)
+        hints = self.client_hints.read(req.nvext, request.headers)
         self._check_hint_workers(hints)
         if req.batch_size > 1:
             self._check_batch_size(req.batch_size)
@@ -311,9 +294,14 @@ class Frontend:
 
     def hop_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
         """The headers sent to the engines: the client's, minus kvplug's own and hop-by-hop."""
-        hop_headers = forward_headers(request.headers, request_id)
-        if self.settings.api_key is not None:  # kvplug's key is not the engines'
-            hop_headers = {k: v for k, v in hop_headers.items() if k.lower() != "authorization"}
+        # the body kvplug forwards is the decoded one (kvplug/frontend/bodies.py), and
+        # kvplug's key is not the engines'
+        drop = _DROP_WITH_KEY if self.settings.api_key is not None else _DROP_ALWAYS
+        hop_headers = {
+            k: v
+            for k, v in forward_headers(request.headers, request_id).items()
+            if k.lower() not in drop
+        }
         if self.settings.engine_api_key:
             hop_headers["Authorization"] = f"Bearer {self.settings.engine_api_key}"
         return hop_headers
@@ -826,18 +814,29 @@ class Frontend:
         )
 
 
+def bearer_matches(request: web.Request, expected: bytes) -> bool:
+    """Constant-time check of ``Authorization`` (any bytes: aiohttp keeps non-UTF-8 ones as
+    surrogate escapes, which encode back to what the client sent)."""
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, expected)
+
+
+# what --api-key guards: the API, and the decision traces (they show other clients' request
+# ids, models, token counts and the engines' URLs)
+_GUARDED = ("/v1", "/kvplug/")
+
+
 def api_key_check(key: str):
-    """vLLM's ``--api-key`` semantics: every ``/v1`` call needs the bearer token."""
+    """vLLM's ``--api-key`` semantics: every ``/v1`` call needs the bearer token; so does
+    ``/kvplug/decisions/{id}``. ``/health``, ``/ready`` and ``/metrics`` stay open for probes."""
     expected = f"Bearer {key}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if request.path.startswith("/v1"):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return ApiError(
-                    401, "missing or wrong API key", "authentication_error", "invalid_api_key"
-                ).response()
+        if request.path.startswith(_GUARDED) and not bearer_matches(request, expected):
+            return ApiError(
+                401, "missing or wrong API key", "authentication_error", "invalid_api_key"
+            ).response(headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
     return check

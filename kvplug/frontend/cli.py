@@ -40,7 +40,12 @@ def register(subparsers) -> None:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("serving")
-    g.add_argument("--host", default="0.0.0.0", help="address of the OpenAI API (default 0.0.0.0)")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address of the OpenAI API (default 127.0.0.1: this machine only; 0.0.0.0 or :: "
+        "serves other machines, as a container or Kubernetes pod needs)",
+    )
     g.add_argument(
         "--port",
         "--http-port",
@@ -98,6 +103,34 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default="info",
         choices=["debug", "info", "warning", "error"],
         help="default info",
+    )
+
+    g.add_argument(
+        "--client-routing-hints",
+        choices=("ignore", "trust", "reject"),
+        default="ignore",
+        help="client-sent routing hints (worker and DP-rank pins, allow-lists, label "
+        "selectors: x-kvplug-* / x-worker-instance-id / x-dynamo-dp-rank headers, nvext "
+        "pins): ignore (default: routed as if absent, counted in "
+        "kvplug_routing_hints_ignored_total, logged once), trust (honour them: only behind "
+        "a gateway that sets or strips them), reject (HTTP 403)",
+    )
+    g.add_argument(
+        "--client-header-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a client has to send a request's head (line and headers) after "
+        "connecting or after its previous answer; then HTTP 408 and the connection closes "
+        "(default 30; 0 = no limit)",
+    )
+    g.add_argument(
+        "--client-body-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds a client has to send a request's whole body once its head arrived; "
+        "then HTTP 408 (default 60; 0 = no limit)",
     )
 
     q = parser.add_argument_group(
@@ -316,6 +349,10 @@ def settings_from_args(args: argparse.Namespace):
     ):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+    for name in ("client_header_timeout", "client_body_timeout"):
+        value = getattr(args, name)
+        if not 0 <= value < float("inf"):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a number of seconds >= 0")
     return ServeSettings(
         max_prompt_tokens=args.max_prompt_tokens,
         max_batch_prompts=args.max_batch_prompts,
@@ -331,6 +368,9 @@ def settings_from_args(args: argparse.Namespace):
         engine_tokenize=args.engine_tokenize,
         api_key=args.api_key or None,
         engine_api_key=args.engine_api_key or None,
+        client_routing_hints=args.client_routing_hints,
+        client_header_timeout=args.client_header_timeout,
+        client_body_timeout=args.client_body_timeout,
     )
 
 
@@ -409,9 +449,11 @@ async def _serve(args: argparse.Namespace) -> None:
                 await sync.close()
             await running.close()
             raise ConfigError(f"--discovery: {exc}") from None
-    log.info("kvplug serving the OpenAI API on %s (%d workers)", running.url, len(specs))
+    log.info(
+        "kvplug serving the OpenAI API on %s (%d workers)", ", ".join(running.bound), len(specs)
+    )
     if running.admin_url:
-        log.info("admin API on %s", running.admin_url)
+        log.info("admin API on %s", ", ".join(running.admin_bound))
     else:
         log.info("admin API off (set --admin-token to enable it)")
     stop = asyncio.Event()

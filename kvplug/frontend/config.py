@@ -24,6 +24,7 @@ workers:
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,10 @@ import yaml
 from kvplug.errors import ConfigError
 
 ROLES = ("prefill", "decode", "both")
+# DP ranks of one worker: each is a routing endpoint, scored on every request; the largest
+# data-parallel deployments run a few hundred
+MAX_DP_SIZE = 1024
+MAX_DP_RANK = 2**31 - 1
 DEVICES = ("gpu", "cpu")
 _KEYS = {
     "id",
@@ -122,14 +127,34 @@ def normalise_url(url: Any, where: str) -> str:
         raise ConfigError(f"{where}: 'url' must be a non-empty string")
     if "://" not in url:
         url = "http://" + url
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        raise ConfigError(f"{where}: url {url[:200]!r} is not a URL") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{where}: url {url!r} is not http(s)://host[:port]")
+    if not _resolvable_name(parts.hostname):
+        raise ConfigError(f"{where}: url {url[:200]!r}: the host is not an address or DNS name")
     try:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError:
         raise ConfigError(f"{where}: url {url!r} has a bad port") from None
     return url.rstrip("/")
+
+
+def _resolvable_name(host: str) -> bool:
+    """An IP address, or a name DNS can carry (IDNA-encodable, labels of 1-63 bytes, at most
+    253 in all): anything else fails only later, deep inside the HTTP client."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    try:
+        encoded = host.encode("idna")
+    except UnicodeError:
+        return False
+    return 0 < len(encoded) <= 253
 
 
 def default_worker_id(url: str) -> str:
@@ -138,11 +163,35 @@ def default_worker_id(url: str) -> str:
     return f"{parts.hostname}:{port}"
 
 
-def _int(d: dict, key: str, default: int, minimum: int, where: str) -> int:
+def _int(
+    d: dict, key: str, default: int, minimum: int, where: str, maximum: int | None = None
+) -> int:
     value = d.get(key, default)
     if type(value) is not int or value < minimum:
         raise ConfigError(f"{where}: {key!r} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{where}: {key!r} must be at most {maximum}, got {value!r}")
     return value
+
+
+def _metrics_url(d: dict, where: str) -> str | None:
+    """http(s) only: the adapters fetch it, and a file:// URL would read local files."""
+    url = _opt_str(d, "metrics_url", where)
+    if url is not None:
+        try:
+            parts = urlsplit(url)
+        except ValueError:
+            parts = None
+        if (
+            parts is None
+            or parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or not _resolvable_name(parts.hostname)
+        ):
+            raise ConfigError(
+                f"{where}: metrics_url {url[:200]!r} is not http(s)://host[:port]/path"
+            )
+    return url
 
 
 def _opt_str(d: dict, key: str, where: str) -> str | None:
@@ -193,11 +242,11 @@ def spec_from_mapping(d: Any, where: str, default_engine: str = "vllm") -> Worke
         role=role,
         event_endpoint=_opt_str(d, "event_endpoint", where),
         replay_endpoint=_opt_str(d, "replay_endpoint", where),
-        metrics_url=_opt_str(d, "metrics_url", where),
+        metrics_url=_metrics_url(d, where),
         labels={str(k): str(v) for k, v in labels.items()},
         taints=list(taints),
-        dp_start=_int(d, "dp_start", 0, 0, where),
-        dp_size=_int(d, "dp_size", 1, 1, where),
+        dp_start=_int(d, "dp_start", 0, 0, where, MAX_DP_RANK - MAX_DP_SIZE),
+        dp_size=_int(d, "dp_size", 1, 1, where, MAX_DP_SIZE),
         device=device,
         kv_capacity_blocks=_int(d, "kv_capacity_blocks", 0, 0, where),
         max_batched_tokens=_int(d, "max_batched_tokens", 0, 0, where),

@@ -7,6 +7,7 @@ source, attempts, outcome, timings); JSON is built only when someone asks.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections import OrderedDict
 from typing import Any
@@ -56,7 +57,8 @@ class DecisionRecord:
         route_us: float,
     ) -> None:
         self.decision = decision
-        self.decision_id = str(decision.decision_id)
+        # random, not the router's sequence number: a trace id cannot be guessed
+        self.decision_id = secrets.token_hex(12)
         self.request_id = request_id
         self.stage = stage
         self.attempt = attempt

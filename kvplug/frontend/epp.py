@@ -39,7 +39,6 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDict
 
 from kvplug.frontend.errors import ApiError
-from kvplug.frontend.hints import hints_from_request
 from kvplug.frontend.parsing import CHAT, COMPLETIONS, parse_request
 from kvplug.request import Stage
 
@@ -235,7 +234,7 @@ class EndpointPicker(ExternalProcessorBase):
             )
         req = parse_request(bytes(stream.body), path)
         model_workers = fe._check_model(req)
-        hints = hints_from_request(req.nvext, headers)
+        hints = fe.client_hints.read(req.nvext, headers)  # --client-routing-hints applies
         fe._check_hint_workers(hints)
         if req.batch_size > 1:
             raise ApiError(

@@ -25,17 +25,22 @@ class ApiError(Exception):
         self.code = code if code is not None else str(status)
         self.param = param
         self.headers: dict[str, str] = {}  # e.g. the decision id of a request that failed
+        # the request's body was not (wholly) read: the connection cannot carry another request
+        self.close_connection = False
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.code, self.param)
 
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
-        return web.Response(
+        resp = web.Response(
             status=self.status,
             body=json.dumps(self.body()).encode(),
             content_type="application/json",
             headers={**self.headers, **(headers or {})} or None,
         )
+        if self.close_connection:
+            resp.force_close()
+        return resp
 
 
 def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> dict:

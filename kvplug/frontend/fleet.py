@@ -21,6 +21,10 @@ from kvplug.frontend.config import WorkerSpec
 log = logging.getLogger(__name__)
 
 
+def _size(n: int) -> str:
+    return str(n) if n else "unknown"  # 0 is "not known", not "none"
+
+
 class FleetSink:
     """Where one worker's adapter puts events and attributes (kvplug.adapters.WorkerSink)."""
 
@@ -194,8 +198,8 @@ class Fleet:
             log.info(
                 "worker %s: %s KV blocks, %s batched tokens (from the engine)",
                 worker_id,
-                entry.worker.kv_capacity_blocks,
-                entry.worker.max_batched_tokens,
+                _size(entry.worker.kv_capacity_blocks),
+                _size(entry.worker.max_batched_tokens),
             )
 
     def _set_liveness(self, worker_id: str, alive: bool) -> None:

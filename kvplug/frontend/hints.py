@@ -12,15 +12,23 @@ Headers win over ``nvext`` (as in Dynamo). Recognised:
 - label selector: ``nvext.labels`` (object of strings);
 - admission-queue priority: ``nvext.agent_hints.latency_sensitivity`` (seconds, >= 0; Dynamo's
   ``priority_jump``: the request counts as having arrived that much earlier).
+
+Pins, DP-rank pins, allow-lists and label selectors *steer* routing: they are read only when
+the operator trusts its clients (``kvplug serve --client-routing-hints trust``). By default
+(``ignore``) they are left unread and counted; ``reject`` refuses such requests (403).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvplug.frontend.errors import bad_request
+from kvplug.errors import ConfigError
+from kvplug.frontend.errors import ApiError, bad_request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,10 +69,40 @@ def _int(value: Any, where: str, minimum: int = 0) -> int | None:
     return value
 
 
-def hints_from_request(nvext: Mapping[str, Any] | None, headers: Mapping[str, str]) -> RequestHints:
-    """Collect the hints; ``ApiError`` (400) when one has the wrong type."""
+# kvplug serve --client-routing-hints
+HINT_POLICIES = ("ignore", "trust", "reject")
+# nvext keys that steer routing (the headers in _HEADERS all do)
+_STEERING_NVEXT = (
+    "backend_instance_id",
+    "decode_worker_id",
+    "prefill_worker_id",
+    "dp_rank",
+    "allowed_worker_ids",
+    "labels",
+)
+
+
+def steering_hints(nvext: Mapping[str, Any] | None, headers: Mapping[str, str]) -> list[str]:
+    """The routing-steering hints the request carries (header names, ``nvext.<key>``)."""
+    found = [h for h in _HEADERS if h in headers]
+    if nvext:
+        found += [f"nvext.{k}" for k in _STEERING_NVEXT if nvext.get(k) is not None]
+    return found
+
+
+def hints_from_request(
+    nvext: Mapping[str, Any] | None, headers: Mapping[str, str], steering: bool = True
+) -> RequestHints:
+    """Collect the hints; ``ApiError`` (400) when one has the wrong type. With
+    ``steering=False`` only the advisory hints (``nvext.agent_hints``) are read."""
     nv = nvext or {}
-    if not nv and not any(h in headers for h in _HEADERS):
+    if not steering:
+        agent = nv.get("agent_hints")
+        if agent is None:
+            return NO_HINTS
+        nv = {"agent_hints": agent}
+        headers = {}
+    elif not nv and not any(h in headers for h in _HEADERS):
         return NO_HINTS  # the common case costs one scan of a few header names
     header_pin = headers.get("x-kvplug-worker") or headers.get("x-worker-instance-id")
     if header_pin is not None:
@@ -134,3 +172,77 @@ _HEADERS = (
     "x-dynamo-dp-rank",
     "x-kvplug-allowed-workers",
 )
+
+
+class ClientHints:
+    """Reads a request's hints as ``--client-routing-hints`` says: ``trust`` all of them,
+    ``ignore`` the steering ones (counted per hint in ``ignored``, a Prometheus counter, and
+    logged once), or ``reject`` a request carrying any (403)."""
+
+    def __init__(self, policy: str, ignored: Any = None) -> None:
+        if policy not in HINT_POLICIES:
+            raise ConfigError(
+                f"client_routing_hints must be one of {HINT_POLICIES}, got {policy!r}"
+            )
+        self.policy = policy
+        self._ignored = ignored
+        self._children: dict[str, Any] = {}
+        self._warned = False
+
+    def read(self, nvext: Mapping[str, Any] | None, headers: Mapping[str, str]) -> RequestHints:
+        if self.policy != "trust":
+            steering = steering_hints(nvext, headers)
+            if steering:
+                if self.policy == "reject":
+                    raise ApiError(
+                        403,
+                        f"this server does not accept client routing hints ({', '.join(steering)})"
+                        "; its operator can allow them with --client-routing-hints trust",
+                        "permission_error",
+                        "routing_hints_not_allowed",
+                    )
+                self._count(steering)
+        return hints_from_request(nvext, headers, steering=self.policy == "trust")
+
+    def _count(self, steering: list[str]) -> None:
+        if self._ignored is not None:
+            for hint in steering:
+                child = self._children.get(hint)
+                if child is None:
+                    child = self._children[hint] = self._ignored.labels(hint)
+                child.inc()
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "a client sent routing hints (%s): ignored, as every later one is "
+                "(counted in kvplug_routing_hints_ignored_total); start kvplug serve with "
+                "--client-routing-hints trust to honour them",
+                ", ".join(steering),
+            )
+
+
+def check_hint_targets(hints: RequestHints, workers: Mapping[str, Any]) -> None:
+    """400 for hints naming what the fleet does not have: a pinned or allowed worker, or a DP
+    rank no candidate worker has (``workers``: worker id -> entry with ``worker.dp_ranks``)."""
+    for worker_id in hints.pins():
+        if worker_id not in workers:
+            raise bad_request(
+                f"unknown worker {worker_id!r} in the request's routing hints",
+                code="unknown_worker",
+            )
+    if hints.allowed_worker_ids is not None:
+        unknown = hints.allowed_worker_ids - workers.keys()
+        if unknown == hints.allowed_worker_ids:
+            raise bad_request(
+                f"none of the allowed workers {sorted(unknown)} is known", code="unknown_worker"
+            )
+    rank = hints.dp_rank
+    if rank is not None:  # a rank no candidate has is the same mistake as an unknown worker
+        scope = [hints.worker_id] if hints.worker_id is not None else hints.allowed_worker_ids
+        entries = workers.values() if scope is None else [workers[w] for w in scope if w in workers]
+        if not any(rank in e.worker.dp_ranks for e in entries):
+            raise bad_request(
+                f"no worker has DP rank {rank} (the request's routing hints)",
+                code="unknown_dp_rank",
+                param="dp_rank",
+            )

@@ -133,6 +133,12 @@ class FrontendMetrics:
         self.routing_errors = Counter(
             "kvplug_routing_errors", "Router refusals by class", ["error"], registry=r
         )
+        self.hints_ignored = Counter(
+            "kvplug_routing_hints_ignored",
+            "Client routing hints left unread (--client-routing-hints ignore)",
+            ["hint"],
+            registry=r,
+        )
         self.retries = Counter(
             "kvplug_retries", "Requests retried on another worker", ["stage"], registry=r
         )

@@ -17,6 +17,9 @@ from kvplug.frontend.errors import bad_request
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 MAX_TOKEN_ID = 2**32  # kvplug hashes tokens as u32
+# deeper bodies are refused: the decoders recurse (Python's limit is ~1000 frames), and so do
+# the engines' and the chat templates'; OpenAI bodies (tool schemas included) stay far below
+MAX_JSON_DEPTH = 128
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
@@ -56,14 +59,50 @@ def _check_token_ids(ids: Any, where: str) -> list[int]:
         ) from None
 
 
-def parse_request(raw: bytes, path: str) -> ParsedRequest:
-    """Parse and validate one request body for ``path``; raises ``ApiError``."""
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists/objects more than ``limit`` deep (iterative walk)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        for child in children:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
+def _deep_error() -> Exception:
+    return bad_request(
+        f"request body nests JSON more than {MAX_JSON_DEPTH} levels deep", code="json_too_deep"
+    )
+
+
+def decode_json(raw: bytes) -> Any:
+    """Decode a request body: strict JSON (no NaN/Infinity, numbers in range), at most
+    ``MAX_JSON_DEPTH`` deep; ``ApiError`` (400) otherwise."""
     if not raw:
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
     try:
-        body = _decoder.decode(raw)
+        value = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise _deep_error() from None
+    # a body can only be that deep with that many brackets: most bodies skip the walk
+    if (
+        isinstance(value, (dict, list))
+        and raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
+        and _too_deep(value, MAX_JSON_DEPTH)
+    ):
+        raise _deep_error()
+    return value
+
+
+def parse_request(raw: bytes, path: str) -> ParsedRequest:
+    """Parse and validate one request body for ``path``; raises ``ApiError``."""
+    body = decode_json(raw)
     if not isinstance(body, dict):
         raise bad_request(
             f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"

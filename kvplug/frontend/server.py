@@ -6,8 +6,7 @@ Used by ``kvplug serve``, the tests and the benchmark alike.
 from __future__ import annotations
 
 import logging
-import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -15,30 +14,63 @@ from aiohttp import web
 from kvplug.frontend.admin import build_admin_app
 from kvplug.frontend.app import Frontend, ServeSettings, build_app
 from kvplug.frontend.config import WorkerSpec
+from kvplug.frontend.listener import Listeners, is_loopback, quiet_client_faults, url_of
 from kvplug.frontend.tokens import LocalTokenizer
 
 log = logging.getLogger(__name__)
+
+_LOOPBACK_OF = {"0.0.0.0": "127.0.0.1", "::": "::1"}
 
 
 @dataclass
 class RunningFrontend:
     frontend: Frontend
-    url: str
+    url: str  # where a client on this machine reaches the API
     admin_url: str | None
     _runners: list[web.AppRunner]
+    _listeners: list[Listeners] = field(default_factory=list)
+    bound: list[str] = field(default_factory=list)  # every address the API listens on
+    admin_bound: list[str] = field(default_factory=list)
+
+    @property
+    def head_timeouts(self) -> int:
+        """Connections closed because a request head came too slowly (slow loris)."""
+        return sum(lst.head_timeouts for lst in self._listeners)
 
     async def close(self) -> None:
+        for listeners in self._listeners:
+            listeners.close()
         for runner in self._runners:
             await runner.cleanup()
         await self.frontend.close()
 
 
-def _bound_port(runner: web.AppRunner) -> int:
-    for site in runner.sites:
-        server = getattr(site, "_server", None)
-        if server is not None and server.sockets:
-            return server.sockets[0].getsockname()[1]
-    raise RuntimeError("site is not bound")
+def _local_url(addresses: list[tuple[str, int]]) -> str:
+    """A URL this machine can connect to: a wildcard bind is reached over loopback."""
+    host, port = addresses[0]
+    return url_of(_LOOPBACK_OF.get(host, host), port)
+
+
+async def _serve_app(
+    app: web.Application, host: str, port: int, settings: ServeSettings, backlog: int = 1024
+) -> tuple[web.AppRunner, Listeners]:
+    kwargs: dict[str, Any] = {}
+    header_timeout = settings.client_header_timeout
+    if header_timeout > 0:  # later heads on a kept-alive connection (kvplug/frontend/listener.py)
+        kwargs["keepalive_timeout"] = header_timeout
+    if settings.client_body_timeout > 0:
+        # after an early answer (408, 413) aiohttp reads and drops what the client still
+        # sends for this long (default 10 s) before closing: no longer than a body may take
+        kwargs["lingering_time"] = min(10.0, settings.client_body_timeout)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, **kwargs)
+    await runner.setup()
+    listeners = Listeners(runner, header_timeout)
+    try:
+        await listeners.listen(host, port, backlog)
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, listeners
 
 
 async def start_frontend(
@@ -55,38 +87,41 @@ async def start_frontend(
     default_engine: str = "vllm",
 ) -> RunningFrontend:
     """Serve on ``host:port`` (0 = any free port); the admin API only with a token."""
+    quiet_client_faults()
     frontend = Frontend(router, settings, tokenizer)
-    await frontend.start(list(specs))
+    s = frontend.settings
     runners: list[web.AppRunner] = []
+    listeners: list[Listeners] = []
     try:
-        runner = web.AppRunner(build_app(frontend), access_log=None, handle_signals=False)
-        await runner.setup()
+        await frontend.start(list(specs))  # a refusal closes what it opened (below)
+        runner, api = await _serve_app(build_app(frontend), host, port, s)
         runners.append(runner)
-        await web.TCPSite(runner, host, port, reuse_address=True, backlog=1024).start()
-        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        url = f"http://{_fmt_host(shown)}:{_bound_port(runner)}"
+        listeners.append(api)
+        url = _local_url(api.addresses())
+        bound = [url_of(h, p) for h, p in api.addresses()]
         admin_url = None
+        admin_bound: list[str] = []
         if admin_token and admin_port is not None and admin_port >= 0:
-            admin = web.AppRunner(
-                build_admin_app(frontend.fleet, admin_token, default_engine, frontend.prober),
-                access_log=None,
-                handle_signals=False,
+            admin_app = build_admin_app(
+                frontend.fleet, admin_token, default_engine, frontend.prober, s.client_body_timeout
             )
-            await admin.setup()
-            runners.append(admin)
-            await web.TCPSite(admin, admin_host, admin_port, reuse_address=True).start()
-            admin_url = f"http://{_fmt_host(admin_host)}:{_bound_port(admin)}"
+            runner, adm = await _serve_app(admin_app, admin_host, admin_port, s)
+            runners.append(runner)
+            listeners.append(adm)
+            admin_url = _local_url(adm.addresses())
+            admin_bound = [url_of(h, p) for h, p in adm.addresses()]
+            if not all(is_loopback(h) for h, _ in adm.addresses()):
+                log.warning(
+                    "the admin API listens beyond this machine (%s): anyone who can reach it "
+                    "and holds the admin token can add, drain and remove workers; keep "
+                    "--admin-host on loopback unless a network policy guards it",
+                    ", ".join(admin_bound),
+                )
     except BaseException:
+        for lst in listeners:
+            lst.close()
         for r in runners:
             await r.cleanup()
         await frontend.close()
         raise
-    return RunningFrontend(frontend, url, admin_url, runners)
-
-
-def _fmt_host(host: str) -> str:
-    try:
-        socket.inet_pton(socket.AF_INET6, host)
-        return f"[{host}]"
-    except OSError:
-        return host
+    return RunningFrontend(frontend, url, admin_url, runners, listeners, bound, admin_bound)

@@ -61,6 +61,45 @@ class TransferBoard:
         return fut
 
 
+_MAX_N = 16
+_MAX_OUTPUT_TOKENS = 4096
+
+
+def _bounded_int(value: Any, name: str, lo: int, hi: int) -> None:
+    if value is not None and (type(value) is not int or not lo <= value <= hi):
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r:.50}")
+
+
+def _check_body(body: Any, chat: bool) -> None:
+    """The fields the stub reads, checked as vLLM's pydantic models would (ValueError)."""
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    if chat:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages must be a list of objects")
+    else:
+        prompt = body["prompt"]
+        ok = isinstance(prompt, str) or (
+            isinstance(prompt, list)
+            and (
+                all(type(t) is int for t in prompt)
+                or all(isinstance(p, str) for p in prompt)
+                or all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompt)
+            )
+        )
+        if not ok:
+            raise ValueError("prompt must be a string, token ids, strings or token-id lists")
+    _bounded_int(body.get("n"), "n", 1, _MAX_N)
+    for name in ("max_tokens", "max_completion_tokens"):
+        _bounded_int(body.get(name), name, 0, _MAX_OUTPUT_TOKENS)
+    if not isinstance(body.get("stream", False), (bool, type(None))):
+        raise ValueError("stream must be a boolean")
+    for name in ("kv_transfer_params", "stream_options"):
+        if body.get(name) is not None and not isinstance(body[name], dict):
+            raise ValueError(f"{name} must be an object")
+
+
 class StubEngine:
     def __init__(
         self,
@@ -205,7 +244,12 @@ class StubEngine:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await request.read()
-        body = json.loads(raw)
+        try:
+            body = json.loads(raw)
+            _check_body(body, chat)
+        except (ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:
+            # as vLLM's request validation answers a malformed body
+            return self._error(400, f"invalid request: {type(exc).__name__}: {exc}"[:500])
         if self.record_requests:
             self.requests.append(
                 {"path": request.path, "headers": CIMultiDict(request.headers), "body": body}

@@ -99,6 +99,13 @@ def chained_block_hashes(tokens: list[int], block_size: int) -> list[int]:
     return out
 
 
+def _zmq_host(host: str) -> str:
+    """--host as a ZMQ bind address: a wildcard is ``*``, an IPv6 literal goes in brackets."""
+    if host in ("", "0.0.0.0", "::", "*"):
+        return "*"
+    return f"[{host}]" if ":" in host else host
+
+
 @dataclass
 class FleetOptions:
     engines: int = 2
@@ -182,18 +189,27 @@ class SimServer:
         )
         self.port = opts.base_port + index
         self.topic = opts.topic
+        # the sockets bind on --host only; what /v1/kv_events_sources advertises is vLLM's
+        # wildcard form ("the engine binds; connect to its host"), as a real engine reports it
+        bind_host = _zmq_host(opts.host)
+        events_port = opts.events_base_port + index
+        replay_port = opts.replay_base_port + index
         if opts.events_connect:
             # every engine connects to one router-bound SUB: the topic tells them apart
             self.endpoint = opts.events_connect
             self.topic = f"{opts.topic}.{self.worker_id}"
+            pub_bind = None
         else:
-            self.endpoint = f"tcp://*:{opts.events_base_port + index}"
-        self.replay_endpoint = f"tcp://*:{opts.replay_base_port + index}"
+            self.endpoint = f"tcp://*:{events_port}"
+            pub_bind = f"tcp://{bind_host}:{events_port}"
+        self.replay_endpoint = f"tcp://*:{replay_port}"
+        self.bound = [pub_bind or self.endpoint, f"tcp://{bind_host}:{replay_port}"]
         self.publisher = VllmEventPublisher(
-            self.endpoint,
-            replay_endpoint=self.replay_endpoint,
+            pub_bind or self.endpoint,
+            replay_endpoint=self.bound[1],
             topic=self.topic,
             version=opts.vllm_version,
+            bind=True if pub_bind else None,
         )
         self.streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
@@ -616,8 +632,8 @@ def describe(servers: list[SimServer]) -> str:
     lines = []
     for s in servers:
         lines.append(
-            f"{s.worker_id}: http://{s.opts.host}:{s.port}  events {s.endpoint} topic "
-            f"{s.topic!r}  replay {s.replay_endpoint}  block size {s.opts.block_size}, "
+            f"{s.worker_id}: http://{s.opts.host}:{s.port}  events {s.bound[0]} topic "
+            f"{s.topic!r}  replay {s.bound[1]}  block size {s.opts.block_size}, "
             f"{s.engine.cache.capacity} blocks"
         )
     return "\n".join(lines)
