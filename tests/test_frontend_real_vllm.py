@@ -59,6 +59,8 @@ def fleet():
         serve = subprocess.Popen(
             serve_command(
                 port,
+                "--client-routing-hints",  # the tests pin requests to engines
+                "trust",
                 "--kv-block-size",
                 "32",
                 "--tokenizer",

@@ -35,7 +35,11 @@ def doc(seed: int, blocks: int = 6) -> list[int]:
 async def test_one_index_routes_a_mixed_fleet():
     router = Router(RouterConfig(kv_block_size=BS), rng=random.Random(0))
     running = await start_frontend(
-        router, [], ServeSettings(health_interval=0.5), admin_token=TOKEN, admin_port=0
+        router,
+        [],
+        ServeSettings(health_interval=0.5, client_routing_hints="trust"),  # pins steer
+        admin_token=TOKEN,
+        admin_port=0,
     )
     port, events, replay = free_ports(3)
     vllm = SimServer(

@@ -132,6 +132,8 @@ def pd_fleet():
         serve = subprocess.Popen(
             serve_command(
                 ports[8],
+                "--client-routing-hints",  # the tests pin requests to engines
+                "trust",
                 "--kv-block-size",
                 "32",
                 "--tokenizer",

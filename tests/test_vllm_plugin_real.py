@@ -92,6 +92,8 @@ def fleet(tmp_path_factory):
             serve = subprocess.Popen(
                 serve_command(
                     port,
+                    "--client-routing-hints",  # the tests pin requests to engines
+                    "trust",
                     "--kv-block-size",
                     "32",
                     "--tokenizer",
