@@ -79,6 +79,7 @@ class ServeSettings:
     engine_tokenize: bool = True
     api_key: str | None = None  # clients must send "Authorization: Bearer <key>" to /v1/*
     engine_api_key: str | None = None  # sent to the engines instead of the client's header
+    trtllm_booking_seconds: float = 1.0  # load held per TRT-LLM remote_http placement
 
 
 @dataclass(slots=True)
@@ -876,5 +877,9 @@ def build_app(frontend: Frontend) -> web.Application:
     app.router.add_get("/ready", frontend.handle_ready)
     app.router.add_get("/metrics", frontend.handle_metrics)
     app.router.add_get("/kvplug/decisions/{decision_id}", frontend.handle_decision)
+    # TRT-LLM's `router: {type: remote_http}` protocol (trtllm-serve disaggregated)
+    from kvplug.integrations.trtllm.remote_router import TrtllmRemoteRouter
+
+    TrtllmRemoteRouter(frontend).add_routes(app)
     app[FRONTEND_KEY] = frontend
     return app
