@@ -267,3 +267,17 @@ async def test_no_worker_left_is_503_which_upstream_raises_as_valueerror():
         server, _, _ = await get_next_server(h.session, remote, ctx)
         with pytest.raises(ValueError, match="remote router returned 503"):
             await get_next_server(h.session, remote, ctx, exclude_server=server)
+
+
+async def test_finish_request_releases_a_placement_once():
+    async with serving(PD) as h:
+        ctx = completion_dump(prompt(2, 11), 1, disagg_params_dump("context_only"))
+        async with h.session.post(h.url + "/trtllm/context/get_next_server", json=ctx) as resp:
+            placement = (await resp.json())["request_id"]
+        assert h.router.stats()["active_requests"] == 1
+        for released in (True, False):  # the second report finds nothing left to release
+            resp, raw = await h.post("/trtllm/finish_request", {"request_id": placement})
+            assert resp.status == 200 and json.loads(raw) == {"released": released}
+            h.assert_idle()
+        resp, raw = await h.post("/trtllm/finish_request", {"request_id": 5})
+        assert resp.status == 400 and json.loads(raw)["error"]["param"] == "request_id"

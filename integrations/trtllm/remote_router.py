@@ -87,10 +87,33 @@ class TrtllmRemoteRouter:
         self.frontend = frontend
         self.booking_seconds = frontend.settings.trtllm_booking_seconds
         self._keys = itertools.count(1)
+        self._bookings: dict[str, asyncio.TimerHandle] = {}  # placement -> its release
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/get_next_server", self.handle)
         app.router.add_post("/trtllm/{role}/get_next_server", self.handle)
+        app.router.add_post("/trtllm/finish_request", self.handle_finish)
+
+    async def handle_finish(self, request: web.Request) -> web.Response:
+        """``{"request_id": ID}``: the placement ``ID`` ended; its load is released now
+        instead of at the end of the booking (kvplug's TRT-LLM import hook sends this from
+        ``Router.finish_request``; upstream's RemoteHttpRouter does not)."""
+        try:
+            body = self._decode(await self.frontend._read_body(request))
+            route_id = body.get("request_id")
+            if not isinstance(route_id, str):
+                raise bad_request("'request_id' must be a string", param="request_id")
+        except ApiError as exc:
+            return exc.response()
+        timer = self._bookings.pop(route_id, None)
+        if timer is not None:
+            timer.cancel()
+            self.frontend.router.on_finish(route_id)
+        return web.json_response({"released": timer is not None})
+
+    def _release(self, route_id: str) -> None:
+        if self._bookings.pop(route_id, None) is not None:
+            self.frontend.router.on_finish(route_id)
 
     # -- the request --------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.Response:
@@ -145,13 +168,16 @@ class TrtllmRemoteRouter:
             ) from None
         except (InvalidRequest, InvalidTokens) as exc:
             raise bad_request(str(exc), code="invalid_request") from None
-        asyncio.get_running_loop().call_later(self.booking_seconds, fe.router.on_finish, route_id)
+        self._bookings[route_id] = asyncio.get_running_loop().call_later(
+            self.booking_seconds, self._release, route_id
+        )
         entry = fe.fleet.workers[decision.worker_id]
         answer: dict[str, Any] = {
             "server": server_name(entry.url_base),
             "matched_blocks": int(decision.overlap_blocks),
             "route_hint": None,
             "worker_id": decision.worker_id,
+            "request_id": route_id,  # for POST /trtllm/finish_request
         }
         # upstream turns a route_hint on a request without disaggregated_params into a
         # context_only request: only a disaggregated hop gets one
