@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib
 import threading
 
@@ -25,11 +26,16 @@ from kvplug.frontend.config import load_worker_config
 from kvplug.testing import free_port
 
 
+@functools.cache
+def _kvplug_parser():
+    return build_parser()
+
+
 def _serve_ok(launch, tmp_path):
     """kvplug serve's own parser accepts what the launcher produced."""
     path = tmp_path / "w.yaml"
     path.write_text(yaml.safe_dump(launch.workers))
-    args = build_parser().parse_args(launch.serve + ["--worker-config", str(path)])
+    args = _kvplug_parser().parse_args(launch.serve + ["--worker-config", str(path)])
     return args, load_worker_config(path, "sglang")
 
 
@@ -216,10 +222,15 @@ UPSTREAM = {
 }
 
 
-def upstream_actions(package: str) -> list[argparse.Action]:
+def upstream_parser(package: str) -> argparse.ArgumentParser:
+    """The router's own parser, as its launch_router.parse_router_args builds it."""
     module = importlib.import_module(UPSTREAM[package])
     parser = argparse.ArgumentParser()
     module.RouterArgs.add_cli_args(parser, use_router_prefix=False)
+    return parser
+
+
+def upstream_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for a in parser._actions if a.option_strings and "--help" not in a.option_strings]
 
 
@@ -243,16 +254,10 @@ def sample_argv(action: argparse.Action, flag: str) -> list[str]:
     return [flag, value]
 
 
-def _check_upstream_parses(package: str, argv: list[str]) -> None:
-    module = importlib.import_module(UPSTREAM[package])
-    parser = argparse.ArgumentParser()
-    module.RouterArgs.add_cli_args(parser, use_router_prefix=False)
-    parser.parse_args(argv)  # the sample is a valid upstream command line
-
-
 @pytest.mark.parametrize("package", sorted(UPSTREAM))
 def test_every_upstream_flag_is_mapped_or_accepted_with_a_reason(package, tmp_path):
-    actions = upstream_actions(package)
+    parser = upstream_parser(package)
+    actions = upstream_actions(parser)
     flags = {flag for a in actions for flag in a.option_strings}
     assert flags <= all_flags(), f"not in router_flags.py: {sorted(flags - all_flags())}"
     base = ["--worker-urls", "http://w:1", "--kv-block-size", "16"]
@@ -260,7 +265,7 @@ def test_every_upstream_flag_is_mapped_or_accepted_with_a_reason(package, tmp_pa
     for action in actions:
         for flag in action.option_strings:
             argv = sample_argv(action, flag)
-            _check_upstream_parses(package, argv)
+            parser.parse_args(argv)  # the sample is a valid upstream command line
             extra = []
             if flag in ("--prefill", "--decode", "--pd-disaggregation"):
                 extra = ["--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1"]

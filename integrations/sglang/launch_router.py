@@ -44,6 +44,7 @@ serve`` unchanged (``--kv-block-size 16 --tokenizer /models/qwen --router-mode .
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -124,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
         # SUPPRESS: only the flags actually given appear in the namespace
         p.add_argument(flag, dest=_dest(flag), default=argparse.SUPPRESS, **_ARITY_KWARGS[arity])
     return p
+
+
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    return build_parser()  # ~250 options: built once per process
 
 
 @dataclass
@@ -255,7 +261,7 @@ def _serving_flags(args: argparse.Namespace, rest: list[str], notes: list[str]) 
 
 def translate(argv: list[str]) -> Launch:
     """The ``kvplug serve`` launch for an sglang-router / smg command line."""
-    args, rest = build_parser().parse_known_args(argv)
+    args, rest = _parser().parse_known_args(argv)
     notes: list[str] = []
     backend = args.backend or "sglang"
     engine = BACKEND_ENGINES.get(backend)
