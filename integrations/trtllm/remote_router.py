@@ -27,6 +27,9 @@ The orchestrator's ``RemoteHttpRouter.finish_request`` tells nobody when a reque
 kvplug books each placement's load for ``ServeSettings.trtllm_booking_seconds`` (default 1 s,
 two of the TRT-LLM adapter's load scrapes) and then releases it: the booking only keeps a
 burst of requests from piling onto one worker until the engines' own load figures catch up.
+Every answer names its placement (``request_id``, ignored by upstream); ``POST
+/trtllm/finish_request {"request_id": ID}`` releases it at once (kvplug's import hook for
+older TRT-LLM builds, ``hook.py``, sends it from ``Router.finish_request``).
 
 The ``/select`` variant of upstream's router server (block hashes computed by the
 orchestrator) is not served: kvplug hashes token ids with its own hash, TRT-LLM's block keys
