@@ -12,6 +12,30 @@ from glob import glob
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+# one line run at interpreter start: installs kvplug's TRT-LLM router hook only where
+# KVPLUG_TRTLLM_HOOK is set (integrations/trtllm/hook.py); the only file outside kvplug/
+HOOK_PTH = "kvplug_trtllm.pth"
+
+
+class BuildPyWithHook(build_py):
+    """build_py that also puts ``kvplug_trtllm.pth`` at the wheel's root (site-packages)."""
+
+    def run(self):
+        super().run()
+        if os.path.exists(HOOK_PTH):
+            self.copy_file(HOOK_PTH, os.path.join(self.build_lib, HOOK_PTH))
+
+    def get_outputs(self, include_bytecode=True):
+        extra = [os.path.join(self.build_lib, HOOK_PTH)] if os.path.exists(HOOK_PTH) else []
+        return super().get_outputs(include_bytecode) + extra
+
+    def get_output_mapping(self):
+        mapping = super().get_output_mapping()
+        if os.path.exists(HOOK_PTH):
+            mapping[os.path.join(self.build_lib, HOOK_PTH)] = HOOK_PTH
+        return mapping
 
 
 def _flag(name: str) -> bool:
@@ -64,9 +88,10 @@ vllm_fastwire = (
 )
 
 setup(
+    cmdclass={"build_py": BuildPyWithHook},
     ext_modules=cythonize(
         [core] + ([vllm_fastwire] if os.path.exists("integrations/vllm/_fastwire.pyx") else []),
         compiler_directives={"language_level": "3"},
         force=sanitize or debug,
-    )
+    ),
 )

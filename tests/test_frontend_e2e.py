@@ -626,3 +626,15 @@ async def test_approximate_mode_for_engines_without_events():
                 resp, _ = await h.complete(p + prompt(1, 99))
                 assert resp.headers["x-kvplug-worker"] == homes[name]
         h.assert_idle()
+
+
+async def test_an_engine_without_tokenize_is_not_asked_again():
+    async with serving(2, settings=ServeSettings(health_interval=0)) as h:
+        for engine in h.engines.values():
+            engine.has_tokenize = False
+        for _ in range(4):
+            resp, raw = await h.complete("a text prompt that needs token ids")
+            assert resp.status == 200, raw
+        # each engine answered 404 once; later text requests go straight to load routing
+        assert [e.tokenize_calls for e in h.engines.values()] == [1, 1]
+        h.assert_idle()

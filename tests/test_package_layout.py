@@ -43,3 +43,16 @@ def test_wheel_declares_only_kvplug_packages():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert all(p == "kvplug" or p.startswith("kvplug.") for p in cfg["packages"])
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+def test_the_only_file_outside_kvplug_is_the_one_line_hook_pth():
+    # setup.py's build_py puts kvplug_trtllm.pth at the wheel root (site-packages); it must
+    # keep the kvplug name, stay one line, and reach the sdist (MANIFEST.in)
+    setup = (ROOT / "setup.py").read_text()
+    assert 'HOOK_PTH = "kvplug_trtllm.pth"' in setup
+    pth = (ROOT / "kvplug_trtllm.pth").read_text()
+    assert pth.count("\n") == 1 and pth.startswith("import os; ")
+    assert "KVPLUG_TRTLLM_HOOK" in pth and "kvplug.integrations.trtllm.hook" in pth
+    assert "include kvplug_trtllm.pth" in (ROOT / "MANIFEST.in").read_text()
+    stray = [p.name for p in ROOT.glob("*.pth") if not p.name.startswith("kvplug")]
+    assert not stray, stray

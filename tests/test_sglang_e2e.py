@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from kvplug.frontend.stub_engine import StubEngine, TransferBoard
 from kvplug.testing import free_ports, stop_process, wait_ready_async
@@ -74,3 +75,54 @@ async def test_pd_request_through_the_launcher(tmp_path):
         stop_process(proc, timeout=10, sig=signal.SIGTERM)
         await prefill.stop()
         await decode.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_an_sglang_router_command_line_runs_unchanged(tmp_path):
+    """sglang-router's own flags (no --kv-block-size: the block size comes from the engine's
+    /server_info, SGLang's default page size 1), --api-key to the engines, metrics on
+    --prometheus-port, a log file in --log-dir."""
+    engine = StubEngine("w", block_size=1)
+
+    async def server_info(request):
+        return web.json_response({"page_size": 1, "model_path": "stub-model"})
+
+    engine.app.router.add_get("/server_info", server_info)
+    url = await engine.start()
+    port, admin_port, prom_port = free_ports(3)
+    log_dir = tmp_path / "logs"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    stderr = tmp_path / "stderr"
+    # the command line of sglang_router.launch_router, plus kvplug's --admin-port
+    argv = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", url]
+    argv += ["--policy", "cache_aware", "--api-key", "engine-key", "--log-level", "info"]
+    argv += ["--log-dir", str(log_dir), "--prometheus-port", str(prom_port)]
+    argv += ["--prometheus-host", "127.0.0.1", "--request-timeout-secs", "60"]
+    argv += ["--max-concurrent-requests", "64", "--disable-circuit-breaker"]
+    argv += ["--health-check-interval-secs", "5", "--request-id-headers", "x-request-id"]
+    argv += ["--worker-startup-timeout-secs", "30", "--admin-port", str(admin_port)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvplug.integrations.sglang.launch_router", *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(stderr, "w"),
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        await wait_ready_async(base + "/health", proc=proc, timeout=60, interval=0.1, log=stderr)
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "stub-model", "prompt": [1, 2, 3, 4, 5], "max_tokens": 2}
+            async with session.post(base + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, (await resp.text(), stderr.read_text()[-3000:])
+            async with session.get(f"http://127.0.0.1:{prom_port}/metrics") as resp:
+                metrics = await resp.text()
+                assert resp.status == 200 and "kvplug_" in metrics, metrics[:500]
+        sent = [r for r in engine.requests if r["path"].endswith("/completions")]
+        assert sent and sent[-1]["headers"]["Authorization"] == "Bearer engine-key"
+        logged = (log_dir / "kvplug-router.log").read_text()
+        assert "block size 1" in logged, logged[-3000:]
+        assert "--max-concurrent-requests" in logged and "--disable-circuit-breaker" in logged
+    finally:
+        stop_process(proc, timeout=10, sig=signal.SIGTERM)
+        await engine.stop()

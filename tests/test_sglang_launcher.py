@@ -1,25 +1,46 @@
-"""The sglang-router compatible launcher: flag translation into ``kvplug serve``."""
+"""The sglang-router / smg compatible launcher: flag translation into ``kvplug serve``, the
+block size read from the workers, and the full flag lists of sglang-router 0.3.2 and smg 1.13
+(their own argument parsers) accepted."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import functools
+import importlib
+import threading
+
 import pytest
 import yaml
-from kvplug.integrations.sglang.launch_router import translate
+from aiohttp import web
+from kvplug.integrations.sglang.launch_router import (
+    discover_block_size,
+    start_metrics_relay,
+    translate,
+)
+from kvplug.integrations.sglang.router_flags import IGNORED, MAPPED, all_flags
 
 from kvplug.cli import build_parser
 from kvplug.errors import ConfigError
 from kvplug.frontend.config import load_worker_config
+from kvplug.testing import free_port
 
 
-def _serve_ok(serve, workers, tmp_path):
+@functools.cache
+def _kvplug_parser():
+    return build_parser()
+
+
+def _serve_ok(launch, tmp_path):
+    """kvplug serve's own parser accepts what the launcher produced."""
     path = tmp_path / "w.yaml"
-    path.write_text(yaml.safe_dump(workers))
-    args = build_parser().parse_args(serve + ["--worker-config", str(path)])
+    path.write_text(yaml.safe_dump(launch.workers))
+    args = _kvplug_parser().parse_args(launch.serve + ["--worker-config", str(path)])
     return args, load_worker_config(path, "sglang")
 
 
 def test_aggregated_workers_and_policy(tmp_path):
-    serve, workers, notes = translate(
+    launch = translate(
         [
             "--host",
             "127.0.0.1",
@@ -36,7 +57,7 @@ def test_aggregated_workers_and_policy(tmp_path):
             "16",
         ]
     )
-    assert serve[:7] == [
+    assert launch.serve[:7] == [
         "serve",
         "--host",
         "127.0.0.1",
@@ -45,20 +66,42 @@ def test_aggregated_workers_and_policy(tmp_path):
         "--worker-engine",
         "sglang",
     ]
-    assert workers == {
+    assert launch.workers == {
         "workers": [
             {"url": "http://127.0.0.1:30001", "engine": "sglang"},
             {"url": "http://127.0.0.1:30002", "engine": "sglang"},
         ]
     }
-    args, specs = _serve_ok(serve, workers, tmp_path)
+    args, specs = _serve_ok(launch, tmp_path)
     assert args.router_mode == "round-robin" and args.port == 30000
+    assert args.kv_block_size == 16
     assert [s.role for s in specs] == ["both", "both"]
-    assert any("--cache-threshold" in n for n in notes)
+    assert any("--cache-threshold" in n and "prefix tree" in n for n in launch.notes)
+
+
+@pytest.mark.parametrize(
+    ("policy", "mode"),
+    [
+        ("kvplug", "kv"),
+        ("cache_aware", "kv"),
+        ("least_load", "least-loaded"),
+        ("power_of_two", "power-of-two"),
+        ("random", "random"),
+        ("consistent_hashing", "kv"),
+    ],
+)
+def test_policies(policy, mode, tmp_path):
+    launch = translate(["--worker-urls", "http://a:1", "--policy", policy, "--block-size", "1"])
+    args, _ = _serve_ok(launch, tmp_path)
+    assert args.router_mode == mode
+    assert args.kv_block_size == 1  # smg's --block-size
+    assert (policy == "consistent_hashing") == any(
+        "no kvplug equivalent" in n for n in launch.notes
+    )
 
 
 def test_pd_flags_become_roles_and_bootstrap_ports(tmp_path):
-    serve, workers, notes = translate(
+    launch = translate(
         [
             "--pd-disaggregation",
             "--prefill",
@@ -78,7 +121,7 @@ def test_pd_flags_become_roles_and_bootstrap_ports(tmp_path):
             "--dp-aware",
         ]
     )
-    args, specs = _serve_ok(serve, workers, tmp_path)
+    args, specs = _serve_ok(launch, tmp_path)
     assert args.router_mode == "kv"  # cache_aware
     assert [(s.url, s.role) for s in specs] == [
         ("http://10.0.0.1:30000", "prefill"),
@@ -89,13 +132,58 @@ def test_pd_flags_become_roles_and_bootstrap_ports(tmp_path):
     ]
     assert [s.options.get("bootstrap_port", "-") for s in specs] == [9000, None, 8998, "-", "-"]
     assert all(s.options.get("dp_aware") for s in specs)
-    assert any("policies" in n for n in notes)
+    assert any("policies" in n for n in launch.notes)
+
+
+def test_mapped_serving_flags(tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    launch = translate(
+        [
+            "--worker-urls",
+            "http://a:1",
+            "--api-key",
+            "engine-secret",
+            "--log-level",
+            "warn",
+            "--request-timeout-secs",
+            "30",
+            "--max-payload-size",
+            "1000",
+            "--disable-retries",
+            "--health-check-interval-secs",
+            "7",
+            "--health-check-timeout-secs",
+            "3",
+            "--tokenizer-path",
+            str(tok),
+            "--model-alias",
+            "m1",
+            "--model-alias",
+            "m2",
+            "--backend",
+            "vllm",
+            "--kv-block-size",
+            "16",
+        ]
+    )
+    args, specs = _serve_ok(launch, tmp_path)
+    assert args.engine_api_key == "engine-secret" and args.api_key != "engine-secret"
+    assert args.log_level == "warning"
+    assert args.request_timeout == 30 and args.max_body_bytes == 1000 and args.retries == 0
+    assert args.health_interval == 7 and args.health_timeout == 3
+    assert args.tokenizer == str(tok)
+    assert args.served_model_name == ["m1", "m2"]
+    assert args.worker_engine == "vllm" and specs[0].engine == "vllm"
+    off = translate(["--worker-urls", "http://a:1", "--disable-health-check", "--model", "Qwen/X"])
+    args, _ = _serve_ok(off, tmp_path)
+    assert args.health_interval == 0 and args.tokenizer is None
+    assert any("not a local directory" in n for n in off.notes)
 
 
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["--api-key", "secret", "--worker-urls", "http://a:1"], "api-key"),
         (["--pd-disaggregation", "--prefill", "http://a:1"], "at least one"),
         (["--prefill", "http://a:1"], "need --pd-disaggregation"),
         (
@@ -106,13 +194,181 @@ def test_pd_flags_become_roles_and_bootstrap_ports(tmp_path):
             ["--pd-disaggregation", "--prefill", "http://a:1", "1", "2", "--decode", "http://b:1"],
             "URL \\[BOOTSTRAP_PORT",
         ),
+        (["--worker-urls", "http://a:1", "--log-level", "loud"], "--log-level"),
+        (["--worker-urls", "http://a:1", "--request-timeout-secs", "soon"], "not an integer"),
     ],
 )
-def test_bad_flags_are_refused(argv, match):
+def test_bad_values_are_refused(argv, match):
     with pytest.raises(ConfigError, match=match):
         translate(argv)
 
 
-def test_explicit_router_mode_wins():
-    serve, _, _ = translate(["--worker-urls", "http://a:1", "--router-mode", "least-loaded"])
-    assert serve.count("--router-mode") == 1 and "least-loaded" in serve
+def test_explicit_kvplug_arguments_win():
+    launch = translate(
+        ["--worker-urls", "http://a:1", "--router-mode", "least-loaded", "--retries", "3"]
+        + ["--retry-max-retries", "5"]
+    )
+    assert launch.serve.count("--router-mode") == 1 and "least-loaded" in launch.serve
+    assert (
+        launch.serve.count("--retries") == 1
+        and launch.serve[launch.serve.index("--retries") + 1] == "3"
+    )
+
+
+# -- sglang-router's and smg's own argument parsers ------------------------------------------
+UPSTREAM = {
+    "sglang_router": "sglang_router.router_args",  # sglang-router 0.3.2
+    "smg": "smg.router_args",  # smg 1.13
+}
+
+
+def upstream_parser(package: str) -> argparse.ArgumentParser:
+    """The router's own parser, as its launch_router.parse_router_args builds it."""
+    module = importlib.import_module(UPSTREAM[package])
+    parser = argparse.ArgumentParser()
+    module.RouterArgs.add_cli_args(parser, use_router_prefix=False)
+    return parser
+
+
+def upstream_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and "--help" not in a.option_strings]
+
+
+def sample_argv(action: argparse.Action, flag: str) -> list[str]:
+    """``flag`` with a value its upstream parser accepts."""
+    if action.nargs == 0:
+        return [flag]
+    if flag in ("--prefill", "--encode"):
+        return [flag, "http://p:1", "9000"]
+    if flag == "--decode":
+        return [flag, "http://d:1"]
+    if action.choices:
+        value = str(next(iter(action.choices)))
+    elif action.type in (int, float) or getattr(action.type, "__name__", "") in (
+        "_non_negative_int",
+        "_parse_int_csv",
+    ):
+        value = "1"
+    else:
+        value = "x"
+    return [flag, value]
+
+
+@pytest.mark.parametrize("package", sorted(UPSTREAM))
+def test_every_upstream_flag_is_mapped_or_accepted_with_a_reason(package, tmp_path):
+    parser = upstream_parser(package)
+    actions = upstream_actions(parser)
+    flags = {flag for a in actions for flag in a.option_strings}
+    assert flags <= all_flags(), f"not in router_flags.py: {sorted(flags - all_flags())}"
+    base = ["--worker-urls", "http://w:1", "--kv-block-size", "16"]
+    everything: list[str] = []
+    for action in actions:
+        for flag in action.option_strings:
+            argv = sample_argv(action, flag)
+            parser.parse_args(argv)  # the sample is a valid upstream command line
+            extra = []
+            if flag in ("--prefill", "--decode", "--pd-disaggregation"):
+                extra = ["--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1"]
+            launch = translate(argv + extra + base)  # never raises: nothing is rejected
+            _serve_ok(launch, tmp_path)  # nothing leaked into kvplug serve's arguments
+            if flag in IGNORED:
+                assert any(flag in n and ": " in n for n in launch.notes), (flag, launch.notes)
+            else:
+                assert flag in MAPPED or flag.startswith("--no-"), flag
+            if flag not in ("--prefill", "--decode", "--encode", "--model-alias"):
+                everything += argv
+    # and the whole list at once
+    launch = translate(
+        everything + ["--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1"]
+    )
+    _serve_ok(launch, tmp_path)
+
+
+# -- the block size from the workers' /server_info -------------------------------------------
+class FakeSglang:
+    """``/server_info`` as SGLang answers it (server args echoed; ``kv_events`` on >= 0.5.20)."""
+
+    def __init__(self, info: dict | None, missing: bool = False) -> None:
+        self.info = info
+        self.missing = missing
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        app = web.Application()
+
+        async def server_info(request):
+            if self.missing:
+                raise web.HTTPNotFound()
+            return web.json_response(self.info)
+
+        app.router.add_get("/server_info", server_info)
+        app.router.add_get("/get_server_info", server_info)
+        runner = web.AppRunner(app)
+        self._loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", self.port)
+        self._loop.run_until_complete(site.start())
+        self._runner = runner
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(runner.cleanup())
+
+    def __enter__(self):
+        self._thread.start()
+        self._ready.wait(5)
+        return self
+
+    def __exit__(self, *exc):
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+def test_block_size_is_sglangs_default_page_size_1():
+    with FakeSglang({"page_size": 1, "model_path": "m"}) as w:
+        assert discover_block_size([w.url], timeout=5, interval=0.1) == 1
+
+
+def test_kv_events_block_size_wins_and_workers_must_agree():
+    kv = {"endpoint_port_base": 5557, "block_size": 32, "dp_size": 1, "topic": "kv"}
+    with FakeSglang({"page_size": 16, "kv_events": kv}) as a, FakeSglang({"page_size": 32}) as b:
+        assert discover_block_size([a.url, b.url], timeout=5, interval=0.1) == 32
+    with FakeSglang({"page_size": 16}) as a, FakeSglang({"page_size": 64}) as b:
+        with pytest.raises(ConfigError, match="different page sizes"):
+            discover_block_size([a.url, b.url], timeout=5, interval=0.1)
+
+
+def test_a_worker_without_server_info_leaves_kvplugs_default():
+    with FakeSglang(None, missing=True) as w:
+        assert discover_block_size([w.url], timeout=5, interval=0.1) is None
+
+
+def test_no_worker_up_times_out_with_a_clear_error():
+    with pytest.raises(ConfigError, match="--worker-startup-timeout-secs"):
+        discover_block_size([f"http://127.0.0.1:{free_port()}"], timeout=0.3, interval=0.1)
+
+
+def test_metrics_relay_serves_the_api_ports_metrics():
+    import urllib.error
+    import urllib.request
+
+    with FakeSglang({"page_size": 1}) as source:  # any HTTP source: relays its /server_info
+        port = free_port()
+        relay = start_metrics_relay("127.0.0.1", port, source.url + "/server_info")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                assert r.status == 200 and b'"page_size"' in r.read()
+            with pytest.raises(urllib.error.HTTPError, match="404"):
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=5)
+        finally:
+            relay.shutdown()
+            relay.server_close()
+    with pytest.raises(ConfigError, match="prometheus"):
+        busy = start_metrics_relay("127.0.0.1", 0, "http://127.0.0.1:1/metrics")
+        try:
+            start_metrics_relay("127.0.0.1", busy.server_address[1], "http://127.0.0.1:1/")
+        finally:
+            busy.shutdown()
+            busy.server_close()

@@ -1,89 +1,166 @@
-"""Drop-in for ``python -m sglang_router.launch_router``: the same flags, kvplug underneath.
+"""Drop-in for ``python -m sglang_router.launch_router`` / ``python -m smg.launch_router``: the
+same command line, kvplug underneath.
 
     python -m kvplug.integrations.sglang.launch_router --host 127.0.0.1 --port 30000 \\
-        --worker-urls http://127.0.0.1:30001 http://127.0.0.1:30002 --kv-block-size 16
+        --worker-urls http://127.0.0.1:30001 http://127.0.0.1:30002 --policy kvplug
 
     python -m kvplug.integrations.sglang.launch_router --pd-disaggregation \\
         --prefill http://10.0.0.1:30000 8998 --prefill http://10.0.0.2:30000 none \\
         --decode http://10.0.0.3:30000 --decode http://10.0.0.4:30000 --port 30000
 
-Accepted ``sglang-router`` flags and what kvplug does with them:
+Every flag of sglang-router 0.3.2 and smg 1.13 is accepted (``router_flags.py``). Mapped:
 
-* ``--host``, ``--port``, ``--worker-urls``: the OpenAI API address and the (aggregated)
-  SGLang workers;
-* ``--pd-disaggregation``, ``--prefill URL [BOOTSTRAP_PORT|none]``, ``--decode URL``: prefill
-  and decode workers; the bootstrap port (default 8998) becomes the prefill worker's
-  ``bootstrap_port`` option; ``--dp-aware`` sends ``routed_dp_rank`` on both hops;
-* ``--policy`` / ``--prefill-policy`` / ``--decode-policy``: ``cache_aware`` (the default)
-  becomes kvplug's event-driven ``kv`` mode; ``random``, ``round_robin`` and
-  ``power_of_two`` map to kvplug's modes of the same meaning; others fall back to ``kv``.
-  kvplug routes both PD stages with one mode, so a differing prefill/decode policy is noted;
-* ``--cache-threshold``, ``--balance-abs-threshold``, ``--balance-rel-threshold``,
-  ``--eviction-interval-secs``, ``--max-tree-size``: accepted and unused (they tune
-  sglang-router's approximate character tree; kvplug reads the engines' real KV events);
-* ``--prometheus-host`` / ``--prometheus-port``: accepted; kvplug serves ``/metrics`` on the
-  API port;
-* ``--api-key``: **refused** — kvplug's frontend has no client authentication, and silently
-  serving without it would be worse than stopping.
+* ``--host``, ``--port``: the OpenAI API address; ``--worker-urls`` (aggregated workers),
+  ``--pd-disaggregation`` with ``--prefill URL [BOOTSTRAP_PORT|none]`` (default port 8998,
+  the prefill worker's ``bootstrap_port`` option) and ``--decode URL``; ``--dp-aware`` sends
+  ``routed_dp_rank`` on both hops;
+* ``--policy`` (``--prefill-policy``, ``--decode-policy``): ``kvplug`` and ``cache_aware`` (the
+  default) → kvplug's event-driven ``kv`` mode, also ``prefix_hash``; ``random``,
+  ``round_robin``, ``power_of_two``, ``least_load`` → kvplug's ``random``, ``round-robin``,
+  ``power-of-two``, ``least-loaded``; the rest → ``kv`` with a note. kvplug routes both PD
+  stages with one mode;
+* ``--api-key`` (sglang-router: "the api key used for the authorization with the worker") →
+  ``--engine-api-key``; ``--log-level`` (``warn`` → ``warning``); ``--log-dir`` (a
+  ``kvplug-router.log`` there as well as stderr); ``--request-timeout-secs`` →
+  ``--request-timeout``; ``--max-payload-size`` → ``--max-body-bytes``; ``--disable-retries``
+  → ``--retries 0``, ``--retry-max-retries N`` → ``--retries N``;
+  ``--health-check-interval-secs`` / ``--health-check-timeout-secs`` → ``--health-interval`` /
+  ``--health-timeout``, ``--disable-health-check`` → ``--health-interval 0``;
+  ``--tokenizer-path`` / ``--model-path`` (a local directory) → ``--tokenizer``;
+  ``--block-size`` (smg) → ``--kv-block-size``; ``--backend sglang|vllm|openai`` → the worker
+  engine; ``--model-alias`` → ``--served-model-name``;
+* ``--prometheus-host`` / ``--prometheus-port``: a ``/metrics`` listener there relaying kvplug's
+  metrics (served on the API port too);
+* block size: without ``--kv-block-size`` (or ``--block-size``) the launcher reads the workers'
+  page size from ``GET /server_info`` (``kv_events.block_size``, else ``page_size``; SGLang's
+  default is 1), waiting up to ``--worker-startup-timeout-secs`` and asking every
+  ``--worker-startup-check-interval`` seconds (default 1 here) until a worker answers.
 
-Every other argument (after the known ones) goes to ``kvplug serve`` unchanged, e.g.
-``--kv-block-size 16 --tokenizer /models/qwen``.
+Everything else of the two routers is accepted and has no effect under kvplug; the launcher
+logs each such flag once with the reason. Arguments neither router knows go to ``kvplug
+serve`` unchanged (``--kv-block-size 16 --tokenizer /models/qwen --router-mode ...``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
+import logging
+import os
 import sys
 import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import yaml
 
 from kvplug.errors import ConfigError
 
+from .metrics import kv_events_from_server_info, page_size_from_server_info
+from .router_flags import (
+    ANY,
+    BOOL,
+    DECODE,
+    FLAG,
+    IGNORED,
+    MAPPED,
+    ONE,
+    PREFILL,
+    REPEAT,
+    SOME,
+)
+
+log = logging.getLogger("kvplug.launch_router")
+
 POLICY_MODES = {
+    "kvplug": "kv",
     "cache_aware": "kv",
+    "prefix_hash": "kv",
     "random": "random",
     "round_robin": "round-robin",
     "power_of_two": "power-of-two",
+    "least_load": "least-loaded",
 }
 DEFAULT_BOOTSTRAP_PORT = 8998
-UNUSED_TUNING = (
-    "cache_threshold",
-    "balance_abs_threshold",
-    "balance_rel_threshold",
-    "eviction_interval_secs",
-    "max_tree_size",
-)
+LOG_LEVELS = {"debug": "debug", "info": "info", "warn": "warning", "warning": "warning"}
+LOG_LEVELS["error"] = "error"
+BACKEND_ENGINES = {"sglang": "sglang", "vllm": "vllm", "openai": "openai"}
+DEFAULT_PROMETHEUS = ("0.0.0.0", 29000)  # sglang-router's defaults
+LOG_FILE = "kvplug-router.log"
+
+_ARITY_KWARGS: dict[str, dict[str, Any]] = {
+    FLAG: {"action": "store_true"},
+    ONE: {},
+    ANY: {"nargs": "*", "action": "extend"},
+    SOME: {"nargs": "+", "action": "extend"},
+    PREFILL: {"action": "append", "nargs": "+"},
+    DECODE: {"action": "append", "nargs": 1},
+    REPEAT: {"action": "append"},
+    BOOL: {"action": argparse.BooleanOptionalAction},
+}
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: kvplug serve's own flags (--tokenizer, --retries, ...) must not be
+    # taken for abbreviations of sglang-router flags (--tokenizer-path, --retry-max-retries)
     p = argparse.ArgumentParser(
         prog="python -m kvplug.integrations.sglang.launch_router",
-        description="sglang-router compatible launcher for kvplug serve (see the module doc); "
-        "unknown arguments are passed to kvplug serve",
+        description="sglang-router / smg compatible launcher for kvplug serve (see the module "
+        "doc); arguments neither router knows are passed to kvplug serve",
+        allow_abbrev=False,
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--worker-urls", nargs="*", default=[], metavar="URL")
-    p.add_argument("--policy", default="cache_aware")
-    p.add_argument("--prefill-policy", default=None)
-    p.add_argument("--decode-policy", default=None)
-    p.add_argument("--pd-disaggregation", action="store_true")
-    p.add_argument(
-        "--prefill", action="append", nargs="+", default=[], metavar="URL [BOOTSTRAP_PORT|none]"
-    )
-    p.add_argument("--decode", action="append", nargs=1, default=[], metavar="URL")
-    p.add_argument("--dp-aware", action="store_true")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--prometheus-host", default=None)
-    p.add_argument("--prometheus-port", type=int, default=None)
-    for name in UNUSED_TUNING:
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=None)
+    for flag, arity in MAPPED.items():
+        p.add_argument(flag, dest=_dest(flag), default=None, **_ARITY_KWARGS[arity])
+    for flag, (arity, _) in IGNORED.items():
+        # SUPPRESS: only the flags actually given appear in the namespace
+        p.add_argument(flag, dest=_dest(flag), default=argparse.SUPPRESS, **_ARITY_KWARGS[arity])
     return p
 
 
-def _prefill_entry(values: list[str], dp_aware: bool) -> dict[str, Any]:
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    return build_parser()  # ~250 options: built once per process
+
+
+@dataclass
+class Launch:
+    """What ``main`` runs: kvplug serve's argv (without the worker file), the worker file,
+    notes for the log, and the launcher's own jobs."""
+
+    serve: list[str]
+    workers: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    log_level: str = "info"
+    log_dir: str | None = None
+    prometheus: tuple[str, int] | None = None
+    api_host: str = "127.0.0.1"
+    api_port: int = 30000
+    startup_timeout: float = 1800.0
+    startup_interval: float = 1.0
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return [w["url"] for w in self.workers["workers"]]
+
+
+def _int(value: str, flag: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} {value!r}: not an integer") from None
+
+
+def _prefill_entry(values: list[str], engine: str, dp_aware: bool) -> dict[str, Any]:
     if not 1 <= len(values) <= 2:
         raise ConfigError(f"--prefill takes URL [BOOTSTRAP_PORT|none], got {values}")
     url = values[0]
@@ -101,25 +178,18 @@ def _prefill_entry(values: list[str], dp_aware: bool) -> dict[str, Any]:
     options: dict[str, Any] = {"bootstrap_port": port}
     if dp_aware:
         options["dp_aware"] = True
-    return {"url": url, "engine": "sglang", "role": "prefill", "options": options}
+    return {"url": url, "engine": engine, "role": "prefill", "options": options}
 
 
-def translate(argv: list[str]) -> tuple[list[str], dict[str, Any], list[str]]:
-    """(``kvplug serve`` argv without the worker file, the worker file content, notes)."""
-    args, rest = build_parser().parse_known_args(argv)
-    notes: list[str] = []
-    if args.api_key:
-        raise ConfigError(
-            "--api-key is not supported by kvplug serve (no client "
-            "authentication); put an authenticating proxy in front instead"
-        )
+def _workers(args: argparse.Namespace, engine: str, notes: list[str]) -> list[dict[str, Any]]:
     workers: list[dict[str, Any]] = []
+    prefill, decode = args.prefill or [], args.decode or []
     if args.pd_disaggregation:
-        if not args.prefill or not args.decode:
+        if not prefill or not decode:
             raise ConfigError("--pd-disaggregation needs at least one --prefill and one --decode")
-        workers += [_prefill_entry(v, args.dp_aware) for v in args.prefill]
-        for (url,) in args.decode:
-            entry: dict[str, Any] = {"url": url, "engine": "sglang", "role": "decode"}
+        workers += [_prefill_entry(v, engine, args.dp_aware) for v in prefill]
+        for (url,) in decode:
+            entry: dict[str, Any] = {"url": url, "engine": engine, "role": "decode"}
             if args.dp_aware:
                 entry["options"] = {"dp_aware": True}
             workers.append(entry)
@@ -127,47 +197,247 @@ def translate(argv: list[str]) -> tuple[list[str], dict[str, Any], list[str]]:
             notes.append(
                 "--worker-urls with --pd-disaggregation: also serving them as aggregated workers"
             )
-    elif args.prefill or args.decode:
+    elif prefill or decode:
         raise ConfigError("--prefill/--decode need --pd-disaggregation")
-    workers += [{"url": u, "engine": "sglang"} for u in args.worker_urls]
-    policies = {args.policy, args.prefill_policy or args.policy, args.decode_policy or args.policy}
-    mode = POLICY_MODES.get(args.policy)
+    workers += [{"url": u, "engine": engine} for u in args.worker_urls or []]
+    return workers
+
+
+def _mode(args: argparse.Namespace, notes: list[str]) -> str:
+    policy = args.policy or "cache_aware"
+    mode = POLICY_MODES.get(policy)
     if mode is None:
         mode = "kv"
-        notes.append(f"--policy {args.policy}: no kvplug equivalent, using kv (event-driven)")
-    if len(policies) > 1:
+        notes.append(f"--policy {policy}: no kvplug equivalent, using kv (event-driven)")
+    stages = {policy, args.prefill_policy or policy, args.decode_policy or policy}
+    if len(stages) > 1:
         notes.append(
-            f"prefill/decode policies {sorted(policies)}: kvplug routes both stages "
-            f"with mode {mode}"
+            f"prefill/decode policies {sorted(stages)}: kvplug routes both stages with mode {mode}"
         )
-    unused = [n for n in UNUSED_TUNING if getattr(args, n) is not None]
-    if unused:
-        notes.append(
-            "unused (kvplug reads real KV events): "
-            + ", ".join("--" + n.replace("_", "-") for n in unused)
-        )
-    if args.prometheus_host or args.prometheus_port:
-        notes.append(f"metrics are served at http://{args.host}:{args.port}/metrics")
-    serve = ["serve", "--host", args.host, "--port", str(args.port), "--worker-engine", "sglang"]
+    return mode
+
+
+def _serving_flags(args: argparse.Namespace, rest: list[str], notes: list[str]) -> list[str]:
+    """kvplug serve arguments for the mapped sglang-router flags (an explicit kvplug serve
+    argument in ``rest`` wins)."""
+    out: list[str] = []
+
+    def put(flag: str, *values: str) -> None:
+        if flag not in rest:
+            out.extend([flag, *values])
+
+    if args.api_key:
+        put("--engine-api-key", args.api_key)
+    if args.request_timeout_secs is not None:
+        put("--request-timeout", str(_int(args.request_timeout_secs, "--request-timeout-secs")))
+    if args.max_payload_size is not None:
+        put("--max-body-bytes", str(_int(args.max_payload_size, "--max-payload-size")))
+    if args.disable_retries:
+        put("--retries", "0")
+    elif args.retry_max_retries is not None:
+        put("--retries", str(_int(args.retry_max_retries, "--retry-max-retries")))
+    if args.disable_health_check:
+        put("--health-interval", "0")
+    elif args.health_check_interval_secs is not None:
+        put("--health-interval", args.health_check_interval_secs)
+    if args.health_check_timeout_secs is not None:
+        put("--health-timeout", args.health_check_timeout_secs)
+    if args.block_size is not None:
+        put("--kv-block-size", str(_int(args.block_size, "--block-size")))
+    for alias in args.model_alias or []:
+        out += ["--served-model-name", alias]
+    tokenizer = args.tokenizer_path or args.model_path or args.model
+    if tokenizer is not None:
+        if os.path.isdir(tokenizer):
+            put("--tokenizer", tokenizer)
+        else:
+            notes.append(
+                f"tokenizer {tokenizer!r} is not a local directory (kvplug downloads nothing): "
+                "token ids come from the engines' /tokenize; pass --tokenizer DIR to "
+                "tokenize locally"
+            )
+    return out
+
+
+def translate(argv: list[str]) -> Launch:
+    """The ``kvplug serve`` launch for an sglang-router / smg command line."""
+    args, rest = _parser().parse_known_args(argv)
+    notes: list[str] = []
+    backend = args.backend or "sglang"
+    engine = BACKEND_ENGINES.get(backend)
+    if engine is None:
+        engine = "openai"
+        notes.append(f"--backend {backend}: no kvplug adapter, workers are served as 'openai'")
+    workers = _workers(args, engine, notes)
+    mode = _mode(args, notes)
+    level = (args.log_level or "info").lower()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"--log-level {args.log_level!r}: one of debug, info, warn, error")
+    host = args.host or "0.0.0.0"
+    port = _int(args.port, "--port") if args.port is not None else 30000
+    serve = ["serve", "--host", host, "--port", str(port), "--worker-engine", engine]
+    serve += ["--log-level", LOG_LEVELS[level]]
     if "--router-mode" not in rest:
         serve += ["--router-mode", mode]
-    return serve + rest, {"workers": workers}, notes
+    serve += _serving_flags(args, rest, notes)
+    prometheus = None
+    if args.prometheus_host is not None or args.prometheus_port is not None:
+        prometheus = (
+            args.prometheus_host or DEFAULT_PROMETHEUS[0],
+            _int(args.prometheus_port, "--prometheus-port")
+            if args.prometheus_port is not None
+            else DEFAULT_PROMETHEUS[1],
+        )
+    else:
+        notes.append(f"metrics: http://{host}:{port}/metrics (the API port)")
+    by_reason: dict[str, list[str]] = {}
+    for flag, (_, reason) in IGNORED.items():
+        if hasattr(args, _dest(flag)):
+            by_reason.setdefault(reason, []).append(flag)
+    for reason, flags in by_reason.items():
+        notes.append(f"accepted, no effect under kvplug: {' '.join(flags)}: {reason}")
+    launch = Launch(
+        serve + rest,
+        {"workers": workers},
+        notes,
+        log_level=LOG_LEVELS[level],
+        log_dir=args.log_dir,
+        prometheus=prometheus,
+        api_host="127.0.0.1" if host in ("0.0.0.0", "::", "") else host,
+        api_port=port,
+    )
+    if args.worker_startup_timeout_secs is not None:
+        launch.startup_timeout = float(
+            _int(args.worker_startup_timeout_secs, "--worker-startup-timeout-secs")
+        )
+    if args.worker_startup_check_interval is not None:
+        launch.startup_interval = float(
+            _int(args.worker_startup_check_interval, "--worker-startup-check-interval")
+        )
+    return launch
+
+
+# -- the block size from the workers ---------------------------------------------------------
+def _server_info(url: str, timeout: float) -> dict[str, Any] | None:
+    """``/server_info`` (``/get_server_info`` on old builds), None if the worker is not up."""
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout) as resp:
+                info = json.loads(resp.read())
+                return info if isinstance(info, dict) else {}
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                continue
+            return None
+        except (OSError, ValueError):
+            return None
+    return {}  # up, but neither path exists: not an SGLang server
+
+
+def discover_block_size(urls: list[str], timeout: float, interval: float) -> int | None:
+    """The page size the workers publish KV events with; None if the workers that answered
+    do not say (kvplug's default applies). Waits up to ``timeout`` for a first answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sizes: dict[str, int | None] = {}
+        for url in urls:
+            info = _server_info(url, min(5.0, max(timeout, 0.1)))
+            if info is None:
+                continue
+            kv = kv_events_from_server_info(info, url)
+            sizes[url] = kv.block_size if kv is not None else page_size_from_server_info(info)
+        if sizes:
+            known = {u: s for u, s in sizes.items() if s is not None}
+            if len(set(known.values())) > 1:
+                raise ConfigError(
+                    "the workers publish KV events at different page sizes: "
+                    + ", ".join(f"{u}={s}" for u, s in known.items())
+                )
+            if not known:
+                return None
+            url, size = next(iter(known.items()))
+            log.info("block size %d: the page size %s reports in /server_info", size, url)
+            return size
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                f"no worker answered /server_info within {timeout:g} s "
+                "(--worker-startup-timeout-secs): start the workers, or give the page size "
+                "with --kv-block-size"
+            )
+        time.sleep(interval)
+
+
+# -- --prometheus-port -----------------------------------------------------------------------
+def start_metrics_relay(host: str, port: int, source: str) -> ThreadingHTTPServer:
+    """A ``GET /metrics`` listener at ``host:port`` answering with kvplug's ``source`` metrics."""
+
+    class Relay(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404, "only /metrics is served here")
+                return
+            try:
+                with urllib.request.urlopen(source, timeout=5) as resp:
+                    body, ctype = resp.read(), resp.headers.get("Content-Type", "text/plain")
+            except (OSError, ValueError) as exc:
+                self.send_error(503, f"kvplug serve is not answering yet: {exc}")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            pass
+
+    try:
+        server = ThreadingHTTPServer((host, port), Relay)
+    except OSError as exc:
+        raise ConfigError(f"--prometheus-host/--prometheus-port {host}:{port}: {exc}") from None
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-relay", daemon=True).start()
+    return server
+
+
+def _setup_logging(launch: Launch) -> None:
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger()
+    root.setLevel(launch.log_level.upper())
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if launch.log_dir:
+        os.makedirs(launch.log_dir, exist_ok=True)
+        handlers.append(logging.FileHandler(os.path.join(launch.log_dir, LOG_FILE)))
+    for h in handlers:  # kvplug serve's logging.basicConfig then keeps these
+        h.setFormatter(fmt)
+        root.addHandler(h)
 
 
 def main(argv: list[str] | None = None) -> int:
     from kvplug.cli import main as kvplug_main
 
     try:
-        serve, worker_file, notes = translate(list(sys.argv[1:] if argv is None else argv))
+        launch = translate(list(sys.argv[1:] if argv is None else argv))
+        _setup_logging(launch)
+        for note in launch.notes:
+            log.info("%s", note)
+        if "--kv-block-size" not in launch.serve and launch.worker_urls:
+            size = discover_block_size(
+                launch.worker_urls, launch.startup_timeout, launch.startup_interval
+            )
+            if size is not None:
+                launch.serve += ["--kv-block-size", str(size)]
+        if launch.prometheus is not None:
+            host, port = launch.prometheus
+            start_metrics_relay(host, port, f"http://{launch.api_host}:{launch.api_port}/metrics")
+            log.info("metrics relayed on http://%s:%d/metrics", host, port)
     except ConfigError as exc:
         print(f"launch_router: {exc}", file=sys.stderr)
         return 2
-    for note in notes:
-        print(f"launch_router: {note}", file=sys.stderr)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="kvplug-sglang-") as f:
-        yaml.safe_dump(worker_file, f)
+        yaml.safe_dump(launch.workers, f)
         f.flush()
-        return kvplug_main(serve + ["--worker-config", f.name])
+        return kvplug_main(launch.serve + ["--worker-config", f.name])
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ class ServeSettings:
     client_header_timeout: float = 30.0  # a request head must arrive within (0 = no limit)
     client_body_timeout: float = 60.0  # a request body must arrive within (0 = no limit)
     engine_api_key: str | None = None  # sent to the engines instead of the client's header
+    trtllm_booking_seconds: float = 1.0  # load held per TRT-LLM remote_http placement
 
 
 @dataclass(slots=True)
@@ -147,6 +148,7 @@ class Frontend:
         self._children: dict[tuple, Any] = {}  # prometheus children, looked up once
         self._id_prefix = secrets.token_hex(6)  # request ids: unique per process and request
         self._tokenize_rr = itertools.count()
+        self._no_tokenize: set[tuple[str, str]] = set()  # (worker, URL) answering 404 there
         # Dynamo's --router-queue-threshold: requests wait while every eligible worker is busy
         config = getattr(router, "config", None)
         self.queue: FrontendQueue | None = None
@@ -761,18 +763,28 @@ class Frontend:
             if e.healthy
             and e.adapter.tokenize_path is not None
             and (not e.models or req.model in e.models)
+            and (e.spec.worker_id, e.url_base) not in self._no_tokenize
         ]
         if not candidates:
             raise RuntimeError("no healthy worker offers a token endpoint")
         entry = candidates[next(self._tokenize_rr) % len(candidates)]
         body = entry.adapter.tokenize_body(req.model, prompt=req.prompt_text, messages=req.messages)
+        path = entry.adapter.tokenize_path or "/tokenize"
         status, answer, raw = await self.upstream.post_json(
             entry.spec.worker_id,
-            entry.url_base + (entry.adapter.tokenize_path or "/tokenize"),
+            entry.url_base + path,
             body,
             {"Content-Type": "application/json"},
             timeout=self.settings.connect_timeout,
         )
+        if status in (404, 405):  # an engine without the endpoint: never asked again
+            self._no_tokenize.add((entry.spec.worker_id, entry.url_base))
+            log.info(
+                "%s has no %s (HTTP %d): not asked for token ids again",
+                entry.spec.worker_id,
+                path,
+                status,
+            )
         if status != 200:
             raise RuntimeError(f"{entry.spec.worker_id} answered HTTP {status}")
         return entry.adapter.tokens_from_response(answer)
@@ -875,5 +887,9 @@ def build_app(frontend: Frontend) -> web.Application:
     app.router.add_get("/ready", frontend.handle_ready)
     app.router.add_get("/metrics", frontend.handle_metrics)
     app.router.add_get("/kvplug/decisions/{decision_id}", frontend.handle_decision)
+    # TRT-LLM's `router: {type: remote_http}` protocol (trtllm-serve disaggregated)
+    from kvplug.integrations.trtllm.remote_router import TrtllmRemoteRouter
+
+    TrtllmRemoteRouter(frontend).add_routes(app)
     app[FRONTEND_KEY] = frontend
     return app

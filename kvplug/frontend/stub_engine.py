@@ -138,6 +138,8 @@ class StubEngine:
         self.track_cache = True  # benchmarks turn the prefix cache off
         self.listeners: list[Callable[[list], None]] = []
         self.running = 0
+        self.has_tokenize = True  # False: /tokenize answers 404, as engines without it do
+        self.tokenize_calls = 0
         self.url: str | None = None
         self._runner: web.AppRunner | None = None
         self.app = web.Application()
@@ -223,6 +225,9 @@ class StubEngine:
         return web.Response(text=text)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
+        self.tokenize_calls += 1
+        if not self.has_tokenize:
+            raise web.HTTPNotFound()
         body = await request.json()
         if "messages" in body:
             tokens = stub_tokenize(stub_render_chat(body["messages"]))

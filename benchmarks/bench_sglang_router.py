@@ -1,0 +1,359 @@
+"""SGLang's own routers vs kvplug's launcher on one request stream: KV hit rate and TTFT.
+
+For each router a fresh fleet of simulated engines that speak SGLang's side of the contract
+(``/server_info`` with the ``kv_events`` descriptor, KV events in the 0.5.23 msgpack map form
+over ZMQ with SGLang's replay framing, ``/v1/loads``, ``/get_load``, ``/tokenize``) runs in this
+process; the router runs as its own process, started with the same command line shape:
+
+* ``sglang-router``: ``python -m sglang_router.launch_router --policy cache_aware`` (0.3.2)
+* ``smg``: ``python -m smg.launch_router --policy cache_aware`` (1.13)
+* ``kvplug``: ``python -m kvplug.integrations.sglang.launch_router --policy kvplug``
+
+The request stream is the start of the bundled Mooncake conversation trace (text prompts whose
+512-character blocks follow the trace's ``hash_ids``: byte-level tokens on the simulated
+engines), sent at the trace's arrival times (``--speedup`` compresses them) as streaming
+completions. Reported per router: prompt-token hit rate on the engines (cached / prompt tokens,
+the engines' own count), TTFT p50/p90/p99 measured by the client, errors; and each router's
+ratios to sglang-router (the baseline). JSON to ``benchmarks/results/sglang_router.json``.
+
+    python benchmarks/bench_sglang_router.py                     # 600 requests, 4 engines
+    python benchmarks/bench_sglang_router.py --limit 100 --routers sglang-router kvplug
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+from kvplug.integrations.sglang.wire import encode_batch  # noqa: E402
+
+from kvplug.events import BlockMoved, BlockStored  # noqa: E402
+from kvplug.sim.server import FleetOptions, SimServer  # noqa: E402
+from kvplug.sim.traces import TRACE_BLOCK_TOKENS, load_trace  # noqa: E402
+from kvplug.testing import free_port_run, free_ports  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "sglang_router.json"
+WORDS = "the cache router prefix block token engine fast warm hit decode prefill batch".split()
+
+
+class SglangSimServer(SimServer):
+    """A simulated engine with SGLang's HTTP and event faces (0.5.23)."""
+
+    def __init__(self, index: int, opts: FleetOptions) -> None:
+        super().__init__(index, opts)
+        # SGLang 0.5.23's payload; the PUB/replay framing ([topic, seq, payload], replies
+        # with the topic frame) is the same as the vLLM publisher's
+        self.publisher.encode = self._encode_sglang  # type: ignore[method-assign]
+
+    @staticmethod
+    def _encode_sglang(events, ts=None) -> bytes:
+        # stores carry tokens; moves and token-less tier copies have no SGLang form
+        keep = [
+            e
+            for e in events
+            if not isinstance(e, BlockMoved)
+            and not (isinstance(e, BlockStored) and e.token_ids is None)
+        ]
+        return encode_batch(keep, "0.5.23", ts=ts or 0.0, attn_dp_rank=0)
+
+    def app(self) -> web.Application:
+        app = super().app()
+        for path in ("/server_info", "/get_server_info"):
+            app.router.add_get(path, self.h_server_info)
+        for path in ("/model_info", "/get_model_info"):
+            app.router.add_get(path, self.h_model_info)
+        app.router.add_get("/v1/loads", self.h_loads)
+        app.router.add_get("/get_load", self.h_get_load)
+        app.router.add_get("/health_generate", self.h_health)
+        return app
+
+    async def h_server_info(self, request: web.Request) -> web.Response:
+        o = self.opts
+        return web.json_response(
+            {
+                "model_path": o.model,
+                "served_model_name": o.model,
+                "page_size": o.block_size,
+                "dp_size": 1,
+                "kv_events": {
+                    "endpoint_host": o.host,
+                    "endpoint_port_base": o.events_base_port + self.index,
+                    "replay_endpoint_port_base": o.replay_base_port + self.index,
+                    "topic": self.topic,
+                    "block_size": o.block_size,
+                    "dp_size": 1,
+                },
+            }
+        )
+
+    async def h_model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"model_path": self.opts.model, "tokenizer_path": None, "is_generation": True}
+        )
+
+    def _load(self) -> dict:
+        e = self.engine
+        return {
+            "dp_rank": 0,
+            "num_running_reqs": e.num_running,
+            "num_waiting_reqs": e.num_waiting,
+            "token_usage": e.kv_usage(),
+        }
+
+    async def h_loads(self, request: web.Request) -> web.Response:
+        return web.json_response({"loads": [self._load()]})
+
+    async def h_get_load(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return web.json_response([{"dp_rank": 0, "num_reqs": e.num_running + e.num_waiting}])
+
+
+def prompt_text(hash_ids, input_length: int) -> str:
+    """Text whose i-th 512-character block depends on hash_ids[i] only (byte-level tokens)."""
+    blocks = []
+    for h in hash_ids[: -(-input_length // TRACE_BLOCK_TOKENS)]:
+        rng = np.random.default_rng(h)
+        words = rng.choice(WORDS, size=TRACE_BLOCK_TOKENS // 3)
+        blocks.append(" ".join(words)[:TRACE_BLOCK_TOKENS].ljust(TRACE_BLOCK_TOKENS, "."))
+    return "".join(blocks)[:input_length]
+
+
+def router_command(name: str, port: int, urls: list[str], block_size: int) -> list[str]:
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
+    if name == "sglang-router":
+        return [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            *common,
+            "--policy",
+            "cache_aware",
+        ]
+    if name == "smg":
+        return [sys.executable, "-m", "smg.launch_router", *common, "--policy", "cache_aware"]
+    if name == "kvplug":
+        return [
+            sys.executable, "-m", "kvplug.integrations.sglang.launch_router", *common,
+            "--policy", "kvplug", "--admin-port", str(free_port_run(1)),
+        ]  # fmt: skip
+    raise ValueError(name)
+
+
+async def wait_routable(session, url: str, model: str, proc, deadline: float) -> None:
+    body = {"model": model, "prompt": "warm up", "max_tokens": 1}
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with {proc.returncode}")
+        try:
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                if resp.status == 200:
+                    await resp.read()
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.5)
+    raise RuntimeError("router did not serve a completion in time")
+
+
+async def one_request(session, url, model, text, max_tokens, t_send, out):
+    body = {"model": model, "prompt": text, "max_tokens": max_tokens, "stream": True}
+    ttft = None
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                out["errors"] += 1
+                await resp.read()
+                return
+            async for line in resp.content:
+                if line.startswith(b"data:") and ttft is None and b"[DONE]" not in line:
+                    ttft = time.monotonic() - t_send
+            if ttft is not None:
+                out["ttft"].append(ttft)
+            else:
+                out["errors"] += 1
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        out["errors"] += 1
+
+
+async def run_router(name: str, args, records, texts, log_dir: Path) -> dict:
+    ports = free_ports(3 * args.engines + 1)
+    opts = FleetOptions(
+        engines=args.engines,
+        base_port=0,
+        block_size=args.block_size,
+        speed=args.speed,
+        capacity_blocks=args.capacity_blocks,
+    )
+    servers = []
+    for i in range(args.engines):
+        opts_i = FleetOptions(**{**opts.__dict__})
+        opts_i.base_port = ports[i] - i
+        opts_i.events_base_port = ports[args.engines + i] - i
+        opts_i.replay_base_port = ports[2 * args.engines + i] - i
+        s = SglangSimServer(i, opts_i)
+        await s.start()
+        servers.append(s)
+    urls = [f"http://127.0.0.1:{s.port}" for s in servers]
+    port = ports[-1]
+    log_path = log_dir / f"{name}.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        router_command(name, port, urls, args.block_size),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(log_path, "w"),
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    out: dict = {"ttft": [], "errors": 0}
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await wait_routable(session, url, opts.model, proc, time.monotonic() + 60)
+            for s in servers:  # the warm-up request is not part of the measurement
+                s.engine.stats["prompt_tokens"] = s.engine.stats["cached_tokens"] = 0
+            t0 = time.monotonic()
+            tasks = []
+            for i, (rec, text) in enumerate(zip(records, texts, strict=True)):
+                delay = t0 + rec.arrival_s / args.speedup - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(
+                    asyncio.create_task(
+                        one_request(
+                            session,
+                            url,
+                            opts.model,
+                            text,
+                            max(1, min(rec.output_length, args.max_output)),
+                            time.monotonic(),
+                            out,
+                        )
+                    )
+                )
+                if (i + 1) % 100 == 0:
+                    print(f"  {name}: {i + 1}/{len(records)} sent", file=sys.stderr, flush=True)
+            await asyncio.gather(*tasks)
+            wall = time.monotonic() - t0
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for s in servers:
+            await s.stop()
+    prompt = sum(s.engine.stats["prompt_tokens"] for s in servers)
+    cached = sum(s.engine.stats["cached_tokens"] for s in servers)
+    ttft = np.asarray(out["ttft"]) if out["ttft"] else np.asarray([np.nan])
+    return {
+        "router": name,
+        "requests": len(records),
+        "errors": out["errors"],
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p90_s": float(np.percentile(ttft, 90)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "wall_s": wall,
+        "per_engine_requests": [s.counters["requests"] for s in servers],
+    }
+
+
+def available(name: str) -> bool:
+    module = {"sglang-router": "sglang_router", "smg": "smg", "kvplug": "kvplug"}[name]
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def table(rows: list[dict], base: dict | None) -> str:
+    head = (
+        f"{'router':<14} {'hit rate':>9} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
+        f"{'p90 vs base':>11} {'p99 vs base':>11} {'errors':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        p90 = r["ttft_p90_s"] / base["ttft_p90_s"] if base else float("nan")
+        p99 = r["ttft_p99_s"] / base["ttft_p99_s"] if base else float("nan")
+        lines.append(
+            f"{r['router']:<14} {r['hit_rate']:>8.1%} {r['ttft_p50_s']:>8.3f}s "
+            f"{r['ttft_p90_s']:>7.3f}s {r['ttft_p99_s']:>7.3f}s {p90:>10.2f}x {p99:>10.2f}x "
+            f"{r['errors']:>6}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--routers", nargs="+", default=["sglang-router", "smg", "kvplug"])
+    p.add_argument("--limit", type=int, default=600, help="trace requests (default 600)")
+    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=16, help="engine page size")
+    p.add_argument("--capacity-blocks", type=int, default=None)
+    p.add_argument("--speed", type=float, default=1.0, help="engine model speed (wall)")
+    p.add_argument("--speedup", type=float, default=1.0, help="trace arrival compression")
+    p.add_argument("--max-output", type=int, default=64, help="cap on output tokens")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    # sglang-router probes workers with HTTP/2 prior knowledge (gRPC detection): the simulated
+    # engines answer 400 and aiohttp logs each one
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+
+    routers = [r for r in args.routers if available(r)]
+    for r in set(args.routers) - set(routers):
+        print(f"skipping {r}: not installed (pip install 'kvplug[test]')", file=sys.stderr)
+    records = load_trace(limit=args.limit)
+    texts = [prompt_text(r.hash_ids, r.input_length) for r in records]
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "kvplug-bench-sglang-router"
+    shutil.rmtree(log_dir, ignore_errors=True)
+    log_dir.mkdir(parents=True)
+    rows = []
+    for name in routers:
+        print(f"{name}: {len(records)} requests on {args.engines} engines ...", file=sys.stderr)
+        rows.append(asyncio.run(run_router(name, args, records, texts, log_dir)))
+    base = next((r for r in rows if r["router"] == "sglang-router"), None)
+    print(table(rows, base))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "config": {
+                    k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                },
+                "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+                "baseline": "sglang-router" if base else None,
+                "results": rows,
+                "router_logs": str(log_dir),
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

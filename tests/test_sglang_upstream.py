@@ -1,0 +1,212 @@
+"""SGLang's own code as the fixture: events built with the ``kv_events.py`` classes of the
+sglang 0.5.23 wheel, encoded the way its ``ZmqEventPublisher`` encodes them, decoded by
+kvplug; and the real publisher (PUB + replay ROUTER) feeding kvplug's subscriber.
+
+sglang 0.5.23 has no snapshot protocol (its replay ROUTER only resends buffered batches, which
+``test_sglang_subscriber.py`` covers): a kvplug that starts late gets the last
+``buffer_steps`` batches by replay from sequence 0 and nothing older."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from kvplug.integrations.sglang.metrics import KvEventsInfo
+from kvplug.integrations.sglang.subscriber import SglangSubscriber, filtered_sink, sources_from_info
+from kvplug.integrations.sglang.wire import MASK64, SglangDecoder, encode_batch
+from sglang_upstream import load_kv_events
+
+from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier
+from kvplug.index import KvIndex
+
+DATA = Path(__file__).parent / "data" / "sglang"
+H1, H2, H3 = -8070450532247928832, 1234567890123456789, -5  # signed int64, as SGLang hashes
+
+
+def _free_base(n: int) -> int:
+    spec = importlib.util.spec_from_file_location("sglang_zmq_publisher", DATA / "zmq_publisher.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._free_base(n)
+
+
+@pytest.fixture(scope="module")
+def kv():
+    return load_kv_events()
+
+
+def _batch(kv, ts: float, rank: int | None):
+    return kv.KVEventBatch(
+        ts=ts,
+        events=[
+            kv.BlockStored(
+                block_hashes=[H1, H2],
+                parent_block_hash=None,
+                token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+                block_size=4,
+                lora_id=None,
+                medium=kv.StorageMedium.GPU.value,
+            ),
+            kv.BlockStored(
+                block_hashes=[H3],
+                parent_block_hash=H2,
+                token_ids=[9, 10, 11, 12],
+                block_size=4,
+                lora_id=None,
+                medium=kv.StorageMedium.CPU.value,
+                cache_salt="tenant-a",
+                lora_name="sql-lora",
+            ),
+            kv.BlockRemoved(block_hashes=[H3], medium=kv.StorageMedium.CPU.value),
+            kv.AllBlocksCleared(),
+        ],
+        attn_dp_rank=rank,
+    )
+
+
+EXPECTED = [
+    BlockStored(
+        worker_id="sg",
+        dp_rank=1,
+        tier=Tier.DEVICE,
+        engine_hashes=[H1 & MASK64, H2],
+        token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+        block_size=4,
+    ),
+    BlockStored(
+        worker_id="sg",
+        dp_rank=1,
+        tier=Tier.HOST,
+        parent_engine_hash=H2,
+        engine_hashes=[H3 & MASK64],
+        token_ids=[9, 10, 11, 12],
+        block_size=4,
+        cache_salt="tenant-a",
+        lora_name="sql-lora",
+    ),
+    BlockRemoved(worker_id="sg", dp_rank=1, tier=Tier.HOST, engine_hashes=[H3 & MASK64]),
+    AllCleared(worker_id="sg", dp_rank=1),
+]
+
+
+def test_sglang_classes_encode_byte_for_byte_what_kvplug_decodes_and_encodes(kv):
+    # ZmqEventPublisher._publisher_thread: msgspec.msgpack.Encoder().encode(event_batch)
+    payload = msgspec.msgpack.Encoder().encode(_batch(kv, 1.5, 1))
+    dec = SglangDecoder("sg", page_size=4)
+    assert dec.decode(payload, dp_rank=0, seq=0) == EXPECTED  # the batch's rank wins
+    assert not dec.drops
+    # kvplug's SGLang encoder (simulated engines, fixtures) writes the same bytes
+    assert encode_batch(EXPECTED, "0.5.23", ts=1.5, attn_dp_rank=1) == payload
+
+
+def test_fields_kvplug_does_not_use_are_ignored(kv):
+    # session_id (attribution only) and a nil rank (the socket's rank)
+    batch = kv.KVEventBatch(
+        ts=0.0,
+        events=[
+            kv.BlockStored(
+                block_hashes=[7],
+                parent_block_hash=None,
+                token_ids=[1, 2, 3, 4],
+                block_size=4,
+                lora_id=3,
+                medium=None,
+                session_id="s-1",
+            )
+        ],
+    )
+    payload = msgspec.msgpack.Encoder().encode(batch)
+    got = SglangDecoder("sg", page_size=4).decode(payload, dp_rank=2, seq=0)
+    assert got == [
+        BlockStored(
+            worker_id="sg", dp_rank=2, engine_hashes=[7], token_ids=[1, 2, 3, 4], block_size=4
+        )
+    ]
+
+
+def test_sglangs_zmq_publisher_feeds_kvplugs_index(kv):
+    """The real publisher (bound PUB + replay ROUTER, topic frame): kvplug connects, recovers
+    what it missed by replay from sequence 0, and the blocks land in the index."""
+    base, replay = _free_base(1), _free_base(1)
+    index = KvIndex(block_size=4)
+    index.add_endpoint("sg", 0)
+    got: list = []
+    lock = threading.Lock()
+
+    def deliver(events):
+        with lock:
+            index.apply_many(events)
+            got.extend(events)
+
+    ctx = zmq.Context()
+    pub = kv.ZmqEventPublisher(
+        attn_dp_rank=0,
+        endpoint=f"tcp://127.0.0.1:{base}",
+        replay_endpoint=f"tcp://127.0.0.1:{replay}",
+        topic="kv",
+        bind=True,
+    )
+    info = KvEventsInfo(
+        host="127.0.0.1",
+        port_base=base,
+        dp_size=1,
+        block_size=4,
+        topic="kv",
+        replay_port_base=replay,
+    )
+    sub = SglangSubscriber(replay_timeout=2.0, context=ctx).start()
+    try:
+        stored = _batch(kv, 1.0, None)
+        stored.events = stored.events[:2]  # keep the stores
+        pub.publish(stored)  # before kvplug listens: recovered by replay
+        time.sleep(0.2)
+        for src in sources_from_info("sg", info, filtered_sink(deliver)):
+            sub.add(src)
+        deadline = time.monotonic() + 10
+        n = 0
+        while time.monotonic() < deadline:
+            with lock:
+                if len(got) >= 3:
+                    break
+            # later batches: the first one kvplug sees has seq > 0, so it replays from 0
+            pub.publish(kv.KVEventBatch(ts=2.0, events=[kv.BlockRemoved(block_hashes=[99 + n])]))
+            n += 1
+            time.sleep(0.1)
+        with lock:
+            events = list(got)
+        assert events[:2] == [
+            BlockStored(
+                worker_id="sg",
+                tier=Tier.DEVICE,
+                engine_hashes=[H1 & MASK64, H2],
+                token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+                block_size=4,
+            ),
+            BlockStored(
+                worker_id="sg",
+                tier=Tier.HOST,
+                parent_engine_hash=H2,
+                engine_hashes=[H3 & MASK64],
+                token_ids=[9, 10, 11, 12],
+                block_size=4,
+                cache_salt="tenant-a",
+                lora_name="sql-lora",
+            ),
+        ]
+        assert all(isinstance(e, BlockRemoved) for e in events[2:])
+        ep = index.endpoint_id("sg", 0)
+        assert index.query(index.request_hashes([1, 2, 3, 4, 5, 6, 7, 8])).device[ep] == 2
+        salted = index.request_hashes(
+            list(range(1, 13)), lora_name="sql-lora", cache_salt="tenant-a"
+        )
+        assert index.query(salted).local[ep] == 0  # another namespace than the first store
+        assert sub.stats()["streams"]["sg/0"]["replays"] >= 1  # the missed store came back
+    finally:
+        sub.stop()
+        pub.shutdown()
+        ctx.destroy(linger=0)
