@@ -148,8 +148,9 @@ class RouterConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.router_mode not in MODES:
-            raise ConfigError(f"--router-mode {self.router_mode!r} is not one of {MODES}")
+        from kvplug.policies import policy_class  # the built-in MODES and any registered
+
+        policy_class(self.router_mode)  # raises ConfigError naming the known modes
         if self.router_selection_policy not in SELECTION_POLICIES:
             raise ConfigError(
                 f"--router-selection-policy {self.router_selection_policy!r} "
@@ -357,7 +358,11 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     d = RouterConfig()
     g = parser.add_argument_group("router")
     g.add_argument("--router-config", default=None, help="YAML/JSON file with the flags below")
-    g.add_argument("--router-mode", choices=MODES, default=None, help=f"default {d.router_mode}")
+    from kvplug.policies import policy_names
+
+    g.add_argument(
+        "--router-mode", choices=policy_names(), default=None, help=f"default {d.router_mode}"
+    )
     g.add_argument(
         "--kv-block-size",
         "--kv-cache-block-size",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,3 +43,6 @@ class RouteRequest:
     stage: Stage = Stage.AGGREGATED
     hints: RoutingHints = NO_HINTS
     exclude_workers: frozenset[str] = frozenset()  # e.g. retry after a failed worker
+    # why a worker of exclude_workers is excluded (the decision trace says so); a worker not
+    # named here is "excluded by the caller (retry)"
+    exclusion_reasons: Mapping[str, str] = field(default_factory=dict)

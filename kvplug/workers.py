@@ -36,6 +36,10 @@ class Stage(str, Enum):
     def __str__(self) -> str:  # "prefill", not "Stage.PREFILL", in f-strings and logs
         return self.value
 
+    # the str's own hash (C), not Enum's Python-level hash(self._name_): every decision looks
+    # its stage up in a few dicts; equal to the value's hash, as equality already is
+    __hash__ = str.__hash__
+
 
 def role_serves(role: Role, stage: Stage) -> bool:
     """Prefill requests go to prefill/both workers, decode requests to decode/both."""

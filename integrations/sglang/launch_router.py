@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from kvplug.errors import ConfigError
+from kvplug import ConfigError
 
 POLICY_MODES = {
     "cache_aware": "kv",
