@@ -35,6 +35,7 @@ from kvplug.errors import (
 )
 from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, KvEvent, Tier
 from kvplug.index import KvIndex, Overlaps
+from kvplug.policies import RoutingPolicy, register_policy
 from kvplug.request import RouteRequest, RoutingHints
 from kvplug.router import Router
 from kvplug.workers import Role, Stage, Worker
@@ -68,6 +69,7 @@ __all__ = [
     "RouterConfig",
     "RoutingError",
     "RoutingHints",
+    "RoutingPolicy",
     "Stage",
     "Tier",
     "UnknownWorker",
@@ -75,4 +77,5 @@ __all__ = [
     "__version__",
     "add_router_arguments",
     "backend",
+    "register_policy",
 ]

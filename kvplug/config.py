@@ -86,6 +86,11 @@ def parse_label_selector(text: str | dict[str, str] | None) -> dict[str, str]:
 
 @dataclass
 class RouterConfig:
+    """Every router setting, named as Dynamo's flags (``router_mode`` is
+    ``--router-mode``); validated on construction (``ConfigError``). Build one directly, or
+    with ``from_dict`` / ``from_file`` (YAML or JSON, dashed or underscored keys) or
+    ``from_args`` after :func:`add_router_arguments`. docs/router.md describes each flag."""
+
     # --- mode and selection
     router_mode: str = "kv"
     kv_block_size: int = 16

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Exclusion:
+    """A worker (``dp_rank`` None: every rank) a filter left out of a decision, and why."""
+
     worker_id: str
     dp_rank: int | None  # None: every rank of the worker
     filter: str
@@ -133,6 +135,15 @@ class CandidateTrace:
 
 
 class Decision:
+    """Where one request goes and why: ``worker_id`` and ``dp_rank`` of the pick,
+    ``overlap_blocks`` / ``cached_tokens`` it holds of the prompt, ``mode``, ``stage``,
+    ``fallback`` (a threshold filter kept the least-bad), ``excluded`` (every worker left
+    out, with the filter and the reason), ``candidates`` (each scored candidate's inputs,
+    value and formula), ``explain()`` (one line) and ``to_dict()`` / ``to_json()``.
+    ``decision_id`` counts booked decisions (0 for a preview). Built by the router's explain
+    stage from what the other stages reported; its vectors are its own (they never change
+    after the fact)."""
+
     __slots__ = (
         "worker_id",
         "dp_rank",

@@ -50,6 +50,12 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class Router:
+    """The KV-cache-aware router: register workers (``add_worker``), feed KV events
+    (``apply_event``), then per request ``route`` -> :class:`~kvplug.Decision` and the
+    lifecycle calls (``on_first_token``, ``on_output_progress``, ``on_finish``) that keep the
+    active load exact. ``clock`` (seconds, monotonic) and ``rng`` are injected so the
+    simulator and tests can drive it; not thread-safe (one thread or one event loop)."""
+
     def __init__(
         self,
         config: RouterConfig | None = None,

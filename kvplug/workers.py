@@ -52,6 +52,11 @@ def role_serves(role: Role, stage: Stage) -> bool:
 
 @dataclass
 class Worker:
+    """One routable engine. A tensor- or expert-parallel engine spanning several GPUs is one
+    worker; each data-parallel rank in ``[dp_start, dp_start + dp_size)`` is an endpoint of
+    its own (own KV cache, own load). ``kv_capacity_blocks`` / ``max_batched_tokens`` of 0
+    mean unknown (the busy thresholds that need them are skipped)."""
+
     worker_id: str
     url: str | None = None
     engine: str = "vllm"
