@@ -8,6 +8,7 @@ file (YAML or JSON) uses the same names, with or without the leading dashes, or 
 from __future__ import annotations
 
 import argparse
+import numbers
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -153,6 +154,7 @@ class RouterConfig:
         self.validate()
 
     def validate(self) -> None:
+        self._check_types()
         from kvplug.policies import policy_class  # the built-in MODES and any registered
 
         policy_class(self.router_mode)  # raises ConfigError naming the known modes
@@ -231,6 +233,27 @@ class RouterConfig:
             for t in self.router_attribute_thresholds
         ]
 
+    def _check_types(self) -> None:
+        """Numbers and switches are what their fields say (a config file or a CLI override
+        may carry any text): ConfigError naming the flag, not a TypeError later."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kind = str(f.type)
+            if v is None and "None" in kind:
+                continue
+            flag = f"--{f.name.replace('_', '-')}"
+            if kind.startswith("bool"):
+                ok = not isinstance(v, (float, str)) and v in (0, 1)  # numpy bools, 0/1 too
+            elif kind.startswith("int"):
+                ok = isinstance(v, numbers.Integral) and not isinstance(v, bool)
+            elif kind.startswith("float"):
+                ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+            else:
+                continue
+            if not ok:
+                what = kind.split(" ")[0]
+                raise ConfigError(f"{flag} must be {_ARTICLE[what]} {what}, got {v!r}")
+
     @property
     def approximate(self) -> bool:
         """A predict-on-route side index is kept (no events, or a predicted TTL is set)."""
@@ -267,6 +290,7 @@ class RouterConfig:
         return cls(**_normalise_keys(values))
 
 
+_ARTICLE = {"bool": "a", "int": "an", "float": "a"}
 _FIELD_NAMES = {f.name for f in fields(RouterConfig)}
 # Dynamo spellings that differ from the field name.
 _ALIASES = {

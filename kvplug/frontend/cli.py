@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 
+from kvplug.cli import RunError, UsageError
 from kvplug.config import QUEUE_POLICIES
 from kvplug.errors import ConfigError, KvplugError
 
@@ -312,6 +313,7 @@ async def _serve(args: argparse.Namespace) -> None:
     tokenizer = LocalTokenizer(args.tokenizer) if args.tokenizer else None
     router = Router(RouterConfig.from_args(args))
     admin_port = args.admin_port if args.admin_port is not None else args.port + 1
+    _check_listen_ports(args, admin_port)  # before any worker is contacted
     running = await start_frontend(
         router,
         specs,
@@ -342,6 +344,20 @@ async def _serve(args: argparse.Namespace) -> None:
     finally:
         log.info("shutting down")
         await running.close()
+
+
+def _check_listen_ports(args: argparse.Namespace, admin_port: int) -> None:
+    from kvplug.cli import check_port, check_ports_free
+
+    check_port(args.port, "--port", allow_zero=True)
+    ports = [(args.port, "--port")]
+    if args.admin_token:
+        check_port(admin_port, "--admin-port", allow_zero=True)
+        check_ports_free(args.host, ports)
+        ports = [(admin_port, "--admin-port")]
+        check_ports_free(args.admin_host, ports)
+    else:
+        check_ports_free(args.host, ports)
 
 
 def _run_loop(coro, choice: str) -> None:
@@ -376,9 +392,12 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         _run_loop(_serve(args), args.event_loop)
-    except (ConfigError, KvplugError) as exc:
-        print(f"kvplug serve: {exc}", file=sys.stderr)
+    except (ConfigError, UsageError) as exc:
+        print(f"kvplug serve: error: {exc}", file=sys.stderr)
         return 2
+    except (KvplugError, RunError, OSError) as exc:  # a correct command that cannot run
+        print(f"kvplug serve: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         pass
     return 0
