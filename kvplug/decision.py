@@ -251,7 +251,7 @@ class Decision:
         d.elapsed_us = elapsed_us
         cached = ctx.cached_blocks
         d.overlap_blocks = cached
-        d.cached_tokens = min(cached * ctx.block_size, ctx.n_tokens)
+        d.cached_tokens = ctx.cached_tokens
         d.prompt_tokens = ctx.n_tokens
         d.request_blocks = ctx.full_blocks
         d.chosen_index = ctx.chosen

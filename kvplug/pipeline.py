@@ -37,8 +37,6 @@ from kvplug.filters import FilterResult
 from kvplug.request import RouteRequest, RoutingHints
 from kvplug.workers import Stage
 
-_NO_LOAD = np.zeros(0)
-
 
 class StageRules:
     """Per-stage load/credit rules (PROTOCOLS.md §4.6)."""
@@ -78,7 +76,7 @@ class StageBase:
     """A stage's routable endpoints (draining and wrong-role workers left out, their
     exclusions precomputed) and its rules; cached by the router until workers change."""
 
-    __slots__ = ("cands", "static_excluded", "is_range", "rules")
+    __slots__ = ("cands", "sel", "static_excluded", "rules")
 
     def __init__(
         self,
@@ -88,83 +86,74 @@ class StageBase:
         rules: StageRules,
     ) -> None:
         self.cands = cands
+        # how per-endpoint arrays are gathered for them: a slice when they are 0..n-1 (a view,
+        # cheaper than fancy indexing)
+        self.sel: slice | np.ndarray = slice(0, len(cands)) if is_range else cands
         self.static_excluded = static_excluded
-        self.is_range = is_range
         self.rules = rules
 
 
 class RouteContext:
     """One request on its way through the stages. Fields are grouped by the stage that sets
     them; a later stage only reads what an earlier one wrote. Vectors are per candidate
-    (aligned with ``cands``) unless named otherwise."""
+    (aligned with ``cands``) unless named otherwise. A field a stage did not set keeps its
+    class default (no __slots__ on purpose: one context per decision, built cheaply)."""
 
-    __slots__ = (
-        # candidates
-        "req",
-        "stage",
-        "hints",
-        "now",
-        "n_tokens",
-        "block_size",
-        "full_blocks",
-        "rules",
-        "cands",
-        "sel",
-        "static_excluded",
-        # filters
-        "report",
-        "penalised",
-        "prefill_tokens",
-        "decode_blocks",
-        # overlap
-        "hashes",
-        "device",
-        "host",
-        "disk",
-        "shared",
-        # load
-        "chain",
-        "active_depth",
-        # score, pick
-        "trace",
-        "chosen",
-        # book
-        "cached_blocks",
-        "decision_id",
-    )
+    # candidates (set by __init__)
+    req: RouteRequest
+    stage: Stage
+    hints: RoutingHints
+    now: float
+    n_tokens: int
+    full_blocks: int  # blocks of the prompt, a trailing partial block included
+    rules: StageRules
+    cands: np.ndarray  # candidate endpoint ids (the filters narrow them)
+    sel: slice | np.ndarray  # gathers per-endpoint arrays for cands
+    static_excluded: tuple[Exclusion, ...]  # draining / wrong role (shared, precomputed)
+    prefill_tokens: np.ndarray  # active load per endpoint id (not per candidate) at ``now``
+    decode_blocks: np.ndarray
+    # filters
+    report: FilterResult | None = None  # None: no filter ran (the common case)
+    penalised: np.ndarray | None = None  # missing attribute under "penalise"
+    # overlap (None: the index was not queried)
+    hashes: np.ndarray | None = None
+    device: np.ndarray | None = None
+    host: np.ndarray | None = None
+    disk: np.ndarray | None = None
+    shared: np.ndarray | None = None  # shared-tier blocks beyond the local prefix
+    # load
+    chain: tuple[np.ndarray, Any] | None = None  # (hashes, ActiveBlocks walk)
+    active_depth: np.ndarray | None = None  # leading blocks already active (owned)
+    # score, pick
+    trace: CandidateTrace | None = None
+    chosen: int = -1  # index into cands
+    # book
+    cached_blocks: int = 0  # of the pick, in any local tier
+    cached_tokens: int = 0
+    decision_id: int = 0
 
     def __init__(
-        self, req: RouteRequest, now: float, n_tokens: int, block_size: int, base: StageBase
+        self,
+        req: RouteRequest,
+        now: float,
+        n_tokens: int,
+        block_size: int,
+        base: StageBase,
+        prefill_tokens: np.ndarray,
+        decode_blocks: np.ndarray,
     ) -> None:
         self.req = req
-        self.stage: Stage = req.stage
-        self.hints: RoutingHints = req.hints
+        self.stage = req.stage
+        self.hints = req.hints
         self.now = now
         self.n_tokens = n_tokens
-        self.block_size = block_size
-        self.full_blocks = -(-n_tokens // block_size)  # a trailing partial block counts
+        self.full_blocks = -(-n_tokens // block_size)
         self.rules = base.rules
-        # candidate endpoint ids; ``sel`` gathers per-endpoint arrays for them: a slice while
-        # they are exactly 0..n-1 (a view, cheaper than fancy indexing), else ``cands``
-        self.cands = cands = base.cands
-        self.sel: slice | np.ndarray = slice(0, len(cands)) if base.is_range else cands
+        self.cands = base.cands
+        self.sel = base.sel
         self.static_excluded = base.static_excluded
-        self.report: FilterResult | None = None  # None: no filter ran (the common case)
-        self.penalised: np.ndarray | None = None  # missing attribute under "penalise"
-        # active load per endpoint id (not per candidate), read once at ``now``
-        self.prefill_tokens: np.ndarray = _NO_LOAD
-        self.decode_blocks: np.ndarray = _NO_LOAD
-        self.hashes: np.ndarray | None = None
-        self.device: np.ndarray | None = None  # None: the index was not queried
-        self.host: np.ndarray | None = None
-        self.disk: np.ndarray | None = None
-        self.shared: np.ndarray | None = None  # shared-tier blocks beyond the local prefix
-        self.trace: CandidateTrace | None = None
-        self.chosen = -1  # index into cands
-        self.chain: tuple[np.ndarray, Any] | None = None  # (hashes, ActiveBlocks walk)
-        self.active_depth: np.ndarray | None = None  # leading blocks already active (owned)
-        self.cached_blocks = 0  # of the pick, in any local tier
-        self.decision_id = 0
+        self.prefill_tokens = prefill_tokens
+        self.decode_blocks = decode_blocks
 
 
 __all__ = ["RouteContext", "StageBase", "StageRules"]

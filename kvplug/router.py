@@ -40,7 +40,7 @@ from kvplug.load import LoadTracker
 from kvplug.pipeline import RouteContext, StageBase, StageRules
 from kvplug.policies import RoutingPolicy, policy_class
 from kvplug.prefill_model import PrefillPredictor, make_predictor
-from kvplug.request import RouteRequest, RoutingHints
+from kvplug.request import NO_HINTS, RouteRequest, RoutingHints
 from kvplug.workers import Attribute, AttributeTable, Role, Stage, Worker, WorkerState, role_serves
 
 __all__ = ["Router", "RouteRequest", "RoutingHints", "Stage", "Worker", "Role", "Decision"]
@@ -135,6 +135,7 @@ class Router:
         # the routing mode: scores and picks (kvplug.policies); built last, it reads the above
         self._policy: RoutingPolicy = policy_class(cfg.router_mode)(self)
         self._policy_filters = type(self._policy).filters is not RoutingPolicy.filters
+        self._queries_index = self._policy.uses_overlap or self._approx is not None
         self._filters_configured = False  # any filter beyond the request's own hints
         self._refresh_filters_configured()
         self._refresh_limits()
@@ -411,17 +412,20 @@ class Router:
         if base is None:
             base = self._base_candidates(req.stage)
         now = self._clock()
-        ctx = RouteContext(req, now, n_tokens, self.block_size, base)
-        ctx.prefill_tokens = self.load.prefill_tokens_at(now)
-        ctx.decode_blocks = self.load.decode_blocks
-        return ctx
+        load = self.load
+        prefill = load.prefill_tokens if load.predictor is None else load.prefill_tokens_at(now)
+        return RouteContext(req, now, n_tokens, self.block_size, base, prefill, load.decode_blocks)
 
     def _filters(self, ctx: RouteContext) -> None:
         """Stage 2 (kvplug.filters, in this order): the request's hard constraints (allow-list,
         exclusions, pin, DP rank, taints), busy thresholds and label selectors, the policy's
         own filters, attribute thresholds. Each exclusion lands in ``ctx.report``."""
         req, hints, cfg = ctx.req, ctx.hints, self.config
-        if not (req.exclude_workers or self._filters_configured or not hints.is_empty()):
+        if not (
+            req.exclude_workers
+            or self._filters_configured
+            or (hints is not NO_HINTS and not hints.is_empty())
+        ):
             if len(ctx.cands) == 0:
                 raise NoCompatibleWorker(
                     f"request {req.request_id}: no {ctx.stage.value}-capable worker is "
@@ -481,7 +485,7 @@ class Router:
         """Stage 3: the prompt's block hashes and, per candidate, how much of it the index holds
         (device, host, disk, shared tier beyond the local prefix). In approximate mode blocks
         predicted by earlier decisions count as device blocks."""
-        if not (self._policy.uses_overlap or self._approx is not None):
+        if not self._queries_index:
             return
         req, sel = ctx.req, ctx.sel
         hashes = req.block_hashes
@@ -531,6 +535,7 @@ class Router:
         if dev is not None:  # the pick's prompt blocks in any local tier
             cached = int(dev[i] + ctx.host[i] + ctx.disk[i])  # type: ignore[index]
         ctx.cached_blocks = cached
+        ctx.cached_tokens = min(cached * self.block_size, ctx.n_tokens)
         if not book:
             self.counters["previews"] += 1
             return
@@ -546,7 +551,7 @@ class Router:
             ctx.req.request_id,
             ep,
             ctx.n_tokens,
-            min(cached * self.block_size, ctx.n_tokens),
+            ctx.cached_tokens,
             track_prefill=rules.track_prefill,
             track_decode=rules.track_decode,
             decode_blocks=float(own_blocks),

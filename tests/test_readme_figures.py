@@ -13,8 +13,8 @@ the row, the column, the README's figure and the file's: update the README from 
 from __future__ import annotations
 
 import json
-import sys
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -176,7 +176,7 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             SKIP,  # sglang-router's version
             frontend[sglang]["plain_latency"]["added_median_ms"],
         ],
-        ("whole-trace replay", "result"): lambda: [sim["wall_s"]],
+        ("whole-trace replay", "result"): lambda: [sim["wall_s"], sim["jobs"]],
     }
 
 
@@ -242,3 +242,21 @@ def test_a_wrong_figure_is_caught(tmp_path, monkeypatch):
     demo = next(t for t in tables() if t[0] == ["benchmarks/results/demo.json"])
     with pytest.raises(AssertionError, match="README 911.2"):
         test_the_readme_quotes_what_the_benchmarks_wrote(demo)
+
+
+def test_the_formula_example_is_real_output():
+    # README, Routing: a 10-block prompt, 5 of its blocks on w2's device, nothing in flight
+    import random
+
+    from kvplug import BlockStored, Router, RouterConfig, RouteRequest, Worker
+
+    r = Router(RouterConfig(kv_block_size=16), rng=random.Random(0))
+    r.add_worker(Worker("w1"))
+    r.add_worker(Worker("w2"))
+    prompt = list(range(160))
+    hashes = r.index.request_hashes(prompt)[:5]
+    r.apply_event(BlockStored(worker_id="w2", engine_hashes=[1, 2, 3, 4, 5], block_hashes=hashes))
+    d = r.route(RouteRequest("x", prompt))
+    formula = d.explain().split(" <- ", 1)[1]
+    assert formula == "cost(w2)=10.0 = 1.0*5 + 5 (device 5/10; prefill 10 - 1.0*5)"
+    assert f"`{formula}`" in README.read_text()
