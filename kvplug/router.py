@@ -420,21 +420,17 @@ class Router:
         """Stage 2 (kvplug.filters, in this order): the request's hard constraints (allow-list,
         exclusions, pin, DP rank, taints), busy thresholds and label selectors, the policy's
         own filters, attribute thresholds. Each exclusion lands in ``ctx.report``."""
-        req, hints, cfg = ctx.req, ctx.hints, self.config
-        if not (
-            req.exclude_workers
-            or self._filters_configured
-            or (hints is not NO_HINTS and not hints.is_empty())
-        ):
-            if len(ctx.cands) == 0:
-                raise NoCompatibleWorker(
-                    f"request {req.request_id}: no {ctx.stage.value}-capable worker is "
-                    "registered (or all are draining)"
-                )
+        req, hints = ctx.req, ctx.hints
+        hard = req.exclude_workers or (hints is not NO_HINTS and not hints.is_empty())
+        if not hard and len(ctx.cands) == 0:
+            raise NoCompatibleWorker(
+                f"request {req.request_id}: no {ctx.stage.value}-capable worker is "
+                "registered (or all are draining)"
+            )
+        if not (hard or self._filters_configured):
             return  # the common case: nothing to filter (the report stays None)
         report = ctx.report = flt.FilterResult(ctx.cands)
-        ctx.sel = ctx.cands  # filtered: gather by id
-        if req.exclude_workers or not hints.is_empty():
+        if hard:
             ctx.cands = flt.hard_filters(
                 self,
                 ctx.cands,
@@ -444,8 +440,19 @@ class Router:
                 report,
                 req.exclusion_reasons,
             )
+        self._busy_and_label_filters(ctx, report)
+        self._threshold_filters(ctx, report)
+        ctx.sel = cands = ctx.cands  # filtered: per-endpoint arrays are gathered by id
+        if report.penalised:
+            ctx.penalised = np.fromiter(
+                (int(e) in report.penalised for e in cands.tolist()), bool, len(cands)
+            )
+
+    def _busy_and_label_filters(self, ctx: RouteContext, report: flt.FilterResult) -> None:
+        """Busy thresholds, then the configured and the request's label selectors."""
         busy = self._busy
-        selector = cfg.router_label_selector
+        selector = self.config.router_label_selector
+        hints = ctx.hints
         if hints.labels:
             selector = {**selector, **hints.labels}
         if busy.active or selector:
@@ -459,6 +466,11 @@ class Router:
                 hints.pinned_worker_id is not None,
                 report,
             )
+
+    def _threshold_filters(self, ctx: RouteContext, report: flt.FilterResult) -> None:
+        """The policy's own filters (a profile's label selector and attribute thresholds),
+        then every attribute threshold, the configured ones first."""
+        cfg = self.config
         thresholds = cfg.router_attribute_thresholds
         extra = self._policy.filters(ctx.stage) if self._policy_filters else None
         if extra is not None:
@@ -474,11 +486,6 @@ class Router:
         for th in thresholds:
             ctx.cands = flt.attribute_filter(
                 self, ctx.cands, th, ctx.now, cfg.router_attribute_max_age, report
-            )
-        ctx.sel = cands = ctx.cands
-        if report.penalised:
-            ctx.penalised = np.fromiter(
-                (int(e) in report.penalised for e in cands.tolist()), bool, len(cands)
             )
 
     def _overlap(self, ctx: RouteContext) -> None:

@@ -139,3 +139,15 @@ def test_a_preview_books_nothing_and_reports_the_same_pick():
     d = r.route(RouteRequest("a", p))
     assert (d.worker_id, d.overlap_blocks) == (seen.worker_id, seen.overlap_blocks)
     assert d.decision_id == 1 and r.stats()["previews"] == 1
+
+
+@pytest.mark.parametrize(
+    "cfg", [{}, {"active_decode_blocks_threshold": 0.5}, {"router_attribute_thresholds": ["x<=1"]}]
+)
+def test_no_worker_for_the_stage_is_no_compatible_worker_whatever_the_filters(cfg):
+    from kvplug import NoCompatibleWorker, Role, Stage
+
+    r = Router(RouterConfig(kv_block_size=BS, **cfg), rng=random.Random(0))
+    r.add_worker(Worker("p", role=Role.PREFILL))
+    with pytest.raises(NoCompatibleWorker, match="no decode-capable worker"):
+        r.route(RouteRequest("a", tokens(1, 1), stage=Stage.DECODE))
