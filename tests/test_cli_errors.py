@@ -128,3 +128,17 @@ def test_a_router_setting_of_the_wrong_type_is_a_config_error():
     with pytest.raises(ConfigError, match="--kv-block-size must be an int"):
         RouterConfig(kv_block_size=16.5)  # type: ignore[arg-type]
     assert RouterConfig(router_track_output_blocks=1).router_track_output_blocks == 1
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["bench", "--sweep", "credit=abc", "temperature=0"], "values must be numbers"),
+        (["bench", "--sweep", "nokey=1", "temperature=0"], "'nokey=1' is not KEY=VALUE"),
+        (["bench", "--workload", "bogus"], "unknown workload 'bogus'"),
+        (["serve", "--port", "99999"], "--port: 99999 is not a port number"),
+    ],
+)
+def test_more_usage_mistakes(argv, words, capsys):
+    rc, _, err = run(argv, capsys)
+    assert rc == 2 and words in one_line(err)

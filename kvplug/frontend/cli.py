@@ -306,14 +306,15 @@ async def _serve(args: argparse.Namespace) -> None:
 
     settings = settings_from_args(args)
     specs = specs_from_args(args)
+    router_config = RouterConfig.from_args(args)
+    admin_port = args.admin_port if args.admin_port is not None else args.port + 1
+    _check_listen_ports(args, admin_port)  # before any worker is contacted
     if not specs:
         logging.getLogger("kvplug").warning(
             "no workers given: add them with --worker, --worker-config or the admin API"
         )
     tokenizer = LocalTokenizer(args.tokenizer) if args.tokenizer else None
-    router = Router(RouterConfig.from_args(args))
-    admin_port = args.admin_port if args.admin_port is not None else args.port + 1
-    _check_listen_ports(args, admin_port)  # before any worker is contacted
+    router = Router(router_config)
     running = await start_frontend(
         router,
         specs,

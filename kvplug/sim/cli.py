@@ -265,17 +265,28 @@ def _cmd_bench(args) -> int:
 
 def _cmd_sweep(args) -> int:
     from kvplug.sim.bench import write_json
-    from kvplug.sim.sweep import format_sweep, run_sweep
+    from kvplug.sim.sweep import format_sweep, parse_axis, run_sweep
 
-    spec = _spec(args, [])
-    sweep = run_sweep(
-        spec,
-        args.sweep[0],
-        args.sweep[1],
-        jobs=args.jobs,
-        base=args.sweep_base,
-        progress=not args.no_progress,
-    )
+    try:
+        (x_name, xs), (y_name, ys) = (parse_axis(axis) for axis in args.sweep)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not xs or not ys:
+        raise UsageError("--sweep: each axis needs at least one value")
+    sep = "," if ":" in args.sweep_base else ":"
+    corner = f"{args.sweep_base}{sep}{x_name}={xs[0]:g},{y_name}={ys[0]:g}"
+    spec = _spec(args, [corner])  # one grid point checks the names and the base
+    try:
+        sweep = run_sweep(
+            spec,
+            args.sweep[0],
+            args.sweep[1],
+            jobs=args.jobs,
+            base=args.sweep_base,
+            progress=not args.no_progress,
+        )
+    except ValueError as exc:
+        raise RunError(str(exc).splitlines()[0]) from None
     print()
     print(format_sweep(sweep))
     path = Path(args.json or "sim_sweep.json")
