@@ -11,7 +11,8 @@ may change between releases; docs/api.md shows how another server embeds the rou
 * :class:`Worker` describes one engine (role, DP ranks, capacity, labels).
 * The KV events (:class:`BlockStored`, :class:`BlockRemoved`, :class:`BlockMoved`,
   :class:`AllCleared`) feed the :class:`KvIndex` through :meth:`Router.apply_event`.
-* :class:`RoutingPolicy` and :func:`register_policy` add a routing mode by name.
+* :class:`RoutingPolicy` and :func:`register_policy` add a routing mode by name; a policy
+  reads one request's :class:`RouteContext`.
 * ``backend`` names the active core ("c" or "reference"); see :mod:`kvplug.core`.
 
 Importing kvplug stays light: no networking modules (aiohttp, zmq) are imported here.
@@ -35,6 +36,7 @@ from kvplug.errors import (
 )
 from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, KvEvent, Tier
 from kvplug.index import KvIndex, Overlaps
+from kvplug.pipeline import RouteContext
 from kvplug.policies import RoutingPolicy, register_policy
 from kvplug.request import RouteRequest, RoutingHints
 from kvplug.router import Router
@@ -64,6 +66,7 @@ __all__ = [
     "Overlaps",
     "PinnedWorkerOverloaded",
     "Role",
+    "RouteContext",
     "RouteRequest",
     "Router",
     "RouterConfig",

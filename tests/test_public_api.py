@@ -37,6 +37,7 @@ PUBLIC = [
     "Overlaps",
     "PinnedWorkerOverloaded",
     "Role",
+    "RouteContext",
     "RouteRequest",
     "Router",
     "RouterConfig",
