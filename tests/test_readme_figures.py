@@ -5,7 +5,8 @@ Each results table in README.md is preceded by a marker naming the JSON files it
     <!-- figures: benchmarks/results/sim_bench.json rows: kv, kv:credit=1.5, ... -->
 
 Every number in every cell (but the first column, and the "target" and "command" columns)
-is checked against those files at the precision the README shows it (``19.4%`` must be
+is checked against those files at the precision the README shows it; a marker before a
+paragraph does the same for the paragraph's figures (``PARAGRAPHS`` says which is which) (``19.4%`` must be
 within 0.05 points of the JSON's value). After re-running a benchmark, a failure here names
 the row, the column, the README's figure and the file's: update the README from the file.
 """
@@ -34,11 +35,9 @@ def tables() -> list[tuple[list[str], list[str] | None, list[str], list[list[str
     out = []
     for i, line in enumerate(lines):
         m = MARKER.search(line)
-        if not m:
-            continue
+        if not m or i + 1 >= len(lines) or not lines[i + 1].startswith("|"):
+            continue  # a marked paragraph: test_the_prose_figures_are_the_benchmarks_too
         j = i + 1
-        while j < len(lines) and not lines[j].startswith("|"):
-            j += 1
         block = []
         while j < len(lines) and lines[j].startswith("|"):
             block.append([c.strip() for c in lines[j].strip().strip("|").split("|")])
@@ -184,6 +183,64 @@ RULES = {
     "benchmarks/results/bench_core.json": core_rules,
     "benchmarks/results/bench_router.json": speed_rules,
 }
+
+
+def routing_quality_text() -> list:
+    """The figures of the paragraph under the routing-quality table, in reading order."""
+    d = load("benchmarks/results/sim_bench.json")
+    host = {r["policy"]: r for r in load("benchmarks/results/sim_bench_host_tier.json")["results"]}
+    trace, by = d["trace"], {r["policy"]: r for r in d["results"]}
+    kv, rr, prof = by["kv"], by["round-robin"], by["profile"]
+    return [
+        100 * trace["oracle_hit_rate"],
+        100 * trace["fleet_lru_hit_rate"],
+        100 * kv["hit_rate"] / trace["fleet_lru_hit_rate"],
+        kv["hit_rate"] / rr["hit_rate"],
+        SKIP,  # the profile's scorer weights (3, 2): its configuration, not a measurement
+        SKIP,
+        100 * prof["hit_rate"],
+        prof["ttft_p50_s"] / kv["ttft_p50_s"],
+        prof["ttft_p99_s"] / kv["ttft_p99_s"],
+        load("benchmarks/results/sim_bench_host_tier.json")["spec"]["host_capacity_blocks"]
+        / d["spec"]["capacity_blocks"],
+        100 * host["kv"]["hit_rate"],
+        100 * host["approx"]["hit_rate"],
+        load("benchmarks/results/sim_sweep_x2_runs.json")["spec"]["speedup"],  # the 2x sweep
+    ]
+
+
+PARAGRAPHS = {"Bounds from the trace itself": routing_quality_text}
+
+
+def marked_paragraphs() -> list[tuple[list[str], str]]:
+    """(files, text) of each marked paragraph (a marker followed by prose, not a table)."""
+    lines = README.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        m = MARKER.search(line)
+        if m and i + 1 < len(lines) and not lines[i + 1].startswith("|"):
+            j = i + 1
+            while j < len(lines) and lines[j].strip():
+                j += 1
+            out.append((m["files"].split(), " ".join(lines[i + 1 : j])))
+    return out
+
+
+def test_the_prose_figures_are_the_benchmarks_too():
+    paragraphs = marked_paragraphs()
+    assert paragraphs, "no marked paragraph"
+    for files, text in paragraphs:
+        (rule,) = [r for start, r in PARAGRAPHS.items() if text.startswith(start)]
+        figures, expected = shown(text), rule()
+        assert len(figures) == len(expected), f"{text[:40]!r}: {figures} vs {len(expected)}"
+        wrong = [
+            f"README {f}, {files} {v:.6g}"
+            for f, v in zip(figures, expected, strict=True)
+            if v is not SKIP and not agrees(f, float(v))
+        ]
+        assert not wrong, wrong
+
+
 NOT_MEASURED = ("target", "command")  # columns whose figures are goals or arguments
 
 
@@ -206,7 +263,7 @@ def test_every_results_table_names_its_source():
     text = README.read_text()
     results = text.split("## Quick start", 1)[1].split("## Using it with your engines", 1)[0]
     n_tables = len(re.findall(r"\n\|[-|: ]+\|\n", results))
-    assert n_tables == len(MARKER.findall(results)) == 4, "a results table without a marker"
+    assert n_tables == len(tables()) == 4, "a results table without a marker"
     for files, *_ in marked():
         for name in files:
             assert (ROOT / name).is_file(), f"{name} (named by a README marker) does not exist"
