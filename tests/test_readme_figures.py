@@ -5,10 +5,11 @@ Each results table in README.md is preceded by a marker naming the JSON files it
     <!-- figures: benchmarks/results/sim_bench.json rows: kv, kv:credit=1.5, ... -->
 
 Every number in every cell (but the first column, and the "target" and "command" columns)
-is checked against those files at the precision the README shows it; a marker before a
-paragraph does the same for the paragraph's figures (``PARAGRAPHS`` says which is which) (``19.4%`` must be
-within 0.05 points of the JSON's value). After re-running a benchmark, a failure here names
-the row, the column, the README's figure and the file's: update the README from the file.
+is checked against those files at the precision the README shows it (``19.4%`` must be
+within 0.05 points of the JSON's value); a marker before a paragraph does the same for the
+paragraph's figures (``PARAGRAPHS`` maps each to its figures). After re-running a benchmark,
+a failure here names the row, the column, the README's figure and the file's: update the
+README from the file.
 """
 
 from __future__ import annotations
