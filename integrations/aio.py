@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Protocol
 
 import aiohttp
+
+log = logging.getLogger("kvplug.integrations")
 
 
 class LazySession:
@@ -47,3 +51,31 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task]) -> None:
     for task in tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+
+
+class CountsLoadErrors(Protocol):
+    load_errors: int
+
+
+async def poll_loads(
+    scrape: Callable[[], Awaitable[bool | None]],
+    period: float,
+    run: CountsLoadErrors,
+    who: str,
+    logger: logging.Logger = log,
+) -> None:
+    """Every ``period`` seconds, one ``scrape()`` of an engine's load (it applies what it read;
+    it returns True to be called again at once, e.g. after falling back to another endpoint).
+    A failed scrape (HTTP error, timeout, unreadable answer) is counted in
+    ``run.load_errors`` and logged rate-limited, never fatal. Runs until cancelled."""
+    while True:
+        try:
+            if await scrape():
+                continue
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            run.load_errors += 1
+            if log_due(run.load_errors):
+                logger.warning("%s: load scrape failed (%d so far): %s", who, run.load_errors, exc)
+        await asyncio.sleep(period)

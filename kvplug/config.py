@@ -8,6 +8,7 @@ file (YAML or JSON) uses the same names, with or without the leading dashes, or 
 from __future__ import annotations
 
 import argparse
+import numbers
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -86,6 +87,11 @@ def parse_label_selector(text: str | dict[str, str] | None) -> dict[str, str]:
 
 @dataclass
 class RouterConfig:
+    """Every router setting, named as Dynamo's flags (``router_mode`` is
+    ``--router-mode``); validated on construction (``ConfigError``). Build one directly, or
+    with ``from_dict`` / ``from_file`` (YAML or JSON, dashed or underscored keys) or
+    ``from_args`` after :func:`add_router_arguments`. docs/router.md describes each flag."""
+
     # --- mode and selection
     router_mode: str = "kv"
     kv_block_size: int = 16
@@ -148,8 +154,10 @@ class RouterConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.router_mode not in MODES:
-            raise ConfigError(f"--router-mode {self.router_mode!r} is not one of {MODES}")
+        self._check_types()
+        from kvplug.policies import policy_class  # the built-in MODES and any registered
+
+        policy_class(self.router_mode)  # raises ConfigError naming the known modes
         if self.router_selection_policy not in SELECTION_POLICIES:
             raise ConfigError(
                 f"--router-selection-policy {self.router_selection_policy!r} "
@@ -225,6 +233,27 @@ class RouterConfig:
             for t in self.router_attribute_thresholds
         ]
 
+    def _check_types(self) -> None:
+        """Numbers and switches are what their fields say (a config file or a CLI override
+        may carry any text): ConfigError naming the flag, not a TypeError later."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kind = str(f.type)
+            if v is None and "None" in kind:
+                continue
+            flag = f"--{f.name.replace('_', '-')}"
+            if kind.startswith("bool"):
+                ok = not isinstance(v, (float, str)) and v in (0, 1)  # numpy bools, 0/1 too
+            elif kind.startswith("int"):
+                ok = isinstance(v, numbers.Integral) and not isinstance(v, bool)
+            elif kind.startswith("float"):
+                ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+            else:
+                continue
+            if not ok:
+                what = kind.split(" ")[0]
+                raise ConfigError(f"{flag} must be {_ARTICLE[what]} {what}, got {v!r}")
+
     @property
     def approximate(self) -> bool:
         """A predict-on-route side index is kept (no events, or a predicted TTL is set)."""
@@ -261,6 +290,7 @@ class RouterConfig:
         return cls(**_normalise_keys(values))
 
 
+_ARTICLE = {"bool": "a", "int": "an", "float": "a"}
 _FIELD_NAMES = {f.name for f in fields(RouterConfig)}
 # Dynamo spellings that differ from the field name.
 _ALIASES = {
@@ -357,7 +387,11 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     d = RouterConfig()
     g = parser.add_argument_group("router")
     g.add_argument("--router-config", default=None, help="YAML/JSON file with the flags below")
-    g.add_argument("--router-mode", choices=MODES, default=None, help=f"default {d.router_mode}")
+    from kvplug.policies import policy_names
+
+    g.add_argument(
+        "--router-mode", choices=policy_names(), default=None, help=f"default {d.router_mode}"
+    )
     g.add_argument(
         "--kv-block-size",
         "--kv-cache-block-size",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from types import ModuleType
 
 _BUILD_HINT = (
@@ -28,6 +29,14 @@ def load_backend(name: str) -> ModuleType:
         try:
             from kvplug import _core
         except ImportError as err:
+            missing = err.name or ""
+            if missing and missing != "kvplug._core" and not missing.startswith("kvplug"):
+                # built, but a dependency is missing: typically a Python other than the venv's
+                raise ImportError(
+                    f"kvplug needs {missing!r}, which this Python ({sys.executable}) does not "
+                    "have: run kvplug (and benchmarks/*.py) with the Python of the environment "
+                    "it is installed in (e.g. .venv/bin/python), or `pip install -e .` here"
+                ) from err
             found = importlib.util.find_spec("kvplug._core") is not None
             why = f"loading it failed: {err}" if found else "no compiled kvplug/_core*.so found"
             raise ImportError(f"{_BUILD_HINT} ({why})") from err

@@ -9,13 +9,18 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvplug.pipeline import RouteContext
 
 
 @dataclass(frozen=True)
 class Exclusion:
+    """A worker (``dp_rank`` None: every rank) a filter left out of a decision, and why."""
+
     worker_id: str
     dp_rank: int | None  # None: every rank of the worker
     filter: str
@@ -130,6 +135,15 @@ class CandidateTrace:
 
 
 class Decision:
+    """Where one request goes and why: ``worker_id`` and ``dp_rank`` of the pick,
+    ``overlap_blocks`` / ``cached_tokens`` it holds of the prompt, ``mode``, ``stage``,
+    ``fallback`` (a threshold filter kept the least-bad), ``excluded`` (every worker left
+    out, with the filter and the reason), ``candidates`` (each scored candidate's inputs,
+    value and formula), ``explain()`` (one line) and ``to_dict()`` / ``to_json()``.
+    ``decision_id`` counts booked decisions (0 for a preview). Built by the router's explain
+    stage from what the other stages reported; its vectors are its own (they never change
+    after the fact)."""
+
     __slots__ = (
         "worker_id",
         "dp_rank",
@@ -198,6 +212,52 @@ class Decision:
         # set by the two-stage dispatch: why the remote prefill stage was used or skipped
         # (kvplug.disagg.BypassVerdict.to_dict())
         self.conditional_disagg: dict[str, Any] | None = None
+
+    @classmethod
+    def assemble(
+        cls,
+        ctx: RouteContext,
+        worker_id: str,
+        dp_rank: int,
+        endpoint_id: int,
+        mode: str,
+        elapsed_us: float,
+    ) -> Decision:
+        """The decision, from what each routing stage reported in ``ctx`` (kvplug.pipeline):
+        candidates (static exclusions, prompt size), filters (exclusions, fallbacks, attribute
+        ages), score and pick (the trace, the chosen index), book (cached blocks, id).
+        Keeps no reference to ``ctx`` or the request (a stored decision must not hold the
+        prompt)."""
+        d = cls.__new__(cls)
+        d.worker_id = worker_id
+        d.dp_rank = dp_rank
+        d.endpoint_id = endpoint_id
+        d.decision_id = ctx.decision_id
+        d.request_id = ctx.req.request_id
+        d.mode = mode
+        d.stage = ctx.stage
+        report = ctx.report
+        if report is None:
+            d.fallback = False
+            d.fallback_filters = []
+            d._excluded = []
+            d._age_records = []
+        else:
+            d.fallback_filters = report.fallback_filters
+            d.fallback = bool(report.fallback_filters)
+            d._excluded = report.excluded
+            d._age_records = report.attribute_ages
+        d._static_excluded = ctx.static_excluded
+        d.elapsed_us = elapsed_us
+        cached = ctx.cached_blocks
+        d.overlap_blocks = cached
+        d.cached_tokens = ctx.cached_tokens
+        d.prompt_tokens = ctx.n_tokens
+        d.request_blocks = ctx.full_blocks
+        d.chosen_index = ctx.chosen
+        d._trace = ctx.trace  # type: ignore[assignment]
+        d.conditional_disagg = None
+        return d
 
     # ---------------------------------------------------------------- views
     @property

@@ -1,4 +1,10 @@
-"""The router: workers, KV index, active load, filters, scoring, picking, explainable decisions.
+"""The router: workers, KV index, active load, and the routing pipeline that turns them into
+explainable decisions.
+
+A request's path is ``Router._route``: eight named stages read top to bottom (candidates,
+filters, overlap, load, score, pick, book, explain; kvplug.pipeline describes what each one
+reports). Score and pick belong to the routing policy of ``--router-mode`` (kvplug.policies),
+one object per mode behind one interface.
 
 Transport-agnostic: no HTTP, no sockets. The clock (seconds, monotonic) and the random source
 are injected, so the frontend (wall clock), the simulator (virtual time) and the tests (fixed
@@ -17,10 +23,9 @@ from typing import Any
 import numpy as np
 
 from kvplug import filters as flt
-from kvplug import pickers
 from kvplug.approx import ApproxIndex
 from kvplug.config import RouterConfig
-from kvplug.decision import CandidateTrace, Decision, Exclusion
+from kvplug.decision import Decision, Exclusion
 from kvplug.errors import (
     AllWorkersOverloaded,
     ConfigError,
@@ -32,9 +37,10 @@ from kvplug.errors import (
 )
 from kvplug.events import AllCleared, KvEvent
 from kvplug.load import LoadTracker
+from kvplug.pipeline import RouteContext, StageBase, StageRules
+from kvplug.policies import RoutingPolicy, policy_class
 from kvplug.prefill_model import PrefillPredictor, make_predictor
-from kvplug.request import RouteRequest, RoutingHints
-from kvplug.scoring import ScoringContext
+from kvplug.request import NO_HINTS, RouteRequest, RoutingHints
 from kvplug.workers import Attribute, AttributeTable, Role, Stage, Worker, WorkerState, role_serves
 
 __all__ = ["Router", "RouteRequest", "RoutingHints", "Stage", "Worker", "Role", "Decision"]
@@ -43,41 +49,13 @@ log = logging.getLogger("kvplug.router")
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-class _StageRules:
-    """Per-stage load/credit rules (PROTOCOLS.md §4.6)."""
-
-    __slots__ = (
-        "params_dict",
-        "prefill_term",
-        "track_prefill",
-        "track_decode",
-        "credit",
-        "assume_reuse",
-        "resident_credit",
-        "params",
-    )
-
-    def __init__(
-        self,
-        prefill_term: bool,  # the incoming prompt counts as prefill blocks
-        track_prefill: bool,  # active prompt-side load is tracked and counted
-        track_decode: bool,
-        credit: float,
-        assume_reuse: bool,
-        params: Any,
-        resident_credit: bool = False,
-    ) -> None:
-        self.prefill_term = prefill_term
-        self.track_prefill = track_prefill
-        self.track_decode = track_decode
-        self.credit = credit
-        self.assume_reuse = assume_reuse  # dedupe active blocks by hash
-        self.resident_credit = resident_credit  # and the device-resident prefix is not new
-        self.params = params
-        self.params_dict: dict[str, float] = {}  # the same numbers, for explanations
-
-
 class Router:
+    """The KV-cache-aware router: register workers (``add_worker``), feed KV events
+    (``apply_event``), then per request ``route`` -> :class:`~kvplug.Decision` and the
+    lifecycle calls (``on_first_token``, ``on_output_progress``, ``on_finish``) that keep the
+    active load exact. ``clock`` (seconds, monotonic) and ``rng`` are injected so the
+    simulator and tests can drive it; not thread-safe (one thread or one event loop)."""
+
     def __init__(
         self,
         config: RouterConfig | None = None,
@@ -94,8 +72,7 @@ class Router:
         # costs and selection on the same backend as the index (tests pin one per index)
         backend = getattr(index, "backend", None) or core.backend
         self._core = core if backend == core.backend else core.load_backend(backend)
-        # the pure-Python reference takes sequences; the compiled core takes numpy buffers
-        self._as_seq = backend == "reference"
+        self._backend = backend
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
         if index is None:
@@ -138,13 +115,12 @@ class Router:
         if profile is None and cfg.router_profile:
             profile = load_profile(cfg.router_profile)
         self._profile = profile
-        if cfg.router_mode == "profile" and profile is None:
-            raise ConfigError("--router-mode profile needs --router-profile FILE (or profile=)")
         self._workers: dict[str, WorkerState] = {}
-        # per endpoint id (copy-on-write tuples: a Decision keeps a reference, not a copy)
-        self._ep_worker: tuple[str | None, ...] = ()
-        self._ep_rank: tuple[int, ...] = ()
-        self._ep_state: tuple[WorkerState | None, ...] = ()
+        # per endpoint id, read by filters and policies (kvplug.filters.EndpointView);
+        # copy-on-write tuples: a Decision keeps a reference, not a copy. Read-only outside.
+        self.ep_worker: tuple[str | None, ...] = ()
+        self.ep_rank: tuple[int, ...] = ()
+        self.ep_state: tuple[WorkerState | None, ...] = ()
         self.ep_rank_arr = np.zeros(0, dtype=np.int64)
         self._side_ep = np.zeros(0, dtype=np.int64)  # endpoint id -> approx side-index id
         self.kv_capacity = np.zeros(0)
@@ -153,14 +129,15 @@ class Router:
         self.attrs = AttributeTable()  # dynamic attributes by endpoint id
         self.decode_limit = np.zeros(0)  # busy limits by endpoint id (filters.busy_limits)
         self.prefill_limit = np.zeros(0)
-        self._base: dict[Stage, np.ndarray] = {}
-        self._base_is_range: dict[Stage, bool] = {}
-        self._base_static: dict[Stage, tuple[Exclusion, ...]] = {}
-        self._rr = 0
+        self._base: dict[Stage, StageBase] = {}  # per stage: routable endpoints, rules
         self._seq = 0
-        self._depth_buf = np.zeros(0)  # ActiveBlocks.depths output, per endpoint id
-        self._lmetric = cfg.router_selection_policy == "lmetric"
         self._rules = self._make_stage_rules()
+        # the routing mode: scores and picks (kvplug.policies); built last, it reads the above
+        self._policy: RoutingPolicy = policy_class(cfg.router_mode)(self)
+        self._policy_filters = type(self._policy).filters is not RoutingPolicy.filters
+        self._queries_index = self._policy.uses_overlap or self._approx is not None
+        self._filters_configured = False  # any filter beyond the request's own hints
+        self._refresh_filters_configured()
         self._refresh_limits()
         self.counters = {
             "decisions": 0,
@@ -291,19 +268,38 @@ class Router:
             self._busy.fallback if fallback is None else fallback,
         )
         self._refresh_limits()
-
-    # the filters' view of endpoints (kvplug.filters.EndpointView)
-    @property
-    def ep_worker(self) -> tuple[str | None, ...]:
-        return self._ep_worker
+        self._refresh_filters_configured()
 
     @property
-    def ep_rank(self) -> tuple[int, ...]:
-        return self._ep_rank
+    def is_cpu(self) -> np.ndarray:
+        """Per endpoint id: the worker's device is a CPU (device-aware-weighted mode)."""
+        return self._is_cpu
+
+    # what routing policies read (kvplug.policies)
+    @property
+    def rng(self) -> random.Random:
+        """The injected random source: every random pick draws from it."""
+        return self._rng
 
     @property
-    def ep_state(self) -> tuple[WorkerState | None, ...]:
-        return self._ep_state
+    def core(self) -> Any:
+        """The core module (costs, select) of the index's backend."""
+        return self._core
+
+    @property
+    def backend(self) -> str:
+        """The index's core backend: "c" or "reference"."""
+        return self._backend
+
+    @property
+    def profile(self) -> Any:
+        """The scheduling profile set (``--router-profile``), or None."""
+        return self._profile
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        """The routing mode's policy object."""
+        return self._policy
 
     @property
     def busy_thresholds(self) -> flt.BusyThresholds:
@@ -402,351 +398,210 @@ class Router:
         return self._route(req, book=False)
 
     def _route(self, req: RouteRequest, book: bool = True) -> Decision:
+        """The routing pipeline: eight named stages, top to bottom (kvplug.pipeline). Each
+        stage fills in its part of ``ctx``; explain assembles the Decision from them."""
         t0 = time.perf_counter()
-        now = self._clock()
+        ctx = self._candidates(req)
+        self._filters(ctx)
+        self._overlap(ctx)
+        self._load(ctx)
+        policy = self._policy
+        ctx.trace = trace = policy.score(ctx)
+        ctx.chosen = policy.pick(ctx, trace)
+        self._book(ctx, book)
+        return self._explain(ctx, t0)
+
+    def _candidates(self, req: RouteRequest) -> RouteContext:
+        """Stage 1: the prompt's size, the stage's routable endpoints (draining and wrong-role
+        workers are left out, with reasons precomputed per stage) and the load at ``now``."""
         cfg = self.config
-        bs = self.block_size
-        stage = req.stage
         n_tokens = len(req.token_ids) if req.token_ids is not None else 0
         if n_tokens == 0 and req.block_hashes is not None:
-            n_tokens = len(req.block_hashes) * bs
+            n_tokens = len(req.block_hashes) * self.block_size
         if n_tokens > cfg.router_max_prompt_tokens:
             raise InvalidRequest(
                 f"request {req.request_id}: prompt of {n_tokens} tokens exceeds "
                 f"--router-max-prompt-tokens {cfg.router_max_prompt_tokens}"
             )
-        cands = self._base.get(stage)
-        if cands is None:
-            cands = self._base_candidates(stage)
-        hints = req.hints
-        res: flt.FilterResult | None = None
-        if req.exclude_workers or not hints.is_empty():
-            res = flt.FilterResult(cands)
-            cands = flt.hard_filters(self, cands, hints, req.exclude_workers, self._workers, res)
-        elif len(cands) == 0:
-            raise NoCompatibleWorker(
-                f"request {req.request_id}: no {stage.value}-capable worker is registered"
-                " (or all are draining)"
-            )
+        base = self._base.get(req.stage)
+        if base is None:
+            base = self._base_candidates(req.stage)
+        now = self._clock()
         load = self.load
-        prefill_tok = load.prefill_tokens_at(now)
-        decode_blk = load.decode_blocks
+        prefill = load.prefill_tokens if load.predictor is None else load.prefill_tokens_at(now)
+        return RouteContext(req, now, n_tokens, self.block_size, base, prefill, load.decode_blocks)
+
+    def _filters(self, ctx: RouteContext) -> None:
+        """Stage 2 (kvplug.filters, in this order): the request's hard constraints (allow-list,
+        exclusions, pin, DP rank, taints), busy thresholds and label selectors, the policy's
+        own filters, attribute thresholds. Each exclusion lands in ``ctx.report``."""
+        req, hints = ctx.req, ctx.hints
+        hard = req.exclude_workers or (hints is not NO_HINTS and not hints.is_empty())
+        if not hard and len(ctx.cands) == 0:
+            raise NoCompatibleWorker(
+                f"request {req.request_id}: no {ctx.stage.value}-capable worker is "
+                "registered (or all are draining)"
+            )
+        if not (hard or self._filters_configured):
+            return  # the common case: nothing to filter (the report stays None)
+        report = ctx.report = flt.FilterResult(ctx.cands)
+        if hard:
+            ctx.cands = flt.hard_filters(
+                self,
+                ctx.cands,
+                hints,
+                req.exclude_workers,
+                self._workers,
+                report,
+                req.exclusion_reasons,
+            )
+        self._busy_and_label_filters(ctx, report)
+        self._threshold_filters(ctx, report)
+        ctx.sel = cands = ctx.cands  # filtered: per-endpoint arrays are gathered by id
+        if report.penalised:
+            ctx.penalised = np.fromiter(
+                (int(e) in report.penalised for e in cands.tolist()), bool, len(cands)
+            )
+
+    def _busy_and_label_filters(self, ctx: RouteContext, report: flt.FilterResult) -> None:
+        """Busy thresholds, then the configured and the request's label selectors."""
         busy = self._busy
-        selector = cfg.router_label_selector
+        selector = self.config.router_label_selector
+        hints = ctx.hints
         if hints.labels:
             selector = {**selector, **hints.labels}
         if busy.active or selector:
-            if res is None:
-                res = flt.FilterResult(cands)
-            cands = flt.apply_busy_and_labels(
+            ctx.cands = flt.apply_busy_and_labels(
                 self,
-                cands,
+                ctx.cands,
                 busy,
                 selector,
-                prefill_tok,
-                decode_blk,
+                ctx.prefill_tokens,
+                ctx.decode_blocks,
                 hints.pinned_worker_id is not None,
-                res,
+                report,
             )
+
+    def _threshold_filters(self, ctx: RouteContext, report: flt.FilterResult) -> None:
+        """The policy's own filters (a profile's label selector and attribute thresholds),
+        then every attribute threshold, the configured ones first."""
+        cfg = self.config
         thresholds = cfg.router_attribute_thresholds
-        profile = (
-            self._profile.get(stage)
-            if cfg.router_mode == "profile" and self._profile is not None
-            else None
-        )
-        if profile is not None:
-            thresholds = [*thresholds, *profile.attribute_filters]
-            if profile.label_selector:
-                if res is None:
-                    res = flt.FilterResult(cands)
-                cands = flt.label_filter(self, cands, profile.label_selector, res)
-                if len(cands) == 0:
+        extra = self._policy.filters(ctx.stage) if self._policy_filters else None
+        if extra is not None:
+            thresholds = [*thresholds, *extra.attribute_thresholds]
+            if extra.label_selector:
+                ctx.cands = flt.label_filter(self, ctx.cands, extra.label_selector, report)
+                if len(ctx.cands) == 0:
                     raise NoCompatibleWorker(
                         flt._empty_message(
-                            "no worker matches the profile's label selector", res.excluded
+                            "no worker matches the profile's label selector", report.excluded
                         )
                     )
         for th in thresholds:
-            if res is None:
-                res = flt.FilterResult(cands)
-            cands = flt.attribute_filter(self, cands, th, now, cfg.router_attribute_max_age, res)
-
-        mode = cfg.router_mode
-        rules = self._rules[stage]
-        # unfiltered candidates 0..n-1: gather with a slice (a view, cheaper than fancy indexing)
-        sel: slice | np.ndarray = cands
-        if res is None and self._base_is_range.get(stage):
-            sel = slice(0, len(cands))
-        hashes = None
-        dev: Any = None  # overlap vectors (float64 per candidate) when the index was queried
-        host: Any = None
-        disk: Any = None
-        shared: Any = None
-        if mode in ("kv", "profile") or self._approx is not None:
-            hashes = req.block_hashes
-            if hashes is None:
-                hashes = self.index.request_hashes(req.token_ids, req.lora_name, req.cache_salt)
-            ov = self.index.query(hashes)
-            dev = ov.device[sel].astype(np.float64)
-            host = ov.host[sel].astype(np.float64)
-            disk = ov.disk[sel].astype(np.float64)
-            shared = ov.shared_beyond[sel].astype(np.float64)
-            if self._approx is not None:
-                self._approx.expire(now)
-                ova = self._approx.query(hashes)
-                local = ov.local[sel]
-                extra = np.maximum(ova.local[self._side_ep[cands]] - local, 0).astype(np.float64)
-                if extra.any():  # predicted blocks count as device blocks; max per endpoint
-                    dev = dev + extra
-                    shared = np.maximum(shared - extra, 0.0)
-        full_blocks = -(-n_tokens // bs)
-        # --router-assume-kv-reuse: prompt blocks already active on an endpoint (by hash) are
-        # not new decode load there (Dynamo's active-sequence dedup)
-        chain: tuple[np.ndarray, Any] | None = None
-        active_depth: np.ndarray | None = None  # per candidate, leading blocks already active
-        if rules.track_decode and rules.assume_reuse and hashes is not None:
-            chain_hashes = hashes
-            if req.block_hashes is not None:  # the caller's buffer: the trie keeps views of it
-                chain_hashes = np.array(hashes, dtype=np.uint64, copy=True)
-            walk = load.active.walk(chain_hashes)
-            chain = (chain_hashes, walk)
-            if walk:
-                buf = self._depth_buf
-                if len(buf) < len(load.inflight):
-                    buf = self._depth_buf = np.zeros(len(load.inflight))
-                active_depth = load.active.depths(walk, buf)[sel]
-        penalised = None
-        if res is not None and res.penalised:
-            penalised = np.fromiter(
-                (int(e) in res.penalised for e in cands.tolist()), bool, len(cands)
+            ctx.cands = flt.attribute_filter(
+                self, ctx.cands, th, ctx.now, cfg.router_attribute_max_age, report
             )
 
-        probs = None
-        if mode == "kv":
-            prefill_vec, decode_vec = self._load_vectors(
-                rules, sel, dev, active_depth, prefill_tok, decode_blk, n_tokens
-            )
-            inputs = {
-                "device": dev,
-                "host": host,
-                "disk": disk,
-                "shared_beyond": shared,
-                "prefill_blocks": prefill_vec,
-                "decode_blocks": decode_vec,
-            }
-            if active_depth is not None:
-                inputs["active_prefix"] = active_depth
-            credited = dev
-            if cfg.router_kv_overlap_score_credit_decay > 0 and rules.credit > 0:
-                factor = self._credit_factor(prefill_tok[sel], n_tokens)
-                credited = dev * factor
-                inputs["credit_factor"] = factor
-            values = self._kv_costs(rules, prefill_vec, credited, host, disk, shared, decode_vec)
-            if penalised is not None:
-                values = np.where(
-                    penalised, values * (1.0 + cfg.router_missing_attribute_penalty), values
-                )
-            temp = cfg.router_temperature
-            idx = int(self._select(values, temp, self._rng.random()))
-            if temp > 0:
-                probs = pickers.softmax_cost_probs(values, temp)
-            trace = CandidateTrace(
-                self._ep_worker,
-                self._ep_rank,
-                cands,
-                "cost",
-                values,
-                inputs,
-                rules.params_dict,
-                probs,
-                penalised,
-            )
-        elif mode == "profile":
-            idx, trace, res = self._profile_pick(
-                profile,
-                req,
-                cands,
-                dev,
-                host,
-                disk,
-                shared,
-                prefill_tok,
-                decode_blk,
-                n_tokens,
-                rules,
-                penalised,
-                now,
-                res,
-                active_depth,
-            )
-        else:
-            idx, trace = self._simple_pick(mode, req, cands, hints)
+    def _overlap(self, ctx: RouteContext) -> None:
+        """Stage 3: the prompt's block hashes and, per candidate, how much of it the index holds
+        (device, host, disk, shared tier beyond the local prefix). In approximate mode blocks
+        predicted by earlier decisions count as device blocks."""
+        if not self._queries_index:
+            return
+        req, sel = ctx.req, ctx.sel
+        hashes = req.block_hashes
+        if hashes is None:
+            hashes = self.index.request_hashes(req.token_ids, req.lora_name, req.cache_salt)
+        ctx.hashes = hashes
+        ov = self.index.query(hashes)  # reused by the next query: copy out what we keep
+        dev = ov.device[sel].astype(np.float64)
+        shared = ov.shared_beyond[sel].astype(np.float64)
+        ctx.host = ov.host[sel].astype(np.float64)
+        ctx.disk = ov.disk[sel].astype(np.float64)
+        if self._approx is not None:
+            self._approx.expire(ctx.now)
+            ova = self._approx.query(hashes)
+            predicted = ova.local[self._side_ep[ctx.cands]] - ov.local[sel]
+            extra = np.maximum(predicted, 0).astype(np.float64)
+            if np.count_nonzero(extra):  # predicted blocks count as device blocks; max per endpoint
+                dev = dev + extra
+                shared = np.maximum(shared - extra, 0.0)
+        ctx.device, ctx.shared = dev, shared
 
-        ep = int(cands[idx])
-        wid = self._ep_worker[ep] or "?"  # a candidate always has a worker
-        rank = self._ep_rank[ep]
-        cached_blocks = int(dev[idx] + host[idx] + disk[idx]) if dev is not None else 0
+    def _load(self, ctx: RouteContext) -> None:
+        """Stage 4: with --router-assume-kv-reuse, the prompt's leading blocks already active
+        on each candidate (Dynamo's active-sequence dedup: not new decode load there). The
+        policy reads these and the load at ``now`` (stage 1)."""
+        rules = ctx.rules
+        hashes = ctx.hashes
+        if not (rules.track_decode and rules.assume_reuse and hashes is not None):
+            return
+        if ctx.req.block_hashes is not None:  # the caller's buffer: the trie keeps views of it
+            hashes = np.array(hashes, dtype=np.uint64, copy=True)
+        active = self.load.active
+        walk = active.walk(hashes)
+        ctx.chain = (hashes, walk)
+        if walk:
+            # a fresh buffer, not a reused one: the decision's trace keeps a view of it (a
+            # stored trace must not change with later decisions)
+            depths = active.depths(walk, np.empty(len(self.load.inflight)))
+            ctx.active_depth = depths[ctx.sel]
+
+    def _book(self, ctx: RouteContext, book: bool) -> None:
+        """Stage 7: track the request's load on the pick (and, in approximate mode, record its
+        blocks there); a preview books nothing."""
+        i = ctx.chosen
+        dev = ctx.device
+        cached = 0
+        if dev is not None:  # the pick's prompt blocks in any local tier
+            cached = int(dev[i] + ctx.host[i] + ctx.disk[i])  # type: ignore[index]
+        ctx.cached_blocks = cached
+        ctx.cached_tokens = min(cached * self.block_size, ctx.n_tokens)
+        if not book:
+            self.counters["previews"] += 1
+            return
+        ep = int(ctx.cands[i])
+        full_blocks = ctx.full_blocks
         # deduplicated: the hashed chain is counted by the tracker; only a trailing partial
         # block is the request's own
-        incoming_blocks = full_blocks if chain is None else max(full_blocks - len(chain[0]), 0)
-        cached_tokens = min(cached_blocks * bs, n_tokens)
-        if book:
-            load.add(
-                req.request_id,
-                ep,
-                n_tokens,
-                cached_tokens,
-                track_prefill=rules.track_prefill,
-                track_decode=rules.track_decode,
-                decode_blocks=float(max(incoming_blocks, 0)),
-                expected_osl=hints.expected_osl,
-                track_output=cfg.router_track_output_blocks,
-                now=now,
-                chain=chain,
-            )
-            if self._approx is not None and hashes is not None:
-                self._approx.record(wid, rank, hashes, now)
-            self._seq += 1
-            self.counters["decisions"] += 1
-        else:
-            self.counters["previews"] += 1
-        if res is None:
-            excluded, fb, ages = [], [], []
-        else:
-            excluded, fb, ages = res.excluded, res.fallback_filters, res.attribute_ages
-        d = Decision(
-            worker_id=wid,
-            dp_rank=rank,
-            endpoint_id=ep,
-            decision_id=self._seq if book else 0,
-            request_id=req.request_id,
-            mode=mode,
-            stage=stage,  # a str enum: compares and serialises as its value
-            fallback=bool(fb),
-            fallback_filters=fb,
-            excluded=excluded,
-            static_excluded=self._base_static[stage],
-            elapsed_us=(time.perf_counter() - t0) * 1e6,
-            attribute_ages=ages,
-            overlap_blocks=cached_blocks,
-            cached_tokens=cached_tokens,
-            prompt_tokens=n_tokens,
-            request_blocks=full_blocks,
-            chosen_index=idx,
-            trace=trace,
+        chain = ctx.chain
+        own_blocks = full_blocks if chain is None else max(full_blocks - len(chain[0]), 0)
+        rules = ctx.rules
+        now = ctx.now
+        self.load.add(
+            ctx.req.request_id,
+            ep,
+            ctx.n_tokens,
+            ctx.cached_tokens,
+            track_prefill=rules.track_prefill,
+            track_decode=rules.track_decode,
+            decode_blocks=float(own_blocks),
+            expected_osl=ctx.hints.expected_osl,
+            track_output=self.config.router_track_output_blocks,
+            now=now,
+            chain=chain,
+        )
+        if self._approx is not None and ctx.hashes is not None:
+            self._approx.record(self.ep_worker[ep] or "?", self.ep_rank[ep], ctx.hashes, now)
+        self._seq += 1
+        ctx.decision_id = self._seq
+        self.counters["decisions"] += 1
+
+    def _explain(self, ctx: RouteContext, t0: float) -> Decision:
+        """Stage 8: the Decision, assembled from what each stage reported."""
+        ep = int(ctx.cands[ctx.chosen])
+        d = Decision.assemble(
+            ctx,
+            self.ep_worker[ep] or "?",  # a candidate always has a worker
+            self.ep_rank[ep],
+            ep,
+            self._policy.name,
+            (time.perf_counter() - t0) * 1e6,
         )
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s %s", req.request_id, d.explain())
+            log.debug("%s %s", ctx.req.request_id, d.explain())
         return d
-
-    # ---------------------------------------------------------------- other modes
-    def _simple_pick(
-        self, mode: str, req: RouteRequest, cands: np.ndarray, hints: RoutingHints
-    ) -> tuple[int, CandidateTrace]:
-        rng = self._rng
-        inflight = self.load.inflight[cands].astype(np.float64)
-        inputs = {"inflight": inflight}
-        extra: dict[str, float] = {}
-        if mode == "random":
-            idx = rng.randrange(len(cands))
-        elif mode == "round-robin":
-            idx = self._rr % len(cands)
-            self._rr += 1
-        elif mode == "direct":
-            if hints.pinned_worker_id is None:
-                raise InvalidRequest(
-                    f"request {req.request_id}: --router-mode direct needs a pinned worker id"
-                )
-            idx = pickers.argmin_random_tie(inflight, rng)  # least-loaded rank of the pinned worker
-        elif mode == "least-loaded":
-            idx = pickers.argmin_random_tie(inflight, rng)
-        elif mode == "power-of-two":
-            idx = pickers.power_of_two(inflight, rng)
-        elif mode == "device-aware-weighted":
-            idx, extra = pickers.device_aware_weighted(
-                inflight, self._is_cpu[cands], self.config.router_accelerator_weight, rng
-            )
-            inputs["cpu"] = self._is_cpu[cands].astype(np.float64)
-        else:  # pragma: no cover - RouterConfig validates modes
-            raise ConfigError(f"unknown router mode {mode!r}")
-        return idx, CandidateTrace(
-            self._ep_worker, self._ep_rank, cands, "load", inflight, inputs, extra
-        )
-
-    def _profile_pick(
-        self,
-        profile: Any,
-        req: RouteRequest,
-        cands: np.ndarray,
-        dev: Any,
-        host: Any,
-        disk: Any,
-        shared: Any,
-        prefill_tok: np.ndarray,
-        decode_blk: np.ndarray,
-        n_tokens: int,
-        rules: _StageRules,
-        penalised: np.ndarray | None,
-        now: float,
-        res: flt.FilterResult | None,
-        active_depth: np.ndarray | None,
-    ) -> tuple[int, CandidateTrace, Any]:
-        bs = self.block_size
-        full_blocks = -(-n_tokens // bs)
-        cache: dict[str, np.ndarray] = {}
-
-        def kv_cost() -> np.ndarray:
-            if "c" not in cache:
-                pv, dv = self._load_vectors(
-                    rules, cands, dev, active_depth, prefill_tok, decode_blk, n_tokens
-                )
-                credited = dev
-                if self.config.router_kv_overlap_score_credit_decay > 0 and rules.credit > 0:
-                    credited = dev * self._credit_factor(prefill_tok[cands], n_tokens)
-                cache["c"] = self._kv_costs(rules, pv, credited, host, disk, shared, dv)
-            return cache["c"]
-
-        ctx = ScoringContext(
-            endpoints=cands,
-            attrs=self.attrs,
-            ep_worker=self._ep_worker,
-            now=now,
-            max_age=self.config.router_attribute_max_age,
-            request_blocks=float(full_blocks),
-            device=dev,
-            host=host,
-            disk=disk,
-            shared_beyond=shared,
-            inflight=self.load.inflight[cands],
-            kv_cost=kv_cost,
-        )
-        total, parts = profile.score(ctx)
-        if penalised is not None:
-            total = np.where(penalised, total - self.config.router_missing_attribute_penalty, total)
-        idx, probs = profile.pick(total, self._rng)
-        if ctx.ages:
-            if res is None:
-                res = flt.FilterResult(cands)
-            res.attribute_ages.extend(ctx.ages)
-        trace = CandidateTrace(
-            self._ep_worker,
-            self._ep_rank,
-            cands,
-            "score",
-            total,
-            {
-                "device": dev,
-                "host": host,
-                "disk": disk,
-                "shared_beyond": shared,
-                "inflight": self.load.inflight[cands].astype(np.float64),
-            },
-            {},
-            probs,
-            penalised,
-            parts,
-        )
-        return idx, trace, res
 
     # ---------------------------------------------------------------- introspection
     def active_load(self, worker_id: str) -> dict[int, dict[str, float]]:
@@ -813,11 +668,11 @@ class Router:
             side = np.zeros(cap, dtype=np.int64)
             side[: len(self._side_ep)] = self._side_ep[:cap]
             self._side_ep = side
-        if n > len(self._ep_worker):
-            pad = n - len(self._ep_worker)
-            self._ep_worker = self._ep_worker + (None,) * pad
-            self._ep_rank = self._ep_rank + (0,) * pad
-            self._ep_state = self._ep_state + (None,) * pad
+        if n > len(self.ep_worker):
+            pad = n - len(self.ep_worker)
+            self.ep_worker = self.ep_worker + (None,) * pad
+            self.ep_rank = self.ep_rank + (0,) * pad
+            self.ep_state = self.ep_state + (None,) * pad
 
     def _set_endpoints(self, items: list[tuple[int, str | None, int, WorkerState | None]]) -> None:
         """Set many endpoints with one copy of the lookup tuples (a worker's DP ranks: linear
@@ -825,10 +680,10 @@ class Router:
         if not items:
             return
         self._ensure(max(ep for ep, *_ in items) + 1)
-        w, r, s = list(self._ep_worker), list(self._ep_rank), list(self._ep_state)
+        w, r, s = list(self.ep_worker), list(self.ep_rank), list(self.ep_state)
         for ep, wid, rank, st in items:
             w[ep], r[ep], s[ep] = wid, rank, st
-        self._ep_worker, self._ep_rank, self._ep_state = tuple(w), tuple(r), tuple(s)
+        self.ep_worker, self.ep_rank, self.ep_state = tuple(w), tuple(r), tuple(s)
         for ep, _wid, rank, st in items:
             self._fill_endpoint(ep, rank, st)
 
@@ -846,12 +701,22 @@ class Router:
             self.max_batched[ep] = 0
             self.attrs.clear([ep])
 
+    def _refresh_filters_configured(self) -> None:
+        cfg = self.config
+        self._filters_configured = bool(
+            self._busy.active
+            or cfg.router_label_selector
+            or cfg.router_attribute_thresholds
+            or self._policy_filters
+        )
+
     def _refresh_limits(self) -> None:
         self.decode_limit, self.prefill_limit = flt.busy_limits(
             self._busy, self.kv_capacity, self.max_batched
         )
 
-    def _base_candidates(self, stage: Stage) -> np.ndarray:
+    def _base_candidates(self, stage: Stage) -> StageBase:
+        """The stage's routable endpoints (cached until workers change)."""
         eps: list[int] = []
         static: list[Exclusion] = []
         for wid, st in self._workers.items():
@@ -870,12 +735,11 @@ class Router:
                 eps.extend(st.endpoint_ids)
         eps.sort()
         arr = np.asarray(eps, dtype=np.int64) if eps else _EMPTY
-        self._base[stage] = arr
-        self._base_static[stage] = tuple(static)
-        self._base_is_range[stage] = bool(len(arr)) and int(arr[-1]) == len(arr) - 1
-        return arr
+        is_range = bool(len(arr)) and int(arr[-1]) == len(arr) - 1
+        base = self._base[stage] = StageBase(arr, tuple(static), is_range, self._rules[stage])
+        return base
 
-    def _make_stage_rules(self) -> dict[Stage, _StageRules]:
+    def _make_stage_rules(self) -> dict[Stage, StageRules]:
         cfg = self.config
         CostParams = self._core.CostParams
 
@@ -890,7 +754,7 @@ class Router:
 
         credit = cfg.router_kv_overlap_score_credit
         rules = {
-            Stage.AGGREGATED: _StageRules(
+            Stage.AGGREGATED: StageRules(
                 True,
                 cfg.router_track_prefill_tokens,
                 cfg.router_track_active_blocks,
@@ -900,95 +764,17 @@ class Router:
                 cfg.router_decode_resident_credit,
             ),
             # prefill stage: no decode-side load, full credit, reuse assumed
-            Stage.PREFILL: _StageRules(
+            Stage.PREFILL: StageRules(
                 True, cfg.router_track_prefill_tokens, False, 1.0, True, params(1.0)
             ),
             # decode stage: no prefill tokens, no credit, no reuse assumption
-            Stage.DECODE: _StageRules(
+            Stage.DECODE: StageRules(
                 False, False, cfg.router_track_active_blocks, 0.0, False, params(0.0)
             ),
         }
         for r in rules.values():
             r.params_dict = self._params_dict(r.credit)
         return rules
-
-    def _load_vectors(
-        self,
-        rules: _StageRules,
-        sel: np.ndarray | slice,  # candidate endpoint ids, or a slice when they are 0..n-1
-        dev: np.ndarray,  # per candidate: device-resident prefix blocks
-        active_depth: np.ndarray | None,  # per candidate: leading blocks already active (dedup)
-        prefill_tok: np.ndarray,
-        decode_blk: np.ndarray,
-        n_tokens: int,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(prefill blocks, decode blocks) per candidate, the seed's load terms:
-        prefill = active uncached prompt tokens / block size + the request's tokens / block size;
-        decode = active blocks + the request's blocks, minus, when KV reuse is assumed, those of
-        its chain already active on the endpoint (Dynamo's dedup by block hash) or, with the
-        resident credit, already cached on its device (whichever prefix is longer)."""
-        bs = self.block_size
-        n = len(dev)
-        # few numpy ops on purpose: each costs ~1 us at these sizes
-        if rules.prefill_term and rules.track_prefill:
-            prefill_vec = prefill_tok[sel] * (1.0 / bs)
-            prefill_vec += n_tokens / bs
-        elif rules.prefill_term:
-            prefill_vec = np.full(n, n_tokens / bs)
-        else:
-            prefill_vec = np.zeros(n)
-        if rules.track_decode:
-            if not rules.assume_reuse:
-                decode_vec = decode_blk[sel] + 0.0
-            elif rules.resident_credit:  # cached or in flight: either way no new KV memory
-                shared = dev if active_depth is None else np.maximum(active_depth, dev)
-                decode_vec = decode_blk[sel] - shared
-            elif active_depth is not None:
-                decode_vec = decode_blk[sel] - active_depth
-            else:
-                decode_vec = decode_blk[sel] + 0.0
-            decode_vec += -(-n_tokens // bs)
-            weight = self.config.router_decode_active_request_weight
-            if weight > 0:
-                decode_vec += weight * self.load.inflight[sel]
-        else:
-            decode_vec = np.zeros(n)
-        return prefill_vec, decode_vec
-
-    def _kv_costs(
-        self,
-        rules: _StageRules,
-        prefill_vec: np.ndarray,
-        credited: np.ndarray,
-        host: np.ndarray,
-        disk: np.ndarray,
-        shared: np.ndarray,
-        decode_vec: np.ndarray,
-    ) -> np.ndarray:
-        """The cost per candidate under --router-selection-policy: linear (the seed's
-        ``scale*adjusted_prefill + decode``, one core call) or lmetric
-        (``scale*adjusted_prefill * (decode + 1)``: the core's cost with no decode term is
-        exactly the scaled adjusted prefill)."""
-        if self._lmetric:
-            zeros = np.zeros(len(decode_vec))
-            prefill_cost = np.asarray(
-                self._core.costs(prefill_vec, credited, host, disk, shared, zeros, rules.params),
-                dtype=np.float64,
-            )
-            return prefill_cost * (decode_vec + 1.0)
-        return np.asarray(
-            self._core.costs(prefill_vec, credited, host, disk, shared, decode_vec, rules.params),
-            dtype=np.float64,
-        )
-
-    def _credit_factor(self, prefill_tokens: np.ndarray, n_tokens: int) -> np.ndarray:
-        """Dynamo's credit decay: 1/(1 + decay * excess), excess = active prefill tokens over
-        the least-loaded candidate's, in units of this request's size."""
-        excess = (prefill_tokens - prefill_tokens.min()) / max(n_tokens, 1)
-        return 1.0 / (1.0 + self.config.router_kv_overlap_score_credit_decay * excess)
-
-    def _select(self, values: np.ndarray, temperature: float, u: float) -> int:
-        return self._core.select(values.tolist() if self._as_seq else values, temperature, u)
 
     def _params_dict(self, credit: float) -> dict[str, float]:
         cfg = self.config

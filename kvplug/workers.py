@@ -36,6 +36,10 @@ class Stage(str, Enum):
     def __str__(self) -> str:  # "prefill", not "Stage.PREFILL", in f-strings and logs
         return self.value
 
+    # the str's own hash (C), not Enum's Python-level hash(self._name_): every decision looks
+    # its stage up in a few dicts; equal to the value's hash, as equality already is
+    __hash__ = str.__hash__
+
 
 def role_serves(role: Role, stage: Stage) -> bool:
     """Prefill requests go to prefill/both workers, decode requests to decode/both."""
@@ -48,6 +52,11 @@ def role_serves(role: Role, stage: Stage) -> bool:
 
 @dataclass
 class Worker:
+    """One routable engine. A tensor- or expert-parallel engine spanning several GPUs is one
+    worker; each data-parallel rank in ``[dp_start, dp_start + dp_size)`` is an endpoint of
+    its own (own KV cache, own load). ``kv_capacity_blocks`` / ``max_batched_tokens`` of 0
+    mean unknown (the busy thresholds that need them are skipped)."""
+
     worker_id: str
     url: str | None = None
     engine: str = "vllm"

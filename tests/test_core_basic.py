@@ -443,3 +443,16 @@ def test_c_reserve_spreads_mappings_over_endpoints():
     assert idx2.memory_bytes() >= before + 8000 * 12
     with pytest.raises(InvalidArgument):
         idx2.reserve(10, 10, endpoints=-1)
+
+
+def test_a_missing_dependency_is_not_reported_as_an_unbuilt_core():
+    # e.g. `python benchmarks/bench_router.py` with a Python outside the venv: the core is
+    # built, numpy is what is missing (the hint used to say "not built")
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['numpy'] = None\nimport kvplug\n"
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stderr
+    last = err.strip().splitlines()[-1]
+    assert "kvplug needs 'numpy'" in last and sys.executable in last, last
+    assert "not built" not in last

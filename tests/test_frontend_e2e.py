@@ -143,6 +143,9 @@ async def test_retry_once_on_a_dead_engine_then_reprobe():
         assert resp.headers["x-kvplug-worker"] == "w1"
         trace = await h.trace(resp.headers["x-kvplug-decision-id"])
         assert trace["attempt"] == 0
+        # and the trace says why: unhealthy, not "excluded by the caller (retry)"
+        why = {e["worker_id"]: e["reason"] for e in trace["router"]["excluded"]}
+        assert why["w0"].startswith("unhealthy: "), why
         h.assert_idle()
 
 

@@ -38,12 +38,11 @@ from urllib.parse import urlsplit
 import aiohttp
 import zmq
 import zmq.asyncio
-from kvplug.integrations.aio import LazySession, cancel_and_wait, log_due
+from kvplug.integrations.aio import LazySession, cancel_and_wait, log_due, poll_loads
 from kvplug.integrations.vllm.subscriber import sources_for_engine
 
+from kvplug import ConfigError, Worker
 from kvplug.adapters import PDContext, PDStyle, SglangHttpAdapter, WorkerSink, register_adapter
-from kvplug.errors import ConfigError
-from kvplug.workers import Worker
 
 from .metrics import (
     KvEventsInfo,
@@ -321,39 +320,30 @@ class SglangAdapter(SglangHttpAdapter):
         prom_url = worker.metrics_url or (None if base is None else base + "/metrics")
         if prom_url is None:  # no URL at all: nothing to scrape (loads_url is None too)
             return
-        while True:
+
+        async def scrape() -> bool:
+            nonlocal loads_url
             if run.last_push_at is not None and (
                 time.monotonic() - run.last_push_at < self.push_silence
             ):
-                await asyncio.sleep(self.load_period)  # the pushed channel is live
-                continue
-            try:
-                session = self._http()
-                if loads_url is not None:
-                    async with session.get(loads_url) as resp:
-                        if resp.status in (404, 405) and prom_url:
-                            loads_url = None  # older than 0.5.15: Prometheus instead
-                            continue
-                        resp.raise_for_status()
-                        attrs = attributes_from_loads(await resp.json(content_type=None))
-                else:
-                    async with session.get(prom_url) as resp:
-                        resp.raise_for_status()
-                        attrs = attributes_from_prometheus(await resp.text())
-                run.sink.set_attributes(attrs)
-                run.last_load_at = time.monotonic()
-            except asyncio.CancelledError:
-                raise
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                run.load_errors += 1
-                if log_due(run.load_errors):
-                    log.warning(
-                        "sglang worker %s: load scrape failed (%d so far): %s",
-                        worker.worker_id,
-                        run.load_errors,
-                        exc,
-                    )
-            await asyncio.sleep(self.load_period)
+                return False  # the pushed channel is live
+            session = self._http()
+            if loads_url is not None:
+                async with session.get(loads_url) as resp:
+                    if resp.status in (404, 405) and prom_url:
+                        loads_url = None  # older than 0.5.15: Prometheus instead
+                        return True
+                    resp.raise_for_status()
+                    attrs = attributes_from_loads(await resp.json(content_type=None))
+            else:
+                async with session.get(prom_url) as resp:
+                    resp.raise_for_status()
+                    attrs = attributes_from_prometheus(await resp.text())
+            run.sink.set_attributes(attrs)
+            run.last_load_at = time.monotonic()
+            return False
+
+        await poll_loads(scrape, self.load_period, run, f"sglang worker {worker.worker_id}", log)
 
     async def _pushed_load(self, run: _Run, kv: KvEventsInfo) -> None:
         """Subscribe to every rank's load PUB (SGLang's KV-event framing, topic ``load``)."""

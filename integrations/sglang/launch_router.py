@@ -60,7 +60,7 @@ from typing import Any
 
 import yaml
 
-from kvplug.errors import ConfigError
+from kvplug import ConfigError
 
 from .metrics import kv_events_from_server_info, page_size_from_server_info
 from .router_flags import (

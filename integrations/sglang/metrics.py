@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvplug.errors import ConfigError
+from kvplug import ConfigError
 
 WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
 

@@ -15,7 +15,7 @@ from typing import Any
 from kvplug.integrations.vllm.subscriber import EventSource, VllmSubscriber
 from kvplug.integrations.vllm.wire import DecodedBatch
 
-from kvplug.events import KvEvent
+from kvplug import KvEvent
 
 from .metrics import KvEventsInfo
 from .wire import PartialPageFilter, SglangDecoder

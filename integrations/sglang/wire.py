@@ -41,7 +41,7 @@ from typing import Annotated, Any
 import msgspec
 from kvplug.integrations.common import MASK64, EventDrop, int64_hash, u64_hash
 
-from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
+from kvplug import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
 log = logging.getLogger("kvplug.integrations.sglang")
 

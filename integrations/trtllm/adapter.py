@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from kvplug.integrations.aio import LazySession, cancel_and_wait, log_due
+from kvplug.integrations.aio import LazySession, cancel_and_wait, poll_loads
 
+from kvplug import ConfigError, Worker
 from kvplug.adapters import (
     PDContext,
     PDProtocolError,
@@ -53,8 +54,6 @@ from kvplug.adapters import (
     min_tokens_over_one,
     register_adapter,
 )
-from kvplug.errors import ConfigError
-from kvplug.workers import Worker
 
 from .events import TrtllmDecoder
 from .metrics import parse_iteration_stats, parse_prometheus
@@ -328,35 +327,26 @@ class TrtllmAdapter(TrtllmHttpAdapter):
         worker = run.worker
         json_url = (worker.url or "").rstrip("/") + "/metrics"
         timeout = aiohttp.ClientTimeout(total=self.http_timeout)
-        while True:
-            try:
-                session = self._http()
-                attrs: dict[str, float] | None  # None: no new iteration since the last poll
-                if run.prometheus:
-                    async with session.get(self._prom_url(worker), timeout=timeout) as resp:
-                        if resp.status == 404 and worker.metrics_url is None:
-                            run.prometheus = False  # no /prometheus/metrics: drained JSON
-                            continue
-                        resp.raise_for_status()
-                        attrs, _ = parse_prometheus(await resp.text())
-                else:
-                    async with session.get(json_url, timeout=timeout) as resp:
-                        resp.raise_for_status()
-                        attrs, _ = parse_iteration_stats(json.loads(await resp.read()))
-                if attrs:
-                    run.sink.set_attributes(attrs)
-            except asyncio.CancelledError:
-                raise
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                run.load_errors += 1
-                if log_due(run.load_errors):
-                    log.warning(
-                        "trtllm worker %s: load scrape failed (%d so far): %s",
-                        worker.worker_id,
-                        run.load_errors,
-                        exc,
-                    )
-            await asyncio.sleep(self.load_period)
+
+        async def scrape() -> bool:
+            session = self._http()
+            attrs: dict[str, float] | None  # None: no new iteration since the last poll
+            if run.prometheus:
+                async with session.get(self._prom_url(worker), timeout=timeout) as resp:
+                    if resp.status == 404 and worker.metrics_url is None:
+                        run.prometheus = False  # no /prometheus/metrics: drained JSON
+                        return True
+                    resp.raise_for_status()
+                    attrs, _ = parse_prometheus(await resp.text())
+            else:
+                async with session.get(json_url, timeout=timeout) as resp:
+                    resp.raise_for_status()
+                    attrs, _ = parse_iteration_stats(json.loads(await resp.read()))
+            if attrs:
+                run.sink.set_attributes(attrs)
+            return False
+
+        await poll_loads(scrape, self.load_period, run, f"trtllm worker {worker.worker_id}", log)
 
 
 register_adapter("trtllm", TrtllmAdapter)

@@ -43,7 +43,7 @@ from typing import Any
 
 from kvplug.integrations.common import MASK64, EventDrop, u64_hash
 
-from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, KvEvent, Tier
+from kvplug import AllCleared, BlockMoved, BlockRemoved, BlockStored, KvEvent, Tier
 
 log = logging.getLogger("kvplug.integrations.trtllm")
 

@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from kvplug.events import KvEvent
+from kvplug import KvEvent
 
 from .events import TrtllmDecoder
 

@@ -47,18 +47,21 @@ from urllib.parse import urlsplit
 import msgspec
 from aiohttp import web
 
-from kvplug.errors import (
+from kvplug import (
     AllWorkersOverloaded,
     InvalidRequest,
     InvalidTokens,
     NoCompatibleWorker,
     PinnedWorkerOverloaded,
+    Role,
+    RouteRequest,
     RoutingError,
+    RoutingHints,
+    Stage,
 )
 from kvplug.frontend.errors import ApiError, bad_request
 from kvplug.frontend.parsing import CHAT, COMPLETIONS, _check_token_ids, parse_request
-from kvplug.request import NO_HINTS, RouteRequest, RoutingHints
-from kvplug.workers import Role, Stage
+from kvplug.request import NO_HINTS
 
 log = logging.getLogger(__name__)
 

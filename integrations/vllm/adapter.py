@@ -30,8 +30,8 @@ from .pd import decode_body, prefill_body
 from .subscriber import EventSource, VllmSubscriber
 
 if TYPE_CHECKING:
+    from kvplug import Worker
     from kvplug.adapters import WorkerSink
-    from kvplug.workers import Worker
 
 log = logging.getLogger("kvplug.vllm")
 

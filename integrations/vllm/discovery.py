@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvplug.errors import ConfigError
+from kvplug import ConfigError
 
 from .metrics import MetricsSample, scrape
 from .subscriber import offset_endpoint

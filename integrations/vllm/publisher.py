@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import zmq
 
-from kvplug.events import KvEvent
+from kvplug import KvEvent
 
 from .subscriber import engine_binds
 from .wire import END_SEQ, encode_batch, parse_version

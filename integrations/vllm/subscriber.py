@@ -29,8 +29,7 @@ from urllib.parse import urlsplit
 import msgspec
 import zmq
 
-from kvplug.errors import ConfigError
-from kvplug.events import AllCleared, KvEvent
+from kvplug import AllCleared, ConfigError, KvEvent
 
 from .wire import BatchDecoder, DecodedBatch, WireError, parse_replay_reply, replay_request
 

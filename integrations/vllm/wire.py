@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 from kvplug.integrations.common import MASK64, int64_hash, u64_hash
 
-from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
+from kvplug import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # replay end marker
 MAP_FORM_SINCE = (0, 24, 0)  # first vLLM version that encodes events as maps with "type"

@@ -44,9 +44,10 @@ from kvplug.errors import (
 )
 from kvplug.frontend.batch import serve_batch
 from kvplug.frontend.bodies import read_body
+from kvplug.frontend.context import RequestContext, Routed
 from kvplug.frontend.decisions import DecisionRecord, DecisionStore
 from kvplug.frontend.errors import ApiError, bad_request
-from kvplug.frontend.fleet import Fleet, WorkerEntry
+from kvplug.frontend.fleet import Fleet
 from kvplug.frontend.health import HealthProber
 from kvplug.frontend.hints import ClientHints, RequestHints, check_hint_targets
 from kvplug.frontend.lifecycle import Lifecycle
@@ -85,30 +86,6 @@ class ServeSettings:
     client_body_timeout: float = 60.0  # a request body must arrive within (0 = no limit)
     engine_api_key: str | None = None  # sent to the engines instead of the client's header
     trtllm_booking_seconds: float = 1.0  # load held per TRT-LLM remote_http placement
-
-
-@dataclass(slots=True)
-class RequestContext:
-    key: int
-    request_id: str
-    req: ParsedRequest
-    tokens: list[int] | None
-    token_source: str
-    token_note: str | None
-    hints: RequestHints
-    model_workers: frozenset[str] | None
-    forward: dict[str, str] = field(default_factory=dict)  # client headers for the engine
-    records: list[DecisionRecord] = field(default_factory=list)
-    ticket: Any = None  # released from the admission queue, not yet routed
-    queue_wait_s: float | None = None
-
-
-@dataclass(slots=True)
-class Routed:
-    decision: Any
-    entry: WorkerEntry
-    lifecycle: Lifecycle
-    record: DecisionRecord
 
 
 _ROUTING_ERRORS = {
@@ -442,7 +419,17 @@ class Frontend:
             stage=stage,
             hints=hints,
             exclude_workers=exclude | unhealthy if unhealthy else exclude,
+            exclusion_reasons=self._unhealthy_reasons(unhealthy - exclude) if unhealthy else {},
         )
+
+    def _unhealthy_reasons(self, unhealthy: frozenset[str]) -> dict[str, str]:
+        """Why each unhealthy worker is left out, for the decision trace."""
+        reasons = {}
+        for wid in unhealthy:
+            entry = self.fleet.workers.get(wid)
+            why = entry.last_error if entry is not None else None
+            reasons[wid] = f"unhealthy: {why}" if why else "unhealthy"
+        return reasons
 
     def preview_stage(
         self, ctx: RequestContext, stage: Stage, allowed: frozenset[str] | None = None

@@ -39,13 +39,14 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from kvplug.frontend.context import RequestContext, Routed
 from kvplug.frontend.errors import ApiError
 from kvplug.frontend.parsing import ParsedRequest
 from kvplug.frontend.streaming import SseCounter, completion_tokens, sse_error
 from kvplug.workers import Stage
 
 if TYPE_CHECKING:
-    from kvplug.frontend.app import Frontend, RequestContext, Routed
+    from kvplug.frontend.app import Frontend  # the caller; a type only (no import cycle)
     from kvplug.frontend.hints import RequestHints
 
 log = logging.getLogger(__name__)
@@ -188,8 +189,6 @@ async def serve_batch(
     hints: RequestHints,
     model_workers: frozenset[str] | None,
 ) -> web.StreamResponse:
-    from kvplug.frontend.app import RequestContext
-
     prompts = req.prompts
     assert prompts is not None
     base = {k: v for k, v in req.body.items() if k != "nvext"}

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 
+from kvplug.cli import RunError, UsageError
 from kvplug.config import QUEUE_POLICIES
 from kvplug.errors import ConfigError, KvplugError
 
@@ -392,13 +393,15 @@ async def _serve(args: argparse.Namespace) -> None:
 
     settings = settings_from_args(args)
     specs = specs_from_args(args)
+    router_config = RouterConfig.from_args(args)
+    admin_port = args.admin_port if args.admin_port is not None else args.port + 1
+    _check_listen_ports(args, admin_port)  # before any worker is contacted
     if not specs:
         logging.getLogger("kvplug").warning(
             "no workers given: add them with --worker, --worker-config or the admin API"
         )
     tokenizer = LocalTokenizer(args.tokenizer) if args.tokenizer else None
-    router = Router(RouterConfig.from_args(args))
-    admin_port = args.admin_port if args.admin_port is not None else args.port + 1
+    router = Router(router_config)
     running = await start_frontend(
         router,
         specs,
@@ -489,6 +492,20 @@ def _discovery(args: argparse.Namespace, fleet):
     )
 
 
+def _check_listen_ports(args: argparse.Namespace, admin_port: int) -> None:
+    from kvplug.cli import check_port, check_ports_free
+
+    check_port(args.port, "--port", allow_zero=True)
+    ports = [(args.port, "--port")]
+    if args.admin_token:
+        check_port(admin_port, "--admin-port", allow_zero=True)
+        check_ports_free(args.host, ports)
+        ports = [(admin_port, "--admin-port")]
+        check_ports_free(args.admin_host, ports)
+    else:
+        check_ports_free(args.host, ports)
+
+
 def _run_loop(coro, choice: str) -> None:
     factory = None
     if choice in ("auto", "uvloop"):
@@ -521,9 +538,12 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         _run_loop(_serve(args), args.event_loop)
-    except (ConfigError, KvplugError) as exc:
-        print(f"kvplug serve: {exc}", file=sys.stderr)
+    except (ConfigError, UsageError) as exc:
+        print(f"kvplug serve: error: {exc}", file=sys.stderr)
         return 2
+    except (KvplugError, RunError, OSError) as exc:  # a correct command that cannot run
+        print(f"kvplug serve: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         pass
     return 0

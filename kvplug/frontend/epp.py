@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
 
+from kvplug.frontend.context import RequestContext
 from kvplug.frontend.errors import ApiError
 from kvplug.frontend.parsing import CHAT, COMPLETIONS, parse_request
 from kvplug.request import Stage
@@ -68,7 +69,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 if TYPE_CHECKING:
-    from kvplug.frontend.app import Frontend, Routed
+    from kvplug.frontend.app import Frontend
+    from kvplug.frontend.context import Routed
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +212,6 @@ class EndpointPicker(ExternalProcessorBase):
         ]
 
     async def _route(self, stream: _Stream, msg: ProcessingRequest) -> Routed:
-        from kvplug.frontend.app import RequestContext  # the frontend imports this module
-
         fe = self.frontend
         headers = stream.headers
         self._check_key(headers.get("authorization"))

@@ -6,10 +6,10 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
-from kvplug.sim.policies import DEFAULT_POLICIES, DEMO_POLICIES
+from kvplug.cli import RunError, UsageError, check_port, check_ports_free
+from kvplug.sim.policies import DEFAULT_POLICIES, DEMO_POLICIES, NAMES
 
 
 def register(subparsers) -> None:
@@ -19,7 +19,9 @@ def register(subparsers) -> None:
 
 
 # ------------------------------------------------------------------------------ shared flags
-def _add_fleet_args(p: argparse.ArgumentParser, engines: int) -> None:
+def _add_fleet_args(
+    p: argparse.ArgumentParser, engines: int, duration: float | None = None
+) -> None:
     g = p.add_argument_group("simulated fleet and trace")
     g.add_argument(
         "--engines", type=int, default=engines, help=f"simulated engines (default {engines})"
@@ -38,7 +40,11 @@ def _add_fleet_args(p: argparse.ArgumentParser, engines: int) -> None:
     )
     g.add_argument("--start", type=float, default=0.0, help="slice start, seconds into the trace")
     g.add_argument(
-        "--duration", type=float, default=None, help="slice length in seconds (default: all)"
+        "--duration",
+        type=float,
+        default=duration,
+        help="slice length in seconds (default: "
+        + ("the whole trace)" if duration is None else f"{duration:g}, {duration / 60:g} minutes)"),
     )
     g.add_argument("--limit", type=int, default=None, help="at most this many requests")
     g.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
@@ -95,20 +101,34 @@ def _spec(args, policies):
         args.capacity_blocks = capacity_blocks(max(args.block_tokens, 1))
     for name in ("engines", "capacity_blocks", "max_batched_tokens", "jobs", "block_tokens"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.prefill_engines < args.engines:
-        raise SystemExit("--prefill-engines must be in [0, --engines)")
+        raise UsageError("--prefill-engines must be in [0, --engines)")
     if args.host_blocks < 0 or args.event_delay < 0 or args.speedup <= 0:
-        raise SystemExit("--host-blocks and --event-delay must be >= 0, --speedup > 0")
+        raise UsageError("--host-blocks and --event-delay must be >= 0, --speedup > 0")
+    if args.duration is not None and not args.duration > 0:
+        raise UsageError(f"--duration must be > 0 seconds, got {args.duration:g}")
+    if not args.start >= 0:
+        raise UsageError(f"--start must be >= 0 seconds, got {args.start:g}")
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit must be >= 1, got {args.limit}")
+    for text in policies:
+        try:
+            parse_policy(text).router_config(args.block_tokens)  # every setting checked
+        except ValueError as exc:  # ConfigError is one too
+            msg = str(exc)
+            raise UsageError(
+                msg if msg.startswith("policy") else f"policy {text!r}: {msg}"
+            ) from None
     try:
-        for text in policies:
-            parse_policy(text)
         if args.workload:
             from kvplug.sim.traces import parse_workload
 
             parse_workload(args.workload, args.block_tokens)
-    except ValueError as exc:
-        raise SystemExit(f"kvplug: {exc}") from None
+    except ValueError as exc:  # ConfigError is one too
+        raise UsageError(str(exc)) from None
+    if args.trace and not args.workload:
+        _check_trace(args.trace)
     return BenchSpec(
         policies=list(policies),
         n_engines=args.engines,
@@ -127,6 +147,29 @@ def _spec(args, policies):
         n_prefill=args.prefill_engines,
         block_tokens=args.block_tokens,
     )
+
+
+def _check_trace(path: str) -> None:
+    """A missing file or one that is not a Mooncake JSONL trace is a usage error, found
+    before any replay starts (its first record is read)."""
+    from kvplug.sim.traces import iter_trace
+
+    if not Path(path).is_file():
+        raise UsageError(f"--trace {path}: no such file")
+    try:
+        next(iter_trace(path), None)
+    except (ValueError, OSError, EOFError) as exc:  # EOFError: a truncated .gz
+        raise UsageError(f"--trace {path} is not a Mooncake JSONL trace: {exc}") from None
+
+
+def _run_bench(spec, args):
+    """run_bench, a bad record further down the trace being one line (exit 1), too."""
+    from kvplug.sim.bench import run_bench
+
+    try:
+        return run_bench(spec, jobs=args.jobs, progress=not args.no_progress)
+    except ValueError as exc:
+        raise RunError(str(exc).splitlines()[0]) from None
 
 
 def _finish_report(report, args, prefix: str) -> None:
@@ -152,8 +195,7 @@ def _register_demo(sub) -> None:
         help="replay 20 minutes of a real conversation trace on 4 simulated engines under kv, "
         "round-robin and random routing (virtual time, no GPU, < 1 minute)",
     )
-    _add_fleet_args(p, engines=4)
-    p.set_defaults(duration=1200.0)
+    _add_fleet_args(p, engines=4, duration=1200.0)
     p.add_argument("--policies", nargs="+", default=list(DEMO_POLICIES))
     p.add_argument("--json", default="kvplug-demo/demo.json", help="report path ('' = none)")
     p.add_argument("--plots", default="kvplug-demo", help="plot directory ('' = none)")
@@ -162,8 +204,6 @@ def _register_demo(sub) -> None:
 
 
 def _cmd_demo(args) -> int:
-    from kvplug.sim.bench import run_bench
-
     spec = _spec(args, args.policies)
     if args.workload:
         source = f"generated workload {args.workload}"
@@ -175,7 +215,7 @@ def _cmd_demo(args) -> int:
         f"({args.capacity_blocks} KV blocks of {args.block_tokens} tokens each), virtual time; "
         f"policies: {', '.join(args.policies)}"
     )
-    report = run_bench(spec, jobs=args.jobs, progress=not args.no_progress)
+    report = _run_bench(spec, args)
     _finish_report(report, args, prefix="demo")
     kv = next((r for r in report["results"] if r["policy"] == "kv"), None)
     others = [r for r in report["results"] if r["policy"] != "kv"]
@@ -194,10 +234,9 @@ def _register_bench(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="replay a trace on N simulated engines under several routing policies (virtual time)",
-        description="Policies are NAME[:key=value,...] with NAME in kv, approx, round-robin, "
-        "random, "
-        "least-loaded, power-of-two and keys router settings or aliases (credit, temperature, "
-        "prefill_scale, host_weight, track_output, ttl), e.g. kv:credit=0.5,temperature=0.1.",
+        description=f"Policies are NAME[:key=value,...] with NAME one of {', '.join(NAMES)} "
+        "and keys router settings or aliases (credit, temperature, prefill_scale, "
+        "host_weight, track_output, ttl), e.g. kv:credit=0.5,temperature=0.1.",
     )
     _add_fleet_args(p, engines=8)
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
@@ -217,28 +256,37 @@ def _register_bench(sub) -> None:
 
 
 def _cmd_bench(args) -> int:
-    from kvplug.sim.bench import run_bench
-
     if args.sweep:
         return _cmd_sweep(args)
-    report = run_bench(_spec(args, args.policies), jobs=args.jobs, progress=not args.no_progress)
+    report = _run_bench(_spec(args, args.policies), args)
     _finish_report(report, args, prefix="sim")
     return 0
 
 
 def _cmd_sweep(args) -> int:
     from kvplug.sim.bench import write_json
-    from kvplug.sim.sweep import format_sweep, run_sweep
+    from kvplug.sim.sweep import format_sweep, parse_axis, run_sweep
 
-    spec = _spec(args, [])
-    sweep = run_sweep(
-        spec,
-        args.sweep[0],
-        args.sweep[1],
-        jobs=args.jobs,
-        base=args.sweep_base,
-        progress=not args.no_progress,
-    )
+    try:
+        (x_name, xs), (y_name, ys) = (parse_axis(axis) for axis in args.sweep)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not xs or not ys:
+        raise UsageError("--sweep: each axis needs at least one value")
+    sep = "," if ":" in args.sweep_base else ":"
+    corner = f"{args.sweep_base}{sep}{x_name}={xs[0]:g},{y_name}={ys[0]:g}"
+    spec = _spec(args, [corner])  # one grid point checks the names and the base
+    try:
+        sweep = run_sweep(
+            spec,
+            args.sweep[0],
+            args.sweep[1],
+            jobs=args.jobs,
+            base=args.sweep_base,
+            progress=not args.no_progress,
+        )
+    except ValueError as exc:
+        raise RunError(str(exc).splitlines()[0]) from None
     print()
     print(format_sweep(sweep))
     path = Path(args.json or "sim_sweep.json")
@@ -312,13 +360,26 @@ def _cmd_sim(args) -> int:
     from kvplug.sim.server import FleetOptions, run_fleet
 
     if args.engines < 1 or args.block_size < 1 or args.speed <= 0:
-        raise SystemExit("--engines and --block-size must be >= 1, --speed > 0")
+        raise UsageError("--engines and --block-size must be >= 1, --speed > 0")
+    events_base = args.events_base_port or args.base_port + 1000
+    replay_base = args.replay_base_port or args.base_port + 2000
+    bases = [(args.base_port, "--base-port")]
+    if not args.events_connect:
+        bases.append((events_base, _flag("--events-base-port", args.events_base_port, 1000)))
+    bases.append((replay_base, _flag("--replay-base-port", args.replay_base_port, 2000)))
+    ports = []
+    for base, flag in bases:  # engine i listens on base + i
+        check_port(base, flag)
+        if args.engines > 1:
+            check_port(base + args.engines - 1, f"{flag} + {args.engines - 1} (the last engine)")
+        ports += [(base + i, flag if i == 0 else f"{flag} + {i}") for i in range(args.engines)]
+    check_ports_free(args.host, ports)  # before any engine starts
     opts = FleetOptions(
         engines=args.engines,
         host=args.host,
         base_port=args.base_port,
-        events_base_port=args.events_base_port or args.base_port + 1000,
-        replay_base_port=args.replay_base_port or args.base_port + 2000,
+        events_base_port=events_base,
+        replay_base_port=replay_base,
         events_connect=args.events_connect,
         topic=args.topic,
         vllm_version=args.vllm_version,
@@ -329,21 +390,25 @@ def _cmd_sim(args) -> int:
         speed=args.speed,
         model=args.model,
     )
+    import zmq
+
     try:
         run_fleet(opts)
     except KeyboardInterrupt:
         pass
+    except (OSError, zmq.ZMQError) as exc:  # taken between the check and the start
+        raise RunError(f"cannot start the simulated engines: {exc}") from None
     return 0
 
 
-def main(argv=None) -> int:  # python -m kvplug.sim.cli
-    parser = argparse.ArgumentParser(prog="kvplug-sim")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    t0 = time.perf_counter()
-    rc = int(args.func(args) or 0)
-    del t0
-    return rc
+def _flag(name: str, given: int | None, offset: int) -> str:
+    return name if given else f"{name} (--base-port + {offset})"
+
+
+def main(argv=None) -> int:  # python -m kvplug.sim.cli: the kvplug command's errors and codes
+    from kvplug.cli import main as kvplug_main
+
+    return kvplug_main(argv)
 
 
 if __name__ == "__main__":

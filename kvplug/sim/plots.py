@@ -19,6 +19,8 @@ def _plt():
 def plot_report(report: dict, out_dir: str | Path, prefix: str = "sim") -> list[Path]:
     """Write ``{prefix}_ttft_cdf.png``, ``{prefix}_hit_rate.png``, ``{prefix}_load.png``."""
     plt = _plt()
+    from matplotlib.ticker import PercentFormatter
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = report["results"]
@@ -64,7 +66,9 @@ def plot_report(report: dict, out_dir: str | Path, prefix: str = "sim") -> list[
     for i, r in enumerate(results):
         ax.text(i, r["hit_rate"] + 0.005, f"{r['hit_rate']:.1%}", ha="center", fontsize=8)
     ax.set_xticks(x, names, rotation=25, ha="right", fontsize=8)
-    ax.set_ylabel("KV hit rate (reused prompt blocks / prompt blocks)")
+    # the axis in % like the bars' labels (the values are fractions)
+    ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0, decimals=0))
+    ax.set_ylabel("KV hit rate (% of prompt blocks reused)")
     ax.set_title("Prefix-cache hit rate — " + title, fontsize=9)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
@@ -82,14 +86,19 @@ def plot_report(report: dict, out_dir: str | Path, prefix: str = "sim") -> list[
         for ax, r in zip(axes[:, 0], shown, strict=True):
             t = np.asarray(r["series"]["load_t"]) / 60.0
             load = np.asarray(r["series"]["load"])
-            for j in range(load.shape[1]):
-                ax.plot(t, load[:, j], lw=0.8)
+            for j in range(load.shape[1]):  # engine j has the same colour in every panel
+                ax.plot(t, load[:, j], lw=0.8, color=f"C{j % 10}", label=f"engine {j}")
             ax.set_ylim(0, ymax * 1.05)
             ax.set_ylabel("running+waiting", fontsize=8)
-            ax.set_title(
-                f"{r['policy']}: requests per engine over time (one line per engine)", fontsize=8
-            )
+            ax.set_title(f"{r['policy']}: requests per engine over time", fontsize=8)
             ax.grid(True, alpha=0.3)
+        axes[0, 0].legend(
+            fontsize=7,
+            ncol=min(load.shape[1], 8),
+            loc="upper left",
+            title="colour",
+            title_fontsize=7,
+        )
         axes[-1, 0].set_xlabel("trace time (min)")
         fig.tight_layout()
         paths.append(out / f"{prefix}_load.png")

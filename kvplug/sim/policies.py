@@ -32,6 +32,7 @@ ALIASES = {
     "selection": "router_selection_policy",
 }
 SIMPLE_MODES = ("round-robin", "random", "least-loaded", "power-of-two")
+NAMES = ("kv", "lmetric", "approx", "profile", *SIMPLE_MODES)  # what NAME may be
 DEFAULT_POLICIES = (
     "kv",
     "kv:credit=1.5",

@@ -1,0 +1,320 @@
+"""The figures the README quotes are the ones the benchmarks wrote.
+
+Each results table in README.md is preceded by a marker naming the JSON files it comes from:
+
+    <!-- figures: benchmarks/results/sim_bench.json rows: kv, kv:credit=1.5, ... -->
+
+Every number in every cell (but the first column, and the "target" and "command" columns)
+is checked against those files at the precision the README shows it (``19.4%`` must be
+within 0.05 points of the JSON's value); a marker before a paragraph does the same for the
+paragraph's figures (``PARAGRAPHS`` maps each to its figures). After re-running a benchmark,
+a failure here names the row, the column, the README's figure and the file's: update the
+README from the file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+MARKER = re.compile(r"<!-- figures: (?P<files>[^>]*?)(?: rows: (?P<rows>[^>]*?))? -->")
+NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?")
+SKIP = object()  # a figure that is not a measurement (a target, a version, a constant)
+
+
+def tables() -> list[tuple[list[str], list[str] | None, list[str], list[list[str]]]]:
+    """(files, row keys, header, rows) of each marked table, in README order."""
+    lines = README.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        m = MARKER.search(line)
+        if not m or i + 1 >= len(lines) or not lines[i + 1].startswith("|"):
+            continue  # a marked paragraph: test_the_prose_figures_are_the_benchmarks_too
+        j = i + 1
+        block = []
+        while j < len(lines) and lines[j].startswith("|"):
+            block.append([c.strip() for c in lines[j].strip().strip("|").split("|")])
+            j += 1
+        rows = [r.strip() for r in m["rows"].split(",")] if m["rows"] else None
+        out.append((m["files"].split(), rows, block[0], block[2:]))
+    return out
+
+
+def shown(text: str) -> list[str]:
+    return NUMBER.findall(text.replace("**", ""))
+
+
+def agrees(figure: str, value: float) -> bool:
+    """The README's figure is the value at the precision shown (half a unit of its last digit)."""
+    decimals = len(figure.split(".")[1]) if "." in figure else 0
+    return abs(float(figure.replace(",", "")) - value) <= 0.5 * 10**-decimals + 1e-9
+
+
+def load(name: str) -> Any:
+    return json.loads((ROOT / name).read_text())
+
+
+# ---------------------------------------------------------------- the simulator's tables
+SIM_COLUMNS: dict[str, Callable[[dict], float]] = {
+    "hit %": lambda r: 100 * r["hit_rate"],
+    "TTFT p50 s": lambda r: r["ttft_p50_s"],
+    "TTFT p99 s": lambda r: r["ttft_p99_s"],
+    "E2E p50 s": lambda r: r["e2e_p50_s"],
+    "E2E p99 s": lambda r: r["e2e_p99_s"],
+    "out tok/s": lambda r: r["output_tok_per_s"],
+}
+
+
+def sim_expected(files: list[str], row_keys: list[str], header: list[str], rows: list[list[str]]):
+    (name,) = files
+    by_policy = {r["policy"]: r for r in load(name)["results"]}
+    assert len(rows) == len(row_keys), f"{name}: {len(rows)} rows, marker names {len(row_keys)}"
+    for key, row in zip(row_keys, rows, strict=True):
+        assert key in by_policy, f"{name} has no policy {key!r}"
+        for col, cell in zip(header[1:], row[1:], strict=True):
+            yield row[0], col, cell, [SIM_COLUMNS[col](by_policy[key])]
+
+
+# ---------------------------------------------------------------- the speed tables
+def _range(values: list[float]) -> list[float]:
+    return [min(values), max(values)]
+
+
+def core_rules() -> dict[tuple[str, str], Callable[[], list]]:
+    d = load("benchmarks/results/bench_core.json")
+    w = {row["workers"]: row for row in d["workers"]}
+    q, dq = w[64]["queries"], w[64]["dynamo_queries"]
+    every = list(w.values())
+    c_apply = [r["c_apply_tokens_blocks_per_s"] / 1e6 for r in every]
+    dyn_apply = [r["dynamo_apply_blocks_per_s"] / 1e6 for r in every]
+    h = d["hashing"]
+    return {
+        ("query, 8,192-token", "kvplug (C)"): lambda: [
+            q["8192"]["c_median_us"],
+            q["8192"]["c_p99_us"],
+        ],
+        ("query, 8,192-token", "Dynamo"): lambda: [dq["8192"]["median_us"]],
+        ("query, 8,192-token", "kvplug vs Dynamo"): lambda: [
+            dq["8192"]["median_us"] / q["8192"]["c_median_us"]
+        ],
+        ("query, 128-token", "kvplug (C)"): lambda: [q["128"]["c_median_us"]],
+        ("query, 128-token", "Dynamo"): lambda: [dq["128"]["median_us"]],
+        ("query, 128-token", "kvplug vs Dynamo"): lambda: [
+            dq["128"]["median_us"] / q["128"]["c_median_us"]
+        ],
+        ("apply, one", "kvplug (C)"): lambda: _range(c_apply),
+        ("apply, one", "Dynamo"): lambda: _range(dyn_apply),
+        ("apply, one", "kvplug vs Dynamo"): lambda: _range(
+            [c / y for c, y in zip(c_apply, dyn_apply, strict=True)]
+        ),
+        ("apply, 64 k-block", "kvplug (C)"): lambda: [
+            *_range([r["c_apply_batched_blocks_per_s"] / 1e6 for r in every]),
+            *_range([r["c_apply_batched_presized_blocks_per_s"] / 1e6 for r in every]),
+        ],
+        ("hashing", "kvplug (C)"): lambda: [h["c_numpy_tokens_per_s"] / 1e9],
+        ("hashing", "Dynamo"): lambda: [h["dynamo_list_tokens_per_s"] / 1e9],
+        ("hashing", "kvplug vs Dynamo"): lambda: [
+            h["c_numpy_tokens_per_s"] / h["dynamo_list_tokens_per_s"]
+        ],
+        ("memory", "kvplug (C)"): lambda: _range([r["c_mib_per_million_blocks"] for r in every]),
+        ("memory", "Dynamo"): lambda: [w[8]["dynamo_rss_mib_per_million_blocks"], 8],
+        ("memory", "kvplug vs Dynamo"): lambda: [
+            w[8]["dynamo_rss_mib_per_million_blocks"]
+            / min(r["c_mib_per_million_blocks"] for r in every)
+        ],
+    }
+
+
+def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
+    router = {r["workers"]: r for r in load("benchmarks/results/bench_router.json")["rows"]}
+    ingest = load("benchmarks/results/bench_ingest.json")
+    ingest32 = load("benchmarks/results/bench_ingest_bs32.json")
+    frontend = {t["target"]: t for t in load("benchmarks/results/bench_frontend.json")["targets"]}
+    sim = load("benchmarks/results/sim_bench.json")
+
+    def added(target: str) -> list[float]:
+        t = frontend[target]
+        return _range(
+            [t["plain_latency"]["added_median_ms"], t["stream_latency"]["added_median_ms"]]
+        )
+
+    sglang = next(t for t in frontend if t.startswith("sglang-router"))
+    r64 = router[64]
+    return {
+        ("routing decision", "result"): lambda: [
+            r64["kv_median_us"],
+            r64["kv_p99_us"],
+            SKIP,  # the target
+            r64["kv_inflight_median_us"],
+            r64["inflight"],
+            512,
+            router[512]["kv_median_us"],
+            r64["round_robin_median_us"],
+        ],
+        ("vLLM event ingestion", "result"): lambda: [
+            ingest["results"]["kvplug"]["blocks_per_s"] / 1e6,
+            ingest["params"]["block_size"],
+            ingest32["results"]["kvplug"]["blocks_per_s"] / 1e6,
+            ingest32["params"]["block_size"],
+            SKIP,  # the target
+            ingest["results"]["kvplug_growing"]["blocks_per_s"] / 1e6,
+            ingest32["results"]["kvplug_growing"]["blocks_per_s"] / 1e6,
+            ingest["ratio_vs_naive"]["kvplug"],
+        ],
+        ("frontend overhead", "result"): lambda: [
+            *added("kvplug (token ids)"),
+            *added("kvplug (text+tokenizer)"),
+            SKIP,  # the target
+            SKIP,  # sglang-router's version
+            frontend[sglang]["plain_latency"]["added_median_ms"],
+        ],
+        ("whole-trace replay", "result"): lambda: [sim["wall_s"], sim["jobs"]],
+    }
+
+
+RULES = {
+    "benchmarks/results/bench_core.json": core_rules,
+    "benchmarks/results/bench_router.json": speed_rules,
+}
+
+
+def routing_quality_text() -> list:
+    """The figures of the paragraph under the routing-quality table, in reading order."""
+    d = load("benchmarks/results/sim_bench.json")
+    host = {r["policy"]: r for r in load("benchmarks/results/sim_bench_host_tier.json")["results"]}
+    trace, by = d["trace"], {r["policy"]: r for r in d["results"]}
+    kv, rr, prof = by["kv"], by["round-robin"], by["profile"]
+    return [
+        100 * trace["oracle_hit_rate"],
+        100 * trace["fleet_lru_hit_rate"],
+        100 * kv["hit_rate"] / trace["fleet_lru_hit_rate"],
+        kv["hit_rate"] / rr["hit_rate"],
+        SKIP,  # the profile's scorer weights (3, 2): its configuration, not a measurement
+        SKIP,
+        100 * prof["hit_rate"],
+        prof["ttft_p50_s"] / kv["ttft_p50_s"],
+        prof["ttft_p99_s"] / kv["ttft_p99_s"],
+        load("benchmarks/results/sim_bench_host_tier.json")["spec"]["host_capacity_blocks"]
+        / d["spec"]["capacity_blocks"],
+        100 * host["kv"]["hit_rate"],
+        100 * host["approx"]["hit_rate"],
+        load("benchmarks/results/sim_sweep_x2_runs.json")["spec"]["speedup"],  # the 2x sweep
+    ]
+
+
+PARAGRAPHS = {"Bounds from the trace itself": routing_quality_text}
+
+
+def marked_paragraphs() -> list[tuple[list[str], str]]:
+    """(files, text) of each marked paragraph (a marker followed by prose, not a table)."""
+    lines = README.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        m = MARKER.search(line)
+        if m and i + 1 < len(lines) and not lines[i + 1].startswith("|"):
+            j = i + 1
+            while j < len(lines) and lines[j].strip():
+                j += 1
+            out.append((m["files"].split(), " ".join(lines[i + 1 : j])))
+    return out
+
+
+def test_the_prose_figures_are_the_benchmarks_too():
+    paragraphs = marked_paragraphs()
+    assert paragraphs, "no marked paragraph"
+    for files, text in paragraphs:
+        (rule,) = [r for start, r in PARAGRAPHS.items() if text.startswith(start)]
+        figures, expected = shown(text), rule()
+        assert len(figures) == len(expected), f"{text[:40]!r}: {figures} vs {len(expected)}"
+        wrong = [
+            f"README {f}, {files} {v:.6g}"
+            for f, v in zip(figures, expected, strict=True)
+            if v is not SKIP and not agrees(f, float(v))
+        ]
+        assert not wrong, wrong
+
+
+NOT_MEASURED = ("target", "command")  # columns whose figures are goals or arguments
+
+
+def rule_expected(files: list[str], header: list[str], rows: list[list[str]]):
+    rules = RULES[files[0]]()
+    for row in rows:
+        for col, cell in zip(header[1:], row[1:], strict=True):
+            if col in NOT_MEASURED or not shown(cell):
+                continue
+            keys = [k for k in rules if row[0].replace("**", "").startswith(k[0]) and k[1] == col]
+            assert keys, f"no rule for row {row[0]!r}, column {col!r}: add one to this test"
+            yield row[0], col, cell, rules[keys[0]]()
+
+
+def marked() -> list:
+    return tables()
+
+
+def test_every_results_table_names_its_source():
+    text = README.read_text()
+    results = text.split("## Quick start", 1)[1].split("## Using it with your engines", 1)[0]
+    n_tables = len(re.findall(r"\n\|[-|: ]+\|\n", results))
+    assert n_tables == len(tables()) == 4, "a results table without a marker"
+    for files, *_ in marked():
+        for name in files:
+            assert (ROOT / name).is_file(), f"{name} (named by a README marker) does not exist"
+
+
+@pytest.mark.parametrize("table", marked(), ids=lambda t: t[0][0].rsplit("/", 1)[-1])
+def test_the_readme_quotes_what_the_benchmarks_wrote(table):
+    files, row_keys, header, rows = table
+    if row_keys is not None:
+        checks = sim_expected(files, row_keys, header, rows)
+    else:
+        checks = rule_expected(files, header, rows)
+    wrong = []
+    for label, col, cell, expected in checks:
+        figures = shown(cell)
+        assert len(figures) == len(expected), (
+            f"{label!r} / {col!r}: README shows {figures}, the rule expects {len(expected)}"
+        )
+        for fig, value in zip(figures, expected, strict=True):
+            if value is not SKIP and not agrees(fig, float(value)):
+                wrong.append(f"{label!r} / {col!r}: README {fig}, {files} {value:.6g}")
+    assert not wrong, "README figures that are not the benchmarks':\n" + "\n".join(wrong)
+
+
+def test_a_wrong_figure_is_caught(tmp_path, monkeypatch):
+    # the check itself: change one figure of the README and it must fail
+    text = README.read_text()
+    kv_row = next(line for line in text.splitlines() if line.startswith("| kv | "))
+    broken = text.replace(kv_row, kv_row.replace("| kv | ", "| kv | 9", 1), 1)
+    fake = tmp_path / "README.md"
+    fake.write_text(broken)
+    monkeypatch.setattr(sys.modules[__name__], "README", fake)
+    demo = next(t for t in tables() if t[0] == ["benchmarks/results/demo.json"])
+    with pytest.raises(AssertionError, match="README 911.2"):
+        test_the_readme_quotes_what_the_benchmarks_wrote(demo)
+
+
+def test_the_formula_example_is_real_output():
+    # README, Routing: a 10-block prompt, 5 of its blocks on w2's device, nothing in flight
+    import random
+
+    from kvplug import BlockStored, Router, RouterConfig, RouteRequest, Worker
+
+    r = Router(RouterConfig(kv_block_size=16), rng=random.Random(0))
+    r.add_worker(Worker("w1"))
+    r.add_worker(Worker("w2"))
+    prompt = list(range(160))
+    hashes = r.index.request_hashes(prompt)[:5]
+    r.apply_event(BlockStored(worker_id="w2", engine_hashes=[1, 2, 3, 4, 5], block_hashes=hashes))
+    d = r.route(RouteRequest("x", prompt))
+    formula = d.explain().split(" <- ", 1)[1]
+    assert formula == "cost(w2)=10.0 = 1.0*5 + 5 (device 5/10; prefill 10 - 1.0*5)"
+    assert f"`{formula}`" in README.read_text()
