@@ -745,7 +745,8 @@ def markdown(results: dict) -> str:
     """The README / docs table: kvplug's advantage over Dynamo, ranges over rounds."""
     ws = results["workers"]
     out = [
-        "| operation (kvplug vs Dynamo, like for like) | "
+        "| kvplug's advantage over Dynamo: range over rounds"
+        " (kvplug's worst round against Dynamo's best) | "
         + " | ".join(f"{r['workers']} workers" for r in ws)
         + " |"
     ]
@@ -755,7 +756,11 @@ def markdown(results: dict) -> str:
         "numpy into kvplug: hashing event tokens",
     ]
     for label in labels:
-        cells = [f"{fmt_range(r['summary']['ratios'][label])}×" for r in ws]
+        cells = []
+        for r in ws:
+            rr = r["summary"]["ratios"][label]
+            worst = f" ({rr['worst_vs_best']:.1f}×)" if "worst_vs_best" in rr else ""
+            cells.append(f"{fmt_range(rr)}×{worst}")
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     if all("memory" in r for r in ws):
         cells = []
@@ -799,7 +804,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sides: list = [KvplugSide()] + ([DynamoSide(dynamo)] if dynamo is not None else [])
     results: dict = {
-        "command": "python benchmarks/bench_core.py" + (" " + " ".join(argv or sys.argv[1:])),
+        "command": " ".join(
+            ["python benchmarks/bench_core.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "machine": {
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
