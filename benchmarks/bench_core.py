@@ -1,31 +1,55 @@
-"""Benchmark of kvplug's C core against the pure-Python reference (and Dynamo's RadixTree).
+"""kvplug's C core side by side with NVIDIA Dynamo's own indexer, alternating every round.
 
-Seeded synthetic workload: popular system prompts (Zipf), multi-turn sessions that grow, unique
-tails; 16-token blocks; N stored blocks (holdings) spread over 8, 64 and 512 workers. Reports:
+Both implementations get identical work, in the same round, one after the other (the order
+flips every round), so a ratio is always taken between two measurements made moments apart on
+the same (shared, noisy) machine; each ratio is reported as a range over the rounds.
 
-* apply throughput (blocks/s): store_tokens per event (hashing included), store of
-  precomputed hashes, and KvIndex.apply_many over normalised BlockStored events;
-* query latency median / p99 (us) through the Python binding for 128 / 1,024 / 8,192-token
-  prompts (precomputed hashes, reused output buffer), plus hash + query end to end;
-* hashing throughput (tokens/s) from a numpy buffer and from a Python list;
-* memory per million stored blocks (the C index's own accounting and the RSS delta);
-* the reference on fewer operations in the same run, and ratios; NVIDIA Dynamo's RadixTree
-  (``ai-dynamo-runtime``) on the identical workload when it is installed.
+Workload (seeded): 64 system prompts (Zipf popularity), multi-turn sessions that grow, pinned
+to a random worker; 16-token blocks; ~1 M stored blocks spread over 8, 64 and 512 workers,
+delivered as one store event per turn (~30 blocks). Like for like, per operation:
 
-    python benchmarks/bench_core.py            # 1M blocks (a few minutes on 2 cores)
-    python benchmarks/bench_core.py --small    # 100k blocks, quick
+* apply: one call per store event on both sides, hashes precomputed on both sides (no hashing
+  inside apply): kvplug ``Index.store(worker, 0, engine_hashes, block_hashes)`` with Python
+  lists; Dynamo ``RadixTree.apply_event(worker, json_bytes)`` with its KV-event JSON (its only
+  input form; encoded before the clock starts). The clock stops when the index answers a probe
+  query with the last event applied (Dynamo applies on a background thread; the probe goes
+  through the same queue, so its answer confirms every earlier event). Wall and process CPU
+  time (all threads) are both reported.
+* query: a Python list of block hashes in, per-worker scores out as a Python dict on both
+  sides: kvplug ``Index.query(list, out).scores()``, Dynamo ``find_matches(list).scores``;
+  the same prompts, the same number of calls. Every answer is compared (round 1).
+* hash + query: a prompt as a Python list of token ids in, scores dict out (the routing path):
+  kvplug ``hash_blocks`` then ``query``; Dynamo ``compute_block_hash_for_seq`` then
+  ``find_matches``.
+* hashing: the token lists of store events (a Python list of ints, what a decoded vLLM event
+  gives) and prompt lists, the two sides taking turns pass by pass (best of 10 each); kvplug
+  ``hash_blocks(list, 16, with_local=False)``, Dynamo ``compute_block_hash_for_seq(list, 16)``;
+  each returns what its own query takes.
+* memory: RSS delta of building the index in a fresh subprocess per side and round (the same
+  inputs built first; ``gc.collect()`` and ``malloc_trim(0)`` before both readings, so freed
+  heap is returned to the OS on both sides).
 
-Writes benchmarks/results/bench_core.json and prints a table.
+numpy inputs into kvplug (which Dynamo's API does not take) are reported separately and
+labelled as such, as are kvplug-only figures (64 k-block batches into a pre-sized index).
+
+    python benchmarks/bench_core.py                 # 1 M blocks, 8/64/512 workers, 5 rounds
+    python benchmarks/bench_core.py --small         # 100 k blocks, 3 rounds, quick
+    python benchmarks/bench_core.py --no-dynamo     # kvplug only (no ratios)
+
+Needs ``ai-dynamo-runtime`` (``pip install -e '.[bench]'``) for the side by side. Prints
+progress and a table; writes benchmarks/results/bench_core.json (and .md).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -38,20 +62,46 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvplug import _reference as ref  # noqa: E402
 from kvplug.core import load_backend  # noqa: E402
-from kvplug.events import BlockStored  # noqa: E402
-from kvplug.index import KvIndex  # noqa: E402
 
 core = load_backend("c")
 BS = 16
 VOCAB = 128_000
 ENGINE_SEED = 0xE11E  # engine hashes: a different namespace of our own hash (like vLLM's)
+PROMPT_LENGTHS = (128, 1024, 8192)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+_libc = ctypes.CDLL(None)
+
+
+def release_freed_heap() -> None:
+    """Collect garbage and hand freed heap (every malloc arena) back to the OS."""
+    gc.collect()
+    if hasattr(_libc, "malloc_trim"):
+        _libc.malloc_trim(0)
+
+
+def load_dynamo():
+    try:
+        import dynamo._core as dynamo  # type: ignore[import-not-found]
+    except Exception as err:  # noqa: BLE001 - any failure means "not available here"
+        return None, f"ai-dynamo-runtime not available: {err}"
+    try:
+        from importlib.metadata import version
+
+        ver = version("ai-dynamo-runtime")
+    except Exception:  # noqa: BLE001
+        ver = "?"
+    return dynamo, f"ai-dynamo-runtime {ver}"
 
 
 # ---- workload ----------------------------------------------------------------------------------
@@ -61,20 +111,24 @@ class Event:
     parent: int | None  # engine hash of the parent block
     engine: np.ndarray  # u64 engine hashes
     seq: np.ndarray  # u64 kvplug sequence hashes (precomputed)
-    local: np.ndarray  # u64 local hashes (Dynamo's tokens_hash)
+    local: np.ndarray  # u64 local hashes: Dynamo's tokens_hash (Dynamo's own block hash)
     tokens: np.ndarray  # uint32 tokens of the blocks
+    session: int  # index into Workload.sessions
+    end: int  # the session's blocks 0 .. end are stored on the worker after this event
 
 
 @dataclass
 class Workload:
     workers: int
     events: list[Event]
-    holdings: int
+    blocks: int
     sessions: list[np.ndarray]  # block-content ids of each session's chain
     content: np.ndarray  # (n_unique_blocks, BS) uint32
 
 
-def make_workload(workers: int, target_blocks: int, seed: int) -> Workload:
+def make_workload(workers: int, target_blocks: int, seed: int, dynamo=None) -> Workload:
+    """With `dynamo`, the local hashes are Dynamo's own (compute_block_hash_for_seq), so its
+    radix tree is keyed exactly as a Dynamo router's would be; otherwise kvplug's."""
     rng = np.random.default_rng(seed)
     n_sys = 64
     sys_len = rng.integers(16, 128, n_sys)  # system prompts: 256 .. 2,048 tokens
@@ -86,7 +140,7 @@ def make_workload(workers: int, target_blocks: int, seed: int) -> Workload:
         sys_ids.append(np.arange(next_id, next_id + n))
         next_id += n
     # chains are planned first (block ids), content and hashes come after
-    plans: list[tuple[int, int, np.ndarray, list[tuple[int, int]]]] = []
+    plans: list[tuple[int, np.ndarray, list[tuple[int, int]]]] = []
     sys_on_worker: set[tuple[int, int]] = set()
     holdings = 0
     while holdings < target_blocks:
@@ -107,13 +161,15 @@ def make_workload(workers: int, target_blocks: int, seed: int) -> Workload:
             spans.append((pos, pos + g))
             pos += g
             holdings += g
-        plans.append((w, s, np.concatenate(chain), spans))
+        plans.append((w, np.concatenate(chain), spans))
     content = rng.integers(0, VOCAB, size=(next_id, BS), dtype=np.uint32)
     events: list[Event] = []
     sessions = []
-    for w, _s, chain, spans in plans:
+    for w, chain, spans in plans:
         toks = content[chain].ravel()
         local, seq = core.hash_blocks(toks, BS)
+        if dynamo is not None:
+            local = np.array(dynamo.compute_block_hash_for_seq(toks.tolist(), BS), np.uint64)
         _, eng = core.hash_blocks(toks, BS, ENGINE_SEED, with_local=False)
         sessions.append(chain)
         for a, b in spans:
@@ -125,431 +181,640 @@ def make_workload(workers: int, target_blocks: int, seed: int) -> Workload:
                     seq=seq[a:b],
                     local=local[a:b],
                     tokens=toks[a * BS : b * BS],
+                    session=len(sessions) - 1,
+                    end=b,
                 )
             )
-    return Workload(workers, events, holdings, sessions, content)
+    n_blocks = sum(len(ev.engine) for ev in events)
+    return Workload(workers, events, n_blocks, sessions, content)
 
 
-def make_queries(wl: Workload, n_tokens: int, count: int, seed: int):
-    """Prompts of n_tokens: an existing session's chain, cut or extended with new blocks."""
+def prompt_tokens(wl: Workload, n_tokens: int, count: int, seed: int) -> list[np.ndarray]:
+    """Prompts of n_tokens: an existing session's chain, cut or extended with new tokens."""
     rng = np.random.default_rng(seed)
-    nb = n_tokens // BS
     out = []
     for _ in range(count):
         chain = wl.sessions[int(rng.integers(len(wl.sessions)))]
-        toks = wl.content[chain[:nb]].ravel()
+        toks = wl.content[chain[: n_tokens // BS]].ravel()
         if len(toks) < n_tokens:
             extra = rng.integers(0, VOCAB, n_tokens - len(toks), dtype=np.uint32)
             toks = np.concatenate([toks, extra])
-        local, seq = core.hash_blocks(toks, BS)
-        out.append((toks, local, seq))
+        out.append(toks)
     return out
 
 
-# ---- measurements ------------------------------------------------------------------------------
+def dynamo_event_json(i: int, ev: Event) -> bytes:
+    """Dynamo's KV-event JSON for one store event (block_hash = the engine hash,
+    tokens_hash = the local block hash its radix tree keys on)."""
+    blocks = [
+        {"block_hash": e, "tokens_hash": h}
+        for e, h in zip(ev.engine.tolist(), ev.local.tolist(), strict=True)
+    ]
+    body = {
+        "event_id": i,
+        "data": {"stored": {"parent_hash": ev.parent, "blocks": blocks}},
+        "dp_rank": 0,
+    }
+    return json.dumps(body).encode()
+
+
+# ---- the two sides -----------------------------------------------------------------------------
+class KvplugSide:
+    """kvplug's C core through its Python binding (kvplug._core)."""
+
+    name = "kvplug"
+
+    def __init__(self) -> None:
+        self.idx = None
+        self.out = core.QueryResult()
+
+    @staticmethod
+    def apply_inputs(wl: Workload) -> list:
+        return [(ev.worker, ev.engine.tolist(), ev.seq.tolist()) for ev in wl.events]
+
+    @staticmethod
+    def query_hashes(local: np.ndarray, seq: np.ndarray) -> list[int]:
+        return seq.tolist()
+
+    def new_index(self) -> None:
+        self.idx = core.Index()
+
+    def drop_index(self) -> None:
+        self.idx = None
+
+    def apply(self, inputs: list) -> None:
+        store = self.idx.store
+        for w, eng, seq in inputs:
+            store(w, 0, eng, seq)
+
+    def scores(self, hashes) -> dict:
+        return self.idx.query(hashes, self.out).scores()
+
+    def hash_and_scores(self, tokens: list[int]) -> dict:
+        return self.idx.query(core.hash_blocks(tokens, BS, with_local=False)[1], self.out).scores()
+
+    @staticmethod
+    def hash(tokens: list[int]):
+        return core.hash_blocks(tokens, BS, with_local=False)
+
+    @staticmethod
+    def worker_scores(scores: dict) -> dict[int, int]:
+        return scores  # endpoint id == worker id here
+
+
+class DynamoSide:
+    """Dynamo's RadixTree (ai-dynamo-runtime) through its Python binding."""
+
+    name = "dynamo"
+
+    def __init__(self, dynamo) -> None:
+        self.dyn = dynamo
+        self.tree = None
+
+    @staticmethod
+    def apply_inputs(wl: Workload) -> list:
+        return [(ev.worker, dynamo_event_json(i, ev)) for i, ev in enumerate(wl.events)]
+
+    @staticmethod
+    def query_hashes(local: np.ndarray, seq: np.ndarray) -> list[int]:
+        return local.tolist()
+
+    def new_index(self) -> None:
+        self.tree = self.dyn.RadixTree()
+
+    def drop_index(self) -> None:
+        self.tree = None
+
+    def apply(self, inputs: list) -> None:
+        apply_event = self.tree.apply_event
+        for w, body in inputs:
+            apply_event(w, body)
+
+    def scores(self, hashes) -> dict:
+        return self.tree.find_matches(hashes).scores
+
+    def hash_and_scores(self, tokens: list[int]) -> dict:
+        return self.tree.find_matches(self.dyn.compute_block_hash_for_seq(tokens, BS)).scores
+
+    def hash(self, tokens: list[int]):
+        return self.dyn.compute_block_hash_for_seq(tokens, BS)
+
+    @staticmethod
+    def worker_scores(scores: dict) -> dict[int, int]:
+        return {w: n for (w, _rank), n in scores.items()}
+
+
+def both_hashes(toks: np.ndarray, dynamo) -> tuple[np.ndarray, np.ndarray]:
+    """(Dynamo's local block hashes, kvplug's sequence hashes) of a prompt."""
+    local, seq = core.hash_blocks(toks, BS)
+    if dynamo is not None:
+        local = np.array(dynamo.compute_block_hash_for_seq(toks.tolist(), BS), np.uint64)
+    return local, seq
+
+
+def probe_for_last_event(wl: Workload, dynamo) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """The last event's session, cut where that event ends: only an index that has applied
+    the last event credits its worker with all `end` blocks."""
+    ev = wl.events[-1]
+    toks = wl.content[wl.sessions[ev.session][: ev.end]].ravel()
+    local, seq = both_hashes(toks, dynamo)
+    return local, seq, ev.worker, ev.end
+
+
+def apply_and_confirm(side, inputs, probe) -> tuple[float, float]:
+    """(wall s, process CPU s) from the first apply call until the index confirms the last."""
+    local, seq, worker, end = probe
+    hashes = side.query_hashes(local, seq)
+    side.new_index()
+    gc.collect()
+    gc.disable()
+    try:
+        c0, t0 = time.process_time(), time.perf_counter()
+        side.apply(inputs)
+        got = side.worker_scores(side.scores(hashes)).get(worker)
+        t1, c1 = time.perf_counter(), time.process_time()
+    finally:
+        gc.enable()
+    if got != end:
+        raise AssertionError(f"{side.name}: probe scored {got} for worker {worker}, want {end}")
+    return t1 - t0, c1 - c0
+
+
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def time_queries(fn, queries) -> tuple[float, float]:
+def time_calls(fn, inputs: list) -> list[float]:
+    """Latency of each call in µs (one perf_counter_ns pair per call on both sides)."""
     lat = []
-    for q in queries:
-        t0 = time.perf_counter_ns()
-        fn(q)
-        lat.append((time.perf_counter_ns() - t0) / 1000)
-    return statistics.median(lat), pct(lat, 99)
+    clock = time.perf_counter_ns
+    gc.disable()
+    try:
+        for x in inputs:
+            t0 = clock()
+            fn(x)
+            lat.append((clock() - t0) / 1000)
+    finally:
+        gc.enable()
+    return lat
 
 
-def apply_c_tokens(idx, events) -> float:
-    t0 = time.perf_counter()
-    for ev in events:
-        idx.store_tokens(ev.worker, 0, ev.parent, ev.engine, ev.tokens, BS)
-    return time.perf_counter() - t0
+def time_passes(fns: dict, inputs: list, repeat: int) -> dict[str, tuple[float, float]]:
+    """Best total (wall s, process CPU s) of `repeat` passes over inputs per function, the
+    functions taking turns pass by pass (order flipped every pass), so a burst of load from
+    the neighbours hits both sides alike; a pass is short (~1 ms), hence many."""
+    best = {name: (float("inf"), float("inf")) for name in fns}
+    names = list(fns)
+    gc.disable()
+    try:
+        for i in range(repeat):
+            for name in names if i % 2 == 0 else names[::-1]:
+                fn = fns[name]
+                c0, t0 = time.process_time(), time.perf_counter()
+                for x in inputs:
+                    fn(x)
+                t1, c1 = time.perf_counter(), time.process_time()
+                best[name] = (min(best[name][0], t1 - t0), min(best[name][1], c1 - c0))
+    finally:
+        gc.enable()
+    return best
 
 
-def apply_c_hashes(idx, events) -> float:
-    t0 = time.perf_counter()
-    for ev in events:
-        idx.store(ev.worker, 0, ev.engine, ev.seq)
-    return time.perf_counter() - t0
+# ---- one worker count, all rounds --------------------------------------------------------------
+def bench_workers(workers: int, args, sides: list) -> dict:
+    t_start = time.perf_counter()
+    dynamo = sides[1].dyn if len(sides) == 2 else None
+    wl = make_workload(workers, args.blocks, seed=1000 + workers, dynamo=dynamo)
+    res: dict = {
+        "workers": workers,
+        "stored_blocks": wl.blocks,
+        "events": len(wl.events),
+        "blocks_per_event": wl.blocks / len(wl.events),
+    }
+    log(
+        f"[{workers} workers] workload: {wl.blocks:,} blocks in {len(wl.events):,} events"
+        f" ({time.perf_counter() - t_start:.1f} s)"
+    )
+    probe = probe_for_last_event(wl, dynamo)
+    apply_in = {s.name: s.apply_inputs(wl) for s in sides}
+
+    # queries: the same prompts on both sides; each side gets the hashes its index keys on
+    q_in: dict[int, dict] = {}
+    q_np: dict[int, list] = {}
+    pipe_in: dict[int, list] = {}
+    for n_tok in PROMPT_LENGTHS:
+        toks = prompt_tokens(wl, n_tok, args.queries, seed=n_tok + workers)
+        hashed = [both_hashes(t, dynamo) for t in toks]
+        q_in[n_tok] = {s.name: [s.query_hashes(lo, sq) for lo, sq in hashed] for s in sides}
+        q_np[n_tok] = [sq for _, sq in hashed]
+        pipe_in[n_tok] = [t.tolist() for t in toks[: args.pipeline_prompts]]
+    # hashing: the token lists of store events (what a decoded vLLM event carries)
+    stride = max(1, len(wl.events) // args.hash_events)
+    hash_events = [ev.tokens.tolist() for ev in wl.events[::stride][: args.hash_events]]
+    hash_events_np = [ev.tokens for ev in wl.events[::stride][: args.hash_events]]
+    hash_event_tokens = sum(len(t) for t in hash_events)
+    res["hash_event_tokens_mean"] = hash_event_tokens / len(hash_events)
+
+    rounds: list[dict] = []
+    mismatches = 0
+    compared = 0
+    for r in range(args.rounds):
+        order = sides if r % 2 == 0 else sides[::-1]
+        rd: dict = {"order": [s.name for s in order], "loadavg": os.getloadavg()}
+        # apply (fresh index each), then queries against the index just built; both sides'
+        # indexes are alive together so every measurement of the round sees the same state
+        for s in order:
+            wall, cpu = apply_and_confirm(s, apply_in[s.name], probe)
+            rd[f"{s.name}_apply_blocks_per_s"] = wl.blocks / wall
+            rd[f"{s.name}_apply_blocks_per_cpu_s"] = wl.blocks / cpu
+        for n_tok in PROMPT_LENGTHS:
+            for s in order:
+                lat = time_calls(s.scores, q_in[n_tok][s.name])
+                rd[f"{s.name}_query_{n_tok}_median_us"] = statistics.median(lat)
+                rd[f"{s.name}_query_{n_tok}_p99_us"] = pct(lat, 99)
+            for s in order:
+                lat = time_calls(s.hash_and_scores, pipe_in[n_tok])
+                rd[f"{s.name}_hash_query_{n_tok}_median_us"] = statistics.median(lat)
+            if r == 0 and len(sides) == 2:  # every answer, both sides
+                for i in range(len(q_np[n_tok])):
+                    a = [s.worker_scores(s.scores(q_in[n_tok][s.name][i])) for s in sides]
+                    compared += 1
+                    mismatches += a[0] != a[1]
+                for toks in pipe_in[n_tok]:
+                    a = [s.worker_scores(s.hash_and_scores(toks)) for s in sides]
+                    compared += 1
+                    mismatches += a[0] != a[1]
+        # numpy hashes into kvplug (labelled; Dynamo takes lists only)
+        lat = time_calls(sides[0].scores, q_np[PROMPT_LENGTHS[-1]])
+        rd[f"kvplug_numpy_query_{PROMPT_LENGTHS[-1]}_median_us"] = statistics.median(lat)
+        for s in sides:
+            s.drop_index()
+        release_freed_heap()
+        # hashing: event token lists, then prompt lists (8,192 tokens)
+        best = time_passes({s.name: s.hash for s in order}, hash_events, args.hash_repeat)
+        for name, (wall, cpu) in best.items():
+            rd[f"{name}_hash_event_list_tokens_per_s"] = hash_event_tokens / wall
+            rd[f"{name}_hash_event_list_tokens_per_cpu_s"] = hash_event_tokens / cpu
+        long_prompts = pipe_in[PROMPT_LENGTHS[-1]]
+        n_long = sum(len(t) for t in long_prompts)
+        best = time_passes({s.name: s.hash for s in order}, long_prompts, args.hash_repeat)
+        for name, (wall, cpu) in best.items():
+            rd[f"{name}_hash_prompt_list_tokens_per_s"] = n_long / wall
+            rd[f"{name}_hash_prompt_list_tokens_per_cpu_s"] = n_long / cpu
+        best = time_passes(
+            {"np": lambda t: core.hash_blocks(t, BS, with_local=False)},
+            hash_events_np,
+            args.hash_repeat,
+        )
+        rd["kvplug_numpy_hash_event_tokens_per_s"] = hash_event_tokens / best["np"][0]
+        # kvplug only: 64 k-block batches into a pre-sized index
+        rd["kvplug_only_batched_presized_blocks_per_s"] = kvplug_batched(wl, workers)
+        rounds.append(rd)
+        log(f"[{workers} workers] round {r + 1}/{args.rounds}: " + round_line(rd, sides))
+    res["rounds"] = rounds
+    if len(sides) == 2:
+        res["correctness"] = {"compared": compared, "mismatches": mismatches}
+        log(f"[{workers} workers] answers compared: {compared}, mismatches: {mismatches}")
+    if args.memory_rounds:
+        res["memory"] = bench_memory(workers, args, [s.name for s in sides])
+    res["seconds"] = time.perf_counter() - t_start
+    return res
 
 
-def batched_by_worker(events, max_blocks: int = 65536):
-    """Concatenate consecutive events per worker into store() batches of up to max_blocks."""
+def kvplug_batched(wl: Workload, workers: int, max_blocks: int = 65536) -> float:
     per: dict[int, list[Event]] = {}
-    for ev in events:
+    for ev in wl.events:
         per.setdefault(ev.worker, []).append(ev)
-    out = []
+    batches = []
     for w, evs in per.items():
         eng = np.concatenate([e.engine for e in evs])
         seq = np.concatenate([e.seq for e in evs])
         for a in range(0, len(eng), max_blocks):
-            out.append((w, eng[a : a + max_blocks], seq[a : a + max_blocks]))
-    return out
-
-
-def apply_c_batches(idx, batches) -> float:
+            batches.append((w, eng[a : a + max_blocks], seq[a : a + max_blocks]))
+    idx = core.Index()
+    idx.reserve(wl.blocks, wl.blocks, workers)
     t0 = time.perf_counter()
     for w, eng, seq in batches:
         idx.store(w, 0, eng, seq)
-    return time.perf_counter() - t0
+    return wl.blocks / (time.perf_counter() - t0)
 
 
-def apply_kvindex(events, workers: int) -> tuple[float, int]:
-    kv = KvIndex(BS)
-    for w in range(workers):
-        kv.add_endpoint(f"w{w}")
-    evs = [
-        BlockStored(
-            worker_id=f"w{ev.worker}",
-            parent_engine_hash=ev.parent,
-            engine_hashes=ev.engine,
-            token_ids=ev.tokens,
+def round_line(rd: dict, sides: list) -> str:
+    parts = []
+    if len(sides) == 2:
+        parts.append(
+            f"apply {ratio(rd, 'apply_blocks_per_s', True):.1f}x"
+            f" (cpu {ratio(rd, 'apply_blocks_per_cpu_s', True):.1f}x)"
         )
-        for ev in events
-    ]
-    t0 = time.perf_counter()
-    rep = kv.apply_many(evs)
-    dt = time.perf_counter() - t0
-    assert rep.dropped == 0, rep
-    return dt, rep.blocks
+        parts.append(
+            "query "
+            + "/".join(f"{ratio(rd, f'query_{n}_median_us'):.1f}" for n in PROMPT_LENGTHS)
+            + "x"
+        )
+        parts.append(
+            "hash+query "
+            + "/".join(f"{ratio(rd, f'hash_query_{n}_median_us'):.1f}" for n in PROMPT_LENGTHS)
+            + "x"
+        )
+        parts.append(
+            f"hash events {ratio(rd, 'hash_event_list_tokens_per_s', True):.1f}x"
+            f" (cpu {ratio(rd, 'hash_event_list_tokens_per_cpu_s', True):.1f}x),"
+            f" prompts {ratio(rd, 'hash_prompt_list_tokens_per_s', True):.1f}x"
+        )
+    else:
+        parts.append(f"apply {rd['kvplug_apply_blocks_per_s'] / 1e6:.2f} M blocks/s")
+    parts.append(f"load {rd['loadavg'][0]:.1f}")
+    return ", ".join(parts)
 
 
-def first_blocks(events, n_blocks):
-    out, total = [], 0
-    for ev in events:
-        if total >= n_blocks:
-            break
-        out.append(ev)
-        total += len(ev.engine)
-    return out, total
+def ratio(rd: dict, key: str, higher_is_better: bool = False) -> float:
+    """kvplug's advantage: >1 means kvplug is better."""
+    k, d = rd[f"kvplug_{key}"], rd[f"dynamo_{key}"]
+    return k / d if higher_is_better else d / k
 
 
-def dynamo_events(events):
-    out = []
-    for i, ev in enumerate(events):
-        blocks = [
-            {"block_hash": int(e), "tokens_hash": int(h)}
-            for e, h in zip(ev.engine.tolist(), ev.local.tolist(), strict=True)
-        ]
-        body = {
-            "event_id": i,
-            "data": {"stored": {"parent_hash": ev.parent, "blocks": blocks}},
-            "dp_rank": 0,
-        }
-        out.append((ev.worker, json.dumps(body).encode()))
+# ---- memory: a fresh subprocess per side and round ---------------------------------------------
+def bench_memory(workers: int, args, side_names: list[str]) -> dict:
+    out: dict = {name: [] for name in side_names}
+    for r in range(args.memory_rounds):
+        order = side_names if r % 2 == 0 else side_names[::-1]
+        for name in order:
+            cmd = [
+                sys.executable,
+                __file__,
+                "--memory-child",
+                name,
+                "--workers",
+                str(workers),
+                "--blocks",
+                str(args.blocks),
+            ]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"memory child {name} failed:\n{proc.stderr}")
+            got = json.loads(proc.stdout.strip().splitlines()[-1])
+            out[name].append(got)
+        line = ", ".join(
+            f"{n} {out[n][-1]['rss_mib_per_million_blocks']:.1f} MiB/M" for n in side_names
+        )
+        log(f"[{workers} workers] memory round {r + 1}/{args.memory_rounds}: {line}")
     return out
 
 
-def bench_workers(workers: int, args, dynamo) -> dict:
-    res: dict = {"workers": workers}
-    wl = make_workload(workers, args.blocks, seed=1000 + workers)
-    n_blocks = sum(len(ev.engine) for ev in wl.events)
-    res["stored_blocks"] = n_blocks
-    res["events"] = len(wl.events)
-    res["blocks_per_event"] = n_blocks / len(wl.events)
-
-    # C: store_tokens (hashing included), then a fresh index with precomputed hashes
-    gc.collect()
+def memory_child(side_name: str, workers: int, blocks: int) -> int:
+    dynamo, note = load_dynamo()  # both children load both libraries: the same baseline
+    if side_name == "dynamo" and dynamo is None:
+        raise SystemExit(note)
+    side = KvplugSide() if side_name == "kvplug" else DynamoSide(dynamo)
+    wl = make_workload(workers, blocks, seed=1000 + workers, dynamo=dynamo)
+    inputs = side.apply_inputs(wl)
+    probe = probe_for_last_event(wl, dynamo)
+    hashes = side.query_hashes(probe[0], probe[1])
+    release_freed_heap()
     rss0 = rss_bytes()
-    idx = core.Index()
-    dt = apply_c_tokens(idx, wl.events)
+    side.new_index()
+    side.apply(inputs)
+    got = side.worker_scores(side.scores(hashes)).get(probe[2])
+    if got != probe[3]:
+        raise SystemExit(f"{side_name}: probe scored {got}, want {probe[3]}")
+    release_freed_heap()
     rss1 = rss_bytes()
-    res["c_apply_tokens_blocks_per_s"] = n_blocks / dt
-    st = idx.stats()
-    assert st["entries"] == n_blocks, (st, n_blocks)
-    res["c_memory_bytes"] = idx.memory_bytes()
-    res["c_mib_per_million_blocks"] = idx.memory_bytes() / 2**20 / (n_blocks / 1e6)
-    res["c_rss_mib_per_million_blocks"] = (rss1 - rss0) / 2**20 / (n_blocks / 1e6)
-    res["distinct_blocks"] = st["blocks"]
-    idx2 = core.Index()
-    res["c_apply_hashes_blocks_per_s"] = n_blocks / apply_c_hashes(idx2, wl.events)
-    idx2 = core.Index()
-    # a router knows its fleet's KV capacity (engine maps are per endpoint: spread over workers)
-    idx2.reserve(st["blocks"], st["engine_mappings"], workers)
-    res["c_apply_tokens_presized_blocks_per_s"] = n_blocks / apply_c_tokens(idx2, wl.events)
-    batches = batched_by_worker(wl.events)
-    idx2 = core.Index()
-    res["c_apply_batched_blocks_per_s"] = n_blocks / apply_c_batches(idx2, batches)
-    idx2 = core.Index()
-    idx2.reserve(st["blocks"], st["engine_mappings"], workers)
-    res["c_apply_batched_presized_blocks_per_s"] = n_blocks / apply_c_batches(idx2, batches)
-    idx2 = None
-    batches = None
-
-    sub, sub_blocks = first_blocks(wl.events, args.ref_blocks)
-    dt, blocks = apply_kvindex(wl.events if not args.small else sub, workers)
-    res["kvindex_apply_many_blocks_per_s"] = blocks / dt
-
-    ridx = ref.Index()
-    t0 = time.perf_counter()
-    for ev in sub:
-        ridx.store_tokens(ev.worker, 0, ev.parent, ev.engine.tolist(), ev.tokens.tolist(), BS)
-    res["ref_apply_tokens_blocks_per_s"] = sub_blocks / (time.perf_counter() - t0)
-    res["ref_apply_blocks"] = sub_blocks
-
-    # queries against the full C index
-    out = core.QueryResult()
-    res["queries"] = {}
-    for n_tok in (128, 1024, 8192):
-        qs = make_queries(wl, n_tok, args.queries, seed=n_tok + workers)
-        q: dict = {}
-        hashes = [s for _, _, s in qs]
-        for h in hashes[:50]:  # warm caches and buffers
-            idx.query(h, out)
-        q["c_median_us"], q["c_p99_us"] = time_queries(lambda h: idx.query(h, out), hashes)
-        walked = []
-        for h in hashes:
-            walked.append(idx.query(h, out).walked)
-        q["mean_walked_blocks"] = float(np.mean(walked))
-        toks = [t for t, _, _ in qs]
-        q["c_hash_and_query_median_us"], q["c_hash_and_query_p99_us"] = time_queries(
-            lambda t: idx.query(core.hash_blocks(t, BS, with_local=False)[1], out), toks
+    result = {
+        "rss_delta_bytes": rss1 - rss0,
+        "rss_mib_per_million_blocks": (rss1 - rss0) / 2**20 / (wl.blocks / 1e6),
+        "stored_blocks": wl.blocks,
+    }
+    if side_name == "kvplug":
+        result["own_accounting_mib_per_million_blocks"] = (
+            side.idx.memory_bytes() / 2**20 / (wl.blocks / 1e6)
         )
-        # the reference on a small index (its prefix of the events) and fewer queries
-        rq = [list(map(int, s)) for s in hashes[: args.ref_queries]]
-        q["ref_median_us"], q["ref_p99_us"] = time_queries(ridx.query, rq)
-        q["ratio_ref_over_c"] = q["ref_median_us"] / q["c_median_us"]
-        res["queries"][n_tok] = q
-        if dynamo is not None:
-            res.setdefault("_dyn_queries", {})[n_tok] = [list(map(int, l_)) for _, l_, _ in qs]
-    del ridx
-
-    if dynamo is not None:
-        res.update(bench_dynamo(dynamo, wl, res.pop("_dyn_queries"), args))
-    idx = None
-    gc.collect()
-    return res
+    print(json.dumps(result))
+    return 0
 
 
-def bench_dynamo(dynamo, wl: Workload, queries: dict, args) -> dict:
-    out: dict = {}
-    evs = dynamo_events(wl.events)
-    n_blocks = sum(len(ev.engine) for ev in wl.events)
-    gc.collect()
-    rss0 = rss_bytes()
-    tree = dynamo.RadixTree()
-    t0 = time.perf_counter()
-    for w, body in evs:
-        tree.apply_event(w, body)
-    tree.find_matches([0])  # applies are queued to a worker thread: wait for them
-    dt = time.perf_counter() - t0
-    time.sleep(0.2)
-    out["dynamo_apply_blocks_per_s"] = n_blocks / dt
-    out["dynamo_rss_mib_per_million_blocks"] = (rss_bytes() - rss0) / 2**20 / (n_blocks / 1e6)
-    out["dynamo_queries"] = {}
-    for n_tok, qs in queries.items():
-        qs = qs[: args.dynamo_queries]
-        for q in qs[:20]:
-            tree.find_matches(q)
-        med, p99 = time_queries(tree.find_matches, qs)
-        out["dynamo_queries"][n_tok] = {"median_us": med, "p99_us": p99}
-    del tree
-    return out
+# ---- summary and report ------------------------------------------------------------------------
+def span(xs: list[float]) -> dict:
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
 
 
-def bench_hashing(args, dynamo) -> dict:
-    rng = np.random.default_rng(5)
-    n = args.hash_tokens
-    toks = rng.integers(0, VOCAB, n, dtype=np.uint32)
-    res: dict = {}
-    core.hash_blocks(toks[: 1 << 16], BS, with_local=False)
-    reps = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        core.hash_blocks(toks, BS, with_local=False)
-        reps.append(time.perf_counter() - t0)
-    res["c_numpy_tokens_per_s"] = n / min(reps)
-    small = toks[: 1 << 20].tolist()
-    t0 = time.perf_counter()
-    core.hash_blocks(small, BS, with_local=False)
-    res["c_list_tokens_per_s"] = len(small) / (time.perf_counter() - t0)
-    tiny = small[: args.ref_hash_tokens]
-    t0 = time.perf_counter()
-    ref.hash_blocks(tiny, BS)
-    res["ref_list_tokens_per_s"] = len(tiny) / (time.perf_counter() - t0)
-    res["ratio_c_numpy_over_ref"] = res["c_numpy_tokens_per_s"] / res["ref_list_tokens_per_s"]
-    if dynamo is not None:
-        t0 = time.perf_counter()
-        dynamo.compute_block_hash_for_seq(small, BS)
-        res["dynamo_list_tokens_per_s"] = len(small) / (time.perf_counter() - t0)
-    return res
+RATIOS = (
+    # (summary key, round key, higher is better)
+    ("apply (wall)", "apply_blocks_per_s", True),
+    ("apply (CPU)", "apply_blocks_per_cpu_s", True),
+    *((f"query {n} tok", f"query_{n}_median_us", False) for n in PROMPT_LENGTHS),
+    *((f"hash+query {n} tok", f"hash_query_{n}_median_us", False) for n in PROMPT_LENGTHS),
+    ("hashing, event token lists (wall)", "hash_event_list_tokens_per_s", True),
+    ("hashing, event token lists (CPU)", "hash_event_list_tokens_per_cpu_s", True),
+    ("hashing, 8192-token prompt lists (wall)", "hash_prompt_list_tokens_per_s", True),
+    ("hashing, 8192-token prompt lists (CPU)", "hash_prompt_list_tokens_per_cpu_s", True),
+)
 
 
-# ---- report ------------------------------------------------------------------------------------
-def fmt_rate(x: float) -> str:
-    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if x >= div:
-            return f"{x / div:.2f}{unit}"
-    return f"{x:.0f}"
+def summarise(res: dict, with_dynamo: bool) -> dict:
+    rounds = res["rounds"]
+    summ: dict = {}
+    keys = {k for rd in rounds for k in rd if k not in ("order", "loadavg")}
+    for k in sorted(keys):
+        summ[k] = span([rd[k] for rd in rounds])
+    if with_dynamo:
+        summ["ratios"] = {
+            label: span([ratio(rd, key, hib) for rd in rounds]) for label, key, hib in RATIOS
+        }
+        # the most conservative reading: kvplug's worst round against Dynamo's best round
+        for label, key, hib in RATIOS:
+            k = [rd[f"kvplug_{key}"] for rd in rounds]
+            d = [rd[f"dynamo_{key}"] for rd in rounds]
+            summ["ratios"][label]["worst_vs_best"] = min(k) / max(d) if hib else min(d) / max(k)
+        kv8 = [rd["kvplug_numpy_query_8192_median_us"] for rd in rounds]
+        dy8 = [rd["dynamo_query_8192_median_us"] for rd in rounds]
+        summ["ratios"]["numpy into kvplug: query 8192 tok"] = span(
+            [d / k for d, k in zip(dy8, kv8, strict=True)]
+        )
+        summ["ratios"]["numpy into kvplug: hashing event tokens"] = span(
+            [
+                rd["kvplug_numpy_hash_event_tokens_per_s"]
+                / rd["dynamo_hash_event_list_tokens_per_s"]
+                for rd in rounds
+            ]
+        )
+        mem = res.get("memory")
+        if mem:
+            k = [m["rss_mib_per_million_blocks"] for m in mem["kvplug"]]
+            d = [m["rss_mib_per_million_blocks"] for m in mem["dynamo"]]
+            summ["ratios"]["memory (kvplug / Dynamo RSS)"] = span(
+                [a / b for a, b in zip(k, d, strict=True)]
+            )
+    return summ
+
+
+def fmt_range(s: dict, fmt: str = "{:.1f}") -> str:
+    lo, hi = fmt.format(s["min"]), fmt.format(s["max"])
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def table(results: dict) -> str:
     lines = []
-    h = results["hashing"]
-    lines.append("hashing (tokens/s)")
-    lines.append(f"  C from numpy uint32 buffer   {fmt_rate(h['c_numpy_tokens_per_s'])}")
-    lines.append(f"  C from Python list           {fmt_rate(h['c_list_tokens_per_s'])}")
-    lines.append(
-        f"  reference (list)             {fmt_rate(h['ref_list_tokens_per_s'])}"
-        f"   C/ref = {h['ratio_c_numpy_over_ref']:.0f}x"
-    )
-    if "dynamo_list_tokens_per_s" in h:
-        d = h["dynamo_list_tokens_per_s"]
+    with_dynamo = results["dynamo"].startswith("ai-dynamo-runtime ")
+    for res in results["workers"]:
+        s = res["summary"]
         lines.append(
-            f"  Dynamo compute_block_hash_for_seq (list) {fmt_rate(d)}"
-            f"   C numpy/Dynamo = {h['c_numpy_tokens_per_s'] / d:.1f}x,"
-            f" C list/Dynamo = {h['c_list_tokens_per_s'] / d:.1f}x"
+            f"\n{res['workers']} workers: {res['stored_blocks']:,} stored blocks,"
+            f" {res['events']:,} events ({res['blocks_per_event']:.1f} blocks/event),"
+            f" {len(res['rounds'])} rounds, load average"
+            f" {min(rd['loadavg'][0] for rd in res['rounds']):.1f}"
+            f"–{max(rd['loadavg'][0] for rd in res['rounds']):.1f}"
         )
-    for r in results["workers"]:
-        w = r["workers"]
-        lines.append("")
-        lines.append(
-            f"{w} workers: {r['stored_blocks']:,} stored blocks"
-            f" ({r['distinct_blocks']:,} distinct),"
-            f" {r['events']:,} events ({r['blocks_per_event']:.1f} blocks/event)"
-        )
-        lines.append(
-            f"  apply blocks/s: C store_tokens {fmt_rate(r['c_apply_tokens_blocks_per_s'])},"
-            f" presized {fmt_rate(r['c_apply_tokens_presized_blocks_per_s'])},"
-            f" C store(hashes) {fmt_rate(r['c_apply_hashes_blocks_per_s'])},"
-            f" batched {fmt_rate(r['c_apply_batched_blocks_per_s'])}"
-            f" (presized {fmt_rate(r['c_apply_batched_presized_blocks_per_s'])}),"
-            f" KvIndex.apply_many {fmt_rate(r['kvindex_apply_many_blocks_per_s'])},"
-            f" reference {fmt_rate(r['ref_apply_tokens_blocks_per_s'])}"
-            f" (C/ref {r['c_apply_tokens_blocks_per_s'] / r['ref_apply_tokens_blocks_per_s']:.0f}x)"
-        )
-        if "dynamo_apply_blocks_per_s" in r:
-            d = r["dynamo_apply_blocks_per_s"]
-            lines.append(
-                f"  Dynamo RadixTree.apply_event {fmt_rate(d)} blocks/s"
-                f" (C store_tokens/Dynamo {r['c_apply_tokens_blocks_per_s'] / d:.1f}x)"
-            )
-        lines.append(
-            f"  memory: C accounting {r['c_mib_per_million_blocks']:.1f} MiB/M blocks,"
-            f" RSS delta {r['c_rss_mib_per_million_blocks']:.1f} MiB/M blocks"
-            + (
-                f"; Dynamo RSS delta {r['dynamo_rss_mib_per_million_blocks']:.1f} MiB/M blocks"
-                if "dynamo_rss_mib_per_million_blocks" in r
-                else ""
-            )
-        )
-        lines.append(
-            "  query (us)   C med   C p99  hash+query med   ref med  ref/C"
-            + ("   Dynamo med  Dynamo p99  Dynamo/C" if "dynamo_queries" in r else "")
-            + "   walked"
-        )
-        for n_tok, q in r["queries"].items():
-            row = (
-                f"  {n_tok:>5} tok  {q['c_median_us']:6.2f}  {q['c_p99_us']:6.2f}"
-                f"  {q['c_hash_and_query_median_us']:14.2f}  {q['ref_median_us']:8.1f}"
-                f"  {q['ratio_ref_over_c']:5.0f}x"
-            )
-            if "dynamo_queries" in r:
-                d = r["dynamo_queries"][n_tok]
-                row += (
-                    f"   {d['median_us']:10.2f}  {d['p99_us']:10.2f}"
-                    f"  {d['median_us'] / q['c_median_us']:7.1f}x"
+        head = f"  {'operation':34} {'kvplug':>16} {'Dynamo':>16}  kvplug advantage (range)"
+        lines.append(head)
+        rows = [
+            ("apply, M blocks/s wall", "apply_blocks_per_s", 1e-6, "apply (wall)"),
+            ("apply, M blocks per CPU-s", "apply_blocks_per_cpu_s", 1e-6, "apply (CPU)"),
+            *(
+                (f"query {n} tok, median µs", f"query_{n}_median_us", 1, f"query {n} tok")
+                for n in PROMPT_LENGTHS
+            ),
+            *(
+                (
+                    f"hash+query {n} tok, median µs",
+                    f"hash_query_{n}_median_us",
+                    1,
+                    f"hash+query {n} tok",
                 )
-            row += f"   {q['mean_walked_blocks']:.0f}"
-            lines.append(row)
+                for n in PROMPT_LENGTHS
+            ),
+            (
+                "hash event lists, M tok/s wall",
+                "hash_event_list_tokens_per_s",
+                1e-6,
+                "hashing, event token lists (wall)",
+            ),
+            (
+                "hash event lists, M tok per CPU-s",
+                "hash_event_list_tokens_per_cpu_s",
+                1e-6,
+                "hashing, event token lists (CPU)",
+            ),
+            (
+                "hash 8192-tok lists, M tok/s wall",
+                "hash_prompt_list_tokens_per_s",
+                1e-6,
+                "hashing, 8192-token prompt lists (wall)",
+            ),
+            (
+                "hash 8192-tok lists, M tok per CPU-s",
+                "hash_prompt_list_tokens_per_cpu_s",
+                1e-6,
+                "hashing, 8192-token prompt lists (CPU)",
+            ),
+        ]
+        for label, key, scale, rkey in rows:
+            k = {x: v * scale for x, v in s[f"kvplug_{key}"].items()}
+            line = f"  {label:34} {fmt_range(k, '{:.2f}'):>16}"
+            if with_dynamo:
+                d = {x: v * scale for x, v in s[f"dynamo_{key}"].items()}
+                rr = s["ratios"][rkey]
+                line += (
+                    f" {fmt_range(d, '{:.2f}'):>16}  {fmt_range(rr)}x"
+                    f" (worst vs best {rr['worst_vs_best']:.1f}x)"
+                )
+            lines.append(line)
+        if with_dynamo:
+            for label in (
+                "numpy into kvplug: query 8192 tok",
+                "numpy into kvplug: hashing event tokens",
+            ):
+                lines.append(f"  {label:68} {fmt_range(s['ratios'][label])}x")
+        mem = res.get("memory")
+        if mem:
+            k = span([m["rss_mib_per_million_blocks"] for m in mem["kvplug"]])
+            own = span([m["own_accounting_mib_per_million_blocks"] for m in mem["kvplug"]])
+            line = f"  {'memory, RSS MiB per M blocks':34} {fmt_range(k):>16}"
+            if "dynamo" in mem:
+                d = span([m["rss_mib_per_million_blocks"] for m in mem["dynamo"]])
+                line += (
+                    f" {fmt_range(d):>16}  kvplug/Dynamo"
+                    f" {fmt_range(s['ratios']['memory (kvplug / Dynamo RSS)'], '{:.2f}')}"
+                )
+            lines.append(line)
+            lines.append(f"  {'  (kvplug own accounting)':34} {fmt_range(own):>16}")
+        b = s["kvplug_only_batched_presized_blocks_per_s"]
+        lines.append(
+            f"  {'kvplug only: 64k batches, presized':34}"
+            f" {fmt_range({x: v * 1e-6 for x, v in b.items()}, '{:.2f}'):>16} M blocks/s"
+        )
+        if "correctness" in res:
+            c = res["correctness"]
+            lines.append(f"  answers compared {c['compared']}, mismatches {c['mismatches']}")
     return "\n".join(lines)
 
 
 def markdown(results: dict) -> str:
-    """The docs table (docs/core.md) from a results dict."""
-    dyn = "dynamo_apply_blocks_per_s" in results["workers"][0]
-    out = []
-    h = results["hashing"]
-    out.append("| hashing | tokens/s | vs reference | vs Dynamo |")
-    out.append("| --- | --- | --- | --- |")
-    d = h.get("dynamo_list_tokens_per_s")
-    ref_rate = h["ref_list_tokens_per_s"]
-    for label, key in (
-        ("C, numpy uint32 buffer", "c_numpy_tokens_per_s"),
-        ("C, Python list", "c_list_tokens_per_s"),
-    ):
-        out.append(
-            f"| {label} | {fmt_rate(h[key])} | {h[key] / ref_rate:.0f}x | {h[key] / d:.1f}x |"
-            if d
-            else f"| {label} | {fmt_rate(h[key])} | {h[key] / ref_rate:.0f}x | - |"
-        )
-    out.append("")
-    head = (
-        "| workers | C store_tokens per event | same, presized | C store, 64k batches"
-        " | same, presized | KvIndex.apply_many | reference"
-    )
-    head += " | Dynamo apply_event |" if dyn else " |"
-    out.append(head)
-    out.append("| --- " * (8 if dyn else 7) + "|")
-    for r in results["workers"]:
-        row = (
-            f"| {r['workers']} | {fmt_rate(r['c_apply_tokens_blocks_per_s'])}"
-            f" | {fmt_rate(r['c_apply_tokens_presized_blocks_per_s'])}"
-            f" | {fmt_rate(r['c_apply_batched_blocks_per_s'])}"
-            f" | {fmt_rate(r['c_apply_batched_presized_blocks_per_s'])}"
-            f" | {fmt_rate(r['kvindex_apply_many_blocks_per_s'])}"
-            f" | {fmt_rate(r['ref_apply_tokens_blocks_per_s'])}"
-        )
-        if dyn:
-            row += f" | {fmt_rate(r['dynamo_apply_blocks_per_s'])}"
-        out.append(row + " |")
-    out.append("")
-    head = "| workers | prompt | C median us | C p99 us | hash+query median us | ref median us"
-    head += " | Dynamo median us | Dynamo p99 us | Dynamo / C |" if dyn else " |"
-    out.append(head)
-    out.append("| --- " * (9 if dyn else 6) + "|")
-    for r in results["workers"]:
-        for n_tok, q in r["queries"].items():
-            row = (
-                f"| {r['workers']} | {n_tok} | {q['c_median_us']:.2f} | {q['c_p99_us']:.2f}"
-                f" | {q['c_hash_and_query_median_us']:.2f} | {q['ref_median_us']:.1f}"
-            )
-            if dyn:
-                dq = r["dynamo_queries"][n_tok]
-                row += (
-                    f" | {dq['median_us']:.2f} | {dq['p99_us']:.2f}"
-                    f" | {dq['median_us'] / q['c_median_us']:.1f}x"
-                )
-            out.append(row + " |")
-    out.append("")
-    out.append("| workers | C MiB per M blocks (own accounting) | C RSS delta | Dynamo RSS delta |")
-    out.append("| --- | --- | --- | --- |")
-    for r in results["workers"]:
-        dr = r.get("dynamo_rss_mib_per_million_blocks")
-        out.append(
-            f"| {r['workers']} | {r['c_mib_per_million_blocks']:.1f}"
-            f" | {r['c_rss_mib_per_million_blocks']:.1f}"
-            f" | {'-' if dr is None else f'{dr:.1f}'} |"
-        )
+    """The README / docs table: kvplug's advantage over Dynamo, ranges over rounds."""
+    ws = results["workers"]
+    out = [
+        "| kvplug's advantage over Dynamo: range over rounds"
+        " (kvplug's worst round against Dynamo's best) | "
+        + " | ".join(f"{r['workers']} workers" for r in ws)
+        + " |"
+    ]
+    out.append("|---" * (len(ws) + 1) + "|")
+    labels = [label for label, _, _ in RATIOS] + [
+        "numpy into kvplug: query 8192 tok",
+        "numpy into kvplug: hashing event tokens",
+    ]
+    for label in labels:
+        cells = []
+        for r in ws:
+            rr = r["summary"]["ratios"][label]
+            worst = f" ({rr['worst_vs_best']:.1f}×)" if "worst_vs_best" in rr else ""
+            cells.append(f"{fmt_range(rr)}×{worst}")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    if all("memory" in r for r in ws):
+        cells = []
+        for r in ws:
+            k = span([m["rss_mib_per_million_blocks"] for m in r["memory"]["kvplug"]])
+            d = span([m["rss_mib_per_million_blocks"] for m in r["memory"]["dynamo"]])
+            rr = r["summary"]["ratios"]["memory (kvplug / Dynamo RSS)"]
+            cells.append(f"{fmt_range(k)} vs {fmt_range(d)} MiB/M ({fmt_range(rr, '{:.2f}')}×)")
+        label = "memory, RSS delta per M blocks (kvplug vs Dynamo)"
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--small", action="store_true", help="100k blocks, fewer queries")
+    ap.add_argument("--small", action="store_true", help="100k blocks, 3 rounds, fewer queries")
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 64, 512])
-    ap.add_argument("--no-dynamo", action="store_true", help="skip ai-dynamo-runtime")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--memory-rounds", type=int, default=None, help="0 skips memory")
+    ap.add_argument("--blocks", type=int, default=None)
+    ap.add_argument("--no-dynamo", action="store_true", help="kvplug only (no ratios)")
+    ap.add_argument("--memory-child", choices=["kvplug", "dynamo"], help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_core.json"))
     args = ap.parse_args(argv)
-    args.blocks = 100_000 if args.small else 1_000_000
-    args.queries = 300 if args.small else 2000
-    args.dynamo_queries = 100 if args.small else 500
-    args.ref_blocks = 5_000 if args.small else 20_000
-    args.ref_queries = 20 if args.small else 50
-    args.hash_tokens = 4_000_000 if args.small else 64_000_000
-    args.ref_hash_tokens = 16_384
+    if args.blocks is None:
+        args.blocks = 100_000 if args.small else 1_000_000
+    if args.memory_child:
+        return memory_child(args.memory_child, args.workers[0], args.blocks)
+    if args.rounds is None:
+        args.rounds = 3 if args.small else 5
+    if args.memory_rounds is None:
+        args.memory_rounds = 2 if args.small else 3
+    args.queries = 200 if args.small else 500
+    args.pipeline_prompts = 50 if args.small else 100
+    args.hash_events = 128 if args.small else 256
+    args.hash_repeat = 10
 
-    dynamo = None
-    dynamo_note = None
-    if not args.no_dynamo:
-        try:
-            import dynamo._core as dynamo  # type: ignore[import-not-found,no-redef]
-        except Exception as err:  # noqa: BLE001 - any failure means "not available here"
-            dynamo_note = f"ai-dynamo-runtime not available: {err}"
+    dynamo, note = (None, "not requested (--no-dynamo)") if args.no_dynamo else load_dynamo()
+    if dynamo is None and not args.no_dynamo:
+        log(f"{note}\ninstall it with: pip install -e '.[bench]' (or run with --no-dynamo)")
+        return 2
+    sides: list = [KvplugSide()] + ([DynamoSide(dynamo)] if dynamo is not None else [])
     results: dict = {
-        "command": "python benchmarks/bench_core.py" + (" --small" if args.small else ""),
+        "command": " ".join(
+            ["python benchmarks/bench_core.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "machine": {
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
@@ -558,28 +823,26 @@ def main(argv: list[str] | None = None) -> int:
         },
         "block_size": BS,
         "target_stored_blocks": args.blocks,
-        "dynamo": dynamo_note or "ai-dynamo-runtime " + _dynamo_version(),
+        "rounds": args.rounds,
+        "dynamo": note,
     }
-    results["hashing"] = bench_hashing(args, dynamo)
-    results["workers"] = [bench_workers(w, args, dynamo) for w in args.workers]
+    log(f"bench_core: {args.blocks:,} blocks, workers {args.workers}, {args.rounds} rounds, {note}")
+    results["workers"] = []
+    for w in args.workers:
+        res = bench_workers(w, args, sides)
+        res["summary"] = summarise(res, dynamo is not None)
+        results["workers"].append(res)
     results["machine"]["loadavg_at_end"] = os.getloadavg()
-    text = table(results)
-    print(text)
+    print(table(results))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")
-    md = Path(args.out).with_suffix(".md")
-    md.write_text(markdown(results) + "\n")
-    print(f"\nwrote {args.out} and {md}")
+    if dynamo is not None:
+        md = Path(args.out).with_suffix(".md")
+        md.write_text(markdown(results) + "\n")
+        print(f"\nwrote {args.out} and {md}")
+    else:
+        print(f"\nwrote {args.out}")
     return 0
-
-
-def _dynamo_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("ai-dynamo-runtime")
-    except Exception:  # noqa: BLE001
-        return "?"
 
 
 if __name__ == "__main__":

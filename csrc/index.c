@@ -1058,6 +1058,11 @@ static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
                                   const kvp_engine_hash_t *ehs, const kvp_hash_t *hs, size_t n) {
     kvp_status st = KVP_OK;
     const emap_t *em = emap_of(idx, ep); /* reserved: exists, and does not move during the loop */
+    /* the first blocks too: a typical store event is only ~30 blocks long */
+    for (size_t i = 0; i < n && i < STORE_AHEAD; i++) {
+        __builtin_prefetch(&idx->bt[bslot_of(hs[i], idx->bt_cap)]);
+        __builtin_prefetch(&em->t[mslot_of(ehs[i], em->cap)]);
+    }
     for (size_t i = 0; i < n; i++) {
         if (i + STORE_AHEAD < n) {
             __builtin_prefetch(&idx->bt[bslot_of(hs[i + STORE_AHEAD], idx->bt_cap)]);

@@ -14,16 +14,95 @@ from array import array
 import numpy as np
 
 cimport numpy as cnp
-from cpython.list cimport PyList_GET_ITEM
 from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_CheckExact
 from cpython.ref cimport PyObject
 
 
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+
+
 cdef extern from "Python.h":
     long PyLong_AsLongAndOverflow(object obj, int *overflow) except? -1
+
+# Reading a list of ints is most of the cost of hashing or querying from Python lists (a vLLM
+# event's tokens, a request's hashes): the generic conversions check and convert each int
+# through the C API (~5-10 ns each). These read the int objects' digits directly (exact ints,
+# 30-bit digits, CPython's layout) and give up (return 0) on anything else, which sends the
+# caller to the generic path, so the answers and errors stay exactly those of that path.
+cdef extern from *:
+    """
+    #if PYLONG_BITS_IN_DIGIT == 30 && !defined(PYPY_VERSION)
+    #define KVPY_FAST_INTS 1
+    #if PY_VERSION_HEX >= 0x030C0000
+    /* 3.12+: lv_tag = ndigits << 3 | sign (0 positive, 1 zero, 2 negative) */
+    #define KVPY_NDIGITS(o) ((Py_ssize_t)(((PyLongObject *)(o))->long_value.lv_tag >> 3))
+    #define KVPY_NEGATIVE(o) ((((PyLongObject *)(o))->long_value.lv_tag & 3) == 2)
+    #define KVPY_DIGITS(o) (((PyLongObject *)(o))->long_value.ob_digit)
+    #else
+    #define KVPY_NDIGITS(o) (Py_SIZE(o) < 0 ? -Py_SIZE(o) : Py_SIZE(o))
+    #define KVPY_NEGATIVE(o) (Py_SIZE(o) < 0)
+    #define KVPY_DIGITS(o) (((PyLongObject *)(o))->ob_digit)
+    #endif
+    #else
+    #define KVPY_FAST_INTS 0
+    #endif
+
+    /* items[0..n) as u32: 1 if every item is an exact int in [0, 2**32), else 0. */
+    static int kvpy_ints_to_u32(PyObject *const *restrict items, Py_ssize_t n,
+                                uint32_t *restrict out) {
+    #if KVPY_FAST_INTS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *o = items[i];
+            if (Py_TYPE(o) != &PyLong_Type || KVPY_NEGATIVE(o)) return 0;
+            Py_ssize_t nd = KVPY_NDIGITS(o);
+            const digit *d = KVPY_DIGITS(o);
+            if (nd <= 1) {
+                out[i] = nd ? (uint32_t)d[0] : 0u;
+            } else if (nd == 2 && d[1] < 4u) {
+                out[i] = (uint32_t)d[0] | ((uint32_t)d[1] << 30);
+            } else {
+                return 0;
+            }
+        }
+        return 1;
+    #else
+        (void)items; (void)n; (void)out;
+        return 0;
+    #endif
+    }
+
+    /* items[0..n) as u64: 1 if every item is an exact int in [0, 2**64), else 0. */
+    static int kvpy_ints_to_u64(PyObject *const *restrict items, Py_ssize_t n,
+                                uint64_t *restrict out) {
+    #if KVPY_FAST_INTS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *o = items[i];
+            if (Py_TYPE(o) != &PyLong_Type || KVPY_NEGATIVE(o)) return 0;
+            Py_ssize_t nd = KVPY_NDIGITS(o);
+            const digit *d = KVPY_DIGITS(o);
+            switch (nd) {
+            case 0: out[i] = 0; break;
+            case 1: out[i] = d[0]; break;
+            case 2: out[i] = (uint64_t)d[0] | ((uint64_t)d[1] << 30); break;
+            case 3:
+                if (d[2] >= 16u) return 0;
+                out[i] = (uint64_t)d[0] | ((uint64_t)d[1] << 30) | ((uint64_t)d[2] << 60);
+                break;
+            default: return 0;
+            }
+        }
+        return 1;
+    #else
+        (void)items; (void)n; (void)out;
+        return 0;
+    #endif
+    }
+    """
+    int kvpy_ints_to_u32(PyObject **items, Py_ssize_t n, uint32_t *out)
+    int kvpy_ints_to_u64(PyObject **items, Py_ssize_t n, uint64_t *out)
+    PyObject **PySequence_Fast_ITEMS(object o)
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer
 from cpython.pythread cimport NOWAIT_LOCK, WAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock, PyThread_release_lock, PyThread_type_lock
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
@@ -166,6 +245,7 @@ cdef int _raise_status(kvp_status st, str where) except -1:
 cdef struct TokenView:
     Py_buffer buf
     bint has_buf
+    uint32_t *owned  # tokens read out of a list or tuple (malloc'd; freed by _release_tokens)
     const void *ptr
     size_t n
     kvp_dtype dt
@@ -175,6 +255,9 @@ cdef inline void _release_tokens(TokenView *tv):
     if tv.has_buf:
         PyBuffer_Release(&tv.buf)
         tv.has_buf = False
+    if tv.owned != NULL:
+        free(tv.owned)
+        tv.owned = NULL
 
 
 cdef object _seq_to_int64(object tokens):
@@ -195,35 +278,31 @@ cdef object _seq_to_int64(object tokens):
     raise InvalidTokens("token ids could not be read")  # pragma: no cover
 
 
-cdef object _list_to_u32(list tokens):
-    """A list of exact ints in [0, 2**32) as a uint32 array, or None (the caller then takes the
-    slow path, which reports the offending position)."""
-    cdef Py_ssize_t n = len(tokens), i
-    cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, [<cnp.npy_intp>n], cnp.NPY_UINT32, 0)
-    cdef uint32_t *p = <uint32_t *>cnp.PyArray_DATA(out)
-    cdef PyObject *item
-    cdef long v
-    cdef int overflow = 0
-    for i in range(n):
-        item = <PyObject *>PyList_GET_ITEM(tokens, i)
-        if not PyLong_CheckExact(<object>item):
-            return None
-        v = PyLong_AsLongAndOverflow(<object>item, &overflow)
-        if overflow or v < 0 or v > 0xFFFFFFFF:
-            return None
-        p[i] = <uint32_t>v
-    return out
-
-
 cdef int _open_tokens(object tokens, TokenView *tv) except -1:
     """Point tv at a contiguous integer buffer for tokens (in place when possible)."""
     cdef int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
     cdef str fmt
     cdef Py_ssize_t isz
     cdef int tnum
+    cdef Py_ssize_t n
     tv.has_buf = False
+    tv.owned = NULL
     tv.ptr = NULL
     tv.n = 0
+    if type(tokens) is list or type(tokens) is tuple:
+        # fast path: exact ints in [0, 2**32), read straight into a u32 buffer
+        n = len(tokens)
+        tv.owned = <uint32_t *>malloc(<size_t>(n if n > 0 else 1) * sizeof(uint32_t))
+        if tv.owned == NULL:
+            raise MemoryError("tokens: cannot allocate the u32 buffer")
+        if kvpy_ints_to_u32(PySequence_Fast_ITEMS(tokens), n, tv.owned):
+            tv.ptr = tv.owned
+            tv.n = <size_t>n
+            tv.dt = KVP_DT_U32
+            return 0
+        free(tv.owned)
+        tv.owned = NULL
+        tokens = _seq_to_int64(tokens)  # the generic path: errors name the position
     if type(tokens) is np.ndarray:
         # fast path: a 1-D aligned contiguous native 4/8-byte integer array, read in place (the
         # caller's reference keeps it alive for the call)
@@ -263,14 +342,7 @@ cdef int _open_tokens(object tokens, TokenView *tv) except -1:
     if not PyObject_CheckBuffer(tokens):
         if isinstance(tokens, (str, dict, set)) or tokens is None:
             raise InvalidTokens(f"tokens must be a sequence of integers, got {type(tokens).__name__}")
-        if type(tokens) is list:
-            converted = _list_to_u32(<list>tokens)
-            if converted is not None:
-                tokens = converted
-            else:
-                tokens = _seq_to_int64(tokens)
-        else:
-            tokens = _seq_to_int64(tokens)
+        tokens = _seq_to_int64(tokens)
     elif isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:
             raise InvalidTokens(f"tokens must be 1-D, got shape {tokens.shape}")
@@ -377,6 +449,10 @@ cdef cnp.ndarray _as_u64(object x, str what):
                 a = np.require(a, np.uint64, ["C", "A"])
             return a
         return np.require(a.astype(np.int64), None, ["C", "A"]).view(np.uint64)
+    if type(x) is list or type(x) is tuple:
+        a = cnp.PyArray_EMPTY(1, [<cnp.npy_intp>len(x)], cnp.NPY_UINT64, 0)
+        if kvpy_ints_to_u64(PySequence_Fast_ITEMS(x), len(x), <uint64_t *>cnp.PyArray_DATA(a)):
+            return a
     if isinstance(x, (list, tuple)):
         try:
             return np.frombuffer(array("Q", x), dtype=np.uint64)
@@ -588,6 +664,17 @@ cdef class QueryResult:
             return (int(self.local[e]), int(self.device[e]), int(self.host[e]),
                     int(self.disk[e]), int(self.shared_beyond[e]))
         return (0, 0, 0, 0, self.q.shared_prefix)
+
+    def scores(self):
+        """{endpoint id: local blocks} for every endpoint holding at least the first block
+        (Dynamo's per-worker overlap scores), built in one pass over the touched endpoints."""
+        cdef dict d = {}
+        cdef size_t i
+        cdef uint32_t e
+        for i in range(self.q.n_touched):
+            e = self.q.touched[i]
+            d[e] = self.q.local[e]
+        return d
 
     def matched(self):
         """ep -> row for every endpoint holding at least the first block."""
@@ -812,6 +899,7 @@ cdef class Index:
             for i in range(n):
                 r = &reqs[n_run]
                 tvs[n_run].has_buf = False
+                tvs[n_run].owned = NULL
                 row = <tuple>rows_t[i]
                 try:
                     r.ep = _ep(row[0])

@@ -203,6 +203,10 @@ class QueryResult:
             )
         return (0, 0, 0, 0, self.shared_prefix)
 
+    def scores(self) -> dict[int, int]:
+        """ep -> local blocks for every endpoint holding at least the first block."""
+        return {ep: n for ep, n in self.local.items() if n > 0}
+
     def matched(self) -> dict[int, tuple[int, int, int, int, int]]:
         """ep -> row for every endpoint holding at least the first block."""
         return {ep: self.row(ep) for ep in self.local}

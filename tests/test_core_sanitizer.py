@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = [
     "test_core_basic.py",
     "test_core_badinput.py",
+    "test_core_pylists.py",
     "test_hash_vectors.py",
     "test_index_events.py",
     "test_core_differential.py",

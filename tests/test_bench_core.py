@@ -1,0 +1,55 @@
+"""Smoke runs of benchmarks/bench_core.py (the side-by-side core benchmark) on a tiny workload."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_core", ROOT / "benchmarks/bench_core.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_core"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "core.json"
+    args = ["--workers", "8", "--blocks", "4000", "--rounds", "2", "--memory-rounds", "1"]
+    assert _bench().main([*args, *extra, "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_kvplug_side_runs_and_reports_every_measure(tmp_path):
+    res = _run(tmp_path, "--no-dynamo")
+    (w,) = res["workers"]
+    assert w["stored_blocks"] >= 4000 and len(w["rounds"]) == 2
+    for rd in w["rounds"]:
+        assert rd["kvplug_apply_blocks_per_s"] > 0 and rd["kvplug_apply_blocks_per_cpu_s"] > 0
+        for n in (128, 1024, 8192):
+            assert rd[f"kvplug_query_{n}_median_us"] > 0
+        assert rd["kvplug_hash_event_list_tokens_per_s"] > 0
+    (mem,) = w["memory"]["kvplug"]  # one fresh subprocess
+    assert mem["stored_blocks"] == w["stored_blocks"]
+    assert mem["own_accounting_mib_per_million_blocks"] > 0
+    assert "ratios" not in w["summary"]
+
+
+@pytest.mark.opt_in  # needs ai-dynamo-runtime (the `bench` extra), which CI does not install
+def test_side_by_side_with_dynamo_agrees_on_every_answer(tmp_path):
+    pytest.importorskip("dynamo._core")
+    res = _run(tmp_path)
+    (w,) = res["workers"]
+    assert w["correctness"]["compared"] > 0 and w["correctness"]["mismatches"] == 0
+    assert [rd["order"] for rd in w["rounds"]] == [["kvplug", "dynamo"], ["dynamo", "kvplug"]]
+    ratios = w["summary"]["ratios"]
+    assert ratios["query 8192 tok"]["min"] > 0
+    assert {"kvplug", "dynamo"} <= set(w["memory"])
+    assert (tmp_path / "core.md").read_text().count("|") > 10

@@ -1,0 +1,120 @@
+"""Python lists into the core: the binding's direct int readers must give exactly the answers
+(and errors) of the generic conversions, and ``QueryResult.scores()`` the per-endpoint scores."""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import pytest
+
+from kvplug.core import load_backend
+from kvplug.errors import InvalidTokens
+
+C = load_backend("c")
+
+# one- and two-digit ints of CPython's 30-bit digits, and the u32 edges
+TOKEN_EDGES = [0, 1, 255, 256, 2**30 - 1, 2**30, 2**31, 2**32 - 1, 7, 123_456]
+# u64 hashes of one, two and three digits, and the u64 edges
+HASH_EDGES = [0, 1, 2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**63, 2**64 - 1, 987_654_321]
+
+
+class Tok(enum.IntEnum):
+    A = 42
+
+
+@pytest.fixture(params=["c", "reference"])
+def be(request):
+    return load_backend(request.param)
+
+
+def test_scores_are_local_blocks_of_matched_endpoints(be):
+    idx = be.Index()
+    idx.store(0, 0, [1, 2, 3], [10, 20, 30])
+    idx.store(1, 0, [4, 5], [10, 20])
+    idx.store(2, 1, [6], [10])  # host tier counts as local
+    idx.store(3, 0, [7], [99])  # holds nothing of the query
+    res = idx.query([10, 20, 30, 40])
+    assert res.scores() == {0: 3, 1: 2, 2: 1}
+    assert res.scores() == {ep: row[0] for ep, row in res.matched().items()}
+    assert idx.query([55]).scores() == {}
+
+
+def test_scores_follow_the_latest_query():
+    idx = C.Index()
+    out = C.QueryResult()
+    idx.store(0, 0, [1, 2], [10, 20])
+    idx.store(5, 0, [3], [10])
+    assert idx.query([10, 20], out).scores() == {0: 2, 5: 1}
+    assert idx.query([77], out).scores() == {}  # reused buffer: nothing left from before
+    assert idx.query(np.array([10], np.uint64), out).scores() == {0: 1, 5: 1}
+
+
+@pytest.mark.parametrize("n", [0, 16, 17, 480, 8192])
+def test_token_lists_hash_like_arrays(n):
+    rng = np.random.default_rng(n)
+    toks = rng.integers(0, 2**32, n, dtype=np.uint64)
+    toks[: min(n, len(TOKEN_EDGES))] = TOKEN_EDGES[: min(n, len(TOKEN_EDGES))]
+    want = C.hash_blocks(toks.astype(np.uint32), 16)
+    for form in (toks.tolist(), tuple(toks.tolist())):
+        got = C.hash_blocks(form, 16)
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    assert C.local_hash(toks[:16].tolist()) == C.local_hash(toks[:16].astype(np.uint32))
+
+
+def test_token_lists_with_bools_and_int_subclasses_take_the_general_path():
+    plain = [1, 42, 0, 5] * 4
+    odd = [True, Tok.A, False, 5] * 4
+    assert C.hash_blocks(odd, 16)[1].tolist() == C.hash_blocks(plain, 16)[1].tolist()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "pos"),
+    [([1, 2, -1], 2), ([2**32], 0), ([0] * 20 + [2**40], 20), ([3, -(2**31)], 1)],
+)
+def test_bad_token_lists_still_name_the_position(tokens, pos):
+    with pytest.raises(InvalidTokens, match=f"position {pos}"):
+        C.hash_blocks(tokens, 4)
+    with pytest.raises(InvalidTokens, match=f"position {pos}"):
+        C.hash_blocks(tuple(tokens), 4)
+
+
+def test_non_int_token_lists_raise():
+    with pytest.raises(InvalidTokens, match="position 1"):
+        C.hash_blocks([1, "x", 3], 1)
+    with pytest.raises(InvalidTokens):
+        C.hash_blocks([1, 2.0], 1)
+
+
+def test_store_tokens_from_lists_like_arrays():
+    rng = np.random.default_rng(3)
+    toks = rng.integers(0, 2**32, 64, dtype=np.uint64)
+    toks[:10] = TOKEN_EDGES
+    a, b = C.Index(), C.Index()
+    a.store_tokens(0, 0, None, [1, 2, 3, 4], toks.tolist(), 16)
+    b.store_tokens(0, 0, None, np.array([1, 2, 3, 4], np.uint64), toks.astype(np.uint32), 16)
+    assert a.holdings(0) == b.holdings(0)
+    blocks, failures = a.store_tokens_many(
+        [(1, 0, None, [9], toks[:16].tolist(), 0, None), (1, 0, 9, [10], [1, -1] * 8, 0, None)],
+        16,
+    )
+    assert blocks == 1 and len(failures) == 1
+    assert isinstance(failures[0][1], InvalidTokens) and "position 1" in str(failures[0][1])
+
+
+def test_hash_lists_into_store_and_query_like_arrays():
+    edges = HASH_EDGES
+    a, b = C.Index(), C.Index()
+    a.store(0, 0, list(range(1, len(edges) + 1)), edges)
+    b.store(0, 0, np.arange(1, len(edges) + 1, dtype=np.uint64), np.array(edges, np.uint64))
+    assert a.holdings(0) == b.holdings(0)
+    assert a.query(edges).scores() == {0: len(edges)}
+    assert a.query(tuple(edges)).scores() == {0: len(edges)}
+
+
+def test_hash_lists_outside_u64_fold_like_before():
+    """Negative and > 64-bit ints are folded modulo 2**64 (the generic path), bools read as 0/1."""
+    idx = C.Index()
+    idx.store(0, 0, [1, 2, 3], [2**64 - 5, 7 + 2**64, 1])
+    assert idx.query([-5, 7, True]).scores() == {0: 3}
+    assert idx.query(np.array([2**64 - 5, 7, 1], np.uint64)).scores() == {0: 3}
