@@ -181,7 +181,30 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
     }
 
 
+def replica_rules() -> dict[tuple[str, str], Callable[[], list]]:
+    rounds = load("benchmarks/results/bench_replicas.json")["rounds"]
+
+    def span(config: str, key: str) -> Callable[[], list]:
+        def values() -> list[float]:
+            v = [r[key] for r in rounds[config]]
+            return [v[0]] if min(v) == max(v) else [min(v), max(v)]
+
+        return values
+
+    out = {}
+    for label, config in (
+        ("one router", "one router"),
+        ("3 replicas, no sync", "3 replicas, no sync"),
+        ("3 replicas, NATS sync", "3 replicas, NATS sync"),
+    ):
+        out[(label, "right pick %")] = span(config, "right_pick_pct")
+        out[(label, "excess in-flight tokens, mean")] = span(config, "excess_mean_tokens")
+        out[(label, "excess, p99")] = span(config, "excess_p99_tokens")
+    return out
+
+
 RULES = {
+    "benchmarks/results/bench_replicas.json": replica_rules,
     "benchmarks/results/bench_core.json": core_rules,
     "benchmarks/results/bench_router.json": speed_rules,
 }
@@ -265,7 +288,7 @@ def test_every_results_table_names_its_source():
     text = README.read_text()
     results = text.split("## Quick start", 1)[1].split("## Using it with your engines", 1)[0]
     n_tables = len(re.findall(r"\n\|[-|: ]+\|\n", results))
-    assert n_tables == len(tables()) == 4, "a results table without a marker"
+    assert n_tables == len(tables()) == 5, "a results table without a marker"
     for files, *_ in marked():
         for name in files:
             assert (ROOT / name).is_file(), f"{name} (named by a README marker) does not exist"
