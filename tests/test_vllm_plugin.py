@@ -41,6 +41,7 @@ from kvplug.integrations.vllm.plugin import (
     args_from_namespace,
     worker_entry,
 )
+from test_etcd_discovery import etcd_url  # noqa: F401 - fixture
 
 from kvplug.config import RouterConfig
 from kvplug.frontend.app import ServeSettings
@@ -420,3 +421,45 @@ def test_entry_point_is_declared():
     assert '[project.entry-points."vllm.general_plugins"]' in text
     assert 'kvplug = "kvplug.integrations.vllm.plugin:register"' in text
     assert callable(plugin.register) and sys.modules["kvplug.integrations.vllm.plugin"]
+
+
+async def test_etcd_mode_registers_for_replicas_and_drains_before_leaving(etcd_url, caplog):  # noqa: F811
+    # KVPLUG_ETCD_URL: the engine's entry goes into etcd under a lease; a kvplug serve started
+    # with --discovery etcd://... picks it up; shutdown drains it there, then revokes the lease
+    from kvplug.integrations.vllm.plugin import EtcdRegistrar
+
+    from kvplug.discovery.etcd import EtcdDiscovery
+
+    caplog.set_level(logging.INFO)
+    async with kvplug_serve() as running, sim_engine() as sim:
+        fleet = running.frontend.fleet
+        discovery = EtcdDiscovery(fleet, etcd_url, namespace="plug")
+        for _ in range(60):  # etcd takes a moment to serve after its process starts
+            try:
+                await discovery.start()
+                break
+            except ConnectionError:
+                await asyncio.sleep(0.2)
+        reg = EtcdRegistrar(etcd_url, "plug", engine_args(sim), poll=0.05, ttl=5).start()
+        wid = f"127.0.0.1:{sim.port}"
+        try:
+            await until(lambda: is_set(reg.registered))
+            await until(lambda: _async_true(wid in fleet.workers))
+            entry = fleet.workers[wid]
+            assert entry.spec.event_endpoint == sim.endpoint and not entry.draining
+            async with aiohttp.ClientSession() as s:
+                body = {"model": "sim-model", "prompt": list(range(1, 40)), "max_tokens": 2}
+                async with s.post(running.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200 and r.headers["x-kvplug-worker"] == wid
+            shutdown = asyncio.create_task(asyncio.to_thread(reg.shutdown))
+            await until(lambda: _async_true(wid in fleet.workers and fleet.workers[wid].draining))
+            await shutdown
+            await until(lambda: _async_true(wid not in fleet.workers))
+            assert discovery.stats.drained == 1 and discovery.stats.removed == 1
+        finally:
+            reg.stopping.set()
+            await discovery.close()
+
+
+async def _async_true(value: bool) -> bool:
+    return value

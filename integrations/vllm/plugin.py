@@ -25,8 +25,13 @@ command line is read from vLLM's own parser: the plugin wraps
 files and ``vllm serve`` / ``python -m vllm.entrypoints.openai.api_server`` alike work), with a
 plain ``sys.argv`` scan as the fallback.
 
-Environment: ``KVPLUG_ROUTER_URL`` (required), ``KVPLUG_ADMIN_TOKEN``, ``KVPLUG_WORKER_ID``
-(default ``host:port``), ``KVPLUG_ENGINE_URL`` (the URL kvplug reaches this engine at; default
+With ``KVPLUG_ETCD_URL`` instead (``etcd://host:2379``, and ``KVPLUG_FLEET_NAMESPACE``), the
+same entry goes into etcd under a lease for router replicas started with ``kvplug serve
+--discovery etcd://...`` (:class:`EtcdRegistrar`); an engine that dies leaves every replica when
+its lease expires.
+
+Environment: ``KVPLUG_ROUTER_URL`` (or ``KVPLUG_ETCD_URL``), ``KVPLUG_ADMIN_TOKEN``,
+``KVPLUG_WORKER_ID`` (default ``host:port``), ``KVPLUG_ENGINE_URL`` (the URL kvplug reaches this engine at; default
 from ``--host`` / ``--port``, a wildcard host replaced by the local address that routes to
 kvplug), ``KVPLUG_WORKER_LABELS`` (``k=v,k2=v2``).
 """
@@ -54,6 +59,8 @@ TOKEN_ENV = "KVPLUG_ADMIN_TOKEN"
 WORKER_ID_ENV = "KVPLUG_WORKER_ID"
 ENGINE_URL_ENV = "KVPLUG_ENGINE_URL"
 LABELS_ENV = "KVPLUG_WORKER_LABELS"
+ETCD_URL_ENV = "KVPLUG_ETCD_URL"  # register in etcd (kvplug serve --discovery) instead
+NAMESPACE_ENV = "KVPLUG_FLEET_NAMESPACE"
 OWNER_ENV = "KVPLUG_VLLM_PLUGIN_PID"  # the one process that registers; children inherit it
 
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
@@ -72,7 +79,8 @@ def register() -> None:
     global _registrar
     try:
         router_url = os.environ.get(ROUTER_URL_ENV, "").strip()
-        if not router_url or _registrar is not None:
+        etcd_url = os.environ.get(ETCD_URL_ENV, "").strip()
+        if not (router_url or etcd_url) or _registrar is not None:
             return
         owner = os.environ.get(OWNER_ENV)
         if owner and owner != str(os.getpid()):
@@ -81,7 +89,12 @@ def register() -> None:
         _setup_logging()
         args = ArgsCapture()
         args.install()
-        registrar = Registrar(router_url, os.environ.get(TOKEN_ENV) or None, args).start()
+        registrar: Registrar
+        if etcd_url:
+            namespace = os.environ.get(NAMESPACE_ENV, "default")
+            registrar = EtcdRegistrar(etcd_url, namespace, args).start()
+        else:
+            registrar = Registrar(router_url, os.environ.get(TOKEN_ENV) or None, args).start()
         atexit.register(registrar.shutdown)
         _registrar = registrar
     except Exception:  # noqa: BLE001 - never break the engine
@@ -595,3 +608,88 @@ class Registrar:
             time.sleep(0.1)
         self._delete(worker_id)
         log.info("deregistered worker %s from kvplug", worker_id)
+
+
+class EtcdRegistrar(Registrar):
+    """Registers the engine in etcd under a lease (``KVPLUG_ETCD_URL``), for replicas started
+    with ``kvplug serve --discovery etcd://...``: every replica sees the engine, and if the
+    engine dies its lease expires and it leaves them all. On shutdown the entry is marked
+    draining (the replicas stop sending new requests), then the lease is revoked."""
+
+    def __init__(
+        self,
+        etcd_url: str,
+        namespace: str,
+        args: ArgsCapture | ServeArgs,
+        *,
+        ttl: int = 10,
+        **kw: Any,
+    ) -> None:
+        super().__init__(etcd_url, None, args, **kw)
+        self.etcd_url = etcd_url
+        self.namespace = namespace
+        self.ttl = ttl
+        self._loop: Any = None
+        self._registration: Any = None
+
+    def _run_async(self, coro: Any, timeout: float = 30.0) -> Any:
+        import asyncio
+
+        if self._loop is None:  # the lease keep-alive needs a loop that keeps running
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="kvplug-etcd", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _register_with_retries(self) -> bool:
+        from kvplug.discovery.etcd import EtcdRegistration
+
+        assert self.entry is not None
+        delay, attempt = self.poll, 0
+        while not self.stopping.is_set():
+            attempt += 1
+            reg = EtcdRegistration(
+                self.etcd_url, self.entry, namespace=self.namespace, ttl=self.ttl
+            )
+            try:
+                self._run_async(reg.start())
+            except Exception as e:  # noqa: BLE001 - unreachable: retry in the background
+                if attempt == 1 or attempt % 10 == 0:
+                    log.warning("etcd at %s unreachable (%s); retrying", self.etcd_url, e)
+                self.stopping.wait(delay)
+                delay = min(delay * 2, self.max_backoff)
+                continue
+            with self._lock:
+                self._registration = reg
+                self.worker_id = str(self.entry["id"])
+                self._deregistered = False
+                self.registered.set()
+            log.info(
+                "registered in etcd at %s as worker %s (%s, lease %d s)",
+                self.etcd_url,
+                self.worker_id,
+                self.entry["url"],
+                self.ttl,
+            )
+            return True
+        return False
+
+    def _forgotten(self) -> bool:
+        return False  # the lease keep-alive holds the entry; etcd, not kvplug, forgets
+
+    def deregister(self) -> None:
+        with self._lock:
+            if not self.registered.is_set() or self._deregistered:
+                return
+            self._deregistered = True
+            reg = self._registration
+        assert self.entry is not None and reg is not None
+        try:  # draining first: the replicas stop routing here, in-flight requests finish
+            self._run_async(reg.update({**self.entry, "draining": True}), timeout=5)
+            time.sleep(min(self.drain_wait, 2.0))
+        except Exception as e:  # noqa: BLE001 - still revoke
+            log.warning("etcd: marking %s draining failed (%s)", self.worker_id, e)
+        try:
+            self._run_async(reg.close(), timeout=10)
+        except Exception as e:  # noqa: BLE001
+            log.warning("etcd: revoking the lease of %s failed (%s)", self.worker_id, e)
+        log.info("deregistered worker %s from etcd", self.worker_id)

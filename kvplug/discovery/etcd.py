@@ -79,6 +79,11 @@ class EtcdRegistration:
         self._keepalive = asyncio.create_task(self._refresh(), name="kvplug-etcd-keepalive")
         log.info("registered %s in etcd (lease %d s)", self.key.decode(), self.ttl)
 
+    async def update(self, spec: dict[str, Any]) -> None:
+        """Rewrite the entry under the same lease (e.g. ``"draining": true`` before leaving)."""
+        self.spec = spec
+        await self._client.put(self.key, json.dumps(spec).encode(), lease=self._lease)
+
     async def _refresh(self) -> None:
         while True:
             await asyncio.sleep(self.ttl / 3)
@@ -154,9 +159,10 @@ class EtcdDiscovery:
         wanted = {}
         for kv in got:
             worker_id = self._worker_id(kv.key)
-            wanted[worker_id] = (self._decode(worker_id, kv.value), False)
-        # also removes workers deleted while nobody watched
-        await self.mirror.replace_all({w: v for w, v in wanted.items() if v[0] is not None})
+            mapping = self._decode(worker_id, kv.value)
+            if mapping is not None:
+                wanted[worker_id] = (mapping, bool(mapping.pop("draining", False)))
+        await self.mirror.replace_all(wanted)  # also removes workers deleted while unwatched
         return int(got.header.revision)
 
     async def _watch(self, revision: int) -> None:
@@ -169,7 +175,8 @@ class EtcdDiscovery:
                     if event.kind == "PUT":
                         mapping = self._decode(worker_id, event.kv.value)
                         if mapping is not None:
-                            await self.mirror.put(worker_id, mapping)
+                            draining = bool(mapping.pop("draining", False))
+                            await self.mirror.put(worker_id, mapping, draining)
                     else:
                         await self.mirror.delete(worker_id)
             except asyncio.CancelledError:
@@ -187,8 +194,13 @@ class EtcdDiscovery:
         return key[len(self.prefix) :].decode("utf-8", "replace")
 
     def _decode(self, worker_id: str, value: bytes) -> Any:
+        """The worker mapping (``"draining"`` is etcd-only: the mirror drains the worker)."""
         try:
-            return json.loads(value.decode("utf-8"))
+            mapping = json.loads(value.decode("utf-8"))
         except ValueError as exc:
             self.mirror._invalid(worker_id, f"not JSON: {exc}")
             return None
+        if not isinstance(mapping, dict):
+            self.mirror._invalid(worker_id, "not a JSON object")
+            return None
+        return mapping
