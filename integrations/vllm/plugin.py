@@ -31,9 +31,9 @@ same entry goes into etcd under a lease for router replicas started with ``kvplu
 its lease expires.
 
 Environment: ``KVPLUG_ROUTER_URL`` (or ``KVPLUG_ETCD_URL``), ``KVPLUG_ADMIN_TOKEN``,
-``KVPLUG_WORKER_ID`` (default ``host:port``), ``KVPLUG_ENGINE_URL`` (the URL kvplug reaches this engine at; default
-from ``--host`` / ``--port``, a wildcard host replaced by the local address that routes to
-kvplug), ``KVPLUG_WORKER_LABELS`` (``k=v,k2=v2``).
+``KVPLUG_WORKER_ID`` (default ``host:port``), ``KVPLUG_ENGINE_URL`` (the URL kvplug reaches
+this engine at; default from ``--host`` / ``--port``, a wildcard host replaced by the local
+address that routes to kvplug), ``KVPLUG_WORKER_LABELS`` (``k=v,k2=v2``).
 """
 
 from __future__ import annotations
