@@ -69,7 +69,34 @@ def _add_fleet_args(p: argparse.ArgumentParser, engines: int) -> None:
         help="disaggregated fleet: this many prefill engines, the rest decode (0 = aggregated)",
     )
     g.add_argument("--max-batched-tokens", type=int, default=8192, help="chunked-prefill budget")
-    g.add_argument("--event-delay", type=float, default=0.005, help="KV event latency, seconds")
+    g.add_argument(
+        "--steptime",
+        default="causal",
+        metavar="causal|cached|ctx=MS",
+        help="prefill context cost per (new, cached) token pair: causal (default, the cold fit's "
+        "causal rate, 8.7e-7 ms) or cached (the cached-prefill fit, 2.45e-6 ms): the two ends "
+        "of what the H200 calibration allows",
+    )
+    r = p.add_argument_group("the router's view of the fleet (default: ideal)")
+    r.add_argument(
+        "--realism",
+        choices=("ideal", "realistic"),
+        default="ideal",
+        help="ideal: events 5 ms late, none lost, instant reports, gauges exact every 1 s; "
+        "realistic: events 20 ms + 10 ms jitter late, 1%% of batches lost (gap -> replay), "
+        "gauges every 2 s and 1 s old, reports 20 ms late (the flags below override)",
+    )
+    r.add_argument("--event-delay", type=float, default=None, help="KV event latency, seconds")
+    r.add_argument("--event-jitter", type=float, default=None, help="mean extra event delay, s")
+    r.add_argument(
+        "--event-loss", type=float, default=None, help="probability an event batch is lost"
+    )
+    r.add_argument("--replay-rtt", type=float, default=None, help="gap -> replayed, seconds")
+    r.add_argument("--metrics-delay", type=float, default=None, help="age of the gauges, s")
+    r.add_argument("--metrics-period", type=float, default=None, help="gauge scrape period, s")
+    r.add_argument(
+        "--report-delay", type=float, default=None, help="first token / finish report delay, s"
+    )
     g.add_argument(
         "--mode",
         choices=("hashes", "tokens"),
@@ -98,8 +125,9 @@ def _spec(args, policies):
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.prefill_engines < args.engines:
         raise SystemExit("--prefill-engines must be in [0, --engines)")
-    if args.host_blocks < 0 or args.event_delay < 0 or args.speedup <= 0:
-        raise SystemExit("--host-blocks and --event-delay must be >= 0, --speedup > 0")
+    if args.host_blocks < 0 or args.speedup <= 0:
+        raise SystemExit("--host-blocks must be >= 0, --speedup > 0")
+    link = _link(args)
     try:
         for text in policies:
             parse_policy(text)
@@ -120,13 +148,43 @@ def _spec(args, policies):
         capacity_blocks=args.capacity_blocks,
         host_capacity_blocks=args.host_blocks,
         max_batched_tokens=args.max_batched_tokens,
-        event_delay_s=args.event_delay,
+        link=link,
+        steptime=args.steptime,
         mode=args.mode,
         seed=args.seed,
         workload=args.workload,
         n_prefill=args.prefill_engines,
         block_tokens=args.block_tokens,
     )
+
+
+_LINK_FLAGS = {
+    "event_delay": "event_delay_s",
+    "event_jitter": "event_jitter_s",
+    "event_loss": "event_loss",
+    "replay_rtt": "replay_rtt_s",
+    "metrics_delay": "metrics_delay_s",
+    "metrics_period": "attribute_period_s",
+    "report_delay": "report_delay_s",
+}
+
+
+def _link(args):
+    from dataclasses import replace
+
+    from kvplug.sim.steptime import parse_steptime
+    from kvplug.sim.transport import PRESETS
+
+    try:
+        parse_steptime(args.steptime)
+        overrides = {
+            field: getattr(args, flag)
+            for flag, field in _LINK_FLAGS.items()
+            if getattr(args, flag) is not None
+        }
+        return replace(PRESETS[args.realism], **overrides)
+    except ValueError as exc:
+        raise SystemExit(f"kvplug: {exc}") from None
 
 
 def _finish_report(report, args, prefix: str) -> None:
