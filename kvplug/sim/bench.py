@@ -25,6 +25,7 @@ import numpy as np
 
 from kvplug.sim.engine import EngineConfig
 from kvplug.sim.policies import parse_policy
+from kvplug.sim.steptime import parse_steptime
 from kvplug.sim.traces import (
     TRACE_BLOCK_TOKENS,
     TraceRecord,
@@ -32,7 +33,6 @@ from kvplug.sim.traces import (
     oracle_hit_rate,
     parse_workload,
 )
-from kvplug.sim.steptime import parse_steptime
 from kvplug.sim.transport import LinkConfig
 from kvplug.sim.virtual import ReplayConfig, replay, summarize
 

@@ -120,6 +120,7 @@ def parse_steptime(text: str) -> StepTimeModel:
         f"--steptime {text!r}: expected one of {', '.join(PRESETS)} or ctx=MS_PER_TOKEN_PAIR (>= 0)"
     )
 
+
 # KV capacity of the reference setup: ~110 GB of the H200's 141 GB for KV at 128 KiB per token
 # ≈ 840k tokens (assumption: vLLM gpu_memory_utilization 0.9 minus weights and activations).
 REFERENCE_KV_TOKENS = 840_000
