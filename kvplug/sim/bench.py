@@ -130,7 +130,14 @@ def run_policy(spec: BenchSpec, policy_text: str, counter=None) -> dict:
                 counter.value += pending[0]
             pending[0] = 0
 
-    res = replay(records, pol.router_config(spec.block_tokens), cfg, policy=pol.name, progress=tick)
+    res = replay(
+        records,
+        pol.router_config(spec.block_tokens),
+        cfg,
+        policy=pol.name,
+        progress=tick,
+        router_factory=pol.router_factory(),
+    )
     if counter is not None and pending[0]:
         with counter.get_lock():
             counter.value += pending[0]

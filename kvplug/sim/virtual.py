@@ -335,7 +335,9 @@ def replay(
     collect(decode_engines)
     deliver(math.inf)
     return ReplayResult(
-        policy=policy or router_config.router_mode,
+        policy=policy
+        or getattr(router_config, "router_mode", "")
+        or getattr(router_config, "name", ""),
         requests=requests,
         engines=engines,
         load_samples_t=samples_t,
@@ -350,10 +352,10 @@ def replay(
 
 
 def _router_stats(router) -> dict:
-    try:
-        return dict(router.index.stats())
-    except Exception:  # a router without an index (baselines) has nothing to report
-        return {}
+    index = getattr(router, "index", None)
+    if index is not None and hasattr(index, "stats"):
+        return dict(index.stats())
+    return dict(router.stats()) if hasattr(router, "stats") else {}  # the baselines
 
 
 def summarize(res: ReplayResult) -> dict:
