@@ -34,7 +34,7 @@ import heapq
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -61,6 +61,8 @@ class _Routed:
 
 class _InflightRouter:
     """Workers and the router-side in-flight count both baselines balance on."""
+
+    DEFAULTS: ClassVar[dict[str, Any]] = {}  # the policy's settings and their defaults
 
     def __init__(self, config: BaselineConfig, clock: Callable[[], float], rng: random.Random):
         self.config = config
@@ -120,7 +122,7 @@ class _Node:
 class SglangCacheAware(_InflightRouter):
     """sglang-router ``cache_aware`` (see the module docstring)."""
 
-    DEFAULTS = {
+    DEFAULTS: ClassVar[dict[str, Any]] = {
         "cache_threshold": 0.3,
         "balance_abs_threshold": 64,
         "balance_rel_threshold": 1.5,
@@ -250,7 +252,7 @@ class SglangCacheAware(_InflightRouter):
 class VllmKvAware(_InflightRouter):
     """vllm-router ``kv_aware`` (see the module docstring)."""
 
-    DEFAULTS = {"speculative": True, "speculative_ttl": 2.0}
+    DEFAULTS: ClassVar[dict[str, Any]] = {"speculative": True, "speculative_ttl": 2.0}
 
     def __init__(self, config: BaselineConfig, clock, rng) -> None:
         super().__init__(config, clock, rng)

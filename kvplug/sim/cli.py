@@ -302,8 +302,8 @@ def _cmd_sweep(args) -> int:
     path = Path(args.json or "sim_sweep.json")
     if path.name == "sim_bench.json":
         path = path.with_name("sim_sweep.json")
+    report = sweep.pop("report")
     if args.json:
-        report = sweep.pop("report")
         write_json(report, path.with_name(path.stem + "_runs.json"))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(sweep, indent=1) + "\n")
@@ -311,7 +311,7 @@ def _cmd_sweep(args) -> int:
     if args.plots:
         from kvplug.sim.plots import plot_sweep
 
-        for p in plot_sweep(sweep, args.plots, prefix=path.stem):
+        for p in plot_sweep({**sweep, "report": report}, args.plots, prefix=path.stem):
             print(f"plot: {p}")
     return 0
 

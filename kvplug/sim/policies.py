@@ -47,7 +47,7 @@ DEFAULT_POLICIES = (
 )
 DEMO_POLICIES = ("kv", "round-robin", "random")
 BASELINE_MODE = "baseline"
-AFFINITY_KEYS = ("guard", "min_share")  # kvplug.affinity.AffinityParams
+AFFINITY_KEYS = ("guard", "cap", "memory", "min_share")  # kvplug.affinity.AffinityParams
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def parse_policy(text: str) -> Policy:
         key, sep, raw = term.partition("=")
         key = ALIASES.get(key.strip(), key.strip().replace("-", "_"))
         if affinity is not None and sep and key in AFFINITY_KEYS:
-            affinity[key] = float(_coerce(raw.strip()))
+            affinity[key] = _coerce(raw.strip())
             continue
         if not sep or key not in known:
             raise ValueError(f"policy {text!r}: {term!r} is not KEY=VALUE with a router setting")
