@@ -36,11 +36,11 @@ WORKLOADS = {
 POLICIES = [
     "kv",
     "affinity",
+    "affinity:guard=12",
     "sglang-cache-aware",
     "vllm-kv-aware",
     "profile",
     "round-robin",
-    "least-loaded",
 ]
 SMOKE_LIMIT = 300
 

@@ -93,7 +93,8 @@ def test_bench_reports_every_policy(first_800, tmp_path):
     from kvplug.sim.plots import plot_report
 
     paths = plot_report(report, tmp_path)
-    assert all(p.stat().st_size > 10_000 for p in paths) and len(paths) == 3
+    assert all(p.stat().st_size > 10_000 for p in paths) and len(paths) == 4
+    assert paths[-1].name == "sim_frontier.png"
 
 
 def test_bad_policy_is_rejected_before_running():

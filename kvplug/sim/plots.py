@@ -150,9 +150,7 @@ def plot_sweep(sweep: dict, out_dir: str | Path, prefix: str = "sim_sweep") -> l
     return paths
 
 
-def plot_frontier(
-    panels: list[tuple[str, dict]], path: str | Path, title: str = ""
-) -> Path:
+def plot_frontier(panels: list[tuple[str, dict]], path: str | Path, title: str = "") -> Path:
     """Hit rate against TTFT p99, one point per policy (or sweep point), one panel per
     ``(label, report)``: the frontier is the lower right. The one-shared-LRU bound is the dashed
     line; 95 % of it the dotted one."""

@@ -256,7 +256,9 @@ def synthetic_multi_turn(
     base = defaults or MULTI_TURN_DEFAULTS
     unknown = set(params) - set(base)
     if unknown:
-        raise ValueError(f"unknown multi-turn parameter(s) {sorted(unknown)}; known: {sorted(base)}")
+        raise ValueError(
+            f"unknown multi-turn parameter(s) {sorted(unknown)}; known: {sorted(base)}"
+        )
     p = {**base, **params}
     rate, turns, n_sys = float(p["session_rate"]), float(p["turns"]), int(p["systems"])
     system, first, user = int(p["system"]), float(p["first"]), float(p["user"])
