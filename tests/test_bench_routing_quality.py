@@ -54,3 +54,19 @@ def test_smoke_run_writes_verdicts_and_a_frontier_plot(tmp_path, capsys):
         assert any(r["event_batches"] > 0 for r in run["results"])  # the lossy link ran
     assert (tmp_path / "frontier_cached_realistic_smoke.png").stat().st_size > 10_000
     assert "of the bound" in capsys.readouterr().out
+
+
+def test_replay_scale_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "bench_replay_scale", SCRIPT.with_name("bench_replay_scale.py")
+    )
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rs.json"
+    assert bench.main(["--sizes", "4", "16", "--per-engine", "15", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["engines"] for r in rows] == [4, 16]
+    for r in rows:
+        assert r["requests"] == 15 * r["engines"]
+        assert r["event_req_per_cpu_s"] > 0 and r["scan_req_per_cpu_s"] > 0
