@@ -68,3 +68,16 @@ def test_bad_params_and_wrong_mode_are_refused():
         AffinityParams(memory=-0.5)
     with pytest.raises(ValueError):
         AffinityRouter(make_router(router_mode="round-robin"))
+
+
+def test_affinity_policy_parses_its_own_keys_and_router_keys():
+    from kvplug.sim.policies import parse_policy
+
+    p = parse_policy("affinity:guard=4,credit=1.5")
+    assert p.mode == "kv" and p.feed_events
+    assert p.affinity == {"guard": 4} and p.overrides == {"router_kv_overlap_score_credit": 1.5}
+    assert p.router_factory() is not None
+    with pytest.raises(ValueError):
+        parse_policy("affinity:gaurd=4")
+    with pytest.raises(ValueError):
+        parse_policy("affinity:guard=-1")

@@ -252,10 +252,11 @@ def _register_bench(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="replay a trace on N simulated engines under several routing policies (virtual time)",
-        description="Policies are NAME[:key=value,...] with NAME in kv, approx, round-robin, "
-        "random, "
-        "least-loaded, power-of-two and keys router settings or aliases (credit, temperature, "
-        "prefill_scale, host_weight, track_output, ttl), e.g. kv:credit=0.5,temperature=0.1.",
+        description="Policies are NAME[:key=value,...] with NAME in kv, affinity, approx, "
+        "profile, round-robin, random, least-loaded, power-of-two and keys router settings or "
+        "aliases (credit, temperature, prefill_scale, host_weight, track_output, ttl), e.g. "
+        "kv:credit=0.5,temperature=0.1; affinity also takes guard, cap, memory, min_share; the "
+        "baselines sglang-cache-aware and vllm-kv-aware take their own settings.",
     )
     _add_fleet_args(p, engines=8)
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))

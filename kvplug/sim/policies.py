@@ -36,6 +36,9 @@ ALIASES = {
 SIMPLE_MODES = ("round-robin", "random", "least-loaded", "power-of-two")
 DEFAULT_POLICIES = (
     "kv",
+    "affinity",
+    "sglang-cache-aware",
+    "vllm-kv-aware",
     "kv:credit=1.5",
     "kv:temperature=0.1",
     "approx",
