@@ -70,3 +70,18 @@ def test_replay_scale_smoke(tmp_path):
     for r in rows:
         assert r["requests"] == 15 * r["engines"]
         assert r["event_req_per_cpu_s"] > 0 and r["scan_req_per_cpu_s"] > 0
+
+
+def test_sensitivity_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "bench_sim_sensitivity", SCRIPT.with_name("bench_sim_sensitivity.py")
+    )
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "s.json"
+    argv = ["--limit", "80", "--jobs", "1", "--only", "report delay", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["assumption"] for r in rows] == ["defaults", "report delay"]
+    assert all(r["kv"]["ttft_p99_s"] > 0 for r in rows)
