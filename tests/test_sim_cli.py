@@ -31,6 +31,7 @@ def test_demo_writes_table_json_and_plots(tmp_path, capsys):
         "demo_ttft_cdf.png",
         "demo_hit_rate.png",
         "demo_load.png",
+        "demo_frontier.png",
     }
 
 
@@ -74,3 +75,19 @@ def test_bench_rejects_a_bad_policy_before_replaying(capsys):
     assert main([*argv, "--no-progress", "--jobs", "1"]) == 2  # a usage error
     err = capsys.readouterr().err
     assert "not kv" in err and err.count("\n") == 1 and "replay" not in err
+
+
+def test_bench_steptime_and_realism_flags_reach_the_replay(tmp_path):
+    out = tmp_path / "b.json"
+    argv = ["bench", "--limit", "60", "--engines", "2", "--policies", "kv", "--jobs", "1"]
+    argv += ["--no-progress", "--json", str(out), "--steptime", "cached"]
+    argv += ["--realism", "realistic", "--event-loss", "0.05"]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    spec = report["spec"]
+    assert spec["steptime"] == "cached"
+    assert spec["link"]["event_loss"] == 0.05  # the flag overrides the preset
+    assert spec["link"]["metrics_delay_s"] == 1.0  # the rest is the realistic preset
+    assert report["results"][0]["event_batches"] > 0
+    for bad in (["--steptime", "fast"], ["--event-loss", "1.5"]):
+        assert main(["bench", "--limit", "5", "--json", "", "--no-progress", *bad]) == 2

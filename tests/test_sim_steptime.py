@@ -5,7 +5,9 @@ from importlib import resources
 
 import pytest
 
-from kvplug.sim.steptime import REFERENCE, StepTimeModel, capacity_blocks
+from kvplug.sim import steptime
+from kvplug.sim.calibration import fit_prefill
+from kvplug.sim.steptime import REFERENCE, StepTimeModel, capacity_blocks, parse_steptime
 
 
 def _calib():
@@ -16,9 +18,9 @@ def _calib():
 
 def test_cold_prefill_matches_the_stated_fit():
     m = REFERENCE
-    # 0.0290*8192 + 4.15e-7*8192^2 = 237.568 + 27.850 = 265.42 ms
-    assert m.prefill_ms(8192, 0) == pytest.approx(0.0290 * 8192 + 4.15e-7 * 8192**2)
-    assert m.prefill_ms(8192, 0) == pytest.approx(265.42, abs=0.01)
+    # 0.0282*8192 + 4.36e-7*8192^2 = 231.014 + 29.260 = 260.27 ms
+    assert m.prefill_ms(8192, 0) == pytest.approx(0.0282 * 8192 + 4.36e-7 * 8192**2)
+    assert m.prefill_ms(8192, 0) == pytest.approx(260.27, abs=0.01)
     assert m.prefill_ms(0, 5000) == 0.0
 
 
@@ -28,28 +30,57 @@ def test_cold_fit_within_5_percent_of_measured_from_2k_to_32k():
         assert REFERENCE.prefill_ms(length, 0) == pytest.approx(cold[str(length)], rel=0.05)
 
 
-def test_context_term_tracks_the_cached_points():
+def test_cached_preset_tracks_the_cached_points():
     cached = _calib()["prefill_cached_ms"]
+    high = parse_steptime("cached")
     for p in (2048, 8192, 16384):
         measured = cached[f"P{p}_N2048"]
-        assert REFERENCE.prefill_ms(2048, p) == pytest.approx(measured, rel=0.2), p
+        assert high.prefill_ms(2048, p) == pytest.approx(measured, rel=0.2), p
     # hand-computed: 2048 new on 8192 cached
-    expect = 0.0290 * 2048 + 4.15e-7 * 2048**2 + 2.39e-6 * 2048 * 8192
-    assert REFERENCE.prefill_ms(2048, 8192) == pytest.approx(expect)
-    assert expect == pytest.approx(101.23, abs=0.01)
+    expect = 0.0282 * 2048 + 4.36e-7 * 2048**2 + 2.45e-6 * 2048 * 8192
+    assert high.prefill_ms(2048, 8192) == pytest.approx(expect)
+    assert expect == pytest.approx(100.69, abs=0.01)
+
+
+def test_default_context_rate_is_the_causal_rate():
+    # a cached pair costs what a pair inside the prompt's causal triangle costs: prefilling L
+    # tokens in two chunks costs (almost) what one chunk does, not 2.8x more for the second half
+    assert REFERENCE.ctx_ms == pytest.approx(2 * REFERENCE.quad_ms, rel=1e-3)
+    whole = REFERENCE.prefill_ms(16384, 0)
+    chunked = REFERENCE.prefill_ms(8192, 0) + REFERENCE.prefill_ms(8192, 8192)
+    assert chunked == pytest.approx(whole, rel=0.01)
+
+
+def test_constants_are_the_calibration_fit():
+    fit = fit_prefill(_calib())
+    assert steptime.LINEAR_MS == pytest.approx(fit.linear_ms, rel=0.01)
+    assert steptime.QUAD_MS == pytest.approx(fit.quad_ms, rel=0.01)
+    assert steptime.CTX_CAUSAL_MS == pytest.approx(fit.ctx_causal_ms, rel=0.01)
+    assert steptime.CTX_CACHED_MS == pytest.approx(fit.ctx_cached_ms, rel=0.01)
+    assert fit.cold_max_rel_err < 0.02
+    assert 2.5 < fit.cached_over_causal < 3.1  # the gap the --steptime range spans
+
+
+def test_parse_steptime():
+    assert parse_steptime("causal").ctx_ms == steptime.CTX_CAUSAL_MS
+    assert parse_steptime("cached").ctx_ms == steptime.CTX_CACHED_MS
+    assert parse_steptime("ctx=1e-6").ctx_ms == 1e-6
+    for bad in ("fast", "ctx=", "ctx=-1", "ctx=abc", "quad=1"):
+        with pytest.raises(ValueError):
+            parse_steptime(bad)
 
 
 def test_decode_step_is_weights_plus_kv_read():
     # 32 sequences of 4k tokens: 3.7 + 0.0305 * 131072/1000 = 7.698 ms (the calibration note's 7.7)
     assert REFERENCE.step_ms(0.0, 32, 32 * 4096) == pytest.approx(7.6977, abs=1e-3)
-    # a single sequence: weights read dominates the 0.029 ms of compute
+    # a single sequence: weights read dominates the 0.0282 ms of compute
     assert REFERENCE.step_ms(0.0, 1, 1000) == pytest.approx(3.7 + 0.0305)
 
 
 def test_mixed_step_is_compute_bound():
-    pre = REFERENCE.prefill_ms(4000, 0)  # 116 + 6.64 = 122.64 ms
+    pre = REFERENCE.prefill_ms(4000, 0)  # 112.8 + 6.98 = 119.78 ms
     step = REFERENCE.step_ms(pre, 10, 20_000)
-    assert step == pytest.approx(pre + 0.0290 * 10 + 0.0305 * 20)
+    assert step == pytest.approx(pre + 0.0282 * 10 + 0.0305 * 20)
 
 
 def test_reload_and_overhead():
@@ -57,7 +88,7 @@ def test_reload_and_overhead():
     # 512 tokens * 131072 B = 67.1 MB at 50 GB/s = 1.342 ms
     assert m.reload_ms(512) == pytest.approx(512 * 131072 / 50e9 * 1e3)
     assert m.step_ms(0.0, 1, 0, m.reload_ms(512)) == pytest.approx(
-        3.7 + 0.029 * 0 + 1.342 + 0.5, abs=1e-3
+        3.7 + 0.0282 * 0 + 1.342 + 0.5, abs=1e-3
     )
 
 

@@ -106,3 +106,31 @@ def test_shared_prefix_workload():
         parse_workload("shared-prefix:colour=3")
     with pytest.raises(ValueError):
         parse_workload("zipf")
+
+
+def test_multi_turn_sessions_extend_their_own_prefix():
+    from kvplug.sim.traces import oracle_hit_rate, parse_workload, synthetic_multi_turn
+
+    recs = synthetic_multi_turn(512, session_rate=0.2, duration=300, think=5.0, seed=3)
+    assert recs == synthetic_multi_turn(512, session_rate=0.2, duration=300, think=5.0, seed=3)
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(recs, recs[1:], strict=False))
+    for r in recs:
+        assert len(r.hash_ids) == -(-r.input_length // 512)
+    # a later turn of a session starts with the earlier turn's full blocks
+    by_first_user_block: dict[int, list] = {}
+    for r in recs:
+        if len(r.hash_ids) > 4:  # beyond the 2,048-token system prompt
+            by_first_user_block.setdefault(r.hash_ids[4], []).append(r)
+    follow_ups = [rs for rs in by_first_user_block.values() if len(rs) > 1]
+    assert follow_ups
+    for rs in follow_ups:
+        a, b = rs[0], rs[1]
+        full = a.input_length // 512
+        assert b.hash_ids[:full] == a.hash_ids[:full]
+        if a.input_length % 512:  # the partial tail changed content: a new id
+            assert a.hash_ids[full] not in b.hash_ids
+    assert oracle_hit_rate(recs)["full_block_hit_rate"] > 0.5
+    agentic = parse_workload("agentic:duration=60,seed=1")
+    assert agentic and min(r.input_length for r in agentic) > 8192  # tool definitions
+    with pytest.raises(ValueError, match="unknown"):
+        parse_workload("multi-turn:sessions=3")

@@ -25,6 +25,7 @@ import numpy as np
 
 from kvplug.sim.engine import EngineConfig
 from kvplug.sim.policies import parse_policy
+from kvplug.sim.steptime import parse_steptime
 from kvplug.sim.traces import (
     TRACE_BLOCK_TOKENS,
     TraceRecord,
@@ -32,6 +33,7 @@ from kvplug.sim.traces import (
     oracle_hit_rate,
     parse_workload,
 )
+from kvplug.sim.transport import LinkConfig
 from kvplug.sim.virtual import ReplayConfig, replay, summarize
 
 
@@ -47,7 +49,8 @@ class BenchSpec:
     capacity_blocks: int = 1640
     host_capacity_blocks: int = 0
     max_batched_tokens: int = 8192
-    event_delay_s: float = 0.005
+    link: LinkConfig = field(default_factory=LinkConfig)  # the router's view (ideal default)
+    steptime: str = "causal"  # step-time preset (kvplug.sim.steptime.parse_steptime)
     mode: str = "hashes"
     seed: int = 0
     workload: str | None = None  # e.g. "shared-prefix:groups=32" instead of the trace
@@ -78,9 +81,10 @@ class BenchSpec:
                 host_capacity_blocks=self.host_capacity_blocks,
                 max_batched_tokens=self.max_batched_tokens,
                 events_with_tokens=self.mode == "tokens",
+                model=parse_steptime(self.steptime),
             ),
             mode=self.mode,
-            event_delay_s=self.event_delay_s,
+            link=self.link,
             feed_events=feed_events,
             seed=self.seed,
             n_prefill=self.n_prefill,
@@ -126,7 +130,14 @@ def run_policy(spec: BenchSpec, policy_text: str, counter=None) -> dict:
                 counter.value += pending[0]
             pending[0] = 0
 
-    res = replay(records, pol.router_config(spec.block_tokens), cfg, policy=pol.name, progress=tick)
+    res = replay(
+        records,
+        pol.router_config(spec.block_tokens),
+        cfg,
+        policy=pol.name,
+        progress=tick,
+        router_factory=pol.router_factory(),
+    )
     if counter is not None and pending[0]:
         with counter.get_lock():
             counter.value += pending[0]

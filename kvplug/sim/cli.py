@@ -75,7 +75,34 @@ def _add_fleet_args(
         help="disaggregated fleet: this many prefill engines, the rest decode (0 = aggregated)",
     )
     g.add_argument("--max-batched-tokens", type=int, default=8192, help="chunked-prefill budget")
-    g.add_argument("--event-delay", type=float, default=0.005, help="KV event latency, seconds")
+    g.add_argument(
+        "--steptime",
+        default="causal",
+        metavar="causal|cached|ctx=MS",
+        help="prefill context cost per (new, cached) token pair: causal (default, the cold fit's "
+        "causal rate, 8.7e-7 ms) or cached (the cached-prefill fit, 2.45e-6 ms): the two ends "
+        "of what the H200 calibration allows",
+    )
+    r = p.add_argument_group("the router's view of the fleet (default: ideal)")
+    r.add_argument(
+        "--realism",
+        choices=("ideal", "realistic"),
+        default="ideal",
+        help="ideal: events 5 ms late, none lost, instant reports, gauges exact every 1 s; "
+        "realistic: events 20 ms + 10 ms jitter late, 1%% of batches lost (gap -> replay), "
+        "gauges every 2 s and 1 s old, reports 20 ms late (the flags below override)",
+    )
+    r.add_argument("--event-delay", type=float, default=None, help="KV event latency, seconds")
+    r.add_argument("--event-jitter", type=float, default=None, help="mean extra event delay, s")
+    r.add_argument(
+        "--event-loss", type=float, default=None, help="probability an event batch is lost"
+    )
+    r.add_argument("--replay-rtt", type=float, default=None, help="gap -> replayed, seconds")
+    r.add_argument("--metrics-delay", type=float, default=None, help="age of the gauges, s")
+    r.add_argument("--metrics-period", type=float, default=None, help="gauge scrape period, s")
+    r.add_argument(
+        "--report-delay", type=float, default=None, help="first token / finish report delay, s"
+    )
     g.add_argument(
         "--mode",
         choices=("hashes", "tokens"),
@@ -104,8 +131,8 @@ def _spec(args, policies):
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.prefill_engines < args.engines:
         raise UsageError("--prefill-engines must be in [0, --engines)")
-    if args.host_blocks < 0 or args.event_delay < 0 or args.speedup <= 0:
-        raise UsageError("--host-blocks and --event-delay must be >= 0, --speedup > 0")
+    if args.host_blocks < 0 or args.speedup <= 0:
+        raise UsageError("--host-blocks must be >= 0, --speedup > 0")
     if args.duration is not None and not args.duration > 0:
         raise UsageError(f"--duration must be > 0 seconds, got {args.duration:g}")
     if not args.start >= 0:
@@ -120,6 +147,7 @@ def _spec(args, policies):
             raise UsageError(
                 msg if msg.startswith("policy") else f"policy {text!r}: {msg}"
             ) from None
+    link = _link(args)
     try:
         if args.workload:
             from kvplug.sim.traces import parse_workload
@@ -140,7 +168,8 @@ def _spec(args, policies):
         capacity_blocks=args.capacity_blocks,
         host_capacity_blocks=args.host_blocks,
         max_batched_tokens=args.max_batched_tokens,
-        event_delay_s=args.event_delay,
+        link=link,
+        steptime=args.steptime,
         mode=args.mode,
         seed=args.seed,
         workload=args.workload,
@@ -170,6 +199,35 @@ def _run_bench(spec, args):
         return run_bench(spec, jobs=args.jobs, progress=not args.no_progress)
     except ValueError as exc:
         raise RunError(str(exc).splitlines()[0]) from None
+
+
+_LINK_FLAGS = {
+    "event_delay": "event_delay_s",
+    "event_jitter": "event_jitter_s",
+    "event_loss": "event_loss",
+    "replay_rtt": "replay_rtt_s",
+    "metrics_delay": "metrics_delay_s",
+    "metrics_period": "attribute_period_s",
+    "report_delay": "report_delay_s",
+}
+
+
+def _link(args):
+    from dataclasses import replace
+
+    from kvplug.sim.steptime import parse_steptime
+    from kvplug.sim.transport import PRESETS
+
+    try:
+        parse_steptime(args.steptime)
+        overrides = {
+            field: getattr(args, flag)
+            for flag, field in _LINK_FLAGS.items()
+            if getattr(args, flag) is not None
+        }
+        return replace(PRESETS[args.realism], **overrides)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _finish_report(report, args, prefix: str) -> None:
@@ -236,7 +294,9 @@ def _register_bench(sub) -> None:
         help="replay a trace on N simulated engines under several routing policies (virtual time)",
         description=f"Policies are NAME[:key=value,...] with NAME one of {', '.join(NAMES)} "
         "and keys router settings or aliases (credit, temperature, prefill_scale, "
-        "host_weight, track_output, ttl), e.g. kv:credit=0.5,temperature=0.1.",
+        "host_weight, track_output, ttl), e.g. kv:credit=0.5,temperature=0.1; affinity also "
+        "takes guard, cap, memory, min_share; the baselines sglang-cache-aware and "
+        "vllm-kv-aware take their own settings.",
     )
     _add_fleet_args(p, engines=8)
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
@@ -292,8 +352,8 @@ def _cmd_sweep(args) -> int:
     path = Path(args.json or "sim_sweep.json")
     if path.name == "sim_bench.json":
         path = path.with_name("sim_sweep.json")
+    report = sweep.pop("report")
     if args.json:
-        report = sweep.pop("report")
         write_json(report, path.with_name(path.stem + "_runs.json"))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(sweep, indent=1) + "\n")
@@ -301,7 +361,7 @@ def _cmd_sweep(args) -> int:
     if args.plots:
         from kvplug.sim.plots import plot_sweep
 
-        for p in plot_sweep(sweep, args.plots, prefix=path.stem):
+        for p in plot_sweep({**sweep, "report": report}, args.plots, prefix=path.stem):
             print(f"plot: {p}")
     return 0
 

@@ -437,6 +437,25 @@ class SimEngine:
         st["generated_tokens"] += n * b
         return True
 
+    def next_output_start(self) -> float:
+        """Start of the next step that can report anything (a token, a block, a KV event, a
+        finish) or change a gauge: ``now`` unless the engine is in a decode-only run, where the
+        uneventful steps before it are skipped in closed form (as :meth:`_fast_forward` would).
+        ``inf`` when idle. The replay advances an engine only when this is before an arrival."""
+        if not self.has_work():
+            return math.inf
+        if not self.cfg.fast_forward or self.prefilling or not self.decoding or self._admissible():
+            return self.now
+        m = self._steps_to_event() - 1  # uneventful steps before the eventful one
+        if m <= 0:
+            return self.now
+        model = self.model
+        b = len(self.decoding)
+        ctx0 = sum(r.prompt_len + r.generated for r in self.decoding)
+        a = (model.decode_only_ms(b) + model.decode_kv_ms(ctx0)) / 1000.0
+        d = model.decode_kv_ms(b) / 1000.0
+        return self.now + m * a + d * m * (m - 1) / 2
+
     def advance(self, t_until: float) -> None:
         """Run every step that starts before ``t_until``."""
         while self.now < t_until and self.has_work():

@@ -104,6 +104,7 @@ def plot_report(report: dict, out_dir: str | Path, prefix: str = "sim") -> list[
         paths.append(out / f"{prefix}_load.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
+    paths.append(plot_frontier([(title, report)], out / f"{prefix}_frontier.png"))
     return paths
 
 
@@ -149,4 +150,65 @@ def plot_sweep(sweep: dict, out_dir: str | Path, prefix: str = "sim_sweep") -> l
     paths.append(out / f"{prefix}.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
+    if "report" in sweep:  # every sweep point (and the baseline) on the frontier plane
+        paths.append(
+            plot_frontier(
+                [(sweep.get("title", "sweep"), sweep["report"])], out / f"{prefix}_frontier.png"
+            )
+        )
     return paths
+
+
+def plot_frontier(panels: list[tuple[str, dict]], path: str | Path, title: str = "") -> Path:
+    """Hit rate against TTFT p99, one point per policy (or sweep point), one panel per
+    ``(label, report)``: the frontier is the lower right. The one-shared-LRU bound is the dashed
+    line; 95 % of it the dotted one."""
+    plt = _plt()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    cols = min(len(panels), 2)
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.2 * cols, 4.6 * rows), squeeze=False)
+    markers = "os^Dv<>pP*Xh"
+    for ax, (label, report) in zip(axes.flat, panels, strict=False):
+        results = report["results"]
+        names = [r["policy"] for r in results]
+        p99 = [r["ttft_p99_s"] for r in results]
+        # a collapsed policy (a queue growing all run) would squash the rest: draw it at the top
+        # edge with its value written next to it
+        top = 4.0 * float(np.median(p99)) if len(p99) > 2 else max(p99) * 1.1
+        for i, r in enumerate(results):
+            y = min(r["ttft_p99_s"], top)
+            ax.scatter(
+                r["hit_rate"],
+                y,
+                marker=markers[i % len(markers)],
+                s=46,
+                label=names[i] if y == r["ttft_p99_s"] else f"{names[i]} (off scale)",
+                zorder=3,
+            )
+            if y < r["ttft_p99_s"]:
+                ax.annotate(
+                    f"{r['ttft_p99_s']:.0f} s",
+                    (r["hit_rate"], y),
+                    textcoords="offset points",
+                    xytext=(6, -10),
+                    fontsize=7,
+                )
+        bound = report["trace"]["fleet_lru_hit_rate"]
+        ax.axvline(bound, color="k", ls="--", lw=1, label="one shared LRU (fleet memory)")
+        ax.axvline(0.95 * bound, color="k", ls=":", lw=1, label="95 % of it")
+        ax.set_ylim(0, top * 1.08)
+        ax.set_xlabel("KV hit rate (reused prompt blocks / prompt blocks)")
+        ax.set_ylabel("TTFT p99 (s)")
+        ax.set_title(label, fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6.5, loc="best")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p

@@ -3,8 +3,10 @@
 ``NAME`` is ``kv``, ``lmetric`` (kv mode with ``--router-selection-policy lmetric``), ``approx``
 (kv mode without engine events: the router records what it routed, with a TTL), ``profile``
 (an llm-d-style scheduling profile; default: the bundled ``data/profile_llmd.yaml``, or
-``profile:router_profile=FILE``), or a simple mode
-(``round-robin``, ``random``, ``least-loaded``, ``power-of-two``).
+``profile:router_profile=FILE``), a simple mode
+(``round-robin``, ``random``, ``least-loaded``, ``power-of-two``), or another router's policy
+re-implemented in :mod:`kvplug.sim.baselines` (``sglang-cache-aware``, ``vllm-kv-aware``; keys are
+their own settings, e.g. ``sglang-cache-aware:cache_threshold=0.5``).
 Keys are :class:`kvplug.config.RouterConfig` fields or the short aliases below, e.g.
 ``kv:credit=0.5,temperature=0.1``.
 """
@@ -35,6 +37,9 @@ SIMPLE_MODES = ("round-robin", "random", "least-loaded", "power-of-two")
 NAMES = ("kv", "lmetric", "approx", "profile", *SIMPLE_MODES)  # what NAME may be
 DEFAULT_POLICIES = (
     "kv",
+    "affinity",
+    "sglang-cache-aware",
+    "vllm-kv-aware",
     "kv:credit=1.5",
     "kv:temperature=0.1",
     "approx",
@@ -45,6 +50,8 @@ DEFAULT_POLICIES = (
     "power-of-two",
 )
 DEMO_POLICIES = ("kv", "round-robin", "random")
+BASELINE_MODE = "baseline"
+AFFINITY_KEYS = ("guard", "cap", "memory", "min_share")  # kvplug.affinity.AffinityParams
 
 
 @dataclass(frozen=True)
@@ -53,9 +60,33 @@ class Policy:
     mode: str
     overrides: dict[str, Any]
     feed_events: bool  # does the router consume the engines' KV events?
+    affinity: dict[str, Any] | None = None  # AffinityParams: the affinity policy (kv mode)
+
+    def router_factory(self):
+        """None for kvplug's Router; a builder for the affinity policy and the baselines."""
+        if self.affinity is not None:
+            from kvplug.affinity import AffinityParams, AffinityRouter
+            from kvplug.router import Router
+
+            params = AffinityParams(**self.affinity)
+
+            def make(config, clock, rng):
+                return AffinityRouter(Router(config, clock=clock, rng=rng), params)
+
+            return make
+        if self.mode != BASELINE_MODE:
+            return None
+        from kvplug.sim.baselines import baseline_factory
+
+        return baseline_factory(self.name.split(":", 1)[0])
 
     def router_config(self, block_size: int):
         from kvplug.config import RouterConfig
+
+        if self.mode == BASELINE_MODE:
+            from kvplug.sim.baselines import BaselineConfig
+
+            return BaselineConfig(self.name.split(":", 1)[0], block_size, dict(self.overrides))
 
         values: dict[str, Any] = {"router_mode": self.mode, "kv_block_size": block_size}
         if self.name.split(":", 1)[0] == "approx":
@@ -91,24 +122,50 @@ def parse_policy(text: str) -> Policy:
     from kvplug.config import RouterConfig
 
     base, _, rest = text.strip().partition(":")
-    if base in ("approx", "lmetric"):
+    from kvplug.sim.baselines import BASELINES
+
+    if base in BASELINES:
+        cls, feed = BASELINES[base]
+        params: dict[str, Any] = {}
+        for term in filter(None, (t.strip() for t in rest.split(","))):
+            key, sep, raw = term.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in cls.DEFAULTS:
+                raise ValueError(
+                    f"policy {text!r}: {term!r} is not KEY=VALUE with KEY one of "
+                    f"{', '.join(cls.DEFAULTS)}"
+                )
+            params[key] = _coerce(raw.strip())
+        return Policy(text.strip(), BASELINE_MODE, params, feed)
+    affinity: dict[str, Any] | None = None
+    if base == "affinity":
+        mode = "kv"
+        affinity = {}
+    elif base in ("approx", "lmetric"):
         mode = "kv"
     elif base in ("kv", "profile", *SIMPLE_MODES):
         mode = base
     else:
         raise ValueError(
-            f"policy {text!r}: {base!r} is not kv, lmetric, approx, profile or one of "
-            f"{SIMPLE_MODES}"
+            f"policy {text!r}: {base!r} is not kv, affinity, lmetric, approx, profile, one of "
+            f"{SIMPLE_MODES} or a baseline ({', '.join(BASELINES)})"
         )
     known = {f.name for f in fields(RouterConfig)}
     overrides: dict[str, Any] = {}
     for term in filter(None, (t.strip() for t in rest.split(","))):
         key, sep, raw = term.partition("=")
         key = ALIASES.get(key.strip(), key.strip().replace("-", "_"))
+        if affinity is not None and sep and key in AFFINITY_KEYS:
+            affinity[key] = _coerce(raw.strip())
+            continue
         if not sep or key not in known:
             raise ValueError(f"policy {text!r}: {term!r} is not KEY=VALUE with a router setting")
         overrides[key] = _coerce(raw.strip())
     feed = mode in ("kv", "profile") and base != "approx"
     if "router_kv_events" in overrides:
         feed = bool(overrides["router_kv_events"]) and mode in ("kv", "profile")
-    return Policy(text.strip(), mode, overrides, feed)
+    if affinity is not None:
+        from kvplug.affinity import AffinityParams
+
+        AffinityParams(**affinity)  # ValueError on a bad value
+    return Policy(text.strip(), mode, overrides, feed, affinity)

@@ -1,18 +1,21 @@
 """Step-time model of one engine iteration (continuous batching, chunked prefill).
 
 Reference setup: a Llama-3-8B-shaped model (bf16) on one H200, from
-``kvplug/sim/data/prefill_calib_h200.json`` (copied from the team's calibration run):
+``kvplug/sim/data/prefill_calib_h200.json`` (copied from the team's calibration run); the prefill
+constants below are :func:`kvplug.sim.calibration.fit_prefill` of that file, rounded (a test
+keeps them in step):
 
 * prefill of ``n`` new tokens on top of ``p`` tokens already in the KV cache (cached prefix or
   earlier chunks of the same prompt)::
 
-      prefill_ms(n, p) = LINEAR_MS * n + QUAD_MS * n**2 + CTX_MS * n * p
+      prefill_ms(n, p) = LINEAR_MS * n + QUAD_MS * n**2 + ctx_ms * n * p
 
-  ``LINEAR_MS`` and ``QUAD_MS`` are the cold fit (0.0290·L + 4.15e-7·L², within 2 % for
-  2k–32k tokens). ``CTX_MS`` is the least-squares fit of the three ``P{p}_N2048`` cached points
-  (76 / 105 / 139 ms on 2k / 8k / 16k cached) after subtracting the cold cost of 2,048 tokens; the
-  short-prompt points (< 2k new tokens) are dominated by a ~30–45 ms framework overhead that a
-  serving engine does not pay, so they are not used.
+  ``LINEAR_MS`` and ``QUAD_MS`` are the cold fit (0.0282·L + 4.36e-7·L², within 2 % for
+  2k–32k tokens). ``ctx_ms`` is the per (new, cached) token pair attention cost. The data allow
+  a range: ``CTX_CAUSAL_MS`` = 2·``QUAD_MS`` (the causal kernel's per-pair rate, what a serving
+  engine running one FlashAttention kernel over cached and new keys pays; the default) up to
+  ``CTX_CACHED_MS`` (the fit of the measured cached-prefill points, 2.8× higher, paid by the
+  calibration's masked SDPA fallback kernel). ``--steptime`` picks either end (:data:`PRESETS`).
 * decode: each step reads the weights once (``WEIGHTS_MS`` ≈ 16 GB at 4.3 TB/s) and the KV cache
   of every decoding sequence (``KV_READ_MS_PER_1K`` per 1,000 cached tokens, 128 KiB per token).
   This is a roofline *assumption*, not a measurement (the calibration's decode numbers are eager
@@ -25,9 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LINEAR_MS = 0.0290  # per new token (cold fit)
-QUAD_MS = 4.15e-7  # per new token squared (cold fit: causal attention within the chunk)
-CTX_MS = 2.39e-6  # per (new token x cached token) pair, fit from the cached-prefill points
+LINEAR_MS = 0.0282  # per new token (cold fit)
+QUAD_MS = 4.36e-7  # per new token squared (cold fit: causal attention within the chunk)
+CTX_CAUSAL_MS = 2 * QUAD_MS  # per (new x cached) token pair at the causal rate (default)
+CTX_CACHED_MS = 2.45e-6  # per pair, fit of the measured cached-prefill points (high end)
 WEIGHTS_MS = 3.7  # one read of 16 GB of weights at ~4.3 TB/s (assumption, roofline)
 KV_READ_MS_PER_1K = 0.0305  # 128 KiB per token at ~4.3 TB/s (assumption, roofline)
 KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V x layers x KV heads x head dim x bf16
@@ -39,7 +43,7 @@ class StepTimeModel:
 
     linear_ms: float = LINEAR_MS
     quad_ms: float = QUAD_MS
-    ctx_ms: float = CTX_MS
+    ctx_ms: float = CTX_CAUSAL_MS
     weights_ms: float = WEIGHTS_MS
     kv_read_ms_per_1k: float = KV_READ_MS_PER_1K
     overhead_ms: float = 0.0  # launch + sampling per step (assumed 0: folded into the rooflines)
@@ -94,6 +98,28 @@ class StepTimeModel:
 
 
 REFERENCE = StepTimeModel()
+
+# --steptime presets: the two ends of what the calibration data allow for the context term
+PRESETS = {"causal": CTX_CAUSAL_MS, "cached": CTX_CACHED_MS}
+
+
+def parse_steptime(text: str) -> StepTimeModel:
+    """``causal`` | ``cached`` | ``ctx=MS_PER_PAIR`` -> a model (ValueError otherwise)."""
+    text = text.strip()
+    if text in PRESETS:
+        return StepTimeModel(ctx_ms=PRESETS[text])
+    key, sep, raw = text.partition("=")
+    if sep and key.strip() == "ctx":
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if value >= 0:
+            return StepTimeModel(ctx_ms=value)
+    raise ValueError(
+        f"--steptime {text!r}: expected one of {', '.join(PRESETS)} or ctx=MS_PER_TOKEN_PAIR (>= 0)"
+    )
+
 
 # KV capacity of the reference setup: ~110 GB of the H200's 141 GB for KV at 128 KiB per token
 # ≈ 840k tokens (assumption: vLLM gpu_memory_utilization 0.9 minus weights and activations).

@@ -216,11 +216,104 @@ def synthetic_shared_prefix(block_tokens: int = TRACE_BLOCK_TOKENS, **params) ->
     return out
 
 
+# multi-turn sessions; "agentic" is the same generator with tool-loop defaults
+MULTI_TURN_DEFAULTS = {
+    "session_rate": 1.5,  # new sessions per second (Poisson)
+    "turns": 8.0,  # mean turns per session (geometric, >= 1)
+    "systems": 16,  # distinct system prompts, one per session (Zipf-like popularity)
+    "system": 2048,  # tokens of a system prompt
+    "first": 1500,  # mean tokens of the first user message (exponential)
+    "user": 300,  # mean tokens added by each later user turn (exponential)
+    "output": 350,  # mean output tokens per turn (exponential, >= 8)
+    "think": 60.0,  # mean seconds between a reply and the next turn (exponential)
+    "max_context": 100_000,  # a session ends when its prompt would pass this
+    "duration": 1200.0,  # seconds of session arrivals
+    "seed": 0,
+}
+AGENTIC_DEFAULTS = {
+    **MULTI_TURN_DEFAULTS,
+    "session_rate": 0.5,
+    "turns": 20.0,
+    "systems": 4,
+    "system": 8192,  # tool definitions and instructions
+    "first": 2000,
+    "user": 1500,  # tool results
+    "output": 150,  # tool calls
+    "think": 2.0,  # tool latency
+}
+
+
+def synthetic_multi_turn(
+    block_tokens: int = TRACE_BLOCK_TOKENS, defaults: dict | None = None, **params
+) -> list[TraceRecord]:
+    """Sessions whose every turn resends the whole conversation (system prompt, earlier turns,
+    earlier replies) plus a new message, as chat and agent loops do. Block ids follow the token
+    stream: a session's full blocks keep their id from turn to turn (a prefix hit for the next
+    turn if it stayed cached), system-prompt blocks are shared by every session using that prompt,
+    a trailing partial block is unique. Turn ``k + 1`` arrives ``think`` seconds (exponential)
+    after turn ``k``'s *expected* end (arrival + 0.03 s per output token), so the trace does not
+    depend on the policy being measured."""
+    base = defaults or MULTI_TURN_DEFAULTS
+    unknown = set(params) - set(base)
+    if unknown:
+        raise ValueError(
+            f"unknown multi-turn parameter(s) {sorted(unknown)}; known: {sorted(base)}"
+        )
+    p = {**base, **params}
+    rate, turns, n_sys = float(p["session_rate"]), float(p["turns"]), int(p["systems"])
+    system, first, user = int(p["system"]), float(p["first"]), float(p["user"])
+    output, think, max_ctx = float(p["output"]), float(p["think"]), int(p["max_context"])
+    duration = float(p["duration"])
+    if min(rate, turns, first, user, output, duration) <= 0 or n_sys < 1 or system < 0:
+        raise ValueError(f"bad multi-turn parameters {p}")
+    if think < 0 or max_ctx < block_tokens:
+        raise ValueError(f"bad multi-turn parameters {p}")
+    rng = np.random.default_rng(int(p["seed"]))
+    bt = block_tokens
+    sys_blocks = system // bt
+    popularity = 1.0 / np.arange(1, n_sys + 1)
+    popularity /= popularity.sum()
+    next_id = n_sys * sys_blocks
+    out: list[TraceRecord] = []
+    t = 0.0
+    while True:
+        t += rng.exponential(1.0 / rate)
+        if t > duration:
+            break
+        g = int(rng.choice(n_sys, p=popularity))
+        stream = list(range(g * sys_blocks, (g + 1) * sys_blocks))  # full blocks of the session
+        length = system  # tokens so far (prompt and replies)
+        n_turns = int(rng.geometric(1.0 / turns))
+        at = t
+        for k in range(n_turns):
+            length += max(1, int(rng.exponential(first if k == 0 else user)))
+            if length > max_ctx:
+                break
+            while len(stream) < length // bt:
+                stream.append(next_id)
+                next_id += 1
+            ids = list(stream[: length // bt])
+            if length % bt:
+                ids.append(next_id)  # the partial tail: its content changes next turn
+                next_id += 1
+            reply = max(8, int(rng.exponential(output)))
+            out.append(TraceRecord(at, length, reply, tuple(ids)))
+            length += reply
+            at += 0.03 * reply + rng.exponential(think) if think > 0 else 0.03 * reply
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+WORKLOADS = ("shared-prefix", "multi-turn", "agentic")
+
+
 def parse_workload(text: str, block_tokens: int = TRACE_BLOCK_TOKENS) -> list[TraceRecord]:
-    """``shared-prefix[:key=value,...]`` -> records (see :func:`synthetic_shared_prefix`)."""
+    """``NAME[:key=value,...]`` -> records: ``shared-prefix`` (:func:`synthetic_shared_prefix`),
+    ``multi-turn`` and ``agentic`` (:func:`synthetic_multi_turn` with chat or tool-loop
+    defaults)."""
     name, _, rest = text.partition(":")
-    if name != "shared-prefix":
-        raise ValueError(f"unknown workload {name!r} (known: shared-prefix)")
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
     params: dict[str, float] = {}
     for term in filter(None, (t.strip() for t in rest.split(","))):
         key, sep, raw = term.partition("=")
@@ -230,4 +323,8 @@ def parse_workload(text: str, block_tokens: int = TRACE_BLOCK_TOKENS) -> list[Tr
             raise ValueError(f"workload term {term!r} is not KEY=NUMBER") from None
         if not sep:
             raise ValueError(f"workload term {term!r} is not KEY=NUMBER")
+    if name == "multi-turn":
+        return synthetic_multi_turn(block_tokens, MULTI_TURN_DEFAULTS, **params)
+    if name == "agentic":
+        return synthetic_multi_turn(block_tokens, AGENTIC_DEFAULTS, **params)
     return synthetic_shared_prefix(block_tokens, **params)

@@ -3,10 +3,12 @@
 
 Per arrival at time ``t``: every engine runs the steps that start before ``t``; everything they
 reported up to ``t`` reaches the router in time order with the clock set to each item's time
-(``on_first_token``, ``on_output_progress`` at block boundaries, ``on_finish``, and KV events
-after ``event_delay_s``), engine gauges become worker attributes every ``attribute_period_s``;
-then ``router.route()`` picks an engine and the request joins its queue. No sockets, no threads:
-the router sees exactly what it would see live, minus network jitter.
+(``on_first_token``, ``on_output_progress`` at block boundaries, ``on_finish`` after
+``report_delay_s``; KV events through the event link of :mod:`kvplug.sim.transport`: delay,
+jitter, loss, gap detection and replay), engine gauges become worker attributes every
+``attribute_period_s``, ``metrics_delay_s`` late; then ``router.route()`` picks an engine and the
+request joins its queue. No sockets, no threads. ``LinkConfig()`` is the ideal view (5 ms event
+delay, nothing lost, instant reports, exact gauges); ``transport.PRESETS["realistic"]`` is not.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from kvplug.errors import InvalidRequest, RoutingError
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
 from kvplug.sim.traces import TraceRecord, block_hashes_of, expand_tokens
+from kvplug.sim.transport import EventLink, LinkConfig
 
 
 class VirtualClock:
@@ -58,20 +62,18 @@ class ReplayConfig:
     n_engines: int = 8
     engine: EngineConfig = field(default_factory=EngineConfig)
     mode: str = "hashes"  # "hashes": precomputed block hashes | "tokens": expanded token ids
-    event_delay_s: float = 0.005  # engine -> router KV event latency (assumption)
+    link: LinkConfig = field(default_factory=LinkConfig)  # the router's view (ideal default)
     feed_events: bool = True  # False for routers that ignore KV events (approximate, baselines)
-    attribute_period_s: float = 1.0
     sample_period_s: float = 10.0  # load-per-engine time series for the plots
     seed: int = 0
     n_prefill: int = 0  # > 0: disaggregated, engines [0, n_prefill) prefill, the rest decode
+    event_driven: bool = True  # False: step and collect every engine at each arrival (baseline)
 
     def __post_init__(self) -> None:
         if self.mode not in ("hashes", "tokens"):
             raise ValueError(f"mode must be 'hashes' or 'tokens', got {self.mode!r}")
         if self.n_engines < 1:
             raise ValueError("n_engines must be >= 1")
-        if self.event_delay_s < 0:
-            raise ValueError("event_delay_s must be >= 0")
         if not 0 <= self.n_prefill < self.n_engines:
             raise ValueError("n_prefill must be in [0, n_engines): decode engines are needed")
 
@@ -88,6 +90,7 @@ class ReplayResult:
     wall_seconds: float
     router_stats: dict
     prefill_requests: list[SimRequest] = field(default_factory=list)  # P/D: the prefill hops
+    link_stats: dict = field(default_factory=dict)  # KV-event batches lost, gaps, replayed
 
 
 def _engine_id(i: int) -> str:
@@ -105,12 +108,16 @@ def replay(
     *,
     policy: str = "",
     progress: Callable[[int], None] | None = None,
+    router_factory: Callable[..., Any] | None = None,
 ) -> ReplayResult:
     """Replay ``records`` through a fresh Router built from ``router_config``.
 
     With ``cfg.n_prefill > 0`` the fleet is disaggregated: engines ``0..n_prefill-1`` are prefill
     workers, the rest decode workers. Each request is routed twice (stage PREFILL at arrival;
     stage DECODE when its prefill finishes) and its prompt KV is transferred to the decode engine.
+
+    ``router_factory(config, clock=, rng=)``: builds something with the Router's interface
+    instead of a :class:`Router` (the baseline policies of :mod:`kvplug.sim.baselines`).
     """
     from kvplug.request import RouteRequest
     from kvplug.router import Router
@@ -124,7 +131,8 @@ def replay(
         )
     bt = cfg.engine.block_size  # = the trace's tokens per hash id
     clock = VirtualClock()
-    router = Router(router_config, clock=clock, rng=random.Random(cfg.seed))
+    make_router = router_factory or Router
+    router = make_router(router_config, clock=clock, rng=random.Random(cfg.seed))
     engines = make_fleet(cfg)
     by_id = {e.worker_id: e for e in engines}
     pd = cfg.n_prefill > 0
@@ -142,9 +150,30 @@ def replay(
     # engines that receive new requests only at trace arrivals, and (P/D) the decode engines,
     # which receive them at prefill completions and so advance in step with the event heap
     arrival_engines = engines[: cfg.n_prefill] if pd else engines
+    # event-driven stepping of the arrival engines: a heap of (start of the next step that can
+    # report anything, version, index) over the busy ones, so an arrival touches only engines
+    # with something to say before it, not all N; a decode-only run is advanced lazily (when it
+    # reaches an eventful step, or when a request is routed to it). Engines given output outside
+    # a step (a rejected request) are collected as dirty.
+    arrival_index = {e.worker_id: i for i, e in enumerate(arrival_engines)}
+    event_driven = cfg.event_driven
+    busy: list[tuple[float, int, int]] = []
+    version = [0] * len(arrival_engines)
+    dirty: set[int] = set()
+
+    def schedule(k: int) -> None:
+        version[k] += 1  # older heap entries of this engine are stale
+        when = arrival_engines[k].next_output_start()
+        if when != math.inf:
+            heapq.heappush(busy, (when, version[k], k))
+
     decode_engines = engines[cfg.n_prefill :] if pd else []
     feed_events = cfg.feed_events
-    delay = cfg.event_delay_s
+    link_cfg = cfg.link
+    report_delay = link_cfg.report_delay_s
+    link_rng = random.Random(cfg.seed ^ 0x5EED)
+    links = [EventLink(link_cfg, link_rng) for _ in engines]
+    link_of = {e.worker_id: links[i] for i, e in enumerate(engines)}
     heap: list[tuple] = []  # (time, seq, kind, payload)
     seq = 0
     requests: list[SimRequest] = []
@@ -158,19 +187,36 @@ def replay(
     next_sample = 0.0
     tokens_mode = cfg.mode == "tokens"
 
+    def publish(link: EventLink, t: float, batch: list) -> None:
+        nonlocal seq
+        sent = link.publish(t, batch)
+        if sent is not None:
+            seq += 1
+            heapq.heappush(heap, (sent[1], seq, "kv", (link, sent[0], batch)))
+
     def collect(group) -> None:
         nonlocal seq
         for e in group:
             out = e.outputs
             if not out:
                 continue
+            link = link_of[e.worker_id]
+            batch: list = []
+            batch_t = 0.0
             for kind, t, payload in out:
                 if kind == "kv":
                     if not feed_events:
                         continue
-                    t += delay
+                    if batch and t != batch_t:  # one engine step's events = one batch
+                        publish(link, batch_t, batch)
+                        batch = []
+                    batch_t = t
+                    batch.append(payload)
+                    continue
                 seq += 1
-                heapq.heappush(heap, (t, seq, kind, payload))
+                heapq.heappush(heap, (t + report_delay, seq, kind, payload))
+            if batch:
+                publish(link, batch_t, batch)
             out.clear()
 
     def route(sreq: SimRequest, rreq: RouteRequest, t: float, queue_at: float | None = None):
@@ -186,7 +232,14 @@ def replay(
         route_s += time.perf_counter() - r0
         engine = by_id[decision.worker_id]
         if queue_at is None or queue_at <= t:
+            k = arrival_index.get(engine.worker_id) if event_driven else None
+            if k is not None and engine.has_work():
+                engine.advance(t)  # a lazily skipped decode run catches up (no output before t)
             engine.add_request(sreq, t)
+            if k is not None:
+                schedule(k)
+                if engine.outputs:
+                    dirty.add(k)
         else:
             seq += 1
             heapq.heappush(heap, (queue_at, seq, "queue", (engine, sreq)))
@@ -203,6 +256,7 @@ def replay(
         route(d_req, rreq, t, queue_at=t + transfer_s)
 
     def deliver(until: float) -> None:
+        nonlocal seq
         while True:
             if decode_engines:  # bring the decode engines up to the next item first
                 x = min(heap[0][0], until) if heap else until
@@ -215,7 +269,21 @@ def replay(
             t, _, kind, payload = heapq.heappop(heap)
             clock.now = t
             if kind == "kv":
-                router.apply_event(payload)
+                link, bseq, batch = payload
+                ready, gap = link.on_batch(bseq, batch)
+                for evs in ready:
+                    for ev in evs:
+                        router.apply_event(ev)
+                if gap:
+                    seq += 1
+                    heapq.heappush(heap, (t + link_cfg.replay_rtt_s, seq, "replay", link))
+            elif kind == "replay":
+                for evs in payload.on_replay(t):
+                    for ev in evs:
+                        router.apply_event(ev)
+            elif kind == "attrs":
+                for wid, attrs in payload:
+                    router.set_attributes(wid, attrs, ts=t)
             elif kind == "first":
                 router.on_first_token(payload.request_id)
             elif kind == "progress":
@@ -241,16 +309,32 @@ def replay(
     wall0 = time.perf_counter()
     for i, rec in enumerate(records):
         t = rec.arrival_s
-        for e in arrival_engines:
-            if e.has_work():
-                e.advance(t)
-        collect(arrival_engines)
+        if not event_driven:  # the scan over every engine, kept as the benchmark's baseline
+            for e in arrival_engines:
+                if e.has_work():
+                    e.advance(t)
+            collect(arrival_engines)
+        while busy and busy[0][0] < t:
+            _, ver, k = heapq.heappop(busy)
+            if ver != version[k]:
+                continue
+            arrival_engines[k].advance(t)
+            dirty.add(k)
+            schedule(k)  # its next output starts at or after t: not popped again now
+        if dirty:
+            collect([arrival_engines[k] for k in sorted(dirty)])  # engine order, as before
+            dirty.clear()
         deliver(t)
         clock.now = t
         if t >= next_attr:
-            for e in engines:
-                router.set_attributes(e.worker_id, e.metrics(), ts=t)
-            next_attr = t + cfg.attribute_period_s
+            snapshot = [(e.worker_id, e.metrics()) for e in engines]
+            if link_cfg.metrics_delay_s > 0:
+                seq += 1
+                heapq.heappush(heap, (t + link_cfg.metrics_delay_s, seq, "attrs", snapshot))
+            else:
+                for wid, attrs in snapshot:
+                    router.set_attributes(wid, attrs, ts=t)
+            next_attr = t + link_cfg.attribute_period_s
         if t >= next_sample:
             samples_t.append(t)
             samples.append([e.num_running + e.num_waiting for e in engines])
@@ -287,7 +371,9 @@ def replay(
     collect(decode_engines)
     deliver(math.inf)
     return ReplayResult(
-        policy=policy or router_config.router_mode,
+        policy=policy
+        or getattr(router_config, "router_mode", "")
+        or getattr(router_config, "name", ""),
         requests=requests,
         engines=engines,
         load_samples_t=samples_t,
@@ -297,14 +383,15 @@ def replay(
         wall_seconds=time.perf_counter() - wall0,
         router_stats=_router_stats(router),
         prefill_requests=prefill_requests,
+        link_stats={k: sum(lk.stats[k] for lk in links) for k in links[0].stats},
     )
 
 
 def _router_stats(router) -> dict:
-    try:
-        return dict(router.index.stats())
-    except Exception:  # a router without an index (baselines) has nothing to report
-        return {}
+    index = getattr(router, "index", None)
+    if index is not None and hasattr(index, "stats"):
+        return dict(index.stats())
+    return dict(router.stats()) if hasattr(router, "stats") else {}  # the baselines
 
 
 def summarize(res: ReplayResult) -> dict:
@@ -352,5 +439,9 @@ def summarize(res: ReplayResult) -> dict:
         "transferred_blocks": sum(r.remote_blocks for r in done),
         "route_errors": res.route_errors,
         "route_us_mean": 1e6 * res.route_seconds / max(1, len(res.requests)),
+        "event_batches": res.link_stats.get("batches", 0),
+        "event_batches_lost": res.link_stats.get("lost", 0),
+        "event_gaps": res.link_stats.get("gaps", 0),
+        "event_batches_unrecovered": res.link_stats.get("unrecovered", 0),
         "wall_s": res.wall_seconds,
     }

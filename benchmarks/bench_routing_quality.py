@@ -1,0 +1,141 @@
+"""Routing quality across trace shapes, router views and step-time models, in one run.
+
+For every workload (the Mooncake conversation trace and generated multi-turn, agentic and
+shared-prefix traces), every router view (``ideal``: today's lossless 5 ms events; ``realistic``:
+late, jittered, lossy events with gap replay, stale gauges, late reports) and every step-time
+end (``causal`` / ``cached`` prefill context cost), each policy is replayed on the same fleet.
+Prints one table per combination and a verdict per policy (hit rate as a share of the
+one-shared-LRU bound, TTFT p99 against kv's in the same run), writes
+``benchmarks/results/routing_quality.json`` and one frontier plot (hit rate vs TTFT p99) per
+router view and step-time end into ``docs/img/``.
+
+    python benchmarks/bench_routing_quality.py                 # everything (~15 min, 2 cores)
+    python benchmarks/bench_routing_quality.py --settings ideal --steptime causal
+    python benchmarks/bench_routing_quality.py --smoke          # seconds: small slices
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from kvplug.sim.bench import BenchSpec, format_table, run_bench  # noqa: E402
+from kvplug.sim.transport import PRESETS  # noqa: E402
+
+WORKLOADS = {
+    "conversation": None,  # the bundled Mooncake FAST'25 conversation trace
+    "multi-turn": "multi-turn",
+    "agentic": "agentic",
+    "shared-prefix": "shared-prefix",
+}
+POLICIES = [
+    "kv",
+    "affinity",
+    "affinity:guard=12",
+    "sglang-cache-aware",
+    "vllm-kv-aware",
+    "profile",
+    "round-robin",
+]
+SMOKE_LIMIT = 300
+
+
+def verdict(report: dict, policy: str, reference: str = "kv") -> dict | None:
+    by = {r["policy"]: r for r in report["results"]}
+    if policy not in by:
+        return None
+    r, bound = by[policy], report["trace"]["fleet_lru_hit_rate"]
+    out = {
+        "hit_rate": r["hit_rate"],
+        "share_of_bound": r["hit_rate"] / bound if bound else None,
+        "ttft_p99_s": r["ttft_p99_s"],
+    }
+    if reference in by:
+        out["ttft_p99_vs_kv"] = r["ttft_p99_s"] / by[reference]["ttft_p99_s"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--policies", nargs="+", default=POLICIES)
+    ap.add_argument("--settings", nargs="+", default=["ideal", "realistic"], choices=list(PRESETS))
+    ap.add_argument("--steptime", nargs="+", default=["causal", "cached"])
+    ap.add_argument("--engines", type=int, default=8)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help=f"first {SMOKE_LIMIT} requests only")
+    ap.add_argument("--json", default="benchmarks/results/routing_quality.json")
+    ap.add_argument("--plots", default="docs/img", help="frontier plots directory ('' = none)")
+    args = ap.parse_args(argv)
+
+    runs = []
+    t0 = time.perf_counter()
+    combos = [(st, view) for st in args.steptime for view in args.settings]
+    for st, view in combos:
+        panels = []
+        for name in args.workloads:
+            spec = BenchSpec(
+                policies=list(args.policies),
+                n_engines=args.engines,
+                workload=WORKLOADS[name],
+                limit=SMOKE_LIMIT if args.smoke else None,
+                link=PRESETS[view],
+                steptime=st,
+            )
+            print(f"\n== {name} | router view {view} | steptime {st}", flush=True)
+            report = run_bench(spec, jobs=args.jobs, progress=False)
+            print(format_table(report, markdown=True), flush=True)
+            verdicts = {p: verdict(report, p) for p in args.policies}
+            for p, v in verdicts.items():
+                if v and v.get("share_of_bound") is not None:
+                    print(
+                        f"  {p}: {v['share_of_bound']:.1%} of the bound"
+                        + (
+                            f", TTFT p99 {v['ttft_p99_vs_kv']:.2f}x kv's"
+                            if "ttft_p99_vs_kv" in v
+                            else ""
+                        )
+                    )
+            runs.append(
+                {
+                    "workload": name,
+                    "view": view,
+                    "steptime": st,
+                    "trace": report["trace"],
+                    "results": [
+                        {k: v for k, v in r.items() if k != "series"} for r in report["results"]
+                    ],
+                    "verdicts": verdicts,
+                }
+            )
+            panels.append((f"{name} ({report['trace']['requests']} requests)", report))
+        if args.plots:
+            from kvplug.sim.plots import plot_frontier
+
+            suffix = "_smoke" if args.smoke else ""
+            path = plot_frontier(
+                panels,
+                Path(args.plots) / f"frontier_{st}_{view}{suffix}.png",
+                title=f"hit rate vs TTFT p99, {args.engines} engines, router view {view}, "
+                f"prefill context cost {st}",
+            )
+            print(f"plot: {path}")
+    wall = time.perf_counter() - t0
+    if args.json:
+        out = Path(args.json)
+        if args.smoke:
+            out = out.with_name(out.stem + "_smoke.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"runs": runs, "wall_s": wall}, indent=1, default=float) + "\n")
+        print(f"JSON: {out}")
+    print(f"total wall time {wall:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

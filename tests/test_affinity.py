@@ -1,0 +1,83 @@
+"""The affinity policy: keeps a request on the engine holding its prefix where kv would move it
+for a little queue, and still moves it when the queue there is long."""
+
+from __future__ import annotations
+
+import pytest
+from test_router_helpers import make_router, store_prefix, tokens
+
+from kvplug.affinity import AffinityParams, AffinityRouter
+from kvplug.request import RouteRequest, RoutingHints
+
+PARAMS = AffinityParams(guard=8.0, memory=0.25, cap=128.0)
+
+
+def _queue(r, worker: str, n_blocks: int, tag: str) -> None:
+    """A request pinned to ``worker`` whose prefill is still pending (no first token yet)."""
+    r.route(
+        RouteRequest(
+            tag, tokens(n_blocks, start=90_000), hints=RoutingHints(pinned_worker_id=worker)
+        )
+    )
+
+
+def _setup(queued_blocks: int):
+    r = make_router(workers=("w1", "w2"))
+    toks = tokens(10)
+    store_prefix(r, "w1", toks, 8)  # w1 holds 8 of the prompt's 10 blocks
+    _queue(r, "w1", queued_blocks, "busy")
+    return r, toks
+
+
+def test_kv_moves_the_request_off_its_prefix_for_a_short_queue_affinity_keeps_it():
+    r, toks = _setup(20)  # kv cost 44 vs 20; affinity: 15 blocks more work <= 8 x 8 saved
+    assert r.preview(RouteRequest("x", toks)).worker_id == "w2"  # kv: the idle engine
+    aff = AffinityRouter(r, PARAMS)
+    d = aff.route(RouteRequest("x", toks))
+    assert d.worker_id == "w1"
+    assert d.overlap_blocks == 8  # booked on w1 with its cached prefix
+    assert aff.affinity_counters["affinity"] == 1
+
+
+def test_a_long_queue_on_the_prefix_engine_still_sends_the_request_elsewhere():
+    r, toks = _setup(400)  # far beyond the cap: staying would cost ~400 blocks of waiting
+    aff = AffinityRouter(r, PARAMS)
+    assert aff.route(RouteRequest("x", toks)).worker_id == "w2"
+    assert aff.affinity_counters["guarded"] == 1
+
+
+def test_no_cached_prefix_means_kv_decides():
+    r = make_router(workers=("w1", "w2"))
+    _queue(r, "w1", 4, "busy")
+    aff = AffinityRouter(r, PARAMS)
+    assert aff.route(RouteRequest("x", tokens(10, start=5_000))).worker_id == "w2"
+    assert aff.affinity_counters["kept_kv"] == 1
+
+
+def test_pinned_requests_are_not_redirected():
+    r, toks = _setup(0)
+    aff = AffinityRouter(r, PARAMS)
+    d = aff.route(RouteRequest("x", toks, hints=RoutingHints(pinned_worker_id="w2")))
+    assert d.worker_id == "w2"
+
+
+def test_bad_params_and_wrong_mode_are_refused():
+    with pytest.raises(ValueError):
+        AffinityParams(guard=-1)
+    with pytest.raises(ValueError):
+        AffinityParams(memory=-0.5)
+    with pytest.raises(ValueError):
+        AffinityRouter(make_router(router_mode="round-robin"))
+
+
+def test_affinity_policy_parses_its_own_keys_and_router_keys():
+    from kvplug.sim.policies import parse_policy
+
+    p = parse_policy("affinity:guard=4,credit=1.5")
+    assert p.mode == "kv" and p.feed_events
+    assert p.affinity == {"guard": 4} and p.overrides == {"router_kv_overlap_score_credit": 1.5}
+    assert p.router_factory() is not None
+    with pytest.raises(ValueError):
+        parse_policy("affinity:gaurd=4")
+    with pytest.raises(ValueError):
+        parse_policy("affinity:guard=-1")

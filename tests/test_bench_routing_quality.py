@@ -1,0 +1,87 @@
+"""Smoke run of benchmarks/bench_routing_quality.py: tables, verdicts, JSON and the frontier plot
+come out of one small run (the full run is the benchmark itself)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_routing_quality.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_routing_quality", SCRIPT)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_smoke_run_writes_verdicts_and_a_frontier_plot(tmp_path, capsys):
+    bench = _load()
+    out = tmp_path / "rq.json"
+    rc = bench.main(
+        [
+            "--smoke",
+            "--workloads",
+            "conversation",
+            "shared-prefix",
+            "--settings",
+            "realistic",
+            "--steptime",
+            "cached",
+            "--policies",
+            "kv",
+            "affinity",
+            "sglang-cache-aware",
+            "--jobs",
+            "1",
+            "--json",
+            str(out),
+            "--plots",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0
+    data = json.loads((tmp_path / "rq_smoke.json").read_text())
+    assert [r["workload"] for r in data["runs"]] == ["conversation", "shared-prefix"]
+    for run in data["runs"]:
+        assert run["view"] == "realistic" and run["steptime"] == "cached"
+        assert set(run["verdicts"]) == {"kv", "affinity", "sglang-cache-aware"}
+        assert run["verdicts"]["kv"]["ttft_p99_vs_kv"] == 1.0
+        assert all(r["requests"] == 300 for r in run["results"])
+        assert any(r["event_batches"] > 0 for r in run["results"])  # the lossy link ran
+    assert (tmp_path / "frontier_cached_realistic_smoke.png").stat().st_size > 10_000
+    assert "of the bound" in capsys.readouterr().out
+
+
+def test_replay_scale_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "bench_replay_scale", SCRIPT.with_name("bench_replay_scale.py")
+    )
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rs.json"
+    assert bench.main(["--sizes", "4", "16", "--per-engine", "15", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["engines"] for r in rows] == [4, 16]
+    for r in rows:
+        assert r["requests"] == 15 * r["engines"]
+        assert r["event_req_per_cpu_s"] > 0 and r["scan_req_per_cpu_s"] > 0
+
+
+def test_sensitivity_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "bench_sim_sensitivity", SCRIPT.with_name("bench_sim_sensitivity.py")
+    )
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "s.json"
+    argv = ["--limit", "80", "--jobs", "1", "--only", "report delay", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["assumption"] for r in rows] == ["defaults", "report delay"]
+    assert all(r["kv"]["ttft_p99_s"] > 0 for r in rows)
