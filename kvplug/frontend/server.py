@@ -59,7 +59,11 @@ async def start_frontend(
     await frontend.start(list(specs))
     runners: list[web.AppRunner] = []
     try:
-        runner = web.AppRunner(build_app(frontend), access_log=None, handle_signals=False)
+        # handler_cancellation: a client that hangs up cancels its handler, which closes the
+        # engine's request and releases the router's load (nobody reads that answer)
+        runner = web.AppRunner(
+            build_app(frontend), access_log=None, handle_signals=False, handler_cancellation=True
+        )
         await runner.setup()
         runners.append(runner)
         await web.TCPSite(runner, host, port, reuse_address=True, backlog=1024).start()
