@@ -998,6 +998,21 @@ cdef class Index:
         c = cs.tolist()
         return {h: c[3 * i : 3 * i + 3] for i, h in enumerate(hs.tolist())}
 
+    def held_count(self, ep):
+        """Blocks one endpoint holds on any tier (one pass over the table, no copies)."""
+        cdef kvp_endpoint_t e = _ep(ep)
+        cdef size_t n = 0
+        cdef kvp_status st
+        self._acquire()
+        try:
+            st = kvp_index_holdings(self.idx, e, NULL, NULL, 0, &n)
+        finally:
+            self._release()
+        if st != KVP_OK:
+            if st != KVP_E_BUFFER:  # the count without a buffer: "too small" by design
+                _raise_status(st, "held_count")
+        return n
+
     def stats(self):
         cdef kvp_stats s
         kvp_index_stats(self.idx, &s)

@@ -492,6 +492,10 @@ class Index:
         """kvplug hash -> count per tier, for one endpoint (tests and debugging)."""
         return {h: list(c[ep]) for h, c in self._blocks.items() if ep in c}
 
+    def held_count(self, ep: int) -> int:
+        """Blocks one endpoint holds on any tier."""
+        return sum(1 for c in self._blocks.values() if ep in c)
+
     def stats(self) -> dict[str, int]:
         s = dict(self.counters)
         s["blocks"] = len(self._blocks)

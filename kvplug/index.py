@@ -176,6 +176,10 @@ class KvIndex:
         """Length every Overlaps array has at least (1 + the largest id ever handed out)."""
         return self._next_id
 
+    def worker_blocks(self, worker_id: str) -> int:
+        """Blocks the index holds for a worker, summed over its DP ranks."""
+        return sum(self.core.held_count(ep) for (w, _), ep in self._ids.items() if w == worker_id)
+
     def remove_worker(self, worker_id: str) -> None:
         """Forget every rank of a worker: its cached blocks and its endpoint ids."""
         for key in [k for k in self._ids if k[0] == worker_id]:

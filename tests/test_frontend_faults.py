@@ -172,7 +172,7 @@ async def test_an_engine_that_fails_requests_but_answers_health_is_ejected_and_r
             await h.complete(a + prompt(1, 40 + i), headers={"x-kvplug-worker": "w0"})
         state = h.frontend.outliers.describe("w0")
         assert state["ejected"] and state["ejections"] == 2
-        assert 0.9 < state["ejected_for_s"] <= 1.2
+        assert 0.6 < state["ejected_for_s"] <= 1.2  # 2 x 0.6 s, less the time since
         h.assert_idle()
 
 

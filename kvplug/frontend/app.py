@@ -195,8 +195,10 @@ class Frontend:
 
     def _fleet_snapshot(self) -> list[dict[str, Any]]:
         snap = self.fleet.snapshot()
+        index = self.router.index
         for w in snap:
             w["ejected"] = self.outliers.ejected(w["id"])
+            w["blocks"] = index.worker_blocks(w["id"])
         return snap
 
     def _router_stats(self) -> dict[str, Any]:

@@ -75,8 +75,15 @@ class _StateCollector:
             "1 while outlier detection keeps the worker out of rotation",
             labels=["worker"],
         )
+        blocks = GaugeMetricFamily(
+            "kvplug_worker_kv_blocks",
+            "KV blocks the router's index holds for the worker (all DP ranks, all tiers)",
+            labels=["worker"],
+        )
         for w in self._snapshot():
             wid = w["id"]
+            if "blocks" in w:
+                blocks.add_metric([wid], float(w["blocks"]))
             healthy.add_metric([wid], 1.0 if w["healthy"] else 0.0)
             ejected.add_metric([wid], 1.0 if w.get("ejected") else 0.0)
             draining.add_metric([wid], 1.0 if w["draining"] else 0.0)
@@ -85,7 +92,7 @@ class _StateCollector:
             load = w.get("load") or {}
             prefill.add_metric([wid], load.get("prefill_tokens", 0.0))
             decode.add_metric([wid], load.get("decode_blocks", 0.0))
-        yield from (healthy, ejected, draining, inflight, events, prefill, decode)
+        yield from (healthy, ejected, draining, inflight, events, blocks, prefill, decode)
         stats = GaugeMetricFamily(
             "kvplug_router_stat", "Router and KV index counters", labels=["stat"]
         )
