@@ -196,6 +196,24 @@ async def test_hung_engine_is_ejected_by_consecutive_per_try_timeouts():
         h.assert_idle()
 
 
+async def test_an_ejected_engine_that_went_down_and_came_back_returns_at_once():
+    """A crash ejects (its broken streams and refused connections are consecutive failures);
+    the restarted process, seen down and then up by the probes, starts with a clean record."""
+    outliers = OutlierSettings(consecutive_failures=2, base_ejection_time=30.0)
+    async with serving(2, settings=_settings(outliers=outliers)) as h:
+        w0 = h.engines["w0"]
+        w0.fail = "http500"
+        for i in range(2):
+            await h.complete(prompt(1, 70 + i), headers={"x-kvplug-worker": "w0"})
+        entry = h.frontend.fleet.workers["w0"]
+        assert entry.down_by == {"outlier"}
+        w0.fail = "unhealthy"  # down: its health path fails too
+        assert await _until(lambda: "probe" in entry.down_by, timeout=3.0)
+        w0.fail = None  # back up, as a new process
+        assert await _until(lambda: entry.healthy, timeout=3.0)  # not after 30 s
+        h.assert_idle()
+
+
 async def test_max_ejection_percent_keeps_the_fleet_serving():
     outliers = OutlierSettings(consecutive_failures=2, base_ejection_time=30.0)
     async with serving(2, settings=_settings(outliers=outliers)) as h:

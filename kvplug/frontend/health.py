@@ -94,12 +94,14 @@ class HealthProber:
             self.failures.pop(worker_id, None)
             self.passed.discard(worker_id)
             return ok  # removed meanwhile
+        if self.outliers is not None and (not ok or "adapter" in entry.down_by):
+            self.outliers.went_down(worker_id)  # not just sick: down (crashed, restarting)
         if ok:
             self.failures.pop(worker_id, None)
             self.passed.add(worker_id)
             self.fleet.mark_healthy(worker_id)
-            if self.outliers is not None:
-                self.outliers.probe_passed(worker_id)  # only once its ejection time is up
+            if self.outliers is not None:  # once its ejection time is up, or it went down
+                self.outliers.probe_passed(worker_id)
             if not entry.models and not entry.spec.models:
                 await self._discover_models(entry)
         else:

@@ -8,8 +8,11 @@ so neither counts. Any success resets the count. After ``consecutive_failures`` 
 worker is ejected for ``base_ejection_time x ejections`` (capped by ``max_ejection_time``)
 unless ``max_ejection_percent`` of the fleet is already ejected (at least one worker may always
 be ejected, as in Envoy). When the time is up the worker is probed: a passing probe puts it
-back; a failing one keeps it down until a probe passes. While a worker stays in rotation its
-ejection multiplier decays by one per base ejection time, as Envoy's does per interval.
+back; a failing one keeps it down until a probe passes. An ejected worker that went down
+meanwhile (its health probe failed, or its adapter said so: a crashed engine) is back with its
+first passing probe - a restarted engine starts with a clean record. While a worker stays in
+rotation its ejection multiplier decays by one per base ejection time, as Envoy's does per
+interval.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class _State:
     last_change: float = 0.0  # when the multiplier last grew or decayed
     total_ejections: int = 0
     last_reason: str | None = None
+    went_down: bool = False  # failed a probe while ejected: it crashed, and may come back new
 
 
 class OutlierDetector:
@@ -106,6 +110,7 @@ class OutlierDetector:
             max(self.settings.max_ejection_time, self.settings.base_ejection_time),
         )
         st.ejected_until = now + seconds
+        st.went_down = False
         why = (
             f"ejected for {seconds:g} s after {st.consecutive} consecutive failures "
             f"(last: {reason})"
@@ -146,12 +151,22 @@ class OutlierDetector:
         times = [s.ejected_until - now for s in self._states.values() if s.ejected_until]
         return max(0.0, min(times)) if times else None
 
-    def probe_passed(self, worker_id: str) -> None:
-        """A passing probe after the ejection time: the worker is back in rotation."""
+    def went_down(self, worker_id: str) -> None:
+        """The worker stopped answering its health path (or its adapter says it is down)."""
         st = self._states.get(worker_id)
-        if st is None or st.ejected_until is None or self.clock() < st.ejected_until:
+        if st is not None and st.ejected_until is not None:
+            st.went_down = True
+
+    def probe_passed(self, worker_id: str) -> None:
+        """A passing probe after the ejection time (or after the worker went down and came
+        back): the worker is back in rotation."""
+        st = self._states.get(worker_id)
+        if st is None or st.ejected_until is None:
+            return
+        if self.clock() < st.ejected_until and not st.went_down:
             return
         st.ejected_until = None
+        st.went_down = False
         st.consecutive = 0
         st.last_change = self.clock()
         log.info("worker %s back from ejection (%d ejections so far)", worker_id, st.ejections)
