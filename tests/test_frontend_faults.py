@@ -58,6 +58,16 @@ async def test_a_trickling_engine_meets_the_total_request_timeout():
         )
 
 
+async def test_a_batched_completion_meets_the_total_request_timeout():
+    async with serving(2, settings=_settings(request_timeout=0.8)) as h:
+        h.engines["w1"].fail = "trickle"
+        batch = [prompt(1, 7), prompt(1, 8), prompt(1, 9)]
+        resp, raw = await asyncio.wait_for(h.complete(batch), 10)
+        assert resp.status == 504 and json.loads(raw)["error"]["code"] == "request_timeout"
+        assert await _until(lambda: h.engines["w1"].cancelled >= 1)
+        h.assert_idle()
+
+
 async def test_a_streams_deadline_ends_at_its_first_byte_then_max_stream_duration():
     settings = _settings(request_timeout=0.5, max_stream_duration=0.6)
     async with serving(1, settings=settings, stub_options={"token_delay": 0.05}) as h:
