@@ -7,7 +7,9 @@ The day: arrivals follow a diurnal curve (quiet night, a morning ramp, an aftern
 ``--duration`` wall seconds standing for 24 hours. Prompts are token ids: one of 60 long
 "system prompts" (tenants) plus a short unique question; which tenants are active rotates by
 the hour, so the engines keep evicting and the index keeps changing. The engines' caches are
-small (``--capacity-blocks``) so eviction runs all day.
+small (``--capacity-blocks``) so eviction runs all day. ``kvplug serve`` keeps its last
+``--decision-store-size`` decision traces (default 10,000, a few KB each): the soak sets 1,000
+so that bounded store is full within the first hours, and any growth after it is drift.
 
 Baseline in the same run: the first sampled hour after warm-up; the figures compare the last
 quarter of the day with it.
@@ -115,6 +117,7 @@ class Soak:
             serve_command(
                 port,
                 "--kv-block-size", str(BS), "--log-level", "warning",
+                "--decision-store-size", str(a.decision_store_size),
                 *[x for w in workers for x in ("--worker", w)],
             ),
             stdout=open(self.workdir / "serve.log", "wb"),  # noqa: SIM115 - the child's
@@ -286,6 +289,7 @@ class Soak:
                 "peak_rate": a.peak_rate,
                 "prefix_blocks": a.prefix_blocks,
                 "max_tokens": a.max_tokens,
+                "decision_store_size": a.decision_store_size,
                 "speed": a.speed,
                 "seed": a.seed,
             },
@@ -385,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity-blocks", type=int, default=3000, help="KV blocks per engine")
     ap.add_argument("--prefix-blocks", type=int, default=48, help="blocks per tenant prompt")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument(
+        "--decision-store-size",
+        type=int,
+        default=1000,
+        help="kvplug serve --decision-store-size: small, so the bounded store fills early",
+    )
     ap.add_argument("--speed", type=float, default=20.0, help="kvplug sim --speed")
     ap.add_argument("--trace-every", type=int, default=4, help="fetch 1 decision trace in N")
     ap.add_argument("--seed", type=int, default=0)

@@ -130,6 +130,7 @@ cdef extern from "kvplug.h" nogil:
     kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out)
     kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_t *hashes,
                                   uint32_t *counts, size_t cap, size_t *n_out)
+    kvp_status kvp_index_held_counts(const kvp_index *idx, uint64_t *counts, size_t n)
     kvp_status kvp_costs(const double *prefill, const double *device, const double *host,
                          const double *disk, const double *shared_beyond, const double *decode,
                          size_t n, const kvp_cost_params *p, double *out)
@@ -1012,6 +1013,20 @@ cdef class Index:
             if st != KVP_E_BUFFER:  # the count without a buffer: "too small" by design
                 _raise_status(st, "held_count")
         return n
+
+    def held_counts(self, n):
+        """Blocks held per endpoint id ``0 .. n-1`` (uint64 array), in one pass."""
+        cdef size_t size = <size_t>n
+        cdef cnp.ndarray out = np.zeros(size, np.uint64)
+        cdef kvp_status st
+        self._acquire()
+        try:
+            st = kvp_index_held_counts(self.idx, <uint64_t *>cnp.PyArray_DATA(out), size)
+        finally:
+            self._release()
+        if st != KVP_OK:
+            _raise_status(st, "held_counts")
+        return out
 
     def stats(self):
         cdef kvp_stats s

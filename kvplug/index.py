@@ -176,9 +176,13 @@ class KvIndex:
         """Length every Overlaps array has at least (1 + the largest id ever handed out)."""
         return self._next_id
 
-    def worker_blocks(self, worker_id: str) -> int:
-        """Blocks the index holds for a worker, summed over its DP ranks."""
-        return sum(self.core.held_count(ep) for (w, _), ep in self._ids.items() if w == worker_id)
+    def worker_blocks(self) -> dict[str, int]:
+        """Blocks the index holds per worker, summed over its DP ranks (one table pass)."""
+        counts = self.core.held_counts(self._next_id)
+        out: dict[str, int] = {}
+        for (w, _), ep in self._ids.items():
+            out[w] = out.get(w, 0) + int(counts[ep])
+        return out
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget every rank of a worker: its cached blocks and its endpoint ids."""

@@ -195,10 +195,10 @@ class Frontend:
 
     def _fleet_snapshot(self) -> list[dict[str, Any]]:
         snap = self.fleet.snapshot()
-        index = self.router.index
+        blocks = self.router.index.worker_blocks()
         for w in snap:
             w["ejected"] = self.outliers.ejected(w["id"])
-            w["blocks"] = index.worker_blocks(w["id"])
+            w["blocks"] = blocks.get(w["id"], 0)
         return snap
 
     def _router_stats(self) -> dict[str, Any]:
@@ -323,10 +323,10 @@ class Frontend:
         key = next(self._keys)
         request_id = request.headers.get("X-Request-Id") or f"kvplug-{self._id_prefix}-{key}"
         ctx = RequestContext(key, request_id, req, tokens, source, note, hints, model_workers)
+        if self.queue is not None:
+            await self.admit(request, ctx)  # has its own limit (--router-queue-max-wait)
         if self.settings.request_timeout > 0:
             ctx.deadline = time.monotonic() + self.settings.request_timeout
-        if self.queue is not None:
-            await self.admit(request, ctx)
         try:
             return await self._dispatch_in_time(request, ctx), req.stream
         except asyncio.CancelledError:  # the client hung up: the engine's request was closed
