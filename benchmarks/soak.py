@@ -247,55 +247,83 @@ class Soak:
 
     def report(self, samples: list[dict[str, Any]], scale: float) -> dict[str, Any]:
         a = self.args
-        warm = [s for s in samples if s["hour"] >= 1.0]  # the first hour warms caches up
-        n = max(1, len(warm) // 4)
-        first, last = warm[:n], warm[-n:]
-
-        def med(rows, key):
-            vals = [r[key] for r in rows if r[key] is not None]
-            return statistics.median(vals) if vals else None
-
-        rss0, rss1 = med(first, "rss_mb"), med(last, "rss_mb")
-        p0, p1 = med(first, "decision_p99_us"), med(last, "decision_p99_us")
-        blocks_max = max(s["index_blocks"] for s in samples)
-        capacity = a.engines * a.capacity_blocks
-        figures = {
-            "requests": self.sent,
-            "errors": self.errors,
-            "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
-            "rss_first_quarter_mb": rss0,
-            "rss_last_quarter_mb": rss1,
-            "rss_growth_mb": None if rss0 is None or rss1 is None else rss1 - rss0,
-            "index_blocks_max": blocks_max,
-            "engine_capacity_blocks": capacity,
-            "decision_p99_first_quarter_us": p0,
-            "decision_p99_last_quarter_us": p1,
-            "decision_p99_ratio": None if not p0 or not p1 else p1 / p0,
+        settings = {
+            "duration_s": a.duration,
+            "compression": round(scale, 1),
+            "engines": a.engines,
+            "capacity_blocks": a.capacity_blocks,
+            "peak_rate": a.peak_rate,
+            "prefix_blocks": a.prefix_blocks,
+            "max_tokens": a.max_tokens,
+            "decision_store_size": a.decision_store_size,
+            "speed": a.speed,
+            "seed": a.seed,
         }
-        growth = figures["rss_growth_mb"]
-        ratio = figures["decision_p99_ratio"]
-        figures["drift"] = {
-            "rss": growth is not None and growth > max(10.0, 0.1 * (rss0 or 0)),
-            "index_over_capacity": blocks_max > capacity,
-            "decision_p99": ratio is not None and ratio > 1.5,
-        }
-        figures["no_drift"] = not any(figures["drift"].values()) and self.errors == 0
+        statuses = {str(k): v for k, v in sorted(self.statuses.items())}
         return {
-            "settings": {
-                "duration_s": a.duration,
-                "compression": round(scale, 1),
-                "engines": a.engines,
-                "capacity_blocks": a.capacity_blocks,
-                "peak_rate": a.peak_rate,
-                "prefix_blocks": a.prefix_blocks,
-                "max_tokens": a.max_tokens,
-                "decision_store_size": a.decision_store_size,
-                "speed": a.speed,
-                "seed": a.seed,
-            },
-            "figures": figures,
+            "settings": settings,
+            "figures": summarize(samples, settings, statuses),
             "samples": samples,
         }
+
+
+def _slope(xs: list[float], ys: list[float]) -> float | None:
+    if len(xs) < 3:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return None if den == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den
+
+
+def summarize(
+    samples: list[dict[str, Any]], settings: dict[str, Any], statuses: dict[str, int]
+) -> dict[str, Any]:
+    """Drift figures. Steady state: past the first hour and once the bounded decision store
+    is full; its first quarter is the baseline the last quarter is compared with."""
+    steady = [
+        s
+        for s in samples
+        if s["hour"] >= 1.0 and s["requests"] >= settings.get("decision_store_size", 10_000)
+    ]
+    if len(steady) < 8:  # a short run: whatever follows the first hour
+        steady = [s for s in samples if s["hour"] >= 1.0] or samples
+    n = max(1, len(steady) // 4)
+    first, last = steady[:n], steady[-n:]
+
+    def med(rows, key):
+        vals = [r[key] for r in rows if r[key] is not None]
+        return statistics.median(vals) if vals else None
+
+    rss0, rss1 = med(first, "rss_mb"), med(last, "rss_mb")
+    p0, p1 = med(first, "decision_p99_us"), med(last, "decision_p99_us")
+    slope = _slope([s["requests"] / 1000 for s in steady], [s["rss_mb"] for s in steady])
+    blocks_max = max(s["index_blocks"] for s in samples)
+    capacity = settings["engines"] * settings["capacity_blocks"]
+    requests = samples[-1]["requests"]
+    errors = samples[-1]["errors"]
+    f: dict[str, Any] = {
+        "requests": requests,
+        "errors": errors,
+        "statuses": statuses,
+        "steady_state_from_hour": steady[0]["hour"],
+        "rss_first_quarter_mb": rss0,
+        "rss_last_quarter_mb": rss1,
+        "rss_growth_mb": None if rss0 is None or rss1 is None else rss1 - rss0,
+        "rss_slope_mb_per_1k_requests": slope,
+        "index_blocks_max": blocks_max,
+        "engine_capacity_blocks": capacity,
+        "decision_p99_first_quarter_us": p0,
+        "decision_p99_last_quarter_us": p1,
+        "decision_p99_ratio": None if not p0 or not p1 else p1 / p0,
+    }
+    growth, ratio = f["rss_growth_mb"], f["decision_p99_ratio"]
+    f["drift"] = {
+        "rss": growth is not None and growth > max(4.0, 0.05 * (rss0 or 0)),
+        "index_over_capacity": blocks_max > capacity,
+        "decision_p99": ratio is not None and ratio > 1.5,
+    }
+    f["no_drift"] = not any(f["drift"].values()) and errors == 0
+    return f
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -321,7 +349,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
             cap = report["figures"]["engine_capacity_blocks"]
             ax.axhline(cap, color="grey", ls="--", lw=0.8, label="engines' KV capacity")
             ax.legend(loc="lower right", fontsize=8)
-        ax.set_ylim(bottom=0)
+        top = max((p[1] for p in pts), default=1.0)
+        ax.set_ylim(0, top * 1.15)
+        if key == "rss_mb":
+            steady = report["figures"].get("steady_state_from_hour")
+            if steady:
+                ax.axvline(steady, color="grey", ls=":", lw=0.8)
+                ax.text(steady, top * 0.5, " decision store full", fontsize=8, color="grey")
     reqs = [x["requests"] for x in s]
     ts = [x["t_s"] for x in s]
     rates = [0.0] + [
@@ -350,8 +384,10 @@ def table(report: dict[str, Any]) -> str:
 
     rows = [
         ("requests (errors)", f"{f['requests']} ({f['errors']})"),
-        ("RSS first / last quarter (MB)", f"{fmt(f['rss_first_quarter_mb'])} / "
+        ("steady state from (simulated hour)", fmt(f["steady_state_from_hour"])),
+        ("RSS first / last quarter of it (MB)", f"{fmt(f['rss_first_quarter_mb'])} / "
          f"{fmt(f['rss_last_quarter_mb'])}"),
+        ("RSS slope (MB per 1,000 requests)", fmt(f["rss_slope_mb_per_1k_requests"])),
         ("index blocks max / engines' capacity", f"{fmt(f['index_blocks_max'])} / "
          f"{f['engine_capacity_blocks']}"),
         ("decision p99 first / last quarter (us)", f"{fmt(f['decision_p99_first_quarter_us'])}"
@@ -400,8 +436,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/soak.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs/img/soak.png"))
+    ap.add_argument(
+        "--summarize", metavar="JSON", help="recompute the figures and plot of a saved run"
+    )
     args = ap.parse_args(argv)
-    report = asyncio.run(main_async(args))
+    if args.summarize:
+        report = json.loads(Path(args.summarize).read_text())
+        f = report["figures"]
+        report["figures"] = summarize(report["samples"], report["settings"], f["statuses"])
+    else:
+        report = asyncio.run(main_async(args))
     print(table(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -73,9 +73,6 @@ class OutlierDetector:
             st = self._states[worker_id] = _State(last_change=self.clock())
         return st
 
-    def forget(self, worker_id: str) -> None:
-        self._states.pop(worker_id, None)
-
     def success(self, worker_id: str) -> None:
         st = self._states.get(worker_id)
         if st is not None:
@@ -129,8 +126,11 @@ class OutlierDetector:
                 st.last_change = now
 
     def _may_eject(self) -> bool:
-        n = len(self.fleet.workers)
-        ejected = sum(1 for s in self._states.values() if s.ejected_until is not None)
+        workers = self.fleet.workers
+        n = len(workers)
+        ejected = sum(
+            1 for w, s in self._states.items() if s.ejected_until is not None and w in workers
+        )
         return n > 0 and ejected * 100.0 / n < self.settings.max_ejection_percent
 
     def ejected(self, worker_id: str) -> bool:
