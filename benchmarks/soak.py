@@ -131,9 +131,10 @@ class Soak:
         )
         end = time.monotonic() + 60
         while time.monotonic() < end:
-            for p in (self.sim, self.serve):
+            for p, name in ((self.sim, "sim"), (self.serve, "serve")):
                 if p.poll() is not None:
-                    raise RuntimeError(f"a child exited ({p.args[3]}); see {self.workdir}")
+                    tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-800:]
+                    raise RuntimeError(f"kvplug {name} exited ({p.returncode}): {tail}")
             try:
                 async with self.session.get(self.url + "/ready") as r:
                     if r.status == 200:
@@ -146,6 +147,7 @@ class Soak:
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
+            self.session = None
         stop_process(self.serve, timeout=10, sig=signal.SIGTERM)
         stop_process(self.sim, timeout=10, sig=signal.SIGTERM)
 
@@ -405,7 +407,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"{args.engines} engines, peak {args.peak_rate:g} req/s"
         )
         try:
-            await soak.start()
+            for attempt in range(3):  # a port picked as free may be taken meanwhile
+                try:
+                    await soak.start()
+                    break
+                except RuntimeError as exc:
+                    if attempt == 2 or "exited" not in str(exc):
+                        raise
+                    log(f"start failed ({exc}); again on other ports")
+                    await soak.close()
             return await soak.run()
         except BaseException:
             for f in sorted(Path(tmp).glob("*.log")):
