@@ -1,8 +1,9 @@
 """Fault figures: what ``kvplug serve`` loses, and how fast it notices, when its engines or it
 itself fail. Everything is a real process on loopback: two ``kvplug sim --engines 1`` engines
 (``a`` and ``b``, vLLM-like: OpenAI HTTP, ``/metrics``, ZMQ KV events with a replay endpoint),
-the router under test (``kvplug serve``), and a reference ``kvplug serve`` subscribed to the same
-engines that no fault touches (the baseline its index is compared with).
+the router under test (``kvplug serve --per-try-timeout 1``, otherwise defaults), and a reference
+``kvplug serve`` subscribed to the same engines that no fault touches (the baseline its index is
+compared with).
 
 Faults, each while light background traffic flows through the router (one request every
 ``--gap`` seconds, prompts sharing a few long prefixes):
@@ -18,6 +19,10 @@ Faults, each while light background traffic flows through the router (one reques
 * ``metrics_timeout``: ``a``'s ``/metrics`` (through a proxy here) stops answering. Figures:
   failed requests, time until the adapter's verdict takes ``a`` out, time until it is back once
   ``/metrics`` answers again.
+* ``engine_hung``: engine ``a`` is SIGSTOPped (alive, silent: a hung GPU or event loop). The
+  router runs with ``--per-try-timeout 1``. Figures: requests sent to it, how many failed, the
+  slowest answer (an attempt waits the per-try timeout, then goes to ``b``), time until ``a`` is
+  marked down (failed attempts, failed probes), time until it is back after SIGCONT.
 * ``router_restarted``: the router under test is SIGKILLed and started again while the engines
   keep publishing. Figures: time until ``/ready``, until its index holds exactly the blocks
   the reference router's does, per worker (replayed from the engines' replay buffers).
@@ -55,6 +60,7 @@ from kvplug.testing import free_port, free_port_run, serve_command, stop_process
 MODEL = "sim-llama-3-8b"
 ENGINES = ("a", "b")
 PREFIXES = [" ".join(f"doc{d}-w{i}" for i in range(60)) for d in range(6)]
+PER_TRY = ["--per-try-timeout", "1"]  # the router under test gives up on a silent engine
 _METRIC = re.compile(r"^(kvplug_[a-z_]+)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$")
 
 
@@ -193,7 +199,8 @@ class Lab:
         for n in ENGINES:
             await self.wait_http(self.engines[n].url + "/health", self.engines[n].proc)
         proxy_url = await self.proxy.start()
-        self.routers["router"] = Router("router", free_port(), self._write_config("r", proxy_url))
+        config = self._write_config("r", proxy_url)
+        self.routers["router"] = Router("router", free_port(), config, extra=PER_TRY)
         self.routers["reference"] = Router(
             "reference", free_port(), self._write_config("ref", None)
         )
@@ -341,6 +348,7 @@ class Traffic:
         self.gap = gap
         self.url = url
         self.results: list[tuple[float, int, str | None]] = []  # (sent at, status, worker)
+        self.latencies: list[tuple[float, int, float]] = []  # (sent at, status, seconds)
         self._task: asyncio.Task | None = None
         self._inflight: set[asyncio.Task] = set()
 
@@ -350,8 +358,9 @@ class Traffic:
 
     async def _one(self, i: int) -> None:
         t = time.monotonic()
-        status, worker, _ = await self.lab.complete(self.lab.prompt(i), url=self.url)
+        status, worker, took = await self.lab.complete(self.lab.prompt(i), url=self.url)
         self.results.append((t, status, worker))
+        self.latencies.append((t, status, took))
 
     async def _run(self) -> None:
         i = 0
@@ -481,6 +490,38 @@ async def metrics_timeout(lab: Lab, quick: bool) -> dict[str, Any]:
     return row
 
 
+async def engine_hung(lab: Lab, quick: bool) -> dict[str, Any]:
+    await lab.all_healthy()
+    traffic = Traffic(lab, lab_gap(quick)).start()
+    await asyncio.sleep(0.3)
+    proc = lab.engines["a"].proc
+    assert proc is not None
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        down_s = await lab.wait_metric(lambda m: m.get("kvplug_worker_healthy{a}") == 0.0, since=t0)
+        await asyncio.sleep(1.0 if quick else 3.0)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    t_cont = time.monotonic()
+    back_s = await lab.wait_metric(
+        lambda m: m.get("kvplug_worker_healthy{a}") == 1.0, since=t_cont, timeout=60
+    )
+    await asyncio.sleep(0.3)
+    await traffic.stop()
+    during = [r for r in traffic.latencies if r[0] >= t0]
+    row = {
+        "fault": "engine_hung",
+        "requests": len(during),
+        "requests_failed": sum(s != 200 for _, s, _ in during),
+        "slowest_answer_s": round(max((d for _, _, d in during), default=0.0), 3),
+        "time_to_mark_down_s": round(down_s, 3),
+        "time_to_back_after_sigcont_s": round(back_s, 3),
+    }
+    log(f"engine_hung: {row}")
+    return row
+
+
 async def router_restarted(lab: Lab, quick: bool) -> dict[str, Any]:
     await lab.all_healthy()
     # events keep flowing while the router is down: requests straight to the engines
@@ -548,11 +589,13 @@ async def run(quick: bool, speed: float, logs: str | None = None) -> dict[str, A
         try:
             await lab.start()
             rows: list[dict[str, Any]] = []
-            log("fault 1/3: SIGKILL engine a mid-stream, then restart it")
+            log("fault 1/4: SIGKILL engine a mid-stream, then restart it")
             rows += await engine_killed_and_restarted(lab, quick)
-            log("fault 2/3: engine a's /metrics times out")
+            log("fault 2/4: engine a's /metrics times out")
             rows.append(await metrics_timeout(lab, quick))
-            log("fault 3/3: SIGKILL the router and start it again")
+            log("fault 3/4: SIGSTOP engine a (hung), then SIGCONT")
+            rows.append(await engine_hung(lab, quick))
+            log("fault 4/4: SIGKILL the router and start it again")
             rows.append(await router_restarted(lab, quick))
         except BaseException:
             for f in sorted(Path(tmp).glob("*.log")):

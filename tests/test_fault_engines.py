@@ -64,3 +64,13 @@ def test_router_restarted_rebuilds_the_engines_index(lab):
     assert row["time_to_index_match_s"] is not None
     assert row["index_matches"], row
     assert row["engine_requests_failed"] == 0
+
+
+def test_engine_hung_by_sigstop(lab):
+    loop, the_lab = lab
+    row = loop.run_until_complete(fe.engine_hung(the_lab, True))
+    # attempts on the silent engine give up after --per-try-timeout 1 and go to the other one
+    assert row["requests"] > 0 and row["requests_failed"] == 0
+    assert row["slowest_answer_s"] < 5.0
+    assert row["time_to_mark_down_s"] < 10.0
+    assert row["time_to_back_after_sigcont_s"] < 10.0
