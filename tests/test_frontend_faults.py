@@ -224,6 +224,41 @@ async def test_an_ejected_engine_that_went_down_and_came_back_returns_at_once():
         h.assert_idle()
 
 
+async def test_a_prefill_engine_that_answers_5xx_is_ejected():
+    """Each 5xx prefill falls back to decode-only (the request still works, slower); after
+    two in a row the sick prefill engine is out and requests get two stages again."""
+    pd = [
+        {"id": "p0", "role": "prefill"},
+        {"id": "p1", "role": "prefill"},
+        {"id": "d0", "role": "decode"},
+        {"id": "d1", "role": "decode"},
+    ]
+    outliers = OutlierSettings(consecutive_failures=2, base_ejection_time=30.0)
+    async with serving(pd, settings=_settings(outliers=outliers)) as h:
+        h.engines["p0"].fail = "http500"
+        prefill = []
+        for i in range(10):
+            resp, _ = await h.complete(prompt(2, 80 + i))
+            assert resp.status == 200
+            prefill.append(resp.headers.get("x-kvplug-prefill-worker"))
+        assert h.frontend.fleet.workers["p0"].down_by == {"outlier"}
+        assert prefill[-4:] == ["p1"] * 4
+        assert prefill.count(None) == 2  # the two fallbacks that ejected p0
+        h.assert_idle()
+
+
+async def test_5xx_answers_to_batched_prompts_count_toward_ejection():
+    outliers = OutlierSettings(consecutive_failures=2, base_ejection_time=30.0)
+    async with serving(2, settings=_settings(outliers=outliers)) as h:
+        h.engines["w1"].fail = "http500"
+        for i in range(2):
+            batch = [prompt(1, 90 + i), prompt(1, 95 + i)]
+            resp, _ = await h.complete(batch, headers={"x-kvplug-worker": "w1"})
+            assert resp.status == 500
+        assert h.frontend.fleet.workers["w1"].down_by == {"outlier"}
+        h.assert_idle()
+
+
 async def test_max_ejection_percent_keeps_the_fleet_serving():
     outliers = OutlierSettings(consecutive_failures=2, base_ejection_time=30.0)
     async with serving(2, settings=_settings(outliers=outliers)) as h:

@@ -643,11 +643,15 @@ class Frontend:
         rec.total_s = time.perf_counter() - started
         if status == 200 and answer is None and raw.lstrip().startswith(b"data:"):
             answer = {}  # a streamed prefill answer (SGLang sends the client's body as is)
+        worker_id = routed.decision.worker_id
         if status != 200 or not isinstance(answer, dict):
             rec.outcome = "engine_error"
             rec.error = raw[:500].decode(errors="replace")
+            if status >= 500:  # a sick prefill engine; a 4xx is the client's
+                self.outliers.failure(worker_id, f"prefill HTTP {status}")
             raise PrefillRejected(status, raw)
         rec.outcome = "ok"
+        self.outliers.success(worker_id)
         return answer
 
     # -- dispatch -------------------------------------------------------------------------
