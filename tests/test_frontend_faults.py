@@ -306,6 +306,22 @@ async def test_engine_tokenization_is_bounded_in_concurrency():
         h.assert_idle()
 
 
+async def test_engine_tokenization_avoids_an_engine_that_is_slow_to_answer():
+    """Least outstanding calls first: once a slow (or hung) engine holds a call, the next
+    requests are tokenized elsewhere instead of queueing behind it."""
+    async with serving(2, settings=_settings(tokenize_timeout=3.0)) as h:
+        slow, fast = h.engines["w0"], h.engines["w1"]
+        slow.tokenize_delay = 1.0  # /health still answers
+        tasks = []
+        for i in range(12):  # arrivals over 0.6 s
+            tasks.append(asyncio.create_task(h.complete(f"text {i}")))
+            await asyncio.sleep(0.05)
+        results = await asyncio.gather(*tasks)
+        assert [r.status for r, _ in results] == [200] * 12
+        assert slow.tokenize_calls <= 1 and fast.tokenize_calls >= 11
+        h.assert_idle()
+
+
 async def test_one_failed_health_probe_does_not_take_a_worker_out():
     settings = _settings(health_interval=0)  # probes only when this test asks
     async with serving(1, settings=settings) as h:

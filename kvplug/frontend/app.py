@@ -160,6 +160,7 @@ class Frontend:
         self._children: dict[tuple, Any] = {}  # prometheus children, looked up once
         self._id_prefix = secrets.token_hex(6)  # request ids: unique per process and request
         self._tokenize_rr = itertools.count()
+        self._tokenizing: dict[str, int] = {}  # engine /tokenize calls outstanding, per worker
         # Dynamo's --router-queue-threshold: requests wait while every eligible worker is busy
         config = getattr(router, "config", None)
         self.queue: FrontendQueue | None = None
@@ -943,15 +944,28 @@ class Frontend:
         ]
         if not candidates:
             raise RuntimeError("no healthy worker offers a token endpoint")
-        entry = candidates[next(self._tokenize_rr) % len(candidates)]
-        body = entry.adapter.tokenize_body(req.model, prompt=req.prompt_text, messages=req.messages)
-        status, answer, raw = await self.upstream.post_json(
-            entry.spec.worker_id,
-            entry.url_base + (entry.adapter.tokenize_path or "/tokenize"),
-            body,
-            {"Content-Type": "application/json"},
-            timeout=self.settings.tokenize_timeout,
+        # least outstanding calls first (round robin among equals): a hung or slow engine keeps
+        # its calls, so the next ones go elsewhere
+        start = next(self._tokenize_rr)
+        n = len(candidates)
+        busy = self._tokenizing
+        entry = min(
+            (candidates[(start + i) % n] for i in range(n)),
+            key=lambda e: busy.get(e.spec.worker_id, 0),
         )
+        worker_id = entry.spec.worker_id
+        body = entry.adapter.tokenize_body(req.model, prompt=req.prompt_text, messages=req.messages)
+        busy[worker_id] = busy.get(worker_id, 0) + 1
+        try:
+            status, answer, raw = await self.upstream.post_json(
+                worker_id,
+                entry.url_base + (entry.adapter.tokenize_path or "/tokenize"),
+                body,
+                {"Content-Type": "application/json"},
+                timeout=self.settings.tokenize_timeout,
+            )
+        finally:
+            busy[worker_id] -= 1
         if status != 200:
             raise RuntimeError(f"{entry.spec.worker_id} answered HTTP {status}")
         return entry.adapter.tokens_from_response(answer)
