@@ -1477,6 +1477,24 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
     return KVP_OK;
 }
 
+kvp_status kvp_index_held_counts(const kvp_index *idx, uint64_t *counts, size_t n) {
+    if (idx == NULL || (n > 0 && counts == NULL)) return KVP_E_NULL;
+    for (size_t i = 0; i < n; i++) counts[i] = 0;
+    const size_t slots = idx->bt_cap;
+    for (size_t i = 0; i < slots; i++) {
+        if (idx->bt[i].rec == NONE32) continue;
+        const block_t *b = &idx->pool[idx->bt[i].rec];
+        if (!is_ext(b)) {
+            if (b->ep < n) counts[b->ep]++; /* EP_NONE is far above any n */
+            continue;
+        }
+        const ext_t *e = ext_of(idx, b);
+        for (uint32_t k = 0; k < e->n; k++)
+            if (e->h[k].ep < n) counts[e->h[k].ep]++;
+    }
+    return KVP_OK;
+}
+
 kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_t *hashes,
                               uint32_t *counts, size_t cap, size_t *n_out) {
     if (idx == NULL || n_out == NULL) return KVP_E_NULL;

@@ -159,6 +159,8 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out);
  * *n_out set) when cap is too small. */
 kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_t *hashes,
                               uint32_t *counts, size_t cap, size_t *n_out);
+/* counts[ep] = blocks endpoint ep holds, for every ep < n (one pass over the table). */
+kvp_status kvp_index_held_counts(const kvp_index *idx, uint64_t *counts, size_t n);
 
 /* ---- costs and selection ------------------------------------------------------------------ */
 typedef struct {

@@ -209,6 +209,7 @@ cdef extern from "kvplug.h" nogil:
     kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out)
     kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_t *hashes,
                                   uint32_t *counts, size_t cap, size_t *n_out)
+    kvp_status kvp_index_held_counts(const kvp_index *idx, uint64_t *counts, size_t n)
     kvp_status kvp_costs(const double *prefill, const double *device, const double *host,
                          const double *disk, const double *shared_beyond, const double *decode,
                          size_t n, const kvp_cost_params *p, double *out)
@@ -1085,6 +1086,35 @@ cdef class Index:
             _raise_status(st, "holdings")
         c = cs.tolist()
         return {h: c[3 * i : 3 * i + 3] for i, h in enumerate(hs.tolist())}
+
+    def held_count(self, ep):
+        """Blocks one endpoint holds on any tier (one pass over the table, no copies)."""
+        cdef kvp_endpoint_t e = _ep(ep)
+        cdef size_t n = 0
+        cdef kvp_status st
+        self._acquire()
+        try:
+            st = kvp_index_holdings(self.idx, e, NULL, NULL, 0, &n)
+        finally:
+            self._release()
+        if st != KVP_OK:
+            if st != KVP_E_BUFFER:  # the count without a buffer: "too small" by design
+                _raise_status(st, "held_count")
+        return n
+
+    def held_counts(self, n):
+        """Blocks held per endpoint id ``0 .. n-1`` (uint64 array), in one pass."""
+        cdef size_t size = <size_t>n
+        cdef cnp.ndarray out = np.zeros(size, np.uint64)
+        cdef kvp_status st
+        self._acquire()
+        try:
+            st = kvp_index_held_counts(self.idx, <uint64_t *>cnp.PyArray_DATA(out), size)
+        finally:
+            self._release()
+        if st != KVP_OK:
+            _raise_status(st, "held_counts")
+        return out
 
     def stats(self):
         cdef kvp_stats s

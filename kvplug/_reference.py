@@ -496,6 +496,19 @@ class Index:
         """kvplug hash -> count per tier, for one endpoint (tests and debugging)."""
         return {h: list(c[ep]) for h, c in self._blocks.items() if ep in c}
 
+    def held_counts(self, n: int) -> list[int]:
+        """Blocks held per endpoint id ``0 .. n-1``."""
+        out = [0] * n
+        for c in self._blocks.values():
+            for ep in c:
+                if 0 <= ep < n:
+                    out[ep] += 1
+        return out
+
+    def held_count(self, ep: int) -> int:
+        """Blocks one endpoint holds on any tier."""
+        return sum(1 for c in self._blocks.values() if ep in c)
+
     def stats(self) -> dict[str, int]:
         s = dict(self.counters)
         s["blocks"] = len(self._blocks)

@@ -176,6 +176,14 @@ class KvIndex:
         """Length every Overlaps array has at least (1 + the largest id ever handed out)."""
         return self._next_id
 
+    def worker_blocks(self) -> dict[str, int]:
+        """Blocks the index holds per worker, summed over its DP ranks (one table pass)."""
+        counts = self.core.held_counts(self._next_id)
+        out: dict[str, int] = {}
+        for (w, _), ep in self._ids.items():
+            out[w] = out.get(w, 0) + int(counts[ep])
+        return out
+
     def remove_worker(self, worker_id: str) -> None:
         """Forget every rank of a worker: its cached blocks and its endpoint ids."""
         for key in [k for k in self._ids if k[0] == worker_id]:

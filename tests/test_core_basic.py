@@ -397,9 +397,12 @@ def test_large_counts_and_many_engine_hashes_per_block_match_reference(bound):
             assert c.stats() == r.stats(), step
             for e in (0, 1, SHARED):
                 assert c.holdings(e) == r.holdings(e), (step, e)
+                assert c.held_count(e) == r.held_count(e) == len(c.holdings(e)), (step, e)
                 for eh in (0, 1, 1000, 1001, 2000, 2001, 7, 1150):
                     assert c.resolve(e, eh) == r.resolve(e, eh)
                 most = max([most] + [max(v) for v in c.holdings(e).values()])
+            assert list(c.held_counts(3)) == list(r.held_counts(3)), step
+            assert [int(x) for x in c.held_counts(2)] == [len(c.holdings(e)) for e in (0, 1)]
     if bound == 0:
         assert most > 255
 

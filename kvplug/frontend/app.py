@@ -12,6 +12,7 @@ comma-separated lists in prompt order.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import itertools
 import json
@@ -47,11 +48,12 @@ from kvplug.frontend.bodies import read_body
 from kvplug.frontend.context import RequestContext, Routed
 from kvplug.frontend.decisions import DecisionRecord, DecisionStore
 from kvplug.frontend.errors import ApiError, bad_request
-from kvplug.frontend.fleet import Fleet
+from kvplug.frontend.fleet import Fleet, WorkerEntry
 from kvplug.frontend.health import HealthProber
 from kvplug.frontend.hints import ClientHints, RequestHints, check_hint_targets
 from kvplug.frontend.lifecycle import Lifecycle
 from kvplug.frontend.metrics import FrontendMetrics
+from kvplug.frontend.outliers import OutlierDetector, OutlierSettings
 from kvplug.frontend.parsing import CHAT, COMPLETIONS, ParsedRequest, parse_request
 from kvplug.frontend.queueing import ClientGone, FrontendQueue
 from kvplug.frontend.streaming import completion_tokens, relay
@@ -74,11 +76,20 @@ class ServeSettings:
     decision_store_size: int = 10_000
     health_interval: float = 5.0
     health_timeout: float = 2.0
-    connect_timeout: float = 5.0
-    request_timeout: float = 600.0
+    # timeouts, in Envoy's vocabulary (docs/frontend.md "Timeouts"); 0 = none
+    connect_timeout: float = 5.0  # TCP connect to an engine
+    per_try_timeout: float = 0.0  # one attempt's wait for the engine's first byte (retried)
+    idle_timeout: float = 600.0  # no byte from the engine for this long
+    request_timeout: float = 600.0  # total: the whole answer, or a stream's first byte
+    max_stream_duration: float = 0.0  # total of a streamed answer
     prefill_timeout: float = 120.0
     served_model_names: list[str] = field(default_factory=list)
     engine_tokenize: bool = True
+    max_tokenize_chars: int = 1_000_000  # prompt text sent to an engine's /tokenize; 0 = no cap
+    tokenize_concurrency: int = 4  # engine /tokenize calls at once; 0 = no limit
+    tokenize_timeout: float = 5.0
+    health_unhealthy_threshold: int = 2  # failed probes in a row before a worker is down
+    outliers: OutlierSettings = field(default_factory=OutlierSettings)
     api_key: str | None = None  # clients must send "Authorization: Bearer <key>" to /v1/*
     # pins, allow-lists, label selectors from clients: "ignore" (counted), "trust", "reject"
     client_routing_hints: str = "ignore"
@@ -112,12 +123,23 @@ class Frontend:
         self.settings = s = settings or ServeSettings()
         self.fleet = Fleet(router)
         self.fleet.configured_models = set(s.served_model_names)
-        self.upstream = Upstream(s.connect_timeout, s.request_timeout)
-        self.prober = HealthProber(self.fleet, self.upstream, s.health_interval, s.health_timeout)
+        self.upstream = Upstream(s.connect_timeout, s.idle_timeout)
+        self.outliers = OutlierDetector(self.fleet, s.outliers, on_eject=self._ejected)
+        self.prober = HealthProber(
+            self.fleet,
+            self.upstream,
+            s.health_interval,
+            s.health_timeout,
+            unhealthy_threshold=s.health_unhealthy_threshold,
+            outliers=self.outliers,
+        )
+        self._tokenize_slots = (
+            asyncio.Semaphore(s.tokenize_concurrency) if s.tokenize_concurrency > 0 else None
+        )
         self.decisions = DecisionStore(s.decision_store_size)
         self.metrics = FrontendMetrics()
         self.client_hints = ClientHints(s.client_routing_hints, self.metrics.hints_ignored)
-        self.metrics.attach_state(self.fleet.snapshot, self._router_stats)
+        self.metrics.attach_state(self._fleet_snapshot, self._router_stats)
         self.tokens = TokenResolver(tokenizer, self._engine_tokenize if s.engine_tokenize else None)
         self.block_size = router.index.block_size
         self._keys = itertools.count(1)
@@ -126,6 +148,7 @@ class Frontend:
         self._id_prefix = secrets.token_hex(6)  # request ids: unique per process and request
         self._tokenize_rr = itertools.count()
         self._no_tokenize: set[tuple[str, str]] = set()  # (worker, URL) answering 404 there
+        self._tokenizing: dict[str, int] = {}  # engine /tokenize calls outstanding, per worker
         # Dynamo's --router-queue-threshold: requests wait while every eligible worker is busy
         config = getattr(router, "config", None)
         self.queue: FrontendQueue | None = None
@@ -155,6 +178,17 @@ class Frontend:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def _ejected(self, worker_id: str, reason: str, seconds: float) -> None:
+        self.metrics.ejections.labels(worker_id).inc()
+
+    def _fleet_snapshot(self) -> list[dict[str, Any]]:
+        snap = self.fleet.snapshot()
+        blocks = self.router.index.worker_blocks()
+        for w in snap:
+            w["ejected"] = self.outliers.ejected(w["id"])
+            w["blocks"] = blocks.get(w["id"], 0)
+        return snap
 
     def _router_stats(self) -> dict[str, Any]:
         try:
@@ -193,6 +227,10 @@ class Frontend:
                 "internal_error",
             )
             return err.response()
+        except asyncio.CancelledError:
+            # the client hung up (aiohttp cancels the handler): counted as nginx's 499
+            status = 499
+            raise
         finally:
             m.inflight.dec()
             key = (path, status)
@@ -234,7 +272,13 @@ class Frontend:
             self._check_batch_size(req.batch_size)
             if req.prompts is not None and not self.fleet.disaggregated:
                 # one sub-request per prompt, each routed on its own tokens
-                return await serve_batch(self, request, req, hints, model_workers), req.stream
+                batch = serve_batch(self, request, req, hints, model_workers)
+                if req.stream or self.settings.request_timeout <= 0:
+                    return await batch, req.stream
+                try:
+                    return await asyncio.wait_for(batch, self.settings.request_timeout), False
+                except asyncio.TimeoutError:
+                    raise self._timed_out(None) from None
         tokens, source, note = await self.tokens.resolve(req)
         self._child(self.metrics.token_source, source).inc()
         self.check_prompt_tokens(tokens, "prompt")
@@ -242,11 +286,56 @@ class Frontend:
         request_id = request.headers.get("X-Request-Id") or f"kvplug-{self._id_prefix}-{key}"
         ctx = RequestContext(key, request_id, req, tokens, source, note, hints, model_workers)
         if self.queue is not None:
-            await self.admit(request, ctx)
+            await self.admit(request, ctx)  # has its own limit (--router-queue-max-wait)
+        if self.settings.request_timeout > 0:
+            ctx.deadline = time.monotonic() + self.settings.request_timeout
         try:
-            return await self._dispatch(request, ctx), req.stream
+            return await self._dispatch_in_time(request, ctx), req.stream
+        except asyncio.CancelledError:  # the client hung up: the engine's request was closed
+            for rec in ctx.records:
+                if rec.outcome == "in_flight":
+                    rec.outcome, rec.status = "client_disconnected", 499
+                    rec.error = "the client closed the connection"
+            raise
         finally:
             self.admitted(ctx)
+
+    async def _dispatch_in_time(self, request: web.Request, ctx: RequestContext):
+        """``_dispatch`` within ``--request-timeout``: the whole answer when not streamed; a
+        stream's deadline ends at its first byte (``open_upstream``), then
+        ``--max-stream-duration`` applies."""
+        try:
+            if ctx.deadline is None or ctx.req.stream:
+                return await self._dispatch(request, ctx)
+            left = ctx.deadline - time.monotonic()
+            return await asyncio.wait_for(self._dispatch(request, ctx), left)
+        except asyncio.TimeoutError:
+            if ctx.deadline is None or time.monotonic() < ctx.deadline - 0.01:
+                raise  # not ours
+            raise self._timed_out(ctx) from None
+
+    def _timed_out(self, ctx: RequestContext | None) -> ApiError:
+        """The 504 of a request past ``--request-timeout``; its engine counts one failure."""
+        limit = self.settings.request_timeout
+        err = ApiError(
+            504,
+            f"the engine did not answer within the request timeout of {limit:g} s "
+            "(--request-timeout)",
+            "upstream_error",
+            "request_timeout",
+        )
+        last = ctx.records[-1] if ctx is not None and ctx.records else None
+        if last is not None:
+            if last.outcome in ("in_flight", "cancelled"):
+                last.outcome, last.status = "timeout", 504
+                last.error = f"no whole answer within --request-timeout ({limit:g} s)"
+            self.metrics.upstream_errors.labels(last.worker_id, "timeout").inc()
+            self.outliers.failure(last.worker_id, "request timeout")
+            err.headers = {
+                "x-kvplug-decision-id": last.decision_id,
+                "x-kvplug-worker": last.worker_id,
+            }
+        return err
 
     def check_prompt_tokens(self, tokens: list[int] | None, where: str) -> None:
         limit = self.settings.max_prompt_tokens
@@ -471,6 +560,8 @@ class Frontend:
             route_s * 1e6,
         )
         record.queue_wait_s = ctx.queue_wait_s
+        if self.fleet.unhealthy:
+            record.unhealthy = self._unhealthy_detail()
         for other in ctx.records:
             other.related.append(record.decision_id)
             record.related.append(other.decision_id)
@@ -485,6 +576,14 @@ class Frontend:
         )
         return Routed(decision, entry, lifecycle, record)
 
+    def _unhealthy_detail(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for w in self.fleet.unhealthy:
+            entry = self.fleet.workers.get(w)
+            if entry is not None:
+                out[w] = {"down_by": sorted(entry.down_by), "reason": entry.last_error}
+        return out
+
     def stage_failed(self, routed: Routed, reason: str) -> None:
         routed.lifecycle.finish()
         routed.record.outcome = "unavailable"
@@ -492,6 +591,7 @@ class Frontend:
         worker_id = routed.decision.worker_id
         self.fleet.mark_unhealthy(worker_id, reason)
         self.metrics.upstream_errors.labels(worker_id, "before_first_byte").inc()
+        self.outliers.failure(worker_id, reason)
         self.prober.poke()
 
     def decode_capable(self) -> frozenset[str]:
@@ -520,11 +620,15 @@ class Frontend:
         rec.total_s = time.perf_counter() - started
         if status == 200 and answer is None and raw.lstrip().startswith(b"data:"):
             answer = {}  # a streamed prefill answer (SGLang sends the client's body as is)
+        worker_id = routed.decision.worker_id
         if status != 200 or not isinstance(answer, dict):
             rec.outcome = "engine_error"
             rec.error = raw[:500].decode(errors="replace")
+            if status >= 500:  # a sick prefill engine; a 4xx is the client's
+                self.outliers.failure(worker_id, f"prefill HTTP {status}")
             raise PrefillRejected(status, raw)
         rec.outcome = "ok"
+        self.outliers.success(worker_id)
         return answer
 
     # -- dispatch -------------------------------------------------------------------------
@@ -680,9 +784,7 @@ class Frontend:
             entry = routed.entry
             entry.inflight += 1
             try:
-                upstream, first = await self.upstream.open(
-                    entry.spec.worker_id, entry.url_base + ctx.req.path, body, hop_headers
-                )
+                upstream, first = await self._open_attempt(ctx, entry, body, hop_headers)
             except UpstreamUnavailable as exc:
                 entry.inflight -= 1
                 self.stage_failed(routed, exc.reason)
@@ -712,6 +814,28 @@ class Frontend:
             }
         raise err
 
+    async def _open_attempt(
+        self, ctx: RequestContext, entry: WorkerEntry, body: bytes, hop_headers: dict[str, str]
+    ) -> tuple[Any, bytes]:
+        """One attempt, until the engine's first byte, within ``--per-try-timeout`` (an
+        ``UpstreamUnavailable``: retried elsewhere) and the request's deadline (a
+        ``TimeoutError``: the caller answers 504)."""
+        worker_id = entry.spec.worker_id
+        coro = self.upstream.open(worker_id, entry.url_base + ctx.req.path, body, hop_headers)
+        per_try = self.settings.per_try_timeout if self.settings.per_try_timeout > 0 else None
+        left = None if ctx.deadline is None else ctx.deadline - time.monotonic()
+        if per_try is None and left is None:
+            return await coro
+        limit = min(t for t in (per_try, left) if t is not None)
+        try:
+            return await asyncio.wait_for(coro, max(0.0, limit))
+        except asyncio.TimeoutError:
+            if per_try is not None and limit == per_try and (left is None or left > per_try):
+                raise UpstreamUnavailable(
+                    worker_id, f"no answer within the per-try timeout ({per_try:g} s)"
+                ) from None
+            raise
+
     async def _relay(
         self, request, ctx, routed: Routed, upstream, first: bytes, plan: DecodePlan | None
     ) -> web.StreamResponse:
@@ -725,7 +849,10 @@ class Frontend:
         if plan is not None and plan.prefill is not None and plan.fallback_reason is None:
             headers["x-kvplug-prefill-worker"] = plan.prefill.decision.worker_id
             headers["x-kvplug-prefill-decision-id"] = plan.prefill.record.decision_id
-        response, outcome, error = await relay(request, upstream, first, routed.lifecycle, headers)
+        stream_limit = self.settings.max_stream_duration
+        response, outcome, error = await relay(
+            request, upstream, first, routed.lifecycle, headers, stream_limit or None
+        )
         rec = routed.record
         lc = routed.lifecycle
         rec.status = upstream.status
@@ -740,10 +867,50 @@ class Frontend:
                 self.metrics.ttft_seconds.observe(rec.ttft_s)
         if outcome == "upstream_failed_mid_stream":
             self.metrics.upstream_errors.labels(d.worker_id, "mid_stream").inc()
+        if upstream.status >= 500 or outcome in ("upstream_failed_mid_stream", "stream_timeout"):
+            self.outliers.failure(d.worker_id, error or f"HTTP {upstream.status}")
+        elif outcome == "ok":
+            self.outliers.success(d.worker_id)
         return response
 
     # -- engine tokenization --------------------------------------------------------------
     async def _engine_tokenize(self, req: ParsedRequest) -> list[int]:
+        """Token ids from an engine's token endpoint, bounded: a prompt over
+        ``--max-tokenize-chars`` is refused (413, the engine would stall on it), and at most
+        ``--tokenize-concurrency`` calls run at once (a caller that waits longer than
+        ``--tokenize-timeout`` for a slot routes on load only). A failure here never marks an
+        engine down."""
+        s = self.settings
+        size = len(req.prompt_text or "") + sum(
+            len(str(m.get("content", ""))) for m in req.messages or () if isinstance(m, dict)
+        )
+        if s.max_tokenize_chars and size > s.max_tokenize_chars:
+            raise ApiError(
+                413,
+                f"the prompt has {size} characters, over the {s.max_tokenize_chars}-character "
+                "limit of engine tokenization (--max-tokenize-chars); send token ids, or run "
+                "kvplug with a local --tokenizer",
+                "invalid_request_error",
+                "prompt_too_large",
+                "prompt" if req.messages is None else "messages",
+            )
+        slots = self._tokenize_slots
+        if slots is None:
+            return await self._engine_tokenize_call(req)
+        try:
+            await asyncio.wait_for(slots.acquire(), s.tokenize_timeout)
+        except asyncio.TimeoutError:
+            self.metrics.tokenize_refused.labels("busy").inc()
+            raise RuntimeError(
+                f"all {s.tokenize_concurrency} engine tokenization slots stayed busy for "
+                f"{s.tokenize_timeout:g} s (--tokenize-concurrency)"
+            ) from None
+        try:
+            return await self._engine_tokenize_call(req)
+        finally:
+            slots.release()
+
+    async def _engine_tokenize_call(self, req: ParsedRequest) -> list[int]:
         candidates = [
             e
             for e in self.fleet.workers.values()
@@ -754,22 +921,34 @@ class Frontend:
         ]
         if not candidates:
             raise RuntimeError("no healthy worker offers a token endpoint")
-        entry = candidates[next(self._tokenize_rr) % len(candidates)]
-        body = entry.adapter.tokenize_body(req.model, prompt=req.prompt_text, messages=req.messages)
-        path = entry.adapter.tokenize_path or "/tokenize"
-        status, answer, raw = await self.upstream.post_json(
-            entry.spec.worker_id,
-            entry.url_base + path,
-            body,
-            {"Content-Type": "application/json"},
-            timeout=self.settings.connect_timeout,
+        # least outstanding calls first (round robin among equals): a hung or slow engine keeps
+        # its calls, so the next ones go elsewhere
+        start = next(self._tokenize_rr)
+        n = len(candidates)
+        busy = self._tokenizing
+        entry = min(
+            (candidates[(start + i) % n] for i in range(n)),
+            key=lambda e: busy.get(e.spec.worker_id, 0),
         )
+        worker_id = entry.spec.worker_id
+        body = entry.adapter.tokenize_body(req.model, prompt=req.prompt_text, messages=req.messages)
+        busy[worker_id] = busy.get(worker_id, 0) + 1
+        try:
+            status, answer, raw = await self.upstream.post_json(
+                worker_id,
+                entry.url_base + (entry.adapter.tokenize_path or "/tokenize"),
+                body,
+                {"Content-Type": "application/json"},
+                timeout=self.settings.tokenize_timeout,
+            )
+        finally:
+            busy[worker_id] -= 1
         if status in (404, 405):  # an engine without the endpoint: never asked again
-            self._no_tokenize.add((entry.spec.worker_id, entry.url_base))
+            self._no_tokenize.add((worker_id, entry.url_base))
             log.info(
                 "%s has no %s (HTTP %d): not asked for token ids again",
-                entry.spec.worker_id,
-                path,
+                worker_id,
+                entry.adapter.tokenize_path or "/tokenize",
                 status,
             )
         if status != 200:

@@ -294,6 +294,8 @@ class _Batch:
                 ctype = "application/json"
             rec.error = body[:500].decode(errors="replace")
             part.release("engine_error", rec.error)
+            if upstream.status >= 500:  # a sick engine (outlier detection); a 4xx is the client's
+                fe.outliers.failure(routed.decision.worker_id, f"HTTP {upstream.status}")
             raise _SubFailed(part, upstream.status if upstream.status != 200 else 502, body, ctype)
         if self.req.stream:
             return

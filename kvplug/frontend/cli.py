@@ -210,6 +210,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="never ask an engine's /tokenize (route on load when token ids are unknown)",
     )
+    t.add_argument(
+        "--max-tokenize-chars",
+        type=int,
+        default=1_000_000,
+        metavar="N",
+        help="refuse prompts of more than N characters with HTTP 413 when their token ids "
+        "would come from an engine's /tokenize (default 1000000; 0 = no cap; a local "
+        "--tokenizer has no cap)",
+    )
+    t.add_argument(
+        "--tokenize-concurrency",
+        type=int,
+        default=4,
+        metavar="N",
+        help="engine /tokenize calls at once (default 4; 0 = no limit); a request that "
+        "cannot get a slot within --tokenize-timeout is routed on load only",
+    )
+    t.add_argument(
+        "--tokenize-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds an engine /tokenize call (and the wait for a slot) may take (default 5)",
+    )
 
     f = parser.add_argument_group("failures and health")
     f.add_argument(
@@ -227,11 +251,35 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds to connect to an engine (default 5)",
     )
     f.add_argument(
-        "--request-timeout",
+        "--per-try-timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="seconds one attempt may wait for the engine's first byte before it counts as "
+        "failed and is retried on another worker (default 0 = only --request-timeout)",
+    )
+    f.add_argument(
+        "--idle-timeout",
         type=float,
         default=600.0,
         metavar="S",
         help="seconds without a byte from an engine before the request fails (default 600)",
+    )
+    f.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="total seconds for a request: the whole answer, or a stream's first byte; "
+        "then HTTP 504 request_timeout (default 600; 0 = none)",
+    )
+    f.add_argument(
+        "--max-stream-duration",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="total seconds of a streamed answer; then the stream ends with an error "
+        "event (default 0 = none)",
     )
     f.add_argument(
         "--prefill-timeout",
@@ -253,6 +301,48 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         metavar="S",
         help="seconds a health probe may take (default 2)",
+    )
+    f.add_argument(
+        "--health-unhealthy-threshold",
+        type=int,
+        default=2,
+        metavar="N",
+        help="failed health probes in a row before a worker is taken out (default 2)",
+    )
+    o = parser.add_argument_group(
+        "outlier detection",
+        "Envoy's consecutive-failure ejection: a worker whose requests keep failing (5xx, "
+        "reset, timeout, broken stream) is taken out of rotation even while its health path "
+        "answers, for a time that grows with each ejection; a passing probe then brings it back",
+    )
+    o.add_argument(
+        "--outlier-consecutive-failures",
+        type=int,
+        default=5,
+        metavar="N",
+        help="failures in a row that eject a worker (default 5; 0 = off)",
+    )
+    o.add_argument(
+        "--outlier-base-ejection-time",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds of the first ejection; the n-th lasts n times as long (default 30)",
+    )
+    o.add_argument(
+        "--outlier-max-ejection-time",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="longest ejection (default 300)",
+    )
+    o.add_argument(
+        "--outlier-max-ejection-percent",
+        type=float,
+        default=10.0,
+        metavar="P",
+        help="no ejection while P%% of the workers are ejected; one worker may always be "
+        "(default 10)",
     )
 
     g2 = parser.add_argument_group("gateway endpoint picker")
@@ -340,6 +430,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace):
     from kvplug.frontend.app import ServeSettings
+    from kvplug.frontend.outliers import OutlierSettings
 
     for name in (
         "max_prompt_tokens",
@@ -347,6 +438,17 @@ def settings_from_args(args: argparse.Namespace):
         "max_body_bytes",
         "retries",
         "decision_store_size",
+        "per_try_timeout",
+        "idle_timeout",
+        "request_timeout",
+        "max_stream_duration",
+        "max_tokenize_chars",
+        "tokenize_concurrency",
+        "tokenize_timeout",
+        "outlier_consecutive_failures",
+        "outlier_base_ejection_time",
+        "outlier_max_ejection_time",
+        "outlier_max_ejection_percent",
     ):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
@@ -363,10 +465,23 @@ def settings_from_args(args: argparse.Namespace):
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
         connect_timeout=args.connect_timeout,
+        per_try_timeout=args.per_try_timeout,
+        idle_timeout=args.idle_timeout,
         request_timeout=args.request_timeout,
+        max_stream_duration=args.max_stream_duration,
         prefill_timeout=args.prefill_timeout,
         served_model_names=list(args.served_model_name),
         engine_tokenize=args.engine_tokenize,
+        max_tokenize_chars=args.max_tokenize_chars,
+        tokenize_concurrency=args.tokenize_concurrency,
+        tokenize_timeout=args.tokenize_timeout,
+        health_unhealthy_threshold=max(1, args.health_unhealthy_threshold),
+        outliers=OutlierSettings(
+            consecutive_failures=args.outlier_consecutive_failures,
+            base_ejection_time=args.outlier_base_ejection_time,
+            max_ejection_time=args.outlier_max_ejection_time,
+            max_ejection_percent=args.outlier_max_ejection_percent,
+        ),
         api_key=args.api_key or None,
         engine_api_key=args.engine_api_key or None,
         client_routing_hints=args.client_routing_hints,

@@ -28,6 +28,7 @@ class RequestContext:
     records: list[DecisionRecord] = field(default_factory=list)
     ticket: Any = None  # released from the admission queue, not yet routed
     queue_wait_s: float | None = None
+    deadline: float | None = None  # time.monotonic() of --request-timeout
 
 
 @dataclass(slots=True)

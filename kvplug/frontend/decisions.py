@@ -40,6 +40,7 @@ class DecisionRecord:
         "fallback_reason",
         "queue_wait_s",
         "batch",
+        "unhealthy",
     )
 
     def __init__(
@@ -83,6 +84,9 @@ class DecisionRecord:
         self.queue_wait_s: float | None = None  # time in the admission queue (None: not queued)
         # one prompt of a split batch: {"request_id", "prompt_index", "size"}
         self.batch: dict[str, Any] | None = None
+        # workers kept out of this decision for their health: id -> {"down_by", "reason"}
+        # (down_by "outlier": ejected by outlier detection)
+        self.unhealthy: dict[str, dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         to_dict = getattr(self.decision, "to_dict", None)
@@ -115,6 +119,7 @@ class DecisionRecord:
             "output_tokens": self.output_tokens,
             "related_decisions": list(self.related),
             "batch": self.batch,
+            "unhealthy_workers": self.unhealthy or {},
             "created_unix": self.created,
             "router": trace,
         }

@@ -317,9 +317,10 @@ class Fleet:
         self.unhealthy = frozenset(w for w, e in self.workers.items() if not e.healthy)
 
     def mark_unhealthy(self, worker_id: str, reason: str, source: str = "request") -> None:
-        """``source``: "request" (failed before its first byte), "probe" (health path) or
-        "adapter" (the engine adapter's own verdict). A passing probe clears the first two;
-        only the adapter clears its own."""
+        """``source``: "request" (failed before its first byte), "probe" (health path),
+        "adapter" (the engine adapter's own verdict) or "outlier" (ejected after consecutive
+        failures, ``outliers.py``). A passing probe clears the first two; the adapter and the
+        outlier detector clear their own."""
         entry = self.workers.get(worker_id)
         if entry is None:
             return
@@ -335,7 +336,7 @@ class Fleet:
             if entry is not None and source == "adapter":
                 entry.down_by.discard("adapter")
             return
-        entry.down_by -= {"adapter"} if source == "adapter" else {"request", "probe"}
+        entry.down_by -= {source} if source in ("adapter", "outlier") else {"request", "probe"}
         if entry.healthy:
             log.info("worker %s healthy again", worker_id)
             self._refresh_unhealthy()

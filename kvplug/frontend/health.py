@@ -1,5 +1,9 @@
-"""Background health probing: every worker's health path each interval; a passing probe makes
-an unhealthy worker routable again. Workers whose served models are not configured have them
+"""Background health probing: every worker's health path each interval. A worker is marked
+down after ``unhealthy_threshold`` failed probes in a row (one slow answer - an engine busy
+tokenizing a huge prompt, say - is not a dead engine; Envoy's ``unhealthy_threshold``), or at
+its first failed probe if it never passed one; a
+passing probe makes it routable again, and brings an ejected worker back once its ejection
+time is up (``outliers.py``). Workers whose served models are not configured have them
 discovered from ``GET /v1/models`` once healthy."""
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import logging
 import time
 
 from kvplug.frontend.fleet import Fleet, WorkerEntry
+from kvplug.frontend.outliers import OutlierDetector
 from kvplug.frontend.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -17,12 +22,23 @@ log = logging.getLogger(__name__)
 
 class HealthProber:
     def __init__(
-        self, fleet: Fleet, upstream: Upstream, interval: float = 5.0, timeout: float = 2.0
+        self,
+        fleet: Fleet,
+        upstream: Upstream,
+        interval: float = 5.0,
+        timeout: float = 2.0,
+        *,
+        unhealthy_threshold: int = 2,
+        outliers: OutlierDetector | None = None,
     ) -> None:
         self.fleet = fleet
         self.upstream = upstream
         self.interval = interval
         self.timeout = timeout
+        self.unhealthy_threshold = max(1, unhealthy_threshold)
+        self.outliers = outliers
+        self.failures: dict[str, int] = {}  # failed probes in a row, per worker
+        self.passed: set[str] = set()  # workers that ever passed a probe
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
 
@@ -50,8 +66,12 @@ class HealthProber:
             except Exception:  # never let the prober die
                 log.exception("health probe round failed")
             self._wake.clear()
+            wait = self.interval
+            due = self.outliers.next_due_in() if self.outliers is not None else None
+            if due is not None:  # an ejection ends before the next round: probe it then
+                wait = min(wait, due + 0.01)
             try:
-                await asyncio.wait_for(self._wake.wait(), self.interval)
+                await asyncio.wait_for(self._wake.wait(), wait)
                 await asyncio.sleep(min(0.2, self.interval))  # let a burst of failures settle
             except asyncio.TimeoutError:
                 pass
@@ -71,13 +91,32 @@ class HealthProber:
             ok, reason = False, f"health probe failed: {type(exc).__name__}: {exc}"
         entry.last_probe = time.monotonic()
         if worker_id not in self.fleet.workers:
+            self.failures.pop(worker_id, None)
+            self.passed.discard(worker_id)
             return ok  # removed meanwhile
+        if self.outliers is not None and (not ok or "adapter" in entry.down_by):
+            self.outliers.went_down(worker_id)  # not just sick: down (crashed, restarting)
         if ok:
+            self.failures.pop(worker_id, None)
+            self.passed.add(worker_id)
             self.fleet.mark_healthy(worker_id)
+            if self.outliers is not None:  # once its ejection time is up, or it went down
+                self.outliers.probe_passed(worker_id)
             if not entry.models and not entry.spec.models:
                 await self._discover_models(entry)
         else:
-            self.fleet.mark_unhealthy(worker_id, reason, source="probe")
+            n = self.failures[worker_id] = self.failures.get(worker_id, 0) + 1
+            # an engine never seen up gets no benefit of the doubt (a new or dead worker)
+            if n >= self.unhealthy_threshold or worker_id not in self.passed:
+                self.fleet.mark_unhealthy(worker_id, f"{reason} ({n} in a row)", source="probe")
+            else:
+                log.info(
+                    "worker %s: %s (%d of %d before it is down)",
+                    worker_id,
+                    reason,
+                    n,
+                    self.unhealthy_threshold,
+                )
         return ok
 
     async def _discover_models(self, entry: WorkerEntry) -> None:

@@ -70,16 +70,29 @@ class _StateCollector:
             "Router's active decode blocks of the worker (all DP ranks)",
             labels=["worker"],
         )
+        ejected = GaugeMetricFamily(
+            "kvplug_worker_ejected",
+            "1 while outlier detection keeps the worker out of rotation",
+            labels=["worker"],
+        )
+        blocks = GaugeMetricFamily(
+            "kvplug_worker_kv_blocks",
+            "KV blocks the router's index holds for the worker (all DP ranks, all tiers)",
+            labels=["worker"],
+        )
         for w in self._snapshot():
             wid = w["id"]
+            if "blocks" in w:
+                blocks.add_metric([wid], float(w["blocks"]))
             healthy.add_metric([wid], 1.0 if w["healthy"] else 0.0)
+            ejected.add_metric([wid], 1.0 if w.get("ejected") else 0.0)
             draining.add_metric([wid], 1.0 if w["draining"] else 0.0)
             inflight.add_metric([wid], float(w["inflight"]))
             events.add_metric([wid], float(w["events"]))
             load = w.get("load") or {}
             prefill.add_metric([wid], load.get("prefill_tokens", 0.0))
             decode.add_metric([wid], load.get("decode_blocks", 0.0))
-        yield from (healthy, draining, inflight, events, prefill, decode)
+        yield from (healthy, ejected, draining, inflight, events, blocks, prefill, decode)
         stats = GaugeMetricFamily(
             "kvplug_router_stat", "Router and KV index counters", labels=["stat"]
         )
@@ -144,6 +157,18 @@ class FrontendMetrics:
         )
         self.upstream_errors = Counter(
             "kvplug_upstream_errors", "Engine failures by phase", ["worker", "phase"], registry=r
+        )
+        self.ejections = Counter(
+            "kvplug_outlier_ejections",
+            "Workers ejected after consecutive failures (outlier detection)",
+            ["worker"],
+            registry=r,
+        )
+        self.tokenize_refused = Counter(
+            "kvplug_engine_tokenize_skipped",
+            "Prompts not sent to an engine's /tokenize, by reason",
+            ["reason"],
+            registry=r,
         )
         self.token_source = Counter(
             "kvplug_token_source", "Where routing token ids came from", ["source"], registry=r

@@ -62,7 +62,11 @@ async def _serve_app(
         # after an early answer (408, 413) aiohttp reads and drops what the client still
         # sends for this long (default 10 s) before closing: no longer than a body may take
         kwargs["lingering_time"] = min(10.0, settings.client_body_timeout)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, **kwargs)
+    # handler_cancellation: a client that hangs up cancels its handler, which closes the
+    # engine's request and releases the router's load (nobody reads that answer)
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, handler_cancellation=True, **kwargs
+    )
     await runner.setup()
     listeners = Listeners(runner, header_timeout)
     try:

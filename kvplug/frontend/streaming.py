@@ -144,10 +144,13 @@ async def relay(
     first_chunk: bytes,
     lifecycle: Lifecycle,
     extra_headers: dict[str, str],
+    max_stream_duration: float | None = None,
 ) -> tuple[web.StreamResponse, str, str | None]:
     """Send the engine's answer to the client. Returns (response, outcome, error).
 
-    The caller owns ``lifecycle.finish()`` and releasing ``upstream``.
+    A stream still running ``max_stream_duration`` seconds after the relay began ends with an
+    error event (outcome ``stream_timeout``). The caller owns ``lifecycle.finish()`` and
+    releasing ``upstream``.
     """
     ctype = upstream.headers.get("Content-Type", "")
     headers = response_headers(upstream, extra_headers)
@@ -184,6 +187,8 @@ async def relay(
     chunk = first_chunk
     outcome: str = "ok"
     error: str | None = None
+    loop = asyncio.get_running_loop()
+    ends_at = None if max_stream_duration is None else loop.time() + max_stream_duration
     try:
         while chunk:
             counter.feed(chunk)
@@ -191,9 +196,23 @@ async def relay(
                 lifecycle.first_token()
             lifecycle.output(counter.tokens)  # tells the router at block boundaries
             await out.write(chunk)
-            chunk = await upstream.content.readany()
+            if ends_at is None:  # the common case: no timer task per chunk
+                chunk = await upstream.content.readany()
+                continue
+            try:
+                chunk = await asyncio.wait_for(
+                    upstream.content.readany(), max(0.0, ends_at - loop.time())
+                )
+            except asyncio.TimeoutError:
+                if loop.time() < ends_at:
+                    raise  # the engine's idle timeout: handled below
+                upstream.close()  # the engine aborts the request
+                outcome = "stream_timeout"
+                error = f"the stream ran past --max-stream-duration ({max_stream_duration:g} s)"
+                await out.write(sse_error(error, 504, "timeout_error"))
+                break
         lifecycle.output(counter.tokens)
-        if counter.engine_error is not None:
+        if counter.engine_error is not None and outcome == "ok":
             outcome, error = "engine_error", json.dumps(counter.engine_error)[:500]
     except ConnectionResetError:
         # the client went away: closing the engine connection makes the engine abort

@@ -17,7 +17,10 @@ per token) and records what it was sent. What it does for real:
   ``j`` of prompt ``i`` numbered ``i * n + j`` (streamed: a step's chunks prompt by prompt),
   usage summed; ``tag_text = True`` makes each choice's text name its prompt and choice;
 * failures on demand: ``fail = "reset"`` (connection closed before any byte), ``"midstream"``
-  (closed after two chunks), ``"http500"``, ``"http400"``.
+  (closed after two chunks), ``"http500"``, ``"http400"``, ``"hang"`` (never answers),
+  ``"trickle"`` (a 200 JSON answer that sends one space every ``trickle_interval`` seconds and
+  never ends), ``"unhealthy"`` (``/health`` answers 503); ``cancelled`` counts the requests
+  whose connection kvplug closed before the answer was done.
 
 Tokenizer: one token per Unicode code point; chat renders ``role: content`` lines.
 """
@@ -139,7 +142,12 @@ class StubEngine:
         self.listeners: list[Callable[[list], None]] = []
         self.running = 0
         self.has_tokenize = True  # False: /tokenize answers 404, as engines without it do
+        self.trickle_interval = 0.05
+        self.cancelled = 0  # requests whose client (kvplug) hung up before the answer ended
+        self.tokenize_delay = 0.0
         self.tokenize_calls = 0
+        self.tokenize_running = 0
+        self.tokenize_peak = 0  # most /tokenize calls at once
         self.url: str | None = None
         self._runner: web.AppRunner | None = None
         self.app = web.Application()
@@ -152,7 +160,10 @@ class StubEngine:
 
     # -- server ---------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # handler_cancellation: a request kvplug abandons is cancelled here, as vLLM aborts it
+        self._runner = web.AppRunner(
+            self.app, access_log=None, handle_signals=False, handler_cancellation=True
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, reuse_address=True, backlog=1024)
         await site.start()
@@ -228,6 +239,16 @@ class StubEngine:
         self.tokenize_calls += 1
         if not self.has_tokenize:
             raise web.HTTPNotFound()
+        self.tokenize_running += 1
+        self.tokenize_peak = max(self.tokenize_peak, self.tokenize_running)
+        try:
+            if self.tokenize_delay:
+                await asyncio.sleep(self.tokenize_delay)
+            return await self._tokenize_now(request)
+        finally:
+            self.tokenize_running -= 1
+
+    async def _tokenize_now(self, request: web.Request) -> web.Response:
         body = await request.json()
         if "messages" in body:
             tokens = stub_tokenize(stub_render_chat(body["messages"]))
@@ -248,6 +269,14 @@ class StubEngine:
         )
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            return await self._generate_or_fail(request, chat)
+        except asyncio.CancelledError:
+            if self.fail != "reset":  # a reset is the stub's own doing
+                self.cancelled += 1
+            raise
+
+    async def _generate_or_fail(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await request.read()
         try:
             body = json.loads(raw)
@@ -266,6 +295,14 @@ class StubEngine:
             raise asyncio.CancelledError  # nothing may be written any more
         if self.fail == "http500":
             return self._error(500, "stub engine failure")
+        if self.fail == "hang":
+            await asyncio.Event().wait()
+        if self.fail == "trickle":  # alive by every per-read timeout, never done
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await resp.prepare(request)
+            while True:
+                await resp.write(b" ")
+                await asyncio.sleep(self.trickle_interval)
         if self.fail == "http400":
             return self._error(400, "stub engine refuses this request")
         if chat:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvplug.errors import ConfigError
+from kvplug.frontend.errors import ApiError
 from kvplug.frontend.parsing import ParsedRequest
 
 log = logging.getLogger(__name__)
@@ -209,6 +210,8 @@ class TokenResolver:
         if self.engine_tokenize is not None:
             try:
                 return await self.engine_tokenize(req), SOURCE_ENGINE, note
+            except ApiError:  # the client's mistake (a prompt too large to send): it hears why
+                raise
             except Exception as exc:
                 note = f"{note + '; ' if note else ''}engine tokenize failed: {exc}"
                 log.info("engine tokenization failed: %s", exc)

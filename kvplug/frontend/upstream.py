@@ -60,6 +60,7 @@ class Upstream:
     def __init__(
         self, connect_timeout: float = 5.0, read_timeout: float = 600.0, limit: int = 0
     ) -> None:
+        # read_timeout: --idle-timeout, the longest silence between two reads
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.limit = limit
@@ -102,6 +103,10 @@ class Upstream:
             if resp is not None:
                 resp.close()
             raise UpstreamUnavailable(worker_id, f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:  # cancelled (client gone, timeout): close, so the engine aborts
+            if resp is not None:
+                resp.close()
+            raise
         if not first and resp.status >= 500:
             # an empty 5xx is a dead or restarting engine, not an answer
             resp.close()
