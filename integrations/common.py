@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 MASK64 = (1 << 64) - 1
+# What decoding hostile bytes may raise: msgspec's errors, and RecursionError for values nested
+# past the interpreter's recursion limit (a few bytes of b"\x91" make thousands of levels).
+DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, RecursionError)
 
 
 class EventDrop(ValueError):

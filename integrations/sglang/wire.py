@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
-from kvplug.integrations.common import MASK64, EventDrop, int64_hash, u64_hash
+from kvplug.integrations.common import DECODE_ERRORS, MASK64, EventDrop, int64_hash, u64_hash
 
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
@@ -314,7 +314,7 @@ class SglangDecoder:
             return fast
         try:
             batch = _decoder.decode(payload)
-        except (msgspec.DecodeError, ValueError, TypeError) as exc:
+        except (*DECODE_ERRORS, ValueError, TypeError) as exc:
             self._drop("bad_msgpack", dp_rank, seq, str(exc))
             return None
         if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
@@ -342,7 +342,7 @@ class SglangDecoder:
         for i, decoder in enumerate(self._fast_order):
             try:
                 batch = decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except DECODE_ERRORS:
                 continue
             if i:
                 self._fast_order = self._fast_order[::-1]  # try this engine's form first
@@ -370,10 +370,10 @@ class SglangDecoder:
                     continue
                 try:
                     tokens = _TOKENS.decode(ev.token_ids)
-                except (msgspec.DecodeError, msgspec.ValidationError):
+                except DECODE_ERRORS:
                     try:
                         tokens = [t for t, _ in _BIGRAMS.decode(ev.token_ids)]
-                    except (msgspec.DecodeError, msgspec.ValidationError):
+                    except DECODE_ERRORS:
                         return None
                 if len(tokens) != len(hashes) * bs or bs > self.page_size:
                     return None

@@ -158,7 +158,8 @@ class StreamStats:
     restarts: int = 0
     duplicates: int = 0
     stale_replies: int = 0
-    malformed: int = 0
+    malformed: int = 0  # batches rejected whole (their seq is consumed: they cost only themselves)
+    decoder_errors: int = 0  # of those, batches the decoder raised on (a decoder bug)
     dropped_events: int = 0
     sink_errors: int = 0
     last_seq: int = -1
@@ -325,6 +326,37 @@ class VllmSubscriber:
                 f"{w}/{r}": {**s.stats.__dict__, **{"decode": s.decoder.stats.as_dict()}}
                 for (w, r), s in list(self._streams.items())
             }
+        return out
+
+    @property
+    def running(self) -> bool:
+        """False when the consumer thread is not running (never started, stopped, or died)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def drop_counts(self) -> dict[str, dict[str, int]]:
+        """What was dropped or rejected, for ``/metrics``: worker id -> reason -> count (summed
+        over its ranks); worker "" holds what no worker can be named for. Stream reasons count
+        batches (``rejected_batches``, ``missed_batches``, ...), gaps and restarts count
+        occurrences, ``decode.*`` reasons are the decoder's (events, or batches)."""
+        out: dict[str, dict[str, int]] = {"": {k: v for k, v in self.counters.items()}}
+        for (wid, _), st in list(self._streams.items()):
+            d = out.setdefault(wid, {})
+            s = st.stats
+            for reason, n in (
+                ("rejected_batches", s.malformed),
+                ("decoder_errors", s.decoder_errors),
+                ("dropped_events", s.dropped_events),
+                ("gaps", s.gaps),
+                ("missed_batches", s.missed_batches),
+                ("replay_failures", s.replay_failures),
+                ("restarts", s.restarts),
+                ("duplicates", s.duplicates),
+                ("stale_replies", s.stale_replies),
+            ):
+                d[reason] = d.get(reason, 0) + n
+            for reason, n in st.decoder.stats.drops().items():
+                key = f"decode.{reason}"
+                d[key] = d.get(key, 0) + n
         return out
 
     # -- thread -----------------------------------------------------------------------------
@@ -564,7 +596,7 @@ class VllmSubscriber:
             )
             return
         first = next(iter(ranks.values()))
-        batch = first.decoder.decode(payload, dp_rank=first.src.dp_rank)
+        batch = self._decode(first, seq, payload)
         st = first
         if batch is not None and batch.dp_rank is not None and batch.dp_rank != first.src.dp_rank:
             routed = ranks.get(batch.dp_rank)
@@ -585,7 +617,7 @@ class VllmSubscriber:
                 return
             elif routed is not first:
                 st = routed
-                batch = st.decoder.decode(payload, dp_rank=st.src.dp_rank)  # per-rank stats
+                batch = self._decode(st, seq, payload)  # per-rank stats
         st.stats.last_message_at = time.monotonic()
         self._on_batch(st, seq, payload, batch, out)
 
@@ -644,16 +676,32 @@ class VllmSubscriber:
             st.expected = seq
             self._apply(st, seq, payload, batch, out)
 
+    def _decode(self, st: _Stream, seq: int, payload: bytes) -> DecodedBatch | None:
+        """The stream's decoder on one payload; None = unreadable. Decoders never raise by
+        contract; if one does anyway, the batch is rejected like an unreadable one (counted,
+        logged with the traceback) so its sequence number is still consumed."""
+        try:
+            return st.decoder.decode(payload, dp_rank=st.src.dp_rank)
+        except Exception:
+            st.stats.decoder_errors += 1
+            log.exception(
+                "vLLM events: %s rank %d seq %d: the decoder raised; batch rejected",
+                st.src.worker_id,
+                st.src.dp_rank,
+                seq,
+            )
+            return None
+
     def _apply(
         self, st: _Stream, seq: int, payload: bytes, batch: DecodedBatch | None, out: dict
     ) -> None:
+        """Apply batch ``seq`` (``batch``: its decoded form, None = unreadable). An unreadable
+        batch still consumes its seq, so the next one is not taken for a gap."""
         s = st.stats
         st.expected = seq + 1
         st.last_payload = payload
         s.last_seq = seq
         s.batches += 1
-        if batch is None:
-            batch = st.decoder.decode(payload, dp_rank=st.src.dp_rank)
         if batch is None:
             s.malformed += 1
             self._droplog(
@@ -766,7 +814,7 @@ class VllmSubscriber:
         if item.seq > st.expected:
             self._lost(st, item.seq, out)
         s.replayed_batches += 1
-        self._apply(st, item.seq, item.payload, None, out)
+        self._apply(st, item.seq, item.payload, self._decode(st, item.seq, item.payload), out)
 
     def _lost(self, st: _Stream, next_seq: int, out: dict) -> None:
         """Batches expected..next_seq-1 cannot be had: clear the rank so nothing stale stays."""
@@ -805,7 +853,7 @@ class VllmSubscriber:
                 continue  # the replay already delivered it
             if seq > st.expected:
                 self._lost(st, seq, out)
-            self._apply(st, seq, payload, None, out)
+            self._apply(st, seq, payload, self._decode(st, seq, payload), out)
 
     def _check_replay_timeouts(self, out: dict) -> None:
         now = time.monotonic()

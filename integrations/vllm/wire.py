@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from kvplug.integrations.common import MASK64, int64_hash, u64_hash
+from kvplug.integrations.common import DECODE_ERRORS, MASK64, int64_hash, u64_hash
 
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
@@ -265,7 +265,7 @@ def _fast_extra_keys(
         if not isinstance(keys, list):
             return None  # the msgspec path rejects and counts it
         return split_extra_keys(keys, n_blocks, lora_name, is_root)
-    except (msgspec.MsgspecError, ValueError, TypeError):
+    except (*DECODE_ERRORS, ValueError, TypeError):
         return None  # whatever it is, the msgspec path says what (and counts it)
 
 
@@ -350,6 +350,21 @@ class DecodeStats:
     last_error: str = ""
     by_kind: dict[str, int] = field(default_factory=dict)
 
+    # what drops an event (or a batch) the engine sent, as opposed to progress counters
+    DROP_FIELDS = (
+        "malformed_batches",
+        "malformed_events",
+        "unknown_event_kinds",
+        "unknown_medium",
+        "bad_token_counts",
+        "oversized_events",
+        "block_size_mismatch",
+    )
+
+    def drops(self) -> dict[str, int]:
+        """Drop counters by reason (for ``/metrics``)."""
+        return {k: getattr(self, k) for k in self.DROP_FIELDS}
+
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "by_kind"}
         d["unknown_kinds"] = dict(self.by_kind)
@@ -426,11 +441,11 @@ class BatchDecoder:
         first, second = (_DEC_M, _DEC_A) if self._map_form_first else (_DEC_A, _DEC_M)
         try:
             batch = first.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except DECODE_ERRORS:
             try:
                 batch = second.decode(payload)
                 self._map_form_first = not self._map_form_first
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except DECODE_ERRORS:
                 batch = None
         if batch is None:
             return self._decode_slow(payload, dp_rank)
@@ -452,7 +467,7 @@ class BatchDecoder:
         st = self.stats
         try:
             batch = _DEC_RAW.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except DECODE_ERRORS as e:
             st.malformed_batches += 1
             st.last_error = f"malformed batch: {e}"
             return None
@@ -476,7 +491,7 @@ class BatchDecoder:
         dec = _DEC_EV_M if is_map else _DEC_EV_A
         try:
             return dec.decode(buf)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except DECODE_ERRORS as e:
             kind = self._kind_of(buf, is_map)
             if kind is not None and kind not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
                 st.unknown_event_kinds += 1
@@ -491,7 +506,7 @@ class BatchDecoder:
     def _kind_of(buf: bytes, is_map: bool) -> str | None:
         try:
             obj = _DEC_ANY.decode(buf)
-        except msgspec.DecodeError:
+        except DECODE_ERRORS:
             return None
         if is_map and isinstance(obj, dict):
             k = obj.get("type")
@@ -572,7 +587,7 @@ class BatchDecoder:
         try:
             # array('I') checks every id is a u32 at C speed and is a buffer the core reads
             tokens = array("I", _DEC_TOKENS.decode(raw)) if len(raw) else array("I")
-        except (msgspec.DecodeError, msgspec.ValidationError, OverflowError, TypeError) as e:
+        except (*DECODE_ERRORS, OverflowError, TypeError) as e:
             st.malformed_events += 1
             st.last_error = f"BlockStored token_ids: {e}"
             return 1

@@ -129,7 +129,7 @@ class Frontend:
         self.prober = HealthProber(self.fleet, self.upstream, s.health_interval, s.health_timeout)
         self.decisions = DecisionStore(s.decision_store_size)
         self.metrics = FrontendMetrics()
-        self.metrics.attach_state(self.fleet.snapshot, self._router_stats)
+        self.metrics.attach_state(self.fleet.snapshot, self._router_stats, self.fleet.event_drops)
         self.tokens = TokenResolver(tokenizer, self._engine_tokenize if s.engine_tokenize else None)
         self.block_size = router.index.block_size
         self._keys = itertools.count(1)
