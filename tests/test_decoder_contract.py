@@ -7,12 +7,14 @@ the long fuzz run is ``benchmarks/fuzz_decoders.py``.)
 from __future__ import annotations
 
 import struct
+from typing import Any
 
+import msgspec
 import pytest
 from kvplug.integrations.sglang.subscriber import SglangBatchDecoder
 from kvplug.integrations.sglang.wire import SglangDecoder
 from kvplug.integrations.sglang.wire import encode_batch as sglang_batch
-from kvplug.integrations.vllm.wire import BatchDecoder
+from kvplug.integrations.vllm.wire import FAST_PATH, BatchDecoder
 
 from kvplug.events import BlockStored
 
@@ -63,3 +65,59 @@ def test_a_good_batch_after_a_rejected_one_decodes():
     assert dec.decode_items(DEEP) is None
     rank, items = dec.decode_items(ok)
     assert [i.engine_hashes for i in items] == [[5]]
+
+
+def test_vllm_map_encoded_batch_decodes_on_both_paths():
+    """Issue 11: vLLM's ``EventBatch`` at vllm-project/vllm 0181ea31
+    (vllm/distributed/kv_events.py) is a msgspec Struct without ``array_like``: the batch is
+    a map ``{"ts", "events", "data_parallel_rank"}`` (``omit_defaults``: no rank when None)
+    around map-form events. Encoded here with structs of that shape."""
+
+    class EventBatch(msgspec.Struct, omit_defaults=True):
+        ts: float
+        events: list[Any]
+        data_parallel_rank: int | None = None
+
+    class Event(msgspec.Struct, omit_defaults=True, tag=True):
+        pass
+
+    class BlockStored(Event):  # noqa: F811 - upstream's wire struct, not kvplug's event
+        block_hashes: list[int]
+        parent_block_hash: int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list[tuple[Any, ...] | None] | None = None
+        group_idx: int | None = None
+
+    class BlockRemoved(Event):
+        block_hashes: list[int]
+        medium: str | None
+        group_idx: int | None = None
+
+    class AllBlocksCleared(Event):
+        pass
+
+    stored = BlockStored([11, 12], None, list(range(8)), 4, None, "GPU", None, [("s",), None], 0)
+    for rank in (None, 3):
+        payload = msgspec.msgpack.encode(
+            EventBatch(2.5, [AllBlocksCleared(), stored, BlockRemoved([11], "GPU")], rank)
+        )
+        assert payload[0] == 0x82 + (rank is not None)  # a map, as upstream sends it
+        for fast in (True, False):
+            dec = BatchDecoder("w", block_size=4)
+            dec.use_fast = fast
+            got = dec.decode(payload, dp_rank=1)
+            assert (got.ts, got.dp_rank, got.dropped) == (2.5, rank, 0)
+            want_rank = 1 if rank is None else rank
+            kinds = [(type(e).__name__, e.dp_rank) for e in got.events]
+            assert kinds == [
+                ("AllCleared", want_rank),
+                ("BlockStored", want_rank),
+                ("BlockRemoved", want_rank),
+            ]
+            assert list(got.events[1].engine_hashes) == [11, 12]
+            assert got.events[1].cache_salt == "s"
+            assert (dec.stats.fast_batches == 1) == (fast and FAST_PATH)

@@ -14,9 +14,20 @@ hash, may be negative) or 32-byte digests (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
 folded to the u64 vLLM itself publishes: the low 64 bits, i.e. the digest's last 8 bytes
 big-endian, or the int64's two's complement.
 
+A batch encoded as a map (``{"ts", "events", "data_parallel_rank"?}``, what vLLM's
+``EventBatch`` struct gives without ``array_like``) decodes too.
+
+The contract, on both decoding paths (the compiled ``_fastwire`` and msgspec; checked by
+``compare_paths`` in a differential fuzz test): a field vLLM declares for an event kind must
+have vLLM's type, or that event is malformed (dropped and counted; the rest of the batch is
+kept); a field vLLM does not declare for the kind is ignored whatever it holds (vLLM's
+``AllBlocksCleared`` declares none, so it always clears). The fast path may decline any batch;
+then the msgspec path alone decides.
+
 The decoder turns a batch into kvplug's normalised events (``kvplug.events``) and counts what
-it could not use in ``DecodeStats``; it never raises on bad input (``WireError`` is for frames
-the subscriber cannot attribute at all).
+it could not use in ``DecodeStats``; it never raises on bad input, nesting deeper than the
+interpreter's recursion limit included (``WireError`` is for frames the subscriber cannot
+attribute at all).
 """
 
 from __future__ import annotations
@@ -68,7 +79,7 @@ class _StoredFields(msgspec.Struct):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[Any] | None = None
+    extra_keys: list[list[Any] | None] | None = None  # vLLM: list[tuple | None] | None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -85,7 +96,7 @@ class _RemovedFields(msgspec.Struct):
 
 
 class _ClearedFields(msgspec.Struct):
-    medium: str | None = None  # not sent by vLLM; tolerated if some fork adds it
+    pass  # vLLM's AllBlocksCleared has no fields: anything a sender adds is ignored
 
 
 class _StoredA(_StoredFields, tag="BlockStored", array_like=True):
@@ -135,9 +146,33 @@ class _BatchRaw(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
+# The batch as a map (``{"ts", "events", "data_parallel_rank"?}``): what vLLM's own
+# ``EventBatch`` encodes to where it is not ``array_like`` (vllm-project/vllm 0181ea31,
+# vllm/distributed/kv_events.py); every release kvplug has seen sends the array.
+class _BatchMapM(msgspec.Struct):
+    ts: float
+    events: list[_MapEvent]
+    data_parallel_rank: int | None = None
+
+
+class _BatchMapA(msgspec.Struct):
+    ts: float
+    events: list[_ArrayEvent]
+    data_parallel_rank: int | None = None
+
+
+class _BatchMapRaw(msgspec.Struct):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
 _DEC_A = msgspec.msgpack.Decoder(_BatchA)
 _DEC_M = msgspec.msgpack.Decoder(_BatchM)
 _DEC_RAW = msgspec.msgpack.Decoder(_BatchRaw)
+_DEC_MAP_M = msgspec.msgpack.Decoder(_BatchMapM)
+_DEC_MAP_A = msgspec.msgpack.Decoder(_BatchMapA)
+_DEC_MAP_RAW = msgspec.msgpack.Decoder(_BatchMapRaw)
 _DEC_EV_A = msgspec.msgpack.Decoder(_ArrayEvent)
 _DEC_EV_M = msgspec.msgpack.Decoder(_MapEvent)
 _DEC_TOKENS = msgspec.msgpack.Decoder(list[int])
@@ -280,6 +315,11 @@ def lora_namespace(lora_name: str | None, lora_id: int | None) -> str | None:
 # -------------------------------------------------------------------------------------------
 # Decoder
 # -------------------------------------------------------------------------------------------
+
+
+def _is_map(buf: bytes | memoryview) -> bool:
+    """Whether a msgpack value is a map (by its first byte)."""
+    return len(buf) > 0 and (0x80 <= buf[0] <= 0x8F or buf[0] in (0xDE, 0xDF))
 
 
 def coalesce_removes(events: list[KvEvent]) -> list[KvEvent]:
@@ -437,20 +477,28 @@ class BatchDecoder:
         """The general decoder (every shape, every error counted); ``decode`` uses it whenever
         the compiled fast path declines a batch."""
         st = self.stats
-        batch = None
-        first, second = (_DEC_M, _DEC_A) if self._map_form_first else (_DEC_A, _DEC_M)
+        batch: Any = None
+        first: msgspec.msgpack.Decoder[Any]
+        second: msgspec.msgpack.Decoder[Any]
+        if _is_map(payload):
+            first, second = (_DEC_MAP_M, _DEC_MAP_A)
+        elif self._map_form_first:
+            first, second = (_DEC_M, _DEC_A)
+        else:
+            first, second = (_DEC_A, _DEC_M)
         try:
             batch = first.decode(payload)
         except DECODE_ERRORS:
             try:
                 batch = second.decode(payload)
-                self._map_form_first = not self._map_form_first
+                if second is _DEC_M or second is _DEC_A:
+                    self._map_form_first = not self._map_form_first
             except DECODE_ERRORS:
                 batch = None
         if batch is None:
             return self._decode_slow(payload, dp_rank)
         st.batches += 1
-        if isinstance(batch, _BatchM):
+        if isinstance(batch, (_BatchM, _BatchMapM)):
             st.map_form_batches += 1
         else:
             st.array_form_batches += 1
@@ -466,7 +514,7 @@ class BatchDecoder:
         """Event-by-event decode: salvages a batch with unknown kinds or one bad event."""
         st = self.stats
         try:
-            batch = _DEC_RAW.decode(payload)
+            batch = (_DEC_MAP_RAW if _is_map(payload) else _DEC_RAW).decode(payload)
         except DECODE_ERRORS as e:
             st.malformed_batches += 1
             st.last_error = f"malformed batch: {e}"
@@ -487,7 +535,7 @@ class BatchDecoder:
     def _decode_one(self, raw: msgspec.Raw) -> Any:
         st = self.stats
         buf = bytes(raw)
-        is_map = bool(buf) and (0x80 <= buf[0] <= 0x8F or buf[0] in (0xDE, 0xDF))
+        is_map = _is_map(buf)
         dec = _DEC_EV_M if is_map else _DEC_EV_A
         try:
             return dec.decode(buf)
@@ -638,6 +686,46 @@ class BatchDecoder:
             )
         )
         return 0
+
+
+def _canonical(ev: KvEvent) -> tuple:
+    """An event as plain values (arrays and lists compare alike)."""
+    out: list[Any] = [type(ev).__name__]
+    for name in ev.__struct_fields__:
+        v = getattr(ev, name)
+        if v is not None and not isinstance(v, (str, int, float)):
+            v = [int(x) for x in v]
+        out.append((name, v))
+    return tuple(out)
+
+
+def compare_paths(payload: bytes, block_size: int = 0, dp_rank: int = 0) -> str | None:
+    """The two decoding paths' one contract, checked on one payload: where the compiled path
+    accepts a batch, the msgspec path must decode it to the same events, drop nothing and
+    agree on ts and rank. Returns what differs, or None (also when the fast path declines:
+    then the msgspec path alone decides). For the differential tests and the fuzzer."""
+    if _fast is None:
+        return None
+    fast = BatchDecoder("w", block_size=block_size)
+    a = fast.decode(payload, dp_rank)
+    if not fast.stats.fast_batches:
+        return None
+    slow = BatchDecoder("w", block_size=block_size)
+    b = slow.decode_msgspec(payload, dp_rank)
+    if a is None or b is None:
+        return f"fast path accepted, msgspec path {'rejected the batch' if b is None else 'ok'}"
+    if b.dropped:
+        return f"msgspec path dropped {b.dropped} event(s): {slow.stats.last_error}"
+    same_ts = a.ts == b.ts or (a.ts != a.ts and b.ts != b.ts)  # NaN is NaN on both
+    if not same_ts or a.dp_rank != b.dp_rank:
+        return f"ts/rank {(a.ts, a.dp_rank)} vs {(b.ts, b.dp_rank)}"
+    ea, eb = [_canonical(e) for e in a.events], [_canonical(e) for e in b.events]
+    if ea != eb:
+        return f"events differ:\n fast    {ea}\n msgspec {eb}"
+    for counter in ("stored_blocks", "removed_blocks", "cleared", "tier_copies"):
+        if getattr(fast.stats, counter) != getattr(slow.stats, counter):
+            return f"stats.{counter} differ"
+    return None
 
 
 # -------------------------------------------------------------------------------------------
