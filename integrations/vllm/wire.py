@@ -40,7 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from kvplug.integrations.common import DECODE_ERRORS, MASK64, int64_hash, u64_hash
+from kvplug.integrations.common import (
+    DECODE_ERRORS,
+    MASK64,
+    full_blocks_stored,
+    int64_hash,
+    u64_hash,
+)
 
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
@@ -672,14 +678,14 @@ class BatchDecoder:
         salt, extras = split_extra_keys(ev.extra_keys, n, ev.lora_name, parent is None, ev.lora_id)
         st.stored_blocks += n
         out.append(
-            BlockStored(
-                worker_id=self.worker_id,
-                dp_rank=rank,
-                tier=tier,
-                parent_engine_hash=parent,
-                engine_hashes=hashes,
-                token_ids=tokens,
-                block_size=bs,
+            full_blocks_stored(
+                self.worker_id,
+                rank,
+                tier,
+                parent,
+                hashes,
+                tokens,
+                bs,
                 lora_name=lora_namespace(ev.lora_name, ev.lora_id),
                 cache_salt=salt,
                 block_extra=extras,
