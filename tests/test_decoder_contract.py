@@ -121,3 +121,27 @@ def test_vllm_map_encoded_batch_decodes_on_both_paths():
             assert list(got.events[1].engine_hashes) == [11, 12]
             assert got.events[1].cache_salt == "s"
             assert (dec.stats.fast_batches == 1) == (fast and FAST_PATH)
+
+
+@pytest.mark.parametrize("rank", [-1, -(2**63), 2**31])
+def test_vllm_batch_with_an_unusable_rank_is_rejected_on_both_paths(rank):
+    """Found by benchmarks/fuzz_decoders.py: the msgspec path took a negative
+    data_parallel_rank and emitted events for rank -1 (the fast path declined the batch)."""
+    payload = msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}], rank])
+    for fast in (True, False):
+        dec = BatchDecoder("w")
+        dec.use_fast = fast
+        assert dec.decode(payload) is None
+        assert dec.stats.malformed_batches == 1
+
+
+def test_vllm_invalid_utf8_in_an_unbuilt_store_is_the_same_on_both_paths():
+    """Found by the fuzzer: a store with no blocks but an invalid UTF-8 lora_name (or
+    extra_keys string) was skipped by the fast path and dropped as malformed by msgspec."""
+    from kvplug.integrations.vllm.wire import compare_paths
+
+    for tail in (b"\xa2\xf1d\xc0", b"\xa2ad\x91\x91\xa1\xcb"):
+        payload = b"\x92\xcb" + TS + b"\x91\x99\xabBlockStored\x90\xc0\x90\x04\xc0\xa3GPU" + tail
+        assert compare_paths(payload) is None
+        dec = BatchDecoder("w")
+        assert dec.decode(payload).dropped == 1

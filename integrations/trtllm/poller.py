@@ -46,6 +46,20 @@ MAX_BODY = 64 << 20  # one drained answer; a bigger one is treated as garbage
 _json = msgspec.json.Decoder()
 
 
+def parse_answer(body: bytes) -> tuple[list | None, str]:
+    """A drained answer's body -> (its envelopes, "") or (None, why it is unusable). Never
+    raises: nesting past the recursion limit is unparsable like any other bad JSON."""
+    if len(body) > MAX_BODY:
+        return None, f"answer over {MAX_BODY} bytes"
+    try:
+        envelopes = _json.decode(body)  # arbitrary-precision ints, like json.loads
+    except (*DECODE_ERRORS, ValueError) as exc:
+        return None, f"unparsable JSON: {type(exc).__name__}: {exc}"
+    if not isinstance(envelopes, list):
+        return None, f"answer is {type(envelopes).__name__}, not a list"
+    return envelopes, ""
+
+
 class TrtllmPoller:
     def __init__(
         self,
@@ -116,16 +130,9 @@ class TrtllmPoller:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self._lost(f"{type(exc).__name__}: {exc}")
             return 0
-        if len(body) > MAX_BODY:
-            self._lost(f"answer over {MAX_BODY} bytes")
-            return 0
-        try:
-            envelopes = _json.decode(body)  # arbitrary-precision ints, like json.loads
-        except (*DECODE_ERRORS, ValueError) as exc:
-            self._lost(f"unparsable JSON: {type(exc).__name__}: {exc}")
-            return 0
-        if not isinstance(envelopes, list):
-            self._lost(f"answer is {type(envelopes).__name__}, not a list")
+        envelopes, why = parse_answer(body)
+        if envelopes is None:
+            self._lost(why)
             return 0
         self.connected = True
         self.last_ok_at = time.monotonic()

@@ -375,18 +375,52 @@ cdef int _tier(const uint8_t *s, size_t n) noexcept nogil:
     return -1
 
 
+cdef bint _utf8(const uint8_t *s, size_t n) noexcept nogil:
+    """Strict UTF-8 (RFC 3629: no overlong forms, no surrogates), as msgspec and Python
+    decode a str: a string that is not is the msgspec path's to reject."""
+    cdef size_t i = 0, k, j
+    cdef uint8_t c, lo, hi
+    while i < n:
+        c = s[i]
+        if c < 0x80:
+            i += 1
+            continue
+        lo, hi = 0x80, 0xBF
+        if 0xC2 <= c <= 0xDF:
+            k = 1
+        elif 0xE0 <= c <= 0xEF:
+            k = 2
+            if c == 0xE0:
+                lo = 0xA0
+            elif c == 0xED:
+                hi = 0x9F
+        elif 0xF0 <= c <= 0xF4:
+            k = 3
+            if c == 0xF0:
+                lo = 0x90
+            elif c == 0xF4:
+                hi = 0x8F
+        else:
+            return False
+        if i + k >= n:  # truncated sequence
+            return False
+        if s[i + 1] < lo or s[i + 1] > hi:
+            return False
+        for j in range(2, k + 1):
+            if s[i + j] < 0x80 or s[i + j] > 0xBF:
+                return False
+        i += k + 1
+    return True
+
+
 cdef int _opt_str(Reader *r) noexcept nogil:
-    """A ``str | None`` field kvplug does not read: nil, or an ASCII string (a non-ASCII one
-    is left to the msgspec path, which checks its UTF-8)."""
+    """A ``str | None`` field kvplug does not read: nil, or a valid UTF-8 string."""
     cdef const uint8_t *s
-    cdef size_t n, i
+    cdef size_t n
     if _nil(r):
         return 0
-    if _str(r, &s, &n) < 0:
+    if _str(r, &s, &n) < 0 or not _utf8(s, n):
         return -1
-    for i in range(n):
-        if s[i] >= 0x80:
-            return -1
     return 0
 
 
@@ -792,7 +826,7 @@ cdef class FastDecoder:
             if _nil(r):
                 ev.lora_n = -1
             else:
-                if _str(r, &s, &n) < 0:
+                if _str(r, &s, &n) < 0 or not _utf8(s, n):
                     return -1
                 ev.lora_start = <size_t>(s - r.p)
                 ev.lora_n = <Py_ssize_t>n
@@ -1045,6 +1079,10 @@ cdef class FastDecoder:
                 return -1
             if ev.has_lora_id and ev.lora_n < 0:
                 return -1  # a LoRA id without a name (vLLM <= 0.13): the slow path names it
+            if ev.extra_end and (ev.h_n == 0 or ev.t_n <= 0):
+                # extra_keys on a store that is never built (no blocks, or a tier copy): only
+                # msgspec's decoding says whether they are valid (UTF-8, ext types...)
+                return -1
             if ev.h_n == 0:
                 # nothing stored (and a run of removes may go on): forget what it appended
                 self.r_n -= 1

@@ -37,7 +37,7 @@ import time
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from kvplug.integrations.common import (
@@ -73,6 +73,8 @@ NON_PREFIX_KINDS = frozenset(
 # -------------------------------------------------------------------------------------------
 
 Hash = int | bytes
+# A batch's data_parallel_rank: a negative (or absurd) one cannot be attributed: batch malformed
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 
 
 # One field list per event kind; the array (<= 0.23) and map (>= 0.24) encodings differ only
@@ -137,19 +139,19 @@ _MapEvent = _StoredM | _RemovedM | _ClearedM
 class _BatchA(msgspec.Struct, array_like=True):
     ts: float
     events: list[_ArrayEvent]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: Rank | None = None
 
 
 class _BatchM(msgspec.Struct, array_like=True):
     ts: float
     events: list[_MapEvent]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: Rank | None = None
 
 
 class _BatchRaw(msgspec.Struct, array_like=True):
     ts: float
     events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: Rank | None = None
 
 
 # The batch as a map (``{"ts", "events", "data_parallel_rank"?}``): what vLLM's own
@@ -158,19 +160,19 @@ class _BatchRaw(msgspec.Struct, array_like=True):
 class _BatchMapM(msgspec.Struct):
     ts: float
     events: list[_MapEvent]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: Rank | None = None
 
 
 class _BatchMapA(msgspec.Struct):
     ts: float
     events: list[_ArrayEvent]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: Rank | None = None
 
 
 class _BatchMapRaw(msgspec.Struct):
     ts: float
     events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: Rank | None = None
 
 
 _DEC_A = msgspec.msgpack.Decoder(_BatchA)
