@@ -38,6 +38,7 @@ class VllmEventPublisher:
         buffer_steps: int = 10_000,
         hash_form: str = "uint64",
         context: zmq.Context | None = None,
+        sndhwm: int = 100_000,
     ) -> None:
         self.version = version
         self.topic = topic.encode()
@@ -48,7 +49,7 @@ class VllmEventPublisher:
         self._ctx = context or zmq.Context.instance()
         self.pub = self._ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.pub.setsockopt(zmq.SNDHWM, sndhwm)  # past it, ZMQ drops (as vLLM's PUB does)
         if engine_binds(endpoint):
             self.pub.bind(endpoint)
         else:

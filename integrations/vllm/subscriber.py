@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from .wire import BatchDecoder, DecodedBatch, WireError, parse_replay_reply, rep
 log = logging.getLogger("kvplug.vllm")
 
 Sink = Callable[[list[KvEvent]], Any]
+MAX_REPLAY_RESUMES = 100  # re-requests within one gap's replay before it is declared lost
 
 
 # -------------------------------------------------------------------------------------------
@@ -154,6 +156,7 @@ class StreamStats:
     missed_batches: int = 0
     replays: int = 0
     replayed_batches: int = 0
+    replay_resumes: int = 0  # a replay whose replies skipped ahead, asked again from the gap
     replay_failures: int = 0
     restarts: int = 0
     duplicates: int = 0
@@ -177,6 +180,11 @@ class _Stream:
     catching_up: bool = False  # the first replay, from seq 0, after joining a running engine
     replay_sock: zmq.Socket | None = None
     replay_deadline: float = 0.0
+    replay_got: int = 0  # replies applied since the replay request went out
+    # seq -> crc32 of the batches the last replay applied: a late live copy of one of them
+    # (queued in ZMQ while the replay ran) is a duplicate, not an engine restart
+    replayed: dict[int, int] = field(default_factory=dict)
+    replay_resumes: int = 0  # re-requests within this gap's replay (replies dropped on the way)
     pending: list[tuple[int, bytes]] = field(default_factory=list)
 
 
@@ -202,12 +210,14 @@ class VllmSubscriber:
     """One background thread consuming any number of vLLM event sources.
 
     ``add(source)`` / ``remove(worker_id)`` may be called from any thread at any time.
-    ``replay_timeout``: how long live batches wait for a replay before the gap is declared lost
+    ``replay_timeout``: how long live batches wait for a replay reply (a replay that keeps
+    delivering is not cut short) before the gap is declared lost
     (then the rank is cleared, so the index never claims blocks it may have missed removals
     of). ``catch_up``: when the first batch seen from a stream is not seq 0, ask for a replay
     from 0 (the engine keeps the last ``buffer_steps`` batches). ``max_drain``: messages taken
     from one socket per poll round; ``flush_every``: messages whose events go to the sinks in
-    one call (a lock or a hop to the router's loop each).
+    one call (a lock or a hop to the router's loop each). ``rcvhwm``: messages ZMQ queues
+    per socket before it drops (the publisher's SNDHWM drops too): a drop is a gap.
     """
 
     def __init__(
@@ -218,8 +228,10 @@ class VllmSubscriber:
         max_drain: int = 4096,
         flush_every: int = 16,
         context: zmq.Context | None = None,
+        rcvhwm: int = 1_000_000,
     ) -> None:
         self.replay_timeout = replay_timeout
+        self.rcvhwm = rcvhwm
         self.catch_up = catch_up
         self.max_drain = max_drain
         self.flush_every = max(1, flush_every)
@@ -489,7 +501,7 @@ class VllmSubscriber:
 
     def _new_sub(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.RCVHWM, 1_000_000)
+        sock.setsockopt(zmq.RCVHWM, self.rcvhwm)  # past it ZMQ drops: a gap, replayed
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 28)  # a bigger frame is garbage: zmq drops it
         sock.setsockopt(zmq.LINGER, 0)
         return sock
@@ -531,7 +543,7 @@ class VllmSubscriber:
             lambda frames: self._on_replay(st, frames, out),
             f"vLLM replay from {st.src.worker_id}: reply dropped after an internal error",
             out,
-            until=lambda: st.replay_sock is None,  # the replay ended (socket closed)
+            until=lambda: st.replay_sock is not sock,  # the replay ended or was re-asked
         )
 
     def _receive(
@@ -659,6 +671,11 @@ class VllmSubscriber:
         if seq == st.expected - 1 and payload == st.last_payload:
             s.duplicates += 1
             return
+        if st.replayed.get(seq) == zlib.crc32(payload):
+            # a live copy that ZMQ delivered after the replay brought the same batch (the
+            # publisher's queue held it): a duplicate, not a restart
+            s.duplicates += 1
+            return
         s.restarts += 1
         log.warning(
             "vLLM events: %s rank %d: seq %d after %d: engine restarted, clearing its blocks",
@@ -757,11 +774,15 @@ class VllmSubscriber:
 
     # -- replay -------------------------------------------------------------------------------
     def _start_replay(self, st: _Stream, start: int, out: dict) -> None:
+        if not st.replay_resumes:
+            st.replayed.clear()  # a new gap: the previous replay's copies are long gone
         st.stats.replays += 1
         st.replaying = True
         st.replay_deadline = time.monotonic() + self.replay_timeout
+        st.replay_got = 0
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # the engine's buffer is bounded (buffer_steps)
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 28)
         sock.connect(st.src.replay_address)
         sock.send_multipart(replay_request(start))
@@ -812,7 +833,21 @@ class VllmSubscriber:
             )
             return
         if item.seq > st.expected:
+            if st.replay_got and st.replay_resumes < MAX_REPLAY_RESUMES:
+                # Replies were dropped on the way (the engine's ROUTER drops past its send
+                # high-water mark, 1000 by default): the buffer had them a moment ago, so ask
+                # again from the first missing one. Each resume follows progress.
+                st.replay_resumes += 1
+                s.replay_resumes += 1
+                self._close_replay(st)
+                s.replays -= 1  # one gap, one replay: a resume is counted on its own
+                self._start_replay(st, st.expected, out)
+                return
             self._lost(st, item.seq, out)
+        st.replay_got += 1
+        # a replay that makes progress is not timed out: the timeout is for silence
+        st.replay_deadline = time.monotonic() + self.replay_timeout
+        st.replayed[item.seq] = zlib.crc32(item.payload)
         s.replayed_batches += 1
         self._apply(st, item.seq, item.payload, self._decode(st, item.seq, item.payload), out)
 
@@ -845,6 +880,7 @@ class VllmSubscriber:
     def _finish_replay(self, st: _Stream, out: dict) -> None:
         self._close_replay(st)
         st.replaying = False
+        st.replay_resumes = 0
         st.catching_up = False
         pending, st.pending = sorted(st.pending, key=lambda p: p[0]), []
         for seq, payload in pending:
