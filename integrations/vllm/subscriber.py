@@ -185,7 +185,8 @@ class _Stream:
     # (queued in ZMQ while the replay ran) is a duplicate, not an engine restart
     replayed: dict[int, int] = field(default_factory=dict)
     replay_resumes: int = 0  # re-requests within this gap's replay (replies dropped on the way)
-    pending: list[tuple[int, bytes]] = field(default_factory=list)
+    # live batches waiting for a replay: (seq, payload, decoded; None = unreadable)
+    pending: list[tuple[int, bytes, DecodedBatch | None]] = field(default_factory=list)
 
 
 class _DropLog:
@@ -638,7 +639,7 @@ class VllmSubscriber:
     ) -> None:
         s = st.stats
         if st.replaying:
-            st.pending.append((seq, payload))
+            st.pending.append((seq, payload, batch))
             return
         if st.expected is None:
             st.expected = seq
@@ -646,7 +647,7 @@ class VllmSubscriber:
                 # joined a running engine: fetch what it still buffers from its start
                 st.expected = 0
                 st.catching_up = True
-                st.pending.append((seq, payload))
+                st.pending.append((seq, payload, batch))
                 self._start_replay(st, 0, out)
                 return
         if seq == st.expected:
@@ -661,7 +662,7 @@ class VllmSubscriber:
                 st.expected,
                 seq,
             )
-            st.pending.append((seq, payload))
+            st.pending.append((seq, payload, batch))
             if st.src.replay_address:
                 self._start_replay(st, st.expected, out)
             else:
@@ -687,7 +688,7 @@ class VllmSubscriber:
         self._emit(st, [AllCleared(worker_id=st.src.worker_id, dp_rank=st.src.dp_rank)], out)
         st.expected = 0
         if seq > 0 and st.src.replay_address:
-            st.pending.append((seq, payload))
+            st.pending.append((seq, payload, batch))
             self._start_replay(st, 0, out)
         else:
             st.expected = seq
@@ -883,13 +884,13 @@ class VllmSubscriber:
         st.replay_resumes = 0
         st.catching_up = False
         pending, st.pending = sorted(st.pending, key=lambda p: p[0]), []
-        for seq, payload in pending:
+        for seq, payload, batch in pending:
             assert st.expected is not None
             if seq < st.expected:
                 continue  # the replay already delivered it
             if seq > st.expected:
                 self._lost(st, seq, out)
-            self._apply(st, seq, payload, self._decode(st, seq, payload), out)
+            self._apply(st, seq, payload, batch, out)
 
     def _check_replay_timeouts(self, out: dict) -> None:
         now = time.monotonic()
