@@ -483,3 +483,34 @@ def test_backlog_reaches_the_sink_in_bounded_ordered_batches():
     assert stored_order == [1000 + i for i in range(60)]
     assert len(calls) >= 60 // 8 and max(calls) <= 8
     assert sub.stats()["streams"]["e1/0"]["batches"] == 60
+
+
+def test_events_ready_only_while_the_subscriber_thread_runs():
+    """Issue 9: if the consumer thread ever stops, the worker's events are not ready (so
+    /ready fails and kvplug_worker_events_ready says 0), whatever streams it still lists."""
+    from kvplug.integrations.vllm.adapter import RouterSink, VllmAdapter
+
+    from kvplug.workers import Worker
+
+    class NoRouter:  # RouterSink's router: nothing here routes
+        def apply_events(self, events):
+            return len(events)
+
+        def set_attributes(self, *args):
+            pass
+
+    eng = Engine("e1")
+    adapter = VllmAdapter()
+    worker = Worker(
+        "e1", engine="vllm", event_endpoint=eng.endpoint, replay_endpoint=eng.replay_endpoint
+    )
+    try:
+        adapter.start_worker_sync(worker, RouterSink(NoRouter(), "e1", BS))
+        assert adapter.events_ready("e1") is True
+        adapter.subscriber._running = False  # the thread ends, as if it had died
+        adapter.subscriber._thread.join(2)
+        assert adapter.subscriber.has_worker("e1")
+        assert adapter.events_ready("e1") is False
+    finally:
+        adapter.subscriber.stop()
+        eng.pub.close()
