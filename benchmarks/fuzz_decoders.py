@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -44,7 +45,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,11 +151,10 @@ def sglang_seed(rng: random.Random) -> bytes:
     return sglang_batch(evs, form, ts=rng.random(), attn_dp_rank=rng.choice([None, 0, 1]))
 
 
-def _trt_envelopes(rng: random.Random, next_id: list[int]) -> list:
+def _trt_envelopes(rng: random.Random, next_id: Iterator[int]) -> list:
     out = []
     for _ in range(rng.randrange(0, 5)):
-        eid = next_id[0]
-        next_id[0] += 1
+        eid = next(next_id)
         r = rng.random()
         if r < 0.05:
             data: dict = {"type": "created", "num_blocks_per_cache_level": [1024, 4096]}
@@ -209,10 +209,13 @@ _TRT_FIXTURES = [
 _SG_FIXTURES = [p.read_bytes() for p in sorted((DATA / "sglang").glob("*.msgpack"))]
 
 
-def trtllm_seed(rng: random.Random, next_id: list[int] = [0]) -> bytes:  # noqa: B006 - state
+_TRT_EVENT_IDS = itertools.count()  # consecutive across answers, as one engine's stream
+
+
+def trtllm_seed(rng: random.Random) -> bytes:
     if rng.random() < 0.05:
         return rng.choice(_TRT_FIXTURES)
-    return json.dumps(_trt_envelopes(rng, next_id)).encode()
+    return json.dumps(_trt_envelopes(rng, _TRT_EVENT_IDS)).encode()
 
 
 # -------------------------------------------------------------------------------------------
