@@ -7,9 +7,17 @@ u64. A malformed field costs one event, counted by ``reason``, never the batch o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
+from kvplug.events import BlockStored, Tier
+
 MASK64 = (1 << 64) - 1
+# What decoding hostile bytes may raise: msgspec's errors, and RecursionError for values nested
+# past the interpreter's recursion limit (a few bytes of b"\x91" make thousands of levels).
+DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, RecursionError)
 
 
 class EventDrop(ValueError):
@@ -35,3 +43,34 @@ def int64_hash(h: int) -> int:
     """u64 -> the signed int64 an engine puts on the wire (inverse of ``u64_hash``)."""
     h &= MASK64
     return h - (1 << 64) if h >= 1 << 63 else h
+
+
+def full_blocks_stored(
+    worker_id: str,
+    dp_rank: int,
+    tier: Tier,
+    parent: int | None,
+    hashes: Sequence[int],
+    tokens: Sequence[int],
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    block_extra: Sequence[int] | None = None,
+    shared: bool = False,
+) -> BlockStored:
+    """The ``BlockStored`` every engine's decoder builds once it has checked a store: full
+    blocks (``len(tokens) == len(hashes) * block_size``), hashes already folded to u64."""
+    return BlockStored(
+        worker_id=worker_id,
+        dp_rank=dp_rank,
+        tier=tier,
+        shared=shared,
+        parent_engine_hash=parent,
+        engine_hashes=hashes,
+        token_ids=tokens,
+        block_size=block_size,
+        lora_name=lora_name,
+        cache_salt=cache_salt,
+        block_extra=block_extra,
+    )

@@ -132,6 +132,11 @@ class EngineAdapter:
         """Whether the worker's event source is up; ``None`` when this kind has none."""
         return None
 
+    def event_drops(self) -> dict[str, dict[str, int]]:
+        """What this kind's event sources dropped or rejected, for ``/metrics``: worker id
+        ("" for what no worker can be named for) -> reason -> count since start."""
+        return {}
+
     async def close(self) -> None:
         """Release per-process resources (shared sockets) at shutdown."""
 

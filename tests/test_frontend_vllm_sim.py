@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import struct
 
 import aiohttp
 import pytest
@@ -113,5 +114,40 @@ async def test_vllm_adapter_two_stage_prefill_decode():
             assert trace["stage"] == "decode" and trace["fallback_reason"] is None
             assert trace["request_id"] == "pd-sim-1"
         assert router.stats()["active_requests"] == 0
+    finally:
+        await _stop(servers, running)
+
+
+async def test_rejected_event_batches_are_counted_in_metrics():
+    """Issue 9: drop and reject counters of the subscribers are in /metrics, not only in logs;
+    a rejected batch costs only itself (its seq is consumed: no gap, no clear)."""
+    servers, router, running, model = await _fleet(["both"])
+    # issue 9's reproducer: [1.0, [[[...]]]] nested 2000 deep
+    deep = b"\x92\xcb" + struct.pack(">d", 1.0) + b"\x91" * 2000 + b"\xc0"
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def metrics() -> str:
+                async with http.get(running.url + "/metrics") as r:
+                    return await r.text()
+
+            for _ in range(200):
+                if 'kvplug_worker_events_ready{worker="b0"} 1.0' in await metrics():
+                    break
+                await asyncio.sleep(0.05)
+            pub = servers[0].publisher
+            pub.publish_payload(deep)
+            pub.publish_payload(b"\xc1")
+            want = 'kvplug_event_drops_total{engine="vllm",reason="rejected_batches",worker="b0"}'
+            text = ""
+            for _ in range(200):
+                text = await metrics()
+                if want + " 2.0" in text:
+                    break
+                await asyncio.sleep(0.05)
+            assert want + " 2.0" in text
+            assert 'reason="decode.malformed_batches",worker="b0"} 2.0' in text
+            assert 'reason="gaps",worker="b0"} 0.0' in text
+            assert 'kvplug_worker_events_ready{worker="b0"} 1.0' in text
     finally:
         await _stop(servers, running)

@@ -135,6 +135,11 @@ def test_two_ranks_gap_replay_restart_and_garbage(zmq_ctx):
         assert 0 in pubs[0].requests and 0 in pubs[1].requests  # catch-up replays from seq 0
         stats = sub.stats()
         assert stats["streams"]["sg/0"]["malformed"] == 1  # the garbage, counted and dropped
+        # ... and in the counters /metrics exports (kvplug_event_drops_total)
+        drops = sub.drop_counts()["sg"]
+        assert drops["rejected_batches"] == 1  # the batch, once
+        assert drops["decode.bad_msgpack"] == 2  # decoded live and again when replayed
+        assert drops["missed_batches"] == 0 and drops["replay_failures"] == 0
         assert sink.partial_filter.partial.get(0) == set()  # the partial page was swallowed
 
         # a restart of rank 0: seq back to 0 -> AllCleared for rank 0, then the new stream

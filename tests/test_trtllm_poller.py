@@ -31,6 +31,7 @@ class FakeTrtllmWorker:
         self.prometheus = prometheus
         self.fail_next = False
         self.garbage_next = False
+        self.raw_answers: list[bytes] = []  # served verbatim, one per poll, before events
         self.hold = 0.0
         self.inflight = 0
         self.max_inflight = 0
@@ -45,6 +46,8 @@ class FakeTrtllmWorker:
             self.polls += 1
             if self.hold:
                 await asyncio.sleep(self.hold)
+            if self.raw_answers:
+                return web.Response(body=self.raw_answers.pop(0), content_type="application/json")
             drained, self.events = self.events, []
             if self.fail_next:
                 self.fail_next = False
@@ -70,11 +73,15 @@ class FakeTrtllmWorker:
             raise web.HTTPNotFound()
         return web.Response(text=self.prometheus, content_type="text/plain")
 
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
     async def start(self) -> FakeTrtllmWorker:
         app = web.Application()
         app.router.add_post("/kv_cache_events", self.kv_cache_events)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/prometheus/metrics", self.prometheus_metrics)
+        app.router.add_get("/health", self.health)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -283,3 +290,121 @@ def test_removed_events_reach_the_index_as_any_tier_removals():
         [{"event_id": 0, "data": {"type": "removed", "block_hashes": [5]}}]
     )
     assert ev == [BlockRemoved(worker_id="t", engine_hashes=[5])] and ev[0].tier is None
+
+
+def _stored_envelope(event_id: int, block_hash: int) -> dict:
+    return {
+        "event_id": event_id,
+        "data": {
+            "type": "stored",
+            "parent_hash": None,
+            "blocks": [{"block_hash": block_hash, "tokens": [{"token_id": t} for t in range(4)]}],
+        },
+    }
+
+
+# answers no worker should send; each must cost at most itself (issue 9: the first one killed
+# the poller task for good while /ready stayed green)
+HOSTILE_ANSWERS = [
+    b"[" * 5000 + b"]" * 5000,
+    b'[{"event_id": 0, "data": ' + b"[" * 5000 + b"]" * 5000 + b"}]",
+    b'{"a": 1}',
+    b"[" + b'{"event_id": 1, "data": {"type": "stored", "blocks": [{"block_hash": 7, '
+    b'"tokens": [], "cache_salt": ' + b"[" * 900 + b"]" * 900 + b"}]}}]",
+    b"\xff\xfe",
+]
+
+
+async def test_poller_survives_any_answer(fake):
+    got: list = []
+    async with aiohttp.ClientSession() as session:
+        poller = TrtllmPoller(
+            fake.url,
+            TrtllmDecoder("t", 4),
+            got.extend,
+            session=session,
+            min_interval=0.001,
+            max_interval=0.005,
+        )
+        task = asyncio.create_task(poller.run())
+        try:
+            fake.raw_answers = list(HOSTILE_ANSWERS)
+            fake.events = [_stored_envelope(0, 41)]
+            for _ in range(500):
+                if any(isinstance(e, BlockStored) for e in got):
+                    break
+                await asyncio.sleep(0.01)
+            assert not task.done() and poller.running
+            assert got[-1] == BlockStored(
+                worker_id="t", engine_hashes=[41], token_ids=[0, 1, 2, 3], block_size=4
+            )
+            assert poller.counts["lost_answers"] == 4  # unparsable or not a list: cleared
+            # a decoder bug costs its answer (handled as lost), and a failing consumer one round
+            real = poller.decoder.decode
+            poller.decoder.decode = lambda envelopes: 1 / 0
+            fake.events = [_stored_envelope(1, 42)]
+            while poller.counts["decoder_errors"] == 0:
+                await asyncio.sleep(0.01)
+            poller.decoder.decode = real
+            poller.deliver = lambda events: 1 / 0
+            fake.events = [_stored_envelope(2, 43)]
+            while poller.counts["internal_errors"] == 0:
+                await asyncio.sleep(0.01)
+            poller.deliver = got.extend
+            fake.events = [_stored_envelope(3, 44)]
+            while not any(getattr(e, "engine_hashes", None) == [44] for e in got):
+                await asyncio.sleep(0.01)
+            assert poller.running and not task.done()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert not poller.running
+
+
+async def test_a_stopped_poller_shows_in_ready_and_metrics(fake):
+    """If the poller ever stops, /ready fails and /metrics says which worker and why."""
+    from kvplug.config import RouterConfig
+    from kvplug.frontend.app import ServeSettings
+    from kvplug.frontend.config import spec_from_mapping
+    from kvplug.frontend.server import start_frontend
+    from kvplug.router import Router
+
+    fake.prometheus = None
+    router = Router(RouterConfig(kv_block_size=32))
+    spec = spec_from_mapping({"id": "trt", "url": fake.url, "engine": "trtllm"}, "worker trt")
+    running = await start_frontend(
+        router, [spec], ServeSettings(health_interval=0.2, health_timeout=1.0)
+    )
+    adapter = running.frontend.fleet.adapters["trtllm"]
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def ready_and_metrics():
+                async with http.get(running.url + "/ready") as r:
+                    status = r.status
+                async with http.get(running.url + "/metrics") as r:
+                    return status, await r.text()
+
+            for _ in range(300):
+                status, text = await ready_and_metrics()
+                if status == 200:
+                    break
+                await asyncio.sleep(0.01)
+            assert status == 200
+            assert 'kvplug_worker_events_ready{worker="trt"} 1.0' in text
+            fake.raw_answers = [b"[" * 5000 + b"]" * 5000]
+            lost = 'kvplug_event_drops_total{engine="trtllm",reason="lost_answers",worker="trt"}'
+            for _ in range(300):
+                status, text = await ready_and_metrics()
+                if lost + " 1.0" in text:
+                    break
+                await asyncio.sleep(0.01)
+            assert lost + " 1.0" in text and status == 200
+            adapter._runs["trt"].tasks[0].cancel()  # however it stops
+            await asyncio.sleep(0.05)
+            status, text = await ready_and_metrics()
+            assert status == 503
+            assert 'kvplug_worker_events_ready{worker="trt"} 0.0' in text
+            assert 'reason="poller_stopped",worker="trt"} 1.0' in text
+    finally:
+        await running.close()

@@ -8,6 +8,7 @@ engine holds (or a safe subset after unrecoverable loss), never crashing.
 
 from __future__ import annotations
 
+import struct
 import time
 
 import pytest
@@ -24,7 +25,7 @@ from kvplug.integrations.vllm.subscriber import (
 from vllm_helpers import Mirror, free_port, free_port_run, wait_for
 
 from kvplug.errors import ConfigError
-from kvplug.events import BlockRemoved, BlockStored
+from kvplug.events import AllCleared, BlockRemoved, BlockStored
 
 BS = 32
 
@@ -409,11 +410,50 @@ def test_internal_error_and_failing_sink_cost_one_message_not_the_thread(sub):
     real_decode = st.decoder.decode
     st.decoder.decode = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("decoder bug"))
     eng.store([3])
-    assert wait_for(lambda: sub.stats()["internal_errors"] == 1, 5, eng.pump)
+    assert wait_for(lambda: sub.stats()["streams"]["e1/0"]["decoder_errors"] == 1, 5, eng.pump)
     st.decoder.decode = real_decode
+    # a decoder that raises rejects its batch like an unreadable one: seq 3 is consumed (no
+    # gap, no replay), only its own blocks are missing
     eng.store([4])
-    # the thread lives on; seq 3 was dropped, so 4 is a gap: the replay brings 3 back
-    assert wait_for(lambda: {3, 4} <= m.hashes("e1"), 5, eng.pump)
+    assert wait_for(lambda: 4 in m.hashes("e1"), 5, eng.pump)
+    assert m.hashes("e1") == {1, 4}
+    stats = sub.stats()["streams"]["e1/0"]
+    assert (stats["gaps"], stats["replays"], stats["malformed"]) == (0, 0, 1)
+    # a bug past the decoder costs one message, never the thread
+    real_on_batch = sub._on_batch
+    sub._on_batch = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bug"))
+    eng.store([5])
+    assert wait_for(lambda: sub.stats()["internal_errors"] == 1, 5, eng.pump)
+    sub._on_batch = real_on_batch
+    eng.store([6])
+    assert wait_for(lambda: {5, 6} <= m.hashes("e1"), 5, eng.pump)  # 5 came back by replay
+
+
+# issue 9: nested 2000 deep, past msgspec's recursion limit (it raised RecursionError)
+DEEP_BATCH = b"\x92\xcb" + struct.pack(">d", 1.0) + b"\x91" * 2000 + b"\xc0"
+
+
+def test_rejected_batch_consumes_its_seq_and_costs_only_itself(sub):
+    """Without a replay endpoint, a batch the subscriber took for missing would wipe the
+    rank: an unreadable batch must consume its seq, so only its own events are lost."""
+    eng = Engine("e1", replay=False)
+    m = Mirror()
+    attach(sub, eng, m)
+    eng.store([1, 2])
+    assert settle(eng, m)
+    eng.pub.publish_payload(DEEP_BATCH)
+    eng.pub.publish_payload(b"\xc1")  # not msgpack at all
+    eng.store([3])
+    assert settle(eng, m)  # {1, 2, 3}: nothing wiped
+    st = sub.stats()["streams"]["e1/0"]
+    assert (st["malformed"], st["gaps"], st["missed_batches"], st["decoder_errors"]) == (
+        2,
+        0,
+        0,
+        0,
+    )
+    assert st["decode"]["malformed_batches"] == 2  # each counted once
+    assert not any(isinstance(e, AllCleared) for e in m.events)
 
 
 def test_backlog_reaches_the_sink_in_bounded_ordered_batches():
@@ -443,3 +483,34 @@ def test_backlog_reaches_the_sink_in_bounded_ordered_batches():
     assert stored_order == [1000 + i for i in range(60)]
     assert len(calls) >= 60 // 8 and max(calls) <= 8
     assert sub.stats()["streams"]["e1/0"]["batches"] == 60
+
+
+def test_events_ready_only_while_the_subscriber_thread_runs():
+    """Issue 9: if the consumer thread ever stops, the worker's events are not ready (so
+    /ready fails and kvplug_worker_events_ready says 0), whatever streams it still lists."""
+    from kvplug.integrations.vllm.adapter import RouterSink, VllmAdapter
+
+    from kvplug.workers import Worker
+
+    class NoRouter:  # RouterSink's router: nothing here routes
+        def apply_events(self, events):
+            return len(events)
+
+        def set_attributes(self, *args):
+            pass
+
+    eng = Engine("e1")
+    adapter = VllmAdapter()
+    worker = Worker(
+        "e1", engine="vllm", event_endpoint=eng.endpoint, replay_endpoint=eng.replay_endpoint
+    )
+    try:
+        adapter.start_worker_sync(worker, RouterSink(NoRouter(), "e1", BS))
+        assert adapter.events_ready("e1") is True
+        adapter.subscriber._running = False  # the thread ends, as if it had died
+        adapter.subscriber._thread.join(2)
+        assert adapter.subscriber.has_worker("e1")
+        assert adapter.events_ready("e1") is False
+    finally:
+        adapter.subscriber.stop()
+        eng.pub.close()

@@ -173,8 +173,12 @@ class SglangAdapter(SglangHttpAdapter):
         return (
             run.subscribed
             and self._subscriber is not None
+            and self._subscriber.running
             and self._subscriber.has_worker(worker_id)
         )
+
+    def event_drops(self) -> dict[str, dict[str, int]]:
+        return self._subscriber.drop_counts() if self._subscriber is not None else {}
 
     async def close(self) -> None:
         for worker_id in list(self._runs):

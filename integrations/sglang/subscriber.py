@@ -34,6 +34,9 @@ class _DecodeStats:
     def as_dict(self) -> dict[str, Any]:
         return self._decoder.stats()
 
+    def drops(self) -> dict[str, int]:
+        return dict(self._decoder.drops)
+
 
 class SglangBatchDecoder:
     """Adapts ``SglangDecoder`` to the batch-decoder interface ``VllmSubscriber`` drives."""

@@ -39,7 +39,14 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
-from kvplug.integrations.common import MASK64, EventDrop, int64_hash, u64_hash
+from kvplug.integrations.common import (
+    DECODE_ERRORS,
+    MASK64,
+    EventDrop,
+    full_blocks_stored,
+    int64_hash,
+    u64_hash,
+)
 
 from kvplug import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
@@ -314,7 +321,7 @@ class SglangDecoder:
             return fast
         try:
             batch = _decoder.decode(payload)
-        except (msgspec.DecodeError, ValueError, TypeError) as exc:
+        except (*DECODE_ERRORS, ValueError, TypeError) as exc:
             self._drop("bad_msgpack", dp_rank, seq, str(exc))
             return None
         if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
@@ -342,7 +349,7 @@ class SglangDecoder:
         for i, decoder in enumerate(self._fast_order):
             try:
                 batch = decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except DECODE_ERRORS:
                 continue
             if i:
                 self._fast_order = self._fast_order[::-1]  # try this engine's form first
@@ -370,10 +377,10 @@ class SglangDecoder:
                     continue
                 try:
                     tokens = _TOKENS.decode(ev.token_ids)
-                except (msgspec.DecodeError, msgspec.ValidationError):
+                except DECODE_ERRORS:
                     try:
                         tokens = [t for t, _ in _BIGRAMS.decode(ev.token_ids)]
-                    except (msgspec.DecodeError, msgspec.ValidationError):
+                    except DECODE_ERRORS:
                         return None
                 if len(tokens) != len(hashes) * bs or bs > self.page_size:
                     return None
@@ -384,17 +391,17 @@ class SglangDecoder:
                 counts["stored_blocks"] += len(hashes)
                 parent = ev.parent_block_hash
                 out.append(
-                    BlockStored(
-                        worker_id=wid,
-                        dp_rank=dp_rank,
-                        tier=medium[0],
-                        shared=medium[1],
-                        parent_engine_hash=None if parent is None else parent & MASK64,
-                        engine_hashes=hashes,
-                        token_ids=tokens,
-                        block_size=bs,
+                    full_blocks_stored(
+                        wid,
+                        dp_rank,
+                        medium[0],
+                        None if parent is None else parent & MASK64,
+                        hashes,
+                        tokens,
+                        bs,
                         lora_name=ev.lora_name,
                         cache_salt=ev.cache_salt,
+                        shared=medium[1],
                     )
                 )
             elif isinstance(ev, _REMOVED_T):
@@ -493,17 +500,17 @@ class SglangDecoder:
             )
         self.counts["stored_blocks"] += len(hashes)
         out.append(
-            BlockStored(
-                worker_id=self.worker_id,
-                dp_rank=dp_rank,
-                tier=tier,
-                shared=shared,
-                parent_engine_hash=parent,
-                engine_hashes=hashes,
-                token_ids=tokens,
-                block_size=block_size,
+            full_blocks_stored(
+                self.worker_id,
+                dp_rank,
+                tier,
+                parent,
+                hashes,
+                tokens,
+                block_size,
                 lora_name=lora_name,
                 cache_salt=cache_salt,
+                shared=shared,
             )
         )
 

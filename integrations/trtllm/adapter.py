@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import logging
 import random
@@ -237,7 +238,9 @@ class TrtllmAdapter(TrtllmHttpAdapter):
         )
         run = _Run(worker, sink, poller)
         self._runs[worker.worker_id] = run
-        run.tasks.append(asyncio.create_task(poller.run()))
+        poll_task = asyncio.create_task(poller.run())
+        poll_task.add_done_callback(functools.partial(_poller_ended, worker.worker_id))
+        run.tasks.append(poll_task)
         run.tasks.append(asyncio.create_task(self._poll_load(run)))
 
     async def stop_worker(self, worker_id: str) -> None:
@@ -247,8 +250,22 @@ class TrtllmAdapter(TrtllmHttpAdapter):
         await cancel_and_wait(run.tasks)
 
     def events_ready(self, worker_id: str) -> bool | None:
+        """Up = the poller runs and its last round reached the worker (a stopped poller is
+        not ready, whatever it saw last)."""
         run = self._runs.get(worker_id)
-        return run is not None and run.poller.connected
+        return run is not None and run.poller.running and run.poller.connected
+
+    def event_drops(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for wid, r in list(self._runs.items()):
+            p, dec = r.poller, r.poller.decoder
+            d = {k: p.counts[k] for k in POLLER_DROPS}
+            d.update({k: dec.counts[k] for k in ("gaps", "id_regressions")})
+            d.update({f"decode.{k}": v for k, v in dec.drops.items()})
+            # stop_worker forgets the run before cancelling: a finished task here is a stop
+            d["poller_stopped"] = int(r.tasks[0].done())
+            out[wid] = d
+        return out
 
     async def close(self) -> None:
         for worker_id in list(self._runs):
@@ -347,6 +364,21 @@ class TrtllmAdapter(TrtllmHttpAdapter):
             return False
 
         await poll_loads(scrape, self.load_period, run, f"trtllm worker {worker.worker_id}", log)
+
+
+# poller counters that mean events (may have been) lost: answers, not events
+POLLER_DROPS = ("lost_answers", "decoder_errors", "internal_errors", "connect_errors")
+
+
+def _poller_ended(worker_id: str, task: asyncio.Task) -> None:
+    """A poller task only ends when its worker is removed (cancelled); anything else is loud."""
+    if task.cancelled():
+        return
+    log.error(
+        "trtllm worker %s: event poller stopped (%r); its events are no longer read",
+        worker_id,
+        task.exception(),
+    )
 
 
 register_adapter("trtllm", TrtllmAdapter)

@@ -41,9 +41,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvplug.integrations.common import MASK64, EventDrop, u64_hash
+from kvplug.integrations.common import MASK64, EventDrop, full_blocks_stored, u64_hash
 
-from kvplug import AllCleared, BlockMoved, BlockRemoved, BlockStored, KvEvent, Tier
+from kvplug import AllCleared, BlockMoved, BlockRemoved, KvEvent, Tier
 
 log = logging.getLogger("kvplug.integrations.trtllm")
 
@@ -271,14 +271,14 @@ class TrtllmDecoder:
                 return
             tier, salt, lora = run_key  # type: ignore[misc]
             out.append(
-                BlockStored(
-                    worker_id=self.worker_id,
-                    dp_rank=rank,
-                    tier=tier,
-                    parent_engine_hash=run_parent,
-                    engine_hashes=run_hashes,
-                    token_ids=run_tokens,
-                    block_size=self.tokens_per_block,
+                full_blocks_stored(
+                    self.worker_id,
+                    rank,
+                    tier,
+                    run_parent,
+                    run_hashes,
+                    run_tokens,
+                    self.tokens_per_block,
                     cache_salt=salt,
                     lora_name=lora,
                     block_extra=run_extra if any(run_extra) else None,

@@ -12,6 +12,12 @@ saw, so every rank of the worker is cleared (``AllCleared``) and rebuilt from th
 TRT-LLM has no replay. A refused connection drained nothing and clears nothing (a restarted
 engine announces itself with ``created`` at ``event_id`` 0).
 
+Robustness: no answer stops the poller. An answer nested too deep to parse is unparsable (a
+lost answer, above); a decoder bug on an answer costs that answer (counted ``decoder_errors``,
+handled as lost); any other failure of a round is counted (``internal_errors``), logged and
+followed by the next round. ``running`` is False once ``run`` has returned for any reason: the
+adapter's readiness says so.
+
 Pacing: after a non-empty answer the next poll goes at once (``min_interval``); empty answers
 back off ×1.5 up to ``max_interval``. Builds ≤ 1.3.0rc9 hold an idle poll ≈2 s before
 answering ``[]``; the request timeout allows for that.
@@ -28,6 +34,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+from kvplug.integrations.common import DECODE_ERRORS
 
 from kvplug import KvEvent
 
@@ -37,6 +44,20 @@ log = logging.getLogger("kvplug.integrations.trtllm")
 
 MAX_BODY = 64 << 20  # one drained answer; a bigger one is treated as garbage
 _json = msgspec.json.Decoder()
+
+
+def parse_answer(body: bytes) -> tuple[list | None, str]:
+    """A drained answer's body -> (its envelopes, "") or (None, why it is unusable). Never
+    raises: nesting past the recursion limit is unparsable like any other bad JSON."""
+    if len(body) > MAX_BODY:
+        return None, f"answer over {MAX_BODY} bytes"
+    try:
+        envelopes = _json.decode(body)  # arbitrary-precision ints, like json.loads
+    except (*DECODE_ERRORS, ValueError) as exc:
+        return None, f"unparsable JSON: {type(exc).__name__}: {exc}"
+    if not isinstance(envelopes, list):
+        return None, f"answer is {type(envelopes).__name__}, not a list"
+    return envelopes, ""
 
 
 class TrtllmPoller:
@@ -61,6 +82,7 @@ class TrtllmPoller:
         self.counts: Counter[str] = Counter()
         self.last_ok_at: float | None = None
         self.connected = False
+        self.running = False  # True while run() is polling
         self._interval = min_interval
 
     @property
@@ -68,14 +90,25 @@ class TrtllmPoller:
         return self.decoder.worker_id
 
     async def run(self) -> None:
-        """Poll until cancelled."""
-        while True:
-            got = await self.poll_once()
-            if got:
-                self._interval = self.min_interval
-            else:
-                self._interval = min(self.max_interval, self._interval * 1.5)
-            await asyncio.sleep(self._interval)
+        """Poll until cancelled; a failing round is counted and the next one follows."""
+        self.running = True
+        try:
+            while True:
+                try:
+                    got = await self.poll_once()
+                except Exception:  # a bug must cost one round, never the worker's events
+                    self.counts["internal_errors"] += 1
+                    self.connected = False  # not trusted again until a round succeeds
+                    log.exception("trtllm worker %s: event poll failed", self.worker_id)
+                    got = 0
+                if got:
+                    self._interval = self.min_interval
+                else:
+                    self._interval = min(self.max_interval, self._interval * 1.5)
+                await asyncio.sleep(self._interval)
+        finally:
+            self.running = False
+            self.connected = False
 
     async def poll_once(self) -> int:
         """One drain. Returns how many envelopes it carried (0 on error)."""
@@ -97,16 +130,9 @@ class TrtllmPoller:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self._lost(f"{type(exc).__name__}: {exc}")
             return 0
-        if len(body) > MAX_BODY:
-            self._lost(f"answer over {MAX_BODY} bytes")
-            return 0
-        try:
-            envelopes = _json.decode(body)  # arbitrary-precision ints, like json.loads
-        except (msgspec.DecodeError, ValueError) as exc:
-            self._lost(f"unparsable JSON: {exc}")
-            return 0
-        if not isinstance(envelopes, list):
-            self._lost(f"answer is {type(envelopes).__name__}, not a list")
+        envelopes, why = parse_answer(body)
+        if envelopes is None:
+            self._lost(why)
             return 0
         self.connected = True
         self.last_ok_at = time.monotonic()
@@ -115,7 +141,13 @@ class TrtllmPoller:
             self.counts["empty_polls"] += 1
             return 0
         self.counts["envelopes"] += len(envelopes)
-        events = self.decoder.decode(envelopes)
+        try:
+            events = self.decoder.decode(envelopes)
+        except Exception:  # never by contract; if so, the answer is lost, not the poller
+            self.counts["decoder_errors"] += 1
+            log.exception("trtllm worker %s: decoder failed on a drained answer", self.worker_id)
+            self._lost("decoder error")
+            return 0
         if events:
             self.deliver(events)
         return len(envelopes)

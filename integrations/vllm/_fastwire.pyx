@@ -1,8 +1,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Fast path of the vLLM KV-event decoder: one pass over a msgpack ``KVEventBatch``.
 
-Handles the shapes a healthy engine sends (array- or map-form events, uint64 / int64 / bin
-hashes, GPU/CPU/STORAGE media, group 0, full-attention stores). A batch is first parsed and
+Handles the shapes a healthy engine sends (array- or map-form events in an array- or
+map-form batch, uint64 / int64 / bin hashes, GPU/CPU/STORAGE media, group 0, full-attention
+stores), and checks every field vLLM declares as the msgspec path does (wire.py states the
+contract both follow). A batch is first parsed and
 checked in C alone: hashes and token ids go straight into the decoder's reused u64 / u32
 buffers (no Python int per token or hash, nothing allocated per event); only then are the
 kvplug events built, each with its own compact numpy arrays. Anything else — an unknown kind, a
@@ -58,43 +60,39 @@ cdef inline bint _nil(Reader *r) noexcept nogil:
     return False
 
 
-cdef inline int _array_len(Reader *r, size_t *out) noexcept nogil:
-    """Array header -> length; -1 if the next value is not an array (or truncated)."""
+DEF ARRAY = 0x90  # fixarray; 0xDC, 0xDD are array16 / array32
+DEF MAP = 0x80  # fixmap; 0xDE, 0xDF are map16 / map32
+
+
+cdef inline int _len(Reader *r, size_t *out, uint8_t kind) noexcept nogil:
+    """Array (``kind`` ARRAY) or map (MAP) header -> its length; -1 if the next value is not
+    one (or is truncated). The 16/32-bit forms follow fixarray / fixmap by the same rule."""
     if r.pos >= r.n:
         return -1
     cdef uint8_t b = r.p[r.pos]
-    if 0x90 <= b <= 0x9F:
+    cdef uint8_t wide = 0xDC if kind == ARRAY else 0xDE
+    if kind <= b <= kind + 0x0F:
         out[0] = b & 0x0F
         r.pos += 1
         return 0
-    if b == 0xDC and _need(r, 3):
+    if b == wide and _need(r, 3):
         out[0] = <size_t>_be(r.p + r.pos + 1, 2)
         r.pos += 3
         return 0
-    if b == 0xDD and _need(r, 5):
+    if b == wide + 1 and _need(r, 5):
         out[0] = <size_t>_be(r.p + r.pos + 1, 4)
         r.pos += 5
         return 0
     return -1
 
 
-cdef inline int _map_len(Reader *r, size_t *out) noexcept nogil:
+cdef inline bint _is(Reader *r, uint8_t kind) noexcept nogil:
+    """Whether the next value is an array (``kind`` ARRAY) or a map (MAP); nothing consumed."""
     if r.pos >= r.n:
-        return -1
+        return False
     cdef uint8_t b = r.p[r.pos]
-    if 0x80 <= b <= 0x8F:
-        out[0] = b & 0x0F
-        r.pos += 1
-        return 0
-    if b == 0xDE and _need(r, 3):
-        out[0] = <size_t>_be(r.p + r.pos + 1, 2)
-        r.pos += 3
-        return 0
-    if b == 0xDF and _need(r, 5):
-        out[0] = <size_t>_be(r.p + r.pos + 1, 4)
-        r.pos += 5
-        return 0
-    return -1
+    cdef uint8_t wide = 0xDC if kind == ARRAY else 0xDE
+    return kind <= b <= kind + 0x0F or b == wide or b == wide + 1
 
 
 cdef inline int _str(Reader *r, const uint8_t **s, size_t *n) noexcept nogil:
@@ -216,14 +214,14 @@ cdef int _skip(Reader *r, int depth) noexcept nogil:
         r.pos += 1
         return 0
     if 0x80 <= b <= 0x8F or b == 0xDE or b == 0xDF:
-        if _map_len(r, &k) < 0:
+        if _len(r, &k, MAP) < 0:
             return -1
         for i in range(2 * k):
             if _skip(r, depth + 1) < 0:
                 return -1
         return 0
     if 0x90 <= b <= 0x9F or b == 0xDC or b == 0xDD:
-        if _array_len(r, &k) < 0:
+        if _len(r, &k, ARRAY) < 0:
             return -1
         for i in range(k):
             if _skip(r, depth + 1) < 0:
@@ -304,17 +302,34 @@ cdef int _double(Reader *r, double *out) noexcept nogil:
     return -1
 
 
+cdef int _rank(Reader *r, long *rank) noexcept nogil:
+    """The batch's ``data_parallel_rank``: nil, or a rank the subscriber can use."""
+    cdef uint64_t v
+    cdef bint neg
+    if _nil(r):
+        return 0
+    if _int(r, &v, &neg) < 0 or neg or v > 0x7FFFFFFF:
+        return -1
+    rank[0] = <long>v
+    return 0
+
+
 # ---- field names ---------------------------------------------------------------------------
 cdef enum Field:
     F_UNKNOWN, F_TYPE, F_HASHES, F_PARENT, F_TOKENS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM,
-    F_LORA_NAME, F_EXTRA_KEYS, F_GROUP, F_SPEC_KIND, F_SPEC_WINDOW, F_SKIP
+    F_LORA_NAME, F_EXTRA_KEYS, F_GROUP, F_SPEC_KIND, F_SPEC_WINDOW, F_LOCALITY, F_OWNERSHIP,
+    F_SESSION, F_SKIP
 
-# array-form field order after the tag
-cdef Field STORED_ORDER[12]
+# Array-form field order after the tag: the fields of wire.py's msgspec structs, in order.
+# Every field there is type-checked here as there (the contract both paths follow: a field
+# vLLM declares must have vLLM's type, or the event is malformed); later elements are ignored.
+DEF N_STORED = 13
+cdef Field STORED_ORDER[N_STORED]
 STORED_ORDER[:] = [F_HASHES, F_PARENT, F_TOKENS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM, F_LORA_NAME,
-                   F_EXTRA_KEYS, F_GROUP, F_SPEC_KIND, F_SPEC_WINDOW, F_SKIP]
-cdef Field REMOVED_ORDER[3]
-REMOVED_ORDER[:] = [F_HASHES, F_MEDIUM, F_GROUP]
+                   F_EXTRA_KEYS, F_GROUP, F_SPEC_KIND, F_SPEC_WINDOW, F_LOCALITY, F_OWNERSHIP]
+DEF N_REMOVED = 5
+cdef Field REMOVED_ORDER[N_REMOVED]
+REMOVED_ORDER[:] = [F_HASHES, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP]
 
 
 cdef inline bint _eq(const uint8_t *s, size_t n, const char *lit, size_t m) noexcept nogil:
@@ -328,14 +343,18 @@ cdef inline Field _field(const uint8_t *s, size_t n) noexcept nogil:
         return F_MEDIUM if memcmp(s, b"medium", 6) == 0 else F_UNKNOWN
     if n == 7:
         return F_LORA_ID if memcmp(s, b"lora_id", 7) == 0 else F_UNKNOWN
+    if n == 8:
+        return F_LOCALITY if memcmp(s, b"locality", 8) == 0 else F_UNKNOWN
     if n == 9:
         if memcmp(s, b"token_ids", 9) == 0: return F_TOKENS
         if memcmp(s, b"lora_name", 9) == 0: return F_LORA_NAME
         if memcmp(s, b"group_idx", 9) == 0: return F_GROUP
+        if memcmp(s, b"ownership", 9) == 0: return F_OWNERSHIP
         return F_UNKNOWN
     if n == 10:
         if memcmp(s, b"block_size", 10) == 0: return F_BLOCK_SIZE
         if memcmp(s, b"extra_keys", 10) == 0: return F_EXTRA_KEYS
+        if memcmp(s, b"session_id", 10) == 0: return F_SESSION
         return F_UNKNOWN
     if n == 12:
         return F_HASHES if memcmp(s, b"block_hashes", 12) == 0 else F_UNKNOWN
@@ -346,7 +365,7 @@ cdef inline Field _field(const uint8_t *s, size_t n) noexcept nogil:
     if n == 28:
         return F_SPEC_WINDOW if memcmp(s, b"kv_cache_spec_sliding_window", 28) == 0 \
             else F_UNKNOWN
-    return F_UNKNOWN  # locality, ownership, session_id, lookahead..., future fields
+    return F_UNKNOWN  # lookahead_token_ids, future fields
 
 
 cdef int _tier(const uint8_t *s, size_t n) noexcept nogil:
@@ -356,19 +375,62 @@ cdef int _tier(const uint8_t *s, size_t n) noexcept nogil:
     return -1
 
 
-cdef bint _all_nil_array(const uint8_t *p, size_t n) noexcept nogil:
-    """An array whose items are all nil (vLLM 0.32 sends one None per block)."""
-    cdef Reader r
-    cdef size_t k, i
-    r.p = p
-    r.n = n
-    r.pos = 0
-    if _array_len(&r, &k) < 0 or r.pos + k != n:
-        return False
-    for i in range(k):
-        if p[r.pos + i] != 0xC0:
+cdef bint _utf8(const uint8_t *s, size_t n) noexcept nogil:
+    """Strict UTF-8 (RFC 3629: no overlong forms, no surrogates), as msgspec and Python
+    decode a str: a string that is not is the msgspec path's to reject."""
+    cdef size_t i = 0, k, j
+    cdef uint8_t c, lo, hi
+    while i < n:
+        c = s[i]
+        if c < 0x80:
+            i += 1
+            continue
+        lo, hi = 0x80, 0xBF
+        if 0xC2 <= c <= 0xDF:
+            k = 1
+        elif 0xE0 <= c <= 0xEF:
+            k = 2
+            if c == 0xE0:
+                lo = 0xA0
+            elif c == 0xED:
+                hi = 0x9F
+        elif 0xF0 <= c <= 0xF4:
+            k = 3
+            if c == 0xF0:
+                lo = 0x90
+            elif c == 0xF4:
+                hi = 0x8F
+        else:
             return False
+        if i + k >= n:  # truncated sequence
+            return False
+        if s[i + 1] < lo or s[i + 1] > hi:
+            return False
+        for j in range(2, k + 1):
+            if s[i + j] < 0x80 or s[i + j] > 0xBF:
+                return False
+        i += k + 1
     return True
+
+
+cdef int _opt_str(Reader *r) noexcept nogil:
+    """A ``str | None`` field kvplug does not read: nil, or a valid UTF-8 string."""
+    cdef const uint8_t *s
+    cdef size_t n
+    if _nil(r):
+        return 0
+    if _str(r, &s, &n) < 0 or not _utf8(s, n):
+        return -1
+    return 0
+
+
+cdef int _opt_int(Reader *r) noexcept nogil:
+    """An ``int | None`` field kvplug does not read (any msgpack integer)."""
+    cdef uint64_t v
+    cdef bint neg
+    if _nil(r):
+        return 0
+    return _int(r, &v, &neg)
 
 
 # ---- reusable decode buffers ---------------------------------------------------------------
@@ -560,7 +622,7 @@ cdef class FastDecoder:
     cdef int _hashes_into(self, Reader *r, size_t *off, size_t *n_out) noexcept nogil:
         """A store's array of block hashes appended to the hash buffer."""
         cdef size_t n, i
-        if _array_len(r, &n) < 0 or not _need(r, n):  # every hash takes >= 1 byte
+        if _len(r, &n, ARRAY) < 0 or not _need(r, n):  # every hash takes >= 1 byte
             return -1
         if _grow(<void **>&self.hashes, &self.h_cap, self.h_n + n, sizeof(uint64_t)) < 0:
             return -1
@@ -575,7 +637,7 @@ cdef class FastDecoder:
     cdef int _rhashes_into(self, Reader *r, size_t *off, size_t *n_out) noexcept nogil:
         """A remove's array of block hashes appended to the remove-hash buffer."""
         cdef size_t n, i
-        if _array_len(r, &n) < 0 or not _need(r, n):
+        if _len(r, &n, ARRAY) < 0 or not _need(r, n):
             return -1
         if _grow(<void **>&self.rhashes, &self.rh_cap, self.rh_n + n, sizeof(uint64_t)) < 0:
             return -1
@@ -655,7 +717,7 @@ cdef class FastDecoder:
         cdef const uint8_t *p
         cdef uint8_t b
         cdef uint32_t *d
-        if _array_len(r, &n) < 0 or n > max_tokens or not _need(r, n):
+        if _len(r, &n, ARRAY) < 0 or n > max_tokens or not _need(r, n):
             return -1
         if _grow(<void **>&self.tokens, &self.t_cap, self.t_n + n, sizeof(uint32_t)) < 0:
             return -1
@@ -730,9 +792,9 @@ cdef class FastDecoder:
     cdef int _stored_field(self, Reader *r, Field f, Rec *ev, size_t max_tokens) noexcept nogil:
         """One BlockStored field into ev. -1: not the fast path's."""
         cdef const uint8_t *s
-        cdef size_t n, start
+        cdef size_t n, start, i
         cdef uint64_t v
-        cdef bint neg
+        cdef bint neg, all_nil
         if f == F_HASHES:
             if self._hashes_into(r, &ev.h_off, &ev.h_n) < 0:
                 return -1
@@ -750,7 +812,7 @@ cdef class FastDecoder:
             ev.block_size = <long>v
         elif f == F_LORA_ID:
             if not _nil(r):
-                if _skip(r, 0) < 0:
+                if _int(r, &v, &neg) < 0:
                     return -1
                 ev.has_lora_id = 1
         elif f == F_MEDIUM:
@@ -764,19 +826,26 @@ cdef class FastDecoder:
             if _nil(r):
                 ev.lora_n = -1
             else:
-                if _str(r, &s, &n) < 0:
+                if _str(r, &s, &n) < 0 or not _utf8(s, n):
                     return -1
                 ev.lora_start = <size_t>(s - r.p)
                 ev.lora_n = <Py_ssize_t>n
         elif f == F_EXTRA_KEYS:
+            # vLLM: list[tuple | None] | None, one entry per block
+            ev.extra_end = 0
             if not _nil(r):
                 start = r.pos
-                if _skip(r, 0) < 0:
+                if _len(r, &n, ARRAY) < 0:
                     return -1
-                if _all_nil_array(r.p + start, r.pos - start):
-                    ev.extra_end = 0
-                else:
-                    ev.extra_start = start  # salt, LoRA, multimodal: decoded in Python
+                all_nil = True
+                for i in range(n):
+                    if _nil(r):
+                        continue
+                    if not _is(r, ARRAY) or _skip(r, 0) < 0:
+                        return -1
+                    all_nil = False
+                if not all_nil:  # salt, LoRA, multimodal: decoded in Python
+                    ev.extra_start = start
                     ev.extra_end = r.pos
         elif f == F_GROUP:
             if not _nil(r):
@@ -786,6 +855,12 @@ cdef class FastDecoder:
             if not _nil(r):
                 if _str(r, &s, &n) < 0 or not _eq(s, n, b"full_attention", 14):
                     return -1
+        elif f == F_SPEC_WINDOW:
+            return _opt_int(r)
+        elif f == F_LOCALITY or f == F_OWNERSHIP or f == F_SESSION:
+            return _opt_str(r)
+        elif f == F_TYPE:
+            return -1  # a second tag: the slow path says what it means
         else:
             if _skip(r, 0) < 0:
                 return -1
@@ -815,6 +890,10 @@ cdef class FastDecoder:
             if not _nil(r):
                 if _int(r, &v, &neg) < 0 or neg or v != 0:
                     return -1
+        elif f == F_LOCALITY or f == F_OWNERSHIP:
+            return _opt_str(r)
+        elif f == F_TYPE:
+            return -1
         else:
             if _skip(r, 0) < 0:
                 return -1
@@ -822,13 +901,60 @@ cdef class FastDecoder:
 
     cdef int _parse(self, const uint8_t *data, size_t size, size_t max_tokens, long block_size,
                     double *ts, long *rank, size_t *n_events) noexcept nogil:
+        """A ``KVEventBatch``: ``[ts, events, data_parallel_rank?]`` as every vLLM release
+        sends it, or the same fields as a map (a build whose batch struct is not array_like);
+        in a map, unknown keys are skipped and a repeated one declines."""
         cdef Reader rd
         cdef Reader *r = &rd
-        cdef size_t nb, nev, i, j, k, nfields, h_mark, t_mark, h_off, h_n
+        cdef size_t nb, i
         cdef const uint8_t *s
         cdef size_t sn
-        cdef uint64_t v
-        cdef bint neg, is_map, has_hashes
+        cdef bint has_ts = False, has_events = False, has_rank = False
+        rd.p = data
+        rd.n = size
+        rd.pos = 0
+        if size == 0:
+            return -1
+        if _len(r, &nb, MAP) == 0:
+            for i in range(nb):
+                if _str(r, &s, &sn) < 0:
+                    return -1
+                if _eq(s, sn, b"ts", 2):
+                    if has_ts or _double(r, ts) < 0:
+                        return -1
+                    has_ts = True
+                elif _eq(s, sn, b"events", 6):
+                    if has_events or self._events(r, max_tokens, block_size, n_events) < 0:
+                        return -1
+                    has_events = True
+                elif _eq(s, sn, b"data_parallel_rank", 18):
+                    if has_rank or _rank(r, rank) < 0:
+                        return -1
+                    has_rank = True
+                elif _skip(r, 0) < 0:
+                    return -1
+            if not (has_ts and has_events):
+                return -1
+        else:
+            if _len(r, &nb, ARRAY) < 0 or nb < 2 or nb > 3:
+                return -1
+            if _double(r, ts) < 0:
+                return -1
+            if self._events(r, max_tokens, block_size, n_events) < 0:
+                return -1
+            if nb == 3 and _rank(r, rank) < 0:
+                return -1
+        if rd.pos != rd.n:
+            return -1  # trailing bytes: not a well-formed batch
+        return 0
+
+    cdef int _events(self, Reader *r, size_t max_tokens, long block_size,
+                     size_t *n_events) noexcept nogil:
+        """The batch's event array into the record and span buffers."""
+        cdef size_t nev, i, j, k, nfields, h_mark, t_mark, h_off, h_n
+        cdef const uint8_t *s
+        cdef size_t sn
+        cdef bint is_map, has_hashes
         cdef int tier, kind
         cdef Field f
         cdef Rec *ev
@@ -839,27 +965,18 @@ cdef class FastDecoder:
         # with one event (one index call) instead of one per eviction burst.
         cdef Py_ssize_t rm_i = -1
         cdef bint clash
-        rd.p = data
-        rd.n = size
-        rd.pos = 0
-        if size == 0:
-            return -1
-        if _array_len(r, &nb) < 0 or nb < 2 or nb > 3:
-            return -1
-        if _double(r, ts) < 0:
-            return -1
-        if _array_len(r, &nev) < 0:
+        if _len(r, &nev, ARRAY) < 0:
             return -1
         n_events[0] = nev
         for i in range(nev):
             is_map = False
-            if _map_len(r, &nfields) == 0:
+            if _len(r, &nfields, MAP) == 0:
                 is_map = True
                 # vLLM writes "type" first; a map without it is the slow path's
                 if nfields == 0 or _str(r, &s, &sn) < 0 or not _eq(s, sn, b"type", 4):
                     return -1
                 nfields -= 1
-            elif _array_len(r, &nfields) < 0 or nfields == 0:
+            elif _len(r, &nfields, ARRAY) < 0 or nfields == 0:
                 return -1
             else:
                 nfields -= 1
@@ -884,7 +1001,7 @@ cdef class FastDecoder:
                             return -1
                         f = _field(s, sn)
                     else:
-                        f = REMOVED_ORDER[j] if j < 3 else F_SKIP
+                        f = REMOVED_ORDER[j] if j < N_REMOVED else F_SKIP
                     if self._removed_field(r, f, &h_off, &h_n, &tier, &has_hashes) < 0:
                         return -1
                 if not has_hashes:
@@ -912,9 +1029,11 @@ cdef class FastDecoder:
                 self._set_reset()
                 continue
             if kind == 2:
+                # vLLM's AllBlocksCleared has no fields: whatever a sender adds is ignored
                 for j in range(nfields):
-                    if is_map and _skip(r, 0) < 0:
-                        return -1
+                    if is_map:
+                        if _str(r, &s, &sn) < 0 or _eq(s, sn, b"type", 4):
+                            return -1
                     if _skip(r, 0) < 0:
                         return -1
                 ev = self._new_rec()
@@ -951,7 +1070,7 @@ cdef class FastDecoder:
                         return -1
                     f = _field(s, sn)
                 else:
-                    f = STORED_ORDER[j] if j < 11 else F_SKIP
+                    f = STORED_ORDER[j] if j < N_STORED else F_SKIP
                 if f == F_HASHES:
                     has_hashes = True
                 if self._stored_field(r, f, ev, max_tokens) < 0:
@@ -960,6 +1079,10 @@ cdef class FastDecoder:
                 return -1
             if ev.has_lora_id and ev.lora_n < 0:
                 return -1  # a LoRA id without a name (vLLM <= 0.13): the slow path names it
+            if ev.extra_end and (ev.h_n == 0 or ev.t_n <= 0):
+                # extra_keys on a store that is never built (no blocks, or a tier copy): only
+                # msgspec's decoding says whether they are valid (UTF-8, ext types...)
+                return -1
             if ev.h_n == 0:
                 # nothing stored (and a run of removes may go on): forget what it appended
                 self.r_n -= 1
@@ -978,13 +1101,6 @@ cdef class FastDecoder:
                         return -1
                 if ev.has_parent and self._set_add(ev.parent) < 0:
                     return -1
-        if nb == 3:
-            if not _nil(r):
-                if _int(r, &v, &neg) < 0 or neg or v > 0x7FFFFFFF:
-                    return -1
-                rank[0] = <long>v
-        if rd.pos != rd.n:
-            return -1  # trailing bytes: not a well-formed batch
         return 0
 
     # -- phase 2: the events ---------------------------------------------------------------

@@ -217,7 +217,10 @@ class VllmAdapter(VllmHttpAdapter):
         self.subscriber.remove(worker_id)
 
     def events_ready(self, worker_id: str) -> bool | None:
-        return self.subscriber.has_worker(worker_id)
+        return self.subscriber.running and self.subscriber.has_worker(worker_id)
+
+    def event_drops(self) -> dict[str, dict[str, int]]:
+        return self.subscriber.drop_counts()
 
     async def close(self) -> None:
         for wid in list(self._runs):

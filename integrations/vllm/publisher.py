@@ -39,6 +39,7 @@ class VllmEventPublisher:
         hash_form: str = "uint64",
         context: zmq.Context | None = None,
         bind: bool | None = None,
+        sndhwm: int = 100_000,
     ) -> None:
         """``bind``: None binds a wildcard endpoint and connects to any other, as vLLM does;
         True binds exactly ``endpoint`` (one interface, e.g. the simulator's --host)."""
@@ -51,7 +52,7 @@ class VllmEventPublisher:
         self._ctx = context or zmq.Context.instance()
         self.pub = self._ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.pub.setsockopt(zmq.SNDHWM, sndhwm)  # past it, ZMQ drops (as vLLM's PUB does)
         if "[" in endpoint:  # an IPv6 literal
             self.pub.setsockopt(zmq.IPV6, 1)
         if bind or (bind is None and engine_binds(endpoint)):

@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ from .wire import BatchDecoder, DecodedBatch, WireError, parse_replay_reply, rep
 log = logging.getLogger("kvplug.vllm")
 
 Sink = Callable[[list[KvEvent]], Any]
+MAX_REPLAY_RESUMES = 100  # re-requests within one gap's replay before it is declared lost
 
 
 # -------------------------------------------------------------------------------------------
@@ -153,11 +155,13 @@ class StreamStats:
     missed_batches: int = 0
     replays: int = 0
     replayed_batches: int = 0
+    replay_resumes: int = 0  # a replay whose replies skipped ahead, asked again from the gap
     replay_failures: int = 0
     restarts: int = 0
     duplicates: int = 0
     stale_replies: int = 0
-    malformed: int = 0
+    malformed: int = 0  # batches rejected whole (their seq is consumed: they cost only themselves)
+    decoder_errors: int = 0  # of those, batches the decoder raised on (a decoder bug)
     dropped_events: int = 0
     sink_errors: int = 0
     last_seq: int = -1
@@ -175,7 +179,13 @@ class _Stream:
     catching_up: bool = False  # the first replay, from seq 0, after joining a running engine
     replay_sock: zmq.Socket | None = None
     replay_deadline: float = 0.0
-    pending: list[tuple[int, bytes]] = field(default_factory=list)
+    replay_got: int = 0  # replies applied since the replay request went out
+    # seq -> crc32 of the batches the last replay applied: a late live copy of one of them
+    # (queued in ZMQ while the replay ran) is a duplicate, not an engine restart
+    replayed: dict[int, int] = field(default_factory=dict)
+    replay_resumes: int = 0  # re-requests within this gap's replay (replies dropped on the way)
+    # live batches waiting for a replay: (seq, payload, decoded; None = unreadable)
+    pending: list[tuple[int, bytes, DecodedBatch | None]] = field(default_factory=list)
 
 
 class _DropLog:
@@ -200,12 +210,14 @@ class VllmSubscriber:
     """One background thread consuming any number of vLLM event sources.
 
     ``add(source)`` / ``remove(worker_id)`` may be called from any thread at any time.
-    ``replay_timeout``: how long live batches wait for a replay before the gap is declared lost
+    ``replay_timeout``: how long live batches wait for a replay reply (a replay that keeps
+    delivering is not cut short) before the gap is declared lost
     (then the rank is cleared, so the index never claims blocks it may have missed removals
     of). ``catch_up``: when the first batch seen from a stream is not seq 0, ask for a replay
     from 0 (the engine keeps the last ``buffer_steps`` batches). ``max_drain``: messages taken
     from one socket per poll round; ``flush_every``: messages whose events go to the sinks in
-    one call (a lock or a hop to the router's loop each).
+    one call (a lock or a hop to the router's loop each). ``rcvhwm``: messages ZMQ queues
+    per socket before it drops (the publisher's SNDHWM drops too): a drop is a gap.
     """
 
     def __init__(
@@ -216,8 +228,10 @@ class VllmSubscriber:
         max_drain: int = 4096,
         flush_every: int = 16,
         context: zmq.Context | None = None,
+        rcvhwm: int = 1_000_000,
     ) -> None:
         self.replay_timeout = replay_timeout
+        self.rcvhwm = rcvhwm
         self.catch_up = catch_up
         self.max_drain = max_drain
         self.flush_every = max(1, flush_every)
@@ -324,6 +338,37 @@ class VllmSubscriber:
                 f"{w}/{r}": {**s.stats.__dict__, **{"decode": s.decoder.stats.as_dict()}}
                 for (w, r), s in list(self._streams.items())
             }
+        return out
+
+    @property
+    def running(self) -> bool:
+        """False when the consumer thread is not running (never started, stopped, or died)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def drop_counts(self) -> dict[str, dict[str, int]]:
+        """What was dropped or rejected, for ``/metrics``: worker id -> reason -> count (summed
+        over its ranks); worker "" holds what no worker can be named for. Stream reasons count
+        batches (``rejected_batches``, ``missed_batches``, ...), gaps and restarts count
+        occurrences, ``decode.*`` reasons are the decoder's (events, or batches)."""
+        out: dict[str, dict[str, int]] = {"": {k: v for k, v in self.counters.items()}}
+        for (wid, _), st in list(self._streams.items()):
+            d = out.setdefault(wid, {})
+            s = st.stats
+            for reason, n in (
+                ("rejected_batches", s.malformed),
+                ("decoder_errors", s.decoder_errors),
+                ("dropped_events", s.dropped_events),
+                ("gaps", s.gaps),
+                ("missed_batches", s.missed_batches),
+                ("replay_failures", s.replay_failures),
+                ("restarts", s.restarts),
+                ("duplicates", s.duplicates),
+                ("stale_replies", s.stale_replies),
+            ):
+                d[reason] = d.get(reason, 0) + n
+            for reason, n in st.decoder.stats.drops().items():
+                key = f"decode.{reason}"
+                d[key] = d.get(key, 0) + n
         return out
 
     # -- thread -----------------------------------------------------------------------------
@@ -456,7 +501,7 @@ class VllmSubscriber:
 
     def _new_sub(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.RCVHWM, 1_000_000)
+        sock.setsockopt(zmq.RCVHWM, self.rcvhwm)  # past it ZMQ drops: a gap, replayed
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 28)  # a bigger frame is garbage: zmq drops it
         sock.setsockopt(zmq.LINGER, 0)
         return sock
@@ -498,7 +543,7 @@ class VllmSubscriber:
             lambda frames: self._on_replay(st, frames, out),
             f"vLLM replay from {st.src.worker_id}: reply dropped after an internal error",
             out,
-            until=lambda: st.replay_sock is None,  # the replay ended (socket closed)
+            until=lambda: st.replay_sock is not sock,  # the replay ended or was re-asked
         )
 
     def _receive(
@@ -563,7 +608,7 @@ class VllmSubscriber:
             )
             return
         first = next(iter(ranks.values()))
-        batch = first.decoder.decode(payload, dp_rank=first.src.dp_rank)
+        batch = self._decode(first, seq, payload)
         st = first
         if batch is not None and batch.dp_rank is not None and batch.dp_rank != first.src.dp_rank:
             routed = ranks.get(batch.dp_rank)
@@ -584,7 +629,7 @@ class VllmSubscriber:
                 return
             elif routed is not first:
                 st = routed
-                batch = st.decoder.decode(payload, dp_rank=st.src.dp_rank)  # per-rank stats
+                batch = self._decode(st, seq, payload)  # per-rank stats
         st.stats.last_message_at = time.monotonic()
         self._on_batch(st, seq, payload, batch, out)
 
@@ -593,7 +638,7 @@ class VllmSubscriber:
     ) -> None:
         s = st.stats
         if st.replaying:
-            st.pending.append((seq, payload))
+            st.pending.append((seq, payload, batch))
             return
         if st.expected is None:
             st.expected = seq
@@ -601,7 +646,7 @@ class VllmSubscriber:
                 # joined a running engine: fetch what it still buffers from its start
                 st.expected = 0
                 st.catching_up = True
-                st.pending.append((seq, payload))
+                st.pending.append((seq, payload, batch))
                 self._start_replay(st, 0, out)
                 return
         if seq == st.expected:
@@ -616,7 +661,7 @@ class VllmSubscriber:
                 st.expected,
                 seq,
             )
-            st.pending.append((seq, payload))
+            st.pending.append((seq, payload, batch))
             if st.src.replay_address:
                 self._start_replay(st, st.expected, out)
             else:
@@ -624,6 +669,11 @@ class VllmSubscriber:
             return
         # seq < expected
         if seq == st.expected - 1 and payload == st.last_payload:
+            s.duplicates += 1
+            return
+        if st.replayed.get(seq) == zlib.crc32(payload):
+            # a live copy that ZMQ delivered after the replay brought the same batch (the
+            # publisher's queue held it): a duplicate, not a restart
             s.duplicates += 1
             return
         s.restarts += 1
@@ -637,22 +687,38 @@ class VllmSubscriber:
         self._emit(st, [AllCleared(worker_id=st.src.worker_id, dp_rank=st.src.dp_rank)], out)
         st.expected = 0
         if seq > 0 and st.src.replay_address:
-            st.pending.append((seq, payload))
+            st.pending.append((seq, payload, batch))
             self._start_replay(st, 0, out)
         else:
             st.expected = seq
             self._apply(st, seq, payload, batch, out)
 
+    def _decode(self, st: _Stream, seq: int, payload: bytes) -> DecodedBatch | None:
+        """The stream's decoder on one payload; None = unreadable. Decoders never raise by
+        contract; if one does anyway, the batch is rejected like an unreadable one (counted,
+        logged with the traceback) so its sequence number is still consumed."""
+        try:
+            return st.decoder.decode(payload, dp_rank=st.src.dp_rank)
+        except Exception:
+            st.stats.decoder_errors += 1
+            log.exception(
+                "vLLM events: %s rank %d seq %d: the decoder raised; batch rejected",
+                st.src.worker_id,
+                st.src.dp_rank,
+                seq,
+            )
+            return None
+
     def _apply(
         self, st: _Stream, seq: int, payload: bytes, batch: DecodedBatch | None, out: dict
     ) -> None:
+        """Apply batch ``seq`` (``batch``: its decoded form, None = unreadable). An unreadable
+        batch still consumes its seq, so the next one is not taken for a gap."""
         s = st.stats
         st.expected = seq + 1
         st.last_payload = payload
         s.last_seq = seq
         s.batches += 1
-        if batch is None:
-            batch = st.decoder.decode(payload, dp_rank=st.src.dp_rank)
         if batch is None:
             s.malformed += 1
             self._droplog(
@@ -708,11 +774,15 @@ class VllmSubscriber:
 
     # -- replay -------------------------------------------------------------------------------
     def _start_replay(self, st: _Stream, start: int, out: dict) -> None:
+        if not st.replay_resumes:
+            st.replayed.clear()  # a new gap: the previous replay's copies are long gone
         st.stats.replays += 1
         st.replaying = True
         st.replay_deadline = time.monotonic() + self.replay_timeout
+        st.replay_got = 0
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # the engine's buffer is bounded (buffer_steps)
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 28)
         sock.connect(st.src.replay_address)
         sock.send_multipart(replay_request(start))
@@ -763,9 +833,23 @@ class VllmSubscriber:
             )
             return
         if item.seq > st.expected:
+            if st.replay_got and st.replay_resumes < MAX_REPLAY_RESUMES:
+                # Replies were dropped on the way (the engine's ROUTER drops past its send
+                # high-water mark, 1000 by default): the buffer had them a moment ago, so ask
+                # again from the first missing one. Each resume follows progress.
+                st.replay_resumes += 1
+                s.replay_resumes += 1
+                self._close_replay(st)
+                s.replays -= 1  # one gap, one replay: a resume is counted on its own
+                self._start_replay(st, st.expected, out)
+                return
             self._lost(st, item.seq, out)
+        st.replay_got += 1
+        # a replay that makes progress is not timed out: the timeout is for silence
+        st.replay_deadline = time.monotonic() + self.replay_timeout
+        st.replayed[item.seq] = zlib.crc32(item.payload)
         s.replayed_batches += 1
-        self._apply(st, item.seq, item.payload, None, out)
+        self._apply(st, item.seq, item.payload, self._decode(st, item.seq, item.payload), out)
 
     def _lost(self, st: _Stream, next_seq: int, out: dict) -> None:
         """Batches expected..next_seq-1 cannot be had: clear the rank so nothing stale stays."""
@@ -796,15 +880,16 @@ class VllmSubscriber:
     def _finish_replay(self, st: _Stream, out: dict) -> None:
         self._close_replay(st)
         st.replaying = False
+        st.replay_resumes = 0
         st.catching_up = False
         pending, st.pending = sorted(st.pending, key=lambda p: p[0]), []
-        for seq, payload in pending:
+        for seq, payload, batch in pending:
             assert st.expected is not None
             if seq < st.expected:
                 continue  # the replay already delivered it
             if seq > st.expected:
                 self._lost(st, seq, out)
-            self._apply(st, seq, payload, None, out)
+            self._apply(st, seq, payload, batch, out)
 
     def _check_replay_timeouts(self, out: dict) -> None:
         now = time.monotonic()

@@ -14,9 +14,20 @@ hash, may be negative) or 32-byte digests (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
 folded to the u64 vLLM itself publishes: the low 64 bits, i.e. the digest's last 8 bytes
 big-endian, or the int64's two's complement.
 
+A batch encoded as a map (``{"ts", "events", "data_parallel_rank"?}``, what vLLM's
+``EventBatch`` struct gives without ``array_like``) decodes too.
+
+The contract, on both decoding paths (the compiled ``_fastwire`` and msgspec; checked by
+``compare_paths`` in a differential fuzz test): a field vLLM declares for an event kind must
+have vLLM's type, or that event is malformed (dropped and counted; the rest of the batch is
+kept); a field vLLM does not declare for the kind is ignored whatever it holds (vLLM's
+``AllBlocksCleared`` declares none, so it always clears). The fast path may decline any batch;
+then the msgspec path alone decides.
+
 The decoder turns a batch into kvplug's normalised events (``kvplug.events``) and counts what
-it could not use in ``DecodeStats``; it never raises on bad input (``WireError`` is for frames
-the subscriber cannot attribute at all).
+it could not use in ``DecodeStats``; it never raises on bad input, nesting deeper than the
+interpreter's recursion limit included (``WireError`` is for frames the subscriber cannot
+attribute at all).
 """
 
 from __future__ import annotations
@@ -26,10 +37,16 @@ import time
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
-from kvplug.integrations.common import MASK64, int64_hash, u64_hash
+from kvplug.integrations.common import (
+    DECODE_ERRORS,
+    MASK64,
+    full_blocks_stored,
+    int64_hash,
+    u64_hash,
+)
 
 from kvplug import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
@@ -56,6 +73,8 @@ NON_PREFIX_KINDS = frozenset(
 # -------------------------------------------------------------------------------------------
 
 Hash = int | bytes
+# A batch's data_parallel_rank: a negative (or absurd) one cannot be attributed: batch malformed
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 
 
 # One field list per event kind; the array (<= 0.23) and map (>= 0.24) encodings differ only
@@ -68,7 +87,7 @@ class _StoredFields(msgspec.Struct):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[Any] | None = None
+    extra_keys: list[list[Any] | None] | None = None  # vLLM: list[tuple | None] | None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -85,7 +104,7 @@ class _RemovedFields(msgspec.Struct):
 
 
 class _ClearedFields(msgspec.Struct):
-    medium: str | None = None  # not sent by vLLM; tolerated if some fork adds it
+    pass  # vLLM's AllBlocksCleared has no fields: anything a sender adds is ignored
 
 
 class _StoredA(_StoredFields, tag="BlockStored", array_like=True):
@@ -120,24 +139,48 @@ _MapEvent = _StoredM | _RemovedM | _ClearedM
 class _BatchA(msgspec.Struct, array_like=True):
     ts: float
     events: list[_ArrayEvent]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: Rank | None = None
 
 
 class _BatchM(msgspec.Struct, array_like=True):
     ts: float
     events: list[_MapEvent]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: Rank | None = None
 
 
 class _BatchRaw(msgspec.Struct, array_like=True):
     ts: float
     events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: Rank | None = None
+
+
+# The batch as a map (``{"ts", "events", "data_parallel_rank"?}``): what vLLM's own
+# ``EventBatch`` encodes to where it is not ``array_like`` (vllm-project/vllm 0181ea31,
+# vllm/distributed/kv_events.py); every release kvplug has seen sends the array.
+class _BatchMapM(msgspec.Struct):
+    ts: float
+    events: list[_MapEvent]
+    data_parallel_rank: Rank | None = None
+
+
+class _BatchMapA(msgspec.Struct):
+    ts: float
+    events: list[_ArrayEvent]
+    data_parallel_rank: Rank | None = None
+
+
+class _BatchMapRaw(msgspec.Struct):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: Rank | None = None
 
 
 _DEC_A = msgspec.msgpack.Decoder(_BatchA)
 _DEC_M = msgspec.msgpack.Decoder(_BatchM)
 _DEC_RAW = msgspec.msgpack.Decoder(_BatchRaw)
+_DEC_MAP_M = msgspec.msgpack.Decoder(_BatchMapM)
+_DEC_MAP_A = msgspec.msgpack.Decoder(_BatchMapA)
+_DEC_MAP_RAW = msgspec.msgpack.Decoder(_BatchMapRaw)
 _DEC_EV_A = msgspec.msgpack.Decoder(_ArrayEvent)
 _DEC_EV_M = msgspec.msgpack.Decoder(_MapEvent)
 _DEC_TOKENS = msgspec.msgpack.Decoder(list[int])
@@ -265,7 +308,7 @@ def _fast_extra_keys(
         if not isinstance(keys, list):
             return None  # the msgspec path rejects and counts it
         return split_extra_keys(keys, n_blocks, lora_name, is_root)
-    except (msgspec.MsgspecError, ValueError, TypeError):
+    except (*DECODE_ERRORS, ValueError, TypeError):
         return None  # whatever it is, the msgspec path says what (and counts it)
 
 
@@ -280,6 +323,11 @@ def lora_namespace(lora_name: str | None, lora_id: int | None) -> str | None:
 # -------------------------------------------------------------------------------------------
 # Decoder
 # -------------------------------------------------------------------------------------------
+
+
+def _is_map(buf: bytes | memoryview) -> bool:
+    """Whether a msgpack value is a map (by its first byte)."""
+    return len(buf) > 0 and (0x80 <= buf[0] <= 0x8F or buf[0] in (0xDE, 0xDF))
 
 
 def coalesce_removes(events: list[KvEvent]) -> list[KvEvent]:
@@ -349,6 +397,21 @@ class DecodeStats:
     map_form_batches: int = 0
     last_error: str = ""
     by_kind: dict[str, int] = field(default_factory=dict)
+
+    # what drops an event (or a batch) the engine sent, as opposed to progress counters
+    DROP_FIELDS = (
+        "malformed_batches",
+        "malformed_events",
+        "unknown_event_kinds",
+        "unknown_medium",
+        "bad_token_counts",
+        "oversized_events",
+        "block_size_mismatch",
+    )
+
+    def drops(self) -> dict[str, int]:
+        """Drop counters by reason (for ``/metrics``)."""
+        return {k: getattr(self, k) for k in self.DROP_FIELDS}
 
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "by_kind"}
@@ -422,20 +485,28 @@ class BatchDecoder:
         """The general decoder (every shape, every error counted); ``decode`` uses it whenever
         the compiled fast path declines a batch."""
         st = self.stats
-        batch = None
-        first, second = (_DEC_M, _DEC_A) if self._map_form_first else (_DEC_A, _DEC_M)
+        batch: Any = None
+        first: msgspec.msgpack.Decoder[Any]
+        second: msgspec.msgpack.Decoder[Any]
+        if _is_map(payload):
+            first, second = (_DEC_MAP_M, _DEC_MAP_A)
+        elif self._map_form_first:
+            first, second = (_DEC_M, _DEC_A)
+        else:
+            first, second = (_DEC_A, _DEC_M)
         try:
             batch = first.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except DECODE_ERRORS:
             try:
                 batch = second.decode(payload)
-                self._map_form_first = not self._map_form_first
-            except (msgspec.DecodeError, msgspec.ValidationError):
+                if second is _DEC_M or second is _DEC_A:
+                    self._map_form_first = not self._map_form_first
+            except DECODE_ERRORS:
                 batch = None
         if batch is None:
             return self._decode_slow(payload, dp_rank)
         st.batches += 1
-        if isinstance(batch, _BatchM):
+        if isinstance(batch, (_BatchM, _BatchMapM)):
             st.map_form_batches += 1
         else:
             st.array_form_batches += 1
@@ -451,8 +522,8 @@ class BatchDecoder:
         """Event-by-event decode: salvages a batch with unknown kinds or one bad event."""
         st = self.stats
         try:
-            batch = _DEC_RAW.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            batch = (_DEC_MAP_RAW if _is_map(payload) else _DEC_RAW).decode(payload)
+        except DECODE_ERRORS as e:
             st.malformed_batches += 1
             st.last_error = f"malformed batch: {e}"
             return None
@@ -472,11 +543,11 @@ class BatchDecoder:
     def _decode_one(self, raw: msgspec.Raw) -> Any:
         st = self.stats
         buf = bytes(raw)
-        is_map = bool(buf) and (0x80 <= buf[0] <= 0x8F or buf[0] in (0xDE, 0xDF))
+        is_map = _is_map(buf)
         dec = _DEC_EV_M if is_map else _DEC_EV_A
         try:
             return dec.decode(buf)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except DECODE_ERRORS as e:
             kind = self._kind_of(buf, is_map)
             if kind is not None and kind not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
                 st.unknown_event_kinds += 1
@@ -491,7 +562,7 @@ class BatchDecoder:
     def _kind_of(buf: bytes, is_map: bool) -> str | None:
         try:
             obj = _DEC_ANY.decode(buf)
-        except msgspec.DecodeError:
+        except DECODE_ERRORS:
             return None
         if is_map and isinstance(obj, dict):
             k = obj.get("type")
@@ -572,7 +643,7 @@ class BatchDecoder:
         try:
             # array('I') checks every id is a u32 at C speed and is a buffer the core reads
             tokens = array("I", _DEC_TOKENS.decode(raw)) if len(raw) else array("I")
-        except (msgspec.DecodeError, msgspec.ValidationError, OverflowError, TypeError) as e:
+        except (*DECODE_ERRORS, OverflowError, TypeError) as e:
             st.malformed_events += 1
             st.last_error = f"BlockStored token_ids: {e}"
             return 1
@@ -609,20 +680,60 @@ class BatchDecoder:
         salt, extras = split_extra_keys(ev.extra_keys, n, ev.lora_name, parent is None, ev.lora_id)
         st.stored_blocks += n
         out.append(
-            BlockStored(
-                worker_id=self.worker_id,
-                dp_rank=rank,
-                tier=tier,
-                parent_engine_hash=parent,
-                engine_hashes=hashes,
-                token_ids=tokens,
-                block_size=bs,
+            full_blocks_stored(
+                self.worker_id,
+                rank,
+                tier,
+                parent,
+                hashes,
+                tokens,
+                bs,
                 lora_name=lora_namespace(ev.lora_name, ev.lora_id),
                 cache_salt=salt,
                 block_extra=extras,
             )
         )
         return 0
+
+
+def _canonical(ev: KvEvent) -> tuple:
+    """An event as plain values (arrays and lists compare alike)."""
+    out: list[Any] = [type(ev).__name__]
+    for name in ev.__struct_fields__:
+        v = getattr(ev, name)
+        if v is not None and not isinstance(v, (str, int, float)):
+            v = [int(x) for x in v]
+        out.append((name, v))
+    return tuple(out)
+
+
+def compare_paths(payload: bytes, block_size: int = 0, dp_rank: int = 0) -> str | None:
+    """The two decoding paths' one contract, checked on one payload: where the compiled path
+    accepts a batch, the msgspec path must decode it to the same events, drop nothing and
+    agree on ts and rank. Returns what differs, or None (also when the fast path declines:
+    then the msgspec path alone decides). For the differential tests and the fuzzer."""
+    if _fast is None:
+        return None
+    fast = BatchDecoder("w", block_size=block_size)
+    a = fast.decode(payload, dp_rank)
+    if not fast.stats.fast_batches:
+        return None
+    slow = BatchDecoder("w", block_size=block_size)
+    b = slow.decode_msgspec(payload, dp_rank)
+    if a is None or b is None:
+        return f"fast path accepted, msgspec path {'rejected the batch' if b is None else 'ok'}"
+    if b.dropped:
+        return f"msgspec path dropped {b.dropped} event(s): {slow.stats.last_error}"
+    same_ts = a.ts == b.ts or (a.ts != a.ts and b.ts != b.ts)  # NaN is NaN on both
+    if not same_ts or a.dp_rank != b.dp_rank:
+        return f"ts/rank {(a.ts, a.dp_rank)} vs {(b.ts, b.dp_rank)}"
+    ea, eb = [_canonical(e) for e in a.events], [_canonical(e) for e in b.events]
+    if ea != eb:
+        return f"events differ:\n fast    {ea}\n msgspec {eb}"
+    for counter in ("stored_blocks", "removed_blocks", "cleared", "tier_copies"):
+        if getattr(fast.stats, counter) != getattr(slow.stats, counter):
+            return f"stats.{counter} differ"
+    return None
 
 
 # -------------------------------------------------------------------------------------------

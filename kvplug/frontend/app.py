@@ -139,7 +139,7 @@ class Frontend:
         self.decisions = DecisionStore(s.decision_store_size)
         self.metrics = FrontendMetrics()
         self.client_hints = ClientHints(s.client_routing_hints, self.metrics.hints_ignored)
-        self.metrics.attach_state(self._fleet_snapshot, self._router_stats)
+        self.metrics.attach_state(self._fleet_snapshot, self._router_stats, self.fleet.event_drops)
         self.tokens = TokenResolver(tokenizer, self._engine_tokenize if s.engine_tokenize else None)
         self.block_size = router.index.block_size
         self._keys = itertools.count(1)

@@ -380,10 +380,25 @@ class Fleet:
                 "draining": e.draining,
                 "inflight": e.inflight,
                 "events": e.sink.events,
+                "events_ready": e.adapter.events_ready(w),
                 "load": self._router_load(w),
             }
             for w, e in list(self.workers.items())
         ]
+
+    def event_drops(self) -> list[tuple[str, str, str, int]]:
+        """(engine kind, worker, reason, count) of what every adapter's event sources
+        dropped or rejected (``EngineAdapter.event_drops``), for ``/metrics``."""
+        out: list[tuple[str, str, str, int]] = []
+        for kind, adapter in list(self.adapters.items()):
+            try:
+                drops = adapter.event_drops()
+            except Exception:  # read from another thread's state: never fail a scrape
+                log.exception("%s adapter: event drop counters unreadable", kind)
+                continue
+            for worker, reasons in drops.items():
+                out.extend((kind, worker, reason, n) for reason, n in reasons.items())
+        return out
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
         """Ready = at least one healthy, non-draining worker, and every event source is up."""

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -37,9 +37,11 @@ class _StateCollector:
         self,
         snapshot: Callable[[], Iterable[dict[str, Any]]],
         router_stats: Callable[[], dict[str, Any]],
+        event_drops: Callable[[], Iterable[tuple[str, str, str, int]]] | None = None,
     ) -> None:
         self._snapshot = snapshot
         self._router_stats = router_stats
+        self._event_drops = event_drops
 
     def collect(self):
         healthy = GaugeMetricFamily(
@@ -80,10 +82,18 @@ class _StateCollector:
             "KV blocks the router's index holds for the worker (all DP ranks, all tiers)",
             labels=["worker"],
         )
+        events_ready = GaugeMetricFamily(
+            "kvplug_worker_events_ready",
+            "1 if the worker's event source (subscriber, poller) is running and connected, "
+            "0 if not (absent for engine kinds without events)",
+            labels=["worker"],
+        )
         for w in self._snapshot():
             wid = w["id"]
             if "blocks" in w:
                 blocks.add_metric([wid], float(w["blocks"]))
+            if w.get("events_ready") is not None:
+                events_ready.add_metric([wid], 1.0 if w["events_ready"] else 0.0)
             healthy.add_metric([wid], 1.0 if w["healthy"] else 0.0)
             ejected.add_metric([wid], 1.0 if w.get("ejected") else 0.0)
             draining.add_metric([wid], 1.0 if w["draining"] else 0.0)
@@ -92,7 +102,27 @@ class _StateCollector:
             load = w.get("load") or {}
             prefill.add_metric([wid], load.get("prefill_tokens", 0.0))
             decode.add_metric([wid], load.get("decode_blocks", 0.0))
-        yield from (healthy, ejected, draining, inflight, events, blocks, prefill, decode)
+        yield from (
+            healthy,
+            ejected,
+            draining,
+            inflight,
+            events,
+            blocks,
+            prefill,
+            decode,
+            events_ready,
+        )
+        if self._event_drops is not None:
+            drops = CounterMetricFamily(
+                "kvplug_event_drops",
+                "What event sources dropped or rejected, by engine kind, worker ('' when "
+                "none can be named) and reason (docs/robustness.md lists the reasons)",
+                labels=["engine", "worker", "reason"],
+            )
+            for kind, worker, reason, n in self._event_drops():
+                drops.add_metric([kind, worker, reason], float(n))
+            yield drops
         stats = GaugeMetricFamily(
             "kvplug_router_stat", "Router and KV index counters", labels=["stat"]
         )
@@ -198,8 +228,8 @@ class FrontendMetrics:
             registry=r,
         )
 
-    def attach_state(self, snapshot, router_stats) -> None:
-        self.registry.register(_StateCollector(snapshot, router_stats))
+    def attach_state(self, snapshot, router_stats, event_drops=None) -> None:
+        self.registry.register(_StateCollector(snapshot, router_stats, event_drops))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
