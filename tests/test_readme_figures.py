@@ -203,7 +203,84 @@ def replica_rules() -> dict[tuple[str, str], Callable[[], list]]:
     return out
 
 
+def robustness_rules() -> dict[tuple[str, str], Callable[[], list]]:
+    fuzz = {d["decoder"]: d for d in load("benchmarks/results/fuzz_decoders.json")["decoders"]}
+    http = load("benchmarks/results/fuzz_http.json")
+    faults = {f["fault"]: f for f in load("benchmarks/results/fault_engines.json")["faults"]}
+    sub = load("benchmarks/results/fault_subscriber.json")
+    soak = load("benchmarks/results/soak.json")["figures"]
+    hwm, down = sub["hwm"]["with_replay"], sub["replay_down"]
+    killed, restarted = faults["engine_killed"], faults["engine_restarted"]
+    slow, hung, router = (
+        faults["metrics_timeout"],
+        faults["engine_hung"],
+        faults["router_restarted"],
+    )
+    n_inputs = {d["inputs"] for d in fuzz.values()}
+    worst = {k: max(d[k] for d in fuzz.values()) for k in ("crashes", "escapes", "bad_events")}
+    return {
+        ("event decoders", "how much"): lambda: [*n_inputs],
+        ("event decoders", "what went wrong"): lambda: [
+            worst["crashes"],
+            worst["escapes"],
+            worst["bad_events"],
+            fuzz["vllm-fast"]["disagreements"],
+        ],
+        ("hostile HTTP", "how much"): lambda: [http["requests"]],
+        ("hostile HTTP", "what went wrong"): lambda: [
+            http["5xx"],
+            SKIP,  # the "5" of "5xx"
+            http["crashes"],
+            http["server_tracebacks_logged"],
+        ],
+        ("engine SIGKILLed", "how much"): lambda: [killed["requests_after_kill"]],
+        ("engine SIGKILLed", "what went wrong"): lambda: [
+            killed["requests_failed"],
+            killed["requests_retried"],
+            killed["streams_lost"],
+            killed["time_to_mark_down_s"],
+        ],
+        ("engine restarted", "how much"): lambda: [restarted["requests_after_restart"]],
+        ("engine restarted", "what went wrong"): lambda: [
+            restarted["requests_failed"],
+            restarted["time_to_purge_stale_blocks_s"],
+        ],
+        ("engine's metrics", "how much"): lambda: [slow["requests"]],
+        ("engine's metrics", "what went wrong"): lambda: [slow["requests_failed"]],
+        ("engine hung", "how much"): lambda: [hung["requests"]],
+        ("engine hung", "what went wrong"): lambda: [
+            hung["requests_failed"],
+            hung["time_to_mark_down_s"],
+        ],
+        ("router SIGKILLed", "what went wrong"): lambda: [
+            router["time_to_index_match_s"] if router["index_matches"] else -1,
+            router["engine_requests_failed"],
+        ],
+        ("subscriber behind", "how much"): lambda: [
+            hwm["batches_published"],
+            hwm["batches_dropped_by_zmq"],
+        ],
+        ("subscriber behind", "what went wrong"): lambda: [
+            hwm["blocks_missed"],
+            hwm["converged_seconds"],
+        ],
+        ("replay endpoint down", "how much"): lambda: [down["batches_missed"]],
+        ("replay endpoint down", "what went wrong"): lambda: [
+            down["seconds_gap_to_clear"],
+            down["stale_blocks"],
+        ],
+        ("soak", "how much"): lambda: [soak["requests"]],
+        ("soak", "what went wrong"): lambda: [
+            soak["errors"],
+            soak["rss_growth_mb"],
+            soak["decision_p99_first_quarter_us"],
+            soak["decision_p99_last_quarter_us"],
+        ],
+    }
+
+
 RULES = {
+    "benchmarks/results/fuzz_decoders.json": robustness_rules,
     "benchmarks/results/bench_replicas.json": replica_rules,
     "benchmarks/results/bench_core.json": core_rules,
     "benchmarks/results/bench_router.json": speed_rules,
@@ -293,7 +370,7 @@ def test_every_results_table_names_its_source():
     text = README.read_text()
     results = text.split("## Quick start", 1)[1].split("## Using it with your engines", 1)[0]
     n_tables = len(re.findall(r"\n\|[-|: ]+\|\n", results))
-    assert n_tables == len(tables()) == 5, "a results table without a marker"
+    assert n_tables == len(tables()) == 6, "a results table without a marker"
     for files, *_ in marked():
         for name in files:
             assert (ROOT / name).is_file(), f"{name} (named by a README marker) does not exist"

@@ -117,7 +117,7 @@ class _StateCollector:
             drops = CounterMetricFamily(
                 "kvplug_event_drops",
                 "What event sources dropped or rejected, by engine kind, worker ('' when "
-                "none can be named) and reason (docs/robustness.md lists the reasons)",
+                "none can be named) and reason (docs/frontend.md, Metrics, lists the reasons)",
                 labels=["engine", "worker", "reason"],
             )
             for kind, worker, reason, n in self._event_drops():
