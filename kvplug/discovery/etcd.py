@@ -19,7 +19,7 @@ import logging
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvplug.discovery.mirror import FleetMirror
+from kvplug.discovery.mirror import FleetMirror, stop_task
 from kvplug.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -144,12 +144,7 @@ class EtcdDiscovery:
         )
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await stop_task(self._task)
         if self._client is not None:
             await self._client.close()
             self._client = None

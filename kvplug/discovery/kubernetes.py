@@ -26,7 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
 
-from kvplug.discovery.mirror import FleetMirror
+from kvplug.discovery.mirror import FleetMirror, stop_task
 from kvplug.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -170,12 +170,7 @@ class KubernetesDiscovery:
         )
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await stop_task(self._task)
         if self._session is not None:
             await self._session.close()
 
