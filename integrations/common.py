@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from kvplug.events import BlockStored, Tier
+from kvplug import BlockStored, Tier
 
 MASK64 = (1 << 64) - 1
 # What decoding hostile bytes may raise: msgspec's errors, and RecursionError for values nested
