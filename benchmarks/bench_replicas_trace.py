@@ -10,8 +10,10 @@ Two arrival patterns: the trace as stamped (~10 requests at the same millisecond
 burst is decided by all replicas at once) and ``spread`` (each burst spread over its 3 s).
 
 Reported per configuration: hit rate, TTFT p50/p99, load imbalance (max/mean over engines of
-routed requests and of busy time, as ``kvplug bench`` reports it) and herding at each decision
-(did the chosen engine have the fewest running + waiting requests of the fleet; how many more).
+routed requests and of busy time, as ``kvplug bench`` reports it) and herding: at each decision,
+did the chosen engine have the fewest running + waiting requests of the fleet (how many more);
+in a burst, how often two requests that different replicas route within 10 ms of each other
+land on the same engine.
 Verdicts against one router in the same run: hit rate within 2 % (relative), imbalance no
 worse (1 % slack), TTFT p99 no worse (5 % slack).
 
@@ -33,9 +35,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from kvplug.sim.bench import BenchSpec, run_policy  # noqa: E402
+from kvplug.sim.bench import BenchSpec  # noqa: E402
+from kvplug.sim.policies import parse_policy  # noqa: E402
 from kvplug.sim.steptime import capacity_blocks  # noqa: E402
 from kvplug.sim.transport import PRESETS  # noqa: E402
+from kvplug.sim.virtual import replay, summarize  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "bench_replicas_trace.json"
 REALISTIC_DELAY_S = 0.003  # LoadSync's 1 ms batching + a NATS hop inside a datacenter
@@ -43,6 +47,8 @@ SWEEP_S = (0.0, 0.001, 0.01, 0.1, 1.0)
 HIT_TOLERANCE = 0.02  # relative
 IMBALANCE_SLACK = 0.01
 P99_SLACK = 0.05
+CO_PICK_WINDOW_S = 0.01
+MIN_CO_PICK_PAIRS = 200
 KEYS = (
     "hit_rate",
     "ttft_p50_s",
@@ -52,6 +58,8 @@ KEYS = (
     "pick_least_loaded",
     "pick_excess_mean",
     "pick_excess_p99",
+    "co_pick_same_engine",
+    "co_pick_pairs",
     "completed",
     "wall_s",
 )
@@ -72,14 +80,36 @@ def label(spec: BenchSpec) -> str:
     return spec.replica_label() or "one router"
 
 
-def _run(job: tuple[str, BenchSpec, str]) -> tuple[str, str, dict]:
-    arrivals, spec, policy = job
-    out = run_policy(spec, policy)
-    return (
-        arrivals,
-        label(spec),
-        {k: out[k] for k in KEYS} | {"replica_stats": out.get("replica_stats", [])},
+def co_picks(requests: list, partition: int, window_s: float = CO_PICK_WINDOW_S) -> dict:
+    """Herding inside a burst: of the pairs of requests arriving within ``window_s`` of each
+    other that different replicas route (request i goes to replica i mod ``partition``; for one
+    router the same split), the share sent to the same engine (1/engines if placed at random)."""
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    same = pairs = 0
+    start = 0
+    for b, j in enumerate(order):
+        rj = requests[j]
+        while requests[order[start]].arrival < rj.arrival - window_s:
+            start += 1
+        for i in order[start:b]:
+            if i % partition != j % partition and not requests[i].rejected and not rj.rejected:
+                pairs += 1
+                same += requests[i].worker_id == rj.worker_id
+    return {"co_pick_pairs": pairs, "co_pick_same_engine": same / pairs if pairs else 0.0}
+
+
+def _run(job: tuple[str, BenchSpec, str, int]) -> tuple[str, str, dict]:
+    arrivals, spec, policy, partition = job
+    pol = parse_policy(policy)
+    res = replay(
+        spec.records(),
+        pol.router_config(spec.block_tokens),
+        spec.replay_config(pol.feed_events),
+        policy=policy,
+        router_factory=pol.router_factory(),
     )
+    out = summarize(res) | co_picks(res.requests, partition)
+    return arrivals, label(spec), {k: out[k] for k in KEYS} | {"replica_stats": res.replica_stats}
 
 
 def verdicts(row: dict, ref: dict) -> dict:
@@ -95,10 +125,16 @@ def verdicts(row: dict, ref: dict) -> dict:
     }
 
 
+def co_pick_cell(row: dict) -> str:
+    if row["co_pick_pairs"] < MIN_CO_PICK_PAIRS:  # spread arrivals: hardly any bursts left
+        return f"– ({row['co_pick_pairs']} pairs)"
+    return f"{row['co_pick_same_engine']:.1%}"
+
+
 def table(rows: dict[str, dict]) -> str:
     head = (
         "| configuration | hit % | vs one router | TTFT p50 s | TTFT p99 s | imb req | imb busy "
-        "| least-loaded pick % | excess mean | excess p99 |"
+        "| least-loaded pick % | excess mean | same engine in a burst % |"
     )
     lines = [head, "|---|" + "---:|" * 9]
     for name, r in rows.items():
@@ -108,7 +144,7 @@ def table(rows: dict[str, dict]) -> str:
             f"| {name} | {r['hit_rate']:.1%} | {vs} | {r['ttft_p50_s']:.3f} | "
             f"{r['ttft_p99_s']:.2f} | {r['imbalance_requests']:.3f} | {r['imbalance_busy']:.3f} | "
             f"{r['pick_least_loaded']:.1%} | {r['pick_excess_mean']:.2f} | "
-            f"{r['pick_excess_p99']:.0f} |"
+            f"{co_pick_cell(r)} |"
         )
     return "\n".join(lines)
 
@@ -145,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         pick_stats=True,
     )
     jobs = [
-        (arrivals, spec, args.policy)
+        (arrivals, spec, args.policy, args.replicas)
         for arrivals in patterns
         for spec in configurations(
             replace(base, spread_arrivals=arrivals == "spread"), args.replicas, delays
