@@ -220,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                 row["verdict"] = verdicts(row, ref)
         ordered[arrivals] = rows
         print(f"\n### arrivals: {arrivals}\n\n{table(rows)}")
+        print(
+            f"\nsame engine in a burst: over the {ref['co_pick_pairs']} pairs of requests "
+            f"arriving within {CO_PICK_WINDOW_S * 1000:g} ms of each other that different "
+            f"replicas route (1 in {args.engines} at random)"
+        )
     report = {
         "spec": asdict(base) | {"replicas": args.replicas, "delays_s": delays},
         "policy": args.policy,
