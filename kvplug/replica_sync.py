@@ -52,97 +52,37 @@ class SyncStats:
     peers: dict[str, float] = field(default_factory=dict)  # peer id -> last heard (monotonic)
 
 
-class LoadSync:
-    """Publishes this router's request lifecycle and folds in its peers'."""
+class ReplicaLoad:
+    """The transport-free half of load sharing. As the router's
+    :class:`kvplug.load.LoadListener` it turns this replica's request lifecycle into wire events,
+    each handed to ``send``; ``apply_events`` folds a peer's events into the load tracker.
+    :class:`LoadSync` carries the events over NATS; the simulator (``kvplug bench --replicas``)
+    carries them in virtual time."""
 
     def __init__(
         self,
         router: Any,
-        nats_url: str,
-        *,
-        namespace: str = "default",
         replica_id: str | None = None,
-        flush_s: float = 0.001,
-        heartbeat_s: float = 1.0,
+        *,
+        send: Callable[[list[Any]], None] | None = None,
         expiry_s: float = 5.0,
-        connect_timeout: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.router = router
-        self.nats_url = nats_url
-        self.subject = f"kvplug.{namespace}.load"
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
-        self.flush_s = flush_s
-        self.heartbeat_s = heartbeat_s
         self.expiry_s = expiry_s
-        self.connect_timeout = connect_timeout
         self.clock = clock
         self.stats = SyncStats()
-        self._outbox: list[list[Any]] = []
-        self._wake = asyncio.Event()
+        self._send = send
         self._remote: dict[str, set[str]] = {}  # peer -> its request ids held here (prefixed)
-        self._seq = 0
-        self._nc: Any = None
-        self._tasks: list[asyncio.Task] = []
 
-    # -- lifecycle ---------------------------------------------------------------------------
-    async def start(self) -> None:
-        import nats  # the replicas extra
-
-        async def error(exc: Exception) -> None:  # one line, not nats-py's traceback
-            log.warning("load sync: NATS %s: %s", self.nats_url, exc or type(exc).__name__)
-
-        async def disconnected() -> None:
-            log.warning("load sync: disconnected from %s; reconnecting", self.nats_url)
-
-        async def reconnected() -> None:
-            log.info("load sync: reconnected to %s", self.nats_url)
-
-        # nats-py retries a first connection forever; a replica that cannot reach NATS at start
-        # should say so and stop, and only reconnect forever once it has been connected.
-        try:
-            self._nc = await asyncio.wait_for(
-                nats.connect(
-                    servers=[self.nats_url],
-                    name=f"kvplug-{self.replica_id}",
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    connect_timeout=2,
-                    error_cb=error,
-                    disconnected_cb=disconnected,
-                    reconnected_cb=reconnected,
-                ),
-                timeout=self.connect_timeout,
-            )
-        except (asyncio.TimeoutError, OSError) as exc:
-            raise ConnectionError(
-                f"no NATS server answered at {self.nats_url} within {self.connect_timeout:g} s"
-            ) from exc
-        await self._nc.subscribe(self.subject, cb=self._on_message)
+    def attach(self) -> None:
+        """Hear the router's own lifecycle from now on."""
         self.router.load.listener = self
-        self._tasks = [
-            asyncio.create_task(self._flusher(), name="kvplug-load-sync-flush"),
-            asyncio.create_task(self._heartbeats(), name="kvplug-load-sync-heartbeat"),
-        ]
-        log.info("replica %s shares load on %s at %s", self.replica_id, self.subject, self.nats_url)
 
-    async def close(self, say_bye: bool = True) -> None:
-        """Stop; with ``say_bye`` peers release this replica's requests at once."""
+    def detach(self) -> None:
         if self.router.load.listener is self:
             self.router.load.listener = None
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        if self._nc is not None:
-            if say_bye and self._nc.is_connected:
-                await self._publish([["bye"]])
-                await self._nc.flush(timeout=2)
-            await self._nc.close()
-            self._nc = None
 
     # -- this replica's requests (LoadListener) ----------------------------------------------
     def added(self, r: ActiveRequest) -> None:
@@ -172,54 +112,12 @@ class LoadSync:
         self._queue(["f", request_id])
 
     def _queue(self, event: list[Any]) -> None:
-        self._outbox.append(event)
-        self._wake.set()
-
-    # -- publishing ----------------------------------------------------------------------------
-    async def _publish(self, events: list[list[Any]]) -> None:
-        self._seq += 1
-        payload = _encode({"replica": self.replica_id, "seq": self._seq, "events": events})
-        await self._nc.publish(self.subject, payload)
-        self.stats.published_batches += 1
-        self.stats.published_events += len(events)
-
-    async def _flusher(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if self.flush_s:
-                await asyncio.sleep(self.flush_s)  # let a burst of decisions share one message
-            events, self._outbox = self._outbox, []
-            if events:
-                try:
-                    await self._publish(events)
-                except Exception as exc:  # NATS down: peers will expire our requests
-                    log.warning("load sync: publish failed (%s); %d events lost", exc, len(events))
-
-    async def _heartbeats(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
-            try:
-                await self._publish([])
-            except Exception as exc:
-                log.debug("load sync: heartbeat failed: %s", exc)
-            self.expire_silent_peers()
+        if self._send is not None:
+            self._send(event)
 
     # -- peers' requests -------------------------------------------------------------------------
-    async def _on_message(self, msg: Any) -> None:
-        self.apply_batch(msg.data)
-
-    def apply_batch(self, data: bytes) -> None:
-        """Fold one peer batch into the load tracker; malformed input is counted, never raised."""
-        try:
-            batch = _decode(data)
-            peer = batch["replica"]
-            events = batch["events"]
-            if not isinstance(peer, str) or not isinstance(events, list):
-                raise TypeError("bad batch shape")
-        except Exception:
-            self.stats.dropped_malformed += 1
-            return
+    def apply_events(self, peer: str, events: list[Any]) -> None:
+        """Fold one batch of ``peer``'s events in; a bad event is counted, never raised."""
         if peer == self.replica_id:
             return
         self.stats.received_batches += 1
@@ -305,3 +203,141 @@ class LoadSync:
             "peers": len(st.peers),
             "remote_inflight": self.remote_inflight(),
         }
+
+
+class LoadSync(ReplicaLoad):
+    """Publishes this router's request lifecycle on NATS and folds in its peers'."""
+
+    def __init__(
+        self,
+        router: Any,
+        nats_url: str,
+        *,
+        namespace: str = "default",
+        replica_id: str | None = None,
+        flush_s: float = 0.001,
+        heartbeat_s: float = 1.0,
+        expiry_s: float = 5.0,
+        connect_timeout: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(router, replica_id, expiry_s=expiry_s, clock=clock)
+        self.nats_url = nats_url
+        self.subject = f"kvplug.{namespace}.load"
+        self.flush_s = flush_s
+        self.heartbeat_s = heartbeat_s
+        self.connect_timeout = connect_timeout
+        self._outbox: list[list[Any]] = []
+        self._wake = asyncio.Event()
+        self._seq = 0
+        self._nc: Any = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        import nats  # the replicas extra
+
+        async def error(exc: Exception) -> None:  # one line, not nats-py's traceback
+            log.warning("load sync: NATS %s: %s", self.nats_url, exc or type(exc).__name__)
+
+        async def disconnected() -> None:
+            log.warning("load sync: disconnected from %s; reconnecting", self.nats_url)
+
+        async def reconnected() -> None:
+            log.info("load sync: reconnected to %s", self.nats_url)
+
+        # nats-py retries a first connection forever; a replica that cannot reach NATS at start
+        # should say so and stop, and only reconnect forever once it has been connected.
+        try:
+            self._nc = await asyncio.wait_for(
+                nats.connect(
+                    servers=[self.nats_url],
+                    name=f"kvplug-{self.replica_id}",
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    connect_timeout=2,
+                    error_cb=error,
+                    disconnected_cb=disconnected,
+                    reconnected_cb=reconnected,
+                ),
+                timeout=self.connect_timeout,
+            )
+        except (asyncio.TimeoutError, OSError) as exc:
+            raise ConnectionError(
+                f"no NATS server answered at {self.nats_url} within {self.connect_timeout:g} s"
+            ) from exc
+        await self._nc.subscribe(self.subject, cb=self._on_message)
+        self.attach()
+        self._tasks = [
+            asyncio.create_task(self._flusher(), name="kvplug-load-sync-flush"),
+            asyncio.create_task(self._heartbeats(), name="kvplug-load-sync-heartbeat"),
+        ]
+        log.info("replica %s shares load on %s at %s", self.replica_id, self.subject, self.nats_url)
+
+    async def close(self, say_bye: bool = True) -> None:
+        """Stop; with ``say_bye`` peers release this replica's requests at once."""
+        self.detach()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if self._nc is not None:
+            if say_bye and self._nc.is_connected:
+                await self._publish([["bye"]])
+                await self._nc.flush(timeout=2)
+            await self._nc.close()
+            self._nc = None
+
+    def _queue(self, event: list[Any]) -> None:
+        self._outbox.append(event)
+        self._wake.set()
+
+    # -- publishing ----------------------------------------------------------------------------
+    async def _publish(self, events: list[list[Any]]) -> None:
+        self._seq += 1
+        payload = _encode({"replica": self.replica_id, "seq": self._seq, "events": events})
+        await self._nc.publish(self.subject, payload)
+        self.stats.published_batches += 1
+        self.stats.published_events += len(events)
+
+    async def _flusher(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.flush_s:
+                await asyncio.sleep(self.flush_s)  # let a burst of decisions share one message
+            events, self._outbox = self._outbox, []
+            if events:
+                try:
+                    await self._publish(events)
+                except Exception as exc:  # NATS down: peers will expire our requests
+                    log.warning("load sync: publish failed (%s); %d events lost", exc, len(events))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self._publish([])
+            except Exception as exc:
+                log.debug("load sync: heartbeat failed: %s", exc)
+            self.expire_silent_peers()
+
+    # -- peers' requests -------------------------------------------------------------------------
+    async def _on_message(self, msg: Any) -> None:
+        self.apply_batch(msg.data)
+
+    def apply_batch(self, data: bytes) -> None:
+        """Fold one peer batch into the load tracker; malformed input is counted, never raised."""
+        try:
+            batch = _decode(data)
+            peer = batch["replica"]
+            events = batch["events"]
+            if not isinstance(peer, str) or not isinstance(events, list):
+                raise TypeError("bad batch shape")
+        except Exception:
+            self.stats.dropped_malformed += 1
+            return
+        self.apply_events(peer, events)

@@ -32,6 +32,7 @@ from kvplug.sim.traces import (
     load_trace,
     oracle_hit_rate,
     parse_workload,
+    spread_arrivals,
 )
 from kvplug.sim.transport import LinkConfig
 from kvplug.sim.virtual import ReplayConfig, replay, summarize
@@ -56,6 +57,11 @@ class BenchSpec:
     workload: str | None = None  # e.g. "shared-prefix:groups=32" instead of the trace
     n_prefill: int = 0  # > 0: disaggregated fleet, this many prefill engines, the rest decode
     block_tokens: int = TRACE_BLOCK_TOKENS  # tokens per trace hash id = engine/router block size
+    replicas: int = 1  # router replicas, requests spread over them in turn
+    replica_sync: bool = True  # replicas share in-flight load (kvplug.replica_sync's folding)
+    sync_delay_s: float = 0.003  # lifecycle event -> the other replicas
+    spread_arrivals: bool = False  # requests sharing a timestamp spread to the next one
+    pick_stats: bool = False  # per-decision herding figures (pick_excess_*)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def records(self) -> list[TraceRecord]:
@@ -64,13 +70,14 @@ class BenchSpec:
             if self.limit is not None:
                 recs = recs[: self.limit]
             return recs
-        return load_trace(
+        recs = load_trace(
             self.trace,
             start_s=self.start_s,
             duration_s=self.duration_s,
             limit=self.limit,
             speedup=self.speedup,
         )
+        return spread_arrivals(recs, self.seed) if self.spread_arrivals else recs
 
     def replay_config(self, feed_events: bool) -> ReplayConfig:
         return ReplayConfig(
@@ -88,7 +95,19 @@ class BenchSpec:
             feed_events=feed_events,
             seed=self.seed,
             n_prefill=self.n_prefill,
+            replicas=self.replicas,
+            replica_sync=self.replica_sync,
+            sync_delay_s=self.sync_delay_s,
+            pick_stats=self.pick_stats,
         )
+
+    def replica_label(self) -> str:
+        """'' for one router; e.g. '3 replicas, sync 3 ms' / '3 replicas, no sync'."""
+        if self.replicas == 1:
+            return ""
+        if not self.replica_sync:
+            return f"{self.replicas} replicas, no sync"
+        return f"{self.replicas} replicas, sync {self.sync_delay_s * 1000:g} ms"
 
 
 def fleet_lru_hit_rate(
@@ -151,6 +170,12 @@ def run_policy(spec: BenchSpec, policy_text: str, counter=None) -> dict:
         "engine_prefill_tokens": [e.stats["prefill_tokens"] for e in res.engines],
     }
     out["router_index"] = res.router_stats
+    if spec.replicas > 1:
+        out["replicas"] = spec.replicas
+        out["replica_sync"] = spec.replica_sync
+        out["sync_delay_s"] = spec.sync_delay_s if spec.replica_sync else None
+        out["replica_label"] = spec.replica_label()
+        out["replica_stats"] = res.replica_stats
     return out
 
 
@@ -271,9 +296,22 @@ COLUMNS = (
 )
 
 
+PICK_COLUMNS = (  # runs with pick_stats (kvplug bench --replicas)
+    ("pick_least_loaded", "least-loaded pick %", "{:.1%}"),
+    ("pick_excess_mean", "excess mean", "{:.2f}"),
+    ("pick_excess_p99", "excess p99", "{:.0f}"),
+)
+
+
 def format_table(report: dict, markdown: bool = False) -> str:
-    rows = [[fmt.format(r[key]) for key, _, fmt in COLUMNS] for r in report["results"]]
-    head = [title for _, title, _ in COLUMNS]
+    columns: tuple[tuple[str, str, str], ...] = COLUMNS
+    if all("pick_excess_mean" in r for r in report["results"]):
+        columns = COLUMNS[:-1] + PICK_COLUMNS + COLUMNS[-1:]
+    rows = [[fmt.format(r[key]) for key, _, fmt in columns] for r in report["results"]]
+    for row, r in zip(rows, report["results"], strict=True):
+        if r.get("replica_label"):
+            row[0] += f" ({r['replica_label']})"
+    head = [title for _, title, _ in columns]
     tr = report["trace"]
     n_prefill = report["spec"].get("n_prefill", 0)
     fleet = f"{report['spec']['n_engines']} engines"
@@ -287,6 +325,11 @@ def format_table(report: dict, markdown: bool = False) -> str:
         "request latency; imb = max/mean across engines of routed requests / busy time; "
         "wall = replay time"
     )
+    if columns is not COLUMNS:
+        note += (
+            "\nleast-loaded pick = the chosen engine had the fewest running + waiting requests "
+            "of the fleet (all replicas' requests) at the decision; excess = how many more it had"
+        )
     if markdown:
         lines = [
             "| " + " | ".join(head) + " |",

@@ -147,6 +147,22 @@ def _spec(args, policies):
             raise UsageError(
                 msg if msg.startswith("policy") else f"policy {text!r}: {msg}"
             ) from None
+    replicas = getattr(args, "replicas", 1)
+    replica_sync = getattr(args, "replica_sync", "on") == "on"
+    sync_delay = getattr(args, "sync_delay", 0.003)
+    if replicas < 1:
+        raise UsageError(f"--replicas must be >= 1, got {replicas}")
+    if not sync_delay >= 0:
+        raise UsageError(f"--sync-delay must be >= 0 seconds, got {sync_delay:g}")
+    if replicas > 1 and replica_sync:
+        from kvplug.sim.policies import BASELINE_MODE
+
+        for text in policies:
+            if parse_policy(text).mode == BASELINE_MODE:
+                raise UsageError(
+                    f"policy {text!r}: --replica-sync on needs a kvplug policy (the baselines "
+                    "keep no load tracker to fold into); use --replica-sync off"
+                )
     link = _link(args)
     try:
         if args.workload:
@@ -175,6 +191,11 @@ def _spec(args, policies):
         workload=args.workload,
         n_prefill=args.prefill_engines,
         block_tokens=args.block_tokens,
+        replicas=replicas,
+        replica_sync=replica_sync,
+        sync_delay_s=sync_delay,
+        spread_arrivals=getattr(args, "spread_arrivals", False),
+        pick_stats=replicas > 1,
     )
 
 
@@ -312,6 +333,35 @@ def _register_bench(sub) -> None:
         help="grid-sweep two kv settings, e.g. --sweep credit=0.25,0.5,1 temperature=0,0.1",
     )
     p.add_argument("--sweep-base", default="kv", help="policy the sweep varies (default kv)")
+    r = p.add_argument_group("router replicas (docs/scale-out.md)")
+    r.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="router replicas in front of the fleet; requests go to them in turn, every replica "
+        "hears every engine's KV events (default 1)",
+    )
+    r.add_argument(
+        "--replica-sync",
+        choices=("on", "off"),
+        default="on",
+        help="on: each replica folds the others' request lifecycle (added / first token / "
+        "finished) into its load, as kvplug serve --replica-sync does over NATS; off: each "
+        "knows only its own requests",
+    )
+    r.add_argument(
+        "--sync-delay",
+        type=float,
+        default=0.003,
+        help="seconds a replica's lifecycle event takes to reach the others (default 0.003: "
+        "1 ms batching + a NATS hop)",
+    )
+    r.add_argument(
+        "--spread-arrivals",
+        action="store_true",
+        help="spread requests that share a timestamp (the bundled trace's 3-second buckets) "
+        "over the gap to the next one",
+    )
     p.set_defaults(func=_cmd_bench)
 
 

@@ -99,6 +99,35 @@ def load_trace(
     ]
 
 
+def spread_arrivals(records: list[TraceRecord], seed: int = 0) -> list[TraceRecord]:
+    """Requests that share a timestamp spread over the gap to the next one, in order.
+
+    The bundled conversation trace stamps its requests in 3-second buckets (~10 at the same
+    millisecond). One router routes such a burst one by one, seeing each decision; replicas
+    sharing load with any delay could not, which real arrivals, spread over the bucket, do not
+    ask of them. Each group is placed at sorted uniform times in [t, next t) (Poisson arrivals
+    given their count); the last group over the trace's mean gap between distinct times."""
+    if len(records) < 2:
+        return list(records)
+    times = sorted({r.arrival_s for r in records})
+    mean_gap = (times[-1] - times[0]) / max(len(times) - 1, 1)
+    next_time = dict(zip(times, [*times[1:], times[-1] + mean_gap], strict=True))
+    rng = np.random.default_rng(seed)
+    out: list[TraceRecord] = []
+    i = 0
+    while i < len(records):
+        t = records[i].arrival_s
+        j = i
+        while j < len(records) and records[j].arrival_s == t:
+            j += 1
+        offsets = np.sort(rng.uniform(0.0, next_time[t] - t, j - i))
+        offsets[0] = 0.0  # the group's first request keeps its time
+        for r, dt in zip(records[i:j], offsets, strict=True):
+            out.append(TraceRecord(t + float(dt), r.input_length, r.output_length, r.hash_ids))
+        i = j
+    return out
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser on a uint64 array (wrapping arithmetic)."""
     x = x.astype(np.uint64, copy=True)

@@ -9,6 +9,14 @@ jitter, loss, gap detection and replay), engine gauges become worker attributes 
 ``attribute_period_s``, ``metrics_delay_s`` late; then ``router.route()`` picks an engine and the
 request joins its queue. No sockets, no threads. ``LinkConfig()`` is the ideal view (5 ms event
 delay, nothing lost, instant reports, exact gauges); ``transport.PRESETS["realistic"]`` is not.
+
+With ``replicas > 1`` the fleet is fronted by that many Routers, as ``kvplug serve`` replicas
+would front it: every replica hears every engine's KV events through its own event links (each
+with the delay / loss model), gets the gauges, and the requests go to the replicas in turn; a
+request's first token, progress and finish reach the replica that routed it. With
+``replica_sync`` each replica's request lifecycle reaches the others ``sync_delay_s`` later and
+is folded into their load trackers by :class:`kvplug.replica_sync.ReplicaLoad`, the code NATS
+load sync runs; without it each replica knows only its own requests.
 """
 
 from __future__ import annotations
@@ -68,6 +76,10 @@ class ReplayConfig:
     seed: int = 0
     n_prefill: int = 0  # > 0: disaggregated, engines [0, n_prefill) prefill, the rest decode
     event_driven: bool = True  # False: step and collect every engine at each arrival (baseline)
+    replicas: int = 1  # router replicas; requests go to them in turn
+    replica_sync: bool = True  # replicas fold each other's request lifecycle (kvplug.replica_sync)
+    sync_delay_s: float = 0.003  # a replica's lifecycle event reaches the others this late
+    pick_stats: bool = False  # record each pick's in-flight excess over the least-loaded engine
 
     def __post_init__(self) -> None:
         if self.mode not in ("hashes", "tokens"):
@@ -76,6 +88,10 @@ class ReplayConfig:
             raise ValueError("n_engines must be >= 1")
         if not 0 <= self.n_prefill < self.n_engines:
             raise ValueError("n_prefill must be in [0, n_engines): decode engines are needed")
+        if self.replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        if not self.sync_delay_s >= 0:
+            raise ValueError("sync_delay_s must be >= 0")
 
 
 @dataclass
@@ -91,6 +107,10 @@ class ReplayResult:
     router_stats: dict
     prefill_requests: list[SimRequest] = field(default_factory=list)  # P/D: the prefill hops
     link_stats: dict = field(default_factory=dict)  # KV-event batches lost, gaps, replayed
+    # pick_stats: per decision, the chosen engine's running + waiting requests minus the fewest
+    # any engine of its stage had (god's view, over all replicas' requests)
+    pick_excess: list[int] = field(default_factory=list)
+    replica_stats: list[dict] = field(default_factory=list)  # replicas: ReplicaLoad counters
 
 
 def _engine_id(i: int) -> str:
@@ -132,21 +152,27 @@ def replay(
     bt = cfg.engine.block_size  # = the trace's tokens per hash id
     clock = VirtualClock()
     make_router = router_factory or Router
-    router = make_router(router_config, clock=clock, rng=random.Random(cfg.seed))
+    # common random numbers: replicas draw from the one stream a single router would, so
+    # configurations differ by what the replicas know, not by luck
+    router_rng = random.Random(cfg.seed)
+    n_rep = cfg.replicas
+    routers = [make_router(router_config, clock=clock, rng=router_rng) for _ in range(n_rep)]
+    router = routers[0]
     engines = make_fleet(cfg)
     by_id = {e.worker_id: e for e in engines}
     pd = cfg.n_prefill > 0
     for i, e in enumerate(engines):
         role = Role.BOTH if not pd else (Role.PREFILL if i < cfg.n_prefill else Role.DECODE)
-        router.add_worker(
-            Worker(
-                worker_id=e.worker_id,
-                engine="sim",
-                role=role,
-                kv_capacity_blocks=cfg.engine.capacity_blocks,
-                max_batched_tokens=cfg.engine.max_batched_tokens,
+        for r in routers:
+            r.add_worker(
+                Worker(
+                    worker_id=e.worker_id,
+                    engine="sim",
+                    role=role,
+                    kv_capacity_blocks=cfg.engine.capacity_blocks,
+                    max_batched_tokens=cfg.engine.max_batched_tokens,
+                )
             )
-        )
     # engines that receive new requests only at trace arrivals, and (P/D) the decode engines,
     # which receive them at prefill completions and so advance in step with the event heap
     arrival_engines = engines[: cfg.n_prefill] if pd else engines
@@ -168,14 +194,44 @@ def replay(
             heapq.heappush(busy, (when, version[k], k))
 
     decode_engines = engines[cfg.n_prefill :] if pd else []
+    decode_ids = {e.worker_id for e in decode_engines}
     feed_events = cfg.feed_events
     link_cfg = cfg.link
     report_delay = link_cfg.report_delay_s
-    link_rng = random.Random(cfg.seed ^ 0x5EED)
-    links = [EventLink(link_cfg, link_rng) for _ in engines]
-    link_of = {e.worker_id: links[i] for i, e in enumerate(engines)}
+    # one event link per (replica, engine): each replica subscribes to every engine itself
+    link_rngs = [
+        random.Random(cfg.seed ^ 0x5EED if k == 0 else f"{cfg.seed}/{k}") for k in range(n_rep)
+    ]
+    replica_links = [[EventLink(link_cfg, link_rngs[k]) for _ in engines] for k in range(n_rep)]
+    links = [lk for per_replica in replica_links for lk in per_replica]
+    links_of = {
+        e.worker_id: [replica_links[k][i] for k in range(n_rep)] for i, e in enumerate(engines)
+    }
     heap: list[tuple] = []  # (time, seq, kind, payload)
     seq = 0
+    owner: dict[str, int] = {}  # request id -> the replica that routed it (replicas only)
+    syncs: list[Any] = []
+    if n_rep > 1 and cfg.replica_sync:
+        if not hasattr(router, "load"):
+            raise ValueError("replica load sync needs a kvplug Router (this policy has no load)")
+        from kvplug.replica_sync import ReplicaLoad
+
+        sync_delay = cfg.sync_delay_s
+
+        def sender(k: int) -> Callable[[list], None]:
+            def send(event: list) -> None:
+                nonlocal seq
+                seq += 1
+                heapq.heappush(heap, (clock.now + sync_delay, seq, "sync", (k, [event])))
+                syncs[k].stats.published_events += 1
+
+            return send
+
+        for k, r in enumerate(routers):
+            syncs.append(ReplicaLoad(r, f"replica-{k}", send=sender(k), clock=clock))
+            syncs[k].attach()
+    pick_stats = cfg.pick_stats
+    pick_excess: list[int] = []
     requests: list[SimRequest] = []
     prefill_requests: list[SimRequest] = []
     handoff: dict[str, tuple[SimRequest, RouteRequest]] = {}  # prefill id -> decode request
@@ -187,12 +243,16 @@ def replay(
     next_sample = 0.0
     tokens_mode = cfg.mode == "tokens"
 
-    def publish(link: EventLink, t: float, batch: list) -> None:
+    def publish(k: int, link: EventLink, t: float, batch: list) -> None:
         nonlocal seq
         sent = link.publish(t, batch)
         if sent is not None:
             seq += 1
-            heapq.heappush(heap, (sent[1], seq, "kv", (link, sent[0], batch)))
+            heapq.heappush(heap, (sent[1], seq, "kv", (k, link, sent[0], batch)))
+
+    def publish_all(wid: str, t: float, batch: list) -> None:
+        for k, link in enumerate(links_of[wid]):
+            publish(k, link, t, batch)
 
     def collect(group) -> None:
         nonlocal seq
@@ -200,7 +260,7 @@ def replay(
             out = e.outputs
             if not out:
                 continue
-            link = link_of[e.worker_id]
+            wid = e.worker_id
             batch: list = []
             batch_t = 0.0
             for kind, t, payload in out:
@@ -208,7 +268,7 @@ def replay(
                     if not feed_events:
                         continue
                     if batch and t != batch_t:  # one engine step's events = one batch
-                        publish(link, batch_t, batch)
+                        publish_all(wid, batch_t, batch)
                         batch = []
                     batch_t = t
                     batch.append(payload)
@@ -216,21 +276,34 @@ def replay(
                 seq += 1
                 heapq.heappush(heap, (t + report_delay, seq, kind, payload))
             if batch:
-                publish(link, batch_t, batch)
+                publish_all(wid, batch_t, batch)
             out.clear()
 
-    def route(sreq: SimRequest, rreq: RouteRequest, t: float, queue_at: float | None = None):
-        """Route and queue the request on the chosen engine at ``queue_at`` (default ``t``)."""
+    def route(
+        sreq: SimRequest,
+        rreq: RouteRequest,
+        t: float,
+        queue_at: float | None = None,
+        replica: int = 0,
+    ):
+        """Route on ``replica`` and queue the request on the chosen engine at ``queue_at``
+        (default ``t``)."""
         nonlocal route_errors, route_s, seq
+        if n_rep > 1:  # set first: a failed prefill hop's decode hop goes to this replica too
+            owner[rreq.request_id] = replica
         r0 = time.perf_counter()
         try:
-            decision = router.route(rreq)
+            decision = routers[replica].route(rreq)
         except (RoutingError, InvalidRequest) as exc:
             route_errors += 1
             sreq.rejected = f"routing error: {exc}"
             return
         route_s += time.perf_counter() - r0
         engine = by_id[decision.worker_id]
+        if pick_stats:
+            group = decode_engines if engine.worker_id in decode_ids else arrival_engines
+            inflight = [e.num_running + e.num_waiting for e in group]
+            pick_excess.append(engine.num_running + engine.num_waiting - min(inflight))
         if queue_at is None or queue_at <= t:
             k = arrival_index.get(engine.worker_id) if event_driven else None
             if k is not None and engine.has_work():
@@ -253,7 +326,14 @@ def replay(
             return
         cacheable = min(d_req.prompt_blocks, (d_req.prompt_len - 1) // bt)
         transfer_s = cfg.engine.model.transfer_ms(cacheable * bt) / 1000.0
-        route(d_req, rreq, t, queue_at=t + transfer_s)
+        route(d_req, rreq, t, queue_at=t + transfer_s, replica=owner.get(p_req.request_id, 0))
+
+    def owner_of(request_id: str, done: bool = False):
+        """The router that routed the request (with replicas: its reports go there only)."""
+        if n_rep == 1:
+            return router
+        k = owner.pop(request_id, 0) if done else owner.get(request_id, 0)
+        return routers[k]
 
     def deliver(until: float) -> None:
         nonlocal seq
@@ -269,32 +349,45 @@ def replay(
             t, _, kind, payload = heapq.heappop(heap)
             clock.now = t
             if kind == "kv":
-                link, bseq, batch = payload
+                k, link, bseq, batch = payload
                 ready, gap = link.on_batch(bseq, batch)
                 for evs in ready:
                     for ev in evs:
-                        router.apply_event(ev)
+                        routers[k].apply_event(ev)
                 if gap:
                     seq += 1
-                    heapq.heappush(heap, (t + link_cfg.replay_rtt_s, seq, "replay", link))
+                    heapq.heappush(heap, (t + link_cfg.replay_rtt_s, seq, "replay", (k, link)))
             elif kind == "replay":
-                for evs in payload.on_replay(t):
+                k, link = payload
+                for evs in link.on_replay(t):
                     for ev in evs:
-                        router.apply_event(ev)
+                        routers[k].apply_event(ev)
             elif kind == "attrs":
-                for wid, attrs in payload:
-                    router.set_attributes(wid, attrs, ts=t)
+                for r in routers:
+                    for wid, attrs in payload:
+                        r.set_attributes(wid, attrs, ts=t)
             elif kind == "first":
-                router.on_first_token(payload.request_id)
+                owner_of(payload.request_id).on_first_token(payload.request_id)
             elif kind == "progress":
-                router.on_output_progress(payload.request_id, payload.generated)
+                owner_of(payload.request_id).on_output_progress(
+                    payload.request_id, payload.generated
+                )
             elif kind == "queue":  # P/D: transferred KV landed, the decode request queues
                 engine, d_req = payload
                 engine.add_request(d_req, t)
+            elif kind == "sync":  # a replica's lifecycle events reach the others
+                k, events = payload
+                peer = syncs[k].replica_id
+                for j, sync in enumerate(syncs):
+                    if j != k:
+                        sync.apply_events(peer, events)
             else:  # finish (success or rejection)
-                router.on_finish(payload.request_id)
-                if payload.request_id in handoff:
+                if payload.request_id in handoff:  # the decode hop goes to the same replica
+                    owner_of(payload.request_id).on_finish(payload.request_id)
                     start_decode(payload, t)
+                    owner.pop(payload.request_id, None)
+                else:
+                    owner_of(payload.request_id, done=True).on_finish(payload.request_id)
 
     def make_route_request(rid: str, sreq: SimRequest, stage) -> RouteRequest:
         if sreq.token_ids is not None:  # tokens mode: every request carries its tokens
@@ -308,6 +401,7 @@ def replay(
 
     wall0 = time.perf_counter()
     for i, rec in enumerate(records):
+        replica = i % n_rep  # requests spread over the replicas in turn
         t = rec.arrival_s
         if not event_driven:  # the scan over every engine, kept as the benchmark's baseline
             for e in arrival_engines:
@@ -332,8 +426,9 @@ def replay(
                 seq += 1
                 heapq.heappush(heap, (t + link_cfg.metrics_delay_s, seq, "attrs", snapshot))
             else:
-                for wid, attrs in snapshot:
-                    router.set_attributes(wid, attrs, ts=t)
+                for r in routers:
+                    for wid, attrs in snapshot:
+                        r.set_attributes(wid, attrs, ts=t)
             next_attr = t + link_cfg.attribute_period_s
         if t >= next_sample:
             samples_t.append(t)
@@ -355,11 +450,21 @@ def replay(
                 sreq,
                 make_route_request(sreq.request_id, sreq, Stage.DECODE),
             )
-            route(p_req, make_route_request(p_req.request_id, p_req, Stage.PREFILL), t)
+            route(
+                p_req,
+                make_route_request(p_req.request_id, p_req, Stage.PREFILL),
+                t,
+                replica=replica,
+            )
             if p_req.rejected and p_req.request_id in handoff:
                 start_decode(p_req, t)
         else:
-            route(sreq, make_route_request(sreq.request_id, sreq, Stage.AGGREGATED), t)
+            route(
+                sreq,
+                make_route_request(sreq.request_id, sreq, Stage.AGGREGATED),
+                t,
+                replica=replica,
+            )
         if progress is not None:
             progress(1)
     for e in arrival_engines:
@@ -384,7 +489,26 @@ def replay(
         router_stats=_router_stats(router),
         prefill_requests=prefill_requests,
         link_stats={k: sum(lk.stats[k] for lk in links) for k in links[0].stats},
+        pick_excess=pick_excess,
+        replica_stats=_replica_stats(routers, syncs, replica_links) if n_rep > 1 else [],
     )
+
+
+def _replica_stats(routers: list, syncs: list, links: list[list[EventLink]]) -> list[dict]:
+    """Per replica: requests still tracked after the drain (0 when every lifecycle, its own and
+    the folded ones, was closed), its event links' counters and, with load sync, its
+    ReplicaLoad counters."""
+    out = []
+    for k, r in enumerate(routers):
+        load = getattr(r, "load", None)
+        st: dict = {"active_requests": load.active_count() if load is not None else None}
+        st.update(
+            {f"event_{name}": sum(lk.stats[name] for lk in links[k]) for name in links[k][0].stats}
+        )
+        if syncs:
+            st.update(syncs[k].stats_dict())
+        out.append(st)
+    return out
 
 
 def _router_stats(router) -> dict:
@@ -444,4 +568,19 @@ def summarize(res: ReplayResult) -> dict:
         "event_gaps": res.link_stats.get("gaps", 0),
         "event_batches_unrecovered": res.link_stats.get("unrecovered", 0),
         "wall_s": res.wall_seconds,
+        **_pick_summary(res.pick_excess),
+    }
+
+
+def _pick_summary(excess: list[int]) -> dict:
+    """Herding, seen at each decision: how many more requests (running + waiting) the chosen
+    engine had than the least-loaded engine of its stage (``pick_stats`` runs only)."""
+    if not excess:
+        return {}
+    a = np.asarray(excess, dtype=float)
+    return {
+        "pick_least_loaded": float((a == 0).mean()),
+        "pick_excess_mean": float(a.mean()),
+        "pick_excess_p99": float(np.percentile(a, 99)),
+        "pick_excess_max": int(a.max()),
     }
