@@ -279,7 +279,30 @@ def robustness_rules() -> dict[tuple[str, str], Callable[[], list]]:
     }
 
 
+def replica_trace_rules() -> dict[tuple[str, str], Callable[[], list]]:
+    spread = load("benchmarks/results/bench_replicas_trace.json")["results"]["spread"]
+    columns = {
+        "hit %": lambda r: 100 * r["hit_rate"],
+        "TTFT p50 s": lambda r: r["ttft_p50_s"],
+        "TTFT p99 s": lambda r: r["ttft_p99_s"],
+        "least-loaded pick %": lambda r: 100 * r["pick_least_loaded"],
+    }
+    labels = {  # README row -> the benchmark's configuration
+        "one router": "one router",
+        "3 replicas, no sync": "3 replicas, no sync",
+        "3 replicas, sync 3 ms late": "3 replicas, sync 3 ms",
+        "3 replicas, sync 100 ms late": "3 replicas, sync 100 ms",
+        "3 replicas, sync 1 s late": "3 replicas, sync 1000 ms",
+    }
+    return {
+        (label, col): (lambda r=spread[config], f=f: [f(r)])
+        for label, config in labels.items()
+        for col, f in columns.items()
+    }
+
+
 RULES = {
+    "benchmarks/results/bench_replicas_trace.json": replica_trace_rules,
     "benchmarks/results/fuzz_decoders.json": robustness_rules,
     "benchmarks/results/bench_replicas.json": replica_rules,
     "benchmarks/results/bench_core.json": core_rules,
@@ -370,7 +393,7 @@ def test_every_results_table_names_its_source():
     text = README.read_text()
     results = text.split("## Quick start", 1)[1].split("## Using it with your engines", 1)[0]
     n_tables = len(re.findall(r"\n\|[-|: ]+\|\n", results))
-    assert n_tables == len(tables()) == 6, "a results table without a marker"
+    assert n_tables == len(tables()) == 7, "a results table without a marker"
     for files, *_ in marked():
         for name in files:
             assert (ROOT / name).is_file(), f"{name} (named by a README marker) does not exist"
