@@ -844,7 +844,11 @@ _REQUIRED = {
 }
 
 
-def _wire_hash(h: int, hash_form: str) -> int | bytes:
+def _wire_hash(h: int | bytes, hash_form: str) -> int | bytes:
+    if isinstance(h, bytes):  # a full digest (vLLM's own hashes): sent whole, or folded like vLLM
+        if hash_form == "bytes":
+            return h
+        h = int.from_bytes(h, "big")
     h &= MASK64
     if hash_form == "uint64":
         return h
@@ -856,6 +860,10 @@ def _wire_hash(h: int, hash_form: str) -> int | bytes:
     raise ValueError(f"hash_form must be uint64, int64 or bytes, not {hash_form!r}")
 
 
+def _hash_value(h: Any) -> int | bytes:
+    return h if isinstance(h, bytes) else int(h)
+
+
 def _event_fields(ev: KvEvent, v: tuple[int, int, int], hash_form: str) -> tuple[str, list] | None:
     medium_since = (0, 10, 2)
     if isinstance(ev, BlockStored):
@@ -865,10 +873,10 @@ def _event_fields(ev: KvEvent, v: tuple[int, int, int], hash_form: str) -> tuple
             n = len(ev.engine_hashes)
             extra_keys = [[ev.cache_salt]] + [None] * (n - 1)
         values = {
-            "block_hashes": [_wire_hash(int(h), hash_form) for h in ev.engine_hashes],
+            "block_hashes": [_wire_hash(_hash_value(h), hash_form) for h in ev.engine_hashes],
             "parent_block_hash": None
             if ev.parent_engine_hash is None
-            else _wire_hash(ev.parent_engine_hash, hash_form),
+            else _wire_hash(_hash_value(ev.parent_engine_hash), hash_form),
             "token_ids": tokens,
             "block_size": 0 if ev.tier_copy else ev.block_size,
             "lora_id": None,
@@ -883,7 +891,7 @@ def _event_fields(ev: KvEvent, v: tuple[int, int, int], hash_form: str) -> tuple
     if isinstance(ev, BlockRemoved):
         tier = Tier.DEVICE if ev.tier is None else Tier(ev.tier)
         values = {
-            "block_hashes": [_wire_hash(int(h), hash_form) for h in ev.engine_hashes],
+            "block_hashes": [_wire_hash(_hash_value(h), hash_form) for h in ev.engine_hashes],
             "medium": _TIER_MEDIUM[tier],
             "group_idx": 0,
         }

@@ -21,9 +21,11 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 from aiohttp import web
 
@@ -31,6 +33,7 @@ from kvplug.events import BlockMoved, BlockStored, KvEvent
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
 from kvplug.sim.steptime import capacity_blocks
 from kvplug.sim.traces import output_tokens
+from kvplug.sim.vllm_hashes import DEFAULT_SEED, VllmBlockHasher, low64
 
 log = logging.getLogger("kvplug.sim.server")
 
@@ -122,6 +125,17 @@ class FleetOptions:
     max_batched_tokens: int = 8192
     speed: float = 1.0
     model: str = "sim-llama-3-8b"
+    # "sim": the simulator's own blake2b chain; "vllm": vLLM's block hashes (hash_algo, with
+    # NONE_HASH from the engine's seed: one seed for all engines or one per engine)
+    block_hashes: str = "sim"
+    hash_algo: str = "sha256_cbor"
+    hash_seeds: tuple[str, ...] = field(default=(DEFAULT_SEED,))
+    # how events carry a vLLM hash: "uint64" (low 64 bits, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1,
+    # vLLM's default) or "bytes" (the 32-byte digest)
+    hash_form: str = "uint64"
+
+    def seed_of(self, index: int) -> str:
+        return self.hash_seeds[index] if len(self.hash_seeds) > 1 else self.hash_seeds[0]
 
 
 class _Stream:
@@ -204,12 +218,22 @@ class SimServer:
             pub_bind = f"tcp://{bind_host}:{events_port}"
         self.replay_endpoint = f"tcp://*:{replay_port}"
         self.bound = [pub_bind or self.endpoint, f"tcp://{bind_host}:{replay_port}"]
+        self.hasher: VllmBlockHasher | None = None
+        if opts.block_hashes == "vllm":
+            self.hasher = VllmBlockHasher(opts.hash_algo, opts.seed_of(index))
+        elif opts.block_hashes != "sim":
+            raise ValueError(f"block_hashes must be sim or vllm, not {opts.block_hashes!r}")
+        # the engine keys blocks by the digest's low 64 bits; events in the bytes form need the
+        # whole digest back: kept for the most recently used blocks (a cache-sized window)
+        self._digests: OrderedDict[int, bytes] = OrderedDict()
+        self._digest_window = 4 * (cap + opts.host_blocks) + 65_536
         self.publisher = VllmEventPublisher(
             pub_bind or self.endpoint,
             replay_endpoint=self.bound[1],
             topic=self.topic,
             version=opts.vllm_version,
             bind=True if pub_bind else None,
+            hash_form=opts.hash_form if self.hasher is not None else "uint64",
         )
         self.streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
@@ -221,6 +245,7 @@ class SimServer:
             "event_batches": 0,
             "aborted": 0,
             "engine_errors": 0,
+            "digest_fallbacks": 0,
         }
         self.runner: web.AppRunner | None = None
 
@@ -273,11 +298,48 @@ class SimServer:
                     st.wake.set()
         eng.outputs.clear()
         if events:
-            self.publisher.publish(_to_vllm_events(events), ts=time.time())
+            out = _to_vllm_events(events)
+            if self.hasher is not None and self.opts.hash_form == "bytes":
+                out = [self._with_digests(ev) for ev in out]
+            self.publisher.publish(out, ts=time.time())
             self.counters["event_batches"] += 1
         for st in self.streams.values():
             if st.req.generated > st.sent:
                 st.wake.set()
+
+    def _digest(self, h: int) -> bytes:
+        d = self._digests.get(int(h))
+        if d is None:
+            # a block of generated tokens (request-unique in the simulator, never a prefix hit):
+            # a stand-in digest with the same low 64 bits, so every consumer folds it alike
+            self.counters["digest_fallbacks"] += 1
+            d = hashlib.sha256(int(h).to_bytes(8, "big")).digest()[:24] + int(h).to_bytes(8, "big")
+        return d
+
+    def _with_digests(self, ev: KvEvent) -> KvEvent:
+        hashes = getattr(ev, "engine_hashes", None)
+        if not hashes:
+            return ev
+        changes: dict[str, Any] = {"engine_hashes": [self._digest(h) for h in hashes]}
+        parent = getattr(ev, "parent_engine_hash", None)
+        if parent is not None:
+            changes["parent_engine_hash"] = self._digest(parent)
+        return msgspec.structs.replace(ev, **changes)
+
+    def block_hashes_of(self, tokens: list[int]) -> list[int]:
+        """The engine's block hashes of a prompt, as its cache and its events key them."""
+        bs = self.opts.block_size
+        if self.hasher is None:
+            return chained_block_hashes(tokens, bs)
+        out = []
+        for d in self.hasher.hashes(tokens, bs):
+            h = low64(d)
+            self._digests[h] = d
+            self._digests.move_to_end(h)
+            out.append(h)
+        while len(self._digests) > self._digest_window:
+            self._digests.popitem(last=False)
+        return out
 
     # -- requests --------------------------------------------------------------------------------
     def _submit(self, request_id: str, tokens: list[int], max_tokens: int) -> _Stream:
@@ -292,14 +354,13 @@ class SimServer:
             )
         if request_id in self.streams:
             raise ValueError(f"request id {request_id} is already running")
-        bs = self.opts.block_size
         salt = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big")
         req = SimRequest(
             request_id=request_id,
             arrival=self.virtual_now(),
             prompt_len=len(tokens),
             output_len=max_tokens,
-            block_hashes=chained_block_hashes(tokens, bs),
+            block_hashes=self.block_hashes_of(tokens),
             token_ids=np.asarray(tokens, dtype=np.uint32),
             salt=salt,
         )
@@ -346,6 +407,7 @@ class SimServer:
         app.router.add_get("/version", self.h_version)
         app.router.add_get("/metrics", self.h_metrics)
         app.router.add_get("/kv_event_sources", self.h_sources)
+        app.router.add_get("/get_server_info", self.h_server_info)
         return app
 
     def _error(self, status: int, msg: str) -> web.Response:
@@ -548,12 +610,39 @@ class SimServer:
     async def h_version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": self.opts.vllm_version, "engine": "kvplug-sim"})
 
+    async def h_server_info(self, request: web.Request) -> web.Response:
+        """The engine identity vllm-router's KV index asks each worker for (model, instance,
+        block size) before it indexes that worker's events."""
+        return web.json_response(
+            {
+                "model_id": self.opts.model,
+                "model_path": self.opts.model,
+                "instance_id": self.worker_id,
+                "kv_block_size": self.opts.block_size,
+                "effective_attention_block_size": self.opts.block_size,
+                "worker_type": "regular",
+                "priority": 50,
+                "cost": 1.0,
+            }
+        )
+
+    def _hash_algo_label(self) -> str:
+        return self.opts.hash_algo if self.hasher is not None else "kvplug-sim-blake2b"
+
+    def _advertised(self, endpoint: str) -> str:
+        """What a real engine reports: its own address in place of the bind wildcard (a router
+        cannot connect to ``*``), unless the engine serves on every interface."""
+        host = _zmq_host(self.opts.host)
+        if host == "*" or not endpoint.startswith("tcp://*:"):
+            return endpoint
+        return f"tcp://{host}:{endpoint.rsplit(':', 1)[1]}"
+
     async def h_sources(self, request: web.Request) -> web.Response:
         cfg = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": self.endpoint,
-            "replay_endpoint": self.replay_endpoint,
+            "endpoint": self._advertised(self.endpoint),
+            "replay_endpoint": self._advertised(self.replay_endpoint),
             "buffer_steps": self.publisher.buffer.maxlen,
             "hwm": 100_000,
             "max_queue_size": 100_000,
@@ -585,7 +674,7 @@ class SimServer:
             "# TYPE vllm:cache_config_info gauge",
             f'vllm:cache_config_info{{block_size="{self.opts.block_size}",enable_prefix_caching="True",'
             f'num_gpu_blocks="{e.cache.capacity}",num_cpu_blocks="{e.cache.host_capacity}",'
-            f'prefix_caching_hash_algo="kvplug-sim-blake2b",{labels}}} 1.0',
+            f'prefix_caching_hash_algo="{self._hash_algo_label()}",{labels}}} 1.0',
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
