@@ -844,12 +844,12 @@ _REQUIRED = {
 }
 
 
-def _wire_hash(h: int | bytes, hash_form: str) -> int | bytes:
-    if isinstance(h, bytes):  # a full digest (vLLM's own hashes): sent whole, or folded like vLLM
+def _wire_hash(value: int | bytes, hash_form: str) -> int | bytes:
+    if isinstance(value, bytes):  # a whole digest (vLLM's own hashes): sent as is, or folded
         if hash_form == "bytes":
-            return h
-        h = int.from_bytes(h, "big")
-    h &= MASK64
+            return value
+        value = int.from_bytes(value, "big")
+    h = value & MASK64
     if hash_form == "uint64":
         return h
     if hash_form == "int64":
@@ -932,7 +932,9 @@ def encode_batch(
     """kvplug events -> one msgpack ``KVEventBatch`` payload as vLLM ``version`` encodes it.
 
     ``BlockMoved`` has no vLLM form (raises TypeError). ``hash_form``: ``uint64`` (default),
-    ``int64`` (0.9 - 0.10.1 builtin hash) or ``bytes`` (32-byte digests).
+    ``int64`` (0.9 - 0.10.1 builtin hash) or ``bytes`` (32-byte digests). An engine hash given
+    as a whole 32-byte digest (vLLM's own, from ``kvplug sim --block-hashes vllm``) is sent as is
+    in the ``bytes`` form and folded to its low 64 bits otherwise, as vLLM does.
     """
     v = parse_version(version)
     evs = [encode_event(e, version, hash_form) for e in events]

@@ -391,9 +391,10 @@ def _register_sim(sub) -> None:
         "--events-connect",
         default=None,
         help="connect every engine's PUB to this endpoint (a router-bound SUB) instead "
-        "of binding one port each; engine i then publishes on topic TOPIC.sim-i",
+        "of binding one port each; engine i then publishes on topic TOPIC.sim-i (sim-i when "
+        "TOPIC is empty)",
     )
-    p.add_argument("--topic", default="kv", help="ZMQ topic of the event frames")
+    p.add_argument("--topic", default="", help="ZMQ topic of the event frames (default '', vLLM's)")
     p.add_argument("--vllm-version", default="0.32", help="event encoding of this vLLM version")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (16)")
     p.add_argument(
@@ -422,9 +423,10 @@ def _register_sim(sub) -> None:
     )
     p.add_argument(
         "--hash-algo",
-        choices=("sha256_cbor", "sha256"),
-        default="sha256_cbor",
-        help="with --block-hashes vllm: vLLM's --prefix-caching-hash-algo (sha256_cbor)",
+        choices=("sha256", "sha256_cbor"),
+        default="sha256",
+        help="with --block-hashes vllm: vLLM's --prefix-caching-hash-algo (default sha256, "
+        "vLLM's default)",
     )
     p.add_argument(
         "--hash-seed",
@@ -452,7 +454,7 @@ def _cmd_sim(args) -> int:
     if len(seeds) not in (1, args.engines):
         raise UsageError(f"--hash-seed: give one seed or {args.engines} (one per engine)")
     if args.block_hashes == "sim" and (
-        args.hash_seed is not None or args.hash_algo != "sha256_cbor" or args.hash_form != "uint64"
+        args.hash_seed is not None or args.hash_algo != "sha256" or args.hash_form != "uint64"
     ):
         raise UsageError("--hash-algo, --hash-seed and --hash-form need --block-hashes vllm")
     events_base = args.events_base_port or args.base_port + 1000

@@ -117,7 +117,7 @@ class FleetOptions:
     events_base_port: int = 9100
     replay_base_port: int = 10100
     events_connect: str | None = None
-    topic: str = "kv"
+    topic: str = ""  # vLLM's default (KVEventsConfig.topic); vllm-router's static sources expect it
     vllm_version: str = "0.32"
     block_size: int = 16
     capacity_blocks: int | None = None
@@ -128,7 +128,7 @@ class FleetOptions:
     # "sim": the simulator's own blake2b chain; "vllm": vLLM's block hashes (hash_algo, with
     # NONE_HASH from the engine's seed: one seed for all engines or one per engine)
     block_hashes: str = "sim"
-    hash_algo: str = "sha256_cbor"
+    hash_algo: str = "sha256"  # vLLM's default --prefix-caching-hash-algo
     hash_seeds: tuple[str, ...] = field(default=(DEFAULT_SEED,))
     # how events carry a vLLM hash: "uint64" (low 64 bits, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1,
     # vLLM's default) or "bytes" (the 32-byte digest)
@@ -211,7 +211,7 @@ class SimServer:
         if opts.events_connect:
             # every engine connects to one router-bound SUB: the topic tells them apart
             self.endpoint = opts.events_connect
-            self.topic = f"{opts.topic}.{self.worker_id}"
+            self.topic = f"{opts.topic}.{self.worker_id}" if opts.topic else self.worker_id
             pub_bind = None
         else:
             self.endpoint = f"tcp://*:{events_port}"
@@ -407,7 +407,6 @@ class SimServer:
         app.router.add_get("/version", self.h_version)
         app.router.add_get("/metrics", self.h_metrics)
         app.router.add_get("/kv_event_sources", self.h_sources)
-        app.router.add_get("/get_server_info", self.h_server_info)
         return app
 
     def _error(self, status: int, msg: str) -> web.Response:
@@ -597,7 +596,10 @@ class SimServer:
                     {
                         "id": self.opts.model,
                         "object": "model",
+                        "created": int(time.time()),
                         "owned_by": "kvplug-sim",
+                        "root": self.opts.model,
+                        "parent": None,
                         "max_model_len": MAX_MODEL_LEN,
                     }
                 ],
@@ -610,39 +612,15 @@ class SimServer:
     async def h_version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": self.opts.vllm_version, "engine": "kvplug-sim"})
 
-    async def h_server_info(self, request: web.Request) -> web.Response:
-        """The engine identity vllm-router's KV index asks each worker for (model, instance,
-        block size) before it indexes that worker's events."""
-        return web.json_response(
-            {
-                "model_id": self.opts.model,
-                "model_path": self.opts.model,
-                "instance_id": self.worker_id,
-                "kv_block_size": self.opts.block_size,
-                "effective_attention_block_size": self.opts.block_size,
-                "worker_type": "regular",
-                "priority": 50,
-                "cost": 1.0,
-            }
-        )
-
     def _hash_algo_label(self) -> str:
         return self.opts.hash_algo if self.hasher is not None else "kvplug-sim-blake2b"
-
-    def _advertised(self, endpoint: str) -> str:
-        """What a real engine reports: its own address in place of the bind wildcard (a router
-        cannot connect to ``*``), unless the engine serves on every interface."""
-        host = _zmq_host(self.opts.host)
-        if host == "*" or not endpoint.startswith("tcp://*:"):
-            return endpoint
-        return f"tcp://{host}:{endpoint.rsplit(':', 1)[1]}"
 
     async def h_sources(self, request: web.Request) -> web.Response:
         cfg = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": self._advertised(self.endpoint),
-            "replay_endpoint": self._advertised(self.replay_endpoint),
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
             "buffer_steps": self.publisher.buffer.maxlen,
             "hwm": 100_000,
             "max_queue_size": 100_000,
@@ -673,6 +651,7 @@ class SimServer:
             f"vllm:num_preemptions_total{{{labels}}} 0",
             "# TYPE vllm:cache_config_info gauge",
             f'vllm:cache_config_info{{block_size="{self.opts.block_size}",enable_prefix_caching="True",'
+            f'effective_attention_block_size="{self.opts.block_size}",'
             f'num_gpu_blocks="{e.cache.capacity}",num_cpu_blocks="{e.cache.host_capacity}",'
             f'prefix_caching_hash_algo="{self._hash_algo_label()}",{labels}}} 1.0',
         ]
