@@ -304,3 +304,84 @@ if __name__ == "__main__":
         regenerate()
     else:
         sys.exit("usage: python tests/test_sim_vllm_hashes.py --regenerate")
+
+
+# -- kvplug's own ingestion of vLLM-hashed events, and the command line -----------------------
+
+
+async def test_kvplug_serve_routes_follow_ups_on_vllm_digests():
+    """kvplug indexes its own hash of the token ids and keeps the engines' 32-byte hashes as
+    opaque keys: follow-ups still go to the engine holding their prefix."""
+    import random as _random
+
+    from kvplug.config import RouterConfig
+    from kvplug.frontend.app import ServeSettings
+    from kvplug.frontend.config import spec_from_mapping
+    from kvplug.frontend.server import start_frontend
+    from kvplug.router import Router
+    from kvplug.sim.server import start_fleet
+    from kvplug.testing import free_port_run
+
+    opts = FleetOptions(
+        engines=2,
+        base_port=free_port_run(2),
+        events_base_port=free_port_run(2),
+        replay_base_port=free_port_run(2),
+        speed=20.0,
+        block_hashes="vllm",
+        hash_form="bytes",
+    )
+    servers = await start_fleet(opts)
+    specs = [
+        spec_from_mapping(
+            {"id": f"e{i}", "url": f"http://127.0.0.1:{s.port}", "engine": "vllm"}, "sim"
+        )
+        for i, s in enumerate(servers)
+    ]
+    router = Router(RouterConfig(kv_block_size=opts.block_size), rng=_random.Random(0))
+    running = await start_frontend(router, specs, ServeSettings(health_interval=1.0))
+    try:
+        async with aiohttp.ClientSession() as http:
+            doc = "A shared document hashed the way vLLM hashes it. " * 30
+            url = running.url + "/v1/completions"
+            body = {"model": opts.model, "prompt": doc + "Q0", "max_tokens": 2}
+            async with http.post(url, json=body) as r:
+                assert r.status == 200
+                home = r.headers["x-kvplug-worker"]
+            for _ in range(100):  # ZMQ events arrive on the subscriber thread
+                await asyncio.sleep(0.05)
+                if router.stats()["index"]["blocks"] > 0:
+                    break
+            for i in range(1, 4):
+                body = {"model": opts.model, "prompt": doc + f"Q{i}", "max_tokens": 2}
+                async with http.post(url, json=body) as r:
+                    assert r.status == 200 and r.headers["x-kvplug-worker"] == home
+                    usage = (await r.json())["usage"]
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= 80 * 16
+    finally:
+        await running.close()
+        for s in servers:
+            await s.stop()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--hash-seed", "0,1,2"],  # 2 engines: one seed or two
+        ["--hash-algo", "sha256_cbor"],  # without --block-hashes vllm
+        ["--hash-form", "bytes"],
+        ["--block-hashes", "xxhash"],
+    ],
+)
+def test_sim_command_rejects_bad_hash_flags(argv, capsys):
+    """A usage error (exit code 2, one line on stderr) before any engine starts."""
+    from kvplug.cli import main
+
+    vllm = ["--block-hashes", "vllm"] if argv[0] == "--hash-seed" else []
+    cmd = ["sim", "--engines", "2", "--base-port", str(_free_ports(1)[0]), *vllm, *argv]
+    try:
+        rc = main(cmd)
+    except SystemExit as exc:  # argparse's own checks (an unknown choice) exit directly
+        rc = exc.code
+    assert rc == 2
+    assert "error" in capsys.readouterr().err
