@@ -331,12 +331,13 @@ class SimServer:
         bs = self.opts.block_size
         if self.hasher is None:
             return chained_block_hashes(tokens, bs)
-        out = []
-        for d in self.hasher.hashes(tokens, bs):
-            h = low64(d)
+        digests = self.hasher.hashes(tokens, bs)
+        out = [low64(d) for d in digests]
+        if self.opts.hash_form != "bytes":
+            return out
+        for h, d in zip(out, digests, strict=True):
             self._digests[h] = d
             self._digests.move_to_end(h)
-            out.append(h)
         while len(self._digests) > self._digest_window:
             self._digests.popitem(last=False)
         return out
