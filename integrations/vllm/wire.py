@@ -844,8 +844,12 @@ _REQUIRED = {
 }
 
 
-def _wire_hash(h: int, hash_form: str) -> int | bytes:
-    h &= MASK64
+def _wire_hash(value: int | bytes, hash_form: str) -> int | bytes:
+    if isinstance(value, bytes):  # a whole digest (vLLM's own hashes): sent as is, or folded
+        if hash_form == "bytes":
+            return value
+        value = int.from_bytes(value, "big")
+    h = value & MASK64
     if hash_form == "uint64":
         return h
     if hash_form == "int64":
@@ -854,6 +858,10 @@ def _wire_hash(h: int, hash_form: str) -> int | bytes:
         # 32-byte digest whose low 64 bits are h; the high bytes are a fixed filler
         return b"\x5a" * 24 + h.to_bytes(8, "big")
     raise ValueError(f"hash_form must be uint64, int64 or bytes, not {hash_form!r}")
+
+
+def _hash_value(h: Any) -> int | bytes:
+    return h if isinstance(h, bytes) else int(h)
 
 
 def _event_fields(ev: KvEvent, v: tuple[int, int, int], hash_form: str) -> tuple[str, list] | None:
@@ -865,10 +873,10 @@ def _event_fields(ev: KvEvent, v: tuple[int, int, int], hash_form: str) -> tuple
             n = len(ev.engine_hashes)
             extra_keys = [[ev.cache_salt]] + [None] * (n - 1)
         values = {
-            "block_hashes": [_wire_hash(int(h), hash_form) for h in ev.engine_hashes],
+            "block_hashes": [_wire_hash(_hash_value(h), hash_form) for h in ev.engine_hashes],
             "parent_block_hash": None
             if ev.parent_engine_hash is None
-            else _wire_hash(ev.parent_engine_hash, hash_form),
+            else _wire_hash(_hash_value(ev.parent_engine_hash), hash_form),
             "token_ids": tokens,
             "block_size": 0 if ev.tier_copy else ev.block_size,
             "lora_id": None,
@@ -883,7 +891,7 @@ def _event_fields(ev: KvEvent, v: tuple[int, int, int], hash_form: str) -> tuple
     if isinstance(ev, BlockRemoved):
         tier = Tier.DEVICE if ev.tier is None else Tier(ev.tier)
         values = {
-            "block_hashes": [_wire_hash(int(h), hash_form) for h in ev.engine_hashes],
+            "block_hashes": [_wire_hash(_hash_value(h), hash_form) for h in ev.engine_hashes],
             "medium": _TIER_MEDIUM[tier],
             "group_idx": 0,
         }
@@ -924,7 +932,9 @@ def encode_batch(
     """kvplug events -> one msgpack ``KVEventBatch`` payload as vLLM ``version`` encodes it.
 
     ``BlockMoved`` has no vLLM form (raises TypeError). ``hash_form``: ``uint64`` (default),
-    ``int64`` (0.9 - 0.10.1 builtin hash) or ``bytes`` (32-byte digests).
+    ``int64`` (0.9 - 0.10.1 builtin hash) or ``bytes`` (32-byte digests). An engine hash given
+    as a whole 32-byte digest (vLLM's own, from ``kvplug sim --block-hashes vllm``) is sent as is
+    in the ``bytes`` form and folded to its low 64 bits otherwise, as vLLM does.
     """
     v = parse_version(version)
     evs = [encode_event(e, version, hash_form) for e in events]

@@ -441,9 +441,10 @@ def _register_sim(sub) -> None:
         "--events-connect",
         default=None,
         help="connect every engine's PUB to this endpoint (a router-bound SUB) instead "
-        "of binding one port each; engine i then publishes on topic TOPIC.sim-i",
+        "of binding one port each; engine i then publishes on topic TOPIC.sim-i (sim-i when "
+        "TOPIC is empty)",
     )
-    p.add_argument("--topic", default="kv", help="ZMQ topic of the event frames")
+    p.add_argument("--topic", default="", help="ZMQ topic of the event frames (default '', vLLM's)")
     p.add_argument("--vllm-version", default="0.32", help="event encoding of this vLLM version")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (16)")
     p.add_argument(
@@ -463,14 +464,49 @@ def _register_sim(sub) -> None:
         help="virtual seconds per wall second (2 = twice as fast as the modelled GPU)",
     )
     p.add_argument("--model", default="sim-llama-3-8b", help="model name served")
+    p.add_argument(
+        "--block-hashes",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="engine block hashes in events: sim (the simulator's own chain, default) or vllm "
+        "(vLLM's own chained hashes, --hash-algo with NONE_HASH from --hash-seed)",
+    )
+    p.add_argument(
+        "--hash-algo",
+        choices=("sha256", "sha256_cbor"),
+        default="sha256",
+        help="with --block-hashes vllm: vLLM's --prefix-caching-hash-algo (default sha256, "
+        "vLLM's default)",
+    )
+    p.add_argument(
+        "--hash-seed",
+        default=None,
+        help="with --block-hashes vllm: the engines' PYTHONHASHSEED (default: unset, vLLM's "
+        "'vllm-none-hash'); SEED,SEED,... gives one per engine",
+    )
+    p.add_argument(
+        "--hash-form",
+        choices=("uint64", "bytes"),
+        default="uint64",
+        help="with --block-hashes vllm: events carry the low 64 bits (uint64, vLLM's default "
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1) or the 32-byte digest (bytes, =0)",
+    )
     p.set_defaults(func=_cmd_sim)
 
 
 def _cmd_sim(args) -> int:
     from kvplug.sim.server import FleetOptions, run_fleet
+    from kvplug.sim.vllm_hashes import DEFAULT_SEED
 
     if args.engines < 1 or args.block_size < 1 or args.speed <= 0:
         raise UsageError("--engines and --block-size must be >= 1, --speed > 0")
+    seeds = (DEFAULT_SEED,) if args.hash_seed is None else tuple(args.hash_seed.split(","))
+    if len(seeds) not in (1, args.engines):
+        raise UsageError(f"--hash-seed: give one seed or {args.engines} (one per engine)")
+    if args.block_hashes == "sim" and (
+        args.hash_seed is not None or args.hash_algo != "sha256" or args.hash_form != "uint64"
+    ):
+        raise UsageError("--hash-algo, --hash-seed and --hash-form need --block-hashes vllm")
     events_base = args.events_base_port or args.base_port + 1000
     replay_base = args.replay_base_port or args.base_port + 2000
     bases = [(args.base_port, "--base-port")]
@@ -499,6 +535,10 @@ def _cmd_sim(args) -> int:
         max_batched_tokens=args.max_batched_tokens,
         speed=args.speed,
         model=args.model,
+        block_hashes=args.block_hashes,
+        hash_algo=args.hash_algo,
+        hash_seeds=seeds,
+        hash_form=args.hash_form,
     )
     import zmq
 

@@ -21,9 +21,11 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 from aiohttp import web
 
@@ -31,6 +33,7 @@ from kvplug.events import BlockMoved, BlockStored, KvEvent
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
 from kvplug.sim.steptime import capacity_blocks
 from kvplug.sim.traces import output_tokens
+from kvplug.sim.vllm_hashes import DEFAULT_SEED, VllmBlockHasher, low64
 
 log = logging.getLogger("kvplug.sim.server")
 
@@ -114,7 +117,7 @@ class FleetOptions:
     events_base_port: int = 9100
     replay_base_port: int = 10100
     events_connect: str | None = None
-    topic: str = "kv"
+    topic: str = ""  # vLLM's default (KVEventsConfig.topic); vllm-router's static sources expect it
     vllm_version: str = "0.32"
     block_size: int = 16
     capacity_blocks: int | None = None
@@ -122,6 +125,17 @@ class FleetOptions:
     max_batched_tokens: int = 8192
     speed: float = 1.0
     model: str = "sim-llama-3-8b"
+    # "sim": the simulator's own blake2b chain; "vllm": vLLM's block hashes (hash_algo, with
+    # NONE_HASH from the engine's seed: one seed for all engines or one per engine)
+    block_hashes: str = "sim"
+    hash_algo: str = "sha256"  # vLLM's default --prefix-caching-hash-algo
+    hash_seeds: tuple[str, ...] = field(default=(DEFAULT_SEED,))
+    # how events carry a vLLM hash: "uint64" (low 64 bits, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1,
+    # vLLM's default) or "bytes" (the 32-byte digest)
+    hash_form: str = "uint64"
+
+    def seed_of(self, index: int) -> str:
+        return self.hash_seeds[index] if len(self.hash_seeds) > 1 else self.hash_seeds[0]
 
 
 class _Stream:
@@ -197,19 +211,29 @@ class SimServer:
         if opts.events_connect:
             # every engine connects to one router-bound SUB: the topic tells them apart
             self.endpoint = opts.events_connect
-            self.topic = f"{opts.topic}.{self.worker_id}"
+            self.topic = f"{opts.topic}.{self.worker_id}" if opts.topic else self.worker_id
             pub_bind = None
         else:
             self.endpoint = f"tcp://*:{events_port}"
             pub_bind = f"tcp://{bind_host}:{events_port}"
         self.replay_endpoint = f"tcp://*:{replay_port}"
         self.bound = [pub_bind or self.endpoint, f"tcp://{bind_host}:{replay_port}"]
+        self.hasher: VllmBlockHasher | None = None
+        if opts.block_hashes == "vllm":
+            self.hasher = VllmBlockHasher(opts.hash_algo, opts.seed_of(index))
+        elif opts.block_hashes != "sim":
+            raise ValueError(f"block_hashes must be sim or vllm, not {opts.block_hashes!r}")
+        # the engine keys blocks by the digest's low 64 bits; events in the bytes form need the
+        # whole digest back: kept for the most recently used blocks (a cache-sized window)
+        self._digests: OrderedDict[int, bytes] = OrderedDict()
+        self._digest_window = 4 * (cap + opts.host_blocks) + 65_536
         self.publisher = VllmEventPublisher(
             pub_bind or self.endpoint,
             replay_endpoint=self.bound[1],
             topic=self.topic,
             version=opts.vllm_version,
             bind=True if pub_bind else None,
+            hash_form=opts.hash_form if self.hasher is not None else "uint64",
         )
         self.streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
@@ -221,6 +245,7 @@ class SimServer:
             "event_batches": 0,
             "aborted": 0,
             "engine_errors": 0,
+            "digest_fallbacks": 0,
         }
         self.runner: web.AppRunner | None = None
 
@@ -273,11 +298,49 @@ class SimServer:
                     st.wake.set()
         eng.outputs.clear()
         if events:
-            self.publisher.publish(_to_vllm_events(events), ts=time.time())
+            out = _to_vllm_events(events)
+            if self.hasher is not None and self.opts.hash_form == "bytes":
+                out = [self._with_digests(ev) for ev in out]
+            self.publisher.publish(out, ts=time.time())
             self.counters["event_batches"] += 1
         for st in self.streams.values():
             if st.req.generated > st.sent:
                 st.wake.set()
+
+    def _digest(self, h: int) -> bytes:
+        d = self._digests.get(int(h))
+        if d is None:
+            # a block of generated tokens (request-unique in the simulator, never a prefix hit):
+            # a stand-in digest with the same low 64 bits, so every consumer folds it alike
+            self.counters["digest_fallbacks"] += 1
+            d = hashlib.sha256(int(h).to_bytes(8, "big")).digest()[:24] + int(h).to_bytes(8, "big")
+        return d
+
+    def _with_digests(self, ev: KvEvent) -> KvEvent:
+        hashes = getattr(ev, "engine_hashes", None)
+        if not hashes:
+            return ev
+        changes: dict[str, Any] = {"engine_hashes": [self._digest(h) for h in hashes]}
+        parent = getattr(ev, "parent_engine_hash", None)
+        if parent is not None:
+            changes["parent_engine_hash"] = self._digest(parent)
+        return msgspec.structs.replace(ev, **changes)
+
+    def block_hashes_of(self, tokens: list[int]) -> list[int]:
+        """The engine's block hashes of a prompt, as its cache and its events key them."""
+        bs = self.opts.block_size
+        if self.hasher is None:
+            return chained_block_hashes(tokens, bs)
+        digests = self.hasher.hashes(tokens, bs)
+        out = [low64(d) for d in digests]
+        if self.opts.hash_form != "bytes":
+            return out
+        for h, d in zip(out, digests, strict=True):
+            self._digests[h] = d
+            self._digests.move_to_end(h)
+        while len(self._digests) > self._digest_window:
+            self._digests.popitem(last=False)
+        return out
 
     # -- requests --------------------------------------------------------------------------------
     def _submit(self, request_id: str, tokens: list[int], max_tokens: int) -> _Stream:
@@ -292,14 +355,13 @@ class SimServer:
             )
         if request_id in self.streams:
             raise ValueError(f"request id {request_id} is already running")
-        bs = self.opts.block_size
         salt = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big")
         req = SimRequest(
             request_id=request_id,
             arrival=self.virtual_now(),
             prompt_len=len(tokens),
             output_len=max_tokens,
-            block_hashes=chained_block_hashes(tokens, bs),
+            block_hashes=self.block_hashes_of(tokens),
             token_ids=np.asarray(tokens, dtype=np.uint32),
             salt=salt,
         )
@@ -535,7 +597,10 @@ class SimServer:
                     {
                         "id": self.opts.model,
                         "object": "model",
+                        "created": int(time.time()),
                         "owned_by": "kvplug-sim",
+                        "root": self.opts.model,
+                        "parent": None,
                         "max_model_len": MAX_MODEL_LEN,
                     }
                 ],
@@ -547,6 +612,9 @@ class SimServer:
 
     async def h_version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": self.opts.vllm_version, "engine": "kvplug-sim"})
+
+    def _hash_algo_label(self) -> str:
+        return self.opts.hash_algo if self.hasher is not None else "kvplug-sim-blake2b"
 
     async def h_sources(self, request: web.Request) -> web.Response:
         cfg = {
@@ -584,8 +652,9 @@ class SimServer:
             f"vllm:num_preemptions_total{{{labels}}} 0",
             "# TYPE vllm:cache_config_info gauge",
             f'vllm:cache_config_info{{block_size="{self.opts.block_size}",enable_prefix_caching="True",'
+            f'effective_attention_block_size="{self.opts.block_size}",'
             f'num_gpu_blocks="{e.cache.capacity}",num_cpu_blocks="{e.cache.host_capacity}",'
-            f'prefix_caching_hash_algo="kvplug-sim-blake2b",{labels}}} 1.0',
+            f'prefix_caching_hash_algo="{self._hash_algo_label()}",{labels}}} 1.0',
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 

@@ -1,0 +1,256 @@
+"""vllm-router's ``kv_aware`` policy vs ``kvplug serve`` on one request stream: hit rate and TTFT.
+
+For each router a fresh fleet of simulated vLLM engines runs in this process with vLLM's own
+block hashes (``kvplug sim --block-hashes vllm``: vLLM's default ``sha256`` chain with its
+default NONE_HASH seed, low-64-bit ints in the events, topic ``""``, as ``vllm serve`` sends
+them), ``/tokenize``, ``/kv_event_sources``, ``/get_server_info`` and vLLM's ``/metrics``; the
+router runs as its own process:
+
+* ``vllm-router``: ``vllm-router --policy kv_aware`` (0.1.17) with one static ZMQ source per
+  engine (``--kv-event-source URL=tcp://...``, replay endpoints, ``--kv-event-model``);
+* ``vllm-router-rr``: the same binary with ``--policy round_robin`` (a cache-blind reference);
+* ``kvplug``: ``kvplug serve --worker URL ...`` (discovers each engine's events through
+  ``/kv_event_sources``; default ``kv`` policy).
+
+The request stream is the start of the bundled Mooncake conversation trace, as in
+``bench_sglang_router.py`` (text prompts whose 512-character blocks follow the trace's
+``hash_ids``; byte-level tokens on the engines), sent at the trace's arrival times
+(``--speedup`` compresses them) as streaming completions. Reported per router: prompt-token hit
+rate on the engines (cached / prompt tokens, the engines' own count: what each request's
+``usage.prompt_tokens_details.cached_tokens`` adds up to), TTFT p50/p90/p99 measured by the
+client, errors, requests per engine. JSON to ``benchmarks/results/vllm_router.json``.
+
+    python benchmarks/bench_vllm_router.py                    # 600 requests, 4 engines
+    python benchmarks/bench_vllm_router.py --limit 100 --routers vllm-router kvplug
+    python benchmarks/bench_vllm_router.py --workload multi-turn:duration=120,think=5 --limit 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_sglang_router import one_request, prompt_text, wait_routable  # noqa: E402
+
+from kvplug.sim.server import FleetOptions, SimServer  # noqa: E402
+from kvplug.sim.traces import load_trace, parse_workload  # noqa: E402
+from kvplug.testing import free_ports  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "vllm_router.json"
+ROUTERS = ("vllm-router", "vllm-router-rr", "kvplug")
+
+
+def vllm_router_binary() -> str | None:
+    """The ``vllm-router`` script next to this interpreter (a venv), else on PATH."""
+    here = Path(sysconfig.get_path("scripts")) / "vllm-router"
+    return str(here) if here.exists() else shutil.which("vllm-router")
+
+
+def router_command(name: str, port: int, servers: list[SimServer], opts: FleetOptions) -> list[str]:
+    urls = [f"http://127.0.0.1:{s.port}" for s in servers]
+    if name == "kvplug":
+        cmd = [sys.executable, "-m", "kvplug.cli", "serve", "--port", str(port)]
+        cmd += ["--admin-port", str(free_ports(1)[0]), "--kv-block-size", str(opts.block_size)]
+        for u in urls:
+            cmd += ["--worker", u]
+        return cmd
+    binary = vllm_router_binary()
+    if binary is None:
+        raise RuntimeError("vllm-router is not installed (pip install vllm-router==0.1.17)")
+    policy = "kv_aware" if name == "vllm-router" else "round_robin"
+    cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    cmd += ["--prometheus-port", str(free_ports(1)[0]), "--worker-urls", *urls]
+    if policy == "kv_aware":
+        for u, s in zip(urls, servers, strict=True):
+            cmd += ["--kv-event-source", f"{u}={s.bound[0]}"]
+            cmd += ["--kv-event-replay-source", f"{u}={s.bound[1]}"]
+        cmd += ["--kv-event-block-size", str(opts.block_size), "--kv-event-model", opts.model]
+    return cmd
+
+
+async def run_router(name: str, args, records, texts, log_dir: Path) -> dict:
+    n = args.engines
+    ports = free_ports(3 * n + 1)
+    base = FleetOptions(
+        engines=n,
+        block_size=args.block_size,
+        speed=args.speed,
+        capacity_blocks=args.capacity_blocks,
+        block_hashes="vllm",  # vLLM's defaults: sha256, seed "vllm-none-hash", topic ""
+    )
+    servers = []
+    for i in range(n):  # engine i serves on base + i: shift each base onto a free port
+        opts_i = FleetOptions(**{**base.__dict__})
+        opts_i.base_port = ports[i] - i
+        opts_i.events_base_port = ports[n + i] - i
+        opts_i.replay_base_port = ports[2 * n + i] - i
+        s = SimServer(i, opts_i)
+        await s.start()
+        servers.append(s)
+    port = ports[-1]
+    log_path = log_dir / f"{name}.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RUST_LOG=os.environ.get("RUST_LOG", "info"))
+    proc = subprocess.Popen(
+        router_command(name, port, servers, base),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(log_path, "w"),  # noqa: SIM115 - closed with the process
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    out: dict = {"ttft": [], "errors": 0}
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    wall = 0.0
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await wait_routable(session, url, base.model, proc, time.monotonic() + 60)
+            await asyncio.sleep(1.0)  # subscribers connected (ZMQ slow joiner) before the stream
+            for s in servers:  # the warm-up request is not part of the measurement
+                s.engine.stats["prompt_tokens"] = s.engine.stats["cached_tokens"] = 0
+                s.counters["requests"] = 0
+            t0 = time.monotonic()
+            tasks = []
+            for i, (rec, text) in enumerate(zip(records, texts, strict=True)):
+                delay = t0 + rec.arrival_s / args.speedup - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                max_tokens = max(1, min(rec.output_length, args.max_output))
+                tasks.append(
+                    asyncio.create_task(
+                        one_request(
+                            session, url, base.model, text, max_tokens, time.monotonic(), out
+                        )
+                    )
+                )
+                if (i + 1) % 100 == 0:
+                    print(f"  {name}: {i + 1}/{len(records)} sent", file=sys.stderr, flush=True)
+            await asyncio.gather(*tasks)
+            wall = time.monotonic() - t0
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for s in servers:
+            await s.stop()
+    prompt = sum(s.engine.stats["prompt_tokens"] for s in servers)
+    cached = sum(s.engine.stats["cached_tokens"] for s in servers)
+    ttft = np.asarray(out["ttft"]) if out["ttft"] else np.asarray([np.nan])
+    return {
+        "router": name,
+        "requests": len(records),
+        "errors": out["errors"],
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p90_s": float(np.percentile(ttft, 90)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "wall_s": wall,
+        "per_engine_requests": [s.counters["requests"] for s in servers],
+        "log": str(log_path),
+    }
+
+
+def available(name: str) -> bool:
+    return name == "kvplug" or vllm_router_binary() is not None
+
+
+def table(rows: list[dict], base: dict | None) -> str:
+    head = (
+        f"{'router':<15} {'hit rate':>9} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
+        f"{'p99 vs base':>11} {'errors':>6}  requests per engine"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        p99 = r["ttft_p99_s"] / base["ttft_p99_s"] if base else float("nan")
+        lines.append(
+            f"{r['router']:<15} {r['hit_rate']:>8.1%} {r['ttft_p50_s']:>8.3f}s "
+            f"{r['ttft_p90_s']:>7.3f}s {r['ttft_p99_s']:>7.3f}s {p99:>10.2f}x "
+            f"{r['errors']:>6}  {r['per_engine_requests']}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
+    p.add_argument("--limit", type=int, default=600, help="trace requests (default 600)")
+    p.add_argument(
+        "--workload",
+        default=None,
+        help="a generated workload instead of the trace, as kvplug bench takes it, e.g. "
+        "multi-turn:duration=120,think=5 (cut to --limit requests)",
+    )
+    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=16, help="engine block size")
+    p.add_argument("--capacity-blocks", type=int, default=None)
+    p.add_argument("--speed", type=float, default=1.0, help="engine model speed (wall)")
+    p.add_argument("--speedup", type=float, default=1.0, help="trace arrival compression")
+    p.add_argument("--max-output", type=int, default=64, help="cap on output tokens")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+
+    routers = [r for r in args.routers if available(r)]
+    for r in set(args.routers) - set(routers):
+        print(f"skipping {r}: vllm-router is not installed", file=sys.stderr)
+    if args.workload:
+        records = parse_workload(args.workload)[: args.limit]
+    else:
+        records = load_trace(limit=args.limit)
+    texts = [prompt_text(r.hash_ids, r.input_length) for r in records]
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "kvplug-bench-vllm-router"
+    shutil.rmtree(log_dir, ignore_errors=True)
+    log_dir.mkdir(parents=True)
+    rows = []
+    for name in routers:
+        print(f"{name}: {len(records)} requests on {args.engines} engines ...", file=sys.stderr)
+        rows.append(asyncio.run(run_router(name, args, records, texts, log_dir)))
+    base = next((r for r in rows if r["router"] == "vllm-router"), None)
+    print(table(rows, base))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "config": {
+                    k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                },
+                "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+                "baseline": "vllm-router" if base else None,
+                "results": rows,
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
