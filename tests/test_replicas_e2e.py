@@ -71,7 +71,7 @@ async def _register(etcd: str, base: int) -> list[EtcdRegistration]:
     regs = []
     for i in range(ENGINES):
         reg = EtcdRegistration(
-            etcd, {"id": f"e{i}", "url": f"http://127.0.0.1:{base + i}"}, namespace="e2e", ttl=5
+            etcd, {"id": f"e{i}", "url": f"http://127.0.0.1:{base + i}"}, namespace="e2e", ttl=15
         )
         for _ in range(60):
             try:
@@ -137,7 +137,7 @@ def test_three_replicas_share_engines_indexes_and_load(etcd_url, nats_url, tmp_p
         for r, front in enumerate(fronts):
             wait_ready(front + "/health", proc=procs[1 + r], timeout=60)
             # every replica found every engine in etcd and hears each one's events
-            _until(lambda f=front: _ready(f).get("workers") == ENGINES, 30, f"{front} sees engines")
+            _until(lambda f=front: _ready(f).get("workers") == ENGINES, 90, f"{front} sees engines")
         warm = 0
         for front in fronts:  # engines publish on requests: make every replica hear every one
             while not all(
@@ -158,7 +158,7 @@ def test_three_replicas_share_engines_indexes_and_load(etcd_url, nats_url, tmp_p
             home[c] = h["x-kvplug-worker"]
         blocks = sum(len(d.encode()) // 16 for d in docs.values())
         for front in fronts:  # every replica indexed the engines' events on its own
-            _until(lambda f=front: _stat(f, "index.blocks") >= blocks, 30, f"{front} indexes")
+            _until(lambda f=front: _stat(f, "index.blocks") >= blocks, 60, f"{front} indexes")
         for turn in range(1, 4):
             for c, doc in docs.items():
                 req = {"model": MODEL, "prompt": doc + f"T{turn}", "max_tokens": 2}
@@ -183,7 +183,7 @@ def test_three_replicas_share_engines_indexes_and_load(etcd_url, nats_url, tmp_p
                     continue
         assert answered == 12
         for front in fronts[:2]:  # the dead replica's heartbeats stopped: its load is released
-            _until(lambda f=front: _stat(f, "replica_sync.expired_peers") >= 1, 20, "expiry")
+            _until(lambda f=front: _stat(f, "replica_sync.expired_peers") >= 1, 45, "expiry")
             assert _stat(front, "replica_sync.remote_inflight") == 0
             assert _stat(front, "replica_sync.dropped_malformed") == 0
     finally:
