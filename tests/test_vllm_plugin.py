@@ -123,7 +123,11 @@ def engine_args(sim: SimServer, **kw) -> ServeArgs:
 def fresh_plugin(monkeypatch):
     """The plugin's process-wide state as in a new process; restored afterwards."""
     monkeypatch.setattr(plugin, "_registrar", None)
-    monkeypatch.delenv(OWNER_ENV, raising=False)
+    # register() marks os.environ itself; set-then-delete makes monkeypatch remove that mark
+    # afterwards (a bare delenv of an absent variable restores nothing), or every engine the
+    # suite starts later would inherit it and think another process registers
+    monkeypatch.setenv(OWNER_ENV, "")
+    monkeypatch.delenv(OWNER_ENV)
     yield plugin
     if plugin._registrar is not None:
         plugin._registrar.stopping.set()
@@ -206,7 +210,8 @@ async def test_registers_what_the_engine_reports_and_routes(caplog):
             assert (
                 w["event_endpoint"] == sim.endpoint and w["replay_endpoint"] == sim.replay_endpoint
             )
-            assert w["labels"] == {"kv_events_topic": sim.topic}
+            # vLLM's default topic is "": a label only when the engine publishes on another one
+            assert w["labels"] == ({"kv_events_topic": sim.topic} if sim.topic else {})
             assert (w["dp_start"], w["dp_size"], w["role"]) == (0, 1, "both")
             assert w["kv_capacity_blocks"] == 512 and w["max_batched_tokens"] == 4096
             assert w["models"] == ["sim-model"] and w["events_ready"] is True

@@ -114,6 +114,7 @@ class Engine:
             *self.extra_args,
         ]
         env = dict(os.environ)
+        env.pop("KVPLUG_VLLM_PLUGIN_PID", None)  # each engine is its own plugin owner
         env.update(
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
