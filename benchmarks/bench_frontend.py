@@ -1,20 +1,27 @@
-"""What ``kvplug serve`` adds to a request, against stub engines on loopback that answer at once.
+"""What a router adds to a request, driven by wrk against engines that answer at once.
 
-Three processes: stub engines (kvplug.frontend.stub_engine, no delay), the proxy under test, and
-this load generator. For each target - the engine directly (the baseline), ``kvplug serve``, and
-SGLang's Rust router (``sglang-router`` from a separate venv, optional) - and for non-streamed
-and streamed (8 SSE events) completions:
+Processes: two instant engines (``benchmarks/instant_engine.py``: raw uvloop, ~20 us of CPU a
+request), the routers under test, and ``wrk`` (C, one thread; a Lua script posts pre-built
+bodies in turn). Targets, rotated within every round so a noisy moment on a shared machine hits
+them all:
 
-* added latency: sequential requests (concurrency 1), median and p99 of time-to-last-byte, minus
-  the direct engine's median;
-* throughput: requests/s with ``--concurrency`` requests in flight.
+* the engine directly (the baseline every "added" figure subtracts, round by round);
+* ``kvplug serve`` (mode ``kv``, defaults) with ~512-token text prompts and a local tokenizer,
+  and with the same prompts as token ids;
+* optionally ``kvplug serve`` from another source tree (``--baseline-src DIR``: a before/after
+  pair in one run);
+* ``sglang-router`` (``--policy cache_aware``; installed by the ``test`` extra) and
+  ``vllm-router`` (``--policy cache_aware``; ``pip install vllm-router``, found on ``PATH``, in
+  ``$KVPLUG_VLLM_ROUTER`` or in ``.vrvenv/``), text prompts, when installed.
 
-Prompts are ~512-token texts sharing 8 long prefixes; kvplug tokenizes them with a local
-tokenizer (``--tokenizer``, a word-level tokenizer.json made here) and also gets a run with token
-id prompts (no tokenization). The SGLang router runs ``cache_aware`` (its default).
+For non-streamed and streamed (8 SSE events) completions: latency at concurrency 1 (wrk's p50 and
+p99 of time to the last byte), and requests/s at ``--concurrency`` (16) in flight. Router CPU per
+request = user+system CPU of the router process (all threads, ``/proc/<pid>/stat``) over a run,
+divided by the run's requests. wrk's own CPU share is recorded per run: below one core it is not
+the bottleneck.
 
-    python benchmarks/bench_frontend.py            # ~1-2 minutes on 2 cores
-    python benchmarks/bench_frontend.py --quick    # smoke run
+    python benchmarks/bench_frontend.py            # ~4 minutes on 2 cores
+    python benchmarks/bench_frontend.py --quick    # smoke run (~40 s)
 
 Writes ``benchmarks/results/bench_frontend.json`` and prints a table.
 """
@@ -22,67 +29,60 @@ Writes ``benchmarks/results/bench_frontend.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
-
-import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from kvplug.testing import free_port, serve_command, stop_process, wait_ready_async  # noqa: E402
+from kvplug.testing import free_port, serve_command, stop_process  # noqa: E402
 
 MODEL = "stub-model"
-SGL_VENV = Path(os.environ.get("KVPLUG_SGL_VENV", "/work/sgl-venv"))
 WORDS = [f"w{i}" for i in range(2000)]
+MODES = ("plain", "stream")
+
+# wrk: post the bodies of a file (one JSON document a line) in turn; report as one JSON line
+WRK_LUA = r"""
+local bodies = {}
+local n = 0
+local i = 0
+function init(args)
+  for line in io.lines(args[1]) do
+    n = n + 1
+    bodies[n] = wrk.format("POST", "/v1/completions", {["Content-Type"] = "application/json"}, line)
+  end
+end
+function request()
+  i = i % n + 1
+  return bodies[i]
+end
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'WRKJSON {"requests": %d, "duration_us": %d, "p50_us": %d, "p99_us": %d, "mean_us": %f, '
+    .. '"connect": %d, "read": %d, "write": %d, "status": %d, "timeout": %d}\n',
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
+    latency.mean, e.connect, e.read, e.write, e.status, e.timeout))
+end
+"""
 
 
 # ------------------------------------------------------------------------------------------
-# stub engines (run in their own process)
-
-
-async def _run_stubs(ports: list[int], output_tokens: int) -> None:
-    import logging
-
-    from kvplug.frontend.stub_engine import StubEngine
-
-    # sglang-router probes workers with HTTP/2 prior knowledge first; aiohttp logs each refusal
-    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
-
-    engines = []
-    for i, port in enumerate(ports):
-        e = StubEngine(f"s{i}", output_tokens=output_tokens, model=MODEL)
-        e.record_requests = e.record_sent = e.track_cache = False
-        await e.start(port=port)
-        engines.append(e)
-    print("ready", flush=True)
-    try:
-        await asyncio.Event().wait()
-    except asyncio.CancelledError:
-        pass
-
-
-def _stubs_main(ports: list[int], output_tokens: int) -> None:
-    try:
-        asyncio.run(_run_stubs(ports, output_tokens))
-    except KeyboardInterrupt:
-        pass
-
-
-# ------------------------------------------------------------------------------------------
-# load generation
+# prompts
 
 
 def make_prompts(n: int, seed: int = 0) -> list[str]:
+    """~512-word prompts sharing 8 long prefixes (384 words each)."""
     rng = random.Random(seed)
     prefixes = [" ".join(rng.choice(WORDS) for _ in range(384)) for _ in range(8)]
     return [
@@ -104,52 +104,17 @@ def token_ids(text: str) -> list[int]:
     return [int(w[1:]) + 1 for w in text.split()]
 
 
-async def one(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
-    t0 = time.perf_counter()
-    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
-        await r.read()
-        if r.status != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status}")
-    return time.perf_counter() - t0
-
-
-def bodies(prompts: list, stream: bool, max_tokens: int) -> list[bytes]:
-    return [
-        json.dumps(
-            {"model": MODEL, "prompt": p, "stream": stream, "max_tokens": max_tokens}
-        ).encode()
+def write_bodies(path: Path, prompts: list, stream: bool, max_tokens: int) -> Path:
+    lines = [
+        json.dumps({"model": MODEL, "prompt": p, "stream": stream, "max_tokens": max_tokens})
         for p in prompts
     ]
-
-
-async def latency(base: str, reqs: list[bytes], warmup: int) -> dict:
-    url = base + "/v1/completions"
-    conn = aiohttp.TCPConnector(limit=1)
-    async with aiohttp.ClientSession(connector=conn) as s:
-        for b in reqs[:warmup]:
-            await one(s, url, b)
-        times = [await one(s, url, b) for b in reqs[warmup:]]
-    return {"samples": times}
-
-
-async def throughput(base: str, reqs: list[bytes], concurrency: int) -> dict:
-    url = base + "/v1/completions"
-    conn = aiohttp.TCPConnector(limit=concurrency)
-    queue = list(reversed(reqs))
-    async with aiohttp.ClientSession(connector=conn) as s:
-        await asyncio.gather(*(one(s, url, b) for b in reqs[:concurrency]))  # warm pool
-
-        async def worker():
-            while queue:
-                await one(s, url, queue.pop())
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - t0
-    return {"requests_per_s": len(reqs) / elapsed, "n": len(reqs), "concurrency": concurrency}
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 # ------------------------------------------------------------------------------------------
+# measuring
 
 
 def cpu_seconds(pid: int) -> float:
@@ -158,223 +123,306 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure_round(target: dict, args, rnd: int) -> None:
-    """One round of one target: a latency batch and a throughput run per mode."""
-    n_lat = args.latency_requests // args.rounds
-    n_thr = args.throughput_requests // args.rounds
-    prompts = target["prompts"]
-    for stream in (False, True):
-        kind = "stream" if stream else "plain"
-        start = rnd * (n_lat + n_thr)
-        lat_reqs = bodies(prompts[start : start + n_lat + 20], stream, args.max_tokens)
-        cpu0 = cpu_seconds(target["pid"])
-        lat = await latency(target["url"], lat_reqs, 20)
-        cpu1 = cpu_seconds(target["pid"])
-        thr_reqs = bodies(prompts[start + n_lat : start + n_lat + n_thr], stream, args.max_tokens)
-        thr = await throughput(target["url"], thr_reqs, args.concurrency)
-        acc = target["acc"].setdefault(kind, {"lat": [], "rate": [], "cpu": []})
-        acc["lat"] += lat.pop("samples")
-        acc["rate"].append(thr["requests_per_s"])
-        acc["cpu"].append((cpu1 - cpu0, len(lat_reqs)))
-
-
-def summarise(target: dict) -> dict:
-    out: dict = {"target": target["name"], "process": target["process"]}
-    for kind, acc in target["acc"].items():
-        lat = sorted(acc["lat"])
-        out[f"{kind}_latency"] = {
-            "median_ms": statistics.median(lat) * 1e3,
-            "p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3,
-            "n": len(lat),
-            # summed over rounds: /proc counts CPU in 10 ms ticks
-            "cpu_ms_per_request": sum(c for c, _ in acc["cpu"])
-            / sum(n for _, n in acc["cpu"])
-            * 1e3,
-        }
-        out[f"{kind}_throughput"] = {
-            "requests_per_s": statistics.median(acc["rate"]),
-            "rounds": acc["rate"],
-            "concurrency": None,
-        }
-    return out
-
-
-async def main_async(args) -> dict:
-    ports = [free_port() for _ in range(args.engines)]
-    stubs = subprocess.Popen(
-        [
-            sys.executable,
-            __file__,
-            "--_stubs",
-            ",".join(map(str, ports)),
-            "--max-tokens",
-            str(args.max_tokens),
-        ],
-        stdout=subprocess.PIPE,
+def run_wrk(url: str, script: Path, bodies: Path, conns: int, seconds: int, pid: int) -> dict:
+    """One wrk run; adds the router's CPU per request and wrk's own CPU share."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu0 = cpu_seconds(pid)
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{conns}", f"-d{seconds}", "--timeout", "10", "-s", str(script), url]
+        + ["--", str(bodies)],
+        capture_output=True,
         text=True,
-        cwd=ROOT,
+        check=True,
+    ).stdout
+    cpu1 = cpu_seconds(pid)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    line = next(ln for ln in out.splitlines() if ln.startswith("WRKJSON "))
+    r = json.loads(line[len("WRKJSON ") :])
+    errors = sum(r[k] for k in ("connect", "read", "write", "status", "timeout"))
+    if errors:
+        raise RuntimeError(f"{url}: wrk counted {errors} errors: {r}")
+    wall = r["duration_us"] / 1e6
+    wrk_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {
+        "requests": r["requests"],
+        "requests_per_s": r["requests"] / wall,
+        "p50_ms": r["p50_us"] / 1e3,
+        "p99_ms": r["p99_us"] / 1e3,
+        "router_cpu_ms_per_request": (cpu1 - cpu0) / r["requests"] * 1e3,
+        "router_cpu_share": (cpu1 - cpu0) / wall,
+        "wrk_cpu_share": wrk_cpu / wall,
+    }
+
+
+# ------------------------------------------------------------------------------------------
+# targets
+
+
+def start(cmd: list[str], probe_url: str, probe_body: Path, tmp: Path, env=None):
+    """Start a router; ready once a completion goes through it."""
+    log = tmp / f"log-{len(list(tmp.glob('log-*')))}.txt"
+    proc = subprocess.Popen(cmd, cwd=tmp, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 60
+    body = probe_body.read_text().splitlines()[0].encode()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited: {log.read_text()[-1500:]}")
+        try:
+            req = urllib.request.Request(
+                probe_url, data=body, headers={"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            stop_process(proc)
+            raise RuntimeError(f"{cmd} not ready: {log.read_text()[-1500:]}")
+        time.sleep(0.3)
+
+
+def vllm_router_command() -> list[str] | None:
+    for cand in (
+        os.environ.get("KVPLUG_VLLM_ROUTER"),
+        shutil.which("vllm-router"),
+        str(ROOT / ".vrvenv" / "bin" / "vllm-router"),
+    ):
+        if cand and Path(cand).exists():
+            return [cand]
+    return None
+
+
+def version_of(python_or_script: str, dist: str) -> str:
+    py = Path(python_or_script)
+    python = py if py.name.startswith("python") else py.parent / "python"
+    out = subprocess.run(
+        [str(python), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
+        capture_output=True,
+        text=True,
     )
-    procs: list[subprocess.Popen] = [stubs]
+    return out.stdout.strip() or "?"
+
+
+def kvplug_cmd(port: int, engines: list[str], tokenizer: Path) -> list[str]:
+    return serve_command(
+        port,
+        "--worker-engine",
+        "openai",
+        "--tokenizer",
+        str(tokenizer),
+        "--served-model-name",
+        MODEL,
+        "--kv-block-size",
+        "16",
+        "--log-level",
+        "warning",
+        *sum((["--worker", f"e{i}={u}"] for i, u in enumerate(engines)), []),
+    )
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def main_run(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="kvplug-bench-"))
+    procs: list[subprocess.Popen] = []
     results: dict = {
         "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+        "load_generator": subprocess.run(["wrk", "-v"], capture_output=True, text=True)
+        .stdout.splitlines()[0]
+        .strip(),
         "load_average_before": os.getloadavg(),
+        "skipped": {},
     }
     try:
+        script = tmp / "post.lua"
+        script.write_text(WRK_LUA)
+        ports = [free_port() for _ in range(args.engines)]
+        stubs = subprocess.Popen(
+            [sys.executable, str(ROOT / "benchmarks" / "instant_engine.py"), *map(str, ports)]
+            + ["--tokens", str(args.max_tokens)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(stubs)
         assert stubs.stdout is not None and stubs.stdout.readline().strip() == "ready"
         engines = [f"http://127.0.0.1:{p}" for p in ports]
-        per_round = (args.latency_requests + args.throughput_requests) // args.rounds + 20
-        text_prompts = make_prompts(per_round * args.rounds + 50)
-        id_prompts = [token_ids(p) for p in text_prompts]
-        warm = bodies(text_prompts[:1], False, 1)[0]
-        targets = [
-            {
-                "name": "engine (direct)",
-                "url": engines[0],
-                "pid": stubs.pid,
-                "process": "stub engines",
-                "prompts": text_prompts,
-            }
+
+        text = make_prompts(args.prompts)
+        files = {}
+        for kind, prompts in (("text", text), ("ids", [token_ids(p) for p in text])):
+            for mode in MODES:
+                files[kind, mode] = write_bodies(
+                    tmp / f"{kind}-{mode}.jsonl", prompts, mode == "stream", args.max_tokens
+                )
+        write_tokenizer(tmp)
+
+        targets: list[dict] = [
+            {"name": "engine (direct)", "url": engines[0], "pid": stubs.pid, "kind": "text"}
         ]
 
-        write_tokenizer(tmp)
-        kv_port = free_port()
-        cmd = serve_command(
-            kv_port,
-            "--worker-engine",
-            "openai",
-            "--tokenizer",
-            str(tmp),
-            "--served-model-name",
-            MODEL,
-            "--kv-block-size",
-            "16",
-            "--log-level",
-            "warning",
-            *sum((["--worker", f"e{i}={u}"] for i, u in enumerate(engines)), []),
-        )
-        kv = subprocess.Popen(cmd, cwd=ROOT)
-        procs.append(kv)
-        kv_url = f"http://127.0.0.1:{kv_port}"
-        await wait_ready_async(kv_url + "/v1/completions", proc=kv, json_body=warm)
-        targets.append(
-            {
-                "name": "kvplug (text+tokenizer)",
-                "url": kv_url,
-                "pid": kv.pid,
-                "process": "kvplug serve",
-                "prompts": text_prompts,
-            }
-        )
-        targets.append(
-            {
-                "name": "kvplug (token ids)",
-                "url": kv_url,
-                "pid": kv.pid,
-                "process": "kvplug serve",
-                "prompts": id_prompts,
-            }
-        )
-
-        sgl_python = SGL_VENV / "bin" / "python"
-        if args.no_sglang:
-            results["sglang_router"] = "skipped: --no-sglang"
-        elif not sgl_python.exists():
-            results["sglang_router"] = f"skipped: no venv at {SGL_VENV} (pip install sglang-router)"
-        else:
-            sg_port, prom_port = free_port(), free_port()
-            sg = subprocess.Popen(
-                [
-                    str(sgl_python),
-                    "-m",
-                    "sglang_router.launch_router",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(sg_port),
-                    "--worker-urls",
-                    *engines,
-                    "--policy",
-                    "cache_aware",
-                    "--prometheus-host",
-                    "127.0.0.1",
-                    "--prometheus-port",
-                    str(prom_port),
-                    "--log-level",
-                    "warn",
-                ],
-                cwd=tmp,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+        def add_kvplug(label: str, env: dict | None) -> None:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            p = start(
+                kvplug_cmd(port, engines, tmp),
+                url + "/v1/completions",
+                files["text", "plain"],
+                tmp,
+                env,
             )
-            procs.append(sg)
-            sg_url = f"http://127.0.0.1:{sg_port}"
-            try:
-                await wait_ready_async(sg_url + "/v1/completions", proc=sg, json_body=warm)
-                shown = subprocess.run(
-                    [str(SGL_VENV / "bin" / "pip"), "show", "sglang-router"],
-                    capture_output=True,
-                    text=True,
-                ).stdout
-                ver = next(
-                    (ln.split()[-1] for ln in shown.splitlines() if ln.startswith("Version")), "?"
-                )
+            procs.append(p)
+            for kind, name in (("text", "text+tokenizer"), ("ids", "token ids")):
                 targets.append(
-                    {
-                        "name": f"sglang-router {ver}",
-                        "url": sg_url,
-                        "pid": sg.pid,
-                        "process": "sglang-router",
-                        "prompts": text_prompts,
-                    }
+                    {"name": f"{label} ({name})", "url": url, "pid": p.pid, "kind": kind}
                 )
-                results["sglang_router"] = f"sglang-router {ver}, --policy cache_aware"
-            except RuntimeError as exc:
-                results["sglang_router"] = f"skipped: {exc}"
-        if results.get("sglang_router", "").startswith("skipped"):
-            print(f"SGLang router {results['sglang_router']}", flush=True)
 
+        add_kvplug("kvplug", None)
+        if args.baseline_src:
+            env = {**os.environ, "PYTHONPATH": str(Path(args.baseline_src).resolve())}
+            add_kvplug(f"kvplug {args.baseline_label}", env)
+
+        if args.no_rust:
+            results["skipped"]["rust routers"] = "--no-rust"
+        else:
+            # sglang-router: the test extra installs it beside kvplug
+            sg_version = version_of(sys.executable, "sglang-router")
+            if sg_version == "?":
+                results["skipped"]["sglang-router"] = "not installed (pip install sglang-router)"
+            else:
+                port, prom = free_port(), free_port()
+                cmd = [sys.executable, "-m", "sglang_router.launch_router"]
+                cmd += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *engines]
+                cmd += ["--policy", "cache_aware", "--prometheus-host", "127.0.0.1"]
+                cmd += ["--prometheus-port", str(prom), "--log-level", "warn"]
+                url = f"http://127.0.0.1:{port}"
+                p = start(cmd, url + "/v1/completions", files["text", "plain"], tmp)
+                procs.append(p)
+                name = f"sglang-router {sg_version}"
+                targets.append({"name": name, "url": url, "pid": p.pid, "kind": "text"})
+            vr = vllm_router_command()
+            if vr is None:
+                results["skipped"]["vllm-router"] = "not installed (pip install vllm-router)"
+            else:
+                port, prom = free_port(), free_port()
+                cmd = [*vr, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *engines]
+                cmd += ["--policy", "cache_aware", "--prometheus-host", "127.0.0.1"]
+                cmd += ["--prometheus-port", str(prom), "--log-level", "warning"]
+                url = f"http://127.0.0.1:{port}"
+                try:
+                    p = start(cmd, url + "/v1/completions", files["text", "plain"], tmp)
+                    procs.append(p)
+                    name = f"vllm-router {version_of(vr[0], 'vllm-router')}"
+                    targets.append({"name": name, "url": url, "pid": p.pid, "kind": "text"})
+                except RuntimeError as exc:
+                    results["skipped"]["vllm-router"] = str(exc)[-300:]
+        for what, why in results["skipped"].items():
+            print(f"skipped {what}: {why}", flush=True)
+
+        # warm every target (pools, caches, JIT-free but allocator-warm)
         for t in targets:
-            t["acc"] = {}
-        # rounds interleave the targets, so a noisy moment on a shared machine hits them all
+            for mode in MODES:
+                run_wrk(t["url"], script, files[t["kind"], mode], args.concurrency, 1, t["pid"])
+            t["runs"] = {m: {"c1": [], "cN": []} for m in MODES}
+
+        loads = []
         for rnd in range(args.rounds):
-            for t in targets:
-                await measure_round(t, args, rnd)
-            print(f"round {rnd + 1}/{args.rounds} done", flush=True)
-        results["targets"] = [summarise(t) for t in targets]
+            order = targets[rnd % len(targets) :] + targets[: rnd % len(targets)]
+            for t in order:
+                for mode in MODES:
+                    f = files[t["kind"], mode]
+                    c1 = run_wrk(t["url"], script, f, 1, args.seconds, t["pid"])
+                    cn = run_wrk(t["url"], script, f, args.concurrency, args.seconds, t["pid"])
+                    t["runs"][mode]["c1"].append(c1)
+                    t["runs"][mode]["cN"].append(cn)
+                    print(
+                        f"round {rnd + 1}/{args.rounds}  {t['name']:<34} {mode:<6} "
+                        f"c=1 p50 {c1['p50_ms']:.3f} ms  c={args.concurrency} "
+                        f"{cn['requests_per_s']:7.0f} req/s  router CPU "
+                        f"{cn['router_cpu_ms_per_request']:.3f} ms/req  "
+                        f"(wrk {cn['wrk_cpu_share']:.2f} core)",
+                        flush=True,
+                    )
+            loads.append(os.getloadavg()[0])
+        results["load_average_per_round"] = loads
+        results["targets"] = summarise(targets, args.concurrency)
     finally:
         for p in reversed(procs):
             stop_process(p, timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
     results["load_average_after"] = os.getloadavg()
-
-    base = results["targets"][0]
-    for t in results["targets"]:
-        for kind in ("plain", "stream"):
-            lat, b = t[f"{kind}_latency"], base[f"{kind}_latency"]
-            lat["added_median_ms"] = lat["median_ms"] - b["median_ms"]
-            lat["added_p99_ms"] = lat["p99_ms"] - b["p99_ms"]
-            thr = t[f"{kind}_throughput"]
-            thr["concurrency"] = args.concurrency
-            thr["vs_direct"] = thr["requests_per_s"] / base[f"{kind}_throughput"]["requests_per_s"]
     return results
 
 
+def _span(values: list[float]) -> list[float]:
+    return [min(values), max(values)]
+
+
+def summarise(targets: list[dict], concurrency: int) -> list[dict]:
+    base = targets[0]["runs"]
+    out = []
+    for t in targets:
+        row: dict = {"target": t["name"], "prompts": t["kind"]}
+        for mode in MODES:
+            c1, cn = t["runs"][mode]["c1"], t["runs"][mode]["cN"]
+            b1, bn = base[mode]["c1"], base[mode]["cN"]
+            added = [r["p50_ms"] - b["p50_ms"] for r, b in zip(c1, b1, strict=True)]
+            added99 = [r["p99_ms"] - b["p99_ms"] for r, b in zip(c1, b1, strict=True)]
+            rates = [r["requests_per_s"] for r in cn]
+            row[f"{mode}_latency"] = {
+                "median_ms": statistics.median(r["p50_ms"] for r in c1),
+                "p99_ms": statistics.median(r["p99_ms"] for r in c1),
+                "added_median_ms": statistics.median(added),
+                "added_median_ms_rounds": added,
+                "added_p99_ms": statistics.median(added99),
+                "requests": sum(r["requests"] for r in c1),
+                "cpu_ms_per_request": sum(
+                    r["router_cpu_ms_per_request"] * r["requests"] for r in c1
+                )
+                / sum(r["requests"] for r in c1),
+            }
+            row[f"{mode}_throughput"] = {
+                "requests_per_s": statistics.median(rates),
+                "rounds": rates,
+                "concurrency": concurrency,
+                "vs_direct": statistics.median(rates)
+                / statistics.median(r["requests_per_s"] for r in bn),
+                "requests": sum(r["requests"] for r in cn),
+                # /proc counts CPU in 10 ms ticks: summed over the rounds
+                "cpu_ms_per_request": sum(
+                    r["router_cpu_ms_per_request"] * r["requests"] for r in cn
+                )
+                / sum(r["requests"] for r in cn),
+                "router_cpu_share": statistics.median(r["router_cpu_share"] for r in cn),
+                "wrk_cpu_share": statistics.median(r["wrk_cpu_share"] for r in cn),
+            }
+        out.append(row)
+    return out
+
+
+def _rng(values: list[float], fmt: str) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:{fmt}}" if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"{lo:{fmt}}..{hi:{fmt}}"
+
+
 def table(results: dict) -> str:
+    c = results["config"]["concurrency"]
     lines = [
-        "| target | mode | median ms | added median ms | p99 ms | added p99 ms | "
-        "proxy CPU ms/req | req/s | req/s vs direct |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| target | mode | c=1 p50 ms | added p50 ms (rounds) | c=1 p99 ms | "
+        f"c={c} req/s (rounds) | vs direct | router CPU ms/req (c={c}) | wrk cores |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for t in results["targets"]:
-        for kind in ("plain", "stream"):
-            lat, thr = t[f"{kind}_latency"], t[f"{kind}_throughput"]
+        for mode in MODES:
+            lat, thr = t[f"{mode}_latency"], t[f"{mode}_throughput"]
             lines.append(
-                f"| {t['target']} | {'streamed' if kind == 'stream' else 'non-streamed'} | "
-                f"{lat['median_ms']:.3f} | {lat['added_median_ms']:+.3f} | {lat['p99_ms']:.3f} | "
-                f"{lat['added_p99_ms']:+.3f} | {lat['cpu_ms_per_request']:.3f} | "
-                f"{thr['requests_per_s']:.0f} | "
-                f"{thr['vs_direct']:.2f} |"
+                f"| {t['target']} | {'streamed' if mode == 'stream' else 'non-streamed'} | "
+                f"{lat['median_ms']:.3f} | {lat['added_median_ms']:+.3f} "
+                f"({_rng(lat['added_median_ms_rounds'], '+.2f')}) | {lat['p99_ms']:.2f} | "
+                f"{thr['requests_per_s']:.0f} ({_rng(thr['rounds'], '.0f')}) | "
+                f"{thr['vs_direct']:.2f} | {thr['cpu_ms_per_request']:.3f} | "
+                f"{thr['wrk_cpu_share']:.2f} |"
             )
     return "\n".join(lines)
 
@@ -383,29 +431,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens (SSE events) per answer")
-    ap.add_argument("--latency-requests", type=int, default=1000)
-    ap.add_argument("--throughput-requests", type=int, default=2000)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the targets")
-    ap.add_argument("--no-sglang", action="store_true", help="skip sglang-router")
+    ap.add_argument("--prompts", type=int, default=2000, help="distinct bodies wrk cycles")
+    ap.add_argument("--seconds", type=int, default=3, help="length of each wrk run")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds rotating over the targets")
+    ap.add_argument("--no-rust", action="store_true", help="skip sglang-router and vllm-router")
+    ap.add_argument(
+        "--baseline-src",
+        default=None,
+        help="also run kvplug serve from this source tree (PYTHONPATH), e.g. an export of "
+        "the previous commit with the built core copied in",
+    )
+    ap.add_argument("--baseline-label", default="before")
     ap.add_argument("--quick", action="store_true", help="small smoke run")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_frontend.json"))
-    ap.add_argument("--_stubs", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args._stubs:
-        _stubs_main([int(p) for p in args._stubs.split(",")], args.max_tokens)
-        return
+    if shutil.which("wrk") is None:
+        sys.exit("bench_frontend needs wrk (apt-get install -y wrk)")
     if args.quick:
-        args.latency_requests, args.throughput_requests = 100, 200
+        args.rounds, args.seconds, args.prompts = 1, 1, 200
     t0 = time.perf_counter()
-    results = asyncio.run(main_async(args))
+    results = main_run(args)
     results["wall_s"] = time.perf_counter() - t0
     results["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print()
     print(table(results))
-    print(f"\nwrote {args.out} in {results['wall_s']:.0f} s")
+    print(
+        f"\nload average {results['load_average_before'][0]:.1f} before, per round "
+        f"{', '.join(f'{x:.1f}' for x in results['load_average_per_round'])}"
+    )
+    print(f"wrote {args.out} in {results['wall_s']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -148,6 +148,9 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
         )
 
     sglang = next(t for t in frontend if t.startswith("sglang-router"))
+    vllm = next(t for t in frontend if t.startswith("vllm-router"))
+    modes = ("plain", "stream")
+    ids = frontend["kvplug (token ids)"]
     r64 = router[64]
     return {
         ("routing decision", "result"): lambda: [
@@ -172,10 +175,21 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
         ],
         ("frontend overhead", "result"): lambda: [
             *added("kvplug (token ids)"),
+            SKIP,  # concurrency 1
             *added("kvplug (text+tokenizer)"),
-            SKIP,  # the target
+            SKIP,  # the target with token ids
+            SKIP,  # the target with text
+            SKIP,  # concurrency 16
+            *[ids[f"{m}_throughput"]["requests_per_s"] for m in modes],
+            *[ids[f"{m}_throughput"]["cpu_ms_per_request"] for m in modes],
             SKIP,  # sglang-router's version
             frontend[sglang]["plain_latency"]["added_median_ms"],
+            frontend[sglang]["plain_throughput"]["requests_per_s"],
+            frontend[sglang]["plain_throughput"]["cpu_ms_per_request"],
+            SKIP,  # vllm-router's version
+            frontend[vllm]["plain_latency"]["added_median_ms"],
+            frontend[vllm]["plain_throughput"]["requests_per_s"],
+            frontend[vllm]["plain_throughput"]["cpu_ms_per_request"],
         ],
         ("whole-trace replay", "result"): lambda: [sim["wall_s"], sim["jobs"]],
     }

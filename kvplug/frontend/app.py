@@ -57,6 +57,7 @@ from kvplug.frontend.outliers import OutlierDetector, OutlierSettings
 from kvplug.frontend.parsing import CHAT, COMPLETIONS, ParsedRequest, parse_request
 from kvplug.frontend.queueing import ClientGone, FrontendQueue
 from kvplug.frontend.streaming import completion_tokens, relay
+from kvplug.frontend.timeouts import within
 from kvplug.frontend.tokens import LocalTokenizer, TokenResolver
 from kvplug.frontend.upstream import Upstream, UpstreamUnavailable, forward_headers
 from kvplug.request import NO_HINTS, RouteRequest, RoutingHints
@@ -308,7 +309,7 @@ class Frontend:
             if ctx.deadline is None or ctx.req.stream:
                 return await self._dispatch(request, ctx)
             left = ctx.deadline - time.monotonic()
-            return await asyncio.wait_for(self._dispatch(request, ctx), left)
+            return await within(self._dispatch(request, ctx), left)
         except asyncio.TimeoutError:
             if ctx.deadline is None or time.monotonic() < ctx.deadline - 0.01:
                 raise  # not ours
@@ -828,7 +829,7 @@ class Frontend:
             return await coro
         limit = min(t for t in (per_try, left) if t is not None)
         try:
-            return await asyncio.wait_for(coro, max(0.0, limit))
+            return await within(coro, limit)
         except asyncio.TimeoutError:
             if per_try is not None and limit == per_try and (left is None or left > per_try):
                 raise UpstreamUnavailable(

@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from kvplug.frontend.errors import ApiError
+from kvplug.frontend.timeouts import within
 
 # what aiohttp's request parser decodes (the exact, lower-cased header value)
 DECODED_CODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
@@ -53,7 +54,7 @@ async def _read(request: web.Request, limit: int, timeout: float | None) -> byte
     check_content_encoding(request)
     try:
         if timeout:
-            return await asyncio.wait_for(request.read(), timeout)
+            return await within(request.read(), timeout)
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise _too_large("request body is over", limit) from None

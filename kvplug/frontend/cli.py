@@ -574,6 +574,9 @@ async def _serve(args: argparse.Namespace) -> None:
         log.info("admin API on %s", ", ".join(running.admin_bound))
     else:
         log.info("admin API off (set --admin-token to enable it)")
+    from kvplug.frontend.gc_tuning import tune_for_serving
+
+    tune_for_serving()  # startup is done: fewer collector passes per request from here on
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
