@@ -192,6 +192,81 @@ async def one_request(session, url, model, text, max_tokens, t_send, out):
         out["errors"] += 1
 
 
+async def start_fleet(server_cls, opts: FleetOptions, ports: list[int]) -> list:
+    """``opts.engines`` simulated engines on free ports (``ports``: 3 per engine: HTTP, events,
+    replay); engine i serves on base + i, so each base is shifted onto its free port."""
+    n = opts.engines
+    servers = []
+    for i in range(n):
+        opts_i = FleetOptions(**{**opts.__dict__})
+        opts_i.base_port = ports[i] - i
+        opts_i.events_base_port = ports[n + i] - i
+        opts_i.replay_base_port = ports[2 * n + i] - i
+        s = server_cls(i, opts_i)
+        await s.start()
+        servers.append(s)
+    return servers
+
+
+def reset_engine_counters(servers) -> None:
+    """The warm-up request is not part of the measurement."""
+    for s in servers:
+        s.engine.stats["prompt_tokens"] = s.engine.stats["cached_tokens"] = 0
+        s.counters["requests"] = 0
+
+
+async def replay(session, url: str, model: str, records, texts, args, name: str, out) -> float:
+    """Send the records at their (sped-up) arrival times, streamed; returns the wall time."""
+    t0 = time.monotonic()
+    tasks = []
+    for i, (rec, text) in enumerate(zip(records, texts, strict=True)):
+        delay = t0 + rec.arrival_s / args.speedup - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        max_tokens = max(1, min(rec.output_length, args.max_output))
+        tasks.append(
+            asyncio.create_task(
+                one_request(session, url, model, text, max_tokens, time.monotonic(), out)
+            )
+        )
+        if (i + 1) % 100 == 0:
+            print(f"  {name}: {i + 1}/{len(records)} sent", file=sys.stderr, flush=True)
+    await asyncio.gather(*tasks)
+    return time.monotonic() - t0
+
+
+def stop_router(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def summary(name: str, records, servers, out, wall: float) -> dict:
+    """Hit rate from the engines' own counters, TTFT percentiles from the client."""
+    prompt = sum(s.engine.stats["prompt_tokens"] for s in servers)
+    cached = sum(s.engine.stats["cached_tokens"] for s in servers)
+    ttft = np.asarray(out["ttft"]) if out["ttft"] else np.asarray([np.nan])
+    return {
+        "router": name,
+        "requests": len(records),
+        "errors": out["errors"],
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p90_s": float(np.percentile(ttft, 90)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "wall_s": wall,
+        "per_engine_requests": [s.counters["requests"] for s in servers],
+    }
+
+
 async def run_router(name: str, args, records, texts, log_dir: Path) -> dict:
     ports = free_ports(3 * args.engines + 1)
     opts = FleetOptions(
@@ -201,15 +276,7 @@ async def run_router(name: str, args, records, texts, log_dir: Path) -> dict:
         speed=args.speed,
         capacity_blocks=args.capacity_blocks,
     )
-    servers = []
-    for i in range(args.engines):
-        opts_i = FleetOptions(**{**opts.__dict__})
-        opts_i.base_port = ports[i] - i
-        opts_i.events_base_port = ports[args.engines + i] - i
-        opts_i.replay_base_port = ports[2 * args.engines + i] - i
-        s = SglangSimServer(i, opts_i)
-        await s.start()
-        servers.append(s)
+    servers = await start_fleet(SglangSimServer, opts, ports)
     urls = [f"http://127.0.0.1:{s.port}" for s in servers]
     port = ports[-1]
     log_path = log_dir / f"{name}.log"
@@ -228,57 +295,13 @@ async def run_router(name: str, args, records, texts, log_dir: Path) -> dict:
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await wait_routable(session, url, opts.model, proc, time.monotonic() + 60)
-            for s in servers:  # the warm-up request is not part of the measurement
-                s.engine.stats["prompt_tokens"] = s.engine.stats["cached_tokens"] = 0
-            t0 = time.monotonic()
-            tasks = []
-            for i, (rec, text) in enumerate(zip(records, texts, strict=True)):
-                delay = t0 + rec.arrival_s / args.speedup - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(
-                    asyncio.create_task(
-                        one_request(
-                            session,
-                            url,
-                            opts.model,
-                            text,
-                            max(1, min(rec.output_length, args.max_output)),
-                            time.monotonic(),
-                            out,
-                        )
-                    )
-                )
-                if (i + 1) % 100 == 0:
-                    print(f"  {name}: {i + 1}/{len(records)} sent", file=sys.stderr, flush=True)
-            await asyncio.gather(*tasks)
-            wall = time.monotonic() - t0
+            reset_engine_counters(servers)
+            wall = await replay(session, url, opts.model, records, texts, args, name, out)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_router(proc)
         for s in servers:
             await s.stop()
-    prompt = sum(s.engine.stats["prompt_tokens"] for s in servers)
-    cached = sum(s.engine.stats["cached_tokens"] for s in servers)
-    ttft = np.asarray(out["ttft"]) if out["ttft"] else np.asarray([np.nan])
-    return {
-        "router": name,
-        "requests": len(records),
-        "errors": out["errors"],
-        "hit_rate": cached / prompt if prompt else 0.0,
-        "ttft_p50_s": float(np.percentile(ttft, 50)),
-        "ttft_p90_s": float(np.percentile(ttft, 90)),
-        "ttft_p99_s": float(np.percentile(ttft, 99)),
-        "wall_s": wall,
-        "per_engine_requests": [s.counters["requests"] for s in servers],
-    }
+    return summary(name, records, servers, out, wall)
 
 
 def available(name: str) -> bool:

@@ -34,7 +34,6 @@ import logging
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -42,13 +41,20 @@ import time
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_sglang_router import one_request, prompt_text, wait_routable  # noqa: E402
+from bench_sglang_router import (  # noqa: E402
+    prompt_text,
+    replay,
+    reset_engine_counters,
+    start_fleet,
+    stop_router,
+    summary,
+    wait_routable,
+)
 
 from kvplug.sim.server import FleetOptions, SimServer  # noqa: E402
 from kvplug.sim.traces import load_trace, parse_workload  # noqa: E402
@@ -96,15 +102,7 @@ async def run_router(name: str, args, records, texts, log_dir: Path) -> dict:
         capacity_blocks=args.capacity_blocks,
         block_hashes="vllm",  # vLLM's defaults: sha256, seed "vllm-none-hash", topic ""
     )
-    servers = []
-    for i in range(n):  # engine i serves on base + i: shift each base onto a free port
-        opts_i = FleetOptions(**{**base.__dict__})
-        opts_i.base_port = ports[i] - i
-        opts_i.events_base_port = ports[n + i] - i
-        opts_i.replay_base_port = ports[2 * n + i] - i
-        s = SimServer(i, opts_i)
-        await s.start()
-        servers.append(s)
+    servers = await start_fleet(SimServer, base, ports)
     port = ports[-1]
     log_path = log_dir / f"{name}.log"
     env = dict(os.environ, PYTHONPATH=str(ROOT), RUST_LOG=os.environ.get("RUST_LOG", "info"))
@@ -124,56 +122,13 @@ async def run_router(name: str, args, records, texts, log_dir: Path) -> dict:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await wait_routable(session, url, base.model, proc, time.monotonic() + 60)
             await asyncio.sleep(1.0)  # subscribers connected (ZMQ slow joiner) before the stream
-            for s in servers:  # the warm-up request is not part of the measurement
-                s.engine.stats["prompt_tokens"] = s.engine.stats["cached_tokens"] = 0
-                s.counters["requests"] = 0
-            t0 = time.monotonic()
-            tasks = []
-            for i, (rec, text) in enumerate(zip(records, texts, strict=True)):
-                delay = t0 + rec.arrival_s / args.speedup - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                max_tokens = max(1, min(rec.output_length, args.max_output))
-                tasks.append(
-                    asyncio.create_task(
-                        one_request(
-                            session, url, base.model, text, max_tokens, time.monotonic(), out
-                        )
-                    )
-                )
-                if (i + 1) % 100 == 0:
-                    print(f"  {name}: {i + 1}/{len(records)} sent", file=sys.stderr, flush=True)
-            await asyncio.gather(*tasks)
-            wall = time.monotonic() - t0
+            reset_engine_counters(servers)
+            wall = await replay(session, url, base.model, records, texts, args, name, out)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_router(proc)
         for s in servers:
             await s.stop()
-    prompt = sum(s.engine.stats["prompt_tokens"] for s in servers)
-    cached = sum(s.engine.stats["cached_tokens"] for s in servers)
-    ttft = np.asarray(out["ttft"]) if out["ttft"] else np.asarray([np.nan])
-    return {
-        "router": name,
-        "requests": len(records),
-        "errors": out["errors"],
-        "hit_rate": cached / prompt if prompt else 0.0,
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "ttft_p50_s": float(np.percentile(ttft, 50)),
-        "ttft_p90_s": float(np.percentile(ttft, 90)),
-        "ttft_p99_s": float(np.percentile(ttft, 99)),
-        "wall_s": wall,
-        "per_engine_requests": [s.counters["requests"] for s in servers],
-        "log": str(log_path),
-    }
+    return {**summary(name, records, servers, out, wall), "log": str(log_path)}
 
 
 def available(name: str) -> bool:
