@@ -11,6 +11,9 @@ mutations; ``compare_paths`` checks each.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import msgspec
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -18,6 +21,9 @@ from hypothesis import strategies as st
 from kvplug.integrations.vllm.wire import FAST_PATH, BatchDecoder, compare_paths
 
 from kvplug.events import AllCleared
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from fuzz_decoders import ISSUE_9  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not FAST_PATH, reason="compiled fast path not built")
 
@@ -120,51 +126,9 @@ def batches(draw):
     return payload
 
 
-# the four disagreements issue 9 reported, and a map-encoded batch
-ISSUE_CASES = [
-    bytes.fromhex(
-        "93cb3ff00000000000009182a474797065b0416c6c426c6f636b73436c6561726564a66d656469756d0500"
-    ),
-    _enc.encode([1.0, [["BlockStored", [7], None, [1], 1, [1], "GPU", "ad"]], 0]),
-    _enc.encode(
-        [
-            1.0,
-            [
-                {
-                    "type": "BlockStored",
-                    "block_hashes": [7],
-                    "parent_block_hash": None,
-                    "token_ids": [1],
-                    "block_size": 1,
-                    "lora_id": None,
-                    "medium": "GPU",
-                    "lora_name": None,
-                    "kv_cache_spec_sliding_window": "x",
-                }
-            ],
-            0,
-        ]
-    ),
-    _enc.encode(
-        [
-            1.0,
-            [
-                {
-                    "type": "BlockStored",
-                    "block_hashes": [7],
-                    "parent_block_hash": None,
-                    "token_ids": [],
-                    "block_size": 0,
-                    "lora_id": None,
-                    "medium": "CPU",
-                    "lora_name": None,
-                    "extra_keys": 5,
-                }
-            ],
-            0,
-        ]
-    ),
-]
+# the four disagreements issue 9 reported: the payloads benchmarks/fuzz_decoders.py replays
+# first (its ISSUE_9 list, after the deep-nesting one)
+ISSUE_CASES = ISSUE_9[1:]
 
 
 @pytest.mark.parametrize(
