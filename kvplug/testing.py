@@ -25,6 +25,7 @@ __all__ = [
     "free_ports",
     "serve_command",
     "stop_process",
+    "wait_listening",
     "wait_ready",
     "wait_ready_async",
 ]
@@ -45,6 +46,26 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def wait_listening(port: int, proc: subprocess.Popen | None = None, timeout: float = 20.0) -> None:
+    """Block until something accepts TCP connections on 127.0.0.1:port (a server we started).
+
+    A fixture that yields before its server listens makes the first client connect take its
+    retry path (nats-py waits 2 s before retrying), which is what made CI runs flaky.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        _exited(proc, f"the server meant for port {port}", None)
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"nothing listened on 127.0.0.1:{port} within {timeout:g} s"
+                ) from exc
+            time.sleep(0.05)
 
 
 def free_port_run(n: int) -> int:

@@ -19,7 +19,7 @@ from kvplug.discovery.etcd import (
 )
 from kvplug.errors import ConfigError
 from kvplug.frontend.stub_engine import StubEngine, publish
-from kvplug.testing import free_ports
+from kvplug.testing import free_ports, wait_listening
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -50,6 +50,7 @@ def etcd_url(tmp_path):
         stderr=subprocess.DEVNULL,
     )
     try:
+        wait_listening(client, proc)
         yield f"etcd://127.0.0.1:{client}"
     finally:
         proc.terminate()

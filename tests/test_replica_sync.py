@@ -13,7 +13,7 @@ from kvplug.config import RouterConfig
 from kvplug.replica_sync import LoadSync
 from kvplug.request import RouteRequest
 from kvplug.router import Router
-from kvplug.testing import free_port
+from kvplug.testing import free_port, wait_listening
 from kvplug.workers import Worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,6 +31,7 @@ def nats_url():
         stderr=subprocess.DEVNULL,
     )
     try:
+        wait_listening(port, proc)
         yield f"nats://127.0.0.1:{port}"
     finally:
         proc.terminate()
@@ -48,17 +49,12 @@ async def _replicas(nats_url: str, routers: list[Router], **kw) -> list[LoadSync
     syncs = []
     for i, r in enumerate(routers):
         s = LoadSync(r, nats_url, namespace="t", replica_id=f"r{i}", **kw)
-        for _ in range(50):  # nats-server takes a moment to listen
-            try:
-                await s.start()
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
+        await s.start()  # the fixture waited until nats-server listens
         syncs.append(s)
     return syncs
 
 
-async def _until(cond, timeout: float = 5.0) -> None:
+async def _until(cond, timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not cond():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
@@ -112,13 +108,13 @@ async def test_replicas_herd_without_sync_and_spread_with_it(nats_url, sync):
 
 async def test_a_replica_that_dies_has_its_load_released(nats_url):
     a, b = _router(), _router()
-    syncs = await _replicas(nats_url, [a, b], heartbeat_s=0.05, expiry_s=0.4)
+    syncs = await _replicas(nats_url, [a, b], heartbeat_s=0.1, expiry_s=1.0)
     try:
         for i in range(3):
             a.route(RouteRequest(f"q{i}", list(range(40))))
         await _until(lambda: len(b.load.requests) == 3)
         await syncs[0].close(say_bye=False)  # killed: no goodbye, heartbeats stop
-        await _until(lambda: not b.load.requests, timeout=3)
+        await _until(lambda: not b.load.requests, timeout=10)
         assert syncs[1].stats.expired_peers == 1
         assert sum(_inflight(b).values()) == 0
     finally:
