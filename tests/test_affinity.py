@@ -81,3 +81,68 @@ def test_affinity_policy_parses_its_own_keys_and_router_keys():
         parse_policy("affinity:gaurd=4")
     with pytest.raises(ValueError):
         parse_policy("affinity:guard=-1")
+
+
+# ---- tail mode: the guard in seconds of predicted time to first token
+
+
+def _tail(slack: float, tail: float = 0.99) -> AffinityParams:
+    return AffinityParams(guard=8.0, memory=0.25, tail=tail, slack=slack)
+
+
+def test_tail_mode_moves_a_request_whose_queue_costs_more_time_than_its_recompute():
+    # w1's queue (20 blocks of someone's prefill) takes longer than recomputing the 8 cached
+    # blocks on idle w2; the block cap (test above) keeps the request, the time guard moves it
+    r, toks = _setup(20)
+    aff = AffinityRouter(r, _tail(slack=0.0))
+    assert aff.route(RouteRequest("x", toks)).worker_id == "w2"
+    assert aff.affinity_counters["guarded"] == 1
+
+
+def test_tail_mode_keeps_a_request_whose_extra_wait_is_within_the_slack():
+    r, toks = _setup(20)  # the extra wait is milliseconds: well within 0.5 s
+    aff = AffinityRouter(r, _tail(slack=0.5))
+    assert aff.route(RouteRequest("x", toks)).worker_id == "w1"
+    assert aff.affinity_counters["affinity"] == 1
+
+
+def test_tail_mode_stops_counting_a_prefill_once_its_first_token_came():
+    r, toks = _setup(20)
+    r.on_first_token("busy")  # w1's queue has drained
+    aff = AffinityRouter(r, _tail(slack=0.0))
+    assert aff.route(RouteRequest("x", toks)).worker_id == "w1"
+
+
+def test_tail_mode_lets_a_request_wait_while_it_stays_below_kvs_tail():
+    r, toks = _setup(20)
+    aff = AffinityRouter(r, _tail(slack=0.0, tail=0.5))
+    # earlier decisions whose kv pick was predicted at 2 s to first token: tau = 2 s, so a
+    # wait of milliseconds keeps this request out of the tail and it stays with its cache
+    aff._kv_ttft.extend([2.0] * 10)
+    assert aff.route(RouteRequest("x", toks)).worker_id == "w1"
+
+
+def test_chunked_prefill_seconds_sums_the_chunks_over_their_growing_context():
+    from kvplug.affinity import chunked_prefill_seconds
+    from kvplug.prefill_model import CalibratedPrefillModel
+
+    model = CalibratedPrefillModel()
+    # one pass when unchunked or the prompt fits one chunk: the shipped model as it is
+    assert chunked_prefill_seconds(5000, 300, 0) == pytest.approx(model.predict(5000, 300))
+    assert chunked_prefill_seconds(5000, 300, 8192) == pytest.approx(model.predict(5000, 300))
+    # 20,000 new tokens in 8,192-token chunks: 8192 + 8192 + 3616, each over what precedes it
+    want = sum(
+        model.predict(n, 1000 + done) for n, done in ((8192, 0), (8192, 8192), (3616, 16384))
+    )
+    assert chunked_prefill_seconds(20000, 1000, 8192) == pytest.approx(want)
+    assert chunked_prefill_seconds(0, 1000, 8192) == 0.0
+
+
+def test_tail_keys_parse_and_bad_values_are_refused():
+    from kvplug.sim.policies import parse_policy
+
+    p = parse_policy("affinity:tail=0.99,slack=1,window=500")
+    assert p.affinity == {"tail": 0.99, "slack": 1, "window": 500}
+    for bad in ("tail=1", "tail=-0.1", "slack=-1", "window=0"):
+        with pytest.raises(ValueError):
+            parse_policy(f"affinity:{bad}")

@@ -134,3 +134,34 @@ def test_multi_turn_sessions_extend_their_own_prefix():
     assert agentic and min(r.input_length for r in agentic) > 8192  # tool definitions
     with pytest.raises(ValueError, match="unknown"):
         parse_workload("multi-turn:sessions=3")
+
+
+def test_doc_qa_sessions_share_only_their_document_and_arrive_in_bursts():
+    from kvplug.sim.traces import parse_workload, synthetic_doc_qa
+
+    kw = dict(docs=20, doc=6000, session_rate=0.5, burst=5.0, burst_period=100, duration=600)
+    kw.update(think=0.1, output=8)  # questions follow their session's start closely
+    recs = synthetic_doc_qa(512, seed=2, **kw)
+    assert recs == synthetic_doc_qa(512, seed=2, **kw)
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(recs, recs[1:], strict=False))
+    for r in recs:
+        assert len(r.hash_ids) == -(-r.input_length // 512)
+    # requests about one document share its full blocks and nothing after them
+    by_doc: dict[int, list] = {}
+    for r in recs:
+        by_doc.setdefault(r.hash_ids[0], []).append(r)
+    hot = max(by_doc.values(), key=len)
+    assert len(hot) > len(recs) / 20  # popularity is skewed: one document is hot
+    shared = len(set.intersection(*(set(r.hash_ids) for r in hot)))
+    assert all(r.hash_ids[:shared] == hot[0].hash_ids[:shared] for r in hot)
+    tails = [i for r in hot for i in r.hash_ids[shared:]]  # the questions: never shared
+    assert len(set(tails)) == len(tails) >= len(hot)
+    # sessions start 5x as often in the first fifth of each 100 s cycle as in the rest
+    starts = [r.arrival_s for r in recs]
+    in_burst = sum(1 for t in starts if t % 100 < 20)
+    assert in_burst > 0.4 * len(starts)  # 5 / (5 + 4) = 56 % of sessions; 20 % if unbursty
+    assert len(parse_workload("doc-qa:duration=60,seed=1")) > 0
+    with pytest.raises(ValueError, match="unknown"):
+        parse_workload("doc-qa:pages=3")
+    with pytest.raises(ValueError):
+        parse_workload("doc-qa:burst=0.5")

@@ -51,7 +51,15 @@ DEFAULT_POLICIES = (
 )
 DEMO_POLICIES = ("kv", "round-robin", "random")
 BASELINE_MODE = "baseline"
-AFFINITY_KEYS = ("guard", "cap", "memory", "min_share")  # kvplug.affinity.AffinityParams
+AFFINITY_KEYS = (
+    "guard",
+    "cap",
+    "memory",
+    "min_share",
+    "tail",
+    "slack",
+    "window",
+)  # kvplug.affinity.AffinityParams
 
 
 @dataclass(frozen=True)

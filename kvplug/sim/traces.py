@@ -333,13 +333,86 @@ def synthetic_multi_turn(
     return out
 
 
-WORKLOADS = ("shared-prefix", "multi-turn", "agentic")
+# long-document question answering with bursty arrivals
+DOC_QA_DEFAULTS = {
+    "docs": 200,  # distinct documents (Zipf-like popularity: a few are hot)
+    "doc": 24000,  # median tokens of a document (log-normal, sigma 0.6)
+    "max_doc": 100_000,  # documents are cut to this many tokens
+    "questions": 4.0,  # mean questions per session (geometric, >= 1)
+    "question": 200,  # mean tokens of a question (exponential)
+    "output": 200,  # mean output tokens per answer (exponential, >= 8)
+    "think": 20.0,  # mean seconds between an answer and the next question (exponential)
+    "session_rate": 0.5,  # mean new sessions per second over a burst cycle
+    "burst": 4.0,  # session rate in a burst / rate outside one
+    "burst_period": 300.0,  # seconds per cycle; the first fifth of each is the burst
+    "duration": 1200.0,  # seconds of session arrivals
+    "seed": 0,
+}
+BURST_SHARE = 0.2  # of each burst cycle
+
+
+def synthetic_doc_qa(block_tokens: int = TRACE_BLOCK_TOKENS, **params) -> list[TraceRecord]:
+    """Sessions that each ask a few independent questions about one long document: every
+    prompt is the whole document plus a new question (the document's blocks are the only
+    shared prefix; earlier questions are not resent). Documents have Zipf-like popularity, so a
+    few long prefixes are hot fleet-wide, and sessions arrive in bursts (``burst`` times the
+    quiet rate for the first fifth of every ``burst_period``), the shape that piles many long
+    prefills onto whichever engine holds a hot document."""
+    p = {**DOC_QA_DEFAULTS, **params}
+    unknown = set(params) - set(DOC_QA_DEFAULTS)
+    if unknown:
+        raise ValueError(
+            f"unknown doc-qa parameter(s) {sorted(unknown)}; known: {sorted(DOC_QA_DEFAULTS)}"
+        )
+    n_docs, doc, max_doc = int(p["docs"]), float(p["doc"]), int(p["max_doc"])
+    questions, question, output = float(p["questions"]), float(p["question"]), float(p["output"])
+    think, rate, burst = float(p["think"]), float(p["session_rate"]), float(p["burst"])
+    period, duration = float(p["burst_period"]), float(p["duration"])
+    if min(n_docs, doc, questions, question, output, rate, period, duration) <= 0:
+        raise ValueError(f"bad doc-qa parameters {p}")
+    if burst < 1 or think < 0 or max_doc < block_tokens:
+        raise ValueError(f"bad doc-qa parameters {p}")
+    rng = np.random.default_rng(int(p["seed"]))
+    bt = block_tokens
+    lengths = np.clip(rng.lognormal(np.log(doc), 0.6, n_docs), bt, max_doc).astype(int)
+    doc_blocks = lengths // bt  # full blocks; the partial tail is mixed with the question
+    starts = np.concatenate([[0], np.cumsum(doc_blocks)[:-1]])
+    next_id = int(doc_blocks.sum())
+    popularity = 1.0 / np.arange(1, n_docs + 1)
+    popularity /= popularity.sum()
+    quiet = rate / (BURST_SHARE * burst + 1 - BURST_SHARE)  # keeps the cycle's mean at rate
+    peak = quiet * burst
+    out: list[TraceRecord] = []
+    t = 0.0
+    while True:
+        t += rng.exponential(1.0 / peak)  # thinning: candidates at the peak rate
+        if t > duration:
+            break
+        in_burst = (t % period) < BURST_SHARE * period
+        if not in_burst and rng.random() > quiet / peak:
+            continue
+        d = int(rng.choice(n_docs, p=popularity))
+        shared = list(range(int(starts[d]), int(starts[d]) + int(doc_blocks[d])))
+        at = t
+        for _ in range(int(rng.geometric(1.0 / questions))):
+            length = int(lengths[d]) + max(1, int(rng.exponential(question)))
+            tail = -(-length // bt) - len(shared)
+            ids = shared + list(range(next_id, next_id + tail))
+            next_id += tail
+            reply = max(8, int(rng.exponential(output)))
+            out.append(TraceRecord(at, length, reply, tuple(ids)))
+            at += 0.03 * reply + (rng.exponential(think) if think > 0 else 0.0)
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+WORKLOADS = ("shared-prefix", "multi-turn", "agentic", "doc-qa")
 
 
 def parse_workload(text: str, block_tokens: int = TRACE_BLOCK_TOKENS) -> list[TraceRecord]:
     """``NAME[:key=value,...]`` -> records: ``shared-prefix`` (:func:`synthetic_shared_prefix`),
     ``multi-turn`` and ``agentic`` (:func:`synthetic_multi_turn` with chat or tool-loop
-    defaults)."""
+    defaults), ``doc-qa`` (:func:`synthetic_doc_qa`)."""
     name, _, rest = text.partition(":")
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
@@ -356,4 +429,6 @@ def parse_workload(text: str, block_tokens: int = TRACE_BLOCK_TOKENS) -> list[Tr
         return synthetic_multi_turn(block_tokens, MULTI_TURN_DEFAULTS, **params)
     if name == "agentic":
         return synthetic_multi_turn(block_tokens, AGENTIC_DEFAULTS, **params)
+    if name == "doc-qa":
+        return synthetic_doc_qa(block_tokens, **params)
     return synthetic_shared_prefix(block_tokens, **params)
