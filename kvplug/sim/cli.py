@@ -34,9 +34,9 @@ def _add_fleet_args(
     g.add_argument(
         "--workload",
         default=None,
-        metavar="shared-prefix[:k=v,...]",
-        help="a generated workload instead of the trace: shared-prefix with groups, "
-        "system, question, output (tokens), rate (req/s), requests, seed",
+        metavar="NAME[:k=v,...]",
+        help="a generated workload instead of the trace: shared-prefix, multi-turn, agentic or "
+        "doc-qa, with its settings (docs/sim.md)",
     )
     g.add_argument("--start", type=float, default=0.0, help="slice start, seconds into the trace")
     g.add_argument(
