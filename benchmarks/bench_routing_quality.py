@@ -65,6 +65,16 @@ def verdict(report: dict, policy: str, reference: str = "kv") -> dict | None:
     return out
 
 
+def _near(value: float, bar: float, percent: bool) -> str:
+    """The figure rounded as usual, one more digit where that rounding would hide which side
+    of the bar it is on (94.96 % is not 95.0 %, 1.004x is not 1.00x)."""
+    digits = 1 if percent else 2
+    scale = 100 if percent else 1
+    if value != bar and round(value * scale, digits) == round(bar * scale, digits):
+        digits += 1
+    return f"{value * scale:.{digits}f}" + ("%" if percent else "")
+
+
 def verdict_table(runs: list[dict], policies: list[str]) -> str:
     """Markdown: per run, each policy's share of the bound / TTFT p99 vs kv's (bold: meets the
     bar), then per policy how many runs meet it."""
@@ -78,7 +88,8 @@ def verdict_table(runs: list[dict], policies: list[str]) -> str:
             if not v or v.get("share_of_bound") is None or "ttft_p99_vs_kv" not in v:
                 cells.append("-")
                 continue
-            text = f"{v['share_of_bound']:.1%} / {v['ttft_p99_vs_kv']:.2f}×"
+            text = f"{_near(v['share_of_bound'], BAR_SHARE, True)} / "
+            text += f"{_near(v['ttft_p99_vs_kv'], BAR_P99, False)}×"
             if v["share_of_bound"] >= BAR_SHARE and v["ttft_p99_vs_kv"] <= BAR_P99:
                 met[p] += 1
                 text = f"**{text}**"

@@ -85,3 +85,26 @@ def test_sensitivity_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["assumption"] for r in rows] == ["defaults", "report delay"]
     assert all(r["kv"]["ttft_p99_s"] > 0 for r in rows)
+
+
+def test_verdict_table_marks_the_runs_that_meet_the_bar_and_counts_them():
+    bench = _load()
+
+    def run(workload, share, p99):
+        return {
+            "workload": workload,
+            "steptime": "causal",
+            "view": "ideal",
+            "verdicts": {
+                "kv": {"share_of_bound": 0.8, "ttft_p99_vs_kv": 1.0},
+                "new": {"share_of_bound": share, "ttft_p99_vs_kv": p99},
+            },
+        }
+
+    runs = [run("a", 0.97, 0.5), run("b", 0.9496, 0.9), run("c", 0.99, 1.004)]
+    lines = bench.verdict_table(runs, ["kv", "new"]).splitlines()
+    assert "**97.0% / 0.50×**" in lines[2]
+    # rounding would show 95.0 % and 1.00x: one more digit shows which side of the bar
+    assert "94.96% / 0.90×" in lines[3] and "**" not in lines[3].split("|")[5]
+    assert "99.0% / 1.004×" in lines[4] and "**" not in lines[4].split("|")[5]
+    assert lines[-1].endswith("| 0/3 | 1/3 |")
