@@ -19,6 +19,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from kvplug.frontend.engine_http import EngineResponse
 from kvplug.frontend.lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def sse_error(message: str, code: int = 502, type_: str = "upstream_error") -> b
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-def response_headers(upstream: aiohttp.ClientResponse, extra: dict[str, str]) -> dict[str, str]:
+def response_headers(upstream: EngineResponse, extra: dict[str, str]) -> dict[str, str]:
     headers = {"Content-Type": upstream.headers.get("Content-Type", "application/json")}
     rid = upstream.headers.get("X-Request-Id")
     if rid:
@@ -140,7 +141,7 @@ def response_headers(upstream: aiohttp.ClientResponse, extra: dict[str, str]) ->
 
 async def relay(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: EngineResponse,
     first_chunk: bytes,
     lifecycle: Lifecycle,
     extra_headers: dict[str, str],
