@@ -242,3 +242,57 @@ async def test_idle_connections_close_after_the_keepalive():
             assert pool.opened == 2
         finally:
             pool.close()
+
+
+# -- kvplug serve over engines whose answers arrive in one piece or in many ------------------
+def _engine(events: list[bytes], pieces: int):
+    """An OpenAI engine on raw sockets: a streamed completion's chunked answer in ``pieces``
+    writes (1: the whole answer, end marker included, in one segment)."""
+    wire = _chunked(events)
+
+    async def answer(req: bytes, writer) -> bool:
+        if not req.startswith(b"POST"):  # probes
+            body = b'{"object": "list", "data": [{"id": "stub-model", "object": "model"}]}'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            return True
+        step = -(-len(wire) // pieces)
+        for i in range(0, len(wire), step):
+            writer.write(wire[i : i + step])
+            await writer.drain()
+            if pieces > 1:
+                await asyncio.sleep(0.01)
+        return True
+
+    return answer
+
+
+@pytest.mark.parametrize("pieces", [1, 7])
+async def test_kvplug_serve_relays_streams_byte_for_byte_however_they_arrive(pieces):
+    from test_frontend_harness import BS, Harness
+
+    from kvplug.config import RouterConfig
+    from kvplug.frontend.app import ServeSettings
+    from kvplug.frontend.config import spec_from_mapping
+    from kvplug.frontend.server import start_frontend
+    from kvplug.router import Router
+
+    events = [b'data: {"choices": [{"text": " t%d"}]}\n\n' % i for i in range(5)]
+    events.append(b"data: [DONE]\n\n")
+    async with RawServer(_engine(events, pieces)) as srv:
+        router = Router(RouterConfig(kv_block_size=BS))
+        spec = spec_from_mapping({"id": "w0", "url": srv.url, "engine": "openai"}, "w0")
+        running = await start_frontend(router, [spec], ServeSettings(health_interval=60))
+        try:
+            async with aiohttp.ClientSession() as session:
+                h = Harness(router, running, {}, session, None)  # type: ignore[arg-type]
+                for _ in range(3):  # the engine connection is reused between streams
+                    resp, raw = await h.complete(list(range(40)), stream=True)
+                    assert resp.status == 200 and raw == b"".join(events)
+                    trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+                    assert trace["outcome"] == "ok" and trace["output_tokens"] == 5
+                    h.assert_idle()
+                assert running.frontend.upstream.pool is not None
+                assert running.frontend.upstream.pool.opened == 1
+        finally:
+            await running.close()

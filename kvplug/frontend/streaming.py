@@ -186,6 +186,7 @@ async def relay(
     await out.prepare(request)
     counter = SseCounter()
     chunk = first_chunk
+    tail = b""
     outcome: str = "ok"
     error: str | None = None
     loop = asyncio.get_running_loop()
@@ -196,6 +197,9 @@ async def relay(
             if counter.events and not lifecycle.first_seen:
                 lifecycle.first_token()
             lifecycle.output(counter.tokens)  # tells the router at block boundaries
+            if upstream.at_eof():  # the engine's last bytes go out with the stream's end
+                tail = chunk  # (one send, not two)
+                break
             await out.write(chunk)
             if ends_at is None:  # the common case: no timer task per chunk
                 chunk = await upstream.content.readany()
@@ -227,7 +231,7 @@ async def relay(
         except ConnectionResetError:
             pass
     try:
-        await out.write_eof()
+        await out.write_eof(tail)
     except ConnectionResetError:
         outcome = outcome if outcome != "ok" else "client_disconnected"
     return out, outcome, error
