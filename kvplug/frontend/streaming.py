@@ -139,6 +139,14 @@ def response_headers(upstream: EngineResponse, extra: dict[str, str]) -> dict[st
     return headers
 
 
+class _RelayedStream(web.StreamResponse):
+    """A relayed stream's head waits for its first bytes, which the relay has in hand when it
+    prepares the response: head and first event leave in one send, not two (aiohttp's
+    ``web.Response`` buffers the same way; a plain ``StreamResponse`` sends its head alone)."""
+
+    _send_headers_immediately = False
+
+
 async def relay(
     request: web.Request,
     upstream: EngineResponse,
@@ -182,7 +190,7 @@ async def relay(
         return web.Response(status=upstream.status, body=body, headers=headers), "ok", None
 
     headers["Cache-Control"] = "no-cache"
-    out = web.StreamResponse(status=upstream.status, headers=headers)
+    out = _RelayedStream(status=upstream.status, headers=headers)
     await out.prepare(request)
     counter = SseCounter()
     chunk = first_chunk
