@@ -276,6 +276,7 @@ class _Connection(asyncio.Protocol):
         resp._feed(data)
 
     def eof_received(self) -> bool:
+        self.closed = True  # the engine is done with this connection: never reuse it
         return False  # close the transport; connection_lost follows
 
     def connection_lost(self, exc: BaseException | None) -> None:
