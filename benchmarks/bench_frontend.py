@@ -10,6 +10,8 @@ them all:
   and with the same prompts as token ids;
 * optionally ``kvplug serve`` from another source tree (``--baseline-src DIR``: a before/after
   pair in one run);
+* optionally (``--floor``) ``benchmarks/floor_proxy.py``: the aiohttp server and the engine
+  pool ``kvplug serve`` uses, with no routing at all - the floor under kvplug's CPU per request;
 * ``sglang-router`` (``--policy cache_aware``; installed by the ``test`` extra) and
   ``vllm-router`` (``--policy cache_aware``; ``pip install vllm-router``, found on ``PATH``, in
   ``$KVPLUG_VLLM_ROUTER`` or in ``.vrvenv/``), text prompts, when installed.
@@ -283,6 +285,16 @@ def main_run(args) -> dict:
             env = {**os.environ, "PYTHONPATH": str(Path(args.baseline_src).resolve())}
             add_kvplug(f"kvplug {args.baseline_label}", env)
 
+        if args.floor:
+            # the same HTTP stacks with no routing: what kvplug's own request handling adds
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "floor_proxy.py"), str(port)]
+            p = start(cmd + engines, url + "/v1/completions", files["text", "plain"], tmp)
+            procs.append(p)
+            name = "floor: aiohttp server + engine pool"
+            targets.append({"name": name, "url": url, "pid": p.pid, "kind": "ids"})
+
         if args.no_rust:
             results["skipped"]["rust routers"] = "--no-rust"
         else:
@@ -443,6 +455,11 @@ def main() -> None:
         "the previous commit with the built core copied in",
     )
     ap.add_argument("--baseline-label", default="before")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run benchmarks/floor_proxy.py (kvplug serve's HTTP stacks, no routing)",
+    )
     ap.add_argument("--quick", action="store_true", help="small smoke run")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_frontend.json"))
     args = ap.parse_args()

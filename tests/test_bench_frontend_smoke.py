@@ -101,7 +101,7 @@ def test_instant_engine_answers_pipelined_requests(instant_engine):
 def test_bench_frontend_quick_run(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_frontend.py"), "--quick", "--no-rust"]
+        [sys.executable, str(BENCH / "bench_frontend.py"), "--quick", "--no-rust", "--floor"]
         + ["--out", str(out)],
         capture_output=True,
         text=True,
@@ -110,7 +110,12 @@ def test_bench_frontend_quick_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(out.read_text())
     targets = {t["target"]: t for t in results["targets"]}
-    assert set(targets) == {"engine (direct)", "kvplug (text+tokenizer)", "kvplug (token ids)"}
+    assert set(targets) == {
+        "engine (direct)",
+        "kvplug (text+tokenizer)",
+        "kvplug (token ids)",
+        "floor: aiohttp server + engine pool",
+    }
     for t in targets.values():
         for mode in ("plain", "stream"):
             assert t[f"{mode}_throughput"]["requests_per_s"] > 0

@@ -438,3 +438,14 @@ def test_decision_ids_are_random_not_the_routers_sequence():
     assert len(set(ids)) == len(ids)
     assert not any(d.isdigit() for d in ids)
     assert all(len(d) >= 24 for d in ids)  # 96 random bits
+
+
+def test_decision_ids_are_random_hex_and_unique_across_refills():
+    from kvplug.frontend.decisions import _RandomIds
+
+    ids = _RandomIds()
+    drawn = [ids.next() for _ in range(3 * _RandomIds._BATCH + 5)]  # three refills and some
+    assert len(set(drawn)) == len(drawn)
+    assert all(len(i) == 24 and int(i, 16) >= 0 for i in drawn)
+    ids.reset()  # what a forked child does: its next id comes from a fresh draw
+    assert ids.next() not in drawn

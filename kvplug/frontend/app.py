@@ -824,7 +824,10 @@ class Frontend:
         worker_id = entry.spec.worker_id
         coro = self.upstream.open(worker_id, entry.url_base + ctx.req.path, body, hop_headers)
         per_try = self.settings.per_try_timeout if self.settings.per_try_timeout > 0 else None
-        left = None if ctx.deadline is None else ctx.deadline - time.monotonic()
+        # a non-streamed request's deadline already bounds its whole dispatch
+        # (_dispatch_in_time): a second timer here would only cost
+        covered = not ctx.req.stream
+        left = None if ctx.deadline is None or covered else ctx.deadline - time.monotonic()
         if per_try is None and left is None:
             return await coro
         limit = min(t for t in (per_try, left) if t is not None)

@@ -53,6 +53,12 @@ async def _read(request: web.Request, limit: int, timeout: float | None) -> byte
         raise _too_large(f"request body of {request.content_length} bytes is over", limit)
     check_content_encoding(request)
     try:
+        content = request.content
+        if content.is_eof():  # the whole body came with the head: no wait, no timer
+            data = content.read_nowait()
+            if len(data) > limit:
+                raise web.HTTPRequestEntityTooLarge(limit, len(data))
+            return data
         if timeout:
             return await within(request.read(), timeout)
         return await request.read()

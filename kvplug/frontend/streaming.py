@@ -19,6 +19,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from kvplug.frontend.engine_http import EngineResponse
 from kvplug.frontend.lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def sse_error(message: str, code: int = 502, type_: str = "upstream_error") -> b
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-def response_headers(upstream: aiohttp.ClientResponse, extra: dict[str, str]) -> dict[str, str]:
+def response_headers(upstream: EngineResponse, extra: dict[str, str]) -> dict[str, str]:
     headers = {"Content-Type": upstream.headers.get("Content-Type", "application/json")}
     rid = upstream.headers.get("X-Request-Id")
     if rid:
@@ -138,9 +139,17 @@ def response_headers(upstream: aiohttp.ClientResponse, extra: dict[str, str]) ->
     return headers
 
 
+class _RelayedStream(web.StreamResponse):
+    """A relayed stream's head waits for its first bytes, which the relay has in hand when it
+    prepares the response: head and first event leave in one send, not two (aiohttp's
+    ``web.Response`` buffers the same way; a plain ``StreamResponse`` sends its head alone)."""
+
+    _send_headers_immediately = False
+
+
 async def relay(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: EngineResponse,
     first_chunk: bytes,
     lifecycle: Lifecycle,
     extra_headers: dict[str, str],
@@ -181,10 +190,11 @@ async def relay(
         return web.Response(status=upstream.status, body=body, headers=headers), "ok", None
 
     headers["Cache-Control"] = "no-cache"
-    out = web.StreamResponse(status=upstream.status, headers=headers)
+    out = _RelayedStream(status=upstream.status, headers=headers)
     await out.prepare(request)
     counter = SseCounter()
     chunk = first_chunk
+    tail = b""
     outcome: str = "ok"
     error: str | None = None
     loop = asyncio.get_running_loop()
@@ -195,6 +205,9 @@ async def relay(
             if counter.events and not lifecycle.first_seen:
                 lifecycle.first_token()
             lifecycle.output(counter.tokens)  # tells the router at block boundaries
+            if upstream.at_eof():  # the engine's last bytes go out with the stream's end
+                tail = chunk  # (one send, not two)
+                break
             await out.write(chunk)
             if ends_at is None:  # the common case: no timer task per chunk
                 chunk = await upstream.content.readany()
@@ -226,7 +239,7 @@ async def relay(
         except ConnectionResetError:
             pass
     try:
-        await out.write_eof()
+        await out.write_eof(tail)
     except ConnectionResetError:
         outcome = outcome if outcome != "ok" else "client_disconnected"
     return out, outcome, error

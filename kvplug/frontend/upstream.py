@@ -1,4 +1,5 @@
-"""HTTP to the engines: one pooled keep-alive client session.
+"""HTTP to the engines: the request path's keep-alive pool (``kvplug/frontend/engine_http.py``)
+and an aiohttp session for the side calls (token endpoints, prefill stages, health probes).
 
 ``open`` returns only once the engine has sent its status line and the first body bytes, so a
 failure before the first byte (refused, reset, timeout, empty answer) is an
@@ -12,6 +13,8 @@ import json
 from typing import Any
 
 import aiohttp
+
+from kvplug.frontend.engine_http import EnginePool, EngineResponse
 
 # headers that must not be forwarded (hop-by-hop, or set by the client session itself, or
 # kvplug's own routing hints)
@@ -65,8 +68,12 @@ class Upstream:
         self.read_timeout = read_timeout
         self.limit = limit
         self.session: aiohttp.ClientSession | None = None
+        self.pool: EnginePool | None = None
 
     async def start(self) -> None:
+        if self.pool is None:
+            # idle connections close before uvicorn's 5 s keep-alive (vLLM, SGLang) does
+            self.pool = EnginePool(self.connect_timeout, self.read_timeout, keepalive=4.0)
         if self.session is None:
             connector = aiohttp.TCPConnector(
                 limit=self.limit,
@@ -86,27 +93,24 @@ class Upstream:
             )
 
     async def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
         if self.session is not None:
             await self.session.close()
             self.session = None
 
     async def open(
         self, worker_id: str, url: str, body: bytes, headers: dict[str, str]
-    ) -> tuple[aiohttp.ClientResponse, bytes]:
-        """POST and wait for the first body bytes; ``UpstreamUnavailable`` before them."""
-        assert self.session is not None, "Upstream.start() was not awaited"
-        resp = None
+    ) -> tuple[EngineResponse, bytes]:
+        """POST and wait for the first body bytes; ``UpstreamUnavailable`` before them. A
+        cancelled call (client gone, timeout) closes the connection, so the engine aborts."""
+        assert self.pool is not None, "Upstream.start() was not awaited"
         try:
-            resp = await self.session.post(url, data=body, headers=headers)
-            first = await resp.content.readany()
+            resp = await self.pool.post(url, body, headers)
+            first = await resp.readany()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            if resp is not None:
-                resp.close()
             raise UpstreamUnavailable(worker_id, f"{type(exc).__name__}: {exc}") from exc
-        except BaseException:  # cancelled (client gone, timeout): close, so the engine aborts
-            if resp is not None:
-                resp.close()
-            raise
         if not first and resp.status >= 500:
             # an empty 5xx is a dead or restarting engine, not an answer
             resp.close()
