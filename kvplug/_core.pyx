@@ -412,7 +412,7 @@ cdef int _open_tokens(object tokens, TokenView *tv) except -1:
         free(tv.owned)
         tv.owned = NULL
         tokens = _seq_to_int64(tokens)  # the generic path: errors name the position
-    if type(tokens) is np.ndarray:
+    if type(tokens) is cnp.ndarray:
         # fast path: a 1-D aligned contiguous native 4/8-byte integer array, read in place (the
         # caller's reference keeps it alive for the call)
         tnum = cnp.PyArray_TYPE(<cnp.ndarray>tokens)
@@ -452,7 +452,7 @@ cdef int _open_tokens(object tokens, TokenView *tv) except -1:
         if isinstance(tokens, (str, dict, set)) or tokens is None:
             raise InvalidTokens(f"tokens must be a sequence of integers, got {type(tokens).__name__}")
         tokens = _seq_to_int64(tokens)
-    elif isinstance(tokens, np.ndarray):
+    elif isinstance(tokens, cnp.ndarray):
         if tokens.ndim != 1:
             raise InvalidTokens(f"tokens must be 1-D, got shape {tokens.shape}")
         kind = tokens.dtype.kind
@@ -538,13 +538,13 @@ cdef cnp.ndarray _as_u64(object x, str what):
     """x as an aligned, contiguous uint64 numpy array (a view for int64/uint64 arrays)."""
     cdef cnp.ndarray a
     cdef int tnum
-    if type(x) is np.ndarray:
+    if type(x) is cnp.ndarray:  # (cnp: a C-level type check, no module attribute lookup)
         a = <cnp.ndarray>x
         tnum = cnp.PyArray_TYPE(a)
         if (tnum == cnp.NPY_UINT64 and cnp.PyArray_NDIM(a) == 1 and cnp.PyArray_ISCARRAY_RO(a)
                 and cnp.PyArray_ISNOTSWAPPED(a)):
             return a  # fast path: used in place
-    if isinstance(x, np.ndarray):
+    if isinstance(x, cnp.ndarray):
         a = <cnp.ndarray>x
         kind = a.dtype.kind
         if kind not in "iu":
@@ -574,6 +574,30 @@ cdef cnp.ndarray _as_u64(object x, str what):
 
 cdef inline const uint64_t *_u64_ptr(cnp.ndarray a):
     return <const uint64_t *>cnp.PyArray_DATA(a)
+
+
+cdef struct U64View:
+    const uint64_t *ptr
+    size_t n
+
+
+cdef object _u64_view(object x, str what, uint64_t *small, size_t small_cap, U64View *v):
+    """Point v at x's values as u64. A short list or tuple of exact ints in [0, 2**64) (a decoded
+    event's hashes) is read straight into the caller's ``small`` buffer (returns None): no numpy
+    array per call. Anything else goes through _as_u64 (same values, same errors) and the array
+    is returned: the caller keeps it alive while v is in use."""
+    cdef Py_ssize_t n
+    cdef cnp.ndarray a
+    if type(x) is list or type(x) is tuple:
+        n = len(x)
+        if <size_t>n <= small_cap and kvpy_ints_to_u64(PySequence_Fast_ITEMS(x), n, small):
+            v.ptr = small
+            v.n = <size_t>n
+            return None
+    a = _as_u64(x, what)
+    v.ptr = _u64_ptr(a)
+    v.n = <size_t>a.shape[0]
+    return a
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -895,21 +919,22 @@ cdef class Index:
         """Store precomputed kvplug hashes (one per engine hash, chain order)."""
         cdef kvp_endpoint_t e = _ep(ep)
         cdef int t = _tier(tier)
-        cdef cnp.ndarray ehs = _as_u64(engine_hashes, "engine_hashes")
-        cdef cnp.ndarray hs = _as_u64(block_hashes, "block_hashes")
-        cdef size_t n = <size_t>ehs.shape[0]
+        cdef uint64_t small_ehs[128]
+        cdef uint64_t small_hs[128]
+        cdef U64View ehv, hv
+        keep_ehs = _u64_view(engine_hashes, "engine_hashes", small_ehs, 128, &ehv)
+        keep_hs = _u64_view(block_hashes, "block_hashes", small_hs, 128, &hv)
+        cdef size_t n = ehv.n
         cdef kvp_status st
-        cdef const uint64_t *ehp = _u64_ptr(ehs)
-        cdef const uint64_t *hp = _u64_ptr(hs)
-        if <size_t>hs.shape[0] != n:
-            raise InvalidArgument(f"{n} engine hashes but {hs.shape[0]} block hashes")
+        if hv.n != n:
+            raise InvalidArgument(f"{n} engine hashes but {hv.n} block hashes")
         self._acquire()
         try:
             if n >= NOGIL_BLOCKS:
                 with nogil:
-                    st = kvp_index_store(self.idx, e, t, ehp, hp, n)
+                    st = kvp_index_store(self.idx, e, t, ehv.ptr, hv.ptr, n)
             else:
-                st = kvp_index_store(self.idx, e, t, ehp, hp, n)
+                st = kvp_index_store(self.idx, e, t, ehv.ptr, hv.ptr, n)
         finally:
             self._release()
         if st != KVP_OK:
@@ -1169,10 +1194,12 @@ cdef class Index:
 
     def query(self, block_hashes, QueryResult out=None):
         """Walk the request's sequence hashes in order. ``out`` is reused when given."""
-        cdef cnp.ndarray hs = _as_u64(block_hashes, "block_hashes")
-        cdef size_t n = <size_t>hs.shape[0]
+        cdef uint64_t small_hs[512]  # an 8,192-token prompt's hashes at 16 tokens per block
+        cdef U64View hv
+        keep_hs = _u64_view(block_hashes, "block_hashes", small_hs, 512, &hv)
+        cdef size_t n = hv.n
         cdef kvp_status st
-        cdef const uint64_t *hp = _u64_ptr(hs)
+        cdef const uint64_t *hp = hv.ptr
         if out is None:
             out = QueryResult(kvp_index_endpoint_limit(self.idx))
         self._acquire()

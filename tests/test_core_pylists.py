@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvplug.core import load_backend
-from kvplug.errors import InvalidTokens
+from kvplug.errors import InvalidArgument, InvalidTokens
 
 C = load_backend("c")
 
@@ -155,3 +155,30 @@ def test_hash_lists_outside_u64_fold_like_before():
     idx.store(0, 0, [1, 2, 3], [2**64 - 5, 7 + 2**64, 1])
     assert idx.query([-5, 7, True]).scores() == {0: 3}
     assert idx.query(np.array([2**64 - 5, 7, 1], np.uint64)).scores() == {0: 3}
+
+
+@pytest.mark.parametrize("n", [1, 127, 128, 129, 511, 512, 513])
+def test_hash_lists_of_any_length_store_and_query_like_arrays(n):
+    """Short hash lists are read into a buffer on the stack (store: up to 128, query: up to
+    512), longer ones through an array: either way the answers are the arrays'."""
+    rng = np.random.default_rng(n)
+    hs = rng.integers(0, 2**64, n, dtype=np.uint64)
+    hs[: min(n, len(HASH_EDGES))] = HASH_EDGES[: min(n, len(HASH_EDGES))]
+    ehs = np.arange(1, n + 1, dtype=np.uint64)
+    a, b = C.Index(), C.Index()
+    a.store(3, 0, ehs.tolist(), hs.tolist())
+    b.store(3, 0, ehs, hs)
+    assert a.holdings(3) == b.holdings(3)
+    assert a.query(hs.tolist()).scores() == b.query(hs).scores() == {3: n}
+    assert a.query(tuple(hs[: n // 2].tolist())).scores() == ({3: n // 2} if n // 2 else {})
+
+
+def test_hash_lists_that_fail_the_direct_read_keep_their_errors():
+    idx = C.Index()
+    with pytest.raises(InvalidArgument, match="2 engine hashes but 3 block hashes"):
+        idx.store(0, 0, [1, 2], [1, 2, 3])
+    with pytest.raises(InvalidArgument, match=r"block_hashes\[1\] must be an integer"):
+        idx.store(0, 0, [1, 2], [1, "x"])
+    with pytest.raises(InvalidArgument, match=r"block_hashes\[0\] must be an integer"):
+        idx.query([None])
+    assert idx.stats()["stored_blocks"] == 0
