@@ -301,20 +301,21 @@ def test_blocks_with_many_holders_match_reference(seed):
     eps = [*range(0, 70), 300, 1000, SHARED]
     hashes = [11, 12, 13, 14]
     c, r = core.Index(), ref.Index()
+
+    def both(method: str, *args) -> None:
+        same_outcome(lambda: getattr(c, method)(*args), lambda: getattr(r, method)(*args))
+
     for step in range(600):
         ep = rnd.choice(eps[:20] if step < 100 else eps)  # ids sparse in the limit at first
         op = rnd.random()
         ehs = [rnd.randrange(4) for _ in range(rnd.randrange(1, 4))]
         if op < 0.6:
             hs = [rnd.choice(hashes) for _ in ehs]
-            tier = rnd.randrange(3)
-            same_outcome(lambda: c.store(ep, tier, ehs, hs), lambda: r.store(ep, tier, ehs, hs))
+            both("store", ep, rnd.randrange(3), ehs, hs)
         elif op < 0.8:
-            tier = rnd.choice([None, 0, 1, 2])
-            same_outcome(lambda: c.remove(ep, ehs, tier), lambda: r.remove(ep, ehs, tier))
+            both("remove", ep, ehs, rnd.choice([None, 0, 1, 2]))
         elif op < 0.95:
-            a, b = rnd.randrange(3), rnd.randrange(3)
-            same_outcome(lambda: c.move(ep, ehs, a, b), lambda: r.move(ep, ehs, a, b))
+            both("move", ep, ehs, rnd.randrange(3), rnd.randrange(3))
         else:
             c.clear(ep)
             r.clear(ep)
