@@ -23,12 +23,8 @@ kvp_hash_t kvp_chain_hash(kvp_hash_t prev, kvp_hash_t local, uint64_t extra) {
     return kvp_chain_hash_inline(prev, local, extra);
 }
 
-/* Unaligned-safe loads. Tokens have been validated, so truncation to 32 bits is exact. */
-static inline uint32_t ld_u32(const unsigned char *p, size_t i) {
-    uint32_t v;
-    memcpy(&v, p + 4 * i, 4);
-    return v;
-}
+/* Unaligned-safe loads (ld_u32, pair_u32: kvp_internal.h). Tokens have been validated, so
+ * truncation to 32 bits is exact. */
 static inline uint32_t ld_le32(const unsigned char *p, size_t i) {
     const unsigned char *q = p + 4 * i;
     return (uint32_t)q[0] | ((uint32_t)q[1] << 8) | ((uint32_t)q[2] << 16) | ((uint32_t)q[3] << 24);
@@ -39,16 +35,6 @@ static inline uint32_t ld_u64lo(const unsigned char *p, size_t i) {
     return (uint32_t)v;
 }
 
-/* Two tokens as one 64-bit word: t[i] | t[i+1] << 32. */
-static inline uint64_t pair_u32(const unsigned char *p, size_t i) {
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    uint64_t v;
-    memcpy(&v, p + 4 * i, 8);
-    return v;
-#else
-    return (uint64_t)ld_u32(p, i) | ((uint64_t)ld_u32(p, i + 1) << 32);
-#endif
-}
 static inline uint64_t pair_le32(const unsigned char *p, size_t i) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     uint64_t v;
@@ -62,32 +48,7 @@ static inline uint64_t pair_u64(const unsigned char *p, size_t i) {
     return (uint64_t)ld_u64lo(p, i) | ((uint64_t)ld_u64lo(p, i + 1) << 32);
 }
 
-/* One block's local hash: eight tokens per round in two lanes, zero padding (n is mixed in). */
-#define DEFINE_LOCAL(NAME, PAIR, LOAD)                                                        \
-    static inline kvp_hash_t NAME(const unsigned char *p, size_t n, uint64_t seed) {          \
-        uint64_t a = seed ^ KPH_K0 ^ ((uint64_t)n * KPH_K1);                                  \
-        uint64_t b = seed ^ KPH_K2 ^ kph_rotl((uint64_t)n * KPH_K3, 29);                      \
-        size_t i = 0;                                                                         \
-        for (; i + 8 <= n; i += 8) {                                                          \
-            uint64_t w0 = PAIR(p, i), w1 = PAIR(p, i + 2);                                    \
-            uint64_t w2 = PAIR(p, i + 4), w3 = PAIR(p, i + 6);                                \
-            a = kph_mum(w0 ^ KPH_K1 ^ a, w1 ^ KPH_K2) ^ kph_rotl(a, 23);                       \
-            b = kph_mum(w2 ^ KPH_K3 ^ b, w3 ^ KPH_K0) ^ kph_rotl(b, 41);                       \
-        }                                                                                     \
-        if (i < n) {                                                                          \
-            uint32_t pad[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                       \
-            for (size_t j = 0; i + j < n; j++) pad[j] = LOAD(p, i + j);                       \
-            uint64_t w0 = (uint64_t)pad[0] | ((uint64_t)pad[1] << 32);                        \
-            uint64_t w1 = (uint64_t)pad[2] | ((uint64_t)pad[3] << 32);                        \
-            uint64_t w2 = (uint64_t)pad[4] | ((uint64_t)pad[5] << 32);                        \
-            uint64_t w3 = (uint64_t)pad[6] | ((uint64_t)pad[7] << 32);                        \
-            a = kph_mum(w0 ^ KPH_K1 ^ a, w1 ^ KPH_K2) ^ kph_rotl(a, 23);                       \
-            b = kph_mum(w2 ^ KPH_K3 ^ b, w3 ^ KPH_K0) ^ kph_rotl(b, 41);                       \
-        }                                                                                     \
-        return kph_fmix64(kph_mum(a ^ KPH_K3, b ^ KPH_K0 ^ (uint64_t)n) ^ a ^ kph_rotl(b, 17)); \
-    }
-
-DEFINE_LOCAL(local_u32, pair_u32, ld_u32)
+#define local_u32 kph_local_u32 /* kvp_internal.h */
 DEFINE_LOCAL(local_le32, pair_le32, ld_le32)
 DEFINE_LOCAL(local_u64, pair_u64, ld_u64lo)
 

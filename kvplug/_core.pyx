@@ -31,6 +31,7 @@ cdef extern from "Python.h":
 # caller to the generic path, so the answers and errors stay exactly those of that path.
 cdef extern from *:
     """
+    #include "kvp_internal.h"
     #if PYLONG_BITS_IN_DIGIT == 30 && !defined(PYPY_VERSION)
     #define KVPY_FAST_INTS 1
     #if PY_VERSION_HEX >= 0x030C0000
@@ -97,8 +98,115 @@ cdef extern from *:
         return 0;
     #endif
     }
+
+    /* items[0..n) as 64-bit words of two u32 tokens each (out[k] = t[2k] | t[2k+1] << 32, the
+     * high half of the last word 0 when n is odd): 1 if every item is an exact int in
+     * [0, 2**32), else 0. */
+    static inline int kvpy_ints_to_w64(PyObject *const *restrict items, Py_ssize_t n,
+                                       uint64_t *restrict out) {
+    #if KVPY_FAST_INTS
+        uint32_t t[2];
+        for (Py_ssize_t i = 0; i < n; i += 2) {
+            for (int k = 0; k < 2; k++) {
+                t[k] = 0;
+                if (i + k >= n) break;
+                PyObject *o = items[i + k];
+                if (Py_TYPE(o) != &PyLong_Type || KVPY_NEGATIVE(o)) return 0;
+                Py_ssize_t nd = KVPY_NDIGITS(o);
+                const digit *d = KVPY_DIGITS(o);
+                if (nd == 1) t[k] = (uint32_t)d[0];
+                else if (nd == 2 && d[1] < 4u) t[k] = (uint32_t)d[0] | ((uint32_t)d[1] << 30);
+                else if (nd != 0) return 0;
+            }
+            out[i / 2] = (uint64_t)t[0] | ((uint64_t)t[1] << 32);
+        }
+        return 1;
+    #else
+        (void)items; (void)n; (void)out;
+        return 0;
+    #endif
+    }
+
+    #if KVPY_FAST_INTS
+    #if PY_VERSION_HEX >= 0x030C0000
+    #define KVPY_ONE_DIGIT(o) (((PyLongObject *)(o))->long_value.lv_tag == ((uintptr_t)1 << 3))
+    #else
+    #define KVPY_ONE_DIGIT(o) (Py_SIZE(o) == 1)
+    #endif
+    /* The digit of an exact positive one-digit int (bad |= 1 for anything else, whose memory
+     * is then not read). */
+    static inline uint32_t kvpy_small_digit(PyObject *o, uint64_t *bad) {
+        static const digit zero = 0;
+        const int ok = Py_TYPE(o) == &PyLong_Type && KVPY_ONE_DIGIT(o);
+        *bad |= (uint64_t)!ok;
+        return (uint32_t)*(ok ? KVPY_DIGITS(o) : &zero);
+    }
+    #endif
+
+    /* items[0..n) as words (as kvpy_ints_to_w64). Tokens of a vocabulary (< 2**30) are
+     * one-digit ints: read those without a branch per item, and everything else (0, larger
+     * ints, non-ints) through kvpy_ints_to_w64's exact checks. */
+    static inline int kvpy_tokens_to_w64(PyObject *const *restrict items, size_t n,
+                                         uint64_t *restrict out) {
+    #if KVPY_FAST_INTS
+        uint64_t bad = 0;
+        size_t i = 0;
+        for (; i + 2 <= n; i += 2) {
+            const uint64_t a = kvpy_small_digit(items[i], &bad);
+            const uint64_t b = kvpy_small_digit(items[i + 1], &bad);
+            out[i / 2] = a | (b << 32);
+        }
+        if (i < n) out[i / 2] = kvpy_small_digit(items[i], &bad);
+        return !bad || kvpy_ints_to_w64(items, (Py_ssize_t)n, out);
+    #else
+        (void)items; (void)n; (void)out;
+        return 0;
+    #endif
+    }
+
+    /* Sequence (and, with lo, local) hashes of every full block of items[0..n), a list's or
+     * tuple's items, read block by block from the int objects and hashed as they are read: no
+     * token array, and for 16-token blocks (vLLM's and Dynamo's default) a block's tokens stay
+     * in registers. The same hashes as kvp_hash_blocks (kph1's local hash,
+     * kvp_chain_hash_inline). 1 if every item, the tail after the last full block too, is an
+     * exact int in [0, 2**32); else 0 and the caller takes the generic path (which names the bad
+     * token). bs <= KVPY_FUSED_MAX_BS. */
+    #define KVPY_FUSED_MAX_BS 256
+    static int kvpy_hash_items(PyObject *const *items, Py_ssize_t n, size_t bs, uint64_t seed,
+                               uint64_t *lo, uint64_t *seq) {
+    #if KVPY_FAST_INTS
+        uint64_t buf[KVPY_FUSED_MAX_BS / 2];
+        const size_t nb = (size_t)n / bs, tail = (size_t)n - nb * bs;
+        uint64_t prev = seed;
+        if (bs == 16) {
+            for (size_t b = 0; b < nb; b++) {
+                uint64_t w[8];
+                if (!kvpy_tokens_to_w64(items + b * 16, 16, w)) return 0;
+                const uint64_t h = kph_local_w64((const unsigned char *)w, 16, 0);
+                prev = kvp_chain_hash_inline(prev, h, 0);
+                if (lo) lo[b] = h;
+                seq[b] = prev;
+            }
+        } else {
+            for (size_t b = 0; b < nb; b++) {
+                if (!kvpy_tokens_to_w64(items + b * bs, bs, buf)) return 0;
+                const uint64_t h = kph_local_w64((const unsigned char *)buf, bs, 0);
+                prev = kvp_chain_hash_inline(prev, h, 0);
+                if (lo) lo[b] = h;
+                seq[b] = prev;
+            }
+        }
+        return tail == 0 || kvpy_tokens_to_w64(items + nb * bs, tail, buf);
+    #else
+        (void)items; (void)n; (void)bs; (void)seed; (void)lo; (void)seq;
+        return 0;
+    #endif
+    }
     """
     int kvpy_ints_to_u32(PyObject **items, Py_ssize_t n, uint32_t *out)
+    size_t KVPY_FUSED_MAX_BS
+    int kvpy_hash_items(PyObject **items, Py_ssize_t n, size_t bs, uint64_t seed, uint64_t *lo,
+                        uint64_t *seq)
     int kvpy_ints_to_u64(PyObject **items, Py_ssize_t n, uint64_t *out)
     PyObject **PySequence_Fast_ITEMS(object o)
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer
@@ -304,7 +412,7 @@ cdef int _open_tokens(object tokens, TokenView *tv) except -1:
         free(tv.owned)
         tv.owned = NULL
         tokens = _seq_to_int64(tokens)  # the generic path: errors name the position
-    if type(tokens) is np.ndarray:
+    if type(tokens) is cnp.ndarray:
         # fast path: a 1-D aligned contiguous native 4/8-byte integer array, read in place (the
         # caller's reference keeps it alive for the call)
         tnum = cnp.PyArray_TYPE(<cnp.ndarray>tokens)
@@ -344,7 +452,7 @@ cdef int _open_tokens(object tokens, TokenView *tv) except -1:
         if isinstance(tokens, (str, dict, set)) or tokens is None:
             raise InvalidTokens(f"tokens must be a sequence of integers, got {type(tokens).__name__}")
         tokens = _seq_to_int64(tokens)
-    elif isinstance(tokens, np.ndarray):
+    elif isinstance(tokens, cnp.ndarray):
         if tokens.ndim != 1:
             raise InvalidTokens(f"tokens must be 1-D, got shape {tokens.shape}")
         kind = tokens.dtype.kind
@@ -430,13 +538,13 @@ cdef cnp.ndarray _as_u64(object x, str what):
     """x as an aligned, contiguous uint64 numpy array (a view for int64/uint64 arrays)."""
     cdef cnp.ndarray a
     cdef int tnum
-    if type(x) is np.ndarray:
+    if type(x) is cnp.ndarray:  # (cnp: a C-level type check, no module attribute lookup)
         a = <cnp.ndarray>x
         tnum = cnp.PyArray_TYPE(a)
         if (tnum == cnp.NPY_UINT64 and cnp.PyArray_NDIM(a) == 1 and cnp.PyArray_ISCARRAY_RO(a)
                 and cnp.PyArray_ISNOTSWAPPED(a)):
             return a  # fast path: used in place
-    if isinstance(x, np.ndarray):
+    if isinstance(x, cnp.ndarray):
         a = <cnp.ndarray>x
         kind = a.dtype.kind
         if kind not in "iu":
@@ -466,6 +574,30 @@ cdef cnp.ndarray _as_u64(object x, str what):
 
 cdef inline const uint64_t *_u64_ptr(cnp.ndarray a):
     return <const uint64_t *>cnp.PyArray_DATA(a)
+
+
+cdef struct U64View:
+    const uint64_t *ptr
+    size_t n
+
+
+cdef object _u64_view(object x, str what, uint64_t *small, size_t small_cap, U64View *v):
+    """Point v at x's values as u64. A short list or tuple of exact ints in [0, 2**64) (a decoded
+    event's hashes) is read straight into the caller's ``small`` buffer (returns None): no numpy
+    array per call. Anything else goes through _as_u64 (same values, same errors) and the array
+    is returned: the caller keeps it alive while v is in use."""
+    cdef Py_ssize_t n
+    cdef cnp.ndarray a
+    if type(x) is list or type(x) is tuple:
+        n = len(x)
+        if <size_t>n <= small_cap and kvpy_ints_to_u64(PySequence_Fast_ITEMS(x), n, small):
+            v.ptr = small
+            v.n = <size_t>n
+            return None
+    a = _as_u64(x, what)
+    v.ptr = _u64_ptr(a)
+    v.n = <size_t>a.shape[0]
+    return a
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -564,6 +696,20 @@ def hash_blocks(tokens, block_size, seed=0, extra=None, bint with_local=True):
     cdef cnp.ndarray seq
     cdef const uint64_t *ex_p = NULL
     cdef kvp_hash_t *lo_p = NULL
+    cdef Py_ssize_t n_items
+    if (type(tokens) is list or type(tokens) is tuple) and extra is None and bs <= KVPY_FUSED_MAX_BS:
+        # fast path (a decoded event's or request's token list): read and hash in one pass
+        n_items = len(tokens)
+        nb = <size_t>n_items // bs
+        seq = cnp.PyArray_EMPTY(1, [<cnp.npy_intp>nb], cnp.NPY_UINT64, 0)
+        if with_local:
+            lo = cnp.PyArray_EMPTY(1, [<cnp.npy_intp>nb], cnp.NPY_UINT64, 0)
+            lo_p = <kvp_hash_t *>cnp.PyArray_DATA(lo)
+        if kvpy_hash_items(PySequence_Fast_ITEMS(tokens), n_items, bs, s, lo_p,
+                           <kvp_hash_t *>cnp.PyArray_DATA(seq)):
+            return lo, seq
+        lo = None  # not all exact ints in range: the generic path below, with its errors
+        lo_p = NULL
     _open_tokens(tokens, &tv)
     try:
         nb = tv.n // bs
@@ -773,21 +919,22 @@ cdef class Index:
         """Store precomputed kvplug hashes (one per engine hash, chain order)."""
         cdef kvp_endpoint_t e = _ep(ep)
         cdef int t = _tier(tier)
-        cdef cnp.ndarray ehs = _as_u64(engine_hashes, "engine_hashes")
-        cdef cnp.ndarray hs = _as_u64(block_hashes, "block_hashes")
-        cdef size_t n = <size_t>ehs.shape[0]
+        cdef uint64_t small_ehs[128]
+        cdef uint64_t small_hs[128]
+        cdef U64View ehv, hv
+        keep_ehs = _u64_view(engine_hashes, "engine_hashes", small_ehs, 128, &ehv)
+        keep_hs = _u64_view(block_hashes, "block_hashes", small_hs, 128, &hv)
+        cdef size_t n = ehv.n
         cdef kvp_status st
-        cdef const uint64_t *ehp = _u64_ptr(ehs)
-        cdef const uint64_t *hp = _u64_ptr(hs)
-        if <size_t>hs.shape[0] != n:
-            raise InvalidArgument(f"{n} engine hashes but {hs.shape[0]} block hashes")
+        if hv.n != n:
+            raise InvalidArgument(f"{n} engine hashes but {hv.n} block hashes")
         self._acquire()
         try:
             if n >= NOGIL_BLOCKS:
                 with nogil:
-                    st = kvp_index_store(self.idx, e, t, ehp, hp, n)
+                    st = kvp_index_store(self.idx, e, t, ehv.ptr, hv.ptr, n)
             else:
-                st = kvp_index_store(self.idx, e, t, ehp, hp, n)
+                st = kvp_index_store(self.idx, e, t, ehv.ptr, hv.ptr, n)
         finally:
             self._release()
         if st != KVP_OK:
@@ -1047,10 +1194,12 @@ cdef class Index:
 
     def query(self, block_hashes, QueryResult out=None):
         """Walk the request's sequence hashes in order. ``out`` is reused when given."""
-        cdef cnp.ndarray hs = _as_u64(block_hashes, "block_hashes")
-        cdef size_t n = <size_t>hs.shape[0]
+        cdef uint64_t small_hs[512]  # an 8,192-token prompt's hashes at 16 tokens per block
+        cdef U64View hv
+        keep_hs = _u64_view(block_hashes, "block_hashes", small_hs, 512, &hv)
+        cdef size_t n = hv.n
         cdef kvp_status st
-        cdef const uint64_t *hp = _u64_ptr(hs)
+        cdef const uint64_t *hp = hv.ptr
         if out is None:
             out = QueryResult(kvp_index_endpoint_limit(self.idx))
         self._acquire()

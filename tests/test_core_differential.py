@@ -287,3 +287,42 @@ def test_costs_and_select_match_reference(rows, temperature, u, w):
     cc = core.costs(*cols, p)
     assert [float(x) for x in cc] == cr
     assert core.select(cc, temperature, u) == ref.select(cr, temperature, u)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_blocks_with_many_holders_match_reference(seed):
+    """Popular blocks held by dozens of endpoints (whose sorted holder lists the core searches
+    from a guess at the endpoint's position, then gallops): random stores, removes, moves and
+    clears over 70 endpoints and the shared tier, on a handful of blocks, answer as the
+    reference does after every step (holdings of every endpoint, queries, counters)."""
+    import random
+
+    rnd = random.Random(seed)
+    eps = [*range(0, 70), 300, 1000, SHARED]
+    hashes = [11, 12, 13, 14]
+    c, r = core.Index(), ref.Index()
+
+    def both(method: str, *args) -> None:
+        same_outcome(lambda: getattr(c, method)(*args), lambda: getattr(r, method)(*args))
+
+    for step in range(600):
+        ep = rnd.choice(eps[:20] if step < 100 else eps)  # ids sparse in the limit at first
+        op = rnd.random()
+        ehs = [rnd.randrange(4) for _ in range(rnd.randrange(1, 4))]
+        if op < 0.6:
+            hs = [rnd.choice(hashes) for _ in ehs]
+            both("store", ep, rnd.randrange(3), ehs, hs)
+        elif op < 0.8:
+            both("remove", ep, ehs, rnd.choice([None, 0, 1, 2]))
+        elif op < 0.95:
+            both("move", ep, ehs, rnd.randrange(3), rnd.randrange(3))
+        else:
+            c.clear(ep)
+            r.clear(ep)
+        assert c.stats() == r.stats()
+        assert c.holdings(ep) == r.holdings(ep)
+        q = [rnd.choice(hashes) for _ in range(3)]
+        assert c.query(q).matched() == r.query(q).matched()
+    for ep in eps:
+        assert c.holdings(ep) == r.holdings(ep)
+    assert max(len(c.query([h]).matched()) for h in hashes) >= 16  # the guess path ran

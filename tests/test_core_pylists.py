@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvplug.core import load_backend
-from kvplug.errors import InvalidTokens
+from kvplug.errors import InvalidArgument, InvalidTokens
 
 C = load_backend("c")
 
@@ -60,6 +60,43 @@ def test_token_lists_hash_like_arrays(n):
         got = C.hash_blocks(form, 16)
         assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
     assert C.local_hash(toks[:16].tolist()) == C.local_hash(toks[:16].astype(np.uint32))
+
+
+@pytest.mark.parametrize("bs", [1, 2, 3, 15, 16, 17, 64, 256, 257])
+@pytest.mark.parametrize("n_blocks", [0, 1, 3, 30])
+def test_token_lists_hash_block_by_block_like_arrays(bs, n_blocks):
+    """Lists of tokens are read and hashed block by block (16-token blocks in registers, others
+    through a buffer, over 256 the generic path): every block size, with a tail after the last
+    full block, one- and two-digit ints and zeros anywhere, gives the array answer."""
+    rng = np.random.default_rng(bs * 100 + n_blocks)
+    n = n_blocks * bs + bs // 2
+    toks = rng.integers(0, 128_000, n, dtype=np.uint64)
+    if n:
+        toks[rng.integers(0, n, min(n, 8))] = rng.choice(TOKEN_EDGES, min(n, 8))
+    want = C.hash_blocks(toks.astype(np.uint32), bs)
+    ref = load_backend("reference").hash_blocks(toks.tolist(), bs)
+    for form in (toks.tolist(), tuple(toks.tolist())):
+        lo, seq = C.hash_blocks(form, bs)
+        assert lo.tolist() == want[0].tolist() == list(ref[0])
+        assert seq.tolist() == want[1].tolist() == list(ref[1])
+        none, seq_only = C.hash_blocks(form, bs, 7, with_local=False)
+        assert none is None
+        assert seq_only.tolist() == C.hash_blocks(toks.astype(np.uint32), bs, 7)[1].tolist()
+
+
+@pytest.mark.parametrize("where", ["first block", "last block", "tail"])
+def test_bad_tokens_in_any_block_of_a_list_are_named(where):
+    """A bad token found while hashing block by block still raises the generic path's error
+    (its position), wherever it is: no partial answer comes back."""
+    toks = list(range(1000, 1000 + 16 * 4 + 5))
+    pos = {"first block": 3, "last block": 16 * 3 + 2, "tail": 16 * 4 + 1}[where]
+    for bad in (-1, 2**32, "x"):
+        toks_bad = list(toks)
+        toks_bad[pos] = bad
+        with pytest.raises(InvalidTokens, match=f"position {pos}"):
+            C.hash_blocks(toks_bad, 16)
+        with pytest.raises(InvalidTokens, match=f"position {pos}"):
+            C.hash_blocks(tuple(toks_bad), 16, with_local=False)
 
 
 def test_token_lists_with_bools_and_int_subclasses_take_the_general_path():
@@ -118,3 +155,30 @@ def test_hash_lists_outside_u64_fold_like_before():
     idx.store(0, 0, [1, 2, 3], [2**64 - 5, 7 + 2**64, 1])
     assert idx.query([-5, 7, True]).scores() == {0: 3}
     assert idx.query(np.array([2**64 - 5, 7, 1], np.uint64)).scores() == {0: 3}
+
+
+@pytest.mark.parametrize("n", [1, 127, 128, 129, 511, 512, 513])
+def test_hash_lists_of_any_length_store_and_query_like_arrays(n):
+    """Short hash lists are read into a buffer on the stack (store: up to 128, query: up to
+    512), longer ones through an array: either way the answers are the arrays'."""
+    rng = np.random.default_rng(n)
+    hs = rng.integers(0, 2**64, n, dtype=np.uint64)
+    hs[: min(n, len(HASH_EDGES))] = HASH_EDGES[: min(n, len(HASH_EDGES))]
+    ehs = np.arange(1, n + 1, dtype=np.uint64)
+    a, b = C.Index(), C.Index()
+    a.store(3, 0, ehs.tolist(), hs.tolist())
+    b.store(3, 0, ehs, hs)
+    assert a.holdings(3) == b.holdings(3)
+    assert a.query(hs.tolist()).scores() == b.query(hs).scores() == {3: n}
+    assert a.query(tuple(hs[: n // 2].tolist())).scores() == ({3: n // 2} if n // 2 else {})
+
+
+def test_hash_lists_that_fail_the_direct_read_keep_their_errors():
+    idx = C.Index()
+    with pytest.raises(InvalidArgument, match="2 engine hashes but 3 block hashes"):
+        idx.store(0, 0, [1, 2], [1, 2, 3])
+    with pytest.raises(InvalidArgument, match=r"block_hashes\[1\] must be an integer"):
+        idx.store(0, 0, [1, 2], [1, "x"])
+    with pytest.raises(InvalidArgument, match=r"block_hashes\[0\] must be an integer"):
+        idx.query([None])
+    assert idx.stats()["stored_blocks"] == 0
