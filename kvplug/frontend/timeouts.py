@@ -33,7 +33,7 @@ if sys.version_info >= (3, 11):
         cancelling = task.cancelling()
         fired = False
 
-        # a plain closure: uvloop schedules a function ~1.4 us faster than a bound method
+        # a closure: a callable object measured ~1 us slower per call_later under uvloop
         def expire() -> None:
             nonlocal fired
             fired = True
