@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -56,3 +57,61 @@ async def test_an_outer_cancel_is_not_turned_into_a_timeout():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_timeout_leaves_the_caller_uncancelled():
+    async def hang():
+        await asyncio.sleep(10)
+
+    with pytest.raises(asyncio.TimeoutError):
+        await within(hang(), 0.01)
+    assert asyncio.current_task().cancelling() == 0
+    await asyncio.sleep(0.01)  # the caller goes on: no cancel request is left behind
+
+
+async def test_work_that_finishes_despite_the_deadline_keeps_its_result():
+    async def stubborn():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return "done anyway"
+
+    assert await within(stubborn(), 0.01) == "done anyway"
+    assert asyncio.current_task().cancelling() == 0
+    await asyncio.sleep(0.01)
+
+
+async def test_a_cancel_arriving_with_the_deadline_stays_a_cancel():
+    async def cancelled_at_the_deadline():
+        # the caller's cancel is due just after the deadline's timer; the blocking sleep makes
+        # both due at the next loop step, so both cancel requests land before the task wakes
+        me = asyncio.current_task()
+        asyncio.get_running_loop().call_later(0.051, me.cancel)
+        time.sleep(0.1)
+        await asyncio.sleep(10)
+
+    task = asyncio.ensure_future(within(cancelled_at_the_deadline(), 0.05))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_nested_deadlines_expire_where_they_were_set():
+    async def hang():
+        await asyncio.sleep(10)
+
+    async def inner_expires():
+        with pytest.raises(asyncio.TimeoutError):
+            await within(hang(), 0.01)
+        return "outer goes on"
+
+    assert await within(inner_expires(), 5) == "outer goes on"
+
+    async def outer_expires():
+        try:
+            await within(hang(), 5)
+        except asyncio.TimeoutError:  # pragma: no cover - the inner one must not claim it
+            return "inner claimed the outer deadline"
+        return "unreachable"
+
+    with pytest.raises(asyncio.TimeoutError):
+        await within(outer_expires(), 0.01)
