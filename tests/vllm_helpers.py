@@ -9,7 +9,7 @@ from collections.abc import Callable
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent
 from kvplug.testing import free_port, free_port_run
 
-__all__ = ["Mirror", "free_port", "free_port_run", "wait_for"]
+__all__ = ["Mirror", "free_port", "free_port_run", "wait_for", "wait_joined"]
 
 
 class Mirror:
@@ -51,7 +51,7 @@ class Mirror:
 
 
 def wait_for(
-    cond: Callable[[], bool], timeout: float = 5.0, pump: Callable[[], None] | None = None
+    cond: Callable[[], bool], timeout: float = 15.0, pump: Callable[[], None] | None = None
 ) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -61,3 +61,22 @@ def wait_for(
             return True
         time.sleep(0.01)
     return cond()
+
+
+def wait_joined(
+    send_probe: Callable[[], None], probes_seen: Callable[[], int], timeout: float = 20.0
+) -> None:
+    """Block until a subscriber hears what a publisher sends (ZMQ's slow joiner).
+
+    ``send_probe`` sends a one-frame message the subscriber drops as malformed and
+    ``probes_seen`` reads its ``malformed_frames`` counter; probes go out until one is counted.
+    A fixed sleep is not enough on a loaded machine, and a batch published before the join is
+    lost for good when nothing follows it. Probes still in flight are counted before any later
+    message is handled (ZMQ keeps one connection's order), so take baselines after a batch.
+    """
+    before = probes_seen()
+    end = time.monotonic() + timeout
+    while probes_seen() == before:
+        assert time.monotonic() < end, f"the subscriber heard no probe within {timeout:g} s"
+        send_probe()
+        time.sleep(0.02)
