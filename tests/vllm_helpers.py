@@ -9,7 +9,15 @@ from collections.abc import Callable
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent
 from kvplug.testing import free_port, free_port_run
 
-__all__ = ["Mirror", "free_port", "free_port_run", "wait_for", "wait_joined"]
+__all__ = [
+    "Mirror",
+    "free_port",
+    "free_port_run",
+    "wait_for",
+    "wait_joined",
+    "wait_sub_hears",
+    "wait_subscribed",
+]
 
 
 class Mirror:
@@ -80,3 +88,26 @@ def wait_joined(
         assert time.monotonic() < end, f"the subscriber heard no probe within {timeout:g} s"
         send_probe()
         time.sleep(0.02)
+
+
+def wait_subscribed(subscriber, publishers, timeout: float = 20.0) -> None:
+    """``wait_joined`` for each of ``publishers`` (VllmEventPublisher, e.g. in-process
+    simulated engines') and one VllmSubscriber (e.g. ``adapter.subscriber`` of a frontend)."""
+    for pub in publishers:
+        wait_joined(
+            lambda pub=pub: pub.send_raw([pub.topic]),
+            lambda: subscriber.stats()["malformed_frames"],
+            timeout,
+        )
+
+
+def wait_sub_hears(sub, pub, timeout: float = 20.0) -> None:
+    """``wait_joined`` for a bare SUB socket the test reads itself and a VllmEventPublisher:
+    probes until one arrives, then the probes still in flight are read off and dropped
+    (call it before anything real is published)."""
+    end = time.monotonic() + timeout
+    while not sub.poll(20):
+        assert time.monotonic() < end, f"the SUB socket heard no probe within {timeout:g} s"
+        pub.send_raw([pub.topic])
+    while sub.poll(200):
+        sub.recv_multipart()
