@@ -369,7 +369,7 @@ async def test_a_stopped_poller_shows_in_ready_and_metrics(fake):
     router = Router(RouterConfig(kv_block_size=32))
     spec = spec_from_mapping({"id": "trt", "url": fake.url, "engine": "trtllm"}, "worker trt")
     running = await start_frontend(
-        router, [spec], ServeSettings(health_interval=0.2, health_timeout=1.0)
+        router, [spec], ServeSettings(health_interval=0.2, health_timeout=5.0)
     )
     adapter = running.frontend.fleet.adapters["trtllm"]
     try:
