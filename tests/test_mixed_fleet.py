@@ -87,7 +87,7 @@ async def test_one_index_routes_a_mixed_fleet():
             )
             await asyncio.to_thread(
                 wait_joined,
-                lambda: sglang.pub.send_multipart([sglang.topic.encode()]),
+                [lambda: sglang.pub.send_multipart([sglang.topic.encode()])],
                 lambda: sglang_adapter._subscriber.stats()["malformed_frames"],
             )
 

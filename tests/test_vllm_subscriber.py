@@ -22,7 +22,7 @@ from kvplug.integrations.vllm.subscriber import (
     offset_endpoint,
     sources_for_engine,
 )
-from vllm_helpers import Mirror, free_port, free_port_run, wait_for, wait_joined
+from vllm_helpers import Mirror, free_port, free_port_run, wait_for, wait_subscribed
 
 from kvplug.errors import ConfigError
 from kvplug.events import AllCleared, BlockRemoved, BlockStored
@@ -105,15 +105,15 @@ def sub():
     s.stop()
 
 
-def joined(sub, pub, topic=b""):
-    """Until ``sub`` hears ``pub`` (ZMQ slow joiner): see vllm_helpers.wait_joined."""
-    wait_joined(lambda: pub.send_raw([topic]), lambda: sub.stats()["malformed_frames"])
+def joined(sub, *pubs):
+    """Until ``sub`` hears every one of ``pubs`` (ZMQ slow joiner): vllm_helpers.wait_joined."""
+    wait_subscribed(sub, pubs)
 
 
 def attach(sub, eng, mirror):
     for src in eng.sources(mirror):
         sub.add(src)
-    joined(sub, eng.pub, eng.pub.topic)
+    joined(sub, eng.pub)
 
 
 def settle(eng, mirror, expect=None, timeout=20.0):
@@ -248,12 +248,11 @@ def test_bound_sub_fans_in_engines_by_topic(sub):
     for e in (e1, e2):
         for src in e.sources(m):
             sub.add(src)
-        joined(sub, e.pub, e.pub.topic)
-    e1.store([1, 2])
-    e2.store([5])
     # "e1-stray" passes the "e1" prefix filter but names no known engine
     stray = VllmEventPublisher(f"tcp://127.0.0.1:{port}", topic="e1-stray")
-    joined(sub, stray, stray.topic)
+    joined(sub, e1.pub, e2.pub, stray)
+    e1.store([1, 2])
+    e2.store([5])
     stray.publish([stored("x", [9])])
     assert settle(e1, m) and settle(e2, m)
     assert wait_for(lambda: sub.stats()["unknown_source"] >= 1, 15)
@@ -299,8 +298,7 @@ def test_dp_ranks_on_offset_ports(sub):
         engine_url="http://127.0.0.1:1",
     ):
         sub.add(src)
-    for p in pubs:
-        joined(sub, p)
+    joined(sub, *pubs)
     pubs[0].publish([stored("e", [1])])
     pubs[1].publish([stored("e", [2], rank=1)])
     assert wait_for(lambda: m.hashes("e", 0) == {1} and m.hashes("e", 1) == {2}, 15)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent
 from kvplug.testing import free_port, free_port_run
@@ -72,33 +72,39 @@ def wait_for(
 
 
 def wait_joined(
-    send_probe: Callable[[], None], probes_seen: Callable[[], int], timeout: float = 20.0
+    probes: Sequence[Callable[[], None]], probes_seen: Callable[[], int], timeout: float = 20.0
 ) -> None:
-    """Block until a subscriber hears what a publisher sends (ZMQ's slow joiner).
+    """Block until a subscriber hears each of several publishers (ZMQ's slow joiner).
 
-    ``send_probe`` sends a one-frame message the subscriber drops as malformed and
-    ``probes_seen`` reads its ``malformed_frames`` counter; probes go out until one is counted.
-    A fixed sleep is not enough on a loaded machine, and a batch published before the join is
-    lost for good when nothing follows it. Probes still in flight are counted before any later
-    message is handled (ZMQ keeps one connection's order), so take baselines after a batch.
+    Each of ``probes`` sends, on one publisher, a one-frame message the subscriber drops as
+    malformed; ``probes_seen`` reads its ``malformed_frames`` counter. A publisher's probes go
+    out until the counter has grown by more than every probe sent before could account for (a
+    late probe of the previous publisher must not pass for this one's). A fixed sleep is not
+    enough on a loaded machine, and a batch published before the join is lost for good when
+    nothing follows it. Probes still in flight when this returns are handled before any later
+    message on their connection (ZMQ keeps its order): take a baseline after a batch.
     """
-    before = probes_seen()
-    end = time.monotonic() + timeout
-    while probes_seen() == before:
-        assert time.monotonic() < end, f"the subscriber heard no probe within {timeout:g} s"
-        send_probe()
-        time.sleep(0.02)
+    start = probes_seen()
+    sent = 0
+    for probe in probes:
+        before = probes_seen()
+        unaccounted = sent - (before - start)  # sent earlier, not seen yet: may still arrive
+        end = time.monotonic() + timeout
+        while probes_seen() - before <= unaccounted:
+            assert time.monotonic() < end, f"the subscriber heard no probe within {timeout:g} s"
+            probe()
+            sent += 1
+            time.sleep(0.02)
 
 
 def wait_subscribed(subscriber, publishers, timeout: float = 20.0) -> None:
-    """``wait_joined`` for each of ``publishers`` (VllmEventPublisher, e.g. in-process
-    simulated engines') and one VllmSubscriber (e.g. ``adapter.subscriber`` of a frontend)."""
-    for pub in publishers:
-        wait_joined(
-            lambda pub=pub: pub.send_raw([pub.topic]),
-            lambda: subscriber.stats()["malformed_frames"],
-            timeout,
-        )
+    """``wait_joined`` for VllmEventPublishers (e.g. in-process simulated engines') and one
+    VllmSubscriber (e.g. ``adapter.subscriber`` of a frontend)."""
+    wait_joined(
+        [lambda pub=pub: pub.send_raw([pub.topic]) for pub in publishers],
+        lambda: subscriber.stats()["malformed_frames"],
+        timeout,
+    )
 
 
 def wait_sub_hears(sub, pub, timeout: float = 20.0) -> None:
