@@ -267,6 +267,17 @@ class LoadSync(ReplicaLoad):
                 f"no NATS server answered at {self.nats_url} within {self.connect_timeout:g} s"
             ) from exc
         await self._nc.subscribe(self.subject, cb=self._on_message)
+        # nats-py only queues the SUB: a peer's event could pass the server before it. A PING
+        # round trip after it means the server has it, so peers are heard once start() returns
+        try:
+            await self._nc.flush(timeout=self.connect_timeout)
+        except Exception as exc:
+            await self._nc.close()
+            self._nc = None
+            raise ConnectionError(
+                f"NATS at {self.nats_url} did not confirm the subscription within "
+                f"{self.connect_timeout:g} s"
+            ) from exc
         self.attach()
         self._tasks = [
             asyncio.create_task(self._flusher(), name="kvplug-load-sync-flush"),
