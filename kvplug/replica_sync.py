@@ -232,6 +232,7 @@ class LoadSync(ReplicaLoad):
         self._seq = 0
         self._nc: Any = None
         self._tasks: list[asyncio.Task] = []
+        self._closing = False  # nats-py calls disconnected_cb on a deliberate close too
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -241,7 +242,8 @@ class LoadSync(ReplicaLoad):
             log.warning("load sync: NATS %s: %s", self.nats_url, exc or type(exc).__name__)
 
         async def disconnected() -> None:
-            log.warning("load sync: disconnected from %s; reconnecting", self.nats_url)
+            if not self._closing:
+                log.warning("load sync: disconnected from %s; reconnecting", self.nats_url)
 
         async def reconnected() -> None:
             log.info("load sync: reconnected to %s", self.nats_url)
@@ -299,6 +301,7 @@ class LoadSync(ReplicaLoad):
             if say_bye and self._nc.is_connected:
                 await self._publish([["bye"]])
                 await self._nc.flush(timeout=2)
+            self._closing = True
             await self._nc.close()
             self._nc = None
 

@@ -133,7 +133,7 @@ async def test_a_replica_that_dies_has_its_load_released(nats_url):
         await syncs[1].close()
 
 
-async def test_a_replica_that_stops_cleanly_releases_at_once(nats_url):
+async def test_a_replica_that_stops_cleanly_releases_at_once(nats_url, caplog):
     a, b = _router(), _router()
     syncs = await _replicas(nats_url, [a, b], expiry_s=60)
     try:
@@ -142,6 +142,8 @@ async def test_a_replica_that_stops_cleanly_releases_at_once(nats_url):
         await syncs[0].close()  # says bye
         await _until(lambda: not b.load.requests, timeout=15)  # well before the 60 s expiry
         assert syncs[1].stats.expired_peers == 0
+        # a deliberate close is not a lost connection (nats-py reports both as disconnected)
+        assert "reconnecting" not in caplog.text
     finally:
         await syncs[1].close()
 
