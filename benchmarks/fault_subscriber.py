@@ -149,7 +149,16 @@ def _attach(sub: VllmSubscriber, eng: Engine, mirror: Mirror) -> None:
         engine_url="http://127.0.0.1:8000",
     ):
         sub.add(src)
-    time.sleep(0.3)  # ZMQ slow joiner: the SUB's connection must exist before publishing
+    # ZMQ slow joiner: a batch published before the SUB's subscription reached the PUB is lost.
+    # One-frame probes (dropped as malformed, counted) go out until one arrives; a fixed sleep
+    # is not enough on a loaded machine (a lost first batch changes what the scenario counts)
+    seen = sub.stats()["malformed_frames"]
+    end = time.monotonic() + 20
+    while sub.stats()["malformed_frames"] == seen:
+        if time.monotonic() > end:
+            raise RuntimeError("the subscriber heard nothing from the engine in 20 s")
+        eng.pub.send_raw([b""])
+        time.sleep(0.02)
 
 
 def _wait(cond, timeout: float, pump=None) -> float | None:

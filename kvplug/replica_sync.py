@@ -232,6 +232,7 @@ class LoadSync(ReplicaLoad):
         self._seq = 0
         self._nc: Any = None
         self._tasks: list[asyncio.Task] = []
+        self._closing = False  # nats-py calls disconnected_cb on a deliberate close too
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -241,7 +242,8 @@ class LoadSync(ReplicaLoad):
             log.warning("load sync: NATS %s: %s", self.nats_url, exc or type(exc).__name__)
 
         async def disconnected() -> None:
-            log.warning("load sync: disconnected from %s; reconnecting", self.nats_url)
+            if not self._closing:
+                log.warning("load sync: disconnected from %s; reconnecting", self.nats_url)
 
         async def reconnected() -> None:
             log.info("load sync: reconnected to %s", self.nats_url)
@@ -267,6 +269,17 @@ class LoadSync(ReplicaLoad):
                 f"no NATS server answered at {self.nats_url} within {self.connect_timeout:g} s"
             ) from exc
         await self._nc.subscribe(self.subject, cb=self._on_message)
+        # nats-py only queues the SUB: a peer's event could pass the server before it. A PING
+        # round trip after it means the server has it, so peers are heard once start() returns
+        try:
+            await self._nc.flush(timeout=self.connect_timeout)
+        except Exception as exc:
+            await self._nc.close()
+            self._nc = None
+            raise ConnectionError(
+                f"NATS at {self.nats_url} did not confirm the subscription within "
+                f"{self.connect_timeout:g} s"
+            ) from exc
         self.attach()
         self._tasks = [
             asyncio.create_task(self._flusher(), name="kvplug-load-sync-flush"),
@@ -288,6 +301,7 @@ class LoadSync(ReplicaLoad):
             if say_bye and self._nc.is_connected:
                 await self._publish([["bye"]])
                 await self._nc.flush(timeout=2)
+            self._closing = True
             await self._nc.close()
             self._nc = None
 

@@ -12,6 +12,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Hypothesis measures the machine as well as the code: on a loaded CI runner drawing examples
+# is slow, and its too_slow health check (or a per-example deadline) fails a correct test.
+# Settings given on a test still win; this is the default for those that give none.
+settings.register_profile("kvplug", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvplug")
 
 
 def _in_ci() -> bool:

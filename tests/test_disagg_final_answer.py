@@ -293,7 +293,7 @@ class TrtllmFleet:
             ),
         ]
         router = Router(RouterConfig(kv_block_size=32), rng=random.Random(0))
-        settings = ServeSettings(health_interval=0.2, health_timeout=1.0)
+        settings = ServeSettings(health_interval=0.2, health_timeout=5.0)
         self.running = await start_frontend(router, specs, settings, default_engine="trtllm")
         self.session = aiohttp.ClientSession()
         return Harness(router, self.running, {}, self.session, None)  # type: ignore[arg-type]

@@ -7,7 +7,7 @@ import json
 from urllib.parse import urlsplit
 
 import pytest
-from test_frontend_harness import MODEL, prompt, serving
+from test_frontend_harness import MODEL, eventually, prompt, serving
 
 from kvplug.frontend.stub_engine import StubEngine, publish
 
@@ -162,15 +162,13 @@ async def test_busy_threshold_at_run_time():
         ):
             status, body = await admin(h, "POST", "/admin/busy_threshold", bad)
             assert status == 400, bad
-        # w0 busy: a long stream holds 20 of its 100 blocks, over a 10% threshold
-        h.engines["w0"].token_delay = 0.05
+        # w0 busy: a request held at the engine's gate (a 1 s stream could end before the
+        # checks below on a slow machine) holds 20 of its 100 blocks, over a 10% threshold
+        h.engines["w0"].gate = asyncio.Event()
         task = asyncio.create_task(
             h.complete(prompt(20, 1), stream=True, max_tokens=20, headers={"x-kvplug-worker": "w0"})
         )
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if h.router.active_load("w0")[0]["inflight"]:
-                break
+        await eventually(lambda: h.router.active_load("w0")[0]["inflight"] == 1)
         status, body = await admin(
             h, "POST", "/admin/busy_threshold", {"active_decode_blocks_threshold": 0.1}
         )
@@ -179,7 +177,10 @@ async def test_busy_threshold_at_run_time():
         assert resp.headers["x-kvplug-worker"] == "w1"
         trace = await h.trace(resp.headers["x-kvplug-decision-id"])
         assert any(e["worker_id"] == "w0" for e in trace["router"]["excluded"])
-        await task
+        assert not task.done()
+        h.engines["w0"].gate.set()
+        resp, _ = await task
+        assert resp.status == 200
         h.assert_idle()
 
 

@@ -85,7 +85,7 @@ async def test_serve_process_with_a_worker_config(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        await wait_ready_async(url + "/ready", proc=proc, timeout=30)
+        await wait_ready_async(url + "/ready", proc=proc, timeout=60)
         async with aiohttp.ClientSession() as s:
             body = {"model": "m1", "prompt": list(range(64)), "max_tokens": 3, "stream": True}
             async with s.post(url + "/v1/completions", json=body) as r:

@@ -24,7 +24,7 @@ from envoy_data_plane.google.protobuf import Struct
 from grpclib.client import Channel
 from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
-from test_frontend_harness import MODEL, prompt, serving
+from test_frontend_harness import MODEL, eventually, prompt, serving
 
 from kvplug.frontend.app import ServeSettings
 from kvplug.frontend.epp import DESTINATION, SERVED, endpoint_of, start_endpoint_picker
@@ -199,10 +199,7 @@ async def test_streamed_response_passes_through_and_load_is_held_until_its_end()
             # a gateway that closes the stream before the upstream answers releases the load too
             out = await envoy.request(_body(prompt(4, 4)), forward=False)
             assert DESTINATION in out["headers"]
-            for _ in range(50):
-                if h.active()["active_requests"] == 0:
-                    break
-                await asyncio.sleep(0.02)
+            await eventually(lambda: h.active()["active_requests"] == 0)
             h.assert_idle()
 
         await _with_picker(h, run)
@@ -263,11 +260,7 @@ async def test_grpc_health_follows_readiness_and_no_ready_endpoint_is_503():
             for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
                 assert await _check(channel, service) == HealthCheckResponse.SERVING, service
             await h.engines["w0"].stop()  # the only engine goes away; the prober notices
-            for _ in range(100):
-                if not h.frontend.fleet.ready()[0]:
-                    break
-                await asyncio.sleep(0.05)
-            assert not h.frontend.fleet.ready()[0]
+            await eventually(lambda: not h.frontend.fleet.ready()[0])
             out = await envoy.request(_body([1, 2, 3]))
             assert out["status"] == 503, out
             await asyncio.sleep(1.1)  # the readiness check's cached verdict expires
@@ -284,7 +277,13 @@ def test_endpoint_of():
 
 
 async def test_kvplug_serve_epp_port_serves_the_picker(tmp_path):
-    from kvplug.testing import free_ports, serve_command, stop_process, wait_ready_async
+    from kvplug.testing import (
+        free_ports,
+        serve_command,
+        stop_process,
+        wait_listening,
+        wait_ready_async,
+    )
 
     http_port, epp_port = free_ports(2)
     log = tmp_path / "serve.log"
@@ -294,14 +293,10 @@ async def test_kvplug_serve_epp_port_serves_the_picker(tmp_path):
         )
     try:
         await wait_ready_async(f"http://127.0.0.1:{http_port}/health", proc=proc, log=log)
+        await asyncio.to_thread(wait_listening, epp_port, proc)
         channel = Channel("127.0.0.1", epp_port)
         try:
-            for _ in range(50):
-                try:
-                    assert await _check(channel, "liveness") == HealthCheckResponse.SERVING
-                    break
-                except ConnectionRefusedError:
-                    await asyncio.sleep(0.1)
+            assert await _check(channel, "liveness") == HealthCheckResponse.SERVING
             # no workers yet: alive, not ready (GIE readiness = able to pick)
             assert await _check(channel, "readiness") == HealthCheckResponse.NOT_SERVING
         finally:

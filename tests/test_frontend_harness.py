@@ -3,9 +3,12 @@ Router, and ``kvplug serve``'s app started in-process on a free port."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import random
+import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -116,7 +119,8 @@ async def serving(
         )
     cfg = {"kv_block_size": BS, **(router_config or {})}
     router = Router(RouterConfig(**cfg), rng=random.Random(0))
-    settings = settings or ServeSettings(health_interval=0.2, health_timeout=1.0)
+    # health_timeout: a probe answered late on a loaded machine must not take a worker out
+    settings = settings or ServeSettings(health_interval=0.2, health_timeout=5.0)
     settings = dataclasses.replace(settings, client_routing_hints=routing_hints)
     try:
         running = await start_frontend(
@@ -139,6 +143,15 @@ async def serving(
         await running.close()
         for engine in engines.values():
             await engine.stop()
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 15.0, what: str = "") -> None:
+    """Poll ``check`` until it holds; fail after ``timeout``. Generous on purpose: what takes
+    milliseconds on a quiet machine can take seconds on a loaded CI runner."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what or check}"
+        await asyncio.sleep(0.02)
 
 
 def prompt(n_blocks: int, seed: int) -> list[int]:

@@ -182,7 +182,7 @@ async def test_dp_size_is_capped_with_a_clear_400_and_adding_ranks_is_linear():
     t0 = time.perf_counter()
     router.add_worker(Worker(worker_id="wide", url="http://x:1", dp_size=16_000))
     router.remove_worker("wide")
-    assert time.perf_counter() - t0 < 2.5
+    assert time.perf_counter() - t0 < 10  # ~0.1 s now, loaded machine or not
 
 
 async def test_slow_loris_heads_and_bodies_are_timed_out():
@@ -213,10 +213,11 @@ async def test_slow_loris_heads_and_bodies_are_timed_out():
             return time.monotonic() - t0, received
 
         # nothing at all, then a head dripped one byte at a time (never finished)
+        # 0.5 s timeouts; a drip that reset them would hold on for 6 s or more: 5 s between
         elapsed, answer = await hold(b"")
-        assert elapsed < 3 and answer.startswith(b"HTTP/1.1 408"), answer
+        assert elapsed < 5 and answer.startswith(b"HTTP/1.1 408"), answer
         elapsed, answer = await hold(b"POST /v1/completions HTTP/1.1\r\n", b"X-Slow: " + b"a" * 60)
-        assert elapsed < 3 and answer.startswith(b"HTTP/1.1 408"), answer
+        assert elapsed < 5 and answer.startswith(b"HTTP/1.1 408"), answer
         assert json.loads(_split(answer)[1])["error"]["code"] == "header_timeout"
         # a whole head, then a body that never ends
         elapsed, answer = await hold(
@@ -224,12 +225,12 @@ async def test_slow_loris_heads_and_bodies_are_timed_out():
             b"Content-Length: 1000\r\n\r\n{",
             b'"model": "' + b"m" * 60,
         )
-        assert elapsed < 3 and answer.startswith(b"HTTP/1.1 408"), answer
+        assert elapsed < 5 and answer.startswith(b"HTTP/1.1 408"), answer
         assert json.loads(_split(answer)[1])["error"]["code"] == "body_timeout"
         # a kept-alive connection that sends a second head too slowly
         req = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"  # answered at once
         elapsed, answer = await hold(req, b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 60)
-        assert elapsed < 3 and answer.count(b"HTTP/1.1 200") == 1, answer
+        assert elapsed < 5 and answer.count(b"HTTP/1.1 200") == 1, answer
         assert h.running.head_timeouts == 2
         assert not h.engines["w0"].requests
         # an ordinary client is unaffected
@@ -248,10 +249,11 @@ async def test_a_client_hanging_up_mid_body_is_not_a_server_error(caplog):
             )
             await writer.drain()
             writer.close()
-        for _ in range(50):
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
             await asyncio.sleep(0.02)
             metrics = h.frontend.metrics.render().decode()
-            if 'status="499"' in metrics:
+            if 'status="499"} 3.0' in metrics:
                 break
         assert 'kvplug_requests_total{endpoint="/v1/completions",status="499"} 3.0' in metrics
         assert 'status="500"' not in metrics

@@ -21,7 +21,7 @@ def queue_config(policy: str = "fcfs", **extra) -> dict:
     return {"router_queue_threshold": 0.5, "router_queue_policy": policy, **extra}
 
 
-async def until(predicate, timeout: float = 5.0) -> None:
+async def until(predicate, timeout: float = 15.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
@@ -121,7 +121,9 @@ async def test_not_queued_below_threshold_or_with_an_idle_eligible_worker():
 
 
 async def test_full_queue_is_529_and_waiting_too_long_is_503():
-    cfg = queue_config(router_queue_max_length=1, router_queue_max_wait=0.4)
+    # 3 s: the second request must find the first still queued; a 0.4 s wait could run out
+    # before it arrives on a slow machine (then it is queued, not refused)
+    cfg = queue_config(router_queue_max_length=1, router_queue_max_wait=3.0)
     async with serving(ONE_WORKER, router_config=cfg) as h:
         q = h.frontend.queue
         engine, hog = await hold_the_fleet(h)
@@ -151,9 +153,12 @@ async def test_client_hanging_up_while_queued_leaves_the_queue():
         q = h.frontend.queue
         engine, hog = await hold_the_fleet(h)
         body = {"model": MODEL, "prompt": prompt(3, 1), "max_tokens": 4}
-        with pytest.raises(asyncio.TimeoutError):
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as s:
-                await s.post(h.url + "/v1/completions", json=body)
+        async with aiohttp.ClientSession() as s:
+            leaving = asyncio.create_task(s.post(h.url + "/v1/completions", json=body))
+            await until(lambda: q.core.depth == 1)  # queued: now the client hangs up
+            leaving.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaving
         await until(lambda: q.core.counters["cancelled"] == 1)
         assert q.core.depth == 0
         stays = asyncio.create_task(h.complete(prompt(3, 2), headers={"X-Request-Id": "stays"}))

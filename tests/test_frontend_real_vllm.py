@@ -77,11 +77,32 @@ def fleet():
         )
         url = f"http://127.0.0.1:{port}"
         wait_ready(url + "/ready", proc=serve, timeout=max(1.0, deadline - time.monotonic()))
+        _join_event_streams(url, engines, deadline)
         yield url, engines
     finally:
         stop_process(serve)
         for e in engines:
             e.stop()
+
+
+def _join_event_streams(url: str, engines: list, deadline: float) -> None:
+    """Until kvplug has heard KV events from every engine. A PUB drops what it sends before a
+    subscriber's subscription reaches it (ZMQ), and a test whose single request's batch was
+    dropped would wait for it in vain: warm-ups go straight to the engines until it has."""
+    n = 0
+    while True:
+        events = json.loads(_get(url + "/ready")[1]).get("events", {})
+        missing = [e for e in engines if not (events.get(e.name) or {}).get("events")]
+        if not missing:
+            return
+        assert time.monotonic() < deadline, f"no KV events from {[e.name for e in missing]}"
+        for e in missing:
+            n += 1
+            e.post(
+                "/v1/completions",
+                {"model": "tiny", "prompt": f"warm-up {n} " * 24, "max_tokens": 1},
+            )
+        time.sleep(0.5)
 
 
 def _index_blocks(url: str) -> float:
@@ -97,7 +118,7 @@ LOAD_METRICS = (
 )
 
 
-def _wait_load_released(url: str, timeout: float = 10.0) -> dict:
+def _wait_load_released(url: str, timeout: float = 30.0) -> dict:
     """Poll /metrics until no worker carries load; returns what is left ({} = released)."""
     deadline = time.monotonic() + timeout
     while True:

@@ -8,9 +8,12 @@ from __future__ import annotations
 import asyncio
 import random
 import struct
+import time
 
 import aiohttp
 import pytest
+from test_frontend_harness import eventually
+from vllm_helpers import wait_subscribed
 
 from kvplug.config import RouterConfig
 from kvplug.frontend.app import ServeSettings
@@ -47,6 +50,10 @@ async def _fleet(roles: list[str]):
     ]
     router = Router(RouterConfig(kv_block_size=opts.block_size), rng=random.Random(0))
     running = await start_frontend(router, specs, ServeSettings(health_interval=1.0))
+    # the frontend's SUB sockets hear every engine before a test sends anything: a batch
+    # published before the join is lost (ZMQ slow joiner), and nothing may follow it
+    subscriber = running.frontend.fleet.adapters["vllm"].subscriber
+    await asyncio.to_thread(wait_subscribed, subscriber, [s.publisher for s in servers])
     return servers, router, running, opts.model
 
 
@@ -67,10 +74,7 @@ async def test_vllm_adapter_events_route_follow_ups():
             ) as r:
                 assert r.status == 200
                 home = r.headers["x-kvplug-worker"]
-            for _ in range(50):  # ZMQ events arrive on the subscriber thread
-                await asyncio.sleep(0.05)
-                if router.stats()["index"]["blocks"] > 0:
-                    break
+            await eventually(lambda: router.stats()["index"]["blocks"] > 0)  # via the SUB thread
             for i in range(1, 4):
                 async with http.post(
                     url,
@@ -131,21 +135,15 @@ async def test_rejected_event_batches_are_counted_in_metrics():
                 async with http.get(running.url + "/metrics") as r:
                     return await r.text()
 
-            for _ in range(200):
-                if 'kvplug_worker_events_ready{worker="b0"} 1.0' in await metrics():
-                    break
-                await asyncio.sleep(0.05)
+            assert 'kvplug_worker_events_ready{worker="b0"} 1.0' in await metrics()
             pub = servers[0].publisher
             pub.publish_payload(deep)
             pub.publish_payload(b"\xc1")
             want = 'kvplug_event_drops_total{engine="vllm",reason="rejected_batches",worker="b0"}'
-            text = ""
-            for _ in range(200):
-                text = await metrics()
-                if want + " 2.0" in text:
-                    break
+            deadline = time.monotonic() + 20
+            while want + " 2.0" not in (text := await metrics()):
+                assert time.monotonic() < deadline, text
                 await asyncio.sleep(0.05)
-            assert want + " 2.0" in text
             assert 'reason="decode.malformed_batches",worker="b0"} 2.0' in text
             assert 'reason="gaps",worker="b0"} 0.0' in text
             assert 'kvplug_worker_events_ready{worker="b0"} 1.0' in text

@@ -20,8 +20,8 @@ def test_fuzz_http_short_run(tmp_path):
         [
             sys.executable,
             str(ROOT / "benchmarks" / "fuzz_http.py"),
-            "--seconds",
-            "5",
+            "--seconds",  # the slow-loris connections need the time; the count follows the machine
+            "8",
             "--concurrency",
             "16",
             "--slow-connections",
@@ -35,7 +35,7 @@ def test_fuzz_http_short_run(tmp_path):
     )
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["requests"] >= 500, res
+    assert res["requests"] >= 400, res  # ~3,000 on a quiet machine; 50/s is a slow one
     assert res["5xx"] == 0 and res["crashes"] == 0, proc.stdout[-3000:]
     assert res["server_tracebacks_logged"] == 0
     assert res["healthy_at_end"] and res["valid_request_after"] == 200

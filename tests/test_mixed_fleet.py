@@ -13,6 +13,8 @@ import time
 import aiohttp
 import pytest
 from mixed_engines import SglangSim, TrtllmSim
+from test_frontend_harness import eventually
+from vllm_helpers import wait_joined, wait_subscribed
 
 from kvplug.config import RouterConfig
 from kvplug.frontend.app import ServeSettings
@@ -71,6 +73,23 @@ async def test_one_index_routes_a_mixed_fleet():
                     running.admin_url + "/admin/workers", json=entry, headers=AUTH
                 ) as r:
                     assert r.status == 201, await r.text()
+            # each event source hears its engine before anything is published: a batch sent
+            # before the ZMQ join is lost and nothing re-sends it (probes are dropped as
+            # malformed, counted)
+            adapters = running.frontend.fleet.adapters
+            await asyncio.to_thread(wait_subscribed, adapters["vllm"].subscriber, [vllm.publisher])
+            sglang_adapter = adapters["sglang"]
+            await eventually(
+                lambda: (
+                    sglang_adapter._subscriber is not None
+                    and sglang_adapter._subscriber.has_worker("sglang-0")
+                )
+            )
+            await asyncio.to_thread(
+                wait_joined,
+                [lambda: sglang.pub.send_multipart([sglang.topic.encode()])],
+                lambda: sglang_adapter._subscriber.stats()["malformed_frames"],
+            )
 
             async def complete(prompt, pin=None):
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import msgspec
@@ -162,8 +163,9 @@ class Sink:
         self.attributes.append(values)
 
 
-async def _until(pred, nudge=None, timeout=5.0):
-    for _ in range(int(timeout / 0.05)):
+async def _until(pred, nudge=None, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         if pred():
             return True
         if nudge:
@@ -265,7 +267,9 @@ async def test_pushed_load_channel_replaces_polling():
     fake = FakeSglang(base)
     fake.load_port_base = load_base
     await fake.start()
-    adapter = SglangAdapter(load_period=0.05, push_silence=1.0)
+    # 3 s of silence before polling resumes: the pushes below come every 0.05 s, and a loaded
+    # machine must not stretch a gap between two of them past it
+    adapter = SglangAdapter(load_period=0.05, push_silence=3.0)
     sink = Sink("pushed", 4)
     payload = msgspec.msgpack.encode(LoadStat(4, 2, 1000, 4000, 0, 128, 1200, 256, 9, 9))
     assert msgspec.msgpack.decode(payload)[:6] == ["LoadStat", 4, 2, 1000, 4000, 0]
@@ -293,7 +297,7 @@ async def test_pushed_load_channel_replaces_polling():
         load_pub.send_multipart([b"load", next(seq).to_bytes(8, "big"), b"\xc1junk"])
         assert await _until(lambda: adapter._runs["pushed"].bad_pushes == 1)
         # the channel goes silent: /v1/loads polling resumes
-        assert await _until(lambda: fake.loads_hits > hits, timeout=5.0)
+        assert await _until(lambda: fake.loads_hits > hits)
     finally:
         await adapter.close()
         await fake.stop()

@@ -318,7 +318,7 @@ class FakeSglang:
 
     def __enter__(self):
         self._thread.start()
-        self._ready.wait(5)
+        assert self._ready.wait(20)
         return self
 
     def __exit__(self, *exc):
@@ -328,21 +328,21 @@ class FakeSglang:
 
 def test_block_size_is_sglangs_default_page_size_1():
     with FakeSglang({"page_size": 1, "model_path": "m"}) as w:
-        assert discover_block_size([w.url], timeout=5, interval=0.1) == 1
+        assert discover_block_size([w.url], timeout=20, interval=0.1) == 1
 
 
 def test_kv_events_block_size_wins_and_workers_must_agree():
     kv = {"endpoint_port_base": 5557, "block_size": 32, "dp_size": 1, "topic": "kv"}
     with FakeSglang({"page_size": 16, "kv_events": kv}) as a, FakeSglang({"page_size": 32}) as b:
-        assert discover_block_size([a.url, b.url], timeout=5, interval=0.1) == 32
+        assert discover_block_size([a.url, b.url], timeout=20, interval=0.1) == 32
     with FakeSglang({"page_size": 16}) as a, FakeSglang({"page_size": 64}) as b:
         with pytest.raises(ConfigError, match="different page sizes"):
-            discover_block_size([a.url, b.url], timeout=5, interval=0.1)
+            discover_block_size([a.url, b.url], timeout=20, interval=0.1)
 
 
 def test_a_worker_without_server_info_leaves_kvplugs_default():
     with FakeSglang(None, missing=True) as w:
-        assert discover_block_size([w.url], timeout=5, interval=0.1) is None
+        assert discover_block_size([w.url], timeout=20, interval=0.1) is None
 
 
 def test_no_worker_up_times_out_with_a_clear_error():

@@ -18,7 +18,7 @@ from kvplug.testing import free_port, free_port_run, serve_command, stop_process
 MODEL = "sim-llama-3-8b"  # kvplug sim's default served model name
 
 
-def _wait_for_event_streams(front: str, engines: dict[str, int], timeout: float = 20.0) -> None:
+def _wait_for_event_streams(front: str, engines: dict[str, int], timeout: float = 60.0) -> None:
     """Until kvplug has received events from every engine. A PUB drops what it sends before a
     new subscriber's subscription reaches it (ZMQ), so the first batch after start-up may be
     lost; the next batch shows the sequence gap and kvplug replays. Warm-up requests sent
@@ -45,7 +45,7 @@ def _wait_for_event_streams(front: str, engines: dict[str, int], timeout: float 
     raise AssertionError("kvplug received no KV events from the simulated engines")
 
 
-def _wait_index_blocks(front: str, at_least: int, timeout: float = 20.0) -> None:
+def _wait_index_blocks(front: str, at_least: int, timeout: float = 60.0) -> None:
     key = 'kvplug_router_stat{stat="index.blocks"} '
     end = time.monotonic() + timeout
     blocks = 0.0
@@ -68,13 +68,15 @@ def _post(url: str, body: dict) -> tuple[dict, dict]:
 
 
 @pytest.fixture(params=["engines-bind", "router-binds"])
-def fleet_and_frontend(request):
+def fleet_and_frontend(request, tmp_path):
     base, ev, rp = free_port_run(2), free_port_run(2), free_port_run(2)  # engine i uses port + i
     front = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     extra = []
     if request.param == "router-binds":  # one SUB bound by kvplug, engines told apart by topic
         extra = ["--events-connect", f"tcp://127.0.0.1:{free_port()}"]
+    # output to files, not unread pipes (a full pipe would stall the process): quoted on failure
+    sim_log, serve_log = tmp_path / "sim.log", tmp_path / "serve.log"
     sim = subprocess.Popen(
         [
             sys.executable,
@@ -93,14 +95,14 @@ def fleet_and_frontend(request):
             "10",
             *extra,
         ],
-        stdout=subprocess.PIPE,
+        stdout=sim_log.open("wb"),
         stderr=subprocess.STDOUT,
         env=env,
     )
     serve = None
     try:
-        wait_ready(f"http://127.0.0.1:{base}/health", proc=sim, timeout=20, interval=0.1)
-        wait_ready(f"http://127.0.0.1:{base + 1}/health", proc=sim, timeout=20, interval=0.1)
+        for port in (base, base + 1):
+            wait_ready(f"http://127.0.0.1:{port}/health", proc=sim, interval=0.1, log=sim_log)
         serve = subprocess.Popen(
             serve_command(
                 front,
@@ -113,11 +115,11 @@ def fleet_and_frontend(request):
                 "--worker",
                 f"b=http://127.0.0.1:{base + 1}",
             ),
-            stdout=subprocess.PIPE,
+            stdout=serve_log.open("wb"),
             stderr=subprocess.STDOUT,
             env=env,
         )
-        wait_ready(f"http://127.0.0.1:{front}/v1/models", proc=serve, timeout=20, interval=0.1)
+        wait_ready(f"http://127.0.0.1:{front}/v1/models", proc=serve, interval=0.1, log=serve_log)
         _wait_for_event_streams(f"http://127.0.0.1:{front}", {"a": base, "b": base + 1})
         yield f"http://127.0.0.1:{front}"
     finally:

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import aiohttp
@@ -27,6 +28,7 @@ import msgspec
 import pytest
 import zmq
 from kvplug.integrations.vllm.wire import BatchDecoder, split_frames
+from vllm_helpers import wait_sub_hears, wait_subscribed
 
 from kvplug.events import BlockStored
 from kvplug.sim.server import FleetOptions, SimServer
@@ -148,7 +150,7 @@ def _free_ports(n):
     return ports
 
 
-async def _stored_hashes(sub, n_blocks: int, timeout: float = 5.0) -> tuple[list, list[bytes]]:
+async def _stored_hashes(sub, n_blocks: int, timeout: float = 20.0) -> tuple[list, list[bytes]]:
     """The raw block_hashes of BlockStored events (as sent), until n_blocks are seen."""
     raw: list = []
     payloads: list[bytes] = []
@@ -196,7 +198,8 @@ async def _serve_and_capture(hash_form: str, seeds: tuple[str, ...], case: dict)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             subs.append(sub)
             urls.append(f"http://127.0.0.1:{http}/v1/completions")
-        await asyncio.sleep(0.3)  # slow joiner
+        for server, sub in zip(servers, subs, strict=True):  # ZMQ slow joiner
+            wait_sub_hears(sub, server.publisher)
         out = []
         async with aiohttp.ClientSession() as session:
             for url, sub in zip(urls, subs, strict=True):
@@ -341,6 +344,11 @@ async def test_kvplug_serve_routes_follow_ups_on_vllm_digests():
     router = Router(RouterConfig(kv_block_size=opts.block_size), rng=_random.Random(0))
     running = await start_frontend(router, specs, ServeSettings(health_interval=1.0))
     try:
+        # the frontend's SUB sockets hear every engine before the first request (ZMQ slow
+        # joiner: a batch published before the join is lost, and the follow-ups' routing
+        # below depends on the first one's)
+        subscriber = running.frontend.fleet.adapters["vllm"].subscriber
+        await asyncio.to_thread(wait_subscribed, subscriber, [s.publisher for s in servers])
         async with aiohttp.ClientSession() as http:
             doc = "A shared document hashed the way vLLM hashes it. " * 30
             url = running.url + "/v1/completions"
@@ -348,10 +356,10 @@ async def test_kvplug_serve_routes_follow_ups_on_vllm_digests():
             async with http.post(url, json=body) as r:
                 assert r.status == 200
                 home = r.headers["x-kvplug-worker"]
-            for _ in range(100):  # ZMQ events arrive on the subscriber thread
+            deadline = time.monotonic() + 20  # ZMQ events arrive on the subscriber thread
+            while router.stats()["index"]["blocks"] == 0:
+                assert time.monotonic() < deadline, "no KV events reached the index"
                 await asyncio.sleep(0.05)
-                if router.stats()["index"]["blocks"] > 0:
-                    break
             for i in range(1, 4):
                 body = {"model": opts.model, "prompt": doc + f"Q{i}", "max_tokens": 2}
                 async with http.post(url, json=body) as r:

@@ -78,12 +78,15 @@ async def _credited_homes(opts: dict) -> list[int]:
             url = f"http://127.0.0.1:{port}"
             model = servers[0].opts.model
             await bench.wait_routable(http, url, model, proc, time.monotonic() + 60)
-            await asyncio.sleep(1.0)  # the router's SUB sockets joined
+            # vllm-router says nothing of its SUB sockets or its index, and a routed probe would
+            # cache the prompt where it landed: fixed waits, long enough for a loaded machine
+            # (the test below, that nothing is credited, waits as long)
+            await asyncio.sleep(3.0)  # the router's SUB sockets joined
             for s, p in zip(servers, prompts, strict=True):
                 body = {"prompt": p, "max_tokens": 2}
                 async with http.post(f"http://127.0.0.1:{s.port}/v1/completions", json=body) as r:
                     assert r.status == 200
-            await asyncio.sleep(0.5)  # the events reached the router
+            await asyncio.sleep(2.0)  # the events reached the router
             cached = []
             for p in prompts:
                 body = {"model": model, "prompt": p + "and a question", "max_tokens": 2}

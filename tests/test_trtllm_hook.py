@@ -17,6 +17,8 @@ import pytest
 from kvplug.integrations.trtllm import hook
 from test_frontend_harness import MODEL, prompt, serving
 
+from kvplug.frontend.app import ServeSettings
+
 ROOT = Path(__file__).resolve().parent.parent
 STANDIN = Path(__file__).parent / "data" / "trtllm" / "standin"
 
@@ -27,6 +29,9 @@ PD = [
     {"id": "p1", "role": "prefill"},
     {"id": "d0", "role": "decode"},
 ]
+# a placement's booking outlives any test: its release is finish_request's doing (the 1 s
+# default could run out between a placement and the check of its load on a slow machine)
+LONG_BOOKING = ServeSettings(health_interval=0.2, health_timeout=5.0, trtllm_booking_seconds=600)
 
 
 def _forget_trtllm() -> None:
@@ -53,7 +58,7 @@ def _import():
 async def test_kvplug_type_places_through_kvplug_serve_and_releases_on_finish(standin):
     hook.install()
     r, utils, proto = _import()
-    async with serving(PD) as h:
+    async with serving(PD, settings=LONG_BOOKING) as h:
         cached = prompt(6, 2)
         resp, raw = await h.complete(cached, headers={"x-kvplug-prefill-worker": "p1"})
         assert resp.status == 200, raw

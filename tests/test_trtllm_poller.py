@@ -20,6 +20,14 @@ from kvplug.workers import Worker
 DATA = Path(__file__).parent / "data" / "trtllm"
 
 
+async def _until(cond, timeout: float = 15.0) -> None:
+    """Poll until ``cond()`` holds (generous: milliseconds here, seconds on a loaded runner)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
 class FakeTrtllmWorker:
     """``trtllm-serve``'s event and metrics endpoints: every ``POST /kv_cache_events`` and
     ``GET /metrics`` drains its queue. Faults: answer ``fail_next`` with a 500 after draining,
@@ -226,10 +234,7 @@ async def test_adapter_is_the_sole_consumer_and_fills_the_index(fake):
         await adapter.start_worker(Worker("trt-a", url=fake.url, engine="trtllm"), sink)
         with pytest.raises(ConfigError, match="one consumer"):
             await adapter.start_worker(Worker("trt-a", url=fake.url, engine="trtllm"), sink)
-        for _ in range(200):
-            if len(sink.events) >= 6 and sink.attributes:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: len(sink.events) >= 6 and sink.attributes)
         assert adapter.events_ready("trt-a")
         assert [type(e).__name__ for e in sink.events] == [
             "AllCleared",
@@ -266,10 +271,7 @@ async def test_load_falls_back_to_drained_iteration_stats():
         await asyncio.sleep(0.1)
         assert sink.attributes == []  # empty drains: no new iteration, not zero load
         fake.iter_stats = json.loads((DATA / "iteration_stats.json").read_bytes())
-        for _ in range(100):
-            if sink.attributes:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: sink.attributes)
         assert sink.attributes[0] == {
             "running_requests": 5.0,
             "queue_depth": 2.0,
@@ -330,10 +332,7 @@ async def test_poller_survives_any_answer(fake):
         try:
             fake.raw_answers = list(HOSTILE_ANSWERS)
             fake.events = [_stored_envelope(0, 41)]
-            for _ in range(500):
-                if any(isinstance(e, BlockStored) for e in got):
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: any(isinstance(e, BlockStored) for e in got))
             assert not task.done() and poller.running
             assert got[-1] == BlockStored(
                 worker_id="t", engine_hashes=[41], token_ids=[0, 1, 2, 3], block_size=4
@@ -343,17 +342,14 @@ async def test_poller_survives_any_answer(fake):
             real = poller.decoder.decode
             poller.decoder.decode = lambda envelopes: 1 / 0
             fake.events = [_stored_envelope(1, 42)]
-            while poller.counts["decoder_errors"] == 0:
-                await asyncio.sleep(0.01)
+            await _until(lambda: poller.counts["decoder_errors"] > 0)
             poller.decoder.decode = real
             poller.deliver = lambda events: 1 / 0
             fake.events = [_stored_envelope(2, 43)]
-            while poller.counts["internal_errors"] == 0:
-                await asyncio.sleep(0.01)
+            await _until(lambda: poller.counts["internal_errors"] > 0)
             poller.deliver = got.extend
             fake.events = [_stored_envelope(3, 44)]
-            while not any(getattr(e, "engine_hashes", None) == [44] for e in got):
-                await asyncio.sleep(0.01)
+            await _until(lambda: any(getattr(e, "engine_hashes", None) == [44] for e in got))
             assert poller.running and not task.done()
         finally:
             task.cancel()
@@ -373,7 +369,7 @@ async def test_a_stopped_poller_shows_in_ready_and_metrics(fake):
     router = Router(RouterConfig(kv_block_size=32))
     spec = spec_from_mapping({"id": "trt", "url": fake.url, "engine": "trtllm"}, "worker trt")
     running = await start_frontend(
-        router, [spec], ServeSettings(health_interval=0.2, health_timeout=1.0)
+        router, [spec], ServeSettings(health_interval=0.2, health_timeout=5.0)
     )
     adapter = running.frontend.fleet.adapters["trtllm"]
     try:
@@ -385,23 +381,24 @@ async def test_a_stopped_poller_shows_in_ready_and_metrics(fake):
                 async with http.get(running.url + "/metrics") as r:
                     return status, await r.text()
 
-            for _ in range(300):
-                status, text = await ready_and_metrics()
-                if status == 200:
-                    break
+            deadline = asyncio.get_running_loop().time() + 15
+            while (status := (await ready_and_metrics())[0]) != 200:
+                assert asyncio.get_running_loop().time() < deadline, "never ready"
                 await asyncio.sleep(0.01)
+            status, text = await ready_and_metrics()
             assert status == 200
             assert 'kvplug_worker_events_ready{worker="trt"} 1.0' in text
             fake.raw_answers = [b"[" * 5000 + b"]" * 5000]
             lost = 'kvplug_event_drops_total{engine="trtllm",reason="lost_answers",worker="trt"}'
-            for _ in range(300):
-                status, text = await ready_and_metrics()
-                if lost + " 1.0" in text:
-                    break
+            deadline = asyncio.get_running_loop().time() + 15
+            while lost + " 1.0" not in (text := (await ready_and_metrics())[1]):
+                assert asyncio.get_running_loop().time() < deadline, text
                 await asyncio.sleep(0.01)
+            status, text = await ready_and_metrics()
             assert lost + " 1.0" in text and status == 200
-            adapter._runs["trt"].tasks[0].cancel()  # however it stops
-            await asyncio.sleep(0.05)
+            task = adapter._runs["trt"].tasks[0]
+            task.cancel()  # however it stops
+            await asyncio.gather(task, return_exceptions=True)
             status, text = await ready_and_metrics()
             assert status == 503
             assert 'kvplug_worker_events_ready{worker="trt"} 0.0' in text

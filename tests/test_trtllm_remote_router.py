@@ -13,18 +13,21 @@ orchestrator then posts to is ``f"http://{server}/v1/completions"``."""
 
 from __future__ import annotations
 
-import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
 import pytest
-from test_frontend_harness import MODEL, prompt, serving
+from test_frontend_harness import MODEL, eventually, prompt, serving
 
 from kvplug.frontend.app import ServeSettings
 
 pytestmark = pytest.mark.timeout(60)
 
+# a placement's booking outlives any test unless the test is about its end: the 1 s default
+# could run out between a placement and the check of its load on a slow machine
+LONG_BOOKING = ServeSettings(health_interval=0.2, health_timeout=5.0, trtllm_booking_seconds=600)
 PD = [
     {"id": "p0", "role": "prefill"},
     {"id": "p1", "role": "prefill"},
@@ -176,10 +179,12 @@ async def test_generation_router_answers_only_generation_servers():
 
 
 async def test_booked_load_spreads_a_burst_and_is_released_after_the_booking_time():
-    settings = ServeSettings(health_interval=0.2, health_timeout=1.0, trtllm_booking_seconds=0.3)
+    # 2 s: the four placements below must all fall within the first one's booking
+    settings = ServeSettings(health_interval=0.2, health_timeout=5.0, trtllm_booking_seconds=2.0)
     async with serving(PD, settings=settings) as h:
         remote = h.url + "/trtllm/context"
         chosen = []
+        t0 = time.monotonic()
         for seed in range(4):  # nothing cached anywhere: load decides
             ctx = completion_dump(prompt(4, 10 + seed), 1, disagg_params_dump("context_only"))
             server, matched, _ = await get_next_server(h.session, remote, ctx)
@@ -187,7 +192,8 @@ async def test_booked_load_spreads_a_burst_and_is_released_after_the_booking_tim
             assert matched == 0
         assert sorted(chosen) == ["p0", "p0", "p1", "p1"], chosen
         assert h.router.stats()["active_requests"] == 4
-        await asyncio.sleep(0.6)
+        await eventually(lambda: h.router.stats()["active_requests"] == 0)
+        assert time.monotonic() - t0 >= 1.9  # released by the booking's timer, not before
         h.assert_idle()
 
 
@@ -270,7 +276,7 @@ async def test_no_worker_left_is_503_which_upstream_raises_as_valueerror():
 
 
 async def test_finish_request_releases_a_placement_once():
-    async with serving(PD) as h:
+    async with serving(PD, settings=LONG_BOOKING) as h:
         ctx = completion_dump(prompt(2, 11), 1, disagg_params_dump("context_only"))
         async with h.session.post(h.url + "/trtllm/context/get_next_server", json=ctx) as resp:
             placement = (await resp.json())["request_id"]

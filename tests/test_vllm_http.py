@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.server
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from kvplug.integrations.vllm.discovery import (
 from kvplug.integrations.vllm.metrics import MetricsScraper, parse_metrics
 from kvplug.integrations.vllm.pd import MissingTransferParams, decode_body, pd_headers, prefill_body
 from kvplug.integrations.vllm.publisher import VllmEventPublisher
-from vllm_helpers import free_port, wait_for
+from vllm_helpers import free_port, wait_for, wait_subscribed
 
 from kvplug.adapters import PDContext, create_adapter
 from kvplug.config import RouterConfig
@@ -113,12 +112,12 @@ def test_scraper_liveness_and_period():
         unhealthy_after=2,
     ).start()
     try:
-        assert wait_for(lambda: len(samples) >= 3, 5)
+        assert wait_for(lambda: len(samples) >= 3, 15)
         assert sc.healthy
         eng.up = False
-        assert wait_for(lambda: not sc.healthy, 5)
+        assert wait_for(lambda: not sc.healthy, 15)
         eng.up = True
-        assert wait_for(lambda: sc.healthy, 5)
+        assert wait_for(lambda: sc.healthy, 15)
     finally:
         sc.stop()
         eng.close()
@@ -325,7 +324,7 @@ def test_adapter_feeds_router_and_drops_unknown_worker():
         adapter.start_worker_sync(router.workers["A"], Sink(router, "A", 32, lock))
         assert adapter.events_ready("A")
         assert capacity == [65536]  # num_gpu_blocks from vllm:cache_config_info, reported once
-        time.sleep(0.3)
+        wait_subscribed(adapter.subscriber, [pub])  # ZMQ slow joiner: not a fixed sleep
         toks = list(range(64))
         pub.publish(
             [BlockStored(worker_id="A", engine_hashes=[11, 12], token_ids=toks, block_size=32)]
@@ -337,7 +336,7 @@ def test_adapter_feeds_router_and_drops_unknown_worker():
                 ep = router.index.endpoint_id("A", 0)
                 return set(router.index.core.holdings(ep)) if ep is not None else set()
 
-        assert wait_for(lambda: held() == want, 5, lambda: pub.serve_replay(5))
+        assert wait_for(lambda: held() == want, 15, lambda: pub.serve_replay(5))
         with lock:
             router.apply_event(
                 BlockStored(
@@ -345,7 +344,7 @@ def test_adapter_feeds_router_and_drops_unknown_worker():
                 )
             )
         assert router.counters["events_dropped_unknown_worker"] == 1 and held() == want
-        assert wait_for(lambda: router.workers["A"] and adapter.worker_alive("A"), 5)
+        assert wait_for(lambda: router.workers["A"] and adapter.worker_alive("A"), 15)
         with lock:
             d = router.route(RouteRequest("r", toks + [1, 2, 3]))
         assert d.worker_id == "A"
@@ -381,7 +380,7 @@ def test_adapter_clears_a_restarted_engine_before_it_publishes():
     adapter = VllmAdapter(metrics_period=0.1)
     try:
         adapter.start_worker_sync(router.workers["A"], RouterSink(router, "A", 32, lock))
-        time.sleep(0.3)
+        wait_subscribed(adapter.subscriber, [pub])  # ZMQ slow joiner: not a fixed sleep
         pub.publish(
             [
                 BlockStored(
@@ -395,14 +394,14 @@ def test_adapter_clears_a_restarted_engine_before_it_publishes():
                 ep = router.index.endpoint_id("A", 0)
                 return len(router.index.core.holdings(ep)) if ep is not None else -1
 
-        assert wait_for(lambda: held() == 2, 5, lambda: pub.serve_replay(5))
+        assert wait_for(lambda: held() == 2, 15, lambda: pub.serve_replay(5))
         assert parse_metrics(eng.metrics).attributes["process_start_time"] > 0
         pub.restart()
         eng.metrics = eng.metrics.replace(
             "process_start_time_seconds 1.79600119038e+09",
             "process_start_time_seconds 1.79600999e+09",
         )
-        assert wait_for(lambda: held() == 0, 5, lambda: pub.serve_replay(5))
+        assert wait_for(lambda: held() == 0, 15, lambda: pub.serve_replay(5))
     finally:
         import asyncio
 

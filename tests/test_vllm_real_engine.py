@@ -217,7 +217,9 @@ def test_real_vllm_engines_end_to_end(engines):
         adapter.start_worker_sync(
             Worker(worker_id="X", url=a.url), RouterSink(router, "X", 16, lock)
         )
-    time.sleep(1.0)  # SUB connections settle before the first events
+    # SUB connections settle before the first events: no probe can be sent on a real engine's PUB,
+    # so a fixed wait, long enough for a loaded machine (B's one batch below must not be lost)
+    time.sleep(3.0)
 
     idx = router.index
 
