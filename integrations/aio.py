@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import aiohttp
@@ -40,17 +39,6 @@ def log_due(count: int) -> bool:
     """Whether the count-th repeat of a recurring failure (a scrape, a bad message) is logged:
     the first three, then every hundredth, so a dead endpoint cannot flood the log."""
     return count <= 3 or count % 100 == 0
-
-
-async def cancel_and_wait(tasks: Iterable[asyncio.Task]) -> None:
-    """Cancel the tasks, then wait for each to end; what they raise while ending is theirs
-    (already logged by them), not the caller's."""
-    tasks = list(tasks)
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
 
 
 class CountsLoadErrors(Protocol):

@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 
 from kvplug.load import ActiveRequest
+from kvplug.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -290,13 +291,7 @@ class LoadSync(ReplicaLoad):
     async def close(self, say_bye: bool = True) -> None:
         """Stop; with ``say_bye`` peers release this replica's requests at once."""
         self.detach()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._tasks)
         if self._nc is not None:
             if say_bye and self._nc.is_connected:
                 await self._publish([["bye"]])

@@ -38,11 +38,12 @@ from urllib.parse import urlsplit
 import aiohttp
 import zmq
 import zmq.asyncio
-from kvplug.integrations.aio import LazySession, cancel_and_wait, log_due, poll_loads
+from kvplug.integrations.aio import LazySession, log_due, poll_loads
 from kvplug.integrations.vllm.subscriber import sources_for_engine
 
 from kvplug import ConfigError, Worker
 from kvplug.adapters import PDContext, PDStyle, SglangHttpAdapter, WorkerSink, register_adapter
+from kvplug.tasks import cancel_and_wait
 
 from .metrics import (
     KvEventsInfo,

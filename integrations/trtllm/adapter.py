@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from kvplug.integrations.aio import LazySession, cancel_and_wait, poll_loads
+from kvplug.integrations.aio import LazySession, poll_loads
 
 from kvplug import ConfigError, Worker
 from kvplug.adapters import (
@@ -55,6 +55,7 @@ from kvplug.adapters import (
     min_tokens_over_one,
     register_adapter,
 )
+from kvplug.tasks import cancel_and_wait
 
 from .events import TrtllmDecoder
 from .metrics import parse_iteration_stats, parse_prometheus

@@ -19,8 +19,9 @@ import logging
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvplug.discovery.mirror import FleetMirror, stop_task
+from kvplug.discovery.mirror import FleetMirror
 from kvplug.errors import ConfigError
+from kvplug.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +96,7 @@ class EtcdRegistration:
     async def close(self, revoke: bool = True) -> None:
         """Deregister (``revoke``) or just stop refreshing (the lease then expires)."""
         if self._keepalive is not None:
-            self._keepalive.cancel()
-            try:
-                await self._keepalive
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait([self._keepalive])
         if self._client is not None:
             if revoke and self._lease is not None:
                 try:
@@ -144,7 +141,7 @@ class EtcdDiscovery:
         )
 
     async def close(self) -> None:
-        await stop_task(self._task)
+        await cancel_and_wait([self._task])
         if self._client is not None:
             await self._client.close()
             self._client = None

@@ -26,8 +26,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
 
-from kvplug.discovery.mirror import FleetMirror, stop_task
+from kvplug.discovery.mirror import FleetMirror
 from kvplug.errors import ConfigError
+from kvplug.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class KubernetesDiscovery:
         )
 
     async def close(self) -> None:
-        await stop_task(self._task)
+        await cancel_and_wait([self._task])
         if self._session is not None:
             await self._session.close()
 

@@ -9,7 +9,6 @@ Invalid entries are counted and logged, never raised.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -96,15 +95,3 @@ class FleetMirror:
             await self.delete(worker_id)
         for worker_id, (mapping, draining) in wanted.items():
             await self.put(worker_id, mapping, draining)
-
-
-async def stop_task(task: asyncio.Task | None) -> None:
-    """Cancel a discovery source's watch task and wait for it (its last error is logged
-    where it happened)."""
-    if task is None:
-        return
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, Exception):
-        pass

@@ -16,6 +16,7 @@ import time
 from kvplug.frontend.fleet import Fleet, WorkerEntry
 from kvplug.frontend.outliers import OutlierDetector
 from kvplug.frontend.upstream import Upstream
+from kvplug.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,7 @@ class HealthProber:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait([self._task])
             self._task = None
 
     def poke(self) -> None:
