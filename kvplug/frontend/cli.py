@@ -94,6 +94,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="recent decisions kept for GET /kvplug/decisions/{id} (default 10000)",
     )
     g.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve from N processes on the one port (Linux SO_REUSEPORT), each a full "
+        "router subscribed to every engine's KV events, sharing in-flight load and answering "
+        "/metrics and decision lookups for all; a process that dies is restarted "
+        "(docs/frontend.md, 'Several processes'). Not with --admin-token, --epp-port or "
+        "--replica-sync. Default 1",
+    )
+    g.add_argument(
         "--event-loop",
         default="auto",
         choices=["auto", "uvloop", "asyncio"],
@@ -500,7 +511,9 @@ def specs_from_args(args: argparse.Namespace):
     return specs
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace, group=None) -> None:
+    """One serving process; ``group`` (kvplug.frontend.supervisor.ProcessGroup) when it is
+    one of ``--processes N``."""
     from kvplug.config import RouterConfig
     from kvplug.frontend.server import start_frontend
     from kvplug.frontend.tokens import LocalTokenizer
@@ -510,13 +523,19 @@ async def _serve(args: argparse.Namespace) -> None:
     specs = specs_from_args(args)
     router_config = RouterConfig.from_args(args)
     admin_port = args.admin_port if args.admin_port is not None else args.port + 1
-    _check_listen_ports(args, admin_port)  # before any worker is contacted
+    if group is None:  # else the supervisor has checked and holds the port
+        _check_listen_ports(args, admin_port)  # before any worker is contacted
     if not specs:
         logging.getLogger("kvplug").warning(
             "no workers given: add them with --worker, --worker-config or the admin API"
         )
     tokenizer = LocalTokenizer(args.tokenizer) if args.tokenizer else None
     router = Router(router_config)
+    peers = None
+    if group is not None:
+        from kvplug.frontend.peers import ProcessPeers
+
+        peers = ProcessPeers(group.directory, group.index, group.count)
     running = await start_frontend(
         router,
         specs,
@@ -528,8 +547,22 @@ async def _serve(args: argparse.Namespace) -> None:
         admin_host=args.admin_host,
         admin_port=admin_port,
         default_engine=args.worker_engine,
+        peers=peers,
     )
     log = logging.getLogger("kvplug.serve")
+    local_sync = None
+    if peers is not None:
+        from kvplug.local_sync import LocalLoadSync
+
+        local_sync = LocalLoadSync(router, group.directory, group.index, group.count)
+        try:
+            await peers.start()
+            await local_sync.start()
+        except BaseException:
+            await local_sync.close()
+            await peers.close()
+            await running.close()
+            raise
     picker = None
     if args.epp_port is not None:
         try:
@@ -584,6 +617,10 @@ async def _serve(args: argparse.Namespace) -> None:
             loop.add_signal_handler(sig, stop.set)
         except NotImplementedError:  # not on this platform
             pass
+    if group is not None:
+        if group.parent_sentinel is not None:  # the supervisor died: stop too
+            loop.add_reader(group.parent_sentinel, stop.set)
+        group.notify_ready()
     try:
         await stop.wait()
     finally:
@@ -592,6 +629,10 @@ async def _serve(args: argparse.Namespace) -> None:
             await discovery.close()
         if sync is not None:
             await sync.close()
+        if local_sync is not None:
+            await local_sync.close()
+        if peers is not None:
+            await peers.close()
         if picker is not None:
             await picker.close()
         await running.close()
@@ -650,12 +691,46 @@ def _run_loop(coro, choice: str) -> None:
         loop.close()
 
 
+_LOG_FORMAT = "%(asctime)s %(levelname)s {where}%(name)s: %(message)s"
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.processes != 1:
+        return _run_supervisor(args)
+    logging.basicConfig(level=args.log_level.upper(), format=_LOG_FORMAT.format(where=""))
+    return _run_serve(args, None)
+
+
+def _run_supervisor(args: argparse.Namespace) -> int:
+    from kvplug.frontend.supervisor import check_args, run_processes
+
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level.upper(), format=_LOG_FORMAT.format(where="[supervisor] ")
     )
     try:
-        _run_loop(_serve(args), args.event_loop)
+        check_args(args)
+        return run_processes(args)
+    except (ConfigError, UsageError) as exc:
+        print(f"kvplug serve: error: {exc}", file=sys.stderr)
+        return 2
+    except (KvplugError, RunError, OSError) as exc:
+        print(f"kvplug serve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def run_child(args: argparse.Namespace, group) -> int:
+    """One process of ``--processes N`` (in the forked child); every log line names it."""
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=_LOG_FORMAT.format(where=f"[p{group.index}/%(process)d] "),
+        force=True,
+    )
+    return _run_serve(args, group)
+
+
+def _run_serve(args: argparse.Namespace, group) -> int:
+    try:
+        _run_loop(_serve(args, group), args.event_loop)
     except (ConfigError, UsageError) as exc:
         print(f"kvplug serve: error: {exc}", file=sys.stderr)
         return 2

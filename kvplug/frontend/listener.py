@@ -142,7 +142,9 @@ class Listeners:
     def _count(self) -> None:
         self.head_timeouts += 1
 
-    async def listen(self, host: str, port: int, backlog: int = 1024) -> None:
+    async def listen(
+        self, host: str, port: int, backlog: int = 1024, reuse_port: bool = False
+    ) -> None:
         protocol = self.runner.server  # aiohttp's protocol factory (one handler per connection)
         if self.head_timeout > 0:
             timeout = self.head_timeout
@@ -153,7 +155,12 @@ class Listeners:
             factory = protocol
         loop = asyncio.get_running_loop()
         server = await loop.create_server(
-            factory, host or None, port, reuse_address=True, backlog=backlog
+            factory,
+            host or None,
+            port,
+            reuse_address=True,
+            backlog=backlog,
+            reuse_port=reuse_port or None,  # kvplug serve --processes: one port, N processes
         )
         self.servers.append(server)
 

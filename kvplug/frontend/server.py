@@ -52,7 +52,12 @@ def _local_url(addresses: list[tuple[str, int]]) -> str:
 
 
 async def _serve_app(
-    app: web.Application, host: str, port: int, settings: ServeSettings, backlog: int = 1024
+    app: web.Application,
+    host: str,
+    port: int,
+    settings: ServeSettings,
+    backlog: int = 1024,
+    reuse_port: bool = False,
 ) -> tuple[web.AppRunner, Listeners]:
     kwargs: dict[str, Any] = {}
     header_timeout = settings.client_header_timeout
@@ -70,7 +75,7 @@ async def _serve_app(
     await runner.setup()
     listeners = Listeners(runner, header_timeout)
     try:
-        await listeners.listen(host, port, backlog)
+        await listeners.listen(host, port, backlog, reuse_port)
     except BaseException:
         await runner.cleanup()
         raise
@@ -89,16 +94,24 @@ async def start_frontend(
     admin_host: str = "127.0.0.1",
     admin_port: int | None = 0,
     default_engine: str = "vllm",
+    peers: Any = None,
 ) -> RunningFrontend:
-    """Serve on ``host:port`` (0 = any free port); the admin API only with a token."""
+    """Serve on ``host:port`` (0 = any free port); the admin API only with a token. With
+    ``peers`` (:class:`kvplug.frontend.peers.ProcessPeers`) this is one process of several
+    on one port: the socket is opened with SO_REUSEPORT and ``/metrics`` and decision lookups
+    answer for all of them."""
     quiet_client_faults()
     frontend = Frontend(router, settings, tokenizer)
+    if peers is not None:
+        peers.install(frontend)
     s = frontend.settings
     runners: list[web.AppRunner] = []
     listeners: list[Listeners] = []
     try:
         await frontend.start(list(specs))  # a refusal closes what it opened (below)
-        runner, api = await _serve_app(build_app(frontend), host, port, s)
+        runner, api = await _serve_app(
+            build_app(frontend), host, port, s, reuse_port=peers is not None
+        )
         runners.append(runner)
         listeners.append(api)
         url = _local_url(api.addresses())
