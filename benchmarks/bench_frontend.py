@@ -8,6 +8,8 @@ them all:
 * the engine directly (the baseline every "added" figure subtracts, round by round);
 * ``kvplug serve`` (mode ``kv``, defaults) with ~512-token text prompts and a local tokenizer,
   and with the same prompts as token ids;
+* optionally ``kvplug serve --processes N`` (``--processes N``, repeatable): N server processes
+  on the one port, side by side with the single process;
 * optionally ``kvplug serve`` from another source tree (``--baseline-src DIR``: a before/after
   pair in one run);
 * optionally (``--floor``) ``benchmarks/floor_proxy.py``: the aiohttp server and the engine
@@ -18,7 +20,8 @@ them all:
 
 For non-streamed and streamed (8 SSE events) completions: latency at concurrency 1 (wrk's p50 and
 p99 of time to the last byte), and requests/s at ``--concurrency`` (16) in flight. Router CPU per
-request = user+system CPU of the router process (all threads, ``/proc/<pid>/stat``) over a run,
+request = user+system CPU of the router process and its child processes (all threads,
+``/proc/<pid>/stat``: ``kvplug serve --processes N``'s supervisor and its N children) over a run,
 divided by the run's requests. wrk's own CPU share is recorded per run: below one core it is not
 the bottleneck.
 
@@ -119,10 +122,25 @@ def write_bodies(path: Path, prompts: list, stream: bool, max_tokens: int) -> Pa
 # measuring
 
 
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
-    """user+system CPU time of a process (all threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """user+system CPU time of a process (all threads) and of its live children, from /proc
+    (a multi-process router's children do the work; a reaped child's time would be in the
+    parent's cutime, but none exits during a run)."""
+    ticks = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = _stat(int(entry.name))
+        except OSError:  # exited meanwhile
+            continue
+        if int(entry.name) == pid or int(fields[1]) == pid:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def run_wrk(url: str, script: Path, bodies: Path, conns: int, seconds: int, pid: int) -> dict:
@@ -206,9 +224,10 @@ def version_of(python_or_script: str, dist: str) -> str:
     return out.stdout.strip() or "?"
 
 
-def kvplug_cmd(port: int, engines: list[str], tokenizer: Path) -> list[str]:
+def kvplug_cmd(port: int, engines: list[str], tokenizer: Path, *extra: str) -> list[str]:
     return serve_command(
         port,
+        *extra,
         "--worker-engine",
         "openai",
         "--tokenizer",
@@ -264,11 +283,11 @@ def main_run(args) -> dict:
             {"name": "engine (direct)", "url": engines[0], "pid": stubs.pid, "kind": "text"}
         ]
 
-        def add_kvplug(label: str, env: dict | None) -> None:
+        def add_kvplug(label: str, env: dict | None, *extra: str) -> None:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             p = start(
-                kvplug_cmd(port, engines, tmp),
+                kvplug_cmd(port, engines, tmp, *extra),
                 url + "/v1/completions",
                 files["text", "plain"],
                 tmp,
@@ -281,6 +300,8 @@ def main_run(args) -> dict:
                 )
 
         add_kvplug("kvplug", None)
+        for n in args.processes:
+            add_kvplug(f"kvplug --processes {n}", None, "--processes", str(n))
         if args.baseline_src:
             env = {**os.environ, "PYTHONPATH": str(Path(args.baseline_src).resolve())}
             add_kvplug(f"kvplug {args.baseline_label}", env)
@@ -448,6 +469,14 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="rounds rotating over the targets")
     ap.add_argument("--no-rust", action="store_true", help="skip sglang-router and vllm-router")
+    ap.add_argument(
+        "--processes",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help="also run kvplug serve --processes N (repeatable)",
+    )
     ap.add_argument(
         "--baseline-src",
         default=None,

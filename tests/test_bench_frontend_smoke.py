@@ -102,6 +102,7 @@ def test_bench_frontend_quick_run(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(BENCH / "bench_frontend.py"), "--quick", "--no-rust", "--floor"]
+        + ["--processes", "2"]
         + ["--out", str(out)],
         capture_output=True,
         text=True,
@@ -115,6 +116,8 @@ def test_bench_frontend_quick_run(tmp_path):
         "kvplug (text+tokenizer)",
         "kvplug (token ids)",
         "floor: aiohttp server + engine pool",
+        "kvplug --processes 2 (text+tokenizer)",
+        "kvplug --processes 2 (token ids)",
     }
     for t in targets.values():
         for mode in ("plain", "stream"):
