@@ -74,6 +74,16 @@ core = Extension(
     extra_link_args=link_args,
 )
 
+# kvplug serve: token-id prompts read from the request's JSON bytes into u32 (no Python ints)
+token_json = Extension(
+    "kvplug._token_json",
+    sources=["kvplug/_token_json.pyx"],
+    include_dirs=[np.get_include()],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    extra_compile_args=compile_args,
+    extra_link_args=link_args,
+)
+
 # vLLM integration (issue 4): one-pass msgpack decoder for KV-event batches (optional at run
 # time: kvplug.integrations.vllm.wire falls back to msgspec without it)
 vllm_fastwire = (
@@ -90,7 +100,7 @@ vllm_fastwire = (
 setup(
     cmdclass={"build_py": BuildPyWithHook},
     ext_modules=cythonize(
-        [core] + ([vllm_fastwire] if os.path.exists("integrations/vllm/_fastwire.pyx") else []),
+        [core, token_json] + ([vllm_fastwire] if os.path.exists("integrations/vllm/_fastwire.pyx") else []),
         compiler_directives={"language_level": "3"},
         force=sanitize or debug,
     ),

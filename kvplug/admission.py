@@ -168,7 +168,7 @@ def eligible_endpoints(router: Any, scope: Scope) -> list[int]:
 
 
 def best_cached_tokens(
-    router: Any, token_ids: Sequence[int], scope: Scope, cache_salt: str | None = None
+    router: Any, token_ids: Sequence[int] | np.ndarray, scope: Scope, cache_salt: str | None = None
 ) -> int:
     """Longest device-tier prefix (in tokens) any eligible endpoint holds (wspt's discount)."""
     if not len(token_ids):

@@ -36,7 +36,7 @@ def test_parse_completion_text_and_ids():
     r = parse_request(body(model="m", prompt="hello"), COMPLETIONS)
     assert r.prompt_text == "hello" and r.prompt_ids is None and not r.stream
     r = parse_request(body(model="m", prompt=[1, 2, 3], stream=True), COMPLETIONS)
-    assert r.prompt_ids == [1, 2, 3] and r.stream
+    assert list(r.prompt_ids) == [1, 2, 3] and r.stream
     raw = body(model="m", prompt=[1, 2, 3])
     assert parse_request(raw, COMPLETIONS).raw is raw  # forwarded unchanged
 

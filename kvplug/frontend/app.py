@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 from aiohttp import web
 
 from kvplug.admission import QueueFull, QueueTimeout, Scope, best_cached_tokens
@@ -338,7 +339,7 @@ class Frontend:
             }
         return err
 
-    def check_prompt_tokens(self, tokens: list[int] | None, where: str) -> None:
+    def check_prompt_tokens(self, tokens: list[int] | np.ndarray | None, where: str) -> None:
         limit = self.settings.max_prompt_tokens
         if limit and tokens is not None and len(tokens) > limit:
             raise ApiError(
@@ -396,13 +397,11 @@ class Frontend:
         queue = self.queue
         assert queue is not None
         scope = self._queue_scope(ctx)
-        tokens = ctx.tokens or []
-        salt = ctx.req.body.get("cache_salt")
+        tokens = ctx.tokens if ctx.tokens is not None else ()
+        salt = ctx.req.cache_salt
 
         def cached() -> int:
-            return best_cached_tokens(
-                self.router, tokens, scope, salt if isinstance(salt, str) else None
-            )
+            return best_cached_tokens(self.router, tokens, scope, salt)
 
         def gone() -> bool:
             transport = request.transport
@@ -501,11 +500,10 @@ class Frontend:
         unhealthy = self.fleet.unhealthy
         if unhealthy and hints.pinned_worker_id in unhealthy:
             unhealthy = unhealthy - {hints.pinned_worker_id}  # an explicit pin is tried anyway
-        salt = ctx.req.body.get("cache_salt")
         return RouteRequest(
             request_id=f"r{ctx.key}.{stage.value[0]}{attempt}",
-            token_ids=ctx.tokens or (),
-            cache_salt=salt if isinstance(salt, str) else None,
+            token_ids=ctx.tokens if ctx.tokens is not None else (),
+            cache_salt=ctx.req.cache_salt,
             stage=stage,
             hints=hints,
             exclude_workers=exclude | unhealthy if unhealthy else exclude,
@@ -572,7 +570,7 @@ class Frontend:
             self.router,
             route_id,
             self.block_size,
-            len(ctx.tokens) if ctx.tokens else 0,
+            len(ctx.tokens) if ctx.tokens is not None else 0,
             self._on_release,
         )
         return Routed(decision, entry, lifecycle, record)
@@ -655,13 +653,15 @@ class Frontend:
 
     async def _plan(self, ctx: RequestContext) -> DecodePlan:
         try:
+            tokens = ctx.tokens
             plan = await plan_two_stage(
                 self,
                 ctx,
                 ctx.req.body,
                 ctx.request_id,
                 ctx.req.path,
-                ctx.tokens,
+                # the adapters put token ids into JSON bodies: a list, never a uint32 array
+                tokens.tolist() if isinstance(tokens, np.ndarray) else tokens,
                 self.settings.retries,
                 ConditionalDisagg.from_config(self.router.config),
             )

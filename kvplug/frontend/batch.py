@@ -195,7 +195,14 @@ async def serve_batch(
     subs: list[ParsedRequest] = []
     for p in prompts:
         body = {**base, "prompt": p}
-        sub = ParsedRequest(req.path, body, _encode(body), req.model, req.stream)
+        sub = ParsedRequest(
+            req.path,
+            _encode(body),
+            req.model,
+            req.stream,
+            decoded=body,
+            cache_salt=req.cache_salt,
+        )
         if isinstance(p, str):
             sub.prompt_text = p
         else:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvplug.frontend.decisions import DecisionRecord
 from kvplug.frontend.fleet import WorkerEntry
 from kvplug.frontend.hints import RequestHints
@@ -19,7 +21,7 @@ class RequestContext:
     key: int
     request_id: str
     req: ParsedRequest
-    tokens: list[int] | None
+    tokens: list[int] | np.ndarray | None  # a uint32 array from the token-id fast path
     token_source: str
     token_note: str | None
     hints: RequestHints

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 
+from kvplug._token_json import parse_token_ids
 from kvplug.frontend.errors import bad_request
 
 COMPLETIONS = "/v1/completions"
@@ -28,16 +30,29 @@ _encoder = msgspec.json.Encoder()
 @dataclass(slots=True)
 class ParsedRequest:
     path: str  # COMPLETIONS or CHAT
-    body: dict[str, Any]
     raw: bytes  # what is forwarded to the engine
     model: str
     stream: bool
+    decoded: dict[str, Any] | None = None  # the body; None until ``body`` is first read
     prompt_text: str | None = None  # completions with a text prompt
-    prompt_ids: list[int] | None = None  # token ids given by the client (prompt or nvext)
+    # token ids given by the client (prompt or nvext): a list, or a uint32 array when read
+    # straight from the body's bytes (the token-id fast path)
+    prompt_ids: list[int] | np.ndarray | None = None
     messages: list[dict[str, Any]] | None = None  # chat
     nvext: dict[str, Any] | None = None
     batch_size: int = 1  # completions prompt lists
     prompts: list[Any] | None = None  # a batch of 2+ prompts (strings or validated id lists)
+    cache_salt: str | None = None  # the body's string "cache_salt" (vLLM's), else None
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The request body as a dict. The token-id fast path never builds it for the common
+        request; whoever needs other fields (P/D, batches, adapters) decodes it here, once.
+        The fast path only skips decoding bodies the general path has already accepted in
+        shape (valid JSON, depth within the limit), so this cannot fail."""
+        if self.decoded is None:
+            self.decoded = _decoder.decode(self.raw)
+        return self.decoded
 
     @property
     def is_chat(self) -> bool:
@@ -100,8 +115,61 @@ def decode_json(raw: bytes) -> Any:
     return value
 
 
+class _CompletionHead(msgspec.Struct):
+    """The fields the token-id fast path reads; the prompt stays raw JSON bytes."""
+
+    model: Any = None
+    prompt: msgspec.Raw = msgspec.Raw()
+    stream: Any = None
+    nvext: Any = None
+    cache_salt: Any = None
+
+
+_head_decoder = msgspec.json.Decoder(_CompletionHead)
+
+
+def _parse_token_prompt(raw: bytes) -> ParsedRequest | None:
+    """The common completion - a non-empty list of token ids, a model, no ``nvext`` - read
+    without a dict or a Python int per token; None for anything else (the general path
+    decides, and says what is wrong). Accepts exactly what the general path accepts, with
+    the same result (tests/test_parsing_fastpath.py checks it on generated bodies)."""
+    # shallow bodies only: the dict decoded later on demand cannot then be too deep
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        return None
+    try:
+        head = _head_decoder.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    model, stream = head.model, head.stream
+    if not isinstance(model, str) or not model or head.nvext is not None:
+        return None
+    if stream is not None and not isinstance(stream, bool):
+        return None
+    ids = parse_token_ids(head.prompt)
+    if ids is None:
+        return None
+    salt = head.cache_salt
+    return ParsedRequest(
+        path=COMPLETIONS,
+        raw=raw,
+        model=model,
+        stream=bool(stream),
+        prompt_ids=ids,
+        cache_salt=salt if isinstance(salt, str) else None,
+    )
+
+
 def parse_request(raw: bytes, path: str) -> ParsedRequest:
     """Parse and validate one request body for ``path``; raises ``ApiError``."""
+    if path == COMPLETIONS:
+        fast = _parse_token_prompt(raw)
+        if fast is not None:
+            return fast
+    return parse_request_general(raw, path)
+
+
+def parse_request_general(raw: bytes, path: str) -> ParsedRequest:
+    """``parse_request`` without the token-id fast path: every body shape, every error."""
     body = decode_json(raw)
     if not isinstance(body, dict):
         raise bad_request(
@@ -123,7 +191,16 @@ def parse_request(raw: bytes, path: str) -> ParsedRequest:
     if nvext is not None and not isinstance(nvext, dict):
         raise bad_request("'nvext' must be an object", param="nvext")
 
-    req = ParsedRequest(path=path, body=body, raw=raw, model=model, stream=stream, nvext=nvext)
+    salt = body.get("cache_salt")
+    req = ParsedRequest(
+        path=path,
+        raw=raw,
+        model=model,
+        stream=stream,
+        decoded=body,
+        nvext=nvext,
+        cache_salt=salt if isinstance(salt, str) else None,
+    )
     if path == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

@@ -17,6 +17,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvplug.errors import ConfigError
 from kvplug.frontend.errors import ApiError
 from kvplug.frontend.parsing import ParsedRequest
@@ -187,7 +189,9 @@ class TokenResolver:
             return tok.encode_chat(req.messages, req.body)
         return tok.encode(req.prompt_text or "")
 
-    async def resolve(self, req: ParsedRequest) -> tuple[list[int] | None, str, str | None]:
+    async def resolve(
+        self, req: ParsedRequest
+    ) -> tuple[list[int] | np.ndarray | None, str, str | None]:
         """``(token ids or None, source, why the better sources failed or None)``."""
         if req.prompt_ids is not None:
             return req.prompt_ids, SOURCE_REQUEST, None
