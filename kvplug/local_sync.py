@@ -12,9 +12,9 @@ for good; and a connection that closes says its process is gone, so the requests
 announced are released at once rather than after ``expiry_s`` (still applied to a peer that
 hangs without closing).
 
-What a restarted process does not get: the requests its peers had in flight before it
-connected (they are not replayed), so for the length of those requests it sees less load than
-there is, as a replica that joins a running fleet does.
+A process that (re)starts hears, on each new connection, the requests that peer has in flight
+at that moment (as "added" events, plus "first token" for those past it), so a restarted
+process sees the fleet's load from its first request on.
 """
 
 from __future__ import annotations
@@ -175,6 +175,13 @@ class LocalLoadSync(ReplicaLoad):
             except OSError:  # not listening yet (or any more)
                 await asyncio.sleep(self.reconnect_s)
                 continue
+            # a new connection is a new peer process (or a new us): it has heard nothing of
+            # ours. Pending events go to the peers that have; the newcomer gets a snapshot
+            # of what is in flight now, which already contains them
+            self._flush()
+            snapshot = self._inflight_events()
+            if snapshot:
+                transport.write(self._line(snapshot))
             self._out[peer] = transport  # type: ignore[assignment]
             try:
                 await closed
@@ -204,15 +211,32 @@ class LocalLoadSync(ReplicaLoad):
         self.stats.published_batches += 1
         self.stats.published_events += len(events)
 
+    def _flush(self) -> None:
+        events, self._outbox = self._outbox, []
+        if events:
+            self._publish(events)
+
+    def _inflight_events(self) -> list[list[Any]]:
+        """This process's own requests in flight, as the events that announced them."""
+        remote: set[str] = set().union(*self._remote.values())
+        events: list[list[Any]] = []
+        for request_id, r in self.router.load.requests.items():
+            if request_id in remote:
+                continue
+            added = self.added_event(r)
+            if added is not None:
+                events.append(added)
+                if r.prefill_done:
+                    events.append(["t", request_id])
+        return events
+
     async def _flusher(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
             if self.flush_s:
                 await asyncio.sleep(self.flush_s)  # let a burst of decisions share one batch
-            events, self._outbox = self._outbox, []
-            if events:
-                self._publish(events)
+            self._flush()
 
     async def _heartbeats(self) -> None:
         while True:

@@ -87,24 +87,28 @@ class ReplicaLoad:
 
     # -- this replica's requests (LoadListener) ----------------------------------------------
     def added(self, r: ActiveRequest) -> None:
+        event = self.added_event(r)
+        if event is not None:
+            self._queue(event)
+
+    def added_event(self, r: ActiveRequest) -> list[Any] | None:
+        """The wire event of one of this replica's requests (None: its worker is gone)."""
         worker = self.router.ep_worker[r.endpoint]
         if worker is None:
-            return
+            return None
         blocks = r.decode_blocks
         if r.deduplicated:  # the hashed chain lives in this replica's trie: send it in full
             blocks += r.prompt_tokens // self.router.load.block_size
-        self._queue(
-            [
-                "a",
-                r.request_id,
-                worker,
-                int(self.router.ep_rank[r.endpoint]),
-                r.prompt_tokens,
-                r.prefill_tokens,
-                blocks,
-                r.expected_osl,
-            ]
-        )
+        return [
+            "a",
+            r.request_id,
+            worker,
+            int(self.router.ep_rank[r.endpoint]),
+            r.prompt_tokens,
+            r.prefill_tokens,
+            blocks,
+            r.expected_osl,
+        ]
 
     def first_token(self, request_id: str) -> None:
         self._queue(["t", request_id])

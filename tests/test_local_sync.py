@@ -107,13 +107,20 @@ async def test_a_restarted_process_reconnects_and_is_heard(tmp_path):
     a, b = _router(), _router()
     syncs = await _group(str(tmp_path), [a, b], reconnect_s=0.05)
     try:
+        d = a.route(RouteRequest("before", list(range(100))))  # in flight across the restart
+        a.on_first_token("before")
         await syncs[1].close()  # process 1 stops; 0 keeps trying to reach its socket
         b2 = _router()
         again = LocalLoadSync(b2, str(tmp_path), 1, 2, replica_id="p1-new", reconnect_s=0.05)
         await again.start()
         syncs[1] = again
-        await _until(lambda: len(again._inbound) == 1)  # process 0 has reconnected
+        # on reconnecting, process 0 tells the newcomer what it has in flight
+        await _until(lambda: len(b2.load.requests) == 1)
+        ep = b2.endpoint_of(d.worker_id, 0)
+        assert b2.load.inflight[ep] == 1 and b2.load.prefill_tokens[ep] == 0  # past first token
         a.route(RouteRequest("after", list(range(40))))
+        await _until(lambda: len(b2.load.requests) == 2)
+        a.on_finish("before")
         await _until(lambda: len(b2.load.requests) == 1)
     finally:
         for s in syncs:
