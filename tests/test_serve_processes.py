@@ -209,6 +209,7 @@ async def test_a_killed_process_is_restarted_and_its_load_released(tmp_path):
             return _prefill(await _metrics(serve.url), 1, busy) > 0
 
         await _until(seen_by_1, what="process 1 seeing process 0's request")
+        kept, kept_on = await _send_held(serve, conns[1])  # process 1's, across the restart
         os.kill(old_pid, signal.SIGKILL)
         status = None
         with contextlib.suppress(aiohttp.ClientError):
@@ -218,11 +219,15 @@ async def test_a_killed_process_is_restarted_and_its_load_released(tmp_path):
         async def released_and_back():
             m = await _metrics(serve.url)
             back = m.get(("kvplug_process_up", (("process", "0"),))) == 1.0
-            return back and _prefill(m, 1, busy) == 0
+            # process 1 dropped the dead one's request; the new process 0 was told of 1's
+            return back and _prefill(m, 1, busy) == 0 and _prefill(m, 0, kept_on) > 0
 
         await _until(released_and_back, what="load released and process 0 back")
         for e in serve.engines:
+            assert e.gate is not None
+            e.gate.set()
             e.gate = None
+        assert (await kept)[0] == 200
         died = f"process 0 (pid {old_pid}) died (signal 9): restarting it"
         assert died in serve.log.read_text()
         new = await _until(
