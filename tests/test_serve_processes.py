@@ -317,3 +317,44 @@ async def test_one_process_is_unchanged(tmp_path):
             text = await r.text()
         assert "process=" not in text and "kvplug_process_up" not in text
         assert "[supervisor]" not in serve.log.read_text()
+
+
+async def test_a_process_that_keeps_dying_stops_the_serve(tmp_path):
+    """A crash loop (more than 5 deaths of one process within 60 s) is not restarted forever:
+    the supervisor stops everything and exits 1."""
+    async with Serve(tmp_path) as serve:
+        assert serve.proc is not None
+        deadline = time.monotonic() + 90
+        seen: set[int] = set()
+        while serve.proc.poll() is None:
+            assert time.monotonic() < deadline, "the supervisor kept restarting"
+            for pid in _children(serve.proc.pid):
+                seen.add(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(0.05)
+        assert serve.proc.returncode == 1
+        assert "times within 60 s" in serve.log.read_text()
+        assert len(seen) > 5  # it did restart, up to the limit
+        for pid in seen:  # and left nothing running
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+    return out
+
+
+def test_a_process_that_cannot_start_stops_the_serve_with_its_exit_code():
+    cmd = serve_command(free_port(), "--processes", "2", "--worker", "openai:not-a-url")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr  # a configuration error, as with one process
+    assert "kvplug serve [p" in proc.stderr and "--worker openai:not-a-url" in proc.stderr
+    assert "failed to start (exit code 2)" in proc.stderr

@@ -729,13 +729,14 @@ def run_child(args: argparse.Namespace, group) -> int:
 
 
 def _run_serve(args: argparse.Namespace, group) -> int:
+    who = "kvplug serve" if group is None else f"kvplug serve [p{group.index}]"
     try:
         _run_loop(_serve(args, group), args.event_loop)
     except (ConfigError, UsageError) as exc:
-        print(f"kvplug serve: error: {exc}", file=sys.stderr)
+        print(f"{who}: error: {exc}", file=sys.stderr)
         return 2
     except (KvplugError, RunError, OSError) as exc:  # a correct command that cannot run
-        print(f"kvplug serve: error: {exc}", file=sys.stderr)
+        print(f"{who}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         pass
