@@ -86,7 +86,11 @@ class Serve:
             "16",
         )
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self.log.open("wb"), stderr=subprocess.STDOUT
+            cmd,
+            cwd=ROOT,
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, as a terminal would give it
         )
 
         async def all_up():
@@ -254,6 +258,17 @@ async def test_sigterm_stops_every_process(tmp_path):
         assert "[supervisor] kvplug.serve: stopping 2 processes" in text
         assert text.count("kvplug.serve: shutting down") == 2
         assert "[p0/" in text and "[p1/" in text  # every child's line names its process
+
+
+async def test_ctrl_c_to_the_whole_group_stops_without_restarts(tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to every process of the group at once: the children
+    stopping must not read as deaths to restart."""
+    async with Serve(tmp_path) as serve:
+        assert serve.proc is not None
+        os.killpg(serve.proc.pid, signal.SIGINT)
+        assert serve.proc.wait(60) == 0
+        text = serve.log.read_text()
+        assert "restarting" not in text and text.count("kvplug.serve: shutting down") == 2
 
 
 async def test_children_stop_when_the_supervisor_is_killed(tmp_path):

@@ -233,6 +233,8 @@ class Supervisor:
 
     def _died(self, child: _Child, serving: bool) -> int | None:
         """A child exited on its own: the serve's exit code, or None once it is restarted."""
+        if self.stopping:  # Ctrl-C reaches every process of the group: not a death
+            return None
         code = child.process.exitcode
         was_ready = child.ready
         self._close_ready(child)
