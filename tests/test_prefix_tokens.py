@@ -164,3 +164,16 @@ def test_local_tokenizer_serves_long_prompts_from_the_cache(tmp_path):
     for _ in range(2):
         assert list(local.encode(text)) == plain.encode(text)
     assert local.encode("alpha beta") == plain.encode("alpha beta")  # short: a plain list
+
+
+@pytest.mark.parametrize("preset", [None, "true"])
+def test_tokenizers_thread_pool_is_off_unless_the_user_asked(tmp_path, monkeypatch, preset):
+    if preset is None:
+        monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    else:
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", preset)
+    TOKENIZERS["word-level"].save(str(tmp_path / "tokenizer.json"))
+    LocalTokenizer(tmp_path)
+    import os
+
+    assert os.environ["TOKENIZERS_PARALLELISM"] == (preset or "false")
