@@ -50,11 +50,11 @@ def word_level() -> Tokenizer:
 
 
 def tokenizers_under_test() -> dict[str, Tokenizer]:
-    # the tiny Llama's SentencePiece-converted tokenizer (Metaspace); .ci/setup_vllm.sh makes it
+    # the tiny Llama's own tokenizer (byte-level BPE, no pre-split regex; .ci/setup_vllm.sh)
     return {
         "byte-level-bpe": byte_level_bpe(),
         "word-level": word_level(),
-        "llama-metaspace": Tokenizer.from_file(str(TINY_LLAMA)),
+        "tiny-llama-byte-level": Tokenizer.from_file(str(TINY_LLAMA)),
     }
 
 
