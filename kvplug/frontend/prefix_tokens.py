@@ -87,6 +87,11 @@ class PrefixTokenCache:
     def enabled(self) -> bool:
         return self.off_reason is None
 
+    def snapshot(self) -> dict[str, int]:
+        """Counters for /metrics: prompts, chunk hits and misses, verified prompts, cached
+        chunks, and 1 while the cache is on."""
+        return {**self.stats, "chunks": len(self._chunks), "enabled": int(self.enabled)}
+
     def _whole(self, text: str, add_special: bool) -> np.ndarray:
         return np.array(self._encode_many([text], add_special)[0], dtype=np.uint32)
 
