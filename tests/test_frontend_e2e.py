@@ -633,3 +633,25 @@ async def test_an_engine_without_tokenize_is_not_asked_again():
         # each engine answered 404 once; later text requests go straight to load routing
         assert [e.tokenize_calls for e in h.engines.values()] == [1, 1]
         h.assert_idle()
+
+
+async def test_long_text_prompts_use_the_prefix_tokenization_cache(tmp_path):
+    """Repeated long text is tokenized once; /metrics shows the cache's hits and that it is on,
+    and the trace's token count is the whole text's."""
+    from test_frontend_units import make_tokenizer_dir
+
+    from kvplug.frontend.tokens import LocalTokenizer
+
+    tok = LocalTokenizer(make_tokenizer_dir(tmp_path))
+    shared = " ".join(["hello world hi"] * 60)  # ~900 characters
+    async with serving(1, tokenizer=tok) as h:
+        for tail in ("hello", "world hi"):
+            resp, _ = await h.complete(f"{shared} {tail}", headers={})
+            assert resp.status == 200
+            trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+            assert trace["tokens"]["count"] == len(tok._encode(f"{shared} {tail}", True))
+        async with h.session.get(h.url + "/metrics") as r:
+            text = await r.text()
+    assert 'kvplug_router_stat{stat="tokenizer_cache.enabled"} 1.0' in text
+    hits = next(ln for ln in text.splitlines() if 'stat="tokenizer_cache.chunk_hits"' in ln)
+    assert float(hits.split()[-1]) > 0

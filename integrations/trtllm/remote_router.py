@@ -158,7 +158,7 @@ class TrtllmRemoteRouter:
         route_id = f"trtllm-{next(self._keys)}"
         rreq = RouteRequest(
             request_id=route_id,
-            token_ids=tokens or (),
+            token_ids=tokens if tokens is not None else (),
             cache_salt=salt if isinstance(salt, str) else None,
             stage=stage,
             hints=NO_HINTS if allowed is None else RoutingHints(allowed_worker_ids=allowed),

@@ -194,9 +194,14 @@ class Frontend:
 
     def _router_stats(self) -> dict[str, Any]:
         try:
-            return self.router.stats()
+            stats = self.router.stats()
         except Exception:
-            return {}
+            stats = {}
+        tok = self.tokens.tokenizer
+        if tok is not None and tok.prefix_cache is not None:
+            # kvplug_router_stat{stat="tokenizer_cache.*"}: hits, misses, whether it is on
+            stats["tokenizer_cache"] = tok.prefix_cache.snapshot()
+        return stats
 
     # -- HTTP handlers ---------------------------------------------------------------------
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:

@@ -216,6 +216,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "with the chat template); nothing is downloaded",
     )
     t.add_argument(
+        "--tokenizer-cache-chunks",
+        type=int,
+        default=16_384,
+        metavar="N",
+        help="keep the token ids of up to N ~256-character chunks of prompt text, so text "
+        "seen before (system prompts, conversation history) is not tokenized again; checked "
+        "against whole-text tokenization at start and on every 64th prompt, and off for a "
+        "tokenizer that fails (docs/frontend.md; default 16384, ~10 MB; 0 = off)",
+    )
+    t.add_argument(
         "--no-engine-tokenize",
         dest="engine_tokenize",
         action="store_false",
@@ -454,6 +464,7 @@ def settings_from_args(args: argparse.Namespace):
         "request_timeout",
         "max_stream_duration",
         "max_tokenize_chars",
+        "tokenizer_cache_chunks",
         "tokenize_concurrency",
         "tokenize_timeout",
         "outlier_consecutive_failures",
@@ -529,7 +540,11 @@ async def _serve(args: argparse.Namespace, group=None) -> None:
         logging.getLogger("kvplug").warning(
             "no workers given: add them with --worker, --worker-config or the admin API"
         )
-    tokenizer = LocalTokenizer(args.tokenizer) if args.tokenizer else None
+    tokenizer = (
+        LocalTokenizer(args.tokenizer, prefix_cache_chunks=args.tokenizer_cache_chunks)
+        if args.tokenizer
+        else None
+    )
     router = Router(router_config)
     peers = None
     if group is not None:

@@ -133,9 +133,6 @@ def _parse_token_prompt(raw: bytes) -> ParsedRequest | None:
     without a dict or a Python int per token; None for anything else (the general path
     decides, and says what is wrong). Accepts exactly what the general path accepts, with
     the same result (tests/test_parsing_fastpath.py checks it on generated bodies)."""
-    # shallow bodies only: the dict decoded later on demand cannot then be too deep
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
-        return None
     try:
         head = _head_decoder.decode(raw)
     except (msgspec.DecodeError, RecursionError):
@@ -145,8 +142,11 @@ def _parse_token_prompt(raw: bytes) -> ParsedRequest | None:
         return None
     if stream is not None and not isinstance(stream, bool):
         return None
-    ids = parse_token_ids(head.prompt)
+    ids = parse_token_ids(head.prompt)  # None at once for a text prompt
     if ids is None:
+        return None
+    # shallow bodies only: the dict decoded later on demand cannot then be too deep
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
         return None
     salt = head.cache_salt
     return ParsedRequest(
