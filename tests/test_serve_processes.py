@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -256,6 +257,8 @@ async def test_sigterm_stops_every_process(tmp_path):
                 os.kill(pid, 0)
         text = serve.log.read_text()
         assert "[supervisor] kvplug.serve: stopping 2 processes" in text
+        found = re.search(r"over sockets in (\S+)", text)
+        assert found is not None and not Path(found.group(1)).exists()
         assert text.count("kvplug.serve: shutting down") == 2
         assert "[p0/" in text and "[p1/" in text  # every child's line names its process
 
@@ -290,6 +293,10 @@ async def test_children_stop_when_the_supervisor_is_killed(tmp_path):
 
         # orphans are reaped by init (or pytest's subreaper): they vanish once they exit
         await _until(all_gone, what="the children exiting after their supervisor died")
+        # and the last one out removed the sockets' directory the supervisor could not
+        found = re.search(r"over sockets in (\S+)", serve.log.read_text())
+        assert found is not None
+        assert not Path(found.group(1)).exists()
 
 
 @pytest.mark.parametrize(

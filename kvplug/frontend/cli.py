@@ -648,6 +648,8 @@ async def _serve(args: argparse.Namespace, group=None) -> None:
             await local_sync.close()
         if peers is not None:
             await peers.close()
+        if group is not None:
+            group.leave()
         if picker is not None:
             await picker.close()
         await running.close()

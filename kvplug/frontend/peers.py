@@ -16,6 +16,7 @@ serve's private directory (``http-<i>.sock``), and the public handlers gather fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -114,6 +115,8 @@ class ProcessPeers:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+            with contextlib.suppress(OSError):
+                os.unlink(http_socket(self.directory, self.index))
 
     # -- this process's own view (the Unix socket) ---------------------------------------
     async def _local_decision(self, request: web.Request) -> web.Response:

@@ -126,6 +126,14 @@ class ProcessGroup:
         os.write(self.ready_fd, b"r")
         os.close(self.ready_fd)
 
+    def leave(self) -> None:
+        """After this process has closed its sockets: if the supervisor died (it removes the
+        directory otherwise), the last process out removes it."""
+        parent = multiprocessing.parent_process()
+        if parent is not None and not parent.is_alive():
+            with contextlib.suppress(OSError):  # not empty: another process is still closing
+                os.rmdir(self.directory)
+
 
 @dataclass
 class _Child:
@@ -187,6 +195,7 @@ class Supervisor:
         self.reserved = reserve_port(self.args.host, self.args.port)
         self.args.port = self.reserved.getsockname()[1]
         self.directory = tempfile.mkdtemp(prefix="kvplug-serve-")  # mode 0700
+        log.info("processes share load and views over sockets in %s", self.directory)
         old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             return self._supervise()
