@@ -739,6 +739,29 @@ def hash_blocks(tokens, block_size, seed=0, extra=None, bint with_local=True):
     return lo, seq
 
 
+def seq_hashes(tokens, block_size, seed=0, extra=None):
+    """Sequence hashes (numpy u64) of every full block of tokens: ``hash_blocks(...)[1]``.
+
+    The routing path's call (a request's or an event's token list in, the hashes a query takes
+    out): no local array, no tuple and no keyword to parse, which is a fifth of the cost of
+    hashing a ~400-token list.
+    """
+    cdef size_t bs
+    cdef uint64_t s
+    cdef cnp.ndarray seq
+    cdef Py_ssize_t n_items
+    if (type(tokens) is list or type(tokens) is tuple) and extra is None:
+        bs = _block_size(block_size)
+        s = _seed(seed)
+        if bs <= KVPY_FUSED_MAX_BS:
+            n_items = len(tokens)
+            seq = cnp.PyArray_EMPTY(1, [<cnp.npy_intp>(<size_t>n_items // bs)], cnp.NPY_UINT64, 0)
+            if kvpy_hash_items(PySequence_Fast_ITEMS(tokens), n_items, bs, s, NULL,
+                               <kvp_hash_t *>cnp.PyArray_DATA(seq)):
+                return seq
+    return hash_blocks(tokens, block_size, seed, extra, False)[1]
+
+
 # ---- query results -----------------------------------------------------------------------------
 cdef class QueryResult:
     """Dense per-endpoint answer of Index.query (reusable: pass it back as ``out=``).
