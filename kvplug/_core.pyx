@@ -128,18 +128,26 @@ cdef extern from *:
     }
 
     #if KVPY_FAST_INTS
+    /* An exact int's size word (3.12+: lv_tag = ndigits << 3 | sign; earlier: ob_size, negative
+     * for negative ints) and its value for a positive one-digit int. */
     #if PY_VERSION_HEX >= 0x030C0000
-    #define KVPY_ONE_DIGIT(o) (((PyLongObject *)(o))->long_value.lv_tag == ((uintptr_t)1 << 3))
+    #define KVPY_SIZE_WORD(o) ((uintptr_t)((PyLongObject *)(o))->long_value.lv_tag)
+    #define KVPY_ONE_DIGIT_WORD ((uintptr_t)1 << 3)
     #else
-    #define KVPY_ONE_DIGIT(o) (Py_SIZE(o) == 1)
+    #define KVPY_SIZE_WORD(o) ((uintptr_t)Py_SIZE(o))
+    #define KVPY_ONE_DIGIT_WORD ((uintptr_t)1)
     #endif
-    /* The digit of an exact positive one-digit int (bad |= 1 for anything else, whose memory
-     * is then not read). */
+    /* The digit of an exact positive one-digit int; bad != 0 after anything else. An exact
+     * int always has a first digit (CPython allocates one even for 0), so only the type needs a
+     * branch (laid out as the fall-through: tokens are ints), and the size word is checked
+     * without one. Another type's memory is not read. */
     static inline uint32_t kvpy_small_digit(PyObject *o, uint64_t *bad) {
-        static const digit zero = 0;
-        const int ok = Py_TYPE(o) == &PyLong_Type && KVPY_ONE_DIGIT(o);
-        *bad |= (uint64_t)!ok;
-        return (uint32_t)*(ok ? KVPY_DIGITS(o) : &zero);
+        if (__builtin_expect(Py_TYPE(o) == &PyLong_Type, 1)) {
+            *bad |= (uint64_t)(KVPY_SIZE_WORD(o) ^ KVPY_ONE_DIGIT_WORD);
+            return (uint32_t)KVPY_DIGITS(o)[0];
+        }
+        *bad |= 1;
+        return 0;
     }
     #endif
 
