@@ -250,3 +250,48 @@ def test_seq_hashes_raise_what_hash_blocks_raises(tokens, block_size, seed, extr
         )
     else:
         assert issubclass(want[0], (InvalidTokens, InvalidArgument))
+
+
+# ---- seq_hashes reuses a result array only once nothing else holds it ------------------------
+def test_seq_hashes_never_writes_a_result_someone_holds():
+    a_toks, b_toks = list(range(100, 100 + 64)), list(range(900, 900 + 64))
+    want_a, want_b = C.hash_blocks(a_toks, 16)[1].tolist(), C.hash_blocks(b_toks, 16)[1].tolist()
+    held = C.seq_hashes(a_toks, 16)
+    other = C.seq_hashes(b_toks, 16)  # same length while `held` is alive
+    assert other is not held
+    assert held.tolist() == want_a and other.tolist() == want_b
+    view = held[1:]  # a view keeps its base alive
+    del held
+    again = C.seq_hashes(b_toks, 16)
+    assert view.tolist() == want_a[1:]
+    assert again.tolist() == want_b
+    mv = memoryview(again)  # so does a buffer export
+    del again
+    assert C.seq_hashes(a_toks, 16).tolist() == want_a
+    assert list(mv.cast("B").cast("Q")) == want_b
+
+
+def test_seq_hashes_reuses_a_dropped_result_and_gives_a_fresh_one_after_in_place_changes():
+    toks = list(range(5000, 5000 + 16 * 4))
+    want = C.hash_blocks(toks, 16)[1].tolist()
+    first = C.seq_hashes(toks, 16)
+    first_id = id(first)
+    del first
+    reused = C.seq_hashes(toks, 16)
+    assert id(reused) == first_id  # dropped by the caller: handed out again, not reallocated
+    # a caller may change a result in place before dropping it: none of that comes back
+    for change in ("readonly", "dtype", "shape"):
+        if change == "readonly":
+            reused.flags.writeable = False
+        elif change == "dtype":
+            reused.dtype = np.int64
+        else:
+            reused.shape = (2, 2)
+        del reused
+        reused = C.seq_hashes(toks, 16)
+        assert reused.flags.writeable and reused.dtype == np.uint64 and reused.shape == (4,)
+        assert reused.tolist() == want
+        reused[0] = 1  # writeable: the caller owns it
+        del reused
+        reused = C.seq_hashes(toks, 16)
+        assert reused.tolist() == want
