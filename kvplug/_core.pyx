@@ -782,8 +782,9 @@ def seq_hashes(tokens, block_size, seed=0, extra=None):
     """Sequence hashes (numpy u64) of every full block of tokens: ``hash_blocks(...)[1]``.
 
     The routing path's call (a request's or an event's token list in, the hashes a query takes
-    out): no local array, no tuple and no keyword to parse, which is a fifth of the cost of
-    hashing a ~400-token list.
+    out): no local array, no tuple and no keyword to parse; from a list, a result of fewer than
+    256 blocks may be an array an earlier call returned and its caller has since dropped (see
+    _seq_out), never one still referenced anywhere.
     """
     cdef size_t bs
     cdef uint64_t s
