@@ -19,12 +19,12 @@ delivered as one store event per turn (~30 blocks). Like for like, per operation
   sides: kvplug ``Index.query(list, out).scores()``, Dynamo ``find_matches(list).scores``;
   the same prompts, the same number of calls. Every answer is compared (round 1).
 * hash + query: a prompt as a Python list of token ids in, scores dict out (the routing path):
-  kvplug ``hash_blocks`` then ``query``; Dynamo ``compute_block_hash_for_seq`` then
+  kvplug ``seq_hashes`` then ``query``; Dynamo ``compute_block_hash_for_seq`` then
   ``find_matches``.
 * hashing: the token lists of store events (a Python list of ints, what a decoded vLLM event
   gives) and prompt lists, the two sides taking turns pass by pass (best of 10 each); kvplug
-  ``hash_blocks(list, 16, with_local=False)``, Dynamo ``compute_block_hash_for_seq(list, 16)``;
-  each returns what its own query takes.
+  ``seq_hashes(list, 16)``, Dynamo ``compute_block_hash_for_seq(list, 16)``; each returns
+  what its own query takes (a numpy array of sequence hashes, a list).
 * memory: RSS delta of building the index in a fresh subprocess per side and round (the same
   inputs built first; ``gc.collect()`` and ``malloc_trim(0)`` before both readings, so freed
   heap is returned to the OS on both sides).
@@ -251,11 +251,11 @@ class KvplugSide:
         return self.idx.query(hashes, self.out).scores()
 
     def hash_and_scores(self, tokens: list[int]) -> dict:
-        return self.idx.query(core.hash_blocks(tokens, BS, with_local=False)[1], self.out).scores()
+        return self.idx.query(core.seq_hashes(tokens, BS), self.out).scores()
 
     @staticmethod
     def hash(tokens: list[int]):
-        return core.hash_blocks(tokens, BS, with_local=False)
+        return core.seq_hashes(tokens, BS)
 
     @staticmethod
     def worker_scores(scores: dict) -> dict[int, int]:
@@ -463,7 +463,7 @@ def bench_workers(workers: int, args, sides: list) -> dict:
             rd[f"{name}_hash_prompt_list_tokens_per_s"] = n_long / wall
             rd[f"{name}_hash_prompt_list_tokens_per_cpu_s"] = n_long / cpu
         best = time_passes(
-            {"np": lambda t: core.hash_blocks(t, BS, with_local=False)},
+            {"np": lambda t: core.seq_hashes(t, BS)},
             hash_events_np,
             args.hash_repeat,
         )

@@ -1099,13 +1099,21 @@ static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
     const emap_t *em = emap_of(idx, ep); /* reserved: exists, and does not move during the loop */
     /* the first blocks too: a typical store event is only ~30 blocks long */
     for (size_t i = 0; i < n && i < STORE_AHEAD; i++) {
-        __builtin_prefetch(&idx->bt[bslot_of(hs[i], idx->bt_cap)]);
-        __builtin_prefetch(&em->t[mslot_of(ehs[i], em->cap)]);
+        const bslot_t *b_ = &idx->bt[bslot_of(hs[i], idx->bt_cap)];
+        const mslot_t *m_ = &em->t[mslot_of(ehs[i], em->cap)];
+        __builtin_prefetch(b_);
+        __builtin_prefetch((const char *)b_ + 64);
+        __builtin_prefetch(m_);
+        __builtin_prefetch((const char *)m_ + 64);
     }
     for (size_t i = 0; i < n; i++) {
         if (i + STORE_AHEAD < n) {
-            __builtin_prefetch(&idx->bt[bslot_of(hs[i + STORE_AHEAD], idx->bt_cap)]);
-            __builtin_prefetch(&em->t[mslot_of(ehs[i + STORE_AHEAD], em->cap)]);
+            const bslot_t *b_ = &idx->bt[bslot_of(hs[i + STORE_AHEAD], idx->bt_cap)];
+            const mslot_t *m_ = &em->t[mslot_of(ehs[i + STORE_AHEAD], em->cap)];
+            __builtin_prefetch(b_);
+            __builtin_prefetch((const char *)b_ + 64);
+            __builtin_prefetch(m_);
+            __builtin_prefetch((const char *)m_ + 64);
         }
         st = add_ref(idx, ep, ehs[i], hs[i], tier);
         if (st != KVP_OK) break;

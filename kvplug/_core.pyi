@@ -27,6 +27,12 @@ def hash_blocks(
     extra: Hashes | None = None,
     with_local: bool = True,
 ) -> tuple[npt.NDArray[np.uint64] | None, npt.NDArray[np.uint64]]: ...
+def seq_hashes(
+    tokens: Tokens,
+    block_size: int,
+    seed: int = 0,
+    extra: Hashes | None = None,
+) -> npt.NDArray[np.uint64]: ...
 
 class QueryResult:
     local: npt.NDArray[np.int32]

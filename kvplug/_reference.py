@@ -166,6 +166,16 @@ def hash_blocks(
     return local, seq
 
 
+def seq_hashes(
+    tokens: Iterable[int],
+    block_size: int,
+    seed: int = 0,
+    extra: Sequence[int] | None = None,
+) -> list[int]:
+    """Sequence hashes of every full block of ``tokens`` (``hash_blocks(...)[1]``)."""
+    return hash_blocks(tokens, block_size, seed, extra)[1]
+
+
 # --------------------------------------------------------------------------------------------
 # Index
 # --------------------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ Index = impl.Index
 QueryResult = impl.QueryResult
 CostParams = impl.CostParams
 hash_blocks = impl.hash_blocks
+seq_hashes = impl.seq_hashes
 local_hash = impl.local_hash
 chain_hash = impl.chain_hash
 costs = impl.costs
@@ -86,5 +87,6 @@ __all__ = [
     "load_backend",
     "local_hash",
     "select",
+    "seq_hashes",
     "softmax_probs",
 ]

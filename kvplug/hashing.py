@@ -48,8 +48,8 @@ def hash_tokens(
     """Sequence hashes (numpy uint64) of every full block of ``tokens`` in its namespace."""
     seed = namespace_seed(lora_name, cache_salt)
     if core.backend == "c":
-        return core.hash_blocks(tokens, block_size, seed, extra, with_local=False)[1]
-    return np.asarray(core.hash_blocks(tokens, block_size, seed, extra)[1], dtype=np.uint64)
+        return core.seq_hashes(tokens, block_size, seed, extra)
+    return np.asarray(core.seq_hashes(tokens, block_size, seed, extra), dtype=np.uint64)
 
 
 __all__ = ["LORA_TAG", "SALT_TAG", "hash_tokens", "namespace_seed"]

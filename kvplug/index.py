@@ -453,11 +453,10 @@ class KvIndex:
         """Sequence hashes (numpy uint64) of a request's full blocks, in its namespace."""
         seed = namespace_seed(lora_name, cache_salt)
         if self.backend == "c":
-            return self._impl.hash_blocks(
-                token_ids, self.block_size, seed, block_extra, with_local=False
-            )[1]
-        seq = self._impl.hash_blocks(token_ids, self.block_size, seed, block_extra)[1]
-        return np.asarray(seq, np.uint64)
+            return self._impl.seq_hashes(token_ids, self.block_size, seed, block_extra)
+        return np.asarray(
+            self._impl.seq_hashes(token_ids, self.block_size, seed, block_extra), np.uint64
+        )
 
     def query(self, block_hashes) -> Overlaps:
         """Per endpoint overlaps of a request; the returned object is reused by the next query."""

@@ -182,3 +182,116 @@ def test_hash_lists_that_fail_the_direct_read_keep_their_errors():
     with pytest.raises(InvalidArgument, match=r"block_hashes\[0\] must be an integer"):
         idx.query([None])
     assert idx.stats()["stored_blocks"] == 0
+
+
+# ---- seq_hashes: hash_blocks(...)[1] without the tuple, the local array and the keyword ------
+def _error_of(fn, *args):
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - compared whole below
+        return type(exc), str(exc)
+    return None
+
+
+@pytest.mark.parametrize("bs", [1, 3, 16, 17, 256, 257])
+@pytest.mark.parametrize("n_blocks", [0, 1, 30])
+def test_seq_hashes_are_hash_blocks_sequence_hashes(be, bs, n_blocks):
+    """Every input form (the list fast path, tuples, arrays, block sizes past the fused limit),
+    seeds and per-block extras: exactly hash_blocks' sequence hashes, on both backends."""
+    rng = np.random.default_rng(bs * 1000 + n_blocks)
+    n = n_blocks * bs + bs // 2
+    toks = rng.integers(0, 128_000, n, dtype=np.uint64)
+    if n:
+        toks[rng.integers(0, n, min(n, 8))] = rng.choice(TOKEN_EDGES, min(n, 8))
+    extra = rng.integers(0, 2**64, n_blocks, dtype=np.uint64).tolist()
+    for form in (toks.tolist(), tuple(toks.tolist()), toks.astype(np.uint32)):
+        for seed, ex in ((0, None), (2**64 - 3, None), (7, extra)):
+            got = be.seq_hashes(form, bs, seed, ex)
+            want = be.hash_blocks(form, bs, seed, ex)[1]
+            assert list(got) == list(want)
+            assert len(got) == n_blocks
+            if be is C:
+                assert isinstance(got, np.ndarray) and got.dtype == np.uint64
+
+
+def test_seq_hashes_default_seed_and_positional_forms():
+    toks = list(range(5000, 5000 + 16 * 5))
+    assert C.seq_hashes(toks, 16).tolist() == C.hash_blocks(toks, 16)[1].tolist()
+    assert C.seq_hashes(toks, 16, 0, None).tolist() == C.seq_hashes(toks, block_size=16).tolist()
+    ref = load_backend("reference")
+    assert C.seq_hashes(toks, 16).tolist() == ref.seq_hashes(toks, 16)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "block_size", "seed", "extra"),
+    [
+        ([1, 2, -1], 4, 0, None),
+        ([0] * 20 + [2**40], 4, 0, None),
+        ([1, "x", 3], 1, 0, None),
+        ([True, 2, 3, 4] * 4, 16, 0, None),  # bools: the general path, same hashes
+        (list(range(32)), 0, 0, None),
+        (list(range(32)), -16, 0, None),
+        (list(range(32)), "16", 0, None),
+        (list(range(32)), 16, "seed", None),
+        (list(range(32)), 16, 0, [1]),  # extra shorter than the blocks
+        (tuple(range(32)), 2**62, 0, None),
+    ],
+)
+def test_seq_hashes_raise_what_hash_blocks_raises(tokens, block_size, seed, extra):
+    """Bad tokens (named by position), block sizes, seeds and extras: the same exception class
+    and text as hash_blocks, whichever path the call takes."""
+    got = _error_of(C.seq_hashes, tokens, block_size, seed, extra)
+    want = _error_of(C.hash_blocks, tokens, block_size, seed, extra)
+    assert got == want
+    if want is None:
+        assert (
+            C.seq_hashes(tokens, block_size, seed, extra).tolist()
+            == C.hash_blocks(tokens, block_size, seed, extra)[1].tolist()
+        )
+    else:
+        assert issubclass(want[0], (InvalidTokens, InvalidArgument))
+
+
+# ---- seq_hashes reuses a result array only once nothing else holds it ------------------------
+def test_seq_hashes_never_writes_a_result_someone_holds():
+    a_toks, b_toks = list(range(100, 100 + 64)), list(range(900, 900 + 64))
+    want_a, want_b = C.hash_blocks(a_toks, 16)[1].tolist(), C.hash_blocks(b_toks, 16)[1].tolist()
+    held = C.seq_hashes(a_toks, 16)
+    other = C.seq_hashes(b_toks, 16)  # same length while `held` is alive
+    assert other is not held
+    assert held.tolist() == want_a and other.tolist() == want_b
+    view = held[1:]  # a view keeps its base alive
+    del held
+    again = C.seq_hashes(b_toks, 16)
+    assert view.tolist() == want_a[1:]
+    assert again.tolist() == want_b
+    mv = memoryview(again)  # so does a buffer export
+    del again
+    assert C.seq_hashes(a_toks, 16).tolist() == want_a
+    assert list(mv.cast("B").cast("Q")) == want_b
+
+
+def test_seq_hashes_reuses_a_dropped_result_and_gives_a_fresh_one_after_in_place_changes():
+    toks = list(range(5000, 5000 + 16 * 4))
+    want = C.hash_blocks(toks, 16)[1].tolist()
+    first = C.seq_hashes(toks, 16)
+    first_id = id(first)
+    del first
+    reused = C.seq_hashes(toks, 16)
+    assert id(reused) == first_id  # dropped by the caller: handed out again, not reallocated
+    # a caller may change a result in place before dropping it: none of that comes back
+    for change in ("readonly", "dtype", "shape"):
+        if change == "readonly":
+            reused.flags.writeable = False
+        elif change == "dtype":
+            reused.dtype = np.int64
+        else:
+            reused.shape = (2, 2)
+        del reused
+        reused = C.seq_hashes(toks, 16)
+        assert reused.flags.writeable and reused.dtype == np.uint64 and reused.shape == (4,)
+        assert reused.tolist() == want
+        reused[0] = 1  # writeable: the caller owns it
+        del reused
+        reused = C.seq_hashes(toks, 16)
+        assert reused.tolist() == want
