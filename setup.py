@@ -100,7 +100,8 @@ vllm_fastwire = (
 setup(
     cmdclass={"build_py": BuildPyWithHook},
     ext_modules=cythonize(
-        [core, token_json] + ([vllm_fastwire] if os.path.exists("integrations/vllm/_fastwire.pyx") else []),
+        [core, token_json]
+        + ([vllm_fastwire] if os.path.exists("integrations/vllm/_fastwire.pyx") else []),
         compiler_directives={"language_level": "3"},
         force=sanitize or debug,
     ),
