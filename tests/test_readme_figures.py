@@ -139,13 +139,19 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
     ingest = load("benchmarks/results/bench_ingest.json")
     ingest32 = load("benchmarks/results/bench_ingest_bs32.json")
     frontend = {t["target"]: t for t in load("benchmarks/results/bench_frontend.json")["targets"]}
+    loaded = {
+        t["target"]: t for t in load("benchmarks/results/bench_frontend_loaded.json")["targets"]
+    }
     sim = load("benchmarks/results/sim_bench.json")
 
-    def added(target: str) -> list[float]:
-        t = frontend[target]
+    def added(target: str, run: dict = frontend) -> list[float]:
+        t = run[target]
         return _range(
             [t["plain_latency"]["added_median_ms"], t["stream_latency"]["added_median_ms"]]
         )
+
+    def rates(target: str, run: dict = frontend) -> list[float]:
+        return [run[target][f"{m}_throughput"]["requests_per_s"] for m in ("plain", "stream")]
 
     sglang = next(t for t in frontend if t.startswith("sglang-router"))
     vllm = next(t for t in frontend if t.startswith("vllm-router"))
@@ -182,6 +188,8 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             SKIP,  # concurrency 16
             *[ids[f"{m}_throughput"]["requests_per_s"] for m in modes],
             *[ids[f"{m}_throughput"]["cpu_ms_per_request"] for m in modes],
+            *rates("kvplug --processes 2 (token ids)"),
+            SKIP,  # --processes 2
             SKIP,  # sglang-router's version
             frontend[sglang]["plain_latency"]["added_median_ms"],
             frontend[sglang]["plain_throughput"]["requests_per_s"],
@@ -190,6 +198,18 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             frontend[vllm]["plain_latency"]["added_median_ms"],
             frontend[vllm]["plain_throughput"]["requests_per_s"],
             frontend[vllm]["plain_throughput"]["cpu_ms_per_request"],
+        ],
+        ("under load", "result"): lambda: [
+            *added("kvplug (token ids)", loaded),
+            *added("kvplug (text+tokenizer)", loaded),
+            SKIP,  # concurrency 16
+            *rates("kvplug (token ids)", loaded),
+            *rates("kvplug --processes 2 (token ids)", loaded),
+            SKIP,  # --processes 2
+            loaded[sglang]["plain_latency"]["added_median_ms"],
+            loaded[sglang]["plain_throughput"]["requests_per_s"],
+            loaded[vllm]["plain_latency"]["added_median_ms"],
+            loaded[vllm]["plain_throughput"]["requests_per_s"],
         ],
         ("whole-trace replay", "result"): lambda: [sim["wall_s"], sim["jobs"]],
     }
