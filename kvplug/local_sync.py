@@ -36,7 +36,6 @@ from kvplug.tasks import cancel_and_wait
 log = logging.getLogger(__name__)
 
 _encode = msgspec.json.Encoder().encode
-_decode = msgspec.json.Decoder().decode
 _MAX_LINE = 16 * 1024 * 1024  # a batch longer than this is a broken peer, not a burst
 
 
@@ -247,17 +246,7 @@ class LocalLoadSync(ReplicaLoad):
     # -- incoming --------------------------------------------------------------------------
     def apply_line(self, line: bytes) -> str | None:
         """Fold one peer batch in; returns the peer's id (None for a malformed batch)."""
-        try:
-            batch = _decode(line)
-            peer = batch["replica"]
-            events = batch["events"]
-            if not isinstance(peer, str) or not isinstance(events, list):
-                raise TypeError("bad batch shape")
-        except Exception:
-            self.stats.dropped_malformed += 1
-            return None
-        self.apply_events(peer, events)
-        return peer
+        return self.apply_wire_batch(line)
 
     def peer_gone(self, peers: set[str]) -> None:
         """A peer's connection closed: its process stopped or died, its requests are done."""

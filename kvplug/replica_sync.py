@@ -121,6 +121,22 @@ class ReplicaLoad:
             self._send(event)
 
     # -- peers' requests -------------------------------------------------------------------------
+    def apply_wire_batch(self, data: bytes) -> str | None:
+        """Decode one peer batch (the wire above) and fold it in; returns the peer's id, or
+        None for a malformed batch, which is counted, never raised (NATS and the local
+        transport of ``--processes`` carry the same batches)."""
+        try:
+            batch = _decode(data)
+            peer = batch["replica"]
+            events = batch["events"]
+            if not isinstance(peer, str) or not isinstance(events, list):
+                raise TypeError("bad batch shape")
+        except Exception:
+            self.stats.dropped_malformed += 1
+            return None
+        self.apply_events(peer, events)
+        return peer
+
     def apply_events(self, peer: str, events: list[Any]) -> None:
         """Fold one batch of ``peer``'s events in; a bad event is counted, never raised."""
         if peer == self.replica_id:
@@ -344,13 +360,4 @@ class LoadSync(ReplicaLoad):
 
     def apply_batch(self, data: bytes) -> None:
         """Fold one peer batch into the load tracker; malformed input is counted, never raised."""
-        try:
-            batch = _decode(data)
-            peer = batch["replica"]
-            events = batch["events"]
-            if not isinstance(peer, str) or not isinstance(events, list):
-                raise TypeError("bad batch shape")
-        except Exception:
-            self.stats.dropped_malformed += 1
-            return
-        self.apply_events(peer, events)
+        self.apply_wire_batch(data)
