@@ -100,5 +100,19 @@ def costs(
     p: CostParams,
     out: npt.NDArray[np.float64] | None = None,
 ) -> npt.NDArray[np.float64]: ...
+def seed_load_costs(
+    prefill_tokens: npt.NDArray[Any],
+    decode_blocks: npt.NDArray[Any],
+    sel: npt.NDArray[Any],
+    device: npt.NDArray[Any],
+    host: npt.NDArray[Any],
+    disk: npt.NDArray[Any],
+    shared_beyond: npt.NDArray[Any],
+    active_depth: npt.NDArray[Any] | None,
+    n_tokens: float,
+    full_blocks: float,
+    block_size: float,
+    p: CostParams,
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]: ...
 def select(cost: Sequence[float] | npt.NDArray[Any], temperature: float, u: float) -> int: ...
 def softmax_probs(cost: Sequence[float], temperature: float) -> list[float]: ...

@@ -1396,6 +1396,62 @@ def costs(prefill_blocks, device, host, disk, shared_beyond, decode_blocks, p, o
     return res if out is None else res[:n]
 
 
+def seed_load_costs(prefill_tokens, decode_blocks, sel, device, host, disk, shared_beyond,
+                    active_depth, double n_tokens, double full_blocks, double block_size, p):
+    """The routing seed's default load terms and its cost, in one call: ``(prefill blocks,
+    decode blocks, cost)`` per candidate ``sel[i]`` (endpoint ids into the load arrays), for
+    tracked prefill and decode with KV reuse and the resident credit assumed. Each value is the
+    same double operations, in the same order, as ``SeedCost.load_vectors`` followed by
+    ``costs`` (tests/test_seed_cost_fused.py checks bit equality), without their ~10 numpy
+    steps on arrays of a few dozen entries."""
+    cdef cnp.ndarray sl = np.ascontiguousarray(sel, dtype=np.intp)
+    cdef Py_ssize_t n = sl.shape[0]
+    cdef cnp.ndarray pt = _f64(prefill_tokens, "prefill_tokens", -1)
+    cdef cnp.ndarray db = _f64(decode_blocks, "decode_blocks", -1)
+    cdef cnp.ndarray dv = _f64(device, "device", n)
+    cdef cnp.ndarray ho = _f64(host, "host", n)
+    cdef cnp.ndarray di = _f64(disk, "disk", n)
+    cdef cnp.ndarray sb = _f64(shared_beyond, "shared_beyond", n)
+    cdef cnp.ndarray ad = None if active_depth is None else _f64(active_depth, "active_depth", n)
+    cdef cnp.ndarray pf = np.empty(n, np.float64)
+    cdef cnp.ndarray dc = np.empty(n, np.float64)
+    cdef cnp.ndarray res = np.empty(n, np.float64)
+    cdef const Py_ssize_t *e = <const Py_ssize_t *>cnp.PyArray_DATA(sl)
+    cdef const double *ptv = <const double *>cnp.PyArray_DATA(pt)
+    cdef const double *dbv = <const double *>cnp.PyArray_DATA(db)
+    cdef const double *dvv = <const double *>cnp.PyArray_DATA(dv)
+    cdef const double *adv = NULL if ad is None else <const double *>cnp.PyArray_DATA(ad)
+    cdef double *pfv = <double *>cnp.PyArray_DATA(pf)
+    cdef double *dcv = <double *>cnp.PyArray_DATA(dc)
+    cdef Py_ssize_t i, ep, n_pt = pt.shape[0], n_db = db.shape[0]
+    cdef double inv = 1.0 / block_size
+    cdef double per_request = n_tokens / block_size
+    cdef double held
+    for i in range(n):
+        ep = e[i]
+        if ep < 0 or ep >= n_pt or ep >= n_db:
+            raise InvalidArgument(f"candidate endpoint {ep} is outside the load arrays")
+        pfv[i] = ptv[ep] * inv
+        pfv[i] = pfv[i] + per_request
+        held = dvv[i]
+        if adv != NULL and not (adv[i] <= held):  # np.maximum(active_depth, device)
+            held = adv[i]
+        dcv[i] = dbv[ep] - held
+        dcv[i] = dcv[i] + full_blocks
+    cdef kvp_cost_params cp
+    cp.overlap_score_credit = p.overlap_score_credit
+    cp.host_cache_hit_weight = p.host_cache_hit_weight
+    cp.disk_cache_hit_weight = p.disk_cache_hit_weight
+    cp.shared_cache_multiplier = p.shared_cache_multiplier
+    cp.prefill_load_scale = p.prefill_load_scale
+    st = kvp_costs(pfv, dvv, <double *>cnp.PyArray_DATA(ho), <double *>cnp.PyArray_DATA(di),
+                   <double *>cnp.PyArray_DATA(sb), dcv, <size_t>n, &cp,
+                   <double *>cnp.PyArray_DATA(res))
+    if st != KVP_OK:
+        _raise_status(st, "seed_load_costs")
+    return pf, dc, res
+
+
 def select(cost, double temperature, double u):
     """Index of the chosen candidate (see kvplug._reference.select)."""
     cdef cnp.ndarray c = _f64(cost, "cost", -1)

@@ -64,6 +64,8 @@ local_hash = impl.local_hash
 chain_hash = impl.chain_hash
 costs = impl.costs
 select = impl.select
+# compiled only: the reference takes SeedCost's numpy path, which this matches bit for bit
+seed_load_costs = getattr(impl, "seed_load_costs", None)
 softmax_probs = impl.softmax_probs
 DEVICE, HOST, DISK, N_TIERS = impl.DEVICE, impl.HOST, impl.DISK, impl.N_TIERS
 SHARED = impl.SHARED
@@ -86,6 +88,7 @@ __all__ = [
     "impl",
     "load_backend",
     "local_hash",
+    "seed_load_costs",
     "select",
     "seq_hashes",
     "softmax_probs",

@@ -31,6 +31,9 @@ class SeedCost:
         self.credit_decay = cfg.router_kv_overlap_score_credit_decay
         self.request_weight = cfg.router_decode_active_request_weight
         self.costs = router.core.costs
+        # the default terms and the cost in one compiled call (the reference has no twin: it
+        # takes the numpy path below, which the compiled call matches bit for bit)
+        self.fused = getattr(router.core, "seed_load_costs", None)
         # the compiled core returns float64 arrays already; the reference returns lists
         self.as_array = _float_array if router.backend == "reference" else _same
 
@@ -41,6 +44,37 @@ class SeedCost:
         dev, host, disk, shared = ctx.device, ctx.host, ctx.disk, ctx.shared
         assert dev is not None and host is not None and disk is not None and shared is not None
         rules = ctx.rules
+        if (
+            self.fused is not None
+            and rules.prefill_term
+            and rules.track_prefill
+            and rules.track_decode
+            and rules.assume_reuse
+            and rules.resident_credit
+            and not self.lmetric
+            and not (self.credit_decay > 0 and rules.credit > 0)
+            and self.request_weight <= 0
+        ):  # the defaults: one compiled call
+            prefill_vec, decode_vec, cost = self.fused(
+                ctx.prefill_tokens,
+                ctx.decode_blocks,
+                ctx.cands,  # the endpoint ids ctx.sel gathers (a slice when they are 0..n-1)
+                dev,
+                host,
+                disk,
+                shared,
+                ctx.active_depth,
+                ctx.n_tokens,
+                ctx.full_blocks,
+                self.block_size,
+                rules.params,
+            )
+            if inputs is not None:
+                inputs["prefill_blocks"] = prefill_vec
+                inputs["decode_blocks"] = decode_vec
+                if ctx.active_depth is not None:
+                    inputs["active_prefix"] = ctx.active_depth
+            return cost
         prefill_vec, decode_vec = self.load_vectors(ctx, dev)
         if inputs is not None:
             inputs["prefill_blocks"] = prefill_vec
