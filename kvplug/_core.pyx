@@ -1365,6 +1365,17 @@ cdef cnp.ndarray _f64(object x, str what, Py_ssize_t n):
     return a
 
 
+cdef kvp_cost_params _cost_params(object p) except *:
+    """The C struct of a CostParams."""
+    cdef kvp_cost_params cp
+    cp.overlap_score_credit = p.overlap_score_credit
+    cp.host_cache_hit_weight = p.host_cache_hit_weight
+    cp.disk_cache_hit_weight = p.disk_cache_hit_weight
+    cp.shared_cache_multiplier = p.shared_cache_multiplier
+    cp.prefill_load_scale = p.prefill_load_scale
+    return cp
+
+
 def costs(prefill_blocks, device, host, disk, shared_beyond, decode_blocks, p, out=None):
     """The routing seed's cost, one float64 per candidate (numpy array)."""
     cdef cnp.ndarray pf = _f64(prefill_blocks, "prefill_blocks", -1)
@@ -1375,12 +1386,7 @@ def costs(prefill_blocks, device, host, disk, shared_beyond, decode_blocks, p, o
     cdef cnp.ndarray sb = _f64(shared_beyond, "shared_beyond", n)
     cdef cnp.ndarray dc = _f64(decode_blocks, "decode_blocks", n)
     cdef cnp.ndarray res
-    cdef kvp_cost_params cp
-    cp.overlap_score_credit = p.overlap_score_credit
-    cp.host_cache_hit_weight = p.host_cache_hit_weight
-    cp.disk_cache_hit_weight = p.disk_cache_hit_weight
-    cp.shared_cache_multiplier = p.shared_cache_multiplier
-    cp.prefill_load_scale = p.prefill_load_scale
+    cdef kvp_cost_params cp = _cost_params(p)
     if out is None:
         res = np.empty(n, np.float64)
     else:
@@ -1438,12 +1444,7 @@ def seed_load_costs(prefill_tokens, decode_blocks, sel, device, host, disk, shar
             held = adv[i]
         dcv[i] = dbv[ep] - held
         dcv[i] = dcv[i] + full_blocks
-    cdef kvp_cost_params cp
-    cp.overlap_score_credit = p.overlap_score_credit
-    cp.host_cache_hit_weight = p.host_cache_hit_weight
-    cp.disk_cache_hit_weight = p.disk_cache_hit_weight
-    cp.shared_cache_multiplier = p.shared_cache_multiplier
-    cp.prefill_load_scale = p.prefill_load_scale
+    cdef kvp_cost_params cp = _cost_params(p)
     st = kvp_costs(pfv, dvv, <double *>cnp.PyArray_DATA(ho), <double *>cnp.PyArray_DATA(di),
                    <double *>cnp.PyArray_DATA(sb), dcv, <size_t>n, &cp,
                    <double *>cnp.PyArray_DATA(res))
