@@ -32,8 +32,10 @@ class SeedCost:
         self.request_weight = cfg.router_decode_active_request_weight
         self.costs = router.core.costs
         # the default terms and the cost in one compiled call (the reference has no twin: it
-        # takes the numpy path below, which the compiled call matches bit for bit)
-        self.fused = getattr(router.core, "seed_load_costs", None)
+        # takes the numpy path below, which the compiled call matches bit for bit); the
+        # router-wide options it does not cover are settled here, once
+        plain = not self.lmetric and self.credit_decay <= 0 and self.request_weight <= 0
+        self.fused = getattr(router.core, "seed_load_costs", None) if plain else None
         # the compiled core returns float64 arrays already; the reference returns lists
         self.as_array = _float_array if router.backend == "reference" else _same
 
@@ -51,9 +53,6 @@ class SeedCost:
             and rules.track_decode
             and rules.assume_reuse
             and rules.resident_credit
-            and not self.lmetric
-            and not (self.credit_decay > 0 and rules.credit > 0)
-            and self.request_weight <= 0
         ):  # the defaults: one compiled call
             prefill_vec, decode_vec, cost = self.fused(
                 ctx.prefill_tokens,
