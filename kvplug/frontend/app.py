@@ -13,6 +13,7 @@ comma-separated lists in prompt order.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import itertools
 import json
@@ -99,6 +100,8 @@ class ServeSettings:
     client_body_timeout: float = 60.0  # a request body must arrive within (0 = no limit)
     engine_api_key: str | None = None  # sent to the engines instead of the client's header
     trtllm_booking_seconds: float = 1.0  # load held per TRT-LLM remote_http placement
+    # the routed endpoints through kvplug's own HTTP lane (kvplug/frontend/lane.py), not aiohttp's
+    http_lane: bool = True
 
 
 _ROUTING_ERRORS = {
@@ -1050,10 +1053,26 @@ async def openai_errors(request: web.Request, handler):
 FRONTEND_KEY = web.AppKey("frontend", Frontend)
 
 
-def build_app(frontend: Frontend) -> web.Application:
-    middlewares = [openai_errors]
+def _middlewares(frontend: Frontend) -> list[Any]:
+    middlewares: list[Any] = [openai_errors]
     if frontend.settings.api_key:
         middlewares.insert(0, api_key_check(frontend.settings.api_key))
+    return middlewares
+
+
+def lane_handlers(frontend: Frontend) -> dict[bytes, Any]:
+    """The routed endpoints as kvplug's HTTP lane calls them (kvplug/frontend/lane.py):
+    each handler inside the same middlewares ``build_app`` gives aiohttp, outermost first."""
+    out: dict[bytes, Any] = {}
+    for path, handler in ((COMPLETIONS, frontend.handle_completions), (CHAT, frontend.handle_chat)):
+        for middleware in reversed(_middlewares(frontend)):
+            handler = functools.partial(middleware, handler=handler)
+        out[path.encode()] = handler
+    return out
+
+
+def build_app(frontend: Frontend) -> web.Application:
+    middlewares = _middlewares(frontend)
     app = web.Application(client_max_size=frontend.settings.max_body_bytes, middlewares=middlewares)
     app.router.add_post("/v1/completions", frontend.handle_completions)
     app.router.add_post("/v1/chat/completions", frontend.handle_chat)

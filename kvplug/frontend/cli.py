@@ -144,6 +144,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a client has to send a request's whole body once its head arrived; "
         "then HTTP 408 (default 60; 0 = no limit)",
     )
+    g.add_argument(
+        "--no-http-lane",
+        dest="http_lane",
+        action="store_false",
+        help="serve every request with aiohttp's server; by default kvplug's own HTTP/1.1 "
+        "lane answers plain POSTs to /v1/completions and /v1/chat/completions and hands "
+        "everything else to aiohttp (docs/frontend.md, The HTTP lane)",
+    )
 
     q = parser.add_argument_group(
         "admission queue",
@@ -509,6 +517,7 @@ def settings_from_args(args: argparse.Namespace):
         client_routing_hints=args.client_routing_hints,
         client_header_timeout=args.client_header_timeout,
         client_body_timeout=args.client_body_timeout,
+        http_lane=args.http_lane,
     )
 
 

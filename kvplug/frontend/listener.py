@@ -138,15 +138,29 @@ class Listeners:
         self.head_timeout = head_timeout
         self.servers: list[asyncio.Server] = []
         self.head_timeouts = 0
+        self.lane: Any = None  # kvplug.frontend.lane.Lane, when the lane serves
 
     def _count(self) -> None:
         self.head_timeouts += 1
 
     async def listen(
-        self, host: str, port: int, backlog: int = 1024, reuse_port: bool = False
+        self,
+        host: str,
+        port: int,
+        backlog: int = 1024,
+        reuse_port: bool = False,
+        lane: dict[bytes, Any] | None = None,
+        max_body_bytes: int = 0,
     ) -> None:
+        """``lane``: the handlers kvplug's own HTTP lane serves (kvplug/frontend/lane.py);
+        every other request, and every connection the lane hands off, is aiohttp's."""
         protocol = self.runner.server  # aiohttp's protocol factory (one handler per connection)
-        if self.head_timeout > 0:
+        if lane:
+            from kvplug.frontend.lane import Lane
+
+            self.lane = Lane(lane, protocol, max_body_bytes, self.head_timeout, self._count)
+            factory: Callable[[], asyncio.Protocol] = self.lane
+        elif self.head_timeout > 0:
             timeout = self.head_timeout
 
             def factory() -> asyncio.Protocol:

@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from kvplug.frontend.admin import build_admin_app
-from kvplug.frontend.app import Frontend, ServeSettings, build_app
+from kvplug.frontend.app import Frontend, ServeSettings, build_app, lane_handlers
 from kvplug.frontend.config import WorkerSpec
 from kvplug.frontend.listener import Listeners, is_loopback, quiet_client_faults, url_of
 from kvplug.frontend.tokens import LocalTokenizer
@@ -58,6 +58,7 @@ async def _serve_app(
     settings: ServeSettings,
     backlog: int = 1024,
     reuse_port: bool = False,
+    lane: dict[bytes, Any] | None = None,
 ) -> tuple[web.AppRunner, Listeners]:
     kwargs: dict[str, Any] = {}
     header_timeout = settings.client_header_timeout
@@ -75,7 +76,7 @@ async def _serve_app(
     await runner.setup()
     listeners = Listeners(runner, header_timeout)
     try:
-        await listeners.listen(host, port, backlog, reuse_port)
+        await listeners.listen(host, port, backlog, reuse_port, lane, settings.max_body_bytes)
     except BaseException:
         await runner.cleanup()
         raise
@@ -110,7 +111,12 @@ async def start_frontend(
     try:
         await frontend.start(list(specs))  # a refusal closes what it opened (below)
         runner, api = await _serve_app(
-            build_app(frontend), host, port, s, reuse_port=peers is not None
+            build_app(frontend),
+            host,
+            port,
+            s,
+            reuse_port=peers is not None,
+            lane=lane_handlers(frontend) if s.http_lane else None,
         )
         runners.append(runner)
         listeners.append(api)
