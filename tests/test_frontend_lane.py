@@ -257,7 +257,7 @@ async def test_the_lane_answers_with_the_status_and_headers_aiohttp_would_send()
         async with serving(1, settings=settings) as h:
             answers[lane_on] = [(await exchange(h.url, r))[0][0] for r in requests]
             assert (h.running._listeners[0].lane is not None) == lane_on
-    for ours, theirs in zip(answers[True], answers[False]):
+    for ours, theirs in zip(answers[True], answers[False], strict=True):
         assert ours[0] == theirs[0]
         assert sorted(ours[1]) == sorted(theirs[1]), (ours[1], theirs[1])
         for name in ("content-type", "content-length", "server", "connection"):
