@@ -93,11 +93,15 @@ async def test_routed_requests_are_served_by_the_lane_with_the_same_answer():
         (answer,), _ = await exchange(h.url, post("/v1/chat/completions", chat.encode()))
         assert answer[0] == 200 and json.loads(answer[2])["choices"][0]["message"]
         assert (lane.served, lane.handed_off) == (2, 0)
+        async with h.session.get(h.url + "/metrics") as resp:  # a GET: handed off
+            text = await resp.text()
+        assert 'kvplug_router_stat{stat="http_lane.served"} 2.0' in text
+        assert 'kvplug_router_stat{stat="http_lane.handed_off"} 1.0' in text
         # the same request through aiohttp (a header the lane leaves to it) answers alike
         (via_aiohttp,), _ = await exchange(
             h.url, post("/v1/completions", completion(), b"Expect: x-nothing\r\n")
         )
-        assert lane.handed_off == 1
+        assert lane.handed_off == 2
         assert via_aiohttp[0] == 417 or json.loads(via_aiohttp[2]).keys() == json.loads(body).keys()
         h.assert_idle()
 

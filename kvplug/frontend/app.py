@@ -127,6 +127,7 @@ class Frontend:
         self.router = router
         self.settings = s = settings or ServeSettings()
         self.fleet = Fleet(router)
+        self.http_lane: Any = None  # kvplug.frontend.lane.Lane, once the API listens
         self.fleet.configured_models = set(s.served_model_names)
         self.upstream = Upstream(s.connect_timeout, s.idle_timeout)
         self.outliers = OutlierDetector(self.fleet, s.outliers, on_eject=self._ejected)
@@ -200,6 +201,9 @@ class Frontend:
             stats = self.router.stats()
         except Exception:
             stats = {}
+        lane = self.http_lane
+        if lane is not None:  # kvplug_router_stat{stat="http_lane.*"}: who served the requests
+            stats["http_lane"] = {"served": lane.served, "handed_off": lane.handed_off}
         tok = self.tokens.tokenizer
         if tok is not None and tok.prefix_cache is not None:
             # kvplug_router_stat{stat="tokenizer_cache.*"}: hits, misses, whether it is on

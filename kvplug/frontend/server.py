@@ -120,6 +120,7 @@ async def start_frontend(
         )
         runners.append(runner)
         listeners.append(api)
+        frontend.http_lane = api.lane
         url = _local_url(api.addresses())
         bound = [url_of(h, p) for h, p in api.addresses()]
         admin_url = None
