@@ -28,7 +28,7 @@ def check(c, r, eps, ehs=(), query=True) -> None:
     for ep in eps:
         assert c.holdings(ep) == r.holdings(ep), ep
     for n in range(1, (len(BLOCKS) + 1) if query else 1):
-        assert c.query(BLOCKS[:n]).scores() == r.query(BLOCKS[:n]).scores(), n
+        assert c.query(BLOCKS[:n]).matched() == r.query(BLOCKS[:n]).matched(), n
     for ep, eh in ehs:
         assert c.resolve(ep, eh) == r.resolve(ep, eh), (ep, eh)
     assert c.stats() == r.stats()
