@@ -5,8 +5,10 @@
  *   block table  open addressing, linear probing, backward-shift deletion: 6-byte slots
  *                (16-bit hash tag, record id)
  *   records      a pool of 16-byte block records with stable ids (free list): hash and one
- *                compact inline holder (8-bit counts); more holders, or larger counts, in a
- *                growable holder array; LRU links and per-holder engine hashes only when bounded
+ *                compact inline holder (8-bit counts); more holders in a growable holder
+ *                array of 8-byte holders (the same compact format), which widens to 12-byte
+ *                holders once a count outgrows it; LRU links and per-holder engine hashes
+ *                only when bounded
  *   engine maps  one per endpoint, open addressing on the engine hash, 12-byte slots ->
  *                record id; refcounts from the holder (first mapping of the endpoint to the
  *                block) or from a side table (further ones)
@@ -54,7 +56,8 @@
 #define KVP_BIG_BYTES ((size_t)1 << 20) /* arrays this large get their own mapping (Linux) */
 #endif
 
-/* 12 bytes. When the index is bounded, each holder also keeps one engine hash of ep mapped to
+/* A holder with full counts: 12 bytes, the working form (and a wide holder array's entry).
+ * When the index is bounded, each holder also keeps one engine hash of ep mapped to
  * the block (eh_first, in a parallel array: rec_eh for an inline holder, after the holders in an
  * ext_t) so eviction finds the mapping without a table scan; unbounded indexes never evict and
  * keep no engine hashes per holder. */
@@ -68,18 +71,27 @@ typedef struct {
 #define NMAPS_MASK 0x7FFFu       /* 32767 engine hashes of one endpoint on one block at most */
 #define HOLDER_EH_VALID 0x8000u  /* bounded index: the holder's eh_first is still mapped */
 
+/* 8 bytes: a compact holder, the inline holder's format (ep, then `packed`: see block_t). A
+ * holder array starts with these; a block's holders are shared by many endpoints far more
+ * often than any one of them holds a block 256 times, so most arrays stay compact. */
+typedef struct {
+    kvp_endpoint_t ep;
+    uint32_t packed;
+} pholder_t;
+
 /* Holders of a block with more than one: a header, then the array (then, bounded, one engine
- * hash per holder). The header caches "this block's holders equal those of record eq_prev while
- * its holders had version eq_prev_ver", which lets a query walk skip comparing long identical
- * holder lists (popular prefixes). */
+ * hash per holder). The array is compact (pholder_t) until a holder's count would pass 255 or
+ * its mappings 127; then it is rewritten wide (holder_t) and stays so. The header caches "this
+ * block's holders equal those of record eq_prev while its holders had version eq_prev_ver",
+ * which lets a query walk skip comparing long identical holder lists (popular prefixes). */
 typedef struct {
     uint32_t hver;        /* clock stamp of the last change to these holders */
     uint32_t eq_prev;     /* record verified to have equal holders (NONE32: none) ... */
     uint32_t eq_prev_ver; /* ... while its hver was this */
     uint32_t cap;         /* holders allocated (even, so the eh array after them is aligned) */
     uint32_t n;           /* holders in use */
-    uint32_t pad;
-    holder_t h[];
+    uint32_t wide;        /* 1: holder_t entries; 0: pholder_t entries */
+    uint32_t w[];         /* the entries, as 32-bit words (the endpoint first in both forms) */
 } ext_t;
 
 /* 16 bytes; LRU links and eh_first live in side arrays, allocated only when bounded. A block
@@ -98,6 +110,7 @@ typedef struct {
 #define IN_EH_VALID 0x80u
 
 _Static_assert(sizeof(holder_t) == 12, "holder_t is 12 bytes");
+_Static_assert(sizeof(pholder_t) == 8, "pholder_t is 8 bytes");
 _Static_assert(sizeof(block_t) == 16, "block_t is 16 bytes");
 _Static_assert(sizeof(ext_t) % 8 == 0, "ext_t header keeps the eh array aligned");
 
@@ -221,36 +234,101 @@ static inline ext_t *ext_of(const kvp_index *idx, const block_t *b) {
 static inline uint32_t nh_of(const kvp_index *idx, const block_t *b) {
     return is_ext(b) ? ext_of(idx, b)->n : (b->ep != EP_NONE);
 }
-static inline void unpack_holder(const block_t *b, holder_t *h) {
-    const uint32_t p = b->packed;
-    h->ep = b->ep;
+/* The compact format (an inline holder, a compact array's entry): ep, and `packed` with an
+ * 8-bit count per tier and 7 bits of nmaps plus IN_EH_VALID. */
+static inline void unpack_fields(kvp_endpoint_t ep, uint32_t p, holder_t *h) {
+    h->ep = ep;
     h->count[0] = (uint16_t)(p & 0xFF);
     h->count[1] = (uint16_t)((p >> 8) & 0xFF);
     h->count[2] = (uint16_t)((p >> 16) & 0xFF);
     h->nmaps = (uint16_t)(((p >> 24) & IN_NMAPS_MAX) | ((p >> 24) & IN_EH_VALID ? HOLDER_EH_VALID : 0));
 }
-/* The caller made sure it fits (counts <= IN_COUNT_MAX, nmaps <= IN_NMAPS_MAX): see to_ext. */
-static inline void pack_holder(block_t *b, const holder_t *h) {
+/* The caller made sure it fits (fits_compact): see widen. */
+static inline uint32_t pack_fields(const holder_t *h) {
     uint32_t nm = (h->nmaps & IN_NMAPS_MAX) | (h->nmaps & HOLDER_EH_VALID ? IN_EH_VALID : 0);
+    return (uint32_t)h->count[0] | (uint32_t)h->count[1] << 8 | (uint32_t)h->count[2] << 16 |
+           nm << 24;
+}
+static inline void unpack_holder(const block_t *b, holder_t *h) { unpack_fields(b->ep, b->packed, h); }
+static inline void pack_holder(block_t *b, const holder_t *h) {
     b->ep = h->ep;
-    b->packed = (uint32_t)h->count[0] | (uint32_t)h->count[1] << 8 | (uint32_t)h->count[2] << 16 |
-                nm << 24;
+    b->packed = pack_fields(h);
 }
-/* A block's holders: its ext_t's array, or the inline holder unpacked into *tmp (changes to
- * which holder_sync writes back). */
-static inline holder_t *holders_of(const kvp_index *idx, const block_t *b, holder_t *tmp) {
-    if (is_ext(b)) return ext_of(idx, b)->h;
-    unpack_holder(b, tmp);
-    return tmp;
+/* Would this holder, one more count in tier t (t < 0: none) or one more mapping (more_maps),
+ * still fit the compact format? */
+static inline int compact_after(const holder_t *h, int t, int more_maps) {
+    return (t < 0 || h->count[t] < IN_COUNT_MAX) &&
+           (!more_maps || (h->nmaps & NMAPS_MASK) < IN_NMAPS_MAX);
 }
-static inline void holder_sync(kvp_index *idx, uint32_t r, const holder_t *hd, const holder_t *tmp) {
-    if (hd == tmp) pack_holder(&idx->pool[r], hd);
+static inline size_t ext_stride(const ext_t *e) { /* in 32-bit words */
+    return e->wide ? sizeof(holder_t) / 4 : sizeof(pholder_t) / 4;
 }
-static inline size_t ext_size(uint32_t cap, int bounded) {
-    return sizeof(ext_t) + (size_t)cap * (sizeof(holder_t) + (bounded ? sizeof(kvp_engine_hash_t) : 0));
+static inline holder_t *ext_wide(ext_t *e) { return (holder_t *)(void *)e->w; }
+static inline pholder_t *ext_compact(ext_t *e) { return (pholder_t *)(void *)e->w; }
+static inline size_t ext_size(uint32_t cap, int bounded, int wide) {
+    return sizeof(ext_t) + (size_t)cap * ((wide ? sizeof(holder_t) : sizeof(pholder_t)) +
+                                          (bounded ? sizeof(kvp_engine_hash_t) : 0));
 }
 static inline kvp_engine_hash_t *ext_eh(ext_t *e) {
-    return (kvp_engine_hash_t *)(void *)((char *)e->h + (size_t)e->cap * sizeof(holder_t));
+    return (kvp_engine_hash_t *)(void *)(e->w + (size_t)e->cap * ext_stride(e));
+}
+/* Holder k of an ext_t: a pointer into a wide array, or a compact entry unpacked into *tmp
+ * (changes to which holder_sync writes back). */
+static inline holder_t *ext_holder(ext_t *e, uint32_t k, holder_t *tmp) {
+    if (e->wide) return &ext_wide(e)[k];
+    unpack_fields(ext_compact(e)[k].ep, ext_compact(e)[k].packed, tmp);
+    return tmp;
+}
+/* Write back holder k of record r after a change, when it was unpacked into *tmp (inline or
+ * compact: the caller made sure it still fits); a wide holder was changed in place. */
+static inline void holder_sync(kvp_index *idx, uint32_t r, uint32_t k, const holder_t *hd,
+                               const holder_t *tmp) {
+    if (hd != tmp) return;
+    block_t *b = &idx->pool[r];
+    if (is_ext(b)) {
+        pholder_t *ph = &ext_compact(ext_of(idx, b))[k];
+        ph->ep = hd->ep;
+        ph->packed = pack_fields(hd);
+    } else {
+        pack_holder(b, hd);
+    }
+}
+/* Read-only view of a block's holders, whatever their form: `stride` 32-bit words apart, the
+ * endpoint first; compact entries (and the inline holder: block_t's ep and packed are adjacent,
+ * in that order) have `packed` second, wide ones holder_t's counts. */
+typedef struct {
+    const uint32_t *w;
+    size_t stride;
+    uint32_t n;
+} hview_t;
+static inline hview_t hview_of(const kvp_index *idx, const block_t *b) {
+    hview_t v;
+    if (is_ext(b)) {
+        const ext_t *e = ext_of(idx, b);
+        v.w = e->w;
+        v.stride = ext_stride(e);
+        v.n = e->n;
+    } else {
+        v.w = &b->ep;
+        v.stride = 2;
+        v.n = b->ep != EP_NONE;
+    }
+    return v;
+}
+static inline uint32_t hv_ep(hview_t v, uint32_t k) { return v.w[k * v.stride]; }
+static inline int best_tier(const holder_t *h) { return h->count[0] ? 0 : (h->count[1] ? 1 : 2); }
+static inline int inline_best_tier(uint32_t packed) {
+    return (packed & 0xFF) ? 0 : ((packed & 0xFF00) ? 1 : 2);
+}
+static inline int hv_best(hview_t v, uint32_t k) {
+    const uint32_t *p = &v.w[k * v.stride];
+    return v.stride == 2 ? inline_best_tier(p[1]) : best_tier((const holder_t *)(const void *)p);
+}
+/* Holder k unpacked (or copied) into *out. */
+static inline void hv_get(hview_t v, uint32_t k, holder_t *out) {
+    const uint32_t *p = &v.w[k * v.stride];
+    if (v.stride == 2) unpack_fields(p[0], p[1], out);
+    else memcpy(out, p, sizeof(*out));
 }
 /* Bounded only: where holder k of record r keeps its eh_first. */
 static inline kvp_engine_hash_t *eh_first_of(kvp_index *idx, uint32_t r, uint32_t k) {
@@ -266,19 +344,20 @@ static inline kvp_engine_hash_t *eh_first_of(kvp_index *idx, uint32_t r, uint32_
  * dependent cache misses; this touches one or two lines around the guess. The answer is the
  * lower bound whatever the guess (limit only steers it). */
 enum { HOLDER_GUESS_MIN = 16 };
-static uint32_t holder_lower_bound(const holder_t *hs, uint32_t n, kvp_endpoint_t ep,
+#define HS_EP(k) (hs[(size_t)(k) * stride])
+static uint32_t holder_lower_bound(const uint32_t *hs, size_t stride, uint32_t n, kvp_endpoint_t ep,
                                    uint32_t limit) {
     uint32_t lo = 0, hi = n;
     if (n >= HOLDER_GUESS_MIN) {
         uint32_t g = ep < limit ? (uint32_t)((uint64_t)ep * n / limit) : n - 1;
         if (g > n - 1) g = n - 1;
         uint32_t step = 1;
-        if (hs[g].ep < ep) { /* the answer is after g: gallop up */
+        if (HS_EP(g) < ep) { /* the answer is after g: gallop up */
             lo = g + 1;
             for (;;) {
                 const uint32_t p = lo + step - 1;
                 if (p >= hi) break;
-                if (hs[p].ep < ep) {
+                if (HS_EP(p) < ep) {
                     lo = p + 1;
                     step *= 2;
                 } else {
@@ -291,7 +370,7 @@ static uint32_t holder_lower_bound(const holder_t *hs, uint32_t n, kvp_endpoint_
             for (;;) {
                 if (hi < lo + step) break;
                 const uint32_t p = hi - step;
-                if (hs[p].ep >= ep) {
+                if (HS_EP(p) >= ep) {
                     hi = p;
                     step *= 2;
                 } else {
@@ -303,11 +382,12 @@ static uint32_t holder_lower_bound(const holder_t *hs, uint32_t n, kvp_endpoint_
     }
     while (lo < hi) {
         uint32_t mid = lo + (hi - lo) / 2;
-        if (hs[mid].ep < ep) lo = mid + 1;
+        if (HS_EP(mid) < ep) lo = mid + 1;
         else hi = mid;
     }
     return lo;
 }
+#undef HS_EP
 
 /* ep's holder on b (in b's ext_t, or unpacked into *tmp), or NULL; *k_out = its position. */
 static holder_t *find_holder(const kvp_index *idx, const block_t *b, kvp_endpoint_t ep,
@@ -318,10 +398,11 @@ static holder_t *find_holder(const kvp_index *idx, const block_t *b, kvp_endpoin
         if (k_out) *k_out = 0;
         return tmp;
     }
-    const ext_t *e = ext_of(idx, b);
-    uint32_t k = holder_lower_bound(e->h, e->n, ep, idx->ep_limit);
+    ext_t *e = ext_of(idx, b);
+    const size_t stride = ext_stride(e);
+    uint32_t k = holder_lower_bound(e->w, stride, e->n, ep, idx->ep_limit);
     if (k_out) *k_out = k;
-    return (k < e->n && e->h[k].ep == ep) ? (holder_t *)&e->h[k] : NULL;
+    return (k < e->n && e->w[k * stride] == ep) ? ext_holder(e, k, tmp) : NULL;
 }
 
 /* ---- block table -------------------------------------------------------------------------- */
@@ -690,7 +771,7 @@ static void pool_give(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
     if (is_ext(b)) {
         ext_t *e = ext_of(idx, b);
-        idx->ext_bytes -= ext_size(e->cap, idx->max_entries != 0);
+        idx->ext_bytes -= ext_size(e->cap, idx->max_entries != 0, (int)e->wide);
         free(e);
         idx->ext_tab[b->packed] = NULL;
         idx->ext_free[idx->ext_nfree++] = b->packed;
@@ -764,18 +845,24 @@ static kvp_status ext_id_reserve(kvp_index *idx) {
     return KVP_OK;
 }
 
-/* Move record r's inline holder (it has one) into a new ext_t: before a second holder joins,
- * or before a count or the mapping count outgrows the inline fields. Nothing changes on failure. */
-static kvp_status to_ext(kvp_index *idx, uint32_t r) {
+/* Move record r's inline holder (it has one) into a new ext_t: compact before a second holder
+ * joins, wide before a count or the mapping count outgrows the inline fields. Nothing changes
+ * on failure. */
+static kvp_status to_ext(kvp_index *idx, uint32_t r, int wide) {
     block_t *b = &idx->pool[r];
     const int bounded = idx->max_entries != 0;
     if (ext_id_reserve(idx) != KVP_OK) return KVP_E_NOMEM;
-    ext_t *ext = (ext_t *)malloc(ext_size(EXT_MIN_CAP, bounded));
+    ext_t *ext = (ext_t *)malloc(ext_size(EXT_MIN_CAP, bounded, wide));
     if (!ext) return KVP_E_NOMEM;
     ext->cap = EXT_MIN_CAP;
     ext->n = 1;
-    ext->pad = 0;
-    unpack_holder(b, &ext->h[0]);
+    ext->wide = (uint32_t)wide;
+    if (wide) {
+        unpack_holder(b, &ext_wide(ext)[0]);
+    } else {
+        ext_compact(ext)[0].ep = b->ep;
+        ext_compact(ext)[0].packed = b->packed;
+    }
     if (bounded) ext_eh(ext)[0] = idx->rec_eh[r];
     ext->eq_prev = NONE32;
     ext->eq_prev_ver = 0;
@@ -784,7 +871,29 @@ static kvp_status to_ext(kvp_index *idx, uint32_t r) {
     idx->ext_tab[id] = ext;
     b->ep = EP_EXT;
     b->packed = id;
-    idx->ext_bytes += ext_size(EXT_MIN_CAP, bounded);
+    idx->ext_bytes += ext_size(EXT_MIN_CAP, bounded, wide);
+    return KVP_OK;
+}
+
+/* Give record r's holders full counts (before one outgrows the compact format): an inline
+ * holder moves to a wide ext_t, a compact array is rewritten wide. Nothing changes on
+ * failure. */
+static kvp_status widen(kvp_index *idx, uint32_t r) {
+    block_t *b = &idx->pool[r];
+    if (!is_ext(b)) return to_ext(idx, r, 1);
+    ext_t *old = ext_of(idx, b);
+    if (old->wide) return KVP_OK;
+    const int bounded = idx->max_entries != 0;
+    ext_t *e = (ext_t *)malloc(ext_size(old->cap, bounded, 1));
+    if (!e) return KVP_E_NOMEM;
+    memcpy(e, old, sizeof(ext_t));
+    e->wide = 1;
+    for (uint32_t k = 0; k < old->n; k++)
+        unpack_fields(ext_compact(old)[k].ep, ext_compact(old)[k].packed, &ext_wide(e)[k]);
+    if (bounded) memcpy(ext_eh(e), ext_eh(old), (size_t)old->n * sizeof(kvp_engine_hash_t));
+    idx->ext_bytes += ext_size(old->cap, bounded, 1) - ext_size(old->cap, bounded, 0);
+    idx->ext_tab[b->packed] = e;
+    free(old);
     return KVP_OK;
 }
 
@@ -794,7 +903,7 @@ static kvp_status holder_room(kvp_index *idx, uint32_t r) {
     const int bounded = idx->max_entries != 0;
     if (nh_of(idx, b) == 0) return KVP_OK;
     if (!is_ext(b)) {
-        kvp_status st = to_ext(idx, r);
+        kvp_status st = to_ext(idx, r, 0);
         if (st != KVP_OK) return st;
     }
     ext_t *ext = ext_of(idx, b);
@@ -802,13 +911,16 @@ static kvp_status holder_room(kvp_index *idx, uint32_t r) {
     if (ext->n < old) return KVP_OK;
     if (old >= (NONE32 >> 5)) return KVP_E_NOMEM;
     const uint32_t cap = old * 2;
-    ext = (ext_t *)realloc(ext, ext_size(cap, bounded));
+    const int wide = (int)ext->wide;
+    ext = (ext_t *)realloc(ext, ext_size(cap, bounded, wide));
     if (!ext) return KVP_E_NOMEM;
-    if (bounded) /* the engine hashes follow the holders: move them past the new holder slots */
-        memmove((char *)ext->h + (size_t)cap * sizeof(holder_t),
-                (char *)ext->h + (size_t)old * sizeof(holder_t), old * sizeof(kvp_engine_hash_t));
+    if (bounded) { /* the engine hashes follow the holders: move them past the new holder slots */
+        const size_t stride = ext_stride(ext);
+        memmove(ext->w + (size_t)cap * stride, ext->w + (size_t)old * stride,
+                old * sizeof(kvp_engine_hash_t));
+    }
     ext->cap = cap;
-    idx->ext_bytes += ext_size(cap, bounded) - ext_size(old, bounded);
+    idx->ext_bytes += ext_size(cap, bounded, wide) - ext_size(old, bounded, wide);
     idx->ext_tab[b->packed] = ext;
     return KVP_OK;
 }
@@ -824,7 +936,8 @@ static void remove_holder_at(kvp_index *idx, uint32_t r, uint32_t k) {
     ext_t *e = ext_of(idx, b);
     size_t tail = (size_t)e->n - 1 - k;
     if (tail) {
-        memmove(&e->h[k], &e->h[k + 1], tail * sizeof(holder_t));
+        const size_t stride = ext_stride(e);
+        memmove(e->w + k * stride, e->w + (k + 1) * stride, tail * stride * 4);
         if (idx->max_entries) {
             kvp_engine_hash_t *eh = ext_eh(e);
             memmove(&eh[k], &eh[k + 1], tail * sizeof(kvp_engine_hash_t));
@@ -872,6 +985,7 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
     mslot_t *m = mt_probe(em, eh, &m_empty);
     uint32_t r;
     holder_t tmp, *hd;
+    uint32_t hk = 0; /* hd's position among the block's holders */
     int dup = 0;
     if (m != NULL) {
         r = m_rec(m);
@@ -879,26 +993,25 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             idx->c.conflicting_stores++;
             return KVP_OK;
         }
-        hd = find_holder(idx, &idx->pool[r], ep, &tmp, NULL);
+        hd = find_holder(idx, &idx->pool[r], ep, &tmp, &hk);
         if (hd->count[tier] == COUNT_MAX) return KVP_E_OVERFLOW;
-        if (hd == &tmp && hd->count[tier] == IN_COUNT_MAX) { /* before any change */
-            kvp_status st = to_ext(idx, r);
+        if (hd == &tmp && !compact_after(hd, tier, 0)) { /* before any change */
+            kvp_status st = widen(idx, r);
             if (st != KVP_OK) return st;
-            hd = &ext_of(idx, &idx->pool[r])->h[0];
+            hd = find_holder(idx, &idx->pool[r], ep, &tmp, &hk);
         }
         dup = mref(idx, code, m, hd, tier) > 0;
     } else {
         r = bt_probe(idx, h, &b_empty);
-        holder_t *old = r != NONE32 ? find_holder(idx, &idx->pool[r], ep, &tmp, NULL) : NULL;
+        holder_t *old = r != NONE32 ? find_holder(idx, &idx->pool[r], ep, &tmp, &hk) : NULL;
         if (old) { /* refuse an overflowing store, make room, before any change */
             if (old->count[tier] == COUNT_MAX || (old->nmaps & NMAPS_MASK) == NMAPS_MASK)
                 return KVP_E_OVERFLOW;
             kvp_status st = ot_reserve(idx, 2);
             if (st != KVP_OK) return st;
-            if (old == &tmp &&
-                (old->count[tier] == IN_COUNT_MAX || (old->nmaps & NMAPS_MASK) == IN_NMAPS_MAX)) {
-                if ((st = to_ext(idx, r)) != KVP_OK) return st;
-                old = &ext_of(idx, &idx->pool[r])->h[0];
+            if (old == &tmp && !compact_after(old, tier, 1)) {
+                if ((st = widen(idx, r)) != KVP_OK) return st;
+                old = find_holder(idx, &idx->pool[r], ep, &tmp, &hk);
             }
         }
         if (r == NONE32) {
@@ -921,17 +1034,19 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
                 if (st != KVP_OK) return st;
                 ext_t *e = ext_of(idx, b);
                 const uint32_t n = e->n;
-                k = holder_lower_bound(e->h, n, ep, idx->ep_limit);
+                const size_t stride = ext_stride(e);
+                k = holder_lower_bound(e->w, stride, n, ep, idx->ep_limit);
                 if (k < n) {
-                    memmove(&e->h[k + 1], &e->h[k], (size_t)(n - k) * sizeof(holder_t));
+                    memmove(e->w + (k + 1) * stride, e->w + k * stride, (n - k) * stride * 4);
                     if (idx->max_entries) {
                         kvp_engine_hash_t *ehs = ext_eh(e);
                         memmove(&ehs[k + 1], &ehs[k], (size_t)(n - k) * sizeof(*ehs));
                     }
                 }
                 e->n++;
-                hd = &e->h[k];
+                hd = e->wide ? &ext_wide(e)[k] : &tmp; /* a new holder fits the compact form */
             }
+            hk = k;
             memset(hd, 0, sizeof(*hd));
             hd->ep = ep;
             if (idx->max_entries) {
@@ -959,7 +1074,7 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
     if (dup) idx->c.duplicate_stores++;
     mref_inc(idx, code, m, tier);
     hd->count[tier]++;
-    holder_sync(idx, r, hd, &tmp);
+    holder_sync(idx, r, hk, hd, &tmp);
     holders_changed(idx, &idx->pool[r]);
     idx->c.stored_blocks++;
     touch(idx, r);
@@ -992,7 +1107,7 @@ static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
         idx->n_holdings--;
         if (nh_of(idx, b) == 0) delete_block(idx, r);
     } else {
-        holder_sync(idx, r, hd, &tmp);
+        holder_sync(idx, r, k, hd, &tmp);
         holders_changed(idx, b);
     }
 }
@@ -1013,12 +1128,13 @@ static void scan_delete_mappings(kvp_index *idx, uint32_t r, kvp_endpoint_t ep) 
 
 static void evict_block(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
-    holder_t tmp;
-    const holder_t *hs = holders_of(idx, b, &tmp);
-    const uint32_t n = nh_of(idx, b);
+    const hview_t hv = hview_of(idx, b); /* the loop changes mappings only, not holders */
+    const uint32_t n = hv.n;
     for (uint32_t k = 0; k < n; k++) {
-        const kvp_endpoint_t ep = hs[k].ep;
-        if ((hs[k].nmaps & NMAPS_MASK) == 1 && (hs[k].nmaps & HOLDER_EH_VALID)) {
+        holder_t hk;
+        hv_get(hv, k, &hk);
+        const kvp_endpoint_t ep = hk.ep;
+        if ((hk.nmaps & NMAPS_MASK) == 1 && (hk.nmaps & HOLDER_EH_VALID)) {
             emap_t *em = emap_of(idx, ep);
             size_t empty;
             mslot_t *m = mt_probe(em, *eh_first_of(idx, r, k), &empty);
@@ -1284,7 +1400,7 @@ kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int 
         holder_t tmp;
         holder_t *hd = find_holder(idx, &idx->pool[m_rec(m)], ep, &tmp, NULL);
         if (hd->count[to_tier] == COUNT_MAX) return KVP_E_OVERFLOW;
-        if (hd == &tmp && hd->count[to_tier] == IN_COUNT_MAX && (st = to_ext(idx, m_rec(m))) != KVP_OK)
+        if (hd == &tmp && !compact_after(hd, to_tier, 0) && (st = widen(idx, m_rec(m))) != KVP_OK)
             return st;
         /* the re-added mapping may need side entries (when it is dropped but the holder stays) */
         if ((st = ot_reserve(idx, 2)) != KVP_OK) return st;
@@ -1332,11 +1448,6 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
     return KVP_OK;
 }
 
-static inline int best_tier(const holder_t *h) { return h->count[0] ? 0 : (h->count[1] ? 1 : 2); }
-static inline int inline_best_tier(uint32_t packed) {
-    return (packed & 0xFF) ? 0 : ((packed & 0xFF00) ? 1 : 2);
-}
-
 /* Same endpoints (holder lists are sorted) with the same best tiers. Exact; a mismatch just
  * means a full check.
  * A positive answer between two multi-holder blocks is cached in b's header until either
@@ -1346,22 +1457,17 @@ static inline int same_holders(const kvp_index *idx, uint32_t ra, const block_t 
     const uint32_t n = nh_of(idx, a);
     if (n != nh_of(idx, b)) return 0;
     const int both_ext = is_ext(a) && is_ext(b);
+    if (!both_ext && !is_ext(a) && !is_ext(b)) /* one inline holder each (n == 1: n == 0 never walks here) */
+        return a->ep == b->ep && inline_best_tier(a->packed) == inline_best_tier(b->packed);
+    ext_t *ea = both_ext ? ext_of(idx, a) : NULL, *eb = both_ext ? ext_of(idx, b) : NULL;
+    if (both_ext && eb->eq_prev == ra && eb->eq_prev_ver == ea->hver) return 1;
+    const hview_t va = hview_of(idx, a), vb = hview_of(idx, b);
+    for (uint32_t k = 0; k < n; k++)
+        if (hv_ep(va, k) != hv_ep(vb, k) || hv_best(va, k) != hv_best(vb, k)) return 0;
     if (both_ext) {
-        ext_t *ea = ext_of(idx, a), *eb = ext_of(idx, b);
-        if (eb->eq_prev == ra && eb->eq_prev_ver == ea->hver) return 1;
-        for (uint32_t k = 0; k < n; k++)
-            if (ea->h[k].ep != eb->h[k].ep || best_tier(&ea->h[k]) != best_tier(&eb->h[k]))
-                return 0;
         eb->eq_prev = ra;
         eb->eq_prev_ver = ea->hver;
-        return 1;
     }
-    if (!is_ext(a) && !is_ext(b)) /* one inline holder each (n == 1: n == 0 never walks here) */
-        return a->ep == b->ep && inline_best_tier(a->packed) == inline_best_tier(b->packed);
-    holder_t ta, tb;
-    const holder_t *ha = holders_of(idx, a, &ta), *hb = holders_of(idx, b, &tb);
-    for (uint32_t k = 0; k < n; k++)
-        if (ha[k].ep != hb[k].ep || best_tier(&ha[k]) != best_tier(&hb[k])) return 0;
     return 1;
 }
 
@@ -1434,19 +1540,18 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
                 shared = prev_shared;
                 n_cont = n_act;
             } else {
-                holder_t tmp;
-                const holder_t *hd = holders_of(idx, b, &tmp);
-                const uint32_t nh = nh_of(idx, b);
+                const hview_t hv = hview_of(idx, b);
+                const uint32_t nh = hv.n;
                 settle(act, act_best, n_act, pending, ep_pos, tier_out);
                 pending = 0;
                 if (i == 0) {
                     for (uint32_t k = 0; k < nh; k++) {
-                        uint32_t ep = hd[k].ep;
+                        uint32_t ep = hv_ep(hv, k);
                         if (ep == KVP_SHARED) {
                             shared = 1;
                             continue;
                         }
-                        int best = best_tier(&hd[k]);
+                        int best = hv_best(hv, k);
                         ep_gen[ep] = gen;
                         ep_pos[ep] = 0;
                         out->touched[out->n_touched++] = ep;
@@ -1457,13 +1562,13 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
                 } else if (n_act > 0) {
                     const uint32_t prev = (uint32_t)(i - 1);
                     for (uint32_t k = 0; k < nh; k++) {
-                        uint32_t ep = hd[k].ep;
+                        uint32_t ep = hv_ep(hv, k);
                         if (ep == KVP_SHARED) {
                             shared = 1;
                             continue;
                         }
                         if (ep_gen[ep] != gen || ep_pos[ep] != prev) continue;
-                        int best = best_tier(&hd[k]);
+                        int best = hv_best(hv, k);
                         ep_pos[ep] = (uint32_t)i;
                         tier_out[best][ep]++;
                         act[n_cont] = ep;
@@ -1471,7 +1576,7 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
                     }
                 } else {
                     for (uint32_t k = 0; k < nh; k++)
-                        if (hd[k].ep == KVP_SHARED) {
+                        if (hv_ep(hv, k) == KVP_SHARED) {
                             shared = 1;
                             break;
                         }
@@ -1536,8 +1641,9 @@ kvp_status kvp_index_held_counts(const kvp_index *idx, uint64_t *counts, size_t 
             continue;
         }
         const ext_t *e = ext_of(idx, b);
+        const size_t stride = ext_stride(e);
         for (uint32_t k = 0; k < e->n; k++)
-            if (e->h[k].ep < n) counts[e->h[k].ep]++;
+            if (e->w[k * stride] < n) counts[e->w[k * stride]]++;
     }
     return KVP_OK;
 }

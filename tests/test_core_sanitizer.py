@@ -21,6 +21,7 @@ TESTS = [
     "test_core_badinput.py",
     "test_core_pylists.py",
     "test_core_growth.py",
+    "test_core_holders.py",
     "test_hash_vectors.py",
     "test_index_events.py",
     "test_core_differential.py",

@@ -1,0 +1,208 @@
+"""The C core's holder arrays at their boundaries (csrc/index.c): a block held by more than one
+endpoint keeps its holders in an array of 8-byte compact holders (an 8-bit count per tier, 7
+bits of mappings), rewritten with 12-byte wide holders once a holder's count in a tier would
+pass 255 or its mappings 127; arrays grow by doubling from 2. Every state is compared with the
+pure-Python reference (holdings, queries, engine mappings, counters), bounded (per-holder
+engine hashes, eviction) and not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvplug.core import load_backend
+
+C = load_backend("c")
+R = load_backend("reference")
+BLOCKS = [77, 78, 79]  # a chain every holder stores, queried as a prefix
+
+
+def both(c, r, method, *args):
+    for idx in (c, r):
+        getattr(idx, method)(*args)
+
+
+def check(c, r, eps, ehs=(), query=True) -> None:
+    """Equal holdings, engine mappings and counters; with `query`, equal answers for every
+    prefix of BLOCKS (a query touches the blocks it walks: a bounded index keeps them)."""
+    for ep in eps:
+        assert c.holdings(ep) == r.holdings(ep), ep
+    for n in range(1, (len(BLOCKS) + 1) if query else 1):
+        assert c.query(BLOCKS[:n]).matched() == r.query(BLOCKS[:n]).matched(), n
+    for ep, eh in ehs:
+        assert c.resolve(ep, eh) == r.resolve(ep, eh), (ep, eh)
+    assert c.stats() == r.stats()
+
+
+def eh_of(ep: int, i: int) -> int:
+    return 10_000 * (ep + 1) + i
+
+
+def hold_chain(c, r, eps) -> None:
+    for ep in eps:
+        both(c, r, "store", ep, 0, [eh_of(ep, i) for i in range(3)], BLOCKS)
+
+
+@pytest.mark.parametrize("n_holders", [2, 40])  # 40: the guessed-position search runs too
+@pytest.mark.parametrize("tier", [0, 1, 2])
+def test_count_past_255_widens_the_array_exactly_there(n_holders, tier):
+    eps = [3 * k for k in range(n_holders)]
+    c, r = C.Index(), R.Index()
+    hold_chain(c, r, eps)
+    ep = eps[n_holders // 2]
+    eh = eh_of(ep, 1)  # its mapping to the middle block
+    both(c, r, "move", ep, [eh], 0, tier)
+    check(c, r, eps, [(ep, eh)])  # (its first query allocates the query scratch)
+    mem = c.memory_bytes()
+    for count in range(2, 256):  # the compact form holds 255: nothing is reallocated
+        both(c, r, "store", ep, tier, [eh], [BLOCKS[1]])
+        if count in (2, 254, 255):
+            check(c, r, eps, [(ep, eh)])
+        assert c.memory_bytes() == mem, count
+    both(c, r, "store", ep, tier, [eh], [BLOCKS[1]])  # the 256th: rewritten wide
+    cap = 2  # the array's capacity: doubling from 2
+    while cap < n_holders:
+        cap *= 2
+    assert c.memory_bytes() == mem + (12 - 8) * cap
+    assert c.holdings(ep)[BLOCKS[1]][tier] == 256
+    check(c, r, eps, [(ep, eh)])
+    for _ in range(44):
+        both(c, r, "store", ep, tier, [eh], [BLOCKS[1]])
+    check(c, r, eps, [(ep, eh)])
+    # back down through 256, 255 and 1 (the array stays wide), then the holder leaves
+    for left in (256, 255, 1, 0):
+        now = c.holdings(ep)[BLOCKS[1]][tier]
+        both(c, r, "remove", ep, [eh] * (now - left), tier)
+        check(c, r, eps, [(ep, eh)])
+    assert BLOCKS[1] not in c.holdings(ep)
+    for e in eps:  # everyone leaves: nothing remains
+        both(c, r, "clear", e)
+    check(c, r, eps)
+    assert c.stats()["blocks"] == 0 and c.stats()["entries"] == 0
+
+
+def test_move_into_a_tier_at_255_widens_first():
+    c, r = C.Index(), R.Index()
+    eps = [0, 1, 2]
+    hold_chain(c, r, eps)
+    eh = eh_of(1, 0)
+    both(c, r, "store", 1, 1, [eh] * 254, [BLOCKS[0]] * 254)  # tier 1: 254, tier 0: 1
+    check(c, r, eps, [(1, eh)])
+    both(c, r, "store", 1, 0, [eh], [BLOCKS[0]])  # tier 0: 2
+    both(c, r, "move", 1, [eh], 0, 1)  # tier 1: 255 (compact still)
+    check(c, r, eps, [(1, eh)])
+    both(c, r, "move", 1, [eh], 0, 1)  # tier 1: 256 (wide)
+    assert c.holdings(1)[BLOCKS[0]] == [0, 256, 0]
+    check(c, r, eps, [(1, eh)])
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+@pytest.mark.parametrize("n_maps", [127, 128, 129])
+def test_mappings_past_127_widen_and_unwind(n_maps, bounded):
+    """One endpoint maps n_maps engine hashes to one shared block (the compact form keeps 127
+    mappings); its first mapping, whose refs are the holder's counts less the others', leaves
+    first (one ref in tier 0, while the others hold more there), then the rest in random
+    order."""
+    rng = np.random.default_rng(n_maps)
+    c, r = (C.Index(10_000), R.Index(10_000)) if bounded else (C.Index(), R.Index())
+    eps = [0, 5, 9]
+    hold_chain(c, r, eps)
+    ehs = [eh_of(5, 1)]
+    for i in range(1, n_maps):
+        eh = 900_000 + i
+        both(c, r, "store", 5, i % 3, [eh], [BLOCKS[1]])
+        ehs.append(eh)
+        if len(ehs) >= 126:
+            check(c, r, eps, [(5, e) for e in ehs])
+    both(c, r, "remove", 5, [ehs[0]], 0)
+    check(c, r, eps, [(5, e) for e in ehs])
+    assert c.resolve(5, ehs[0]) is None
+    both(c, r, "store", 5, 0, [ehs[0]], [BLOCKS[1]])  # back: a further mapping now
+    check(c, r, eps, [(5, e) for e in ehs])
+    for k, i in enumerate(rng.permutation(len(ehs))):
+        eh = ehs[int(i)]
+        both(c, r, "remove", 5, [eh])
+        if k % 10 == 0 or k > len(ehs) - 4:
+            check(c, r, eps, [(5, e) for e in ehs])
+    check(c, r, eps, [(5, e) for e in ehs])
+    assert BLOCKS[1] not in c.holdings(5)
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_holders_join_and_leave_in_any_order_compact_and_wide(bounded):
+    """Holders join in random endpoint order (inserted at every position, the array doubling
+    2 -> 4 -> ... -> 64), one holder then passes 255 (the array is rewritten wide, the engine
+    hashes of a bounded index with it), more join (a wide array grows) and all leave in random
+    order; checked against the reference all along."""
+    rng = np.random.default_rng(11)
+    c, r = (C.Index(100_000), R.Index(100_000)) if bounded else (C.Index(), R.Index())
+    eps = [int(e) for e in rng.permutation(60)]
+    first, later = eps[:37], eps[37:]
+    for k, ep in enumerate(first):
+        hold_chain(c, r, [ep])
+        if k in (0, 1, 2, 3, 4, 7, 8, 15, 16, 17, 31, 32, 36):
+            check(c, r, first[: k + 1])
+    wide_ep = first[20]
+    both(c, r, "store", wide_ep, 0, [eh_of(wide_ep, 0)] * 300, [BLOCKS[0]] * 300)
+    check(c, r, first, [(e, eh_of(e, 0)) for e in first])
+    for k, ep in enumerate(later):
+        hold_chain(c, r, [ep])
+        if k % 5 == 0:
+            check(c, r, first + later[: k + 1])
+    for k, i in enumerate(rng.permutation(len(eps))):
+        ep = eps[int(i)]
+        both(c, r, "remove", ep, [eh_of(ep, j) for j in range(3)] * 2)
+        both(c, r, "remove", ep, [eh_of(ep, 0)] * 400)
+        if k % 4 == 0:
+            check(c, r, eps, [(e, eh_of(e, j)) for e in eps for j in range(3)])
+    check(c, r, eps)
+    assert c.stats()["blocks"] == 0
+
+
+def test_eviction_of_compact_and_wide_arrays():
+    """A bounded index evicts blocks whose holders are compact, wide and inline: every mapping
+    to an evicted block goes with it (the per-holder engine hashes follow the rewrite)."""
+    c, r = C.Index(60), R.Index(60)
+    eps = list(range(12))
+    hold_chain(c, r, eps)  # 36 holdings
+    both(c, r, "store", 4, 2, [eh_of(4, 2)] * 299, [BLOCKS[2]] * 299)  # BLOCKS[2] wide
+    both(c, r, "store", 7, 0, [eh_of(7, 0)] * 9, [BLOCKS[0]] * 9)  # BLOCKS[0] stays compact
+    both(c, r, "store", 3, 0, [600_000], [2_000])  # inline, and older than what follows
+    every = [(e, eh_of(e, j)) for e in eps for j in range(3)] + [(3, 600_000)]
+    check(c, r, eps, every, query=False)
+    # 60 new blocks push the 37 old holdings out, least recently touched block first:
+    # BLOCKS[1] (compact), BLOCKS[2] (wide), BLOCKS[0] (compact), then block 2,000 (inline)
+    for k in range(60):
+        both(c, r, "store", k % 12, 0, [500_000 + k], [1_000 + k])
+        if k % 6 == 5:
+            check(c, r, eps, every, query=False)
+    assert c.stats()["evicted_blocks"] == 4
+    assert all(c.resolve(e, eh) is None for e, eh in every)
+    check(c, r, eps, every + [(k % 12, 500_000 + k) for k in range(60)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_counts_around_the_compact_limits(seed):
+    """Random stores, removes and moves on a few shared blocks, with counts driven across 255
+    and back, in both bounded and unbounded indexes."""
+    rng = np.random.default_rng(seed)
+    bounded = seed % 2 == 1
+    c, r = (C.Index(5_000), R.Index(5_000)) if bounded else (C.Index(), R.Index())
+    eps = [0, 1, 2, 7, 30]
+    hold_chain(c, r, eps)
+    for step in range(120):
+        ep = eps[int(rng.integers(len(eps)))]
+        j = int(rng.integers(3))
+        eh, bh = eh_of(ep, j), BLOCKS[j]
+        op = rng.random()
+        tier = int(rng.integers(3))
+        if op < 0.5:
+            n = int(rng.choice([1, 50, 200, 255]))
+            both(c, r, "store", ep, tier, [eh] * n, [bh] * n)
+        elif op < 0.8:
+            both(c, r, "remove", ep, [eh] * int(rng.integers(1, 300)), tier)
+        else:
+            both(c, r, "move", ep, [eh] * int(rng.integers(1, 100)), tier, int(rng.integers(3)))
+        if step % 8 == 0:
+            check(c, r, eps, [(e, eh_of(e, i)) for e in eps for i in range(3)])
+    check(c, r, eps, [(e, eh_of(e, i)) for e in eps for i in range(3)])
