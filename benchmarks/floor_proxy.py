@@ -1,14 +1,15 @@
 """The floor under ``kvplug serve``'s CPU per request: the same HTTP stacks, none of the routing.
 
-An aiohttp server (as ``kvplug serve`` runs it: uvloop, no access log) whose one handler reads
-the body, sends it to the engines in turn over ``kvplug.frontend.engine_http.EnginePool`` (the
-engine hop ``kvplug serve`` uses) and answers with the engine's bytes - streamed answers
-relayed as they arrive. No parsing, tokens, routing, metrics, traces or timeouts: what
-``benchmarks/bench_frontend.py --floor`` measures here is what the two HTTP hops and the event
-loop cost in Python, so ``kvplug serve``'s figure minus this one is what kvplug's own request
-handling costs.
+The server ``kvplug serve`` runs (uvloop, kvplug's HTTP lane for the two routed endpoints with
+aiohttp behind it, no access log) with one handler that reads the body, sends it to the engines
+in turn over ``kvplug.frontend.engine_http.EnginePool`` (the engine hop ``kvplug serve`` uses)
+and answers with the engine's bytes - streamed answers relayed as they arrive. ``--aiohttp``
+serves with aiohttp's server alone (``kvplug serve --no-http-lane``). No parsing, tokens,
+routing, metrics, traces or timeouts: what ``benchmarks/bench_frontend.py --floor`` measures
+here is what the two HTTP hops and the event loop cost in Python, so ``kvplug serve``'s figure
+minus this one is what kvplug's own request handling costs.
 
-    python benchmarks/floor_proxy.py PORT ENGINE_URL [ENGINE_URL ...]
+    python benchmarks/floor_proxy.py PORT ENGINE_URL [ENGINE_URL ...] [--aiohttp]
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from aiohttp import web
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from kvplug.frontend.engine_http import EnginePool  # noqa: E402
+from kvplug.frontend.listener import Listeners  # noqa: E402
 
 
-async def serve(port: int, engines: list[str]) -> None:
+async def serve(port: int, engines: list[str], lane: bool = True) -> None:
     pool = EnginePool(5.0, 600.0)
     turns = itertools.cycle(engines)
 
-    async def forward(request: web.Request) -> web.StreamResponse:
+    async def forward(request) -> web.StreamResponse:  # aiohttp's request or the lane's
         body = await request.read()
         upstream = await pool.post(
             next(turns) + request.path, body, {"Content-Type": "application/json"}
@@ -58,7 +60,11 @@ async def serve(port: int, engines: list[str]) -> None:
     app.router.add_post("/v1/chat/completions", forward)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    handlers = {b"/v1/completions": forward, b"/v1/chat/completions": forward}
+    listeners = Listeners(runner, 0)
+    await listeners.listen(
+        "127.0.0.1", port, lane=handlers if lane else None, max_body_bytes=1 << 24
+    )
     await asyncio.Event().wait()
 
 
@@ -66,13 +72,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("port", type=int)
     ap.add_argument("engines", nargs="+")
+    ap.add_argument("--aiohttp", action="store_true", help="aiohttp's server alone, no lane")
     args = ap.parse_args()
     try:
         import uvloop
 
-        uvloop.run(serve(args.port, args.engines))
+        uvloop.run(serve(args.port, args.engines, not args.aiohttp))
     except ImportError:
-        asyncio.run(serve(args.port, args.engines))
+        asyncio.run(serve(args.port, args.engines, not args.aiohttp))
 
 
 if __name__ == "__main__":
