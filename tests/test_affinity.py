@@ -118,7 +118,8 @@ def test_tail_mode_lets_a_request_wait_while_it_stays_below_kvs_tail():
     aff = AffinityRouter(r, _tail(slack=0.0, tail=0.5))
     # earlier decisions whose kv pick was predicted at 2 s to first token: tau = 2 s, so a
     # wait of milliseconds keeps this request out of the tail and it stays with its cache
-    aff._kv_ttft.extend([2.0] * 10)
+    # (20 samples: the median needs ten above it before it counts)
+    aff._kv_ttft.extend([2.0] * 20)
     assert aff.route(RouteRequest("x", toks)).worker_id == "w1"
 
 

@@ -59,6 +59,10 @@ AFFINITY_KEYS = (
     "tail",
     "slack",
     "window",
+    "pool",
+    "spread",
+    "half_life",
+    "rescue",
 )  # kvplug.affinity.AffinityParams
 
 
