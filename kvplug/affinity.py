@@ -70,6 +70,9 @@ class AffinityParams:
     # routed recently: a long cold prefill blocks the engine's returning sessions while it runs
     spread: float = 0.0
     half_life: float = 60.0  # seconds: decay of the per-engine follow-up rate (spread)
+    # spread: ... and at most this many more active KV blocks than kv's pick (their reads slow
+    # every step of the long prefill)
+    spread_kv: float = 1e9
     # > 0 (tail mode): a request predicted to reach tau where it was going goes to the engine
     # where it is predicted soonest, if that is at least this many seconds sooner
     rescue: float = 0.0
@@ -161,7 +164,7 @@ class AffinityRouter:
         if params.tail and (params.pool == "all" or (params.pool == "cold" and cold)):
             self._remember(self._predicted_ttft(trace, overlap, blocks, b))
         if cold:
-            return self._spread_pick(trace, overlap, blocks, b)
+            return self._spread_pick(inputs, trace, overlap, blocks, b)
         if best <= overlap[b]:
             self._count_followup(trace, b)
             return None
@@ -231,7 +234,7 @@ class AffinityRouter:
         now = self._router._clock()
         self._followups[ep] = (self._followup_rate(ep, now) + 1.0, now)
 
-    def _spread_pick(self, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
+    def _spread_pick(self, inputs, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
         """A long cold prompt: among the engines with no more queued prefill than kv's pick,
         the one with the fewest recent follow-ups (None: kv's pick stands)."""
         if not self.params.spread:
@@ -247,9 +250,11 @@ class AffinityRouter:
         queued = self._queued_prefill_seconds(tuple(eps))
         now = router._clock()
         limit = queued[eps[b]] + 1e-9
+        decode = np.asarray(inputs["decode_blocks"], dtype=np.float64)
+        decode_limit = decode[b] + self.params.spread_kv
         best, best_rate = b, self._followup_rate(eps[b], now)
         for i, ep in enumerate(eps):
-            if queued[ep] <= limit:
+            if queued[ep] <= limit and decode[i] <= decode_limit:
                 rate = self._followup_rate(ep, now)
                 if rate < best_rate:
                     best, best_rate = i, rate

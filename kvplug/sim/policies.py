@@ -63,6 +63,7 @@ AFFINITY_KEYS = (
     "spread",
     "half_life",
     "rescue",
+    "spread_kv",
 )  # kvplug.affinity.AffinityParams
 
 
