@@ -35,18 +35,12 @@ WORKLOADS = {
     "shared-prefix": "shared-prefix",
     "doc-qa": "doc-qa",  # bursty sessions over a few hot long documents
 }
-# the TTFT guard over every request's predicted TTFT, no block guard, tail rescue and spread of
-# long cold prompts (docs/sim.md, *The `affinity` policy*)
-AFFINITY_ALL = (
-    "affinity:tail=0.98,pool=all,window=50000,guard=1000,rescue=0.1,"
-    "spread=3,half_life=300,spread_kv=64"
-)
 POLICIES = [
     "kv",
     "affinity",
     "affinity:guard=12",
     "affinity:tail=0.99",
-    AFFINITY_ALL,
+    "affinity-rescue",  # kvplug.sim.policies.AFFINITY_PRESETS
     "sglang-cache-aware",
     "vllm-kv-aware",
     "profile",

@@ -272,3 +272,16 @@ def test_spread_and_rescue_keys_parse_and_bad_values_are_refused():
     for bad in ("pool=some", "rescue=-1", "spread=-1", "half_life=0"):
         with pytest.raises(ValueError):
             parse_policy(f"affinity:{bad}")
+
+
+def test_affinity_rescue_is_the_measured_setting_and_takes_overrides():
+    from kvplug.sim.policies import parse_policy
+
+    long = "affinity:tail=0.98,pool=all,window=50000,guard=1000,rescue=0.1,spread=3,"
+    long += "half_life=300,spread_kv=64"
+    assert parse_policy("affinity-rescue").affinity == parse_policy(long).affinity
+    p = parse_policy("affinity-rescue:tail=0.99,credit=1.5")
+    assert p.affinity is not None and p.affinity["tail"] == 0.99 and p.affinity["rescue"] == 0.1
+    assert p.overrides == {"router_kv_overlap_score_credit": 1.5}
+    with pytest.raises(ValueError):
+        parse_policy("affinity-rescue:pool=some")
