@@ -285,3 +285,23 @@ def test_affinity_rescue_is_the_measured_setting_and_takes_overrides():
     assert p.overrides == {"router_kv_overlap_score_credit": 1.5}
     with pytest.raises(ValueError):
         parse_policy("affinity-rescue:pool=some")
+
+
+def test_recent_quantile_matches_numpy_over_the_last_window_values():
+    import random
+
+    import numpy as np
+
+    from kvplug.affinity import RecentQuantile
+
+    rng = random.Random(7)
+    recent = RecentQuantile(window=50)
+    added: list[float] = []
+    for i in range(400):
+        # repeats (ties) and a drifting scale, so values leave the window in every order
+        v = float(rng.choice([1.0, 2.0, rng.random() * (1 + i / 40)]))
+        recent.add(v)
+        added.append(v)
+        assert len(recent) == min(len(added), 50)
+        for q in (0.0, 0.5, 0.98, 0.985, 0.99, 1.0):
+            assert recent.quantile(q) == np.quantile(added[-50:], q)
