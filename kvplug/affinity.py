@@ -36,6 +36,14 @@ ones. The request goes to ``a`` only if
 where ``tau`` is the ``tail`` quantile of ``ttft[b]`` (kv's pick) over the last ``window``
 decisions that had a choice: a request may wait for its cache as long as it stays out of the
 latency tail kv would have, and never more than ``slack`` seconds beyond kv's pick otherwise.
+
+Three options reach further (the named setting ``affinity-rescue`` in the simulator uses all
+three; docs/sim.md has what each is worth). ``pool="all"`` takes ``tau`` over every routed
+request's ``ttft[b]``: the latency tail is set by cold long prompts, which the choice pool never
+sees. ``rescue`` sends a request whose predicted TTFT where it is going reaches ``tau`` to the
+engine where it is predicted soonest (kv's cost counts blocks, not seconds). ``spread`` sends a
+long cold prompt, among the engines no more loaded than kv's pick, to the one with the fewest
+recent follow-ups, since its prefill blocks every session returning to its engine meanwhile.
 """
 
 from __future__ import annotations
@@ -91,8 +99,8 @@ class AffinityParams:
             raise ValueError("affinity: window must be >= 1")
         if self.rescue < 0:
             raise ValueError("affinity: rescue must be >= 0")
-        if self.spread < 0 or self.half_life <= 0:
-            raise ValueError("affinity: spread must be >= 0 and half_life > 0")
+        if self.spread < 0 or self.half_life <= 0 or self.spread_kv < 0:
+            raise ValueError("affinity: spread and spread_kv must be >= 0 and half_life > 0")
         if self.pool not in TAIL_POOLS:
             raise ValueError(f"affinity: pool must be one of {', '.join(TAIL_POOLS)}")
 

@@ -269,7 +269,7 @@ def test_spread_and_rescue_keys_parse_and_bad_values_are_refused():
         "half_life": 300,
         "spread_kv": 64,
     }
-    for bad in ("pool=some", "rescue=-1", "spread=-1", "half_life=0"):
+    for bad in ("pool=some", "rescue=-1", "spread=-1", "half_life=0", "spread_kv=-1"):
         with pytest.raises(ValueError):
             parse_policy(f"affinity:{bad}")
 
