@@ -40,6 +40,7 @@ POLICIES = [
     "affinity",
     "affinity:guard=12",
     "affinity:tail=0.99",
+    "affinity-rescue",  # kvplug.sim.policies.AFFINITY_PRESETS
     "sglang-cache-aware",
     "vllm-kv-aware",
     "profile",

@@ -36,10 +36,21 @@ ones. The request goes to ``a`` only if
 where ``tau`` is the ``tail`` quantile of ``ttft[b]`` (kv's pick) over the last ``window``
 decisions that had a choice: a request may wait for its cache as long as it stays out of the
 latency tail kv would have, and never more than ``slack`` seconds beyond kv's pick otherwise.
+
+Three options reach further (the named setting ``affinity-rescue`` in the simulator uses all
+three; docs/sim.md has what each is worth). ``pool="all"`` takes ``tau`` over every routed
+request's ``ttft[b]``: the latency tail is set by cold long prompts, which the choice pool never
+sees. ``rescue`` sends a request whose predicted TTFT where it is going reaches ``tau`` to the
+engine where it is predicted soonest (kv's cost counts blocks, not seconds). ``spread`` sends a
+long cold prompt, among the engines no more loaded than kv's pick, to the one with the fewest
+recent follow-ups, since its prefill blocks every session returning to its engine meanwhile.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,6 +58,8 @@ import numpy as np
 
 from kvplug.prefill_model import H200_LLAMA8B
 from kvplug.request import RouteRequest
+
+TAIL_POOLS = ("choice", "all", "cold")
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,22 @@ class AffinityParams:
     tail: float = 0.0  # > 0: the TTFT guard (quantile of kv's predicted TTFT) replaces the cap
     slack: float = 0.5  # seconds of predicted TTFT above kv's pick always allowed (tail mode)
     window: int = 2000  # decisions the tail quantile is taken over
+    # whose predicted TTFT at kv's pick tau is the quantile of: "choice" (decisions where a
+    # longer prefix was on offer), "all" (every routed request) or "cold" (requests no engine
+    # holds min_share of: the population that sets the TTFT tail and no placement speeds up)
+    pool: str = "choice"
+    # > 0: a cold prompt (no engine holds min_share of it) whose predicted prefill at kv's pick
+    # is at least this many seconds goes, among the engines with no more queued prefill than
+    # kv's pick, to the one where the fewest follow-ups (requests with a cached prefix) were
+    # routed recently: a long cold prefill blocks the engine's returning sessions while it runs
+    spread: float = 0.0
+    half_life: float = 60.0  # seconds: decay of the per-engine follow-up rate (spread)
+    # spread: ... and at most this many more active KV blocks than kv's pick (their reads slow
+    # every step of the long prefill)
+    spread_kv: float = 1e9
+    # > 0 (tail mode): a request predicted to reach tau where it was going goes to the engine
+    # where it is predicted soonest, if that is at least this many seconds sooner
+    rescue: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.guard >= 0 and self.cap >= 0 and self.memory >= 0 and self.slack >= 0):
@@ -68,6 +97,12 @@ class AffinityParams:
             raise ValueError("affinity: tail must be in [0, 1)")
         if self.window < 1:
             raise ValueError("affinity: window must be >= 1")
+        if self.rescue < 0:
+            raise ValueError("affinity: rescue must be >= 0")
+        if self.spread < 0 or self.half_life <= 0 or self.spread_kv < 0:
+            raise ValueError("affinity: spread and spread_kv must be >= 0 and half_life > 0")
+        if self.pool not in TAIL_POOLS:
+            raise ValueError(f"affinity: pool must be one of {', '.join(TAIL_POOLS)}")
 
 
 def chunked_prefill_seconds(new: float, cached: float, chunk: float) -> float:
@@ -86,6 +121,44 @@ def chunked_prefill_seconds(new: float, cached: float, chunk: float) -> float:
     return (a * n + b * quad + c * ctx) / 1000.0
 
 
+class RecentQuantile:
+    """Quantiles of the last ``window`` values added, kept sorted: a query is O(1) and an
+    update a binary search and a list shift, where ``np.quantile`` over a 50,000-value window
+    costs most of a routing decision. Same result as ``np.quantile`` (its linear method)."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._order: deque[float] = deque()
+        self._sorted: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, value: float) -> None:
+        value = float(value)
+        self._order.append(value)
+        bisect.insort(self._sorted, value)
+        if len(self._order) > self.window:
+            old = self._order.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+    def extend(self, values) -> None:
+        for v in values:
+            self.add(v)
+
+    def quantile(self, q: float) -> float:
+        values, n = self._sorted, len(self._sorted)
+        if not n:
+            raise ValueError("no values")
+        virtual = (n - 1) * q
+        if virtual >= n - 1:
+            return values[-1]
+        lo = math.floor(virtual)
+        a, b, gamma = values[lo], values[lo + 1], virtual - lo
+        diff = b - a
+        return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
+
+
 class AffinityRouter:
     """Wraps a kv-mode :class:`kvplug.router.Router`: same interface, affinity-guarded picks.
     A pick that differs from kv's is booked through the router as a pinned route, so load
@@ -97,7 +170,9 @@ class AffinityRouter:
         self._router = router
         self.params = params or AffinityParams()
         self.affinity_counters = {"kept_kv": 0, "affinity": 0, "guarded": 0}
-        self._kv_ttft: list[float] = []  # tail mode: predicted TTFT at kv's pick, recent first
+        # tail mode: the last ``window`` predicted TTFTs at kv's pick (of the pool's requests)
+        self._kv_ttft = RecentQuantile(self.params.window)
+        self._followups: dict[int, tuple[float, float]] = {}  # spread: endpoint -> (rate, at)
 
     def __getattr__(self, name: str) -> Any:  # everything else is the router's
         return getattr(self._router, name)
@@ -123,51 +198,145 @@ class AffinityRouter:
         if len(overlap) < 2:
             return None
         b = int(preview.chosen_index)
+        pick = self._holder_pick(inputs, trace, overlap, preview.request_blocks, b)
+        if self.params.rescue and self.params.tail:
+            pick = self._rescue(trace, overlap, preview.request_blocks, b if pick is None else pick)
+        if pick is None or pick == b:
+            return None
+        return self._worker_at(trace, pick)
+
+    def _holder_pick(self, inputs, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
+        """The engine holding the longest prefix if the guards let the request wait for it
+        there, a cold prompt's spread pick, else None (kv's pick ``b``)."""
+        params = self.params
         best = float(overlap.max())
-        if best <= overlap[b] or best < self.params.min_share * max(preview.request_blocks, 1):
+        cold = best < params.min_share * max(blocks, 1)
+        if params.tail and (params.pool == "all" or (params.pool == "cold" and cold)):
+            self._remember(self._predicted_ttft(trace, overlap, blocks, b))
+        if cold:
+            return self._spread_pick(inputs, trace, overlap, blocks, b)
+        if best <= overlap[b]:
+            self._count_followup(trace, b)
             return None
         wait = np.asarray(inputs["prefill_blocks"], dtype=np.float64) - overlap
         work = wait
-        if self.params.memory:
-            work = wait + self.params.memory * np.asarray(inputs["decode_blocks"], np.float64)
+        if params.memory:
+            work = wait + params.memory * np.asarray(inputs["decode_blocks"], np.float64)
         holders = np.flatnonzero(overlap == best)
         a = int(holders[np.argmin(work[holders])])
-        params = self.params
         if work[a] - work[b] > params.guard * (overlap[a] - overlap[b]) or (
             not params.tail and wait[a] - wait[b] > params.cap
         ):
             self.affinity_counters["guarded"] += 1
+            self._count_followup(trace, b)
             return None
-        if params.tail and not self._within_tail(trace, overlap, preview.request_blocks, a, b):
+        if params.tail and not self._within_tail(trace, overlap, blocks, a, b):
             self.affinity_counters["guarded"] += 1
+            self._count_followup(trace, b)
             return None
-        ep = int(trace.endpoints[a])
+        self._count_followup(trace, a)
+        return a
+
+    def _rescue(self, trace, overlap: np.ndarray, blocks: int, pick: int) -> int:
+        """Rescue mode: if the request's predicted TTFT at ``pick`` reaches tau (the latency
+        tail), the engine where it is predicted soonest instead."""
+        if not self._kv_ttft:
+            return pick
+        tau = self._tau()
+        if not tau:
+            return pick
+        n = len(overlap)
+        order = [pick] + [i for i in range(n) if i != pick]
+        t = self._predicted_ttft(trace, overlap, blocks, *order)
+        if t[0] < tau:
+            return pick
+        best = int(np.argmin(t))
+        if t[best] >= t[0] - self.params.rescue:
+            return pick
+        self.affinity_counters["rescued"] = self.affinity_counters.get("rescued", 0) + 1
+        return order[best]
+
+    def _tau(self) -> float:
+        """The ``tail`` quantile of the remembered TTFT predictions at kv's pick (0 = none
+        yet: a quantile of a handful of samples is their maximum, so none until the tail has
+        ten samples above it or the window is full)."""
+        history = self._kv_ttft
+        warm = min(self.params.window, int(np.ceil(10 / (1 - self.params.tail))))
+        if self.params.pool == "choice":
+            warm = 1  # as first measured (its pool fills slowly: a warm-up costs it hits)
+        return history.quantile(self.params.tail) if len(history) >= warm else 0.0
+
+    def _worker_at(self, trace, i: int) -> tuple[str, int] | None:
+        ep = int(trace.endpoints[i])
         wid = self._router.ep_worker[ep]
         if wid is None:
             return None
         return wid, int(self._router.ep_rank[ep])
 
-    def _within_tail(self, trace, overlap: np.ndarray, blocks: int, a: int, b: int) -> bool:
-        """Tail mode: is ``a``'s predicted TTFT within ``max(kv's + slack, tau)``?"""
+    def _followup_rate(self, ep: int, now: float) -> float:
+        rate, at = self._followups.get(ep, (0.0, now))
+        return rate * 0.5 ** ((now - at) / self.params.half_life)
+
+    def _count_followup(self, trace, i: int) -> None:
+        if not self.params.spread:
+            return
+        ep = int(trace.endpoints[i])
+        now = self._router._clock()
+        self._followups[ep] = (self._followup_rate(ep, now) + 1.0, now)
+
+    def _spread_pick(self, inputs, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
+        """A long cold prompt: among the engines with no more queued prefill than kv's pick,
+        the one with the fewest recent follow-ups (None: kv's pick stands)."""
+        if not self.params.spread:
+            return None
+        router = self._router
+        n = len(overlap)
+        eps = [int(trace.endpoints[i]) for i in range(n)]
+        chunk = float(router.max_batched[eps[b]]) if eps[b] < len(router.max_batched) else 0.0
+        cached = float(overlap[b]) * router.block_size
+        own = chunked_prefill_seconds(blocks * router.block_size - cached, cached, chunk)
+        if own < self.params.spread:
+            return None
+        queued = self._queued_prefill_seconds(tuple(eps))
+        now = router._clock()
+        limit = queued[eps[b]] + 1e-9
+        decode = np.asarray(inputs["decode_blocks"], dtype=np.float64)
+        decode_limit = decode[b] + self.params.spread_kv
+        best, best_rate = b, self._followup_rate(eps[b], now)
+        for i, ep in enumerate(eps):
+            if queued[ep] <= limit and decode[i] <= decode_limit:
+                rate = self._followup_rate(ep, now)
+                if rate < best_rate:
+                    best, best_rate = i, rate
+        if best == b:
+            return None
+        self.affinity_counters["spread"] = self.affinity_counters.get("spread", 0) + 1
+        return best
+
+    def _predicted_ttft(self, trace, overlap: np.ndarray, blocks: int, *idx: int) -> list[float]:
+        """Predicted TTFT of this prompt on each engine of ``idx`` (indices into the preview):
+        its queued prefill seconds plus its own chunked prefill over its cached prefix."""
         router = self._router
         bs = router.block_size
-        ep_a, ep_b = int(trace.endpoints[a]), int(trace.endpoints[b])
-        queued = self._queued_prefill_seconds((ep_a, ep_b))
+        eps = [int(trace.endpoints[i]) for i in idx]
+        queued = self._queued_prefill_seconds(tuple(eps))
         n = blocks * bs
-
-        def ttft(ep: int, i: int) -> float:
+        out = []
+        for ep, i in zip(eps, idx, strict=True):
             cached = float(overlap[i]) * bs
             chunk = float(router.max_batched[ep]) if ep < len(router.max_batched) else 0.0
-            return queued[ep] + chunked_prefill_seconds(n - cached, cached, chunk)
+            out.append(queued[ep] + chunked_prefill_seconds(n - cached, cached, chunk))
+        return out
 
-        t_a, t_b = ttft(ep_a, a), ttft(ep_b, b)
-        history = self._kv_ttft
-        history.append(t_b)
-        window = self.params.window
-        if len(history) > 2 * window:
-            del history[:-window]
-        tau = float(np.quantile(history[-window:], self.params.tail))
-        return t_a <= max(t_b + self.params.slack, tau)
+    def _remember(self, t_b: list[float]) -> None:
+        self._kv_ttft.add(t_b[0])
+
+    def _within_tail(self, trace, overlap: np.ndarray, blocks: int, a: int, b: int) -> bool:
+        """Tail mode: is ``a``'s predicted TTFT within ``max(kv's + slack, tau)``?"""
+        t_a, t_b = self._predicted_ttft(trace, overlap, blocks, a, b)
+        if self.params.pool == "choice":
+            self._remember([t_b])
+        return t_a <= max(t_b + self.params.slack, self._tau())
 
     def _queued_prefill_seconds(self, endpoints: tuple[int, ...]) -> dict[int, float]:
         """Predicted seconds of prefill still queued per endpoint (requests routed there

@@ -3,6 +3,8 @@ for a little queue, and still moves it when the queue there is long."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from test_router_helpers import make_router, store_prefix, tokens
 
@@ -118,7 +120,8 @@ def test_tail_mode_lets_a_request_wait_while_it_stays_below_kvs_tail():
     aff = AffinityRouter(r, _tail(slack=0.0, tail=0.5))
     # earlier decisions whose kv pick was predicted at 2 s to first token: tau = 2 s, so a
     # wait of milliseconds keeps this request out of the tail and it stays with its cache
-    aff._kv_ttft.extend([2.0] * 10)
+    # (20 samples: the median needs ten above it before it counts)
+    aff._kv_ttft.extend([2.0] * 20)
     assert aff.route(RouteRequest("x", toks)).worker_id == "w1"
 
 
@@ -146,3 +149,159 @@ def test_tail_keys_parse_and_bad_values_are_refused():
     for bad in ("tail=1", "tail=-0.1", "slack=-1", "window=0"):
         with pytest.raises(ValueError):
             parse_policy(f"affinity:{bad}")
+
+
+# ---- tail mode over every request (pool), the tail rescue and the spread of long cold prompts
+
+
+def _decoding(r, worker: str, n_blocks: int, tag: str) -> None:
+    """A request on ``worker`` past its first token: active KV, no queued prefill."""
+    _queue(r, worker, n_blocks, tag)
+    r.on_first_token(tag)
+
+
+def test_pool_all_remembers_cold_requests_and_choice_does_not():
+    # a cold request (no engine holds any of it) is no choice between holders: only the
+    # "all" pool takes its predicted TTFT into tau
+    for pool, remembered in (("choice", 0), ("all", 1), ("cold", 1)):
+        r = make_router(workers=("w1", "w2"))
+        aff = AffinityRouter(r, AffinityParams(tail=0.99, pool=pool))
+        aff.route(RouteRequest("cold", tokens(10, start=5_000)))
+        assert len(aff._kv_ttft) == remembered, pool
+
+
+def test_pool_all_lets_a_request_wait_below_the_tail_of_every_request():
+    # tau from long cold prompts' predicted TTFT (seconds): a follow-up may wait behind w1's
+    # queue for its cache, where the choice pool (no history of choices) moves it
+    r, toks = _setup(20)
+    params = AffinityParams(tail=0.5, slack=0.0, pool="all")
+    aff = AffinityRouter(r, params)
+    aff._kv_ttft.extend([5.0] * 20)
+    assert aff.route(RouteRequest("x", toks)).worker_id == "w1"
+    r, toks = _setup(20)
+    aff = AffinityRouter(r, replace(params, pool="choice"))
+    assert aff.route(RouteRequest("x", toks)).worker_id == "w2"
+
+
+def test_pool_all_has_no_tau_until_the_tail_has_ten_samples_above_it():
+    # nine samples: the 0.5 quantile of a handful of predictions is no tail estimate yet, so
+    # only the slack counts and the queue moves the request
+    r, toks = _setup(20)
+    aff = AffinityRouter(r, AffinityParams(tail=0.5, slack=0.0, pool="all"))
+    aff._kv_ttft.extend([5.0] * 8)  # + this request's own prediction = 9 < 10 / (1 - 0.5)
+    assert aff.route(RouteRequest("x", toks)).worker_id == "w2"
+
+
+def _rescue_setup():
+    """kv picks w1 (20 queued prefill blocks cost less than w2's 60 decoding ones), where the
+    prompt waits for someone's prefill; on w2 it starts at once."""
+    r = make_router(workers=("w1", "w2"))
+    _decoding(r, "w2", 60, "decoding")
+    _queue(r, "w1", 20, "busy")
+    req = RouteRequest("x", tokens(10, start=5_000))
+    assert r.preview(req).worker_id == "w1"
+    return r, req
+
+
+def test_rescue_sends_a_request_predicted_in_the_tail_where_it_starts_soonest():
+    r, req = _rescue_setup()
+    # (16-token test blocks: w1's queue is ~9 ms of predicted prefill)
+    aff = AffinityRouter(r, AffinityParams(tail=0.5, pool="all", rescue=0.001))
+    aff._kv_ttft.extend([0.001] * 20)  # tau: 1 ms, the wait on w1 is far beyond
+    assert aff.route(req).worker_id == "w2"
+    assert aff.affinity_counters["rescued"] == 1
+
+
+def test_rescue_leaves_a_request_below_the_tail_and_is_off_by_default():
+    r, req = _rescue_setup()
+    aff = AffinityRouter(r, AffinityParams(tail=0.5, pool="all", rescue=0.001))
+    aff._kv_ttft.extend([60.0] * 20)  # tau: a minute, the wait on w1 is not in the tail
+    assert aff.route(req).worker_id == "w1"
+    r, req = _rescue_setup()
+    aff = AffinityRouter(r, AffinityParams(tail=0.5, pool="all"))
+    aff._kv_ttft.extend([0.001] * 20)
+    assert aff.route(req).worker_id == "w1"
+
+
+def _spread_setup():
+    """w1 has just served a follow-up (a request on its cached prefix); w2 has more active KV,
+    so kv sends a cold prompt to w1, where the session's next turn will queue behind it."""
+    r = make_router(workers=("w1", "w2"))
+    toks = tokens(10)
+    store_prefix(r, "w1", toks, 8)
+    return r, toks
+
+
+def test_spread_sends_a_long_cold_prompt_away_from_the_engine_with_recent_follow_ups():
+    r, toks = _spread_setup()
+    aff = AffinityRouter(r, AffinityParams(spread=0.001))
+    assert aff.route(RouteRequest("turn", toks)).worker_id == "w1"  # a follow-up on w1
+    r.on_first_token("turn")
+    _decoding(r, "w2", 40, "decoding")
+    cold = RouteRequest("cold", tokens(10, start=5_000))
+    assert r.preview(cold).worker_id == "w1"  # kv: less active KV
+    assert aff.route(cold).worker_id == "w2"
+    assert aff.affinity_counters["spread"] == 1
+
+
+def test_spread_keeps_kvs_pick_for_short_prompts_and_much_more_active_kv():
+    for params in (
+        AffinityParams(spread=1000.0),  # the prompt's prefill is far below 1,000 s
+        AffinityParams(spread=0.001, spread_kv=10),  # w2 has 40 more active blocks than w1
+    ):
+        r, toks = _spread_setup()
+        aff = AffinityRouter(r, params)
+        aff.route(RouteRequest("turn", toks))
+        r.on_first_token("turn")
+        _decoding(r, "w2", 40, "decoding")
+        assert aff.route(RouteRequest("cold", tokens(10, start=5_000))).worker_id == "w1"
+
+
+def test_spread_and_rescue_keys_parse_and_bad_values_are_refused():
+    from kvplug.sim.policies import parse_policy
+
+    p = parse_policy("affinity:tail=0.98,pool=all,rescue=0.1,spread=3,half_life=300,spread_kv=64")
+    assert p.affinity == {
+        "tail": 0.98,
+        "pool": "all",
+        "rescue": 0.1,
+        "spread": 3,
+        "half_life": 300,
+        "spread_kv": 64,
+    }
+    for bad in ("pool=some", "rescue=-1", "spread=-1", "half_life=0", "spread_kv=-1"):
+        with pytest.raises(ValueError):
+            parse_policy(f"affinity:{bad}")
+
+
+def test_affinity_rescue_is_the_measured_setting_and_takes_overrides():
+    from kvplug.sim.policies import parse_policy
+
+    long = "affinity:tail=0.98,pool=all,window=50000,guard=1000,rescue=0.1,spread=3,"
+    long += "half_life=300,spread_kv=64"
+    assert parse_policy("affinity-rescue").affinity == parse_policy(long).affinity
+    p = parse_policy("affinity-rescue:tail=0.99,credit=1.5")
+    assert p.affinity is not None and p.affinity["tail"] == 0.99 and p.affinity["rescue"] == 0.1
+    assert p.overrides == {"router_kv_overlap_score_credit": 1.5}
+    with pytest.raises(ValueError):
+        parse_policy("affinity-rescue:pool=some")
+
+
+def test_recent_quantile_matches_numpy_over_the_last_window_values():
+    import random
+
+    import numpy as np
+
+    from kvplug.affinity import RecentQuantile
+
+    rng = random.Random(7)
+    recent = RecentQuantile(window=50)
+    added: list[float] = []
+    for i in range(400):
+        # repeats (ties) and a drifting scale, so values leave the window in every order
+        v = float(rng.choice([1.0, 2.0, rng.random() * (1 + i / 40)]))
+        recent.add(v)
+        added.append(v)
+        assert len(recent) == min(len(added), 50)
+        for q in (0.0, 0.5, 0.98, 0.985, 0.99, 1.0):
+            assert recent.quantile(q) == np.quantile(added[-50:], q)

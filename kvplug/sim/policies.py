@@ -1,6 +1,8 @@
 """Routing policies for the replay, written ``NAME[:key=value,...]`` on the command line.
 
-``NAME`` is ``kv``, ``lmetric`` (kv mode with ``--router-selection-policy lmetric``), ``approx``
+``NAME`` is ``kv``, ``affinity`` or ``affinity-rescue`` (:mod:`kvplug.affinity`, the second
+a named setting of the first), ``lmetric`` (kv mode with ``--router-selection-policy lmetric``),
+``approx``
 (kv mode without engine events: the router records what it routed, with a TTL), ``profile``
 (an llm-d-style scheduling profile; default: the bundled ``data/profile_llmd.yaml``, or
 ``profile:router_profile=FILE``), a simple mode
@@ -59,7 +61,28 @@ AFFINITY_KEYS = (
     "tail",
     "slack",
     "window",
+    "pool",
+    "spread",
+    "half_life",
+    "rescue",
+    "spread_kv",
 )  # kvplug.affinity.AffinityParams
+# named affinity settings: NAME[:key=value,...] starts from these AffinityParams values
+AFFINITY_PRESETS: dict[str, dict[str, Any]] = {
+    "affinity": {},
+    # the TTFT guard over every request's predicted TTFT, the tail rescue in place of the
+    # block guard, long cold prompts spread away from returning sessions (docs/sim.md)
+    "affinity-rescue": {
+        "tail": 0.98,
+        "pool": "all",
+        "window": 50000,
+        "guard": 1000,
+        "rescue": 0.1,
+        "spread": 3,
+        "half_life": 300,
+        "spread_kv": 64,
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -146,16 +169,17 @@ def parse_policy(text: str) -> Policy:
             params[key] = _coerce(raw.strip())
         return Policy(text.strip(), BASELINE_MODE, params, feed)
     affinity: dict[str, Any] | None = None
-    if base == "affinity":
+    if base in AFFINITY_PRESETS:
         mode = "kv"
-        affinity = {}
+        affinity = dict(AFFINITY_PRESETS[base])
     elif base in ("approx", "lmetric"):
         mode = "kv"
     elif base in ("kv", "profile", *SIMPLE_MODES):
         mode = base
     else:
         raise ValueError(
-            f"policy {text!r}: {base!r} is not kv, affinity, lmetric, approx, profile, one of "
+            f"policy {text!r}: {base!r} is not kv, affinity, affinity-rescue, lmetric, approx, "
+            "profile, one of "
             f"{SIMPLE_MODES} or a baseline ({', '.join(BASELINES)})"
         )
     known = {f.name for f in fields(RouterConfig)}
