@@ -12,8 +12,9 @@ them all:
   on the one port, side by side with the single process;
 * optionally ``kvplug serve`` from another source tree (``--baseline-src DIR``: a before/after
   pair in one run);
-* optionally (``--floor``) ``benchmarks/floor_proxy.py``: the aiohttp server and the engine
-  pool ``kvplug serve`` uses, with no routing at all - the floor under kvplug's CPU per request;
+* optionally (``--floor``) ``benchmarks/floor_proxy.py``: the HTTP stacks (kvplug's lane,
+  aiohttp behind it) and the engine pool ``kvplug serve`` uses, with no routing at all - the
+  floor under kvplug's CPU per request;
 * ``sglang-router`` (``--policy cache_aware``; installed by the ``test`` extra) and
   ``vllm-router`` (``--policy cache_aware``; ``pip install vllm-router``, found on ``PATH``, in
   ``$KVPLUG_VLLM_ROUTER`` or in ``.vrvenv/``), text prompts, when installed.
@@ -313,7 +314,7 @@ def main_run(args) -> dict:
             cmd = [sys.executable, str(ROOT / "benchmarks" / "floor_proxy.py"), str(port)]
             p = start(cmd + engines, url + "/v1/completions", files["text", "plain"], tmp)
             procs.append(p)
-            name = "floor: aiohttp server + engine pool"
+            name = "floor: kvplug's HTTP stacks + engine pool"
             targets.append({"name": name, "url": url, "pid": p.pid, "kind": "ids"})
 
         if args.no_rust:
