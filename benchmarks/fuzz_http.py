@@ -706,6 +706,10 @@ async def run(args) -> dict:
         cwd=ROOT,
     )
     procs = [stubs]
+    # the engines listen before kvplug serve starts: a first health probe that found them not
+    # yet up would mark them down and the first second's requests would be 503s (kvplug right,
+    # the harness wrong)
+    assert stubs.stdout is not None and stubs.stdout.readline().strip() == "ready"
     workers = tmp / "workers.yaml"
     workers.write_text(
         "workers:\n"
@@ -742,7 +746,6 @@ async def run(args) -> dict:
         )
     procs.append(serve)
     try:
-        assert stubs.stdout is not None and stubs.stdout.readline().strip() == "ready"
         path, body = _valid(rng, chat=False)
         warm = json.dumps(body).encode()
         await wait_ready_async(api + "/health", proc=serve, log=log_path)

@@ -281,3 +281,29 @@ def test_serve_has_a_switch_for_the_lane():
     assert settings_from_args(parser.parse_args(["--worker", "w=http://x:1"])).http_lane
     args = parser.parse_args(["--worker", "w=http://x:1", "--no-http-lane"])
     assert settings_from_args(args).http_lane is False
+
+
+async def test_a_connection_handed_off_between_requests_leaves_no_task_behind():
+    """A kept-alive connection served by the lane, then sent a request the lane hands off:
+    the connection's task, waiting for its next request, ends (a pending task left behind
+    was destroyed by the garbage collector with an error logged, found by fuzz_http)."""
+    async with serving(1, settings=SETTINGS) as h:
+        lane = lane_of(h)
+        host, port = h.url.split("//")[1].rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(post("/v1/completions", completion()))
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).startswith(
+            b"HTTP/1.1 200"
+        )
+        await eventually(lambda: lane.workers == 1, what="the connection's task waits")
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        await eventually(lambda: lane.handed_off == 1, what="handed off")
+        await eventually(lambda: lane.workers == 0, what="its task ended")
+        writer.close()
+        # and a connection that simply closes while its task waits
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(post("/v1/completions", completion()))
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        await eventually(lambda: lane.workers == 1, what="the second connection's task waits")
+        writer.close()
+        await eventually(lambda: lane.workers == 0, what="its task ended with the connection")

@@ -71,6 +71,15 @@ class Kvplug:
             assert time.monotonic() < deadline, f"{what}; kvplug log:\n{self.log_text()[-3000:]}"
             time.sleep(0.25)
 
+    def poll(self, predicate, timeout: float) -> bool:
+        """Whether ``predicate`` holds within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.25)
+        return True
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
@@ -210,6 +219,21 @@ def test_mixed_fleet_one_index(fleet):
 
         def doc(seed: int) -> list[int]:  # 6 blocks of 32 tokens, ids within the tiny vocab
             return [seed] + [(seed * 131 + i * 17) % 500 + 1 for i in range(6 * 32 - 1)]
+
+        # a ZMQ subscription is live a moment after kvplug connects it, and what SGLang publishes
+        # before that is lost (no replay): warm-up prompts until one's blocks arrive
+        for attempt in range(20):
+            before = kv.index_blocks()
+            body = {"model": "tiny", "prompt": doc(100 + attempt), "max_tokens": 1}
+            http_post(
+                kv.url + "/v1/completions",
+                {**body, "nvext": {"backend_instance_id": "sglang-0"}},
+                kv.log_text,
+            )
+            if kv.poll(lambda b=before: kv.index_blocks() >= b + 6, 3):
+                break
+        else:
+            raise AssertionError("no SGLang events reached kvplug after 20 warm-up prompts")
 
         homes = {11: "vllm-a", 12: "sglang-0", 13: "trtllm-0"}
         for seed, wid in homes.items():

@@ -148,6 +148,7 @@ class Lane:
         self.on_head_timeout = on_head_timeout
         self.served = 0  # requests this lane answered itself
         self.handed_off = 0  # connections it gave to aiohttp
+        self.workers = 0  # connections' tasks running now (one per lane connection)
 
     def __call__(self) -> asyncio.Protocol:
         return LaneConnection(self)
@@ -266,9 +267,11 @@ class LaneConnection(BaseProtocol):
             body.arrived(data)
 
     async def _serve_all(self) -> None:
-        """This connection's requests, in order: one task per connection, not per request."""
+        """This connection's requests, in order: one task per connection, not per request.
+        It ends with the connection, or when the connection is handed to aiohttp."""
+        self.lane.workers += 1
         try:
-            while True:
+            while self.inner is None:
                 req, handler = self.current, self.handler
                 if req is None or handler is None:
                     self.waiter = self._loop.create_future()
@@ -277,6 +280,8 @@ class LaneConnection(BaseProtocol):
                     return
         except asyncio.CancelledError:
             return  # the client hung up: connection_lost cancelled the handler with us
+        finally:
+            self.lane.workers -= 1
 
     async def _serve(self, req: LaneRequest, handler: Handler) -> bool:
         """Answer one request; whether the connection goes on with the lane."""
@@ -317,6 +322,11 @@ class LaneConnection(BaseProtocol):
             inner = HeadDeadline(inner, self.lane.head_timeout, self.lane.on_head_timeout)
         self.inner = inner
         self.lane.handed_off += 1
+        waiter = self.waiter  # a worker waiting for this connection's next request: it ends
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
         inner.connection_made(self.transport)  # type: ignore[arg-type]
         if self._paused:
             inner.pause_writing()
