@@ -307,3 +307,27 @@ async def test_a_connection_handed_off_between_requests_leaves_no_task_behind():
         await eventually(lambda: lane.workers == 1, what="the second connection's task waits")
         writer.close()
         await eventually(lambda: lane.workers == 0, what="its task ended with the connection")
+
+
+async def test_shutdown_closes_idle_connections_and_lets_a_request_finish():
+    """As aiohttp's server shuts down: an idle kept-alive connection closes at once, a request
+    being served finishes and gets its answer, then its connection closes."""
+    async with serving(1, settings=SETTINGS, stub_options={"token_delay": 0.05}) as h:
+        lane = lane_of(h)
+        host, port = h.url.split("//")[1].rsplit(":", 1)
+        idle_r, idle_w = await asyncio.open_connection(host, int(port))
+        idle_w.write(post("/v1/completions", completion()))
+        await asyncio.wait_for(idle_r.readuntil(b"\r\n\r\n"), 10)
+        busy_r, busy_w = await asyncio.open_connection(host, int(port))
+        busy_w.write(post("/v1/completions", completion(max_tokens=20)))
+        await eventually(lambda: h.router.stats()["active_requests"] == 1, what="in flight")
+        for listeners in h.running._listeners:
+            listeners.close()
+        shutdown = asyncio.ensure_future(h.running._listeners[0].shutdown_lane())
+        answer = await asyncio.wait_for(busy_r.read(), 30)  # whole answer, then closed
+        assert answer.startswith(b"HTTP/1.1 200") and b"Connection: close" in answer
+        await asyncio.wait_for(idle_r.read(), 10)  # returns once the server closed it
+        await asyncio.wait_for(shutdown, 30)
+        assert not lane.connections and lane.workers == 0
+        idle_w.close()
+        busy_w.close()

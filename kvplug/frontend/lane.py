@@ -35,6 +35,7 @@ from aiohttp.base_protocol import BaseProtocol
 from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 from aiohttp.http_writer import StreamWriter
+from aiohttp.tcp_helpers import tcp_keepalive
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvplug.frontend.errors import ApiError
@@ -149,6 +150,22 @@ class Lane:
         self.served = 0  # requests this lane answered itself
         self.handed_off = 0  # connections it gave to aiohttp
         self.workers = 0  # connections' tasks running now (one per lane connection)
+        self.connections: set[LaneConnection] = set()  # open and not handed off
+        self.closing = False
+
+    async def shutdown(self, timeout: float) -> None:
+        """As aiohttp's server shuts down: idle connections close now, a request being served
+        gets up to ``timeout`` seconds to finish (its connection closes after the answer), then
+        whatever is left is closed (its handler cancelled)."""
+        self.closing = True
+        for conn in list(self.connections):
+            if conn.current is None:
+                conn._close()
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.connections and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn._close()
 
     def __call__(self) -> asyncio.Protocol:
         return LaneConnection(self)
@@ -174,7 +191,9 @@ class LaneConnection(BaseProtocol):
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        super().connection_made(transport)  # TCP_NODELAY, as aiohttp's handler sets it
+        tcp_keepalive(transport)  # type: ignore[arg-type]
+        self.lane.connections.add(self)
         self._arm(self._head_expired)
 
     def data_received(self, data: bytes) -> None:
@@ -196,6 +215,7 @@ class LaneConnection(BaseProtocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
+        self.lane.connections.discard(self)
         if self.inner is not None:
             self.inner.connection_lost(exc if isinstance(exc, Exception) else None)
         else:
@@ -290,6 +310,8 @@ class LaneConnection(BaseProtocol):
         except Exception:  # the handlers answer their own errors; this is a bug
             log.exception("request to %s failed", req.path)
             resp = ApiError(500, "internal error", "server_error", "internal_error").response()
+        if self.lane.closing:
+            req.keep_alive = False  # the answer says so (Connection: close)
         try:
             if not resp.prepared:
                 answer = _plain_answer(resp, req.keep_alive)
@@ -322,6 +344,7 @@ class LaneConnection(BaseProtocol):
             inner = HeadDeadline(inner, self.lane.head_timeout, self.lane.on_head_timeout)
         self.inner = inner
         self.lane.handed_off += 1
+        self.lane.connections.discard(self)  # aiohttp's server shuts it down from here on
         waiter = self.waiter  # a worker waiting for this connection's next request: it ends
         if waiter is not None:
             self.waiter = None

@@ -191,6 +191,11 @@ class Listeners:
         for server in self.servers:
             server.close()
 
+    async def shutdown_lane(self) -> None:
+        """The lane's connections, as aiohttp's runner shuts down its own (before it does)."""
+        if self.lane is not None:
+            await self.lane.shutdown(getattr(self.runner, "_shutdown_timeout", 60.0))
+
 
 def url_of(host: str, port: int) -> str:
     return f"http://{fmt_host(host)}:{port}"

@@ -40,6 +40,8 @@ class RunningFrontend:
     async def close(self) -> None:
         for listeners in self._listeners:
             listeners.close()
+        for listeners in self._listeners:
+            await listeners.shutdown_lane()
         for runner in self._runners:
             await runner.cleanup()
         await self.frontend.close()
