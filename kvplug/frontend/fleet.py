@@ -102,6 +102,18 @@ class FleetSink:
             self._loop.call_soon_threadsafe(self.on_capacity, *args)
 
 
+class _ViewEpoch:
+    """Bumped by every change that the fleet's per-request views read (membership, served
+    models, draining, configured model names): ``Fleet`` keeps those views until it moves,
+    instead of rebuilding them from every worker on every request (18 us at 64 workers)."""
+
+    value = 0
+
+    @classmethod
+    def bump(cls) -> None:
+        cls.value += 1
+
+
 class WorkerEntry:
     __slots__ = (
         "spec",
@@ -109,10 +121,10 @@ class WorkerEntry:
         "adapter",
         "sink",
         "down_by",
-        "draining",
+        "_draining",
         "last_error",
         "last_probe",
-        "models",
+        "_models",
         "inflight",
         "url_base",
     )
@@ -125,12 +137,31 @@ class WorkerEntry:
         self.adapter = adapter
         self.sink = sink
         self.down_by: set[str] = set()  # who says it is down: request, probe, adapter
-        self.draining = False
+        self._draining = False
         self.last_error: str | None = None
         self.last_probe: float | None = None
-        self.models: set[str] = set(spec.models)
+        self._models: frozenset[str] = frozenset(spec.models)
         self.inflight = 0
         self.url_base = spec.url
+
+    @property
+    def models(self) -> frozenset[str]:
+        """The model names the worker serves (configured, or read from its /v1/models)."""
+        return self._models
+
+    @models.setter
+    def models(self, names: Iterable[str]) -> None:
+        self._models = frozenset(names)
+        _ViewEpoch.bump()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        _ViewEpoch.bump()
 
     @property
     def healthy(self) -> bool:
@@ -163,8 +194,20 @@ class Fleet:
         self.workers: dict[str, WorkerEntry] = {}
         self.adapters: dict[str, EngineAdapter] = {}
         self.unhealthy: frozenset[str] = frozenset()
-        self.configured_models: set[str] = set()
+        self._configured_models: frozenset[str] = frozenset()
         self._lock = asyncio.Lock()
+        # (epoch, models, disaggregated, workers per model) as of _ViewEpoch.value == epoch
+        self._view: tuple[int, frozenset[str], bool, dict[str, frozenset[str] | None]] | None = None
+
+    @property
+    def configured_models(self) -> frozenset[str]:
+        """--served-model-name: names clients may ask for besides what workers report."""
+        return self._configured_models
+
+    @configured_models.setter
+    def configured_models(self, names: Iterable[str]) -> None:
+        self._configured_models = frozenset(names)
+        _ViewEpoch.bump()
 
     # -- membership -------------------------------------------------------------------------
     def adapter_for(self, kind: str) -> EngineAdapter:
@@ -224,12 +267,14 @@ class Fleet:
         sink.on_capacity = self._set_capacity
         entry = WorkerEntry(spec, worker, adapter, sink)
         self.workers[spec.worker_id] = entry
+        _ViewEpoch.bump()
         return entry
 
     def _unregister(self, entry: WorkerEntry) -> None:
         entry.sink.active = False
         if self.workers.get(entry.spec.worker_id) is entry:
             del self.workers[entry.spec.worker_id]
+            _ViewEpoch.bump()
             self.router.remove_worker(entry.spec.worker_id)
             self._refresh_unhealthy()
 
@@ -283,6 +328,7 @@ class Fleet:
             entry = self.get(worker_id)
             entry.sink.active = False
             del self.workers[worker_id]
+            _ViewEpoch.bump()
             self.router.remove_worker(worker_id)
             self._refresh_unhealthy()
             try:
@@ -342,23 +388,40 @@ class Fleet:
             self._refresh_unhealthy()
 
     # -- views --------------------------------------------------------------------------------
+    def _views(self) -> tuple[int, frozenset[str], bool, dict[str, frozenset[str] | None]]:
+        view = self._view
+        if view is None or view[0] != _ViewEpoch.value:
+            names = set(self.configured_models)
+            for e in self.workers.values():
+                names |= e.models
+            split = any(e.spec.role == "prefill" and not e.draining for e in self.workers.values())
+            view = self._view = (_ViewEpoch.value, frozenset(names), split, {})
+        return view
+
     @property
     def disaggregated(self) -> bool:
         """Two-stage dispatch when a prefill-role worker takes requests."""
-        return any(e.spec.role == "prefill" and not e.draining for e in self.workers.values())
+        return self._views()[2]
 
-    def models(self) -> set[str]:
-        names = set(self.configured_models)
-        for e in self.workers.values():
-            names |= e.models
-        return names
+    def models(self) -> frozenset[str]:
+        """Every model name clients may ask for (configured, and what workers serve)."""
+        return self._views()[1]
 
     def workers_for_model(self, model: str) -> frozenset[str] | None:
         """Workers known to serve ``model``; None when every worker may (nothing known)."""
-        if not any(e.models for e in self.workers.values()):
-            return None
-        serving = frozenset(w for w, e in self.workers.items() if model in e.models or not e.models)
-        return None if len(serving) == len(self.workers) else serving
+        per_model = self._views()[3]
+        if model in per_model:
+            return per_model[model]
+        serving: frozenset[str] | None = None
+        if any(e.models for e in self.workers.values()):
+            serving = frozenset(
+                w for w, e in self.workers.items() if model in e.models or not e.models
+            )
+            if len(serving) == len(self.workers):
+                serving = None
+        if len(per_model) < 1024:  # client-chosen names: a bounded memo
+            per_model[model] = serving
+        return serving
 
     def _router_load(self, worker_id: str) -> dict[str, float]:
         """The router's active load of a worker, summed over its DP ranks."""
