@@ -1068,8 +1068,9 @@ def lane_handlers(frontend: Frontend) -> dict[bytes, Any]:
     """The routed endpoints as kvplug's HTTP lane calls them (kvplug/frontend/lane.py):
     each handler inside the same middlewares ``build_app`` gives aiohttp, outermost first."""
     out: dict[bytes, Any] = {}
+    middlewares = _middlewares(frontend)
     for path, handler in ((COMPLETIONS, frontend.handle_completions), (CHAT, frontend.handle_chat)):
-        for middleware in reversed(_middlewares(frontend)):
+        for middleware in reversed(middlewares):
             handler = functools.partial(middleware, handler=handler)
         out[path.encode()] = handler
     return out

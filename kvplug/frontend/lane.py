@@ -180,7 +180,6 @@ class LaneConnection(BaseProtocol):
         self.buf = b""
         self.inner: asyncio.Protocol | None = None  # aiohttp's handler, once handed off
         self.current: LaneRequest | None = None  # the request being served
-        self.handler: Handler | None = None  # and its handler
         self.worker: asyncio.Task[None] | None = None  # serves the requests, one by one
         self.waiter: asyncio.Future[None] | None = None  # the worker waits here for a request
         self.pending: LaneBody | None = None  # the body still arriving for ``current``
@@ -267,15 +266,18 @@ class LaneConnection(BaseProtocol):
             self.buf = buf[start:]
         assert self.transport is not None
         self.current = LaneRequest(path, headers, length, body, self.transport, keep_alive, self)
-        self.handler = self.lane.handlers[path.encode()]
         self.lane.served += 1
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-        elif self.worker is None:
+        if not self._wake_worker() and self.worker is None:
             self.worker = self._loop.create_task(self._serve_all())
+
+    def _wake_worker(self) -> bool:
+        """Whether a worker was waiting for this connection's next request (it goes on now)."""
+        waiter, self.waiter = self.waiter, None
+        if waiter is None:
+            return False
+        if not waiter.done():
+            waiter.set_result(None)
+        return True
 
     def _feed_body(self) -> None:
         body = self.pending
@@ -292,11 +294,11 @@ class LaneConnection(BaseProtocol):
         self.lane.workers += 1
         try:
             while self.inner is None:
-                req, handler = self.current, self.handler
-                if req is None or handler is None:
+                req = self.current
+                if req is None:
                     self.waiter = self._loop.create_future()
                     await self.waiter
-                elif not await self._serve(req, handler):
+                elif not await self._serve(req, self.lane.handlers[req.path.encode()]):
                     return
         except asyncio.CancelledError:
             return  # the client hung up: connection_lost cancelled the handler with us
@@ -345,11 +347,7 @@ class LaneConnection(BaseProtocol):
         self.inner = inner
         self.lane.handed_off += 1
         self.lane.connections.discard(self)  # aiohttp's server shuts it down from here on
-        waiter = self.waiter  # a worker waiting for this connection's next request: it ends
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        self._wake_worker()  # a worker waiting for this connection's next request ends
         inner.connection_made(self.transport)  # type: ignore[arg-type]
         if self._paused:
             inner.pause_writing()
