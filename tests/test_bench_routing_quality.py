@@ -64,12 +64,17 @@ def test_replay_scale_smoke(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "rs.json"
-    assert bench.main(["--sizes", "4", "16", "--per-engine", "15", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    args = ["--sizes", "4", "16", "--per-engine", "15", "--rounds", "2", "--million", "300"]
+    assert bench.main([*args, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
     assert [r["engines"] for r in rows] == [4, 16]
     for r in rows:
-        assert r["requests"] == 15 * r["engines"]
-        assert r["event_req_per_cpu_s"] > 0 and r["scan_req_per_cpu_s"] > 0
+        assert r["requests"] == 15 * r["engines"] and len(r["rounds"]) == 2
+        assert min(r["event_req_per_cpu_s"]) > 0 and min(r["scan_req_per_cpu_s"]) > 0
+    # the long run: exactly the requests asked for, on 1,024 engines, all replayed
+    assert (doc["million"]["requests"], doc["million"]["engines"]) == (300, 1024)
+    assert doc["million"]["req_per_cpu_s"] > 0 and doc["million"]["hit_rate"] >= 0
 
 
 def test_sensitivity_smoke(tmp_path):

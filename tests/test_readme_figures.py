@@ -143,6 +143,8 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
         t["target"]: t for t in load("benchmarks/results/bench_frontend_loaded.json")["targets"]
     }
     sim = load("benchmarks/results/sim_bench.json")
+    scale = load("benchmarks/results/replay_scale.json")
+    fleet = {r["engines"]: r for r in scale["rows"]}
 
     def added(target: str, run: dict = frontend) -> list[float]:
         t = run[target]
@@ -212,6 +214,18 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             loaded[vllm]["plain_throughput"]["requests_per_s"],
         ],
         ("whole-trace replay", "result"): lambda: [sim["wall_s"], sim["jobs"]],
+        ("replay cost against fleet size", "result"): lambda: [
+            *_range(fleet[1024]["event_req_per_cpu_s"]),
+            1024,
+            *_range(fleet[8]["event_req_per_cpu_s"]),
+            8,
+            *_range(fleet[1024]["scan_req_per_cpu_s"]),
+            1024,
+            scale["million"]["requests"],
+            scale["million"]["engines"],
+            scale["million"]["cpu_s"] / 60,
+            scale["million"]["wall_s"] / 60,
+        ],
     }
 
 
