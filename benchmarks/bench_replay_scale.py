@@ -89,6 +89,41 @@ def same_replay(event: dict, scan: dict) -> bool:
     )
 
 
+def plot(doc: dict, path: Path) -> Path:
+    """ms of CPU per request against fleet size, both replays, the bars spanning the rounds."""
+    from kvplug.sim.plots import _plt
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    sizes = [r["engines"] for r in doc["rows"]]
+    for key, label in (
+        ("scan", "scan every engine per arrival (before)"),
+        ("event_driven", "event-driven"),
+    ):
+        per_req = [
+            [1000 * x[key]["cpu_s"] / r["requests"] for x in r["rounds"]] for r in doc["rows"]
+        ]
+        mid = [sorted(v)[len(v) // 2] for v in per_req]
+        err = [
+            [m - min(v) for m, v in zip(mid, per_req, strict=True)],
+            [max(v) - m for m, v in zip(mid, per_req, strict=True)],
+        ]
+        ax.errorbar(sizes, mid, yerr=err, marker="o", capsize=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("engines (30 requests per engine, constant load per engine)")
+    ax.set_ylabel("ms of CPU per replayed request")
+    ax.set_title("Replay cost against fleet size (median, bars: range over rounds)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def million_run(n_requests: int, n_engines: int = 1024) -> dict:
     """One event-driven replay of ``n_requests`` on ``n_engines``, progress every 5 %."""
     t0 = time.perf_counter()
@@ -134,7 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="then replay N requests on 1,024 engines, event-driven only (0: skip)",
     )
+    ap.add_argument("--plot", default="docs/img/replay_scale.png", help="PNG ('' for none)")
+    ap.add_argument(
+        "--plot-only", action="store_true", help="redraw --plot from --json, replay nothing"
+    )
     args = ap.parse_args(argv)
+    if args.plot_only:
+        print(f"plot: {plot(json.loads(Path(args.json).read_text()), Path(args.plot))}")
+        return 0
     rows = []
     print(
         f"{'engines':>7} {'requests':>8} {'scan ms CPU/req':>15} {'event ms CPU/req':>16} "
@@ -193,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             "million": million,
         }
         out.write_text(json.dumps(doc, indent=1) + "\n")
+        if args.plot:
+            print(f"plot: {plot(doc, Path(args.plot))}")
         print(f"JSON: {out}")
     return 0
 

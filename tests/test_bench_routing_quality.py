@@ -65,7 +65,9 @@ def test_replay_scale_smoke(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "rs.json"
     args = ["--sizes", "4", "16", "--per-engine", "15", "--rounds", "2", "--million", "300"]
-    assert bench.main([*args, "--json", str(out)]) == 0
+    png = tmp_path / "rs.png"
+    assert bench.main([*args, "--json", str(out), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10_000
     doc = json.loads(out.read_text())
     rows = doc["rows"]
     assert [r["engines"] for r in rows] == [4, 16]
