@@ -66,6 +66,10 @@ AFFINITY_KEYS = (
     "half_life",
     "rescue",
     "spread_kv",
+    "read_ms",
+    "spread_by",
+    "spread_eps",
+    "weigh_followups",
 )  # kvplug.affinity.AffinityParams
 # named affinity settings: NAME[:key=value,...] starts from these AffinityParams values
 AFFINITY_PRESETS: dict[str, dict[str, Any]] = {
