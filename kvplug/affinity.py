@@ -101,6 +101,11 @@ class AffinityParams:
     # spread: a follow-up counts its cached prefix blocks (True) rather than 1 (False): the
     # sessions that hurt behind a long cold prefill are the long ones (their move recomputes)
     weigh_followups: bool = False
+    # > 0 (tail mode): a request whose first chunk costs at least this many seconds does not
+    # join an engine whose last queued prefill is predicted in the tail (>= tau): it would share
+    # that prefill's last step and slow it; it goes where it is predicted soonest among the
+    # other engines if it stays below tau there
+    protect: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.guard >= 0 and self.cap >= 0 and self.memory >= 0 and self.slack >= 0):
@@ -115,8 +120,8 @@ class AffinityParams:
             raise ValueError("affinity: rescue must be >= 0")
         if self.spread < 0 or self.half_life <= 0 or self.spread_kv < 0:
             raise ValueError("affinity: spread and spread_kv must be >= 0 and half_life > 0")
-        if self.read_ms < 0 or self.spread_eps < 0:
-            raise ValueError("affinity: read_ms and spread_eps must be >= 0")
+        if self.read_ms < 0 or self.spread_eps < 0 or self.protect < 0:
+            raise ValueError("affinity: read_ms, spread_eps and protect must be >= 0")
         if self.spread_by not in SPREAD_BY:
             raise ValueError(f"affinity: spread_by must be one of {', '.join(SPREAD_BY)}")
         if self.pool not in TAIL_POOLS:
@@ -193,6 +198,7 @@ class AffinityRouter:
         self._followups: dict[int, tuple[float, float]] = {}  # spread: endpoint -> (rate, at)
         # read_ms: endpoint -> (active sequences, their context tokens), from the last prediction
         self._active: dict[int, tuple[int, float]] = {}
+        self._last_ttft: dict[int, float] = {}
 
     def __getattr__(self, name: str) -> Any:  # everything else is the router's
         return getattr(self._router, name)
@@ -221,9 +227,44 @@ class AffinityRouter:
         pick = self._holder_pick(inputs, trace, overlap, preview.request_blocks, b)
         if self.params.rescue and self.params.tail:
             pick = self._rescue(trace, overlap, preview.request_blocks, b if pick is None else pick)
+        if self.params.protect and self.params.tail:
+            pick = self._protect(
+                trace, overlap, preview.request_blocks, b if pick is None else pick
+            )
         if pick is None or pick == b:
             return None
         return self._worker_at(trace, pick)
+
+    def _protect(self, trace, overlap: np.ndarray, blocks: int, pick: int) -> int:
+        """Protect mode: if ``pick``'s last queued prefill is predicted in the tail (its elapsed
+        wait plus what is queued up to it reaches tau), this request's first chunk would share
+        that prefill's last step and slow it: the engine where it is predicted soonest among
+        those with no prefill in the tail instead, if it stays below tau there."""
+        tau = self._tau() if self._kv_ttft else 0.0
+        if not tau:
+            return pick
+        router = self._router
+        n = len(overlap)
+        t = self._predicted_ttft(trace, overlap, blocks, *range(n))
+        eps = [int(trace.endpoints[i]) for i in range(n)]
+        last = self._last_ttft
+        if last.get(eps[pick], 0.0) < tau:
+            return pick
+        bs = router.block_size
+        chunk = float(router.max_batched[eps[pick]]) if eps[pick] < len(router.max_batched) else 0.0
+        cached = float(overlap[pick]) * bs
+        new = blocks * bs - cached
+        first = chunked_prefill_seconds(min(new, chunk) if chunk > 0 else new, cached, 0.0)
+        if first < self.params.protect:
+            return pick
+        others = [i for i in range(n) if last.get(eps[i], 0.0) < tau]
+        if not others:
+            return pick
+        alt = min(others, key=lambda i: t[i])
+        if t[alt] >= tau:
+            return pick
+        self.affinity_counters["protected"] = self.affinity_counters.get("protected", 0) + 1
+        return alt
 
     def _holder_pick(self, inputs, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
         """The engine holding the longest prefix if the guards let the request wait for it
@@ -390,6 +431,7 @@ class AffinityRouter:
         oldest: dict[int, tuple[float, float]] = {}
         active: dict[int, tuple[int, float]] = {}
         steps: dict[int, float] = {}
+        latest: dict[int, float] = {}
         for r in router.load.requests.values():
             ep = r.endpoint
             if ep not in total:
@@ -407,6 +449,7 @@ class AffinityRouter:
                     1.0 if chunk <= 0 else math.ceil(r.prefill_tokens / chunk)
                 )
             total[ep] += seconds
+            latest[ep] = max(latest.get(ep, r.routed_at), r.routed_at)
             if ep not in oldest or r.routed_at < oldest[ep][0]:
                 oldest[ep] = (r.routed_at, seconds)
         if read_ms:
@@ -415,6 +458,8 @@ class AffinityRouter:
                 total[ep] += n * read_ms * active[ep][1] / 1e6
         for ep, (routed_at, seconds) in oldest.items():
             total[ep] = max(total[ep] - min(max(now - routed_at, 0.0), seconds), 0.0)
+        # the last queued prefill's predicted TTFT per endpoint (protect)
+        self._last_ttft = {ep: total[ep] + now - at for ep, at in latest.items()}
         return total
 
     def stats(self) -> dict[str, Any]:

@@ -387,6 +387,35 @@ def test_read_and_spread_by_keys_parse_and_bad_values_are_refused():
         "spread_eps": 0.1,
         "weigh_followups": True,
     }
-    for bad in ("read_ms=-1", "spread_by=fastest", "spread_eps=-0.1"):
+    for bad in ("read_ms=-1", "spread_by=fastest", "spread_eps=-0.1", "protect=-1"):
         with pytest.raises(ValueError):
             parse_policy(f"affinity:{bad}")
+
+
+def _protect_setup():
+    """kv picks w1 for a cold prompt (as in the rescue's setup), where a prefill routed 5 s ago
+    has still no first token: its predicted TTFT (5 s) is in the tail (tau = 1 s) and the new
+    prompt would share its last step."""
+    r, req = _rescue_setup()
+    r._clock.advance(5.0)
+    return r, req
+
+
+def test_protect_keeps_a_request_off_the_last_step_of_a_prefill_in_the_tail():
+    r, req = _protect_setup()
+    aff = AffinityRouter(r, AffinityParams(tail=0.5, pool="all", protect=1e-6))
+    aff._kv_ttft.extend([1.0] * 20)
+    assert aff.route(req).worker_id == "w2"
+    assert aff.affinity_counters["protected"] == 1
+    for params in (
+        AffinityParams(tail=0.5, pool="all"),  # off by default
+        AffinityParams(tail=0.5, pool="all", protect=10.0),  # the prompt's chunk is ~5 ms
+    ):
+        r, req = _protect_setup()
+        aff = AffinityRouter(r, params)
+        aff._kv_ttft.extend([1.0] * 20)
+        assert aff.route(req).worker_id == "w1"
+    r, req = _protect_setup()  # w1's prefill is not in the tail: tau = 60 s
+    aff = AffinityRouter(r, AffinityParams(tail=0.5, pool="all", protect=1e-6))
+    aff._kv_ttft.extend([60.0] * 20)
+    assert aff.route(req).worker_id == "w1"

@@ -70,6 +70,7 @@ AFFINITY_KEYS = (
     "spread_by",
     "spread_eps",
     "weigh_followups",
+    "protect",
 )  # kvplug.affinity.AffinityParams
 # named affinity settings: NAME[:key=value,...] starts from these AffinityParams values
 AFFINITY_PRESETS: dict[str, dict[str, Any]] = {
