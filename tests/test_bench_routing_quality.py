@@ -108,3 +108,21 @@ def test_verdict_table_marks_the_runs_that_meet_the_bar_and_counts_them():
     assert "94.96% / 0.90×" in lines[3] and "**" not in lines[3].split("|")[5]
     assert "99.0% / 1.004×" in lines[4] and "**" not in lines[4].split("|")[5]
     assert lines[-1].endswith("| 0/3 | 1/3 |")
+
+
+def test_spread_seeds_add_runs_of_the_trace_with_its_arrivals_spread(tmp_path):
+    bench = _load()
+    out = tmp_path / "rq.json"
+    argv = ["--smoke", "--workloads", "conversation", "shared-prefix", "--settings", "ideal"]
+    argv += ["--steptime", "causal", "--policies", "kv", "--jobs", "1", "--json", str(out)]
+    assert bench.main([*argv, "--plots", "", "--spread-seeds", "0", "1"]) == 0
+    runs = json.loads((tmp_path / "rq_smoke.json").read_text())["runs"]
+    # only the trace has same-timestamp arrivals to spread: no seeded generated workload
+    assert [(r["workload"], r["spread_seed"]) for r in runs] == [
+        ("conversation", 0),
+        ("conversation seed 1", 1),
+        ("shared-prefix", 0),
+    ]
+    stamped, spread = (r["results"][0] for r in runs[:2])
+    assert stamped["requests"] == spread["requests"] == 300
+    assert stamped["ttft_p50_s"] != spread["ttft_p50_s"]  # other arrival times, other waits
