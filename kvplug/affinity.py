@@ -44,6 +44,15 @@ sees. ``rescue`` sends a request whose predicted TTFT where it is going reaches 
 engine where it is predicted soonest (kv's cost counts blocks, not seconds). ``spread`` sends a
 long cold prompt, among the engines no more loaded than kv's pick, to the one with the fewest
 recent follow-ups, since its prefill blocks every session returning to its engine meanwhile.
+
+Four more (the named setting ``affinity-soonest`` adds the first three to ``affinity-rescue``):
+``read_ms`` makes the predictions count the decode reads of the engine's active sequences in
+every step of a prefill (a long prompt's ten chunks each read the whole batch's KV);
+``spread_by="ttft"`` sends a long cold prompt, among the engines where it is predicted to start
+soonest, to the one with the fewest recent follow-ups; ``weigh_followups`` counts a follow-up
+by its cached blocks (the long sessions are the ones that cannot move cheaply); ``protect``
+keeps a request off an engine whose last queued prefill is predicted in the tail (the two
+would share that prefill's last step).
 """
 
 from __future__ import annotations

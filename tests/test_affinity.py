@@ -419,3 +419,17 @@ def test_protect_keeps_a_request_off_the_last_step_of_a_prefill_in_the_tail():
     aff = AffinityRouter(r, AffinityParams(tail=0.5, pool="all", protect=1e-6))
     aff._kv_ttft.extend([60.0] * 20)
     assert aff.route(req).worker_id == "w1"
+
+
+def test_affinity_soonest_is_affinity_rescue_with_the_second_pass_options():
+    from kvplug.sim.policies import parse_policy
+
+    soonest = parse_policy("affinity-soonest").affinity
+    rescue = parse_policy("affinity-rescue").affinity
+    assert soonest == {
+        **rescue,
+        "read_ms": 0.0305,
+        "spread_by": "ttft",
+        "weigh_followups": True,
+    }
+    assert parse_policy("affinity-soonest:protect=0.2").affinity == {**soonest, "protect": 0.2}
