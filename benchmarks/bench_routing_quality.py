@@ -42,6 +42,7 @@ POLICIES = [
     "affinity:guard=12",
     "affinity:tail=0.99",
     "affinity-rescue",  # kvplug.sim.policies.AFFINITY_PRESETS
+    "affinity-soonest",
     "sglang-cache-aware",
     "vllm-kv-aware",
     "profile",
