@@ -13,6 +13,7 @@ router view and step-time end into ``docs/img/``.
     python benchmarks/bench_routing_quality.py                 # everything (~20 min, 2 cores)
     python benchmarks/bench_routing_quality.py --settings ideal --steptime causal
     python benchmarks/bench_routing_quality.py --smoke          # seconds: small slices
+    python benchmarks/bench_routing_quality.py --workloads conversation --spread-seeds 0 1 2 3
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ POLICIES = [
     "affinity:guard=12",
     "affinity:tail=0.99",
     "affinity-rescue",  # kvplug.sim.policies.AFFINITY_PRESETS
+    "affinity-soonest",
     "sglang-cache-aware",
     "vllm-kv-aware",
     "profile",
@@ -117,14 +119,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help=f"first {SMOKE_LIMIT} requests only")
     ap.add_argument("--json", default="benchmarks/results/routing_quality.json")
     ap.add_argument("--plots", default="docs/img", help="frontier plots directory ('' = none)")
+    ap.add_argument(
+        "--spread-seeds",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="conversation trace: 0 = as stamped; N > 0 = its same-timestamp arrivals spread "
+        "over the gap to the next (kvplug bench --spread-arrivals --seed N); one run per seed",
+    )
     args = ap.parse_args(argv)
+    if any(seed < 0 for seed in args.spread_seeds):
+        ap.error("--spread-seeds: seeds are >= 0")
 
     runs = []
     t0 = time.perf_counter()
     combos = [(st, view) for st in args.steptime for view in args.settings]
     for st, view in combos:
         panels = []
-        for name in args.workloads:
+        runs_here = [
+            (name, seed)
+            for name in args.workloads
+            for seed in args.spread_seeds
+            if seed == 0 or WORKLOADS[name] is None  # only the trace has arrivals to spread
+        ]
+        for name, seed in runs_here:
+            label = name if seed == 0 else f"{name} seed {seed}"
             spec = BenchSpec(
                 policies=list(args.policies),
                 n_engines=args.engines,
@@ -132,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                 limit=SMOKE_LIMIT if args.smoke else None,
                 link=PRESETS[view],
                 steptime=st,
+                spread_arrivals=seed > 0,
+                seed=seed,
             )
-            print(f"\n== {name} | router view {view} | steptime {st}", flush=True)
+            print(f"\n== {label} | router view {view} | steptime {st}", flush=True)
             report = run_bench(spec, jobs=args.jobs, progress=False)
             print(format_table(report, markdown=True), flush=True)
             verdicts = {p: verdict(report, p) for p in args.policies}
@@ -149,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
                     )
             runs.append(
                 {
-                    "workload": name,
+                    "workload": label,
+                    # what the replay ran with (0: the trace as stamped)
+                    "spread_seed": report["spec"]["seed"]
+                    if report["spec"]["spread_arrivals"]
+                    else 0,
                     "view": view,
                     "steptime": st,
                     "trace": report["trace"],
@@ -159,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                     "verdicts": verdicts,
                 }
             )
-            panels.append((f"{name} ({report['trace']['requests']} requests)", report))
-        if args.plots:
+            if seed == 0:  # one panel per workload
+                panels.append((f"{name} ({report['trace']['requests']} requests)", report))
+        if args.plots and panels:
             from kvplug.sim.plots import plot_frontier
 
             suffix = "_smoke" if args.smoke else ""

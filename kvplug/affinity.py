@@ -44,6 +44,15 @@ sees. ``rescue`` sends a request whose predicted TTFT where it is going reaches 
 engine where it is predicted soonest (kv's cost counts blocks, not seconds). ``spread`` sends a
 long cold prompt, among the engines no more loaded than kv's pick, to the one with the fewest
 recent follow-ups, since its prefill blocks every session returning to its engine meanwhile.
+
+Four more (the named setting ``affinity-soonest`` adds the first three to ``affinity-rescue``):
+``read_ms`` makes the predictions count the decode reads of the engine's active sequences in
+every step of a prefill (a long prompt's ten chunks each read the whole batch's KV);
+``spread_by="ttft"`` sends a long cold prompt, among the engines where it is predicted to start
+soonest, to the one with the fewest recent follow-ups; ``weigh_followups`` counts a follow-up
+by its cached blocks (the long sessions are the ones that cannot move cheaply); ``protect``
+keeps a request off an engine whose last queued prefill is predicted in the tail (the two
+would share that prefill's last step).
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ from kvplug.prefill_model import H200_LLAMA8B
 from kvplug.request import RouteRequest
 
 TAIL_POOLS = ("choice", "all", "cold")
+SPREAD_BY = ("followups", "ttft")
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,24 @@ class AffinityParams:
     # > 0 (tail mode): a request predicted to reach tau where it was going goes to the engine
     # where it is predicted soonest, if that is at least this many seconds sooner
     rescue: float = 0.0
+    # > 0: predicted TTFTs count the decode reads a prefill shares its steps with: every step
+    # of a prompt's prefill also reads the KV of the engine's active sequences (this many ms
+    # per 1,000 tokens of their context; 0.0305 = 128 KiB per token at ~4.3 TB/s, an 8B model
+    # on one H200) and each of them takes one token of the step's budget
+    read_ms: float = 0.0
+    # spread: "followups" (the engine with the fewest recent follow-ups among those no more
+    # loaded than kv's pick) or "ttft" (among the engines predicted to start the prompt within
+    # spread_eps seconds of the soonest, the one with the fewest recent follow-ups)
+    spread_by: str = "followups"
+    spread_eps: float = 0.0
+    # spread: a follow-up counts its cached prefix blocks (True) rather than 1 (False): the
+    # sessions that hurt behind a long cold prefill are the long ones (their move recomputes)
+    weigh_followups: bool = False
+    # > 0 (tail mode): a request whose first chunk costs at least this many seconds does not
+    # join an engine whose last queued prefill is predicted in the tail (>= tau): it would share
+    # that prefill's last step and slow it; it goes where it is predicted soonest among the
+    # other engines if it stays below tau there
+    protect: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.guard >= 0 and self.cap >= 0 and self.memory >= 0 and self.slack >= 0):
@@ -101,6 +129,10 @@ class AffinityParams:
             raise ValueError("affinity: rescue must be >= 0")
         if self.spread < 0 or self.half_life <= 0 or self.spread_kv < 0:
             raise ValueError("affinity: spread and spread_kv must be >= 0 and half_life > 0")
+        if self.read_ms < 0 or self.spread_eps < 0 or self.protect < 0:
+            raise ValueError("affinity: read_ms, spread_eps and protect must be >= 0")
+        if self.spread_by not in SPREAD_BY:
+            raise ValueError(f"affinity: spread_by must be one of {', '.join(SPREAD_BY)}")
         if self.pool not in TAIL_POOLS:
             raise ValueError(f"affinity: pool must be one of {', '.join(TAIL_POOLS)}")
 
@@ -173,6 +205,9 @@ class AffinityRouter:
         # tail mode: the last ``window`` predicted TTFTs at kv's pick (of the pool's requests)
         self._kv_ttft = RecentQuantile(self.params.window)
         self._followups: dict[int, tuple[float, float]] = {}  # spread: endpoint -> (rate, at)
+        # read_ms: endpoint -> (active sequences, their context tokens), from the last prediction
+        self._active: dict[int, tuple[int, float]] = {}
+        self._last_ttft: dict[int, float] = {}
 
     def __getattr__(self, name: str) -> Any:  # everything else is the router's
         return getattr(self._router, name)
@@ -201,9 +236,44 @@ class AffinityRouter:
         pick = self._holder_pick(inputs, trace, overlap, preview.request_blocks, b)
         if self.params.rescue and self.params.tail:
             pick = self._rescue(trace, overlap, preview.request_blocks, b if pick is None else pick)
+        if self.params.protect and self.params.tail:
+            pick = self._protect(
+                trace, overlap, preview.request_blocks, b if pick is None else pick
+            )
         if pick is None or pick == b:
             return None
         return self._worker_at(trace, pick)
+
+    def _protect(self, trace, overlap: np.ndarray, blocks: int, pick: int) -> int:
+        """Protect mode: if ``pick``'s last queued prefill is predicted in the tail (its elapsed
+        wait plus what is queued up to it reaches tau), this request's first chunk would share
+        that prefill's last step and slow it: the engine where it is predicted soonest among
+        those with no prefill in the tail instead, if it stays below tau there."""
+        tau = self._tau() if self._kv_ttft else 0.0
+        if not tau:
+            return pick
+        router = self._router
+        n = len(overlap)
+        t = self._predicted_ttft(trace, overlap, blocks, *range(n))
+        eps = [int(trace.endpoints[i]) for i in range(n)]
+        last = self._last_ttft
+        if last.get(eps[pick], 0.0) < tau:
+            return pick
+        bs = router.block_size
+        chunk = float(router.max_batched[eps[pick]]) if eps[pick] < len(router.max_batched) else 0.0
+        cached = float(overlap[pick]) * bs
+        new = blocks * bs - cached
+        first = chunked_prefill_seconds(min(new, chunk) if chunk > 0 else new, cached, 0.0)
+        if first < self.params.protect:
+            return pick
+        others = [i for i in range(n) if last.get(eps[i], 0.0) < tau]
+        if not others:
+            return pick
+        alt = min(others, key=lambda i: t[i])
+        if t[alt] >= tau:
+            return pick
+        self.affinity_counters["protected"] = self.affinity_counters.get("protected", 0) + 1
+        return alt
 
     def _holder_pick(self, inputs, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
         """The engine holding the longest prefix if the guards let the request wait for it
@@ -216,7 +286,7 @@ class AffinityRouter:
         if cold:
             return self._spread_pick(inputs, trace, overlap, blocks, b)
         if best <= overlap[b]:
-            self._count_followup(trace, b)
+            self._count_followup(trace, b, overlap[b])
             return None
         wait = np.asarray(inputs["prefill_blocks"], dtype=np.float64) - overlap
         work = wait
@@ -228,13 +298,13 @@ class AffinityRouter:
             not params.tail and wait[a] - wait[b] > params.cap
         ):
             self.affinity_counters["guarded"] += 1
-            self._count_followup(trace, b)
+            self._count_followup(trace, b, overlap[b])
             return None
         if params.tail and not self._within_tail(trace, overlap, blocks, a, b):
             self.affinity_counters["guarded"] += 1
-            self._count_followup(trace, b)
+            self._count_followup(trace, b, overlap[b])
             return None
-        self._count_followup(trace, a)
+        self._count_followup(trace, a, overlap[a])
         return a
 
     def _rescue(self, trace, overlap: np.ndarray, blocks: int, pick: int) -> int:
@@ -277,17 +347,21 @@ class AffinityRouter:
         rate, at = self._followups.get(ep, (0.0, now))
         return rate * 0.5 ** ((now - at) / self.params.half_life)
 
-    def _count_followup(self, trace, i: int) -> None:
+    def _count_followup(self, trace, i: int, blocks: float = 1.0) -> None:
         if not self.params.spread:
             return
         ep = int(trace.endpoints[i])
         now = self._router._clock()
-        self._followups[ep] = (self._followup_rate(ep, now) + 1.0, now)
+        weight = blocks if self.params.weigh_followups else 1.0
+        self._followups[ep] = (self._followup_rate(ep, now) + weight, now)
 
     def _spread_pick(self, inputs, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
-        """A long cold prompt: among the engines with no more queued prefill than kv's pick,
-        the one with the fewest recent follow-ups (None: kv's pick stands)."""
-        if not self.params.spread:
+        """A long cold prompt: among the candidate engines (``spread_by="followups"``: no more
+        queued prefill than kv's pick and at most ``spread_kv`` more active KV blocks;
+        ``"ttft"``: predicted to start it within ``spread_eps`` seconds of the soonest), the one
+        with the fewest recent follow-ups (None: kv's pick stands, ties included)."""
+        params = self.params
+        if not params.spread:
             return None
         router = self._router
         n = len(overlap)
@@ -295,19 +369,24 @@ class AffinityRouter:
         chunk = float(router.max_batched[eps[b]]) if eps[b] < len(router.max_batched) else 0.0
         cached = float(overlap[b]) * router.block_size
         own = chunked_prefill_seconds(blocks * router.block_size - cached, cached, chunk)
-        if own < self.params.spread:
+        if own < params.spread:
             return None
-        queued = self._queued_prefill_seconds(tuple(eps))
+        if params.spread_by == "ttft":
+            t = self._predicted_ttft(trace, overlap, blocks, *range(n))
+            soonest = min(t) + params.spread_eps + 1e-9
+            candidates = [i for i in range(n) if t[i] <= soonest]
+        else:
+            queued = self._queued_prefill_seconds(tuple(eps))
+            limit = queued[eps[b]] + 1e-9
+            decode = np.asarray(inputs["decode_blocks"], dtype=np.float64)
+            decode_limit = decode[b] + params.spread_kv
+            candidates = [
+                i for i in range(n) if queued[eps[i]] <= limit and decode[i] <= decode_limit
+            ]
+        if b in candidates:
+            candidates.insert(0, b)  # min() keeps the first of equals: a tie keeps kv's pick
         now = router._clock()
-        limit = queued[eps[b]] + 1e-9
-        decode = np.asarray(inputs["decode_blocks"], dtype=np.float64)
-        decode_limit = decode[b] + self.params.spread_kv
-        best, best_rate = b, self._followup_rate(eps[b], now)
-        for i, ep in enumerate(eps):
-            if queued[ep] <= limit and decode[i] <= decode_limit:
-                rate = self._followup_rate(ep, now)
-                if rate < best_rate:
-                    best, best_rate = i, rate
+        best = min(candidates, key=lambda i: self._followup_rate(eps[i], now))
         if best == b:
             return None
         self.affinity_counters["spread"] = self.affinity_counters.get("spread", 0) + 1
@@ -315,7 +394,8 @@ class AffinityRouter:
 
     def _predicted_ttft(self, trace, overlap: np.ndarray, blocks: int, *idx: int) -> list[float]:
         """Predicted TTFT of this prompt on each engine of ``idx`` (indices into the preview):
-        its queued prefill seconds plus its own chunked prefill over its cached prefix."""
+        its queued prefill seconds plus its own chunked prefill over its cached prefix (with
+        ``read_ms``: plus the decode reads of the engine's active sequences in its steps)."""
         router = self._router
         bs = router.block_size
         eps = [int(trace.endpoints[i]) for i in idx]
@@ -325,8 +405,18 @@ class AffinityRouter:
         for ep, i in zip(eps, idx, strict=True):
             cached = float(overlap[i]) * bs
             chunk = float(router.max_batched[ep]) if ep < len(router.max_batched) else 0.0
-            out.append(queued[ep] + chunked_prefill_seconds(n - cached, cached, chunk))
+            own = chunked_prefill_seconds(n - cached, cached, chunk)
+            out.append(queued[ep] + own + self._read_seconds(ep, n - cached, chunk))
         return out
+
+    def _read_seconds(self, ep: int, new: float, chunk: float) -> float:
+        """``read_ms``: seconds of decode reads over the steps of a ``new``-token prefill on
+        ``ep`` (its active sequences' context read once per step)."""
+        if not self.params.read_ms or new <= 0:
+            return 0.0
+        count, context = self._active.get(ep, (0, 0.0))
+        steps = 1.0 if chunk <= 0 else math.ceil(new / max(chunk - count, 1.0))
+        return steps * self.params.read_ms * context / 1e6
 
     def _remember(self, t_b: list[float]) -> None:
         self._kv_ttft.add(t_b[0])
@@ -340,23 +430,45 @@ class AffinityRouter:
 
     def _queued_prefill_seconds(self, endpoints: tuple[int, ...]) -> dict[int, float]:
         """Predicted seconds of prefill still queued per endpoint (requests routed there
-        without a first token yet), the oldest one's elapsed time taken off."""
+        without a first token yet), the oldest one's elapsed time taken off. With ``read_ms``
+        it also records each endpoint's active sequences and their context (``_active``) and
+        counts the decode reads in the queued prefills' steps."""
         router = self._router
         now = router._clock()
+        read_ms = self.params.read_ms
         total = dict.fromkeys(endpoints, 0.0)
         oldest: dict[int, tuple[float, float]] = {}
+        active: dict[int, tuple[int, float]] = {}
+        steps: dict[int, float] = {}
+        latest: dict[int, float] = {}
         for r in router.load.requests.values():
             ep = r.endpoint
-            if ep not in total or r.prefill_done or r.prefill_tokens <= 0:
+            if ep not in total:
+                continue
+            if read_ms:
+                count, context = active.get(ep, (0, 0.0))
+                active[ep] = (count + 1, context + r.prompt_tokens + r.output_tokens)
+            if r.prefill_done or r.prefill_tokens <= 0:
                 continue
             chunk = float(router.max_batched[ep]) if ep < len(router.max_batched) else 0.0
             cached = r.prompt_tokens - r.prefill_tokens
             seconds = chunked_prefill_seconds(r.prefill_tokens, cached, chunk)
+            if read_ms:
+                steps[ep] = steps.get(ep, 0.0) + (
+                    1.0 if chunk <= 0 else math.ceil(r.prefill_tokens / chunk)
+                )
             total[ep] += seconds
+            latest[ep] = max(latest.get(ep, r.routed_at), r.routed_at)
             if ep not in oldest or r.routed_at < oldest[ep][0]:
                 oldest[ep] = (r.routed_at, seconds)
+        if read_ms:
+            self._active = active
+            for ep, n in steps.items():
+                total[ep] += n * read_ms * active[ep][1] / 1e6
         for ep, (routed_at, seconds) in oldest.items():
             total[ep] = max(total[ep] - min(max(now - routed_at, 0.0), seconds), 0.0)
+        # the last queued prefill's predicted TTFT per endpoint (protect)
+        self._last_ttft = {ep: total[ep] + now - at for ep, at in latest.items()}
         return total
 
     def stats(self) -> dict[str, Any]:

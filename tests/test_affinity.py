@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from test_router_helpers import make_router, store_prefix, tokens
 
@@ -305,3 +306,130 @@ def test_recent_quantile_matches_numpy_over_the_last_window_values():
         assert len(recent) == min(len(added), 50)
         for q in (0.0, 0.5, 0.98, 0.985, 0.99, 1.0):
             assert recent.quantile(q) == np.quantile(added[-50:], q)
+
+
+# ---- decode reads in the prediction, the spread to the soonest start, weighted follow-ups
+
+
+def test_read_ms_adds_the_active_sequences_context_read_in_every_prefill_step():
+    from kvplug.affinity import chunked_prefill_seconds
+
+    r = make_router(workers=("w1", "w2"))
+    _decoding(r, "w2", 60, "decoding")  # 960 tokens of context on w2, none on w1
+    aff = AffinityRouter(r, AffinityParams(read_ms=2.0))
+    plain = AffinityRouter(r, AffinityParams())
+    r.load.requests["decoding"].output_tokens = 40  # progress reports grow the context
+    overlap = np.zeros(2)
+    # the router's endpoint order is w1, w2; 10 blocks = 160 tokens, one step at this budget
+    t_w1, t_w2 = aff._predicted_ttft(_trace(r), overlap, 10, 0, 1)
+    p_w1, p_w2 = plain._predicted_ttft(_trace(r), overlap, 10, 0, 1)
+    assert t_w1 == p_w1 == p_w2 == chunked_prefill_seconds(160, 0, _budget(r))
+    assert t_w2 == pytest.approx(p_w2 + 2.0 * (960 + 40) / 1e6)  # one step's read of 1,000 tokens
+
+
+def _trace(r):
+    """A stand-in for a preview's trace: the endpoints in order."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(endpoints=np.arange(len(r.ep_worker)))
+
+
+def _budget(r) -> float:
+    return float(r.max_batched[0]) if len(r.max_batched) else 0.0
+
+
+def test_spread_by_ttft_sends_a_long_cold_prompt_where_it_starts_soonest():
+    # kv picks w1 (20 queued prefill blocks against w2's 60 active ones), where the cold
+    # prompt waits for someone's prefill; spread_by="ttft" starts it at once on w2, while the
+    # follow-up spread (no follow-ups anywhere: a tie) keeps kv's pick
+    r, req = _rescue_setup()
+    aff = AffinityRouter(r, AffinityParams(spread=0.001, spread_by="ttft"))
+    assert aff.route(req).worker_id == "w2"
+    assert aff.affinity_counters["spread"] == 1
+    r, req = _rescue_setup()
+    assert AffinityRouter(r, AffinityParams(spread=0.001)).route(req).worker_id == "w1"
+
+
+def _followups(weigh: bool) -> str:
+    """w1 served one follow-up on an 8-block prefix, w2 two on 2-block ones; where does a long
+    cold prompt go (kv: w1)?"""
+    r = make_router(workers=("w1", "w2"))
+    store_prefix(r, "w1", tokens(10), 8)
+    store_prefix(r, "w2", tokens(3, start=40_000), 2)
+    store_prefix(r, "w2", tokens(3, start=50_000), 2, engine_base=100)
+    aff = AffinityRouter(r, AffinityParams(spread=0.001, weigh_followups=weigh))
+    for tag, toks, worker in (
+        ("long", tokens(10), "w1"),
+        ("short1", tokens(3, start=40_000), "w2"),
+        ("short2", tokens(3, start=50_000), "w2"),
+    ):
+        assert aff.route(RouteRequest(tag, toks)).worker_id == worker
+        r.on_first_token(tag)
+        r.on_finish(tag)
+    _decoding(r, "w2", 5, "decoding")  # kv's pick for the cold prompt: w1 (no tie to draw)
+    return aff.route(RouteRequest("cold", tokens(10, start=5_000))).worker_id
+
+
+def test_weigh_followups_counts_the_cached_blocks_a_session_would_recompute():
+    # counted once each, w2's two short sessions outweigh w1's one; by their cached blocks
+    # (4 against 8) w1's long session is the one a long cold prefill should not sit in front of
+    assert _followups(weigh=False) == "w1"
+    assert _followups(weigh=True) == "w2"
+
+
+def test_read_and_spread_by_keys_parse_and_bad_values_are_refused():
+    from kvplug.sim.policies import parse_policy
+
+    p = parse_policy("affinity:read_ms=0.0305,spread_by=ttft,spread_eps=0.1,weigh_followups=true")
+    assert p.affinity == {
+        "read_ms": 0.0305,
+        "spread_by": "ttft",
+        "spread_eps": 0.1,
+        "weigh_followups": True,
+    }
+    for bad in ("read_ms=-1", "spread_by=fastest", "spread_eps=-0.1", "protect=-1"):
+        with pytest.raises(ValueError):
+            parse_policy(f"affinity:{bad}")
+
+
+def _protect_setup():
+    """kv picks w1 for a cold prompt (as in the rescue's setup), where a prefill routed 5 s ago
+    has still no first token: its predicted TTFT (5 s) is in the tail (tau = 1 s) and the new
+    prompt would share its last step."""
+    r, req = _rescue_setup()
+    r._clock.advance(5.0)
+    return r, req
+
+
+def test_protect_keeps_a_request_off_the_last_step_of_a_prefill_in_the_tail():
+    r, req = _protect_setup()
+    aff = AffinityRouter(r, AffinityParams(tail=0.5, pool="all", protect=1e-6))
+    aff._kv_ttft.extend([1.0] * 20)
+    assert aff.route(req).worker_id == "w2"
+    assert aff.affinity_counters["protected"] == 1
+    for params in (
+        AffinityParams(tail=0.5, pool="all"),  # off by default
+        AffinityParams(tail=0.5, pool="all", protect=10.0),  # the prompt's chunk is ~5 ms
+    ):
+        r, req = _protect_setup()
+        aff = AffinityRouter(r, params)
+        aff._kv_ttft.extend([1.0] * 20)
+        assert aff.route(req).worker_id == "w1"
+    r, req = _protect_setup()  # w1's prefill is not in the tail: tau = 60 s
+    aff = AffinityRouter(r, AffinityParams(tail=0.5, pool="all", protect=1e-6))
+    aff._kv_ttft.extend([60.0] * 20)
+    assert aff.route(req).worker_id == "w1"
+
+
+def test_affinity_soonest_is_affinity_rescue_with_the_second_pass_options():
+    from kvplug.sim.policies import parse_policy
+
+    soonest = parse_policy("affinity-soonest").affinity
+    rescue = parse_policy("affinity-rescue").affinity
+    assert soonest == {
+        **rescue,
+        "read_ms": 0.0305,
+        "spread_by": "ttft",
+        "weigh_followups": True,
+    }
+    assert parse_policy("affinity-soonest:protect=0.2").affinity == {**soonest, "protect": 0.2}

@@ -115,3 +115,67 @@ def test_verdict_table_marks_the_runs_that_meet_the_bar_and_counts_them():
     assert "94.96% / 0.90×" in lines[3] and "**" not in lines[3].split("|")[5]
     assert "99.0% / 1.004×" in lines[4] and "**" not in lines[4].split("|")[5]
     assert lines[-1].endswith("| 0/3 | 1/3 |")
+
+
+def test_spread_seeds_add_runs_of_the_trace_with_its_arrivals_spread(tmp_path):
+    bench = _load()
+    out = tmp_path / "rq.json"
+    argv = ["--smoke", "--workloads", "conversation", "shared-prefix", "--settings", "ideal"]
+    argv += ["--steptime", "causal", "--policies", "kv", "--jobs", "1", "--json", str(out)]
+    assert bench.main([*argv, "--plots", "", "--spread-seeds", "0", "1"]) == 0
+    runs = json.loads((tmp_path / "rq_smoke.json").read_text())["runs"]
+    # only the trace has same-timestamp arrivals to spread: no seeded generated workload
+    assert [(r["workload"], r["spread_seed"]) for r in runs] == [
+        ("conversation", 0),
+        ("conversation seed 1", 1),
+        ("shared-prefix", 0),
+    ]
+    stamped, spread = (r["results"][0] for r in runs[:2])
+    assert stamped["requests"] == spread["requests"] == 300
+    assert stamped["ttft_p50_s"] != spread["ttft_p50_s"]  # other arrival times, other waits
+
+
+def _load_tail_floor():
+    path = SCRIPT.with_name("bench_tail_floor.py")
+    spec = importlib.util.spec_from_file_location("bench_tail_floor", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tail_floor_smoke_and_no_request_beats_its_own_prefill(tmp_path, capsys):
+    floor = _load_tail_floor()
+    out = tmp_path / "tf.json"
+    argv = ["--limit", "300", "--policies", "kv", "affinity-soonest", "--json", str(out)]
+    assert floor.main(argv) == 0
+    data = json.loads(out.read_text())
+    kv, soonest = data["rows"]
+    assert (kv["policy"], soonest["policy"]) == ("kv", "affinity-soonest")
+    assert kv["ttft_p99_s"] == data["kv_ttft_p99_s"] and kv["requests"] == 300
+    for row in data["rows"]:
+        assert row["floor_p99_s"] <= row["ttft_p99_s"]
+        assert (
+            row["floor_above_kv_p99"] + row["waited_cold"] + row["waited_followup"]
+            == (row["above_kv_p99"])
+        )
+    assert "floor p99 s" in capsys.readouterr().out
+
+    # the floor is a lower bound: a request's first token never comes before its own prefill
+    from kvplug.sim.bench import BenchSpec
+    from kvplug.sim.policies import parse_policy
+    from kvplug.sim.steptime import parse_steptime
+    from kvplug.sim.virtual import replay
+
+    spec = BenchSpec(policies=["kv"], limit=300, steptime="cached")
+    pol = parse_policy("kv")
+    cfg = spec.replay_config(pol.feed_events)
+    res = replay(spec.records(), pol.router_config(spec.block_tokens), cfg)
+    model, budget = parse_steptime("cached"), cfg.engine.max_batched_tokens
+    gaps = [
+        (r.first_token - r.arrival) - floor.floor_seconds(r, model, spec.block_tokens, budget)
+        for r in res.requests
+        if not r.rejected
+    ]
+    assert min(gaps) >= -1e-9
+    assert sum(g < 1e-6 for g in gaps) > 10  # ... and many run alone at exactly their floor

@@ -1,8 +1,8 @@
 """Routing policies for the replay, written ``NAME[:key=value,...]`` on the command line.
 
-``NAME`` is ``kv``, ``affinity`` or ``affinity-rescue`` (:mod:`kvplug.affinity`, the second
-a named setting of the first), ``lmetric`` (kv mode with ``--router-selection-policy lmetric``),
-``approx``
+``NAME`` is ``kv``, ``affinity``, ``affinity-rescue`` or ``affinity-soonest``
+(:mod:`kvplug.affinity`, the last two named settings of it), ``lmetric`` (kv mode with
+``--router-selection-policy lmetric``), ``approx``
 (kv mode without engine events: the router records what it routed, with a TTL), ``profile``
 (an llm-d-style scheduling profile; default: the bundled ``data/profile_llmd.yaml``, or
 ``profile:router_profile=FILE``), a simple mode
@@ -66,6 +66,11 @@ AFFINITY_KEYS = (
     "half_life",
     "rescue",
     "spread_kv",
+    "read_ms",
+    "spread_by",
+    "spread_eps",
+    "weigh_followups",
+    "protect",
 )  # kvplug.affinity.AffinityParams
 # named affinity settings: NAME[:key=value,...] starts from these AffinityParams values
 AFFINITY_PRESETS: dict[str, dict[str, Any]] = {
@@ -81,6 +86,22 @@ AFFINITY_PRESETS: dict[str, dict[str, Any]] = {
         "spread": 3,
         "half_life": 300,
         "spread_kv": 64,
+    },
+    # affinity-rescue with predictions that count the decode reads sharing a prefill's steps,
+    # long cold prompts sent where they start soonest, follow-ups weighed by their cached
+    # blocks (docs/sim.md: the second pass)
+    "affinity-soonest": {
+        "tail": 0.98,
+        "pool": "all",
+        "window": 50000,
+        "guard": 1000,
+        "rescue": 0.1,
+        "spread": 3,
+        "half_life": 300,
+        "spread_kv": 64,
+        "read_ms": 0.0305,
+        "spread_by": "ttft",
+        "weigh_followups": True,
     },
 }
 
@@ -178,8 +199,8 @@ def parse_policy(text: str) -> Policy:
         mode = base
     else:
         raise ValueError(
-            f"policy {text!r}: {base!r} is not kv, affinity, affinity-rescue, lmetric, approx, "
-            "profile, one of "
+            f"policy {text!r}: {base!r} is not kv, {', '.join(AFFINITY_PRESETS)}, lmetric, "
+            "approx, profile, one of "
             f"{SIMPLE_MODES} or a baseline ({', '.join(BASELINES)})"
         )
     known = {f.name for f in fields(RouterConfig)}
