@@ -60,7 +60,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -137,6 +137,73 @@ class AffinityParams:
             raise ValueError(f"affinity: pool must be one of {', '.join(TAIL_POOLS)}")
 
 
+# named settings, ``NAME[:key=value,...]`` (``--router-affinity``, the simulator's policies)
+AFFINITY_PRESETS: dict[str, dict[str, Any]] = {
+    "affinity": {},  # the block guard (guard, cap): no prefill model, no clock
+    # the TTFT guard over every request's predicted TTFT, the tail rescue in place of the
+    # block guard, long cold prompts spread away from returning sessions (docs/sim.md)
+    "affinity-rescue": {
+        "tail": 0.98,
+        "pool": "all",
+        "window": 50000,
+        "guard": 1000,
+        "rescue": 0.1,
+        "spread": 3,
+        "half_life": 300,
+        "spread_kv": 64,
+    },
+    # affinity-rescue with predictions that count the decode reads sharing a prefill's steps,
+    # long cold prompts sent where they start soonest, follow-ups weighed by their cached
+    # blocks (docs/sim.md: the second pass)
+    "affinity-soonest": {
+        "tail": 0.98,
+        "pool": "all",
+        "window": 50000,
+        "guard": 1000,
+        "rescue": 0.1,
+        "spread": 3,
+        "half_life": 300,
+        "spread_kv": 64,
+        "read_ms": 0.0305,
+        "spread_by": "ttft",
+        "weigh_followups": True,
+    },
+}
+AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def parse_affinity(text: str) -> AffinityParams:
+    """``affinity-rescue:tail=0.97,spread=0`` -> AffinityParams (a named setting, then keys
+    that change it); ValueError saying what is wrong otherwise."""
+    name, _, rest = text.strip().partition(":")
+    if name not in AFFINITY_PRESETS:
+        raise ValueError(f"affinity setting {name!r} is not one of {', '.join(AFFINITY_PRESETS)}")
+    values: dict[str, Any] = dict(AFFINITY_PRESETS[name])
+    types = {f.name: type(getattr(AffinityParams(), f.name)) for f in fields(AffinityParams)}
+    for term in filter(None, (t.strip() for t in rest.split(","))):
+        key, sep, raw = (x.strip() for x in term.partition("="))
+        key = key.replace("-", "_")
+        if not sep or key not in types:
+            raise ValueError(
+                f"affinity {text!r}: {term!r} is not KEY=VALUE, KEY one of "
+                f"{', '.join(AFFINITY_KEYS)}"
+            )
+        kind = types[key]
+        try:
+            if kind is bool:
+                if raw.lower() not in _TRUE + _FALSE:
+                    raise ValueError(raw)
+                values[key] = raw.lower() in _TRUE
+            else:
+                values[key] = kind(raw)
+        except ValueError:
+            raise ValueError(
+                f"affinity {text!r}: {key} takes a {kind.__name__}, not {raw!r}"
+            ) from None
+    return AffinityParams(**values)  # ValueError on a value out of range
+
+
 def chunked_prefill_seconds(new: float, cached: float, chunk: float) -> float:
     """Predicted prefill time of ``new`` tokens over ``cached`` ones, computed in chunks of
     ``chunk`` tokens (0 = one pass): the shipped H200 fit ``a*n + b*n^2 + c*n*context`` per
@@ -191,14 +258,13 @@ class RecentQuantile:
         return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
 
 
-class AffinityRouter:
-    """Wraps a kv-mode :class:`kvplug.router.Router`: same interface, affinity-guarded picks.
-    A pick that differs from kv's is booked through the router as a pinned route, so load
-    tracking, dedup and decisions stay the router's."""
+class Affinity:
+    """The affinity decision over kv's pick, with what it remembers between decisions (the
+    TTFT tail, the follow-up rates). ``choose`` is asked once per routed request: by
+    :class:`kvplug.policies.affinity.AffinityPolicy` (``--router-mode affinity``, inside the
+    router's pick stage) or by :class:`AffinityRouter` (a wrapper around a kv-mode router)."""
 
     def __init__(self, router, params: AffinityParams | None = None) -> None:
-        if router.config.router_mode != "kv":
-            raise ValueError("the affinity policy wraps a kv-mode router")
         self._router = router
         self.params = params or AffinityParams()
         self.affinity_counters = {"kept_kv": 0, "affinity": 0, "guarded": 0}
@@ -209,40 +275,26 @@ class AffinityRouter:
         self._active: dict[int, tuple[int, float]] = {}
         self._last_ttft: dict[int, float] = {}
 
-    def __getattr__(self, name: str) -> Any:  # everything else is the router's
-        return getattr(self._router, name)
-
-    def route(self, req: RouteRequest):
-        router = self._router
-        if not req.hints.is_empty() or req.exclude_workers:
-            return router.route(req)  # the caller constrains placement: kv as is
-        pick = self._affinity_pick(router.preview(req))
-        if pick is None:
-            self.affinity_counters["kept_kv"] += 1
-            return router.route(req)
-        self.affinity_counters["affinity"] += 1
-        hints = replace(req.hints, pinned_worker_id=pick[0], pinned_dp_rank=pick[1])
-        return router.route(replace(req, hints=hints))
-
-    def _affinity_pick(self, preview) -> tuple[str, int] | None:
-        trace = preview.trace
+    def choose(self, trace, b: int, blocks: int) -> int | None:
+        """The candidate (an index into ``trace``'s) this request goes to instead of kv's pick
+        ``b``, or None to keep ``b``; ``blocks`` is the prompt's length in blocks. Counted in
+        ``affinity_counters``."""
         inputs = trace.inputs if trace is not None else None
-        if not inputs or "device" not in inputs or "prefill_blocks" not in inputs:
+        usable = bool(inputs) and "device" in inputs and "prefill_blocks" in inputs
+        overlap = np.asarray(inputs["device"], dtype=np.float64) if usable else None
+        if overlap is None or len(overlap) < 2:
+            self.affinity_counters["kept_kv"] += 1
             return None
-        overlap = np.asarray(inputs["device"], dtype=np.float64)
-        if len(overlap) < 2:
-            return None
-        b = int(preview.chosen_index)
-        pick = self._holder_pick(inputs, trace, overlap, preview.request_blocks, b)
+        pick = self._holder_pick(inputs, trace, overlap, blocks, b)
         if self.params.rescue and self.params.tail:
-            pick = self._rescue(trace, overlap, preview.request_blocks, b if pick is None else pick)
+            pick = self._rescue(trace, overlap, blocks, b if pick is None else pick)
         if self.params.protect and self.params.tail:
-            pick = self._protect(
-                trace, overlap, preview.request_blocks, b if pick is None else pick
-            )
+            pick = self._protect(trace, overlap, blocks, b if pick is None else pick)
         if pick is None or pick == b:
+            self.affinity_counters["kept_kv"] += 1
             return None
-        return self._worker_at(trace, pick)
+        self.affinity_counters["affinity"] += 1
+        return pick
 
     def _protect(self, trace, overlap: np.ndarray, blocks: int, pick: int) -> int:
         """Protect mode: if ``pick``'s last queued prefill is predicted in the tail (its elapsed
@@ -335,13 +387,6 @@ class AffinityRouter:
         if self.params.pool == "choice":
             warm = 1  # as first measured (its pool fills slowly: a warm-up costs it hits)
         return history.quantile(self.params.tail) if len(history) >= warm else 0.0
-
-    def _worker_at(self, trace, i: int) -> tuple[str, int] | None:
-        ep = int(trace.endpoints[i])
-        wid = self._router.ep_worker[ep]
-        if wid is None:
-            return None
-        return wid, int(self._router.ep_rank[ep])
 
     def _followup_rate(self, ep: int, now: float) -> float:
         rate, at = self._followups.get(ep, (0.0, now))
@@ -470,6 +515,40 @@ class AffinityRouter:
         # the last queued prefill's predicted TTFT per endpoint (protect)
         self._last_ttft = {ep: total[ep] + now - at for ep, at in latest.items()}
         return total
+
+
+class AffinityRouter(Affinity):
+    """Wraps a kv-mode :class:`kvplug.router.Router`: same interface, affinity-guarded picks.
+    A pick that differs from kv's is booked through the router as a pinned route, so load
+    tracking, dedup and decisions stay the router's. (``--router-mode affinity`` makes the
+    same choice inside the router's pick stage, in one pass.)"""
+
+    def __init__(self, router, params: AffinityParams | None = None) -> None:
+        if router.config.router_mode != "kv":
+            raise ValueError("the affinity policy wraps a kv-mode router")
+        super().__init__(router, params)
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the router's
+        return getattr(self._router, name)
+
+    def route(self, req: RouteRequest):
+        router = self._router
+        if not req.hints.is_empty() or req.exclude_workers:
+            return router.route(req)  # the caller constrains placement: kv as is
+        preview = router.preview(req)
+        pick = self.choose(preview.trace, int(preview.chosen_index), preview.request_blocks)
+        worker = None if pick is None else self._worker_at(preview.trace, pick)
+        if worker is None:
+            return router.route(req)
+        hints = replace(req.hints, pinned_worker_id=worker[0], pinned_dp_rank=worker[1])
+        return router.route(replace(req, hints=hints))
+
+    def _worker_at(self, trace, i: int) -> tuple[str, int] | None:
+        ep = int(trace.endpoints[i])
+        wid = self._router.ep_worker[ep]
+        if wid is None:
+            return None
+        return wid, int(self._router.ep_rank[ep])
 
     def stats(self) -> dict[str, Any]:
         return {**self._router.stats(), "affinity": dict(self.affinity_counters)}

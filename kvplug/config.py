@@ -148,6 +148,8 @@ class RouterConfig:
     # --- other modes
     router_accelerator_weight: float = 8.0  # DYN_ENCODER_CUDA_TO_CPU_RATIO
     router_profile: str | None = None  # scheduling profile YAML (mode "profile")
+    # mode "affinity": a named setting and changes to it (kvplug.affinity.AFFINITY_PRESETS)
+    router_affinity: str = "affinity"
     router_max_prompt_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
@@ -158,6 +160,13 @@ class RouterConfig:
         from kvplug.policies import policy_class  # the built-in MODES and any registered
 
         policy_class(self.router_mode)  # raises ConfigError naming the known modes
+        if self.router_mode == "affinity":
+            from kvplug.affinity import parse_affinity
+
+            try:
+                parse_affinity(self.router_affinity)
+            except ValueError as exc:
+                raise ConfigError(f"--router-affinity: {exc}") from None
         if self.router_selection_policy not in SELECTION_POLICIES:
             raise ConfigError(
                 f"--router-selection-policy {self.router_selection_policy!r} "
@@ -533,6 +542,13 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="device-aware-weighted: accelerator throughput weight vs CPU; default 8",
     )
     g.add_argument("--router-profile", default=None, help="llm-d style scheduling profile YAML")
+    g.add_argument(
+        "--router-affinity",
+        default=None,
+        metavar="NAME[:KEY=VALUE,...]",
+        help=f"--router-mode affinity's setting: affinity, affinity-rescue or affinity-soonest, "
+        f"then changes to it (default {d.router_affinity}; docs/router.md)",
+    )
     g.add_argument(
         "--router-conditional-disagg",
         choices=CONDITIONAL_DISAGG_POLICIES,

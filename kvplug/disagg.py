@@ -169,7 +169,7 @@ def decide_bypass(backend: Any, ctx: Any, cond: ConditionalDisagg) -> BypassVerd
     prefill stage) and apply ``cond``. None when the policy cannot apply (not a kv-scoring
     mode, or no decode-capable worker can take the request): the two stages go ahead."""
     router = backend.router
-    if not cond.enabled or router.config.router_mode not in ("kv", "profile"):
+    if not cond.enabled or router.config.router_mode not in ("kv", "affinity", "profile"):
         return None
     try:
         dec = backend.preview_stage(ctx, Stage.AGGREGATED, backend.decode_capable())

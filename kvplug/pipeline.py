@@ -125,6 +125,7 @@ class RouteContext:
     chain: tuple[np.ndarray, Any] | None = None  # (hashes, ActiveBlocks walk)
     active_depth: np.ndarray | None = None  # leading blocks already active (owned)
     # score, pick
+    booking: bool = True  # False for Router.preview: a policy must not remember the decision
     trace: CandidateTrace | None = None
     chosen: int = -1  # index into cands
     # book

@@ -402,6 +402,7 @@ class Router:
         stage fills in its part of ``ctx``; explain assembles the Decision from them."""
         t0 = time.perf_counter()
         ctx = self._candidates(req)
+        ctx.booking = book
         self._filters(ctx)
         self._overlap(ctx)
         self._load(ctx)

@@ -16,7 +16,7 @@ from kvplug.policies.base import (
 
 # the built-in policies register themselves on import, the seed's cost first
 # isort: off
-from kvplug.policies import kv_cost, scheduling_profile, by_load  # noqa: E402, F401
+from kvplug.policies import kv_cost, affinity, scheduling_profile, by_load  # noqa: E402, F401
 # isort: on
 
 __all__ = ["PolicyFilters", "RoutingPolicy", "policy_class", "policy_names", "register_policy"]

@@ -20,6 +20,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvplug.affinity import AFFINITY_KEYS, AFFINITY_PRESETS
+
 ALIASES = {
     "credit": "router_kv_overlap_score_credit",
     "credit_decay": "router_kv_overlap_score_credit_decay",
@@ -53,57 +55,6 @@ DEFAULT_POLICIES = (
 )
 DEMO_POLICIES = ("kv", "round-robin", "random")
 BASELINE_MODE = "baseline"
-AFFINITY_KEYS = (
-    "guard",
-    "cap",
-    "memory",
-    "min_share",
-    "tail",
-    "slack",
-    "window",
-    "pool",
-    "spread",
-    "half_life",
-    "rescue",
-    "spread_kv",
-    "read_ms",
-    "spread_by",
-    "spread_eps",
-    "weigh_followups",
-    "protect",
-)  # kvplug.affinity.AffinityParams
-# named affinity settings: NAME[:key=value,...] starts from these AffinityParams values
-AFFINITY_PRESETS: dict[str, dict[str, Any]] = {
-    "affinity": {},
-    # the TTFT guard over every request's predicted TTFT, the tail rescue in place of the
-    # block guard, long cold prompts spread away from returning sessions (docs/sim.md)
-    "affinity-rescue": {
-        "tail": 0.98,
-        "pool": "all",
-        "window": 50000,
-        "guard": 1000,
-        "rescue": 0.1,
-        "spread": 3,
-        "half_life": 300,
-        "spread_kv": 64,
-    },
-    # affinity-rescue with predictions that count the decode reads sharing a prefill's steps,
-    # long cold prompts sent where they start soonest, follow-ups weighed by their cached
-    # blocks (docs/sim.md: the second pass)
-    "affinity-soonest": {
-        "tail": 0.98,
-        "pool": "all",
-        "window": 50000,
-        "guard": 1000,
-        "rescue": 0.1,
-        "spread": 3,
-        "half_life": 300,
-        "spread_kv": 64,
-        "read_ms": 0.0305,
-        "spread_by": "ttft",
-        "weigh_followups": True,
-    },
-}
 
 
 @dataclass(frozen=True)

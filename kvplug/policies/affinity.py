@@ -1,0 +1,50 @@
+"""``affinity``: kv's cost, then cache affinity with a guard (:mod:`kvplug.affinity`).
+
+The score stage is kv's (the same trace, the same explanation); the pick stage takes kv's pick
+and lets :class:`kvplug.affinity.Affinity` move it to the engine holding the longest prefix when
+the guards allow, or rescue it from the latency tail. ``--router-affinity NAME[:key=value,...]``
+chooses the setting (``affinity``, ``affinity-rescue``, ``affinity-soonest``; docs/sim.md has
+what each is worth on which trace).
+
+A request whose placement the caller constrains (a pin, an allow-list, exclusions) keeps kv's
+pick, as does a preview (``Router.preview``: the decision must not change what the policy
+remembers, so a preview shows kv's pick and the booked route may differ from it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvplug.affinity import Affinity, parse_affinity
+from kvplug.decision import CandidateTrace
+from kvplug.errors import ConfigError
+from kvplug.pipeline import RouteContext
+from kvplug.policies.base import register_policy
+from kvplug.policies.kv_cost import KvCostPolicy
+
+if TYPE_CHECKING:
+    from kvplug.router import Router
+
+
+@register_policy
+class AffinityPolicy(KvCostPolicy):
+    name = "affinity"
+
+    def __init__(self, router: Router) -> None:
+        super().__init__(router)
+        try:
+            params = parse_affinity(router.config.router_affinity)
+        except ValueError as exc:
+            raise ConfigError(f"--router-affinity: {exc}") from None
+        self.affinity = Affinity(router, params)
+
+    def pick(self, ctx: RouteContext, trace: CandidateTrace) -> int:
+        b = super().pick(ctx, trace)
+        req = ctx.req
+        if not ctx.booking or not req.hints.is_empty() or req.exclude_workers:
+            return b
+        moved = self.affinity.choose(trace, b, ctx.full_blocks)
+        if moved is None:
+            return b
+        trace.params["affinity_moved_from"] = int(trace.endpoints[b])
+        return moved
