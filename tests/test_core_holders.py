@@ -1,7 +1,8 @@
 """The C core's holder arrays at their boundaries (csrc/index.c): a block held by more than one
 endpoint keeps its holders in an array of 8-byte compact holders (an 8-bit count per tier, 7
 bits of mappings), rewritten with 12-byte wide holders once a holder's count in a tier would
-pass 255 or its mappings 127; arrays grow by doubling from 2. Every state is compared with the
+pass 255 or its mappings 127; arrays double from 2 up to 16 holders, then grow by a quarter
+(rounded down to even; `ext_grown_cap` in csrc/index.c). Every state is compared with the
 pure-Python reference (holdings, queries, engine mappings, counters), bounded (per-holder
 engine hashes, eviction) and not."""
 
@@ -38,6 +39,25 @@ def eh_of(ep: int, i: int) -> int:
     return 10_000 * (ep + 1) + i
 
 
+def grown_cap(cap: int) -> int:
+    """csrc/index.c's ext_grown_cap: double below 16 holders, then + 1/4, kept even."""
+    return cap * 2 if cap < 16 else (cap + cap // 4 + 1) & ~1
+
+
+def holder_cap(n: int) -> int:
+    """The capacity of a holder array that has held n holders at most (first array: 2)."""
+    cap = 2
+    while cap < n:
+        cap = grown_cap(cap)
+    return cap
+
+
+def ext_bytes(cap: int, wide: bool, bounded: bool) -> int:
+    """A holder array's allocation: 24-byte header, then per holder 8 (compact) or 12 (wide)
+    bytes, plus its engine hash (8) when the index is bounded."""
+    return 24 + cap * ((12 if wide else 8) + (8 if bounded else 0))
+
+
 def hold_chain(c, r, eps) -> None:
     for ep in eps:
         both(c, r, "store", ep, 0, [eh_of(ep, i) for i in range(3)], BLOCKS)
@@ -60,10 +80,7 @@ def test_count_past_255_widens_the_array_exactly_there(n_holders, tier):
             check(c, r, eps, [(ep, eh)])
         assert c.memory_bytes() == mem, count
     both(c, r, "store", ep, tier, [eh], [BLOCKS[1]])  # the 256th: rewritten wide
-    cap = 2  # the array's capacity: doubling from 2
-    while cap < n_holders:
-        cap *= 2
-    assert c.memory_bytes() == mem + (12 - 8) * cap
+    assert c.memory_bytes() == mem + (12 - 8) * holder_cap(n_holders)
     assert c.holdings(ep)[BLOCKS[1]][tier] == 256
     check(c, r, eps, [(ep, eh)])
     for _ in range(44):
@@ -206,3 +223,63 @@ def test_random_counts_around_the_compact_limits(seed):
         if step % 8 == 0:
             check(c, r, eps, [(e, eh_of(e, i)) for e in eps for i in range(3)])
     check(c, r, eps, [(e, eh_of(e, i)) for e in eps for i in range(3)])
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("bounded", [False, True])
+def test_holder_arrays_grow_exactly_at_each_step_and_shrink_in_any_order(wide, bounded):
+    """Up to 160 holders join a shared chain in random endpoint order (inserted at every
+    position), so its arrays pass every growth step (2, 4, 8, 16, then by a quarter: 20, 26,
+    32, 40, 50, 62, 78, 98, 122, 152, 190); one holder in six leaves again on the way. The
+    index's memory grows by exactly three arrays' growth when, and only when, a join passes a
+    step, and everything equals the reference at each step, one holder either side of it, and
+    while all leave in random order; bounded, the chain is then evicted through its per-holder
+    engine hashes (which move when a bounded array grows)."""
+    rng = np.random.default_rng(5 + 2 * wide + bounded)
+    bound = 800 if bounded else 0  # above the most holdings the joins reach (200 + 3 * 168)
+    c, r = C.Index(bound), R.Index(bound)
+    eps = [int(e) for e in rng.permutation(200)]
+    for ep in eps:  # every endpoint's engine map and the query scratch exist first
+        both(c, r, "store", ep, 0, [900_000 + ep], [50_000 + ep])
+    hold_chain(c, r, eps[:2])
+    if wide:  # a holder past 255 on each block: all three arrays are rewritten wide
+        both(c, r, "store", eps[0], 1, [eh_of(eps[0], j) for j in range(3)] * 256, BLOCKS * 256)
+    steps, cap = set(), 2
+    while cap < 200:
+        steps.add(cap)
+        cap = grown_cap(cap)
+
+    def leave(ep: int) -> None:  # every ref (eps[0] holds 257 in the wide case)
+        both(c, r, "remove", ep, [eh_of(ep, j) for j in range(3)] * (257 if ep == eps[0] else 1))
+
+    held, left, n_max = list(eps[:2]), [], 2  # n_max: most holders at once (arrays never shrink)
+    check(c, r, eps)
+    for k, ep in enumerate(eps[2:]):
+        cap_before = holder_cap(n_max)
+        mem = c.memory_bytes()
+        hold_chain(c, r, [ep])
+        held.append(ep)
+        n_max = max(n_max, len(held))
+        grew = 3 * (
+            ext_bytes(holder_cap(n_max), wide, bounded) - ext_bytes(cap_before, wide, bounded)
+        )
+        assert c.memory_bytes() - mem == grew, (len(held), cap_before, n_max)
+        if {len(held) - 1, len(held), len(held) + 1} & steps:
+            check(c, r, eps, [(e, eh_of(e, j)) for e in held for j in range(3)])
+        if k % 6 == 5:  # one in six leaves again
+            out = held.pop(int(rng.integers(len(held))))
+            leave(out)
+            left.append(out)
+    assert n_max > 152 and holder_cap(n_max) == 190
+    check(c, r, eps, [(e, eh_of(e, j)) for e in held + left for j in range(3)])
+    if bounded:  # new blocks push the chain out: every holder's mapping found by its eh_first
+        for k in range(810):
+            both(c, r, "store", eps[k % 200], 0, [700_000 + k], [60_000 + k])
+        assert all(c.resolve(e, eh_of(e, 0)) is None for e in held)
+        check(c, r, eps, [(e, eh_of(e, j)) for e in held for j in range(3)], query=False)
+        return
+    for k, i in enumerate(rng.permutation(len(held))):
+        leave(held[int(i)])
+        if k % 9 == 0 or k >= len(held) - 3:
+            check(c, r, eps, [(e, eh_of(e, j)) for e in held for j in range(3)])
+    assert all(b not in c.holdings(e) for e in eps for b in BLOCKS)

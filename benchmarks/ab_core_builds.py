@@ -1,0 +1,171 @@
+"""Two builds of the C core side by side: apply speed in one process, memory in fresh ones.
+
+A change to the C index is judged against the build it started from on identical work, the two
+taking turns round by round, so machine load falls on both alike (2 shared vCPUs here). Both
+builds' ``_core`` extension modules are loaded into one process from their build folders
+(``--base`` and ``--new``: each a source tree built in place, i.e. holding
+``kvplug/_core*.so``); each round builds a fresh ``Index`` per build from bench_core's workload
+(one ``store`` call per event, Python lists of precomputed hashes: bench_core's kvplug apply)
+and times it in CPU time. Memory is the RSS growth of a fresh process per build and round
+(inputs built first, freed heap returned to the OS before both readings), as bench_core measures
+it, plus each build's own accounting.
+
+    python benchmarks/ab_core_builds.py --base /tmp/base --new . --workers 8 64 512
+
+Prints progress and a table of per-round new/base ratios; writes
+``benchmarks/results/ab_core_builds.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_core  # noqa: E402  (its workload, RSS reading and heap release)
+
+
+def load_build(folder: str, tag: str) -> ModuleType:
+    """The ``_core`` extension module of the source tree at ``folder``, under its own name."""
+    found = sorted(Path(folder, "kvplug").glob("_core*.so"))
+    if not found:
+        raise SystemExit(f"no kvplug/_core*.so under {folder}: build it in place first")
+    name = f"kvplug_ab_{tag}._core"  # the last part names the init function (PyInit__core)
+    loader = importlib.machinery.ExtensionFileLoader(name, str(found[0]))
+    spec = importlib.util.spec_from_file_location(name, str(found[0]), loader=loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def apply_cpu_ns_per_block(mod: ModuleType, inputs: list, n_blocks: int) -> tuple[float, int]:
+    idx = mod.Index()
+    store = idx.store
+    t0 = time.process_time()
+    for w, eng, seq in inputs:
+        store(w, 0, eng, seq)
+    cpu = time.process_time() - t0
+    mem = idx.memory_bytes()
+    del idx
+    return cpu / n_blocks * 1e9, mem
+
+
+def memory_child(folder: str, workers: int, blocks: int) -> None:
+    mod = load_build(folder, "child")
+    wl = bench_core.make_workload(workers, blocks, seed=1000 + workers)
+    inputs = [(ev.worker, ev.engine.tolist(), ev.seq.tolist()) for ev in wl.events]
+    bench_core.release_freed_heap()
+    rss0 = bench_core.rss_bytes()
+    idx = mod.Index()
+    for w, eng, seq in inputs:
+        idx.store(w, 0, eng, seq)
+    bench_core.release_freed_heap()
+    rss1 = bench_core.rss_bytes()
+    print(
+        json.dumps(
+            {
+                "rss_mib_per_million_blocks": (rss1 - rss0) / 2**20 / (wl.blocks / 1e6),
+                "own_mib_per_million_blocks": idx.memory_bytes() / 2**20 / (wl.blocks / 1e6),
+            }
+        )
+    )
+
+
+def span(xs: list[float]) -> str:
+    return f"{min(xs):.2f}-{max(xs):.2f} (median {statistics.median(xs):.2f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", required=True, help="source tree of the baseline build")
+    ap.add_argument("--new", required=True, help="source tree of the new build")
+    ap.add_argument("--workers", type=int, nargs="+", default=[8, 64, 512])
+    ap.add_argument("--blocks", type=int, default=1_000_000)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--memory-rounds", type=int, default=2, help="0 skips memory")
+    ap.add_argument("--memory-child", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ab_core_builds.json"))
+    args = ap.parse_args(argv)
+    if args.memory_child:
+        memory_child(args.memory_child, args.workers[0], args.blocks)
+        return 0
+    builds = {"base": load_build(args.base, "base"), "new": load_build(args.new, "new")}
+    results: dict = {"args": vars(args), "workers": {}}
+    lines = []
+    for workers in args.workers:
+        wl = bench_core.make_workload(workers, args.blocks, seed=1000 + workers)
+        inputs = [(ev.worker, ev.engine.tolist(), ev.seq.tolist()) for ev in wl.events]
+        rounds = []
+        for r in range(args.rounds):
+            order = ["base", "new"] if r % 2 == 0 else ["new", "base"]
+            got = {}
+            for name in order:
+                bench_core.release_freed_heap()
+                got[name] = apply_cpu_ns_per_block(builds[name], inputs, wl.blocks)
+            rd = {
+                "load": os.getloadavg()[0],
+                "base_ns": got["base"][0],
+                "new_ns": got["new"][0],
+                "base_over_new": got["base"][0] / got["new"][0],
+                "base_own_mib_per_m": got["base"][1] / 2**20 / (wl.blocks / 1e6),
+                "new_own_mib_per_m": got["new"][1] / 2**20 / (wl.blocks / 1e6),
+            }
+            rounds.append(rd)
+            bench_core.log(
+                f"[{workers} workers] apply round {r + 1}/{args.rounds}: base {rd['base_ns']:.0f}"
+                f" ns/block, new {rd['new_ns']:.0f} ns/block (base/new {rd['base_over_new']:.2f},"
+                f" load {rd['load']:.1f})"
+            )
+        mem: dict = {"base": [], "new": []}
+        for r in range(args.memory_rounds):
+            for name in ["base", "new"] if r % 2 == 0 else ["new", "base"]:
+                folder = args.base if name == "base" else args.new
+                cmd = [sys.executable, __file__, "--base", args.base, "--new", args.new,
+                       "--memory-child", folder, "--workers", str(workers),
+                       "--blocks", str(args.blocks)]  # fmt: skip
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                mem[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            bench_core.log(
+                f"[{workers} workers] memory round {r + 1}/{args.memory_rounds}: "
+                + ", ".join(
+                    f"{n} {mem[n][-1]['rss_mib_per_million_blocks']:.2f} MiB/M" for n in mem
+                )
+            )
+        results["workers"][str(workers)] = {"apply_rounds": rounds, "memory": mem}
+        row = [
+            f"{workers}",
+            span([rd["base_over_new"] for rd in rounds]),
+            f"{statistics.median(rd['base_ns'] for rd in rounds):.0f} -> "
+            f"{statistics.median(rd['new_ns'] for rd in rounds):.0f}",
+        ]
+        if args.memory_rounds:
+            rss = {n: [m["rss_mib_per_million_blocks"] for m in mem[n]] for n in mem}
+            own = {n: mem[n][0]["own_mib_per_million_blocks"] for n in mem}
+            row.append(
+                f"{min(rss['base']):.2f}-{max(rss['base']):.2f} -> "
+                f"{min(rss['new']):.2f}-{max(rss['new']):.2f}"
+                f" (own {own['base']:.2f} -> {own['new']:.2f})"
+            )
+        lines.append("| " + " | ".join(row) + " |")
+    print("| workers | apply CPU, base/new per round | ns/block medians, base -> new |"
+          " memory MiB/M (RSS), base -> new |")  # fmt: skip
+    print("|---|---|---|---|")
+    print("\n".join(lines))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""Smoke run of benchmarks/ab_core_builds.py (two builds of the C core alternating) on a tiny
+workload, with this tree's own build on both sides."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_same_build_on_both_sides_gives_equal_memory_and_every_round(tmp_path):
+    _load("bench_core", ROOT / "benchmarks/bench_core.py")
+    ab = _load("ab_core_builds", ROOT / "benchmarks/ab_core_builds.py")
+    out = tmp_path / "ab.json"
+    args = ["--base", str(ROOT), "--new", str(ROOT), "--workers", "8", "--blocks", "4000"]
+    assert ab.main([*args, "--rounds", "2", "--memory-rounds", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["workers"]["8"]
+    assert len(res["apply_rounds"]) == 2
+    for rd in res["apply_rounds"]:
+        assert rd["base_ns"] > 0 and rd["new_ns"] > 0
+        assert rd["base_own_mib_per_m"] == rd["new_own_mib_per_m"] > 0  # the same build
+    (base,), (new,) = res["memory"]["base"], res["memory"]["new"]  # fresh subprocesses
+    assert base["own_mib_per_million_blocks"] == new["own_mib_per_million_blocks"] > 0
+    assert {"rss_mib_per_million_blocks"} <= base.keys() & new.keys()  # tiny: may be ~0
