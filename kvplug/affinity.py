@@ -280,8 +280,9 @@ class Affinity:
         ``b``, or None to keep ``b``; ``blocks`` is the prompt's length in blocks. Counted in
         ``affinity_counters``."""
         inputs = trace.inputs if trace is not None else None
-        usable = bool(inputs) and "device" in inputs and "prefill_blocks" in inputs
-        overlap = np.asarray(inputs["device"], dtype=np.float64) if usable else None
+        overlap = None
+        if inputs and "device" in inputs and "prefill_blocks" in inputs:
+            overlap = np.asarray(inputs["device"], dtype=np.float64)
         if overlap is None or len(overlap) < 2:
             self.affinity_counters["kept_kv"] += 1
             return None

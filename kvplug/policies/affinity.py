@@ -6,9 +6,10 @@ the guards allow, or rescue it from the latency tail. ``--router-affinity NAME[:
 chooses the setting (``affinity``, ``affinity-rescue``, ``affinity-soonest``; docs/sim.md has
 what each is worth on which trace).
 
-A request whose placement the caller constrains (a pin, an allow-list, exclusions) keeps kv's
-pick, as does a preview (``Router.preview``: the decision must not change what the policy
-remembers, so a preview shows kv's pick and the booked route may differ from it).
+Affinity chooses among the candidates the filters left, so a pin, an allow-list (the
+frontend's per-model one included), exclusions and label selectors hold as in every mode. A
+preview (``Router.preview``) shows kv's pick: it must not change what the policy remembers (the
+TTFT window, the follow-up rates), so the booked route may differ from it.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ class AffinityPolicy(KvCostPolicy):
 
     def pick(self, ctx: RouteContext, trace: CandidateTrace) -> int:
         b = super().pick(ctx, trace)
-        req = ctx.req
-        if not ctx.booking or not req.hints.is_empty() or req.exclude_workers:
+        if not ctx.booking:
             return b
         moved = self.affinity.choose(trace, b, ctx.full_blocks)
         if moved is None:
