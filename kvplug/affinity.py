@@ -137,33 +137,27 @@ class AffinityParams:
             raise ValueError(f"affinity: pool must be one of {', '.join(TAIL_POOLS)}")
 
 
+# the TTFT guard over every request's predicted TTFT, the tail rescue in place of the block
+# guard, long cold prompts spread away from returning sessions (docs/sim.md)
+_RESCUE: dict[str, Any] = {
+    "tail": 0.98,
+    "pool": "all",
+    "window": 50000,
+    "guard": 1000,
+    "rescue": 0.1,
+    "spread": 3,
+    "half_life": 300,
+    "spread_kv": 64,
+}
 # named settings, ``NAME[:key=value,...]`` (``--router-affinity``, the simulator's policies)
 AFFINITY_PRESETS: dict[str, dict[str, Any]] = {
     "affinity": {},  # the block guard (guard, cap): no prefill model, no clock
-    # the TTFT guard over every request's predicted TTFT, the tail rescue in place of the
-    # block guard, long cold prompts spread away from returning sessions (docs/sim.md)
-    "affinity-rescue": {
-        "tail": 0.98,
-        "pool": "all",
-        "window": 50000,
-        "guard": 1000,
-        "rescue": 0.1,
-        "spread": 3,
-        "half_life": 300,
-        "spread_kv": 64,
-    },
+    "affinity-rescue": _RESCUE,
     # affinity-rescue with predictions that count the decode reads sharing a prefill's steps,
     # long cold prompts sent where they start soonest, follow-ups weighed by their cached
     # blocks (docs/sim.md: the second pass)
     "affinity-soonest": {
-        "tail": 0.98,
-        "pool": "all",
-        "window": 50000,
-        "guard": 1000,
-        "rescue": 0.1,
-        "spread": 3,
-        "half_life": 300,
-        "spread_kv": 64,
+        **_RESCUE,
         "read_ms": 0.0305,
         "spread_by": "ttft",
         "weigh_followups": True,

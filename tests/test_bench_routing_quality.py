@@ -10,8 +10,8 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_routing_quality.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_routing_quality", SCRIPT)
+def _load(name: str = "bench_routing_quality"):
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.with_name(f"{name}.py"))
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -135,17 +135,8 @@ def test_spread_seeds_add_runs_of_the_trace_with_its_arrivals_spread(tmp_path):
     assert stamped["ttft_p50_s"] != spread["ttft_p50_s"]  # other arrival times, other waits
 
 
-def _load_tail_floor():
-    path = SCRIPT.with_name("bench_tail_floor.py")
-    spec = importlib.util.spec_from_file_location("bench_tail_floor", path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_tail_floor_smoke_and_no_request_beats_its_own_prefill(tmp_path, capsys):
-    floor = _load_tail_floor()
+    floor = _load("bench_tail_floor")
     out = tmp_path / "tf.json"
     argv = ["--limit", "300", "--policies", "kv", "affinity-soonest", "--json", str(out)]
     assert floor.main(argv) == 0
