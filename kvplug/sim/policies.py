@@ -42,6 +42,7 @@ NAMES = ("kv", "lmetric", "approx", "profile", *SIMPLE_MODES)  # what NAME may b
 DEFAULT_POLICIES = (
     "kv",
     "affinity",
+    "affinity-soonest",
     "sglang-cache-aware",
     "vllm-kv-aware",
     "kv:credit=1.5",
