@@ -637,6 +637,9 @@ class Router:
         s["index"] = self.index.stats()
         if self._approx is not None:
             s["approx"] = self._approx.stats()
+        policy_stats = self._policy.stats()
+        if policy_stats is not None:
+            s[self._policy.name] = policy_stats
         replica_stats = getattr(self.load.listener, "stats_dict", None)
         if replica_stats is not None:  # replicas sharing load (kvplug.replica_sync)
             s["replica_sync"] = replica_stats()

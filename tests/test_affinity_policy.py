@@ -46,7 +46,7 @@ def test_the_policy_keeps_the_request_on_its_prefix_where_kv_moves_it():
     r, toks = _held()
     d = r.route(RouteRequest("x", toks))
     assert (d.worker_id, d.overlap_blocks) == ("w1", 8)
-    assert r._policy.affinity.affinity_counters["affinity"] == 1
+    assert r.stats()["affinity"]["affinity"] == 1  # kvplug serve's /metrics shows it
     # the decision's explanation says where kv would have sent it
     assert d.trace is not None and r.ep_worker[d.trace.params["affinity_moved_from"]] == "w2"
 

@@ -48,3 +48,7 @@ class AffinityPolicy(KvCostPolicy):
             return b
         trace.params["affinity_moved_from"] = int(trace.endpoints[b])
         return moved
+
+    def stats(self) -> dict[str, int]:
+        # kept_kv, affinity (moved), guarded, and rescued / spread when those options fire
+        return dict(self.affinity.affinity_counters)

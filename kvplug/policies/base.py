@@ -55,6 +55,11 @@ class RoutingPolicy:
     def pick(self, ctx: RouteContext, trace: CandidateTrace) -> int:
         raise NotImplementedError
 
+    def stats(self) -> dict[str, int] | None:
+        """The policy's own counters, reported under its name in ``Router.stats()`` (and so
+        in ``kvplug serve``'s ``/metrics``); None when it keeps none."""
+        return None
+
 
 _POLICIES: dict[str, type[RoutingPolicy]] = {}
 P = TypeVar("P", bound=type[RoutingPolicy])
