@@ -8,6 +8,7 @@ wait fails fast with the tail of its log instead of running into the timeout.
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
 import socket
 import subprocess
@@ -68,10 +69,26 @@ def wait_listening(port: int, proc: subprocess.Popen | None = None, timeout: flo
             time.sleep(0.05)
 
 
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default if
+    unreadable)."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port_run(n: int) -> int:
-    """A base port p with p .. p + n - 1 all free (engines of a fleet or DP ranks use p + i)."""
+    """A base port p with p .. p + n - 1 all free (engines of a fleet or DP ranks use p + i).
+
+    Chosen below the ephemeral range when there is room: the runs are bound some time after
+    they are found free, and any outgoing connection may take a port of that range meanwhile
+    (seen in CI: a simulated fleet's port taken between the probe and the bind)."""
+    lo, _ = ephemeral_port_range()
+    below = lo - 10_000 > n + 1
     for _ in range(200):
-        base = free_port()
+        base = random.randrange(10_000, lo - n) if below else free_port()
         if base + n > 65535:
             continue
         socks = []

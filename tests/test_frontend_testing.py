@@ -77,3 +77,23 @@ def test_ports_and_command():
     assert cmd[0] == sys.executable and cmd[1:4] == ["-m", "kvplug.cli", "serve"]
     assert cmd[cmd.index("--port") + 1] == "8123" and cmd[cmd.index("--admin-port") + 1] == "8124"
     assert cmd[-2:] == ["--kv-block-size", "16"]
+
+
+def test_port_runs_come_from_outside_the_ephemeral_range():
+    """Outgoing connections draw local ports from the ephemeral range: a run found free there
+    can be taken before the fleet binds it (a CI failure), so runs are taken below it."""
+    import socket
+
+    from kvplug.testing import ephemeral_port_range, free_port_run
+
+    lo, hi = ephemeral_port_range()
+    for n in (1, 3, 8):
+        base = free_port_run(n)
+        assert base + n <= lo or base > hi
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", base + i))  # every port of the run is free
+        finally:
+            for s in socks:
+                s.close()
