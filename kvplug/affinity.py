@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -261,13 +261,17 @@ class Affinity:
     def __init__(self, router, params: AffinityParams | None = None) -> None:
         self._router = router
         self.params = params or AffinityParams()
-        self.affinity_counters = {"kept_kv": 0, "affinity": 0, "guarded": 0}
+        # kept_kv, affinity (moved), guarded; rescued, spread, protected once those fire
+        self.affinity_counters: Counter[str] = Counter(kept_kv=0, affinity=0, guarded=0)
         # tail mode: the last ``window`` predicted TTFTs at kv's pick (of the pool's requests)
         self._kv_ttft = RecentQuantile(self.params.window)
         self._followups: dict[int, tuple[float, float]] = {}  # spread: endpoint -> (rate, at)
         # read_ms: endpoint -> (active sequences, their context tokens), from the last prediction
         self._active: dict[int, tuple[int, float]] = {}
         self._last_ttft: dict[int, float] = {}
+        # _queued_prefill_seconds of the decision under way (its trace), computed once
+        self._queued_for: Any = None
+        self._queued: dict[int, float] = {}
 
     def choose(self, trace, b: int, blocks: int) -> int | None:
         """The candidate (an index into ``trace``'s) this request goes to instead of kv's pick
@@ -307,7 +311,7 @@ class Affinity:
         if last.get(eps[pick], 0.0) < tau:
             return pick
         bs = router.block_size
-        chunk = float(router.max_batched[eps[pick]]) if eps[pick] < len(router.max_batched) else 0.0
+        chunk = router.chunk_tokens(eps[pick])
         cached = float(overlap[pick]) * bs
         new = blocks * bs - cached
         first = chunked_prefill_seconds(min(new, chunk) if chunk > 0 else new, cached, 0.0)
@@ -319,7 +323,7 @@ class Affinity:
         alt = min(others, key=lambda i: t[i])
         if t[alt] >= tau:
             return pick
-        self.affinity_counters["protected"] = self.affinity_counters.get("protected", 0) + 1
+        self.affinity_counters["protected"] += 1
         return alt
 
     def _holder_pick(self, inputs, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
@@ -370,7 +374,7 @@ class Affinity:
         best = int(np.argmin(t))
         if t[best] >= t[0] - self.params.rescue:
             return pick
-        self.affinity_counters["rescued"] = self.affinity_counters.get("rescued", 0) + 1
+        self.affinity_counters["rescued"] += 1
         return order[best]
 
     def _tau(self) -> float:
@@ -406,7 +410,7 @@ class Affinity:
         router = self._router
         n = len(overlap)
         eps = [int(trace.endpoints[i]) for i in range(n)]
-        chunk = float(router.max_batched[eps[b]]) if eps[b] < len(router.max_batched) else 0.0
+        chunk = router.chunk_tokens(eps[b])
         cached = float(overlap[b]) * router.block_size
         own = chunked_prefill_seconds(blocks * router.block_size - cached, cached, chunk)
         if own < params.spread:
@@ -416,7 +420,7 @@ class Affinity:
             soonest = min(t) + params.spread_eps + 1e-9
             candidates = [i for i in range(n) if t[i] <= soonest]
         else:
-            queued = self._queued_prefill_seconds(tuple(eps))
+            queued = self._queued_prefill_seconds(trace)
             limit = queued[eps[b]] + 1e-9
             decode = np.asarray(inputs["decode_blocks"], dtype=np.float64)
             decode_limit = decode[b] + params.spread_kv
@@ -429,7 +433,7 @@ class Affinity:
         best = min(candidates, key=lambda i: self._followup_rate(eps[i], now))
         if best == b:
             return None
-        self.affinity_counters["spread"] = self.affinity_counters.get("spread", 0) + 1
+        self.affinity_counters["spread"] += 1
         return best
 
     def _predicted_ttft(self, trace, overlap: np.ndarray, blocks: int, *idx: int) -> list[float]:
@@ -439,12 +443,12 @@ class Affinity:
         router = self._router
         bs = router.block_size
         eps = [int(trace.endpoints[i]) for i in idx]
-        queued = self._queued_prefill_seconds(tuple(eps))
+        queued = self._queued_prefill_seconds(trace)
         n = blocks * bs
         out = []
         for ep, i in zip(eps, idx, strict=True):
             cached = float(overlap[i]) * bs
-            chunk = float(router.max_batched[ep]) if ep < len(router.max_batched) else 0.0
+            chunk = router.chunk_tokens(ep)
             own = chunked_prefill_seconds(n - cached, cached, chunk)
             out.append(queued[ep] + own + self._read_seconds(ep, n - cached, chunk))
         return out
@@ -468,11 +472,20 @@ class Affinity:
             self._remember([t_b])
         return t_a <= max(t_b + self.params.slack, self._tau())
 
-    def _queued_prefill_seconds(self, endpoints: tuple[int, ...]) -> dict[int, float]:
-        """Predicted seconds of prefill still queued per endpoint (requests routed there
-        without a first token yet), the oldest one's elapsed time taken off. With ``read_ms``
-        it also records each endpoint's active sequences and their context (``_active``) and
-        counts the decode reads in the queued prefills' steps."""
+    def _queued_prefill_seconds(self, trace) -> dict[int, float]:
+        """Predicted seconds of prefill still queued per endpoint of ``trace`` (requests routed
+        there without a first token yet), the oldest one's elapsed time taken off. With
+        ``read_ms`` it also records each endpoint's active sequences and their context
+        (``_active``) and counts the decode reads in the queued prefills' steps. One walk over
+        the requests in flight per decision: the stages of one decision ask for it several
+        times, and nothing is routed between them."""
+        if self._queued_for is trace:
+            return self._queued
+        self._queued_for = trace
+        self._queued = self._walk_queued(tuple(int(e) for e in trace.endpoints))
+        return self._queued
+
+    def _walk_queued(self, endpoints: tuple[int, ...]) -> dict[int, float]:
         router = self._router
         now = router._clock()
         read_ms = self.params.read_ms
@@ -490,7 +503,7 @@ class Affinity:
                 active[ep] = (count + 1, context + r.prompt_tokens + r.output_tokens)
             if r.prefill_done or r.prefill_tokens <= 0:
                 continue
-            chunk = float(router.max_batched[ep]) if ep < len(router.max_batched) else 0.0
+            chunk = router.chunk_tokens(ep)
             cached = r.prompt_tokens - r.prefill_tokens
             seconds = chunked_prefill_seconds(r.prefill_tokens, cached, chunk)
             if read_ms:

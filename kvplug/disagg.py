@@ -234,7 +234,7 @@ def _prefill_busy(
     verdict.prefill_worker = pre.worker_id
     router = backend.router
     ep = pre.endpoint_id
-    limit = float(router.max_batched[ep]) if ep < len(router.max_batched) else 0.0
+    limit = router.chunk_tokens(ep)
     if limit <= 0:
         return None, f"prefill worker {pre.worker_id}'s max batched tokens unknown"
     active = router.endpoint_load(ep)["prefill_tokens"]

@@ -8,6 +8,7 @@ wait fails fast with the tail of its log instead of running into the timeout.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import signal
 import socket
@@ -69,6 +70,7 @@ def wait_listening(port: int, proc: subprocess.Popen | None = None, timeout: flo
             time.sleep(0.05)
 
 
+@functools.cache
 def ephemeral_port_range() -> tuple[int, int]:
     """The kernel's range for the local ports of outgoing connections (Linux's default if
     unreadable)."""

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvplug.adapters import EngineAdapter, PDStyle, create_adapter
 from kvplug.errors import ConfigError, UnknownWorker
@@ -114,6 +114,15 @@ class _ViewEpoch:
         cls.value += 1
 
 
+class _FleetView(NamedTuple):
+    """The per-request views, as of ``_ViewEpoch.value == epoch``."""
+
+    epoch: int
+    models: frozenset[str]  # every name clients may ask for
+    disaggregated: bool  # a prefill-role worker takes requests
+    per_model: dict[str, frozenset[str] | None]  # workers_for_model's answers, filled lazily
+
+
 class WorkerEntry:
     __slots__ = (
         "spec",
@@ -196,8 +205,7 @@ class Fleet:
         self.unhealthy: frozenset[str] = frozenset()
         self._configured_models: frozenset[str] = frozenset()
         self._lock = asyncio.Lock()
-        # (epoch, models, disaggregated, workers per model) as of _ViewEpoch.value == epoch
-        self._view: tuple[int, frozenset[str], bool, dict[str, frozenset[str] | None]] | None = None
+        self._view: _FleetView | None = None
 
     @property
     def configured_models(self) -> frozenset[str]:
@@ -388,28 +396,28 @@ class Fleet:
             self._refresh_unhealthy()
 
     # -- views --------------------------------------------------------------------------------
-    def _views(self) -> tuple[int, frozenset[str], bool, dict[str, frozenset[str] | None]]:
+    def _views(self) -> _FleetView:
         view = self._view
-        if view is None or view[0] != _ViewEpoch.value:
+        if view is None or view.epoch != _ViewEpoch.value:
             names = set(self.configured_models)
             for e in self.workers.values():
                 names |= e.models
             split = any(e.spec.role == "prefill" and not e.draining for e in self.workers.values())
-            view = self._view = (_ViewEpoch.value, frozenset(names), split, {})
+            view = self._view = _FleetView(_ViewEpoch.value, frozenset(names), split, {})
         return view
 
     @property
     def disaggregated(self) -> bool:
         """Two-stage dispatch when a prefill-role worker takes requests."""
-        return self._views()[2]
+        return self._views().disaggregated
 
     def models(self) -> frozenset[str]:
         """Every model name clients may ask for (configured, and what workers serve)."""
-        return self._views()[1]
+        return self._views().models
 
     def workers_for_model(self, model: str) -> frozenset[str] | None:
         """Workers known to serve ``model``; None when every worker may (nothing known)."""
-        per_model = self._views()[3]
+        per_model = self._views().per_model
         if model in per_model:
             return per_model[model]
         serving: frozenset[str] | None = None

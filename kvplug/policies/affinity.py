@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 from kvplug.affinity import Affinity, parse_affinity
 from kvplug.decision import CandidateTrace
-from kvplug.errors import ConfigError
 from kvplug.pipeline import RouteContext
 from kvplug.policies.base import register_policy
 from kvplug.policies.kv_cost import KvCostPolicy
@@ -33,11 +32,8 @@ class AffinityPolicy(KvCostPolicy):
 
     def __init__(self, router: Router) -> None:
         super().__init__(router)
-        try:
-            params = parse_affinity(router.config.router_affinity)
-        except ValueError as exc:
-            raise ConfigError(f"--router-affinity: {exc}") from None
-        self.affinity = Affinity(router, params)
+        # RouterConfig.validate has parsed it already (a bad setting is a ConfigError there)
+        self.affinity = Affinity(router, parse_affinity(router.config.router_affinity))
 
     def pick(self, ctx: RouteContext, trace: CandidateTrace) -> int:
         b = super().pick(ctx, trace)
@@ -50,5 +46,4 @@ class AffinityPolicy(KvCostPolicy):
         return moved
 
     def stats(self) -> dict[str, int]:
-        # kept_kv, affinity (moved), guarded, and rescued / spread when those options fire
         return dict(self.affinity.affinity_counters)
