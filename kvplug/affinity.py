@@ -53,6 +53,12 @@ soonest, to the one with the fewest recent follow-ups; ``weigh_followups`` count
 by its cached blocks (the long sessions are the ones that cannot move cheaply); ``protect``
 keeps a request off an engine whose last queued prefill is predicted in the tail (the two
 would share that prefill's last step).
+
+Two more (third pass): ``protect_blocks`` is ``protect`` decided by what the move costs (the
+blocks the request forgoes at the engine keeping most of its prefix) rather than by its first
+chunk's seconds: even a short follow-up's chunk, sharing the last step of a cold prefill that
+sits just under the latency tail, pushes it over. ``protect_below`` protects only prefills
+predicted below that quantile (one above it is in the top of the tail whatever joins it).
 """
 
 from __future__ import annotations
@@ -115,12 +121,22 @@ class AffinityParams:
     # that prefill's last step and slow it; it goes where it is predicted soonest among the
     # other engines if it stays below tau there
     protect: float = 0.0
+    # > 0 (tail mode): like protect, but any request may be kept off an engine whose last queued
+    # prefill is predicted in the tail, if the engine it goes to instead (predicted below tau,
+    # the longest prefix among those, then the soonest) holds at most this many fewer of its
+    # blocks: a short follow-up's first chunk in that prefill's last step pushes it over the tail
+    protect_blocks: float = 0.0
+    # protect / protect_blocks: only a prefill predicted below this quantile of the tail pool is
+    # protected (0: any in the tail): one predicted above it is in the top of the tail anyway
+    protect_below: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.guard >= 0 and self.cap >= 0 and self.memory >= 0 and self.slack >= 0):
             raise ValueError("affinity: guard, cap, memory and slack must be >= 0")
         if not 0 <= self.min_share <= 1:
             raise ValueError("affinity: min_share must be in [0, 1]")
+        if not 0 <= self.protect_below < 1:
+            raise ValueError("affinity: protect_below must be in [0, 1)")
         if not 0 <= self.tail < 1:
             raise ValueError("affinity: tail must be in [0, 1)")
         if self.window < 1:
@@ -129,8 +145,10 @@ class AffinityParams:
             raise ValueError("affinity: rescue must be >= 0")
         if self.spread < 0 or self.half_life <= 0 or self.spread_kv < 0:
             raise ValueError("affinity: spread and spread_kv must be >= 0 and half_life > 0")
-        if self.read_ms < 0 or self.spread_eps < 0 or self.protect < 0:
-            raise ValueError("affinity: read_ms, spread_eps and protect must be >= 0")
+        if min(self.read_ms, self.spread_eps, self.protect, self.protect_blocks) < 0:
+            raise ValueError(
+                "affinity: read_ms, spread_eps, protect and protect_blocks must be >= 0"
+            )
         if self.spread_by not in SPREAD_BY:
             raise ValueError(f"affinity: spread_by must be one of {', '.join(SPREAD_BY)}")
         if self.pool not in TAIL_POOLS:
@@ -287,7 +305,7 @@ class Affinity:
         pick = self._holder_pick(inputs, trace, overlap, blocks, b)
         if self.params.rescue and self.params.tail:
             pick = self._rescue(trace, overlap, blocks, b if pick is None else pick)
-        if self.params.protect and self.params.tail:
+        if (self.params.protect or self.params.protect_blocks) and self.params.tail:
             pick = self._protect(trace, overlap, blocks, b if pick is None else pick)
         if pick is None or pick == b:
             self.affinity_counters["kept_kv"] += 1
@@ -310,6 +328,19 @@ class Affinity:
         last = self._last_ttft
         if last.get(eps[pick], 0.0) < tau:
             return pick
+        if self.params.protect_below:
+            if last[eps[pick]] >= self._kv_ttft.quantile(self.params.protect_below):
+                return pick
+        others = [i for i in range(n) if last.get(eps[i], 0.0) < tau]
+        if self.params.protect_blocks:
+            safe = [i for i in others if t[i] < tau]
+            if not safe:
+                return pick
+            alt = max(safe, key=lambda i: (overlap[i], -t[i]))
+            if overlap[pick] - overlap[alt] > self.params.protect_blocks:
+                return pick
+            self.affinity_counters["protected"] += 1
+            return alt
         bs = router.block_size
         chunk = router.chunk_tokens(eps[pick])
         cached = float(overlap[pick]) * bs
@@ -317,7 +348,6 @@ class Affinity:
         first = chunked_prefill_seconds(min(new, chunk) if chunk > 0 else new, cached, 0.0)
         if first < self.params.protect:
             return pick
-        others = [i for i in range(n) if last.get(eps[i], 0.0) < tau]
         if not others:
             return pick
         alt = min(others, key=lambda i: t[i])

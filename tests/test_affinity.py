@@ -421,6 +421,63 @@ def test_protect_keeps_a_request_off_the_last_step_of_a_prefill_in_the_tail():
     assert aff.route(req).worker_id == "w1"
 
 
+def _protect_blocks_route(
+    protect_blocks: float, tail_values: list[float], protect_below: float = 0.0, w2_blocks: int = 0
+) -> str:
+    """A follow-up (w1 holds 8 of its 10 blocks, w2 ``w2_blocks`` with a short prefill just
+    queued, w3 nothing) whose holder w1 has a prefill routed 5 s ago and still no first token:
+    predicted in the tail (tau = 1 s). The affinity guards keep it on w1; where does it go?"""
+    r = make_router(workers=("w1", "w2", "w3"))
+    toks = tokens(10)
+    store_prefix(r, "w1", toks, 8)
+    if w2_blocks:
+        store_prefix(r, "w2", toks, w2_blocks, engine_base=100)
+    _queue(r, "w1", 20, "busy")
+    r._clock.advance(5.0)
+    _queue(r, "w2", 20, "fresh")  # predicted well below tau: w2 is no tail prefill's last step
+    aff = AffinityRouter(
+        r,
+        AffinityParams(
+            tail=0.4, pool="all", protect_blocks=protect_blocks, protect_below=protect_below
+        ),
+    )
+    aff._kv_ttft.extend(tail_values)
+    return aff.route(RouteRequest("x", toks)).worker_id
+
+
+def test_protect_blocks_moves_a_follow_up_off_a_tail_prefills_last_step_if_it_forgoes_little():
+    tail = [1.0] * 20
+    assert _protect_blocks_route(0.0, tail) == "w1"  # off by default
+    assert _protect_blocks_route(8.0, tail) == "w3"  # forgoes its 8 cached blocks: allowed
+    assert _protect_blocks_route(7.0, tail) == "w1"  # ... more than 7: it stays
+    # the engine it goes to is the one keeping most of its prefix (w2: 6 blocks, behind a
+    # short queue), not the soonest (w3, cold): it forgoes 2 blocks, not 8
+    assert _protect_blocks_route(4.0, tail, w2_blocks=6) == "w2"
+    assert _protect_blocks_route(1.0, tail, w2_blocks=6) == "w1"
+    # nowhere predicted below tau (1 us): moving would only put it in the tail elsewhere
+    assert _protect_blocks_route(8.0, [1e-6] * 20) == "w1"
+
+
+def test_protect_below_leaves_a_prefill_already_above_the_quantile():
+    # w1's last prefill is predicted at ~5 s; tau (the 0.4 quantile) is 1 s either way
+    high = [1.0] * 10 + [10.0] * 10  # the 0.9 quantile (10 s) is above it: protected
+    assert _protect_blocks_route(8.0, high, protect_below=0.9) == "w3"
+    low = [1.0] * 10 + [4.0] * 10  # the 0.9 quantile (4 s) is below it: in the top anyway
+    assert _protect_blocks_route(8.0, low, protect_below=0.9) == "w1"
+    assert _protect_blocks_route(8.0, low) == "w3"
+
+
+def test_protect_blocks_keys_parse_and_bad_values_are_refused():
+    from kvplug.sim.policies import parse_policy
+
+    p = parse_policy("affinity-soonest:protect_blocks=32,protect_below=0.99")
+    assert p.affinity is not None
+    assert p.affinity["protect_blocks"] == 32 and p.affinity["protect_below"] == 0.99
+    for bad in ("protect_blocks=-1", "protect_below=1", "protect_below=-0.5"):
+        with pytest.raises(ValueError):
+            parse_policy(f"affinity-soonest:{bad}")
+
+
 def test_affinity_soonest_is_affinity_rescue_with_the_second_pass_options():
     from kvplug.sim.policies import parse_policy
 

@@ -93,7 +93,16 @@ def test_affinity_acts_within_an_allow_list_and_never_outside_it():
     assert r._policy.affinity.affinity_counters["affinity"] == 1
 
 
-@pytest.mark.parametrize("setting", ["affinity", "affinity-rescue", "affinity-soonest"])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "affinity",
+        "affinity-rescue",
+        "affinity-soonest",
+        # the third pass's option, with a tail that arms within the replay (protects twice)
+        "affinity-soonest:tail=0.9,half_life=120,protect_blocks=24,protect_below=0.97",
+    ],
+)
 def test_the_policy_routes_a_replay_exactly_as_the_measured_wrapper(setting):
     """The conversation-shaped multi-turn workload on 4 engines: every request lands on the
     same engine with the same first-token time through the policy as through AffinityRouter
