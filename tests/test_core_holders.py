@@ -239,8 +239,11 @@ def test_holder_arrays_grow_exactly_at_each_step_and_shrink_in_any_order(wide, b
     bound = 800 if bounded else 0  # above the most holdings the joins reach (200 + 3 * 168)
     c, r = C.Index(bound), R.Index(bound)
     eps = [int(e) for e in rng.permutation(200)]
-    for ep in eps:  # every endpoint's engine map and the query scratch exist first
+    for ep in eps:  # the query scratch exists first ...
         both(c, r, "store", ep, 0, [900_000 + ep], [50_000 + ep])
+    # ... and every endpoint's own engine map: the chain's engine hashes differ per endpoint
+    # (eh_of), so only its first holder's are canonical and the others' go to their own maps
+    c.reserve(0, 3 * len(eps), endpoints=len(eps))
     hold_chain(c, r, eps[:2])
     if wide:  # a holder past 255 on each block: all three arrays are rewritten wide
         both(c, r, "store", eps[0], 1, [eh_of(eps[0], j) for j in range(3)] * 256, BLOCKS * 256)
