@@ -1439,26 +1439,27 @@ enum { STORE_AHEAD = 12 }; /* blocks to prefetch ahead: covers DRAM latency at ~
 
 /* The lines a store of (eh, h) will probe: the canonical map's and the block table's home slots
  * (two lines each: an insert usually probes past its home line at these loads), and ep's own
- * map's when it has mappings (rarely: engines that disagree). */
-static inline void prefetch_store(const kvp_index *idx, const emap_t *em, kvp_engine_hash_t eh,
-                                  kvp_hash_t h) {
-    const bslot_t *b_ = &idx->bt[bslot_of(h, idx->bt_cap)];
-    const bslot_t *c_ = &idx->cm[bhome_of(cmix_of(eh), idx->cm_cap)];
-    __builtin_prefetch(b_);
-    __builtin_prefetch((const char *)b_ + 64);
-    __builtin_prefetch(c_);
-    __builtin_prefetch((const char *)c_ + 64);
-    if (em->count) __builtin_prefetch(&em->t[mslot_of(eh, em->cap)]);
-}
+ * map's when it has mappings (rarely: engines that disagree). A macro, not a function: GCC
+ * deems a function of prefetches alone free of side effects and deletes its calls. */
+#define PREFETCH_STORE(idx, em, eh, h)                                                  \
+    do {                                                                                \
+        const char *b_ = (const char *)&(idx)->bt[bslot_of((h), (idx)->bt_cap)];        \
+        const char *c_ = (const char *)&(idx)->cm[bhome_of(cmix_of(eh), (idx)->cm_cap)]; \
+        __builtin_prefetch(b_);                                                         \
+        __builtin_prefetch(b_ + 64);                                                    \
+        __builtin_prefetch(c_);                                                         \
+        __builtin_prefetch(c_ + 64);                                                    \
+        if ((em)->count) __builtin_prefetch(&(em)->t[mslot_of((eh), (em)->cap)]);        \
+    } while (0)
 
 static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
                                   const kvp_engine_hash_t *ehs, const kvp_hash_t *hs, size_t n) {
     kvp_status st = KVP_OK;
     const emap_t *em = emap_of(idx, ep); /* reserved: exists, and does not move during the loop */
     /* the first blocks too: a typical store event is only ~30 blocks long */
-    for (size_t i = 0; i < n && i < STORE_AHEAD; i++) prefetch_store(idx, em, ehs[i], hs[i]);
+    for (size_t i = 0; i < n && i < STORE_AHEAD; i++) PREFETCH_STORE(idx, em, ehs[i], hs[i]);
     for (size_t i = 0; i < n; i++) {
-        if (i + STORE_AHEAD < n) prefetch_store(idx, em, ehs[i + STORE_AHEAD], hs[i + STORE_AHEAD]);
+        if (i + STORE_AHEAD < n) PREFETCH_STORE(idx, em, ehs[i + STORE_AHEAD], hs[i + STORE_AHEAD]);
         st = add_ref(idx, ep, ehs[i], hs[i], tier);
         if (st != KVP_OK) break;
     }
