@@ -7,11 +7,16 @@
  *   records      a pool of 16-byte block records with stable ids (free list): hash and one
  *                compact inline holder (8-bit counts); more holders in a growable holder
  *                array of 8-byte holders (the same compact format), which widens to 12-byte
- *                holders once a count outgrows it; LRU links and per-holder engine hashes
- *                only when bounded
- *   engine maps  one per endpoint, open addressing on the engine hash, 12-byte slots ->
- *                record id; refcounts from the holder (first mapping of the endpoint to the
- *                block) or from a side table (further ones)
+ *                holders once a count outgrows it; beside each record its canonical engine
+ *                hash (8 bytes) and a bit; LRU links and per-holder engine hashes only when
+ *                bounded
+ *   canonical    one map for all endpoints: a block's first engine hash -> the block, 6-byte
+ *   engine map   slots as the block table's; an endpoint mapping a block under that hash as
+ *                its first mapping to it keeps the mapping as a flag on its holder
+ *   engine maps  one per endpoint, for the other mappings (engines that disagree, further
+ *                engine hashes of a block), open addressing on the engine hash, 12-byte slots
+ *                -> record id; refcounts from the holder (first mapping of the endpoint to
+ *                the block) or from a side table (further ones)
  * Invariant: a holder's count per tier is the sum of the refs of that endpoint's mappings to
  * the block, so holders and mappings are created and destroyed together.
  */
@@ -1452,6 +1457,21 @@ enum { STORE_AHEAD = 12 }; /* blocks to prefetch ahead: covers DRAM latency at ~
         if ((em)->count) __builtin_prefetch(&(em)->t[mslot_of((eh), (em)->cap)]);        \
     } while (0)
 
+/* Second stage, nearer: the canonical map's home slot (prefetched STORE_AHEAD blocks before)
+ * names the record that probably owns eh, whose engine hash and holders add_ref will read: a
+ * block other engines already hold is then found without a wait. A macro, as PREFETCH_STORE. */
+enum { RECORD_AHEAD = 6 };
+#define PREFETCH_OWNER(idx, eh)                                                        \
+    do {                                                                               \
+        const uint64_t mixed_ = cmix_of(eh);                                           \
+        const bslot_t *c_ = &(idx)->cm[bhome_of(mixed_, (idx)->cm_cap)];                \
+        const uint32_t rec_ = c_->rec;                                                 \
+        if (rec_ != NONE32 && c_->tag == btag_of(mixed_)) {                            \
+            __builtin_prefetch(&(idx)->rec_ceh[rec_]);                                 \
+            __builtin_prefetch(&(idx)->pool[rec_]);                                    \
+        }                                                                              \
+    } while (0)
+
 static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
                                   const kvp_engine_hash_t *ehs, const kvp_hash_t *hs, size_t n) {
     kvp_status st = KVP_OK;
@@ -1460,6 +1480,7 @@ static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
     for (size_t i = 0; i < n && i < STORE_AHEAD; i++) PREFETCH_STORE(idx, em, ehs[i], hs[i]);
     for (size_t i = 0; i < n; i++) {
         if (i + STORE_AHEAD < n) PREFETCH_STORE(idx, em, ehs[i + STORE_AHEAD], hs[i + STORE_AHEAD]);
+        if (i + RECORD_AHEAD < n) PREFETCH_OWNER(idx, ehs[i + RECORD_AHEAD]);
         st = add_ref(idx, ep, ehs[i], hs[i], tier);
         if (st != KVP_OK) break;
     }
@@ -1929,4 +1950,106 @@ kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_
     }
     *n_out = n;
     return n > cap ? KVP_E_BUFFER : KVP_OK;
+}
+
+/* Is slot `at` of a linear-probing table reachable from `home` (no empty slot in between)? */
+static int bslot_reachable(const bslot_t *t, size_t cap, size_t home, size_t at) {
+    for (size_t i = home;; i = (i + 1 == cap) ? 0 : i + 1) {
+        if (i == at) return 1;
+        if (t[i].rec == NONE32) return 0;
+    }
+}
+
+int kvp_index_verify(const kvp_index *idx) {
+    if (idx == NULL) return 1;
+    /* block table: live records, tags, reachability, count */
+    size_t n = 0;
+    for (size_t i = 0; i < idx->bt_cap; i++) {
+        const uint32_t r = idx->bt[i].rec;
+        if (r == NONE32) continue;
+        n++;
+        if (r >= idx->pool_len || idx->pool[r].ep == EP_NONE) return 2;
+        const uint64_t mixed = bmix_of(idx->pool[r].hash);
+        if (idx->bt[i].tag != btag_of(mixed)) return 3;
+        if (!bslot_reachable(idx->bt, idx->bt_cap, bhome_of(mixed, idx->bt_cap), i)) return 4;
+    }
+    if (n != idx->bt_count) return 5;
+    /* canonical map: owners only, tags, reachability, count; every owner is in it, alive */
+    n = 0;
+    for (size_t i = 0; i < idx->cm_cap; i++) {
+        const uint32_t r = idx->cm[i].rec;
+        if (r == NONE32) continue;
+        n++;
+        if (r >= idx->pool_len || idx->pool[r].ep == EP_NONE || !cm_owns(idx, r)) return 6;
+        const uint64_t mixed = cmix_of(idx->rec_ceh[r]);
+        if (idx->cm[i].tag != btag_of(mixed)) return 7;
+        if (!bslot_reachable(idx->cm, idx->cm_cap, bhome_of(mixed, idx->cm_cap), i)) return 8;
+        size_t empty;
+        if (cm_probe(idx, idx->rec_ceh[r], &empty) != r) return 9; /* two owners of one hash */
+    }
+    if (n != idx->cm_count) return 10;
+    size_t owners = 0;
+    for (uint32_t r = 0; r < idx->pool_len; r++)
+        if (cm_owns(idx, r)) {
+            owners++;
+            if (idx->pool[r].ep == EP_NONE) return 11;
+        }
+    if (owners != idx->cm_count) return 12;
+    /* holders: canonical flags per endpoint; holdings */
+    uint64_t holdings = 0;
+    const size_t n_em = idx->em_cap + 1; /* the endpoints' maps, then the shared tier's */
+    uint64_t *canon = (uint64_t *)calloc(n_em, sizeof(uint64_t));
+    if (canon == NULL) return 13;
+    int bad = 0;
+    for (uint32_t r = 0; r < idx->pool_len && !bad; r++) {
+        const block_t *b = &idx->pool[r];
+        if (b->ep == EP_NONE) continue;
+        const hview_t hv = hview_of(idx, b);
+        holdings += hv.n;
+        for (uint32_t k = 0; k < hv.n; k++) {
+            holder_t h;
+            hv_get(hv, k, &h);
+            if ((h.count[0] | h.count[1] | h.count[2]) == 0) bad = 14;
+            if (k > 0 && hv_ep(hv, k - 1) >= h.ep) bad = 15; /* sorted, distinct */
+            if (!(h.nmaps & HOLDER_CANON)) continue;
+            if (!cm_owns(idx, r)) bad = 16; /* a canonical mapping of a block owning nothing */
+            const size_t e = h.ep == KVP_SHARED ? idx->em_cap : h.ep;
+            if (e >= n_em) bad = 17;
+            else canon[e]++;
+        }
+    }
+    if (!bad && holdings != idx->n_holdings) bad = 18;
+    /* own maps: slots reachable, records held by the endpoint, counts; canonical counts */
+    size_t mappings = 0, slots = 0;
+    for (size_t e = 0; e < n_em && !bad; e++) {
+        const kvp_endpoint_t ep = e == idx->em_cap ? KVP_SHARED : (kvp_endpoint_t)e;
+        const emap_t *em = emap_of(idx, ep);
+        if (em->ncanon != canon[e]) bad = 19;
+        size_t cnt = 0;
+        for (size_t i = 0; i < em->cap && !bad; i++) {
+            const mslot_t *m = &em->t[i];
+            if (m->rec == NONE32) continue;
+            cnt++;
+            const uint32_t r = m_rec(m);
+            holder_t tmp;
+            if (r >= idx->pool_len || find_holder(idx, &idx->pool[r], ep, &tmp, NULL) == NULL)
+                bad = 20;
+            size_t empty;
+            if (mt_probe(em, m->eh, &empty) != m) bad = 21;
+            /* never both an own and a canonical mapping of one engine hash */
+            const uint32_t cr = cm_probe(idx, m->eh, &empty);
+            if (cr != NONE32) {
+                const holder_t *hc = find_holder(idx, &idx->pool[cr], ep, &tmp, NULL);
+                if (hc != NULL && (hc->nmaps & HOLDER_CANON)) bad = 22;
+            }
+        }
+        if (!bad && cnt != em->count) bad = 23;
+        mappings += cnt + em->ncanon;
+        slots += em->cap;
+    }
+    free(canon);
+    if (bad) return bad;
+    if (mappings != idx->mt_count) return 24;
+    if (slots != idx->mt_slots) return 25;
+    return 0;
 }

@@ -1,8 +1,8 @@
 """The C core's holder arrays at their boundaries (csrc/index.c): a block held by more than one
-endpoint keeps its holders in an array of 8-byte compact holders (an 8-bit count per tier, 7
-bits of mappings), rewritten with 12-byte wide holders once a holder's count in a tier would
-pass 255 or its mappings 127; arrays double from 2 up to 16 holders, then grow by a quarter
-(rounded down to even; `ext_grown_cap` in csrc/index.c). Every state is compared with the
+endpoint keeps its holders in an array of 8-byte compact holders (an 8-bit count per tier, 6
+bits of mappings, a canonical-mapping flag), rewritten with 12-byte wide holders once a
+holder's count in a tier would pass 255 or its mappings 63; arrays double from 2 up to 16
+holders, then grow by a quarter (rounded down to even; `ext_grown_cap` in csrc/index.c). Every state is compared with the
 pure-Python reference (holdings, queries, engine mappings, counters), bounded (per-holder
 engine hashes, eviction) and not."""
 
@@ -33,6 +33,7 @@ def check(c, r, eps, ehs=(), query=True) -> None:
     for ep, eh in ehs:
         assert c.resolve(ep, eh) == r.resolve(ep, eh), (ep, eh)
     assert c.stats() == r.stats()
+    assert c._verify() == 0  # every table's invariants (csrc/index.c, kvp_index_verify)
 
 
 def eh_of(ep: int, i: int) -> int:
@@ -114,9 +115,9 @@ def test_move_into_a_tier_at_255_widens_first():
 
 
 @pytest.mark.parametrize("bounded", [False, True])
-@pytest.mark.parametrize("n_maps", [127, 128, 129])
-def test_mappings_past_127_widen_and_unwind(n_maps, bounded):
-    """One endpoint maps n_maps engine hashes to one shared block (the compact form keeps 127
+@pytest.mark.parametrize("n_maps", [63, 64, 65, 129])
+def test_mappings_past_63_widen_and_unwind(n_maps, bounded):
+    """One endpoint maps n_maps engine hashes to one shared block (the compact form keeps 63
     mappings); its first mapping, whose refs are the holder's counts less the others', leaves
     first (one ref in tier 0, while the others hold more there), then the rest in random
     order."""
@@ -129,7 +130,7 @@ def test_mappings_past_127_widen_and_unwind(n_maps, bounded):
         eh = 900_000 + i
         both(c, r, "store", 5, i % 3, [eh], [BLOCKS[1]])
         ehs.append(eh)
-        if len(ehs) >= 126:
+        if len(ehs) >= 62:
             check(c, r, eps, [(5, e) for e in ehs])
     both(c, r, "remove", 5, [ehs[0]], 0)
     check(c, r, eps, [(5, e) for e in ehs])
