@@ -234,14 +234,17 @@ def resize_points(limit: int) -> list[int]:
 
 def test_canonical_map_across_every_resize_point_with_removals():
     """Blocks owned by a first endpoint and mapped canonically by a second pass every resize
-    point of the canonical map up to ~3,000 entries; after each, a third of the blocks are
-    removed by both (their entries deleted, clusters shifted back) and a few by one only (the
-    entry stays for the other); every mapping resolves and every block answers throughout."""
+    point of the canonical map up to ~3,000 entries, beside blocks a third endpoint stores
+    under engine hashes other blocks own (records that own nothing, which a rehash must leave
+    out); after each, a third of the blocks are removed by both (their entries deleted,
+    clusters shifted back) and a few by one only (the entry stays for the other); every
+    mapping resolves and every block answers throughout."""
     rng = np.random.default_rng(9)
     c, r = C.Index(), R.Index()
     points = set(resize_points(3000))
     live: dict[int, int] = {}  # engine hash -> block, held by endpoints 0 and 1
     only1: dict[int, int] = {}  # held by endpoint 1 alone
+    other2: dict[int, int] = {}  # endpoint 2: another block under an owned engine hash
     next_eh = 1
 
     def check_live() -> None:
@@ -249,6 +252,8 @@ def test_canonical_map_across_every_resize_point_with_removals():
             assert c.resolve(0, eh) == bh and c.resolve(1, eh) == bh, eh
         for eh, bh in only1.items():
             assert c.resolve(0, eh) is None and c.resolve(1, eh) == bh, eh
+        for eh, bh in other2.items():
+            assert c.resolve(2, eh) == bh, eh
         assert c.query(list(live.values())[:1]).scores().get(1, 0) == min(1, len(live))
         cs, rs = c.stats(), r.stats()
         for k in ("blocks", "entries", "engine_mappings", "removed_blocks"):
@@ -261,6 +266,9 @@ def test_canonical_map_across_every_resize_point_with_removals():
         both(c, r, "store", 0, 0, [eh], [bh])
         both(c, r, "store", 1, 0, [eh], [bh])
         live[eh] = bh
+        if n % 5 == 0:  # a block whose engine hash another owns: a record owning nothing
+            both(c, r, "store", 2, 0, [eh], [bh ^ 1])
+            other2[eh] = bh ^ 1
         if n in points or n in {p + 1 for p in points}:
             check_live()
             gone = [e for e in live if rng.random() < 0.33]
@@ -271,6 +279,10 @@ def test_canonical_map_across_every_resize_point_with_removals():
                 bh_gone = live.pop(e)
                 if e in half:
                     only1[e] = bh_gone
+            gone2 = [e for e in other2 if rng.random() < 0.2]
+            both(c, r, "remove", 2, gone2)
+            for e in gone2:
+                del other2[e]
             check_live()
     check_live()
     for e in sorted(live):  # every block of this index answers a query alone
