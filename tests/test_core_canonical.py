@@ -141,7 +141,9 @@ def test_clear_and_holdings_of_one_endpoint_among_many(bounded):
     ehs_all: set[int] = set()
     blocks: set[int] = set(shared)
     for ep in eps:
-        ehs = [2000 + i for i in range(12)] if ep not in (3, 5) else [ep * 100 + i for i in range(12)]
+        ehs = (
+            [2000 + i for i in range(12)] if ep not in (3, 5) else [ep * 100 + i for i in range(12)]
+        )
         both(c, r, "store", ep, int(rng.integers(3)), ehs, shared)
         own = [5000 + ep * 10 + i for i in range(3)]
         both(c, r, "store", ep, 0, [7000 + ep * 10 + i for i in range(3)], own)
@@ -173,7 +175,11 @@ def test_eviction_drops_canonical_and_own_mappings():
     for step in range(40):
         bhs = [step * 10 + i for i in range(4)]
         for ep in eps:
-            ehs = [step * 10 + i for i in range(4)] if ep != 2 else [90_000 + step * 10 + i for i in range(4)]
+            ehs = (
+                [step * 10 + i for i in range(4)]
+                if ep != 2
+                else [90_000 + step * 10 + i for i in range(4)]
+            )
             both(c, r, "store", ep, step % 3, ehs, bhs)
             ehs_all |= set(ehs)
         if step % 4 == 0:

@@ -2,9 +2,9 @@
 endpoint keeps its holders in an array of 8-byte compact holders (an 8-bit count per tier, 6
 bits of mappings, a canonical-mapping flag), rewritten with 12-byte wide holders once a
 holder's count in a tier would pass 255 or its mappings 63; arrays double from 2 up to 16
-holders, then grow by a quarter (rounded down to even; `ext_grown_cap` in csrc/index.c). Every state is compared with the
-pure-Python reference (holdings, queries, engine mappings, counters), bounded (per-holder
-engine hashes, eviction) and not."""
+holders, then grow by a quarter (rounded down to even; `ext_grown_cap` in csrc/index.c).
+Every state is compared with the pure-Python reference (holdings, queries, engine mappings,
+counters), bounded (per-holder engine hashes, eviction) and not."""
 
 from __future__ import annotations
 
