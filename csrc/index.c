@@ -1454,7 +1454,11 @@ enum { STORE_AHEAD = 12 }; /* blocks to prefetch ahead: covers DRAM latency at ~
         __builtin_prefetch(b_ + 64);                                                    \
         __builtin_prefetch(c_);                                                         \
         __builtin_prefetch(c_ + 64);                                                    \
-        if ((em)->count) __builtin_prefetch(&(em)->t[mslot_of((eh), (em)->cap)]);        \
+        if ((em)->count) {                                                              \
+            const char *m_ = (const char *)&(em)->t[mslot_of((eh), (em)->cap)];          \
+            __builtin_prefetch(m_);                                                     \
+            __builtin_prefetch(m_ + 64);                                                \
+        }                                                                               \
     } while (0)
 
 /* Second stage, nearer: the canonical map's home slot (prefetched STORE_AHEAD blocks before)
