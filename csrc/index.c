@@ -1461,21 +1461,6 @@ enum { STORE_AHEAD = 12 }; /* blocks to prefetch ahead: covers DRAM latency at ~
         }                                                                               \
     } while (0)
 
-/* Second stage, nearer: the canonical map's home slot (prefetched STORE_AHEAD blocks before)
- * names the record that probably owns eh, whose engine hash and holders add_ref will read: a
- * block other engines already hold is then found without a wait. A macro, as PREFETCH_STORE. */
-enum { RECORD_AHEAD = 6 };
-#define PREFETCH_OWNER(idx, eh)                                                        \
-    do {                                                                               \
-        const uint64_t mixed_ = cmix_of(eh);                                           \
-        const bslot_t *c_ = &(idx)->cm[bhome_of(mixed_, (idx)->cm_cap)];                \
-        const uint32_t rec_ = c_->rec;                                                 \
-        if (rec_ != NONE32 && c_->tag == btag_of(mixed_)) {                            \
-            __builtin_prefetch(&(idx)->rec_ceh[rec_]);                                 \
-            __builtin_prefetch(&(idx)->pool[rec_]);                                    \
-        }                                                                              \
-    } while (0)
-
 static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
                                   const kvp_engine_hash_t *ehs, const kvp_hash_t *hs, size_t n) {
     kvp_status st = KVP_OK;
@@ -1484,7 +1469,6 @@ static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
     for (size_t i = 0; i < n && i < STORE_AHEAD; i++) PREFETCH_STORE(idx, em, ehs[i], hs[i]);
     for (size_t i = 0; i < n; i++) {
         if (i + STORE_AHEAD < n) PREFETCH_STORE(idx, em, ehs[i + STORE_AHEAD], hs[i + STORE_AHEAD]);
-        if (i + RECORD_AHEAD < n) PREFETCH_OWNER(idx, ehs[i + RECORD_AHEAD]);
         st = add_ref(idx, ep, ehs[i], hs[i], tier);
         if (st != KVP_OK) break;
     }
