@@ -102,10 +102,11 @@ typedef struct {
 
 /* 16 bytes; LRU links and eh_first live in side arrays, allocated only when bounded. A block
  * with one holder usually keeps it inline, compactly: ep, and `packed` with an 8-bit count per
- * tier and 6 bits of nmaps (plus IN_CANON and IN_EH_VALID). ep == EP_NONE: no holder (none yet, or the last
- * one just left). ep == EP_EXT: the holders live in an ext_t (ext_t.n of them), whose id in
- * the index's ext table is `packed`; a block gets one when a second endpoint holds it, or when
- * its inline holder's counts outgrow 8 bits (or its mappings 7), so nothing is ever lost. */
+ * tier and 6 bits of nmaps (plus IN_CANON and IN_EH_VALID). ep == EP_NONE: no holder (none
+ * yet, or the last one just left). ep == EP_EXT: the holders live in an ext_t (ext_t.n of
+ * them), whose id in the index's ext table is `packed`; a block gets one when a second endpoint
+ * holds it, or when its inline holder's counts outgrow 8 bits (or its mappings 6), so nothing
+ * is ever lost. */
 typedef struct {
     kvp_hash_t hash; /* on the free list: the next free record id */
     uint32_t ep;     /* the inline holder's endpoint, EP_NONE or EP_EXT */
@@ -534,7 +535,8 @@ static void bt_delete(kvp_index *idx, uint32_t r) {
 /* ---- canonical engine map ----------------------------------------------------------------- */
 /* Slots as the block table's (16-bit tag, record id), keyed on the record's canonical engine
  * hash (rec_ceh), which confirms a tag match and gives a slot's home when growing or deleting.
- * Its own mixing: an engine hash may equal a block hash (and then must not share the tag). */
+ * Mixed unlike block hashes, so a workload whose engine hashes equal its block hashes does not
+ * give both tables the same clusters. */
 static inline uint64_t cmix_of(kvp_engine_hash_t eh) {
     uint64_t x = (eh ^ (eh >> 29)) * KPH_K2;
     return x ^ (x >> 31);
@@ -906,7 +908,8 @@ static kvp_status pool_reserve(kvp_index *idx, size_t extra) {
         cap += cap / (cap * sizeof(block_t) >= KVP_BIG_BYTES ? POOL_GROW_DEN_BIG : POOL_GROW_DEN);
     if (cap >= POOL_MAX_RECORDS) cap = POOL_MAX_RECORDS - 1;
     /* pool_cap changes only once every array has grown; a failure leaves larger arrays unused */
-    if (!arr_grow((void **)&idx->pool, &idx->pool_bytes, &idx->pool_mapped, cap * sizeof(block_t)) ||
+    if (!arr_grow((void **)&idx->pool, &idx->pool_bytes, &idx->pool_mapped,
+                  cap * sizeof(block_t)) ||
         !arr_grow((void **)&idx->rec_ceh, &idx->rec_ceh_bytes, &idx->rec_ceh_mapped,
                   cap * sizeof(kvp_engine_hash_t)))
         return KVP_E_NOMEM;
@@ -1493,7 +1496,8 @@ kvp_status kvp_index_reserve(kvp_index *idx, size_t n_blocks, size_t n_mappings)
     /* every block may own its canonical engine hash */
     if ((st = cm_reserve(idx, n_blocks > idx->cm_count ? n_blocks - idx->cm_count : 0)) != KVP_OK)
         return st;
-    /* endpoints' own maps (mappings the canonical map does not cover) are per endpoint: spread the mappings over the endpoints that have stored */
+    /* endpoints' own maps (mappings the canonical map does not cover) are per endpoint:
+     * spread the mappings over the endpoints that have stored */
     if (idx->ep_limit > 0 && n_mappings > 0) {
         const size_t per = (n_mappings + idx->ep_limit - 1) / idx->ep_limit;
         for (kvp_endpoint_t e = 0; e < idx->ep_limit; e++)
