@@ -11,6 +11,7 @@ and times it in CPU time. Memory is the RSS growth of a fresh process per build 
 it, plus each build's own accounting.
 
     python benchmarks/ab_core_builds.py --base /tmp/base --new . --workers 8 64 512
+    python benchmarks/ab_core_builds.py --base /tmp/base --new . --disagree   # engines disagree
 
 Prints progress and a table of per-round new/base ratios; writes
 ``benchmarks/results/ab_core_builds.json``.
@@ -33,6 +34,7 @@ from types import ModuleType
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_core  # noqa: E402  (its workload, RSS reading and heap release)
+import numpy as np  # noqa: E402
 
 
 def load_build(folder: str, tag: str) -> ModuleType:
@@ -61,10 +63,23 @@ def apply_cpu_ns_per_block(mod: ModuleType, inputs: list, n_blocks: int) -> tupl
     return cpu / n_blocks * 1e9, mem
 
 
-def memory_child(folder: str, workers: int, blocks: int) -> None:
+def store_inputs(wl: bench_core.Workload, disagree: bool) -> list:
+    """bench_core's kvplug apply inputs. With ``disagree``, every worker's engine hashes differ
+    from every other's (xor with a per-worker constant), as vLLM engines without a shared
+    PYTHONHASHSEED draw theirs: no engine hash is shared, the index's fallback path."""
+    if not disagree:
+        return [(ev.worker, ev.engine.tolist(), ev.seq.tolist()) for ev in wl.events]
+    salt = [((w + 1) * 0x9E3779B97F4A7C15) & (2**64 - 1) for w in range(wl.workers)]
+    return [
+        (ev.worker, (ev.engine ^ np.uint64(salt[ev.worker])).tolist(), ev.seq.tolist())
+        for ev in wl.events
+    ]
+
+
+def memory_child(folder: str, workers: int, blocks: int, disagree: bool) -> None:
     mod = load_build(folder, "child")
     wl = bench_core.make_workload(workers, blocks, seed=1000 + workers)
-    inputs = [(ev.worker, ev.engine.tolist(), ev.seq.tolist()) for ev in wl.events]
+    inputs = store_inputs(wl, disagree)
     bench_core.release_freed_heap()
     rss0 = bench_core.rss_bytes()
     idx = mod.Index()
@@ -95,17 +110,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--memory-rounds", type=int, default=2, help="0 skips memory")
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--disagree", action="store_true", help="per-worker engine hashes (engines that disagree)"
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ab_core_builds.json"))
     args = ap.parse_args(argv)
     if args.memory_child:
-        memory_child(args.memory_child, args.workers[0], args.blocks)
+        memory_child(args.memory_child, args.workers[0], args.blocks, args.disagree)
         return 0
     builds = {"base": load_build(args.base, "base"), "new": load_build(args.new, "new")}
     results: dict = {"args": vars(args), "workers": {}}
     lines = []
     for workers in args.workers:
         wl = bench_core.make_workload(workers, args.blocks, seed=1000 + workers)
-        inputs = [(ev.worker, ev.engine.tolist(), ev.seq.tolist()) for ev in wl.events]
+        inputs = store_inputs(wl, args.disagree)
         rounds = []
         for r in range(args.rounds):
             order = ["base", "new"] if r % 2 == 0 else ["new", "base"]
@@ -133,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 folder = args.base if name == "base" else args.new
                 cmd = [sys.executable, __file__, "--base", args.base, "--new", args.new,
                        "--memory-child", folder, "--workers", str(workers),
-                       "--blocks", str(args.blocks)]  # fmt: skip
+                       "--blocks", str(args.blocks)] + ["--disagree"] * args.disagree  # fmt: skip
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 mem[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             bench_core.log(

@@ -7,11 +7,16 @@
  *   records      a pool of 16-byte block records with stable ids (free list): hash and one
  *                compact inline holder (8-bit counts); more holders in a growable holder
  *                array of 8-byte holders (the same compact format), which widens to 12-byte
- *                holders once a count outgrows it; LRU links and per-holder engine hashes
- *                only when bounded
- *   engine maps  one per endpoint, open addressing on the engine hash, 12-byte slots ->
- *                record id; refcounts from the holder (first mapping of the endpoint to the
- *                block) or from a side table (further ones)
+ *                holders once a count outgrows it; beside each record its canonical engine
+ *                hash (8 bytes) and a bit; LRU links and per-holder engine hashes only when
+ *                bounded
+ *   canonical    one map for all endpoints: a block's first engine hash -> the block, 6-byte
+ *   engine map   slots as the block table's; an endpoint mapping a block under that hash as
+ *                its first mapping to it keeps the mapping as a flag on its holder
+ *   engine maps  one per endpoint, for the other mappings (engines that disagree, further
+ *                engine hashes of a block), open addressing on the engine hash, 12-byte slots
+ *                -> record id; refcounts from the holder (first mapping of the endpoint to
+ *                the block) or from a side table (further ones)
  * Invariant: a holder's count per tier is the sum of the refs of that endpoint's mappings to
  * the block, so holders and mappings are created and destroyed together.
  */
@@ -64,11 +69,12 @@
 typedef struct {
     kvp_endpoint_t ep;
     uint16_t count[KVP_N_TIERS]; /* sums of the mappings' refs; 65535 is KVP_E_OVERFLOW */
-    uint16_t nmaps;              /* engine mappings of ep to this block | HOLDER_EH_VALID */
+    uint16_t nmaps;              /* engine mappings of ep to this block | flags below */
 } holder_t;
 #define COUNT_MAX 0xFFFFu
 #define EXT_MIN_CAP 2u           /* first holder array of a shared block (ext_grown_cap) */
-#define NMAPS_MASK 0x7FFFu       /* 32767 engine hashes of one endpoint on one block at most */
+#define NMAPS_MASK 0x3FFFu       /* 16383 engine hashes of one endpoint on one block at most */
+#define HOLDER_CANON 0x4000u     /* one of the mappings is the block's canonical one (cm) */
 #define HOLDER_EH_VALID 0x8000u  /* bounded index: the holder's eh_first is still mapped */
 
 /* 8 bytes: a compact holder, the inline holder's format (ep, then `packed`: see block_t). A
@@ -96,17 +102,19 @@ typedef struct {
 
 /* 16 bytes; LRU links and eh_first live in side arrays, allocated only when bounded. A block
  * with one holder usually keeps it inline, compactly: ep, and `packed` with an 8-bit count per
- * tier and 7 bits of nmaps (plus IN_EH_VALID). ep == EP_NONE: no holder (none yet, or the last
- * one just left). ep == EP_EXT: the holders live in an ext_t (ext_t.n of them), whose id in
- * the index's ext table is `packed`; a block gets one when a second endpoint holds it, or when
- * its inline holder's counts outgrow 8 bits (or its mappings 7), so nothing is ever lost. */
+ * tier and 6 bits of nmaps (plus IN_CANON and IN_EH_VALID). ep == EP_NONE: no holder (none
+ * yet, or the last one just left). ep == EP_EXT: the holders live in an ext_t (ext_t.n of
+ * them), whose id in the index's ext table is `packed`; a block gets one when a second endpoint
+ * holds it, or when its inline holder's counts outgrow 8 bits (or its mappings 6), so nothing
+ * is ever lost. */
 typedef struct {
     kvp_hash_t hash; /* on the free list: the next free record id */
     uint32_t ep;     /* the inline holder's endpoint, EP_NONE or EP_EXT */
     uint32_t packed; /* inline holder (see pack_holder), or the ext id */
 } block_t;
 #define IN_COUNT_MAX 0xFFu  /* an inline holder's count per tier */
-#define IN_NMAPS_MAX 0x7Fu  /* an inline holder's engine mappings */
+#define IN_NMAPS_MAX 0x3Fu  /* an inline holder's engine mappings */
+#define IN_CANON 0x40u
 #define IN_EH_VALID 0x80u
 
 _Static_assert(sizeof(holder_t) == 12, "holder_t is 12 bytes");
@@ -141,10 +149,13 @@ _Static_assert(sizeof(mslot_t) == 12, "mslot_t is 12 bytes");
 #define M_REC_MASK 0x7FFFFFFFu
 #define POOL_MAX_RECORDS 0x7FFFFFF0u /* record ids must leave M_SIDE free */
 
-/* One endpoint's engine map: open addressing on the engine hash, linear probing. */
+/* One endpoint's engine map: open addressing on the engine hash, linear probing. It holds the
+ * endpoint's mappings other than canonical ones (see cm below), so it stays empty while the
+ * endpoint's engine agrees with the others on what each engine hash is. */
 typedef struct {
     mslot_t *t;
     uint32_t cap, count;
+    uint32_t ncanon; /* canonical mappings of the endpoint (holders with HOLDER_CANON) */
 } emap_t;
 
 /* Side table: refcounts of M_SIDE mappings keyed by (endpoint code, engine hash), and per
@@ -175,7 +186,20 @@ struct kvp_index {
     emap_t *em;        /* engine maps of endpoints 0 .. em_cap-1 */
     size_t em_cap;
     emap_t em_shared;  /* the shared tier's */
-    size_t mt_count;   /* mappings, all endpoints */
+    /* Canonical map: engine hash -> record, at most one entry per record, shared by every
+     * endpoint. A record created by a store whose engine hash no record owns yet owns it (its
+     * canonical engine hash, rec_ceh, and its bit in cm_own); an endpoint whose first mapping
+     * to a block is the block's canonical engine hash keeps that mapping as a flag on its
+     * holder (HOLDER_CANON) instead of a slot in its own map. So engines that agree on engine
+     * hashes (the usual case) cost one 6-byte slot per block, not 12 bytes per holder; where
+     * they disagree, their own maps keep the rest, as before. Slots as the block table's. */
+    bslot_t *cm;
+    size_t cm_cap, cm_count, cm_bytes;
+    unsigned char cm_mapped, rec_ceh_mapped, cm_own_mapped;
+    kvp_engine_hash_t *rec_ceh; /* pool_cap entries: a record's canonical engine hash */
+    uint64_t *cm_own;           /* pool_cap bits: the record owns its cm entry */
+    size_t rec_ceh_bytes, cm_own_bytes;
+    size_t mt_count;   /* mappings, all endpoints (canonical ones included) */
     size_t mt_slots;   /* slots allocated, all endpoints */
     oslot_t *ot; /* side table (NULL until first needed) */
     size_t ot_cap, ot_count;
@@ -237,17 +261,19 @@ static inline uint32_t nh_of(const kvp_index *idx, const block_t *b) {
     return is_ext(b) ? ext_of(idx, b)->n : (b->ep != EP_NONE);
 }
 /* The compact format (an inline holder, a compact array's entry): ep, and `packed` with an
- * 8-bit count per tier and 7 bits of nmaps plus IN_EH_VALID. */
+ * 8-bit count per tier and 6 bits of nmaps plus IN_CANON and IN_EH_VALID. */
 static inline void unpack_fields(kvp_endpoint_t ep, uint32_t p, holder_t *h) {
     h->ep = ep;
     h->count[0] = (uint16_t)(p & 0xFF);
     h->count[1] = (uint16_t)((p >> 8) & 0xFF);
     h->count[2] = (uint16_t)((p >> 16) & 0xFF);
-    h->nmaps = (uint16_t)(((p >> 24) & IN_NMAPS_MAX) | ((p >> 24) & IN_EH_VALID ? HOLDER_EH_VALID : 0));
+    h->nmaps = (uint16_t)(((p >> 24) & IN_NMAPS_MAX) | ((p >> 24) & IN_CANON ? HOLDER_CANON : 0) |
+                          ((p >> 24) & IN_EH_VALID ? HOLDER_EH_VALID : 0));
 }
 /* The caller made sure it fits (fits_compact): see widen. */
 static inline uint32_t pack_fields(const holder_t *h) {
-    uint32_t nm = (h->nmaps & IN_NMAPS_MAX) | (h->nmaps & HOLDER_EH_VALID ? IN_EH_VALID : 0);
+    uint32_t nm = (h->nmaps & IN_NMAPS_MAX) | (h->nmaps & HOLDER_CANON ? IN_CANON : 0) |
+                  (h->nmaps & HOLDER_EH_VALID ? IN_EH_VALID : 0);
     return (uint32_t)h->count[0] | (uint32_t)h->count[1] << 8 | (uint32_t)h->count[2] << 16 |
            nm << 24;
 }
@@ -506,6 +532,105 @@ static void bt_delete(kvp_index *idx, uint32_t r) {
     idx->bt_count--;
 }
 
+/* ---- canonical engine map ----------------------------------------------------------------- */
+/* Slots as the block table's (16-bit tag, record id), keyed on the record's canonical engine
+ * hash (rec_ceh), which confirms a tag match and gives a slot's home when growing or deleting.
+ * Mixed unlike block hashes, so a workload whose engine hashes equal its block hashes does not
+ * give both tables the same clusters. */
+static inline uint64_t cmix_of(kvp_engine_hash_t eh) {
+    uint64_t x = (eh ^ (eh >> 29)) * KPH_K2;
+    return x ^ (x >> 31);
+}
+static inline int cm_owns(const kvp_index *idx, uint32_t r) {
+    return (int)((idx->cm_own[r >> 6] >> (r & 63)) & 1u);
+}
+
+/* The record owning eh, or NONE32 with *empty = where it would be inserted. */
+static uint32_t cm_probe(const kvp_index *idx, kvp_engine_hash_t eh, size_t *empty) {
+    const size_t cap = idx->cm_cap;
+    const uint64_t mixed = cmix_of(eh);
+    const uint16_t tag = btag_of(mixed);
+    size_t i = bhome_of(mixed, cap);
+    for (;;) {
+        const bslot_t *s = &idx->cm[i];
+        const uint32_t rec = s->rec;
+        if (rec == NONE32) {
+            *empty = i;
+            return NONE32;
+        }
+        if (s->tag == tag && idx->rec_ceh[rec] == eh) return rec;
+        if (++i == cap) i = 0;
+    }
+}
+
+/* Record r (new, holding nothing in cm yet) owns eh, whose probe found slot `empty` free. */
+static void cm_insert(kvp_index *idx, uint32_t r, kvp_engine_hash_t eh, size_t empty) {
+    idx->cm[empty].tag = btag_of(cmix_of(eh));
+    idx->cm[empty].rec = r;
+    idx->cm_count++;
+    idx->rec_ceh[r] = eh;
+    idx->cm_own[r >> 6] |= (uint64_t)1 << (r & 63);
+}
+
+/* Room for `extra` more entries: grown in place and refilled from the owners' engine hashes,
+ * read in record order (as bt_reserve does with the block hashes). */
+static kvp_status cm_reserve(kvp_index *idx, size_t extra) {
+    size_t need = idx->cm_count + extra;
+    if (need < idx->cm_count || need > ((size_t)1 << 31)) return KVP_E_NOMEM;
+    size_t cap = grown_cap(idx->cm_cap, need);
+    if (cap == idx->cm_cap) return KVP_OK;
+    if (cap > SIZE_MAX / sizeof(bslot_t) ||
+        !arr_grow((void **)&idx->cm, &idx->cm_bytes, &idx->cm_mapped, cap * sizeof(bslot_t)))
+        return KVP_E_NOMEM;
+    bslot_t *t = idx->cm;
+    for (size_t i = 0; i < cap; i++) {
+        t[i].tag = 0;
+        t[i].rec = NONE32;
+    }
+    enum { REHASH_AHEAD = 16 };
+    const uint32_t n = idx->pool_len;
+    const kvp_engine_hash_t *ceh = idx->rec_ceh;
+    for (uint32_t r = 0; r < n; r++) {
+        if (r + REHASH_AHEAD < n)
+            __builtin_prefetch(&t[bhome_of(cmix_of(ceh[r + REHASH_AHEAD]), cap)], 1);
+        if (!cm_owns(idx, r)) continue;
+        const uint64_t mixed = cmix_of(ceh[r]);
+        size_t j = bhome_of(mixed, cap);
+        while (t[j].rec != NONE32)
+            if (++j == cap) j = 0;
+        t[j].rec = r;
+        t[j].tag = btag_of(mixed);
+    }
+    idx->cm_cap = cap;
+    return KVP_OK;
+}
+
+/* Delete owner r's entry (backward shift, homes from the owners' engine hashes). */
+static void cm_delete(kvp_index *idx, uint32_t r) {
+    const size_t cap = idx->cm_cap;
+    size_t i = bhome_of(cmix_of(idx->rec_ceh[r]), cap);
+    idx->cm_own[r >> 6] &= ~((uint64_t)1 << (r & 63));
+    for (;;) {
+        if (idx->cm[i].rec == NONE32) return;
+        if (idx->cm[i].rec == r) break;
+        if (++i == cap) i = 0;
+    }
+    size_t j = i;
+    for (;;) {
+        if (++j == cap) j = 0;
+        const uint32_t rj = idx->cm[j].rec;
+        if (rj == NONE32) break;
+        size_t home = bhome_of(cmix_of(idx->rec_ceh[rj]), cap);
+        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (stays) continue;
+        idx->cm[i] = idx->cm[j];
+        i = j;
+    }
+    idx->cm[i].rec = NONE32;
+    idx->cm[i].tag = 0;
+    idx->cm_count--;
+}
+
 /* ---- engine mapping tables (one per endpoint) --------------------------------------------- */
 static inline uint32_t m_rec(const mslot_t *m) { return m->rec & M_REC_MASK; }
 static inline int m_side(const mslot_t *m) { return (m->rec & M_SIDE) != 0; }
@@ -535,9 +660,45 @@ static mslot_t *mt_probe(const emap_t *em, kvp_engine_hash_t eh, size_t *empty) 
     }
 }
 
-static mslot_t *mt_find(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh) {
-    size_t empty;
-    return mt_probe(emap_of(idx, ep), eh, &empty);
+/* An engine mapping of an endpoint as found: its value (engine hash; record id, with M_SIDE when
+ * its refcounts live in the side table), and its slot in the endpoint's own map, or slot NULL
+ * for a canonical mapping (the block's canonical engine hash, kept as its holder's flag). */
+typedef struct {
+    mslot_t v;
+    mslot_t *slot;
+} mapping_t;
+
+/* ep's mapping of eh, if any: in ep's own map, else the canonical one when ep's holder on the
+ * record owning eh has HOLDER_CANON (an endpoint never has both for one engine hash: a
+ * canonical mapping is only made when the own map has none, and the own map only gets eh when
+ * no canonical mapping of ep answers it). *m_empty: where ep's own map would take eh;
+ * *cm_rec: the record owning eh (NONE32: none, or not looked up), *cm_empty: where it would go. */
+static int map_lookup(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh,
+                      mapping_t *out, size_t *m_empty, uint32_t *cm_rec, size_t *cm_empty) {
+    mslot_t *m = mt_probe(emap_of(idx, ep), eh, m_empty);
+    *cm_rec = NONE32;
+    if (m != NULL) {
+        out->v = *m;
+        out->slot = m;
+        return 1;
+    }
+    const uint32_t r = cm_probe(idx, eh, cm_empty);
+    *cm_rec = r;
+    if (r == NONE32) return 0;
+    holder_t tmp;
+    const holder_t *hd = find_holder(idx, &idx->pool[r], ep, &tmp, NULL);
+    if (hd == NULL || !(hd->nmaps & HOLDER_CANON)) return 0;
+    out->v.eh = eh;
+    out->v.rec = r;
+    out->slot = NULL;
+    return 1;
+}
+
+static int map_find(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh,
+                    mapping_t *out) {
+    size_t m_empty, cm_empty;
+    uint32_t cm_rec;
+    return map_lookup(idx, ep, eh, out, &m_empty, &cm_rec, &cm_empty);
 }
 
 static kvp_status mt_alloc(size_t cap, mslot_t **out) {
@@ -747,8 +908,17 @@ static kvp_status pool_reserve(kvp_index *idx, size_t extra) {
         cap += cap / (cap * sizeof(block_t) >= KVP_BIG_BYTES ? POOL_GROW_DEN_BIG : POOL_GROW_DEN);
     if (cap >= POOL_MAX_RECORDS) cap = POOL_MAX_RECORDS - 1;
     /* pool_cap changes only once every array has grown; a failure leaves larger arrays unused */
-    if (!arr_grow((void **)&idx->pool, &idx->pool_bytes, &idx->pool_mapped, cap * sizeof(block_t)))
+    if (!arr_grow((void **)&idx->pool, &idx->pool_bytes, &idx->pool_mapped,
+                  cap * sizeof(block_t)) ||
+        !arr_grow((void **)&idx->rec_ceh, &idx->rec_ceh_bytes, &idx->rec_ceh_mapped,
+                  cap * sizeof(kvp_engine_hash_t)))
         return KVP_E_NOMEM;
+    const size_t own_had = idx->cm_own_bytes; /* new bits must read "owns nothing" */
+    if (!arr_grow((void **)&idx->cm_own, &idx->cm_own_bytes, &idx->cm_own_mapped,
+                  (cap + 63) / 64 * sizeof(uint64_t)))
+        return KVP_E_NOMEM;
+    if (idx->cm_own_bytes > own_had)
+        memset((unsigned char *)idx->cm_own + own_had, 0, idx->cm_own_bytes - own_had);
     if (idx->max_entries) {
         if (!arr_grow((void **)&idx->lru_prev, &idx->lru_prev_bytes, &idx->lru_prev_mapped,
                       cap * sizeof(uint32_t)) ||
@@ -773,6 +943,7 @@ static uint32_t pool_take(kvp_index *idx) {
     block_t *b = &idx->pool[r];
     memset(b, 0, sizeof(*b));
     b->ep = EP_NONE;
+    idx->rec_ceh[r] = 0; /* owns nothing (cm_own), but cm_reserve reads every record's */
     if (idx->max_entries) idx->lru_prev[r] = idx->lru_next[r] = NONE32;
     return r;
 }
@@ -817,6 +988,7 @@ static inline void touch(kvp_index *idx, uint32_t r) {
 }
 
 static void delete_block(kvp_index *idx, uint32_t r) {
+    if (cm_owns(idx, r)) cm_delete(idx, r);
     bt_delete(idx, r);
     if (idx->max_entries) lru_unlink(idx, r);
     pool_give(idx, r);
@@ -995,19 +1167,21 @@ static kvp_status grow_ep_scratch(kvp_index *idx, kvp_endpoint_t ep) {
 }
 
 /* ---- core ops (mirror _reference.Index._add_ref / _drop_ref) ------------------------------- */
-/* Capacity for one new block, record and mapping of ep must have been reserved by the caller. */
+/* Capacity for one new block, record and canonical-map entry must have been reserved by the
+ * caller; ep's own map grows here when a mapping goes there (rarely: see cm). */
 static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t eh, kvp_hash_t h,
                           int tier) {
-    size_t m_empty = 0, b_empty = 0;
+    size_t m_empty = 0, b_empty = 0, c_empty = 0;
     emap_t *em = emap_of(idx, ep);
     const uint32_t code = ep_code(ep);
-    mslot_t *m = mt_probe(em, eh, &m_empty);
+    mapping_t mp;
+    uint32_t rc; /* the record owning eh in the canonical map */
     uint32_t r;
     holder_t tmp, *hd;
     uint32_t hk = 0; /* hd's position among the block's holders */
     int dup = 0;
-    if (m != NULL) {
-        r = m_rec(m);
+    if (map_lookup(idx, ep, eh, &mp, &m_empty, &rc, &c_empty)) {
+        r = m_rec(&mp.v);
         if (idx->pool[r].hash != h) {
             idx->c.conflicting_stores++;
             return KVP_OK;
@@ -1019,19 +1193,29 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             if (st != KVP_OK) return st;
             hd = find_holder(idx, &idx->pool[r], ep, &tmp, &hk);
         }
-        dup = mref(idx, code, m, hd, tier) > 0;
+        dup = mref(idx, code, &mp.v, hd, tier) > 0;
     } else {
-        r = bt_probe(idx, h, &b_empty);
+        /* the block: the canonical map's record when it is this block (one probe for a block
+         * other engines hold under the same engine hash), else the block table's */
+        r = (rc != NONE32 && idx->pool[rc].hash == h) ? rc : bt_probe(idx, h, &b_empty);
         holder_t *old = r != NONE32 ? find_holder(idx, &idx->pool[r], ep, &tmp, &hk) : NULL;
+        /* canonical: ep's first mapping to the block, under the engine hash the block owns or,
+         * for a new block, will own (no block owns it yet) */
+        const int canon = old == NULL && (r == NONE32 ? rc == NONE32 : r == rc);
+        kvp_status st;
         if (old) { /* refuse an overflowing store, make room, before any change */
             if (old->count[tier] == COUNT_MAX || (old->nmaps & NMAPS_MASK) == NMAPS_MASK)
                 return KVP_E_OVERFLOW;
-            kvp_status st = ot_reserve(idx, 2);
-            if (st != KVP_OK) return st;
+            if ((st = ot_reserve(idx, 2)) != KVP_OK) return st;
             if (old == &tmp && !compact_after(old, tier, 1)) {
                 if ((st = widen(idx, r)) != KVP_OK) return st;
                 old = find_holder(idx, &idx->pool[r], ep, &tmp, &hk);
             }
+        }
+        if (!canon) {
+            const uint32_t had = em->cap;
+            if ((st = mt_reserve(idx, ep, 1)) != KVP_OK) return st;
+            if (em->cap != had) mt_probe(em, eh, &m_empty);
         }
         if (r == NONE32) {
             r = pool_take(idx);
@@ -1039,6 +1223,7 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             idx->bt[b_empty].tag = btag_of(bmix_of(h)); /* the probe's empty slot: nothing moved */
             idx->bt[b_empty].rec = r;
             idx->bt_count++;
+            if (canon) cm_insert(idx, r, eh, c_empty); /* likewise */
             if (idx->max_entries) lru_append(idx, r);
         }
         block_t *b = &idx->pool[r];
@@ -1049,7 +1234,7 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             if (nh_of(idx, b) == 0) { /* the only holder: inline */
                 hd = &tmp;
             } else {
-                kvp_status st = holder_room(idx, r);
+                st = holder_room(idx, r);
                 if (st != KVP_OK) return st;
                 ext_t *e = ext_of(idx, b);
                 const uint32_t n = e->n;
@@ -1084,14 +1269,22 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             }
         }
         hd->nmaps++;
-        m = &em->t[m_empty]; /* the probe's empty slot: the engine map is untouched since */
-        m->eh = eh;
-        m->rec = r | side;
-        em->count++;
+        if (canon) {
+            hd->nmaps |= HOLDER_CANON;
+            em->ncanon++;
+            mp.slot = NULL;
+        } else {
+            mp.slot = &em->t[m_empty]; /* the probe's empty slot: the map is untouched since */
+            mp.slot->eh = eh;
+            mp.slot->rec = r | side;
+            em->count++;
+        }
+        mp.v.eh = eh;
+        mp.v.rec = r | side;
         idx->mt_count++;
     }
     if (dup) idx->c.duplicate_stores++;
-    mref_inc(idx, code, m, tier);
+    mref_inc(idx, code, &mp.v, tier);
     hd->count[tier]++;
     holder_sync(idx, r, hk, hd, &tmp);
     holders_changed(idx, &idx->pool[r]);
@@ -1100,10 +1293,11 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
     return KVP_OK;
 }
 
-/* Drop one ref of mapping m (slot of ep's engine map) in tier t, which it must hold. */
-static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
+/* Drop one ref of ep's mapping mp in tier t, which it must hold. */
+static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, const mapping_t *mp, int tier) {
     emap_t *em = emap_of(idx, ep);
     const uint32_t code = ep_code(ep);
+    const mslot_t *m = &mp->v;
     uint32_t r = m_rec(m);
     block_t *b = &idx->pool[r];
     holder_t tmp;
@@ -1118,8 +1312,14 @@ static void drop_ref(kvp_index *idx, kvp_endpoint_t ep, mslot_t *m, int tier) {
             hd->nmaps--;
             if (idx->max_entries && *eh_first_of(idx, r, k) == m->eh)
                 hd->nmaps &= (uint16_t)~HOLDER_EH_VALID;
+            if (mp->slot == NULL) hd->nmaps &= (uint16_t)~HOLDER_CANON;
         }
-        mt_delete_at(idx, em, code, (size_t)(m - em->t));
+        if (mp->slot != NULL) {
+            mt_delete_at(idx, em, code, (size_t)(mp->slot - em->t));
+        } else {
+            em->ncanon--;
+            idx->mt_count--;
+        }
     }
     if (holder_gone) {
         remove_holder_at(idx, r, k);
@@ -1153,7 +1353,14 @@ static void evict_block(kvp_index *idx, uint32_t r) {
         holder_t hk;
         hv_get(hv, k, &hk);
         const kvp_endpoint_t ep = hk.ep;
-        if ((hk.nmaps & NMAPS_MASK) == 1 && (hk.nmaps & HOLDER_EH_VALID)) {
+        const int canon = (hk.nmaps & HOLDER_CANON) != 0;
+        if (canon) { /* the canonical mapping goes with the holder */
+            emap_of(idx, ep)->ncanon--;
+            idx->mt_count--;
+        }
+        if (canon && (hk.nmaps & NMAPS_MASK) == 1) {
+            /* its only mapping: nothing in ep's own map */
+        } else if (!canon && (hk.nmaps & NMAPS_MASK) == 1 && (hk.nmaps & HOLDER_EH_VALID)) {
             emap_t *em = emap_of(idx, ep);
             size_t empty;
             mslot_t *m = mt_probe(em, *eh_first_of(idx, r, k), &empty);
@@ -1190,6 +1397,12 @@ kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out) {
         return KVP_E_NOMEM;
     }
     idx->bt_bytes = MIN_CAP * sizeof(bslot_t);
+    idx->cm_cap = MIN_CAP;
+    if (bt_alloc(MIN_CAP, &idx->cm) != KVP_OK) {
+        kvp_index_free(idx);
+        return KVP_E_NOMEM;
+    }
+    idx->cm_bytes = MIN_CAP * sizeof(bslot_t);
     *out = idx;
     return KVP_OK;
 }
@@ -1204,6 +1417,9 @@ void kvp_index_free(kvp_index *idx) {
     arr_free(idx->lru_next, idx->lru_next_bytes, idx->lru_next_mapped);
     arr_free(idx->rec_eh, idx->rec_eh_bytes, idx->rec_eh_mapped);
     arr_free(idx->bt, idx->bt_bytes, idx->bt_mapped);
+    arr_free(idx->cm, idx->cm_bytes, idx->cm_mapped);
+    arr_free(idx->rec_ceh, idx->rec_ceh_bytes, idx->rec_ceh_mapped);
+    arr_free(idx->cm_own, idx->cm_own_bytes, idx->cm_own_mapped);
     for (size_t e = 0; e < idx->em_cap; e++) free(idx->em[e].t);
     free(idx->em);
     free(idx->em_shared.t);
@@ -1223,34 +1439,39 @@ static kvp_status reserve_for_store(kvp_index *idx, kvp_endpoint_t ep, size_t n)
     kvp_status st;
     if ((st = grow_ep_scratch(idx, ep)) != KVP_OK) return st;
     if ((st = bt_reserve(idx, n)) != KVP_OK) return st;
-    if ((st = mt_reserve(idx, ep, n)) != KVP_OK) return st;
-    return pool_reserve(idx, n);
+    if ((st = cm_reserve(idx, n)) != KVP_OK) return st;
+    return pool_reserve(idx, n); /* ep's own map grows in add_ref, if a mapping goes there */
 }
 
 enum { STORE_AHEAD = 12 }; /* blocks to prefetch ahead: covers DRAM latency at ~20 ns/block */
+
+/* The lines a store of (eh, h) will probe: the canonical map's and the block table's home slots
+ * (two lines each: an insert usually probes past its home line at these loads), and ep's own
+ * map's when it has mappings (rarely: engines that disagree). A macro, not a function: GCC
+ * deems a function of prefetches alone free of side effects and deletes its calls. */
+#define PREFETCH_STORE(idx, em, eh, h)                                                  \
+    do {                                                                                \
+        const char *b_ = (const char *)&(idx)->bt[bslot_of((h), (idx)->bt_cap)];        \
+        const char *c_ = (const char *)&(idx)->cm[bhome_of(cmix_of(eh), (idx)->cm_cap)]; \
+        __builtin_prefetch(b_);                                                         \
+        __builtin_prefetch(b_ + 64);                                                    \
+        __builtin_prefetch(c_);                                                         \
+        __builtin_prefetch(c_ + 64);                                                    \
+        if ((em)->count) {                                                              \
+            const char *m_ = (const char *)&(em)->t[mslot_of((eh), (em)->cap)];          \
+            __builtin_prefetch(m_);                                                     \
+            __builtin_prefetch(m_ + 64);                                                \
+        }                                                                               \
+    } while (0)
 
 static kvp_status store_unchecked(kvp_index *idx, kvp_endpoint_t ep, int tier,
                                   const kvp_engine_hash_t *ehs, const kvp_hash_t *hs, size_t n) {
     kvp_status st = KVP_OK;
     const emap_t *em = emap_of(idx, ep); /* reserved: exists, and does not move during the loop */
     /* the first blocks too: a typical store event is only ~30 blocks long */
-    for (size_t i = 0; i < n && i < STORE_AHEAD; i++) {
-        const bslot_t *b_ = &idx->bt[bslot_of(hs[i], idx->bt_cap)];
-        const mslot_t *m_ = &em->t[mslot_of(ehs[i], em->cap)];
-        __builtin_prefetch(b_);
-        __builtin_prefetch((const char *)b_ + 64);
-        __builtin_prefetch(m_);
-        __builtin_prefetch((const char *)m_ + 64);
-    }
+    for (size_t i = 0; i < n && i < STORE_AHEAD; i++) PREFETCH_STORE(idx, em, ehs[i], hs[i]);
     for (size_t i = 0; i < n; i++) {
-        if (i + STORE_AHEAD < n) {
-            const bslot_t *b_ = &idx->bt[bslot_of(hs[i + STORE_AHEAD], idx->bt_cap)];
-            const mslot_t *m_ = &em->t[mslot_of(ehs[i + STORE_AHEAD], em->cap)];
-            __builtin_prefetch(b_);
-            __builtin_prefetch((const char *)b_ + 64);
-            __builtin_prefetch(m_);
-            __builtin_prefetch((const char *)m_ + 64);
-        }
+        if (i + STORE_AHEAD < n) PREFETCH_STORE(idx, em, ehs[i + STORE_AHEAD], hs[i + STORE_AHEAD]);
         st = add_ref(idx, ep, ehs[i], hs[i], tier);
         if (st != KVP_OK) break;
     }
@@ -1272,7 +1493,11 @@ kvp_status kvp_index_reserve(kvp_index *idx, size_t n_blocks, size_t n_mappings)
     kvp_status st;
     size_t nb = n_blocks > idx->bt_count ? n_blocks - idx->bt_count : 0;
     if ((st = bt_reserve(idx, nb)) != KVP_OK) return st;
-    /* engine maps are per endpoint: spread the mappings over the endpoints that have stored */
+    /* every block may own its canonical engine hash */
+    if ((st = cm_reserve(idx, n_blocks > idx->cm_count ? n_blocks - idx->cm_count : 0)) != KVP_OK)
+        return st;
+    /* endpoints' own maps (mappings the canonical map does not cover) are per endpoint:
+     * spread the mappings over the endpoints that have stored */
     if (idx->ep_limit > 0 && n_mappings > 0) {
         const size_t per = (n_mappings + idx->ep_limit - 1) / idx->ep_limit;
         for (kvp_endpoint_t e = 0; e < idx->ep_limit; e++)
@@ -1301,9 +1526,9 @@ kvp_status kvp_index_resolve(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine
                              kvp_hash_t *out, int *found) {
     if (idx == NULL || out == NULL || found == NULL) return KVP_E_NULL;
     if (!valid_ep(ep)) return KVP_E_ENDPOINT;
-    const mslot_t *m = mt_find(idx, ep, eh);
-    *found = m != NULL;
-    *out = m ? idx->pool[m_rec(m)].hash : 0;
+    mapping_t mp;
+    *found = map_find(idx, ep, eh, &mp);
+    *out = *found ? idx->pool[m_rec(&mp.v)].hash : 0;
     return KVP_OK;
 }
 
@@ -1323,12 +1548,12 @@ kvp_status kvp_index_store_tokens(kvp_index *idx, kvp_endpoint_t ep, int tier, i
     if (n_blocks > 0 && engine_hashes == NULL) return KVP_E_NULL;
     uint64_t root = seed;
     if (has_parent) {
-        const mslot_t *m = mt_find(idx, ep, parent);
-        if (m == NULL) {
+        mapping_t mp;
+        if (!map_find(idx, ep, parent, &mp)) {
             idx->c.orphan_stores++;
             return KVP_OK;
         }
-        root = idx->pool[m_rec(m)].hash;
+        root = idx->pool[m_rec(&mp.v)].hash;
     }
     kvp_status st = kvp_check_tokens(tokens, dt, n_tokens, err_pos);
     if (st != KVP_OK) return st;
@@ -1382,19 +1607,19 @@ kvp_status kvp_index_remove(kvp_index *idx, kvp_endpoint_t ep, int tier,
     if (n > 0 && engine_hashes == NULL) return KVP_E_NULL;
     for (size_t i = 0; i < n; i++) {
         kvp_engine_hash_t eh = engine_hashes[i];
-        mslot_t *m = mt_find(idx, ep, eh);
+        mapping_t mp;
+        int found = map_find(idx, ep, eh, &mp);
         int any = 0;
-        for (int t = 0; t < KVP_N_TIERS && m; t++)
-            if (mref_of(idx, ep, m, t) > 0 && (tier == KVP_TIER_ANY || t == tier)) any = 1;
+        for (int t = 0; t < KVP_N_TIERS && found; t++)
+            if (mref_of(idx, ep, &mp.v, t) > 0 && (tier == KVP_TIER_ANY || t == tier)) any = 1;
         if (!any) {
             idx->c.unknown_removes++;
             continue;
         }
         for (int t = 0; t < KVP_N_TIERS; t++) {
-            m = mt_find(idx, ep, eh); /* a drop may shift slots */
-            if (m == NULL) break;
-            if (mref_of(idx, ep, m, t) > 0 && (tier == KVP_TIER_ANY || t == tier))
-                drop_ref(idx, ep, m, t);
+            if (!map_find(idx, ep, eh, &mp)) break; /* a drop may shift slots */
+            if (mref_of(idx, ep, &mp.v, t) > 0 && (tier == KVP_TIER_ANY || t == tier))
+                drop_ref(idx, ep, &mp, t);
         }
         idx->c.removed_blocks++;
     }
@@ -1410,24 +1635,28 @@ kvp_status kvp_index_move(kvp_index *idx, kvp_endpoint_t ep, int from_tier, int 
     kvp_status st = reserve_for_store(idx, ep, 1);
     if (st != KVP_OK) return st;
     for (size_t i = 0; i < n; i++) {
-        mslot_t *m = mt_find(idx, ep, engine_hashes[i]);
-        if (m == NULL || mref_of(idx, ep, m, from_tier) == 0) {
+        mapping_t mp;
+        if (!map_find(idx, ep, engine_hashes[i], &mp) || mref_of(idx, ep, &mp.v, from_tier) == 0) {
             idx->c.unknown_moves++;
             continue;
         }
         if (from_tier == to_tier) continue;
+        const uint32_t r = m_rec(&mp.v);
         /* overflow would only strike add_ref after the drop; check first so a move is atomic */
         holder_t tmp;
-        holder_t *hd = find_holder(idx, &idx->pool[m_rec(m)], ep, &tmp, NULL);
+        holder_t *hd = find_holder(idx, &idx->pool[r], ep, &tmp, NULL);
         if (hd->count[to_tier] == COUNT_MAX) return KVP_E_OVERFLOW;
-        if (hd == &tmp && !compact_after(hd, to_tier, 0) && (st = widen(idx, m_rec(m))) != KVP_OK)
+        if (hd == &tmp && !compact_after(hd, to_tier, 0) && (st = widen(idx, r)) != KVP_OK)
             return st;
-        /* the re-added mapping may need side entries (when it is dropped but the holder stays) */
+        /* the re-added mapping may need side entries (when it is dropped but the holder stays)
+         * and, if it was canonical, a slot in ep's own map (as a side mapping) */
         if ((st = ot_reserve(idx, 2)) != KVP_OK) return st;
-        kvp_hash_t h = idx->pool[m_rec(m)].hash;
-        drop_ref(idx, ep, m, from_tier);
-        /* the drop freed at most one record/mapping/holder slot and the side entries are
-         * reserved, so add_ref cannot need memory */
+        if ((st = mt_reserve(idx, ep, 1)) != KVP_OK) return st;
+        if (!map_find(idx, ep, engine_hashes[i], &mp)) return KVP_E_ARG; /* cannot happen */
+        kvp_hash_t h = idx->pool[r].hash;
+        drop_ref(idx, ep, &mp, from_tier);
+        /* the drop freed at most one record/mapping/holder slot and the side entries and an own
+         * map slot are reserved, so add_ref cannot need memory */
         st = add_ref(idx, ep, engine_hashes[i], h, to_tier);
         if (st != KVP_OK) return st;
         idx->c.stored_blocks--; /* a move is not a new store */
@@ -1441,6 +1670,27 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
     if (!valid_ep(ep)) return KVP_E_ENDPOINT;
     emap_t *em = emap_of(idx, ep);
     const uint32_t code = ep_code(ep);
+    if (em != NULL && em->ncanon > 0) {
+        /* ep's canonical mappings are flags on its holders: walk the records (in order) until
+         * every holder with one has gone; their other mappings, if any, go with the own map's */
+        uint32_t left = em->ncanon;
+        const uint32_t n = idx->pool_len;
+        for (uint32_t r = 0; r < n && left > 0; r++) {
+            block_t *b = &idx->pool[r];
+            if (b->ep == EP_NONE) continue; /* free */
+            holder_t tmp;
+            uint32_t k;
+            const holder_t *hd = find_holder(idx, b, ep, &tmp, &k);
+            if (hd == NULL || !(hd->nmaps & HOLDER_CANON)) continue;
+            left--;
+            ot_delete(idx, code | OT_SUM, r);
+            remove_holder_at(idx, r, k);
+            idx->n_holdings--;
+            if (nh_of(idx, b) == 0) delete_block(idx, r);
+        }
+        idx->mt_count -= em->ncanon;
+        em->ncanon = 0;
+    }
     if (em != NULL && em->t != NULL) {
         for (size_t i = 0; i < em->cap; i++) {
             const mslot_t *s = &em->t[i];
@@ -1642,7 +1892,8 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
                         sizeof(mslot_t) * idx->mt_slots + sizeof(emap_t) * idx->em_cap +
                         sizeof(oslot_t) * idx->ot_cap +
                         idx->pool_bytes + idx->ext_bytes + idx->lru_prev_bytes +
-                        idx->lru_next_bytes + idx->rec_eh_bytes +
+                        idx->lru_next_bytes + idx->rec_eh_bytes + idx->cm_bytes +
+                        idx->rec_ceh_bytes + idx->cm_own_bytes +
                         (size_t)idx->ext_cap * (sizeof(ext_t *) + sizeof(uint32_t)) +
                         idx->ep_cap * (3 * sizeof(uint32_t) + 1) + idx->run_cap * sizeof(uint32_t) +
                         idx->seq_cap * sizeof(kvp_hash_t);
@@ -1691,4 +1942,106 @@ kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_
     }
     *n_out = n;
     return n > cap ? KVP_E_BUFFER : KVP_OK;
+}
+
+/* Is slot `at` of a linear-probing table reachable from `home` (no empty slot in between)? */
+static int bslot_reachable(const bslot_t *t, size_t cap, size_t home, size_t at) {
+    for (size_t i = home;; i = (i + 1 == cap) ? 0 : i + 1) {
+        if (i == at) return 1;
+        if (t[i].rec == NONE32) return 0;
+    }
+}
+
+int kvp_index_verify(const kvp_index *idx) {
+    if (idx == NULL) return 1;
+    /* block table: live records, tags, reachability, count */
+    size_t n = 0;
+    for (size_t i = 0; i < idx->bt_cap; i++) {
+        const uint32_t r = idx->bt[i].rec;
+        if (r == NONE32) continue;
+        n++;
+        if (r >= idx->pool_len || idx->pool[r].ep == EP_NONE) return 2;
+        const uint64_t mixed = bmix_of(idx->pool[r].hash);
+        if (idx->bt[i].tag != btag_of(mixed)) return 3;
+        if (!bslot_reachable(idx->bt, idx->bt_cap, bhome_of(mixed, idx->bt_cap), i)) return 4;
+    }
+    if (n != idx->bt_count) return 5;
+    /* canonical map: owners only, tags, reachability, count; every owner is in it, alive */
+    n = 0;
+    for (size_t i = 0; i < idx->cm_cap; i++) {
+        const uint32_t r = idx->cm[i].rec;
+        if (r == NONE32) continue;
+        n++;
+        if (r >= idx->pool_len || idx->pool[r].ep == EP_NONE || !cm_owns(idx, r)) return 6;
+        const uint64_t mixed = cmix_of(idx->rec_ceh[r]);
+        if (idx->cm[i].tag != btag_of(mixed)) return 7;
+        if (!bslot_reachable(idx->cm, idx->cm_cap, bhome_of(mixed, idx->cm_cap), i)) return 8;
+        size_t empty;
+        if (cm_probe(idx, idx->rec_ceh[r], &empty) != r) return 9; /* two owners of one hash */
+    }
+    if (n != idx->cm_count) return 10;
+    size_t owners = 0;
+    for (uint32_t r = 0; r < idx->pool_len; r++)
+        if (cm_owns(idx, r)) {
+            owners++;
+            if (idx->pool[r].ep == EP_NONE) return 11;
+        }
+    if (owners != idx->cm_count) return 12;
+    /* holders: canonical flags per endpoint; holdings */
+    uint64_t holdings = 0;
+    const size_t n_em = idx->em_cap + 1; /* the endpoints' maps, then the shared tier's */
+    uint64_t *canon = (uint64_t *)calloc(n_em, sizeof(uint64_t));
+    if (canon == NULL) return 13;
+    int bad = 0;
+    for (uint32_t r = 0; r < idx->pool_len && !bad; r++) {
+        const block_t *b = &idx->pool[r];
+        if (b->ep == EP_NONE) continue;
+        const hview_t hv = hview_of(idx, b);
+        holdings += hv.n;
+        for (uint32_t k = 0; k < hv.n; k++) {
+            holder_t h;
+            hv_get(hv, k, &h);
+            if ((h.count[0] | h.count[1] | h.count[2]) == 0) bad = 14;
+            if (k > 0 && hv_ep(hv, k - 1) >= h.ep) bad = 15; /* sorted, distinct */
+            if (!(h.nmaps & HOLDER_CANON)) continue;
+            if (!cm_owns(idx, r)) bad = 16; /* a canonical mapping of a block owning nothing */
+            const size_t e = h.ep == KVP_SHARED ? idx->em_cap : h.ep;
+            if (e >= n_em) bad = 17;
+            else canon[e]++;
+        }
+    }
+    if (!bad && holdings != idx->n_holdings) bad = 18;
+    /* own maps: slots reachable, records held by the endpoint, counts; canonical counts */
+    size_t mappings = 0, slots = 0;
+    for (size_t e = 0; e < n_em && !bad; e++) {
+        const kvp_endpoint_t ep = e == idx->em_cap ? KVP_SHARED : (kvp_endpoint_t)e;
+        const emap_t *em = emap_of(idx, ep);
+        if (em->ncanon != canon[e]) bad = 19;
+        size_t cnt = 0;
+        for (size_t i = 0; i < em->cap && !bad; i++) {
+            const mslot_t *m = &em->t[i];
+            if (m->rec == NONE32) continue;
+            cnt++;
+            const uint32_t r = m_rec(m);
+            holder_t tmp;
+            if (r >= idx->pool_len || find_holder(idx, &idx->pool[r], ep, &tmp, NULL) == NULL)
+                bad = 20;
+            size_t empty;
+            if (mt_probe(em, m->eh, &empty) != m) bad = 21;
+            /* never both an own and a canonical mapping of one engine hash */
+            const uint32_t cr = cm_probe(idx, m->eh, &empty);
+            if (cr != NONE32) {
+                const holder_t *hc = find_holder(idx, &idx->pool[cr], ep, &tmp, NULL);
+                if (hc != NULL && (hc->nmaps & HOLDER_CANON)) bad = 22;
+            }
+        }
+        if (!bad && cnt != em->count) bad = 23;
+        mappings += cnt + em->ncanon;
+        slots += em->cap;
+    }
+    free(canon);
+    if (bad) return bad;
+    if (mappings != idx->mt_count) return 24;
+    if (slots != idx->mt_slots) return 25;
+    return 0;
 }

@@ -93,11 +93,13 @@ typedef struct {
 
 kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out);
 void kvp_index_free(kvp_index *idx);
-/* Pre-size for n_blocks distinct blocks (avoids growth rehashes); engine maps are per endpoint,
- * so n_mappings is spread evenly over the endpoint ids below kvp_index_endpoint_limit() (none
- * when no endpoint has stored yet: use kvp_index_reserve_endpoint). */
+/* Pre-size for n_blocks distinct blocks (avoids growth rehashes): block table, records and the
+ * canonical engine map (one mapping per block, shared by the endpoints that agree on its engine
+ * hash). n_mappings is for the endpoints' own maps (mappings where engines disagree), spread
+ * evenly over the endpoint ids below kvp_index_endpoint_limit() (none when no endpoint has
+ * stored yet: use kvp_index_reserve_endpoint). */
 kvp_status kvp_index_reserve(kvp_index *idx, size_t n_blocks, size_t n_mappings);
-/* Pre-size ep's engine map for n_mappings mappings. */
+/* Pre-size ep's own engine map for n_mappings mappings (beyond the canonical map's). */
 kvp_status kvp_index_reserve_endpoint(kvp_index *idx, kvp_endpoint_t ep, size_t n_mappings);
 /* 1 + the largest non-shared endpoint id ever stored (query buffers must cover it). */
 size_t kvp_index_endpoint_limit(const kvp_index *idx);
@@ -161,6 +163,10 @@ kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_
                               uint32_t *counts, size_t cap, size_t *n_out);
 /* counts[ep] = blocks endpoint ep holds, for every ep < n (one pass over the table). */
 kvp_status kvp_index_held_counts(const kvp_index *idx, uint64_t *counts, size_t n);
+/* For tests: walk every table and check the index's invariants (each slot findable from its
+ * home, counts, canonical-map ownership, every mapping's record held by its endpoint). 0 when
+ * they hold, else the number of the first broken one (see csrc/index.c). O(size). */
+int kvp_index_verify(const kvp_index *idx);
 
 /* ---- costs and selection ------------------------------------------------------------------ */
 typedef struct {

@@ -425,6 +425,7 @@ cdef extern from "kvplug.h" nogil:
     kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_t *hashes,
                                   uint32_t *counts, size_t cap, size_t *n_out)
     kvp_status kvp_index_held_counts(const kvp_index *idx, uint64_t *counts, size_t n)
+    int kvp_index_verify(const kvp_index *idx)
     kvp_status kvp_costs(const double *prefill, const double *device, const double *host,
                          const double *disk, const double *shared_beyond, const double *decode,
                          size_t n, const kvp_cost_params *p, double *out)
@@ -1043,10 +1044,13 @@ cdef class Index:
         PyThread_release_lock(self.lock)
 
     def reserve(self, blocks, mappings=None, endpoints=None):
-        """Pre-size for ``blocks`` distinct blocks and ``mappings`` engine mappings (default:
-        as many as blocks) so that building up to that size never rehashes. Engine maps are
-        per endpoint: the mappings are spread evenly over endpoint ids ``0 .. endpoints-1``
-        (default: the ids below ``endpoint_limit``, i.e. those that have stored)."""
+        """Pre-size for ``blocks`` distinct blocks (block table, records, canonical engine map:
+        one mapping per block, shared by every engine that agrees on its engine hash) and
+        ``mappings`` engine mappings in the endpoints' own maps (default: as many as blocks;
+        engines whose engine hashes disagree with the first engine's keep theirs there) so
+        that building up to that size never rehashes. Own maps are per endpoint: the mappings
+        are spread evenly over endpoint ids ``0 .. endpoints-1`` (default: the ids below
+        ``endpoint_limit``, i.e. those that have stored)."""
         cdef kvp_status st = KVP_OK
         cdef size_t per, e
         b = operator.index(blocks)
@@ -1445,6 +1449,15 @@ cdef class Index:
             "entries": s.entries,
             "engine_mappings": s.engine_mappings,
         }
+
+    def _verify(self):
+        """For tests: 0 when every table's invariants hold, else the number of the first broken
+        one (``kvp_index_verify`` in csrc/index.c). Walks the whole index."""
+        self._acquire()
+        try:
+            return kvp_index_verify(self.idx)
+        finally:
+            self._release()
 
     def memory_bytes(self):
         """Bytes the C index holds allocated (tables, records, holder arrays, scratch)."""

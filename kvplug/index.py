@@ -133,11 +133,12 @@ class KvIndex:
 
     def reserve(self, blocks: int) -> None:
         """Pre-size the compiled index for ``blocks`` distinct blocks (e.g. the fleet's total KV
-        capacity) so that filling it never pauses to rehash; as many engine mappings, spread
-        evenly over the endpoints registered so far (engine maps are per endpoint). No-op on
-        the reference."""
+        capacity) so that filling it never pauses to rehash: its block table, records and
+        canonical engine map, which holds the mappings of every engine that agrees with the
+        first on a block's engine hash (docs/core.md). Per-endpoint maps, for engines that
+        disagree, grow as they fill. No-op on the reference."""
         if hasattr(self.core, "reserve"):
-            self.core.reserve(blocks, blocks, self.n_endpoint_ids or None)
+            self.core.reserve(blocks, 0)
 
     # -- endpoints -------------------------------------------------------------------------------
     def add_endpoint(self, worker_id: str, dp_rank: int = 0) -> int:

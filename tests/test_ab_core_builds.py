@@ -33,3 +33,24 @@ def test_same_build_on_both_sides_gives_equal_memory_and_every_round(tmp_path):
     (base,), (new,) = res["memory"]["base"], res["memory"]["new"]  # fresh subprocesses
     assert base["own_mib_per_million_blocks"] == new["own_mib_per_million_blocks"] > 0
     assert {"rss_mib_per_million_blocks"} <= base.keys() & new.keys()  # tiny: may be ~0
+
+
+def test_disagree_gives_every_worker_its_own_engine_hashes():
+    """--disagree: the same blocks, each worker's engine hashes distinct from every other's (the
+    index's fallback path), in the apply rounds and in the memory subprocesses alike."""
+    bc = _load("bench_core", ROOT / "benchmarks/bench_core.py")
+    ab = _load("ab_core_builds", ROOT / "benchmarks/ab_core_builds.py")
+    wl = bc.make_workload(8, 4000, seed=1008)
+    agree, disagree = ab.store_inputs(wl, False), ab.store_inputs(wl, True)
+    assert [(w, s) for w, _, s in agree] == [(w, s) for w, _, s in disagree]
+    owners: dict[int, int] = {}
+    for (w, e_agree, _), (_, e_dis, _) in zip(agree, disagree, strict=True):
+        assert e_agree != e_dis
+        for e in e_dis:
+            assert owners.setdefault(e, w) == w  # no engine hash shared between workers
+    from kvplug.core import load_backend
+
+    idx = load_backend("c").Index()
+    for w, eng, seq in disagree:
+        idx.store(w, 0, eng, seq)
+    assert idx.stats()["engine_mappings"] == wl.blocks and idx._verify() == 0

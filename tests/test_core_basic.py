@@ -358,9 +358,9 @@ def test_bounded_eviction_with_many_holders_matches_reference():
 
 @pytest.mark.parametrize("bound", [0, 1, 3, 50])
 def test_large_counts_and_many_engine_hashes_per_block_match_reference(bound):
-    """C records keep a lone holder inline with 8-bit counts and a 7-bit mapping count, and an
+    """C records keep a lone holder inline with 8-bit counts and a 6-bit mapping count, and an
     endpoint's further engine hashes of a block it holds keep their refcounts in a side table:
-    counts past 255, more than 127 engine hashes of one block, and every remove / move / clear
+    counts past 255, more than 63 engine hashes of one block, and every remove / move / clear
     order must still match the reference exactly (bounded or not)."""
     import random
 

@@ -183,6 +183,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert self.c.stats() == self.r.stats()
         for ep in (0, 1, 2, SHARED):
             assert self.c.holdings(ep) == self.r.holdings(ep)
+        assert self.c._verify() == 0  # every table's invariants (csrc/index.c)
 
 
 # KVPLUG_DIFF_EXAMPLES lowers the count only for the (slow) sanitizer run; the default is 1000.

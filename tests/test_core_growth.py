@@ -41,6 +41,7 @@ def check_all(c, r, ep: int, live: dict[int, int]) -> None:
     cs, rs = c.stats(), r.stats()
     for k in ("blocks", "entries", "engine_mappings", "stored_blocks", "removed_blocks"):
         assert cs[k] == rs[k], (k, cs[k], rs[k])
+    assert c._verify() == 0  # every table's invariants (csrc/index.c, kvp_index_verify)
 
 
 def test_resize_points_are_where_memory_grows():

@@ -22,6 +22,7 @@ TESTS = [
     "test_core_pylists.py",
     "test_core_growth.py",
     "test_core_holders.py",
+    "test_core_canonical.py",
     "test_hash_vectors.py",
     "test_index_events.py",
     "test_core_differential.py",

@@ -157,12 +157,12 @@ def test_overlaps_cover_registered_endpoints_without_blocks(kv):
 
 
 def test_reserve_presizes_the_registered_endpoints(kv):
-    """reserve(blocks) pre-sizes blocks and, per registered endpoint, its share of mappings
-    (engine maps are per endpoint); the index works as before afterwards."""
+    """reserve(blocks) pre-sizes the block table, the records and the canonical engine map;
+    the index works as before afterwards."""
     before = kv.stats().get("memory_bytes", 0)
     kv.reserve(3000)
     if kv.backend == "c":
-        assert kv.stats()["memory_bytes"] >= before + 3000 * (16 + 6 + 12)
+        assert kv.stats()["memory_bytes"] >= before + 3000 * (16 + 8 + 6 + 6)
     kv.apply(stored("b", [1, 2, 3, 4], TOKS, rank=1))
     ov = kv.query(kv.request_hashes(TOKS))
     assert ov.local[kv.endpoint_id("b", 1)] == 4

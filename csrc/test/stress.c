@@ -200,7 +200,7 @@ static int grow_and_shrink(uint64_t max_entries) {
     return 0;
 }
 
-/* Few blocks, many references: counts past a record's inline 8 bits, more than 127 engine hashes
+/* Few blocks, many references: counts past a record's inline 8 bits, more than 63 engine hashes
  * of one block on one endpoint (side-table refcounts), moves and partial removes; then every
  * reference is removed again and the index must be empty. */
 static int heavy_counts(uint64_t max_entries) {
