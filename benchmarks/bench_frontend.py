@@ -11,7 +11,7 @@ them all:
 * optionally ``kvplug serve --processes N`` (``--processes N``, repeatable): N server processes
   on the one port, side by side with the single process;
 * optionally ``kvplug serve`` from another source tree (``--baseline-src DIR``: a before/after
-  pair in one run);
+  pair in one run; with ``--processes N`` too);
 * optionally (``--floor``) ``benchmarks/floor_proxy.py``: the HTTP stacks (kvplug's lane,
   aiohttp behind it) and the engine pool ``kvplug serve`` uses, with no routing at all - the
   floor under kvplug's CPU per request; ``--ceiling`` adds the same proxy with the real routing
@@ -311,6 +311,9 @@ def main_run(args) -> dict:
         if args.baseline_src:
             env = {**os.environ, "PYTHONPATH": str(Path(args.baseline_src).resolve())}
             add_kvplug(f"kvplug {args.baseline_label}", env)
+            for n in args.processes:  # the same pair with N processes
+                label = f"kvplug {args.baseline_label} --processes {n}"
+                add_kvplug(label, env, "--processes", str(n))
 
         proxies = []
         if args.floor:
