@@ -179,10 +179,10 @@ class Decision:
         stage: str,
         fallback: bool,
         fallback_filters: list[str],
-        excluded: Sequence[Exclusion | ExclusionGroup],
+        excluded: list[Exclusion | ExclusionGroup],
         static_excluded: tuple[Exclusion, ...] = (),
         elapsed_us: float,
-        attribute_ages: Sequence[AgeRecord],
+        attribute_ages: list[AgeRecord],
         overlap_blocks: int,
         cached_tokens: int,
         prompt_tokens: int,
@@ -237,11 +237,11 @@ class Decision:
         d.mode = mode
         d.stage = ctx.stage
         report = ctx.report
-        if report is None:  # the common case: no filter ran (shared empties, no lists)
+        if report is None:
             d.fallback = False
             d.fallback_filters = []
-            d._excluded = ()
-            d._age_records = ()
+            d._excluded = []
+            d._age_records = []
         else:
             d.fallback_filters = report.fallback_filters
             d.fallback = bool(report.fallback_filters)

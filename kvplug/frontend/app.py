@@ -60,13 +60,8 @@ from kvplug.frontend.parsing import CHAT, COMPLETIONS, ParsedRequest, parse_requ
 from kvplug.frontend.queueing import ClientGone, FrontendQueue
 from kvplug.frontend.streaming import completion_tokens, relay
 from kvplug.frontend.timeouts import within
-from kvplug.frontend.tokens import SOURCE_REQUEST, LocalTokenizer, TokenResolver
-from kvplug.frontend.upstream import (
-    Upstream,
-    UpstreamUnavailable,
-    dropped_headers,
-    forward_headers,
-)
+from kvplug.frontend.tokens import LocalTokenizer, TokenResolver
+from kvplug.frontend.upstream import Upstream, UpstreamUnavailable, forward_headers
 from kvplug.request import NO_HINTS, RouteRequest, RoutingHints
 from kvplug.workers import Stage
 
@@ -116,10 +111,8 @@ _ROUTING_ERRORS = {
 }
 
 
-# what the engines never get: hop-by-hop and kvplug's own headers (forward_headers), and
-# Content-Encoding (the body kvplug forwards is the decoded one); with --api-key, kvplug's key
-_DROP_ALWAYS = dropped_headers("content-encoding")
-_DROP_WITH_KEY = dropped_headers("content-encoding", "authorization")
+_DROP_ALWAYS = frozenset({"content-encoding"})
+_DROP_WITH_KEY = _DROP_ALWAYS | {"authorization"}
 
 
 class Frontend:
@@ -300,11 +293,7 @@ class Frontend:
                     return await asyncio.wait_for(batch, self.settings.request_timeout), False
                 except asyncio.TimeoutError:
                     raise self._timed_out(None) from None
-        tokens: list[int] | np.ndarray | None = req.prompt_ids
-        if tokens is not None:  # the client's ids: what resolve() says, without its coroutine
-            source, note = SOURCE_REQUEST, None
-        else:
-            tokens, source, note = await self.tokens.resolve(req)
+        tokens, source, note = await self.tokens.resolve(req)
         self._child(self.metrics.token_source, source).inc()
         self.check_prompt_tokens(tokens, "prompt")
         key = next(self._keys)
@@ -390,7 +379,11 @@ class Frontend:
         # the body kvplug forwards is the decoded one (kvplug/frontend/bodies.py), and
         # kvplug's key is not the engines'
         drop = _DROP_WITH_KEY if self.settings.api_key is not None else _DROP_ALWAYS
-        hop_headers = forward_headers(request.headers, request_id, drop)
+        hop_headers = {
+            k: v
+            for k, v in forward_headers(request.headers, request_id).items()
+            if k.lower() not in drop
+        }
         if self.settings.engine_api_key:
             hop_headers["Authorization"] = f"Bearer {self.settings.engine_api_key}"
         return hop_headers
@@ -581,7 +574,8 @@ class Frontend:
         if self.fleet.unhealthy:
             record.unhealthy = self._unhealthy_detail()
         for other in ctx.records:
-            record.relate(other)
+            other.related.append(record.decision_id)
+            record.related.append(other.decision_id)
         ctx.records.append(record)
         self.decisions.add(record)
         lifecycle = Lifecycle(
@@ -1075,9 +1069,7 @@ def lane_handlers(frontend: Frontend) -> dict[bytes, Any]:
     each handler inside the same middlewares ``build_app`` gives aiohttp, outermost first."""
     out: dict[bytes, Any] = {}
     middlewares = _middlewares(frontend)
-    for path in (COMPLETIONS, CHAT):
-        # what handle_completions / handle_chat call, one coroutine frame fewer
-        handler: Any = functools.partial(frontend._handle, path=path)
+    for path, handler in ((COMPLETIONS, frontend.handle_completions), (CHAT, frontend.handle_chat)):
         for middleware in reversed(middlewares):
             handler = functools.partial(middleware, handler=handler)
         out[path.encode()] = handler

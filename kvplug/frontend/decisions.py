@@ -108,8 +108,7 @@ class DecisionRecord:
         self.ttft_s: float | None = None
         self.total_s: float | None = None
         self.output_tokens: int | None = None
-        # other decisions of the same request (retries, P/D stages); most have none
-        self.related: list[str] | None = None
+        self.related: list[str] = []  # other decisions of the same request (retries, P/D stages)
         self.created = time.time()
         self.fallback_reason: str | None = None
         self.queue_wait_s: float | None = None  # time in the admission queue (None: not queued)
@@ -118,14 +117,6 @@ class DecisionRecord:
         # workers kept out of this decision for their health: id -> {"down_by", "reason"}
         # (down_by "outlier": ejected by outlier detection)
         self.unhealthy: dict[str, dict[str, Any]] | None = None
-
-    def relate(self, other: DecisionRecord) -> None:
-        """Both are decisions of one request (a retry, the other stage)."""
-        for a, b in ((self, other), (other, self)):
-            if a.related is None:
-                a.related = [b.decision_id]
-            else:
-                a.related.append(b.decision_id)
 
     def to_json(self) -> dict[str, Any]:
         to_dict = getattr(self.decision, "to_dict", None)
@@ -156,7 +147,7 @@ class DecisionRecord:
                 "queue_wait_s": self.queue_wait_s,
             },
             "output_tokens": self.output_tokens,
-            "related_decisions": list(self.related or ()),
+            "related_decisions": list(self.related),
             "batch": self.batch,
             "unhealthy_workers": self.unhealthy or {},
             "created_unix": self.created,

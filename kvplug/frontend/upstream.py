@@ -52,17 +52,8 @@ class UpstreamUnavailable(Exception):
         self.reason = reason
 
 
-def dropped_headers(*extra: str) -> frozenset[str]:
-    """The headers ``forward_headers`` leaves out, plus ``extra`` (lower-case names)."""
-    return _DROP | frozenset(extra)
-
-
-def forward_headers(
-    client_headers, request_id: str, drop: frozenset[str] = _DROP
-) -> dict[str, str]:
-    """The client's headers for the engine, minus ``drop`` (lower-case names; by default
-    hop-by-hop and kvplug's own; ``dropped_headers`` adds to them), in one pass."""
-    out = {k: v for k, v in client_headers.items() if k.lower() not in drop}
+def forward_headers(client_headers, request_id: str) -> dict[str, str]:
+    out = {k: v for k, v in client_headers.items() if k.lower() not in _DROP}
     out["Content-Type"] = "application/json"
     out["X-Request-Id"] = request_id
     return out
