@@ -105,7 +105,8 @@ class EngineResponse:
 
     def on_headers_complete(self) -> None:
         parser = self._parser
-        if self._eof or parser is None:  # bytes past the answer's end (see on_message_complete)
+        # bytes past the answer's end (see on_message_complete), or an answer released
+        if self._eof or parser is None:
             return
         self.status = parser.get_status_code()
         headers = self.headers
