@@ -11,10 +11,12 @@ them all:
 * optionally ``kvplug serve --processes N`` (``--processes N``, repeatable): N server processes
   on the one port, side by side with the single process;
 * optionally ``kvplug serve`` from another source tree (``--baseline-src DIR``: a before/after
-  pair in one run);
+  pair in one run; with ``--processes N`` too);
 * optionally (``--floor``) ``benchmarks/floor_proxy.py``: the HTTP stacks (kvplug's lane,
   aiohttp behind it) and the engine pool ``kvplug serve`` uses, with no routing at all - the
-  floor under kvplug's CPU per request;
+  floor under kvplug's CPU per request; ``--ceiling`` adds the same proxy with the real routing
+  decision in it (``floor_proxy.py --route``: token ids, one ``Router.route`` and its release)
+  - how cheap a request can be with the decision and nothing else;
 * ``sglang-router`` (``--policy cache_aware``; installed by the ``test`` extra) and
   ``vllm-router`` (``--policy cache_aware``; ``pip install vllm-router``, found on ``PATH``, in
   ``$KVPLUG_VLLM_ROUTER`` or in ``.vrvenv/``), text prompts, when installed.
@@ -295,7 +297,10 @@ def main_run(args) -> dict:
                 env,
             )
             procs.append(p)
-            for kind, name in (("text", "text+tokenizer"), ("ids", "token ids")):
+            kinds = (("ids", "token ids"),)
+            if not args.ids_only:
+                kinds = (("text", "text+tokenizer"), *kinds)
+            for kind, name in kinds:
                 targets.append(
                     {"name": f"{label} ({name})", "url": url, "pid": p.pid, "kind": kind}
                 )
@@ -306,15 +311,23 @@ def main_run(args) -> dict:
         if args.baseline_src:
             env = {**os.environ, "PYTHONPATH": str(Path(args.baseline_src).resolve())}
             add_kvplug(f"kvplug {args.baseline_label}", env)
+            for n in args.processes:  # the same pair with N processes
+                label = f"kvplug {args.baseline_label} --processes {n}"
+                add_kvplug(label, env, "--processes", str(n))
 
+        proxies = []
         if args.floor:
             # the same HTTP stacks with no routing: what kvplug's own request handling adds
+            proxies.append(("floor: kvplug's HTTP stacks + engine pool", []))
+        if args.ceiling:
+            # the same with the routing decision and nothing else: a lean path's ceiling
+            proxies.append(("ceiling: floor + Router.route", ["--route"]))
+        for name, flags in proxies:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, str(ROOT / "benchmarks" / "floor_proxy.py"), str(port)]
-            p = start(cmd + engines, url + "/v1/completions", files["text", "plain"], tmp)
+            p = start(cmd + engines + flags, url + "/v1/completions", files["ids", "plain"], tmp)
             procs.append(p)
-            name = "floor: kvplug's HTTP stacks + engine pool"
             targets.append({"name": name, "url": url, "pid": p.pid, "kind": "ids"})
 
         if args.no_rust:
@@ -489,6 +502,16 @@ def main() -> None:
         "--floor",
         action="store_true",
         help="also run benchmarks/floor_proxy.py (kvplug serve's HTTP stacks, no routing)",
+    )
+    ap.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also run benchmarks/floor_proxy.py --route (the HTTP stacks + the routing decision)",
+    )
+    ap.add_argument(
+        "--ids-only",
+        action="store_true",
+        help="kvplug serve targets with token-id prompts only (no text + local tokenizer)",
     )
     ap.add_argument("--quick", action="store_true", help="small smoke run")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_frontend.json"))

@@ -9,7 +9,13 @@ routing, metrics, traces or timeouts: what ``benchmarks/bench_frontend.py --floo
 here is what the two HTTP hops and the event loop cost in Python, so ``kvplug serve``'s figure
 minus this one is what kvplug's own request handling costs.
 
-    python benchmarks/floor_proxy.py PORT ENGINE_URL [ENGINE_URL ...] [--aiohttp]
+``--route`` adds the real routing decision and nothing else (the ceiling of a lean path): the
+body's token ids read by kvplug's parser (its C reader, ``kvplug._token_json``), one
+``Router.route`` (mode ``kv``, block size 16, the engines as workers ``e0``, ``e1``, ...: what
+``kvplug serve`` builds from ``--worker e0=URL``) whose pick gets the request, and
+``Router.on_finish`` once the answer is relayed. ``bench_frontend.py --ceiling`` measures it.
+
+    python benchmarks/floor_proxy.py PORT ENGINE_URL [ENGINE_URL ...] [--aiohttp] [--route]
 """
 
 from __future__ import annotations
@@ -24,19 +30,45 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
+from kvplug.config import RouterConfig  # noqa: E402
 from kvplug.frontend.engine_http import EnginePool  # noqa: E402
 from kvplug.frontend.listener import Listeners  # noqa: E402
+from kvplug.frontend.parsing import parse_request  # noqa: E402
+from kvplug.request import RouteRequest  # noqa: E402
+from kvplug.router import Router  # noqa: E402
+from kvplug.workers import Worker  # noqa: E402
 
 
-async def serve(port: int, engines: list[str], lane: bool = True) -> None:
+def make_router(engines: list[str]) -> Router:
+    """The router ``kvplug serve --kv-block-size 16 --worker e0=URL ...`` builds."""
+    router = Router(RouterConfig(kv_block_size=16))
+    for i, url in enumerate(engines):
+        router.add_worker(Worker(f"e{i}", url=url, engine="openai"))
+    return router
+
+
+async def serve(port: int, engines: list[str], lane: bool = True, route: bool = False) -> None:
     pool = EnginePool(5.0, 600.0)
     turns = itertools.cycle(engines)
+    router = make_router(engines) if route else None
+    urls = {f"e{i}": url for i, url in enumerate(engines)}
+    keys = itertools.count()
 
     async def forward(request) -> web.StreamResponse:  # aiohttp's request or the lane's
         body = await request.read()
-        upstream = await pool.post(
-            next(turns) + request.path, body, {"Content-Type": "application/json"}
-        )
+        if router is None:
+            return await relay(request, next(turns), body)
+        req = parse_request(body, request.path)
+        rid = f"r{next(keys)}"
+        tokens = req.prompt_ids if req.prompt_ids is not None else ()
+        d = router.route(RouteRequest(rid, tokens, cache_salt=req.cache_salt))
+        try:
+            return await relay(request, urls[d.worker_id], body)
+        finally:
+            router.on_finish(rid)
+
+    async def relay(request, base: str, body: bytes) -> web.StreamResponse:
+        upstream = await pool.post(base + request.path, body, {"Content-Type": "application/json"})
         ctype = upstream.headers.get("content-type", "application/json")
         if not ctype.startswith("text/event-stream"):
             data = await upstream.read()
@@ -73,13 +105,17 @@ def main() -> None:
     ap.add_argument("port", type=int)
     ap.add_argument("engines", nargs="+")
     ap.add_argument("--aiohttp", action="store_true", help="aiohttp's server alone, no lane")
+    ap.add_argument(
+        "--route", action="store_true", help="add the routing decision (token ids, kv mode)"
+    )
     args = ap.parse_args()
+    main_coro = serve(args.port, args.engines, not args.aiohttp, args.route)
     try:
         import uvloop
 
-        uvloop.run(serve(args.port, args.engines, not args.aiohttp))
+        uvloop.run(main_coro)
     except ImportError:
-        asyncio.run(serve(args.port, args.engines, not args.aiohttp))
+        asyncio.run(main_coro)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,13 @@ servers that answer with exact bytes: framing, reuse, errors, timeouts, flow con
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import aiohttp
 import pytest
 
-from kvplug.frontend.engine_http import EnginePool
+from kvplug.frontend.engine_http import EnginePool, EngineResponse
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -296,3 +297,45 @@ async def test_kvplug_serve_relays_streams_byte_for_byte_however_they_arrive(pie
                 assert running.frontend.upstream.pool.opened == 1
         finally:
             await running.close()
+
+
+def _cyclic_garbage(kind: type) -> int:
+    """Objects of ``kind`` the collector finds unreachable now (in reference cycles: anything
+    else was freed by its reference count already)."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        return sum(isinstance(o, kind) for o in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+
+
+async def test_answers_are_freed_without_the_collector():
+    """A released or closed answer leaves no reference cycle (its parser held its bound
+    callbacks: ~12 objects a request for the collector, a fifth of kvplug serve's CPU)."""
+    events = [b'data: {"i": %d}\n\n' % i for i in range(3)]
+    stream = _chunked(events)[:-5]  # never ends: closed before its end
+
+    async def answer(req, writer):
+        writer.write(stream if b"/stream" in req else OK)
+        await writer.drain()
+        return True
+
+    async with RawServer(answer) as srv:
+        pool = EnginePool(1.0, 5.0)
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(20):
+                resp = await pool.post(srv.url + "/whole", b"{}", {})
+                assert await resp.read() == BODY
+                resp.release()
+                resp = await pool.post(srv.url + "/stream", b"{}", {})
+                assert await resp.readany()
+                resp.close()
+            del resp
+            assert _cyclic_garbage(EngineResponse) == 0
+        finally:
+            gc.enable()
+            pool.close()

@@ -166,3 +166,24 @@ def test_deep_bodies_are_left_to_the_general_path():
     raw = ('{"model": "m", "prompt": [1, 2], "extra": ' + deep + "}").encode()
     assert _parse_token_prompt(raw) is None
     assert isinstance(_general(raw), ApiError)
+
+
+# "{", the prompt's "[" and extra_lists + 1 more: exactly MAX_JSON_DEPTH, then one over
+@pytest.mark.parametrize("extra_lists", [MAX_JSON_DEPTH - 3, MAX_JSON_DEPTH - 2])
+def test_the_bracket_bound_holds_with_a_long_prompt(extra_lists):
+    """The fast path skips counting brackets only when the bytes besides the prompt cannot hold
+    more than MAX_JSON_DEPTH of them; a long prompt with many (shallow) lists beside it is
+    still counted: at most MAX_JSON_DEPTH brackets in all ("{" + the prompt's "[" + these)
+    stay on the fast path, one more goes to the general path."""
+    shallow = "[" + ",".join(["[]"] * extra_lists) + "]"  # extra_lists + 1 brackets, depth 2
+    ids = list(range(2000))
+    raw = json.dumps({"model": "m", "prompt": ids}).encode()[:-1] + b', "x": ' + shallow.encode()
+    raw += b"}"
+    total = raw.count(b"[") + raw.count(b"{")
+    assert total == extra_lists + 3
+    fast = _parse_token_prompt(raw)
+    if total > MAX_JSON_DEPTH:
+        assert fast is None
+    else:
+        assert fast is not None and list(fast.prompt_ids) == ids
+    assert list(parse_request(raw, COMPLETIONS).prompt_ids) == ids  # either way, same answer

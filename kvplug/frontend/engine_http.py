@@ -61,7 +61,6 @@ class EngineResponse:
     __slots__ = (
         "status",
         "headers",
-        "content",
         "_conn",
         "_parser",
         "_raw_headers",
@@ -78,9 +77,8 @@ class EngineResponse:
     def __init__(self, conn: _Connection) -> None:
         self.status = 0
         self.headers: ResponseHeaders = ResponseHeaders()
-        self.content = self  # aiohttp's shape: resp.content.readany()
         self._conn: _Connection | None = conn
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._chunks: list[bytes] = []
         self._size = 0
@@ -91,6 +89,12 @@ class EngineResponse:
         self._until_close = False  # no length, not chunked: the body ends with the connection
         self._done = False  # released or closed
 
+    @property
+    def content(self) -> EngineResponse:
+        """aiohttp's shape: ``resp.content.readany()`` (a property, not an attribute holding
+        ``self``: that would be a reference cycle)."""
+        return self
+
     # -- llhttp callbacks (inside data_received) ----------------------------------------------
     def on_message_begin(self) -> None:
         if self._eof:  # bytes past the answer's end: never reuse this connection
@@ -100,9 +104,11 @@ class EngineResponse:
         self._raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self._eof:  # bytes past the answer's end (see on_message_complete)
+        parser = self._parser
+        # bytes past the answer's end (see on_message_complete), or an answer released
+        if self._eof or parser is None:
             return
-        self.status = self._parser.get_status_code()
+        self.status = parser.get_status_code()
         headers = self.headers
         length = chunked = False
         for name, value in self._raw_headers:
@@ -129,13 +135,17 @@ class EngineResponse:
             self._keep_alive = False
             return
         self._eof = True
-        self._keep_alive = self._parser.should_keep_alive()
+        parser = self._parser
+        self._keep_alive = parser is not None and parser.should_keep_alive()
         self._wake()
 
     # -- from the connection ------------------------------------------------------------------
     def _feed(self, data: bytes) -> None:
+        parser = self._parser
+        if parser is None:  # released or closed: nothing reads this answer any more
+            return
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(aiohttp.ClientPayloadError("the engine switched protocols"))
         except httptools.HttpParserError as exc:
@@ -227,6 +237,7 @@ class EngineResponse:
             self.close()
             return
         self._done = True
+        self._parser = None  # see close()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.idle()
@@ -236,6 +247,10 @@ class EngineResponse:
         if self._done:
             return
         self._done = True
+        # the parser holds this response's callbacks (bound methods): a reference cycle the
+        # collector would have to find, ~12 objects per answer; dropped here, the answer is
+        # freed by its reference count alone
+        self._parser = None
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()

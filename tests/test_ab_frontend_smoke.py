@@ -1,0 +1,33 @@
+"""benchmarks/ab_frontend.py: a short real run (the floor proxy against this tree's kvplug
+serve), its JSON and its round-by-round comparison."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (.ci/run)")
+def test_ab_frontend_quick_run(tmp_path):
+    out = tmp_path / "ab.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ab_frontend.py"), "floor", f"this={ROOT}"]
+        + ["--rounds", "2", "--seconds", "1", "--out", str(out)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "floor below this in" in proc.stdout
+    targets = json.loads(out.read_text())["targets"]
+    assert [t["target"] for t in targets] == ["floor", "this"]
+    for t in targets:
+        assert len(t["cpu_ms_per_request_rounds"]) == 2
+        assert all(r > 0 for r in t["requests_per_s_rounds"])
