@@ -6,7 +6,8 @@ builds' ``_core`` extension modules are loaded into one process from their build
 (``--base`` and ``--new``: each a source tree built in place, i.e. holding
 ``kvplug/_core*.so``); each round builds a fresh ``Index`` per build from bench_core's workload
 (one ``store`` call per event, Python lists of precomputed hashes: bench_core's kvplug apply)
-and times it in CPU time. Memory is the RSS growth of a fresh process per build and round
+and times it in CPU time, then times ``clear`` of one endpoint (a different one each round) on
+that full index. Memory is the RSS growth of a fresh process per build and round
 (inputs built first, freed heap returned to the OS before both readings), as bench_core measures
 it, plus each build's own accounting.
 
@@ -51,7 +52,11 @@ def load_build(folder: str, tag: str) -> ModuleType:
     return mod
 
 
-def apply_cpu_ns_per_block(mod: ModuleType, inputs: list, n_blocks: int) -> tuple[float, int]:
+def apply_cpu_ns_per_block(
+    mod: ModuleType, inputs: list, n_blocks: int, clear_ep: int
+) -> tuple[float, int, float]:
+    """CPU ns per block of the apply, the index's own bytes, then CPU ms of ``clear(clear_ep)``
+    on the full index (an engine restart or removal)."""
     idx = mod.Index()
     store = idx.store
     t0 = time.process_time()
@@ -59,8 +64,11 @@ def apply_cpu_ns_per_block(mod: ModuleType, inputs: list, n_blocks: int) -> tupl
         store(w, 0, eng, seq)
     cpu = time.process_time() - t0
     mem = idx.memory_bytes()
+    t0 = time.process_time()
+    idx.clear(clear_ep)
+    clear_ms = (time.process_time() - t0) * 1e3
     del idx
-    return cpu / n_blocks * 1e9, mem
+    return cpu / n_blocks * 1e9, mem, clear_ms
 
 
 def store_inputs(wl: bench_core.Workload, disagree: bool) -> list:
@@ -130,12 +138,15 @@ def main(argv: list[str] | None = None) -> int:
             got = {}
             for name in order:
                 bench_core.release_freed_heap()
-                got[name] = apply_cpu_ns_per_block(builds[name], inputs, wl.blocks)
+                got[name] = apply_cpu_ns_per_block(builds[name], inputs, wl.blocks, r % workers)
             rd = {
                 "load": os.getloadavg()[0],
                 "base_ns": got["base"][0],
                 "new_ns": got["new"][0],
                 "base_over_new": got["base"][0] / got["new"][0],
+                "clear_ep": r % workers,
+                "base_clear_ms": got["base"][2],
+                "new_clear_ms": got["new"][2],
                 "base_own_mib_per_m": got["base"][1] / 2**20 / (wl.blocks / 1e6),
                 "new_own_mib_per_m": got["new"][1] / 2**20 / (wl.blocks / 1e6),
             }
@@ -143,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_core.log(
                 f"[{workers} workers] apply round {r + 1}/{args.rounds}: base {rd['base_ns']:.0f}"
                 f" ns/block, new {rd['new_ns']:.0f} ns/block (base/new {rd['base_over_new']:.2f},"
-                f" load {rd['load']:.1f})"
+                f" load {rd['load']:.1f}); clear({r % workers}) base {rd['base_clear_ms']:.1f} ms,"
+                f" new {rd['new_clear_ms']:.1f} ms"
             )
         mem: dict = {"base": [], "new": []}
         for r in range(args.memory_rounds):
@@ -166,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             span([rd["base_over_new"] for rd in rounds]),
             f"{statistics.median(rd['base_ns'] for rd in rounds):.0f} -> "
             f"{statistics.median(rd['new_ns'] for rd in rounds):.0f}",
+            f"{span([rd['base_clear_ms'] for rd in rounds])} -> "
+            f"{span([rd['new_clear_ms'] for rd in rounds])}",
         ]
         if args.memory_rounds:
             rss = {n: [m["rss_mib_per_million_blocks"] for m in mem[n]] for n in mem}
@@ -177,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         lines.append("| " + " | ".join(row) + " |")
     print("| workers | apply CPU, base/new per round | ns/block medians, base -> new |"
-          " memory MiB/M (RSS), base -> new |")  # fmt: skip
-    print("|---|---|---|---|")
+          " clear(ep) CPU ms, base -> new | memory MiB/M (RSS), base -> new |")  # fmt: skip
+    print("|---|---|---|---|---|")
     print("\n".join(lines))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

@@ -469,6 +469,7 @@ static kvp_status bt_alloc(size_t cap, bslot_t **out) {
 }
 
 static int arr_grow(void **p, size_t *bytes, unsigned char *mapped, size_t new_bytes);
+static void bt_refill(kvp_index *idx, size_t cap);
 
 /* Room for `extra` more blocks within the load bound. The new table is filled from the record
  * pool, read sequentially (a live record has a holder; free ones have none), each record's home
@@ -483,6 +484,12 @@ static kvp_status bt_reserve(kvp_index *idx, size_t extra) {
     if (cap > SIZE_MAX / sizeof(bslot_t) ||
         !arr_grow((void **)&idx->bt, &idx->bt_bytes, &idx->bt_mapped, cap * sizeof(bslot_t)))
         return KVP_E_NOMEM;
+    bt_refill(idx, cap);
+    return KVP_OK;
+}
+
+/* Empty the block table's first `cap` slots (allocated) and fill them from the live records. */
+static void bt_refill(kvp_index *idx, size_t cap) {
     bslot_t *t = idx->bt;
     for (size_t i = 0; i < cap; i++) {
         t[i].tag = 0;
@@ -503,7 +510,6 @@ static kvp_status bt_reserve(kvp_index *idx, size_t extra) {
         t[j].tag = btag_of(mixed);
     }
     idx->bt_cap = cap;
-    return KVP_OK;
 }
 
 /* Delete record r's slot (found by id, so no hash comparison is needed). */
@@ -574,6 +580,7 @@ static void cm_insert(kvp_index *idx, uint32_t r, kvp_engine_hash_t eh, size_t e
 
 /* Room for `extra` more entries: grown in place and refilled from the owners' engine hashes,
  * read in record order (as bt_reserve does with the block hashes). */
+static void cm_refill(kvp_index *idx, size_t cap);
 static kvp_status cm_reserve(kvp_index *idx, size_t extra) {
     size_t need = idx->cm_count + extra;
     if (need < idx->cm_count || need > ((size_t)1 << 31)) return KVP_E_NOMEM;
@@ -582,6 +589,12 @@ static kvp_status cm_reserve(kvp_index *idx, size_t extra) {
     if (cap > SIZE_MAX / sizeof(bslot_t) ||
         !arr_grow((void **)&idx->cm, &idx->cm_bytes, &idx->cm_mapped, cap * sizeof(bslot_t)))
         return KVP_E_NOMEM;
+    cm_refill(idx, cap);
+    return KVP_OK;
+}
+
+/* Empty the canonical map's first `cap` slots (allocated) and fill them from the owners. */
+static void cm_refill(kvp_index *idx, size_t cap) {
     bslot_t *t = idx->cm;
     for (size_t i = 0; i < cap; i++) {
         t[i].tag = 0;
@@ -602,7 +615,6 @@ static kvp_status cm_reserve(kvp_index *idx, size_t extra) {
         t[j].tag = btag_of(mixed);
     }
     idx->cm_cap = cap;
-    return KVP_OK;
 }
 
 /* Delete owner r's entry (backward shift, homes from the owners' engine hashes). */
@@ -992,6 +1004,24 @@ static void delete_block(kvp_index *idx, uint32_t r) {
     bt_delete(idx, r);
     if (idx->max_entries) lru_unlink(idx, r);
     pool_give(idx, r);
+}
+
+/* delete_block leaving the record's slots in the block table and the canonical map, for a
+ * caller that refills both from the pool afterwards (refill_tables): a bulk deletion's
+ * backward shifts each read the records of a cluster, a refill reads the pool once in order. */
+static void delete_block_unslotted(kvp_index *idx, uint32_t r) {
+    if (cm_owns(idx, r)) {
+        idx->cm_own[r >> 6] &= ~((uint64_t)1 << (r & 63));
+        idx->cm_count--;
+    }
+    idx->bt_count--;
+    if (idx->max_entries) lru_unlink(idx, r);
+    pool_give(idx, r);
+}
+
+static void refill_tables(kvp_index *idx) {
+    bt_refill(idx, idx->bt_cap);
+    cm_refill(idx, idx->cm_cap);
 }
 
 static uint32_t clock_next(kvp_index *idx) {
@@ -1670,6 +1700,12 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
     if (!valid_ep(ep)) return KVP_E_ENDPOINT;
     emap_t *em = emap_of(idx, ep);
     const uint32_t code = ep_code(ep);
+    /* Many blocks to drop (ep's holders, at most its mappings, a sixteenth of the blocks or
+     * more): drop them unslotted and refill both tables once, O(records), instead of ~0.5 us
+     * of backward shifts per block (random reads of the clusters' records). */
+    const size_t held = em != NULL ? (size_t)em->ncanon + em->count : 0;
+    const int bulk = held > 0 && held * 16 >= idx->bt_count;
+    void (*drop_block)(kvp_index *, uint32_t) = bulk ? delete_block_unslotted : delete_block;
     if (em != NULL && em->ncanon > 0) {
         /* ep's canonical mappings are flags on its holders: walk the records (in order) until
          * every holder with one has gone; their other mappings, if any, go with the own map's */
@@ -1686,7 +1722,7 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
             ot_delete(idx, code | OT_SUM, r);
             remove_holder_at(idx, r, k);
             idx->n_holdings--;
-            if (nh_of(idx, b) == 0) delete_block(idx, r);
+            if (nh_of(idx, b) == 0) drop_block(idx, r);
         }
         idx->mt_count -= em->ncanon;
         em->ncanon = 0;
@@ -1705,7 +1741,7 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
                 ot_delete(idx, code | OT_SUM, r);
                 remove_holder_at(idx, r, k);
                 idx->n_holdings--;
-                if (nh_of(idx, b) == 0) delete_block(idx, r);
+                if (nh_of(idx, b) == 0) drop_block(idx, r);
             }
         }
         idx->mt_count -= em->count;
@@ -1714,6 +1750,7 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
         em->t = NULL;
         em->cap = em->count = 0;
     }
+    if (bulk) refill_tables(idx);
     idx->c.cleared_endpoints++;
     return KVP_OK;
 }

@@ -30,6 +30,8 @@ def test_same_build_on_both_sides_gives_equal_memory_and_every_round(tmp_path):
     for rd in res["apply_rounds"]:
         assert rd["base_ns"] > 0 and rd["new_ns"] > 0
         assert rd["base_own_mib_per_m"] == rd["new_own_mib_per_m"] > 0  # the same build
+        assert rd["base_clear_ms"] >= 0 and rd["new_clear_ms"] >= 0
+    assert [rd["clear_ep"] for rd in res["apply_rounds"]] == [0, 1]  # a different one per round
     (base,), (new,) = res["memory"]["base"], res["memory"]["new"]  # fresh subprocesses
     assert base["own_mib_per_million_blocks"] == new["own_mib_per_million_blocks"] > 0
     assert {"rss_mib_per_million_blocks"} <= base.keys() & new.keys()  # tiny: may be ~0

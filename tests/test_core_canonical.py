@@ -165,6 +165,50 @@ def test_clear_and_holdings_of_one_endpoint_among_many(bounded):
     assert c.stats()["blocks"] == 0 and c.stats()["engine_mappings"] == 0
 
 
+@pytest.mark.parametrize("bounded", [0, 5000])
+@pytest.mark.parametrize("mode", ["agree", "disagree"])
+def test_clear_of_a_large_and_a_small_endpoint_keeps_both_tables_exact(mode, bounded):
+    """`clear` of an endpoint holding a sixteenth of the blocks or more drops its blocks without
+    the block table's and canonical map's per-block deletions and refills both tables once; a
+    smaller one deletes block by block. 24 endpoints, endpoint 0 holding ~40 % of ~2,500 blocks
+    (the bulk path), the others ~3 % each (block by block), with blocks shared between them:
+    after each clear every engine mapping resolves, every block answers a query, and the
+    survivors' blocks are found again by later stores (through the refilled tables)."""
+    rng = np.random.default_rng(17)
+    c, r = C.Index(bounded), R.Index(bounded)
+    eps = list(range(24))
+
+    def eh_of(ep: int, bh: int) -> int:
+        return bh * 3 + 1 if mode == "agree" else (bh * 3 + 1) ^ (ep + 1) << 40
+
+    chains = {ep: [] for ep in eps}
+    next_bh = 1
+    for _ in range(160):
+        ep = 0 if rng.random() < 0.4 else int(rng.integers(1, 24))
+        n = int(rng.integers(4, 24))
+        prefix = chains[int(rng.integers(24))][: int(rng.integers(0, 8))]
+        bhs = prefix + list(range(next_bh, next_bh + n))
+        next_bh += n
+        chains[ep] = bhs
+        both(c, r, "store", ep, int(rng.integers(3)), [eh_of(ep, b) for b in bhs], bhs)
+    blocks = list(range(1, next_bh))
+    ehs = sorted({eh_of(ep, b) for ep in eps for b in blocks[::7]})
+    assert len(c.holdings(0)) * 16 >= c.stats()["blocks"]  # endpoint 0 takes the bulk path
+    assert len(c.holdings(5)) * 16 < c.stats()["blocks"]  # endpoint 5 the per-block one
+    check(c, r, eps, ehs, blocks[::7])
+    for ep in (0, 5, 9):
+        both(c, r, "clear", ep)
+        check(c, r, eps, ehs, blocks[::7])
+        for bh in blocks:
+            assert c.query([bh]).matched() == r.query([bh]).matched(), bh
+        # the others store their chains again: found through the refilled tables (duplicates)
+        for other in (1, 2, 3):
+            bhs = chains[other]
+            both(c, r, "store", other, 0, [eh_of(other, b) for b in bhs], bhs)
+        both(c, r, "store", ep, 1, [eh_of(ep, b) for b in chains[ep]], chains[ep])
+        check(c, r, eps, ehs, blocks[::7])
+
+
 def test_eviction_drops_canonical_and_own_mappings():
     """A bounded index evicts whole blocks: their canonical mappings (holder flags), further
     mappings and own-map mappings all go, and ownership of the engine hashes with them."""
