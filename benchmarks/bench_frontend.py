@@ -262,16 +262,8 @@ def main_run(args) -> dict:
     try:
         script = tmp / "post.lua"
         script.write_text(WRK_LUA)
-        ports = [free_port() for _ in range(args.engines)]
-        stubs = subprocess.Popen(
-            [sys.executable, str(ROOT / "benchmarks" / "instant_engine.py"), *map(str, ports)]
-            + ["--tokens", str(args.max_tokens)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        procs.append(stubs)
-        assert stubs.stdout is not None and stubs.stdout.readline().strip() == "ready"
-        engines = [f"http://127.0.0.1:{p}" for p in ports]
+        engines = start_instant_engines(args.engines, procs, args.max_tokens)
+        engines_pid = procs[-1].pid
 
         text = make_prompts(args.prompts)
         files = {}
@@ -283,7 +275,7 @@ def main_run(args) -> dict:
         write_tokenizer(tmp)
 
         targets: list[dict] = [
-            {"name": "engine (direct)", "url": engines[0], "pid": stubs.pid, "kind": "text"}
+            {"name": "engine (direct)", "url": engines[0], "pid": engines_pid, "kind": "text"}
         ]
 
         def add_kvplug(label: str, env: dict | None, *extra: str) -> None:
@@ -472,6 +464,21 @@ def table(results: dict) -> str:
                 f"{thr['wrk_cpu_share']:.2f} |"
             )
     return "\n".join(lines)
+
+
+def start_instant_engines(n: int, procs: list, tokens: int = 8) -> list[str]:
+    """``n`` instant engines in one process (appended to ``procs``), once they listen: their
+    URLs."""
+    ports = [free_port() for _ in range(n)]
+    stubs = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "instant_engine.py"), *map(str, ports)]
+        + ["--tokens", str(tokens)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    procs.append(stubs)
+    assert stubs.stdout is not None and stubs.stdout.readline().strip() == "ready"
+    return [f"http://127.0.0.1:{p}" for p in ports]
 
 
 def main() -> None:

@@ -134,15 +134,7 @@ def main() -> None:
     try:
         script = tmp / "post.lua"
         script.write_text(bf.WRK_LUA)
-        ports = [free_port(), free_port()]
-        engines_proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "benchmarks" / "instant_engine.py"), *map(str, ports)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        procs.append(engines_proc)
-        assert engines_proc.stdout is not None and engines_proc.stdout.readline().strip() == "ready"
-        engines = [f"http://127.0.0.1:{p}" for p in ports]
+        engines = bf.start_instant_engines(2, procs)
         prompts = bf.make_prompts(2000)
         bodies = bf.write_bodies(tmp / "ids.jsonl", [bf.token_ids(p) for p in prompts], False, 8)
         bf.write_tokenizer(tmp)

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from core_tables import resize_points
 
 from kvplug.core import load_backend
 
 C = load_backend("c")
 R = load_backend("reference")
-
-MIN_CAP, LOAD_NUM, LOAD_DEN = 16, 17, 20  # csrc/index.c
 
 
 def both(c, r, method, *args):
@@ -269,17 +268,6 @@ def test_random_operations_against_the_reference(mode, bounded):
         if step % 5 == 0:
             check(c, r, eps, universe, blocks)
     check(c, r, eps, universe, blocks)
-
-
-def resize_points(limit: int) -> list[int]:
-    """Entry counts at which a table grows (tests/test_core_growth.py's model)."""
-    cap, points = MIN_CAP, []
-    for need in range(1, limit + 1):
-        if need * LOAD_DEN > cap * LOAD_NUM:
-            while need * LOAD_DEN > cap * LOAD_NUM:
-                cap = cap + cap // 2 + MIN_CAP
-            points.append(need)
-    return points
 
 
 def test_canonical_map_across_every_resize_point_with_removals():
