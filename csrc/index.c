@@ -133,6 +133,16 @@ typedef struct __attribute__((packed)) {
 } bslot_t;
 _Static_assert(sizeof(bslot_t) == 6, "bslot_t is 6 bytes");
 
+/* A table of such slots whose keys live in the records, not in the slots: the block table
+ * (keyed on the records' block hashes) and the canonical engine map (keyed on the owners'
+ * canonical engine hashes) are both one (st_* below). */
+typedef struct {
+    bslot_t *s;
+    size_t cap, count;
+    size_t bytes;         /* allocated size (arr_grow) */
+    unsigned char mapped; /* its own mapping (arr_grow) */
+} slot_table_t;
+
 /* One engine mapping in 12 bytes, in its endpoint's own table (so no endpoint field): the
  * engine hash and the record id, whose top bit (M_SIDE) says where the mapping's refcounts
  * live. Without it (at most one such mapping per endpoint and block: the first one made), the
@@ -171,11 +181,7 @@ typedef struct {
 
 struct kvp_index {
     uint64_t max_entries;
-    bslot_t *bt;
-    size_t bt_cap;
-    size_t bt_bytes;          /* allocated size (arr_grow) */
-    unsigned char bt_mapped;  /* its own mapping (arr_grow) */
-    size_t bt_count;
+    slot_table_t bt; /* block hash -> record */
     block_t *pool;
     uint32_t pool_len, pool_cap, free_head;
     size_t pool_bytes, lru_prev_bytes, lru_next_bytes, rec_eh_bytes; /* allocated sizes */
@@ -192,10 +198,9 @@ struct kvp_index {
      * to a block is the block's canonical engine hash keeps that mapping as a flag on its
      * holder (HOLDER_CANON) instead of a slot in its own map. So engines that agree on engine
      * hashes (the usual case) cost one 6-byte slot per block, not 12 bytes per holder; where
-     * they disagree, their own maps keep the rest, as before. Slots as the block table's. */
-    bslot_t *cm;
-    size_t cm_cap, cm_count, cm_bytes;
-    unsigned char cm_mapped, rec_ceh_mapped, cm_own_mapped;
+     * they disagree, their own maps keep the rest, as before. */
+    slot_table_t cm;
+    unsigned char rec_ceh_mapped, cm_own_mapped;
     kvp_engine_hash_t *rec_ceh; /* pool_cap entries: a record's canonical engine hash */
     uint64_t *cm_own;           /* pool_cap bits: the record owns its cm entry */
     size_t rec_ceh_bytes, cm_own_bytes;
@@ -433,29 +438,7 @@ static holder_t *find_holder(const kvp_index *idx, const block_t *b, kvp_endpoin
     return (k < e->n && e->w[k * stride] == ep) ? ext_holder(e, k, tmp) : NULL;
 }
 
-/* ---- block table -------------------------------------------------------------------------- */
-static uint32_t bt_probe(const kvp_index *idx, kvp_hash_t h, size_t *empty) {
-    const size_t cap = idx->bt_cap;
-    const uint64_t mixed = bmix_of(h);
-    const uint16_t tag = btag_of(mixed);
-    size_t i = bhome_of(mixed, cap);
-    for (;;) {
-        const bslot_t *s = &idx->bt[i];
-        const uint32_t rec = s->rec;
-        if (rec == NONE32) {
-            *empty = i;
-            return NONE32;
-        }
-        if (s->tag == tag && idx->pool[rec].hash == h) return rec;
-        if (++i == cap) i = 0;
-    }
-}
-
-static inline uint32_t bt_find(const kvp_index *idx, kvp_hash_t h) {
-    size_t empty;
-    return bt_probe(idx, h, &empty);
-}
-
+/* ---- slot tables ------------------------------------------------------------------------- */
 static kvp_status bt_alloc(size_t cap, bslot_t **out) {
     if (cap > SIZE_MAX / sizeof(bslot_t)) return KVP_E_NOMEM;
     bslot_t *t = (bslot_t *)malloc(cap * sizeof(bslot_t));
@@ -469,80 +452,17 @@ static kvp_status bt_alloc(size_t cap, bslot_t **out) {
 }
 
 static int arr_grow(void **p, size_t *bytes, unsigned char *mapped, size_t new_bytes);
-static void bt_refill(kvp_index *idx, size_t cap);
 
-/* Room for `extra` more blocks within the load bound. The new table is filled from the record
- * pool, read sequentially (a live record has a holder; free ones have none), each record's home
- * slot prefetched ahead: slots keep only a 16-bit tag, so homes come from the records' hashes. */
-static kvp_status bt_reserve(kvp_index *idx, size_t extra) {
-    size_t need = idx->bt_count + extra;
-    if (need < idx->bt_count || need > ((size_t)1 << 31)) return KVP_E_NOMEM;
-    size_t cap = grown_cap(idx->bt_cap, need);
-    if (cap == idx->bt_cap) return KVP_OK;
-    /* The new table reuses the old one's memory (grown in place: mremap once it is big, so its
-     * pages are not faulted in and zeroed again), since it is refilled from the pool anyway. */
-    if (cap > SIZE_MAX / sizeof(bslot_t) ||
-        !arr_grow((void **)&idx->bt, &idx->bt_bytes, &idx->bt_mapped, cap * sizeof(bslot_t)))
-        return KVP_E_NOMEM;
-    bt_refill(idx, cap);
-    return KVP_OK;
-}
+/* The block table (ST_BLOCKS: a slot per live record, keyed on its block hash) and the
+ * canonical engine map (ST_CANON: a slot per owner, keyed on its canonical engine hash, rec_ceh;
+ * see struct kvp_index). Probing, growth and deletion are one code (st_*); `which` is a constant
+ * at every call and the st_* bodies are always inlined, so each table gets its own copy with
+ * its key source folded in, as if written twice. */
+enum { ST_BLOCKS = 0, ST_CANON = 1 };
+#define ST_INLINE static inline __attribute__((always_inline))
 
-/* Empty the block table's first `cap` slots (allocated) and fill them from the live records. */
-static void bt_refill(kvp_index *idx, size_t cap) {
-    bslot_t *t = idx->bt;
-    for (size_t i = 0; i < cap; i++) {
-        t[i].tag = 0;
-        t[i].rec = NONE32;
-    }
-    enum { REHASH_AHEAD = 16 };
-    const uint32_t n = idx->pool_len;
-    const block_t *pool = idx->pool;
-    for (uint32_t r = 0; r < n; r++) {
-        if (r + REHASH_AHEAD < n)
-            __builtin_prefetch(&t[bslot_of(pool[r + REHASH_AHEAD].hash, cap)], 1);
-        if (pool[r].ep == EP_NONE) continue;
-        const uint64_t mixed = bmix_of(pool[r].hash);
-        size_t j = bhome_of(mixed, cap);
-        while (t[j].rec != NONE32)
-            if (++j == cap) j = 0;
-        t[j].rec = r;
-        t[j].tag = btag_of(mixed);
-    }
-    idx->bt_cap = cap;
-}
-
-/* Delete record r's slot (found by id, so no hash comparison is needed). */
-static void bt_delete(kvp_index *idx, uint32_t r) {
-    const size_t cap = idx->bt_cap;
-    size_t i = bslot_of(idx->pool[r].hash, cap);
-    for (;;) {
-        if (idx->bt[i].rec == NONE32) return;
-        if (idx->bt[i].rec == r) break;
-        if (++i == cap) i = 0;
-    }
-    /* backward-shift: pull later cluster members whose home is not in (i, j] */
-    size_t j = i;
-    for (;;) {
-        if (++j == cap) j = 0;
-        const uint32_t rj = idx->bt[j].rec;
-        if (rj == NONE32) break;
-        size_t home = bslot_of(idx->pool[rj].hash, cap);
-        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
-        if (stays) continue;
-        idx->bt[i] = idx->bt[j];
-        i = j;
-    }
-    idx->bt[i].rec = NONE32;
-    idx->bt[i].tag = 0;
-    idx->bt_count--;
-}
-
-/* ---- canonical engine map ----------------------------------------------------------------- */
-/* Slots as the block table's (16-bit tag, record id), keyed on the record's canonical engine
- * hash (rec_ceh), which confirms a tag match and gives a slot's home when growing or deleting.
- * Mixed unlike block hashes, so a workload whose engine hashes equal its block hashes does not
- * give both tables the same clusters. */
+/* Canonical engine hashes are mixed unlike block hashes, so a workload whose engine hashes equal
+ * its block hashes does not give both tables the same clusters. */
 static inline uint64_t cmix_of(kvp_engine_hash_t eh) {
     uint64_t x = (eh ^ (eh >> 29)) * KPH_K2;
     return x ^ (x >> 31);
@@ -551,96 +471,159 @@ static inline int cm_owns(const kvp_index *idx, uint32_t r) {
     return (int)((idx->cm_own[r >> 6] >> (r & 63)) & 1u);
 }
 
-/* The record owning eh, or NONE32 with *empty = where it would be inserted. */
-static uint32_t cm_probe(const kvp_index *idx, kvp_engine_hash_t eh, size_t *empty) {
-    const size_t cap = idx->cm_cap;
-    const uint64_t mixed = cmix_of(eh);
+ST_INLINE slot_table_t *st_table(const kvp_index *idx, int which) {
+    return (slot_table_t *)(which == ST_CANON ? &idx->cm : &idx->bt);
+}
+/* Where the records' keys live, read once per call: with -fno-strict-aliasing every slot
+ * written would otherwise make the compiler reload these pointers from the index. */
+typedef struct {
+    const block_t *pool;
+    const kvp_engine_hash_t *ceh;
+    const uint64_t *own;
+} st_keys_t;
+ST_INLINE st_keys_t st_keys(const kvp_index *idx) {
+    return (st_keys_t){idx->pool, idx->rec_ceh, idx->cm_own};
+}
+/* Record r's key in the table, and how keys are mixed (tag and home slot). */
+ST_INLINE uint64_t st_key(st_keys_t k, int which, uint32_t r) {
+    return which == ST_CANON ? k.ceh[r] : k.pool[r].hash;
+}
+ST_INLINE uint64_t st_mix(int which, uint64_t key) {
+    return which == ST_CANON ? cmix_of(key) : bmix_of(key);
+}
+/* Whether record r has a slot in the table (a live record; an owner of its engine hash). */
+ST_INLINE int st_member(st_keys_t k, int which, uint32_t r) {
+    return which == ST_CANON ? (int)((k.own[r >> 6] >> (r & 63)) & 1u) : k.pool[r].ep != EP_NONE;
+}
+
+/* The record whose key is `key`, or NONE32 with *empty = where it would be inserted. Spelled
+ * out field by field rather than through st_table/st_key: so GCC lays the loop out as it did
+ * for the two hand-written probes (through the helpers callgrind counted 4-6 % more
+ * instructions in map_lookup, where the canonical probe is inlined). */
+ST_INLINE uint32_t st_probe(const kvp_index *idx, int which, uint64_t key, size_t *empty) {
+    const size_t cap = which == ST_CANON ? idx->cm.cap : idx->bt.cap;
+    const uint64_t mixed = st_mix(which, key);
     const uint16_t tag = btag_of(mixed);
     size_t i = bhome_of(mixed, cap);
     for (;;) {
-        const bslot_t *s = &idx->cm[i];
+        const bslot_t *s = which == ST_CANON ? &idx->cm.s[i] : &idx->bt.s[i];
         const uint32_t rec = s->rec;
         if (rec == NONE32) {
             *empty = i;
             return NONE32;
         }
-        if (s->tag == tag && idx->rec_ceh[rec] == eh) return rec;
+        if (s->tag == tag && (which == ST_CANON ? idx->rec_ceh[rec] : idx->pool[rec].hash) == key)
+            return rec;
         if (++i == cap) i = 0;
     }
 }
 
-/* Record r (new, holding nothing in cm yet) owns eh, whose probe found slot `empty` free. */
-static void cm_insert(kvp_index *idx, uint32_t r, kvp_engine_hash_t eh, size_t empty) {
-    idx->cm[empty].tag = btag_of(cmix_of(eh));
-    idx->cm[empty].rec = r;
-    idx->cm_count++;
-    idx->rec_ceh[r] = eh;
-    idx->cm_own[r >> 6] |= (uint64_t)1 << (r & 63);
-}
-
-/* Room for `extra` more entries: grown in place and refilled from the owners' engine hashes,
- * read in record order (as bt_reserve does with the block hashes). */
-static void cm_refill(kvp_index *idx, size_t cap);
-static kvp_status cm_reserve(kvp_index *idx, size_t extra) {
-    size_t need = idx->cm_count + extra;
-    if (need < idx->cm_count || need > ((size_t)1 << 31)) return KVP_E_NOMEM;
-    size_t cap = grown_cap(idx->cm_cap, need);
-    if (cap == idx->cm_cap) return KVP_OK;
-    if (cap > SIZE_MAX / sizeof(bslot_t) ||
-        !arr_grow((void **)&idx->cm, &idx->cm_bytes, &idx->cm_mapped, cap * sizeof(bslot_t)))
-        return KVP_E_NOMEM;
-    cm_refill(idx, cap);
-    return KVP_OK;
-}
-
-/* Empty the canonical map's first `cap` slots (allocated) and fill them from the owners. */
-static void cm_refill(kvp_index *idx, size_t cap) {
-    bslot_t *t = idx->cm;
+/* Empty the table's first `cap` slots (allocated) and fill them from its members, read in
+ * record order with each one's home slot prefetched ahead: slots keep only a 16-bit tag, so
+ * homes come from the records' keys. */
+ST_INLINE void st_refill(kvp_index *idx, int which, size_t cap) {
+    slot_table_t *tab = st_table(idx, which);
+    const st_keys_t k = st_keys(idx);
+    bslot_t *t = tab->s;
     for (size_t i = 0; i < cap; i++) {
         t[i].tag = 0;
         t[i].rec = NONE32;
     }
     enum { REHASH_AHEAD = 16 };
     const uint32_t n = idx->pool_len;
-    const kvp_engine_hash_t *ceh = idx->rec_ceh;
     for (uint32_t r = 0; r < n; r++) {
         if (r + REHASH_AHEAD < n)
-            __builtin_prefetch(&t[bhome_of(cmix_of(ceh[r + REHASH_AHEAD]), cap)], 1);
-        if (!cm_owns(idx, r)) continue;
-        const uint64_t mixed = cmix_of(ceh[r]);
+            __builtin_prefetch(&t[bhome_of(st_mix(which, st_key(k, which, r + REHASH_AHEAD)), cap)],
+                               1);
+        if (!st_member(k, which, r)) continue;
+        const uint64_t mixed = st_mix(which, st_key(k, which, r));
         size_t j = bhome_of(mixed, cap);
         while (t[j].rec != NONE32)
             if (++j == cap) j = 0;
         t[j].rec = r;
         t[j].tag = btag_of(mixed);
     }
-    idx->cm_cap = cap;
+    tab->cap = cap;
 }
 
-/* Delete owner r's entry (backward shift, homes from the owners' engine hashes). */
-static void cm_delete(kvp_index *idx, uint32_t r) {
-    const size_t cap = idx->cm_cap;
-    size_t i = bhome_of(cmix_of(idx->rec_ceh[r]), cap);
-    idx->cm_own[r >> 6] &= ~((uint64_t)1 << (r & 63));
+/* Room for `extra` more slots within the load bound. The new table reuses the old one's memory
+ * (grown in place: mremap once it is big, so its pages are not faulted in and zeroed again),
+ * since it is refilled from the records anyway. */
+ST_INLINE kvp_status st_reserve(kvp_index *idx, int which, size_t extra) {
+    slot_table_t *tab = st_table(idx, which);
+    size_t need = tab->count + extra;
+    if (need < tab->count || need > ((size_t)1 << 31)) return KVP_E_NOMEM;
+    size_t cap = grown_cap(tab->cap, need);
+    if (cap == tab->cap) return KVP_OK;
+    if (cap > SIZE_MAX / sizeof(bslot_t) ||
+        !arr_grow((void **)&tab->s, &tab->bytes, &tab->mapped, cap * sizeof(bslot_t)))
+        return KVP_E_NOMEM;
+    st_refill(idx, which, cap);
+    return KVP_OK;
+}
+
+/* Delete member r's slot (found by record id, so no key comparison is needed) by backward
+ * shift: later cluster members whose home is not in (i, j] move up. */
+ST_INLINE void st_delete(kvp_index *idx, int which, uint32_t r) {
+    slot_table_t *tab = st_table(idx, which);
+    const st_keys_t k = st_keys(idx);
+    bslot_t *t = tab->s;
+    const size_t cap = tab->cap;
+    size_t i = bhome_of(st_mix(which, st_key(k, which, r)), cap);
     for (;;) {
-        if (idx->cm[i].rec == NONE32) return;
-        if (idx->cm[i].rec == r) break;
+        if (t[i].rec == NONE32) return;
+        if (t[i].rec == r) break;
         if (++i == cap) i = 0;
     }
     size_t j = i;
     for (;;) {
         if (++j == cap) j = 0;
-        const uint32_t rj = idx->cm[j].rec;
+        const uint32_t rj = t[j].rec;
         if (rj == NONE32) break;
-        size_t home = bhome_of(cmix_of(idx->rec_ceh[rj]), cap);
+        size_t home = bhome_of(st_mix(which, st_key(k, which, rj)), cap);
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (stays) continue;
-        idx->cm[i] = idx->cm[j];
+        t[i] = t[j];
         i = j;
     }
-    idx->cm[i].rec = NONE32;
-    idx->cm[i].tag = 0;
-    idx->cm_count--;
+    t[i].rec = NONE32;
+    t[i].tag = 0;
+    tab->count--;
+}
+
+/* The block table */
+static uint32_t bt_probe(const kvp_index *idx, kvp_hash_t h, size_t *empty) {
+    return st_probe(idx, ST_BLOCKS, h, empty);
+}
+static inline uint32_t bt_find(const kvp_index *idx, kvp_hash_t h) {
+    size_t empty;
+    return bt_probe(idx, h, &empty);
+}
+static kvp_status bt_reserve(kvp_index *idx, size_t extra) {
+    return st_reserve(idx, ST_BLOCKS, extra);
+}
+static void bt_refill(kvp_index *idx, size_t cap) { st_refill(idx, ST_BLOCKS, cap); }
+static void bt_delete(kvp_index *idx, uint32_t r) { st_delete(idx, ST_BLOCKS, r); }
+
+/* The canonical engine map */
+static uint32_t cm_probe(const kvp_index *idx, kvp_engine_hash_t eh, size_t *empty) {
+    return st_probe(idx, ST_CANON, eh, empty);
+}
+/* Record r (new, holding nothing in cm yet) owns eh, whose probe found slot `empty` free. */
+static void cm_insert(kvp_index *idx, uint32_t r, kvp_engine_hash_t eh, size_t empty) {
+    idx->cm.s[empty].tag = btag_of(cmix_of(eh));
+    idx->cm.s[empty].rec = r;
+    idx->cm.count++;
+    idx->rec_ceh[r] = eh;
+    idx->cm_own[r >> 6] |= (uint64_t)1 << (r & 63);
+}
+static kvp_status cm_reserve(kvp_index *idx, size_t extra) {
+    return st_reserve(idx, ST_CANON, extra);
+}
+static void cm_refill(kvp_index *idx, size_t cap) { st_refill(idx, ST_CANON, cap); }
+static void cm_delete(kvp_index *idx, uint32_t r) {
+    idx->cm_own[r >> 6] &= ~((uint64_t)1 << (r & 63));
+    st_delete(idx, ST_CANON, r);
 }
 
 /* ---- engine mapping tables (one per endpoint) --------------------------------------------- */
@@ -1012,16 +995,16 @@ static void delete_block(kvp_index *idx, uint32_t r) {
 static void delete_block_unslotted(kvp_index *idx, uint32_t r) {
     if (cm_owns(idx, r)) {
         idx->cm_own[r >> 6] &= ~((uint64_t)1 << (r & 63));
-        idx->cm_count--;
+        idx->cm.count--;
     }
-    idx->bt_count--;
+    idx->bt.count--;
     if (idx->max_entries) lru_unlink(idx, r);
     pool_give(idx, r);
 }
 
 static void refill_tables(kvp_index *idx) {
-    bt_refill(idx, idx->bt_cap);
-    cm_refill(idx, idx->cm_cap);
+    bt_refill(idx, idx->bt.cap);
+    cm_refill(idx, idx->cm.cap);
 }
 
 static uint32_t clock_next(kvp_index *idx) {
@@ -1250,9 +1233,10 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
         if (r == NONE32) {
             r = pool_take(idx);
             idx->pool[r].hash = h;
-            idx->bt[b_empty].tag = btag_of(bmix_of(h)); /* the probe's empty slot: nothing moved */
-            idx->bt[b_empty].rec = r;
-            idx->bt_count++;
+            /* the probe's empty slot: nothing moved */
+            idx->bt.s[b_empty].tag = btag_of(bmix_of(h));
+            idx->bt.s[b_empty].rec = r;
+            idx->bt.count++;
             if (canon) cm_insert(idx, r, eh, c_empty); /* likewise */
             if (idx->max_entries) lru_append(idx, r);
         }
@@ -1418,21 +1402,21 @@ kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out) {
     kvp_index *idx = (kvp_index *)calloc(1, sizeof(kvp_index));
     if (!idx) return KVP_E_NOMEM;
     idx->max_entries = max_entries;
-    idx->bt_cap = MIN_CAP;
+    idx->bt.cap = MIN_CAP;
     idx->free_head = NONE32;
     idx->lru_head = idx->lru_tail = NONE32;
     idx->gen = 0;
-    if (bt_alloc(MIN_CAP, &idx->bt) != KVP_OK) {
+    if (bt_alloc(MIN_CAP, &idx->bt.s) != KVP_OK) {
         kvp_index_free(idx);
         return KVP_E_NOMEM;
     }
-    idx->bt_bytes = MIN_CAP * sizeof(bslot_t);
-    idx->cm_cap = MIN_CAP;
-    if (bt_alloc(MIN_CAP, &idx->cm) != KVP_OK) {
+    idx->bt.bytes = MIN_CAP * sizeof(bslot_t);
+    idx->cm.cap = MIN_CAP;
+    if (bt_alloc(MIN_CAP, &idx->cm.s) != KVP_OK) {
         kvp_index_free(idx);
         return KVP_E_NOMEM;
     }
-    idx->cm_bytes = MIN_CAP * sizeof(bslot_t);
+    idx->cm.bytes = MIN_CAP * sizeof(bslot_t);
     *out = idx;
     return KVP_OK;
 }
@@ -1446,8 +1430,8 @@ void kvp_index_free(kvp_index *idx) {
     arr_free(idx->lru_prev, idx->lru_prev_bytes, idx->lru_prev_mapped);
     arr_free(idx->lru_next, idx->lru_next_bytes, idx->lru_next_mapped);
     arr_free(idx->rec_eh, idx->rec_eh_bytes, idx->rec_eh_mapped);
-    arr_free(idx->bt, idx->bt_bytes, idx->bt_mapped);
-    arr_free(idx->cm, idx->cm_bytes, idx->cm_mapped);
+    arr_free(idx->bt.s, idx->bt.bytes, idx->bt.mapped);
+    arr_free(idx->cm.s, idx->cm.bytes, idx->cm.mapped);
     arr_free(idx->rec_ceh, idx->rec_ceh_bytes, idx->rec_ceh_mapped);
     arr_free(idx->cm_own, idx->cm_own_bytes, idx->cm_own_mapped);
     for (size_t e = 0; e < idx->em_cap; e++) free(idx->em[e].t);
@@ -1481,8 +1465,8 @@ enum { STORE_AHEAD = 12 }; /* blocks to prefetch ahead: covers DRAM latency at ~
  * deems a function of prefetches alone free of side effects and deletes its calls. */
 #define PREFETCH_STORE(idx, em, eh, h)                                                  \
     do {                                                                                \
-        const char *b_ = (const char *)&(idx)->bt[bslot_of((h), (idx)->bt_cap)];        \
-        const char *c_ = (const char *)&(idx)->cm[bhome_of(cmix_of(eh), (idx)->cm_cap)]; \
+        const char *b_ = (const char *)&(idx)->bt.s[bslot_of((h), (idx)->bt.cap)];      \
+        const char *c_ = (const char *)&(idx)->cm.s[bhome_of(cmix_of(eh), (idx)->cm.cap)]; \
         __builtin_prefetch(b_);                                                         \
         __builtin_prefetch(b_ + 64);                                                    \
         __builtin_prefetch(c_);                                                         \
@@ -1521,10 +1505,10 @@ kvp_status kvp_index_reserve_endpoint(kvp_index *idx, kvp_endpoint_t ep, size_t 
 kvp_status kvp_index_reserve(kvp_index *idx, size_t n_blocks, size_t n_mappings) {
     if (idx == NULL) return KVP_E_NULL;
     kvp_status st;
-    size_t nb = n_blocks > idx->bt_count ? n_blocks - idx->bt_count : 0;
+    size_t nb = n_blocks > idx->bt.count ? n_blocks - idx->bt.count : 0;
     if ((st = bt_reserve(idx, nb)) != KVP_OK) return st;
     /* every block may own its canonical engine hash */
-    if ((st = cm_reserve(idx, n_blocks > idx->cm_count ? n_blocks - idx->cm_count : 0)) != KVP_OK)
+    if ((st = cm_reserve(idx, n_blocks > idx->cm.count ? n_blocks - idx->cm.count : 0)) != KVP_OK)
         return st;
     /* endpoints' own maps (mappings the canonical map does not cover) are per endpoint:
      * spread the mappings over the endpoints that have stored */
@@ -1704,7 +1688,7 @@ kvp_status kvp_index_clear(kvp_index *idx, kvp_endpoint_t ep) {
      * more): drop them unslotted and refill both tables once, O(records), instead of ~0.5 us
      * of backward shifts per block (random reads of the clusters' records). */
     const size_t held = em != NULL ? (size_t)em->ncanon + em->count : 0;
-    const int bulk = held > 0 && held * 16 >= idx->bt_count;
+    const int bulk = held > 0 && held * 16 >= idx->bt.count;
     void (*drop_block)(kvp_index *, uint32_t) = bulk ? delete_block_unslotted : delete_block;
     if (em != NULL && em->ncanon > 0) {
         /* ep's canonical mappings are flags on its holders: walk the records (in order) until
@@ -1828,11 +1812,11 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
     size_t pending = 0; /* positions since the last full check whose holders repeat it exactly */
     uint32_t prev_r = NONE32;
     int prev_shared = 0;
-    const size_t bcap = idx->bt_cap;
+    const size_t bcap = idx->bt.cap;
     enum { AHEAD = 8 };
-    for (size_t i = 0; i < n && i < AHEAD; i++) __builtin_prefetch(&idx->bt[bslot_of(hs[i], bcap)]);
+    for (size_t i = 0; i < n && i < AHEAD; i++) __builtin_prefetch(&idx->bt.s[bslot_of(hs[i], bcap)]);
     for (size_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) __builtin_prefetch(&idx->bt[bslot_of(hs[i + AHEAD], bcap)]);
+        if (i + AHEAD < n) __builtin_prefetch(&idx->bt.s[bslot_of(hs[i + AHEAD], bcap)]);
         uint32_t r = bt_find(idx, hs[i]);
         walked = i + 1;
         int shared = 0;
@@ -1922,14 +1906,14 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
 kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
     if (idx == NULL || out == NULL) return KVP_E_NULL;
     *out = idx->c;
-    out->blocks = idx->bt_count;
+    out->blocks = idx->bt.count;
     out->entries = idx->n_holdings;
     out->engine_mappings = idx->mt_count;
-    out->memory_bytes = sizeof(kvp_index) + sizeof(bslot_t) * idx->bt_cap +
+    out->memory_bytes = sizeof(kvp_index) + sizeof(bslot_t) * idx->bt.cap +
                         sizeof(mslot_t) * idx->mt_slots + sizeof(emap_t) * idx->em_cap +
                         sizeof(oslot_t) * idx->ot_cap +
                         idx->pool_bytes + idx->ext_bytes + idx->lru_prev_bytes +
-                        idx->lru_next_bytes + idx->rec_eh_bytes + idx->cm_bytes +
+                        idx->lru_next_bytes + idx->rec_eh_bytes + idx->cm.bytes +
                         idx->rec_ceh_bytes + idx->cm_own_bytes +
                         (size_t)idx->ext_cap * (sizeof(ext_t *) + sizeof(uint32_t)) +
                         idx->ep_cap * (3 * sizeof(uint32_t) + 1) + idx->run_cap * sizeof(uint32_t) +
@@ -1940,10 +1924,10 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
 kvp_status kvp_index_held_counts(const kvp_index *idx, uint64_t *counts, size_t n) {
     if (idx == NULL || (n > 0 && counts == NULL)) return KVP_E_NULL;
     for (size_t i = 0; i < n; i++) counts[i] = 0;
-    const size_t slots = idx->bt_cap;
+    const size_t slots = idx->bt.cap;
     for (size_t i = 0; i < slots; i++) {
-        if (idx->bt[i].rec == NONE32) continue;
-        const block_t *b = &idx->pool[idx->bt[i].rec];
+        if (idx->bt.s[i].rec == NONE32) continue;
+        const block_t *b = &idx->pool[idx->bt.s[i].rec];
         if (!is_ext(b)) {
             if (b->ep < n) counts[b->ep]++; /* EP_NONE is far above any n */
             continue;
@@ -1962,10 +1946,10 @@ kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_
     if (cap > 0 && (hashes == NULL || counts == NULL)) return KVP_E_NULL;
     if (!valid_ep(ep)) return KVP_E_ENDPOINT;
     size_t n = 0;
-    size_t slots = idx->bt_cap;
+    size_t slots = idx->bt.cap;
     for (size_t i = 0; i < slots; i++) {
-        if (idx->bt[i].rec == NONE32) continue;
-        block_t *b = &idx->pool[idx->bt[i].rec];
+        if (idx->bt.s[i].rec == NONE32) continue;
+        block_t *b = &idx->pool[idx->bt.s[i].rec];
         holder_t tmp;
         holder_t *hd = find_holder(idx, b, ep, &tmp, NULL);
         if (hd == NULL) continue;
@@ -1993,37 +1977,37 @@ int kvp_index_verify(const kvp_index *idx) {
     if (idx == NULL) return 1;
     /* block table: live records, tags, reachability, count */
     size_t n = 0;
-    for (size_t i = 0; i < idx->bt_cap; i++) {
-        const uint32_t r = idx->bt[i].rec;
+    for (size_t i = 0; i < idx->bt.cap; i++) {
+        const uint32_t r = idx->bt.s[i].rec;
         if (r == NONE32) continue;
         n++;
         if (r >= idx->pool_len || idx->pool[r].ep == EP_NONE) return 2;
         const uint64_t mixed = bmix_of(idx->pool[r].hash);
-        if (idx->bt[i].tag != btag_of(mixed)) return 3;
-        if (!bslot_reachable(idx->bt, idx->bt_cap, bhome_of(mixed, idx->bt_cap), i)) return 4;
+        if (idx->bt.s[i].tag != btag_of(mixed)) return 3;
+        if (!bslot_reachable(idx->bt.s, idx->bt.cap, bhome_of(mixed, idx->bt.cap), i)) return 4;
     }
-    if (n != idx->bt_count) return 5;
+    if (n != idx->bt.count) return 5;
     /* canonical map: owners only, tags, reachability, count; every owner is in it, alive */
     n = 0;
-    for (size_t i = 0; i < idx->cm_cap; i++) {
-        const uint32_t r = idx->cm[i].rec;
+    for (size_t i = 0; i < idx->cm.cap; i++) {
+        const uint32_t r = idx->cm.s[i].rec;
         if (r == NONE32) continue;
         n++;
         if (r >= idx->pool_len || idx->pool[r].ep == EP_NONE || !cm_owns(idx, r)) return 6;
         const uint64_t mixed = cmix_of(idx->rec_ceh[r]);
-        if (idx->cm[i].tag != btag_of(mixed)) return 7;
-        if (!bslot_reachable(idx->cm, idx->cm_cap, bhome_of(mixed, idx->cm_cap), i)) return 8;
+        if (idx->cm.s[i].tag != btag_of(mixed)) return 7;
+        if (!bslot_reachable(idx->cm.s, idx->cm.cap, bhome_of(mixed, idx->cm.cap), i)) return 8;
         size_t empty;
         if (cm_probe(idx, idx->rec_ceh[r], &empty) != r) return 9; /* two owners of one hash */
     }
-    if (n != idx->cm_count) return 10;
+    if (n != idx->cm.count) return 10;
     size_t owners = 0;
     for (uint32_t r = 0; r < idx->pool_len; r++)
         if (cm_owns(idx, r)) {
             owners++;
             if (idx->pool[r].ep == EP_NONE) return 11;
         }
-    if (owners != idx->cm_count) return 12;
+    if (owners != idx->cm.count) return 12;
     /* holders: canonical flags per endpoint; holdings */
     uint64_t holdings = 0;
     const size_t n_em = idx->em_cap + 1; /* the endpoints' maps, then the shared tier's */
