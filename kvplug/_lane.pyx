@@ -4,15 +4,15 @@
 A thin wrapper over csrc/lane.c: the lane owns an epoll set; Python registers ``fileno()`` with
 its event loop and calls ``poll()`` when it is readable. The Python callbacks (``decide``,
 ``first_byte``, ``finish``, ``handoff``) are called from inside ``poll()``; an exception in one
-is reported through ``sys.unraisablehook`` and the lane goes on (decide: the connection is
+is logged (kvplug.frontend.native_lane) and the lane goes on (decide: the connection is
 handed off; finish: the lane's own error answer). See kvplug/frontend/native_lane.py.
 """
 
+import logging
 import os
 import socket
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.exc cimport PyErr_WriteUnraisable
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport uint64_t
 from libc.string cimport memset
@@ -105,6 +105,9 @@ cdef extern from *:
     }
     """
     unsigned kvl_sockaddr(const char *host, int port, sockaddr_storage *out)
+
+
+_log = logging.getLogger("kvplug.frontend.native_lane")
 
 
 def _lines(value, name):
@@ -299,7 +302,7 @@ cdef void _decide_cb(void *ctx, int kind, const char *body, size_t body_len,
         )
         _fill(self, result, out)
     except BaseException:
-        PyErr_WriteUnraisable(self._decide)
+        _log.exception("the native lane's decide failed: the connection is handed off")
         out.action = LANE_HANDOFF  # the Python path serves it (and reports its own errors)
 
 
@@ -308,7 +311,7 @@ cdef void _first_byte_cb(void *ctx, void *token) noexcept with gil:
     try:
         self._first_byte(<object>token)
     except BaseException:
-        PyErr_WriteUnraisable(self._first_byte)
+        _log.exception("the native lane's first_byte failed")
 
 
 cdef void _finish_cb(void *ctx, void *token, int status, int outcome, const char *tail,
@@ -322,7 +325,7 @@ cdef void _finish_cb(void *ctx, void *token, int status, int outcome, const char
         if result is not None:
             _fill(self, result, out)
     except BaseException:
-        PyErr_WriteUnraisable(self._finish)
+        _log.exception("the native lane's finish failed: the lane answers its own error")
         out.action = LANE_DEFAULT
     if out.action == LANE_HANDOFF:
         out.action = LANE_DEFAULT
@@ -333,5 +336,5 @@ cdef void _handoff_cb(void *ctx, int fd, const char *data, size_t n) noexcept wi
     try:
         self._handoff(fd, PyBytes_FromStringAndSize(data, n))
     except BaseException:
-        PyErr_WriteUnraisable(self._handoff)
+        _log.exception("the native lane's handoff failed: the connection is closed")
         os.close(fd)  # nobody owns it now
