@@ -71,6 +71,7 @@ struct client {
     int first;       /* no request taken yet on this connection */
     int keep_alive;  /* the current request's */
     int answered;    /* a byte of an answer was queued on this connection */
+    size_t answer_sent; /* bytes of it written to the socket */
     int streamed, first_byte_done, wrap_chunks;
     int want_out;    /* EPOLLOUT is in the mask */
     client_t *prev, *next;
@@ -102,6 +103,7 @@ struct lane {
     char *head_answer, *body_answer;
     int epfd, tfd;
     int closing, ticking;
+    int64_t accept_paused_until; /* 0, or when the listeners are watched again */
     int n_listeners;
     int listen_tags[64][2]; /* {K_LISTEN, fd}: epoll data points here */
     int timer_tag[2];
@@ -175,7 +177,7 @@ static const char *memfind(const char *h, size_t hn, const char *n, size_t nn) {
 }
 
 static void tick_arm(lane_t *l) {
-    int want = l->clients != NULL || l->engines != NULL;
+    int want = l->clients != NULL || l->engines != NULL || l->accept_paused_until != 0;
     if (want == l->ticking) return;
     struct itimerspec its;
     memset(&its, 0, sizeof its);
@@ -185,6 +187,11 @@ static void tick_arm(lane_t *l) {
     }
     timerfd_settime(l->tfd, 0, &its, NULL);
     l->ticking = want;
+}
+
+static void listeners_watch(lane_t *l, int op) {
+    for (int i = 0; i < l->n_listeners; i++)
+        ep_set(l, op, l->listen_tags[i][1], EPOLLIN, l->listen_tags[i]);
 }
 
 /* ---- the request head ------------------------------------------------------------------- */
@@ -346,6 +353,24 @@ static void finish(lane_t *l, client_t *c, int outcome) {
 static const char *reason_of(int status) {
     switch (status) {
     case 200: return "OK";
+    case 201: return "Created";
+    case 202: return "Accepted";
+    case 204: return "No Content";
+    case 301: return "Moved Permanently";
+    case 302: return "Found";
+    case 304: return "Not Modified";
+    case 307: return "Temporary Redirect";
+    case 405: return "Method Not Allowed";
+    case 410: return "Gone";
+    case 411: return "Length Required";
+    case 412: return "Precondition Failed";
+    case 416: return "Range Not Satisfiable";
+    case 417: return "Expectation Failed";
+    case 421: return "Misdirected Request";
+    case 431: return "Request Header Fields Too Large";
+    case 499: return "Client Closed Request";
+    case 501: return "Not Implemented";
+    case 505: return "HTTP Version Not Supported";
     case 400: return "Bad Request";
     case 401: return "Unauthorized";
     case 403: return "Forbidden";
@@ -461,6 +486,10 @@ static void apply_action(lane_t *l, client_t *c, lane_action *a, int outcome) {
         a->action = LANE_DEFAULT;
     }
     release(l, a);
+    if (c->answered && !c->answer_sent) { /* still all queued here: a clean error instead */
+        c->answered = 0;
+        c->out.off = c->out.len = 0;
+    }
     if (c->answered) { /* the engine's answer was partly relayed: the client sees it end */
         client_close(l, c);
         return;
@@ -530,6 +559,7 @@ static int client_flush(lane_t *l, client_t *c) {
             return -1;
         }
         buf_consume(&c->out, (size_t)n);
+        c->answer_sent += (size_t)n;
     }
     if (buf_size(&c->out) == 0 && c->state == C_FLUSH) {
         if (!c->keep_alive || l->closing) {
@@ -539,6 +569,7 @@ static int client_flush(lane_t *l, client_t *c) {
         c->state = C_HEAD;
         c->first = 0;
         c->answered = 0;
+        c->answer_sent = 0;
         c->streamed = c->first_byte_done = c->wrap_chunks = 0;
         c->tail_pos = c->tail_fill = 0;
         c->status = 0;
@@ -636,6 +667,9 @@ static void client_readable(lane_t *l, client_t *c) {
         }
         c->in.len += (size_t)n;
         if ((size_t)n < READ_CHUNK) break;
+        /* enough for the request at hand: the rest waits in the kernel (level-triggered) */
+        size_t need = c->state == C_BODY ? c->head_len + c->body_len : MAX_HEAD;
+        if (buf_size(&c->in) > need) break;
     }
     client_process(l, c);
 }
@@ -822,6 +856,28 @@ static int hop_header(const char *name, size_t n) {
            name_is(name, n, "te") || name_is(name, n, "trailer") || name_is(name, n, "upgrade");
 }
 
+/* one header line of an answer head: name, trimmed value; the next line's start */
+typedef struct {
+    const char *name, *value, *next;
+    size_t name_len, value_len;
+} header_line;
+
+static int next_header(const char *p, const char *end, header_line *h) {
+    const char *eol = memfind(p, (size_t)(end - p), "\r\n", 2);
+    if (!eol) eol = end;
+    const char *colon = memchr(p, ':', (size_t)(eol - p));
+    if (!colon || colon == p) return -1;
+    const char *v = colon + 1, *ve = eol;
+    while (v < ve && (*v == ' ' || *v == '\t')) v++;
+    while (ve > v && (ve[-1] == ' ' || ve[-1] == '\t')) ve--;
+    h->name = p;
+    h->name_len = (size_t)(colon - p);
+    h->value = v;
+    h->value_len = (size_t)(ve - v);
+    h->next = eol + 2;
+    return 0;
+}
+
 /* the engine's answer head: the client's head written, the framing known; 0, or -1 garbled */
 static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
     client_t *c = e->client;
@@ -834,46 +890,47 @@ static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
     }
     const char *line_end = memfind(h, len, "\r\n", 2);
     if (!line_end) line_end = h + len;
-    e->status = c->status = status;
-    e->keep_alive = minor >= 1;
+    const char *first = line_end + 2, *end = h + len;
     int chunked = 0, have_length = 0;
     uint64_t length = 0;
-    buf_t *out = &c->out;
+    e->keep_alive = minor >= 1;
+    header_line hl;
+    /* the framing first: with Transfer-Encoding, a Content-Length is not forwarded */
+    for (const char *p = first; p < end; p = hl.next) {
+        if (next_header(p, end, &hl)) return -1;
+        if (name_is(hl.name, hl.name_len, "transfer-encoding")) {
+            chunked = hl.value_len >= 7 &&
+                      strncasecmp(hl.value + hl.value_len - 7, "chunked", 7) == 0;
+            if (!chunked) return -1; /* a coding the lane cannot frame */
+        } else if (name_is(hl.name, hl.name_len, "connection")) {
+            if (hl.value_len == 5 && strncasecmp(hl.value, "close", 5) == 0) e->keep_alive = 0;
+        } else if (name_is(hl.name, hl.name_len, "content-length")) {
+            uint64_t n = 0;
+            if (hl.value_len == 0 || hl.value_len > 18) return -1;
+            for (size_t k = 0; k < hl.value_len; k++) {
+                if (hl.value[k] < '0' || hl.value[k] > '9') return -1;
+                n = n * 10 + (uint64_t)(hl.value[k] - '0');
+            }
+            if (have_length && n != length) return -1;
+            length = n;
+            have_length = 1;
+        } else if (name_is(hl.name, hl.name_len, "content-type")) {
+            c->streamed = hl.value_len >= 17 && strncasecmp(hl.value, "text/event-stream", 17) == 0;
+        }
+    }
+    e->status = c->status = status;
     if (l->closing) c->keep_alive = 0;
+    buf_t *out = &c->out;
     buf_append(out, "HTTP/1.1", 8);
     buf_append(out, h + 8, (size_t)(line_end - h) - 8);
     buf_append(out, "\r\n", 2);
-    const char *p = line_end + 2;
-    const char *end = h + len;
-    while (p < end) {
-        const char *eol = memfind(p, (size_t)(end - p), "\r\n", 2);
-        if (!eol) eol = end;
-        const char *colon = memchr(p, ':', (size_t)(eol - p));
-        if (!colon) return -1;
-        size_t nlen = (size_t)(colon - p);
-        const char *v = colon + 1, *ve = eol;
-        while (v < ve && (*v == ' ' || *v == '\t')) v++;
-        while (ve > v && (ve[-1] == ' ' || ve[-1] == '\t')) ve--;
-        size_t vlen = (size_t)(ve - v);
-        if (name_is(p, nlen, "transfer-encoding")) {
-            chunked = vlen >= 7 && strncasecmp(ve - 7, "chunked", 7) == 0;
-        } else if (name_is(p, nlen, "connection")) {
-            if (vlen == 5 && strncasecmp(v, "close", 5) == 0) e->keep_alive = 0;
-        } else if (name_is(p, nlen, "content-length")) {
-            length = 0;
-            for (const char *q = v; q < ve; q++) {
-                if (*q < '0' || *q > '9') return -1;
-                length = length * 10 + (uint64_t)(*q - '0');
-            }
-            have_length = 1;
-        } else if (name_is(p, nlen, "content-type")) {
-            c->streamed = vlen >= 17 && strncasecmp(v, "text/event-stream", 17) == 0;
-        }
-        if (!hop_header(p, nlen)) {
-            buf_append(out, p, (size_t)(eol - p));
-            buf_append(out, "\r\n", 2);
-        }
-        p = eol + 2;
+    for (const char *p = first; p < end; p = hl.next) {
+        next_header(p, end, &hl);
+        if (hop_header(hl.name, hl.name_len) ||
+            (chunked && name_is(hl.name, hl.name_len, "content-length")))
+            continue;
+        buf_append(out, p, (size_t)(hl.next - p) - 2); /* the line without its CRLF */
+        buf_append(out, "\r\n", 2);
     }
     buf_append(out, c->extra, c->extra_len);
     if (status == 204 || status == 304 || (status >= 100 && status < 200)) {
@@ -1209,6 +1266,11 @@ static void expire(lane_t *l) {
         next = e->next;
         if (e->state == E_IDLE && e->deadline && now >= e->deadline) engine_close(l, e);
     }
+    if (l->accept_paused_until && now >= l->accept_paused_until) {
+        l->accept_paused_until = 0;
+        if (!l->closing) listeners_watch(l, EPOLL_CTL_ADD);
+        tick_arm(l);
+    }
 }
 
 /* ---- the lane --------------------------------------------------------------------------- */
@@ -1216,8 +1278,19 @@ static void expire(lane_t *l) {
 static void accept_all(lane_t *l, int fd) {
     for (int i = 0; i < ACCEPTS_PER_EVENT && !l->closing; i++) {
         int cfd = accept4(fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (cfd < 0) return; /* EAGAIN, or a client gone before accept: nothing to do */
-        client_new(l, cfd);
+        if (cfd >= 0) {
+            client_new(l, cfd);
+            continue;
+        }
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+            /* out of descriptors or memory: stop accepting for a second (as asyncio does),
+             * else the level-triggered listener would spin */
+            listeners_watch(l, EPOLL_CTL_DEL);
+            l->accept_paused_until = now_ns() + 1000000000LL;
+            l->st.accept_pauses++;
+            tick_arm(l);
+        }
+        return; /* EAGAIN, or a client gone before accept: nothing to do */
     }
 }
 
@@ -1337,8 +1410,7 @@ void lane_get_stats(const lane_t *l, lane_stats *out) { *out = l->st; }
 void lane_shutdown(lane_t *l) {
     if (l->closing) return;
     l->closing = 1;
-    for (int i = 0; i < l->n_listeners; i++)
-        epoll_ctl(l->epfd, EPOLL_CTL_DEL, l->listen_tags[i][1], NULL);
+    if (!l->accept_paused_until) listeners_watch(l, EPOLL_CTL_DEL);
     for (client_t *c = l->clients, *next; c; c = next) {
         next = c->next;
         if (c->state == C_HEAD) client_close(l, c); /* idle: no request of its own yet */

@@ -760,3 +760,67 @@ async def test_shutdown_closes_idle_connections_and_lets_answers_finish():
         assert body == b"ok" and b"Connection: close" in head
         assert await asyncio.wait_for(busy_reader.read(), 5) == b""
         await until(lambda: h.lane.stats()["open_connections"] == 0)
+
+
+async def scripted_answer(answer: bytes):
+    """An engine that reads one request head and writes ``answer`` (then keeps the line)."""
+
+    async def engine(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        await reader.read()
+
+    return engine
+
+
+async def test_a_chunked_answer_with_a_content_length_loses_the_length():
+    answer = (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+              b"5\r\nhello\r\n0\r\n\r\n")
+    async with Harness() as h:
+        await h.scripted_engine(await scripted_answer(answer))
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, body = await read_answer(reader)
+        assert b"content-length" not in head.lower() and body == b"5\r\nhello\r\n0\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5x\r\n\r\nhello",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nhello",
+        b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\nhello",
+        b"HTTP/1.1 2x0 OK\r\n\r\n",
+    ],
+)
+async def test_an_answer_head_the_lane_cannot_frame_is_a_502(answer):
+    async with Harness() as h:
+        await h.scripted_engine(await scripted_answer(answer))
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 502") and h.finished[0][2] == FAILED
+
+
+async def test_a_garbled_chunk_ends_the_answer_as_a_failure():
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n"
+    async with Harness() as h:
+        await h.scripted_engine(await scripted_answer(answer))
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, _ = await read_answer(reader)  # nothing was sent yet: a clean 502
+        assert head.startswith(b"HTTP/1.1 502") and h.finished[0][1:3] == (200, FAILED)
+
+
+async def test_a_bodiless_answer_and_an_interim_100_are_relayed():
+    answer = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\nX-E: 1\r\n\r\n"
+    async with Harness() as h:
+        await h.scripted_engine(await scripted_answer(answer))
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 204 No Content\r\nX-E: 1\r\n")
+        await until(lambda: h.finished)
+        assert h.finished[0][1:3] == (204, OK)
