@@ -48,6 +48,7 @@ enum { CH_SIZE, CH_EXT, CH_SIZE_LF, CH_DATA, CH_DATA_CR, CH_DATA_LF, CH_TRAILER,
 
 struct engine {
     int kind, fd;
+    uint32_t mask; /* the events epoll watches for it now */
     int up;    /* index into lane->ups */
     int state;
     int reused; /* came from the pool: a failure before any answer byte is retried once */
@@ -67,6 +68,7 @@ enum { C_HEAD, C_BODY, C_WAIT, C_RELAY, C_FLUSH };
 
 struct client {
     int kind, fd;
+    uint32_t mask;
     int state;
     int first;       /* no request taken yet on this connection */
     int keep_alive;  /* the current request's */
@@ -170,6 +172,19 @@ static int ep_set(lane_t *l, int op, int fd, uint32_t events, void *tag) {
     ev.events = events;
     ev.data.ptr = tag;
     return epoll_ctl(l->epfd, op, fd, &ev);
+}
+
+/* a connection's events (the kind/fd/mask prefix both structs share), when they change */
+typedef struct {
+    int kind, fd;
+    uint32_t mask;
+} conn_prefix;
+
+static void watch(lane_t *l, void *conn, uint32_t events) {
+    conn_prefix *p = conn;
+    if (p->mask == events) return;
+    p->mask = events;
+    ep_set(l, EPOLL_CTL_MOD, p->fd, events, conn);
 }
 
 static const char *memfind(const char *h, size_t hn, const char *n, size_t nn) {
@@ -306,7 +321,7 @@ static void client_mask(lane_t *l, client_t *c) {
     if (c->state == C_HEAD || c->state == C_BODY) ev |= EPOLLIN;
     c->want_out = buf_size(&c->out) > 0;
     if (c->want_out) ev |= EPOLLOUT;
-    ep_set(l, EPOLL_CTL_MOD, c->fd, ev, c);
+    watch(l, c, ev);
 }
 
 static void tail_add(client_t *c, const char *p, size_t n) {
@@ -513,7 +528,8 @@ static void client_new(lane_t *l, int fd) {
     c->deadline = after(l->cfg.head_timeout);
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    if (ep_set(l, EPOLL_CTL_ADD, fd, EPOLLIN | EPOLLRDHUP, c)) {
+    c->mask = EPOLLIN | EPOLLRDHUP;
+    if (ep_set(l, EPOLL_CTL_ADD, fd, c->mask, c)) {
         close(fd);
         free(c);
         return;
@@ -583,7 +599,7 @@ static int client_flush(lane_t *l, client_t *c) {
     }
     if (c->eng && c->eng->paused && buf_size(&c->out) < RESUME_ENGINE_AT) {
         c->eng->paused = 0;
-        ep_set(l, EPOLL_CTL_MOD, c->eng->fd, EPOLLIN | EPOLLRDHUP, c->eng);
+        watch(l, c->eng, EPOLLIN | EPOLLRDHUP);
     }
     if ((buf_size(&c->out) > 0) != c->want_out) client_mask(l, c);
     return 0;
@@ -735,7 +751,8 @@ static engine_t *engine_open(lane_t *l, int up) {
     e->fd = fd;
     e->up = up;
     e->state = r == 0 ? E_SENDING : E_CONNECTING;
-    if (ep_set(l, EPOLL_CTL_ADD, fd, EPOLLOUT | EPOLLRDHUP, e)) {
+    e->mask = EPOLLOUT | EPOLLRDHUP;
+    if (ep_set(l, EPOLL_CTL_ADD, fd, e->mask, e)) {
         close(fd);
         free(e);
         return NULL;
@@ -838,7 +855,7 @@ static void engine_send(lane_t *l, engine_t *e) {
         if (n < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                ep_set(l, EPOLL_CTL_MOD, e->fd, EPOLLOUT | EPOLLRDHUP, e);
+                watch(l, e, EPOLLOUT | EPOLLRDHUP);
                 return;
             }
             engine_failed(l, e, LANE_ENGINE_UNAVAILABLE);
@@ -847,7 +864,7 @@ static void engine_send(lane_t *l, engine_t *e) {
         e->sent += (size_t)n;
     }
     e->state = E_HEAD;
-    ep_set(l, EPOLL_CTL_MOD, e->fd, EPOLLIN | EPOLLRDHUP, e);
+    watch(l, e, EPOLLIN | EPOLLRDHUP);
 }
 
 static int hop_header(const char *name, size_t n) {
@@ -1066,7 +1083,7 @@ static void engine_done(lane_t *l, engine_t *e, int extra_bytes) {
         e->next_idle = u->idle;
         u->idle = e;
         l->st.idle_engines++;
-        ep_set(l, EPOLL_CTL_MOD, e->fd, EPOLLIN | EPOLLRDHUP, e); /* any event closes it */
+        watch(l, e, EPOLLIN | EPOLLRDHUP); /* any event closes it */
     } else {
         engine_close(l, e);
     }
@@ -1176,7 +1193,8 @@ static void engine_readable(lane_t *l, engine_t *e) {
         }
         if (buf_size(&c->out) > PAUSE_ENGINE_AT) {
             e->paused = 1; /* no events but errors until the client has taken most of it */
-            ep_set(l, EPOLL_CTL_MOD, e->fd, 0, e);
+            l->st.engine_pauses++;
+            watch(l, e, 0);
             return;
         }
         if ((size_t)n < sizeof chunk) break;

@@ -63,6 +63,7 @@ cdef extern from "lane.h" nogil:
     ctypedef struct lane_stats:
         uint64_t served, handed_off, retried, client_gone, engine_failed, timeouts
         uint64_t answered_directly, open_clients, open_engines, idle_engines, accept_pauses
+        uint64_t engine_pauses
 
     int LANE_HANDOFF, LANE_FORWARD, LANE_ANSWER, LANE_DEFAULT
 
@@ -232,6 +233,7 @@ cdef class Lane:
             "engine_connections": s.open_engines,
             "idle_engine_connections": s.idle_engines,
             "accept_pauses": s.accept_pauses,
+            "engine_pauses": s.engine_pauses,
         }
 
     def shutdown(self):

@@ -345,7 +345,7 @@ async def test_an_until_close_answer_is_chunked_to_the_client():
 
 
 async def test_a_large_answer_to_a_slow_reader_arrives_whole():
-    payload = bytes(range(256)) * 16384  # 4 MiB: the lane stops reading the engine meanwhile
+    payload = bytes(range(256)) * 4096 * 24  # 24 MiB: more than the sockets' buffers hold
 
     async def engine(reader, writer):
         while True:
@@ -360,19 +360,15 @@ async def test_a_large_answer_to_a_slow_reader_arrives_whole():
 
     async with Harness() as h:
         await h.scripted_engine(engine)
-        sock = socket.create_connection(("127.0.0.1", h.port))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
-        reader, writer = await asyncio.open_connection(sock=sock)
+        reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
         head = await reader.readuntil(b"\r\n\r\n")
-        got = b""
-        while len(got) < len(payload):
-            got += await asyncio.wait_for(reader.read(8192), 10)
-            if len(got) < 1 << 20:
-                await asyncio.sleep(0.001)
+        await asyncio.sleep(0.3)  # the client reads nothing: the lane holds, then pauses
+        got = await asyncio.wait_for(reader.readexactly(len(payload)), 20)
         assert got == payload and head.startswith(b"HTTP/1.1 200")
         await until(lambda: h.finished)
         assert h.finished[0][2] == OK
+        assert h.lane.stats()["engine_pauses"] >= 1
         writer.close()
 
 
@@ -824,3 +820,77 @@ async def test_a_bodiless_answer_and_an_interim_100_are_relayed():
         assert head.startswith(b"HTTP/1.1 204 No Content\r\nX-E: 1\r\n")
         await until(lambda: h.finished)
         assert h.finished[0][1:3] == (204, OK)
+
+
+# -- kvplug serve --data-path native ---------------------------------------------------------
+
+
+def test_kvplug_serve_data_path_native_answers_through_the_cli(tmp_path):
+    import re
+    import subprocess
+    import urllib.request
+
+    from kvplug.testing import free_port, serve_command, stop_process, wait_ready
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    engine_port, port = free_port(), free_port()
+    engine = subprocess.Popen(
+        [sys.executable, str(bench / "instant_engine.py"), str(engine_port), "--tokens", "3"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    log = tmp_path / "serve.log"
+    serve = None
+    try:
+        assert engine.stdout is not None and engine.stdout.readline().strip() == "ready"
+        cmd = serve_command(
+            port,
+            "--data-path",
+            "native",
+            "--worker-engine",
+            "openai",
+            "--served-model-name",
+            "stub-model",
+            "--worker",
+            f"e0=http://127.0.0.1:{engine_port}",
+            "--kv-block-size",
+            "16",
+        )
+        with log.open("w") as out:
+            serve = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url + "/health", proc=serve, log=log)  # a GET: handed to the Python path
+
+        def exchange(target_port: int, request: bytes) -> tuple[bytes, bytes]:
+            with socket.create_connection(("127.0.0.1", target_port), timeout=10) as sock:
+                sock.sendall(request)
+                data = b""
+                while True:
+                    head, _, body = data.partition(b"\r\n\r\n")
+                    if _ and b"chunked" in head.lower() and body.endswith(b"0\r\n\r\n"):
+                        return head, body
+                    length = re.search(rb"(?i)content-length: *(\d+)", head)
+                    if _ and length and len(body) >= int(length.group(1)):
+                        return head, body
+                    chunk = sock.recv(65536)
+                    assert chunk, data
+                    data += chunk
+
+        for stream in (False, True):
+            body = json.dumps(
+                {"model": "stub-model", "prompt": list(range(40)), "max_tokens": 3,
+                 "stream": stream}
+            ).encode()
+            head, got = exchange(port, post(b"/v1/completions", body))
+            _, want = exchange(engine_port, post(b"/v1/completions", body))
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert got == want  # the engine's bytes (chunked framing and all)
+            assert b"x-kvplug-decision-id" in head.lower()
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        served = re.search(r'kvplug_router_stat\{stat="native_lane\.served"\} (\S+)', metrics)
+        assert served is not None and float(served.group(1)) >= 2, metrics[-2000:]
+    finally:
+        stop_process(serve, timeout=15)
+        stop_process(engine, timeout=5)
+    assert serve.returncode == 0, log.read_text()[-3000:]
