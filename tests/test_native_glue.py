@@ -499,14 +499,43 @@ async def test_the_load_is_gone_after_every_outcome():
         assert served.tokens[0].ctx.records[-1].outcome == "timeout"
         assert _requests(fe, 504) == 1
         h.assert_idle()
-        # a stream past --max-stream-duration
+        # a stream whose engine falls silent (the lane's --idle-timeout) after its first bytes
         engine.fail = None
-        fe.settings.max_stream_duration = 0.1
         served = await lane.serve(_body(prompt(2, 15), **stream), outcome=TIMED_OUT)
         rec = served.tokens[0].ctx.records[-1]
-        assert rec.outcome == "stream_timeout" and "--max-stream-duration (0.1 s)" in rec.error
+        assert rec.outcome == "upstream_failed_mid_stream" and "--idle-timeout" in rec.error
         h.assert_idle()
         assert _counter(fe, "kvplug_inflight_requests", {}) == 0
+        # the lane has no --max-stream-duration timer: such streams stay with the Python path
+        fe.settings.max_stream_duration = 0.1
+        glue = lane.glue
+        assert (
+            glue.decide(
+                KIND_COMPLETIONS, json.dumps(_body(prompt(2, 15), **stream)).encode(), None, None
+            )
+            is None
+        )
+        assert (
+            len(
+                glue.decide(KIND_COMPLETIONS, json.dumps(_body(prompt(2, 15))).encode(), None, None)
+            )
+            == 5
+        )
+
+
+async def test_an_idle_timeout_shorter_than_the_request_timeout_is_retried():
+    settings = ServeSettings(health_interval=0.2, health_timeout=5.0, idle_timeout=0.3)
+    async with serving(2, settings=settings) as h:
+        fe = h.frontend
+        lane = LaneDouble(NativeGlue(fe))
+        for engine in h.engines.values():
+            engine.fail = "hang"
+        served = await lane.serve(_body(prompt(2, 19)), timeout=0.3)
+        assert served.status == 502 and len(served.sent_heads) == 2  # retried, as Python does
+        records = served.tokens[0].ctx.records
+        assert [r.outcome for r in records] == ["unavailable", "unavailable"]
+        assert "--idle-timeout (0.3 s)" in records[0].error
+        h.assert_idle()
 
 
 async def test_an_engine_error_answer_is_traced_and_counted_as_the_python_path_does():

@@ -45,7 +45,6 @@ from kvplug.frontend.streaming import (
     completion_tokens,
     engine_error_text,
     mid_answer_error,
-    stream_timeout_error,
     whole_answer_read,
 )
 from kvplug.frontend.tokens import SOURCE_REQUEST
@@ -186,8 +185,8 @@ class NativeGlue:
         if len(body) > s.max_body_bytes or not self._all_plain():
             return None
         req = parse_token_prompt(body)
-        if req is None:
-            return None
+        if req is None or (req.stream and s.max_stream_duration > 0):
+            return None  # the lane has no --max-stream-duration timer
         try:
             model_workers = fe._check_model(req)
             fe.check_prompt_tokens(req.prompt_ids, "prompt")
@@ -220,8 +219,19 @@ class NativeGlue:
             return None
         fe = self.frontend
         routed = token.routed
+        reason = _BROKE_OFF
+        if outcome == TIMED_OUT and self._idle_timeout_first(routed.lifecycle.first_seen):
+            # the engine fell silent for --idle-timeout: the Python path's engine client fails
+            # the same way, before the answer head (retried) or within the answer
+            reason = (
+                f"no byte from the engine within --idle-timeout ({fe.settings.idle_timeout:g} s)"
+            )
+            outcome = UNAVAILABLE if status == 0 else FAILED_MID_ANSWER
         if outcome == UNAVAILABLE:
-            reason = tail.decode(errors="replace") if tail else _NO_ANSWER
+            if tail:
+                reason = tail.decode(errors="replace")
+            elif reason is _BROKE_OFF:
+                reason = _NO_ANSWER
             exc = UpstreamUnavailable(routed.decision.worker_id, reason)
             attempts = fe.settings.retries + 1
             token.attempt += 1
@@ -237,9 +247,18 @@ class NativeGlue:
         token.finished = True
         routed.entry.inflight -= 1
         try:
-            return self._finished(token, status, outcome, tail)
+            return self._finished(token, status, outcome, tail, reason)
         finally:
             routed.lifecycle.finish()
+
+    def _idle_timeout_first(self, streaming: bool) -> bool:
+        """Whether a silent engine meets ``--idle-timeout`` before ``--request-timeout`` (which
+        bounds a whole answer, and a stream until its first byte): the request's timer starts
+        first, so at equal lengths it is the one that fires."""
+        s = self.frontend.settings
+        if s.idle_timeout <= 0:
+            return False
+        return streaming or s.request_timeout <= 0 or s.idle_timeout < s.request_timeout
 
     def upstream_of(self, worker_id: str) -> tuple[int, str, int] | None:
         """The lane's upstream for a worker: (id, host, port); None if the lane cannot reach
@@ -275,9 +294,10 @@ class NativeGlue:
         return target.upstream_id, head, None, answer, token
 
     def _finished(
-        self, token: GlueRequest, status: int, outcome: int, tail: bytes
+        self, token: GlueRequest, status: int, outcome: int, tail: bytes, reason: str
     ) -> Answer | None:
-        """The answer's end in the trace and ``/metrics``; the lifecycle is finished after."""
+        """The answer's end in the trace and ``/metrics`` (``reason``: why an answer broke
+        off); the lifecycle is finished after."""
         fe = self.frontend
         ctx, routed = token.ctx, token.routed
         path = _PATHS[token.kind]
@@ -286,16 +306,15 @@ class NativeGlue:
             fe.client_gone(ctx)
             fe.count_request(path, 499, False, token.started)
             return None
-        if outcome == TIMED_OUT and not lc.first_seen:
-            err = fe._timed_out(ctx)  # --request-timeout (or its stream's first byte)
-            return self._answer_error(token, err)
+        if outcome == TIMED_OUT:  # --request-timeout: the whole answer, or a stream's start
+            return self._answer_error(token, fe._timed_out(ctx))
         if not lc.first_seen:  # a whole answer, not a stream
             if outcome == FAILED_MID_ANSWER:
-                fe.record_answer(ctx, routed, status, "upstream_failed_mid_stream", _BROKE_OFF, 0)
+                fe.record_answer(ctx, routed, status, "upstream_failed_mid_stream", reason, 0)
                 fe.count_request(path, 502, ctx.req.stream, token.started)
                 headers = fe.answer_headers(ctx, routed)
                 headers["Content-Type"] = "application/json"
-                return 502, _header_lines(headers), mid_answer_error(_BROKE_OFF)
+                return 502, _header_lines(headers), mid_answer_error(reason)
             whole_answer_read(lc, status, answer_tokens(tail) if status == 200 else None)
             fe.record_answer(ctx, routed, status, "ok", None, lc.tokens)
             fe.count_request(path, status, ctx.req.stream, token.started)
@@ -304,10 +323,7 @@ class NativeGlue:
         if total:
             lc.output(total)
         if outcome == FAILED_MID_ANSWER:
-            result, error = "upstream_failed_mid_stream", _BROKE_OFF
-        elif outcome == TIMED_OUT:
-            result = "stream_timeout"
-            error = stream_timeout_error(fe.settings.max_stream_duration)
+            result, error = "upstream_failed_mid_stream", reason
         elif engine_error is not None:
             result, error = "engine_error", engine_error_text(engine_error)
         else:

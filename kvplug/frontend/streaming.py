@@ -135,10 +135,6 @@ def whole_answer_read(lifecycle: Lifecycle, status: int, total: int | None) -> N
         lifecycle.output(total)
 
 
-def stream_timeout_error(limit: float) -> str:
-    return f"the stream ran past --max-stream-duration ({limit:g} s)"
-
-
 def engine_error_text(error: Any) -> str:
     """An error event an engine streamed, as its trace shows it."""
     return json.dumps(error)[:500]
@@ -242,7 +238,7 @@ async def relay(
                     raise  # the engine's idle timeout: handled below
                 upstream.close()  # the engine aborts the request
                 outcome = "stream_timeout"
-                error = stream_timeout_error(max_stream_duration or 0.0)
+                error = f"the stream ran past --max-stream-duration ({max_stream_duration:g} s)"
                 await out.write(sse_error(error, 504, "timeout_error"))
                 break
         lifecycle.output(counter.tokens)
