@@ -102,6 +102,8 @@ class ServeSettings:
     trtllm_booking_seconds: float = 1.0  # load held per TRT-LLM remote_http placement
     # the routed endpoints through kvplug's own HTTP lane (kvplug/frontend/lane.py), not aiohttp's
     http_lane: bool = True
+    # "native": the compiled data path serves the plain requests (kvplug/frontend/native_lane.py)
+    data_path: str = "python"
 
 
 _ROUTING_ERRORS = {
@@ -128,6 +130,7 @@ class Frontend:
         self.settings = s = settings or ServeSettings()
         self.fleet = Fleet(router)
         self.http_lane: Any = None  # kvplug.frontend.lane.Lane, once the API listens
+        self.native_lane: Any = None  # kvplug.frontend.native_lane.NativeDataPath, if on
         self.fleet.configured_models = set(s.served_model_names)
         self.upstream = Upstream(s.connect_timeout, s.idle_timeout)
         self.outliers = OutlierDetector(self.fleet, s.outliers, on_eject=self._ejected)
@@ -204,6 +207,8 @@ class Frontend:
         lane = self.http_lane
         if lane is not None:  # kvplug_router_stat{stat="http_lane.*"}: who served the requests
             stats["http_lane"] = {"served": lane.served, "handed_off": lane.handed_off}
+        if self.native_lane is not None:  # kvplug_router_stat{stat="native_lane.*"}
+            stats["native_lane"] = self.native_lane.stats()
         tok = self.tokens.tokenizer
         if tok is not None and tok.prefix_cache is not None:
             # kvplug_router_stat{stat="tokenizer_cache.*"}: hits, misses, whether it is on
