@@ -70,7 +70,13 @@ TAIL_BYTES = 4096  # the most of an answer's last bytes the lane hands to finish
 # the lane sends no reason for an engine that failed before its answer head when it has none
 _NO_ANSWER = "no answer head (connection refused, reset or closed, or --per-try-timeout passed)"
 _BROKE_OFF = "the engine's connection ended before the answer did"
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+_ANSWER_HEADERS = (
+    b"x-kvplug-decision-id: %s\r\nx-kvplug-worker: %s\r\nx-kvplug-dp-rank: %d\r\n"
+    b"X-Request-Id: %s\r\n"
+)
 
 Decided = tuple[int, bytes, bytes | None, bytes, "GlueRequest"]
 Answer = tuple[int, bytes, bytes]
@@ -124,26 +130,41 @@ def _header_lines(headers: dict[str, str]) -> bytes:
     return "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode()
 
 
-def answer_tokens(tail: bytes) -> int | None:
-    """``usage.completion_tokens`` of a non-streamed answer from its last bytes: the whole
-    body's when the tail is all of it, else the last ``"usage"`` object's (engines put it after
-    the choices, and a quote inside a JSON string is escaped, so ``"usage"`` preceded by no
-    backslash is the key, not generated text)."""
-    if len(tail) < TAIL_BYTES:
-        return completion_tokens(tail)
+def _usage_total(tail: bytes) -> int | None:
+    """``completion_tokens`` of the last ``"usage"`` object in ``tail``; None when there is
+    none, or the last ``"usage"`` is not an object (``null`` in a stream's chunks). A quote
+    inside a JSON string is escaped, so ``"usage"`` after no backslash is a key, not text."""
     at = tail.rfind(b'"usage"')
-    while at > 0 and tail[at - 1] == 0x5C:  # \"usage\" inside a string
+    while at > 0 and tail[at - 1] == 0x5C:
         at = tail.rfind(b'"usage"', 0, at)
     if at < 0:
         return None
-    found = _USAGE_TOKENS.search(tail, at)
+    opened = _USAGE_OBJECT.match(tail, at)
+    if opened is None:
+        return None
+    end = tail.find(b"\n\n", at)  # within its own event (a stream) or the rest (a body)
+    found = _USAGE_TOKENS.search(tail, opened.end(), end if end >= 0 else len(tail))
     return int(found.group(1)) if found else None
+
+
+def answer_tokens(tail: bytes) -> int | None:
+    """``usage.completion_tokens`` of a non-streamed answer from its last bytes: the whole
+    body's when the tail is all of it, else the last usage object's (engines put it last)."""
+    if len(tail) < TAIL_BYTES:
+        return completion_tokens(tail)
+    return _usage_total(tail)
 
 
 def stream_tokens(tail: bytes) -> tuple[int | None, Any]:
     """(output tokens, the engine's streamed error or None) of a stream from its last bytes:
-    ``SseCounter``'s count when the tail is the whole stream, else the last usage chunk's
-    total, else None (not known). A partial tail is read from its first whole event."""
+    the last usage chunk's total (``stream_options.include_usage``: the engine's own count,
+    which ``SseCounter`` also takes over its own), else ``SseCounter``'s count when the tail is
+    the whole stream, else None (not known). A partial tail is read from its first whole
+    event."""
+    if b'"error"' not in tail:
+        total = _usage_total(tail)
+        if total is not None:
+            return total, None
     counter = SseCounter()
     if len(tail) < TAIL_BYTES:
         counter.feed(tail)
@@ -289,7 +310,14 @@ class NativeGlue:
             token.request_id,
             token.auth_line,
         )
-        answer = _header_lines(fe.answer_headers(ctx, routed))
+        # Frontend.answer_headers' lines, formatted at once (the tests check they are equal)
+        d = routed.decision
+        answer = _ANSWER_HEADERS % (
+            routed.record.decision_id.encode(),
+            d.worker_id.encode(),
+            d.dp_rank,
+            token.request_id,
+        )
         # None: the client's body, as the token-id parser keeps it (it takes no nvext to strip)
         return target.upstream_id, head, None, answer, token
 
