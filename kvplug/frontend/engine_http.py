@@ -329,6 +329,25 @@ class _Connection(asyncio.Protocol):
         self.pool._forget(self)
 
 
+def request_target(url: str) -> tuple[tuple[str, str, int], bytes]:
+    """(scheme, host, port) of ``POST url`` and its head's request line and Host header;
+    ``aiohttp.InvalidUrlClientError`` for a URL that is not http(s) with a host."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise aiohttp.InvalidUrlClientError(url)
+    port = parts.port or (443 if scheme == "https" else 80)
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    host = parts.hostname
+    host_header = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        host_header += f":{parts.port}"
+    head = f"POST {target} HTTP/1.1\r\nHost: {host_header}\r\n".encode("utf-8", "strict")
+    return (scheme, host, port), head
+
+
 class EnginePool:
     """Keep-alive connections per engine address; ``post`` sends one request on one of them."""
 
@@ -350,22 +369,9 @@ class EnginePool:
         hit = self._urls.get(url)
         if hit is not None:
             return hit
-        parts = urlsplit(url)
-        scheme = parts.scheme.lower()
-        if scheme not in ("http", "https") or not parts.hostname:
-            raise aiohttp.InvalidUrlClientError(url)
-        port = parts.port or (443 if scheme == "https" else 80)
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
-        host = parts.hostname
-        host_header = f"[{host}]" if ":" in host else host
-        if parts.port is not None:
-            host_header += f":{parts.port}"
-        head = f"POST {target} HTTP/1.1\r\nHost: {host_header}\r\n".encode("utf-8", "strict")
         if len(self._urls) >= _URL_CACHE_SIZE:
             self._urls.clear()
-        hit = self._urls[url] = ((scheme, host, port), head)
+        hit = self._urls[url] = request_target(url)
         return hit
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> EngineResponse:

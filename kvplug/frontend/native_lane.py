@@ -78,6 +78,12 @@ class NativeDataPath:
         head = s.client_header_timeout
         body = s.client_body_timeout
         fds = [sock.fileno() for server in self.listeners.servers for sock in server.sockets]
+        for fd in fds:  # asyncio listens only once it serves (start_serving=False): here
+            listening = socket.socket(fileno=fd)
+            try:
+                listening.listen(1024)  # _serve_app's backlog
+            finally:
+                listening.detach()  # still asyncio's socket
         self.lane = Lane(
             fds,
             self.glue.decide,

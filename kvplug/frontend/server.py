@@ -164,9 +164,7 @@ async def start_frontend(
             await r.cleanup()
         await frontend.close()
         raise
-    return RunningFrontend(
-        frontend, url, admin_url, runners, listeners, bound, admin_bound, native
-    )
+    return RunningFrontend(frontend, url, admin_url, runners, listeners, bound, admin_bound, native)
 
 
 def _start_native(frontend: Frontend, api: Listeners) -> Any:
