@@ -30,6 +30,7 @@
 #define READ_CHUNK 65536
 #define TICK_NS 20000000LL
 #define ACCEPTS_PER_EVENT 64
+#define MAX_DEPTH 8 /* pipelined requests served within one another's answer */
 
 enum { K_LISTEN = 1, K_CLIENT, K_ENGINE, K_TIMER };
 
@@ -77,6 +78,8 @@ struct client {
     int streamed, first_byte_done, wrap_chunks;
     int want_out;    /* EPOLLOUT is in the mask */
     client_t *prev, *next;
+    client_t *next_ready; /* the lane's ready list: buffered requests to parse */
+    int queued;
     int64_t deadline;
     buf_t in, out;
     size_t head_len, body_len; /* of the current request: head includes its blank line */
@@ -109,7 +112,8 @@ struct lane {
     int n_listeners;
     int listen_tags[64][2]; /* {K_LISTEN, fd}: epoll data points here */
     int timer_tag[2];
-    client_t *clients, *dead_clients;
+    client_t *clients, *dead_clients, *ready;
+    int depth;
     engine_t *engines, *dead_engines;
     upstream_t *ups;
     int n_ups, cap_ups;
@@ -592,8 +596,18 @@ static int client_flush(lane_t *l, client_t *c) {
         c->deadline = after(l->cfg.keepalive_timeout);
         client_mask(l, c);
         if (buf_size(&c->in)) {
-            client_process(l, c); /* a pipelined request */
-            return -1;            /* c may be gone: the caller must not touch it */
+            /* a pipelined request: at once, unless answers already nest here (requests the
+             * decider answers itself would recurse once each): then at the end of this poll */
+            if (l->depth < MAX_DEPTH) {
+                l->depth++;
+                client_process(l, c);
+                l->depth--;
+            } else if (!c->queued) {
+                c->queued = 1;
+                c->next_ready = l->ready;
+                l->ready = c;
+            }
+            return -1; /* c may be gone: the caller must not touch it */
         }
         return 0;
     }
@@ -1386,6 +1400,12 @@ int lane_poll(lane_t *l) {
         } else if (kind == K_ENGINE) {
             engine_event(l, (engine_t *)ptr, evs[i].events);
         } /* else closed by an earlier event of this batch */
+    }
+    while (l->ready) { /* the pipelined requests left for later (client_flush) */
+        client_t *c = l->ready;
+        l->ready = c->next_ready;
+        c->queued = 0;
+        if (c->kind == K_CLIENT && c->state == C_HEAD) client_process(l, c);
     }
     bury(l);
     return n;

@@ -272,6 +272,19 @@ async def test_pipelined_requests_are_answered_in_order():
         writer.close()
 
 
+async def test_many_pipelined_requests_answered_directly_come_back_in_order():
+    # each direct answer starts the next pipelined request from within itself: the lane
+    # stops nesting after a few and serves the rest at the end of the poll
+    async with Harness() as h:
+        h.decide_with = lambda kind, body, rid, auth: (429, b"", body)
+        reader, writer = await h.connect()
+        bodies = [b'{"n":%d}' % i for i in range(300)]
+        writer.write(b"".join(post(b"/v1/completions", b) for b in bodies))
+        got = [(await read_answer(reader))[1] for _ in bodies]
+        assert got == bodies
+        writer.close()
+
+
 async def test_connection_close_is_honoured():
     async with Harness() as h:
         await h.instant_engine()
