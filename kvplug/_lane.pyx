@@ -77,6 +77,17 @@ cdef extern from "lane.h" nogil:
     void lane_shutdown(lane_t *lane)
     void lane_free(lane_t *lane)
 
+    ctypedef struct lane_head:
+        int kind
+        int keep_alive
+        size_t content_length
+        const char *request_id
+        const char *authorization
+        size_t request_id_len
+        size_t authorization_len
+
+    int lane_head_qualifies(const char *head, size_t len, size_t max_body, lane_head *out)
+
 
 cdef extern from "<sys/socket.h>":
     cdef struct sockaddr_storage:
@@ -109,6 +120,21 @@ cdef extern from *:
 
 
 _log = logging.getLogger("kvplug.frontend.native_lane")
+
+
+def head_qualifies(bytes head, size_t max_body):
+    """The lane's rule for a request head (without its blank line): None when it hands the
+    connection off, else (kind, content_length, keep_alive, request_id, authorization)."""
+    cdef lane_head h
+    if not lane_head_qualifies(PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head), max_body, &h):
+        return None
+    return (
+        h.kind,
+        h.content_length,
+        bool(h.keep_alive),
+        _opt(h.request_id, h.request_id_len),
+        _opt(h.authorization, h.authorization_len),
+    )
 
 
 def _lines(value, name):

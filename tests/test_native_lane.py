@@ -907,3 +907,72 @@ def test_kvplug_serve_data_path_native_answers_through_the_cli(tmp_path):
         stop_process(serve, timeout=15)
         stop_process(engine, timeout=5)
     assert serve.returncode == 0, log.read_text()[-3000:]
+
+
+# -- the head rule, against the Python lane's ------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvplug._lane import head_qualifies  # noqa: E402
+from kvplug.frontend.lane import _parse_head  # noqa: E402
+
+_NAMES = st.sampled_from(
+    [b"Host", b"Content-Length", b"content-length", b"Connection", b"X-Request-Id",
+     b"Authorization", b"Transfer-Encoding", b"Expect", b"Upgrade", b"Content-Encoding",
+     b"HTTP2-Settings", b"X-Kvplug-Worker", b"x-kvplug-dp-rank", b"Bad Name", b"",
+     b"X\xc3\xa9"]
+    + [b"X-A", b"Host", b"Connection", b"X-Request-Id", b"Authorization"] * 4
+)
+_VALUES = st.one_of(
+    st.sampled_from([b"12", b" 12 ", b"012", b"1" * 16, b"-1", b"1e3", b"close", b"Close",
+                     b"keep-alive", b"upgrade", b"chunked", b"", b"\tx\t", b"a\rb", b"\xff"]),
+    st.sampled_from([b"x", b"Bearer k", b"r-1", b" padded\t", b"keep-alive"]),
+    st.binary(max_size=6),
+)
+_SEPS = st.sampled_from([b": "] * 8 + [b":", b" :", b""])
+_LINES = st.lists(st.tuples(_NAMES, _SEPS, _VALUES), max_size=5)
+_REQUEST_LINES = st.sampled_from(
+    [b"POST /v1/completions HTTP/1.1", b"POST /v1/chat/completions HTTP/1.1"] * 6
+    + [b"POST /v1/completions HTTP/1.0", b"GET /v1/completions HTTP/1.1",
+       b"POST /v1/completions?x HTTP/1.1", b"POST  /v1/completions HTTP/1.1",
+       b"post /v1/completions HTTP/1.1", b"POST /v1/models HTTP/1.1"]
+)
+_LENGTH = st.sampled_from([b"Content-Length: 12", b"content-length:0", b"Content-Length: 1000",
+                           b"Content-Length: 1001", None])
+
+
+class _Rule:
+    handlers = {b"/v1/completions": None, b"/v1/chat/completions": None}
+    max_body_bytes = 1000
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    _REQUEST_LINES,
+    _LINES,
+    _LENGTH,
+    st.integers(0, 5),
+    st.sampled_from([b"\r\n"] * 8 + [b"\n", b"\r"]),
+)
+def test_the_head_rule_is_the_python_lanes(request_line, lines, length, at, eol):
+    parts = [n + sep + v for n, sep, v in lines]
+    if length is not None:
+        parts.insert(min(at, len(parts)), length)
+    head = request_line + b"".join(b"\r\n" + part for part in parts)
+    if eol != b"\r\n":
+        head = head.replace(b"\r\n", eol)
+    native = head_qualifies(head, _Rule.max_body_bytes)
+    python = _parse_head(head, _Rule)
+    hint = any(n.lower().startswith(b"x-kvplug-") for n, sep, v in lines if sep)
+    if native is None:
+        assert python is None or hint, head  # the lane hands hints off; Python reads them
+        return
+    assert python is not None, head
+    path, headers, length, keep_alive = python
+    kind, c_length, c_keep_alive, rid, auth = native
+    assert (kind, c_length, c_keep_alive) == (
+        [b"/v1/completions", b"/v1/chat/completions"].index(path.encode()), length, keep_alive
+    )
+    assert rid == (headers["X-Request-Id"].encode() if "X-Request-Id" in headers else None)
+    assert auth == (headers["Authorization"].encode() if "Authorization" in headers else None)
