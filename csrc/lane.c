@@ -30,6 +30,7 @@
 #define READ_CHUNK 65536
 #define TICK_NS 20000000LL
 #define ACCEPTS_PER_EVENT 64
+#define PIPELINE_HOLD 65536 /* bytes of later requests read while one is served */
 #define MAX_DEPTH 8 /* pipelined requests served within one another's answer */
 
 enum { K_LISTEN = 1, K_CLIENT, K_ENGINE, K_TIMER };
@@ -320,9 +321,21 @@ static void client_free(lane_t *l, client_t *c) {
     l->dead_clients = c;
 }
 
+static int client_serving(const client_t *c) { return c->state != C_HEAD && c->state != C_BODY; }
+
+/* how many bytes may wait in `in`: the request at hand, then (while it is served) up to
+ * PIPELINE_HOLD of the next ones; beyond that the client's bytes wait in the kernel */
+static size_t client_hold(const client_t *c) {
+    if (c->state == C_BODY) return c->head_len + c->body_len;
+    if (c->state == C_HEAD) return MAX_HEAD;
+    return c->head_len + c->body_len + PIPELINE_HOLD;
+}
+
+/* EPOLLIN stays on while a request is served (a hang-up reads as EOF; pipelined bytes are
+ * kept), so serving one changes no epoll registration: two syscalls a request fewer */
 static void client_mask(lane_t *l, client_t *c) {
     uint32_t ev = EPOLLRDHUP;
-    if (c->state == C_HEAD || c->state == C_BODY) ev |= EPOLLIN;
+    if (!client_serving(c) || buf_size(&c->in) < client_hold(c)) ev |= EPOLLIN;
     c->want_out = buf_size(&c->out) > 0;
     if (c->want_out) ev |= EPOLLOUT;
     watch(l, c, ev);
@@ -678,41 +691,56 @@ static void client_process(lane_t *l, client_t *c) {
     }
 }
 
-static void client_readable(lane_t *l, client_t *c) {
+/* what the client sent; 0, or -1 when it hung up or failed (and is closed) */
+static int client_read(lane_t *l, client_t *c) {
     for (;;) {
         if (buf_reserve(&c->in, READ_CHUNK)) {
             client_close(l, c);
-            return;
+            return -1;
         }
         ssize_t n = recv(c->fd, c->in.p + c->in.len, c->in.cap - c->in.len, 0);
         if (n < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) break;
             client_close(l, c);
-            return;
+            return -1;
         }
-        if (n == 0) {
+        if (n == 0) { /* mid-request, this is the client hanging up (finish: outcome 1) */
             client_close(l, c);
-            return;
+            return -1;
         }
         c->in.len += (size_t)n;
         if ((size_t)n < READ_CHUNK) break;
-        /* enough for the request at hand: the rest waits in the kernel (level-triggered) */
-        size_t need = c->state == C_BODY ? c->head_len + c->body_len : MAX_HEAD;
-        if (buf_size(&c->in) > need) break;
+        /* enough for now: the rest waits in the kernel (level-triggered) */
+        if (buf_size(&c->in) > client_hold(c)) break;
     }
-    client_process(l, c);
+    return 0;
+}
+
+static void client_readable(lane_t *l, client_t *c) {
+    if (client_read(l, c) == 0) client_process(l, c);
 }
 
 static void client_event(lane_t *l, client_t *c, uint32_t ev) {
     if (ev & EPOLLOUT) {
         if (client_flush(l, c)) return;
     }
-    if (c->state == C_HEAD || c->state == C_BODY) {
+    if (!client_serving(c)) {
         if (ev & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) client_readable(l, c);
         return;
     }
-    if (ev & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) client_close(l, c); /* hung up mid-request */
+    if (ev & (EPOLLHUP | EPOLLERR)) {
+        client_close(l, c); /* hung up (reset) mid-request */
+        return;
+    }
+    if (c->mask & EPOLLIN) {
+        if (ev & (EPOLLIN | EPOLLRDHUP)) {
+            /* pipelined bytes are kept for later; EOF is a hang-up */
+            if (client_read(l, c) == 0 && buf_size(&c->in) >= client_hold(c)) client_mask(l, c);
+        }
+    } else if (ev & EPOLLRDHUP) {
+        client_close(l, c); /* hung up while its pipelined bytes wait in the kernel */
+    }
 }
 
 /* ---- engine connections ----------------------------------------------------------------- */

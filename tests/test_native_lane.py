@@ -285,6 +285,34 @@ async def test_many_pipelined_requests_answered_directly_come_back_in_order():
         writer.close()
 
 
+async def test_requests_sent_while_one_is_served_wait_their_turn():
+    release = asyncio.Event()
+
+    async def engine(reader, writer):
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            body = await reader.readexactly(n)
+            await release.wait()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % n + body)
+
+    async with Harness() as h:
+        await h.scripted_engine(engine)
+        reader, writer = await h.connect()
+        bodies = [body_of(prompt=[i]) for i in range(3)]
+        writer.write(post(b"/v1/completions", bodies[0]))
+        await until(lambda: h.decided)
+        writer.write(post(b"/v1/completions", bodies[1]) + post(b"/v1/completions", bodies[2]))
+        await asyncio.sleep(0.1)  # read by the lane while the first is served
+        assert len(h.decided) == 1
+        release.set()
+        assert [(await read_answer(reader))[1] for _ in bodies] == bodies
+        writer.close()
+
+
 async def test_connection_close_is_honoured():
     async with Harness() as h:
         await h.instant_engine()
