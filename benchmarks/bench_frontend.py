@@ -313,6 +313,8 @@ def main_run(args) -> dict:
             for n in args.processes:  # the same pair with N processes
                 label = f"kvplug {args.baseline_label} --processes {n}"
                 add_kvplug(label, env, "--processes", str(n))
+            if args.native:  # the native data path before/after too
+                add_kvplug(f"kvplug native {args.baseline_label}", env, "--data-path", "native")
 
         proxies = []
         if args.floor:

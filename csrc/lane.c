@@ -52,6 +52,7 @@ struct engine {
     int kind, fd;
     uint32_t mask; /* the events epoll watches for it now */
     int up;    /* index into lane->ups */
+    unsigned generation; /* its upstream's, when it connected */
     int state;
     int reused; /* came from the pool: a failure before any answer byte is retried once */
     int keep_alive;
@@ -99,6 +100,7 @@ struct client {
 
 typedef struct {
     int id, live, busy;
+    unsigned generation; /* bumped when the address changes: older connections are not pooled */
     struct sockaddr_storage addr;
     socklen_t addrlen;
     engine_t *idle;
@@ -792,6 +794,7 @@ static engine_t *engine_open(lane_t *l, int up) {
     e->kind = K_ENGINE;
     e->fd = fd;
     e->up = up;
+    e->generation = u->generation;
     e->state = r == 0 ? E_SENDING : E_CONNECTING;
     e->mask = EPOLLOUT | EPOLLRDHUP;
     if (ep_set(l, EPOLL_CTL_ADD, fd, e->mask, e)) {
@@ -1118,7 +1121,8 @@ static void engine_done(lane_t *l, engine_t *e, int extra_bytes) {
     upstream_t *u = &l->ups[e->up];
     e->client = NULL;
     c->eng = NULL;
-    if (e->keep_alive && !extra_bytes && u->live && !l->closing) {
+    if (e->keep_alive && !extra_bytes && u->live && e->generation == u->generation &&
+        !l->closing) {
         e->state = E_IDLE;
         e->reused = 0;
         e->deadline = after(l->cfg.pool_idle_timeout);
@@ -1454,8 +1458,10 @@ int lane_set_upstream(lane_t *l, int id, const void *addr, unsigned addrlen) {
         memset(&l->ups[at], 0, sizeof l->ups[at]);
     } else {
         while (l->ups[at].idle) engine_close(l, l->ups[at].idle); /* a new address */
+        l->ups[at].generation++;
     }
     upstream_t *u = &l->ups[at];
+    if (!u->live) u->generation++; /* a dropped id set again: its old connections close */
     u->id = id;
     u->live = 1;
     memcpy(&u->addr, addr, addrlen);

@@ -413,6 +413,38 @@ async def test_a_large_answer_to_a_slow_reader_arrives_whole():
         writer.close()
 
 
+async def test_an_upstream_set_to_a_new_address_is_not_served_by_old_connections():
+    def engine_saying(word: bytes):
+        async def engine(reader, writer):
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    return
+                n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(n)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n" + word)
+
+        return engine
+
+    async with Harness() as h:
+        await h.scripted_engine(engine_saying(b"A"))
+        b = await asyncio.start_server(engine_saying(b"B"), "127.0.0.1", 0)
+        h.servers.append(b)
+        h.decide_with = lambda kind, body, rid, auth: (1, engine_head(kind, body), None, b"", 0)
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        assert (await read_answer(reader))[1] == b"A"
+        h.lane.set_upstream(1, "127.0.0.1", b.sockets[0].getsockname()[1])
+        writer.write(post(b"/v1/completions", body_of()))
+        assert (await read_answer(reader))[1] == b"B"
+        assert h.lane.drop_upstream(1) and not h.lane.drop_upstream(1)
+        writer.write(post(b"/v1/completions", body_of()))  # dropped: unavailable
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 502") and h.finished[-1][2] == UNAVAILABLE
+        writer.close()
+
+
 # -- hand-offs -------------------------------------------------------------------------------
 
 HAND_OFFS = {
