@@ -15,10 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("kvplug._lane")
 
-from kvplug._lane import Lane  # noqa: E402
+from kvplug._lane import Lane, head_qualifies  # noqa: E402
+
+from kvplug.frontend.lane import _parse_head  # noqa: E402
 from kvplug.frontend.native_lane import Prefixed  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -551,7 +555,12 @@ async def test_engine_refused_is_retried_through_finish():
 
         h.on_finish = retry
         h.decide_with = lambda kind, body, rid, auth: (
-            refused, engine_head(kind, body), None, b"", {"first": True})
+            refused,
+            engine_head(kind, body),
+            None,
+            b"",
+            {"first": True},
+        )
         reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
         head, _ = await read_answer(reader)
@@ -669,8 +678,10 @@ async def test_client_hanging_up_mid_answer_closes_the_engine_connection():
 
     async def engine(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
+        )
         await writer.drain()
         await reader.read()  # until the lane closes this connection
         engine_saw_close.set()
@@ -844,8 +855,10 @@ async def scripted_answer(answer: bytes):
 
 
 async def test_a_chunked_answer_with_a_content_length_loses_the_length():
-    answer = (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
-              b"5\r\nhello\r\n0\r\n\r\n")
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n0\r\n\r\n"
+    )
     async with Harness() as h:
         await h.scripted_engine(await scripted_answer(answer))
         reader, writer = await h.connect()
@@ -951,8 +964,12 @@ def test_kvplug_serve_data_path_native_answers_through_the_cli(tmp_path):
 
         for stream in (False, True):
             body = json.dumps(
-                {"model": "stub-model", "prompt": list(range(40)), "max_tokens": 3,
-                 "stream": stream}
+                {
+                    "model": "stub-model",
+                    "prompt": list(range(40)),
+                    "max_tokens": 3,
+                    "stream": stream,
+                }
             ).encode()
             head, got = exchange(port, post(b"/v1/completions", body))
             _, want = exchange(engine_port, post(b"/v1/completions", body))
@@ -971,22 +988,47 @@ def test_kvplug_serve_data_path_native_answers_through_the_cli(tmp_path):
 
 # -- the head rule, against the Python lane's ------------------------------------------------
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from kvplug._lane import head_qualifies  # noqa: E402
-from kvplug.frontend.lane import _parse_head  # noqa: E402
-
 _NAMES = st.sampled_from(
-    [b"Host", b"Content-Length", b"content-length", b"Connection", b"X-Request-Id",
-     b"Authorization", b"Transfer-Encoding", b"Expect", b"Upgrade", b"Content-Encoding",
-     b"HTTP2-Settings", b"X-Kvplug-Worker", b"x-kvplug-dp-rank", b"Bad Name", b"",
-     b"X\xc3\xa9"]
+    [
+        b"Host",
+        b"Content-Length",
+        b"content-length",
+        b"Connection",
+        b"X-Request-Id",
+        b"Authorization",
+        b"Transfer-Encoding",
+        b"Expect",
+        b"Upgrade",
+        b"Content-Encoding",
+        b"HTTP2-Settings",
+        b"X-Kvplug-Worker",
+        b"x-kvplug-dp-rank",
+        b"Bad Name",
+        b"",
+        b"X\xc3\xa9",
+    ]
     + [b"X-A", b"Host", b"Connection", b"X-Request-Id", b"Authorization"] * 4
 )
 _VALUES = st.one_of(
-    st.sampled_from([b"12", b" 12 ", b"012", b"1" * 16, b"-1", b"1e3", b"close", b"Close",
-                     b"keep-alive", b"upgrade", b"chunked", b"", b"\tx\t", b"a\rb", b"\xff"]),
+    st.sampled_from(
+        [
+            b"12",
+            b" 12 ",
+            b"012",
+            b"1" * 16,
+            b"-1",
+            b"1e3",
+            b"close",
+            b"Close",
+            b"keep-alive",
+            b"upgrade",
+            b"chunked",
+            b"",
+            b"\tx\t",
+            b"a\rb",
+            b"\xff",
+        ]
+    ),
     st.sampled_from([b"x", b"Bearer k", b"r-1", b" padded\t", b"keep-alive"]),
     st.binary(max_size=6),
 )
@@ -994,12 +1036,24 @@ _SEPS = st.sampled_from([b": "] * 8 + [b":", b" :", b""])
 _LINES = st.lists(st.tuples(_NAMES, _SEPS, _VALUES), max_size=5)
 _REQUEST_LINES = st.sampled_from(
     [b"POST /v1/completions HTTP/1.1", b"POST /v1/chat/completions HTTP/1.1"] * 6
-    + [b"POST /v1/completions HTTP/1.0", b"GET /v1/completions HTTP/1.1",
-       b"POST /v1/completions?x HTTP/1.1", b"POST  /v1/completions HTTP/1.1",
-       b"post /v1/completions HTTP/1.1", b"POST /v1/models HTTP/1.1"]
+    + [
+        b"POST /v1/completions HTTP/1.0",
+        b"GET /v1/completions HTTP/1.1",
+        b"POST /v1/completions?x HTTP/1.1",
+        b"POST  /v1/completions HTTP/1.1",
+        b"post /v1/completions HTTP/1.1",
+        b"POST /v1/models HTTP/1.1",
+    ]
 )
-_LENGTH = st.sampled_from([b"Content-Length: 12", b"content-length:0", b"Content-Length: 1000",
-                           b"Content-Length: 1001", None])
+_LENGTH = st.sampled_from(
+    [
+        b"Content-Length: 12",
+        b"content-length:0",
+        b"Content-Length: 1000",
+        b"Content-Length: 1001",
+        None,
+    ]
+)
 
 
 class _Rule:
@@ -1032,7 +1086,9 @@ def test_the_head_rule_is_the_python_lanes(request_line, lines, length, at, eol)
     path, headers, length, keep_alive = python
     kind, c_length, c_keep_alive, rid, auth = native
     assert (kind, c_length, c_keep_alive) == (
-        [b"/v1/completions", b"/v1/chat/completions"].index(path.encode()), length, keep_alive
+        [b"/v1/completions", b"/v1/chat/completions"].index(path.encode()),
+        length,
+        keep_alive,
     )
     assert rid == (headers["X-Request-Id"].encode() if "X-Request-Id" in headers else None)
     assert auth == (headers["Authorization"].encode() if "Authorization" in headers else None)

@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvplug.errors import ConfigError
 from kvplug.frontend.admin import build_admin_app
 from kvplug.frontend.app import Frontend, ServeSettings, build_app, lane_handlers
 from kvplug.frontend.config import WorkerSpec
@@ -170,8 +171,10 @@ async def start_frontend(
 def _start_native(frontend: Frontend, api: Listeners) -> Any:
     """The compiled data path on the API's sockets, its decisions by kvplug's control plane."""
     from kvplug.frontend.native_glue import NativeGlue
-    from kvplug.frontend.native_lane import NativeDataPath
+    from kvplug.frontend.native_lane import NativeDataPath, available
 
+    if not available():  # said loudly: never a silent fall back to the Python path
+        raise ConfigError("--data-path native: kvplug._lane is not built (it needs Linux)")
     native = NativeDataPath(frontend, api, NativeGlue(frontend))
     native.start()
     return native
