@@ -31,6 +31,7 @@
 #define TICK_NS 20000000LL
 #define ACCEPTS_PER_EVENT 64
 #define PIPELINE_HOLD 65536 /* bytes of later requests read while one is served */
+#define MAX_TRIES 16 /* retries of one request the lane follows */
 #define MAX_DEPTH 8 /* pipelined requests served within one another's answer */
 
 enum { K_LISTEN = 1, K_CLIENT, K_ENGINE, K_TIMER };
@@ -82,6 +83,7 @@ struct client {
     client_t *prev, *next;
     client_t *next_ready; /* the lane's ready list: buffered requests to parse */
     int queued;
+    int tries; /* retries of the current request (finish's FORWARDs) */
     int64_t deadline;
     buf_t in, out;
     size_t head_len, body_len; /* of the current request: head includes its blank line */
@@ -377,11 +379,12 @@ static void finish(lane_t *l, client_t *c, int outcome) {
     case LANE_TIMED_OUT: l->st.timeouts++; break;
     default: break;
     }
+    if (outcome == LANE_OK || outcome == LANE_CLIENT_GONE) { /* nothing more to decide */
+        l->cfg.finish(l->cfg.ctx, token, c->status, outcome, tail, n, NULL);
+        return;
+    }
     l->cfg.finish(l->cfg.ctx, token, c->status, outcome, tail, n, &a);
-    if (outcome != LANE_OK && outcome != LANE_CLIENT_GONE)
-        apply_action(l, c, &a, outcome);
-    else
-        release(l, &a);
+    apply_action(l, c, &a, outcome);
 }
 
 static const char *reason_of(int status) {
@@ -501,23 +504,23 @@ static int take_forward(client_t *c, const lane_action *a) {
 
 /* a FORWARD the lane cannot follow: its token goes back (finished as never sent) */
 static void release(lane_t *l, lane_action *a) {
-    while (a->action == LANE_FORWARD) {
-        a->action = LANE_DEFAULT;
-        l->cfg.finish(l->cfg.ctx, a->token, 0, LANE_CLIENT_GONE, "", 0, a);
-    }
+    if (a->action != LANE_FORWARD) return;
+    l->cfg.finish(l->cfg.ctx, a->token, 0, LANE_CLIENT_GONE, "", 0, NULL);
+    a->action = LANE_DEFAULT;
 }
 
 static void apply_action(lane_t *l, client_t *c, lane_action *a, int outcome) {
+    if (a->action == LANE_FORWARD && ++c->tries > MAX_TRIES) {
+        release(l, a); /* a decider retrying without end: the lane's own error instead */
+        a->action = LANE_DEFAULT;
+    }
     if (a->action == LANE_FORWARD && !c->answered) {
         if (take_forward(c, a) == 0) {
             l->st.retried += outcome != LANE_OK;
             attempt(l, c);
             return;
         }
-        a->action = LANE_DEFAULT;
-        l->cfg.finish(l->cfg.ctx, a->token, 0, LANE_CLIENT_GONE, "", 0, a);
-        release(l, a);
-        a->action = LANE_DEFAULT;
+        release(l, a); /* out of memory for its head */
     }
     release(l, a);
     if (c->answered && !c->answer_sent) { /* still all queued here: a clean error instead */
@@ -643,12 +646,11 @@ static void client_decide(lane_t *l, client_t *c, const lane_head *h) {
                   h->authorization, h->authorization_len, &a);
     c->keep_alive = h->keep_alive && !l->closing;
     c->first = 0;
+    c->tries = 0;
     switch (a.action) {
     case LANE_FORWARD:
         if (take_forward(c, &a)) {
-            a.action = LANE_DEFAULT;
-            l->cfg.finish(l->cfg.ctx, a.token, 0, LANE_CLIENT_GONE, "", 0, &a);
-            release(l, &a);
+            release(l, &a); /* out of memory for its head */
             default_answer(l, c, LANE_ENGINE_UNAVAILABLE);
             return;
         }

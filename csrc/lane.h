@@ -56,7 +56,8 @@ typedef struct {
                    lane_action *out);
     void (*first_byte)(void *ctx, void *token);
     /* consumes the token; after a failure with nothing sent to the client, *out may say
-     * FORWARD (another try) or ANSWER; LANE_DEFAULT means the lane's own 502/504 */
+     * FORWARD (another try) or ANSWER; LANE_DEFAULT means the lane's own 502/504. `out` is
+     * NULL when there is nothing to decide (ok, client gone, a token the lane gives back) */
     void (*finish)(void *ctx, void *token, int status, int outcome, const char *tail,
                    size_t tail_len, lane_action *out);
     /* the fd is the caller's from here on (with the bytes read on it so far) */

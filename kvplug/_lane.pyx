@@ -348,15 +348,17 @@ cdef void _finish_cb(void *ctx, void *token, int status, int outcome, const char
     cdef Lane self = <Lane>ctx
     cdef object tok = <object>token
     Py_DECREF(tok)  # the lane's reference, taken in _fill; `tok` holds one until we return
-    out.action = LANE_DEFAULT
+    if out != NULL:
+        out.action = LANE_DEFAULT
     try:
         result = self._finish(tok, status, outcome, PyBytes_FromStringAndSize(tail, tail_len))
-        if result is not None:
+        if result is not None and out != NULL:  # else nothing is asked: the answer is dropped
             _fill(self, result, out)
     except BaseException:
         _log.exception("the native lane's finish failed: the lane answers its own error")
-        out.action = LANE_DEFAULT
-    if out.action == LANE_HANDOFF:
+        if out != NULL:
+            out.action = LANE_DEFAULT
+    if out != NULL and out.action == LANE_HANDOFF:
         out.action = LANE_DEFAULT
 
 

@@ -603,6 +603,19 @@ async def test_an_unknown_upstream_is_unavailable():
         assert head.startswith(b"HTTP/1.1 502") and h.finished[0][2] == UNAVAILABLE
 
 
+async def test_a_decider_retrying_without_end_is_cut_short():
+    async with Harness() as h:
+        forever = (99, engine_head(COMPLETIONS, body_of()), None, b"", "again")  # unknown
+        h.decide_with = lambda *a: forever
+        h.on_finish = lambda *a: forever
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 502")
+        assert 2 < len(h.finished) < 40 and h.finished[-1][2] == CLIENT_GONE  # released
+        writer.close()
+
+
 async def test_engine_dying_mid_answer_is_outcome_3_and_the_client_sees_the_end():
     async def engine(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
