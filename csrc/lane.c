@@ -110,7 +110,7 @@ typedef struct {
 
 struct lane {
     lane_config cfg;
-    char *head_answer, *body_answer;
+    char *head_answer, *body_answer, *handoff_headers;
     int epfd, tfd;
     int closing, ticking;
     int64_t accept_paused_until; /* 0, or when the listeners are watched again */
@@ -229,7 +229,19 @@ static int name_is(const char *name, size_t n, const char *lower) {
     return strlen(lower) == n && strncasecmp(name, lower, n) == 0;
 }
 
-int lane_head_qualifies(const char *head, size_t len, size_t max_body, lane_head *out) {
+/* whether `name` is one of the '\n'-terminated names in `list` (case-insensitive) */
+static int name_listed(const char *name, size_t n, const char *list, size_t list_len) {
+    for (const char *p = list, *end = list + list_len; p < end;) {
+        const char *eol = memchr(p, '\n', (size_t)(end - p));
+        if (!eol) eol = end;
+        if ((size_t)(eol - p) == n && strncasecmp(p, name, n) == 0) return 1;
+        p = eol + 1;
+    }
+    return 0;
+}
+
+int lane_head_qualifies(const char *head, size_t len, size_t max_body, const char *handoff_headers,
+                        size_t handoff_headers_len, lane_head *out) {
     static const char cpl[] = "POST /v1/completions HTTP/1.1\r\n";
     static const char chat[] = "POST /v1/chat/completions HTTP/1.1\r\n";
     memset(out, 0, sizeof *out);
@@ -270,6 +282,8 @@ int lane_head_qualifies(const char *head, size_t len, size_t max_body, lane_head
             name_is(name, name_len, "http2-settings"))
             return 0;
         if (name_len >= 9 && strncasecmp(name, "x-kvplug-", 9) == 0) return 0; /* a hint */
+        if (handoff_headers_len && name_listed(name, name_len, handoff_headers, handoff_headers_len))
+            return 0; /* another routing hint (x-dynamo-dp-rank, ...) */
         if (name_is(name, name_len, "content-length")) {
             if (have_length || vlen == 0 || vlen > 15) return 0;
             uint64_t n = 0;
@@ -678,7 +692,8 @@ static void client_process(lane_t *l, client_t *c) {
         }
         size_t head = (size_t)(end - data);
         lane_head h;
-        if (head > MAX_HEAD || !lane_head_qualifies(data, head, l->cfg.max_body, &h)) {
+        if (head > MAX_HEAD || !lane_head_qualifies(data, head, l->cfg.max_body, l->handoff_headers,
+                                                    l->cfg.handoff_headers_len, &h)) {
             handoff(l, c);
             return;
         }
@@ -689,7 +704,8 @@ static void client_process(lane_t *l, client_t *c) {
     }
     if (c->state == C_BODY && buf_size(&c->in) >= c->head_len + c->body_len) {
         lane_head h; /* parsed again (cheap) so its pointers are into the current buffer */
-        lane_head_qualifies(buf_data(&c->in), c->head_len - 4, l->cfg.max_body, &h);
+        lane_head_qualifies(buf_data(&c->in), c->head_len - 4, l->cfg.max_body, l->handoff_headers,
+                            l->cfg.handoff_headers_len, &h);
         c->deadline = 0;
         client_decide(l, c, &h);
     }
@@ -1376,6 +1392,13 @@ lane_t *lane_new(const lane_config *config) {
         if (l->body_answer)
             memcpy(l->body_answer, config->body_timeout_answer, config->body_timeout_answer_len);
     }
+    if (config->handoff_headers_len) {
+        l->handoff_headers = malloc(config->handoff_headers_len);
+        if (l->handoff_headers)
+            memcpy(l->handoff_headers, config->handoff_headers, config->handoff_headers_len);
+        else
+            l->cfg.handoff_headers_len = 0;
+    }
     l->timer_tag[0] = K_TIMER;
     l->timer_tag[1] = l->tfd;
     if (l->epfd < 0 || l->tfd < 0 || ep_set(l, EPOLL_CTL_ADD, l->tfd, EPOLLIN, l->timer_tag)) {
@@ -1384,6 +1407,7 @@ lane_t *lane_new(const lane_config *config) {
         if (l->tfd >= 0) close(l->tfd);
         free(l->head_answer);
         free(l->body_answer);
+        free(l->handoff_headers);
         free(l);
         errno = err;
         return NULL;
@@ -1510,5 +1534,6 @@ void lane_free(lane_t *l) {
     free(l->ups);
     free(l->head_answer);
     free(l->body_answer);
+    free(l->handoff_headers);
     free(l);
 }

@@ -75,6 +75,10 @@ typedef struct {
     size_t head_timeout_answer_len;
     const char *body_timeout_answer;
     size_t body_timeout_answer_len;
+    /* header names (lower case, each ending in '\n') whose presence hands the connection off,
+     * besides every x-kvplug-* one: the routing hints the Python path reads */
+    const char *handoff_headers;
+    size_t handoff_headers_len;
 } lane_config;
 
 typedef struct {
@@ -106,7 +110,8 @@ typedef struct {
     const char *request_id, *authorization;
     size_t request_id_len, authorization_len;
 } lane_head;
-int lane_head_qualifies(const char *head, size_t len, size_t max_body, lane_head *out);
+int lane_head_qualifies(const char *head, size_t len, size_t max_body, const char *handoff_headers,
+                        size_t handoff_headers_len, lane_head *out);
 
 #ifdef __cplusplus
 }

@@ -6,7 +6,7 @@ Forward = tuple[int, bytes, bytes | None, bytes, Any]
 Answer = tuple[int, bytes, bytes]
 
 def head_qualifies(
-    head: bytes, max_body: int
+    head: bytes, max_body: int, handoff_headers: Iterable[str | bytes] = ()
 ) -> tuple[int, int, bool, bytes | None, bytes | None] | None: ...
 
 class Lane:
@@ -28,6 +28,7 @@ class Lane:
         pool_idle_timeout: float = 4.0,
         head_timeout_answer: bytes = b"",
         body_timeout_answer: bytes = b"",
+        handoff_headers: Iterable[str | bytes] = (),
     ) -> None: ...
     def fileno(self) -> int: ...
     def poll(self) -> int: ...

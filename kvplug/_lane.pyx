@@ -59,6 +59,8 @@ cdef extern from "lane.h" nogil:
         size_t head_timeout_answer_len
         const char *body_timeout_answer
         size_t body_timeout_answer_len
+        const char *handoff_headers
+        size_t handoff_headers_len
 
     ctypedef struct lane_stats:
         uint64_t served, handed_off, retried, client_gone, engine_failed, timeouts
@@ -86,7 +88,9 @@ cdef extern from "lane.h" nogil:
         size_t request_id_len
         size_t authorization_len
 
-    int lane_head_qualifies(const char *head, size_t len, size_t max_body, lane_head *out)
+    int lane_head_qualifies(const char *head, size_t len, size_t max_body,
+                            const char *handoff_headers, size_t handoff_headers_len,
+                            lane_head *out)
 
 
 cdef extern from "<sys/socket.h>":
@@ -122,11 +126,21 @@ cdef extern from *:
 _log = logging.getLogger("kvplug.frontend.native_lane")
 
 
-def head_qualifies(bytes head, size_t max_body):
+def _names(handoff_headers):
+    """Header names as the lane takes them: lower case, each ending in a newline."""
+    names = [n if isinstance(n, bytes) else n.encode("ascii") for n in handoff_headers]
+    return b"".join(n.lower() + b"\n" for n in names)
+
+
+def head_qualifies(bytes head, size_t max_body, handoff_headers=()):
     """The lane's rule for a request head (without its blank line): None when it hands the
     connection off, else (kind, content_length, keep_alive, request_id, authorization)."""
     cdef lane_head h
-    if not lane_head_qualifies(PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head), max_body, &h):
+    cdef bytes names = _names(handoff_headers)
+    if not lane_head_qualifies(
+        PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head), max_body,
+        PyBytes_AS_STRING(names), PyBytes_GET_SIZE(names), &h
+    ):
         return None
     return (
         h.kind,
@@ -147,12 +161,13 @@ def _lines(value, name):
 
 cdef class Lane:
     """One serving process's compiled data path. Arguments: the listening sockets' fds (still
-    owned by the caller), the four callbacks, and the limits and timeouts in seconds (0 = none)."""
+    owned by the caller), the four callbacks, the limits and timeouts in seconds (0 = none), and
+    ``handoff_headers``: names whose presence hands a request off (besides every x-kvplug-*)."""
 
     cdef lane_t *lane
     cdef object _decide, _first_byte, _finish, _handoff
     cdef object _held  # the last callback's answer: C copies from it before the next callback
-    cdef bytes _head_answer, _body_answer
+    cdef bytes _head_answer, _body_answer, _handoff_headers
 
     def __cinit__(
         self,
@@ -172,6 +187,7 @@ cdef class Lane:
         double pool_idle_timeout=4.0,
         bytes head_timeout_answer=b"",
         bytes body_timeout_answer=b"",
+        handoff_headers=(),
     ):
         cdef lane_config cfg
         memset(&cfg, 0, sizeof(cfg))
@@ -198,6 +214,9 @@ cdef class Lane:
         cfg.head_timeout_answer_len = PyBytes_GET_SIZE(head_timeout_answer)
         cfg.body_timeout_answer = PyBytes_AS_STRING(body_timeout_answer)
         cfg.body_timeout_answer_len = PyBytes_GET_SIZE(body_timeout_answer)
+        self._handoff_headers = _names(handoff_headers)
+        cfg.handoff_headers = PyBytes_AS_STRING(self._handoff_headers)
+        cfg.handoff_headers_len = PyBytes_GET_SIZE(self._handoff_headers)
         self.lane = lane_new(&cfg)
         if self.lane == NULL:
             raise OSError("cannot create the lane's epoll set")

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 pytest.importorskip("kvplug._lane")
 
 from kvplug._lane import Lane, head_qualifies  # noqa: E402
+from kvplug.frontend.hints import _HEADERS as HINT_HEADERS  # noqa: E402
 from kvplug.frontend.lane import _parse_head  # noqa: E402
 from kvplug.frontend.native_lane import Prefixed  # noqa: E402
 
@@ -103,6 +104,7 @@ class Harness:
             keepalive_timeout=10,
             body_timeout=10,
             engine_idle_timeout=10,
+            handoff_headers=HINT_HEADERS,
         )
         kwargs.update(self.lane_kwargs)
         self.lane = Lane(
@@ -459,6 +461,8 @@ HAND_OFFS = {
     b"\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
     "Expect": post(b"/v1/completions", body_of(), b"Expect: 100-continue\r\n"),
     "a hint header": post(b"/v1/completions", body_of(), b"X-Kvplug-Worker: w1\r\n"),
+    "a Dynamo hint header": post(b"/v1/completions", body_of(), b"X-Dynamo-Dp-Rank: 3\r\n"),
+    "a pin header": post(b"/v1/completions", body_of(), b"x-worker-instance-id: e0\r\n"),
     "Content-Encoding": post(b"/v1/completions", body_of(), b"Content-Encoding: gzip\r\n"),
     "Upgrade": post(b"/v1/completions", body_of(), b"Upgrade: h2c\r\n"),
     "two lengths": post(b"/v1/completions", body_of(), b"Content-Length: 3\r\n"),
@@ -1015,6 +1019,9 @@ _NAMES = st.sampled_from(
         b"HTTP2-Settings",
         b"X-Kvplug-Worker",
         b"x-kvplug-dp-rank",
+        b"X-Dynamo-Dp-Rank",
+        b"x-worker-instance-id",
+        b"X-Prefill-Instance-Id",
         b"Bad Name",
         b"",
         b"X\xc3\xa9",
@@ -1088,9 +1095,13 @@ def test_the_head_rule_is_the_python_lanes(request_line, lines, length, at, eol)
     head = request_line + b"".join(b"\r\n" + part for part in parts)
     if eol != b"\r\n":
         head = head.replace(b"\r\n", eol)
-    native = head_qualifies(head, _Rule.max_body_bytes)
+    native = head_qualifies(head, _Rule.max_body_bytes, HINT_HEADERS)
     python = _parse_head(head, _Rule)
-    hint = any(n.lower().startswith(b"x-kvplug-") for n, sep, v in lines if sep)
+    hint = any(
+        n.lower().startswith(b"x-kvplug-") or n.lower().decode(errors="replace") in HINT_HEADERS
+        for n, sep, v in lines
+        if sep
+    )
     if native is None:
         assert python is None or hint, head  # the lane hands hints off; Python reads them
         return

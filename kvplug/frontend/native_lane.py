@@ -15,6 +15,7 @@ import logging
 import socket
 from typing import Any
 
+from kvplug.frontend.hints import _HEADERS as HINT_HEADERS
 from kvplug.frontend.listener import Listeners, _timeout_answer, timeout_answer
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class NativeDataPath:
             )
             if body > 0
             else b"",
+            handoff_headers=HINT_HEADERS,  # the Python path reads (or refuses) the hints
         )
         self.glue.register_upstream = self.lane.set_upstream
         for worker_id in list(self.frontend.fleet.workers):
