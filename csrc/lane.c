@@ -795,6 +795,7 @@ static void engine_close(lane_t *l, engine_t *e) {
 
 static engine_t *engine_open(lane_t *l, int up) {
     upstream_t *u = &l->ups[up];
+    if (u->addrlen == 0) return NULL; /* its name is not resolved (yet): unavailable */
     int fd = socket(u->addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) return NULL;
     int one = 1;

@@ -94,6 +94,7 @@ int lane_fd(const lane_t *lane);
 int lane_add_listener(lane_t *lane, int fd); /* the caller keeps owning the socket */
 /* handle every ready event without blocking; returns the number handled or -errno */
 int lane_poll(lane_t *lane);
+/* addrlen 0: the id is known but has no address yet (its tries are unavailable) */
 int lane_set_upstream(lane_t *lane, int id, const void *sockaddr, unsigned addrlen);
 int lane_drop_upstream(lane_t *lane, int id);
 void lane_get_stats(const lane_t *lane, lane_stats *out);

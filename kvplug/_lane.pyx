@@ -10,7 +10,6 @@ handed off; finish: the lane's own error answer). See kvplug/frontend/native_lan
 
 import logging
 import os
-import socket
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
@@ -247,14 +246,15 @@ cdef class Lane:
         return n
 
     def set_upstream(self, int upstream_id, str host, int port):
-        """Where ``upstream_id`` is (a numeric address, or a name resolved here, once)."""
+        """Where ``upstream_id`` is: a numeric IPv4 / IPv6 address (names are resolved by the
+        caller, off the event loop), or "" for an id whose address is not known yet (its
+        tries are unavailable until it is)."""
         cdef sockaddr_storage addr
-        cdef unsigned addrlen = kvl_sockaddr(host.encode(), port, &addr)
-        if addrlen == 0:
-            family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-            addrlen = kvl_sockaddr(sockaddr[0].encode(), port, &addr)
+        cdef unsigned addrlen = 0
+        if host:
+            addrlen = kvl_sockaddr(host.encode(), port, &addr)
             if addrlen == 0:
-                raise ValueError(f"cannot resolve {host!r} to an IP address")
+                raise ValueError(f"{host!r} is not a numeric address (resolve it first)")
         cdef int r = lane_set_upstream(self._live(), upstream_id, &addr, addrlen)
         if r < 0:
             raise OSError(-r, os.strerror(-r))

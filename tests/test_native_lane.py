@@ -619,6 +619,19 @@ async def test_a_decider_retrying_without_end_is_cut_short():
         writer.close()
 
 
+async def test_an_upstream_without_an_address_is_unavailable_and_names_are_refused():
+    async with Harness() as h:
+        with pytest.raises(ValueError, match="numeric"):
+            h.lane.set_upstream(1, "localhost", 80)  # resolving would block the loop
+        h.lane.set_upstream(1, "", 0)  # known, address pending
+        h.upstreams.append(1)
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 502") and h.finished[0][2] == UNAVAILABLE
+        writer.close()
+
+
 async def test_engine_dying_mid_answer_is_outcome_3_and_the_client_sees_the_end():
     async def engine(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
@@ -954,7 +967,7 @@ def test_kvplug_serve_data_path_native_answers_through_the_cli(tmp_path):
             "--served-model-name",
             "stub-model",
             "--worker",
-            f"e0=http://127.0.0.1:{engine_port}",
+            f"e0=http://localhost:{engine_port}",  # a name: resolved off the loop at start
             "--kv-block-size",
             "16",
         )

@@ -70,9 +70,10 @@ class NativeDataPath:
         self.glue = glue
         self.lane: Any = None
         self.adopting: set[asyncio.Task[Any]] = set()
+        self.resolving: set[asyncio.Task[None]] = set()  # upstream names being resolved
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def start(self) -> None:
+    async def start(self) -> None:
         from kvplug._lane import Lane
 
         s = self.frontend.settings
@@ -107,11 +108,36 @@ class NativeDataPath:
             else b"",
             handoff_headers=HINT_HEADERS,  # the Python path reads (or refuses) the hints
         )
-        self.glue.register_upstream = self.lane.set_upstream
+        self._loop = asyncio.get_running_loop()
+        self.glue.register_upstream = self._register
         for worker_id in list(self.frontend.fleet.workers):
             self.glue.upstream_of(worker_id)  # registers it with the lane now, not mid-request
-        self._loop = asyncio.get_running_loop()
+        if self.resolving:  # the fleet's names, resolved before the first request
+            await asyncio.gather(*self.resolving, return_exceptions=True)
         self._loop.add_reader(self.lane.fileno(), self.lane.poll)
+
+    def _register(self, upstream_id: int, host: str, port: int) -> None:
+        """An upstream for the lane: a numeric address at once; a name is resolved off the
+        loop (``loop.getaddrinfo``: a thread), its tries unavailable until then."""
+        try:
+            self.lane.set_upstream(upstream_id, host, port)
+            return
+        except ValueError:
+            self.lane.set_upstream(upstream_id, "", port)
+        assert self._loop is not None
+        task = self._loop.create_task(self._resolve(upstream_id, host, port))
+        self.resolving.add(task)
+        task.add_done_callback(self.resolving.discard)
+
+    async def _resolve(self, upstream_id: int, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            log.warning("native lane: cannot resolve %s (%s); its requests fail over", host, exc)
+            return
+        if self.lane is not None and not self.lane.closed and infos:
+            self.lane.set_upstream(upstream_id, infos[0][4][0], port)
 
     def _adopt(self, fd: int, data: bytes) -> None:
         """A connection the lane handed back: the Python server's from here on."""

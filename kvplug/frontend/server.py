@@ -135,7 +135,7 @@ async def start_frontend(
         listeners.append(api)
         frontend.http_lane = api.lane
         if s.data_path == "native":
-            native = frontend.native_lane = _start_native(frontend, api)
+            native = frontend.native_lane = await _start_native(frontend, api)
         url = _local_url(api.addresses())
         bound = [url_of(h, p) for h, p in api.addresses()]
         admin_url = None
@@ -168,7 +168,7 @@ async def start_frontend(
     return RunningFrontend(frontend, url, admin_url, runners, listeners, bound, admin_bound, native)
 
 
-def _start_native(frontend: Frontend, api: Listeners) -> Any:
+async def _start_native(frontend: Frontend, api: Listeners) -> Any:
     """The compiled data path on the API's sockets, its decisions by kvplug's control plane."""
     from kvplug.frontend.native_glue import NativeGlue
     from kvplug.frontend.native_lane import NativeDataPath, available
@@ -176,5 +176,5 @@ def _start_native(frontend: Frontend, api: Listeners) -> Any:
     if not available():  # said loudly: never a silent fall back to the Python path
         raise ConfigError("--data-path native: kvplug._lane is not built (it needs Linux)")
     native = NativeDataPath(frontend, api, NativeGlue(frontend))
-    native.start()
+    await native.start()
     return native
