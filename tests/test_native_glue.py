@@ -567,3 +567,21 @@ async def test_finish_twice_is_refused_without_touching_the_load():
         assert glue.finish(token, 200, OK, b"{}") is None
         h.assert_idle()
         assert token.routed.record.outcome == "client_disconnected"
+
+
+async def test_a_retry_to_a_worker_the_lane_cannot_reach_ends_in_the_502():
+    async with serving(2) as h:
+        fe = h.frontend
+        glue = NativeGlue(fe)
+        body = json.dumps(_body(prompt(2, 21))).encode()
+        decided = glue.decide(KIND_COMPLETIONS, body, None, None)
+        token = decided[4]
+        first = token.routed.decision.worker_id
+        other = "w1" if first == "w0" else "w0"
+        fe.fleet.workers[other].url_base = "https://127.0.0.1:1"  # changed since decide
+        answer = glue.finish(token, 0, UNAVAILABLE, b"")
+        assert len(answer) == 3 and answer[0] == 502
+        assert "native lane can reach" in json.loads(answer[2])["error"]["message"]
+        assert [r.outcome for r in token.ctx.records] == ["unavailable", "unavailable"]
+        assert fe.fleet.unhealthy == {first}  # the unreachable one is not marked down
+        h.assert_idle()

@@ -70,6 +70,7 @@ TAIL_BYTES = 4096  # the most of an answer's last bytes the lane hands to finish
 # the lane sends no reason for an engine that failed before its answer head when it has none
 _NO_ANSWER = "no answer head (connection refused, reset or closed, or --per-try-timeout passed)"
 _BROKE_OFF = "the engine's connection ended before the answer did"
+_UNREACHABLE = "not an http:// engine the native lane can reach"
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
@@ -302,8 +303,16 @@ class NativeGlue:
         token.routed = routed
         entry = routed.entry
         entry.inflight += 1
+        d = routed.decision
         target = self._targets.get(entry.url_base) or self._target(entry.url_base)
-        assert target is not None  # _all_plain checked every worker
+        if target is None:  # a retry's worker, added since decide, that the lane cannot reach
+            entry.inflight -= 1
+            routed.lifecycle.finish()
+            routed.record.outcome, routed.record.error = "unavailable", _UNREACHABLE
+            token.failures.append(str(UpstreamUnavailable(d.worker_id, _UNREACHABLE)))
+            return self._answer_error(
+                token, fe.unavailable_error(ctx, token.attempt + 1, token.failures)
+            )
         head = b"%s%d\r\nX-Request-Id: %s\r\n%s\r\n" % (
             target.heads[token.kind],
             len(ctx.req.raw),
@@ -311,7 +320,6 @@ class NativeGlue:
             token.auth_line,
         )
         # Frontend.answer_headers' lines, formatted at once (the tests check they are equal)
-        d = routed.decision
         answer = _ANSWER_HEADERS % (
             routed.record.decision_id.encode(),
             d.worker_id.encode(),
