@@ -8,6 +8,7 @@ detection), plus ``first_byte`` for a stream. This measures those calls directly
 ~512-token token-id bodies (8 shared 384-token prefixes), each answer's end handed to ``finish``
 as the lane does (the instant engine's answer as the tail).
 
+Both run with kvplug serve's garbage-collector settings (``gc_tuning.tune_for_serving``).
 The baseline, in the same rounds (alternating): ``floor_proxy.py --route``'s work per request
 (the body's token ids, one ``Router.route``, ``Router.on_finish``): the least any KV-routing
 data path can do in Python. The difference is what the glue adds for traces, metrics,
@@ -45,6 +46,7 @@ from instant_engine import answers  # noqa: E402
 from kvplug.config import RouterConfig  # noqa: E402
 from kvplug.frontend.app import Frontend, ServeSettings  # noqa: E402
 from kvplug.frontend.config import spec_from_mapping  # noqa: E402
+from kvplug.frontend.gc_tuning import tune_for_serving  # noqa: E402
 from kvplug.frontend.hints import NO_HINTS  # noqa: E402
 from kvplug.frontend.native_glue import (  # noqa: E402
     KIND_COMPLETIONS,
@@ -156,6 +158,7 @@ def _summary(values: list[float]) -> dict:
 async def main_async(args) -> dict:
     glue = await make_glue()
     floor_router = make_router(ENGINES)
+    tune_for_serving()  # the collector's settings kvplug serve runs with (both sides)
     results: dict[str, dict] = {}
     for stream in (False, True):
         requests = bodies(args.requests, stream)

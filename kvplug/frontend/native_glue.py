@@ -187,7 +187,7 @@ class NativeGlue:
         self._ids: dict[tuple[str, int], int] = {}  # (host, port) -> upstream id, never reused
         self._targets: dict[str, _Target | None] = {}  # worker URL -> target (None: not http)
         self._epoch = -1  # the fleet epoch _targets were checked at
-        self._plain = False  # every worker is an http:// engine the lane can reach
+        self._servable = False  # _fleet_servable's answer at _epoch
         self._bearer: tuple[str, bytes] | None = None  # (--api-key, b"Bearer <key>")
         self._engine_auth: tuple[str, bytes] | None = None  # (--engine-api-key, its line)
 
@@ -197,14 +197,14 @@ class NativeGlue:
     ) -> Decided | Answer | None:
         started = time.perf_counter()
         fe = self.frontend
-        if kind != KIND_COMPLETIONS or fe.queue is not None or fe.fleet.disaggregated:
+        if kind != KIND_COMPLETIONS or not self._fleet_servable():
             return None
         s = fe.settings
         if s.api_key and not hmac.compare_digest(authorization or b"", self._bearer_for(s.api_key)):
             return None  # the Python path answers the 401
         if request_id is not None and not request_id.isascii():
             return None  # the Python path decides what such an id becomes
-        if len(body) > s.max_body_bytes or not self._all_plain():
+        if len(body) > s.max_body_bytes:
             return None
         req = parse_token_prompt(body)
         if req is None or (req.stream and s.max_stream_duration > 0):
@@ -379,15 +379,19 @@ class NativeGlue:
         return err.status, _header_lines(headers), err.payload()
 
     # -- engines and keys ------------------------------------------------------------------------
-    def _all_plain(self) -> bool:
-        """Whether the lane can reach every worker (checked again when the fleet changes):
-        otherwise the Python path serves, since routing may pick any of them."""
-        fleet = self.frontend.fleet
+    def _fleet_servable(self) -> bool:
+        """Whether this path serves the fleet (checked again when it changes): no admission
+        queue, no prefill workers, and every worker an engine the lane can reach (routing may
+        pick any of them)."""
+        fe = self.frontend
+        fleet = fe.fleet
         if fleet.epoch != self._epoch:
             self._epoch = fleet.epoch
             targets = [self._target(e.url_base) for e in list(fleet.workers.values())]
-            self._plain = all(t is not None for t in targets)
-        return self._plain
+            self._servable = (
+                fe.queue is None and not fleet.disaggregated and all(t is not None for t in targets)
+            )
+        return self._servable
 
     def _target(self, url_base: str) -> _Target | None:
         if url_base in self._targets:
