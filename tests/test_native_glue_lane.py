@@ -122,3 +122,22 @@ async def test_dynamo_hint_headers_steer_as_on_the_python_path():
             resp, _ = await h.complete(prompt(2, 30 + seed), headers={"x-worker-instance-id": "w1"})
             assert resp.status == 200 and resp.headers["x-kvplug-worker"] == "w1"
         h.assert_idle()
+
+
+async def test_text_and_chat_with_a_local_tokenizer_are_served_by_the_lane(tmp_path):
+    from test_frontend_units import make_tokenizer_dir
+
+    from kvplug.frontend.tokens import LocalTokenizer
+
+    tok = LocalTokenizer(make_tokenizer_dir(tmp_path))
+    async with serving(1, settings=native(), tokenizer=tok) as h:
+        resp, raw = await h.complete("hello world", headers={"X-Request-Id": "t"})
+        assert resp.status == 200 and raw == h.engines["w0"].sent["t"]
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        resp, raw = await h.post("/v1/chat/completions", chat, {"X-Request-Id": "c"})
+        assert resp.status == 200 and raw == h.engines["w0"].sent["c"]
+        assert _served(h) == 2 and h.frontend.native_lane.stats()["handed_off"] == 0
+        trace = h.frontend.decisions.get(resp.headers["x-kvplug-decision-id"]).to_json()
+        assert trace["tokens"] == {"source": "tokenizer", "count": 6, "note": None}
+        assert trace["path"] == "/v1/chat/completions" and trace["outcome"] == "ok"
+        h.assert_idle()

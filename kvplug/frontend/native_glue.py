@@ -10,13 +10,15 @@ outlier detection; when the engine failed before answering, the retry on another
 ``count_request``), so the two paths record the same things.
 
 What is served here: a ``POST /v1/completions`` whose body the token-id parser reads
-(``parsing.parse_token_prompt``: a model, a prompt of token ids, no ``nvext``), from a client
-with the right ``--api-key``, for a model the fleet serves, within ``--max-prompt-tokens``, on an
-aggregated fleet of ``http://`` engines without the admission queue. Anything else makes
-``decide`` return None and the lane hands the connection to the Python server, which answers as
-it always did (its errors, batches, text prompts, chat, P/D, the queue). Routing failures after
-a request was accepted (503s, the 502 once retries are spent) are answered here, with the
-Python path's status, headers and body.
+(``parsing.parse_token_prompt``: a model, a prompt of token ids, no ``nvext``), and, with a
+local ``--tokenizer``, a text completion or a chat request whose prompt it tokenizes on the
+loop (``TokenResolver.resolve_now``), without ``nvext`` or a batch; from a client with the right
+``--api-key``, for a model the fleet serves, within ``--max-prompt-tokens``, on an aggregated
+fleet of ``http://`` engines without the admission queue. Anything else makes ``decide`` return
+None and the lane hands the connection to the Python server, which answers as it always did
+(its errors, batches, engine tokenization, P/D, the queue). Routing failures after a request
+was accepted (503s, the 502 once retries are spent) are answered here, with the Python path's
+status, headers and body.
 
 Output tokens come from the answer's last bytes (``tail``, up to ``TAIL_BYTES``): a non-streamed
 answer's ``usage.completion_tokens``; a stream's count as ``streaming.SseCounter`` makes it when
@@ -39,7 +41,13 @@ from kvplug.frontend.context import RequestContext
 from kvplug.frontend.engine_http import request_target
 from kvplug.frontend.errors import ApiError
 from kvplug.frontend.hints import NO_HINTS
-from kvplug.frontend.parsing import CHAT, COMPLETIONS, parse_token_prompt
+from kvplug.frontend.parsing import (
+    CHAT,
+    COMPLETIONS,
+    ParsedRequest,
+    parse_request_general,
+    parse_token_prompt,
+)
 from kvplug.frontend.streaming import (
     SseCounter,
     completion_tokens,
@@ -47,7 +55,6 @@ from kvplug.frontend.streaming import (
     mid_answer_error,
     whole_answer_read,
 )
-from kvplug.frontend.tokens import SOURCE_REQUEST
 from kvplug.frontend.upstream import UpstreamUnavailable
 from kvplug.workers import Stage
 
@@ -197,7 +204,7 @@ class NativeGlue:
     ) -> Decided | Answer | None:
         started = time.perf_counter()
         fe = self.frontend
-        if kind != KIND_COMPLETIONS or not self._fleet_servable():
+        if not self._fleet_servable():
             return None
         s = fe.settings
         if s.api_key and not hmac.compare_digest(authorization or b"", self._bearer_for(s.api_key)):
@@ -206,29 +213,48 @@ class NativeGlue:
             return None  # the Python path decides what such an id becomes
         if len(body) > s.max_body_bytes:
             return None
-        req = parse_token_prompt(body)
-        if req is None or (req.stream and s.max_stream_duration > 0):
+        req = parse_token_prompt(body) if kind == KIND_COMPLETIONS else None
+        if req is None:
+            req = self._parse_text(kind, body)
+            if req is None:
+                return None
+        if req.stream and s.max_stream_duration > 0:
             return None  # the lane has no --max-stream-duration timer
         try:
             model_workers = fe._check_model(req)
-            fe.check_prompt_tokens(req.prompt_ids, "prompt")
+            resolved = fe.tokens.resolve_now(req)
+            if resolved is None:
+                return None  # the engine's /tokenize (or none): the Python path waits for it
+            tokens, source = resolved
+            fe.check_prompt_tokens(tokens, "prompt")
         except ApiError:
             return None  # the Python path answers the 404 / 400
         # from here the request is this path's: counted as the Python path counts it
         fe.metrics.inflight.inc()
-        fe._child(fe.metrics.token_source, SOURCE_REQUEST).inc()
-        # no hints: parse_token_prompt takes no nvext and the lane hands off hint headers
+        fe._child(fe.metrics.token_source, source).inc()
+        # no hints: the bodies taken have no nvext and the lane hands off hint headers
         ctx = fe.request_context(
             req,
             request_id.decode() if request_id else None,
-            req.prompt_ids,
-            SOURCE_REQUEST,
+            tokens,
+            source,
             None,
             NO_HINTS,
             model_workers,
         )
         rid = request_id or ctx.request_id.encode()
         return self._attempt(GlueRequest(ctx, kind, started, rid, self._auth_line(authorization)))
+
+    def _parse_text(self, kind: int, body: bytes) -> ParsedRequest | None:
+        """A text completion or a chat request, when a local tokenizer can give its ids;
+        None for what the Python path serves (no tokenizer, a bad body, a batch, nvext)."""
+        if self.frontend.tokens.tokenizer is None:
+            return None
+        try:
+            req = parse_request_general(body, _PATHS[kind])
+        except ApiError:
+            return None
+        return req if req.nvext is None and req.prompts is None else None
 
     def first_byte(self, token: GlueRequest) -> None:
         token.routed.lifecycle.first_token()
