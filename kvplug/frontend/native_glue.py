@@ -38,7 +38,7 @@ from typing import Any
 
 from kvplug.frontend.app import Frontend
 from kvplug.frontend.context import RequestContext
-from kvplug.frontend.engine_http import request_target
+from kvplug.frontend.engine_http import header_lines, request_target
 from kvplug.frontend.errors import ApiError
 from kvplug.frontend.hints import NO_HINTS
 from kvplug.frontend.parsing import (
@@ -132,10 +132,6 @@ class GlueRequest:
         self.request_id = request_id  # as sent to the engine
         self.auth_line = auth_line  # the engine's Authorization header line, or b""
         self.finished = False
-
-
-def _header_lines(headers: dict[str, str]) -> bytes:
-    return "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode()
 
 
 def _usage_total(tail: bytes) -> int | None:
@@ -376,7 +372,7 @@ class NativeGlue:
                 fe.count_request(path, 502, ctx.req.stream, token.started)
                 headers = fe.answer_headers(ctx, routed)
                 headers["Content-Type"] = "application/json"
-                return 502, _header_lines(headers), mid_answer_error(reason)
+                return 502, header_lines(headers), mid_answer_error(reason)
             whole_answer_read(lc, status, answer_tokens(tail) if status == 200 else None)
             fe.record_answer(ctx, routed, status, "ok", None, lc.tokens)
             fe.count_request(path, status, ctx.req.stream, token.started)
@@ -402,7 +398,7 @@ class NativeGlue:
             fe.metrics.rejected.labels(err.code).inc()
         fe.count_request(_PATHS[token.kind], err.status, False, token.started)
         headers = {"Content-Type": "application/json", **err.headers}
-        return err.status, _header_lines(headers), err.payload()
+        return err.status, header_lines(headers), err.payload()
 
     # -- engines and keys ------------------------------------------------------------------------
     def _fleet_servable(self) -> bool:
