@@ -30,6 +30,7 @@
 #define READ_CHUNK 65536
 #define TICK_NS 20000000LL
 #define ACCEPTS_PER_EVENT 64
+#define MAX_DEPTH 8 /* pipelined requests served within one another's answer */
 
 enum { K_LISTEN = 1, K_CLIENT, K_ENGINE, K_TIMER };
 
@@ -48,6 +49,7 @@ enum { CH_SIZE, CH_EXT, CH_SIZE_LF, CH_DATA, CH_DATA_CR, CH_DATA_LF, CH_TRAILER,
 
 struct engine {
     int kind, fd;
+    uint32_t mask; /* the events epoll watches for it now */
     int up;    /* index into lane->ups */
     int state;
     int reused; /* came from the pool: a failure before any answer byte is retried once */
@@ -67,6 +69,7 @@ enum { C_HEAD, C_BODY, C_WAIT, C_RELAY, C_FLUSH };
 
 struct client {
     int kind, fd;
+    uint32_t mask;
     int state;
     int first;       /* no request taken yet on this connection */
     int keep_alive;  /* the current request's */
@@ -75,6 +78,8 @@ struct client {
     int streamed, first_byte_done, wrap_chunks;
     int want_out;    /* EPOLLOUT is in the mask */
     client_t *prev, *next;
+    client_t *next_ready; /* the lane's ready list: buffered requests to parse */
+    int queued;
     int64_t deadline;
     buf_t in, out;
     size_t head_len, body_len; /* of the current request: head includes its blank line */
@@ -107,7 +112,8 @@ struct lane {
     int n_listeners;
     int listen_tags[64][2]; /* {K_LISTEN, fd}: epoll data points here */
     int timer_tag[2];
-    client_t *clients, *dead_clients;
+    client_t *clients, *dead_clients, *ready;
+    int depth;
     engine_t *engines, *dead_engines;
     upstream_t *ups;
     int n_ups, cap_ups;
@@ -170,6 +176,19 @@ static int ep_set(lane_t *l, int op, int fd, uint32_t events, void *tag) {
     ev.events = events;
     ev.data.ptr = tag;
     return epoll_ctl(l->epfd, op, fd, &ev);
+}
+
+/* a connection's events (the kind/fd/mask prefix both structs share), when they change */
+typedef struct {
+    int kind, fd;
+    uint32_t mask;
+} conn_prefix;
+
+static void watch(lane_t *l, void *conn, uint32_t events) {
+    conn_prefix *p = conn;
+    if (p->mask == events) return;
+    p->mask = events;
+    ep_set(l, EPOLL_CTL_MOD, p->fd, events, conn);
 }
 
 static const char *memfind(const char *h, size_t hn, const char *n, size_t nn) {
@@ -306,7 +325,7 @@ static void client_mask(lane_t *l, client_t *c) {
     if (c->state == C_HEAD || c->state == C_BODY) ev |= EPOLLIN;
     c->want_out = buf_size(&c->out) > 0;
     if (c->want_out) ev |= EPOLLOUT;
-    ep_set(l, EPOLL_CTL_MOD, c->fd, ev, c);
+    watch(l, c, ev);
 }
 
 static void tail_add(client_t *c, const char *p, size_t n) {
@@ -513,7 +532,8 @@ static void client_new(lane_t *l, int fd) {
     c->deadline = after(l->cfg.head_timeout);
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    if (ep_set(l, EPOLL_CTL_ADD, fd, EPOLLIN | EPOLLRDHUP, c)) {
+    c->mask = EPOLLIN | EPOLLRDHUP;
+    if (ep_set(l, EPOLL_CTL_ADD, fd, c->mask, c)) {
         close(fd);
         free(c);
         return;
@@ -576,14 +596,24 @@ static int client_flush(lane_t *l, client_t *c) {
         c->deadline = after(l->cfg.keepalive_timeout);
         client_mask(l, c);
         if (buf_size(&c->in)) {
-            client_process(l, c); /* a pipelined request */
-            return -1;            /* c may be gone: the caller must not touch it */
+            /* a pipelined request: at once, unless answers already nest here (requests the
+             * decider answers itself would recurse once each): then at the end of this poll */
+            if (l->depth < MAX_DEPTH) {
+                l->depth++;
+                client_process(l, c);
+                l->depth--;
+            } else if (!c->queued) {
+                c->queued = 1;
+                c->next_ready = l->ready;
+                l->ready = c;
+            }
+            return -1; /* c may be gone: the caller must not touch it */
         }
         return 0;
     }
     if (c->eng && c->eng->paused && buf_size(&c->out) < RESUME_ENGINE_AT) {
         c->eng->paused = 0;
-        ep_set(l, EPOLL_CTL_MOD, c->eng->fd, EPOLLIN | EPOLLRDHUP, c->eng);
+        watch(l, c->eng, EPOLLIN | EPOLLRDHUP);
     }
     if ((buf_size(&c->out) > 0) != c->want_out) client_mask(l, c);
     return 0;
@@ -735,7 +765,8 @@ static engine_t *engine_open(lane_t *l, int up) {
     e->fd = fd;
     e->up = up;
     e->state = r == 0 ? E_SENDING : E_CONNECTING;
-    if (ep_set(l, EPOLL_CTL_ADD, fd, EPOLLOUT | EPOLLRDHUP, e)) {
+    e->mask = EPOLLOUT | EPOLLRDHUP;
+    if (ep_set(l, EPOLL_CTL_ADD, fd, e->mask, e)) {
         close(fd);
         free(e);
         return NULL;
@@ -838,7 +869,7 @@ static void engine_send(lane_t *l, engine_t *e) {
         if (n < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                ep_set(l, EPOLL_CTL_MOD, e->fd, EPOLLOUT | EPOLLRDHUP, e);
+                watch(l, e, EPOLLOUT | EPOLLRDHUP);
                 return;
             }
             engine_failed(l, e, LANE_ENGINE_UNAVAILABLE);
@@ -847,7 +878,7 @@ static void engine_send(lane_t *l, engine_t *e) {
         e->sent += (size_t)n;
     }
     e->state = E_HEAD;
-    ep_set(l, EPOLL_CTL_MOD, e->fd, EPOLLIN | EPOLLRDHUP, e);
+    watch(l, e, EPOLLIN | EPOLLRDHUP);
 }
 
 static int hop_header(const char *name, size_t n) {
@@ -1066,7 +1097,7 @@ static void engine_done(lane_t *l, engine_t *e, int extra_bytes) {
         e->next_idle = u->idle;
         u->idle = e;
         l->st.idle_engines++;
-        ep_set(l, EPOLL_CTL_MOD, e->fd, EPOLLIN | EPOLLRDHUP, e); /* any event closes it */
+        watch(l, e, EPOLLIN | EPOLLRDHUP); /* any event closes it */
     } else {
         engine_close(l, e);
     }
@@ -1176,7 +1207,8 @@ static void engine_readable(lane_t *l, engine_t *e) {
         }
         if (buf_size(&c->out) > PAUSE_ENGINE_AT) {
             e->paused = 1; /* no events but errors until the client has taken most of it */
-            ep_set(l, EPOLL_CTL_MOD, e->fd, 0, e);
+            l->st.engine_pauses++;
+            watch(l, e, 0);
             return;
         }
         if ((size_t)n < sizeof chunk) break;
@@ -1368,6 +1400,12 @@ int lane_poll(lane_t *l) {
         } else if (kind == K_ENGINE) {
             engine_event(l, (engine_t *)ptr, evs[i].events);
         } /* else closed by an earlier event of this batch */
+    }
+    while (l->ready) { /* the pipelined requests left for later (client_flush) */
+        client_t *c = l->ready;
+        l->ready = c->next_ready;
+        c->queued = 0;
+        if (c->kind == K_CLIENT && c->state == C_HEAD) client_process(l, c);
     }
     bury(l);
     return n;

@@ -80,6 +80,7 @@ typedef struct {
     uint64_t served, handed_off, retried, client_gone, engine_failed, timeouts, answered_directly;
     uint64_t open_clients, open_engines, idle_engines;
     uint64_t accept_pauses; /* accept stopped for a second: out of descriptors or memory */
+    uint64_t engine_pauses; /* an engine not read while its client was backed up */
 } lane_stats;
 
 /* a new lane (NULL and errno on failure); the config is copied */

@@ -63,6 +63,7 @@ cdef extern from "lane.h" nogil:
     ctypedef struct lane_stats:
         uint64_t served, handed_off, retried, client_gone, engine_failed, timeouts
         uint64_t answered_directly, open_clients, open_engines, idle_engines, accept_pauses
+        uint64_t engine_pauses
 
     int LANE_HANDOFF, LANE_FORWARD, LANE_ANSWER, LANE_DEFAULT
 
@@ -75,6 +76,17 @@ cdef extern from "lane.h" nogil:
     void lane_get_stats(const lane_t *lane, lane_stats *out)
     void lane_shutdown(lane_t *lane)
     void lane_free(lane_t *lane)
+
+    ctypedef struct lane_head:
+        int kind
+        int keep_alive
+        size_t content_length
+        const char *request_id
+        const char *authorization
+        size_t request_id_len
+        size_t authorization_len
+
+    int lane_head_qualifies(const char *head, size_t len, size_t max_body, lane_head *out)
 
 
 cdef extern from "<sys/socket.h>":
@@ -108,6 +120,21 @@ cdef extern from *:
 
 
 _log = logging.getLogger("kvplug.frontend.native_lane")
+
+
+def head_qualifies(bytes head, size_t max_body):
+    """The lane's rule for a request head (without its blank line): None when it hands the
+    connection off, else (kind, content_length, keep_alive, request_id, authorization)."""
+    cdef lane_head h
+    if not lane_head_qualifies(PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head), max_body, &h):
+        return None
+    return (
+        h.kind,
+        h.content_length,
+        bool(h.keep_alive),
+        _opt(h.request_id, h.request_id_len),
+        _opt(h.authorization, h.authorization_len),
+    )
 
 
 def _lines(value, name):
@@ -232,6 +259,7 @@ cdef class Lane:
             "engine_connections": s.open_engines,
             "idle_engine_connections": s.idle_engines,
             "accept_pauses": s.accept_pauses,
+            "engine_pauses": s.engine_pauses,
         }
 
     def shutdown(self):

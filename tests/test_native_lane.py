@@ -272,6 +272,19 @@ async def test_pipelined_requests_are_answered_in_order():
         writer.close()
 
 
+async def test_many_pipelined_requests_answered_directly_come_back_in_order():
+    # each direct answer starts the next pipelined request from within itself: the lane
+    # stops nesting after a few and serves the rest at the end of the poll
+    async with Harness() as h:
+        h.decide_with = lambda kind, body, rid, auth: (429, b"", body)
+        reader, writer = await h.connect()
+        bodies = [b'{"n":%d}' % i for i in range(300)]
+        writer.write(b"".join(post(b"/v1/completions", b) for b in bodies))
+        got = [(await read_answer(reader))[1] for _ in bodies]
+        assert got == bodies
+        writer.close()
+
+
 async def test_connection_close_is_honoured():
     async with Harness() as h:
         await h.instant_engine()
@@ -345,7 +358,7 @@ async def test_an_until_close_answer_is_chunked_to_the_client():
 
 
 async def test_a_large_answer_to_a_slow_reader_arrives_whole():
-    payload = bytes(range(256)) * 16384  # 4 MiB: the lane stops reading the engine meanwhile
+    payload = bytes(range(256)) * 4096 * 24  # 24 MiB: more than the sockets' buffers hold
 
     async def engine(reader, writer):
         while True:
@@ -360,19 +373,15 @@ async def test_a_large_answer_to_a_slow_reader_arrives_whole():
 
     async with Harness() as h:
         await h.scripted_engine(engine)
-        sock = socket.create_connection(("127.0.0.1", h.port))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
-        reader, writer = await asyncio.open_connection(sock=sock)
+        reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
         head = await reader.readuntil(b"\r\n\r\n")
-        got = b""
-        while len(got) < len(payload):
-            got += await asyncio.wait_for(reader.read(8192), 10)
-            if len(got) < 1 << 20:
-                await asyncio.sleep(0.001)
+        await asyncio.sleep(0.3)  # the client reads nothing: the lane holds, then pauses
+        got = await asyncio.wait_for(reader.readexactly(len(payload)), 20)
         assert got == payload and head.startswith(b"HTTP/1.1 200")
         await until(lambda: h.finished)
         assert h.finished[0][2] == OK
+        assert h.lane.stats()["engine_pauses"] >= 1
         writer.close()
 
 
@@ -824,3 +833,146 @@ async def test_a_bodiless_answer_and_an_interim_100_are_relayed():
         assert head.startswith(b"HTTP/1.1 204 No Content\r\nX-E: 1\r\n")
         await until(lambda: h.finished)
         assert h.finished[0][1:3] == (204, OK)
+
+
+# -- kvplug serve --data-path native ---------------------------------------------------------
+
+
+def test_kvplug_serve_data_path_native_answers_through_the_cli(tmp_path):
+    import re
+    import subprocess
+    import urllib.request
+
+    from kvplug.testing import free_port, serve_command, stop_process, wait_ready
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    engine_port, port = free_port(), free_port()
+    engine = subprocess.Popen(
+        [sys.executable, str(bench / "instant_engine.py"), str(engine_port), "--tokens", "3"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    log = tmp_path / "serve.log"
+    serve = None
+    try:
+        assert engine.stdout is not None and engine.stdout.readline().strip() == "ready"
+        cmd = serve_command(
+            port,
+            "--data-path",
+            "native",
+            "--worker-engine",
+            "openai",
+            "--served-model-name",
+            "stub-model",
+            "--worker",
+            f"e0=http://127.0.0.1:{engine_port}",
+            "--kv-block-size",
+            "16",
+        )
+        with log.open("w") as out:
+            serve = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url + "/health", proc=serve, log=log)  # a GET: handed to the Python path
+
+        def exchange(target_port: int, request: bytes) -> tuple[bytes, bytes]:
+            with socket.create_connection(("127.0.0.1", target_port), timeout=10) as sock:
+                sock.sendall(request)
+                data = b""
+                while True:
+                    head, _, body = data.partition(b"\r\n\r\n")
+                    if _ and b"chunked" in head.lower() and body.endswith(b"0\r\n\r\n"):
+                        return head, body
+                    length = re.search(rb"(?i)content-length: *(\d+)", head)
+                    if _ and length and len(body) >= int(length.group(1)):
+                        return head, body
+                    chunk = sock.recv(65536)
+                    assert chunk, data
+                    data += chunk
+
+        for stream in (False, True):
+            body = json.dumps(
+                {"model": "stub-model", "prompt": list(range(40)), "max_tokens": 3,
+                 "stream": stream}
+            ).encode()
+            head, got = exchange(port, post(b"/v1/completions", body))
+            _, want = exchange(engine_port, post(b"/v1/completions", body))
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert got == want  # the engine's bytes (chunked framing and all)
+            assert b"x-kvplug-decision-id" in head.lower()
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        served = re.search(r'kvplug_router_stat\{stat="native_lane\.served"\} (\S+)', metrics)
+        assert served is not None and float(served.group(1)) >= 2, metrics[-2000:]
+    finally:
+        stop_process(serve, timeout=15)
+        stop_process(engine, timeout=5)
+    assert serve.returncode == 0, log.read_text()[-3000:]
+
+
+# -- the head rule, against the Python lane's ------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvplug._lane import head_qualifies  # noqa: E402
+from kvplug.frontend.lane import _parse_head  # noqa: E402
+
+_NAMES = st.sampled_from(
+    [b"Host", b"Content-Length", b"content-length", b"Connection", b"X-Request-Id",
+     b"Authorization", b"Transfer-Encoding", b"Expect", b"Upgrade", b"Content-Encoding",
+     b"HTTP2-Settings", b"X-Kvplug-Worker", b"x-kvplug-dp-rank", b"Bad Name", b"",
+     b"X\xc3\xa9"]
+    + [b"X-A", b"Host", b"Connection", b"X-Request-Id", b"Authorization"] * 4
+)
+_VALUES = st.one_of(
+    st.sampled_from([b"12", b" 12 ", b"012", b"1" * 16, b"-1", b"1e3", b"close", b"Close",
+                     b"keep-alive", b"upgrade", b"chunked", b"", b"\tx\t", b"a\rb", b"\xff"]),
+    st.sampled_from([b"x", b"Bearer k", b"r-1", b" padded\t", b"keep-alive"]),
+    st.binary(max_size=6),
+)
+_SEPS = st.sampled_from([b": "] * 8 + [b":", b" :", b""])
+_LINES = st.lists(st.tuples(_NAMES, _SEPS, _VALUES), max_size=5)
+_REQUEST_LINES = st.sampled_from(
+    [b"POST /v1/completions HTTP/1.1", b"POST /v1/chat/completions HTTP/1.1"] * 6
+    + [b"POST /v1/completions HTTP/1.0", b"GET /v1/completions HTTP/1.1",
+       b"POST /v1/completions?x HTTP/1.1", b"POST  /v1/completions HTTP/1.1",
+       b"post /v1/completions HTTP/1.1", b"POST /v1/models HTTP/1.1"]
+)
+_LENGTH = st.sampled_from([b"Content-Length: 12", b"content-length:0", b"Content-Length: 1000",
+                           b"Content-Length: 1001", None])
+
+
+class _Rule:
+    handlers = {b"/v1/completions": None, b"/v1/chat/completions": None}
+    max_body_bytes = 1000
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    _REQUEST_LINES,
+    _LINES,
+    _LENGTH,
+    st.integers(0, 5),
+    st.sampled_from([b"\r\n"] * 8 + [b"\n", b"\r"]),
+)
+def test_the_head_rule_is_the_python_lanes(request_line, lines, length, at, eol):
+    parts = [n + sep + v for n, sep, v in lines]
+    if length is not None:
+        parts.insert(min(at, len(parts)), length)
+    head = request_line + b"".join(b"\r\n" + part for part in parts)
+    if eol != b"\r\n":
+        head = head.replace(b"\r\n", eol)
+    native = head_qualifies(head, _Rule.max_body_bytes)
+    python = _parse_head(head, _Rule)
+    hint = any(n.lower().startswith(b"x-kvplug-") for n, sep, v in lines if sep)
+    if native is None:
+        assert python is None or hint, head  # the lane hands hints off; Python reads them
+        return
+    assert python is not None, head
+    path, headers, length, keep_alive = python
+    kind, c_length, c_keep_alive, rid, auth = native
+    assert (kind, c_length, c_keep_alive) == (
+        [b"/v1/completions", b"/v1/chat/completions"].index(path.encode()), length, keep_alive
+    )
+    assert rid == (headers["X-Request-Id"].encode() if "X-Request-Id" in headers else None)
+    assert auth == (headers["Authorization"].encode() if "Authorization" in headers else None)
