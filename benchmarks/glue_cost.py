@@ -8,10 +8,13 @@ detection), plus ``first_byte`` for a stream. This measures those calls directly
 ~512-token token-id bodies (8 shared 384-token prefixes), each answer's end handed to ``finish``
 as the lane does (the instant engine's answer as the tail).
 
+Both run with kvplug serve's garbage-collector settings (``gc_tuning.tune_for_serving``).
 The baseline, in the same rounds (alternating): ``floor_proxy.py --route``'s work per request
 (the body's token ids, one ``Router.route``, ``Router.on_finish``): the least any KV-routing
 data path can do in Python. The difference is what the glue adds for traces, metrics,
-retries and the head.
+retries and the head; two more runs split it (non-streamed): ``Frontend.route_stage`` alone
+(the Python path's routing step: trace record, lifecycle, route metrics) and with the answer's
+end as ``finish`` records it.
 
     python benchmarks/glue_cost.py                  # ~30 s
     python benchmarks/glue_cost.py --profile        # and where the glue's time goes (cProfile)
@@ -29,6 +32,7 @@ import pstats
 import resource
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,9 +46,19 @@ from instant_engine import answers  # noqa: E402
 from kvplug.config import RouterConfig  # noqa: E402
 from kvplug.frontend.app import Frontend, ServeSettings  # noqa: E402
 from kvplug.frontend.config import spec_from_mapping  # noqa: E402
-from kvplug.frontend.native_glue import KIND_COMPLETIONS, OK, NativeGlue  # noqa: E402
-from kvplug.frontend.parsing import COMPLETIONS  # noqa: E402
+from kvplug.frontend.gc_tuning import tune_for_serving  # noqa: E402
+from kvplug.frontend.hints import NO_HINTS  # noqa: E402
+from kvplug.frontend.native_glue import (  # noqa: E402
+    KIND_COMPLETIONS,
+    OK,
+    NativeGlue,
+    answer_tokens,
+)
+from kvplug.frontend.parsing import COMPLETIONS, parse_token_prompt  # noqa: E402
+from kvplug.frontend.streaming import whole_answer_read  # noqa: E402
+from kvplug.frontend.tokens import SOURCE_REQUEST  # noqa: E402
 from kvplug.router import Router  # noqa: E402
+from kvplug.workers import Stage  # noqa: E402
 
 ENGINES = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]  # never connected to
 
@@ -93,7 +107,7 @@ def run_glue(glue: NativeGlue, requests: list[bytes], tail: bytes, stream: bool)
     decide, first_byte, finish = glue.decide, glue.first_byte, glue.finish
     c0 = cpu()
     for body in requests:
-        token = decide(KIND_COMPLETIONS, body, None, None)[4]  # type: ignore[index]
+        token = decide(KIND_COMPLETIONS, body, None, None)[4]  # type: ignore[index,misc]
         if stream:
             first_byte(token)
         finish(token, 200, OK, tail)
@@ -110,6 +124,28 @@ def run_floor(router: Router, requests: list[bytes]) -> float:
     return (cpu() - c0) / len(requests) * 1e6
 
 
+def run_stage(glue: NativeGlue, requests: list[bytes], tail: bytes, with_end: bool) -> float:
+    """CPU us per request of the Python path's routing step alone (``Frontend.route_stage``:
+    the floor plus the trace record, lifecycle and route metrics), and with ``with_end`` the
+    answer's end as ``finish`` records it (first token, trace, ``/metrics``, outliers): the
+    glue's cost split into the shared steps and its own."""
+    fe = glue.frontend
+    c0 = cpu()
+    for body in requests:
+        req = parse_token_prompt(body)
+        assert req is not None
+        ids = req.prompt_ids
+        ctx = fe.request_context(req, None, ids, SOURCE_REQUEST, None, NO_HINTS, None)
+        routed = fe.route_stage(ctx, Stage.AGGREGATED, 0, frozenset(), None)
+        if with_end:
+            fe.metrics.inflight.inc()
+            whole_answer_read(routed.lifecycle, 200, answer_tokens(tail))
+            fe.record_answer(ctx, routed, 200, "ok", None, routed.lifecycle.tokens)
+            fe.count_request(COMPLETIONS, 200, False, 0.0)
+        routed.lifecycle.finish()
+    return (cpu() - c0) / len(requests) * 1e6
+
+
 def _summary(values: list[float]) -> dict:
     return {
         "median_us": round(statistics.median(values), 2),
@@ -122,6 +158,7 @@ def _summary(values: list[float]) -> dict:
 async def main_async(args) -> dict:
     glue = await make_glue()
     floor_router = make_router(ENGINES)
+    tune_for_serving()  # the collector's settings kvplug serve runs with (both sides)
     results: dict[str, dict] = {}
     for stream in (False, True):
         requests = bodies(args.requests, stream)
@@ -129,22 +166,24 @@ async def main_async(args) -> dict:
         # warm: code paths, the frontend's cached metric children, the index's tables
         run_glue(glue, requests[:200], tail, stream)
         run_floor(floor_router, requests[:200])
-        glue_us, floor_us = [], []
-        for r in range(args.rounds):
-            order = [("glue", glue_us), ("floor", floor_us)]
-            for name, out in order if r % 2 == 0 else reversed(order):
-                if name == "glue":
-                    out.append(run_glue(glue, requests, tail, stream))
-                else:
-                    out.append(run_floor(floor_router, requests))
-        kind = "streamed" if stream else "non-streamed"
-        results[kind] = {
-            "glue": _summary(glue_us),
-            "floor_route": _summary(floor_us),
-            "glue_minus_floor_us": round(
-                statistics.median(g - f for g, f in zip(glue_us, floor_us, strict=True)), 2
-            ),
+        runs = {
+            "glue": partial(run_glue, glue, requests, tail, stream),
+            "floor_route": partial(run_floor, floor_router, requests),
         }
+        if not stream:  # the split, once
+            runs["route_stage"] = partial(run_stage, glue, requests, tail, False)
+            runs["route_stage_and_end"] = partial(run_stage, glue, requests, tail, True)
+        measured: dict[str, list[float]] = {name: [] for name in runs}
+        for r in range(args.rounds):
+            names = list(runs) if r % 2 == 0 else list(reversed(runs))
+            for name in names:
+                measured[name].append(runs[name]())
+        kind = "streamed" if stream else "non-streamed"
+        results[kind] = {name: _summary(values) for name, values in measured.items()}
+        glue_us, floor_us = measured["glue"], measured["floor_route"]
+        results[kind]["glue_minus_floor_us"] = round(
+            statistics.median(g - f for g, f in zip(glue_us, floor_us, strict=True)), 2
+        )
         assert glue.frontend.router.stats()["active_requests"] == 0  # every request finished
     if args.profile:
         requests = bodies(args.requests, False)
@@ -158,16 +197,21 @@ async def main_async(args) -> dict:
     return results
 
 
+def _cell(r: dict | None) -> str:
+    return "" if r is None else f"{r['median_us']} ({r['min_us']}-{r['max_us']})"
+
+
 def table(results: dict) -> str:
     lines = [
-        "| request | glue decide+finish (us) | floor_proxy --route (us) | glue - floor (us) |",
-        "|---|---:|---:|---:|",
+        "| request | glue decide+finish (us) | floor_proxy --route (us) | glue - floor (us) "
+        "| route_stage (us) | route_stage + answer's end (us) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for kind, r in results.items():
-        g, f = r["glue"], r["floor_route"]
         lines.append(
-            f"| {kind} | {g['median_us']} ({g['min_us']}-{g['max_us']}) "
-            f"| {f['median_us']} ({f['min_us']}-{f['max_us']}) | {r['glue_minus_floor_us']} |"
+            f"| {kind} | {_cell(r['glue'])} | {_cell(r['floor_route'])} "
+            f"| {r['glue_minus_floor_us']} | {_cell(r.get('route_stage'))} "
+            f"| {_cell(r.get('route_stage_and_end'))} |"
         )
     return "\n".join(lines)
 

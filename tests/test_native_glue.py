@@ -567,3 +567,62 @@ async def test_finish_twice_is_refused_without_touching_the_load():
         assert glue.finish(token, 200, OK, b"{}") is None
         h.assert_idle()
         assert token.routed.record.outcome == "client_disconnected"
+
+
+async def test_a_retry_to_a_worker_the_lane_cannot_reach_ends_in_the_502():
+    async with serving(2) as h:
+        fe = h.frontend
+        glue = NativeGlue(fe)
+        body = json.dumps(_body(prompt(2, 21))).encode()
+        decided = glue.decide(KIND_COMPLETIONS, body, None, None)
+        token = decided[4]
+        first = token.routed.decision.worker_id
+        other = "w1" if first == "w0" else "w0"
+        fe.fleet.workers[other].url_base = "https://127.0.0.1:1"  # changed since decide
+        answer = glue.finish(token, 0, UNAVAILABLE, b"")
+        assert len(answer) == 3 and answer[0] == 502
+        assert "native lane can reach" in json.loads(answer[2])["error"]["message"]
+        assert [r.outcome for r in token.ctx.records] == ["unavailable", "unavailable"]
+        assert fe.fleet.unhealthy == {first}  # the unreachable one is not marked down
+        h.assert_idle()
+
+
+async def test_text_and_chat_with_a_local_tokenizer_are_served(tmp_path):
+    from test_frontend_units import make_tokenizer_dir
+
+    from kvplug.frontend.tokens import LocalTokenizer
+
+    tok = LocalTokenizer(make_tokenizer_dir(tmp_path))
+    async with serving(1, tokenizer=tok) as h:
+        fe = h.frontend
+        lane = LaneDouble(NativeGlue(fe))
+        served = await lane.serve({"model": MODEL, "prompt": "hello world hello", "max_tokens": 2})
+        assert served.status == 200
+        ctx = served.tokens[0].ctx
+        assert (ctx.token_source, list(ctx.tokens)) == ("tokenizer", [3, 4, 3])
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        served = await lane.serve(chat, kind=KIND_CHAT)
+        assert served.status == 200
+        line, _ = _head_fields(served.sent_heads[0])
+        assert line == "POST /v1/chat/completions HTTP/1.1"
+        assert h.engines["w0"].requests[-1]["path"] == "/v1/chat/completions"
+        trace = served.tokens[0].ctx.records[-1].to_json()
+        assert trace["tokens"] == {"source": "tokenizer", "count": 6, "note": None}
+        assert _counter(fe, "kvplug_token_source_total", {"source": "tokenizer"}) == 2
+        h.assert_idle()
+        glue = lane.glue
+        # what the Python path tokenizes elsewhere, or reports: not taken here
+        long_text = json.dumps({"model": MODEL, "prompt": "hello " * 6000}).encode()
+        assert glue.decide(KIND_COMPLETIONS, long_text, None, None) is None  # a thread's job
+        nvext = {**chat, "nvext": {"agent_hints": {"osl": 4}}}
+        assert glue.decide(KIND_CHAT, json.dumps(nvext).encode(), None, None) is None
+        batch = json.dumps({"model": MODEL, "prompt": ["hello", "world"]}).encode()
+        assert glue.decide(KIND_COMPLETIONS, batch, None, None) is None
+        bad = json.dumps({"model": MODEL, "messages": []}).encode()
+        assert glue.decide(KIND_CHAT, bad, None, None) is None
+    no_template = LocalTokenizer(make_tokenizer_dir(tmp_path / "..", with_template=False))
+    async with serving(1, tokenizer=no_template) as h:
+        glue = NativeGlue(h.frontend)
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        assert glue.decide(KIND_CHAT, json.dumps(chat).encode(), None, None) is None
+        h.assert_idle()

@@ -16,9 +16,9 @@ from kvplug.frontend.errors import ApiError
 from kvplug.frontend.parsing import (
     COMPLETIONS,
     MAX_JSON_DEPTH,
-    parse_token_prompt,
     parse_request,
     parse_request_general,
+    parse_token_prompt,
 )
 
 U32 = 2**32

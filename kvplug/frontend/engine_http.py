@@ -329,6 +329,14 @@ class _Connection(asyncio.Protocol):
         self.pool._forget(self)
 
 
+def header_lines(headers: dict[str, str]) -> bytes:
+    """``Name: value`` lines, each ending in CRLF; ValueError for a line break inside one."""
+    lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+    if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
+        raise ValueError("a header name or value holds a line break")
+    return lines.encode("utf-8", "surrogateescape")
+
+
 def request_target(url: str) -> tuple[tuple[str, str, int], bytes]:
     """(scheme, host, port) of ``POST url`` and its head's request line and Host header;
     ``aiohttp.InvalidUrlClientError`` for a URL that is not http(s) with a host."""
@@ -378,13 +386,10 @@ class EnginePool:
         """Send ``POST url`` (head and body in one write) and return the answer once its head
         and first body bytes arrived. ``headers`` must not carry Host or Content-Length."""
         key, request_line = self._target(url)
-        lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
-        if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
-            raise ValueError("a header name or value holds a line break")
         data = b"%sContent-Length: %d\r\n%s\r\n%s" % (
             request_line,
             len(body),
-            lines.encode("utf-8", "surrogateescape"),
+            header_lines(headers),
             body,
         )
         conn = self._take(key) or await self._connect(key)

@@ -10,13 +10,15 @@ outlier detection; when the engine failed before answering, the retry on another
 ``count_request``), so the two paths record the same things.
 
 What is served here: a ``POST /v1/completions`` whose body the token-id parser reads
-(``parsing.parse_token_prompt``: a model, a prompt of token ids, no ``nvext``), from a client
-with the right ``--api-key``, for a model the fleet serves, within ``--max-prompt-tokens``, on an
-aggregated fleet of ``http://`` engines without the admission queue. Anything else makes
-``decide`` return None and the lane hands the connection to the Python server, which answers as
-it always did (its errors, batches, text prompts, chat, P/D, the queue). Routing failures after
-a request was accepted (503s, the 502 once retries are spent) are answered here, with the
-Python path's status, headers and body.
+(``parsing.parse_token_prompt``: a model, a prompt of token ids, no ``nvext``), and, with a
+local ``--tokenizer``, a text completion or a chat request whose prompt it tokenizes on the
+loop (``TokenResolver.resolve_now``), without ``nvext`` or a batch; from a client with the right
+``--api-key``, for a model the fleet serves, within ``--max-prompt-tokens``, on an aggregated
+fleet of ``http://`` engines without the admission queue. Anything else makes ``decide`` return
+None and the lane hands the connection to the Python server, which answers as it always did
+(its errors, batches, engine tokenization, P/D, the queue). Routing failures after a request
+was accepted (503s, the 502 once retries are spent) are answered here, with the Python path's
+status, headers and body.
 
 Output tokens come from the answer's last bytes (``tail``, up to ``TAIL_BYTES``): a non-streamed
 answer's ``usage.completion_tokens``; a stream's count as ``streaming.SseCounter`` makes it when
@@ -36,10 +38,16 @@ from typing import Any
 
 from kvplug.frontend.app import Frontend
 from kvplug.frontend.context import RequestContext
-from kvplug.frontend.engine_http import request_target
+from kvplug.frontend.engine_http import header_lines, request_target
 from kvplug.frontend.errors import ApiError
 from kvplug.frontend.hints import NO_HINTS
-from kvplug.frontend.parsing import CHAT, COMPLETIONS, parse_token_prompt
+from kvplug.frontend.parsing import (
+    CHAT,
+    COMPLETIONS,
+    ParsedRequest,
+    parse_request_general,
+    parse_token_prompt,
+)
 from kvplug.frontend.streaming import (
     SseCounter,
     completion_tokens,
@@ -47,7 +55,6 @@ from kvplug.frontend.streaming import (
     mid_answer_error,
     whole_answer_read,
 )
-from kvplug.frontend.tokens import SOURCE_REQUEST
 from kvplug.frontend.upstream import UpstreamUnavailable
 from kvplug.workers import Stage
 
@@ -70,6 +77,7 @@ TAIL_BYTES = 4096  # the most of an answer's last bytes the lane hands to finish
 # the lane sends no reason for an engine that failed before its answer head when it has none
 _NO_ANSWER = "no answer head (connection refused, reset or closed, or --per-try-timeout passed)"
 _BROKE_OFF = "the engine's connection ended before the answer did"
+_UNREACHABLE = "not an http:// engine the native lane can reach"
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
@@ -124,10 +132,6 @@ class GlueRequest:
         self.request_id = request_id  # as sent to the engine
         self.auth_line = auth_line  # the engine's Authorization header line, or b""
         self.finished = False
-
-
-def _header_lines(headers: dict[str, str]) -> bytes:
-    return "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode()
 
 
 def _usage_total(tail: bytes) -> int | None:
@@ -186,7 +190,7 @@ class NativeGlue:
         self._ids: dict[tuple[str, int], int] = {}  # (host, port) -> upstream id, never reused
         self._targets: dict[str, _Target | None] = {}  # worker URL -> target (None: not http)
         self._epoch = -1  # the fleet epoch _targets were checked at
-        self._plain = False  # every worker is an http:// engine the lane can reach
+        self._servable = False  # _fleet_servable's answer at _epoch
         self._bearer: tuple[str, bytes] | None = None  # (--api-key, b"Bearer <key>")
         self._engine_auth: tuple[str, bytes] | None = None  # (--engine-api-key, its line)
 
@@ -196,38 +200,57 @@ class NativeGlue:
     ) -> Decided | Answer | None:
         started = time.perf_counter()
         fe = self.frontend
-        if kind != KIND_COMPLETIONS or fe.queue is not None or fe.fleet.disaggregated:
+        if not self._fleet_servable():
             return None
         s = fe.settings
         if s.api_key and not hmac.compare_digest(authorization or b"", self._bearer_for(s.api_key)):
             return None  # the Python path answers the 401
         if request_id is not None and not request_id.isascii():
             return None  # the Python path decides what such an id becomes
-        if len(body) > s.max_body_bytes or not self._all_plain():
+        if len(body) > s.max_body_bytes:
             return None
-        req = parse_token_prompt(body)
-        if req is None or (req.stream and s.max_stream_duration > 0):
+        req = parse_token_prompt(body) if kind == KIND_COMPLETIONS else None
+        if req is None:
+            req = self._parse_text(kind, body)
+            if req is None:
+                return None
+        if req.stream and s.max_stream_duration > 0:
             return None  # the lane has no --max-stream-duration timer
         try:
             model_workers = fe._check_model(req)
-            fe.check_prompt_tokens(req.prompt_ids, "prompt")
+            resolved = fe.tokens.resolve_now(req)
+            if resolved is None:
+                return None  # the engine's /tokenize (or none): the Python path waits for it
+            tokens, source = resolved
+            fe.check_prompt_tokens(tokens, "prompt")
         except ApiError:
             return None  # the Python path answers the 404 / 400
         # from here the request is this path's: counted as the Python path counts it
         fe.metrics.inflight.inc()
-        fe._child(fe.metrics.token_source, SOURCE_REQUEST).inc()
-        # no hints: parse_token_prompt takes no nvext and the lane hands off hint headers
+        fe._child(fe.metrics.token_source, source).inc()
+        # no hints: the bodies taken have no nvext and the lane hands off hint headers
         ctx = fe.request_context(
             req,
             request_id.decode() if request_id else None,
-            req.prompt_ids,
-            SOURCE_REQUEST,
+            tokens,
+            source,
             None,
             NO_HINTS,
             model_workers,
         )
         rid = request_id or ctx.request_id.encode()
         return self._attempt(GlueRequest(ctx, kind, started, rid, self._auth_line(authorization)))
+
+    def _parse_text(self, kind: int, body: bytes) -> ParsedRequest | None:
+        """A text completion or a chat request, when a local tokenizer can give its ids;
+        None for what the Python path serves (no tokenizer, a bad body, a batch, nvext)."""
+        if self.frontend.tokens.tokenizer is None:
+            return None
+        try:
+            req = parse_request_general(body, _PATHS[kind])
+        except ApiError:
+            return None
+        return req if req.nvext is None and req.prompts is None else None
 
     def first_byte(self, token: GlueRequest) -> None:
         token.routed.lifecycle.first_token()
@@ -302,8 +325,16 @@ class NativeGlue:
         token.routed = routed
         entry = routed.entry
         entry.inflight += 1
+        d = routed.decision
         target = self._targets.get(entry.url_base) or self._target(entry.url_base)
-        assert target is not None  # _all_plain checked every worker
+        if target is None:  # a retry's worker, added since decide, that the lane cannot reach
+            entry.inflight -= 1
+            routed.lifecycle.finish()
+            routed.record.outcome, routed.record.error = "unavailable", _UNREACHABLE
+            token.failures.append(str(UpstreamUnavailable(d.worker_id, _UNREACHABLE)))
+            return self._answer_error(
+                token, fe.unavailable_error(ctx, token.attempt + 1, token.failures)
+            )
         head = b"%s%d\r\nX-Request-Id: %s\r\n%s\r\n" % (
             target.heads[token.kind],
             len(ctx.req.raw),
@@ -311,7 +342,6 @@ class NativeGlue:
             token.auth_line,
         )
         # Frontend.answer_headers' lines, formatted at once (the tests check they are equal)
-        d = routed.decision
         answer = _ANSWER_HEADERS % (
             routed.record.decision_id.encode(),
             d.worker_id.encode(),
@@ -342,7 +372,7 @@ class NativeGlue:
                 fe.count_request(path, 502, ctx.req.stream, token.started)
                 headers = fe.answer_headers(ctx, routed)
                 headers["Content-Type"] = "application/json"
-                return 502, _header_lines(headers), mid_answer_error(reason)
+                return 502, header_lines(headers), mid_answer_error(reason)
             whole_answer_read(lc, status, answer_tokens(tail) if status == 200 else None)
             fe.record_answer(ctx, routed, status, "ok", None, lc.tokens)
             fe.count_request(path, status, ctx.req.stream, token.started)
@@ -368,18 +398,22 @@ class NativeGlue:
             fe.metrics.rejected.labels(err.code).inc()
         fe.count_request(_PATHS[token.kind], err.status, False, token.started)
         headers = {"Content-Type": "application/json", **err.headers}
-        return err.status, _header_lines(headers), err.payload()
+        return err.status, header_lines(headers), err.payload()
 
     # -- engines and keys ------------------------------------------------------------------------
-    def _all_plain(self) -> bool:
-        """Whether the lane can reach every worker (checked again when the fleet changes):
-        otherwise the Python path serves, since routing may pick any of them."""
-        fleet = self.frontend.fleet
+    def _fleet_servable(self) -> bool:
+        """Whether this path serves the fleet (checked again when it changes): no admission
+        queue, no prefill workers, and every worker an engine the lane can reach (routing may
+        pick any of them)."""
+        fe = self.frontend
+        fleet = fe.fleet
         if fleet.epoch != self._epoch:
             self._epoch = fleet.epoch
             targets = [self._target(e.url_base) for e in list(fleet.workers.values())]
-            self._plain = all(t is not None for t in targets)
-        return self._plain
+            self._servable = (
+                fe.queue is None and not fleet.disaggregated and all(t is not None for t in targets)
+            )
+        return self._servable
 
     def _target(self, url_base: str) -> _Target | None:
         if url_base in self._targets:
