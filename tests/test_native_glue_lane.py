@@ -110,13 +110,8 @@ async def test_a_client_hanging_up_mid_stream_releases_the_load():
         await asyncio.sleep(0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the lane hands off x-kvplug-* hint headers only: x-worker-instance-id, "
-    "x-prefill-instance-id and x-dynamo-dp-rank (hints.py) reach the glue unseen and are "
-    "routed as if absent (csrc/lane.c lane_head_qualifies must hand them off too)",
-)
 async def test_dynamo_hint_headers_steer_as_on_the_python_path():
+    # the lane hands off every hint header hints.py reads; the Python path then pins
     async with serving(2, settings=native()) as h:  # client routing hints trusted
         for seed in range(6):
             resp, _ = await h.complete(prompt(2, 30 + seed), headers={"x-worker-instance-id": "w1"})
