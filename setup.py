@@ -64,9 +64,11 @@ else:
     if _flag("KVPLUG_NATIVE"):
         compile_args += ["-march=native"]
 
+LANE_C = "lane.c"  # kvplug._lane's, not the core's
+
 core = Extension(
     "kvplug._core",
-    sources=["kvplug/_core.pyx", *sorted(glob("csrc/*.c"))],
+    sources=["kvplug/_core.pyx", *sorted(c for c in glob("csrc/*.c") if not c.endswith(LANE_C))],
     include_dirs=["csrc", np.get_include()],
     depends=sorted(glob("csrc/*.h")),
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
@@ -97,10 +99,21 @@ vllm_fastwire = (
     )
 )
 
+# kvplug serve --data-path native: the compiled HTTP data path (Linux: epoll, timerfd)
+lane = Extension(
+    "kvplug._lane",
+    sources=["kvplug/_lane.pyx", "csrc/lane.c"],
+    include_dirs=["csrc"],
+    depends=["csrc/lane.h"],
+    extra_compile_args=compile_args,
+    extra_link_args=link_args,
+)
+
 setup(
     cmdclass={"build_py": BuildPyWithHook},
     ext_modules=cythonize(
         [core, token_json]
+        + ([lane] if sys.platform.startswith("linux") else [])
         + ([vllm_fastwire] if os.path.exists("integrations/vllm/_fastwire.pyx") else []),
         compiler_directives={"language_level": "3"},
         force=sanitize or debug,

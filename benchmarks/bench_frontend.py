@@ -10,6 +10,8 @@ them all:
   and with the same prompts as token ids;
 * optionally ``kvplug serve --processes N`` (``--processes N``, repeatable): N server processes
   on the one port, side by side with the single process;
+* optionally (``--native``) ``kvplug serve --data-path native``: the compiled HTTP data path
+  (token-id prompts are its; text prompts go to the Python path), with each ``--processes N``;
 * optionally ``kvplug serve`` from another source tree (``--baseline-src DIR``: a before/after
   pair in one run; with ``--processes N`` too);
 * optionally (``--floor``) ``benchmarks/floor_proxy.py``: the HTTP stacks (kvplug's lane,
@@ -300,12 +302,19 @@ def main_run(args) -> dict:
         add_kvplug("kvplug", None)
         for n in args.processes:
             add_kvplug(f"kvplug --processes {n}", None, "--processes", str(n))
+        if args.native:  # the compiled data path (token ids; text prompts go to Python)
+            native = ("--data-path", "native")
+            add_kvplug("kvplug native", None, *native)
+            for n in args.processes:
+                add_kvplug(f"kvplug native --processes {n}", None, *native, "--processes", str(n))
         if args.baseline_src:
             env = {**os.environ, "PYTHONPATH": str(Path(args.baseline_src).resolve())}
             add_kvplug(f"kvplug {args.baseline_label}", env)
             for n in args.processes:  # the same pair with N processes
                 label = f"kvplug {args.baseline_label} --processes {n}"
                 add_kvplug(label, env, "--processes", str(n))
+            if args.native:  # the native data path before/after too
+                add_kvplug(f"kvplug native {args.baseline_label}", env, "--data-path", "native")
 
         proxies = []
         if args.floor:
@@ -519,6 +528,12 @@ def main() -> None:
         "--ids-only",
         action="store_true",
         help="kvplug serve targets with token-id prompts only (no text + local tokenizer)",
+    )
+    ap.add_argument(
+        "--native",
+        action="store_true",
+        help="also run kvplug serve --data-path native (the compiled data path; with each "
+        "--processes N too)",
     )
     ap.add_argument("--quick", action="store_true", help="small smoke run")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_frontend.json"))

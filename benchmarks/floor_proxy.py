@@ -47,6 +47,14 @@ def make_router(engines: list[str]) -> Router:
     return router
 
 
+def route_once(router: Router, body: bytes, path: str, request_id: str) -> str:
+    """``--route``'s work before the engine hop: the body's token ids, one routing decision
+    (the caller ends it with ``router.on_finish(request_id)``); the chosen worker's id."""
+    req = parse_request(body, path)
+    tokens = req.prompt_ids if req.prompt_ids is not None else ()
+    return router.route(RouteRequest(request_id, tokens, cache_salt=req.cache_salt)).worker_id
+
+
 async def serve(port: int, engines: list[str], lane: bool = True, route: bool = False) -> None:
     pool = EnginePool(5.0, 600.0)
     turns = itertools.cycle(engines)
@@ -58,12 +66,10 @@ async def serve(port: int, engines: list[str], lane: bool = True, route: bool = 
         body = await request.read()
         if router is None:
             return await relay(request, next(turns), body)
-        req = parse_request(body, request.path)
         rid = f"r{next(keys)}"
-        tokens = req.prompt_ids if req.prompt_ids is not None else ()
-        d = router.route(RouteRequest(rid, tokens, cache_salt=req.cache_salt))
+        worker_id = route_once(router, body, request.path, rid)
         try:
-            return await relay(request, urls[d.worker_id], body)
+            return await relay(request, urls[worker_id], body)
         finally:
             router.on_finish(rid)
 

@@ -728,6 +728,7 @@ async def run(args) -> dict:
         "--max-body-bytes", str(MAX_BODY),
         "--health-interval", "1",
         "--log-level", "warning",
+        *(["--data-path", args.data_path] if args.data_path != "python" else []),
         admin_port=admin_port,
     )  # fmt: skip
     env = dict(os.environ)
@@ -901,6 +902,12 @@ def main() -> int:
         "--serve-src",
         help="run kvplug serve from this source tree instead (a baseline: the same fuzz "
         "against other code, e.g. a `git worktree` of the commit before the fixes)",
+    )
+    ap.add_argument(
+        "--data-path",
+        choices=("python", "native"),
+        default="python",
+        help="kvplug serve --data-path (native: the compiled lane takes the plain requests)",
     )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fuzz_http.json"),
                     help="JSON results ('-': do not write)")  # fmt: skip

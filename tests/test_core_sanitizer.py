@@ -28,8 +28,10 @@ TESTS = [
     "test_core_differential.py",
     "test_index_batch.py",
     "test_parsing_fastpath.py",  # kvplug/_token_json.pyx reads client bytes
+    "test_native_lane.py",  # kvplug/_lane.pyx + csrc/lane.c: client and engine bytes
 ]
 TEST_HELPERS = ["core_tables.py"]  # modules the tests above import
+BENCH_HELPERS = ["instant_engine.py"]  # test_native_lane's engines
 
 
 def _libasan() -> str | None:
@@ -53,12 +55,17 @@ def test_core_under_asan_and_ubsan(tmp_path):
     shutil.copytree(
         ROOT / "kvplug",
         src / "kvplug",
-        ignore=shutil.ignore_patterns("*.so", "__pycache__", "_core.c", "_token_json.c", "*.html"),
+        ignore=shutil.ignore_patterns(
+            "*.so", "__pycache__", "_core.c", "_token_json.c", "_lane.c", "*.html"
+        ),
     )
     shutil.copy(ROOT / "setup.py", src / "setup.py")
     shutil.copytree(ROOT / "tests" / "data", src / "tests" / "data")
     for name in (*TESTS, *TEST_HELPERS):
         shutil.copy(ROOT / "tests" / name, src / "tests" / name)
+    (src / "benchmarks").mkdir()
+    for name in BENCH_HELPERS:
+        shutil.copy(ROOT / "benchmarks" / name, src / "benchmarks" / name)
 
     env = dict(os.environ, KVPLUG_SANITIZE="1")
     build = subprocess.run(
@@ -69,8 +76,9 @@ def test_core_under_asan_and_ubsan(tmp_path):
         text=True,
     )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
-    built = list((src / "kvplug").glob("_core*.so"))
-    assert built and b"libasan" in built[0].read_bytes(), "extension is not sanitized"
+    for name in ("_core", "_lane"):
+        built = list((src / "kvplug").glob(f"{name}*.so"))
+        assert built and b"libasan" in built[0].read_bytes(), f"{name} is not sanitized"
 
     env.update(
         LD_PRELOAD=libasan,
@@ -81,7 +89,11 @@ def test_core_under_asan_and_ubsan(tmp_path):
         KVPLUG_CORE="c",
     )
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS],
+        [
+            sys.executable,
+            *("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "asyncio_mode=auto"),
+            *TESTS,
+        ],
         cwd=src / "tests",
         env=env,
         capture_output=True,

@@ -1,4 +1,4 @@
-"""The token-id fast path of request parsing (``kvplug/_token_json.pyx`` + ``_parse_token_prompt``)
+"""The token-id fast path of request parsing (``kvplug/_token_json.pyx`` + ``parse_token_prompt``)
 against the general path: on any body it accepts, the same request; on anything else, it steps
 aside (None) and the general path decides - its error included."""
 
@@ -16,9 +16,9 @@ from kvplug.frontend.errors import ApiError
 from kvplug.frontend.parsing import (
     COMPLETIONS,
     MAX_JSON_DEPTH,
-    _parse_token_prompt,
     parse_request,
     parse_request_general,
+    parse_token_prompt,
 )
 
 U32 = 2**32
@@ -144,7 +144,7 @@ def bodies(draw) -> bytes:
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bodies())
 def test_fast_path_agrees_with_the_general_path(raw):
-    fast = _parse_token_prompt(raw)
+    fast = parse_token_prompt(raw)
     general = _general(raw)
     if fast is not None:
         _same_request(fast, general)
@@ -164,7 +164,7 @@ def test_fast_path_agrees_with_the_general_path(raw):
 def test_deep_bodies_are_left_to_the_general_path():
     deep = "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)
     raw = ('{"model": "m", "prompt": [1, 2], "extra": ' + deep + "}").encode()
-    assert _parse_token_prompt(raw) is None
+    assert parse_token_prompt(raw) is None
     assert isinstance(_general(raw), ApiError)
 
 
@@ -181,7 +181,7 @@ def test_the_bracket_bound_holds_with_a_long_prompt(extra_lists):
     raw += b"}"
     total = raw.count(b"[") + raw.count(b"{")
     assert total == extra_lists + 3
-    fast = _parse_token_prompt(raw)
+    fast = parse_token_prompt(raw)
     if total > MAX_JSON_DEPTH:
         assert fast is None
     else:

@@ -102,6 +102,8 @@ class ServeSettings:
     trtllm_booking_seconds: float = 1.0  # load held per TRT-LLM remote_http placement
     # the routed endpoints through kvplug's own HTTP lane (kvplug/frontend/lane.py), not aiohttp's
     http_lane: bool = True
+    # "native": the compiled data path serves the plain requests (kvplug/frontend/native_lane.py)
+    data_path: str = "python"
 
 
 _ROUTING_ERRORS = {
@@ -128,6 +130,7 @@ class Frontend:
         self.settings = s = settings or ServeSettings()
         self.fleet = Fleet(router)
         self.http_lane: Any = None  # kvplug.frontend.lane.Lane, once the API listens
+        self.native_lane: Any = None  # kvplug.frontend.native_lane.NativeDataPath, if on
         self.fleet.configured_models = set(s.served_model_names)
         self.upstream = Upstream(s.connect_timeout, s.idle_timeout)
         self.outliers = OutlierDetector(self.fleet, s.outliers, on_eject=self._ejected)
@@ -204,6 +207,8 @@ class Frontend:
         lane = self.http_lane
         if lane is not None:  # kvplug_router_stat{stat="http_lane.*"}: who served the requests
             stats["http_lane"] = {"served": lane.served, "handed_off": lane.handed_off}
+        if self.native_lane is not None:  # kvplug_router_stat{stat="native_lane.*"}
+            stats["native_lane"] = self.native_lane.stats()
         tok = self.tokens.tokenizer
         if tok is not None and tok.prefix_cache is not None:
             # kvplug_router_stat{stat="tokenizer_cache.*"}: hits, misses, whether it is on
@@ -246,15 +251,21 @@ class Frontend:
             status = 499
             raise
         finally:
-            m.inflight.dec()
-            key = (path, status)
-            counter = self._req_counters.get(key)
-            if counter is None:
-                counter = self._req_counters[key] = m.requests.labels(path, str(status))
-            counter.inc()
-            self._child(m.request_seconds, path, "true" if stream else "false").observe(
-                time.perf_counter() - started
-            )
+            self.count_request(path, status, stream, started)
+
+    def count_request(self, path: str, status: int, stream: bool, started: float) -> None:
+        """One answered request in ``/metrics``: in flight no more, its status, its seconds
+        (``started``: ``time.perf_counter()`` when it arrived, ``inflight`` raised then)."""
+        m = self.metrics
+        m.inflight.dec()
+        key = (path, status)
+        counter = self._req_counters.get(key)
+        if counter is None:
+            counter = self._req_counters[key] = m.requests.labels(path, str(status))
+        counter.inc()
+        self._child(m.request_seconds, path, "true" if stream else "false").observe(
+            time.perf_counter() - started
+        )
 
     async def _read_body(self, request: web.Request) -> bytes:
         s = self.settings
@@ -296,9 +307,9 @@ class Frontend:
         tokens, source, note = await self.tokens.resolve(req)
         self._child(self.metrics.token_source, source).inc()
         self.check_prompt_tokens(tokens, "prompt")
-        key = next(self._keys)
-        request_id = request.headers.get("X-Request-Id") or f"kvplug-{self._id_prefix}-{key}"
-        ctx = RequestContext(key, request_id, req, tokens, source, note, hints, model_workers)
+        ctx = self.request_context(
+            req, request.headers.get("X-Request-Id"), tokens, source, note, hints, model_workers
+        )
         if self.queue is not None:
             await self.admit(request, ctx)  # has its own limit (--router-queue-max-wait)
         if self.settings.request_timeout > 0:
@@ -306,13 +317,33 @@ class Frontend:
         try:
             return await self._dispatch_in_time(request, ctx), req.stream
         except asyncio.CancelledError:  # the client hung up: the engine's request was closed
-            for rec in ctx.records:
-                if rec.outcome == "in_flight":
-                    rec.outcome, rec.status = "client_disconnected", 499
-                    rec.error = "the client closed the connection"
+            self.client_gone(ctx)
             raise
         finally:
             self.admitted(ctx)
+
+    def request_context(
+        self,
+        req: ParsedRequest,
+        client_request_id: str | None,
+        tokens: list[int] | np.ndarray | None,
+        source: str,
+        note: str | None,
+        hints: RequestHints,
+        model_workers: frozenset[str] | None,
+    ) -> RequestContext:
+        """A request's context, its id the client's ``X-Request-Id`` or one made here."""
+        key = next(self._keys)
+        request_id = client_request_id or f"kvplug-{self._id_prefix}-{key}"
+        return RequestContext(key, request_id, req, tokens, source, note, hints, model_workers)
+
+    @staticmethod
+    def client_gone(ctx: RequestContext) -> None:
+        """The client hung up: its attempts still in flight are traced as 499s."""
+        for rec in ctx.records:
+            if rec.outcome == "in_flight":
+                rec.outcome, rec.status = "client_disconnected", 499
+                rec.error = "the client closed the connection"
 
     async def _dispatch_in_time(self, request: web.Request, ctx: RequestContext):
         """``_dispatch`` within ``--request-timeout``: the whole answer when not streamed; a
@@ -799,18 +830,36 @@ class Frontend:
             try:
                 upstream, first = await self._open_attempt(ctx, entry, body, hop_headers)
             except UpstreamUnavailable as exc:
-                entry.inflight -= 1
-                self.stage_failed(routed, exc.reason)
-                exclude.add(routed.decision.worker_id)
-                failures.append(str(exc))
-                if attempt + 1 < attempts:
-                    self.metrics.retries.labels(stage.value).inc()
+                self.attempt_failed(routed, stage, exc, exclude, failures, attempt + 1 < attempts)
                 continue
             except BaseException:  # cancelled, or a bug: the router must still hear the end
                 entry.inflight -= 1
                 routed.lifecycle.finish()
                 raise
             return routed, upstream, first
+        raise self.unavailable_error(ctx, attempts, failures)
+
+    def attempt_failed(
+        self,
+        routed: Routed,
+        stage: Stage,
+        exc: UpstreamUnavailable,
+        exclude: set[str],
+        failures: list[str],
+        retrying: bool,
+    ) -> None:
+        """One attempt's engine failed before its answer: load released, worker marked and
+        left out of the next attempt (``exclude``), the failure kept for the 502's message."""
+        routed.entry.inflight -= 1
+        self.stage_failed(routed, exc.reason)
+        exclude.add(routed.decision.worker_id)
+        failures.append(str(exc))
+        if retrying:
+            self.metrics.retries.labels(stage.value).inc()
+
+    @staticmethod
+    def unavailable_error(ctx: RequestContext, attempts: int, failures: list[str]) -> ApiError:
+        """The 502 of a request whose every attempt failed before the engine answered."""
         err = ApiError(
             502,
             "the engine failed before answering"
@@ -825,7 +874,7 @@ class Frontend:
                 "x-kvplug-decision-id": last.decision_id,
                 "x-kvplug-worker": last.worker_id,
             }
-        raise err
+        return err
 
     async def _open_attempt(
         self, ctx: RequestContext, entry: WorkerEntry, body: bytes, hop_headers: dict[str, str]
@@ -855,6 +904,19 @@ class Frontend:
     async def _relay(
         self, request, ctx, routed: Routed, upstream, first: bytes, plan: DecodePlan | None
     ) -> web.StreamResponse:
+        headers = self.answer_headers(ctx, routed, plan)
+        stream_limit = self.settings.max_stream_duration
+        response, outcome, error = await relay(
+            request, upstream, first, routed.lifecycle, headers, stream_limit or None
+        )
+        self.record_answer(ctx, routed, upstream.status, outcome, error, routed.lifecycle.tokens)
+        return response
+
+    @staticmethod
+    def answer_headers(
+        ctx: RequestContext, routed: Routed, plan: DecodePlan | None = None
+    ) -> dict[str, str]:
+        """kvplug's headers on a relayed answer: where the request went and why."""
         d = routed.decision
         headers = {
             "x-kvplug-decision-id": routed.record.decision_id,
@@ -865,16 +927,26 @@ class Frontend:
         if plan is not None and plan.prefill is not None and plan.fallback_reason is None:
             headers["x-kvplug-prefill-worker"] = plan.prefill.decision.worker_id
             headers["x-kvplug-prefill-decision-id"] = plan.prefill.record.decision_id
-        stream_limit = self.settings.max_stream_duration
-        response, outcome, error = await relay(
-            request, upstream, first, routed.lifecycle, headers, stream_limit or None
-        )
+        return headers
+
+    def record_answer(
+        self,
+        ctx: RequestContext,
+        routed: Routed,
+        status: int,
+        outcome: str,
+        error: str | None,
+        output_tokens: int | None,
+    ) -> None:
+        """A relayed answer's end in its trace, ``/metrics`` and the outlier detector
+        (``outcome`` as ``streaming.relay`` says it; the caller finishes the lifecycle)."""
+        d = routed.decision
         rec = routed.record
         lc = routed.lifecycle
-        rec.status = upstream.status
-        rec.outcome = "engine_error" if upstream.status >= 400 and outcome == "ok" else outcome
+        rec.status = status
+        rec.outcome = "engine_error" if status >= 400 and outcome == "ok" else outcome
         rec.error = error
-        rec.output_tokens = lc.tokens
+        rec.output_tokens = output_tokens
         now = time.perf_counter()
         rec.total_s = now - lc.started
         if lc.first_at is not None:
@@ -883,11 +955,10 @@ class Frontend:
                 self.metrics.ttft_seconds.observe(rec.ttft_s)
         if outcome == "upstream_failed_mid_stream":
             self.metrics.upstream_errors.labels(d.worker_id, "mid_stream").inc()
-        if upstream.status >= 500 or outcome in ("upstream_failed_mid_stream", "stream_timeout"):
-            self.outliers.failure(d.worker_id, error or f"HTTP {upstream.status}")
+        if status >= 500 or outcome in ("upstream_failed_mid_stream", "stream_timeout"):
+            self.outliers.failure(d.worker_id, error or f"HTTP {status}")
         elif outcome == "ok":
             self.outliers.success(d.worker_id)
-        return response
 
     # -- engine tokenization --------------------------------------------------------------
     async def _engine_tokenize(self, req: ParsedRequest) -> list[int]:

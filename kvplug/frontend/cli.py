@@ -153,6 +153,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "everything else to aiohttp (docs/frontend.md, The HTTP lane)",
     )
 
+    g.add_argument(
+        "--data-path",
+        choices=("python", "native"),
+        default="python",
+        help="who serves plain token-id completions: 'python' (default) or 'native', a "
+        "compiled HTTP data path (Linux) that calls Python only to route and to record; "
+        "every other request goes to the Python path (docs/frontend.md, The native data path)",
+    )
+
     q = parser.add_argument_group(
         "admission queue",
         "Dynamo's router queue: a request waits (instead of being routed) while every worker "
@@ -518,6 +527,7 @@ def settings_from_args(args: argparse.Namespace):
         client_header_timeout=args.client_header_timeout,
         client_body_timeout=args.client_body_timeout,
         http_lane=args.http_lane,
+        data_path=args.data_path,
     )
 
 

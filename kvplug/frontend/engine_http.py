@@ -329,6 +329,33 @@ class _Connection(asyncio.Protocol):
         self.pool._forget(self)
 
 
+def header_lines(headers: dict[str, str]) -> bytes:
+    """``Name: value`` lines, each ending in CRLF; ValueError for a line break inside one."""
+    lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+    if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
+        raise ValueError("a header name or value holds a line break")
+    return lines.encode("utf-8", "surrogateescape")
+
+
+def request_target(url: str) -> tuple[tuple[str, str, int], bytes]:
+    """(scheme, host, port) of ``POST url`` and its head's request line and Host header;
+    ``aiohttp.InvalidUrlClientError`` for a URL that is not http(s) with a host."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise aiohttp.InvalidUrlClientError(url)
+    port = parts.port or (443 if scheme == "https" else 80)
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    host = parts.hostname
+    host_header = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        host_header += f":{parts.port}"
+    head = f"POST {target} HTTP/1.1\r\nHost: {host_header}\r\n".encode("utf-8", "strict")
+    return (scheme, host, port), head
+
+
 class EnginePool:
     """Keep-alive connections per engine address; ``post`` sends one request on one of them."""
 
@@ -350,35 +377,19 @@ class EnginePool:
         hit = self._urls.get(url)
         if hit is not None:
             return hit
-        parts = urlsplit(url)
-        scheme = parts.scheme.lower()
-        if scheme not in ("http", "https") or not parts.hostname:
-            raise aiohttp.InvalidUrlClientError(url)
-        port = parts.port or (443 if scheme == "https" else 80)
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
-        host = parts.hostname
-        host_header = f"[{host}]" if ":" in host else host
-        if parts.port is not None:
-            host_header += f":{parts.port}"
-        head = f"POST {target} HTTP/1.1\r\nHost: {host_header}\r\n".encode("utf-8", "strict")
         if len(self._urls) >= _URL_CACHE_SIZE:
             self._urls.clear()
-        hit = self._urls[url] = ((scheme, host, port), head)
+        hit = self._urls[url] = request_target(url)
         return hit
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
         """Send ``POST url`` (head and body in one write) and return the answer once its head
         and first body bytes arrived. ``headers`` must not carry Host or Content-Length."""
         key, request_line = self._target(url)
-        lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
-        if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
-            raise ValueError("a header name or value holds a line break")
         data = b"%sContent-Length: %d\r\n%s\r\n%s" % (
             request_line,
             len(body),
-            lines.encode("utf-8", "surrogateescape"),
+            header_lines(headers),
             body,
         )
         conn = self._take(key) or await self._connect(key)

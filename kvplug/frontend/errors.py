@@ -31,10 +31,14 @@ class ApiError(Exception):
     def body(self) -> dict:
         return error_body(self.message, self.type, self.code, self.param)
 
+    def payload(self) -> bytes:
+        """The answer's body: the OpenAI error JSON."""
+        return json.dumps(self.body()).encode()
+
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
         resp = web.Response(
             status=self.status,
-            body=json.dumps(self.body()).encode(),
+            body=self.payload(),
             content_type="application/json",
             headers={**self.headers, **(headers or {})} or None,
         )

@@ -407,6 +407,12 @@ class Fleet:
         return view
 
     @property
+    def epoch(self) -> int:
+        """Moves with every change of membership, served models or draining: what a caller
+        derived from the workers at one epoch holds until it moves."""
+        return _ViewEpoch.value
+
+    @property
     def disaggregated(self) -> bool:
         """Two-stage dispatch when a prefill-role worker takes requests."""
         return self._views().disaggregated

@@ -15,6 +15,7 @@ import time
 
 from kvplug.frontend.fleet import Fleet, WorkerEntry
 from kvplug.frontend.outliers import OutlierDetector
+from kvplug.frontend.timeouts import within
 from kvplug.frontend.upstream import Upstream
 from kvplug.tasks import cancel_and_wait
 
@@ -68,7 +69,9 @@ class HealthProber:
             if due is not None:  # an ejection ends before the next round: probe it then
                 wait = min(wait, due + 0.01)
             try:
-                await asyncio.wait_for(self._wake.wait(), wait)
+                # not wait_for: on 3.11 it drops a stop()'s cancel that arrives as a poke()
+                # wakes it, and the prober (and the shutdown waiting for it) runs on
+                await within(self._wake.wait(), wait)
                 await asyncio.sleep(min(0.2, self.interval))  # let a burst of failures settle
             except asyncio.TimeoutError:
                 pass

@@ -32,13 +32,15 @@ _END_OF_HEAD = (b"\r\n\r\n", b"\n\n")  # aiohttp's parser accepts bare LF line e
 
 
 def _timeout_answer(timeout: float) -> bytes:
-    body = json.dumps(
-        error_body(
-            f"the request head did not arrive within {timeout:g} s (--client-header-timeout)",
-            "invalid_request_error",
-            "header_timeout",
-        )
-    ).encode()
+    return timeout_answer(
+        f"the request head did not arrive within {timeout:g} s (--client-header-timeout)",
+        "header_timeout",
+    )
+
+
+def timeout_answer(message: str, code: str) -> bytes:
+    """A whole 408 answer that closes the connection."""
+    body = json.dumps(error_body(message, "invalid_request_error", code)).encode()
     return (
         b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
@@ -139,6 +141,7 @@ class Listeners:
         self.servers: list[asyncio.Server] = []
         self.head_timeouts = 0
         self.lane: Any = None  # kvplug.frontend.lane.Lane, when the lane serves
+        self.factory: Callable[[], asyncio.Protocol] | None = None  # per accepted connection
 
     def _count(self) -> None:
         self.head_timeouts += 1
@@ -151,9 +154,12 @@ class Listeners:
         reuse_port: bool = False,
         lane: dict[bytes, Any] | None = None,
         max_body_bytes: int = 0,
+        start_serving: bool = True,
     ) -> None:
         """``lane``: the handlers kvplug's own HTTP lane serves (kvplug/frontend/lane.py);
-        every other request, and every connection the lane hands off, is aiohttp's."""
+        every other request, and every connection the lane hands off, is aiohttp's.
+        ``start_serving=False``: the socket listens but asyncio does not accept on it (the
+        native data path does, kvplug/frontend/native_lane.py, and adopts with ``factory``)."""
         protocol = self.runner.server  # aiohttp's protocol factory (one handler per connection)
         if lane:
             from kvplug.frontend.lane import Lane
@@ -167,6 +173,7 @@ class Listeners:
                 return HeadDeadline(protocol(), timeout, self._count)
         else:
             factory = protocol
+        self.factory = factory
         loop = asyncio.get_running_loop()
         server = await loop.create_server(
             factory,
@@ -175,6 +182,7 @@ class Listeners:
             reuse_address=True,
             backlog=backlog,
             reuse_port=reuse_port or None,  # kvplug serve --processes: one port, N processes
+            start_serving=start_serving,
         )
         self.servers.append(server)
 

@@ -128,7 +128,7 @@ class _CompletionHead(msgspec.Struct):
 _head_decoder = msgspec.json.Decoder(_CompletionHead)
 
 
-def _parse_token_prompt(raw: bytes) -> ParsedRequest | None:
+def parse_token_prompt(raw: bytes) -> ParsedRequest | None:
     """The common completion - a non-empty list of token ids, a model, no ``nvext`` - read
     without a dict or a Python int per token; None for anything else (the general path
     decides, and says what is wrong). Accepts exactly what the general path accepts, with
@@ -167,7 +167,7 @@ def _parse_token_prompt(raw: bytes) -> ParsedRequest | None:
 def parse_request(raw: bytes, path: str) -> ParsedRequest:
     """Parse and validate one request body for ``path``; raises ``ApiError``."""
     if path == COMPLETIONS:
-        fast = _parse_token_prompt(raw)
+        fast = parse_token_prompt(raw)
         if fast is not None:
             return fast
     return parse_request_general(raw, path)

@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvplug.errors import ConfigError
 from kvplug.frontend.admin import build_admin_app
 from kvplug.frontend.app import Frontend, ServeSettings, build_app, lane_handlers
 from kvplug.frontend.config import WorkerSpec
@@ -31,6 +32,7 @@ class RunningFrontend:
     _listeners: list[Listeners] = field(default_factory=list)
     bound: list[str] = field(default_factory=list)  # every address the API listens on
     admin_bound: list[str] = field(default_factory=list)
+    native: Any = None  # kvplug.frontend.native_lane.NativeDataPath (--data-path native)
 
     @property
     def head_timeouts(self) -> int:
@@ -38,8 +40,12 @@ class RunningFrontend:
         return sum(lst.head_timeouts for lst in self._listeners)
 
     async def close(self) -> None:
+        if self.native is not None:
+            self.native.stop_accepting()  # before its listening sockets close
         for listeners in self._listeners:
             listeners.close()
+        if self.native is not None:
+            await self.native.close(getattr(self._runners[0], "_shutdown_timeout", 60.0))
         for listeners in self._listeners:
             await listeners.shutdown_lane()
         for runner in self._runners:
@@ -61,6 +67,7 @@ async def _serve_app(
     backlog: int = 1024,
     reuse_port: bool = False,
     lane: dict[bytes, Any] | None = None,
+    start_serving: bool = True,
 ) -> tuple[web.AppRunner, Listeners]:
     kwargs: dict[str, Any] = {}
     header_timeout = settings.client_header_timeout
@@ -78,7 +85,9 @@ async def _serve_app(
     await runner.setup()
     listeners = Listeners(runner, header_timeout)
     try:
-        await listeners.listen(host, port, backlog, reuse_port, lane, settings.max_body_bytes)
+        await listeners.listen(
+            host, port, backlog, reuse_port, lane, settings.max_body_bytes, start_serving
+        )
     except BaseException:
         await runner.cleanup()
         raise
@@ -110,6 +119,7 @@ async def start_frontend(
     s = frontend.settings
     runners: list[web.AppRunner] = []
     listeners: list[Listeners] = []
+    native = None
     try:
         await frontend.start(list(specs))  # a refusal closes what it opened (below)
         runner, api = await _serve_app(
@@ -119,10 +129,13 @@ async def start_frontend(
             s,
             reuse_port=peers is not None,
             lane=lane_handlers(frontend) if s.http_lane else None,
+            start_serving=s.data_path != "native",  # else the native lane accepts
         )
         runners.append(runner)
         listeners.append(api)
         frontend.http_lane = api.lane
+        if s.data_path == "native":
+            native = frontend.native_lane = await _start_native(frontend, api)
         url = _local_url(api.addresses())
         bound = [url_of(h, p) for h, p in api.addresses()]
         admin_url = None
@@ -144,10 +157,24 @@ async def start_frontend(
                     ", ".join(admin_bound),
                 )
     except BaseException:
+        if native is not None:
+            await native.close(0)
         for lst in listeners:
             lst.close()
         for r in runners:
             await r.cleanup()
         await frontend.close()
         raise
-    return RunningFrontend(frontend, url, admin_url, runners, listeners, bound, admin_bound)
+    return RunningFrontend(frontend, url, admin_url, runners, listeners, bound, admin_bound, native)
+
+
+async def _start_native(frontend: Frontend, api: Listeners) -> Any:
+    """The compiled data path on the API's sockets, its decisions by kvplug's control plane."""
+    from kvplug.frontend.native_glue import NativeGlue
+    from kvplug.frontend.native_lane import NativeDataPath, available
+
+    if not available():  # said loudly: never a silent fall back to the Python path
+        raise ConfigError("--data-path native: kvplug._lane is not built (it needs Linux)")
+    native = NativeDataPath(frontend, api, NativeGlue(frontend))
+    await native.start()
+    return native

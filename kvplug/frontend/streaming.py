@@ -59,7 +59,7 @@ _body_decoder = msgspec.json.Decoder(_Body)
 class SseCounter:
     """Incremental SSE parser: counts data events and generated tokens."""
 
-    __slots__ = ("_buf", "events", "tokens", "done", "engine_error", "unparsed")
+    __slots__ = ("_buf", "events", "tokens", "done", "engine_error", "unparsed", "usage")
 
     def __init__(self) -> None:
         self._buf = b""
@@ -68,6 +68,7 @@ class SseCounter:
         self.done = False
         self.engine_error: Any = None  # an {"error": ...} event the engine streamed
         self.unparsed = 0
+        self.usage: int | None = None  # the last usage.completion_tokens the engine streamed
 
     def feed(self, chunk: bytes) -> None:
         buf = self._buf + chunk if self._buf else chunk
@@ -100,7 +101,8 @@ class SseCounter:
             if chunk.error is not None:
                 self.engine_error = chunk.error
             if chunk.usage is not None and chunk.usage.completion_tokens is not None:
-                self.tokens = max(self.tokens, chunk.usage.completion_tokens)
+                self.usage = chunk.usage.completion_tokens
+                self.tokens = max(self.tokens, self.usage)
                 continue
             for choice in chunk.choices or ():
                 if choice.token_ids:
@@ -123,6 +125,31 @@ def completion_tokens(body: bytes) -> int | None:
     except msgspec.DecodeError:
         return None
     return usage.completion_tokens if usage is not None else None
+
+
+def whole_answer_read(lifecycle: Lifecycle, status: int, total: int | None) -> None:
+    """A non-streamed answer arrived whole: its first token is now, and an answer that
+    reports ``usage.completion_tokens`` (``total``) is counted."""
+    lifecycle.first_token()
+    if status == 200 and total:
+        lifecycle.output(total)
+
+
+def engine_error_text(error: Any) -> str:
+    """An error event an engine streamed, as its trace shows it."""
+    return json.dumps(error)[:500]
+
+
+def mid_answer_error(why: str) -> bytes:
+    """The 502 body of a non-streamed answer that broke off."""
+    payload = {
+        "error": {
+            "message": f"the engine failed mid-answer: {why}",
+            "type": "upstream_error",
+            "code": "engine_failed",
+        }
+    }
+    return json.dumps(payload).encode()
 
 
 def sse_error(message: str, code: int = 502, type_: str = "upstream_error") -> bytes:
@@ -169,24 +196,14 @@ async def relay(
             body = first_chunk + await upstream.content.read() if first_chunk else b""
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             why = f"{type(exc).__name__}: {exc}"
-            payload = {
-                "error": {
-                    "message": f"the engine failed mid-answer: {why}",
-                    "type": "upstream_error",
-                    "code": "engine_failed",
-                }
-            }
             headers["Content-Type"] = "application/json"
             return (
-                web.Response(status=502, body=json.dumps(payload).encode(), headers=headers),
+                web.Response(status=502, body=mid_answer_error(why), headers=headers),
                 "upstream_failed_mid_stream",
                 why,
             )
-        lifecycle.first_token()
-        if upstream.status == 200:
-            total = completion_tokens(body)
-            if total:
-                lifecycle.output(total)
+        status = upstream.status
+        whole_answer_read(lifecycle, status, completion_tokens(body) if status == 200 else None)
         return web.Response(status=upstream.status, body=body, headers=headers), "ok", None
 
     headers["Cache-Control"] = "no-cache"
@@ -226,7 +243,7 @@ async def relay(
                 break
         lifecycle.output(counter.tokens)
         if counter.engine_error is not None and outcome == "ok":
-            outcome, error = "engine_error", json.dumps(counter.engine_error)[:500]
+            outcome, error = "engine_error", engine_error_text(counter.engine_error)
     except ConnectionResetError:
         # the client went away: closing the engine connection makes the engine abort
         upstream.close()

@@ -200,6 +200,13 @@ class LocalTokenizer:
         return self.encode(self.render_chat(messages, body), add_special_tokens=False)
 
 
+def _chars(req: ParsedRequest) -> int:
+    """The prompt's characters: the text, or the messages' contents."""
+    return len(req.prompt_text or "") + sum(
+        len(str(m.get("content", ""))) for m in req.messages or ()
+    )
+
+
 EngineTokenize = Callable[[ParsedRequest], Awaitable[list[int]]]
 
 
@@ -218,6 +225,20 @@ class TokenResolver:
             return tok.encode_chat(req.messages, req.body)
         return tok.encode(req.prompt_text or "")
 
+    def resolve_now(self, req: ParsedRequest) -> tuple[list[int] | np.ndarray, str] | None:
+        """``(token ids, source)`` when ``resolve`` would have them without waiting: the
+        request's, or the local tokenizer's for a prompt it tokenizes on the loop; None
+        otherwise (``resolve`` then finds them elsewhere, or says why not)."""
+        if req.prompt_ids is not None:
+            return req.prompt_ids, SOURCE_REQUEST
+        if self.tokenizer is None or _chars(req) > _OFFLOAD_CHARS:
+            return None
+        try:
+            ids = self._local(req)
+        except Exception:  # resolve reports it (and asks the engine)
+            return None
+        return None if ids is None else (ids, SOURCE_TOKENIZER)
+
     async def resolve(
         self, req: ParsedRequest
     ) -> tuple[list[int] | np.ndarray | None, str, str | None]:
@@ -227,10 +248,7 @@ class TokenResolver:
         note = None
         if self.tokenizer is not None:
             try:
-                size = len(req.prompt_text or "") + sum(
-                    len(str(m.get("content", ""))) for m in req.messages or ()
-                )
-                if size > _OFFLOAD_CHARS:
+                if _chars(req) > _OFFLOAD_CHARS:
                     ids = await asyncio.get_running_loop().run_in_executor(None, self._local, req)
                 else:
                     ids = self._local(req)

@@ -1,0 +1,138 @@
+"""``kvplug serve --data-path native`` end to end: the compiled lane (kvplug._lane) with
+kvplug's control plane (kvplug/frontend/native_glue.py) in front of stub engines, over real
+HTTP. What the lane serves must look to clients, traces, ``/metrics`` and the router as the
+Python path's answers do; what it hands off is the Python path's."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import pytest
+
+pytest.importorskip("kvplug._lane")
+
+from test_frontend_harness import MODEL, eventually, prompt, serving  # noqa: E402
+
+from kvplug.frontend.app import ServeSettings  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+NATIVE = ServeSettings(health_interval=0.2, health_timeout=5.0, data_path="native")
+
+
+def native(**changes) -> ServeSettings:
+    return dataclasses.replace(NATIVE, **changes)
+
+
+def _served(h) -> int:
+    return h.frontend.native_lane.stats()["served"]
+
+
+async def test_token_id_completions_are_served_by_the_lane_as_by_python():
+    async with serving(2, settings=native()) as h:
+        for stream in (False, True):
+            rid = f"lane-{stream}"
+            before = _served(h)
+            resp, raw = await h.complete(
+                prompt(4, 1),
+                stream=stream,
+                headers={"X-Request-Id": rid},
+                stream_options={"include_usage": True},
+            )
+            assert resp.status == 200 and _served(h) == before + 1
+            worker = resp.headers["x-kvplug-worker"]
+            assert raw == h.engines[worker].sent[rid]  # the engine's bytes, unchanged
+            assert resp.headers["X-Request-Id"] == rid
+            # the API's trace (not fetched here: a GET hands this keep-alive connection off)
+            trace = h.frontend.decisions.get(resp.headers["x-kvplug-decision-id"]).to_json()
+            assert trace["outcome"] == "ok" and trace["status"] == 200
+            assert trace["output_tokens"] == 4 and trace["timings"]["ttft_s"] > 0
+            assert trace["tokens"]["source"] == "request" and trace["worker_id"] == worker
+            h.assert_idle()
+        text = h.frontend.metrics.render().decode()
+        assert 'kvplug_requests_total{endpoint="/v1/completions",status="200"} 2.0' in text
+        assert "kvplug_time_to_first_token_seconds_count 1.0" in text
+
+
+async def test_what_the_glue_declines_is_the_python_paths():
+    async with serving(1, settings=native(api_key="key")) as h:
+        auth = {"Authorization": "Bearer key"}
+        resp, raw = await h.complete("a text prompt", headers=auth)
+        assert resp.status == 200 and h.frontend.native_lane.stats()["handed_off"] == 1
+        resp, raw = await h.complete(prompt(2, 2), headers={"Authorization": "Bearer nope"})
+        assert resp.status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key"
+        resp, raw = await h.complete(prompt(2, 2), headers=auth)
+        assert resp.status == 200
+        assert h.engines["w0"].requests[-1]["headers"].get("Authorization") is None
+        resp, raw = await h.post("/v1/completions", {"model": MODEL, "prompt": [-1]}, auth)
+        assert resp.status == 400 and json.loads(raw)["error"]["code"] == "invalid_prompt"
+        h.assert_idle()
+
+
+async def test_a_dead_engine_is_retried_on_the_other_then_a_502():
+    async with serving(2, settings=native()) as h:
+        h.engines["w0"].fail = "reset"
+        for seed in range(4):  # some land on w0 first: retried on w1
+            resp, raw = await h.complete(prompt(2, 10 + seed))
+            assert resp.status == 200 and resp.headers["x-kvplug-worker"] == "w1"
+            h.assert_idle()
+        stats = h.frontend.native_lane.stats()
+        assert stats["served"] == 4 and stats["retried"] >= 1 and stats["handed_off"] == 0
+        h.engines["w1"].fail = "reset"
+        h.frontend.fleet.mark_healthy("w0", source="request")
+        h.frontend.fleet.mark_healthy("w1", source="request")
+        resp, raw = await h.complete(prompt(2, 20))
+        assert resp.status == 502 and _served(h) == 5
+        error = json.loads(raw)["error"]
+        assert error["code"] == "engine_unavailable" and error["type"] == "upstream_error"
+        assert "(retried once on another worker)" in error["message"]
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        assert trace["outcome"] == "unavailable" and len(trace["related_decisions"]) == 1
+        h.assert_idle()
+
+
+async def test_a_client_hanging_up_mid_stream_releases_the_load():
+    async with serving(1, settings=native(), stub_options={"token_delay": 0.05}) as h:
+        async with h.session.post(
+            h.url + "/v1/completions",
+            json={"model": MODEL, "prompt": prompt(2, 6), "stream": True, "max_tokens": 200},
+        ) as resp:
+            assert resp.status == 200
+            await resp.content.readany()
+            decision = resp.headers["x-kvplug-decision-id"]
+            assert _served(h) == 1
+        await eventually(lambda: h.frontend.decisions.get(decision).outcome != "in_flight")
+        assert h.frontend.decisions.get(decision).outcome == "client_disconnected"
+        h.assert_idle()
+        await eventually(lambda: h.engines["w0"].cancelled == 1, what="the engine aborted")
+        await asyncio.sleep(0)
+
+
+async def test_dynamo_hint_headers_steer_as_on_the_python_path():
+    # the lane hands off every hint header hints.py reads; the Python path then pins
+    async with serving(2, settings=native()) as h:  # client routing hints trusted
+        for seed in range(6):
+            resp, _ = await h.complete(prompt(2, 30 + seed), headers={"x-worker-instance-id": "w1"})
+            assert resp.status == 200 and resp.headers["x-kvplug-worker"] == "w1"
+        h.assert_idle()
+
+
+async def test_text_and_chat_with_a_local_tokenizer_are_served_by_the_lane(tmp_path):
+    from test_frontend_units import make_tokenizer_dir
+
+    from kvplug.frontend.tokens import LocalTokenizer
+
+    tok = LocalTokenizer(make_tokenizer_dir(tmp_path))
+    async with serving(1, settings=native(), tokenizer=tok) as h:
+        resp, raw = await h.complete("hello world", headers={"X-Request-Id": "t"})
+        assert resp.status == 200 and raw == h.engines["w0"].sent["t"]
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        resp, raw = await h.post("/v1/chat/completions", chat, {"X-Request-Id": "c"})
+        assert resp.status == 200 and raw == h.engines["w0"].sent["c"]
+        assert _served(h) == 2 and h.frontend.native_lane.stats()["handed_off"] == 0
+        trace = h.frontend.decisions.get(resp.headers["x-kvplug-decision-id"]).to_json()
+        assert trace["tokens"] == {"source": "tokenizer", "count": 6, "note": None}
+        assert trace["path"] == "/v1/chat/completions" and trace["outcome"] == "ok"
+        h.assert_idle()
