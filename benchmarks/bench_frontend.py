@@ -302,7 +302,7 @@ def main_run(args) -> dict:
         add_kvplug("kvplug", None)
         for n in args.processes:
             add_kvplug(f"kvplug --processes {n}", None, "--processes", str(n))
-        if args.native:  # the compiled data path (token ids; text prompts go to Python)
+        if args.native:  # the compiled data path (text prompts through its local tokenizer too)
             native = ("--data-path", "native")
             add_kvplug("kvplug native", None, *native)
             for n in args.processes:

@@ -255,7 +255,8 @@ int lane_head_qualifies(const char *head, size_t len, size_t max_body, const cha
     } else {
         return 0;
     }
-    int have_length = 0;
+    int have_length = 0, forwards = 0;
+    const char *fields = p;
     out->keep_alive = 1;
     /* head ends without its blank line: every header line ends CRLF except the last */
     while (p < end) {
@@ -302,10 +303,19 @@ int lane_head_qualifies(const char *head, size_t len, size_t max_body, const cha
         } else if (name_is(name, name_len, "x-request-id") && !out->request_id) {
             out->request_id = value;
             out->request_id_len = vlen;
-        } else if (name_is(name, name_len, "authorization") && !out->authorization) {
-            out->authorization = value;
-            out->authorization_len = vlen;
+        } else if (name_is(name, name_len, "authorization")) {
+            if (!out->authorization) {
+                out->authorization = value;
+                out->authorization_len = vlen;
+            }
+        } else if (!name_is(name, name_len, "host") && !name_is(name, name_len, "content-type") &&
+                   !name_is(name, name_len, "x-request-id")) {
+            forwards = 1; /* a field the engine gets as the client sent it (decide's `fields`) */
         }
+    }
+    if (forwards) {
+        out->fields = fields;
+        out->fields_len = (size_t)(end - fields);
     }
     return have_length;
 }
@@ -657,7 +667,7 @@ static void client_decide(lane_t *l, client_t *c, const lane_head *h) {
     a.action = LANE_HANDOFF;
     const char *body = buf_data(&c->in) + c->head_len;
     l->cfg.decide(l->cfg.ctx, h->kind, body, c->body_len, h->request_id, h->request_id_len,
-                  h->authorization, h->authorization_len, &a);
+                  h->authorization, h->authorization_len, h->fields, h->fields_len, &a);
     c->keep_alive = h->keep_alive && !l->closing;
     c->first = 0;
     c->tries = 0;
@@ -959,6 +969,17 @@ static int next_header(const char *p, const char *end, header_line *h) {
     return 0;
 }
 
+/* whether one of `lines` (header lines, each ending CRLF: decide's answer headers) is named
+ * `name`: the answer's own header replaces the engine's (X-Request-Id), as on the Python path */
+static int named_in(const char *name, size_t n, const char *lines, size_t len) {
+    header_line hl;
+    for (const char *p = lines, *end = lines + len; p < end; p = hl.next) {
+        if (next_header(p, end, &hl)) return 0;
+        if (hl.name_len == n && strncasecmp(hl.name, name, n) == 0) return 1;
+    }
+    return 0;
+}
+
 /* the engine's answer head: the client's head written, the framing known; 0, or -1 garbled */
 static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
     client_t *c = e->client;
@@ -1008,7 +1029,8 @@ static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
     for (const char *p = first; p < end; p = hl.next) {
         next_header(p, end, &hl);
         if (hop_header(hl.name, hl.name_len) ||
-            (chunked && name_is(hl.name, hl.name_len, "content-length")))
+            (chunked && name_is(hl.name, hl.name_len, "content-length")) ||
+            named_in(hl.name, hl.name_len, c->extra, c->extra_len))
             continue;
         buf_append(out, p, (size_t)(hl.next - p) - 2); /* the line without its CRLF */
         buf_append(out, "\r\n", 2);

@@ -51,9 +51,12 @@ typedef struct {
 typedef struct {
     void *ctx;
     /* fills *out; pointers in it must stay valid until the next callback */
+    /* fields: the head's header lines (CRLF-separated, without the request line) when one of
+     * them is not Host, Content-Length, Content-Type, Connection, X-Request-Id or Authorization,
+     * so the engine gets the client's other fields as the Python path forwards them; else NULL */
     void (*decide)(void *ctx, int kind, const char *body, size_t body_len, const char *request_id,
                    size_t request_id_len, const char *authorization, size_t authorization_len,
-                   lane_action *out);
+                   const char *fields, size_t fields_len, lane_action *out);
     void (*first_byte)(void *ctx, void *token);
     /* consumes the token; after a failure with nothing sent to the client, *out may say
      * FORWARD (another try) or ANSWER; LANE_DEFAULT means the lane's own 502/504. `out` is
@@ -110,6 +113,8 @@ typedef struct {
     size_t content_length;
     const char *request_id, *authorization;
     size_t request_id_len, authorization_len;
+    const char *fields; /* the header lines, when one is forwarded as is (see decide) */
+    size_t fields_len;
 } lane_head;
 int lane_head_qualifies(const char *head, size_t len, size_t max_body, const char *handoff_headers,
                         size_t handoff_headers_len, lane_head *out);

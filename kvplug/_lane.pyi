@@ -7,13 +7,15 @@ Answer = tuple[int, bytes, bytes]
 
 def head_qualifies(
     head: bytes, max_body: int, handoff_headers: Iterable[str | bytes] = ()
-) -> tuple[int, int, bool, bytes | None, bytes | None] | None: ...
+) -> tuple[int, int, bool, bytes | None, bytes | None, bytes | None] | None: ...
 
 class Lane:
     def __init__(
         self,
         listen_fds: Iterable[int],
-        decide: Callable[[int, bytes, bytes | None, bytes | None], Forward | Answer | None],
+        decide: Callable[
+            [int, bytes, bytes | None, bytes | None, bytes | None], Forward | Answer | None
+        ],
         first_byte: Callable[[Any], None],
         finish: Callable[[Any, int, int, bytes], Forward | Answer | None],
         handoff: Callable[[int, bytes], None],

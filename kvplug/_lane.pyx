@@ -34,7 +34,7 @@ cdef extern from "lane.h" nogil:
         void *token
 
     ctypedef void (*decide_fn)(void *, int, const char *, size_t, const char *, size_t,
-                               const char *, size_t, lane_action *) noexcept
+                               const char *, size_t, const char *, size_t, lane_action *) noexcept
     ctypedef void (*first_byte_fn)(void *, void *) noexcept
     ctypedef void (*finish_fn)(void *, void *, int, int, const char *, size_t,
                                lane_action *) noexcept
@@ -86,6 +86,8 @@ cdef extern from "lane.h" nogil:
         const char *authorization
         size_t request_id_len
         size_t authorization_len
+        const char *fields
+        size_t fields_len
 
     int lane_head_qualifies(const char *head, size_t len, size_t max_body,
                             const char *handoff_headers, size_t handoff_headers_len,
@@ -133,7 +135,8 @@ def _names(handoff_headers):
 
 def head_qualifies(bytes head, size_t max_body, handoff_headers=()):
     """The lane's rule for a request head (without its blank line): None when it hands the
-    connection off, else (kind, content_length, keep_alive, request_id, authorization)."""
+    connection off, else (kind, content_length, keep_alive, request_id, authorization, fields):
+    ``fields`` the header lines when one of them is forwarded to the engine as is, else None."""
     cdef lane_head h
     cdef bytes names = _names(handoff_headers)
     if not lane_head_qualifies(
@@ -147,6 +150,7 @@ def head_qualifies(bytes head, size_t max_body, handoff_headers=()):
         bool(h.keep_alive),
         _opt(h.request_id, h.request_id_len),
         _opt(h.authorization, h.authorization_len),
+        _opt(h.fields, h.fields_len),
     )
 
 
@@ -342,11 +346,15 @@ cdef inline object _opt(const char *p, size_t n):
 
 cdef void _decide_cb(void *ctx, int kind, const char *body, size_t body_len,
                      const char *rid, size_t rid_len, const char *auth, size_t auth_len,
-                     lane_action *out) noexcept with gil:
+                     const char *fields, size_t fields_len, lane_action *out) noexcept with gil:
     cdef Lane self = <Lane>ctx
     try:
         result = self._decide(
-            kind, PyBytes_FromStringAndSize(body, body_len), _opt(rid, rid_len), _opt(auth, auth_len)
+            kind,
+            PyBytes_FromStringAndSize(body, body_len),
+            _opt(rid, rid_len),
+            _opt(auth, auth_len),
+            _opt(fields, fields_len),
         )
         _fill(self, result, out)
     except BaseException:

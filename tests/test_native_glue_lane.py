@@ -44,7 +44,8 @@ async def test_token_id_completions_are_served_by_the_lane_as_by_python():
             assert resp.status == 200 and _served(h) == before + 1
             worker = resp.headers["x-kvplug-worker"]
             assert raw == h.engines[worker].sent[rid]  # the engine's bytes, unchanged
-            assert resp.headers["X-Request-Id"] == rid
+            # one X-Request-Id, kvplug's (the engine's echo of it is not repeated)
+            assert resp.headers.getall("X-Request-Id") == [rid]
             # the API's trace (not fetched here: a GET hands this keep-alive connection off)
             trace = h.frontend.decisions.get(resp.headers["x-kvplug-decision-id"]).to_json()
             assert trace["outcome"] == "ok" and trace["status"] == 200
@@ -136,3 +137,32 @@ async def test_text_and_chat_with_a_local_tokenizer_are_served_by_the_lane(tmp_p
         assert trace["tokens"] == {"source": "tokenizer", "count": 6, "note": None}
         assert trace["path"] == "/v1/chat/completions" and trace["outcome"] == "ok"
         h.assert_idle()
+
+
+async def test_the_engine_gets_the_clients_other_fields_as_from_the_python_path():
+    # a head with fields beyond those the lane reads itself reaches the glue with them, which
+    # forwards them by Frontend.hop_headers' rules (hop-by-hop ones dropped)
+    sent = {
+        "X-Request-Id": "fields-1",
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "X-Client-Tag": "kept",
+        "Keep-Alive": "timeout=5",
+        "Authorization": "Bearer client",
+    }
+    seen = {}
+    for data_path in ("python", "native"):
+        async with serving(1, settings=native(data_path=data_path)) as h:
+            resp, _ = await h.complete(prompt(2, 40), headers=sent)
+            assert resp.status == 200
+            assert (h.frontend.native_lane is not None) == (data_path == "native")
+            if data_path == "native":
+                assert _served(h) == 1
+            headers = h.engines["w0"].requests[-1]["headers"]
+            # each run's engine listens on a port of its own: its Host differs
+            seen[data_path] = {k.lower(): v for k, v in headers.items() if k.lower() != "host"}
+            h.assert_idle()
+    assert seen["native"] == seen["python"]
+    assert seen["native"]["traceparent"] == sent["traceparent"]
+    assert seen["native"]["x-client-tag"] == "kept"
+    assert seen["native"]["authorization"] == "Bearer client"
+    assert "keep-alive" not in seen["native"]

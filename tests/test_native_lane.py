@@ -85,6 +85,7 @@ class Harness:
         self.first_bytes: list = []
         self.handed: list[Recorder] = []
         self.decided: list[tuple] = []
+        self.fields: list[bytes | None] = []  # what decide got of each head's header lines
         self.upstreams: list[int] = []
         self.turn = 0
         self.decide_with = None  # (kind, body, rid, auth) -> decision, overrides round-robin
@@ -138,8 +139,9 @@ class Harness:
         return upstream
 
     # -- the callbacks ---------------------------------------------------------------------
-    def decide(self, kind, body, request_id, authorization):
+    def decide(self, kind, body, request_id, authorization, fields=None):
         self.decided.append((kind, body, request_id, authorization))
+        self.fields.append(fields)
         if self.decide_with is not None:
             return self.decide_with(kind, body, request_id, authorization)
         upstream = self.upstreams[self.turn % len(self.upstreams)]
@@ -896,6 +898,32 @@ async def test_a_chunked_answer_with_a_content_length_loses_the_length():
         assert b"content-length" not in head.lower() and body == b"5\r\nhello\r\n0\r\n\r\n"
 
 
+async def test_an_answer_header_decide_gives_replaces_the_engines():
+    # the engine echoes an X-Request-Id; the client gets one, the decider's (as on the Python
+    # path); the engine's other end-to-end headers pass
+    answer = (
+        b"HTTP/1.1 200 OK\r\nX-Request-Id: engine-echo\r\nX-Engine: e1\r\n"
+        b"Content-Length: 2\r\n\r\nok"
+    )
+    async with Harness() as h:
+        upstream = await h.scripted_engine(await scripted_answer(answer))
+        h.decide_with = lambda kind, body, rid, auth: (
+            upstream,
+            engine_head(kind, body),
+            None,
+            b"x-request-id: kvplug-1\r\n",
+            {"n": 1},
+        )
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, body = await read_answer(reader)
+        lines = head.lower().split(b"\r\n")
+        assert [line for line in lines if line.startswith(b"x-request-id:")] == [
+            b"x-request-id: kvplug-1"
+        ]
+        assert b"x-engine: e1" in lines and body == b"ok"
+
+
 @pytest.mark.parametrize(
     "answer",
     [
@@ -1120,7 +1148,7 @@ def test_the_head_rule_is_the_python_lanes(request_line, lines, length, at, eol)
         return
     assert python is not None, head
     path, headers, length, keep_alive = python
-    kind, c_length, c_keep_alive, rid, auth = native
+    kind, c_length, c_keep_alive, rid, auth, fields = native
     assert (kind, c_length, c_keep_alive) == (
         [b"/v1/completions", b"/v1/chat/completions"].index(path.encode()),
         length,
@@ -1128,3 +1156,7 @@ def test_the_head_rule_is_the_python_lanes(request_line, lines, length, at, eol)
     )
     assert rid == (headers["X-Request-Id"].encode() if "X-Request-Id" in headers else None)
     assert auth == (headers["Authorization"].encode() if "Authorization" in headers else None)
+    # the fields come along exactly when the engine is to get one of them as the client sent it
+    own = {"host", "content-length", "content-type", "connection", "x-request-id", "authorization"}
+    forwarded = any(name.lower() not in own for name in headers)
+    assert fields == (head.split(b"\r\n", 1)[1] if forwarded else None)

@@ -405,14 +405,15 @@ class Frontend:
                 "prompt",
             )
 
-    def hop_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
-        """The headers sent to the engines: the client's, minus kvplug's own and hop-by-hop."""
+    def hop_headers(self, client_headers: Any, request_id: str) -> dict[str, str]:
+        """The headers sent to the engines: the client's (a case-insensitive multidict, as
+        ``request.headers``), minus kvplug's own and hop-by-hop."""
         # the body kvplug forwards is the decoded one (kvplug/frontend/bodies.py), and
         # kvplug's key is not the engines'
         drop = _DROP_WITH_KEY if self.settings.api_key is not None else _DROP_ALWAYS
         hop_headers = {
             k: v
-            for k, v in forward_headers(request.headers, request_id).items()
+            for k, v in forward_headers(client_headers, request_id).items()
             if k.lower() not in drop
         }
         if self.settings.engine_api_key:
@@ -679,7 +680,7 @@ class Frontend:
         body = ctx.req.raw
         allowed: frozenset[str] | None = None
         plan: DecodePlan | None = None
-        hop_headers = self.hop_headers(request, ctx.request_id)
+        hop_headers = self.hop_headers(request.headers, ctx.request_id)
         ctx.forward = hop_headers
         if self.fleet.disaggregated:
             plan = await self._plan(ctx)

@@ -214,7 +214,7 @@ async def serve_batch(
         fe.check_prompt_tokens(tokens, f"prompt[{i}]")
 
     request_id = request.headers.get("X-Request-Id") or f"kvplug-{fe._id_prefix}-{next(fe._keys)}"
-    forward = fe.hop_headers(request, request_id)
+    forward = fe.hop_headers(request.headers, request_id)
     parts: list[_Part] = []
     for i, (sub, (tokens, source, note)) in enumerate(zip(subs, resolved, strict=True)):
         sub_id = f"{request_id}-{i}"

@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from multidict import CIMultiDict
+
 from kvplug.frontend.app import Frontend
 from kvplug.frontend.context import RequestContext
 from kvplug.frontend.engine_http import header_lines, request_target
@@ -78,6 +80,7 @@ TAIL_BYTES = 4096  # the most of an answer's last bytes the lane hands to finish
 _NO_ANSWER = "no answer head (connection refused, reset or closed, or --per-try-timeout passed)"
 _BROKE_OFF = "the engine's connection ended before the answer did"
 _UNREACHABLE = "not an http:// engine the native lane can reach"
+_WRITTEN_HERE = frozenset({"content-type", "x-request-id"})  # by _attempt's head, for every request
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
@@ -130,7 +133,9 @@ class GlueRequest:
         self.exclude: set[str] = set()  # workers that failed this request before answering
         self.failures: list[str] = []
         self.request_id = request_id  # as sent to the engine
-        self.auth_line = auth_line  # the engine's Authorization header line, or b""
+        # the engine's header lines besides the request line, Host, Content-Type, Content-Length
+        # and X-Request-Id: its Authorization and the client's forwarded fields, or b""
+        self.auth_line = auth_line
         self.finished = False
 
 
@@ -196,7 +201,12 @@ class NativeGlue:
 
     # -- the lane's callbacks ------------------------------------------------------------------
     def decide(
-        self, kind: int, body: bytes, request_id: bytes | None, authorization: bytes | None
+        self,
+        kind: int,
+        body: bytes,
+        request_id: bytes | None,
+        authorization: bytes | None,
+        fields: bytes | None = None,
     ) -> Decided | Answer | None:
         started = time.perf_counter()
         fe = self.frontend
@@ -239,7 +249,8 @@ class NativeGlue:
             model_workers,
         )
         rid = request_id or ctx.request_id.encode()
-        return self._attempt(GlueRequest(ctx, kind, started, rid, self._auth_line(authorization)))
+        lines = self._auth_line(authorization) if fields is None else self._hop_lines(fields, rid)
+        return self._attempt(GlueRequest(ctx, kind, started, rid, lines))
 
     def _parse_text(self, kind: int, body: bytes) -> ParsedRequest | None:
         """A text completion or a chat request, when a local tokenizer can give its ids;
@@ -443,6 +454,18 @@ class NativeGlue:
         if cached is None or cached[0] != key:
             cached = self._bearer = (key, f"Bearer {key}".encode())
         return cached[1]
+
+    def _hop_lines(self, fields: bytes, request_id: bytes) -> bytes:
+        """The engine's header lines for a head with fields of the client's to forward:
+        ``Frontend.hop_headers`` of those fields (the client's, minus hop-by-hop ones and
+        kvplug's, with the Authorization its rules give), less the Content-Type and
+        X-Request-Id lines this path writes itself. The lane takes ASCII heads only."""
+        client = CIMultiDict()
+        for line in fields.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            client.add(name.decode("ascii"), value.strip(b" \t").decode("ascii"))
+        hop = self.frontend.hop_headers(client, request_id.decode())
+        return header_lines({k: v for k, v in hop.items() if k.lower() not in _WRITTEN_HERE})
 
     def _auth_line(self, authorization: bytes | None) -> bytes:
         """The ``Authorization`` the engine gets, as ``Frontend.hop_headers`` decides it: the
