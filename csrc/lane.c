@@ -1178,6 +1178,20 @@ static void engine_done(lane_t *l, engine_t *e, int extra_bytes) {
     client_after_answer(l, c);
 }
 
+/* what engine_body's answer `r` means for the engine: 1 when its answer ended (failed, or done
+ * with `extra` bytes after it), 0 while more is to come */
+static int engine_fed(lane_t *l, engine_t *e, int r, int extra) {
+    if (r < 0) {
+        engine_failed(l, e, LANE_ENGINE_FAILED);
+        return 1;
+    }
+    if (r > 0) {
+        engine_done(l, e, extra);
+        return 1;
+    }
+    return 0;
+}
+
 /* feed engine bytes in answer order; returns 1 when the client connection is gone or done */
 static int engine_feed(lane_t *l, engine_t *e, const char *p, size_t n) {
     client_t *c = e->client;
@@ -1227,28 +1241,12 @@ static int engine_feed(lane_t *l, engine_t *e, const char *p, size_t n) {
         size_t used = 0;
         int r = engine_body(l, e, p, n, &used);
         e->in.off = e->in.len = 0;
-        if (r < 0) {
-            engine_failed(l, e, LANE_ENGINE_FAILED);
-            return 1;
-        }
-        if (r > 0) {
-            engine_done(l, e, used < n);
-            return 1;
-        }
-        return 0;
+        return engine_fed(l, e, r, used < n);
     }
     size_t used = 0;
     int r = engine_body(l, e, p, n, &used);
     c->deadline = after(l->cfg.engine_idle_timeout);
-    if (r < 0) {
-        engine_failed(l, e, LANE_ENGINE_FAILED);
-        return 1;
-    }
-    if (r > 0) {
-        engine_done(l, e, used < n);
-        return 1;
-    }
-    return 0;
+    return engine_fed(l, e, r, used < n);
 }
 
 static void engine_readable(lane_t *l, engine_t *e) {

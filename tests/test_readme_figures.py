@@ -148,9 +148,10 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
 
     def added(target: str, run: dict = frontend) -> list[float]:
         t = run[target]
-        return _range(
+        lo, hi = _range(
             [t["plain_latency"]["added_median_ms"], t["stream_latency"]["added_median_ms"]]
         )
+        return [lo] if lo == hi else [lo, hi]  # one figure when both modes gave the same
 
     def rates(target: str, run: dict = frontend) -> list[float]:
         return [run[target][f"{m}_throughput"]["requests_per_s"] for m in ("plain", "stream")]
@@ -159,6 +160,7 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
     vllm = next(t for t in frontend if t.startswith("vllm-router"))
     modes = ("plain", "stream")
     ids = frontend["kvplug (token ids)"]
+    native = frontend["kvplug native (token ids)"]
     r64 = router[64]
     return {
         ("routing decision", "result"): lambda: [
@@ -192,6 +194,11 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             *[ids[f"{m}_throughput"]["cpu_ms_per_request"] for m in modes],
             *rates("kvplug --processes 2 (token ids)"),
             SKIP,  # --processes 2
+            *added("kvplug native (token ids)"),
+            *rates("kvplug native (token ids)"),
+            *[native[f"{m}_throughput"]["cpu_ms_per_request"] for m in modes],
+            *rates("kvplug native --processes 2 (token ids)"),
+            SKIP,  # --processes 2
             SKIP,  # sglang-router's version
             frontend[sglang]["plain_latency"]["added_median_ms"],
             frontend[sglang]["plain_throughput"]["requests_per_s"],
@@ -207,6 +214,10 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             SKIP,  # concurrency 16
             *rates("kvplug (token ids)", loaded),
             *rates("kvplug --processes 2 (token ids)", loaded),
+            SKIP,  # --processes 2
+            *added("kvplug native (token ids)", loaded),
+            *rates("kvplug native (token ids)", loaded),
+            *rates("kvplug native --processes 2 (token ids)", loaded),
             SKIP,  # --processes 2
             loaded[sglang]["plain_latency"]["added_median_ms"],
             loaded[sglang]["plain_throughput"]["requests_per_s"],
