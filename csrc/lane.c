@@ -1030,12 +1030,15 @@ static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
         next_header(p, end, &hl);
         if (hop_header(hl.name, hl.name_len) ||
             (chunked && name_is(hl.name, hl.name_len, "content-length")) ||
+            (c->streamed && name_is(hl.name, hl.name_len, "cache-control")) ||
             named_in(hl.name, hl.name_len, c->extra, c->extra_len))
             continue;
         buf_append(out, p, (size_t)(hl.next - p) - 2); /* the line without its CRLF */
         buf_append(out, "\r\n", 2);
     }
     buf_append(out, c->extra, c->extra_len);
+    /* an event stream is not to be cached on the way, as the Python path's relay says */
+    if (c->streamed) buf_append(out, "Cache-Control: no-cache\r\n", 25);
     if (status == 204 || status == 304 || (status >= 100 && status < 200)) {
         e->framing = F_NONE;
     } else if (chunked) {

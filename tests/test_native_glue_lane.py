@@ -46,6 +46,8 @@ async def test_token_id_completions_are_served_by_the_lane_as_by_python():
             assert raw == h.engines[worker].sent[rid]  # the engine's bytes, unchanged
             # one X-Request-Id, kvplug's (the engine's echo of it is not repeated)
             assert resp.headers.getall("X-Request-Id") == [rid]
+            # a stream is not to be cached on the way, as the Python path's relay says
+            assert resp.headers.getall("Cache-Control", []) == (["no-cache"] if stream else [])
             # the API's trace (not fetched here: a GET hands this keep-alive connection off)
             trace = h.frontend.decisions.get(resp.headers["x-kvplug-decision-id"]).to_json()
             assert trace["outcome"] == "ok" and trace["status"] == 200
