@@ -45,6 +45,39 @@ def _metric(text: str, name: str, worker: str) -> float:
     raise AssertionError(f"{name} for {worker} not in /metrics")
 
 
+def _start_serve(engines: list, deadline: float, *extra: str) -> tuple[subprocess.Popen, str]:
+    """``kvplug serve`` in front of the engines, ready and hearing every engine's events."""
+    port = free_port()
+    serve = subprocess.Popen(
+        serve_command(
+            port,
+            "--client-routing-hints",  # the tests pin requests to engines
+            "trust",
+            "--kv-block-size",
+            "32",
+            "--tokenizer",
+            str(MODEL),
+            "--log-level",
+            "warning",
+            "--worker",
+            f"a={engines[0].url}",
+            "--worker",
+            f"b={engines[1].url}",
+            *extra,
+        ),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url + "/ready", proc=serve, timeout=max(1.0, deadline - time.monotonic()))
+        _join_event_streams(url, engines, deadline)
+    except BaseException:
+        stop_process(serve)
+        raise
+    return serve, url
+
+
 @pytest.fixture(scope="module")
 def fleet():
     engines = [
@@ -55,34 +88,23 @@ def fleet():
     try:
         deadline = time.monotonic() + 300  # engines and kvplug serve together
         start_engines(engines)
-        port = free_port()
-        serve = subprocess.Popen(
-            serve_command(
-                port,
-                "--client-routing-hints",  # the tests pin requests to engines
-                "trust",
-                "--kv-block-size",
-                "32",
-                "--tokenizer",
-                str(MODEL),
-                "--log-level",
-                "warning",
-                "--worker",
-                f"a={engines[0].url}",
-                "--worker",
-                f"b={engines[1].url}",
-            ),
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url + "/ready", proc=serve, timeout=max(1.0, deadline - time.monotonic()))
-        _join_event_streams(url, engines, deadline)
+        serve, url = _start_serve(engines, deadline)
         yield url, engines
     finally:
         stop_process(serve)
         for e in engines:
             e.stop()
+
+
+@pytest.fixture(scope="module")
+def native_url(fleet):
+    """A second ``kvplug serve``, with ``--data-path native``, in front of the same engines."""
+    _, engines = fleet
+    serve, url = _start_serve(engines, time.monotonic() + 120, "--data-path", "native")
+    try:
+        yield url
+    finally:
+        stop_process(serve)
 
 
 def _join_event_streams(url: str, engines: list, deadline: float) -> None:
@@ -151,7 +173,21 @@ def test_local_tokenizer_matches_the_engine(fleet):
 
 def test_prefix_routing_stream_and_load_on_real_engines(fleet):
     url, _ = fleet
-    doc = "".join(f"Line {i}: kvplug routes by the KV cache the engines report. " for i in range(8))
+    _prefix_routing_stream_and_load(url, "Line")
+
+
+def test_the_native_data_path_on_real_engines(native_url):
+    # the same checks through the compiled lane (text prompts: the local tokenizer's ids)
+    _prefix_routing_stream_and_load(native_url, "Row")
+    text = _get(native_url + "/metrics")[1].decode()
+    served = float(text.split('kvplug_router_stat{stat="native_lane.served"} ')[1].split()[0])
+    assert served >= 4  # every request above went through the lane, none was handed off
+
+
+def _prefix_routing_stream_and_load(url: str, word: str) -> None:
+    doc = "".join(
+        f"{word} {i}: kvplug routes by the KV cache the engines report. " for i in range(8)
+    )
     blocks_before = _index_blocks(url)
     headers, _ = _post(
         url + "/v1/completions", {"model": "tiny", "prompt": doc + "Q0", "max_tokens": 1}
