@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 pytest.importorskip("kvplug._lane")
 
 from kvplug._lane import Lane, head_qualifies  # noqa: E402
-from kvplug.frontend.hints import _HEADERS as HINT_HEADERS  # noqa: E402
+from kvplug.frontend.hints import HINT_HEADERS  # noqa: E402
 from kvplug.frontend.lane import _parse_head  # noqa: E402
 from kvplug.frontend.native_lane import Prefixed  # noqa: E402
 

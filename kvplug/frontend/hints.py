@@ -71,7 +71,7 @@ def _int(value: Any, where: str, minimum: int = 0) -> int | None:
 
 # kvplug serve --client-routing-hints
 HINT_POLICIES = ("ignore", "trust", "reject")
-# nvext keys that steer routing (the headers in _HEADERS all do)
+# nvext keys that steer routing (the headers in HINT_HEADERS all do)
 _STEERING_NVEXT = (
     "backend_instance_id",
     "decode_worker_id",
@@ -84,7 +84,7 @@ _STEERING_NVEXT = (
 
 def steering_hints(nvext: Mapping[str, Any] | None, headers: Mapping[str, str]) -> list[str]:
     """The routing-steering hints the request carries (header names, ``nvext.<key>``)."""
-    found = [h for h in _HEADERS if h in headers]
+    found = [h for h in HINT_HEADERS if h in headers]
     if nvext:
         found += [f"nvext.{k}" for k in _STEERING_NVEXT if nvext.get(k) is not None]
     return found
@@ -102,7 +102,7 @@ def hints_from_request(
             return NO_HINTS
         nv = {"agent_hints": agent}
         headers = {}
-    elif not nv and not any(h in headers for h in _HEADERS):
+    elif not nv and not any(h in headers for h in HINT_HEADERS):
         return NO_HINTS  # the common case costs one scan of a few header names
     header_pin = headers.get("x-kvplug-worker") or headers.get("x-worker-instance-id")
     if header_pin is not None:
@@ -163,7 +163,8 @@ def hints_from_request(
     return RequestHints(worker, prefill, dp_rank, allowed, osl, labels or None, jump)
 
 
-_HEADERS = (
+# the headers that steer routing: read (or refused) by the Python path only
+HINT_HEADERS = (
     "x-kvplug-worker",
     "x-worker-instance-id",
     "x-kvplug-prefill-worker",

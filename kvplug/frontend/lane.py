@@ -39,7 +39,7 @@ from aiohttp.tcp_helpers import tcp_keepalive
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvplug.frontend.errors import ApiError
-from kvplug.frontend.listener import HeadDeadline, _timeout_answer
+from kvplug.frontend.listener import HeadDeadline, head_timeout_answer
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +374,7 @@ class LaneConnection(BaseProtocol):
             return
         self.lane.on_head_timeout()
         try:
-            transport.write(_timeout_answer(self.lane.head_timeout))
+            transport.write(head_timeout_answer(self.lane.head_timeout))
         finally:
             transport.close()
 

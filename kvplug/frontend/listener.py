@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 _END_OF_HEAD = (b"\r\n\r\n", b"\n\n")  # aiohttp's parser accepts bare LF line ends too
 
 
-def _timeout_answer(timeout: float) -> bytes:
+def head_timeout_answer(timeout: float) -> bytes:
+    """The 408 of a request head that came too slowly (--client-header-timeout)."""
     return timeout_answer(
         f"the request head did not arrive within {timeout:g} s (--client-header-timeout)",
         "header_timeout",
@@ -127,7 +128,7 @@ class HeadDeadline(asyncio.Protocol):
             return
         self._on_expire()
         try:
-            transport.write(_timeout_answer(self._timeout))
+            transport.write(head_timeout_answer(self._timeout))
         finally:
             transport.close()
 

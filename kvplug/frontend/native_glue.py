@@ -118,12 +118,12 @@ class GlueRequest:
         "exclude",
         "failures",
         "request_id",
-        "auth_line",
+        "hop_lines",
         "finished",
     )
 
     def __init__(
-        self, ctx: RequestContext, kind: int, started: float, request_id: bytes, auth_line: bytes
+        self, ctx: RequestContext, kind: int, started: float, request_id: bytes, hop_lines: bytes
     ) -> None:
         self.ctx = ctx
         self.routed: Any = None  # the current attempt's Routed
@@ -135,7 +135,7 @@ class GlueRequest:
         self.request_id = request_id  # as sent to the engine
         # the engine's header lines besides the request line, Host, Content-Type, Content-Length
         # and X-Request-Id: its Authorization and the client's forwarded fields, or b""
-        self.auth_line = auth_line
+        self.hop_lines = hop_lines
         self.finished = False
 
 
@@ -350,7 +350,7 @@ class NativeGlue:
             target.heads[token.kind],
             len(ctx.req.raw),
             token.request_id,
-            token.auth_line,
+            token.hop_lines,
         )
         # Frontend.answer_headers' lines, formatted at once (the tests check they are equal)
         answer = _ANSWER_HEADERS % (

@@ -15,8 +15,9 @@ import logging
 import socket
 from typing import Any
 
-from kvplug.frontend.hints import _HEADERS as HINT_HEADERS
-from kvplug.frontend.listener import Listeners, _timeout_answer, timeout_answer
+from kvplug.frontend.bodies import body_timeout_message
+from kvplug.frontend.hints import HINT_HEADERS
+from kvplug.frontend.listener import Listeners, head_timeout_answer, timeout_answer
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +100,10 @@ class NativeDataPath:
             connect_timeout=s.connect_timeout,
             try_timeout=s.per_try_timeout,
             engine_idle_timeout=s.idle_timeout,
-            head_timeout_answer=_timeout_answer(head) if head > 0 else b"",
-            body_timeout_answer=timeout_answer(
-                f"the request body did not arrive within {body:g} s (--client-body-timeout)",
-                "body_timeout",
-            )
-            if body > 0
-            else b"",
+            head_timeout_answer=head_timeout_answer(head) if head > 0 else b"",
+            body_timeout_answer=(
+                timeout_answer(body_timeout_message(body), "body_timeout") if body > 0 else b""
+            ),
             handoff_headers=HINT_HEADERS,  # the Python path reads (or refuses) the hints
         )
         self._loop = asyncio.get_running_loop()
