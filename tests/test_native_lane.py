@@ -12,6 +12,7 @@ import asyncio
 import json
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -318,6 +319,129 @@ async def test_requests_sent_while_one_is_served_wait_their_turn():
         release.set()
         assert [(await read_answer(reader))[1] for _ in bodies] == bodies
         writer.close()
+
+
+class HandEngine:
+    """An engine on plain non-blocking sockets, run by hand between the test's own polls of
+    the lane (so what reached it, and when, is the kernel's word, not an event loop's)."""
+
+    ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+    def __init__(self) -> None:
+        self.listening = socket.socket()
+        self.listening.bind(("127.0.0.1", 0))
+        self.listening.listen(16)
+        self.listening.setblocking(False)
+        self.port = self.listening.getsockname()[1]
+        self.conns: list[socket.socket] = []
+
+    def accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listening.accept()
+            except BlockingIOError:
+                return
+            conn.setblocking(False)
+            self.conns.append(conn)
+
+    def pending(self) -> int:
+        """Bytes of requests that reached the engine and are not read yet."""
+        self.accept()
+        n = 0
+        for conn in self.conns:
+            try:
+                n += len(conn.recv(1 << 16, socket.MSG_PEEK))
+            except BlockingIOError:
+                pass
+        return n
+
+    def answer(self) -> int:
+        """One answer a connection with a whole request waiting (each of ours is one whole
+        segment); how many."""
+        self.accept()
+        answered = 0
+        for conn in self.conns:
+            try:
+                if conn.recv(1 << 16):
+                    conn.sendall(self.ANSWER)
+                    answered += 1
+            except BlockingIOError:
+                pass
+        return answered
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        self.listening.close()
+
+
+def waiting(sock: socket.socket) -> int:
+    """Bytes the kernel holds for a client socket (0 if none)."""
+    try:
+        return len(sock.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return 0
+
+
+def poll_until(h: Harness, engine: HandEngine, predicate, answer: bool = False) -> None:
+    for _ in range(1000):
+        h.lane.poll()
+        if answer:
+            engine.answer()
+        if predicate():
+            return
+        time.sleep(0.002)
+    raise AssertionError("condition not met")
+
+
+async def test_a_polls_requests_and_answers_are_written_together_after_its_callbacks():
+    # The lane writes the requests it decided in one poll to their engines, and the answers it
+    # finished to their clients, at the end of that poll, back to back: each write wakes the
+    # reader's process, and one wake then serves the batch. Here the lane is polled by hand:
+    # while it decides (finishes) the second of two requests read in one poll, the first is
+    # not at its engine (client) yet; once the poll returns both are.
+    engine = HandEngine()
+    clients: list[socket.socket] = []
+    try:
+        async with Harness() as h:
+            h.loop.remove_reader(h.lane.fileno())  # polled by hand below
+            upstream = h.add_upstream(engine.port)
+            clients = [socket.create_connection(("127.0.0.1", h.port)) for _ in range(2)]
+            for c in clients:  # a first request each: two engine connections, then pooled
+                c.sendall(post(b"/v1/completions", body_of()))
+            poll_until(h, engine, lambda: len(h.decided) == 2)
+            poll_until(h, engine, lambda: all(waiting(c) for c in clients), answer=True)
+            for c in clients:
+                c.recv(1 << 16)
+            assert h.lane.stats()["idle_engine_connections"] == 2
+
+            at_decide: list[int] = []  # request bytes at the engine when each was decided
+            at_finish: list[int] = []  # answer bytes at the clients when each was finished
+
+            def decide(kind, body, rid, auth):
+                at_decide.append(engine.pending())
+                return (upstream, engine_head(kind, body), None, b"", {"n": len(h.decided)})
+
+            def on_finish(token, status, outcome, tail):
+                at_finish.append(sum(waiting(c) for c in clients))
+
+            h.decide_with = decide
+            h.on_finish = on_finish
+            for c in clients:
+                c.sendall(post(b"/v1/completions", body_of(prompt=[7])))
+            h.lane.poll()
+            assert len(h.decided) == 4  # both read and decided in that one poll
+            assert at_decide == [0, 0]  # the first was not written before the second's decide
+            assert engine.pending() > 0
+            assert engine.answer() == 2
+            h.lane.poll()  # both answers read and finished in this poll
+            assert at_finish == [0, 0]
+            assert all(waiting(c) for c in clients)
+            assert [f[2] for f in h.finished] == [OK] * 4
+    finally:
+        for c in clients:
+            c.close()
+        engine.close()
 
 
 async def test_connection_close_is_honoured():
