@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import struct
 import sys
 import time
 from pathlib import Path
@@ -344,29 +345,34 @@ class HandEngine:
             conn.setblocking(False)
             self.conns.append(conn)
 
+    def _read(self, conn: socket.socket, flags: int = 0) -> bytes:
+        """What waits on a connection; b"" if nothing, and a connection the lane closed (or
+        reset) is dropped."""
+        try:
+            data = conn.recv(1 << 16, flags)
+        except BlockingIOError:
+            return b""
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            self.conns.remove(conn)
+            conn.close()
+        return data
+
     def pending(self) -> int:
         """Bytes of requests that reached the engine and are not read yet."""
         self.accept()
-        n = 0
-        for conn in self.conns:
-            try:
-                n += len(conn.recv(1 << 16, socket.MSG_PEEK))
-            except BlockingIOError:
-                pass
-        return n
+        return sum(len(self._read(conn, socket.MSG_PEEK)) for conn in list(self.conns))
 
     def answer(self) -> int:
         """One answer a connection with a whole request waiting (each of ours is one whole
         segment); how many."""
         self.accept()
         answered = 0
-        for conn in self.conns:
-            try:
-                if conn.recv(1 << 16):
-                    conn.sendall(self.ANSWER)
-                    answered += 1
-            except BlockingIOError:
-                pass
+        for conn in list(self.conns):
+            if self._read(conn):
+                conn.sendall(self.ANSWER)
+                answered += 1
         return answered
 
     def close(self) -> None:
@@ -441,6 +447,32 @@ async def test_a_polls_requests_and_answers_are_written_together_after_its_callb
     finally:
         for c in clients:
             c.close()
+        engine.close()
+
+
+async def test_a_client_resetting_while_its_answer_waits_for_the_polls_end_is_finished_once():
+    # the engine's answer and the client's reset read in one poll, in either order: the answer
+    # queued for the poll's end is dropped with the connection (finished once), the lane goes on
+    engine = HandEngine()
+    try:
+        async with Harness() as h:
+            h.loop.remove_reader(h.lane.fileno())  # polled by hand below
+            h.add_upstream(engine.port)
+            for n in range(1, 4):
+                client = socket.create_connection(("127.0.0.1", h.port))
+                client.sendall(post(b"/v1/completions", body_of()))
+                poll_until(h, engine, lambda: engine.pending() > 0)  # decided and written
+                assert engine.answer() == 1
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.close()  # a reset, now in the kernel beside the engine's answer
+                poll_until(h, engine, lambda: h.lane.stats()["open_connections"] == 0)
+                assert len(h.finished) == n and h.finished[-1][2] in (OK, CLIENT_GONE)
+            client = socket.create_connection(("127.0.0.1", h.port))  # and the lane goes on
+            client.sendall(post(b"/v1/completions", body_of()))
+            poll_until(h, engine, lambda: waiting(client) > 0, answer=True)
+            assert client.recv(1 << 16).startswith(b"HTTP/1.1 200")
+            client.close()
+    finally:
         engine.close()
 
 
