@@ -396,7 +396,9 @@ static void finish(lane_t *l, client_t *c, int outcome) {
     char tail[TAIL];
     size_t n = c->tail_fill;
     size_t start = (c->tail_pos + TAIL - n) % TAIL;
-    for (size_t i = 0; i < n; i++) tail[i] = c->tail[(start + i) % TAIL];
+    size_t first = n < TAIL - start ? n : TAIL - start; /* the ring's bytes up to its end */
+    memcpy(tail, c->tail + start, first);
+    memcpy(tail + first, c->tail, n - first); /* then those that wrapped to its start */
     void *token = c->token;
     c->token = NULL;
     lane_action a;

@@ -576,6 +576,40 @@ async def test_a_large_answer_to_a_slow_reader_arrives_whole():
         writer.close()
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_finish_gets_the_last_4096_bytes_of_a_longer_answer_read_in_pieces(chunked):
+    # the lane keeps the answer's last bytes in a ring; pieces of uneven sizes wrap it at
+    # positions other than its start (the usage object is in the last bytes: the glue reads it)
+    pieces = [
+        bytes((i * 7 + k) % 251 for k in range(n))
+        for i, n in enumerate((1500, 999, 2100, 1333, 700))
+    ]
+
+    async def engine(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(len(body_of()))
+        if chunked:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        else:
+            total = sum(map(len, pieces))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        for piece in pieces:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            await writer.drain()
+            await asyncio.sleep(0.02)  # read by the lane piece by piece
+        if chunked:
+            writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async with Harness() as h:
+        await h.scripted_engine(engine)
+        head, body = await direct(h.port, post(b"/v1/completions", body_of()))
+        assert (dechunk(body) if chunked else body) == b"".join(pieces)
+        await until(lambda: h.finished)
+        assert h.finished[0][2] == OK
+        assert h.finished[0][3] == b"".join(pieces)[-4096:]
+
+
 async def test_an_upstream_set_to_a_new_address_is_not_served_by_old_connections():
     def engine_saying(word: bytes):
         async def engine(reader, writer):
