@@ -661,8 +661,9 @@ static int client_flush(lane_t *l, client_t *c) {
         c->deadline = after(l->cfg.keepalive_timeout);
         client_mask(l, c);
         if (buf_size(&c->in)) {
-            /* a pipelined request: at once, unless answers already nest here (requests the
-             * decider answers itself would recurse once each): then at the end of this poll */
+            /* a pipelined request: at once, unless answers already nest here: then at the end
+             * of this poll (answers wait for the poll's end, client_after_answer, so a request
+             * the decider answers itself no longer recurses; the guard stays) */
             if (l->depth < MAX_DEPTH) {
                 l->depth++;
                 client_process(l, c);
@@ -1528,13 +1529,14 @@ int lane_poll(lane_t *l) {
             engine_event(l, (engine_t *)ptr, evs[i].events);
         } /* else closed by an earlier event of this batch */
     }
-    while (l->ready) { /* the pipelined requests left for later (client_flush) */
-        client_t *c = l->ready;
-        l->ready = c->next_ready;
-        c->queued = 0;
-        if (c->kind == K_CLIENT && c->state == C_HEAD) client_process(l, c);
-    }
-    while (l->to_send || l->to_flush) { /* a flush may start a pipelined request, and so on */
+    for (;;) { /* a flush may start a pipelined request, whose write waits here too, ... */
+        while (l->ready) { /* the pipelined requests left for later (client_flush) */
+            client_t *c = l->ready;
+            l->ready = c->next_ready;
+            c->queued = 0;
+            if (c->kind == K_CLIENT && c->state == C_HEAD) client_process(l, c);
+        }
+        if (!l->to_send && !l->to_flush) break;
         engines_send(l);
         clients_flush(l);
     }

@@ -282,8 +282,8 @@ async def test_pipelined_requests_are_answered_in_order():
 
 
 async def test_many_pipelined_requests_answered_directly_come_back_in_order():
-    # each direct answer starts the next pipelined request from within itself: the lane
-    # stops nesting after a few and serves the rest at the end of the poll
+    # each direct answer is written at the end of the poll, and its flush starts the next
+    # pipelined request there (before, the answers nested; the lane stopped after a few)
     async with Harness() as h:
         h.decide_with = lambda kind, body, rid, auth: (429, b"", body)
         reader, writer = await h.connect()
