@@ -5,10 +5,13 @@ request at 16 connections, alternating per round.
 started once, many short rounds, the order reversed every other round, so a before/after pair
 is read from the same moments of a shared machine. Each target is ``LABEL=SRC_DIR`` (a
 ``kvplug serve`` from that source tree, via ``PYTHONPATH``; ``LABEL=SRC_DIR,--flag,value`` adds
-serve flags), ``floor`` (``floor_proxy.py``) or ``ceiling`` (``floor_proxy.py --route``); token-id
-prompts, two instant engines, as ``bench_frontend.py`` runs them.
+serve flags), ``floor`` (``floor_proxy.py``) or ``ceiling`` (``floor_proxy.py --route``), or
+``LABEL=SRC_DIR,floor[,--flag]`` / ``LABEL=SRC_DIR,ceiling[,--flag]`` (this checkout's
+``floor_proxy.py`` on that tree's kvplug: ``,floor,--native`` compares two builds of the compiled
+lane alone); token-id prompts, two instant engines, as ``bench_frontend.py`` runs them.
 
     python benchmarks/ab_frontend.py main=/tmp/main this=. --rounds 10 [--mode stream]
+    python benchmarks/ab_frontend.py main=/tmp/main,floor,--native this=.,floor,--native
 
 Writes ``benchmarks/results/ab_frontend.json`` and prints per-round and median figures.
 """
@@ -67,7 +70,11 @@ def main() -> None:
             else:
                 label, _, rest = spec.partition("=")
                 src, *flags = rest.split(",")
-                cmd = bf.kvplug_cmd(port, engines, tmp, *flags)
+                if flags and flags[0] in ("floor", "ceiling"):  # this floor_proxy, src's kvplug
+                    cmd = [sys.executable, str(ROOT / "benchmarks" / "floor_proxy.py"), str(port)]
+                    cmd += engines + (["--route"] if flags[0] == "ceiling" else []) + flags[1:]
+                else:
+                    cmd = bf.kvplug_cmd(port, engines, tmp, *flags)
                 env = {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
             p = bf.start(cmd, url + "/v1/completions", probe, tmp, env)
             procs.append(p)

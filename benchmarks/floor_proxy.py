@@ -15,7 +15,15 @@ body's token ids read by kvplug's parser (its C reader, ``kvplug._token_json``),
 ``kvplug serve`` builds from ``--worker e0=URL``) whose pick gets the request, and
 ``Router.on_finish`` once the answer is relayed. ``bench_frontend.py --ceiling`` measures it.
 
+``--native`` serves with the compiled lane of ``kvplug serve --data-path native``
+(``kvplug._lane``) in place of the Python stacks: its ``decide`` picks the engines in turn (or,
+with ``--route``, as above) and writes the engine's head, its ``finish`` does nothing (or
+``Router.on_finish``); any other request's connection is closed. ``kvplug serve --data-path
+native`` minus this is what the glue (``kvplug/frontend/native_glue.py``) costs; this is the
+lane's own cost (C, the two callbacks' crossing, the kernel's sockets).
+
     python benchmarks/floor_proxy.py PORT ENGINE_URL [ENGINE_URL ...] [--aiohttp] [--route]
+    python benchmarks/floor_proxy.py PORT ENGINE_URL [ENGINE_URL ...] --native [--route]
 """
 
 from __future__ import annotations
@@ -23,12 +31,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
+import socket
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+if not os.environ.get("PYTHONPATH"):  # else it names the kvplug to run (ab_frontend.py's trees)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from kvplug.config import RouterConfig  # noqa: E402
 from kvplug.frontend.engine_http import EnginePool  # noqa: E402
@@ -106,6 +118,57 @@ async def serve(port: int, engines: list[str], lane: bool = True, route: bool = 
     await asyncio.Event().wait()
 
 
+async def serve_native(port: int, engines: list[str], route: bool = False) -> None:
+    """The compiled lane alone: decide by turns (or ``route_once``), the engine's head."""
+    from kvplug._lane import Lane
+
+    loop = asyncio.get_running_loop()
+    router = make_router(engines) if route else None
+    index = {f"e{i}": i for i in range(len(engines))}
+    turns = itertools.cycle(range(len(engines)))
+    keys = itertools.count()
+    paths = (b"/v1/completions", b"/v1/chat/completions")  # the lane's kinds 0 and 1
+    heads = []
+    for url in engines:
+        netloc = urlsplit(url).netloc.encode()
+        heads.append(
+            [
+                b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " % (path, netloc)
+                for path in paths
+            ]
+        )
+
+    def decide(kind, body, request_id, authorization, fields):
+        token = None
+        if router is None:
+            up = next(turns)
+        else:
+            token = f"r{next(keys)}"
+            up = index[route_once(router, body, paths[kind].decode(), token)]
+        return up, b"%s%d\r\n\r\n" % (heads[up][kind], len(body)), None, b"", token
+
+    def finish(token, status, outcome, tail):
+        if router is not None:
+            router.on_finish(token)
+
+    listening = socket.create_server(("127.0.0.1", port), backlog=1024)
+    listening.setblocking(False)
+    lane = Lane(
+        [listening.fileno()],
+        decide,
+        lambda token: None,
+        finish,
+        lambda fd, data: os.close(fd),  # not a plain routed request: not the floor's to serve
+        max_body=1 << 24,
+    )
+    for i, url in enumerate(engines):
+        parts = urlsplit(url)
+        lane.set_upstream(i, parts.hostname, parts.port)
+    loop.add_reader(lane.fileno(), lane.poll)
+    await asyncio.Event().wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("port", type=int)
@@ -114,8 +177,14 @@ def main() -> None:
     ap.add_argument(
         "--route", action="store_true", help="add the routing decision (token ids, kv mode)"
     )
+    ap.add_argument(
+        "--native", action="store_true", help="the compiled lane (--data-path native's)"
+    )
     args = ap.parse_args()
-    main_coro = serve(args.port, args.engines, not args.aiohttp, args.route)
+    if args.native:
+        main_coro = serve_native(args.port, args.engines, args.route)
+    else:
+        main_coro = serve(args.port, args.engines, not args.aiohttp, args.route)
     try:
         import uvloop
 

@@ -31,3 +31,24 @@ def test_ab_frontend_quick_run(tmp_path):
     for t in targets:
         assert len(t["cpu_ms_per_request_rounds"]) == 2
         assert all(r > 0 for r in t["requests_per_s_rounds"])
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (.ci/run)")
+def test_ab_frontend_runs_the_native_lane_alone_against_the_native_serve(tmp_path):
+    pytest.importorskip("kvplug._lane")
+    out = tmp_path / "ab.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ab_frontend.py")]
+        + [f"lane={ROOT},floor,--native", f"native={ROOT},--data-path,native"]
+        + ["--rounds", "2", "--seconds", "1", "--out", str(out)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert "lane below native in" in proc.stdout
+    targets = json.loads(out.read_text())["targets"]
+    assert [t["target"] for t in targets] == ["lane", "native"]
+    for t in targets:
+        assert len(t["cpu_ms_per_request_rounds"]) == 2
+        assert all(r > 0 for r in t["requests_per_s_rounds"])

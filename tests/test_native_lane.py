@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -280,8 +282,8 @@ async def test_pipelined_requests_are_answered_in_order():
 
 
 async def test_many_pipelined_requests_answered_directly_come_back_in_order():
-    # each direct answer starts the next pipelined request from within itself: the lane
-    # stops nesting after a few and serves the rest at the end of the poll
+    # each direct answer is written at the end of the poll, and its flush starts the next
+    # pipelined request there (before, the answers nested; the lane stopped after a few)
     async with Harness() as h:
         h.decide_with = lambda kind, body, rid, auth: (429, b"", body)
         reader, writer = await h.connect()
@@ -318,6 +320,160 @@ async def test_requests_sent_while_one_is_served_wait_their_turn():
         release.set()
         assert [(await read_answer(reader))[1] for _ in bodies] == bodies
         writer.close()
+
+
+class HandEngine:
+    """An engine on plain non-blocking sockets, run by hand between the test's own polls of
+    the lane (so what reached it, and when, is the kernel's word, not an event loop's)."""
+
+    ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+    def __init__(self) -> None:
+        self.listening = socket.socket()
+        self.listening.bind(("127.0.0.1", 0))
+        self.listening.listen(16)
+        self.listening.setblocking(False)
+        self.port = self.listening.getsockname()[1]
+        self.conns: list[socket.socket] = []
+
+    def accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listening.accept()
+            except BlockingIOError:
+                return
+            conn.setblocking(False)
+            self.conns.append(conn)
+
+    def _read(self, conn: socket.socket, flags: int = 0) -> bytes:
+        """What waits on a connection; b"" if nothing, and a connection the lane closed (or
+        reset) is dropped."""
+        try:
+            data = conn.recv(1 << 16, flags)
+        except BlockingIOError:
+            return b""
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            self.conns.remove(conn)
+            conn.close()
+        return data
+
+    def pending(self) -> int:
+        """Bytes of requests that reached the engine and are not read yet."""
+        self.accept()
+        return sum(len(self._read(conn, socket.MSG_PEEK)) for conn in list(self.conns))
+
+    def answer(self) -> int:
+        """One answer a connection with a whole request waiting (each of ours is one whole
+        segment); how many."""
+        self.accept()
+        answered = 0
+        for conn in list(self.conns):
+            if self._read(conn):
+                conn.sendall(self.ANSWER)
+                answered += 1
+        return answered
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        self.listening.close()
+
+
+def waiting(sock: socket.socket) -> int:
+    """Bytes the kernel holds for a client socket (0 if none)."""
+    try:
+        return len(sock.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return 0
+
+
+def poll_until(h: Harness, engine: HandEngine, predicate, answer: bool = False) -> None:
+    for _ in range(1000):
+        h.lane.poll()
+        if answer:
+            engine.answer()
+        if predicate():
+            return
+        time.sleep(0.002)
+    raise AssertionError("condition not met")
+
+
+async def test_a_polls_requests_and_answers_are_written_together_after_its_callbacks():
+    # The lane writes the requests it decided in one poll to their engines, and the answers it
+    # finished to their clients, at the end of that poll, back to back: each write wakes the
+    # reader's process, and one wake then serves the batch. Here the lane is polled by hand:
+    # while it decides (finishes) the second of two requests read in one poll, the first is
+    # not at its engine (client) yet; once the poll returns both are.
+    engine = HandEngine()
+    clients: list[socket.socket] = []
+    try:
+        async with Harness() as h:
+            h.loop.remove_reader(h.lane.fileno())  # polled by hand below
+            upstream = h.add_upstream(engine.port)
+            clients = [socket.create_connection(("127.0.0.1", h.port)) for _ in range(2)]
+            for c in clients:  # a first request each: two engine connections, then pooled
+                c.sendall(post(b"/v1/completions", body_of()))
+            poll_until(h, engine, lambda: len(h.decided) == 2)
+            poll_until(h, engine, lambda: all(waiting(c) for c in clients), answer=True)
+            for c in clients:
+                c.recv(1 << 16)
+            assert h.lane.stats()["idle_engine_connections"] == 2
+
+            at_decide: list[int] = []  # request bytes at the engine when each was decided
+            at_finish: list[int] = []  # answer bytes at the clients when each was finished
+
+            def decide(kind, body, rid, auth):
+                at_decide.append(engine.pending())
+                return (upstream, engine_head(kind, body), None, b"", {"n": len(h.decided)})
+
+            def on_finish(token, status, outcome, tail):
+                at_finish.append(sum(waiting(c) for c in clients))
+
+            h.decide_with = decide
+            h.on_finish = on_finish
+            for c in clients:
+                c.sendall(post(b"/v1/completions", body_of(prompt=[7])))
+            h.lane.poll()
+            assert len(h.decided) == 4  # both read and decided in that one poll
+            assert at_decide == [0, 0]  # the first was not written before the second's decide
+            assert engine.pending() > 0
+            assert engine.answer() == 2
+            h.lane.poll()  # both answers read and finished in this poll
+            assert at_finish == [0, 0]
+            assert all(waiting(c) for c in clients)
+            assert [f[2] for f in h.finished] == [OK] * 4
+    finally:
+        for c in clients:
+            c.close()
+        engine.close()
+
+
+async def test_a_client_resetting_while_its_answer_waits_for_the_polls_end_is_finished_once():
+    # the engine's answer and the client's reset read in one poll, in either order: the answer
+    # queued for the poll's end is dropped with the connection (finished once), the lane goes on
+    engine = HandEngine()
+    try:
+        async with Harness() as h:
+            h.loop.remove_reader(h.lane.fileno())  # polled by hand below
+            h.add_upstream(engine.port)
+            for n in range(1, 4):
+                client = socket.create_connection(("127.0.0.1", h.port))
+                client.sendall(post(b"/v1/completions", body_of()))
+                poll_until(h, engine, lambda: engine.pending() > 0)  # decided and written
+                assert engine.answer() == 1
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.close()  # a reset, now in the kernel beside the engine's answer
+                poll_until(h, engine, lambda: h.lane.stats()["open_connections"] == 0)
+                assert len(h.finished) == n and h.finished[-1][2] in (OK, CLIENT_GONE)
+            client = socket.create_connection(("127.0.0.1", h.port))  # and the lane goes on
+            client.sendall(post(b"/v1/completions", body_of()))
+            poll_until(h, engine, lambda: waiting(client) > 0, answer=True)
+            assert client.recv(1 << 16).startswith(b"HTTP/1.1 200")
+            client.close()
+    finally:
+        engine.close()
 
 
 async def test_connection_close_is_honoured():
@@ -418,6 +574,40 @@ async def test_a_large_answer_to_a_slow_reader_arrives_whole():
         assert h.finished[0][2] == OK
         assert h.lane.stats()["engine_pauses"] >= 1
         writer.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_finish_gets_the_last_4096_bytes_of_a_longer_answer_read_in_pieces(chunked):
+    # the lane keeps the answer's last bytes in a ring; pieces of uneven sizes wrap it at
+    # positions other than its start (the usage object is in the last bytes: the glue reads it)
+    pieces = [
+        bytes((i * 7 + k) % 251 for k in range(n))
+        for i, n in enumerate((1500, 999, 2100, 1333, 700))
+    ]
+
+    async def engine(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(len(body_of()))
+        if chunked:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        else:
+            total = sum(map(len, pieces))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        for piece in pieces:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            await writer.drain()
+            await asyncio.sleep(0.02)  # read by the lane piece by piece
+        if chunked:
+            writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async with Harness() as h:
+        await h.scripted_engine(engine)
+        head, body = await direct(h.port, post(b"/v1/completions", body_of()))
+        assert (dechunk(body) if chunked else body) == b"".join(pieces)
+        await until(lambda: h.finished)
+        assert h.finished[0][2] == OK
+        assert h.finished[0][3] == b"".join(pieces)[-4096:]
 
 
 async def test_an_upstream_set_to_a_new_address_is_not_served_by_old_connections():
