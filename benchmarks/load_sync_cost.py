@@ -165,7 +165,7 @@ def _drain(sock) -> list[bytes]:
         out.append(data)
 
 
-async def _flush_cycle(make_router, sync_class, cycles: int = 600) -> float:
+async def _flush_cycle(make_router, sync_class, cycles: int = 400) -> float:
     """CPU microseconds per one-event batch, sent and received, in a running loop (the
     default 1 ms flush), minus the same loop's ticks without the event."""
     import asyncio

@@ -114,7 +114,8 @@ class LocalLoadSync(ReplicaLoad):
         self.heartbeat_s = heartbeat_s
         self.reconnect_s = reconnect_s
         self._outbox: list[list[Any]] = []
-        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
+        self._flush_timer: asyncio.TimerHandle | None = None  # armed by a batch's first event
         self._seq = 0
         self._server: asyncio.AbstractServer | None = None
         self._out: dict[int, asyncio.Transport] = {}  # peer index -> our connection to it
@@ -126,7 +127,7 @@ class LocalLoadSync(ReplicaLoad):
         path = load_socket(self.directory, self.index)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # this index's previous process, which died
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: _Inbound(self), path)
         self.attach()
         self._tasks = [
@@ -134,16 +135,18 @@ class LocalLoadSync(ReplicaLoad):
             for j in range(self.count)
             if j != self.index
         ]
-        self._tasks += [
-            asyncio.create_task(self._flusher(), name="kvplug-local-sync-flush"),
-            asyncio.create_task(self._heartbeats(), name="kvplug-local-sync-heartbeat"),
-        ]
+        self._tasks.append(
+            asyncio.create_task(self._heartbeats(), name="kvplug-local-sync-heartbeat")
+        )
         log.info("process %s shares load with %d other processes", self.index, self.count - 1)
 
     async def close(self) -> None:
         """Stop; peers release this process's requests when its connections close."""
         self.detach()
         await cancel_and_wait(self._tasks)
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         for transport in self._out.values():
             with contextlib.suppress(Exception):
                 transport.write(self._line([["bye"]]))
@@ -191,7 +194,14 @@ class LocalLoadSync(ReplicaLoad):
 
     def _queue(self, event: list[Any]) -> None:
         self._outbox.append(event)
-        self._wake.set()
+        # a batch's first event arms one timer: a burst of decisions within flush_s shares one
+        # batch. A timer rather than a task woken per batch: no futures, no task steps
+        if self._flush_timer is None and self._loop is not None:
+            self._flush_timer = self._loop.call_later(self.flush_s, self._flush_due)
+
+    def _flush_due(self) -> None:
+        self._flush_timer = None
+        self._flush()
 
     def _line(self, events: list[list[Any]]) -> bytes:
         self._seq += 1
@@ -228,14 +238,6 @@ class LocalLoadSync(ReplicaLoad):
                 if r.prefill_done:
                     events.append(["t", request_id])
         return events
-
-    async def _flusher(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if self.flush_s:
-                await asyncio.sleep(self.flush_s)  # let a burst of decisions share one batch
-            self._flush()
 
     async def _heartbeats(self) -> None:
         while True:
