@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from kvplug.load import ActiveRequest
 from kvplug.replica_sync import ReplicaLoad
 from kvplug.tasks import cancel_and_wait
 
@@ -113,7 +114,10 @@ class LocalLoadSync(ReplicaLoad):
         self.flush_s = flush_s
         self.heartbeat_s = heartbeat_s
         self.reconnect_s = reconnect_s
-        self._outbox: list[list[Any]] = []
+        self._outbox: list[list[Any] | None] = []
+        # request id -> where its "a" waits in the outbox (until the flush): a request that
+        # finishes before its "a" left is taken out of the batch, not sent and undone
+        self._unsent: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._flush_timer: asyncio.TimerHandle | None = None  # armed by a batch's first event
         self._seq = 0
@@ -122,6 +126,7 @@ class LocalLoadSync(ReplicaLoad):
         self._inbound: set[_Inbound] = set()  # peers' connections to us
         self._tasks: list[asyncio.Task] = []
         self.send_failures = 0  # batches not written to a peer (it was not connected)
+        self.unsent_requests = 0  # added and finished within one batch: not sent at all
 
     async def start(self) -> None:
         path = load_socket(self.directory, self.index)
@@ -192,6 +197,29 @@ class LocalLoadSync(ReplicaLoad):
                 transport.close()
             await asyncio.sleep(self.reconnect_s)
 
+    # -- this process's requests (ReplicaLoad's listener, with the batch in view) -------------
+    def added(self, r: ActiveRequest) -> None:
+        event = self.added_event(r)
+        if event is not None:
+            self._unsent[r.request_id] = len(self._outbox)
+            self._queue(event)
+
+    def first_token(self, request_id: str) -> None:
+        at = self._unsent.get(request_id)
+        if at is None:
+            self._queue(["t", request_id])
+        else:  # its "a" has not left: it leaves as a prefill already done ("a" then "t")
+            self._outbox[at][5] = 0  # type: ignore[index]
+
+    def finished(self, request_id: str) -> None:
+        at = self._unsent.pop(request_id, None)
+        if at is None:
+            self._queue(["f", request_id])
+        else:  # added and finished within one batch: a peer folds it in and out in one step,
+            # between two of its decisions, so not sending it changes nothing it routes
+            self._outbox[at] = None
+            self.unsent_requests += 1
+
     def _queue(self, event: list[Any]) -> None:
         self._outbox.append(event)
         # a batch's first event arms one timer: a burst of decisions within flush_s shares one
@@ -221,7 +249,12 @@ class LocalLoadSync(ReplicaLoad):
         self.stats.published_events += len(events)
 
     def _flush(self) -> None:
-        events, self._outbox = self._outbox, []
+        outbox, self._outbox = self._outbox, []
+        if len(self._unsent) < len(outbox):  # something was taken out, or "t"/"f" events
+            events = [e for e in outbox if e is not None]
+        else:
+            events = outbox  # type: ignore[assignment]
+        self._unsent.clear()
         if events:
             self._publish(events)
 
