@@ -48,7 +48,7 @@ FIGURES = ("sender_us", "receiver_us", "flush_cycle_us")
 # one build, in its own process (kvplug from PYTHONPATH)
 
 
-def _one_build(requests: int, batch: int, window: int) -> dict:
+def _one_build(requests: int, batch: int, window: int, phase: str | None = None) -> dict:
     import asyncio
     import random
     import socket
@@ -123,6 +123,13 @@ def _one_build(requests: int, batch: int, window: int) -> dict:
         spent = time.process_time() - t0
         return spent, reads + _drain(theirs)
 
+    if phase is not None:  # one phase under callgrind: the differences between phases count
+        _, reads = serve(requests, phase != "off")
+        if phase == "receive":
+            for data in reads:
+                inbound.data_received(data)
+            assert not b.load.requests and sb.stats.dropped_malformed == 0
+        return {}
     chunk = 2000
     serve(chunk, True)  # warm both paths
     serve(chunk, False)
@@ -207,15 +214,52 @@ async def _flush_cycle(make_router, sync_class, cycles: int = 400) -> float:
 # the rounds
 
 
+def _instructions(src: str, args) -> dict:
+    """Sender and receiver instructions per request: one callgrind run per phase (the route
+    loop alone; with the listener, batches written; and the peer folding them), differences."""
+    total = {}
+    for phase in ("off", "send", "receive"):
+        out = subprocess.run(
+            ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable]
+            + [str(HERE), "--one", "--phase", phase, "--requests", str(args.instr_requests)]
+            + ["--batch", str(args.batch), "--window", str(args.window)],
+            env={**os.environ, "PYTHONPATH": src, "PYTHONHASHSEED": "0"},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        line = next(ln for ln in out.stderr.splitlines() if "Collected :" in ln)
+        total[phase] = int(line.rsplit(":", 1)[1])
+    n = args.instr_requests
+    return {
+        "sender": (total["send"] - total["off"]) / n,
+        "receiver": (total["receive"] - total["send"]) / n,
+        "totals": total,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("builds", nargs="*", help="LABEL=SRC_DIR (a source tree built in place)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--requests", type=int, default=20000, help="per round and build")
-    ap.add_argument("--batch", type=int, default=7, help="requests per batch (the serve at "
-                    "~13,000 req/s over 2 processes flushes ~6.5 per millisecond)")
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=7,
+        help="requests per batch (the serve at "
+        "~13,000 req/s over 2 processes flushes ~6.5 per millisecond)",
+    )
+    ap.add_argument("--instr-requests", type=int, default=3000, help="per callgrind run")
     ap.add_argument("--window", type=int, default=8, help="requests in flight per process")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--phase", choices=("off", "send", "receive"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--instructions",
+        action="store_true",
+        help="also count sender and receiver instructions per request under valgrind's "
+        "callgrind (user space only: steady under a busy machine, blind to the kernel)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "load_sync_cost.json"))
     args = ap.parse_args()
     if args.one:
@@ -225,7 +269,7 @@ def main() -> None:
             uvloop.install()
         except ImportError:
             pass
-        print(json.dumps(_one_build(args.requests, args.batch, args.window)))
+        print(json.dumps(_one_build(args.requests, args.batch, args.window, args.phase)))
         return
     builds = []
     for spec in args.builds:
@@ -234,17 +278,36 @@ def main() -> None:
     for rnd in range(args.rounds):
         for b in builds if rnd % 2 == 0 else builds[::-1]:
             out = subprocess.run(
-                [sys.executable, str(HERE), "--one", "--requests", str(args.requests),
-                 "--batch", str(args.batch), "--window", str(args.window)],
+                [
+                    sys.executable,
+                    str(HERE),
+                    "--one",
+                    "--requests",
+                    str(args.requests),
+                    "--batch",
+                    str(args.batch),
+                    "--window",
+                    str(args.window),
+                ],
                 env={**os.environ, "PYTHONPATH": b["src"]},
-                capture_output=True, text=True, check=False,
+                capture_output=True,
+                text=True,
+                check=False,
             )
             if out.returncode:
                 sys.exit(f"{b['name']}: {out.stderr[-2000:]}")
             b["rounds"].append(json.loads(out.stdout.splitlines()[-1]))
-        print(f"round {rnd + 1}/{args.rounds}  " + "  ".join(
-            f"{b['name']} " + " ".join(f"{k[:-3]} {b['rounds'][-1][k]:.2f}" for k in FIGURES)
-            for b in builds), flush=True)
+        print(
+            f"round {rnd + 1}/{args.rounds}  "
+            + "  ".join(
+                f"{b['name']} " + " ".join(f"{k[:-3]} {b['rounds'][-1][k]:.2f}" for k in FIGURES)
+                for b in builds
+            ),
+            flush=True,
+        )
+    if args.instructions:
+        for b in builds:
+            b["instructions"] = _instructions(b["src"], args)
     summary = []
     print(f"\nus per request (median, range over {args.rounds} rounds); flush cycle per batch")
     print(f"{'build':<8}" + "".join(f"{k:>24}" for k in FIGURES) + f"{'per request':>14}")
@@ -253,16 +316,33 @@ def main() -> None:
         cells = []
         for k in (*FIGURES, "route_alone_us", "events_per_batch", "bytes_per_request"):
             vals = [r[k] for r in b["rounds"]]
-            row[k] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
-                      "rounds": vals}
+            row[k] = {
+                "median": statistics.median(vals),
+                "min": min(vals),
+                "max": max(vals),
+                "rounds": vals,
+            }
             if k in FIGURES:
                 cells.append(f"{statistics.median(vals):8.2f} ({min(vals):.2f}-{max(vals):.2f})")
-        total = [r["sender_us"] + r["receiver_us"] + r["flush_cycle_us"] / args.batch
-                 for r in b["rounds"]]
+        total = [
+            r["sender_us"] + r["receiver_us"] + r["flush_cycle_us"] / args.batch
+            for r in b["rounds"]
+        ]
         row["per_request_us"] = {"median": statistics.median(total), "rounds": total}
+        if "instructions" in b:
+            row["instructions_per_request"] = b["instructions"]
         summary.append(row)
-        print(f"{b['name']:<8}" + "".join(f"{c:>24}" for c in cells)
-              + f"{statistics.median(total):14.2f}")
+        print(
+            f"{b['name']:<8}"
+            + "".join(f"{c:>24}" for c in cells)
+            + f"{statistics.median(total):14.2f}"
+        )
+    if args.instructions:
+        print("\ninstructions per request (callgrind, user space)")
+        print(f"{'build':<8}{'sender':>12}{'receiver':>12}")
+        for b in builds:
+            i = b["instructions"]
+            print(f"{b['name']:<8}{i['sender']:>12.0f}{i['receiver']:>12.0f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": vars(args), "builds": summary}, indent=2))
     print(f"wrote {args.out}")

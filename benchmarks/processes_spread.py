@@ -87,23 +87,30 @@ def connections_by_process(pids: list[int], port: int) -> dict[int, int]:
     return held
 
 
-def requests_by_process(url: str) -> dict[str, float]:
-    """Requests answered so far per ``process`` label, from the merged ``/metrics``."""
+SYNC_STATS = ("replica_sync.published_events", "replica_sync.published_batches")
+
+
+def scrape(url: str) -> dict[str, dict[str, float]]:
+    """Per ``process`` label, from the merged ``/metrics``: requests answered so far, and the
+    load sync's events and batches sent."""
     text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-    out: dict[str, float] = {}
+    out: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
-        if family.name != "kvplug_requests":
-            continue
         for s in family.samples:
             if s.name == "kvplug_requests_total":
-                p = s.labels.get("process", "0")
-                out[p] = out.get(p, 0.0) + s.value
+                key = "requests"
+            elif s.name == "kvplug_router_stat" and s.labels.get("stat") in SYNC_STATS:
+                key = s.labels["stat"].split(".", 1)[1]
+            else:
+                continue
+            mine = out.setdefault(s.labels.get("process", "0"), {})
+            mine[key] = mine.get(key, 0.0) + s.value
     return out
 
 
 def one_run(url: str, port: int, script: Path, bodies: Path, seconds: int, sup: int) -> dict:
     pids = serving_processes(sup)
-    served0 = requests_by_process(url)
+    seen0 = scrape(url)
     cpu0 = {p: cpu_of(p) for p in pids}
     t0 = time.monotonic()
     wrk = subprocess.Popen(
@@ -117,13 +124,17 @@ def one_run(url: str, port: int, script: Path, bodies: Path, seconds: int, sup: 
     out, _ = wrk.communicate()
     wall = time.monotonic() - t0
     cpu1 = {p: cpu_of(p) for p in pids}
-    served1 = requests_by_process(url)
+    seen1 = scrape(url)
     line = next(ln for ln in out.splitlines() if ln.startswith("WRKJSON "))
     total = json.loads(line[len("WRKJSON ") :])["requests"]
     rows = []
     for index, pid in enumerate(pids):  # forked in index order: pid order is index order
         label = str(index)
-        served = served1.get(label, 0.0) - served0.get(label, 0.0)
+        delta = {
+            k: seen1.get(label, {}).get(k, 0.0) - seen0.get(label, {}).get(k, 0.0)
+            for k in ("requests", "published_events", "published_batches")
+        }
+        served = delta["requests"]
         cpu = cpu1[pid] - cpu0[pid]
         rows.append(
             {
@@ -133,6 +144,8 @@ def one_run(url: str, port: int, script: Path, bodies: Path, seconds: int, sup: 
                 "requests": served,
                 "cpu_share": cpu / wall,
                 "cpu_ms_per_request": cpu / served * 1e3 if served else None,
+                "sync_events_per_request": delta["published_events"] / served if served else None,
+                "sync_batches_per_s": delta["published_batches"] / wall,
             }
         )
     return {"requests": total, "requests_per_s": total / wall, "processes": rows}
@@ -175,7 +188,9 @@ def main() -> None:
                 f"run {rnd + 1}/{args.rounds}  {run['requests_per_s']:.0f} req/s  "
                 + "  ".join(
                     f"p{r['process']}: {r['connections']} conns {r['requests']:.0f} req "
-                    f"cpu {r['cpu_share']:.2f} {r['cpu_ms_per_request'] or 0:.3f} ms/req"
+                    f"cpu {r['cpu_share']:.2f} {r['cpu_ms_per_request'] or 0:.3f} ms/req "
+                    f"sync {r['sync_events_per_request'] or 0:.2f} ev/req "
+                    f"{r['sync_batches_per_s']:.0f} batches/s"
                     for r in run["processes"]
                 ),
                 flush=True,
