@@ -115,9 +115,11 @@ class LocalLoadSync(ReplicaLoad):
         self.heartbeat_s = heartbeat_s
         self.reconnect_s = reconnect_s
         self._outbox: list[list[Any] | None] = []
-        # request id -> where its "a" waits in the outbox (until the flush): a request that
-        # finishes before its "a" left is taken out of the batch, not sent and undone
+        # request id -> where its "a" (its "t") waits in the outbox, until the flush: what a
+        # "f" in the same batch makes moot is taken out (the outbox's holes), never sent
         self._unsent: dict[str, int] = {}
+        self._unsent_first: dict[str, int] = {}
+        self._holes = 0
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._flush_timer: asyncio.TimerHandle | None = None  # armed by a batch's first event
         self._seq = 0
@@ -207,18 +209,24 @@ class LocalLoadSync(ReplicaLoad):
     def first_token(self, request_id: str) -> None:
         at = self._unsent.get(request_id)
         if at is None:
+            self._unsent_first[request_id] = len(self._outbox)
             self._queue(["t", request_id])
         else:  # its "a" has not left: it leaves as a prefill already done ("a" then "t")
             self._outbox[at][5] = 0  # type: ignore[index]
 
     def finished(self, request_id: str) -> None:
         at = self._unsent.pop(request_id, None)
-        if at is None:
-            self._queue(["f", request_id])
-        else:  # added and finished within one batch: a peer folds it in and out in one step,
-            # between two of its decisions, so not sending it changes nothing it routes
+        if at is not None:  # added and finished within one batch: a peer folds it in and out
+            # in one step, between two of its decisions, so not sending it changes nothing
             self._outbox[at] = None
+            self._holes += 1
             self.unsent_requests += 1
+            return
+        at = self._unsent_first.pop(request_id, None)
+        if at is not None:  # a finish releases the prefill too, at the same moment of the fold
+            self._outbox[at] = None
+            self._holes += 1
+        self._queue(["f", request_id])
 
     def _queue(self, event: list[Any]) -> None:
         self._outbox.append(event)
@@ -250,11 +258,13 @@ class LocalLoadSync(ReplicaLoad):
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
-        if len(self._unsent) < len(outbox):  # something was taken out, or "t"/"f" events
+        if self._holes:
             events = [e for e in outbox if e is not None]
+            self._holes = 0
         else:
             events = outbox  # type: ignore[assignment]
         self._unsent.clear()
+        self._unsent_first.clear()
         if events:
             self._publish(events)
 

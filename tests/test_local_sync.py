@@ -185,6 +185,7 @@ def _load_state(r: Router) -> tuple:
         load.decode_blocks.tolist(),
         load.prefill_tokens_at(7.5).tolist(),  # with the prefill model's head-of-line decay
         {ep: list(q) for ep, q in load._pending.items() if q},  # prefills queued per endpoint
+        dict(load.counters),  # an event for a request it does not hold counts here
     )
 
 
@@ -193,9 +194,10 @@ def _load_state(r: Router) -> tuple:
 def test_requests_that_end_within_one_batch_are_not_sent_and_peers_load_is_the_same(
     seed, prefill_model
 ):
-    """The batch leaves without the requests added and finished before it (and a first token
-    rides in its request's "a"): a peer's load model after each batch is exactly what it
-    would be had every event been sent. Random lifecycles and flush points, a retried id."""
+    """The batch leaves without the requests added and finished before it, a first token rides
+    in its request's "a" and a "t" followed by its "f" leaves as the "f" alone: a peer's load
+    model after each batch is exactly what it would be had every event been sent. Random
+    lifecycles and flush points, a retried id."""
     from kvplug.prefill_model import CalibratedPrefillModel
     from kvplug.replica_sync import ReplicaLoad
 
