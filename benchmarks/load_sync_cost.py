@@ -3,8 +3,11 @@
 Each process tells the others its requests' added / first token / finished
 (:mod:`kvplug.local_sync`, :class:`kvplug.replica_sync.ReplicaLoad`), batched per millisecond,
 and folds theirs into its load model. Three figures, on real ``Router`` objects (mode ``kv``,
-block size 16, two workers) and bench_frontend's ~512-token token-id prompts, 8 requests in
-flight per process (16 wrk connections over 2 processes):
+block size 16, two workers) and bench_frontend's ~512-token token-id prompts, each request
+finished ``--window`` (5) requests after it was routed, a batch every ``--batch`` (7) requests:
+so 2 of 7 requests start and end within one batch and the others send an "added" and a
+"finished", 1.4 events a request, as ``processes_spread.py`` counts in a ``--processes 2``
+serve under wrk's 16 connections (1.2-1.6):
 
 * ``sender``: CPU per request the listener adds to ``route`` + ``on_first_token`` +
   ``on_finish`` (the three events made and queued, the batch encoded and written to a real
@@ -251,7 +254,7 @@ def main() -> None:
         "~13,000 req/s over 2 processes flushes ~6.5 per millisecond)",
     )
     ap.add_argument("--instr-requests", type=int, default=3000, help="per callgrind run")
-    ap.add_argument("--window", type=int, default=8, help="requests in flight per process")
+    ap.add_argument("--window", type=int, default=5, help="requests in flight in the router")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--phase", choices=("off", "send", "receive"), help=argparse.SUPPRESS)
     ap.add_argument(
