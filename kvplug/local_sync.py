@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _encode = msgspec.json.Encoder().encode
 _MAX_LINE = 16 * 1024 * 1024  # a batch longer than this is a broken peer, not a burst
+_ADDED_PREFILL = 5  # an "a" event's uncached prefill tokens (ReplicaLoad.added_event)
 
 
 def load_socket(directory: str, index: int) -> str:
@@ -212,7 +213,7 @@ class LocalLoadSync(ReplicaLoad):
             self._unsent_first[request_id] = len(self._outbox)
             self._queue(["t", request_id])
         else:  # its "a" has not left: it leaves as a prefill already done ("a" then "t")
-            self._outbox[at][5] = 0  # type: ignore[index]
+            self._outbox[at][_ADDED_PREFILL] = 0  # type: ignore[index]
 
     def finished(self, request_id: str) -> None:
         at = self._unsent.pop(request_id, None)
