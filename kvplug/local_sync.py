@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from kvplug.load import ActiveRequest
 from kvplug.replica_sync import ReplicaLoad
 from kvplug.tasks import cancel_and_wait
 
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _encode = msgspec.json.Encoder().encode
 _MAX_LINE = 16 * 1024 * 1024  # a batch longer than this is a broken peer, not a burst
+_ADDED_PREFILL = 5  # an "a" event's uncached prefill tokens (ReplicaLoad.added_event)
 
 
 def load_socket(directory: str, index: int) -> str:
@@ -113,20 +115,27 @@ class LocalLoadSync(ReplicaLoad):
         self.flush_s = flush_s
         self.heartbeat_s = heartbeat_s
         self.reconnect_s = reconnect_s
-        self._outbox: list[list[Any]] = []
-        self._wake = asyncio.Event()
+        self._outbox: list[list[Any] | None] = []
+        # request id -> where its "a" (its "t") waits in the outbox, until the flush: what a
+        # "f" in the same batch makes moot is taken out (the outbox's holes), never sent
+        self._unsent: dict[str, int] = {}
+        self._unsent_first: dict[str, int] = {}
+        self._holes = 0
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
+        self._flush_timer: asyncio.TimerHandle | None = None  # armed by a batch's first event
         self._seq = 0
         self._server: asyncio.AbstractServer | None = None
         self._out: dict[int, asyncio.Transport] = {}  # peer index -> our connection to it
         self._inbound: set[_Inbound] = set()  # peers' connections to us
         self._tasks: list[asyncio.Task] = []
         self.send_failures = 0  # batches not written to a peer (it was not connected)
+        self.unsent_requests = 0  # added and finished within one batch: not sent at all
 
     async def start(self) -> None:
         path = load_socket(self.directory, self.index)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # this index's previous process, which died
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: _Inbound(self), path)
         self.attach()
         self._tasks = [
@@ -134,16 +143,18 @@ class LocalLoadSync(ReplicaLoad):
             for j in range(self.count)
             if j != self.index
         ]
-        self._tasks += [
-            asyncio.create_task(self._flusher(), name="kvplug-local-sync-flush"),
-            asyncio.create_task(self._heartbeats(), name="kvplug-local-sync-heartbeat"),
-        ]
+        self._tasks.append(
+            asyncio.create_task(self._heartbeats(), name="kvplug-local-sync-heartbeat")
+        )
         log.info("process %s shares load with %d other processes", self.index, self.count - 1)
 
     async def close(self) -> None:
         """Stop; peers release this process's requests when its connections close."""
         self.detach()
         await cancel_and_wait(self._tasks)
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         for transport in self._out.values():
             with contextlib.suppress(Exception):
                 transport.write(self._line([["bye"]]))
@@ -189,9 +200,45 @@ class LocalLoadSync(ReplicaLoad):
                 transport.close()
             await asyncio.sleep(self.reconnect_s)
 
+    # -- this process's requests (ReplicaLoad's listener, with the batch in view) -------------
+    def added(self, r: ActiveRequest) -> None:
+        event = self.added_event(r)
+        if event is not None:
+            self._unsent[r.request_id] = len(self._outbox)
+            self._queue(event)
+
+    def first_token(self, request_id: str) -> None:
+        at = self._unsent.get(request_id)
+        if at is None:
+            self._unsent_first[request_id] = len(self._outbox)
+            self._queue(["t", request_id])
+        else:  # its "a" has not left: it leaves as a prefill already done ("a" then "t")
+            self._outbox[at][_ADDED_PREFILL] = 0  # type: ignore[index]
+
+    def finished(self, request_id: str) -> None:
+        at = self._unsent.pop(request_id, None)
+        if at is not None:  # added and finished within one batch: a peer folds it in and out
+            # in one step, between two of its decisions, so not sending it changes nothing
+            self._outbox[at] = None
+            self._holes += 1
+            self.unsent_requests += 1
+            return
+        at = self._unsent_first.pop(request_id, None)
+        if at is not None:  # a finish releases the prefill too, at the same moment of the fold
+            self._outbox[at] = None
+            self._holes += 1
+        self._queue(["f", request_id])
+
     def _queue(self, event: list[Any]) -> None:
         self._outbox.append(event)
-        self._wake.set()
+        # a batch's first event arms one timer: a burst of decisions within flush_s shares one
+        # batch. A timer rather than a task woken per batch: no futures, no task steps
+        if self._flush_timer is None and self._loop is not None:
+            self._flush_timer = self._loop.call_later(self.flush_s, self._flush_due)
+
+    def _flush_due(self) -> None:
+        self._flush_timer = None
+        self._flush()
 
     def _line(self, events: list[list[Any]]) -> bytes:
         self._seq += 1
@@ -211,7 +258,14 @@ class LocalLoadSync(ReplicaLoad):
         self.stats.published_events += len(events)
 
     def _flush(self) -> None:
-        events, self._outbox = self._outbox, []
+        outbox, self._outbox = self._outbox, []
+        if self._holes:
+            events = [e for e in outbox if e is not None]
+            self._holes = 0
+        else:
+            events = outbox  # type: ignore[assignment]
+        self._unsent.clear()
+        self._unsent_first.clear()
         if events:
             self._publish(events)
 
@@ -228,14 +282,6 @@ class LocalLoadSync(ReplicaLoad):
                 if r.prefill_done:
                     events.append(["t", request_id])
         return events
-
-    async def _flusher(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if self.flush_s:
-                await asyncio.sleep(self.flush_s)  # let a burst of decisions share one batch
-            self._flush()
 
     async def _heartbeats(self) -> None:
         while True:

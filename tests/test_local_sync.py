@@ -145,6 +145,113 @@ async def test_bad_batches_are_counted_never_raised(tmp_path):
         await sync.close()
 
 
+class _Tee:
+    """Hears a router's lifecycle for two listeners: the process's sync and a reference that
+    keeps every event (ReplicaLoad with ``send``)."""
+
+    def __init__(self, *listeners) -> None:
+        self.listeners = listeners
+
+    def added(self, r) -> None:
+        for x in self.listeners:
+            x.added(r)
+
+    def first_token(self, request_id: str) -> None:
+        for x in self.listeners:
+            x.first_token(request_id)
+
+    def finished(self, request_id: str) -> None:
+        for x in self.listeners:
+            x.finished(request_id)
+
+
+class _Capture:
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.lines.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def _load_state(r: Router) -> tuple:
+    load = r.load
+    return (
+        sorted(load.requests),
+        load.inflight.tolist(),
+        load.prefill_tokens.tolist(),
+        load.decode_blocks.tolist(),
+        load.prefill_tokens_at(7.5).tolist(),  # with the prefill model's head-of-line decay
+        {ep: list(q) for ep, q in load._pending.items() if q},  # prefills queued per endpoint
+        dict(load.counters),  # an event for a request it does not hold counts here
+    )
+
+
+@pytest.mark.parametrize("prefill_model", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_requests_that_end_within_one_batch_are_not_sent_and_peers_load_is_the_same(
+    seed, prefill_model
+):
+    """The batch leaves without the requests added and finished before it, a first token rides
+    in its request's "a" and a "t" followed by its "f" leaves as the "f" alone: a peer's load
+    model after each batch is exactly what it would be had every event been sent. Random
+    lifecycles and flush points, a retried id."""
+    from kvplug.prefill_model import CalibratedPrefillModel
+    from kvplug.replica_sync import ReplicaLoad
+
+    def router(s: int) -> Router:
+        predictor = CalibratedPrefillModel() if prefill_model else None
+        r = Router(
+            RouterConfig(kv_block_size=16), rng=random.Random(s), prefill_predictor=predictor
+        )
+        for w in range(3):
+            r.add_worker(Worker(f"w{w}"))
+        return r
+
+    rng = random.Random(seed)
+    sender, peer, reference = router(seed), router(1), router(1)
+    sync = LocalLoadSync(sender, "/nonexistent", 0, 2, replica_id="p0", flush_s=0)
+    sync._out[1] = out = _Capture()  # type: ignore[assignment]
+    sent_all: list = []
+    everything = ReplicaLoad(sender, "p0", send=sent_all.append)
+    sender.load.listener = _Tee(sync, everything)
+    folded = LocalLoadSync(peer, "/nonexistent", 1, 2, replica_id="p1", clock=lambda: 7.0)
+    ref = ReplicaLoad(reference, "p1", clock=lambda: 7.0)
+    everything.stats.published_events = 0  # counted here as they are folded
+    live: list[str] = []
+    started: set[str] = set()
+    for step in range(400):
+        roll = rng.random()
+        if roll < 0.35 or not live:
+            rid = f"q{step}" if rng.random() > 0.05 or not live else rng.choice(live)  # a retry
+            prompt = [rng.randrange(50) for _ in range(rng.randrange(1, 80))]
+            sender.route(RouteRequest(rid, prompt))
+            started.discard(rid)
+            if rid not in live:
+                live.append(rid)
+        elif roll < 0.6:
+            rid = rng.choice(live)
+            sender.on_first_token(rid)
+            started.add(rid)
+        elif roll < 0.85:
+            rid = live.pop(rng.randrange(len(live)))
+            sender.on_finish(rid)
+        else:  # a flush: the peer folds the batch; the reference folds every event
+            sync._flush()
+            for line in out.lines:
+                folded.apply_line(line)
+            out.lines.clear()
+            ref.apply_events("p0", sent_all)
+            everything.stats.published_events += len(sent_all)
+            sent_all.clear()
+            assert _load_state(peer) == _load_state(reference), f"step {step}"
+    assert sync.unsent_requests > 0  # the test exercised what it is about
+    assert sync.stats.published_events < everything.stats.published_events
+    assert folded.stats.dropped_malformed == 0 and folded.stats.dropped_unknown_worker == 0
+
+
 def test_merged_metrics_label_every_sample_with_its_process():
     text0 = (
         "# HELP kvplug_requests_total requests\n# TYPE kvplug_requests_total counter\n"
