@@ -144,7 +144,7 @@ def run_stage(glue: NativeGlue, requests: list[bytes], tail: bytes, with_end: bo
         ctx = fe.request_context(req, None, ids, SOURCE_REQUEST, None, NO_HINTS, None)
         routed = fe.route_stage(ctx, Stage.AGGREGATED, 0, frozenset(), None)
         if with_end:
-            fe.metrics.inflight.inc()
+            fe.request_started()
             whole_answer_read(routed.lifecycle, 200, answer_tokens(tail))
             fe.record_answer(ctx, routed, 200, "ok", None, routed.lifecycle.tokens)
             fe.count_request(COMPLETIONS, 200, False, 0.0)
