@@ -312,12 +312,8 @@ flat_value = st.one_of(
 def flat_bodies(draw) -> bytes:
     """Flat objects near the common shape: ASCII strings (some with escapes), numbers of any
     size, the five fields with right and wrong values, repeated keys, odd whitespace."""
-    names = draw(
-        st.lists(
-            st.sampled_from(["model", "prompt", "stream", "nvext", "cache_salt", "max_tokens", "x"]),
-            max_size=7,
-        )
-    )
+    keys = ["model", "prompt", "stream", "nvext", "cache_salt", "max_tokens", "x"]
+    names = draw(st.lists(st.sampled_from(keys), max_size=7))
     parts = []
     for name in names:
         if name == "prompt":
@@ -338,9 +334,13 @@ def flat_bodies(draw) -> bytes:
         ]
         parts = draw(st.permutations(parts))
     space = draw(st.sampled_from(["", " ", "\n\t ", "\r"]))
-    text = "{" + space + ("," + space).join(
-        f"{json.dumps(n)}{space}:{space}{json.dumps(v)}" for n, v in parts
-    ) + space + "}"
+    text = (
+        "{"
+        + space
+        + ("," + space).join(f"{json.dumps(n)}{space}:{space}{json.dumps(v)}" for n, v in parts)
+        + space
+        + "}"
+    )
     return text.encode()
 
 
