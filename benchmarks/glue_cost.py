@@ -14,7 +14,9 @@ The baseline, in the same rounds (alternating): ``floor_proxy.py --route``'s wor
 data path can do in Python. The difference is what the glue adds for traces, metrics,
 retries and the head; two more runs split it (non-streamed): ``Frontend.route_stage`` alone
 (the Python path's routing step: trace record, lifecycle, route metrics) and with the answer's
-end as ``finish`` records it.
+end as ``finish`` records it. And the body's parse alone (``parse_token_prompt``: the one-pass
+reader of the common body) against the ``msgspec`` head decode it replaced
+(``parse_token_prompt_decoded``, still the path of the bodies the reader leaves).
 
     python benchmarks/glue_cost.py                  # ~30 s
     python benchmarks/glue_cost.py --profile        # and where the glue's time goes (cProfile)
@@ -54,7 +56,11 @@ from kvplug.frontend.native_glue import (  # noqa: E402
     NativeGlue,
     answer_tokens,
 )
-from kvplug.frontend.parsing import COMPLETIONS, parse_token_prompt  # noqa: E402
+from kvplug.frontend.parsing import (  # noqa: E402
+    COMPLETIONS,
+    parse_token_prompt,
+    parse_token_prompt_decoded,
+)
 from kvplug.frontend.streaming import whole_answer_read  # noqa: E402
 from kvplug.frontend.tokens import SOURCE_REQUEST  # noqa: E402
 from kvplug.router import Router  # noqa: E402
@@ -138,11 +144,19 @@ def run_stage(glue: NativeGlue, requests: list[bytes], tail: bytes, with_end: bo
         ctx = fe.request_context(req, None, ids, SOURCE_REQUEST, None, NO_HINTS, None)
         routed = fe.route_stage(ctx, Stage.AGGREGATED, 0, frozenset(), None)
         if with_end:
-            fe.metrics.inflight.inc()
+            fe.request_started()
             whole_answer_read(routed.lifecycle, 200, answer_tokens(tail))
             fe.record_answer(ctx, routed, 200, "ok", None, routed.lifecycle.tokens)
             fe.count_request(COMPLETIONS, 200, False, 0.0)
         routed.lifecycle.finish()
+    return (cpu() - c0) / len(requests) * 1e6
+
+
+def run_parse(parse, requests: list[bytes]) -> float:
+    """CPU us per request of one body parser."""
+    c0 = cpu()
+    for body in requests:
+        parse(body)
     return (cpu() - c0) / len(requests) * 1e6
 
 
@@ -173,6 +187,8 @@ async def main_async(args) -> dict:
         if not stream:  # the split, once
             runs["route_stage"] = partial(run_stage, glue, requests, tail, False)
             runs["route_stage_and_end"] = partial(run_stage, glue, requests, tail, True)
+            runs["parse"] = partial(run_parse, parse_token_prompt, requests)
+            runs["parse_decoded"] = partial(run_parse, parse_token_prompt_decoded, requests)
         measured: dict[str, list[float]] = {name: [] for name in runs}
         for r in range(args.rounds):
             names = list(runs) if r % 2 == 0 else list(reversed(runs))
@@ -204,14 +220,16 @@ def _cell(r: dict | None) -> str:
 def table(results: dict) -> str:
     lines = [
         "| request | glue decide+finish (us) | floor_proxy --route (us) | glue - floor (us) "
-        "| route_stage (us) | route_stage + answer's end (us) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| route_stage (us) | route_stage + answer's end (us) | parse (us) "
+        "| parse, msgspec head (us) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for kind, r in results.items():
         lines.append(
             f"| {kind} | {_cell(r['glue'])} | {_cell(r['floor_route'])} "
             f"| {r['glue_minus_floor_us']} | {_cell(r.get('route_stage'))} "
-            f"| {_cell(r.get('route_stage_and_end'))} |"
+            f"| {_cell(r.get('route_stage_and_end'))} | {_cell(r.get('parse'))} "
+            f"| {_cell(r.get('parse_decoded'))} |"
         )
     return "\n".join(lines)
 

@@ -150,7 +150,7 @@ class TrtllmRemoteRouter:
             req.prompt_ids = _check_token_ids(body["prompt_token_ids"], "prompt_token_ids")
         model_workers = fe._check_model(req)
         tokens, source, note = await fe.tokens.resolve(req)
-        fe._child(fe.metrics.token_source, source).inc()
+        fe.count_token_source(source)
         allowed = self._allowed(role, model_workers)
         excluded = self._excluded(exclude_server)
         unhealthy = fe.fleet.unhealthy

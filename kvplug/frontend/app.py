@@ -21,6 +21,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
@@ -52,6 +53,7 @@ from kvplug.frontend.decisions import DecisionRecord, DecisionStore
 from kvplug.frontend.errors import ApiError, bad_request
 from kvplug.frontend.fleet import Fleet, WorkerEntry
 from kvplug.frontend.health import HealthProber
+from kvplug.frontend.hints import NO_HINTS as NO_CLIENT_HINTS
 from kvplug.frontend.hints import ClientHints, RequestHints, check_hint_targets
 from kvplug.frontend.lifecycle import Lifecycle
 from kvplug.frontend.metrics import FrontendMetrics
@@ -113,6 +115,11 @@ _ROUTING_ERRORS = {
 }
 
 
+# Stage.value is a Python-level property; these are dict lookups
+_STAGE_NAME = {stage: stage.value for stage in Stage}
+_STAGE_LETTER = {stage: stage.value[0] for stage in Stage}  # route ids: r<key>.<letter><attempt>
+_NO_REASONS: Any = MappingProxyType({})  # RouteRequest.exclusion_reasons with nobody unhealthy
+
 _DROP_ALWAYS = frozenset({"content-encoding"})
 _DROP_WITH_KEY = _DROP_ALWAYS | {"authorization"}
 
@@ -152,8 +159,14 @@ class Frontend:
         self.tokens = TokenResolver(tokenizer, self._engine_tokenize if s.engine_tokenize else None)
         self.block_size = router.index.block_size
         self._keys = itertools.count(1)
-        self._req_counters: dict[tuple[str, int], Any] = {}
-        self._children: dict[tuple, Any] = {}  # prometheus children, looked up once
+        # the per-request series, looked up once: in flight; token sources; route seconds per
+        # stage; (requests, seconds) per (path, status, stream)
+        self._inflight = self.metrics.inflight.labels()
+        self._source_counters: dict[str, Any] = {}
+        self._route_hists: dict[Stage, Any] = {}
+        self._request_series: dict[tuple[str, int, bool], tuple[Any, Any]] = {}
+        self._served: dict[str, frozenset[str] | None] = {}  # _check_model's answers
+        self._served_epoch = -1  # the fleet epoch they hold at
         self._id_prefix = secrets.token_hex(6)  # request ids: unique per process and request
         self._tokenize_rr = itertools.count()
         self._no_tokenize: set[tuple[str, str]] = set()  # (worker, URL) answering 404 there
@@ -181,12 +194,16 @@ class Frontend:
         await self.fleet.close()
         await self.upstream.close()
 
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
+    def count_token_source(self, source: str) -> None:
+        """One request's token ids in ``kvplug_token_source``."""
+        counter = self._source_counters.get(source)
+        if counter is None:
+            counter = self._source_counters[source] = self.metrics.token_source.labels(source)
+        counter.inc()
+
+    def request_started(self) -> None:
+        """One more request in flight (``count_request`` counts it out)."""
+        self._inflight.inc()
 
     def _ejected(self, worker_id: str, reason: str, seconds: float) -> None:
         self.metrics.ejections.labels(worker_id).inc()
@@ -224,8 +241,8 @@ class Frontend:
 
     async def _handle(self, request: web.Request, path: str) -> web.StreamResponse:
         started = time.perf_counter()
+        self.request_started()
         m = self.metrics
-        m.inflight.inc()
         status = 500
         stream = False
         try:
@@ -256,22 +273,33 @@ class Frontend:
     def count_request(self, path: str, status: int, stream: bool, started: float) -> None:
         """One answered request in ``/metrics``: in flight no more, its status, its seconds
         (``started``: ``time.perf_counter()`` when it arrived, ``inflight`` raised then)."""
-        m = self.metrics
-        m.inflight.dec()
-        key = (path, status)
-        counter = self._req_counters.get(key)
-        if counter is None:
-            counter = self._req_counters[key] = m.requests.labels(path, str(status))
-        counter.inc()
-        self._child(m.request_seconds, path, "true" if stream else "false").observe(
-            time.perf_counter() - started
-        )
+        self._inflight.dec()
+        key = (path, status, stream)
+        series = self._request_series.get(key)
+        if series is None:
+            m = self.metrics
+            series = self._request_series[key] = (
+                m.requests.labels(path, str(status)),
+                m.request_seconds.labels(path, "true" if stream else "false"),
+            )
+        series[0].inc()
+        series[1].observe(time.perf_counter() - started)
 
     async def _read_body(self, request: web.Request) -> bytes:
         s = self.settings
         return await read_body(request, s.max_body_bytes, s.client_body_timeout)
 
     def _check_model(self, req: ParsedRequest) -> frozenset[str] | None:
+        """``fleet.workers_for_model`` of a model the fleet serves (remembered per model until
+        the fleet changes); a 404 for another when the fleet knows its models."""
+        epoch = self.fleet.epoch
+        if epoch != self._served_epoch:
+            self._served_epoch = epoch
+            self._served.clear()
+        try:
+            return self._served[req.model]
+        except KeyError:
+            pass
         known = self.fleet.models()
         if known and req.model not in known:
             raise ApiError(
@@ -282,7 +310,11 @@ class Frontend:
                 "model_not_found",
                 "model",
             )
-        return self.fleet.workers_for_model(req.model)
+        workers = self.fleet.workers_for_model(req.model)
+        # bounded: with no model list known, any name a client sends passes
+        if known or len(self._served) < 1024:
+            self._served[req.model] = workers
+        return workers
 
     def _check_hint_workers(self, hints: RequestHints) -> None:
         check_hint_targets(hints, self.fleet.workers)
@@ -305,7 +337,7 @@ class Frontend:
                 except asyncio.TimeoutError:
                     raise self._timed_out(None) from None
         tokens, source, note = await self.tokens.resolve(req)
-        self._child(self.metrics.token_source, source).inc()
+        self.count_token_source(source)
         self.check_prompt_tokens(tokens, "prompt")
         ctx = self.request_context(
             req, request.headers.get("X-Request-Id"), tokens, source, note, hints, model_workers
@@ -477,6 +509,8 @@ class Frontend:
         self, ctx: RequestContext, stage: Stage, allowed: frozenset[str] | None
     ) -> RoutingHints:
         h = ctx.hints
+        if h is NO_CLIENT_HINTS and ctx.model_workers is None and allowed is None:
+            return NO_HINTS  # the usual request: nothing below would change that
         allow = h.allowed_worker_ids
         for extra in (ctx.model_workers, allowed):
             if extra is not None:
@@ -530,7 +564,8 @@ class Frontend:
                 self._on_release()
             raise
         finally:
-            self.admitted(ctx)  # its load is in the router now (or gone)
+            if ctx.ticket is not None:
+                self.admitted(ctx)  # its load is in the router now (or gone)
 
     def _route_request(
         self,
@@ -542,16 +577,24 @@ class Frontend:
     ) -> RouteRequest:
         hints = self._hints_for(ctx, stage, allowed)
         unhealthy = self.fleet.unhealthy
-        if unhealthy and hints.pinned_worker_id in unhealthy:
-            unhealthy = unhealthy - {hints.pinned_worker_id}  # an explicit pin is tried anyway
+        excluded, reasons = exclude, _NO_REASONS
+        if unhealthy:
+            if hints.pinned_worker_id in unhealthy:
+                unhealthy = unhealthy - {hints.pinned_worker_id}  # an explicit pin is tried anyway
+            excluded = exclude | unhealthy
+            reasons = self._unhealthy_reasons(unhealthy - exclude)
+        # positional, in RouteRequest's field order: request_id, token_ids, block_hashes,
+        # lora_name, cache_salt, stage, hints, exclude_workers, exclusion_reasons
         return RouteRequest(
-            request_id=f"r{ctx.key}.{stage.value[0]}{attempt}",
-            token_ids=ctx.tokens if ctx.tokens is not None else (),
-            cache_salt=ctx.req.cache_salt,
-            stage=stage,
-            hints=hints,
-            exclude_workers=exclude | unhealthy if unhealthy else exclude,
-            exclusion_reasons=self._unhealthy_reasons(unhealthy - exclude) if unhealthy else {},
+            f"r{ctx.key}.{_STAGE_LETTER[stage]}{attempt}",
+            ctx.tokens if ctx.tokens is not None else (),
+            None,
+            None,
+            ctx.req.cache_salt,
+            stage,
+            hints,
+            excluded,
+            reasons,
         )
 
     def _unhealthy_reasons(self, unhealthy: frozenset[str]) -> dict[str, str]:
@@ -579,7 +622,10 @@ class Frontend:
         decision: Any,
         route_s: float,
     ) -> Routed:
-        self._child(self.metrics.route_seconds, stage.value).observe(route_s)
+        hist = self._route_hists.get(stage)
+        if hist is None:
+            hist = self._route_hists[stage] = self.metrics.route_seconds.labels(_STAGE_NAME[stage])
+        hist.observe(route_s)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "request %s (%s, attempt %d): %s",
@@ -589,16 +635,17 @@ class Frontend:
                 decision.explain(),
             )
         entry = self.fleet.workers[decision.worker_id]
+        prompt_tokens = None if ctx.tokens is None else len(ctx.tokens)
         record = DecisionRecord(
             decision,
             ctx.request_id,
-            stage.value,
+            _STAGE_NAME[stage],
             attempt,
             ctx.req.path,
             ctx.req.model,
             ctx.token_source,
             ctx.token_note,
-            None if ctx.tokens is None else len(ctx.tokens),
+            prompt_tokens,
             entry.url_base,
             route_s * 1e6,
         )
@@ -611,11 +658,7 @@ class Frontend:
         ctx.records.append(record)
         self.decisions.add(record)
         lifecycle = Lifecycle(
-            self.router,
-            route_id,
-            self.block_size,
-            len(ctx.tokens) if ctx.tokens is not None else 0,
-            self._on_release,
+            self.router, route_id, self.block_size, prompt_tokens or 0, self._on_release
         )
         return Routed(decision, entry, lifecycle, record)
 

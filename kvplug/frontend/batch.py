@@ -210,7 +210,7 @@ async def serve_batch(
         subs.append(sub)
     resolved = await asyncio.gather(*(fe.tokens.resolve(sub) for sub in subs))
     for i, (tokens, source, _) in enumerate(resolved):
-        fe._child(fe.metrics.token_source, source).inc()
+        fe.count_token_source(source)
         fe.check_prompt_tokens(tokens, f"prompt[{i}]")
 
     request_id = request.headers.get("X-Request-Id") or f"kvplug-{fe._id_prefix}-{next(fe._keys)}"

@@ -35,7 +35,7 @@ class Lifecycle:
     ):
         self.router = router
         self.route_id = route_id
-        self.block_size = max(1, block_size)
+        self.block_size = block_size if block_size > 0 else 1
         self.prompt_tokens = prompt_tokens  # boundaries are of the whole sequence (prompt+output)
         self.first_seen = False
         self.tokens = 0

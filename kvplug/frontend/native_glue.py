@@ -80,6 +80,7 @@ TAIL_BYTES = 4096  # the most of an answer's last bytes the lane hands to finish
 _NO_ANSWER = "no answer head (connection refused, reset or closed, or --per-try-timeout passed)"
 _BROKE_OFF = "the engine's connection ended before the answer did"
 _UNREACHABLE = "not an http:// engine the native lane can reach"
+_NO_WORKERS: frozenset[str] = frozenset()
 _WRITTEN_HERE = frozenset({"content-type", "x-request-id"})  # by _attempt's head, for every request
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
@@ -236,8 +237,8 @@ class NativeGlue:
         except ApiError:
             return None  # the Python path answers the 404 / 400
         # from here the request is this path's: counted as the Python path counts it
-        fe.metrics.inflight.inc()
-        fe._child(fe.metrics.token_source, source).inc()
+        fe.request_started()
+        fe.count_token_source(source)
         # no hints: the bodies taken have no nvext and the lane hands off hint headers
         ctx = fe.request_context(
             req,
@@ -329,7 +330,11 @@ class NativeGlue:
         ctx = token.ctx
         try:
             routed = fe.route_stage(
-                ctx, Stage.AGGREGATED, token.attempt, frozenset(token.exclude), None
+                ctx,
+                Stage.AGGREGATED,
+                token.attempt,
+                frozenset(token.exclude) if token.exclude else _NO_WORKERS,
+                None,
             )
         except ApiError as err:  # no worker can take it (503), counted by route_stage
             return self._answer_error(token, err)

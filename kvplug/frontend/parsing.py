@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
-from kvplug._token_json import parse_token_ids
+from kvplug._token_json import parse_token_ids, read_common_completion
 from kvplug.frontend.errors import bad_request
 
 COMPLETIONS = "/v1/completions"
@@ -133,6 +133,17 @@ def parse_token_prompt(raw: bytes) -> ParsedRequest | None:
     without a dict or a Python int per token; None for anything else (the general path
     decides, and says what is wrong). Accepts exactly what the general path accepts, with
     the same result (tests/test_parsing_fastpath.py checks it on generated bodies)."""
+    common = read_common_completion(raw)  # the usual body, in one pass over its bytes
+    if common is not None:
+        model, ids, stream, salt = common
+        return ParsedRequest(COMPLETIONS, raw, model, stream, prompt_ids=ids, cache_salt=salt)
+    return parse_token_prompt_decoded(raw)
+
+
+def parse_token_prompt_decoded(raw: bytes) -> ParsedRequest | None:
+    """``parse_token_prompt`` for the bodies its one-pass reader leaves (escapes, non-ASCII
+    text, nested values, repeated keys...): the fields it reads decoded by ``msgspec``, the
+    prompt kept raw and read by ``parse_token_ids``."""
     try:
         head = _head_decoder.decode(raw)
     except (msgspec.DecodeError, RecursionError):
