@@ -33,7 +33,7 @@ from instant_engine import InstantEngine, answers  # noqa: E402
 pytestmark = pytest.mark.timeout(60)
 
 COMPLETIONS, CHAT = 0, 1
-OK, CLIENT_GONE, UNAVAILABLE, FAILED, TIMED_OUT = range(5)
+OK, CLIENT_GONE, UNAVAILABLE, FAILED, TIMED_OUT, DEADLINE = range(6)
 PATHS = {COMPLETIONS: b"/v1/completions", CHAT: b"/v1/chat/completions"}
 
 
@@ -1075,6 +1075,26 @@ async def scripted_answer(answer: bytes):
     return engine
 
 
+async def answering(answer: bytes):
+    """An engine that writes ``answer`` to every request on a connection (and closes it after
+    an answer that says ``Connection: close``)."""
+
+    async def engine(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(int(headers_of(head)[b"content-length"]))
+                writer.write(answer)
+                await writer.drain()
+                if b"Connection: close" in answer:
+                    writer.close()
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+
+    return engine
+
+
 async def test_a_chunked_answer_with_a_content_length_loses_the_length():
     answer = (
         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -1088,12 +1108,14 @@ async def test_a_chunked_answer_with_a_content_length_loses_the_length():
         assert b"content-length" not in head.lower() and body == b"5\r\nhello\r\n0\r\n\r\n"
 
 
-async def test_an_answer_header_decide_gives_replaces_the_engines():
-    # the engine echoes an X-Request-Id; the client gets one, the decider's (as on the Python
-    # path); the engine's other end-to-end headers pass
+async def test_the_client_gets_the_engines_content_type_and_the_deciders_headers_only():
+    # as the Python path (streaming.response_headers): the engine's Content-Type, the
+    # decider's headers (its X-Request-Id, not the engine's echo) and the framing; the engine's
+    # Date, Server and other fields stay behind
     answer = (
-        b"HTTP/1.1 200 OK\r\nX-Request-Id: engine-echo\r\nX-Engine: e1\r\n"
-        b"Content-Length: 2\r\n\r\nok"
+        b"HTTP/1.1 200 OK\r\nDate: Wed, 02 Dec 2026 16:00:00 GMT\r\nServer: uvicorn\r\n"
+        b"X-Request-Id: engine-echo\r\nX-Engine: e1\r\nContent-Type: application/json\r\n"
+        b"Cache-Control: private\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok"
     )
     async with Harness() as h:
         upstream = await h.scripted_engine(await scripted_answer(answer))
@@ -1107,11 +1129,41 @@ async def test_an_answer_header_decide_gives_replaces_the_engines():
         reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
         head, body = await read_answer(reader)
-        lines = head.lower().split(b"\r\n")
-        assert [line for line in lines if line.startswith(b"x-request-id:")] == [
-            b"x-request-id: kvplug-1"
-        ]
-        assert b"x-engine: e1" in lines and body == b"ok"
+        assert head == (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-request-id: kvplug-1\r\n"
+            b"Content-Length: 2\r\n\r\n"
+        )
+        assert body == b"ok"
+
+
+@pytest.mark.parametrize(
+    "answer, framing",
+    [
+        (b"HTTP/1.1 200 OK\r\nServer: e\r\nContent-Length: 2\r\n\r\nok", b"Content-Length: 2"),
+        (
+            b"HTTP/1.1 200 OK\r\nServer: e\r\nConnection: close\r\n\r\nok",
+            b"Transfer-Encoding: chunked",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nServer: e\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            b"Transfer-Encoding: chunked",
+        ),
+    ],
+)
+async def test_an_answer_without_a_content_type_says_json_and_keeps_its_framing(answer, framing):
+    async with Harness() as h:
+        await h.scripted_engine(await answering(answer))
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, body = await read_answer(reader)
+        assert head == (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Lane-Test: yes\r\n%s\r\n\r\n"
+            % framing
+        )
+        assert (dechunk(body) if b"chunked" in framing else body) == b"ok"
+        writer.write(post(b"/v1/completions", body_of()))  # the connection still serves
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200 OK")
 
 
 @pytest.mark.parametrize(
@@ -1150,7 +1202,8 @@ async def test_a_bodiless_answer_and_an_interim_100_are_relayed():
         reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        assert head.startswith(b"HTTP/1.1 204 No Content\r\nX-E: 1\r\n")
+        assert head.startswith(b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\n")
+        assert b"X-E" not in head
         await until(lambda: h.finished)
         assert h.finished[0][1:3] == (204, OK)
 
