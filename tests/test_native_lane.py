@@ -1145,7 +1145,8 @@ async def test_the_client_gets_the_engines_content_type_and_the_deciders_headers
             b"Transfer-Encoding: chunked",
         ),
         (
-            b"HTTP/1.1 200 OK\r\nServer: e\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nServer: e\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"2\r\nok\r\n0\r\n\r\n",
             b"Transfer-Encoding: chunked",
         ),
     ],
