@@ -1035,6 +1035,190 @@ async def test_engine_idle_timeout_before_the_head_answers_504():
         assert head.startswith(b"HTTP/1.1 504") and h.finished[0][2] == TIMED_OUT
 
 
+def sse_engine(events: int, interval: float, then: bytes = b"0\r\n\r\n"):
+    """An engine that streams ``events`` SSE events (one chunk each, ``interval`` apart) to
+    every request on a connection, then writes ``then`` (the chunked end, or bytes it breaks
+    off after: it closes the connection when ``then`` is not the end)."""
+
+    async def engine(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(int(headers_of(head)[b"content-length"]))
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n"
+                )
+                for i in range(events):
+                    event = b"data: %d\n\n" % i
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    await writer.drain()
+                    await asyncio.sleep(interval)
+                writer.write(then)
+                await writer.drain()
+                if then != b"0\r\n\r\n":
+                    writer.transport.abort()
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+
+    return engine
+
+
+def last_event_on(outcomes: tuple[int, ...], event: bytes):
+    """A finish that ends a stream broken with one of ``outcomes`` with ``event``."""
+    return lambda token, status, outcome, tail: (504, b"", event) if outcome in outcomes else None
+
+
+async def test_request_timeout_bounds_every_try_of_a_request_together():
+    # the first try's per-try timeout (0.25 s) sends it elsewhere; the request's 0.4 s end it
+    # before the second try's own (0.5 s) would: outcome 5 and what finish answers
+    async def silent(reader, writer):
+        await reader.read()
+
+    async with Harness(request_timeout=0.4, try_timeout=0.25, engine_idle_timeout=10) as h:
+        upstream = await h.scripted_engine(silent)
+
+        def on_finish(token, status, outcome, tail):
+            if outcome == UNAVAILABLE:
+                return (upstream, engine_head(COMPLETIONS, body_of()), None, b"", {"n": 2})
+            return (504, b"Content-Type: application/json\r\n", b'{"late": true}')
+
+        h.on_finish = on_finish
+        reader, writer = await h.connect()
+        started = time.monotonic()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, body = await read_answer(reader)
+        elapsed = time.monotonic() - started
+        assert head.startswith(b"HTTP/1.1 504") and body == b'{"late": true}'
+        assert [f[2] for f in h.finished] == [UNAVAILABLE, DEADLINE]
+        assert 0.38 <= elapsed < 0.5 + 2.0  # the request's limit, before the second try's
+        await until(lambda: h.lane.stats()["engine_connections"] == 0)  # both tries closed
+
+
+async def test_request_timeout_without_a_finish_answer_is_the_lanes_504():
+    async def silent(reader, writer):
+        await reader.read()
+
+    async with Harness(request_timeout=0.2, engine_idle_timeout=10) as h:
+        await h.scripted_engine(silent)
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, body = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 504") and b"upstream_timeout" in body
+        assert h.finished[0][1:3] == (0, DEADLINE) and h.lane.stats()["timeouts"] == 1
+
+
+async def test_a_streams_request_timeout_ends_at_its_first_bytes_and_its_duration_cuts_it():
+    # request_timeout (0.3 s) stops at the stream's first bytes; max_stream_duration (0.8 s)
+    # then ends the stream with finish's last event, framed: the connection serves on
+    async with Harness(request_timeout=0.3, max_stream_duration=0.8) as h:
+        await h.scripted_engine(sse_engine(events=100, interval=0.05))
+        h.on_finish = last_event_on((DEADLINE,), b"data: cut\n\n")
+        reader, writer = await h.connect()
+        started = time.monotonic()
+        writer.write(post(b"/v1/completions", body_of(stream=True)))
+        head, body = await read_answer(reader)
+        elapsed = time.monotonic() - started
+        assert head.startswith(b"HTTP/1.1 200") and elapsed >= 0.78
+        events = dechunk(body)
+        assert events.startswith(b"data: 0\n\ndata: 1\n\n") and events.endswith(b"data: cut\n\n")
+        assert body.endswith(b"\r\n0\r\n\r\n")
+        assert h.finished[0][1:3] == (200, DEADLINE) and len(h.first_bytes) == 1
+        writer.write(post(b"/v1/completions", body_of()))  # the stream ended cleanly
+        head, body = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200") and dechunk(body).endswith(b"data: cut\n\n")
+
+
+@pytest.mark.parametrize("then", [b"", b"1", b"14\r\ndata:"], ids=["at-a-chunk", "size", "data"])
+async def test_a_stream_broken_after_its_first_bytes_ends_with_finishs_last_event(then):
+    # at a chunk's end the lane adds finish's event and the chunked end (as the Python path's
+    # relay ends such a stream); inside a chunk it can only close the connection
+    async with Harness() as h:
+        await h.scripted_engine(sse_engine(events=2, interval=0.05, then=then))
+        h.on_finish = last_event_on((FAILED,), b"data: broke\n\n")
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of(stream=True)))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200")
+        body = b""
+        while not body.endswith(b"\r\n0\r\n\r\n"):
+            data = await asyncio.wait_for(reader.read(1024), 5)
+            if not data:
+                break  # closed
+            body += data
+        if then:  # cut inside a chunk: closed, no event
+            assert b"broke" not in body and body.endswith(then)
+        else:
+            assert dechunk(body) == b"data: 0\n\ndata: 1\n\ndata: broke\n\n"
+            writer.write(post(b"/v1/completions", body_of()))  # the connection serves on
+            head, _ = await read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 200")
+        await until(lambda: h.finished)
+        assert h.finished[0][1:3] == (200, FAILED)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\n\r\n",
+    ],
+    ids=["length", "chunked", "until-close"],
+)
+async def test_an_empty_5xx_is_a_failed_try_that_is_retried(answer):
+    # as the Python path's engine client: an empty 5xx is a dead or restarting engine
+    async def empty(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    async with Harness() as h:
+        dead = await h.scripted_engine(empty)
+        alive = await h.instant_engine()
+        h.decide_with = lambda kind, body, rid, auth: (
+            dead,
+            engine_head(kind, body),
+            None,
+            b"",
+            {"n": 1},
+        )
+        h.on_finish = lambda token, status, outcome, tail: (
+            (alive, engine_head(COMPLETIONS, body_of()), None, b"", {"n": 2})
+            if outcome == UNAVAILABLE
+            else None
+        )
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200")
+        await until(lambda: len(h.finished) == 2)
+        assert h.finished[0][1:] == (0, UNAVAILABLE, b"empty HTTP 503 answer")
+        assert h.finished[1][1:3] == (200, OK) and h.lane.stats()["retried"] == 1
+
+
+async def test_a_5xx_with_a_body_is_relayed_once_its_body_starts():
+    async def error(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 5\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)  # the head alone first: the lane waits for a body byte
+        writer.write(b"oops!")
+        await writer.drain()
+        await reader.read()
+
+    async with Harness() as h:
+        await h.scripted_engine(error)
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, body = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 500") and body == b"oops!"
+        await until(lambda: h.finished)
+        assert h.finished[0][1:] == (500, OK, b"oops!")
+
+
 # -- shutdown --------------------------------------------------------------------------------
 
 
