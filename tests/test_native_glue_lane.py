@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -214,15 +215,18 @@ async def test_request_timeout_is_the_python_paths_504_on_the_lane():
     async def ask(h):
         got = []
         for stream in (False, True):
+            started = time.monotonic()
             resp, raw = await h.complete(prompt(2, 60 + stream), stream=stream)
+            in_time = time.monotonic() - started < 3.0  # the 0.3 s, not another timer
             trace = _trace_of(h, resp)
-            got.append((resp.status, json.loads(raw), trace["outcome"], trace["status"]))
+            got.append((resp.status, json.loads(raw), trace["outcome"], trace["status"], in_time))
         return got
 
     seen = await _on_both_paths(
         {"request_timeout": 0.3, "idle_timeout": 30.0}, {}, ask, fail="hang"
     )
     assert seen["native"] == seen["python"]
+    assert all(answer[4] for answer in seen["native"])
     assert seen["native"][0][:1] == (504,) and seen["native"][0][1]["error"]["code"] == (
         "request_timeout"
     )
