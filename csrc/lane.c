@@ -922,6 +922,7 @@ static void attempt(lane_t *l, client_t *c) {
     c->state = C_WAIT;
     c->status = 0;
     c->tail_pos = c->tail_fill = 0; /* a retry's tail (and finish's reason) is its own */
+    c->streamed = 0; /* as its answer's head says */
     int up = find_up(l, c->up);
     engine_t *e = NULL;
     if (up >= 0) {
