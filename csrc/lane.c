@@ -958,6 +958,20 @@ static void attempt(lane_t *l, client_t *c) {
     if (e->state == E_SENDING) engine_send_later(l, e);
 }
 
+/* whether the answer's head came but no body byte yet: nothing was sent (engine_readable) */
+static int no_body_yet(const client_t *c) {
+    return c->answered && !c->tail_fill && !c->answer_sent;
+}
+
+/* such an answer's try failed before its answer, as on the Python path, whose engine client
+ * fails a try until the body's first bytes (retried): its head dropped, `why` its reason */
+static void forget_head(client_t *c, const char *why) {
+    c->answered = 0;
+    c->out.off = c->out.len = 0;
+    c->status = 0;
+    if (why) tail_add(c, why, strlen(why));
+}
+
 /* whether the client's answer can still take a last chunk (stream_end) once its engine is
  * gone: chunked to the client and at a chunk's end (an until-close answer is wrapped a read at
  * a time, so always) */
@@ -981,6 +995,10 @@ static void engine_abandon(lane_t *l, client_t *c) {
 static void engine_failed(lane_t *l, engine_t *e, int outcome) {
     client_t *c = e->client;
     int stale = e->reused && !e->got_bytes && outcome == LANE_ENGINE_UNAVAILABLE;
+    if (c && e->state == E_BODY && no_body_yet(c)) {
+        forget_head(c, "the engine's answer ended (closed, reset or garbled) before its body");
+        outcome = LANE_ENGINE_UNAVAILABLE;
+    }
     if (c) note_stream_end(c, e);
     e->client = NULL;
     engine_close(l, e);
@@ -1262,15 +1280,12 @@ static void engine_done(lane_t *l, engine_t *e, int extra_bytes) {
     } else {
         engine_close(l, e);
     }
-    if (c->status >= 500 && !c->tail_fill && !c->answer_sent) {
+    if (c->status >= 500 && no_body_yet(c)) {
         /* an empty 5xx is a dead or restarting engine, not an answer: a failed try, as the
-         * Python path's engine client fails it (upstream.py); its reason in the tail */
+         * Python path's engine client fails it (upstream.py) */
         char why[32];
-        int k = snprintf(why, sizeof why, "empty HTTP %d answer", c->status);
-        c->answered = 0;
-        c->out.off = c->out.len = 0;
-        c->status = 0;
-        tail_add(c, why, (size_t)k);
+        snprintf(why, sizeof why, "empty HTTP %d answer", c->status);
+        forget_head(c, why);
         finish(l, c, LANE_ENGINE_UNAVAILABLE);
         return;
     }
@@ -1373,8 +1388,9 @@ static void engine_readable(lane_t *l, engine_t *e) {
         }
         e->got_bytes = 1;
         if (engine_feed(l, e, chunk, (size_t)n)) return;
-        /* an engine error's head waits for its first body bytes: an empty one is retried */
-        if (!(c->status >= 500 && !c->tail_fill) && client_flush(l, c)) return;
+        /* the head waits for the body's first bytes (the Python path's engine client waits for
+         * them before it answers): a try that ends before them is retried, not cut */
+        if (c->tail_fill && client_flush(l, c)) return;
         if (buf_size(&c->out) > PAUSE_ENGINE_AT) {
             e->paused = 1; /* no events but errors until the client has taken most of it */
             l->st.engine_pauses++;
@@ -1448,7 +1464,8 @@ static void client_expired(lane_t *l, client_t *c, int64_t now) {
         finish(l, c, outcome);
         return;
     }
-    case C_RELAY: /* the engine fell silent mid-answer */
+    case C_RELAY: /* the engine fell silent mid-answer (or before its body: a failed try) */
+        if (no_body_yet(c)) forget_head(c, NULL); /* finish's reason: the idle timeout */
         engine_abandon(l, c);
         finish(l, c, LANE_TIMED_OUT);
         return;

@@ -1199,6 +1199,51 @@ async def test_an_empty_5xx_is_a_failed_try_that_is_retried(answer):
         assert h.finished[1][1:3] == (200, OK) and h.lane.stats()["retried"] == 1
 
 
+@pytest.mark.parametrize("then", ["close", "garble", "silence"])
+async def test_a_try_ending_after_its_head_before_its_body_is_retried(then):
+    # the head waits for the body's first bytes, as the Python path's engine client waits for
+    # them: a try that ends before them failed before its answer (retried), not a cut answer
+    async def head_only(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        if then == "garble":
+            writer.write(b"zz\r\n")
+            await writer.drain()
+        if then != "silence":
+            await asyncio.sleep(0.1)
+            writer.transport.abort()
+            return
+        await reader.read()
+
+    async with Harness(engine_idle_timeout=0.3) as h:
+        broken = await h.scripted_engine(head_only)
+        alive = await h.instant_engine()
+        h.decide_with = lambda kind, body, rid, auth: (
+            broken,
+            engine_head(kind, body),
+            None,
+            b"",
+            {"n": 1},
+        )
+        h.on_finish = lambda token, status, outcome, tail: (
+            (alive, engine_head(COMPLETIONS, body_of()), None, b"", {"n": 2})
+            if outcome in (UNAVAILABLE, TIMED_OUT)
+            else None
+        )
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, body = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200") and b'"usage"' in body
+        await until(lambda: len(h.finished) == 2)
+        status, outcome, tail = h.finished[0][1:]
+        if then == "silence":  # the idle timer, before the answer: finish says it is a try's
+            assert (status, outcome, tail) == (0, TIMED_OUT, b"")
+        else:
+            assert (status, outcome) == (0, UNAVAILABLE) and b"before its body" in tail
+        assert h.finished[1][1:3] == (200, OK) and h.lane.stats()["retried"] == 1
+
+
 async def test_a_5xx_with_a_body_is_relayed_once_its_body_starts():
     async def error(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
