@@ -27,7 +27,8 @@ enum { LANE_KIND_COMPLETIONS = 0, LANE_KIND_CHAT = 1 };
 enum {
     LANE_OK = 0,
     LANE_CLIENT_GONE = 1,
-    LANE_ENGINE_UNAVAILABLE = 2, /* refused, reset or per-try timeout before the answer head */
+    LANE_ENGINE_UNAVAILABLE = 2, /* refused, reset, per-try timeout, an empty 5xx: before the
+                                  * answer's body (its head is not sent before it) */
     LANE_ENGINE_FAILED = 3,      /* the engine broke off (or garbled) its answer */
     LANE_TIMED_OUT = 4,          /* no byte from the engine within the engine idle timeout */
     LANE_DEADLINE = 5            /* the request's total time passed: request_timeout (the whole

@@ -73,7 +73,7 @@ _PATHS = (COMPLETIONS, CHAT)
 # finish's outcome
 OK = 0
 CLIENT_GONE = 1
-UNAVAILABLE = 2  # no answer head: refused, reset, closed, per-try timeout (retried)
+UNAVAILABLE = 2  # no answer body: refused, reset, closed, per-try timeout, empty 5xx (retried)
 FAILED_MID_ANSWER = 3
 TIMED_OUT = 4  # the engine's silence (--idle-timeout)
 DEADLINE = 5  # --request-timeout (a stream: until its first bytes), then --max-stream-duration
