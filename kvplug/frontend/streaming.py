@@ -249,7 +249,7 @@ async def relay(
                     raise  # the engine's idle timeout: handled below
                 upstream.close()  # the engine aborts the request
                 outcome = "stream_timeout"
-                error = stream_timeout_error(max_stream_duration)
+                error = stream_timeout_error(max_stream_duration or 0.0)  # not None here
                 await out.write(sse_error(error, 504, "timeout_error"))
                 break
         lifecycle.output(counter.tokens)
