@@ -1252,7 +1252,8 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
         }
         buf_append(&c->out, p, i);
     }
-    if (i && c->streamed && !c->first_byte_done && c->token) {
+    /* the body's first bytes, not framing: only they end the try's waiting (no_body_yet) */
+    if (c->tail_fill && c->streamed && !c->first_byte_done && c->token) {
         c->first_byte_done = 1;
         /* a stream's request_timeout ends at its first bytes; stream_timeout runs from here */
         c->limit = l->stream_ns ? now_ns() + l->stream_ns : 0;

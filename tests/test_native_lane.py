@@ -1199,16 +1199,21 @@ async def test_an_empty_5xx_is_a_failed_try_that_is_retried(answer):
         assert h.finished[1][1:3] == (200, OK) and h.lane.stats()["retried"] == 1
 
 
-@pytest.mark.parametrize("then", ["close", "garble", "silence"])
+@pytest.mark.parametrize("then", ["close", "garble", "size-line", "silence"])
 async def test_a_try_ending_after_its_head_before_its_body_is_retried(then):
     # the head waits for the body's first bytes, as the Python path's engine client waits for
-    # them: a try that ends before them failed before its answer (retried), not a cut answer
+    # them: a try that ends before them failed before its answer (retried), not a cut answer;
+    # a chunk's size line is not body bytes (first_byte is the retry's)
     async def head_only(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         await writer.drain()
-        if then == "garble":
-            writer.write(b"zz\r\n")
+        if then in ("garble", "size-line"):
+            await asyncio.sleep(0.05)  # a read of its own
+            writer.write(b"zz\r\n" if then == "garble" else b"1a\r\n")
             await writer.drain()
         if then != "silence":
             await asyncio.sleep(0.1)
@@ -1226,15 +1231,17 @@ async def test_a_try_ending_after_its_head_before_its_body_is_retried(then):
             b"",
             {"n": 1},
         )
+        retry = body_of(stream=True)
         h.on_finish = lambda token, status, outcome, tail: (
-            (alive, engine_head(COMPLETIONS, body_of()), None, b"", {"n": 2})
+            (alive, engine_head(COMPLETIONS, retry), retry, b"", {"n": 2})
             if outcome in (UNAVAILABLE, TIMED_OUT)
             else None
         )
         reader, writer = await h.connect()
-        writer.write(post(b"/v1/completions", body_of()))
+        writer.write(post(b"/v1/completions", body_of(stream=True)))
         head, body = await read_answer(reader)
-        assert head.startswith(b"HTTP/1.1 200") and b'"usage"' in body
+        assert head.startswith(b"HTTP/1.1 200") and b"[DONE]" in body
+        assert [token["n"] for token in h.first_bytes] == [2]
         await until(lambda: len(h.finished) == 2)
         status, outcome, tail = h.finished[0][1:]
         if then == "silence":  # the idle timer, before the answer: finish says it is a try's
