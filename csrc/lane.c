@@ -67,6 +67,7 @@ struct engine {
     size_t sent;
     buf_t in;
     int status, framing, chunk_state, got_bytes;
+    int size_digits; /* digits of the current chunk-size line copied to the client */
     uint64_t remaining;
 };
 
@@ -89,6 +90,8 @@ struct client {
     int flush_queued;
     int tries; /* retries of the current request (finish's FORWARDs) */
     int64_t deadline;
+    int64_t limit; /* the request's total deadline (request_timeout, then stream_timeout), or 0 */
+    int can_end; /* a broken answer's client framing can take a last chunk (stream_end) */
     buf_t in, out;
     size_t head_len, body_len; /* of the current request: head includes its blank line */
     engine_t *eng;
@@ -114,6 +117,7 @@ typedef struct {
 
 struct lane {
     lane_config cfg;
+    int64_t request_ns, stream_ns; /* cfg.request_timeout, cfg.stream_timeout; 0 = none */
     char *head_answer, *body_answer, *handoff_headers;
     int epfd, tfd;
     int closing, ticking;
@@ -408,7 +412,8 @@ static void finish(lane_t *l, client_t *c, int outcome) {
     case LANE_CLIENT_GONE: l->st.client_gone++; break;
     case LANE_ENGINE_UNAVAILABLE:
     case LANE_ENGINE_FAILED: l->st.engine_failed++; break;
-    case LANE_TIMED_OUT: l->st.timeouts++; break;
+    case LANE_TIMED_OUT:
+    case LANE_DEADLINE: l->st.timeouts++; break;
     default: break;
     }
     if (outcome == LANE_OK || outcome == LANE_CLIENT_GONE) { /* nothing more to decide */
@@ -488,7 +493,7 @@ static void default_answer(lane_t *l, client_t *c, int outcome) {
     static const char timeout[] =
         "{\"error\":{\"message\":\"the engine did not answer in time\","
         "\"type\":\"upstream_error\",\"code\":\"upstream_timeout\"}}";
-    if (outcome == LANE_TIMED_OUT)
+    if (outcome == LANE_TIMED_OUT || outcome == LANE_DEADLINE)
         answer(l, c, 504, h, sizeof h - 1, timeout, sizeof timeout - 1);
     else if (outcome == LANE_ENGINE_FAILED)
         answer(l, c, 502, h, sizeof h - 1, failed, sizeof failed - 1);
@@ -541,6 +546,20 @@ static void release(lane_t *l, lane_action *a) {
     a->action = LANE_DEFAULT;
 }
 
+/* a broken event stream's last event (finish's answer body: the Python path's SSE error event)
+ * as a last chunk, then the chunked answer's end, as the Python path's relay ends such a
+ * stream; 0, or -1 when the client's framing cannot take it (can_end: see note_stream_end) */
+static int stream_end(lane_t *l, client_t *c, const char *event, size_t n) {
+    if (!c->can_end || n == 0) return -1;
+    char line[24];
+    int k = snprintf(line, sizeof line, "%zx\r\n", n);
+    buf_append(&c->out, line, (size_t)k);
+    buf_append(&c->out, event, n);
+    buf_append(&c->out, "\r\n0\r\n\r\n", 7);
+    client_after_answer(l, c);
+    return 0;
+}
+
 static void apply_action(lane_t *l, client_t *c, lane_action *a, int outcome) {
     if (a->action == LANE_FORWARD && ++c->tries > MAX_TRIES) {
         release(l, a); /* a decider retrying without end: the lane's own error instead */
@@ -555,6 +574,10 @@ static void apply_action(lane_t *l, client_t *c, lane_action *a, int outcome) {
         release(l, a); /* out of memory for its head */
     }
     release(l, a);
+    if (c->answered && c->first_byte_done) { /* a stream under way: its last event, or cut */
+        if (a->action != LANE_ANSWER || stream_end(l, c, a->body, a->body_len)) client_close(l, c);
+        return;
+    }
     if (c->answered && !c->answer_sent) { /* still all queued here: a clean error instead */
         c->answered = 0;
         c->out.off = c->out.len = 0;
@@ -616,7 +639,7 @@ static void client_after_answer(lane_t *l, client_t *c) {
     buf_consume(&c->in, c->head_len + c->body_len);
     c->head_len = c->body_len = 0;
     c->state = C_FLUSH;
-    c->deadline = 0;
+    c->deadline = c->limit = 0;
     if (c->flush_queued) return;
     c->flush_queued = 1;
     c->next_flush = NULL;
@@ -703,6 +726,7 @@ static void client_decide(lane_t *l, client_t *c, const lane_head *h) {
             return;
         }
         l->st.served++;
+        c->limit = l->request_ns ? now_ns() + l->request_ns : 0; /* every try included */
         attempt(l, c);
         return;
     case LANE_ANSWER:
@@ -897,6 +921,8 @@ static void engines_send(lane_t *l) {
 static void attempt(lane_t *l, client_t *c) {
     c->state = C_WAIT;
     c->status = 0;
+    c->tail_pos = c->tail_fill = 0; /* a retry's tail (and finish's reason) is its own */
+    c->streamed = 0; /* as its answer's head says */
     int up = find_up(l, c->up);
     engine_t *e = NULL;
     if (up >= 0) {
@@ -932,10 +958,48 @@ static void attempt(lane_t *l, client_t *c) {
     if (e->state == E_SENDING) engine_send_later(l, e);
 }
 
-/* the try failed before the answer head: a stale pooled connection is tried afresh once */
+/* whether the answer's head came but no body byte yet: nothing was sent (engine_readable) */
+static int no_body_yet(const client_t *c) {
+    return c->answered && !c->tail_fill && !c->answer_sent;
+}
+
+/* such an answer's try failed before its answer, as on the Python path, whose engine client
+ * fails a try until the body's first bytes (retried): its head dropped, `why` its reason */
+static void forget_head(client_t *c, const char *why) {
+    c->answered = 0;
+    c->out.off = c->out.len = 0;
+    c->status = 0;
+    if (why) tail_add(c, why, strlen(why));
+}
+
+/* whether the client's answer can still take a last chunk (stream_end) once its engine is
+ * gone: chunked to the client and at a chunk's end (an until-close answer is wrapped a read at
+ * a time, so always) */
+static void note_stream_end(client_t *c, const engine_t *e) {
+    c->can_end = e->state == E_BODY &&
+                 (e->framing == F_CLOSE ||
+                  (e->framing == F_CHUNKED && e->chunk_state == CH_SIZE && !e->size_digits));
+}
+
+/* the engine connection of a request that ends here (a timer): closed, so the engine aborts */
+static void engine_abandon(lane_t *l, client_t *c) {
+    engine_t *e = c->eng;
+    if (!e) return;
+    note_stream_end(c, e);
+    e->client = NULL;
+    engine_close(l, e);
+    c->eng = NULL;
+}
+
+/* the try failed: a stale pooled connection (nothing read on it) is tried afresh once */
 static void engine_failed(lane_t *l, engine_t *e, int outcome) {
     client_t *c = e->client;
     int stale = e->reused && !e->got_bytes && outcome == LANE_ENGINE_UNAVAILABLE;
+    if (c && e->state == E_BODY && no_body_yet(c)) {
+        forget_head(c, "the engine's answer ended (closed, reset or garbled) before its body");
+        outcome = LANE_ENGINE_UNAVAILABLE;
+    }
+    if (c) note_stream_end(c, e);
     e->client = NULL;
     engine_close(l, e);
     if (!c) return;
@@ -987,12 +1051,6 @@ static void engine_send(lane_t *l, engine_t *e) {
     watch(l, e, EPOLLIN | EPOLLRDHUP);
 }
 
-static int hop_header(const char *name, size_t n) {
-    return name_is(name, n, "connection") || name_is(name, n, "keep-alive") ||
-           name_is(name, n, "transfer-encoding") || name_is(name, n, "proxy-connection") ||
-           name_is(name, n, "te") || name_is(name, n, "trailer") || name_is(name, n, "upgrade");
-}
-
 /* one header line of an answer head: name, trimmed value; the next line's start */
 typedef struct {
     const char *name, *value, *next;
@@ -1015,17 +1073,6 @@ static int next_header(const char *p, const char *end, header_line *h) {
     return 0;
 }
 
-/* whether one of `lines` (header lines, each ending CRLF: decide's answer headers) is named
- * `name`: the answer's own header replaces the engine's (X-Request-Id), as on the Python path */
-static int named_in(const char *name, size_t n, const char *lines, size_t len) {
-    header_line hl;
-    for (const char *p = lines, *end = lines + len; p < end; p = hl.next) {
-        if (next_header(p, end, &hl)) return 0;
-        if (hl.name_len == n && strncasecmp(hl.name, name, n) == 0) return 1;
-    }
-    return 0;
-}
-
 /* the engine's answer head: the client's head written, the framing known; 0, or -1 garbled */
 static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
     client_t *c = e->client;
@@ -1041,6 +1088,8 @@ static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
     const char *first = line_end + 2, *end = h + len;
     int chunked = 0, have_length = 0;
     uint64_t length = 0;
+    const char *ctype = "application/json", *clen = NULL; /* the Python path's default type */
+    size_t ctype_len = 16, clen_len = 0;
     e->keep_alive = minor >= 1;
     header_line hl;
     /* the framing first: with Transfer-Encoding, a Content-Length is not forwarded */
@@ -1062,8 +1111,12 @@ static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
             if (have_length && n != length) return -1;
             length = n;
             have_length = 1;
+            clen = hl.value;
+            clen_len = hl.value_len;
         } else if (name_is(hl.name, hl.name_len, "content-type")) {
             c->streamed = hl.value_len >= 17 && strncasecmp(hl.value, "text/event-stream", 17) == 0;
+            ctype = hl.value;
+            ctype_len = hl.value_len;
         }
     }
     e->status = c->status = status;
@@ -1072,16 +1125,12 @@ static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
     buf_append(out, "HTTP/1.1", 8);
     buf_append(out, h + 8, (size_t)(line_end - h) - 8);
     buf_append(out, "\r\n", 2);
-    for (const char *p = first; p < end; p = hl.next) {
-        next_header(p, end, &hl);
-        if (hop_header(hl.name, hl.name_len) ||
-            (chunked && name_is(hl.name, hl.name_len, "content-length")) ||
-            (c->streamed && name_is(hl.name, hl.name_len, "cache-control")) ||
-            named_in(hl.name, hl.name_len, c->extra, c->extra_len))
-            continue;
-        buf_append(out, p, (size_t)(hl.next - p) - 2); /* the line without its CRLF */
-        buf_append(out, "\r\n", 2);
-    }
+    /* the Python path's header set: the engine's Content-Type, kvplug's answer headers and the
+     * framing chosen here; the engine's other fields (Date, Server, an X-Request-Id it echoes,
+     * ...) stay behind, as streaming.response_headers leaves them */
+    buf_append(out, "Content-Type: ", 14);
+    buf_append(out, ctype, ctype_len);
+    buf_append(out, "\r\n", 2);
     buf_append(out, c->extra, c->extra_len);
     /* an event stream is not to be cached on the way, as the Python path's relay says */
     if (c->streamed) buf_append(out, "Cache-Control: no-cache\r\n", 25);
@@ -1090,11 +1139,15 @@ static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
     } else if (chunked) {
         e->framing = F_CHUNKED;
         e->chunk_state = CH_SIZE;
+        e->size_digits = 0;
         e->remaining = 0;
         buf_append(out, "Transfer-Encoding: chunked\r\n", 28);
     } else if (have_length) {
         e->framing = F_LENGTH;
         e->remaining = length;
+        buf_append(out, "Content-Length: ", 16);
+        buf_append(out, clen, clen_len);
+        buf_append(out, "\r\n", 2);
     } else {
         e->framing = F_CLOSE;
         e->keep_alive = 0;
@@ -1140,6 +1193,7 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
                     if (e->remaining >> 56) return -1;
                     e->remaining = e->remaining * 16 +
                                    (uint64_t)(ch <= '9' ? ch - '0' : (ch | 0x20) - 'a' + 10);
+                    e->size_digits = 1;
                 } else if (ch == ';' || ch == ' ' || ch == '\t') {
                     e->chunk_state = CH_EXT;
                 } else if (ch == '\r') {
@@ -1174,6 +1228,7 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
             case CH_DATA_LF:
                 if (ch != '\n') return -1;
                 e->chunk_state = CH_SIZE;
+                e->size_digits = 0;
                 i++;
                 break;
             case CH_TRAILER: /* after the last chunk: an empty line ends, else a trailer line */
@@ -1197,8 +1252,11 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
         }
         buf_append(&c->out, p, i);
     }
-    if (i && c->streamed && !c->first_byte_done && c->token) {
+    /* the body's first bytes, not framing: only they end the try's waiting (no_body_yet) */
+    if (c->tail_fill && c->streamed && !c->first_byte_done && c->token) {
         c->first_byte_done = 1;
+        /* a stream's request_timeout ends at its first bytes; stream_timeout runs from here */
+        c->limit = l->stream_ns ? now_ns() + l->stream_ns : 0;
         l->cfg.first_byte(l->cfg.ctx, c->token);
     }
     *used = i;
@@ -1222,6 +1280,15 @@ static void engine_done(lane_t *l, engine_t *e, int extra_bytes) {
         watch(l, e, EPOLLIN | EPOLLRDHUP); /* any event closes it */
     } else {
         engine_close(l, e);
+    }
+    if (c->status >= 500 && no_body_yet(c)) {
+        /* an empty 5xx is a dead or restarting engine, not an answer: a failed try, as the
+         * Python path's engine client fails it (upstream.py) */
+        char why[32];
+        snprintf(why, sizeof why, "empty HTTP %d answer", c->status);
+        forget_head(c, why);
+        finish(l, c, LANE_ENGINE_UNAVAILABLE);
+        return;
     }
     finish(l, c, LANE_OK);
     client_after_answer(l, c);
@@ -1322,9 +1389,9 @@ static void engine_readable(lane_t *l, engine_t *e) {
         }
         e->got_bytes = 1;
         if (engine_feed(l, e, chunk, (size_t)n)) return;
-        if (client_flush(l, c)) {
-            return;
-        }
+        /* the head waits for the body's first bytes (the Python path's engine client waits for
+         * them before it answers): a try that ends before them is retried, not cut */
+        if (c->tail_fill && client_flush(l, c)) return;
         if (buf_size(&c->out) > PAUSE_ENGINE_AT) {
             e->paused = 1; /* no events but errors until the client has taken most of it */
             l->st.engine_pauses++;
@@ -1366,7 +1433,13 @@ static void engine_event(lane_t *l, engine_t *e, uint32_t ev) {
 
 /* ---- deadlines -------------------------------------------------------------------------- */
 
-static void client_expired(lane_t *l, client_t *c) {
+static void client_expired(lane_t *l, client_t *c, int64_t now) {
+    if (c->limit && now >= c->limit) { /* the request's total time: before any phase's timer */
+        c->limit = c->deadline = 0;
+        engine_abandon(l, c);
+        finish(l, c, LANE_DEADLINE);
+        return;
+    }
     c->deadline = 0;
     switch (c->state) {
     case C_HEAD:
@@ -1387,18 +1460,16 @@ static void client_expired(lane_t *l, client_t *c) {
         int outcome = l->cfg.try_timeout > 0 || (e && e->state == E_CONNECTING)
                           ? LANE_ENGINE_UNAVAILABLE
                           : LANE_TIMED_OUT;
-        if (e) {
-            e->client = NULL;
-            engine_close(l, e);
-            c->eng = NULL;
-        }
+        engine_abandon(l, c);
         if (outcome == LANE_ENGINE_UNAVAILABLE) l->st.timeouts++;
         finish(l, c, outcome);
         return;
     }
-    case C_RELAY:
+    case C_RELAY: /* the engine fell silent mid-answer (or before its body: a failed try) */
+        if (no_body_yet(c)) forget_head(c, NULL); /* finish's reason: the idle timeout */
+        engine_abandon(l, c);
         finish(l, c, LANE_TIMED_OUT);
-        return; /* apply_action closed the client (the answer was partly sent) */
+        return;
     default:
         return;
     }
@@ -1408,8 +1479,8 @@ static void expire(lane_t *l) {
     int64_t now = now_ns();
     for (client_t *c = l->clients, *next; c; c = next) {
         next = c->next;
-        if (c->deadline && now >= c->deadline) {
-            client_expired(l, c);
+        if ((c->deadline && now >= c->deadline) || (c->limit && now >= c->limit)) {
+            client_expired(l, c, now);
             next = l->clients; /* callbacks may have closed anything: start over */
             now = now_ns();
         }
@@ -1450,6 +1521,8 @@ lane_t *lane_new(const lane_config *config) {
     lane_t *l = calloc(1, sizeof *l);
     if (!l) return NULL;
     l->cfg = *config;
+    l->request_ns = config->request_timeout > 0 ? (int64_t)(config->request_timeout * 1e9) : 0;
+    l->stream_ns = config->stream_timeout > 0 ? (int64_t)(config->stream_timeout * 1e9) : 0;
     l->epfd = epoll_create1(EPOLL_CLOEXEC);
     l->tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
     if (config->head_timeout_answer_len) {

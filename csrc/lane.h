@@ -27,9 +27,13 @@ enum { LANE_KIND_COMPLETIONS = 0, LANE_KIND_CHAT = 1 };
 enum {
     LANE_OK = 0,
     LANE_CLIENT_GONE = 1,
-    LANE_ENGINE_UNAVAILABLE = 2, /* refused, reset or per-try timeout before the answer head */
+    LANE_ENGINE_UNAVAILABLE = 2, /* refused, reset, per-try timeout, an empty 5xx: before the
+                                  * answer's body (its head is not sent before it) */
     LANE_ENGINE_FAILED = 3,      /* the engine broke off (or garbled) its answer */
-    LANE_TIMED_OUT = 4           /* no byte from the engine within the engine idle timeout */
+    LANE_TIMED_OUT = 4,          /* no byte from the engine within the engine idle timeout */
+    LANE_DEADLINE = 5            /* the request's total time passed: request_timeout (the whole
+                                  * answer; a stream until its first body bytes), then
+                                  * stream_timeout (an event stream's body) */
 };
 
 /* what decide (and finish, after a failure) tells the lane to do */
@@ -59,8 +63,11 @@ typedef struct {
                    const char *fields, size_t fields_len, lane_action *out);
     void (*first_byte)(void *ctx, void *token);
     /* consumes the token; after a failure with nothing sent to the client, *out may say
-     * FORWARD (another try) or ANSWER; LANE_DEFAULT means the lane's own 502/504. `out` is
-     * NULL when there is nothing to decide (ok, client gone, a token the lane gives back) */
+     * FORWARD (another try) or ANSWER; LANE_DEFAULT means the lane's own 502/504. After an
+     * event stream's first body bytes (first_byte was called), ANSWER's body is the stream's
+     * last event (its status and headers unused): the lane ends the stream with it when it can
+     * (chunked to the client, at a chunk's end), else closes the connection. `out` is NULL
+     * when there is nothing to decide (ok, client gone, a token the lane gives back) */
     void (*finish)(void *ctx, void *token, int status, int outcome, const char *tail,
                    size_t tail_len, lane_action *out);
     /* the fd is the caller's from here on (with the bytes read on it so far) */
@@ -74,6 +81,9 @@ typedef struct {
     double try_timeout;        /* connect + answer head, one try (0 = none) */
     double engine_idle_timeout;/* silence from the engine while it answers (0 = none) */
     double pool_idle_timeout;  /* an idle kept-alive engine connection is closed after */
+    double request_timeout;    /* from decide, every try included, to the whole answer; for an
+                                * event stream to its first body bytes (0 = none): LANE_DEADLINE */
+    double stream_timeout;     /* an event stream, from its first body bytes (0 = none) */
     const char *head_timeout_answer; /* the whole HTTP answer (408), sent then closed */
     size_t head_timeout_answer_len;
     const char *body_timeout_answer;

@@ -28,6 +28,8 @@ class Lane:
         try_timeout: float = 0.0,
         engine_idle_timeout: float = 0.0,
         pool_idle_timeout: float = 4.0,
+        request_timeout: float = 0.0,
+        max_stream_duration: float = 0.0,
         head_timeout_answer: bytes = b"",
         body_timeout_answer: bytes = b"",
         handoff_headers: Iterable[str | bytes] = (),

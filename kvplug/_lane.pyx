@@ -54,6 +54,8 @@ cdef extern from "lane.h" nogil:
         double try_timeout
         double engine_idle_timeout
         double pool_idle_timeout
+        double request_timeout
+        double stream_timeout
         const char *head_timeout_answer
         size_t head_timeout_answer_len
         const char *body_timeout_answer
@@ -165,7 +167,11 @@ def _lines(value, name):
 cdef class Lane:
     """One serving process's compiled data path. Arguments: the listening sockets' fds (still
     owned by the caller), the four callbacks, the limits and timeouts in seconds (0 = none), and
-    ``handoff_headers``: names whose presence hands a request off (besides every x-kvplug-*)."""
+    ``handoff_headers``: names whose presence hands a request off (besides every x-kvplug-*).
+    ``request_timeout`` bounds a request from ``decide`` (every try) to its whole answer, an
+    event stream to its first body bytes; ``max_stream_duration`` an event stream from there:
+    past either, ``finish`` gets outcome 5. After a stream's first bytes, a 3-tuple ``finish``
+    returns is the stream's last event (its body; status and headers unused)."""
 
     cdef lane_t *lane
     cdef object _decide, _first_byte, _finish, _handoff
@@ -188,6 +194,8 @@ cdef class Lane:
         double try_timeout=0.0,
         double engine_idle_timeout=0.0,
         double pool_idle_timeout=4.0,
+        double request_timeout=0.0,
+        double max_stream_duration=0.0,
         bytes head_timeout_answer=b"",
         bytes body_timeout_answer=b"",
         handoff_headers=(),
@@ -213,6 +221,8 @@ cdef class Lane:
         cfg.try_timeout = try_timeout
         cfg.engine_idle_timeout = engine_idle_timeout
         cfg.pool_idle_timeout = pool_idle_timeout
+        cfg.request_timeout = request_timeout
+        cfg.stream_timeout = max_stream_duration
         cfg.head_timeout_answer = PyBytes_AS_STRING(head_timeout_answer)
         cfg.head_timeout_answer_len = PyBytes_GET_SIZE(head_timeout_answer)
         cfg.body_timeout_answer = PyBytes_AS_STRING(body_timeout_answer)

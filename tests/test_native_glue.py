@@ -20,6 +20,7 @@ from test_frontend_harness import MODEL, prompt, serving
 from kvplug.frontend.app import ServeSettings
 from kvplug.frontend.native_glue import (
     CLIENT_GONE,
+    DEADLINE,
     FAILED_MID_ANSWER,
     KIND_CHAT,
     KIND_COMPLETIONS,
@@ -33,6 +34,7 @@ from kvplug.frontend.native_glue import (
     stream_tokens,
 )
 from kvplug.frontend.parsing import COMPLETIONS
+from kvplug.frontend.streaming import sse_error
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,6 +88,7 @@ class LaneDouble:
         outcome: int | None = None,  # report this instead of what happened (after the head)
         hang_up_after_first: bool = False,
         timeout: float | None = None,
+        timer: int = TIMED_OUT,  # the lane's timer that `timeout` stands for
     ) -> Served | None:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         decided = self.glue.decide(kind, raw, request_id, authorization)
@@ -105,6 +108,7 @@ class LaneDouble:
                 token,
                 hang_up_after_first,
                 timeout,
+                timer,
             )
             if outcome is not None and result != UNAVAILABLE:
                 result = outcome
@@ -114,7 +118,7 @@ class LaneDouble:
         status, headers, error_body = decided
         return Served(status, _lines(headers), error_body, tokens, heads)
 
-    async def _exchange(self, host, port, data, token, hang_up_after_first, timeout):
+    async def _exchange(self, host, port, data, token, hang_up_after_first, timeout, timer):
         try:
             reader, writer = await asyncio.open_connection(host, port)
         except OSError as exc:
@@ -128,7 +132,7 @@ class LaneDouble:
                 try:
                     chunk = await asyncio.wait_for(reader.read(65536), timeout)
                 except asyncio.TimeoutError:
-                    return parser_status(parser), body[-TAIL_BYTES:], TIMED_OUT
+                    return parser_status(parser), body[-TAIL_BYTES:], timer
                 if not chunk:
                     if not answer.headers:
                         return 0, b"", UNAVAILABLE
@@ -490,7 +494,7 @@ async def test_the_load_is_gone_after_every_outcome():
         # the engine hangs: --request-timeout (the lane's timer) ends it with a 504
         engine.fail = "hang"
         fe.outliers.success("w0")
-        served = await lane.serve(_body(prompt(2, 14)), timeout=0.3)
+        served = await lane.serve(_body(prompt(2, 14)), timeout=0.3, timer=DEADLINE)
         assert served.status == 504
         python = fe._timed_out(None)
         assert json.loads(served.body) == python.body()
@@ -504,21 +508,14 @@ async def test_the_load_is_gone_after_every_outcome():
         assert rec.outcome == "upstream_failed_mid_stream" and "--idle-timeout" in rec.error
         h.assert_idle()
         assert _counter(fe, "kvplug_inflight_requests", {}) == 0
-        # the lane has no --max-stream-duration timer: such streams stay with the Python path
+        # --max-stream-duration (the lane's timer after a stream's first bytes): the stream
+        # ends with the Python path's timeout event, traced as it traces it
         fe.settings.max_stream_duration = 0.1
-        glue = lane.glue
-        assert (
-            glue.decide(
-                KIND_COMPLETIONS, json.dumps(_body(prompt(2, 15), **stream)).encode(), None, None
-            )
-            is None
-        )
-        assert (
-            len(
-                glue.decide(KIND_COMPLETIONS, json.dumps(_body(prompt(2, 15))).encode(), None, None)
-            )
-            == 5
-        )
+        served = await lane.serve(_body(prompt(2, 15), **stream), outcome=DEADLINE)
+        rec = served.tokens[0].ctx.records[-1]
+        assert rec.outcome == "stream_timeout" and "--max-stream-duration (0.1 s)" in rec.error
+        assert served.body == sse_error(rec.error, 504, "timeout_error")
+        h.assert_idle()
 
 
 async def test_an_idle_timeout_shorter_than_the_request_timeout_is_retried():

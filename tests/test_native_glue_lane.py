@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -168,3 +169,132 @@ async def test_the_engine_gets_the_clients_other_fields_as_from_the_python_path(
     assert seen["native"]["x-client-tag"] == "kept"
     assert seen["native"]["authorization"] == "Bearer client"
     assert "keep-alive" not in seen["native"]
+
+
+def _trace_of(h, resp) -> dict:
+    """The trace of an answer's decision, from the store (a GET would hand the kept-alive
+    connection to the Python path)."""
+    return h.frontend.decisions.get(resp.headers["x-kvplug-decision-id"]).to_json()
+
+
+async def _on_both_paths(settings_changes: dict, stub: dict, ask, fail: str | None = None):
+    """``ask(h)`` on the Python path and on the lane, each with one stub engine (failing as
+    ``fail`` says); the lane's run must be served by the lane. {data path: what ask returned}."""
+    seen = {}
+    for data_path in ("python", "native"):
+        s = native(data_path=data_path, **settings_changes)
+        async with serving(1, settings=s, stub_options=stub) as h:
+            h.engines["w0"].fail = fail
+            seen[data_path] = await ask(h)
+            if data_path == "native":
+                stats = h.frontend.native_lane.stats()
+                assert stats["served"] >= 1 and stats["handed_off"] == 0, stats
+            await eventually(lambda: h.frontend.fleet.workers["w0"].inflight == 0)
+            h.assert_idle()
+    return seen
+
+
+async def test_the_answer_headers_are_the_python_paths():
+    async def ask(h):
+        names = {}
+        for stream in (False, True):
+            resp, _ = await h.complete(prompt(2, 50 + stream), stream=stream)
+            assert resp.status == 200
+            names[stream] = sorted(k.lower() for k in resp.headers)
+        return names
+
+    seen = await _on_both_paths({}, {}, ask)
+    # the Python server's own Date and Server (aiohttp's, not the engine's) the lane does not
+    # write; every other field is the same
+    own = {"date", "server"}
+    assert seen["native"] == {k: [n for n in v if n not in own] for k, v in seen["python"].items()}
+    assert "content-type" in seen["native"][False] and "cache-control" in seen["native"][True]
+
+
+async def test_request_timeout_is_the_python_paths_504_on_the_lane():
+    async def ask(h):
+        got = []
+        for stream in (False, True):
+            started = time.monotonic()
+            resp, raw = await h.complete(prompt(2, 60 + stream), stream=stream)
+            in_time = time.monotonic() - started < 3.0  # the 0.3 s, not another timer
+            trace = _trace_of(h, resp)
+            got.append((resp.status, json.loads(raw), trace["outcome"], trace["status"], in_time))
+        return got
+
+    seen = await _on_both_paths(
+        {"request_timeout": 0.3, "idle_timeout": 30.0}, {}, ask, fail="hang"
+    )
+    assert seen["native"] == seen["python"]
+    assert all(answer[4] for answer in seen["native"])
+    assert seen["native"][0][:1] == (504,) and seen["native"][0][1]["error"]["code"] == (
+        "request_timeout"
+    )
+
+
+async def test_max_stream_duration_ends_a_lane_stream_as_the_python_path_does():
+    async def ask(h):
+        resp, raw = await h.complete(prompt(2, 70), stream=True, max_tokens=200)
+        assert resp.status == 200
+        trace = _trace_of(h, resp)
+        events = raw.split(b"\n\n")
+        return events[-2], trace["outcome"], trace["error"]
+
+    seen = await _on_both_paths(
+        {"max_stream_duration": 0.4, "request_timeout": 0.2}, {"token_delay": 0.02}, ask
+    )
+    assert seen["native"] == seen["python"]
+    last, outcome, _ = seen["native"]
+    assert outcome == "stream_timeout"
+    assert json.loads(last.removeprefix(b"data: "))["error"]["type"] == "timeout_error"
+
+
+async def test_a_stream_broken_mid_answer_ends_with_the_python_paths_error_event():
+    async def ask(h):
+        resp, raw = await h.complete(prompt(2, 80), stream=True, max_tokens=20)
+        assert resp.status == 200
+        error = json.loads(raw.split(b"\n\n")[-2].removeprefix(b"data: "))["error"]
+        return (
+            error["type"],
+            error["code"],
+            error["message"].split(": ")[0],
+            _trace_of(h, resp)["outcome"],
+        )
+
+    seen = await _on_both_paths({}, {}, ask, fail="midstream")
+    # the reason after "the engine failed mid-stream: " is each engine client's own words
+    assert seen["native"] == seen["python"]
+    assert seen["native"] == (
+        "upstream_error",
+        502,
+        "the engine failed mid-stream",
+        "upstream_failed_mid_stream",
+    )
+
+
+async def test_an_empty_5xx_is_retried_on_the_other_worker_as_on_the_python_path():
+    seen = {}
+    for data_path in ("python", "native"):
+        async with serving(2, settings=native(data_path=data_path)) as h:
+            h.engines["w0"].fail = "empty503"
+            got = []
+            for seed in range(4):  # some land on w0 first: retried on w1
+                resp, raw = await h.complete(prompt(2, 90 + seed))
+                trace = _trace_of(h, resp)
+                related = [
+                    h.frontend.decisions.get(d).to_json() for d in trace["related_decisions"]
+                ]
+                got.append(
+                    (
+                        resp.status,
+                        resp.headers["x-kvplug-worker"],
+                        [(r["worker_id"], r["outcome"], r["error"]) for r in related],
+                    )
+                )
+            if data_path == "native":
+                assert _served(h) == 4 and h.frontend.native_lane.stats()["retried"] >= 1
+            h.assert_idle()
+            seen[data_path] = got
+    assert seen["native"] == seen["python"]
+    assert all(status == 200 and worker == "w1" for status, worker, _ in seen["native"])
+    assert any(related for _, _, related in seen["native"])

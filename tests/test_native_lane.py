@@ -33,7 +33,7 @@ from instant_engine import InstantEngine, answers  # noqa: E402
 pytestmark = pytest.mark.timeout(60)
 
 COMPLETIONS, CHAT = 0, 1
-OK, CLIENT_GONE, UNAVAILABLE, FAILED, TIMED_OUT = range(5)
+OK, CLIENT_GONE, UNAVAILABLE, FAILED, TIMED_OUT, DEADLINE = range(6)
 PATHS = {COMPLETIONS: b"/v1/completions", CHAT: b"/v1/chat/completions"}
 
 
@@ -1035,6 +1035,242 @@ async def test_engine_idle_timeout_before_the_head_answers_504():
         assert head.startswith(b"HTTP/1.1 504") and h.finished[0][2] == TIMED_OUT
 
 
+def sse_engine(events: int, interval: float, then: bytes = b"0\r\n\r\n"):
+    """An engine that streams ``events`` SSE events (one chunk each, ``interval`` apart) to
+    every request on a connection, then writes ``then`` (the chunked end, or bytes it breaks
+    off after: it closes the connection when ``then`` is not the end)."""
+
+    async def engine(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(int(headers_of(head)[b"content-length"]))
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n"
+                )
+                for i in range(events):
+                    event = b"data: %d\n\n" % i
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    await writer.drain()
+                    await asyncio.sleep(interval)
+                writer.write(then)
+                await writer.drain()
+                if then != b"0\r\n\r\n":
+                    writer.transport.abort()
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+
+    return engine
+
+
+def last_event_on(outcomes: tuple[int, ...], event: bytes):
+    """A finish that ends a stream broken with one of ``outcomes`` with ``event``."""
+    return lambda token, status, outcome, tail: (504, b"", event) if outcome in outcomes else None
+
+
+async def test_request_timeout_bounds_every_try_of_a_request_together():
+    # the first try's per-try timeout (0.25 s) sends it elsewhere; the request's 0.4 s end it
+    # before the second try's own (0.5 s) would: outcome 5 and what finish answers
+    async def silent(reader, writer):
+        await reader.read()
+
+    async with Harness(request_timeout=0.4, try_timeout=0.25, engine_idle_timeout=10) as h:
+        upstream = await h.scripted_engine(silent)
+
+        def on_finish(token, status, outcome, tail):
+            if outcome == UNAVAILABLE:
+                return (upstream, engine_head(COMPLETIONS, body_of()), None, b"", {"n": 2})
+            return (504, b"Content-Type: application/json\r\n", b'{"late": true}')
+
+        h.on_finish = on_finish
+        reader, writer = await h.connect()
+        started = time.monotonic()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, body = await read_answer(reader)
+        elapsed = time.monotonic() - started
+        assert head.startswith(b"HTTP/1.1 504") and body == b'{"late": true}'
+        assert [f[2] for f in h.finished] == [UNAVAILABLE, DEADLINE]
+        assert 0.38 <= elapsed < 0.5 + 2.0  # the request's limit, before the second try's
+        await until(lambda: h.lane.stats()["engine_connections"] == 0)  # both tries closed
+
+
+async def test_request_timeout_without_a_finish_answer_is_the_lanes_504():
+    async def silent(reader, writer):
+        await reader.read()
+
+    async with Harness(request_timeout=0.2, engine_idle_timeout=10) as h:
+        await h.scripted_engine(silent)
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, body = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 504") and b"upstream_timeout" in body
+        assert h.finished[0][1:3] == (0, DEADLINE) and h.lane.stats()["timeouts"] == 1
+
+
+async def test_a_streams_request_timeout_ends_at_its_first_bytes_and_its_duration_cuts_it():
+    # request_timeout (0.3 s) stops at the stream's first bytes; max_stream_duration (0.8 s)
+    # then ends the stream with finish's last event, framed: the connection serves on
+    async with Harness(request_timeout=0.3, max_stream_duration=0.8) as h:
+        await h.scripted_engine(sse_engine(events=100, interval=0.05))
+        h.on_finish = last_event_on((DEADLINE,), b"data: cut\n\n")
+        reader, writer = await h.connect()
+        started = time.monotonic()
+        writer.write(post(b"/v1/completions", body_of(stream=True)))
+        head, body = await read_answer(reader)
+        elapsed = time.monotonic() - started
+        assert head.startswith(b"HTTP/1.1 200") and elapsed >= 0.78
+        events = dechunk(body)
+        assert events.startswith(b"data: 0\n\ndata: 1\n\n") and events.endswith(b"data: cut\n\n")
+        assert body.endswith(b"\r\n0\r\n\r\n")
+        assert h.finished[0][1:3] == (200, DEADLINE) and len(h.first_bytes) == 1
+        writer.write(post(b"/v1/completions", body_of()))  # the stream ended cleanly
+        head, body = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200") and dechunk(body).endswith(b"data: cut\n\n")
+
+
+@pytest.mark.parametrize("then", [b"", b"1", b"14\r\ndata:"], ids=["at-a-chunk", "size", "data"])
+async def test_a_stream_broken_after_its_first_bytes_ends_with_finishs_last_event(then):
+    # at a chunk's end the lane adds finish's event and the chunked end (as the Python path's
+    # relay ends such a stream); inside a chunk it can only close the connection
+    async with Harness() as h:
+        await h.scripted_engine(sse_engine(events=2, interval=0.05, then=then))
+        h.on_finish = last_event_on((FAILED,), b"data: broke\n\n")
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of(stream=True)))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200")
+        body = b""
+        while not body.endswith(b"\r\n0\r\n\r\n"):
+            data = await asyncio.wait_for(reader.read(1024), 5)
+            if not data:
+                break  # closed
+            body += data
+        if then:  # cut inside a chunk: closed, no event
+            assert b"broke" not in body and body.endswith(then)
+        else:
+            assert dechunk(body) == b"data: 0\n\ndata: 1\n\ndata: broke\n\n"
+            writer.write(post(b"/v1/completions", body_of()))  # the connection serves on
+            head, _ = await read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 200")
+        await until(lambda: h.finished)
+        assert h.finished[0][1:3] == (200, FAILED)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\n\r\n",
+    ],
+    ids=["length", "chunked", "until-close"],
+)
+async def test_an_empty_5xx_is_a_failed_try_that_is_retried(answer):
+    # as the Python path's engine client: an empty 5xx is a dead or restarting engine
+    async def empty(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    async with Harness() as h:
+        dead = await h.scripted_engine(empty)
+        alive = await h.instant_engine()
+        h.decide_with = lambda kind, body, rid, auth: (
+            dead,
+            engine_head(kind, body),
+            None,
+            b"",
+            {"n": 1},
+        )
+        h.on_finish = lambda token, status, outcome, tail: (
+            (alive, engine_head(COMPLETIONS, body_of()), None, b"", {"n": 2})
+            if outcome == UNAVAILABLE
+            else None
+        )
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200")
+        await until(lambda: len(h.finished) == 2)
+        assert h.finished[0][1:] == (0, UNAVAILABLE, b"empty HTTP 503 answer")
+        assert h.finished[1][1:3] == (200, OK) and h.lane.stats()["retried"] == 1
+
+
+@pytest.mark.parametrize("then", ["close", "garble", "size-line", "silence"])
+async def test_a_try_ending_after_its_head_before_its_body_is_retried(then):
+    # the head waits for the body's first bytes, as the Python path's engine client waits for
+    # them: a try that ends before them failed before its answer (retried), not a cut answer;
+    # a chunk's size line is not body bytes (first_byte is the retry's)
+    async def head_only(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        await writer.drain()
+        if then in ("garble", "size-line"):
+            await asyncio.sleep(0.05)  # a read of its own
+            writer.write(b"zz\r\n" if then == "garble" else b"1a\r\n")
+            await writer.drain()
+        if then != "silence":
+            await asyncio.sleep(0.1)
+            writer.transport.abort()
+            return
+        await reader.read()
+
+    async with Harness(engine_idle_timeout=0.3) as h:
+        broken = await h.scripted_engine(head_only)
+        alive = await h.instant_engine()
+        h.decide_with = lambda kind, body, rid, auth: (
+            broken,
+            engine_head(kind, body),
+            None,
+            b"",
+            {"n": 1},
+        )
+        retry = body_of(stream=True)
+        h.on_finish = lambda token, status, outcome, tail: (
+            (alive, engine_head(COMPLETIONS, retry), retry, b"", {"n": 2})
+            if outcome in (UNAVAILABLE, TIMED_OUT)
+            else None
+        )
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of(stream=True)))
+        head, body = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200") and b"[DONE]" in body
+        assert [token["n"] for token in h.first_bytes] == [2]
+        await until(lambda: len(h.finished) == 2)
+        status, outcome, tail = h.finished[0][1:]
+        if then == "silence":  # the idle timer, before the answer: finish says it is a try's
+            assert (status, outcome, tail) == (0, TIMED_OUT, b"")
+        else:
+            assert (status, outcome) == (0, UNAVAILABLE) and b"before its body" in tail
+        assert h.finished[1][1:3] == (200, OK) and h.lane.stats()["retried"] == 1
+
+
+async def test_a_5xx_with_a_body_is_relayed_once_its_body_starts():
+    async def error(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 5\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)  # the head alone first: the lane waits for a body byte
+        writer.write(b"oops!")
+        await writer.drain()
+        await reader.read()
+
+    async with Harness() as h:
+        await h.scripted_engine(error)
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, body = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 500") and body == b"oops!"
+        await until(lambda: h.finished)
+        assert h.finished[0][1:] == (500, OK, b"oops!")
+
+
 # -- shutdown --------------------------------------------------------------------------------
 
 
@@ -1075,6 +1311,26 @@ async def scripted_answer(answer: bytes):
     return engine
 
 
+async def answering(answer: bytes):
+    """An engine that writes ``answer`` to every request on a connection (and closes it after
+    an answer that says ``Connection: close``)."""
+
+    async def engine(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(int(headers_of(head)[b"content-length"]))
+                writer.write(answer)
+                await writer.drain()
+                if b"Connection: close" in answer:
+                    writer.close()
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+
+    return engine
+
+
 async def test_a_chunked_answer_with_a_content_length_loses_the_length():
     answer = (
         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -1088,12 +1344,14 @@ async def test_a_chunked_answer_with_a_content_length_loses_the_length():
         assert b"content-length" not in head.lower() and body == b"5\r\nhello\r\n0\r\n\r\n"
 
 
-async def test_an_answer_header_decide_gives_replaces_the_engines():
-    # the engine echoes an X-Request-Id; the client gets one, the decider's (as on the Python
-    # path); the engine's other end-to-end headers pass
+async def test_the_client_gets_the_engines_content_type_and_the_deciders_headers_only():
+    # as the Python path (streaming.response_headers): the engine's Content-Type, the
+    # decider's headers (its X-Request-Id, not the engine's echo) and the framing; the engine's
+    # Date, Server and other fields stay behind
     answer = (
-        b"HTTP/1.1 200 OK\r\nX-Request-Id: engine-echo\r\nX-Engine: e1\r\n"
-        b"Content-Length: 2\r\n\r\nok"
+        b"HTTP/1.1 200 OK\r\nDate: Wed, 02 Dec 2026 16:00:00 GMT\r\nServer: uvicorn\r\n"
+        b"X-Request-Id: engine-echo\r\nX-Engine: e1\r\nContent-Type: application/json\r\n"
+        b"Cache-Control: private\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok"
     )
     async with Harness() as h:
         upstream = await h.scripted_engine(await scripted_answer(answer))
@@ -1107,11 +1365,42 @@ async def test_an_answer_header_decide_gives_replaces_the_engines():
         reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
         head, body = await read_answer(reader)
-        lines = head.lower().split(b"\r\n")
-        assert [line for line in lines if line.startswith(b"x-request-id:")] == [
-            b"x-request-id: kvplug-1"
-        ]
-        assert b"x-engine: e1" in lines and body == b"ok"
+        assert head == (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-request-id: kvplug-1\r\n"
+            b"Content-Length: 2\r\n\r\n"
+        )
+        assert body == b"ok"
+
+
+@pytest.mark.parametrize(
+    "answer, framing",
+    [
+        (b"HTTP/1.1 200 OK\r\nServer: e\r\nContent-Length: 2\r\n\r\nok", b"Content-Length: 2"),
+        (
+            b"HTTP/1.1 200 OK\r\nServer: e\r\nConnection: close\r\n\r\nok",
+            b"Transfer-Encoding: chunked",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nServer: e\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"2\r\nok\r\n0\r\n\r\n",
+            b"Transfer-Encoding: chunked",
+        ),
+    ],
+)
+async def test_an_answer_without_a_content_type_says_json_and_keeps_its_framing(answer, framing):
+    async with Harness() as h:
+        await h.scripted_engine(await answering(answer))
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, body = await read_answer(reader)
+        assert head == (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Lane-Test: yes\r\n%s\r\n\r\n"
+            % framing
+        )
+        assert (dechunk(body) if b"chunked" in framing else body) == b"ok"
+        writer.write(post(b"/v1/completions", body_of()))  # the connection still serves
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200 OK")
 
 
 @pytest.mark.parametrize(
@@ -1150,7 +1439,8 @@ async def test_a_bodiless_answer_and_an_interim_100_are_relayed():
         reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        assert head.startswith(b"HTTP/1.1 204 No Content\r\nX-E: 1\r\n")
+        assert head.startswith(b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\n")
+        assert b"X-E" not in head
         await until(lambda: h.finished)
         assert h.finished[0][1:3] == (204, OK)
 

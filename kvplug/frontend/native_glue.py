@@ -55,6 +55,9 @@ from kvplug.frontend.streaming import (
     completion_tokens,
     engine_error_text,
     mid_answer_error,
+    mid_stream_event,
+    sse_error,
+    stream_timeout_error,
     whole_answer_read,
 )
 from kvplug.frontend.upstream import UpstreamUnavailable
@@ -70,9 +73,10 @@ _PATHS = (COMPLETIONS, CHAT)
 # finish's outcome
 OK = 0
 CLIENT_GONE = 1
-UNAVAILABLE = 2  # no answer head: refused, reset, closed, per-try timeout (retried)
+UNAVAILABLE = 2  # no answer body: refused, reset, closed, per-try timeout, empty 5xx (retried)
 FAILED_MID_ANSWER = 3
-TIMED_OUT = 4
+TIMED_OUT = 4  # the engine's silence (--idle-timeout)
+DEADLINE = 5  # --request-timeout (a stream: until its first bytes), then --max-stream-duration
 
 TAIL_BYTES = 4096  # the most of an answer's last bytes the lane hands to finish
 
@@ -157,6 +161,16 @@ def _usage_total(tail: bytes) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def _last_event(status: int, result: str, error: str | None) -> Answer | None:
+    """The event a stream that broke off ends with, as ``streaming.relay`` writes it (the lane
+    sends the body as the stream's last chunk); None for a stream that ended by itself."""
+    if result == "upstream_failed_mid_stream":
+        return status, b"", mid_stream_event(error or "")
+    if result == "stream_timeout":
+        return status, b"", sse_error(error or "", 504, "timeout_error")
+    return None
+
+
 def answer_tokens(tail: bytes) -> int | None:
     """``usage.completion_tokens`` of a non-streamed answer from its last bytes: the whole
     body's when the tail is all of it, else the last usage object's (engines put it last)."""
@@ -225,8 +239,6 @@ class NativeGlue:
             req = self._parse_text(kind, body)
             if req is None:
                 return None
-        if req.stream and s.max_stream_duration > 0:
-            return None  # the lane has no --max-stream-duration timer
         try:
             model_workers = fe._check_model(req)
             resolved = fe.tokens.resolve_now(req)
@@ -276,7 +288,7 @@ class NativeGlue:
         fe = self.frontend
         routed = token.routed
         reason = _BROKE_OFF
-        if outcome == TIMED_OUT and self._idle_timeout_first(routed.lifecycle.first_seen):
+        if outcome == TIMED_OUT:
             # the engine fell silent for --idle-timeout: the Python path's engine client fails
             # the same way, before the answer head (retried) or within the answer
             reason = (
@@ -306,15 +318,6 @@ class NativeGlue:
             return self._finished(token, status, outcome, tail, reason)
         finally:
             routed.lifecycle.finish()
-
-    def _idle_timeout_first(self, streaming: bool) -> bool:
-        """Whether a silent engine meets ``--idle-timeout`` before ``--request-timeout`` (which
-        bounds a whole answer, and a stream until its first byte): the request's timer starts
-        first, so at equal lengths it is the one that fires."""
-        s = self.frontend.settings
-        if s.idle_timeout <= 0:
-            return False
-        return streaming or s.request_timeout <= 0 or s.idle_timeout < s.request_timeout
 
     def upstream_of(self, worker_id: str) -> tuple[int, str, int] | None:
         """The lane's upstream for a worker: (id, host, port); None if the lane cannot reach
@@ -380,7 +383,7 @@ class NativeGlue:
             fe.client_gone(ctx)
             fe.count_request(path, 499, False, token.started)
             return None
-        if outcome == TIMED_OUT:  # --request-timeout: the whole answer, or a stream's start
+        if outcome == DEADLINE and not lc.first_seen:  # the whole answer, or a stream's start
             return self._answer_error(token, fe._timed_out(ctx))
         if not lc.first_seen:  # a whole answer, not a stream
             if outcome == FAILED_MID_ANSWER:
@@ -398,13 +401,15 @@ class NativeGlue:
             lc.output(total)
         if outcome == FAILED_MID_ANSWER:
             result, error = "upstream_failed_mid_stream", reason
+        elif outcome == DEADLINE:
+            result, error = "stream_timeout", stream_timeout_error(fe.settings.max_stream_duration)
         elif engine_error is not None:
             result, error = "engine_error", engine_error_text(engine_error)
         else:
             result, error = "ok", None
         fe.record_answer(ctx, routed, status, result, error, total)
         fe.count_request(path, status, ctx.req.stream, token.started)
-        return None
+        return _last_event(status, result, error)
 
     def _answer_error(self, token: GlueRequest, err: ApiError) -> Answer:
         """An error answer the lane writes as is (the Python path's status, headers, body)."""

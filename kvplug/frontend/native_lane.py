@@ -100,6 +100,8 @@ class NativeDataPath:
             connect_timeout=s.connect_timeout,
             try_timeout=s.per_try_timeout,
             engine_idle_timeout=s.idle_timeout,
+            request_timeout=s.request_timeout,
+            max_stream_duration=s.max_stream_duration,
             head_timeout_answer=head_timeout_answer(head) if head > 0 else b"",
             body_timeout_answer=(
                 timeout_answer(body_timeout_message(body), "body_timeout") if body > 0 else b""

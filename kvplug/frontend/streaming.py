@@ -157,6 +157,17 @@ def sse_error(message: str, code: int = 502, type_: str = "upstream_error") -> b
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
+def mid_stream_event(why: str) -> bytes:
+    """The last event of a stream whose engine broke off after its first bytes."""
+    return sse_error(f"the engine failed mid-stream: {why}")
+
+
+def stream_timeout_error(limit: float) -> str:
+    """Why a stream was cut at ``--max-stream-duration`` (its trace's error, its last event's
+    message: ``sse_error(..., 504, "timeout_error")``)."""
+    return f"the stream ran past --max-stream-duration ({limit:g} s)"
+
+
 def response_headers(upstream: EngineResponse, extra: dict[str, str]) -> dict[str, str]:
     headers = {"Content-Type": upstream.headers.get("Content-Type", "application/json")}
     rid = upstream.headers.get("X-Request-Id")
@@ -238,7 +249,7 @@ async def relay(
                     raise  # the engine's idle timeout: handled below
                 upstream.close()  # the engine aborts the request
                 outcome = "stream_timeout"
-                error = f"the stream ran past --max-stream-duration ({max_stream_duration:g} s)"
+                error = stream_timeout_error(max_stream_duration or 0.0)  # not None here
                 await out.write(sse_error(error, 504, "timeout_error"))
                 break
         lifecycle.output(counter.tokens)
@@ -252,7 +263,7 @@ async def relay(
         outcome, error = "upstream_failed_mid_stream", f"{type(exc).__name__}: {exc}"
         log.warning("engine stream broke after the first byte: %s", error)
         try:
-            await out.write(sse_error(f"the engine failed mid-stream: {error}"))
+            await out.write(mid_stream_event(error))
         except ConnectionResetError:
             pass
     try:

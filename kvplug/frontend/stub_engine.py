@@ -17,7 +17,8 @@ per token) and records what it was sent. What it does for real:
   ``j`` of prompt ``i`` numbered ``i * n + j`` (streamed: a step's chunks prompt by prompt),
   usage summed; ``tag_text = True`` makes each choice's text name its prompt and choice;
 * failures on demand: ``fail = "reset"`` (connection closed before any byte), ``"midstream"``
-  (closed after two chunks), ``"http500"``, ``"http400"``, ``"hang"`` (never answers),
+  (closed after two chunks), ``"http500"``, ``"empty503"`` (a 503 without a body, as a
+  restarting engine's own server may answer), ``"http400"``, ``"hang"`` (never answers),
   ``"trickle"`` (a 200 JSON answer that sends one space every ``trickle_interval`` seconds and
   never ends), ``"unhealthy"`` (``/health`` answers 503); ``cancelled`` counts the requests
   whose connection kvplug closed before the answer was done.
@@ -295,6 +296,8 @@ class StubEngine:
             raise asyncio.CancelledError  # nothing may be written any more
         if self.fail == "http500":
             return self._error(500, "stub engine failure")
+        if self.fail == "empty503":
+            return web.Response(status=503)
         if self.fail == "hang":
             await asyncio.Event().wait()
         if self.fail == "trickle":  # alive by every per-read timeout, never done
