@@ -55,7 +55,12 @@ class LoadListener(Protocol):
 
 
 class LoadTracker:
-    def __init__(self, block_size: int, predictor: PrefillPredictor | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        predictor: PrefillPredictor | None = None,
+        active: ActiveBlocks | None = None,
+    ) -> None:
         self.listener: LoadListener | None = None
         self.block_size = block_size
         self.predictor = predictor
@@ -69,7 +74,9 @@ class LoadTracker:
         self.head_duration = np.ones(0)
         self._pending: dict[int, deque[str]] = {}
         self.requests: dict[str, ActiveRequest] = {}
-        self.active = ActiveBlocks()  # deduplicated prompt blocks (--router-assume-kv-reuse)
+        # deduplicated prompt blocks (--router-assume-kv-reuse); the router passes the compiled
+        # twin (kvplug._core.ActiveBlocks) when its core is compiled
+        self.active = active if active is not None else ActiveBlocks()
         self.counters = {"unknown_request_updates": 0, "duplicate_request_ids": 0}
 
     # ------------------------------------------------------------------ sizing
