@@ -20,6 +20,7 @@ from cpython.ref cimport Py_REFCNT, PyObject
 
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.string cimport memset
 
 
 cdef extern from "Python.h":
@@ -1696,13 +1697,15 @@ cdef class ActiveBlocks:
     def depths(list walk, out):
         """Per endpoint id, how many leading blocks of the walked chain are active there
         (``out``, a float64 array, is zeroed and filled)."""
-        out[:] = 0
         cdef Py_ssize_t pos = 0, k, ep, size = len(out)
         cdef _TrieNode node
         cdef double *o = NULL
         direct = _is_vector(out, cnp.NPY_DOUBLE)
         if direct:
             o = <double *>cnp.PyArray_DATA(<cnp.ndarray>out)
+            memset(o, 0, size * sizeof(double))
+        else:
+            out[:] = 0
         for step in walk:
             node = <_TrieNode>step[0]
             k = step[1]
