@@ -157,7 +157,19 @@ def test_compiled_trie_known_answers() -> None:
 def test_gather_f64_matches_numpy() -> None:
     rng = np.random.default_rng(5)
     arrays = [rng.integers(0, 1000, 12).astype(np.int32) for _ in range(4)]
-    for sel in (slice(0, 12), slice(0, 3), np.array([3, 0, 11, 3]), np.array([], dtype=np.int64)):
+    sels = (
+        slice(0, 12),
+        slice(0, 3),
+        slice(None, 5),
+        slice(0, 40),  # past the end: stops there, as numpy's
+        slice(2, 5),  # the rest take numpy's slicing
+        slice(0, -2),
+        slice(0, 12, 2),
+        np.array([3, 0, 11, 3]),
+        np.array([-1, 2]),
+        np.array([], dtype=np.int64),
+    )
+    for sel in sels:
         got = core.gather_f64(sel, *arrays)
         want = [a[sel].astype(np.float64) for a in arrays]
         assert len(got) == 4
