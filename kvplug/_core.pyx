@@ -1485,15 +1485,17 @@ cdef inline cnp.ndarray _empty_f64(Py_ssize_t n):
 
 
 cdef cnp.ndarray _f64(object x, str what, Py_ssize_t n):
-    # the routing stages pass float64 vectors: checked in C, not through ascontiguousarray
+    # the routing stages pass float64 vectors: checked in C, not through ascontiguousarray;
+    # ``a`` typed, so its ndim and length are read in C (a Python ``shape`` is a new tuple)
+    cdef cnp.ndarray a
     if _is_vector(x, cnp.NPY_DOUBLE):
         a = <cnp.ndarray>x
     else:
         a = np.ascontiguousarray(x, dtype=np.float64)
-    if a.ndim != 1:
+    if cnp.PyArray_NDIM(a) != 1:
         raise InvalidArgument(f"{what} must be 1-D")
-    if n >= 0 and a.shape[0] != n:
-        raise InvalidArgument(f"{what} has {a.shape[0]} entries, expected {n}")
+    if n >= 0 and cnp.PyArray_DIM(a, 0) != n:
+        raise InvalidArgument(f"{what} has {cnp.PyArray_DIM(a, 0)} entries, expected {n}")
     return a
 
 
