@@ -1472,7 +1472,8 @@ cdef class Index:
 # ---- costs and selection -----------------------------------------------------------------------
 cdef inline bint _is_vector(object x, int typenum):
     """``x`` is a 1-D contiguous numpy array of ``typenum``: usable in place, no conversion."""
-    return (type(x) is np.ndarray and cnp.PyArray_TYPE(<cnp.ndarray>x) == typenum
+    # cnp.ndarray: the type object in C (np.ndarray would be a module attribute lookup)
+    return (type(x) is cnp.ndarray and cnp.PyArray_TYPE(<cnp.ndarray>x) == typenum
             and cnp.PyArray_NDIM(<cnp.ndarray>x) == 1
             and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>x))
 
