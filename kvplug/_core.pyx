@@ -20,10 +20,13 @@ from cpython.ref cimport Py_REFCNT, PyObject
 
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.string cimport memset
 
 
 cdef extern from "Python.h":
     long PyLong_AsLongAndOverflow(object obj, int *overflow) except? -1
+    int PySlice_Unpack(object slice, Py_ssize_t *start, Py_ssize_t *stop,
+                       Py_ssize_t *step) except -1
 
 # Reading a list of ints is most of the cost of hashing or querying from Python lists (a vLLM
 # event's tokens, a request's hashes): the generic conversions check and convert each int
@@ -1467,12 +1470,33 @@ cdef class Index:
 
 
 # ---- costs and selection -----------------------------------------------------------------------
+cdef inline bint _is_vector(object x, int typenum):
+    """``x`` is a 1-D contiguous numpy array of ``typenum``: usable in place, no conversion."""
+    # cnp.ndarray: the type object in C (np.ndarray would be a module attribute lookup)
+    return (type(x) is cnp.ndarray and cnp.PyArray_TYPE(<cnp.ndarray>x) == typenum
+            and cnp.PyArray_NDIM(<cnp.ndarray>x) == 1
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>x))
+
+
+cdef inline cnp.ndarray _empty_f64(Py_ssize_t n):
+    """A new float64 vector through numpy's C API (np.empty is a Python call: ~3x slower at
+    the few entries a decision has)."""
+    cdef cnp.npy_intp dims = n
+    return cnp.PyArray_EMPTY(1, &dims, cnp.NPY_DOUBLE, 0)
+
+
 cdef cnp.ndarray _f64(object x, str what, Py_ssize_t n):
-    a = np.ascontiguousarray(x, dtype=np.float64)
-    if a.ndim != 1:
+    # the routing stages pass float64 vectors: checked in C, not through ascontiguousarray;
+    # ``a`` typed, so its ndim and length are read in C (a Python ``shape`` is a new tuple)
+    cdef cnp.ndarray a
+    if _is_vector(x, cnp.NPY_DOUBLE):
+        a = <cnp.ndarray>x
+    else:
+        a = np.ascontiguousarray(x, dtype=np.float64)
+    if cnp.PyArray_NDIM(a) != 1:
         raise InvalidArgument(f"{what} must be 1-D")
-    if n >= 0 and a.shape[0] != n:
-        raise InvalidArgument(f"{what} has {a.shape[0]} entries, expected {n}")
+    if n >= 0 and cnp.PyArray_DIM(a, 0) != n:
+        raise InvalidArgument(f"{what} has {cnp.PyArray_DIM(a, 0)} entries, expected {n}")
     return a
 
 
@@ -1521,7 +1545,8 @@ def seed_load_costs(prefill_tokens, decode_blocks, sel, device, host, disk, shar
     same double operations, in the same order, as ``SeedCost.load_vectors`` followed by
     ``costs`` (tests/test_seed_cost_fused.py checks bit equality), without their ~10 numpy
     steps on arrays of a few dozen entries."""
-    cdef cnp.ndarray sl = np.ascontiguousarray(sel, dtype=np.intp)
+    cdef cnp.ndarray sl = (sel if _is_vector(sel, cnp.NPY_INTP)
+                           else np.ascontiguousarray(sel, dtype=np.intp))
     cdef Py_ssize_t n = sl.shape[0]
     cdef cnp.ndarray pt = _f64(prefill_tokens, "prefill_tokens", -1)
     cdef cnp.ndarray db = _f64(decode_blocks, "decode_blocks", -1)
@@ -1530,9 +1555,9 @@ def seed_load_costs(prefill_tokens, decode_blocks, sel, device, host, disk, shar
     cdef cnp.ndarray di = _f64(disk, "disk", n)
     cdef cnp.ndarray sb = _f64(shared_beyond, "shared_beyond", n)
     cdef cnp.ndarray ad = None if active_depth is None else _f64(active_depth, "active_depth", n)
-    cdef cnp.ndarray pf = np.empty(n, np.float64)
-    cdef cnp.ndarray dc = np.empty(n, np.float64)
-    cdef cnp.ndarray res = np.empty(n, np.float64)
+    cdef cnp.ndarray pf = _empty_f64(n)
+    cdef cnp.ndarray dc = _empty_f64(n)
+    cdef cnp.ndarray res = _empty_f64(n)
     cdef const Py_ssize_t *e = <const Py_ssize_t *>cnp.PyArray_DATA(sl)
     cdef const double *ptv = <const double *>cnp.PyArray_DATA(pt)
     cdef const double *dbv = <const double *>cnp.PyArray_DATA(db)
@@ -1583,7 +1608,264 @@ def select(cost, double temperature, double u):
     return chosen
 
 
+
+
+
+# ------------------------------------------------------------------ active blocks (dedup trie)
+# The compiled twin of kvplug.active_blocks.ActiveBlocks (the pure-Python reference; read its
+# module docstring for the trie): the same walks, the same node splits, the same counts
+# (tests/test_active_blocks_differential.py). Every request walks it, adds to it and releases
+# from it; here a walk compares hashes in C instead of through numpy scalars.
+
+cdef class _TrieNode:
+    """A run of consecutive chain hashes and the endpoints holding it (see ActiveBlocks)."""
+    cdef object owner           # the uint64 array ``edge`` points into (kept alive)
+    cdef const uint64_t *edge   # the run's hashes, chain order
+    cdef Py_ssize_t length
+    cdef _TrieNode parent
+    cdef dict children          # keyed by the child's first hash
+    cdef dict holders           # endpoint id -> active chains on it passing through
+
+    @property
+    def hashes(self):
+        """The run's hashes (a copy; introspection and tests)."""
+        return np.asarray([self.edge[i] for i in range(self.length)], dtype=np.uint64)
+
+
+cdef _TrieNode _trie_node(object owner, const uint64_t *edge, Py_ssize_t length,
+                          _TrieNode parent, dict holders):
+    cdef _TrieNode node = _TrieNode.__new__(_TrieNode)
+    node.owner = owner
+    node.edge = edge
+    node.length = length
+    node.parent = parent
+    node.children = {}
+    node.holders = holders
+    return node
+
+
+cdef cnp.ndarray _u64_chain(object hashes):
+    """``hashes`` as a 1-D contiguous uint64 array (itself when it already is one)."""
+    if _is_vector(hashes, cnp.NPY_UINT64):
+        return <cnp.ndarray>hashes
+    arr = np.ascontiguousarray(hashes, dtype=np.uint64)
+    if arr.ndim != 1:
+        raise InvalidArgument("block hashes must be 1-D")
+    return arr
+
+
+cdef class ActiveBlocks:
+    """Refcounted active chains of every endpoint (kvplug.active_blocks.ActiveBlocks, compiled).
+    A walk is a list of (node, matched hashes) pairs, as the reference's."""
+    cdef dict _roots
+    cdef public Py_ssize_t chains   # active chains (requests) held
+
+    def __init__(self):
+        self._roots = {}
+        self.chains = 0
+
+    def walk(self, hashes):
+        """The trie nodes along ``hashes``: an empty list when no endpoint holds its first
+        block."""
+        cdef cnp.ndarray arr = _u64_chain(hashes)
+        cdef Py_ssize_t n = arr.shape[0]
+        if n == 0:
+            return []
+        cdef const uint64_t *h = <const uint64_t *>cnp.PyArray_DATA(arr)
+        found = self._roots.get(h[0])
+        cdef list out = []
+        if found is None:
+            return out
+        cdef _TrieNode node = <_TrieNode>found
+        cdef Py_ssize_t pos = 0, m, k, lo, hi, mid
+        cdef const uint64_t *edge
+        while True:
+            edge = node.edge
+            m = node.length if node.length < n - pos else n - pos
+            # chained hashes: equal at the probe end means equal all the way (k >= 1: the
+            # first hash matched the dict key)
+            if edge[m - 1] == h[pos + m - 1]:
+                k = m
+            else:
+                lo, hi = 1, m - 1  # edge[lo-1] matches, edge[hi] does not
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if edge[mid] == h[pos + mid]:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                k = lo
+            out.append((node, k))
+            pos += k
+            if k < node.length or pos == n:
+                break
+            found = node.children.get(h[pos])
+            if found is None:
+                break
+            node = <_TrieNode>found
+        return out
+
+    @staticmethod
+    def depths(list walk, out):
+        """Per endpoint id, how many leading blocks of the walked chain are active there
+        (``out``, a float64 array, is zeroed and filled)."""
+        cdef Py_ssize_t pos = 0, k, ep, size = len(out)
+        cdef _TrieNode node
+        cdef double *o = NULL
+        direct = _is_vector(out, cnp.NPY_DOUBLE)
+        if direct:
+            o = <double *>cnp.PyArray_DATA(<cnp.ndarray>out)
+            memset(o, 0, size * sizeof(double))
+        else:
+            out[:] = 0
+        for step in walk:
+            node = <_TrieNode>step[0]
+            k = step[1]
+            pos += k
+            for key in node.holders:
+                ep = key
+                if ep < 0:  # numpy's negative index, as the reference's fancy assignment
+                    ep += size
+                if ep < 0 or ep >= size:
+                    raise IndexError(f"endpoint {key} is outside the depths array ({size})")
+                if direct:
+                    o[ep] = pos
+                else:
+                    out[ep] = pos
+        return out
+
+    def add(self, ep, hashes, list walk):
+        """Hold ``hashes`` (its ``walk`` from this trie, unchanged since) on ``ep``. Returns
+        (the chain's tail node, for ``release``; the number of blocks new to ``ep``)."""
+        cdef cnp.ndarray arr = _u64_chain(hashes)
+        cdef Py_ssize_t n = arr.shape[0]
+        if n == 0:
+            return None, 0
+        cdef const uint64_t *h = <const uint64_t *>cnp.PyArray_DATA(arr)
+        cdef Py_ssize_t pos = 0, depth = 0, k, held
+        cdef _TrieNode node, parent = None, tail
+        for step in walk:
+            node = <_TrieNode>step[0]
+            k = step[1]
+            if k < node.length:
+                node = self._split(node, k)
+            held = node.holders.get(ep, 0)
+            if held:
+                depth = pos + k
+            node.holders[ep] = held + 1
+            pos += k
+            parent = node
+        tail = parent
+        if pos < n:
+            tail = _trie_node(arr, h + pos, n - pos, parent, {ep: 1})
+            if parent is None:
+                self._roots[h[pos]] = tail
+            else:
+                parent.children[h[pos]] = tail
+        self.chains += 1
+        return tail, n - depth
+
+    def release(self, ep, _TrieNode tail):
+        """Drop one chain (its tail node from ``add``) of ``ep``; returns how many blocks are
+        no longer active on ``ep``."""
+        if tail is None:
+            return 0
+        cdef Py_ssize_t freed = 0, held
+        cdef _TrieNode node = tail, parent
+        cdef dict siblings
+        while node is not None:
+            held = node.holders.get(ep, 0) - 1
+            if held > 0:
+                node.holders[ep] = held
+            else:
+                node.holders.pop(ep, None)
+                freed += node.length
+            parent = node.parent
+            if not node.holders:  # no chain passes here any more: unlink it
+                siblings = self._roots if parent is None else parent.children
+                key = node.edge[0]
+                if siblings.get(key) is node:
+                    del siblings[key]
+            node = parent
+        self.chains -= 1
+        return freed
+
+    cdef _TrieNode _split(self, _TrieNode node, Py_ssize_t k):
+        """Cut ``node`` after its first ``k`` hashes; returns the new upper part (same
+        holders). The lower part keeps its identity, so tails held by requests stay valid."""
+        cdef _TrieNode upper = _trie_node(node.owner, node.edge, k, node.parent,
+                                          dict(node.holders))
+        siblings = self._roots if node.parent is None else node.parent.children
+        siblings[node.edge[0]] = upper
+        node.edge = node.edge + k
+        node.length -= k
+        node.parent = upper
+        upper.children[node.edge[0]] = node
+        return upper
+
+    def nodes(self):
+        """Number of trie nodes (introspection, tests)."""
+        cdef Py_ssize_t count = 0
+        cdef list stack = list(self._roots.values())
+        cdef _TrieNode node
+        while stack:
+            node = <_TrieNode>stack.pop()
+            count += 1
+            stack.extend(node.children.values())
+        return count
+
+
+def gather_f64(sel, *arrays):
+    """``arrays[j][sel]`` as new float64 arrays, one per array: what a routing stage keeps of
+    the index's per-endpoint int32 answers for its candidates (``sel``: ``slice(0, n)`` or
+    endpoint ids), in one call instead of a gather and a cast per array. Other dtypes take
+    numpy's path."""
+    cdef Py_ssize_t n, i, j, ep, size, start, step
+    cdef cnp.ndarray ids = None
+    cdef const Py_ssize_t *e = NULL
+    if type(sel) is slice:
+        PySlice_Unpack(sel, &start, &n, &step)
+        if start != 0 or step != 1 or n < 0:  # not a leading run: numpy's slicing rules
+            return tuple(np.asarray(a)[sel].astype(np.float64) for a in arrays)
+    else:
+        ids = np.ascontiguousarray(sel, dtype=np.intp)
+        if ids.ndim != 1:
+            raise InvalidArgument("candidate ids must be 1-D")
+        n = ids.shape[0]
+        e = <const Py_ssize_t *>cnp.PyArray_DATA(ids)
+    cdef list out = []
+    cdef cnp.ndarray src, dst
+    cdef const int32_t *s
+    cdef double *d
+    for a in arrays:
+        if not _is_vector(a, cnp.NPY_INT32):
+            out.append(np.asarray(a)[sel].astype(np.float64))
+            continue
+        src = <cnp.ndarray>a
+        size = src.shape[0]
+        s = <const int32_t *>cnp.PyArray_DATA(src)
+        if e == NULL:
+            m = n if n < size else size  # a slice past the end stops there, as numpy's
+            dst = _empty_f64(m)
+            d = <double *>cnp.PyArray_DATA(dst)
+            for i in range(m):
+                d[i] = s[i]
+        else:
+            dst = _empty_f64(n)
+            d = <double *>cnp.PyArray_DATA(dst)
+            for i in range(n):
+                ep = e[i]
+                if ep < 0:
+                    ep += size
+                if ep < 0 or ep >= size:
+                    raise IndexError(f"index {e[i]} is out of bounds for size {size}")
+                d[i] = s[ep]
+        out.append(dst)
+    return tuple(out)
+
+
 __all__ = [
-    "CostParams", "DEVICE", "DISK", "HOST", "Index", "MAX_ENDPOINT", "N_TIERS", "QueryResult",
-    "SHARED", "chain_hash", "costs", "hash_blocks", "local_hash", "select", "softmax_probs",
+    "ActiveBlocks", "CostParams", "DEVICE", "DISK", "HOST", "Index", "MAX_ENDPOINT", "N_TIERS",
+    "QueryResult", "SHARED", "chain_hash", "costs", "gather_f64", "hash_blocks", "local_hash",
+    "select", "softmax_probs",
 ]

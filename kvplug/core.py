@@ -66,6 +66,9 @@ costs = impl.costs
 select = impl.select
 # compiled only: the reference takes SeedCost's numpy path, which this matches bit for bit
 seed_load_costs = getattr(impl, "seed_load_costs", None)
+# compiled only: the reference backend runs kvplug.active_blocks.ActiveBlocks and numpy gathers
+ActiveBlocks = getattr(impl, "ActiveBlocks", None)
+gather_f64 = getattr(impl, "gather_f64", None)
 softmax_probs = impl.softmax_probs
 DEVICE, HOST, DISK, N_TIERS = impl.DEVICE, impl.HOST, impl.DISK, impl.N_TIERS
 SHARED = impl.SHARED
@@ -78,12 +81,14 @@ __all__ = [
     "MAX_ENDPOINT",
     "N_TIERS",
     "SHARED",
+    "ActiveBlocks",
     "CostParams",
     "Index",
     "QueryResult",
     "backend",
     "chain_hash",
     "costs",
+    "gather_f64",
     "hash_blocks",
     "impl",
     "load_backend",

@@ -55,7 +55,12 @@ class LoadListener(Protocol):
 
 
 class LoadTracker:
-    def __init__(self, block_size: int, predictor: PrefillPredictor | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        predictor: PrefillPredictor | None = None,
+        active: ActiveBlocks | None = None,
+    ) -> None:
         self.listener: LoadListener | None = None
         self.block_size = block_size
         self.predictor = predictor
@@ -69,7 +74,9 @@ class LoadTracker:
         self.head_duration = np.ones(0)
         self._pending: dict[int, deque[str]] = {}
         self.requests: dict[str, ActiveRequest] = {}
-        self.active = ActiveBlocks()  # deduplicated prompt blocks (--router-assume-kv-reuse)
+        # deduplicated prompt blocks (--router-assume-kv-reuse); the router passes the compiled
+        # twin (kvplug._core.ActiveBlocks) when its core is compiled
+        self.active = active if active is not None else ActiveBlocks()
         self.counters = {"unknown_request_updates": 0, "duplicate_request_ids": 0}
 
     # ------------------------------------------------------------------ sizing
@@ -139,15 +146,18 @@ class LoadTracker:
             track_output and track_decode,
             now,
         )
+        # per-endpoint updates as ``a[ep] = a.item(ep) + x``: the same double (or int64)
+        # arithmetic as ``a[ep] += x`` without numpy scalars (~40 ns each, every request)
+        blocks = self.decode_blocks
         if chain is not None and track_decode:
             r.chain, new = self.active.add(endpoint, chain[0], chain[1])
             r.deduplicated = True
-            self.decode_blocks[endpoint] += new
+            blocks[endpoint] = blocks.item(endpoint) + new
         self.requests[request_id] = r
-        self.inflight[endpoint] += 1
-        self.decode_blocks[endpoint] += r.decode_blocks
+        self.inflight[endpoint] = self.inflight.item(endpoint) + 1
+        blocks[endpoint] = blocks.item(endpoint) + r.decode_blocks
         if uncached > 0:
-            self.prefill_tokens[endpoint] += uncached
+            self.prefill_tokens[endpoint] = self.prefill_tokens.item(endpoint) + uncached
             if self.predictor is not None:
                 r.prefill_duration = max(
                     float(self.predictor.predict(uncached, cached_tokens)), 1e-6
@@ -202,12 +212,14 @@ class LoadTracker:
             self.listener.finished(request_id)
         self._release_prefill(r, now)
         ep = r.endpoint
+        blocks = self.decode_blocks  # updated as in ``add``
         if r.deduplicated:
-            self.decode_blocks[ep] -= self.active.release(ep, r.chain)
-        self.decode_blocks[ep] -= r.decode_blocks + r.output_contrib
-        self.inflight[ep] -= 1
-        if self.inflight[ep] == 0:  # no float drift survives an idle endpoint
-            self.decode_blocks[ep] = 0.0
+            blocks[ep] = blocks.item(ep) - self.active.release(ep, r.chain)
+        blocks[ep] = blocks.item(ep) - (r.decode_blocks + r.output_contrib)
+        inflight = self.inflight.item(ep) - 1
+        self.inflight[ep] = inflight
+        if inflight == 0:  # no float drift survives an idle endpoint
+            blocks[ep] = 0.0
             self.prefill_tokens[ep] = 0.0
         return True
 
@@ -235,9 +247,8 @@ class LoadTracker:
             return
         r.prefill_done = True
         ep = r.endpoint
-        self.prefill_tokens[ep] -= r.prefill_tokens
-        if self.prefill_tokens[ep] < 1e-9:
-            self.prefill_tokens[ep] = 0.0
+        left = self.prefill_tokens.item(ep) - r.prefill_tokens  # as in ``add``
+        self.prefill_tokens[ep] = 0.0 if left < 1e-9 else left
         if self.predictor is None:
             return
         q = self._pending.get(ep)

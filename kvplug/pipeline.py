@@ -50,6 +50,7 @@ class StageRules:
         "assume_reuse",
         "resident_credit",
         "params",
+        "default_terms",
     )
 
     def __init__(
@@ -70,6 +71,10 @@ class StageRules:
         self.resident_credit = resident_credit  # and the device-resident prefix is not new
         self.params = params
         self.params_dict: dict[str, float] = {}  # the same numbers, for explanations
+        # the seed cost's default terms (kv_cost's one compiled call), settled once per stage
+        self.default_terms = (
+            prefill_term and track_prefill and track_decode and assume_reuse and resident_credit
+        )
 
 
 class StageBase:

@@ -49,6 +49,12 @@ log = logging.getLogger("kvplug.router")
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
+def _gather_f64(sel: slice | np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``arrays[j][sel]`` as new float64 arrays (the reference backend's twin of
+    ``_core.gather_f64``)."""
+    return tuple(a[sel].astype(np.float64) for a in arrays)
+
+
 class Router:
     """The KV-cache-aware router: register workers (``add_worker``), feed KV events
     (``apply_event``), then per request ``route`` -> :class:`~kvplug.Decision` and the
@@ -73,6 +79,8 @@ class Router:
         backend = getattr(index, "backend", None) or core.backend
         self._core = core if backend == core.backend else core.load_backend(backend)
         self._backend = backend
+        # the candidates' rows of the index's answer as float64: one compiled call, or numpy's
+        self._gather = getattr(self._core, "gather_f64", None) or _gather_f64
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
         if index is None:
@@ -96,7 +104,8 @@ class Router:
         self.index = index
         self.block_size = cfg.kv_block_size
         predictor = prefill_predictor or make_predictor(cfg.router_prefill_load_model)
-        self.load = LoadTracker(self.block_size, predictor)
+        trie = getattr(self._core, "ActiveBlocks", None)  # compiled only; else the reference
+        self.load = LoadTracker(self.block_size, predictor, trie() if trie is not None else None)
         self._approx: ApproxIndex | None = None
         if cfg.approximate:
             self._approx = ApproxIndex(
@@ -516,10 +525,9 @@ class Router:
             hashes = self.index.request_hashes(req.token_ids, req.lora_name, req.cache_salt)
         ctx.hashes = hashes
         ov = self.index.query(hashes)  # reused by the next query: copy out what we keep
-        dev = ov.device[sel].astype(np.float64)
-        shared = ov.shared_beyond[sel].astype(np.float64)
-        ctx.host = ov.host[sel].astype(np.float64)
-        ctx.disk = ov.disk[sel].astype(np.float64)
+        dev, shared, ctx.host, ctx.disk = self._gather(
+            sel, ov.device, ov.shared_beyond, ov.host, ov.disk
+        )
         if self._approx is not None:
             self._approx.expire(ctx.now)
             ova = self._approx.query(hashes)

@@ -29,6 +29,7 @@ TESTS = [
     "test_index_batch.py",
     "test_parsing_fastpath.py",  # kvplug/_token_json.pyx reads client bytes
     "test_native_lane.py",  # kvplug/_lane.pyx + csrc/lane.c: client and engine bytes
+    "test_active_blocks_differential.py",  # _core.ActiveBlocks' pointers into hash arrays
 ]
 TEST_HELPERS = ["core_tables.py"]  # modules the tests above import
 BENCH_HELPERS = ["instant_engine.py"]  # test_native_lane's engines

@@ -46,14 +46,7 @@ class SeedCost:
         dev, host, disk, shared = ctx.device, ctx.host, ctx.disk, ctx.shared
         assert dev is not None and host is not None and disk is not None and shared is not None
         rules = ctx.rules
-        if (
-            self.fused is not None
-            and rules.prefill_term
-            and rules.track_prefill
-            and rules.track_decode
-            and rules.assume_reuse
-            and rules.resident_credit
-        ):  # the defaults: one compiled call
+        if self.fused is not None and rules.default_terms:  # the defaults: one compiled call
             prefill_vec, decode_vec, cost = self.fused(
                 ctx.prefill_tokens,
                 ctx.decode_blocks,
