@@ -377,6 +377,29 @@ async def test_fleets_and_engines_the_lane_does_not_serve():
         assert len(h.frontend.decisions) == 0
 
 
+async def test_streams_stay_with_the_python_path_when_output_blocks_are_load():
+    """With --router-track-output-blocks each output block a stream crosses is decode load the
+    router must hear as it happens, which the lane does not report: such streams are declined
+    (nothing counted), a non-streamed request is still decided."""
+    async with serving(1, router_config={"router_track_output_blocks": True}) as h:
+        fe = h.frontend
+        glue = NativeGlue(fe)
+        metrics = fe.metrics.render()
+        stream = json.dumps(_body(prompt(2, 5), stream=True)).encode()
+        assert glue.decide(KIND_COMPLETIONS, stream, None, None) is None
+        assert fe.metrics.render() == metrics and len(fe.decisions) == 0
+        decided = glue.decide(KIND_COMPLETIONS, json.dumps(_body(prompt(2, 5))).encode(), None, None)
+        assert decided is not None and len(decided) == 5
+        glue.finish(decided[4], 0, CLIENT_GONE, b"")
+        h.assert_idle()
+    async with serving(1) as h:  # without it the lane takes the stream
+        glue = NativeGlue(h.frontend)
+        decided = glue.decide(KIND_COMPLETIONS, stream, None, None)
+        assert decided is not None and len(decided) == 5
+        glue.finish(decided[4], 0, CLIENT_GONE, b"")
+        h.assert_idle()
+
+
 async def test_upstream_ids_are_small_stable_and_announced_before_use():
     async with serving(3) as h:
         glue = NativeGlue(h.frontend)

@@ -24,7 +24,8 @@ Output tokens come from the answer's last bytes (``tail``, up to ``TAIL_BYTES``)
 answer's ``usage.completion_tokens``; a stream's count as ``streaming.SseCounter`` makes it when
 the tail holds the whole stream, else its last usage chunk (``stream_options.include_usage``),
 else unknown (``null`` in the trace: the lane does not show Python every chunk, so the router
-hears no block boundaries during such a stream, only its first token and its end).
+hears no block boundaries during such a stream, only its first token and its end; with
+``--router-track-output-blocks``, where they are load, streams are left to the Python path).
 """
 
 from __future__ import annotations
@@ -239,6 +240,8 @@ class NativeGlue:
             req = self._parse_text(kind, body)
             if req is None:
                 return None
+        if req.stream and fe.router.config.router_track_output_blocks:
+            return None  # the Python path tells the router each output block a stream crosses
         try:
             model_workers = fe._check_model(req)
             resolved = fe.tokens.resolve_now(req)
