@@ -388,7 +388,9 @@ async def test_streams_stay_with_the_python_path_when_output_blocks_are_load():
         stream = json.dumps(_body(prompt(2, 5), stream=True)).encode()
         assert glue.decide(KIND_COMPLETIONS, stream, None, None) is None
         assert fe.metrics.render() == metrics and len(fe.decisions) == 0
-        decided = glue.decide(KIND_COMPLETIONS, json.dumps(_body(prompt(2, 5))).encode(), None, None)
+        decided = glue.decide(
+            KIND_COMPLETIONS, json.dumps(_body(prompt(2, 5))).encode(), None, None
+        )
         assert decided is not None and len(decided) == 5
         glue.finish(decided[4], 0, CLIENT_GONE, b"")
         h.assert_idle()

@@ -66,7 +66,7 @@ async def _read(request: web.Request, limit: int, timeout: float | None) -> byte
         raise _too_large("request body is over", limit) from None
     except asyncio.TimeoutError:
         raise ApiError(
-            408, body_timeout_message(timeout), "invalid_request_error", "body_timeout"
+            408, body_timeout_message(timeout or 0), "invalid_request_error", "body_timeout"
         ) from None
     except ConnectionError:  # nobody reads this answer; 499 as nginx counts it
         raise ApiError(

@@ -473,7 +473,7 @@ class NativeGlue:
         ``Frontend.hop_headers`` of those fields (the client's, minus hop-by-hop ones and
         kvplug's, with the Authorization its rules give), less the Content-Type and
         X-Request-Id lines this path writes itself. The lane takes ASCII heads only."""
-        client = CIMultiDict()
+        client: CIMultiDict[str] = CIMultiDict()
         for line in fields.split(b"\r\n"):
             name, _, value = line.partition(b":")
             client.add(name.decode("ascii"), value.strip(b" \t").decode("ascii"))
