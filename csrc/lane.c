@@ -708,6 +708,23 @@ static int client_flush(lane_t *l, client_t *c) {
     return 0;
 }
 
+/* a request closed with its body unfinished, for the caller's counts (error paths only: the
+ * head is parsed again for its kind; its age comes from the body's deadline, set when the head
+ * was whole) */
+static void count_unfinished(lane_t *l, client_t *c, int event, int64_t deadline, int64_t now) {
+    if (!l->cfg.count) return;
+    lane_head h;
+    if (!lane_head_qualifies(buf_data(&c->in), c->head_len - 4, l->cfg.max_body, l->handoff_headers,
+                             l->cfg.handoff_headers_len, &h))
+        return; /* cannot be: the head qualified when it was whole */
+    double seconds = 0.0;
+    if (deadline && l->cfg.body_timeout > 0) {
+        int64_t since = deadline - (int64_t)(l->cfg.body_timeout * 1e9);
+        if (now > since) seconds = (double)(now - since) / 1e9;
+    }
+    l->cfg.count(l->cfg.ctx, event, h.kind, seconds);
+}
+
 static void client_decide(lane_t *l, client_t *c, const lane_head *h) {
     lane_action a;
     memset(&a, 0, sizeof a);
@@ -780,10 +797,14 @@ static int client_read(lane_t *l, client_t *c) {
         if (n < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+            if (c->state == C_BODY)
+                count_unfinished(l, c, LANE_COUNT_CLIENT_GONE, c->deadline, now_ns());
             client_close(l, c);
             return -1;
         }
         if (n == 0) { /* mid-request, this is the client hanging up (finish: outcome 1) */
+            if (c->state == C_BODY)
+                count_unfinished(l, c, LANE_COUNT_CLIENT_GONE, c->deadline, now_ns());
             client_close(l, c);
             return -1;
         }
@@ -1440,17 +1461,20 @@ static void client_expired(lane_t *l, client_t *c, int64_t now) {
         finish(l, c, LANE_DEADLINE);
         return;
     }
+    int64_t deadline = c->deadline; /* when the body was due: its head's age, for count */
     c->deadline = 0;
     switch (c->state) {
     case C_HEAD:
         if (c->first && l->head_answer) { /* a slow first head: 408, as kvplug's listener */
             l->st.timeouts++;
+            if (l->cfg.count) l->cfg.count(l->cfg.ctx, LANE_COUNT_HEAD_TIMEOUT, -1, 0.0);
             send(c->fd, l->head_answer, l->cfg.head_timeout_answer_len, MSG_NOSIGNAL);
         }
         client_close(l, c);
         return;
     case C_BODY:
         l->st.timeouts++;
+        count_unfinished(l, c, LANE_COUNT_BODY_TIMEOUT, deadline, now);
         if (l->body_answer)
             send(c->fd, l->body_answer, l->cfg.body_timeout_answer_len, MSG_NOSIGNAL);
         client_close(l, c);

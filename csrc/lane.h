@@ -36,6 +36,14 @@ enum {
                                   * stream_timeout (an event stream's body) */
 };
 
+/* events passed to count: a request the lane closes before it is whole (the Python path counts
+ * these; the lane only reports them, and only on these error paths) */
+enum {
+    LANE_COUNT_HEAD_TIMEOUT = 0, /* a first head past head_timeout: answered head_timeout_answer */
+    LANE_COUNT_BODY_TIMEOUT = 1, /* a body past body_timeout: answered body_timeout_answer */
+    LANE_COUNT_CLIENT_GONE = 2   /* the client hung up (or reset) with its body unfinished */
+};
+
 /* what decide (and finish, after a failure) tells the lane to do */
 enum { LANE_HANDOFF = 0, LANE_FORWARD = 1, LANE_ANSWER = 2, LANE_DEFAULT = 3 };
 
@@ -72,6 +80,9 @@ typedef struct {
                    size_t tail_len, lane_action *out);
     /* the fd is the caller's from here on (with the bytes read on it so far) */
     void (*handoff)(void *ctx, int fd, const char *data, size_t len);
+    /* NULL, or told of each LANE_COUNT_* event: kind is the request's (-1 for a head timeout),
+     * seconds since its head was whole (0 when unknown: no body_timeout) */
+    void (*count)(void *ctx, int event, int kind, double seconds);
 
     size_t max_body;           /* a longer Content-Length is handed off */
     double head_timeout;       /* first request head (0 = none): then head_timeout_answer */

@@ -5,6 +5,11 @@ from typing import Any
 Forward = tuple[int, bytes, bytes | None, bytes, Any]
 Answer = tuple[int, bytes, bytes]
 
+# count's events: a request the lane closed before it was whole
+COUNT_HEAD_TIMEOUT: int
+COUNT_BODY_TIMEOUT: int
+COUNT_CLIENT_GONE: int
+
 def head_qualifies(
     head: bytes, max_body: int, handoff_headers: Iterable[str | bytes] = ()
 ) -> tuple[int, int, bool, bytes | None, bytes | None, bytes | None] | None: ...
@@ -33,6 +38,7 @@ class Lane:
         head_timeout_answer: bytes = b"",
         body_timeout_answer: bytes = b"",
         handoff_headers: Iterable[str | bytes] = (),
+        count: Callable[[int, int, float], None] | None = None,
     ) -> None: ...
     def fileno(self) -> int: ...
     def poll(self) -> int: ...

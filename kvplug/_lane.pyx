@@ -39,6 +39,7 @@ cdef extern from "lane.h" nogil:
     ctypedef void (*finish_fn)(void *, void *, int, int, const char *, size_t,
                                lane_action *) noexcept
     ctypedef void (*handoff_fn)(void *, int, const char *, size_t) noexcept
+    ctypedef void (*count_fn)(void *, int, int, double) noexcept
 
     ctypedef struct lane_config:
         void *ctx
@@ -46,6 +47,7 @@ cdef extern from "lane.h" nogil:
         first_byte_fn first_byte
         finish_fn finish
         handoff_fn handoff
+        count_fn count
         size_t max_body
         double head_timeout
         double keepalive_timeout
@@ -69,6 +71,7 @@ cdef extern from "lane.h" nogil:
         uint64_t engine_pauses
 
     int LANE_HANDOFF, LANE_FORWARD, LANE_ANSWER, LANE_DEFAULT
+    int LANE_COUNT_HEAD_TIMEOUT, LANE_COUNT_BODY_TIMEOUT, LANE_COUNT_CLIENT_GONE
 
     lane_t *lane_new(const lane_config *config)
     int lane_fd(const lane_t *lane)
@@ -128,6 +131,11 @@ cdef extern from *:
 
 _log = logging.getLogger("kvplug.frontend.native_lane")
 
+# what ``count`` is told: a request the lane closed before it was whole
+COUNT_HEAD_TIMEOUT = LANE_COUNT_HEAD_TIMEOUT
+COUNT_BODY_TIMEOUT = LANE_COUNT_BODY_TIMEOUT
+COUNT_CLIENT_GONE = LANE_COUNT_CLIENT_GONE
+
 
 def _names(handoff_headers):
     """Header names as the lane takes them: lower case, each ending in a newline."""
@@ -168,13 +176,15 @@ cdef class Lane:
     """One serving process's compiled data path. Arguments: the listening sockets' fds (still
     owned by the caller), the four callbacks, the limits and timeouts in seconds (0 = none), and
     ``handoff_headers``: names whose presence hands a request off (besides every x-kvplug-*).
+    ``count(event, kind, seconds)``, if given, hears of each request closed before it was whole
+    (``COUNT_*``; ``kind`` -1 for a head timeout; ``seconds`` since its head, 0 when unknown).
     ``request_timeout`` bounds a request from ``decide`` (every try) to its whole answer, an
     event stream to its first body bytes; ``max_stream_duration`` an event stream from there:
     past either, ``finish`` gets outcome 5. After a stream's first bytes, a 3-tuple ``finish``
     returns is the stream's last event (its body; status and headers unused)."""
 
     cdef lane_t *lane
-    cdef object _decide, _first_byte, _finish, _handoff
+    cdef object _decide, _first_byte, _finish, _handoff, _count
     cdef object _held  # the last callback's answer: C copies from it before the next callback
     cdef bytes _head_answer, _body_answer, _handoff_headers
 
@@ -199,6 +209,7 @@ cdef class Lane:
         bytes head_timeout_answer=b"",
         bytes body_timeout_answer=b"",
         handoff_headers=(),
+        count=None,
     ):
         cdef lane_config cfg
         memset(&cfg, 0, sizeof(cfg))
@@ -206,6 +217,7 @@ cdef class Lane:
         self._first_byte = first_byte
         self._finish = finish
         self._handoff = handoff
+        self._count = count
         self._head_answer = head_timeout_answer
         self._body_answer = body_timeout_answer
         cfg.ctx = <void *>self
@@ -213,6 +225,8 @@ cdef class Lane:
         cfg.first_byte = _first_byte_cb
         cfg.finish = _finish_cb
         cfg.handoff = _handoff_cb
+        if count is not None:  # else NULL (memset): nothing is told
+            cfg.count = _count_cb
         cfg.max_body = max_body
         cfg.head_timeout = head_timeout
         cfg.keepalive_timeout = keepalive_timeout
@@ -406,3 +420,11 @@ cdef void _handoff_cb(void *ctx, int fd, const char *data, size_t n) noexcept wi
     except BaseException:
         _log.exception("the native lane's handoff failed: the connection is closed")
         os.close(fd)  # nobody owns it now
+
+
+cdef void _count_cb(void *ctx, int event, int kind, double seconds) noexcept with gil:
+    cdef Lane self = <Lane>ctx
+    try:
+        self._count(event, kind, seconds)
+    except BaseException:
+        _log.exception("the native lane's count failed")

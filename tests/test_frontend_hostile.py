@@ -14,11 +14,23 @@ import pytest
 from test_frontend_harness import MODEL, prompt, serving
 
 from kvplug.frontend.app import ServeSettings
+from kvplug.frontend.native_lane import available as native_available
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 DEEP = b"[" * 1000 + b"]" * 1000
+# a client's failures counted the same with kvplug's compiled data path (kvplug/_lane.pyx)
+DATA_PATHS = pytest.mark.parametrize(
+    "data_path",
+    [
+        "python",
+        pytest.param(
+            "native",
+            marks=pytest.mark.skipif(not native_available(), reason="kvplug._lane not built"),
+        ),
+    ],
+)
 
 
 def _error(raw: bytes, code: str) -> dict:
@@ -185,8 +197,11 @@ async def test_dp_size_is_capped_with_a_clear_400_and_adding_ranks_is_linear():
     assert time.perf_counter() - t0 < 10  # ~0.1 s now, loaded machine or not
 
 
-async def test_slow_loris_heads_and_bodies_are_timed_out():
-    settings = ServeSettings(client_header_timeout=0.5, client_body_timeout=0.5, health_interval=0)
+@DATA_PATHS
+async def test_slow_loris_heads_and_bodies_are_timed_out(data_path):
+    settings = ServeSettings(
+        client_header_timeout=0.5, client_body_timeout=0.5, health_interval=0, data_path=data_path
+    )
     async with serving(1, settings=settings) as h:
         host, port = h.url.split("//")[1].rsplit(":", 1)
 
@@ -234,14 +249,19 @@ async def test_slow_loris_heads_and_bodies_are_timed_out():
         elapsed, answer = await hold(req, b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 60)
         assert elapsed < 5 and answer.count(b"HTTP/1.1 200") == 1, answer
         assert h.running.head_timeouts == 2
+        metrics = h.frontend.metrics.render().decode()
+        assert 'kvplug_requests_total{endpoint="/v1/completions",status="408"} 1.0' in metrics
+        assert 'kvplug_rejected_requests_total{reason="body_timeout"} 1.0' in metrics
         assert not h.engines["w0"].requests
         # an ordinary client is unaffected
         resp, _ = await h.complete([1, 2, 3])
         assert resp.status == 200
 
 
-async def test_a_client_hanging_up_mid_body_is_not_a_server_error(caplog):
-    async with serving(1, settings=ServeSettings(api_key="k", health_interval=0)) as h:
+@DATA_PATHS
+async def test_a_client_hanging_up_mid_body_is_not_a_server_error(caplog, data_path):
+    settings = ServeSettings(api_key="k", health_interval=0, data_path=data_path)
+    async with serving(1, settings=settings) as h:
         host, port = h.url.split("//")[1].rsplit(":", 1)
         for _ in range(3):
             reader, writer = await asyncio.open_connection(host, int(port))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import socket
+import struct
 import time
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 pytest.importorskip("kvplug._lane")
 
 from test_frontend_harness import MODEL, eventually, prompt, serving  # noqa: E402
+from test_frontend_lane import completion, exchange, post  # noqa: E402
 
 from kvplug.frontend.app import ServeSettings  # noqa: E402
 
@@ -298,3 +301,113 @@ async def test_an_empty_5xx_is_retried_on_the_other_worker_as_on_the_python_path
     assert seen["native"] == seen["python"]
     assert all(status == 200 and worker == "w1" for status, worker, _ in seen["native"])
     assert any(related for _, _, related in seen["native"])
+
+
+# -- a client that fails before its request is whole: closed by the lane, counted by Python ------
+
+_CLIENT_COUNTS = (
+    "kvplug_requests_total{",
+    "kvplug_rejected_requests_total{",
+    "kvplug_request_duration_seconds_count{",
+    "kvplug_inflight_requests ",
+)
+
+
+def _client_counts(h) -> list[str]:
+    """The ``/metrics`` lines a client's failure moves (of its duration, the count)."""
+    text = h.frontend.metrics.render().decode()
+    return sorted(line for line in text.splitlines() if line.startswith(_CLIENT_COUNTS))
+
+
+async def _send(h, data: bytes, then: str = "read") -> bytes:
+    """Send ``data`` on a new connection, then ``read`` until the server closes (what was read)
+    or hang up: ``close`` (a FIN) or ``reset`` (a RST)."""
+    host, port = h.url.split("//")[1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    await writer.drain()
+    if then != "read":
+        if then == "reset":
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()
+        return b""
+    try:
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+CHAT = "/v1/chat/completions"
+
+
+def _series(name: str, endpoint: str, label: str) -> str:
+    """A ``/metrics`` series' name and labels, as rendered."""
+    return f'kvplug_{name}{{endpoint="{endpoint}",{label}}}'
+
+
+def _head(path: bytes, length: int) -> bytes:
+    return (
+        b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % length
+    )
+
+
+async def test_a_late_first_head_is_counted_as_on_the_python_path():
+    async with serving(1, settings=native(client_header_timeout=0.3)) as h:
+        answer = await _send(h, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert answer.startswith(b"HTTP/1.1 408") and b'"header_timeout"' in answer
+        assert h.running.head_timeouts == 1  # as HeadDeadline counts it
+        assert h.frontend.native_lane.stats()["timeouts"] == 1  # closed by the lane itself
+
+
+async def test_a_late_body_is_counted_as_on_the_python_path():
+    seen = {}
+    for data_path in ("python", "native"):
+        async with serving(1, settings=native(data_path=data_path, client_body_timeout=0.3)) as h:
+            answer = await _send(h, _head(b"/v1/chat/completions", 300) + b'{"model": ')
+            assert answer.startswith(b"HTTP/1.1 408") and b'"body_timeout"' in answer
+            await eventually(lambda: 'status="408"' in "".join(_client_counts(h)), what="408")
+            seen[data_path] = _client_counts(h)
+            text = h.frontend.metrics.render().decode()
+            duration = _series("request_duration_seconds_sum", CHAT, 'stream="false"')
+            seconds = float(text.split(duration + " ")[1].split()[0])
+            assert 0.3 <= seconds < 5, seconds  # from the whole head, as the handler's
+            if data_path == "native":
+                assert h.frontend.native_lane.stats()["timeouts"] == 1
+            h.assert_idle()
+    assert seen["native"] == seen["python"]
+    assert _series("requests_total", CHAT, 'status="408"') + " 1.0" in seen["native"]
+    assert 'kvplug_rejected_requests_total{reason="body_timeout"} 1.0' in seen["native"]
+
+
+async def test_a_client_gone_mid_body_is_counted_as_on_the_python_path():
+    seen = {}
+    for data_path in ("python", "native"):
+        async with serving(1, settings=native(data_path=data_path)) as h:
+            partial = _head(b"/v1/completions", 500) + b'{"model": "' + MODEL.encode()
+            await _send(h, partial, then="close")
+            await _send(h, _head(b"/v1/chat/completions", 500) + b"{", then="reset")
+            await eventually(lambda: "".join(_client_counts(h)).count("499") == 2, what="499s")
+            seen[data_path] = _client_counts(h)
+            if data_path == "native":
+                assert h.frontend.native_lane.stats()["handed_off"] == 0  # the lane's own
+            h.assert_idle()
+    assert seen["native"] == seen["python"]
+    for endpoint in ("/v1/completions", CHAT):
+        assert _series("requests_total", endpoint, 'status="499"') + " 1.0" in seen["native"]
+    assert "kvplug_inflight_requests 0.0" in seen["native"]
+
+
+async def test_slow_heads_and_bodies_get_the_same_408s_from_the_lane():
+    """tests/test_frontend_lane.py's test of kvplug's Python lane, on the compiled one."""
+    async with serving(1, settings=native(client_header_timeout=0.5, client_body_timeout=0.5)) as h:
+        got, closed = await exchange(h.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert got[0][0] == 408 and json.loads(got[0][2])["error"]["code"] == "header_timeout"
+        body = completion()
+        got, closed = await exchange(h.url, post("/v1/completions", body)[: -len(body) // 2])
+        assert got[0][0] == 408 and closed
+        assert json.loads(got[0][2])["error"]["code"] == "body_timeout"
+        stats = h.frontend.native_lane.stats()
+        assert h.running.head_timeouts == 1 and (stats["timeouts"], stats["handed_off"]) == (2, 0)
+        h.assert_idle()

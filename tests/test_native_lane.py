@@ -22,7 +22,13 @@ from hypothesis import strategies as st
 
 pytest.importorskip("kvplug._lane")
 
-from kvplug._lane import Lane, head_qualifies  # noqa: E402
+from kvplug._lane import (  # noqa: E402
+    COUNT_BODY_TIMEOUT,
+    COUNT_CLIENT_GONE,
+    COUNT_HEAD_TIMEOUT,
+    Lane,
+    head_qualifies,
+)
 from kvplug.frontend.hints import HINT_HEADERS  # noqa: E402
 from kvplug.frontend.lane import _parse_head  # noqa: E402
 from kvplug.frontend.native_lane import Prefixed  # noqa: E402
@@ -88,6 +94,7 @@ class Harness:
         self.handed: list[Recorder] = []
         self.decided: list[tuple] = []
         self.fields: list[bytes | None] = []  # what decide got of each head's header lines
+        self.counted: list[tuple] = []  # (event, kind, seconds) of each count
         self.upstreams: list[int] = []
         self.turn = 0
         self.decide_with = None  # (kind, body, rid, auth) -> decision, overrides round-robin
@@ -108,6 +115,7 @@ class Harness:
             body_timeout=10,
             engine_idle_timeout=10,
             handoff_headers=HINT_HEADERS,
+            count=self.count,
         )
         kwargs.update(self.lane_kwargs)
         self.lane = Lane(
@@ -153,6 +161,9 @@ class Harness:
 
     def first_byte(self, token) -> None:
         self.first_bytes.append(token)
+
+    def count(self, event: int, kind: int, seconds: float) -> None:
+        self.counted.append((event, kind, seconds))
 
     def finish(self, token, status, outcome, tail):
         self.finished.append((token, status, outcome, tail))
@@ -950,6 +961,58 @@ async def test_client_hanging_up_mid_body_is_forgotten_undecided():
         writer.close()
         await until(lambda: h.lane.stats()["open_connections"] == 0)
         assert h.decided == [] and h.finished == []
+        assert [c[:2] for c in h.counted] == [(COUNT_CLIENT_GONE, COMPLETIONS)]
+
+
+async def test_what_the_lane_closes_unfinished_is_counted_and_nothing_else():
+    answer = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    timeouts = dict(head_timeout=0.3, keepalive_timeout=0.3, body_timeout=10)
+    async with Harness(head_timeout_answer=answer, body_timeout_answer=answer, **timeouts) as h:
+        await h.instant_engine()
+        reader, writer = await h.connect()  # served, then idle past the keep-alive: no count
+        writer.write(post(b"/v1/completions", body_of()))
+        await read_answer(reader)
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        reader, writer = await h.connect()  # gone mid-head: no request yet, no count
+        writer.write(b"POST /v1/comp")
+        await until(lambda: h.lane.stats()["open_connections"] == 1)
+        writer.close()
+        await until(lambda: h.lane.stats()["open_connections"] == 0)
+        assert h.counted == []
+        reader, writer = await h.connect()  # a late first head
+        writer.write(b"POST /v1/comp")
+        assert await asyncio.wait_for(reader.read(), 5) == answer
+        assert h.counted == [(COUNT_HEAD_TIMEOUT, -1, 0.0)]
+        reader, writer = await h.connect()  # gone mid-body with a reset
+        writer.write(post(b"/v1/completions", body_of())[:-3])
+        await until(lambda: h.lane.stats()["open_connections"] == 1)
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()
+        await until(lambda: len(h.counted) == 2)
+        event, kind, seconds = h.counted[-1]
+        assert (event, kind) == (COUNT_CLIENT_GONE, COMPLETIONS) and 0 < seconds < 10, seconds
+        assert h.decided == [(COMPLETIONS, body_of(), None, None)] and len(h.finished) == 1
+    async with Harness(body_timeout=0.3, body_timeout_answer=answer) as h:
+        reader, writer = await h.connect()  # a late body: its age from the whole head
+        writer.write(post(b"/v1/chat/completions", body_of())[:-3])
+        assert await asyncio.wait_for(reader.read(), 5) == answer
+        seconds = h.counted[-1][2]
+        assert h.counted == [(COUNT_BODY_TIMEOUT, CHAT, seconds)] and 0.3 <= seconds < 3, seconds
+
+
+async def test_without_a_count_the_lane_closes_unfinished_requests_the_same():
+    async with Harness(count=None, body_timeout=0.2) as h:
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of())[:-3])
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # no answer given: closed
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of())[:-3])
+        await until(lambda: h.lane.stats()["open_connections"] == 1)
+        writer.close()
+        await until(lambda: h.lane.stats()["open_connections"] == 0)
+        assert h.counted == [] and h.lane.stats()["timeouts"] == 1
 
 
 # -- timeouts --------------------------------------------------------------------------------

@@ -144,7 +144,8 @@ class Listeners:
         self.lane: Any = None  # kvplug.frontend.lane.Lane, when the lane serves
         self.factory: Callable[[], asyncio.Protocol] | None = None  # per accepted connection
 
-    def _count(self) -> None:
+    def count_head_timeout(self) -> None:
+        """A connection closed with a 408 for a late first head (also the native lane's)."""
         self.head_timeouts += 1
 
     async def listen(
@@ -165,13 +166,15 @@ class Listeners:
         if lane:
             from kvplug.frontend.lane import Lane
 
-            self.lane = Lane(lane, protocol, max_body_bytes, self.head_timeout, self._count)
+            self.lane = Lane(
+                lane, protocol, max_body_bytes, self.head_timeout, self.count_head_timeout
+            )
             factory: Callable[[], asyncio.Protocol] = self.lane
         elif self.head_timeout > 0:
             timeout = self.head_timeout
 
             def factory() -> asyncio.Protocol:
-                return HeadDeadline(protocol(), timeout, self._count)
+                return HeadDeadline(protocol(), timeout, self.count_head_timeout)
         else:
             factory = protocol
         self.factory = factory

@@ -13,13 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from typing import Any
 
 from kvplug.frontend.bodies import body_timeout_message
 from kvplug.frontend.hints import HINT_HEADERS
 from kvplug.frontend.listener import Listeners, head_timeout_answer, timeout_answer
+from kvplug.frontend.parsing import CHAT, COMPLETIONS
 
 log = logging.getLogger(__name__)
+
+_ENDPOINTS = (COMPLETIONS, CHAT)  # by the lane's request kind (LANE_KIND_*)
 
 
 class Prefixed(asyncio.Protocol):
@@ -107,6 +111,7 @@ class NativeDataPath:
                 timeout_answer(body_timeout_message(body), "body_timeout") if body > 0 else b""
             ),
             handoff_headers=HINT_HEADERS,  # the Python path reads (or refuses) the hints
+            count=self._count_unfinished,
         )
         self._loop = asyncio.get_running_loop()
         self.glue.register_upstream = self._register
@@ -115,6 +120,25 @@ class NativeDataPath:
         if self.resolving:  # the fleet's names, resolved before the first request
             await asyncio.gather(*self.resolving, return_exceptions=True)
         self._loop.add_reader(self.lane.fileno(), self.lane.poll)
+
+    def _count_unfinished(self, event: int, kind: int, seconds: float) -> None:
+        """A request the lane closed before it was whole, counted as the Python path counts it:
+        a late first head in ``Listeners.head_timeouts`` (``HeadDeadline``); a late body as
+        ``read_body``'s 408 ``body_timeout`` and a client gone mid-body as the cancelled handler's
+        499, as ``Frontend._handle`` counts them. Called by the lane on those paths only."""
+        from kvplug._lane import COUNT_BODY_TIMEOUT, COUNT_HEAD_TIMEOUT
+
+        if event == COUNT_HEAD_TIMEOUT:
+            self.listeners.count_head_timeout()
+            return
+        fe = self.frontend
+        fe.request_started()
+        if event == COUNT_BODY_TIMEOUT:
+            fe.metrics.rejected.labels("body_timeout").inc()
+            status = 408
+        else:  # aiohttp cancels the Python path's handler: a 499 and no rejection
+            status = 499
+        fe.count_request(_ENDPOINTS[kind], status, False, time.perf_counter() - seconds)
 
     def _register(self, upstream_id: int, host: str, port: int) -> None:
         """An upstream for the lane: a numeric address at once; a name is resolved off the
