@@ -6,12 +6,12 @@ bodies in turn). Targets, rotated within every round so a noisy moment on a shar
 them all:
 
 * the engine directly (the baseline every "added" figure subtracts, round by round);
-* ``kvplug serve`` (mode ``kv``, defaults) with ~512-token text prompts and a local tokenizer,
-  and with the same prompts as token ids;
+* ``kvplug serve`` (mode ``kv``, defaults: the compiled data path where it is built) with
+  ~512-token text prompts and a local tokenizer, and with the same prompts as token ids;
 * optionally ``kvplug serve --processes N`` (``--processes N``, repeatable): N server processes
   on the one port, side by side with the single process;
-* optionally (``--native``) ``kvplug serve --data-path native``: the compiled HTTP data path
-  (token-id prompts are its; text prompts go to the Python path), with each ``--processes N``;
+* optionally (``--python-path``) ``kvplug serve --data-path python``: every request on the
+  Python path (aiohttp and kvplug's Python HTTP lane), with each ``--processes N`` too;
 * optionally ``kvplug serve`` from another source tree (``--baseline-src DIR``: a before/after
   pair in one run; with ``--processes N`` too);
 * optionally (``--floor``) ``benchmarks/floor_proxy.py``: the HTTP stacks (kvplug's lane,
@@ -302,19 +302,23 @@ def main_run(args) -> dict:
         add_kvplug("kvplug", None)
         for n in args.processes:
             add_kvplug(f"kvplug --processes {n}", None, "--processes", str(n))
-        if args.native:  # the compiled data path (text prompts through its local tokenizer too)
-            native = ("--data-path", "native")
-            add_kvplug("kvplug native", None, *native)
+        if args.python_path:  # every request on the Python path
+            python = ("--data-path", "python")
+            add_kvplug("kvplug python path", None, *python)
             for n in args.processes:
-                add_kvplug(f"kvplug native --processes {n}", None, *native, "--processes", str(n))
+                add_kvplug(
+                    f"kvplug python path --processes {n}", None, *python, "--processes", str(n)
+                )
         if args.baseline_src:
             env = {**os.environ, "PYTHONPATH": str(Path(args.baseline_src).resolve())}
             add_kvplug(f"kvplug {args.baseline_label}", env)
             for n in args.processes:  # the same pair with N processes
                 label = f"kvplug {args.baseline_label} --processes {n}"
                 add_kvplug(label, env, "--processes", str(n))
-            if args.native:  # the native data path before/after too
-                add_kvplug(f"kvplug native {args.baseline_label}", env, "--data-path", "native")
+            if args.python_path:  # the Python path before/after too
+                add_kvplug(
+                    f"kvplug python path {args.baseline_label}", env, "--data-path", "python"
+                )
 
         proxies = []
         if args.floor:
@@ -530,10 +534,10 @@ def main() -> None:
         help="kvplug serve targets with token-id prompts only (no text + local tokenizer)",
     )
     ap.add_argument(
-        "--native",
+        "--python-path",
         action="store_true",
-        help="also run kvplug serve --data-path native (the compiled data path; with each "
-        "--processes N too)",
+        help="also run kvplug serve --data-path python (every request on the Python path; with "
+        "each --processes N too)",
     )
     ap.add_argument("--quick", action="store_true", help="small smoke run")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_frontend.json"))

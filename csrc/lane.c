@@ -105,6 +105,7 @@ struct client {
     size_t extra_len;
     char tail[TAIL];
     size_t tail_pos, tail_fill;
+    int tail_passed; /* stream_bytes was given some of this try's body (see tail_add) */
 };
 
 typedef struct {
@@ -379,7 +380,26 @@ static void client_mask(lane_t *l, client_t *c) {
     watch(l, c, ev);
 }
 
-static void tail_add(client_t *c, const char *p, size_t n) {
+/* the answer's body bytes (or finish's reason): the last TAIL of them kept for finish; with a
+ * stream_bytes callback an event stream's are all handed over, TAIL at a time as the tail
+ * fills, finish getting the rest, so the caller reads the whole stream as it passes */
+static void tail_add(lane_t *l, client_t *c, const char *p, size_t n) {
+    if (c->streamed && l->cfg.stream_bytes && c->token) {
+        while (n) {
+            size_t k = n < TAIL - c->tail_fill ? n : TAIL - c->tail_fill;
+            memcpy(c->tail + c->tail_fill, p, k);
+            c->tail_fill += k;
+            p += k;
+            n -= k;
+            if (c->tail_fill == TAIL) {
+                l->cfg.stream_bytes(l->cfg.ctx, c->token, c->tail, TAIL);
+                c->tail_fill = 0;
+                c->tail_passed = 1;
+            }
+        }
+        c->tail_pos = c->tail_fill; /* the ring's view of it: unwrapped (finish reads from 0) */
+        return;
+    }
     if (n >= TAIL) {
         memcpy(c->tail, p + n - TAIL, TAIL);
         c->tail_pos = 0;
@@ -658,6 +678,10 @@ static void clients_flush(lane_t *l) {
 
 /* what is queued for the client; -1 when the client is gone (and closed) */
 static int client_flush(lane_t *l, client_t *c) {
+    /* a whole answer (not an event stream) leaves once it is whole, as the Python path reads
+     * it before it answers: an engine that breaks off or falls silent mid-body then gets the
+     * client a clean 502/504, not a cut answer */
+    if (c->state == C_RELAY && !c->streamed) return 0;
     while (buf_size(&c->out)) {
         ssize_t n = send(c->fd, buf_data(&c->out), buf_size(&c->out), MSG_NOSIGNAL);
         if (n < 0) {
@@ -680,6 +704,7 @@ static int client_flush(lane_t *l, client_t *c) {
         c->answer_sent = 0;
         c->streamed = c->first_byte_done = c->wrap_chunks = 0;
         c->tail_pos = c->tail_fill = 0;
+        c->tail_passed = 0;
         c->status = 0;
         c->deadline = after(l->cfg.keepalive_timeout);
         client_mask(l, c);
@@ -943,6 +968,7 @@ static void attempt(lane_t *l, client_t *c) {
     c->state = C_WAIT;
     c->status = 0;
     c->tail_pos = c->tail_fill = 0; /* a retry's tail (and finish's reason) is its own */
+    c->tail_passed = 0;
     c->streamed = 0; /* as its answer's head says */
     int up = find_up(l, c->up);
     engine_t *e = NULL;
@@ -980,17 +1006,20 @@ static void attempt(lane_t *l, client_t *c) {
 }
 
 /* whether the answer's head came but no body byte yet: nothing was sent (engine_readable) */
+/* whether the answer's body has begun (bytes in the tail, or handed to stream_bytes) */
+static int body_seen(const client_t *c) { return c->tail_fill || c->tail_passed; }
+
 static int no_body_yet(const client_t *c) {
-    return c->answered && !c->tail_fill && !c->answer_sent;
+    return c->answered && !body_seen(c) && !c->answer_sent;
 }
 
 /* such an answer's try failed before its answer, as on the Python path, whose engine client
  * fails a try until the body's first bytes (retried): its head dropped, `why` its reason */
-static void forget_head(client_t *c, const char *why) {
+static void forget_head(lane_t *l, client_t *c, const char *why) {
     c->answered = 0;
     c->out.off = c->out.len = 0;
     c->status = 0;
-    if (why) tail_add(c, why, strlen(why));
+    if (why) tail_add(l, c, why, strlen(why));
 }
 
 /* whether the client's answer can still take a last chunk (stream_end) once its engine is
@@ -1017,7 +1046,7 @@ static void engine_failed(lane_t *l, engine_t *e, int outcome) {
     client_t *c = e->client;
     int stale = e->reused && !e->got_bytes && outcome == LANE_ENGINE_UNAVAILABLE;
     if (c && e->state == E_BODY && no_body_yet(c)) {
-        forget_head(c, "the engine's answer ended (closed, reset or garbled) before its body");
+        forget_head(l, c, "the engine's answer ended (closed, reset or garbled) before its body");
         outcome = LANE_ENGINE_UNAVAILABLE;
     }
     if (c) note_stream_end(c, e);
@@ -1192,7 +1221,7 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
     } else if (e->framing == F_LENGTH) {
         i = n < e->remaining ? n : (size_t)e->remaining;
         buf_append(&c->out, p, i);
-        tail_add(c, p, i);
+        tail_add(l, c, p, i);
         e->remaining -= i;
         done = e->remaining == 0;
     } else if (e->framing == F_CLOSE) {
@@ -1202,7 +1231,7 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
             buf_append(&c->out, line, (size_t)k);
             buf_append(&c->out, p, n);
             buf_append(&c->out, "\r\n", 2);
-            tail_add(c, p, n);
+            tail_add(l, c, p, n);
         }
         i = n;
     } else { /* chunked: copied as is; the state machine only finds the end and the data */
@@ -1235,7 +1264,7 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
                 break;
             case CH_DATA: {
                 size_t k = n - i < e->remaining ? n - i : (size_t)e->remaining;
-                tail_add(c, p + i, k);
+                tail_add(l, c, p + i, k);
                 i += k;
                 e->remaining -= k;
                 if (!e->remaining) e->chunk_state = CH_DATA_CR;
@@ -1274,7 +1303,7 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
         buf_append(&c->out, p, i);
     }
     /* the body's first bytes, not framing: only they end the try's waiting (no_body_yet) */
-    if (c->tail_fill && c->streamed && !c->first_byte_done && c->token) {
+    if (body_seen(c) && c->streamed && !c->first_byte_done && c->token) {
         c->first_byte_done = 1;
         /* a stream's request_timeout ends at its first bytes; stream_timeout runs from here */
         c->limit = l->stream_ns ? now_ns() + l->stream_ns : 0;
@@ -1307,7 +1336,7 @@ static void engine_done(lane_t *l, engine_t *e, int extra_bytes) {
          * Python path's engine client fails it (upstream.py) */
         char why[32];
         snprintf(why, sizeof why, "empty HTTP %d answer", c->status);
-        forget_head(c, why);
+        forget_head(l, c, why);
         finish(l, c, LANE_ENGINE_UNAVAILABLE);
         return;
     }
@@ -1412,8 +1441,8 @@ static void engine_readable(lane_t *l, engine_t *e) {
         if (engine_feed(l, e, chunk, (size_t)n)) return;
         /* the head waits for the body's first bytes (the Python path's engine client waits for
          * them before it answers): a try that ends before them is retried, not cut */
-        if (c->tail_fill && client_flush(l, c)) return;
-        if (buf_size(&c->out) > PAUSE_ENGINE_AT) {
+        if (body_seen(c) && client_flush(l, c)) return;
+        if (c->streamed && buf_size(&c->out) > PAUSE_ENGINE_AT) { /* a whole answer is held */
             e->paused = 1; /* no events but errors until the client has taken most of it */
             l->st.engine_pauses++;
             watch(l, e, 0);
@@ -1490,7 +1519,7 @@ static void client_expired(lane_t *l, client_t *c, int64_t now) {
         return;
     }
     case C_RELAY: /* the engine fell silent mid-answer (or before its body: a failed try) */
-        if (no_body_yet(c)) forget_head(c, NULL); /* finish's reason: the idle timeout */
+        if (no_body_yet(c)) forget_head(l, c, NULL); /* finish's reason: the idle timeout */
         engine_abandon(l, c);
         finish(l, c, LANE_TIMED_OUT);
         return;

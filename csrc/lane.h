@@ -78,6 +78,10 @@ typedef struct {
      * when there is nothing to decide (ok, client gone, a token the lane gives back) */
     void (*finish)(void *ctx, void *token, int status, int outcome, const char *tail,
                    size_t tail_len, lane_action *out);
+    /* NULL, or handed an event stream's body bytes (de-chunked) as they pass, TAIL (4096) at a
+     * time: finish's tail is then the rest, so the caller reads the whole stream (its output
+     * tokens as they grow); without it finish gets a stream's last 4096 bytes only */
+    void (*stream_bytes)(void *ctx, void *token, const char *data, size_t len);
     /* the fd is the caller's from here on (with the bytes read on it so far) */
     void (*handoff)(void *ctx, int fd, const char *data, size_t len);
     /* NULL, or told of each LANE_COUNT_* event: kind is the request's (-1 for a head timeout),

@@ -38,6 +38,7 @@ cdef extern from "lane.h" nogil:
     ctypedef void (*first_byte_fn)(void *, void *) noexcept
     ctypedef void (*finish_fn)(void *, void *, int, int, const char *, size_t,
                                lane_action *) noexcept
+    ctypedef void (*stream_bytes_fn)(void *, void *, const char *, size_t) noexcept
     ctypedef void (*handoff_fn)(void *, int, const char *, size_t) noexcept
     ctypedef void (*count_fn)(void *, int, int, double) noexcept
 
@@ -46,6 +47,7 @@ cdef extern from "lane.h" nogil:
         decide_fn decide
         first_byte_fn first_byte
         finish_fn finish
+        stream_bytes_fn stream_bytes
         handoff_fn handoff
         count_fn count
         size_t max_body
@@ -178,13 +180,15 @@ cdef class Lane:
     ``handoff_headers``: names whose presence hands a request off (besides every x-kvplug-*).
     ``count(event, kind, seconds)``, if given, hears of each request closed before it was whole
     (``COUNT_*``; ``kind`` -1 for a head timeout; ``seconds`` since its head, 0 when unknown).
+    ``stream_bytes(token, data)``, if given, is handed an event stream's body 4 KiB at a time as
+    it passes; ``finish``'s tail is then the rest (else a stream's last 4 KiB).
     ``request_timeout`` bounds a request from ``decide`` (every try) to its whole answer, an
     event stream to its first body bytes; ``max_stream_duration`` an event stream from there:
     past either, ``finish`` gets outcome 5. After a stream's first bytes, a 3-tuple ``finish``
     returns is the stream's last event (its body; status and headers unused)."""
 
     cdef lane_t *lane
-    cdef object _decide, _first_byte, _finish, _handoff, _count
+    cdef object _decide, _first_byte, _finish, _handoff, _count, _stream_bytes
     cdef object _held  # the last callback's answer: C copies from it before the next callback
     cdef bytes _head_answer, _body_answer, _handoff_headers
 
@@ -210,6 +214,7 @@ cdef class Lane:
         bytes body_timeout_answer=b"",
         handoff_headers=(),
         count=None,
+        stream_bytes=None,
     ):
         cdef lane_config cfg
         memset(&cfg, 0, sizeof(cfg))
@@ -218,6 +223,7 @@ cdef class Lane:
         self._finish = finish
         self._handoff = handoff
         self._count = count
+        self._stream_bytes = stream_bytes
         self._head_answer = head_timeout_answer
         self._body_answer = body_timeout_answer
         cfg.ctx = <void *>self
@@ -227,6 +233,8 @@ cdef class Lane:
         cfg.handoff = _handoff_cb
         if count is not None:  # else NULL (memset): nothing is told
             cfg.count = _count_cb
+        if stream_bytes is not None:  # else a stream's last 4 KiB reach finish, not the rest
+            cfg.stream_bytes = _stream_bytes_cb
         cfg.max_body = max_body
         cfg.head_timeout = head_timeout
         cfg.keepalive_timeout = keepalive_timeout
@@ -411,6 +419,14 @@ cdef void _finish_cb(void *ctx, void *token, int status, int outcome, const char
             out.action = LANE_DEFAULT
     if out != NULL and out.action == LANE_HANDOFF:
         out.action = LANE_DEFAULT
+
+
+cdef void _stream_bytes_cb(void *ctx, void *token, const char *data, size_t n) noexcept with gil:
+    cdef Lane self = <Lane>ctx
+    try:
+        self._stream_bytes(<object>token, PyBytes_FromStringAndSize(data, n))
+    except BaseException:
+        _log.exception("the native lane's stream_bytes failed")
 
 
 cdef void _handoff_cb(void *ctx, int fd, const char *data, size_t n) noexcept with gil:

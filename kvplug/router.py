@@ -371,6 +371,11 @@ class Router:
         """Prefill is done: release the request's prompt-side (prefill) load."""
         self.load.first_token(request_id, self._clock())
 
+    def hears_output_progress(self) -> bool:
+        """Whether routing reads a stream's output as it grows (output-block tracking, or a
+        policy that weighs the outputs in flight), not only its total at the end."""
+        return self.config.router_track_output_blocks or self._policy.reads_output_progress
+
     def on_output_progress(self, request_id: str, output_tokens: int) -> None:
         """``output_tokens`` = total generated so far (drives output-block tracking)."""
         self.load.output_progress(request_id, output_tokens, self._clock())

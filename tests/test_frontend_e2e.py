@@ -461,7 +461,10 @@ def _boundary_reports_ok(progress: list[int], prompt: int, total: int, bs: int =
 
 
 async def test_block_boundaries_are_those_of_the_whole_sequence():
-    async with serving(1, stub_options={"token_delay": 0.01}) as h:
+    """The Python path's relay reads a stream as it passes and reports each output block it
+    crosses (the native lane reports the total at the end: the next test)."""
+    settings = ServeSettings(data_path="python")
+    async with serving(1, settings=settings, stub_options={"token_delay": 0.01}) as h:
         rec = _RecordingRouter(h.router)
         h.frontend.router = rec
         # 20 prompt tokens, block 16: the sequence crosses boundaries at outputs 12, 28, 44
@@ -478,6 +481,31 @@ async def test_block_boundaries_are_those_of_the_whole_sequence():
         progress = [c[1] for c in rec.calls if c[0] == "progress"]
         _boundary_reports_ok(progress, 20, 30)
         assert 12 <= progress[0] < 16 and all(v % 3 == 0 for v in progress)
+        h.assert_idle()
+
+
+async def test_the_native_path_reports_a_streams_output_4_kib_apart():
+    """The native lane hands a stream's body over 4 KiB at a time: the router hears the
+    output's block boundaries at those points and the whole count at the end, which the trace
+    shows as the Python path's relay counts it (streams of ~10 KiB and of one event)."""
+    async with serving(1, stub_options={"token_delay": 0.002}) as h:
+        assert h.running.native is not None and not h.router.hears_output_progress()
+        rec = _RecordingRouter(h.router)
+        h.frontend.router = rec
+        resp, raw = await h.complete(list(range(20)), stream=True, max_tokens=50)
+        assert resp.status == 200 and raw.rstrip().endswith(b"data: [DONE]") and len(raw) > 8192
+        progress = [c[1] for c in rec.calls if c[0] == "progress"]
+        _boundary_reports_ok(progress, 20, 50)
+        assert len(progress) >= 2 and progress[-1] == 50  # during the stream, then at its end
+        assert rec.calls[0][0] == "first" and rec.calls[-1][0] == "finish"
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        assert trace["output_tokens"] == 50
+        assert h.running.native.lane.stats()["served"] == 1  # (the trace's GET: handed off)
+        rec.calls.clear()
+        resp, raw = await h.complete(list(range(20)), stream=True, max_tokens=1)
+        assert [c[0] for c in rec.calls] == ["first", "finish"]  # 21 tokens: one block
+        trace = await h.trace(resp.headers["x-kvplug-decision-id"])
+        assert trace["output_tokens"] == 1
         h.assert_idle()
 
 

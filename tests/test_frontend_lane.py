@@ -1,6 +1,7 @@
 """kvplug's own HTTP lane (kvplug/frontend/lane.py): which requests it serves, which connections
-it hands to aiohttp, and that both answer the same bytes. The other frontend suites run through
-the lane too (it is on by default); these pin the lane's own decisions."""
+it hands to aiohttp, and that both answer the same bytes. It serves what the native data path
+hands over (the default) and everything with ``--data-path python``, as here: these pin the
+lane's own decisions (the native lane's: tests/test_native_glue_lane.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvplug.frontend.app import ServeSettings
 
 pytestmark = pytest.mark.timeout(60)
 
-SETTINGS = ServeSettings(health_interval=0.2, health_timeout=5.0)
+SETTINGS = ServeSettings(health_interval=0.2, health_timeout=5.0, data_path="python")
 
 
 def lane_of(h):

@@ -394,12 +394,22 @@ async def test_streams_stay_with_the_python_path_when_output_blocks_are_load():
         assert decided is not None and len(decided) == 5
         glue.finish(decided[4], 0, CLIENT_GONE, b"")
         h.assert_idle()
-    async with serving(1) as h:  # without it the lane takes the stream
+    # an affinity setting that weighs the decode reads in flight reads their outputs too
+    reads = {"router_mode": "affinity", "router_affinity": "affinity-soonest"}
+    async with serving(1, router_config=reads) as h:
+        assert h.frontend.router.hears_output_progress()
         glue = NativeGlue(h.frontend)
-        decided = glue.decide(KIND_COMPLETIONS, stream, None, None)
-        assert decided is not None and len(decided) == 5
-        glue.finish(decided[4], 0, CLIENT_GONE, b"")
+        assert glue.decide(KIND_COMPLETIONS, stream, None, None) is None
         h.assert_idle()
+    no_reads = {"router_mode": "affinity", "router_affinity": "affinity"}
+    for config in (None, no_reads):  # without either the lane takes the stream
+        async with serving(1, router_config=config) as h:
+            assert not h.frontend.router.hears_output_progress()
+            glue = NativeGlue(h.frontend)
+            decided = glue.decide(KIND_COMPLETIONS, stream, None, None)
+            assert decided is not None and len(decided) == 5
+            glue.finish(decided[4], 0, CLIENT_GONE, b"")
+            h.assert_idle()
 
 
 async def test_upstream_ids_are_small_stable_and_announced_before_use():

@@ -559,8 +559,12 @@ async def test_an_until_close_answer_is_chunked_to_the_client():
         writer.close()
 
 
-async def test_a_large_answer_to_a_slow_reader_arrives_whole():
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_large_answer_to_a_slow_reader_arrives_whole(stream):
+    """An event stream is relayed as it comes, the engine paused while the client is backed
+    up; a whole answer (any other type) is held until whole, as the Python path reads it."""
     payload = bytes(range(256)) * 4096 * 24  # 24 MiB: more than the sockets' buffers hold
+    ctype = b"text/event-stream" if stream else b"application/json"
 
     async def engine(reader, writer):
         while True:
@@ -569,7 +573,10 @@ async def test_a_large_answer_to_a_slow_reader_arrives_whole():
             except asyncio.IncompleteReadError:
                 return
             await reader.readexactly(len(body_of()))
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+                % (ctype, len(payload))
+            )
             writer.write(payload)
             await writer.drain()
 
@@ -577,13 +584,13 @@ async def test_a_large_answer_to_a_slow_reader_arrives_whole():
         await h.scripted_engine(engine)
         reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
-        head = await reader.readuntil(b"\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
         await asyncio.sleep(0.3)  # the client reads nothing: the lane holds, then pauses
         got = await asyncio.wait_for(reader.readexactly(len(payload)), 20)
         assert got == payload and head.startswith(b"HTTP/1.1 200")
         await until(lambda: h.finished)
         assert h.finished[0][2] == OK
-        assert h.lane.stats()["engine_pauses"] >= 1
+        assert (h.lane.stats()["engine_pauses"] >= 1) == stream
         writer.close()
 
 
@@ -619,6 +626,48 @@ async def test_finish_gets_the_last_4096_bytes_of_a_longer_answer_read_in_pieces
         await until(lambda: h.finished)
         assert h.finished[0][2] == OK
         assert h.finished[0][3] == b"".join(pieces)[-4096:]
+
+
+@pytest.mark.parametrize("framing", ["chunked", "length", "close"])
+async def test_stream_bytes_hands_over_a_whole_stream_4096_at_a_time(framing):
+    """With stream_bytes, an event stream's body (de-chunked) reaches the caller whole: 4096
+    bytes at a time as it passes, finish getting the rest; a whole answer keeps the tail ring."""
+    pieces = [
+        bytes((i * 7 + k) % 251 for k in range(n))
+        for i, n in enumerate((1500, 999, 2100, 1333, 700, 5000, 4096))
+    ]
+    whole = b"".join(pieces)
+
+    async def engine(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(len(body_of()))
+        framed = {
+            "chunked": b"Transfer-Encoding: chunked\r\n",
+            "length": b"Content-Length: %d\r\n" % len(whole),
+            "close": b"Connection: close\r\n",
+        }[framing]
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n%s\r\n" % framed)
+        for piece in pieces:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if framing == "chunked" else piece)
+            await writer.drain()
+            await asyncio.sleep(0.02)  # read by the lane piece by piece
+        if framing == "chunked":
+            writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        if framing == "close":
+            writer.close()
+
+    handed: list[tuple] = []
+    async with Harness(stream_bytes=lambda token, data: handed.append((token, data))) as h:
+        await h.scripted_engine(engine)
+        head, body = await direct(h.port, post(b"/v1/completions", body_of()))
+        assert (dechunk(body) if framing != "length" else body) == whole
+        await until(lambda: h.finished)
+        token, status, outcome, tail = h.finished[0]
+        assert outcome == OK and status == 200
+        assert all(t is token and len(d) == 4096 for t, d in handed)
+        assert b"".join(d for _, d in handed) + tail == whole and len(tail) < 4096
+        assert len(handed) == len(whole) // 4096 and h.first_bytes == [token]
 
 
 async def test_an_upstream_set_to_a_new_address_is_not_served_by_old_connections():
@@ -835,10 +884,17 @@ async def test_an_upstream_without_an_address_is_unavailable_and_names_are_refus
         writer.close()
 
 
-async def test_engine_dying_mid_answer_is_outcome_3_and_the_client_sees_the_end():
+@pytest.mark.parametrize("stream", [True, False])
+async def test_engine_dying_mid_answer_is_outcome_3(stream):
+    """A stream's client has its first bytes and sees the connection end; a whole answer's
+    client, sent nothing yet, gets the 502 finish chooses (here the lane's own)."""
+    ctype = b"text/event-stream" if stream else b"application/json"
+
     async def engine(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: 100\r\n\r\n0123456789" % ctype
+        )
         await writer.drain()
         await asyncio.sleep(0.1)
         writer.transport.abort()
@@ -847,10 +903,15 @@ async def test_engine_dying_mid_answer_is_outcome_3_and_the_client_sees_the_end(
         await h.scripted_engine(engine)
         reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        assert head.startswith(b"HTTP/1.1 200")
-        rest = await asyncio.wait_for(reader.read(), 5)  # closed before the 100 bytes
-        assert rest == b"0123456789"
+        if stream:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200")
+            rest = await asyncio.wait_for(reader.read(), 5)  # closed before the 100 bytes
+            assert rest == b"0123456789"
+        else:
+            head, body = await read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 502")
+            assert json.loads(body)["error"]["code"] == "upstream_failed"
         await until(lambda: h.finished)
         assert h.finished[0][1:] == (200, FAILED, b"0123456789")
 
@@ -1070,10 +1131,15 @@ async def test_per_try_timeout_is_unavailable_and_retried():
         assert h.lane.stats()["timeouts"] == 1
 
 
-async def test_engine_idle_timeout_mid_answer_is_outcome_4():
+@pytest.mark.parametrize("stream", [True, False])
+async def test_engine_idle_timeout_mid_answer_is_outcome_4(stream):
+    ctype = b"text/event-stream" if stream else b"application/json"
+
     async def stalls(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: 10\r\n\r\nabc" % ctype
+        )
         await writer.drain()
         await reader.read()
 
@@ -1081,8 +1147,12 @@ async def test_engine_idle_timeout_mid_answer_is_outcome_4():
         await h.scripted_engine(stalls)
         reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
-        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        assert await asyncio.wait_for(reader.read(), 5) == b"abc"
+        if stream:
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert await asyncio.wait_for(reader.read(), 5) == b"abc"
+        else:  # held whole: the client gets a clean 504 instead
+            head, _ = await read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 504")
         assert h.finished[0][1:] == (200, TIMED_OUT, b"abc")
 
 

@@ -104,8 +104,9 @@ class ServeSettings:
     trtllm_booking_seconds: float = 1.0  # load held per TRT-LLM remote_http placement
     # the routed endpoints through kvplug's own HTTP lane (kvplug/frontend/lane.py), not aiohttp's
     http_lane: bool = True
-    # "native": the compiled data path serves the plain requests (kvplug/frontend/native_lane.py)
-    data_path: str = "python"
+    # who serves the plain routed requests: "native", the compiled data path
+    # (kvplug/frontend/native_lane.py), "python", or "auto": native where kvplug._lane is built
+    data_path: str = "auto"
 
 
 _ROUTING_ERRORS = {

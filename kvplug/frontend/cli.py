@@ -155,11 +155,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
     g.add_argument(
         "--data-path",
-        choices=("python", "native"),
-        default="python",
-        help="who serves plain token-id completions: 'python' (default) or 'native', a "
-        "compiled HTTP data path (Linux) that calls Python only to route and to record; "
-        "every other request goes to the Python path (docs/frontend.md, The native data path)",
+        choices=("auto", "native", "python"),
+        default="auto",
+        help="who serves the plain routed requests (token-id completions, and text with a local "
+        "--tokenizer): 'native', a compiled HTTP data path (Linux) that calls Python only to "
+        "route and to record, or 'python'; every other request goes to the Python path. "
+        "'auto' (default): native where kvplug._lane is built, else python, said at start "
+        "(docs/frontend.md, The native data path)",
     )
 
     q = parser.add_argument_group(
@@ -635,7 +637,10 @@ async def _serve(args: argparse.Namespace, group=None) -> None:
             await running.close()
             raise ConfigError(f"--discovery: {exc}") from None
     log.info(
-        "kvplug serving the OpenAI API on %s (%d workers)", ", ".join(running.bound), len(specs)
+        "kvplug serving the OpenAI API on %s (%d workers, %s data path)",
+        ", ".join(running.bound),
+        len(specs),
+        "native" if running.native is not None else "python",
     )
     if running.admin_url:
         log.info("admin API on %s", ", ".join(running.admin_bound))

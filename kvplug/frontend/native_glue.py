@@ -21,11 +21,11 @@ was accepted (503s, the 502 once retries are spent) are answered here, with the 
 status, headers and body.
 
 Output tokens come from the answer's last bytes (``tail``, up to ``TAIL_BYTES``): a non-streamed
-answer's ``usage.completion_tokens``; a stream's count as ``streaming.SseCounter`` makes it when
-the tail holds the whole stream, else its last usage chunk (``stream_options.include_usage``),
-else unknown (``null`` in the trace: the lane does not show Python every chunk, so the router
-hears no block boundaries during such a stream, only its first token and its end; with
-``--router-track-output-blocks``, where they are load, streams are left to the Python path).
+answer's ``usage.completion_tokens``; a stream's count as ``streaming.SseCounter`` makes it: a
+stream longer than the tail is handed over 4 KiB at a time as it passes (``stream_bytes``), so
+the router hears its output at block boundaries 4 KiB apart (the Python path: at each chunk);
+where routing reads that output as it grows (``Router.hears_output_progress``: output-block
+tracking, an affinity setting with ``read_ms``), streams are left to the Python path.
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ class GlueRequest:
         "request_id",
         "hop_lines",
         "finished",
+        "counter",
     )
 
     def __init__(
@@ -138,6 +139,7 @@ class GlueRequest:
         self.attempt = 0
         self.exclude: set[str] = set()  # workers that failed this request before answering
         self.failures: list[str] = []
+        self.counter: SseCounter | None = None  # a long stream's reader (stream_bytes)
         self.request_id = request_id  # as sent to the engine
         # the engine's header lines besides the request line, Host, Content-Type, Content-Length
         # and X-Request-Id: its Authorization and the client's forwarded fields, or b""
@@ -240,7 +242,7 @@ class NativeGlue:
             req = self._parse_text(kind, body)
             if req is None:
                 return None
-        if req.stream and fe.router.config.router_track_output_blocks:
+        if req.stream and fe.router.hears_output_progress():
             return None  # the Python path tells the router each output block a stream crosses
         try:
             model_workers = fe._check_model(req)
@@ -281,6 +283,14 @@ class NativeGlue:
 
     def first_byte(self, token: GlueRequest) -> None:
         token.routed.lifecycle.first_token()
+
+    def stream_bytes(self, token: GlueRequest, data: bytes) -> None:
+        """4 KiB of a stream's body as it passes (a stream longer than the lane's tail): read
+        as the Python path's relay reads it, its output reported at block boundaries."""
+        if token.counter is None:
+            token.counter = SseCounter()
+        token.counter.feed(data)
+        token.routed.lifecycle.output(token.counter.tokens)
 
     def finish(
         self, token: GlueRequest, status: int, outcome: int, tail: bytes
@@ -399,7 +409,11 @@ class NativeGlue:
             fe.record_answer(ctx, routed, status, "ok", None, lc.tokens)
             fe.count_request(path, status, ctx.req.stream, token.started)
             return None
-        total, engine_error = stream_tokens(tail)
+        if token.counter is None:  # the whole stream is in the tail
+            total, engine_error = stream_tokens(tail)
+        else:
+            token.counter.feed(tail)
+            total, engine_error = token.counter.tokens, token.counter.engine_error
         if total:
             lc.output(total)
         if outcome == FAILED_MID_ANSWER:

@@ -112,6 +112,7 @@ class NativeDataPath:
             ),
             handoff_headers=HINT_HEADERS,  # the Python path reads (or refuses) the hints
             count=self._count_unfinished,
+            stream_bytes=self.glue.stream_bytes,
         )
         self._loop = asyncio.get_running_loop()
         self.glue.register_upstream = self._register

@@ -120,6 +120,7 @@ async def start_frontend(
     runners: list[web.AppRunner] = []
     listeners: list[Listeners] = []
     native = None
+    native_path = uses_native_path(s.data_path)
     try:
         await frontend.start(list(specs))  # a refusal closes what it opened (below)
         runner, api = await _serve_app(
@@ -129,12 +130,12 @@ async def start_frontend(
             s,
             reuse_port=peers is not None,
             lane=lane_handlers(frontend) if s.http_lane else None,
-            start_serving=s.data_path != "native",  # else the native lane accepts
+            start_serving=not native_path,  # else the native lane accepts
         )
         runners.append(runner)
         listeners.append(api)
         frontend.http_lane = api.lane
-        if s.data_path == "native":
+        if native_path:
             native = frontend.native_lane = await _start_native(frontend, api)
         url = _local_url(api.addresses())
         bound = [url_of(h, p) for h, p in api.addresses()]
@@ -166,6 +167,21 @@ async def start_frontend(
         await frontend.close()
         raise
     return RunningFrontend(frontend, url, admin_url, runners, listeners, bound, admin_bound, native)
+
+
+def uses_native_path(data_path: str) -> bool:
+    """Whether ``--data-path`` means the compiled data path: ``native`` (a ConfigError later
+    where it is not built: never a silent fall back), or ``auto`` where it is built."""
+    if data_path == "auto":
+        from kvplug.frontend.native_lane import available
+
+        if not available():
+            log.warning("--data-path auto: kvplug._lane is not built here: the Python path serves")
+            return False
+        return True
+    if data_path not in ("native", "python"):
+        raise ConfigError(f"--data-path: {data_path!r} is not auto, native or python")
+    return data_path == "native"
 
 
 async def _start_native(frontend: Frontend, api: Listeners) -> Any:

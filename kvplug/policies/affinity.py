@@ -34,6 +34,8 @@ class AffinityPolicy(KvCostPolicy):
         super().__init__(router)
         # RouterConfig.validate has parsed it already (a bad setting is a ConfigError there)
         self.affinity = Affinity(router, parse_affinity(router.config.router_affinity))
+        # read_ms weighs the decode reads of the requests in flight, their outputs included
+        self.reads_output_progress = bool(self.affinity.params.read_ms)
 
     def pick(self, ctx: RouteContext, trace: CandidateTrace) -> int:
         b = super().pick(ctx, trace)

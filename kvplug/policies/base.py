@@ -42,6 +42,9 @@ class RoutingPolicy:
 
     name: ClassVar[str] = ""
     uses_overlap: ClassVar[bool] = False  # the overlap stage queries the KV index for it
+    # it reads the output tokens of requests in flight, as streams report them block by block
+    # (a data path that reports a stream's total only at its end leaves such streams alone)
+    reads_output_progress: bool = False
 
     def __init__(self, router: Router) -> None:
         self.router = router
