@@ -134,9 +134,32 @@ struct lane {
     upstream_t *ups;
     int n_ups, cap_ups;
     lane_stats st;
+    char date[48]; /* "Date: ...\r\n" of date_sec (date_line) */
+    size_t date_len;
+    time_t date_sec;
 };
 
 /* ---- small helpers ---------------------------------------------------------------------- */
+
+/* the answer's "Date: <IMF-fixdate>\r\n" field, as the Python server writes one (RFC 9110
+ * 6.6.1), formatted once a second; fixed names, not strftime's locale */
+static const char *date_line(lane_t *l, size_t *len) {
+    static const char days[7][4] = {"Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"};
+    static const char months[12][4] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
+                                       "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
+    time_t now = time(NULL);
+    if (now != l->date_sec || !l->date_len) {
+        struct tm tm;
+        gmtime_r(&now, &tm);
+        int k = snprintf(l->date, sizeof l->date, "Date: %s, %02d %s %04d %02d:%02d:%02d GMT\r\n",
+                         days[tm.tm_wday], tm.tm_mday, months[tm.tm_mon], tm.tm_year + 1900,
+                         tm.tm_hour, tm.tm_min, tm.tm_sec);
+        l->date_len = k > 0 && (size_t)k < sizeof l->date ? (size_t)k : 0;
+        l->date_sec = now;
+    }
+    *len = l->date_len;
+    return l->date;
+}
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -493,6 +516,9 @@ static void answer(lane_t *l, client_t *c, int status, const char *headers, size
     int k = snprintf(line, sizeof line, "HTTP/1.1 %d %s\r\n", status, reason_of(status));
     buf_append(&c->out, line, (size_t)k);
     buf_append(&c->out, headers, headers_len);
+    size_t date_len;
+    const char *date = date_line(l, &date_len);
+    buf_append(&c->out, date, date_len);
     k = snprintf(line, sizeof line, "Content-Length: %zu\r\n%s\r\n", body_len,
                  c->keep_alive ? "" : "Connection: close\r\n");
     buf_append(&c->out, line, (size_t)k);
@@ -1181,6 +1207,9 @@ static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
     buf_append(out, "Content-Type: ", 14);
     buf_append(out, ctype, ctype_len);
     buf_append(out, "\r\n", 2);
+    size_t date_len;
+    const char *date = date_line(l, &date_len);
+    buf_append(out, date, date_len);
     buf_append(out, c->extra, c->extra_len);
     /* an event stream is not to be cached on the way, as the Python path's relay says */
     if (c->streamed) buf_append(out, "Cache-Control: no-cache\r\n", 25);
