@@ -160,7 +160,7 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
     vllm = next(t for t in frontend if t.startswith("vllm-router"))
     modes = ("plain", "stream")
     ids = frontend["kvplug (token ids)"]
-    native = frontend["kvplug native (token ids)"]
+    python_path = frontend["kvplug python path (token ids)"]
     r64 = router[64]
     return {
         ("routing decision", "result"): lambda: [
@@ -194,10 +194,10 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             *[ids[f"{m}_throughput"]["cpu_ms_per_request"] for m in modes],
             *rates("kvplug --processes 2 (token ids)"),
             SKIP,  # --processes 2
-            *added("kvplug native (token ids)"),
-            *rates("kvplug native (token ids)"),
-            *[native[f"{m}_throughput"]["cpu_ms_per_request"] for m in modes],
-            *rates("kvplug native --processes 2 (token ids)"),
+            *added("kvplug python path (token ids)"),
+            *rates("kvplug python path (token ids)"),
+            *[python_path[f"{m}_throughput"]["cpu_ms_per_request"] for m in modes],
+            *rates("kvplug python path --processes 2 (token ids)"),
             SKIP,  # --processes 2
             SKIP,  # sglang-router's version
             frontend[sglang]["plain_latency"]["added_median_ms"],
@@ -215,9 +215,9 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             *rates("kvplug (token ids)", loaded),
             *rates("kvplug --processes 2 (token ids)", loaded),
             SKIP,  # --processes 2
-            *added("kvplug native (token ids)", loaded),
-            *rates("kvplug native (token ids)", loaded),
-            *rates("kvplug native --processes 2 (token ids)", loaded),
+            *added("kvplug python path (token ids)", loaded),
+            *rates("kvplug python path (token ids)", loaded),
+            *rates("kvplug python path --processes 2 (token ids)", loaded),
             SKIP,  # --processes 2
             loaded[sglang]["plain_latency"]["added_median_ms"],
             loaded[sglang]["plain_throughput"]["requests_per_s"],
