@@ -1601,8 +1601,9 @@ async def test_a_bodiless_answer_and_an_interim_100_are_relayed():
 # -- kvplug serve --data-path native ---------------------------------------------------------
 
 
-def test_kvplug_serve_data_path_native_answers_through_the_cli(tmp_path):
-    import re
+@pytest.mark.parametrize("data_path", [["--data-path", "native"], []])
+def test_kvplug_serve_data_path_native_answers_through_the_cli(tmp_path, data_path):
+    """``--data-path native``, and the default (``auto``) where the lane is built."""
     import subprocess
     import urllib.request
 
@@ -1621,8 +1622,7 @@ def test_kvplug_serve_data_path_native_answers_through_the_cli(tmp_path):
         assert engine.stdout is not None and engine.stdout.readline().strip() == "ready"
         cmd = serve_command(
             port,
-            "--data-path",
-            "native",
+            *data_path,
             "--worker-engine",
             "openai",
             "--served-model-name",
@@ -1674,6 +1674,21 @@ def test_kvplug_serve_data_path_native_answers_through_the_cli(tmp_path):
         stop_process(serve, timeout=15)
         stop_process(engine, timeout=5)
     assert serve.returncode == 0, log.read_text()[-3000:]
+    assert "(1 workers, native data path)" in log.read_text()
+
+
+def test_data_path_auto_is_native_where_the_lane_is_built(monkeypatch, caplog):
+    from kvplug.errors import ConfigError
+    from kvplug.frontend import native_lane
+    from kvplug.frontend.server import uses_native_path
+
+    assert uses_native_path("auto") and uses_native_path("native")
+    assert not uses_native_path("python")
+    with pytest.raises(ConfigError, match="auto, native or python"):
+        uses_native_path("fast")
+    monkeypatch.setattr(native_lane, "available", lambda: False)  # as on a platform without it
+    assert not uses_native_path("auto") and "not built here" in caplog.text
+    assert uses_native_path("native")  # insists: _start_native's ConfigError says why
 
 
 # -- the head rule, against the Python lane's ------------------------------------------------
