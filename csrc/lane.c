@@ -1049,11 +1049,12 @@ static void forget_head(lane_t *l, client_t *c, const char *why) {
 }
 
 /* whether the client's answer can still take a last chunk (stream_end) once its engine is
- * gone: chunked to the client and at a chunk's end (an until-close answer is wrapped a read at
- * a time, so always) */
+ * gone: chunked to the client and at a chunk's end (an until-close answer and an event stream
+ * are chunked by the lane a read at a time, so always; a whole answer's chunked framing is the
+ * engine's, copied as is) */
 static void note_stream_end(client_t *c, const engine_t *e) {
     c->can_end = e->state == E_BODY &&
-                 (e->framing == F_CLOSE ||
+                 (e->framing == F_CLOSE || c->wrap_chunks || (e->framing == F_CHUNKED && c->streamed) ||
                   (e->framing == F_CHUNKED && e->chunk_state == CH_SIZE && !e->size_digits));
 }
 
@@ -1221,6 +1222,12 @@ static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
         e->size_digits = 0;
         e->remaining = 0;
         buf_append(out, "Transfer-Encoding: chunked\r\n", 28);
+    } else if (have_length && c->streamed) { /* a stream is chunked to the client, as the
+                                                * Python path's relay sends it: see engine_body */
+        e->framing = F_LENGTH;
+        e->remaining = length;
+        c->wrap_chunks = 1;
+        buf_append(out, "Transfer-Encoding: chunked\r\n", 28);
     } else if (have_length) {
         e->framing = F_LENGTH;
         e->remaining = length;
@@ -1239,8 +1246,25 @@ static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
     return 0;
 }
 
-/* engine body bytes: to the client as they are (or chunk-wrapped); 1 when the answer ended,
- * -1 when its chunk framing is garbled */
+/* n body bytes as one chunk of the client's chunked answer (none for n = 0: that ends it) */
+static void append_chunk(buf_t *out, const char *p, size_t n) {
+    static const char hex[] = "0123456789abcdef";
+    char line[24];
+    size_t k = sizeof line;
+    if (!n) return;
+    line[--k] = '\n';
+    line[--k] = '\r';
+    for (size_t v = n; v; v >>= 4) line[--k] = hex[v & 15]; /* the size, in hex, right to left */
+    buf_append(out, line + k, sizeof line - k);
+    buf_append(out, p, n);
+    buf_append(out, "\r\n", 2);
+}
+
+/* engine body bytes: to the client as they are, or chunk-wrapped (an until-close answer) or
+ * re-chunked (a chunked event stream: each piece of data read is a whole chunk to the client,
+ * as the Python path's relay writes it, so a stream the engine breaks off, even inside one of
+ * its chunks, can still end with finish's last event); 1 when the answer ended, -1 when its
+ * chunk framing is garbled */
 static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *used) {
     client_t *c = e->client;
     size_t i = 0;
@@ -1249,21 +1273,21 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
         done = 1;
     } else if (e->framing == F_LENGTH) {
         i = n < e->remaining ? n : (size_t)e->remaining;
-        buf_append(&c->out, p, i);
+        if (c->wrap_chunks)
+            append_chunk(&c->out, p, i);
+        else
+            buf_append(&c->out, p, i);
         tail_add(l, c, p, i);
         e->remaining -= i;
         done = e->remaining == 0;
+        if (done && c->wrap_chunks) buf_append(&c->out, "0\r\n\r\n", 5);
     } else if (e->framing == F_CLOSE) {
-        char line[24];
-        int k = snprintf(line, sizeof line, "%zx\r\n", n);
-        if (n) {
-            buf_append(&c->out, line, (size_t)k);
-            buf_append(&c->out, p, n);
-            buf_append(&c->out, "\r\n", 2);
-            tail_add(l, c, p, n);
-        }
+        append_chunk(&c->out, p, n);
+        tail_add(l, c, p, n);
         i = n;
-    } else { /* chunked: copied as is; the state machine only finds the end and the data */
+    } else { /* chunked: the state machine finds the end and the data; a whole answer's bytes
+              * are copied as they are, a stream's data re-chunked */
+        int rechunk = c->streamed;
         while (i < n && !done) {
             char ch = p[i];
             switch (e->chunk_state) {
@@ -1293,6 +1317,7 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
                 break;
             case CH_DATA: {
                 size_t k = n - i < e->remaining ? n - i : (size_t)e->remaining;
+                if (rechunk) append_chunk(&c->out, p + i, k);
                 tail_add(l, c, p + i, k);
                 i += k;
                 e->remaining -= k;
@@ -1329,7 +1354,10 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
                 break;
             }
         }
-        buf_append(&c->out, p, i);
+        if (!rechunk)
+            buf_append(&c->out, p, i);
+        else if (done) /* the engine's trailers stay behind, as aiohttp's relay leaves them */
+            buf_append(&c->out, "0\r\n\r\n", 5);
     }
     /* the body's first bytes, not framing: only they end the try's waiting (no_body_yet) */
     if (body_seen(c) && c->streamed && !c->first_byte_done && c->token) {
