@@ -81,7 +81,8 @@ struct client {
     int keep_alive;  /* the current request's */
     int answered;    /* a byte of an answer was queued on this connection */
     size_t answer_sent; /* bytes of it written to the socket */
-    int streamed, first_byte_done, wrap_chunks;
+    int streamed, first_byte_done;
+    int wrap_chunks; /* the lane frames the client's chunks (until-close answers, streams) */
     int want_out;    /* EPOLLOUT is in the mask */
     client_t *prev, *next;
     client_t *next_ready; /* the lane's ready list: buffered requests to parse */
@@ -1031,10 +1032,10 @@ static void attempt(lane_t *l, client_t *c) {
     if (e->state == E_SENDING) engine_send_later(l, e);
 }
 
-/* whether the answer's head came but no body byte yet: nothing was sent (engine_readable) */
 /* whether the answer's body has begun (bytes in the tail, or handed to stream_bytes) */
 static int body_seen(const client_t *c) { return c->tail_fill || c->tail_passed; }
 
+/* whether the answer's head came but no body byte yet: nothing was sent (engine_readable) */
 static int no_body_yet(const client_t *c) {
     return c->answered && !body_seen(c) && !c->answer_sent;
 }
@@ -1049,12 +1050,11 @@ static void forget_head(lane_t *l, client_t *c, const char *why) {
 }
 
 /* whether the client's answer can still take a last chunk (stream_end) once its engine is
- * gone: chunked to the client and at a chunk's end (an until-close answer and an event stream
- * are chunked by the lane a read at a time, so always; a whole answer's chunked framing is the
- * engine's, copied as is) */
+ * gone: chunked to the client and at a chunk's end (always where the lane frames the chunks; a
+ * whole answer's chunked framing is the engine's, copied as is) */
 static void note_stream_end(client_t *c, const engine_t *e) {
     c->can_end = e->state == E_BODY &&
-                 (e->framing == F_CLOSE || c->wrap_chunks || (e->framing == F_CHUNKED && c->streamed) ||
+                 (c->wrap_chunks ||
                   (e->framing == F_CHUNKED && e->chunk_state == CH_SIZE && !e->size_digits));
 }
 
@@ -1221,6 +1221,7 @@ static int engine_head(lane_t *l, engine_t *e, const char *h, size_t len) {
         e->chunk_state = CH_SIZE;
         e->size_digits = 0;
         e->remaining = 0;
+        c->wrap_chunks = c->streamed; /* a stream's data re-chunked: see engine_body */
         buf_append(out, "Transfer-Encoding: chunked\r\n", 28);
     } else if (have_length && c->streamed) { /* a stream is chunked to the client, as the
                                                 * Python path's relay sends it: see engine_body */
@@ -1287,7 +1288,6 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
         i = n;
     } else { /* chunked: the state machine finds the end and the data; a whole answer's bytes
               * are copied as they are, a stream's data re-chunked */
-        int rechunk = c->streamed;
         while (i < n && !done) {
             char ch = p[i];
             switch (e->chunk_state) {
@@ -1317,7 +1317,7 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
                 break;
             case CH_DATA: {
                 size_t k = n - i < e->remaining ? n - i : (size_t)e->remaining;
-                if (rechunk) append_chunk(&c->out, p + i, k);
+                if (c->wrap_chunks) append_chunk(&c->out, p + i, k);
                 tail_add(l, c, p + i, k);
                 i += k;
                 e->remaining -= k;
@@ -1354,7 +1354,7 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
                 break;
             }
         }
-        if (!rechunk)
+        if (!c->wrap_chunks)
             buf_append(&c->out, p, i);
         else if (done) /* the engine's trailers stay behind, as aiohttp's relay leaves them */
             buf_append(&c->out, "0\r\n\r\n", 5);

@@ -42,8 +42,8 @@ class RoutingPolicy:
 
     name: ClassVar[str] = ""
     uses_overlap: ClassVar[bool] = False  # the overlap stage queries the KV index for it
-    # it reads the output tokens of requests in flight, as streams report them block by block
-    # (a data path that reports a stream's total only at its end leaves such streams alone)
+    # it reads the output tokens of requests in flight as streams report them, chunk by chunk
+    # (the native data path reports them 4 KiB apart, so it leaves such streams to Python)
     reads_output_progress: bool = False
 
     def __init__(self, router: Router) -> None:
