@@ -996,7 +996,7 @@ static void attempt(lane_t *l, client_t *c) {
     c->status = 0;
     c->tail_pos = c->tail_fill = 0; /* a retry's tail (and finish's reason) is its own */
     c->tail_passed = 0;
-    c->streamed = 0; /* as its answer's head says */
+    c->streamed = c->wrap_chunks = 0; /* as its answer's head says */
     int up = find_up(l, c->up);
     engine_t *e = NULL;
     if (up >= 0) {

@@ -1354,8 +1354,10 @@ async def test_an_empty_5xx_is_a_failed_try_that_is_retried(answer):
         )
         reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
-        head, _ = await read_answer(reader)
+        head, body = await read_answer(reader)
         assert head.startswith(b"HTTP/1.1 200")
+        # the retry's answer framed as its own engine framed it, not as the failed try's was
+        assert b"content-length" in head.lower() and json.loads(body)["choices"]
         await until(lambda: len(h.finished) == 2)
         assert h.finished[0][1:] == (0, UNAVAILABLE, b"empty HTTP 503 answer")
         assert h.finished[1][1:3] == (200, OK) and h.lane.stats()["retried"] == 1
