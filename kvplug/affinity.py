@@ -181,6 +181,14 @@ AFFINITY_PRESETS: dict[str, dict[str, Any]] = {
         "weigh_followups": True,
     },
 }
+# affinity-soonest keeping short follow-ups off the last step of a cold prefill just under the
+# tail, with a shorter memory of follow-ups (docs/sim.md: the third pass's best setting)
+AFFINITY_PRESETS["affinity-protect"] = {
+    **AFFINITY_PRESETS["affinity-soonest"],
+    "half_life": 120,
+    "protect_blocks": 24,
+    "protect_below": 0.99,
+}
 AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
@@ -290,6 +298,9 @@ class Affinity:
         # _queued_prefill_seconds of the decision under way (its trace), computed once
         self._queued_for: Any = None
         self._queued: dict[int, float] = {}
+        # _predicted_ttft of the decision under way, per candidate index
+        self._ttft_for: Any = None
+        self._ttft: dict[int, float] = {}
 
     def choose(self, trace, b: int, blocks: int) -> int | None:
         """The candidate (an index into ``trace``'s) this request goes to instead of kv's pick
@@ -323,14 +334,16 @@ class Affinity:
             return pick
         router = self._router
         n = len(overlap)
+        self._queued_prefill_seconds(trace)  # sets _last_ttft for this decision
+        last = self._last_ttft
+        at_pick = last.get(int(trace.endpoints[pick]), 0.0)
+        if at_pick < tau:
+            return pick  # the common case: no engine's prediction is needed
+        if self.params.protect_below:
+            if at_pick >= self._kv_ttft.quantile(self.params.protect_below):
+                return pick
         t = self._predicted_ttft(trace, overlap, blocks, *range(n))
         eps = [int(trace.endpoints[i]) for i in range(n)]
-        last = self._last_ttft
-        if last.get(eps[pick], 0.0) < tau:
-            return pick
-        if self.params.protect_below:
-            if last[eps[pick]] >= self._kv_ttft.quantile(self.params.protect_below):
-                return pick
         others = [i for i in range(n) if last.get(eps[i], 0.0) < tau]
         if self.params.protect_blocks:
             safe = [i for i in others if t[i] < tau]
@@ -396,11 +409,11 @@ class Affinity:
         tau = self._tau()
         if not tau:
             return pick
+        if self._predicted_ttft(trace, overlap, blocks, pick)[0] < tau:
+            return pick  # the common case: the other engines' predictions are not needed
         n = len(overlap)
         order = [pick] + [i for i in range(n) if i != pick]
         t = self._predicted_ttft(trace, overlap, blocks, *order)
-        if t[0] < tau:
-            return pick
         best = int(np.argmin(t))
         if t[best] >= t[0] - self.params.rescue:
             return pick
@@ -469,19 +482,25 @@ class Affinity:
     def _predicted_ttft(self, trace, overlap: np.ndarray, blocks: int, *idx: int) -> list[float]:
         """Predicted TTFT of this prompt on each engine of ``idx`` (indices into the preview):
         its queued prefill seconds plus its own chunked prefill over its cached prefix (with
-        ``read_ms``: plus the decode reads of the engine's active sequences in its steps)."""
-        router = self._router
-        bs = router.block_size
-        eps = [int(trace.endpoints[i]) for i in idx]
-        queued = self._queued_prefill_seconds(trace)
-        n = blocks * bs
-        out = []
-        for ep, i in zip(eps, idx, strict=True):
-            cached = float(overlap[i]) * bs
-            chunk = router.chunk_tokens(ep)
-            own = chunked_prefill_seconds(n - cached, cached, chunk)
-            out.append(queued[ep] + own + self._read_seconds(ep, n - cached, chunk))
-        return out
+        ``read_ms``: plus the decode reads of the engine's active sequences in its steps).
+        Each engine's is computed once per decision (``trace``), however many stages ask."""
+        if self._ttft_for is not trace:
+            self._ttft_for = trace
+            self._ttft = {}
+        known = self._ttft
+        missing = [i for i in idx if i not in known]
+        if missing:
+            router = self._router
+            bs = router.block_size
+            queued = self._queued_prefill_seconds(trace)
+            n = blocks * bs
+            for i in missing:
+                ep = int(trace.endpoints[i])
+                cached = float(overlap[i]) * bs
+                chunk = router.chunk_tokens(ep)
+                own = chunked_prefill_seconds(n - cached, cached, chunk)
+                known[i] = queued[ep] + own + self._read_seconds(ep, n - cached, chunk)
+        return [known[i] for i in idx]
 
     def _read_seconds(self, ep: int, new: float, chunk: float) -> float:
         """``read_ms``: seconds of decode reads over the steps of a ``new``-token prefill on
@@ -506,9 +525,8 @@ class Affinity:
         """Predicted seconds of prefill still queued per endpoint of ``trace`` (requests routed
         there without a first token yet), the oldest one's elapsed time taken off. With
         ``read_ms`` it also records each endpoint's active sequences and their context
-        (``_active``) and counts the decode reads in the queued prefills' steps. One walk over
-        the requests in flight per decision: the stages of one decision ask for it several
-        times, and nothing is routed between them."""
+        (``_active``) and counts the decode reads in the queued prefills' steps. Computed once per
+        decision: its stages ask for it several times, and nothing is routed between them."""
         if self._queued_for is trace:
             return self._queued
         self._queued_for = trace
@@ -516,42 +534,52 @@ class Affinity:
         return self._queued
 
     def _walk_queued(self, endpoints: tuple[int, ...]) -> dict[int, float]:
+        """One walk over the candidates' requests still in prefill (the load tracker keeps them
+        per endpoint, in routing order), not over every request in flight."""
         router = self._router
+        load = router.load
         now = router._clock()
         read_ms = self.params.read_ms
         total = dict.fromkeys(endpoints, 0.0)
-        oldest: dict[int, tuple[float, float]] = {}
-        active: dict[int, tuple[int, float]] = {}
-        steps: dict[int, float] = {}
-        latest: dict[int, float] = {}
-        for r in router.load.requests.values():
-            ep = r.endpoint
-            if ep not in total:
-                continue
-            if read_ms:
-                count, context = active.get(ep, (0, 0.0))
-                active[ep] = (count + 1, context + r.prompt_tokens + r.output_tokens)
-            if r.prefill_done or r.prefill_tokens <= 0:
+        last: dict[int, float] = {}
+        if read_ms:
+            self._active = {
+                ep: (load.inflight.item(ep), float(load.context_tokens.item(ep)))
+                for ep in endpoints
+            }
+        for ep in endpoints:
+            queued = load.prefilling.get(ep)
+            if not queued:
                 continue
             chunk = router.chunk_tokens(ep)
-            cached = r.prompt_tokens - r.prefill_tokens
-            seconds = chunked_prefill_seconds(r.prefill_tokens, cached, chunk)
+            seconds_sum = steps = 0.0
+            oldest_at, oldest_seconds = math.inf, 0.0
+            latest = -math.inf
+            for r in queued.values():
+                estimate = r.prefill_estimate
+                if estimate is None or estimate[0] != chunk:
+                    prefill = r.prefill_tokens
+                    estimate = r.prefill_estimate = (
+                        chunk,
+                        chunked_prefill_seconds(prefill, r.prompt_tokens - prefill, chunk),
+                        1.0 if chunk <= 0 else math.ceil(prefill / chunk),
+                    )
+                seconds = estimate[1]
+                steps += estimate[2]
+                seconds_sum += seconds
+                at = r.routed_at
+                if at > latest:
+                    latest = at
+                if at < oldest_at:
+                    oldest_at, oldest_seconds = at, seconds
             if read_ms:
-                steps[ep] = steps.get(ep, 0.0) + (
-                    1.0 if chunk <= 0 else math.ceil(r.prefill_tokens / chunk)
-                )
-            total[ep] += seconds
-            latest[ep] = max(latest.get(ep, r.routed_at), r.routed_at)
-            if ep not in oldest or r.routed_at < oldest[ep][0]:
-                oldest[ep] = (r.routed_at, seconds)
-        if read_ms:
-            self._active = active
-            for ep, n in steps.items():
-                total[ep] += n * read_ms * active[ep][1] / 1e6
-        for ep, (routed_at, seconds) in oldest.items():
-            total[ep] = max(total[ep] - min(max(now - routed_at, 0.0), seconds), 0.0)
-        # the last queued prefill's predicted TTFT per endpoint (protect)
-        self._last_ttft = {ep: total[ep] + now - at for ep, at in latest.items()}
+                seconds_sum += steps * read_ms * self._active[ep][1] / 1e6
+            # the oldest has been in prefill for part of its predicted time already
+            seconds_sum = max(seconds_sum - min(max(now - oldest_at, 0.0), oldest_seconds), 0.0)
+            total[ep] = seconds_sum
+            # the last queued prefill's predicted TTFT (protect)
+            last[ep] = seconds_sum + now - latest
+        self._last_ttft = last
         return total
 
 

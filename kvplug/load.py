@@ -8,6 +8,9 @@
   output tracking, one placeholder block per block boundary generation crosses, weighted by
   ``1 - progress`` toward the expected output length when one is given (full weight otherwise);
 * in-flight: active request count (least-loaded, device-aware, power-of-two, running scorer);
+* context tokens: prompt plus output tokens of the endpoint's active requests, and its requests
+  still in prefill in routing order (the affinity policy's predictions read both: kept here so a
+  decision reads its endpoints, not every request in flight);
 * prefill-duration model (optional): the oldest active prefill on each endpoint decays linearly
   over its predicted duration, counted from when it became the oldest.
 
@@ -43,6 +46,9 @@ class ActiveRequest:
     output_contrib: float = 0.0  # weighted placeholder blocks currently counted
     chain: _Node | None = None  # tail of its deduplicated prompt chain (ActiveBlocks)
     deduplicated: bool = False
+    # the affinity policy's (chunk tokens, predicted prefill seconds, steps) of its prefill, kept
+    # so that every decision while it waits does not compute it again
+    prefill_estimate: tuple[float, float, float] | None = None
 
 
 class LoadListener(Protocol):
@@ -68,6 +74,9 @@ class LoadTracker:
         self.prefill_tokens = np.zeros(0)
         self.decode_blocks = np.zeros(0)
         self.inflight = np.zeros(0, dtype=np.int64)
+        self.context_tokens = np.zeros(0, dtype=np.int64)
+        # per endpoint, its requests without a first token yet, in the order they were added
+        self.prefilling: dict[int, dict[str, ActiveRequest]] = {}
         # prefill-duration model: per endpoint, the queue of pending prefills (oldest first)
         self.head_tokens = np.zeros(0)
         self.head_start = np.zeros(0)
@@ -93,6 +102,7 @@ class LoadTracker:
         self.prefill_tokens = grow(self.prefill_tokens)
         self.decode_blocks = grow(self.decode_blocks)
         self.inflight = grow(self.inflight)
+        self.context_tokens = grow(self.context_tokens)
         self.head_tokens = grow(self.head_tokens)
         self.head_start = grow(self.head_start)
         self.head_duration = grow(self.head_duration, 1.0)
@@ -155,9 +165,11 @@ class LoadTracker:
             blocks[endpoint] = blocks.item(endpoint) + new
         self.requests[request_id] = r
         self.inflight[endpoint] = self.inflight.item(endpoint) + 1
+        self.context_tokens[endpoint] = self.context_tokens.item(endpoint) + prompt_tokens
         blocks[endpoint] = blocks.item(endpoint) + r.decode_blocks
         if uncached > 0:
             self.prefill_tokens[endpoint] = self.prefill_tokens.item(endpoint) + uncached
+            self.prefilling.setdefault(endpoint, {})[request_id] = r
             if self.predictor is not None:
                 r.prefill_duration = max(
                     float(self.predictor.predict(uncached, cached_tokens)), 1e-6
@@ -189,7 +201,11 @@ class LoadTracker:
             return False
         if not r.prefill_done:  # output implies the first token came
             self._release_prefill(r, now)
-        r.output_tokens = max(int(output_tokens), r.output_tokens)
+        grown = int(output_tokens) - r.output_tokens
+        if grown > 0:
+            r.output_tokens += grown
+            ep = r.endpoint
+            self.context_tokens[ep] = self.context_tokens.item(ep) + grown
         if not r.track_output:
             return True
         bs = self.block_size
@@ -218,6 +234,7 @@ class LoadTracker:
         blocks[ep] = blocks.item(ep) - (r.decode_blocks + r.output_contrib)
         inflight = self.inflight.item(ep) - 1
         self.inflight[ep] = inflight
+        self.context_tokens[ep] = self.context_tokens.item(ep) - (r.prompt_tokens + r.output_tokens)
         if inflight == 0:  # no float drift survives an idle endpoint
             blocks[ep] = 0.0
             self.prefill_tokens[ep] = 0.0
@@ -233,7 +250,9 @@ class LoadTracker:
             self.prefill_tokens[endpoint] = 0.0
             self.decode_blocks[endpoint] = 0.0
             self.inflight[endpoint] = 0
+            self.context_tokens[endpoint] = 0
             self.head_tokens[endpoint] = 0.0
+        self.prefilling.pop(endpoint, None)
         return ids
 
     # ------------------------------------------------------------------ internals
@@ -247,6 +266,10 @@ class LoadTracker:
             return
         r.prefill_done = True
         ep = r.endpoint
+        prefilling = self.prefilling.get(ep)
+        if prefilling is not None and prefilling.pop(r.request_id, None) is not None:
+            if not prefilling:
+                del self.prefilling[ep]
         left = self.prefill_tokens.item(ep) - r.prefill_tokens  # as in ``add``
         self.prefill_tokens[ep] = 0.0 if left < 1e-9 else left
         if self.predictor is None:

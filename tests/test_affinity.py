@@ -318,7 +318,7 @@ def test_read_ms_adds_the_active_sequences_context_read_in_every_prefill_step():
     _decoding(r, "w2", 60, "decoding")  # 960 tokens of context on w2, none on w1
     aff = AffinityRouter(r, AffinityParams(read_ms=2.0))
     plain = AffinityRouter(r, AffinityParams())
-    r.load.requests["decoding"].output_tokens = 40  # progress reports grow the context
+    r.on_output_progress("decoding", 40)  # progress reports grow the context
     overlap = np.zeros(2)
     # the router's endpoint order is w1, w2; 10 blocks = 160 tokens, one step at this budget
     t_w1, t_w2 = aff._predicted_ttft(_trace(r), overlap, 10, 0, 1)
@@ -490,3 +490,84 @@ def test_affinity_soonest_is_affinity_rescue_with_the_second_pass_options():
         "weigh_followups": True,
     }
     assert parse_policy("affinity-soonest:protect=0.2").affinity == {**soonest, "protect": 0.2}
+
+
+def test_affinity_protect_is_the_third_pass_setting_measured_by_its_keys():
+    from kvplug.affinity import parse_affinity
+
+    # the setting docs/sim.md's third pass measured as a list of keys, now a name
+    measured = "affinity-soonest:half_life=120,protect_blocks=24,protect_below=0.99"
+    assert parse_affinity("affinity-protect") == parse_affinity(measured)
+    assert parse_affinity("affinity-protect:protect_blocks=16") == parse_affinity(
+        "affinity-soonest:half_life=120,protect_blocks=16,protect_below=0.99"
+    )
+
+
+def _walk_every_request(aff, endpoints):
+    """The predictions' inputs as a walk over every request in flight computes them (the way
+    ``_walk_queued`` did before the load tracker kept them per endpoint): the reference."""
+    import math
+
+    from kvplug.affinity import chunked_prefill_seconds
+
+    router = aff._router
+    now, read_ms = router._clock(), aff.params.read_ms
+    total = dict.fromkeys(endpoints, 0.0)
+    oldest, active, steps, latest = {}, {}, {}, {}
+    for r in router.load.requests.values():
+        ep = r.endpoint
+        if ep not in total:
+            continue
+        count, context = active.get(ep, (0, 0.0))
+        active[ep] = (count + 1, context + r.prompt_tokens + r.output_tokens)
+        if r.prefill_done or r.prefill_tokens <= 0:
+            continue
+        chunk = router.chunk_tokens(ep)
+        seconds = chunked_prefill_seconds(
+            r.prefill_tokens, r.prompt_tokens - r.prefill_tokens, chunk
+        )
+        steps[ep] = steps.get(ep, 0.0) + (
+            1.0 if chunk <= 0 else math.ceil(r.prefill_tokens / chunk)
+        )
+        total[ep] += seconds
+        latest[ep] = max(latest.get(ep, r.routed_at), r.routed_at)
+        if ep not in oldest or r.routed_at < oldest[ep][0]:
+            oldest[ep] = (r.routed_at, seconds)
+    for ep, n in steps.items():
+        total[ep] += n * read_ms * active[ep][1] / 1e6
+    for ep, (at, seconds) in oldest.items():
+        total[ep] = max(total[ep] - min(max(now - at, 0.0), seconds), 0.0)
+    last = {ep: total[ep] + now - at for ep, at in latest.items()}
+    return total, last, {ep: active.get(ep, (0, 0.0)) for ep in endpoints}
+
+
+def test_the_per_endpoint_walk_predicts_exactly_what_a_walk_over_every_request_does():
+    """Same floats, not approximately: the simulator's measured settings must route a replay
+    as they did when every decision walked every request in flight."""
+    from test_router_helpers import FakeClock
+
+    clock = FakeClock()
+    r = make_router(workers=("w1", "w2", "w3", "w4"), clock=clock)
+    aff = AffinityRouter(r, AffinityParams(read_ms=0.0305, tail=0.98))
+    rng = np.random.default_rng(3)
+    live: list[str] = []
+    endpoints = tuple(range(len(r.ep_worker)))
+    for i in range(300):
+        rid = f"q{i}"
+        aff.route(
+            RouteRequest(
+                rid, tokens(int(rng.integers(1, 60)), start=int(rng.integers(0, 4)) * 5_000)
+            )
+        )
+        live.append(rid)
+        clock.advance(float(rng.exponential(0.05)))
+        if rng.random() < 0.5:
+            r.on_first_token(live[int(rng.integers(len(live)))])
+        if rng.random() < 0.4:
+            r.on_output_progress(live[int(rng.integers(len(live)))], int(rng.integers(1, 300)))
+        if rng.random() < 0.3:
+            r.on_finish(live.pop(int(rng.integers(len(live)))))
+        total, last, active = _walk_every_request(aff, endpoints)
+        assert aff._walk_queued(endpoints) == total
+        assert aff._last_ttft == last
+        assert aff._active == active

@@ -394,15 +394,11 @@ async def test_streams_stay_with_the_python_path_when_output_blocks_are_load():
         assert decided is not None and len(decided) == 5
         glue.finish(decided[4], 0, CLIENT_GONE, b"")
         h.assert_idle()
-    # an affinity setting that weighs the decode reads in flight reads their outputs too
-    reads = {"router_mode": "affinity", "router_affinity": "affinity-soonest"}
-    async with serving(1, router_config=reads) as h:
-        assert h.frontend.router.hears_output_progress()
-        glue = NativeGlue(h.frontend)
-        assert glue.decide(KIND_COMPLETIONS, stream, None, None) is None
-        h.assert_idle()
-    no_reads = {"router_mode": "affinity", "router_affinity": "affinity"}
-    for config in (None, no_reads):  # without either the lane takes the stream
+    # affinity settings, the one that sums the outputs in flight into each engine's context
+    # (read_ms) too: 4 KiB-apart reports suffice for it, so the lane takes their streams
+    soonest = {"router_mode": "affinity", "router_affinity": "affinity-soonest"}
+    plain = {"router_mode": "affinity", "router_affinity": "affinity"}
+    for config in (None, plain, soonest):  # without output-block tracking the lane takes it
         async with serving(1, router_config=config) as h:
             assert not h.frontend.router.hears_output_progress()
             glue = NativeGlue(h.frontend)

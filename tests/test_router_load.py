@@ -205,3 +205,56 @@ def test_tracker_duplicate_request_id_replaces_old_attempt():
     assert t.inflight.tolist()[:2] == [0, 1]
     assert t.decode_blocks[0] == 0 and t.decode_blocks[1] == 3
     assert t.counters["duplicate_request_ids"] == 1
+
+
+def _tracker_view(t: LoadTracker, ep: int) -> tuple[int, list[str]]:
+    """What the tracker's per-endpoint state must equal: a walk over every request in flight."""
+    mine = [r for r in t.requests.values() if r.endpoint == ep]
+    return (
+        sum(r.prompt_tokens + r.output_tokens for r in mine),
+        [r.request_id for r in mine if not r.prefill_done],
+    )
+
+
+def test_context_tokens_and_prefilling_follow_every_lifecycle_step():
+    """The affinity policy reads these per endpoint instead of walking every request: after any
+    mix of adds (retried ids included), first tokens, output reports, finishes and a dropped
+    endpoint they equal the walk."""
+    t = LoadTracker(BS)
+    t.ensure(3)
+    rng = np.random.default_rng(7)
+    live: list[str] = []
+    for step in range(600):
+        op = int(rng.integers(0, 10))
+        if op < 4 or not live:
+            rid = live[int(rng.integers(len(live)))] if live and op == 0 else f"r{step}"
+            t.add(
+                rid,
+                int(rng.integers(0, 3)),
+                int(rng.integers(1, 400)),
+                int(rng.integers(0, 400)),  # cached: some prompts entirely, so no prefill
+                track_prefill=True,
+                track_decode=True,
+                decode_blocks=1.0,
+                expected_osl=None,
+                track_output=bool(rng.integers(0, 2)),
+                now=float(step),
+            )
+            if rid not in live:
+                live.append(rid)
+        elif op < 6:
+            t.first_token(live[int(rng.integers(len(live)))], float(step))
+        elif op < 8:
+            t.output_progress(live[int(rng.integers(len(live)))], int(rng.integers(0, 90)), 0.0)
+        else:
+            t.finish(live.pop(int(rng.integers(len(live)))))
+        if step == 450:
+            for rid in t.drop_endpoint(1):
+                live.remove(rid)
+        for ep in range(3):
+            context, prefilling = _tracker_view(t, ep)
+            assert t.context_tokens[ep] == context, (step, ep)
+            assert list(t.prefilling.get(ep, {})) == prefilling, (step, ep)
+    for rid in live:
+        t.finish(rid)
+    assert t.context_tokens[:3].tolist() == [0, 0, 0] and not t.prefilling

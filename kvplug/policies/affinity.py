@@ -34,8 +34,9 @@ class AffinityPolicy(KvCostPolicy):
         super().__init__(router)
         # RouterConfig.validate has parsed it already (a bad setting is a ConfigError there)
         self.affinity = Affinity(router, parse_affinity(router.config.router_affinity))
-        # read_ms weighs the decode reads of the requests in flight, their outputs included
-        self.reads_output_progress = bool(self.affinity.params.read_ms)
+        # read_ms weighs the decode reads of the requests in flight, outputs included, but as
+        # a sum of thousands of context tokens per engine: the native lane's reports 4 KiB
+        # (tens of tokens) apart move it by under one percent, so its streams stay on the lane
 
     def pick(self, ctx: RouteContext, trace: CandidateTrace) -> int:
         b = super().pick(ctx, trace)

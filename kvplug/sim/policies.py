@@ -1,7 +1,7 @@
 """Routing policies for the replay, written ``NAME[:key=value,...]`` on the command line.
 
-``NAME`` is ``kv``, ``affinity``, ``affinity-rescue`` or ``affinity-soonest``
-(:mod:`kvplug.affinity`, the last two named settings of it), ``lmetric`` (kv mode with
+``NAME`` is ``kv``, ``affinity``, ``affinity-rescue``, ``affinity-soonest`` or ``affinity-protect``
+(:mod:`kvplug.affinity`, the last three named settings of it), ``lmetric`` (kv mode with
 ``--router-selection-policy lmetric``), ``approx``
 (kv mode without engine events: the router records what it routed, with a TTL), ``profile``
 (an llm-d-style scheduling profile; default: the bundled ``data/profile_llmd.yaml``, or
