@@ -570,4 +570,4 @@ def test_the_per_endpoint_walk_predicts_exactly_what_a_walk_over_every_request_d
         total, last, active = _walk_every_request(aff, endpoints)
         assert aff._walk_queued(endpoints) == total
         assert aff._last_ttft == last
-        assert aff._active == active
+        assert {ep: aff._context(ep) for ep in endpoints} == active
