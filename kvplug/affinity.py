@@ -315,7 +315,8 @@ class Affinity:
         inputs = trace.inputs if trace is not None else None
         overlap = None
         if inputs and "device" in inputs and "prefill_blocks" in inputs:
-            overlap = np.asarray(inputs["device"], dtype=np.float64)
+            # a list: per-candidate reads and small sums cost less than on numpy scalars
+            overlap = np.asarray(inputs["device"], dtype=np.float64).tolist()
         if overlap is None or len(overlap) < 2:
             self.affinity_counters["kept_kv"] += 1
             return None
@@ -379,7 +380,7 @@ class Affinity:
         """The engine holding the longest prefix if the guards let the request wait for it
         there, a cold prompt's spread pick, else None (kv's pick ``b``)."""
         params = self.params
-        best = float(overlap.max())
+        best = float(max(overlap))
         cold = best < params.min_share * max(blocks, 1)
         if params.tail and (params.pool == "all" or (params.pool == "cold" and cold)):
             self._remember(self._predicted_ttft(trace, overlap, blocks, b))
@@ -388,12 +389,14 @@ class Affinity:
         if best <= overlap[b]:
             self._count_followup(trace, b, overlap[b])
             return None
-        wait = np.asarray(inputs["prefill_blocks"], dtype=np.float64) - overlap
+        prefill = np.asarray(inputs["prefill_blocks"], dtype=np.float64).tolist()
+        wait = [p - o for p, o in zip(prefill, overlap, strict=True)]
         work = wait
         if params.memory:
-            work = wait + params.memory * np.asarray(inputs["decode_blocks"], np.float64)
-        holders = np.flatnonzero(overlap == best)
-        a = int(holders[np.argmin(work[holders])])
+            decode = np.asarray(inputs["decode_blocks"], np.float64).tolist()
+            work = [w + params.memory * d for w, d in zip(wait, decode, strict=True)]
+        holders = [i for i, o in enumerate(overlap) if o == best]
+        a = min(holders, key=work.__getitem__)  # the first of equals, as argmin
         if work[a] - work[b] > params.guard * (overlap[a] - overlap[b]) or (
             not params.tail and wait[a] - wait[b] > params.cap
         ):
@@ -420,7 +423,7 @@ class Affinity:
         n = len(overlap)
         order = [pick] + [i for i in range(n) if i != pick]
         t = self._predicted_ttft(trace, overlap, blocks, *order)
-        best = int(np.argmin(t))
+        best = min(range(len(t)), key=t.__getitem__)  # the first of equals, as argmin
         if t[best] >= t[0] - self.params.rescue:
             return pick
         self.affinity_counters["rescued"] += 1
@@ -458,12 +461,12 @@ class Affinity:
             return None
         router = self._router
         n = len(overlap)
-        eps = [int(trace.endpoints[i]) for i in range(n)]
-        chunk = router.chunk_tokens(eps[b])
+        chunk = router.chunk_tokens(int(trace.endpoints[b]))
         cached = float(overlap[b]) * router.block_size
         own = chunked_prefill_seconds(blocks * router.block_size - cached, cached, chunk)
         if own < params.spread:
             return None
+        eps = trace.endpoints.tolist()
         if params.spread_by == "ttft":
             t = self._predicted_ttft(trace, overlap, blocks, *range(n))
             soonest = min(t) + params.spread_eps + 1e-9
@@ -540,7 +543,7 @@ class Affinity:
         if self._queued_for is trace:
             return self._queued
         self._queued_for = trace
-        self._queued = self._walk_queued(tuple(int(e) for e in trace.endpoints))
+        self._queued = self._walk_queued(tuple(trace.endpoints.tolist()))
         return self._queued
 
     def _walk_queued(self, endpoints: tuple[int, ...]) -> dict[int, float]:
