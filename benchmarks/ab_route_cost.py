@@ -58,7 +58,7 @@ def child(tree: str, workers: int, inflight: int, requests: int) -> dict:
     prompts = [np.asarray(token_ids(p), dtype=np.uint32) for p in make_prompts(512)]
 
     def router() -> Router:
-        r = Router(RouterConfig(kv_block_size=16), rng=random.Random(7))
+        r = Router(RouterConfig(kv_block_size=16, router_mode="kv"), rng=random.Random(7))
         for i in range(workers):
             r.add_worker(Worker(f"e{i}", url=f"http://127.0.0.1:{9001 + i}", engine="openai"))
         return r

@@ -6,8 +6,11 @@ bodies in turn). Targets, rotated within every round so a noisy moment on a shar
 them all:
 
 * the engine directly (the baseline every "added" figure subtracts, round by round);
-* ``kvplug serve`` (mode ``kv``, defaults: the compiled data path where it is built) with
-  ~512-token text prompts and a local tokenizer, and with the same prompts as token ids;
+* ``kvplug serve --router-mode kv`` (Dynamo's cost; otherwise its defaults: the compiled data
+  path where it is built) with ~512-token text prompts and a local tokenizer, and with the same
+  prompts as token ids;
+* ``kvplug serve`` with its default routing (``affinity-protect``: kv's cost, then the affinity
+  decision in Python, ~25 us more per request), token ids;
 * optionally ``kvplug serve --processes N`` (``--processes N``, repeatable): N server processes
   on the one port, side by side with the single process;
 * optionally (``--python-path``) ``kvplug serve --data-path python``: every request on the
@@ -55,6 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
+from kvplug.config import RouterConfig  # noqa: E402
 from kvplug.testing import free_port, serve_command, stop_process  # noqa: E402
 
 MODEL = "stub-model"
@@ -230,8 +234,11 @@ def version_of(python_or_script: str, dist: str) -> str:
 
 
 def kvplug_cmd(port: int, engines: list[str], tokenizer: Path, *extra: str) -> list[str]:
+    # Dynamo's cost unless the target says otherwise (the default routing is a target of its own)
+    mode = () if "--router-mode" in extra else ("--router-mode", "kv")
     return serve_command(
         port,
+        *mode,
         *extra,
         "--worker-engine",
         "openai",
@@ -280,7 +287,7 @@ def main_run(args) -> dict:
             {"name": "engine (direct)", "url": engines[0], "pid": engines_pid, "kind": "text"}
         ]
 
-        def add_kvplug(label: str, env: dict | None, *extra: str) -> None:
+        def add_kvplug(label: str, env: dict | None, *extra: str, ids_only: bool = False) -> None:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             p = start(
@@ -292,7 +299,7 @@ def main_run(args) -> dict:
             )
             procs.append(p)
             kinds = (("ids", "token ids"),)
-            if not args.ids_only:
+            if not (args.ids_only or ids_only):
                 kinds = (("text", "text+tokenizer"), *kinds)
             for kind, name in kinds:
                 targets.append(
@@ -300,6 +307,14 @@ def main_run(args) -> dict:
                 )
 
         add_kvplug("kvplug", None)
+        # the default routing (no --router-mode): what a user who changes nothing pays
+        default = RouterConfig()
+        add_kvplug(
+            "kvplug default routing",
+            None,
+            *("--router-mode", default.router_mode, "--router-affinity", default.router_affinity),
+            ids_only=True,
+        )
         for n in args.processes:
             add_kvplug(f"kvplug --processes {n}", None, "--processes", str(n))
         if args.python_path:  # every request on the Python path

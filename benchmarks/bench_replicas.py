@@ -49,7 +49,7 @@ async def run(config: str, work, nats_url: str | None) -> dict:
     replicas = 1 if config == "one router" else 3
     routers = []
     for i in range(replicas):
-        r = Router(RouterConfig(kv_block_size=16), rng=random.Random(i))
+        r = Router(RouterConfig(kv_block_size=16, router_mode="kv"), rng=random.Random(i))
         for w in range(WORKERS):
             r.add_worker(Worker(f"w{w}"))
         routers.append(r)

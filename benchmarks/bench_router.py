@@ -11,7 +11,9 @@ load stays steady. Baselines measured in the same run:
 
 Also measured: decisions with ``--inflight`` requests kept in flight (each decision finishes
 the oldest), so the active-block dedup (``--router-assume-kv-reuse``, on by default) walks a
-populated trie of shared document prefixes, and the same with the flag off; the same kv
+populated trie of shared document prefixes, and the same with the flag off; the default routing
+(``kvplug serve`` with no ``--router-mode``: kv's cost, then the affinity decision in Python) with
+the same requests in flight; the same kv
 decision with busy thresholds and an attribute threshold
 (``gpu_utilization<=0.9``, all fresh, nobody over) configured, i.e. the cost of the filters;
 and approximate mode (no events: each decision also records its prompt in the side index).
@@ -183,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         hash_us, query_us = time_floor(r, prompts, args.decisions)
         # the same fleet and index without the dedup (--no-router-assume-kv-reuse)
         rn = Router(
-            RouterConfig(kv_block_size=args.block_size, router_assume_kv_reuse=False),
+            RouterConfig(
+                kv_block_size=args.block_size, router_mode="kv", router_assume_kv_reuse=False
+            ),
             rng=random.Random(n),
             index=r.index,
         )
@@ -195,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         rf = Router(
             RouterConfig(
                 kv_block_size=args.block_size,
+                router_mode="kv",
                 active_decode_blocks_threshold=0.9,
                 active_prefill_tokens_threshold_frac=4.0,
                 router_attribute_thresholds=["gpu_utilization<=0.9"],
@@ -211,13 +216,30 @@ def main(argv: list[str] | None = None) -> int:
         # approximate mode (no events): every decision also records its prompt in the side
         # index (and, once the 2^20-block cap is reached, drops the oldest record)
         ra = Router(
-            RouterConfig(kv_block_size=args.block_size, router_kv_events=False),
+            RouterConfig(kv_block_size=args.block_size, router_mode="kv", router_kv_events=False),
             rng=random.Random(n),
         )
         for w in r.workers.values():
             ra.add_worker(w)
         time_route(ra, prompts, warm)
         kv_approx = time_route(ra, prompts, args.decisions)
+        # the default routing (kvplug serve with no --router-mode: kv's cost, then the affinity
+        # decision), the same fleet and index, with requests in flight
+        defaults = RouterConfig()
+        rd = Router(
+            RouterConfig(
+                kv_block_size=args.block_size,
+                router_mode=defaults.router_mode,
+                router_affinity=defaults.router_affinity,
+                router_max_prompt_tokens=max(args.prompt_tokens, 1 << 20),
+            ),
+            rng=random.Random(n),
+            index=r.index,
+        )
+        for w in r.workers.values():
+            rd.add_worker(w)
+        time_route_inflight(rd, prompts, warm, args.inflight)
+        default_inflight = time_route_inflight(rd, prompts, args.decisions, args.inflight)
         rr = build(n, "round-robin", args, docs, rng, seed=n)
         time_route(rr, prompts, warm)
         base = time_route(rr, prompts, args.decisions)
@@ -235,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             "kv_inflight_median_us": statistics.median(inflight),
             "kv_inflight_p99_us": percentile(inflight, 0.99),
             "kv_inflight_no_reuse_median_us": statistics.median(inflight_nodedup),
+            "default_mode": f"{defaults.router_mode}:{defaults.router_affinity}",
+            "default_inflight_median_us": statistics.median(default_inflight),
+            "default_inflight_p99_us": percentile(default_inflight, 0.99),
             "active_trie_nodes_after": active_nodes,
             "kv_with_filters_median_us": statistics.median(kv_filtered),
             "kv_with_filters_p99_us": percentile(kv_filtered, 0.99),
@@ -250,10 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         row["kv_over_round_robin"] = row["kv_median_us"] / row["round_robin_median_us"]
         row["kv_over_hash_query"] = row["kv_median_us"] / row["hash_query_median_us"]
         rows.append(row)
-        del r, rf, ra, rr, rn
+        del r, rf, ra, rr, rn, rd
     hdr = (
         f"{'workers':>7} {'entries':>9} {'kv med':>8} {'kv p99':>8} {'inflight':>8} "
-        f"{'no-reuse':>8} {'+filters':>8} {'approx':>7} "
+        f"{'no-reuse':>8} {'default':>8} {'+filters':>8} {'approx':>7} "
         f"{'hash':>7} {'query':>7} "
         f"{'overhead':>8} {'rr med':>7} {'kv/rr':>6}"
     )
@@ -266,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{x['workers']:>7} {x['indexed_entries']:>9} {x['kv_median_us']:>8.1f} "
             f"{x['kv_p99_us']:>8.1f} {x['kv_inflight_median_us']:>8.1f} "
-            f"{x['kv_inflight_no_reuse_median_us']:>8.1f} {x['kv_with_filters_median_us']:>8.1f} "
+            f"{x['kv_inflight_no_reuse_median_us']:>8.1f} {x['default_inflight_median_us']:>8.1f} "
+            f"{x['kv_with_filters_median_us']:>8.1f} "
             f"{x['approx_median_us']:>7.1f} "
             f"{x['hash_median_us']:>7.1f} {x['query_median_us']:>7.1f} "
             f"{x['router_overhead_median_us']:>8.1f} {x['round_robin_median_us']:>7.1f} "

@@ -53,7 +53,7 @@ from kvplug.workers import Worker  # noqa: E402
 
 def make_router(engines: list[str]) -> Router:
     """The router ``kvplug serve --kv-block-size 16 --worker e0=URL ...`` builds."""
-    router = Router(RouterConfig(kv_block_size=16))
+    router = Router(RouterConfig(kv_block_size=16, router_mode="kv"))
     for i, url in enumerate(engines):
         router.add_worker(Worker(f"e{i}", url=url, engine="openai"))
     return router

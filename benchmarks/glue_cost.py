@@ -96,7 +96,7 @@ def answer_tail(stream: bool) -> bytes:
 async def make_glue() -> NativeGlue:
     """``kvplug serve --kv-block-size 16 --worker e0=URL --worker e1=URL --data-path native``'s
     control plane, without sockets (health probes off: the engines are not there)."""
-    router = Router(RouterConfig(kv_block_size=16))
+    router = Router(RouterConfig(kv_block_size=16, router_mode="kv"))
     frontend = Frontend(router, ServeSettings(health_interval=0))
     specs = [
         spec_from_mapping({"id": f"e{i}", "url": url, "engine": "openai"}, f"worker e{i}")

@@ -69,7 +69,7 @@ def _one_build(requests: int, batch: int, window: int, phase: str | None = None)
     from bench_frontend import make_prompts, token_ids
 
     def router() -> Router:
-        r = Router(RouterConfig(kv_block_size=16), rng=random.Random(0))
+        r = Router(RouterConfig(kv_block_size=16, router_mode="kv"), rng=random.Random(0))
         for i in range(2):
             r.add_worker(Worker(f"e{i}"))
         return r

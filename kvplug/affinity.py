@@ -240,6 +240,25 @@ def chunked_prefill_seconds(new: float, cached: float, chunk: float) -> float:
     return (a * n + b * quad + c * ctx) / 1000.0
 
 
+# _predicted_ttft computes this many engines' predictions or more at once in numpy
+VECTOR_FROM = 8
+
+
+def chunked_prefill_vector(new: np.ndarray, cached: np.ndarray, chunk: np.ndarray) -> np.ndarray:
+    """:func:`chunked_prefill_seconds` over arrays, the same floats element by element (the
+    same operations in the same order; numpy's divmod of doubles is Python's)."""
+    a, b, c = H200_LLAMA8B
+    n, p = np.maximum(new, 0.0), np.maximum(cached, 0.0)
+    one_pass = (a * n + b * n * n + c * n * p) / 1000.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        full, rem = np.divmod(n, chunk)
+        quad = full * chunk * chunk + rem * rem
+        ctx = n * p + chunk * chunk * full * (full - 1) / 2 + rem * full * chunk
+        chunked = (a * n + b * quad + c * ctx) / 1000.0
+    out = np.where((chunk <= 0) | (chunk >= n), one_pass, chunked)
+    return np.where(n <= 0, 0.0, out)
+
+
 class RecentQuantile:
     """Quantiles of the last ``window`` values added, kept sorted (``SortedList``: an update is
     two O(log n) steps, where ``np.quantile`` over a 50,000-value window costs most of a
@@ -498,7 +517,10 @@ class Affinity:
             self._ttft = {}
         known = self._ttft
         missing = [i for i in idx if i not in known]
-        if missing:
+        if len(missing) >= VECTOR_FROM:
+            vector = self._predicted_vector(trace, overlap, blocks, missing)
+            known.update(zip(missing, vector, strict=True))
+        elif missing:
             router = self._router
             bs = router.block_size
             queued = self._queued_prefill_seconds(trace)
@@ -510,6 +532,30 @@ class Affinity:
                 own = chunked_prefill_seconds(n - cached, cached, chunk)
                 known[i] = queued[ep] + own + self._read_seconds(ep, n - cached, chunk)
         return [known[i] for i in idx]
+
+    def _predicted_vector(self, trace, overlap, blocks: int, idx: list[int]) -> list[float]:
+        """``_predicted_ttft``'s loop for many engines at once, in numpy: the same operations in
+        the same order on doubles, so the same floats (tests/test_affinity.py checks it)."""
+        router = self._router
+        load = router.load
+        bs = router.block_size
+        queued = self._queued_prefill_seconds(trace)
+        eps = trace.endpoints[np.asarray(idx)].astype(np.int64)
+        known = len(router.max_batched)
+        chunk = np.where(eps < known, router.max_batched[np.minimum(eps, known - 1)], 0.0)
+        chunk = chunk.astype(np.float64)
+        cached = np.asarray([overlap[i] for i in idx], dtype=np.float64) * bs
+        new = blocks * bs - cached
+        own = chunked_prefill_vector(new, cached, chunk)
+        t = np.asarray([queued[ep] for ep in eps.tolist()], dtype=np.float64) + own
+        read_ms = self.params.read_ms
+        if read_ms:
+            count = load.inflight[eps]
+            context = load.context_tokens[eps].astype(np.float64)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                steps = np.where(chunk <= 0, 1.0, np.ceil(new / np.maximum(chunk - count, 1.0)))
+            t = t + np.where(new <= 0, 0.0, steps * read_ms * context / 1e6)
+        return t.tolist()
 
     def _read_seconds(self, ep: int, new: float, chunk: float) -> float:
         """``read_ms``: seconds of decode reads over the steps of a ``new``-token prefill on
@@ -555,11 +601,12 @@ class Affinity:
         read_ms = self.params.read_ms
         total = dict.fromkeys(endpoints, 0.0)
         last: dict[int, float] = {}
-        for ep in endpoints:
-            queued = load.prefilling.get(ep)
-            if not queued:
+        max_batched, n_known = router.max_batched, len(router.max_batched)
+        for ep, queued in load.prefilling.items():
+            if ep not in total:
                 continue
-            chunk = router.chunk_tokens(ep)
+            # router.chunk_tokens(ep), inlined: this loop runs per decision
+            chunk = float(max_batched.item(ep)) if ep < n_known else 0.0
             seconds_sum = steps = 0.0
             oldest_at, oldest_seconds = math.inf, 0.0
             latest = -math.inf
@@ -581,7 +628,7 @@ class Affinity:
                 if at < oldest_at:
                     oldest_at, oldest_seconds = at, seconds
             if read_ms:
-                seconds_sum += steps * read_ms * self._context(ep)[1] / 1e6
+                seconds_sum += steps * read_ms * float(load.context_tokens.item(ep)) / 1e6
             # the oldest has been in prefill for part of its predicted time already
             seconds_sum = max(seconds_sum - min(max(now - oldest_at, 0.0), oldest_seconds), 0.0)
             total[ep] = seconds_sum

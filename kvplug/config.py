@@ -93,7 +93,7 @@ class RouterConfig:
     ``from_args`` after :func:`add_router_arguments`. docs/router.md describes each flag."""
 
     # --- mode and selection
-    router_mode: str = "kv"
+    router_mode: str = "affinity"
     kv_block_size: int = 16
     router_temperature: float = 0.0
     router_selection_policy: str = "linear"  # how prefill and decode combine (SELECTION_POLICIES)
@@ -149,7 +149,7 @@ class RouterConfig:
     router_accelerator_weight: float = 8.0  # DYN_ENCODER_CUDA_TO_CPU_RATIO
     router_profile: str | None = None  # scheduling profile YAML (mode "profile")
     # mode "affinity": a named setting and changes to it (kvplug.affinity.AFFINITY_PRESETS)
-    router_affinity: str = "affinity"
+    router_affinity: str = "affinity-protect"
     router_max_prompt_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:

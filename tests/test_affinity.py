@@ -571,3 +571,42 @@ def test_the_per_endpoint_walk_predicts_exactly_what_a_walk_over_every_request_d
         assert aff._walk_queued(endpoints) == total
         assert aff._last_ttft == last
         assert {ep: aff._context(ep) for ep in endpoints} == active
+
+
+def test_the_predictions_for_many_engines_at_once_are_the_one_by_one_floats(monkeypatch):
+    """``_predicted_ttft`` computes eight engines or more in numpy: the same floats as the loop
+    (engines with no chunk size, chunks shorter and longer than the prompt, a prompt its cached
+    prefix covers entirely, engines with and without requests in flight)."""
+    from test_router_helpers import FakeClock
+
+    import kvplug.affinity as affinity_module
+    from kvplug.workers import Worker
+
+    budgets = (0, 64, 256, 8192, 0, 48, 1024, 16, 300)
+    workers = [Worker(f"w{i}", max_batched_tokens=b) for i, b in enumerate(budgets)]
+    clock = FakeClock()
+    r = make_router(workers=workers, clock=clock)
+    rng = np.random.default_rng(11)
+    for params in (AffinityParams(read_ms=0.0305, tail=0.98), AffinityParams(tail=0.98)):
+        aff = AffinityRouter(r, params)
+        for i in range(40):
+            rid = f"{params.read_ms}-{i}"
+            aff.route(
+                RouteRequest(
+                    rid, tokens(int(rng.integers(1, 40)), start=int(rng.integers(0, 3)) * 7_000)
+                )
+            )
+            clock.advance(float(rng.exponential(0.02)))
+            if rng.random() < 0.3:
+                r.on_first_token(rid)
+            n = len(r.ep_worker)
+            trace = _trace(r)
+            overlap = rng.integers(0, 30, size=n).astype(float).tolist()
+            blocks = int(rng.integers(1, 30))  # some engines cache all of it: no prefill left
+            aff._ttft_for = None
+            vector = aff._predicted_ttft(trace, overlap, blocks, *range(n))
+            monkeypatch.setattr(affinity_module, "VECTOR_FROM", 10**9)
+            aff._ttft_for = None
+            one_by_one = aff._predicted_ttft(trace, overlap, blocks, *range(n))
+            monkeypatch.setattr(affinity_module, "VECTOR_FROM", 8)
+            assert vector == one_by_one

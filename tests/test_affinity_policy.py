@@ -129,7 +129,7 @@ def test_the_policy_routes_a_replay_exactly_as_the_measured_wrapper(setting):
 
     assert placements(via_policy) == placements(via_wrapper)
     # the workload exercises the affinity path, not only kv's picks
-    kv_config = RouterConfig(kv_block_size=512)
+    kv_config = RouterConfig(kv_block_size=512, router_mode="kv")
     via_kv = replay(records, kv_config, cfg, router_factory=policy_first_tie)
     assert placements(via_kv) != placements(via_policy)
 

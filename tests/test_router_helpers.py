@@ -57,6 +57,9 @@ class FakeClock:
 
 def make_router(workers=("w1", "w2", "w3"), seed=0, clock=None, profile=None, **cfg) -> Router:
     cfg.setdefault("kv_block_size", BS)
+    # these tests pin down kv's cost (Dynamo's formula) and build other modes on it; the
+    # default mode (affinity) is kv plus a pick stage, tested by name where it is meant
+    cfg.setdefault("router_mode", "kv")
     index = None
     if _current["backend"] is not None:
         index = KvIndex(cfg["kv_block_size"], backend=_current["backend"])

@@ -23,9 +23,14 @@ def test_demo_writes_table_json_and_plots(tmp_path, capsys):
     )
     assert rc == 0
     text = capsys.readouterr().out
-    assert "round-robin" in text and "oracle" in text and "kv vs" in text
+    assert "round-robin" in text and "oracle" in text and "affinity-protect vs kv" in text
     report = json.loads(out.read_text())
-    assert [r["policy"] for r in report["results"]] == ["kv", "round-robin", "random"]
+    assert [r["policy"] for r in report["results"]] == [
+        "affinity-protect",
+        "kv",
+        "round-robin",
+        "random",
+    ]
     assert report["spec"]["n_engines"] == 4 and report["trace"]["requests"] == 200
     assert {p.name for p in tmp_path.glob("*.png")} == {
         "demo_ttft_cdf.png",

@@ -40,6 +40,7 @@ ALIASES = {
 SIMPLE_MODES = ("round-robin", "random", "least-loaded", "power-of-two")
 NAMES = ("kv", "lmetric", "approx", "profile", *SIMPLE_MODES)  # what NAME may be
 DEFAULT_POLICIES = (
+    "affinity-protect",  # kvplug serve's default routing
     "kv",
     "affinity",
     "affinity-soonest",
@@ -54,7 +55,7 @@ DEFAULT_POLICIES = (
     "least-loaded",
     "power-of-two",
 )
-DEMO_POLICIES = ("kv", "round-robin", "random")
+DEMO_POLICIES = ("affinity-protect", "kv", "round-robin", "random")
 BASELINE_MODE = "baseline"
 
 
