@@ -610,3 +610,22 @@ def test_the_predictions_for_many_engines_at_once_are_the_one_by_one_floats(monk
             one_by_one = aff._predicted_ttft(trace, overlap, blocks, *range(n))
             monkeypatch.setattr(affinity_module, "VECTOR_FROM", 8)
             assert vector == one_by_one
+
+
+def test_the_compiled_affinity_is_built_from_this_source():
+    """setup.py compiles kvplug/affinity.py as it is (Cython) and records the source's SHA-256:
+    an edit without a rebuild would otherwise run the old compiled code."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import kvplug.affinity as module
+
+    path = Path(module.__file__)
+    if path.suffix == ".py":
+        pytest.skip("kvplug.affinity is not compiled here (python setup.py build_ext --inplace)")
+    recorded = json.loads((path.parent / "_compiled_sources.json").read_text())
+    source = hashlib.sha256((path.parent / "affinity.py").read_bytes()).hexdigest()
+    assert recorded["kvplug/affinity.py"] == source, (
+        "kvplug/affinity.py changed since it was compiled: python setup.py build_ext --inplace"
+    )

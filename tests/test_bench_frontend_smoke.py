@@ -115,6 +115,7 @@ def test_bench_frontend_quick_run(tmp_path):
         "engine (direct)",
         "kvplug (text+tokenizer)",
         "kvplug (token ids)",
+        "kvplug default routing (token ids)",
         "floor: kvplug's HTTP stacks + engine pool",
         "kvplug --processes 2 (text+tokenizer)",
         "kvplug --processes 2 (token ids)",
