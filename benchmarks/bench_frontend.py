@@ -10,7 +10,7 @@ them all:
   path where it is built) with ~512-token text prompts and a local tokenizer, and with the same
   prompts as token ids;
 * ``kvplug serve`` with its default routing (``affinity-protect``: kv's cost, then the affinity
-  decision in Python, ~25 us more per request), token ids;
+  decision, ~13 us more CPU per request), token ids;
 * optionally ``kvplug serve --processes N`` (``--processes N``, repeatable): N server processes
   on the one port, side by side with the single process;
 * optionally (``--python-path``) ``kvplug serve --data-path python``: every request on the

@@ -161,6 +161,7 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
     modes = ("plain", "stream")
     ids = frontend["kvplug (token ids)"]
     python_path = frontend["kvplug python path (token ids)"]
+    default = frontend["kvplug default routing (token ids)"]
     r64 = router[64]
     return {
         ("routing decision", "result"): lambda: [
@@ -201,6 +202,8 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             *[ids[f"{m}_throughput"]["cpu_ms_per_request"] for m in modes],
             *rates("kvplug --processes 2 (token ids)"),
             SKIP,  # --processes 2
+            *rates("kvplug default routing (token ids)"),
+            *[default[f"{m}_throughput"]["cpu_ms_per_request"] for m in modes],
             *added("kvplug python path (token ids)"),
             *rates("kvplug python path (token ids)"),
             *[python_path[f"{m}_throughput"]["cpu_ms_per_request"] for m in modes],
@@ -222,6 +225,7 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             *rates("kvplug (token ids)", loaded),
             *rates("kvplug --processes 2 (token ids)", loaded),
             SKIP,  # --processes 2
+            *rates("kvplug default routing (token ids)", loaded),
             *added("kvplug python path (token ids)", loaded),
             *rates("kvplug python path (token ids)", loaded),
             *rates("kvplug python path --processes 2 (token ids)", loaded),
@@ -437,7 +441,6 @@ def default_text() -> list:
         len(cached),
         *span([v for v in cached if not meets(v)]),
         SKIP,  # the model the predictions were calibrated on (8B)
-        SKIP,  # ~25 us: bench_router.py's and bench_frontend.py's rows
     ]
 
 
