@@ -73,8 +73,9 @@ fi
 
 # kvplug itself, editable from this checkout (it tracks the code under test), so the engines
 # load kvplug's vLLM plugin (the vllm.general_plugins entry point; it does nothing without
-# KVPLUG_ROUTER_URL). --no-deps: everything the plugin imports is already in vLLM's venv, and
-# vLLM's own pins stay untouched. Reinstalled when the venv's kvplug is another checkout's.
+# KVPLUG_ROUTER_URL). --no-deps: vLLM's own pins stay untouched; the few dependencies of
+# kvplug's that vLLM does not bring are installed below. Reinstalled when the venv's kvplug is
+# another checkout's.
 plugin_ok() {  # run from / (-I): the checkout in the working directory must not shadow it
   (cd / && "$VENV/bin/python" -I - "$HERE" >/dev/null 2>&1) <<'PY'
 import importlib.metadata as md, pathlib, sys
@@ -85,6 +86,13 @@ entry = "kvplug.integrations.vllm.plugin:register"
 sys.exit(not (ours and any(e.value == entry for e in md.entry_points(group="vllm.general_plugins"))))
 PY
 }
+# kvplug's own pure-Python dependencies that vLLM does not bring (no dependencies of their own,
+# so vLLM's pins stay untouched)
+for dep in "sortedcontainers>=2.4"; do
+  "$VENV/bin/python" -c "import ${dep%%>=*}" 2>/dev/null ||
+    "$VENV/bin/python" -m pip install -q --no-deps "$dep" ||
+    { log "$dep did not install into $VENV"; exit 1; }
+done
 if plugin_ok; then
   log "reusing kvplug (editable from $HERE) in $VENV"
 else

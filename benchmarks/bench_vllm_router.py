@@ -10,7 +10,8 @@ router runs as its own process:
   engine (``--kv-event-source URL=tcp://...``, replay endpoints, ``--kv-event-model``);
 * ``vllm-router-rr``: the same binary with ``--policy round_robin`` (a cache-blind reference);
 * ``kvplug``: ``kvplug serve --worker URL ...`` (discovers each engine's events through
-  ``/kv_event_sources``; default ``kv`` policy).
+  ``/kv_event_sources``; its default routing, ``affinity-protect``);
+* ``kvplug-kv``: the same with ``--router-mode kv`` (Dynamo's cost alone).
 
 The request stream is the start of the bundled Mooncake conversation trace, as in
 ``bench_sglang_router.py`` (text prompts whose 512-character blocks follow the trace's
@@ -61,7 +62,7 @@ from kvplug.sim.traces import load_trace, parse_workload  # noqa: E402
 from kvplug.testing import free_ports  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "vllm_router.json"
-ROUTERS = ("vllm-router", "vllm-router-rr", "kvplug")
+ROUTERS = ("vllm-router", "vllm-router-rr", "kvplug", "kvplug-kv")
 
 
 def vllm_router_binary() -> str | None:
@@ -72,8 +73,10 @@ def vllm_router_binary() -> str | None:
 
 def router_command(name: str, port: int, servers: list[SimServer], opts: FleetOptions) -> list[str]:
     urls = [f"http://127.0.0.1:{s.port}" for s in servers]
-    if name == "kvplug":
+    if name.startswith("kvplug"):
         cmd = [sys.executable, "-m", "kvplug.cli", "serve", "--port", str(port)]
+        if name == "kvplug-kv":
+            cmd += ["--router-mode", "kv"]
         cmd += ["--admin-port", str(free_ports(1)[0]), "--kv-block-size", str(opts.block_size)]
         for u in urls:
             cmd += ["--worker", u]
@@ -132,7 +135,7 @@ async def run_router(name: str, args, records, texts, log_dir: Path) -> dict:
 
 
 def available(name: str) -> bool:
-    return name == "kvplug" or vllm_router_binary() is not None
+    return name.startswith("kvplug") or vllm_router_binary() is not None
 
 
 def table(rows: list[dict], base: dict | None) -> str:
