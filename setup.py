@@ -119,7 +119,12 @@ if COMPILED_PY:
     with open("kvplug/_compiled_sources.json", "w") as out:
         json.dump({m: hashlib.sha256(open(m, "rb").read()).hexdigest() for m in COMPILED_PY}, out)
 compiled_py = [
-    Extension(m[:-3].replace("/", "."), sources=[m], extra_compile_args=compile_args)
+    Extension(
+        m[:-3].replace("/", "."),
+        sources=[m],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+    )
     for m in COMPILED_PY
 ]
 
