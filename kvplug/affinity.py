@@ -63,13 +63,14 @@ predicted below that quantile (one above it is in the top of the tail whatever j
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
-from sortedcontainers import SortedList
 
 from kvplug.prefill_model import H200_LLAMA8B
 from kvplug.request import RouteRequest
@@ -260,15 +261,25 @@ def chunked_prefill_vector(new: np.ndarray, cached: np.ndarray, chunk: np.ndarra
 
 
 class RecentQuantile:
-    """Quantiles of the last ``window`` values added, kept sorted (``SortedList``: an update is
-    two O(log n) steps, where ``np.quantile`` over a 50,000-value window costs most of a
-    routing decision and a plain sorted list's shift ~6 us). Same result as ``np.quantile``
-    (its linear method)."""
+    """Quantiles of the last ``window`` values added, the same floats as ``np.quantile`` (its
+    linear method) over them. Routing asks for tail quantiles only (``upper_from`` and above),
+    so only the values from that rank up are kept sorted (``_high``, a plain list: ~2 % of the
+    window at the default tail); the rest sit in a max-heap with lazy deletion (``_low``).
+    An update is a bisect and a short memmove plus a heap step, where a ``SortedList`` of the
+    whole window (pure Python) cost several microseconds of every routing decision. A
+    quantile below ``upper_from`` is computed from the whole window (slow; not asked in
+    routing)."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, upper_from: float = 0.0) -> None:
+        if not 0.0 <= upper_from <= 1.0:
+            raise ValueError(f"upper_from must be in [0, 1], got {upper_from}")
         self.window = window
+        self.upper_from = upper_from
         self._order: deque[float] = deque()
-        self._sorted: SortedList = SortedList()
+        self._high: list[float] = []  # the values of rank floor((n-1)*upper_from) and up, sorted
+        self._low: list[float] = []  # the others, negated (a max-heap), with deleted ones left in
+        self._low_live = 0  # values of _low not deleted
+        self._low_deleted: Counter[float] = Counter()  # value -> copies deleted but still in _low
         self._asked: dict[float, float] = {}  # quantiles since the last add (asked repeatedly)
 
     def __len__(self) -> int:
@@ -277,14 +288,64 @@ class RecentQuantile:
     def add(self, value: float) -> None:
         value = float(value)
         self._order.append(value)
-        self._sorted.add(value)
+        high = self._high
+        if high and value < high[0]:
+            heapq.heappush(self._low, -value)
+            self._low_live += 1
+        else:
+            bisect.insort(high, value)
         if len(self._order) > self.window:
-            self._sorted.remove(self._order.popleft())
+            self._discard(self._order.popleft())
+        self._rebalance()
         self._asked.clear()
 
     def extend(self, values) -> None:
         for v in values:
             self.add(v)
+
+    def _discard(self, value: float) -> None:
+        high = self._high
+        if high and value >= high[0]:
+            # every value in _low is <= high[0]: an equal one may be in either, and either copy
+            # leaves the same values behind
+            del high[bisect.bisect_left(high, value)]
+            return
+        self._low_deleted[value] += 1
+        self._low_live -= 1
+        if len(self._low) > 2 * self._low_live + 64:  # keep deleted copies from piling up
+            deleted = self._low_deleted
+            kept = []
+            for neg in self._low:
+                if deleted[-neg]:
+                    deleted[-neg] -= 1
+                else:
+                    kept.append(neg)
+            heapq.heapify(kept)
+            self._low = kept
+            self._low_deleted = Counter()
+
+    def _low_pop(self) -> float:
+        """The largest live value of ``_low``, taken out."""
+        low, deleted = self._low, self._low_deleted
+        while True:
+            value = -heapq.heappop(low)
+            if deleted[value]:
+                deleted[value] -= 1
+                if not deleted[value]:
+                    del deleted[value]
+                continue
+            self._low_live -= 1
+            return value
+
+    def _rebalance(self) -> None:
+        n = len(self._order)
+        want = n - math.floor((n - 1) * self.upper_from) if n else 0
+        high = self._high
+        while len(high) > want:
+            heapq.heappush(self._low, -high.pop(0))
+            self._low_live += 1
+        while len(high) < want and self._low_live:
+            high.insert(0, self._low_pop())
 
     def quantile(self, q: float) -> float:
         known = self._asked.get(q)
@@ -293,14 +354,21 @@ class RecentQuantile:
         return known
 
     def _quantile(self, q: float) -> float:
-        values, n = self._sorted, len(self._sorted)
+        n = len(self._order)
         if not n:
             raise ValueError("no values")
         virtual = (n - 1) * q
+        high = self._high
         if virtual >= n - 1:
-            return values[-1]
+            return high[-1]
         lo = math.floor(virtual)
-        a, b, gamma = values[lo], values[lo + 1], virtual - lo
+        at = lo - (n - len(high))  # lo's place in _high
+        if at >= 0:
+            a, b = high[at], high[at + 1]
+        else:
+            values = sorted(self._order)
+            a, b = values[lo], values[lo + 1]
+        gamma = virtual - lo
         diff = b - a
         return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
 
@@ -317,7 +385,9 @@ class Affinity:
         # kept_kv, affinity (moved), guarded; rescued, spread, protected once those fire
         self.affinity_counters: Counter[str] = Counter(kept_kv=0, affinity=0, guarded=0)
         # tail mode: the last ``window`` predicted TTFTs at kv's pick (of the pool's requests)
-        self._kv_ttft = RecentQuantile(self.params.window)
+        # only the quantiles asked are kept sorted: the tail, and protect's ceiling above it
+        asked = [q for q in (self.params.tail, self.params.protect_below) if q]
+        self._kv_ttft = RecentQuantile(self.params.window, upper_from=min(asked, default=0.0))
         self._followups: dict[int, tuple[float, float]] = {}  # spread: endpoint -> (rate, at)
         self._last_ttft: dict[int, float] = {}
         # _queued_prefill_seconds of the decision under way (its trace), computed once
@@ -326,6 +396,9 @@ class Affinity:
         # _predicted_ttft of the decision under way, per candidate index
         self._ttft_for: Any = None
         self._ttft: dict[int, float] = {}
+        # _walk_queued: per endpoint, (prefilling_version, chunk, its _summarise)
+        self._prefill_summaries: dict[int, tuple] = {}
+        self._summaries_of: Any = None  # the load tracker they summarise
 
     def choose(self, trace, b: int, blocks: int) -> int | None:
         """The candidate (an index into ``trace``'s) this request goes to instead of kv's pick
@@ -602,31 +675,19 @@ class Affinity:
         total = dict.fromkeys(endpoints, 0.0)
         last: dict[int, float] = {}
         max_batched, n_known = router.max_batched, len(router.max_batched)
+        if self._summaries_of is not load:  # versions count per tracker
+            self._summaries_of, self._prefill_summaries = load, {}
+        versions, summaries = load.prefilling_version, self._prefill_summaries
         for ep, queued in load.prefilling.items():
             if ep not in total:
                 continue
             # router.chunk_tokens(ep), inlined: this loop runs per decision
             chunk = float(max_batched.item(ep)) if ep < n_known else 0.0
-            seconds_sum = steps = 0.0
-            oldest_at, oldest_seconds = math.inf, 0.0
-            latest = -math.inf
-            for r in queued.values():
-                estimate = r.prefill_estimate
-                if estimate is None or estimate[0] != chunk:
-                    prefill = r.prefill_tokens
-                    estimate = r.prefill_estimate = (
-                        chunk,
-                        chunked_prefill_seconds(prefill, r.prompt_tokens - prefill, chunk),
-                        1.0 if chunk <= 0 else math.ceil(prefill / chunk),
-                    )
-                seconds = estimate[1]
-                steps += estimate[2]
-                seconds_sum += seconds
-                at = r.routed_at
-                if at > latest:
-                    latest = at
-                if at < oldest_at:
-                    oldest_at, oldest_seconds = at, seconds
+            version = versions.get(ep)
+            summary = summaries.get(ep)
+            if summary is None or summary[0] != version or summary[1] != chunk:
+                summary = summaries[ep] = (version, chunk, *self._summarise(queued, chunk))
+            _, _, seconds_sum, steps, oldest_at, oldest_seconds, latest = summary
             if read_ms:
                 seconds_sum += steps * read_ms * float(load.context_tokens.item(ep)) / 1e6
             # the oldest has been in prefill for part of its predicted time already
@@ -636,6 +697,33 @@ class Affinity:
             last[ep] = seconds_sum + now - latest
         self._last_ttft = last
         return total
+
+    @staticmethod
+    def _summarise(queued: dict, chunk: float) -> tuple[float, float, float, float, float]:
+        """An endpoint's requests in prefill, summed in their routing order: predicted
+        seconds, steps, the oldest one's routing time and seconds, the latest routing time.
+        Kept per endpoint until its requests in prefill change (``prefilling_version``)."""
+        seconds_sum = steps = 0.0
+        oldest_at, oldest_seconds = math.inf, 0.0
+        latest = -math.inf
+        for r in queued.values():
+            estimate = r.prefill_estimate
+            if estimate is None or estimate[0] != chunk:
+                prefill = r.prefill_tokens
+                estimate = r.prefill_estimate = (
+                    chunk,
+                    chunked_prefill_seconds(prefill, r.prompt_tokens - prefill, chunk),
+                    1.0 if chunk <= 0 else math.ceil(prefill / chunk),
+                )
+            seconds = estimate[1]
+            steps += estimate[2]
+            seconds_sum += seconds
+            at = r.routed_at
+            if at > latest:
+                latest = at
+            if at < oldest_at:
+                oldest_at, oldest_seconds = at, seconds
+        return seconds_sum, steps, oldest_at, oldest_seconds, latest
 
 
 class AffinityRouter(Affinity):

@@ -77,6 +77,10 @@ class LoadTracker:
         self.context_tokens = np.zeros(0, dtype=np.int64)
         # per endpoint, its requests without a first token yet, in the order they were added
         self.prefilling: dict[int, dict[str, ActiveRequest]] = {}
+        # per endpoint, a number that changes whenever its ``prefilling`` does (readers that
+        # summarise an endpoint's prefills keep the summary until it changes)
+        self.prefilling_version: dict[int, int] = {}
+        self._prefilling_changes = 0
         # prefill-duration model: per endpoint, the queue of pending prefills (oldest first)
         self.head_tokens = np.zeros(0)
         self.head_start = np.zeros(0)
@@ -170,6 +174,7 @@ class LoadTracker:
         if uncached > 0:
             self.prefill_tokens[endpoint] = self.prefill_tokens.item(endpoint) + uncached
             self.prefilling.setdefault(endpoint, {})[request_id] = r
+            self._prefilling_changed(endpoint)
             if self.predictor is not None:
                 r.prefill_duration = max(
                     float(self.predictor.predict(uncached, cached_tokens)), 1e-6
@@ -253,9 +258,14 @@ class LoadTracker:
             self.context_tokens[endpoint] = 0
             self.head_tokens[endpoint] = 0.0
         self.prefilling.pop(endpoint, None)
+        self._prefilling_changed(endpoint)
         return ids
 
     # ------------------------------------------------------------------ internals
+    def _prefilling_changed(self, ep: int) -> None:
+        self._prefilling_changes += 1
+        self.prefilling_version[ep] = self._prefilling_changes
+
     def _set_head(self, ep: int, r: ActiveRequest, now: float) -> None:
         self.head_tokens[ep] = r.prefill_tokens
         self.head_start[ep] = now
@@ -268,6 +278,7 @@ class LoadTracker:
         ep = r.endpoint
         prefilling = self.prefilling.get(ep)
         if prefilling is not None and prefilling.pop(r.request_id, None) is not None:
+            self._prefilling_changed(ep)
             if not prefilling:
                 del self.prefilling[ep]
         left = self.prefill_tokens.item(ep) - r.prefill_tokens  # as in ``add``

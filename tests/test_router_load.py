@@ -224,6 +224,7 @@ def test_context_tokens_and_prefilling_follow_every_lifecycle_step():
     t.ensure(3)
     rng = np.random.default_rng(7)
     live: list[str] = []
+    seen: dict[int, tuple[list[int], int | None]] = {}  # ep -> (its prefills, their version)
     for step in range(600):
         op = int(rng.integers(0, 10))
         if op < 4 or not live:
@@ -255,6 +256,12 @@ def test_context_tokens_and_prefilling_follow_every_lifecycle_step():
             context, prefilling = _tracker_view(t, ep)
             assert t.context_tokens[ep] == context, (step, ep)
             assert list(t.prefilling.get(ep, {})) == prefilling, (step, ep)
+            # a reader's summary of an endpoint's prefills is reused while the version stays:
+            # the same requests (the same objects: a retried id is a new one) in the same order
+            now = ([id(r) for r in t.prefilling.get(ep, {}).values()], t.prefilling_version.get(ep))
+            if ep in seen and seen[ep][1] == now[1]:
+                assert seen[ep][0] == now[0], (step, ep)
+            seen[ep] = now
     for rid in live:
         t.finish(rid)
     assert t.context_tokens[:3].tolist() == [0, 0, 0] and not t.prefilling
