@@ -481,13 +481,20 @@ class Affinity:
         if best <= overlap[b]:
             self._count_followup(trace, b, overlap[b])
             return None
-        prefill = np.asarray(inputs["prefill_blocks"], dtype=np.float64).tolist()
-        wait = [p - o for p, o in zip(prefill, overlap, strict=True)]
-        work = wait
-        if params.memory:
-            decode = np.asarray(inputs["decode_blocks"], np.float64).tolist()
-            work = [w + params.memory * d for w, d in zip(wait, decode, strict=True)]
-        holders = [i for i, o in enumerate(overlap) if o == best]
+        # waits and work of the holders and kv's pick only (not of every candidate: at 512
+        # engines the per-candidate lists cost most of the decision), the same floats
+        prefill = np.asarray(inputs["prefill_blocks"], dtype=np.float64)
+        decode = np.asarray(inputs["decode_blocks"], np.float64) if params.memory else None
+        if len(overlap) >= VECTOR_FROM:
+            device = np.asarray(inputs["device"], dtype=np.float64)
+            holders = np.flatnonzero(device == best).tolist()
+        else:
+            holders = [i for i, o in enumerate(overlap) if o == best]
+        wait: dict[int, float] = {}
+        work: dict[int, float] = {}
+        for i in (*holders, b):
+            wait[i] = prefill.item(i) - overlap[i]
+            work[i] = wait[i] if decode is None else wait[i] + params.memory * decode.item(i)
         a = min(holders, key=work.__getitem__)  # the first of equals, as argmin
         if work[a] - work[b] > params.guard * (overlap[a] - overlap[b]) or (
             not params.tail and wait[a] - wait[b] > params.cap
@@ -565,11 +572,13 @@ class Affinity:
             candidates = [i for i in range(n) if t[i] <= soonest]
         else:
             queued = self._queued_prefill_seconds(trace)
-            limit = queued[eps[b]] + 1e-9
+            limit = queued.get(eps[b], 0.0) + 1e-9
             decode = np.asarray(inputs["decode_blocks"], dtype=np.float64)
             decode_limit = decode[b] + params.spread_kv
             candidates = [
-                i for i in range(n) if queued[eps[i]] <= limit and decode[i] <= decode_limit
+                i
+                for i in range(n)
+                if queued.get(eps[i], 0.0) <= limit and decode[i] <= decode_limit
             ]
         if b in candidates:
             candidates.insert(0, b)  # min() keeps the first of equals: a tie keeps kv's pick
@@ -603,7 +612,7 @@ class Affinity:
                 cached = float(overlap[i]) * bs
                 chunk = router.chunk_tokens(ep)
                 own = chunked_prefill_seconds(n - cached, cached, chunk)
-                known[i] = queued[ep] + own + self._read_seconds(ep, n - cached, chunk)
+                known[i] = queued.get(ep, 0.0) + own + self._read_seconds(ep, n - cached, chunk)
         return [known[i] for i in idx]
 
     def _predicted_vector(self, trace, overlap, blocks: int, idx: list[int]) -> list[float]:
@@ -620,7 +629,7 @@ class Affinity:
         cached = np.asarray([overlap[i] for i in idx], dtype=np.float64) * bs
         new = blocks * bs - cached
         own = chunked_prefill_vector(new, cached, chunk)
-        t = np.asarray([queued[ep] for ep in eps.tolist()], dtype=np.float64) + own
+        t = np.asarray([queued.get(ep, 0.0) for ep in eps.tolist()], dtype=np.float64) + own
         read_ms = self.params.read_ms
         if read_ms:
             count = load.inflight[eps]
@@ -655,32 +664,32 @@ class Affinity:
         return t_a <= max(t_b + self.params.slack, self._tau())
 
     def _queued_prefill_seconds(self, trace) -> dict[int, float]:
-        """Predicted seconds of prefill still queued per endpoint of ``trace`` (requests routed
-        there without a first token yet), the oldest one's elapsed time taken off. With
-        ``read_ms`` it also counts the decode reads in the queued prefills' steps. Computed once per
-        decision: its stages ask for it several times, and nothing is routed between them."""
+        """Predicted seconds of prefill still queued per endpoint with requests in prefill
+        (routed there without a first token yet; an endpoint absent has none: read with
+        ``.get(ep, 0.0)``), the oldest one's elapsed time taken off. With ``read_ms`` it also
+        counts the decode reads in the queued prefills' steps. Computed once per decision
+        (``trace``): its stages ask for it several times, and nothing is routed between them."""
         if self._queued_for is trace:
             return self._queued
         self._queued_for = trace
-        self._queued = self._walk_queued(tuple(trace.endpoints.tolist()))
+        self._queued = self._walk_queued()
         return self._queued
 
-    def _walk_queued(self, endpoints: tuple[int, ...]) -> dict[int, float]:
-        """One walk over the candidates' requests still in prefill (the load tracker keeps them
-        per endpoint, in routing order), not over every request in flight."""
+    def _walk_queued(self) -> dict[int, float]:
+        """One walk over the endpoints with requests still in prefill (the load tracker keeps
+        them per endpoint, in routing order), not over every request in flight nor every
+        candidate (most have none queued in a big fleet)."""
         router = self._router
         load = router.load
         now = router._clock()
         read_ms = self.params.read_ms
-        total = dict.fromkeys(endpoints, 0.0)
+        total: dict[int, float] = {}
         last: dict[int, float] = {}
         max_batched, n_known = router.max_batched, len(router.max_batched)
         if self._summaries_of is not load:  # versions count per tracker
             self._summaries_of, self._prefill_summaries = load, {}
         versions, summaries = load.prefilling_version, self._prefill_summaries
         for ep, queued in load.prefilling.items():
-            if ep not in total:
-                continue
             # router.chunk_tokens(ep), inlined: this loop runs per decision
             chunk = float(max_batched.item(ep)) if ep < n_known else 0.0
             version = versions.get(ep)

@@ -574,7 +574,9 @@ def test_the_per_endpoint_walk_predicts_exactly_what_a_walk_over_every_request_d
         if rng.random() < 0.3:
             r.on_finish(live.pop(int(rng.integers(len(live)))))
         total, last, active = _walk_every_request(aff, endpoints)
-        assert aff._walk_queued(endpoints) == total
+        queued = aff._walk_queued()
+        assert {ep: queued.get(ep, 0.0) for ep in endpoints} == total
+        assert set(queued) == set(r.load.prefilling)  # the endpoints with prefills, only
         assert aff._last_ttft == last
         assert {ep: aff._context(ep) for ep in endpoints} == active
 
