@@ -389,14 +389,16 @@ class Affinity:
         asked = [q for q in (self.params.tail, self.params.protect_below) if q]
         self._kv_ttft = RecentQuantile(self.params.window, upper_from=min(asked, default=0.0))
         self._followups: dict[int, tuple[float, float]] = {}  # spread: endpoint -> (rate, at)
-        self._last_ttft: dict[int, float] = {}
-        # _queued_prefill_seconds of the decision under way (its trace), computed once
+        # _queue_of in the decision under way (its trace): per endpoint, computed when asked
         self._queued_for: Any = None
-        self._queued: dict[int, float] = {}
+        self._queue_memo: dict[int, tuple[float, float]] = {}
+        self._queue_now = 0.0
         # _predicted_ttft of the decision under way, per candidate index
         self._ttft_for: Any = None
         self._ttft: dict[int, float] = {}
-        # _walk_queued: per endpoint, (prefilling_version, chunk, its _summarise)
+        self._all_for: Any = None  # _predicted_all of the decision under way
+        self._all: list[float] = []
+        # _endpoint_queue: per endpoint, (prefilling_version, chunk, its _summarise)
         self._prefill_summaries: dict[int, tuple] = {}
         self._summaries_of: Any = None  # the load tracker they summarise
 
@@ -433,17 +435,20 @@ class Affinity:
             return pick
         router = self._router
         n = len(overlap)
-        self._queued_prefill_seconds(trace)  # sets _last_ttft for this decision
-        last = self._last_ttft
-        at_pick = last.get(int(trace.endpoints[pick]), 0.0)
+        at_pick = self._queue_of(trace, int(trace.endpoints[pick]))[1]
         if at_pick < tau:
             return pick  # the common case: no engine's prediction is needed
         if self.params.protect_below:
             if at_pick >= self._kv_ttft.quantile(self.params.protect_below):
                 return pick
-        t = self._predicted_ttft(trace, overlap, blocks, *range(n))
-        eps = [int(trace.endpoints[i]) for i in range(n)]
-        others = [i for i in range(n) if last.get(eps[i], 0.0) < tau]
+        t = self._predicted_all(trace, overlap, blocks)
+        eps = trace.endpoints.tolist()
+        prefilling = router.load.prefilling  # an engine without prefills has none in the tail
+        others = [
+            i
+            for i in range(n)
+            if eps[i] not in prefilling or self._queue_of(trace, eps[i])[1] < tau
+        ]
         if self.params.protect_blocks:
             safe = [i for i in others if t[i] < tau]
             if not safe:
@@ -519,14 +524,14 @@ class Affinity:
             return pick
         if self._predicted_ttft(trace, overlap, blocks, pick)[0] < tau:
             return pick  # the common case: the other engines' predictions are not needed
-        n = len(overlap)
-        order = [pick] + [i for i in range(n) if i != pick]
-        t = self._predicted_ttft(trace, overlap, blocks, *order)
-        best = min(range(len(t)), key=t.__getitem__)  # the first of equals, as argmin
-        if t[best] >= t[0] - self.params.rescue:
+        t = self._predicted_all(trace, overlap, blocks)
+        soonest = min(t)
+        # the first of equals, kv's pick first: as argmin over [pick, the others in order]
+        best = pick if t[pick] == soonest else t.index(soonest)
+        if t[best] >= t[pick] - self.params.rescue:
             return pick
         self.affinity_counters["rescued"] += 1
-        return order[best]
+        return best
 
     def _tau(self) -> float:
         """The ``tail`` quantile of the remembered TTFT predictions at kv's pick (0 = none
@@ -567,18 +572,17 @@ class Affinity:
             return None
         eps = trace.endpoints.tolist()
         if params.spread_by == "ttft":
-            t = self._predicted_ttft(trace, overlap, blocks, *range(n))
+            t = self._predicted_all(trace, overlap, blocks)
             soonest = min(t) + params.spread_eps + 1e-9
             candidates = [i for i in range(n) if t[i] <= soonest]
         else:
-            queued = self._queued_prefill_seconds(trace)
-            limit = queued.get(eps[b], 0.0) + 1e-9
+            limit = self._queue_of(trace, eps[b])[0] + 1e-9
             decode = np.asarray(inputs["decode_blocks"], dtype=np.float64)
             decode_limit = decode[b] + params.spread_kv
             candidates = [
                 i
                 for i in range(n)
-                if queued.get(eps[i], 0.0) <= limit and decode[i] <= decode_limit
+                if self._queue_of(trace, eps[i])[0] <= limit and decode[i] <= decode_limit
             ]
         if b in candidates:
             candidates.insert(0, b)  # min() keeps the first of equals: a tie keeps kv's pick
@@ -605,31 +609,49 @@ class Affinity:
         elif missing:
             router = self._router
             bs = router.block_size
-            queued = self._queued_prefill_seconds(trace)
             n = blocks * bs
             for i in missing:
                 ep = int(trace.endpoints[i])
                 cached = float(overlap[i]) * bs
                 chunk = router.chunk_tokens(ep)
                 own = chunked_prefill_seconds(n - cached, cached, chunk)
-                known[i] = queued.get(ep, 0.0) + own + self._read_seconds(ep, n - cached, chunk)
+                queued = self._queue_of(trace, ep)[0]
+                known[i] = queued + own + self._read_seconds(ep, n - cached, chunk)
         return [known[i] for i in idx]
 
-    def _predicted_vector(self, trace, overlap, blocks: int, idx: list[int]) -> list[float]:
+    def _predicted_all(self, trace, overlap, blocks: int) -> list[float]:
+        """``_predicted_ttft`` of every candidate, in their order (the same floats)."""
+        if self._all_for is not trace:
+            n = len(overlap)
+            if n >= VECTOR_FROM:
+                self._all = self._predicted_vector(trace, overlap, blocks, None)
+            else:
+                self._all = self._predicted_ttft(trace, overlap, blocks, *range(n))
+            self._all_for = trace
+        return self._all
+
+    def _predicted_vector(self, trace, overlap, blocks: int, idx: list[int] | None) -> list[float]:
         """``_predicted_ttft``'s loop for many engines at once, in numpy: the same operations in
         the same order on doubles, so the same floats (tests/test_affinity.py checks it)."""
         router = self._router
         load = router.load
         bs = router.block_size
-        queued = self._queued_prefill_seconds(trace)
-        eps = trace.endpoints[np.asarray(idx)].astype(np.int64)
+        if idx is None:  # every candidate
+            eps = trace.endpoints.astype(np.int64)
+            cached = np.asarray(overlap, dtype=np.float64) * bs
+        else:
+            eps = trace.endpoints[np.asarray(idx)].astype(np.int64)
+            cached = np.asarray([overlap[i] for i in idx], dtype=np.float64) * bs
         known = len(router.max_batched)
         chunk = np.where(eps < known, router.max_batched[np.minimum(eps, known - 1)], 0.0)
         chunk = chunk.astype(np.float64)
-        cached = np.asarray([overlap[i] for i in idx], dtype=np.float64) * bs
         new = blocks * bs - cached
         own = chunked_prefill_vector(new, cached, chunk)
-        t = np.asarray([queued.get(ep, 0.0) for ep in eps.tolist()], dtype=np.float64) + own
+        # queued seconds: 0.0 but on the endpoints with prefills (a few, in a big fleet)
+        by_endpoint = np.zeros(len(load.inflight), dtype=np.float64)
+        for ep in load.prefilling:
+            by_endpoint[ep] = self._queue_of(trace, ep)[0]
+        t = by_endpoint[eps] + own
         read_ms = self.params.read_ms
         if read_ms:
             count = load.inflight[eps]
@@ -663,49 +685,58 @@ class Affinity:
             self._remember([t_b])
         return t_a <= max(t_b + self.params.slack, self._tau())
 
-    def _queued_prefill_seconds(self, trace) -> dict[int, float]:
-        """Predicted seconds of prefill still queued per endpoint with requests in prefill
-        (routed there without a first token yet; an endpoint absent has none: read with
-        ``.get(ep, 0.0)``), the oldest one's elapsed time taken off. With ``read_ms`` it also
-        counts the decode reads in the queued prefills' steps. Computed once per decision
-        (``trace``): its stages ask for it several times, and nothing is routed between them."""
-        if self._queued_for is trace:
-            return self._queued
-        self._queued_for = trace
-        self._queued = self._walk_queued()
-        return self._queued
+    def _queue_of(self, trace, ep: int) -> tuple[float, float]:
+        """Endpoint ``ep``'s predicted seconds of prefill still queued (requests routed there
+        without a first token yet, the oldest one's elapsed time taken off; with ``read_ms``
+        the decode reads in their steps too) and the last queued prefill's predicted TTFT
+        (protect); (0.0, 0.0) without prefills. Computed for the endpoints a decision asks
+        about, once each, at one ``now`` per decision (``trace``): most decisions ask about kv's
+        pick and one or two others, not every endpoint with prefills."""
+        if self._queued_for is not trace:
+            self._queued_for = trace
+            self._queue_memo = {}
+            self._queue_now = self._router._clock()
+        memo = self._queue_memo
+        known = memo.get(ep)
+        if known is None:
+            known = memo[ep] = self._endpoint_queue(ep, self._queue_now)
+        return known
 
-    def _walk_queued(self) -> dict[int, float]:
-        """One walk over the endpoints with requests still in prefill (the load tracker keeps
-        them per endpoint, in routing order), not over every request in flight nor every
-        candidate (most have none queued in a big fleet)."""
+    def _walk_queued(self) -> tuple[dict[int, float], dict[int, float]]:
+        """``_queue_of`` of every endpoint with prefills, now: (queued seconds, last TTFT)."""
+        now = self._router._clock()
+        both = {ep: self._endpoint_queue(ep, now) for ep in self._router.load.prefilling}
+        return {ep: q for ep, (q, _) in both.items()}, {ep: t for ep, (_, t) in both.items()}
+
+    def _endpoint_queue(self, ep: int, now: float) -> tuple[float, float]:
+        """``_queue_of`` computed: the endpoint's prefills are summed once per change of them
+        (``_summarise``); the elapsed time and decode reads are applied at ``now``."""
         router = self._router
         load = router.load
-        now = router._clock()
-        read_ms = self.params.read_ms
-        total: dict[int, float] = {}
-        last: dict[int, float] = {}
-        max_batched, n_known = router.max_batched, len(router.max_batched)
+        queued = load.prefilling.get(ep)
+        if queued is None:
+            return 0.0, 0.0
         if self._summaries_of is not load:  # versions count per tracker
             self._summaries_of, self._prefill_summaries = load, {}
-        versions, summaries = load.prefilling_version, self._prefill_summaries
-        for ep, queued in load.prefilling.items():
-            # router.chunk_tokens(ep), inlined: this loop runs per decision
-            chunk = float(max_batched.item(ep)) if ep < n_known else 0.0
-            version = versions.get(ep)
-            summary = summaries.get(ep)
-            if summary is None or summary[0] != version or summary[1] != chunk:
-                summary = summaries[ep] = (version, chunk, *self._summarise(queued, chunk))
-            _, _, seconds_sum, steps, oldest_at, oldest_seconds, latest = summary
-            if read_ms:
-                seconds_sum += steps * read_ms * float(load.context_tokens.item(ep)) / 1e6
-            # the oldest has been in prefill for part of its predicted time already
-            seconds_sum = max(seconds_sum - min(max(now - oldest_at, 0.0), oldest_seconds), 0.0)
-            total[ep] = seconds_sum
-            # the last queued prefill's predicted TTFT (protect)
-            last[ep] = seconds_sum + now - latest
-        self._last_ttft = last
-        return total
+        max_batched = router.max_batched
+        # router.chunk_tokens(ep), inlined
+        chunk = float(max_batched.item(ep)) if ep < len(max_batched) else 0.0
+        version = load.prefilling_version.get(ep)
+        summary = self._prefill_summaries.get(ep)
+        if summary is None or summary[0] != version or summary[1] != chunk:
+            summary = self._prefill_summaries[ep] = (
+                version,
+                chunk,
+                *self._summarise(queued, chunk),
+            )
+        _, _, seconds_sum, steps, oldest_at, oldest_seconds, latest = summary
+        read_ms = self.params.read_ms
+        if read_ms:
+            seconds_sum += steps * read_ms * float(load.context_tokens.item(ep)) / 1e6
+        # the oldest has been in prefill for part of its predicted time already
+        seconds_sum = max(seconds_sum - min(max(now - oldest_at, 0.0), oldest_seconds), 0.0)
+        # and the last queued prefill's predicted TTFT (protect)
+        return seconds_sum, seconds_sum + now - latest
 
     @staticmethod
     def _summarise(queued: dict, chunk: float) -> tuple[float, float, float, float, float]:

@@ -574,10 +574,14 @@ def test_the_per_endpoint_walk_predicts_exactly_what_a_walk_over_every_request_d
         if rng.random() < 0.3:
             r.on_finish(live.pop(int(rng.integers(len(live)))))
         total, last, active = _walk_every_request(aff, endpoints)
-        queued = aff._walk_queued()
+        queued, last_ttft = aff._walk_queued()
         assert {ep: queued.get(ep, 0.0) for ep in endpoints} == total
         assert set(queued) == set(r.load.prefilling)  # the endpoints with prefills, only
-        assert aff._last_ttft == last
+        assert last_ttft == last
+        # as a decision asks for them, one endpoint at a time
+        decision = object()
+        for ep in endpoints:
+            assert aff._queue_of(decision, ep) == (total[ep], last.get(ep, 0.0))
         assert {ep: aff._context(ep) for ep in endpoints} == active
 
 
@@ -618,6 +622,8 @@ def test_the_predictions_for_many_engines_at_once_are_the_one_by_one_floats(monk
             one_by_one = aff._predicted_ttft(trace, overlap, blocks, *range(n))
             monkeypatch.setattr(affinity_module, "VECTOR_FROM", 8)
             assert vector == one_by_one
+            aff._all_for = None
+            assert aff._predicted_all(trace, overlap, blocks) == one_by_one
 
 
 def test_the_compiled_affinity_is_built_from_this_source():
