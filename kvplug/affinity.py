@@ -225,6 +225,16 @@ def parse_affinity(text: str) -> AffinityParams:
     return AffinityParams(**values)  # ValueError on a value out of range
 
 
+def affinity_setting(params: AffinityParams) -> str:
+    """The ``--router-affinity`` text that :func:`parse_affinity` reads back as ``params``:
+    every field spelled out (``repr`` of a float reads back as the same float)."""
+    terms = []
+    for f in fields(AffinityParams):
+        value = getattr(params, f.name)
+        terms.append(f"{f.name}={str(value).lower() if isinstance(value, bool) else value!r}")
+    return "affinity:" + ",".join(t.replace("'", "") for t in terms)
+
+
 def chunked_prefill_seconds(new: float, cached: float, chunk: float) -> float:
     """Predicted prefill time of ``new`` tokens over ``cached`` ones, computed in chunks of
     ``chunk`` tokens (0 = one pass): the shipped H200 fit ``a*n + b*n^2 + c*n*context`` per

@@ -1,6 +1,7 @@
 """``--router-mode affinity``: the affinity decision inside the router's pick stage, as
-``kvplug serve`` runs it. It must decide what the simulator's wrapper (AffinityRouter around a
-kv-mode router, which docs/sim.md measured) decides, in one pass."""
+``kvplug serve`` runs it (and the simulator, since issue 14's fourth pass). It must decide what
+the wrapper (AffinityRouter around a kv-mode router, which docs/sim.md measured before) decides,
+in one pass."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import pytest
 from test_affinity import PARAMS, _queue, _setup
 from test_router_helpers import make_router, store_prefix, tokens
 
-from kvplug.affinity import AFFINITY_PRESETS, AffinityRouter, parse_affinity
+from kvplug.affinity import (
+    AFFINITY_PRESETS,
+    AffinityParams,
+    AffinityRouter,
+    affinity_setting,
+    parse_affinity,
+)
 from kvplug.config import RouterConfig, add_router_arguments
 from kvplug.errors import ConfigError
 from kvplug.request import RouteRequest, RoutingHints
@@ -110,12 +117,12 @@ def test_the_policy_routes_a_replay_exactly_as_the_measured_wrapper(setting):
     records = parse_workload("multi-turn:session_rate=2,duration=60")[:300]
     cfg = ReplayConfig(n_engines=4, engine=EngineConfig(capacity_blocks=400))
     wrapped = parse_policy(setting)
-    wrap = wrapped.router_factory()
+    params = AffinityParams(**wrapped.affinity)
 
     # ties go to the first candidate on both sides: the wrapper draws twice per request
     # (its preview, then the route), the policy once, so random tie-breaks would part them
     def wrapper_first_tie(config, clock, rng):
-        return wrap(config, clock, FirstTie())
+        return AffinityRouter(Router(config, clock=clock, rng=FirstTie()), params)
 
     def policy_first_tie(config, clock, rng):
         return Router(config, clock=clock, rng=FirstTie())
@@ -132,6 +139,18 @@ def test_the_policy_routes_a_replay_exactly_as_the_measured_wrapper(setting):
     kv_config = RouterConfig(kv_block_size=512, router_mode="kv")
     via_kv = replay(records, kv_config, cfg, router_factory=policy_first_tie)
     assert placements(via_kv) != placements(via_policy)
+
+
+@pytest.mark.parametrize("setting", [*AFFINITY_PRESETS, "affinity-soonest:tail=0.97,pool=cold"])
+def test_the_simulator_replays_the_mode_serve_runs_with_the_same_setting(setting):
+    """``kvplug bench``'s affinity policies build ``--router-mode affinity`` routers (one pass,
+    as ``kvplug serve``), whose policy holds exactly the setting's parameters."""
+    policy = parse_policy(setting)
+    config = policy.router_config(512)
+    router = policy.router_factory()(config, None, random.Random(0))
+    assert router.config.router_mode == "affinity"
+    assert router._policy.affinity.params == parse_affinity(setting)
+    assert parse_affinity(affinity_setting(parse_affinity(setting))) == parse_affinity(setting)
 
 
 def test_settings_parse_and_bad_ones_are_config_errors():

@@ -65,18 +65,23 @@ class Policy:
     mode: str
     overrides: dict[str, Any]
     feed_events: bool  # does the router consume the engines' KV events?
-    affinity: dict[str, Any] | None = None  # AffinityParams: the affinity policy (kv mode)
+    affinity: dict[str, Any] | None = None  # AffinityParams: the affinity policy (its mode)
 
     def router_factory(self):
         """None for kvplug's Router; a builder for the affinity policy and the baselines."""
         if self.affinity is not None:
-            from kvplug.affinity import AffinityParams, AffinityRouter
+            # kvplug serve's --router-mode affinity, one pass per decision (the same decisions
+            # as kvplug.affinity.AffinityRouter around a kv router: tests/test_affinity_policy.py)
+            from dataclasses import replace
+
+            from kvplug.affinity import AffinityParams, affinity_setting
             from kvplug.router import Router
 
-            params = AffinityParams(**self.affinity)
+            setting = affinity_setting(AffinityParams(**self.affinity))
 
             def make(config, clock, rng):
-                return AffinityRouter(Router(config, clock=clock, rng=rng), params)
+                config = replace(config, router_mode="affinity", router_affinity=setting)
+                return Router(config, clock=clock, rng=rng)
 
             return make
         if self.mode != BASELINE_MODE:
