@@ -10,7 +10,7 @@ them all:
   path where it is built) with ~512-token text prompts and a local tokenizer, and with the same
   prompts as token ids;
 * ``kvplug serve`` with its default routing (``affinity-protect``: kv's cost, then the affinity
-  decision, ~13 us more CPU per request), token ids;
+  decision, ~17 us more CPU per request than kv in ab_frontend.py's alternating rounds), token ids;
 * optionally ``kvplug serve --processes N`` (``--processes N``, repeatable): N server processes
   on the one port, side by side with the single process;
 * optionally (``--python-path``) ``kvplug serve --data-path python``: every request on the
@@ -50,6 +50,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import urllib.request
@@ -214,6 +215,8 @@ def start(cmd: list[str], probe_url: str, probe_body: Path, tmp: Path, env=None)
 def vllm_router_command() -> list[str] | None:
     for cand in (
         os.environ.get("KVPLUG_VLLM_ROUTER"),
+        # next to this interpreter (the venv's .venv/bin/python without the venv on PATH)
+        str(Path(sysconfig.get_path("scripts")) / "vllm-router"),
         shutil.which("vllm-router"),
         str(ROOT / ".vrvenv" / "bin" / "vllm-router"),
     ):
