@@ -86,6 +86,13 @@ entry = "kvplug.integrations.vllm.plugin:register"
 sys.exit(not (ours and any(e.value == entry for e in md.entry_points(group="vllm.general_plugins"))))
 PY
 }
+# kvplug's own pure-Python dependencies that vLLM does not bring (no dependencies of their own,
+# so vLLM's pins stay untouched)
+for dep in "sortedcontainers>=2.4"; do
+  "$VENV/bin/python" -c "import ${dep%%>=*}" 2>/dev/null ||
+    "$VENV/bin/python" -m pip install -q --no-deps "$dep" ||
+    { log "$dep did not install into $VENV"; exit 1; }
+done
 if plugin_ok; then
   log "reusing kvplug (editable from $HERE) in $VENV"
 else

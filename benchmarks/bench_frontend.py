@@ -10,7 +10,7 @@ them all:
   path where it is built) with ~512-token text prompts and a local tokenizer, and with the same
   prompts as token ids;
 * ``kvplug serve`` with its default routing (``affinity-protect``: kv's cost, then the affinity
-  decision, ~17 us more CPU per request than kv in ab_frontend.py's alternating rounds), token ids;
+  decision, more CPU per request than kv: ab_frontend.py measures it), token ids;
 * optionally ``kvplug serve --processes N`` (``--processes N``, repeatable): N server processes
   on the one port, side by side with the single process;
 * optionally (``--python-path``) ``kvplug serve --data-path python``: every request on the
