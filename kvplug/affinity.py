@@ -342,9 +342,9 @@ class Affinity:
         self._ttft: dict[int, float] = {}
         self._all_for: Any = None  # _predicted_all of the decision under way
         self._all: list[float] = []
-        # _endpoint_queue: per endpoint, (prefilling_version, chunk, its _summarise)
+        # _endpoint_queue: per endpoint, (prefilling_version, chunk, its _summarise); the
+        # versions are router.load's, the one tracker of this router
         self._prefill_summaries: dict[int, tuple] = {}
-        self._summaries_of: Any = None  # the load tracker they summarise
 
     def choose(self, trace, b: int, blocks: int) -> int | None:
         """The candidate (an index into ``trace``'s) this request goes to instead of kv's pick
@@ -646,12 +646,6 @@ class Affinity:
             known = memo[ep] = self._endpoint_queue(ep, self._queue_now)
         return known
 
-    def _walk_queued(self) -> tuple[dict[int, float], dict[int, float]]:
-        """``_queue_of`` of every endpoint with prefills, now: (queued seconds, last TTFT)."""
-        now = self._router._clock()
-        both = {ep: self._endpoint_queue(ep, now) for ep in self._router.load.prefilling}
-        return {ep: q for ep, (q, _) in both.items()}, {ep: t for ep, (_, t) in both.items()}
-
     def _endpoint_queue(self, ep: int, now: float) -> tuple[float, float]:
         """``_queue_of`` computed: the endpoint's prefills are summed once per change of them
         (``_summarise``); the elapsed time and decode reads are applied at ``now``."""
@@ -660,11 +654,7 @@ class Affinity:
         queued = load.prefilling.get(ep)
         if queued is None:
             return 0.0, 0.0
-        if self._summaries_of is not load:  # versions count per tracker
-            self._summaries_of, self._prefill_summaries = load, {}
-        max_batched = router.max_batched
-        # router.chunk_tokens(ep), inlined
-        chunk = float(max_batched.item(ep)) if ep < len(max_batched) else 0.0
+        chunk = router.chunk_tokens(ep)
         version = load.prefilling_version.get(ep)
         summary = self._prefill_summaries.get(ep)
         if summary is None or summary[0] != version or summary[1] != chunk:

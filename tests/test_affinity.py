@@ -505,7 +505,7 @@ def test_affinity_protect_is_the_third_pass_setting_measured_by_its_keys():
 
 def _walk_every_request(aff, endpoints):
     """The predictions' inputs as a walk over every request in flight computes them (the way
-    ``_walk_queued`` did before the load tracker kept them per endpoint): the reference."""
+    the affinity decision did before the load tracker kept them per endpoint): the reference."""
     import math
 
     from kvplug.affinity import chunked_prefill_seconds
@@ -568,7 +568,10 @@ def test_the_per_endpoint_walk_predicts_exactly_what_a_walk_over_every_request_d
         if rng.random() < 0.3:
             r.on_finish(live.pop(int(rng.integers(len(live)))))
         total, last, active = _walk_every_request(aff, endpoints)
-        queued, last_ttft = aff._walk_queued()
+        now = r._clock()
+        both = {ep: aff._endpoint_queue(ep, now) for ep in r.load.prefilling}
+        queued = {ep: q for ep, (q, _) in both.items()}
+        last_ttft = {ep: t for ep, (_, t) in both.items()}
         assert {ep: queued.get(ep, 0.0) for ep in endpoints} == total
         assert set(queued) == set(r.load.prefilling)  # the endpoints with prefills, only
         assert last_ttft == last
