@@ -15,6 +15,7 @@ import numpy as np
 
 cimport numpy as cnp
 from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_CheckExact
+from cpython.dict cimport PyDict_SetItem
 from cpython.list cimport PyList_GET_ITEM
 from cpython.ref cimport Py_REFCNT, PyObject
 
@@ -27,6 +28,7 @@ cdef extern from "Python.h":
     long PyLong_AsLongAndOverflow(object obj, int *overflow) except? -1
     int PySlice_Unpack(object slice, Py_ssize_t *start, Py_ssize_t *stop,
                        Py_ssize_t *step) except -1
+    dict _PyDict_NewPresized(Py_ssize_t minused)  # what Cython's own dict literals use
 
 # Reading a list of ints is most of the cost of hashing or querying from Python lists (a vLLM
 # event's tokens, a request's hashes): the generic conversions check and convert each int
@@ -905,6 +907,12 @@ def seq_hashes(tokens, block_size, seed=0, extra=None):
 
 
 # ---- query results -----------------------------------------------------------------------------
+# ints 0 .. _SMALL_INTS - 1, shared by QueryResult.scores (endpoint ids and block counts)
+cdef enum:
+    _SMALL_INTS = 4096
+cdef list _SMALL_INT_LIST = list(range(_SMALL_INTS))
+
+
 cdef class QueryResult:
     """Dense per-endpoint answer of Index.query (reusable: pass it back as ``out=``).
 
@@ -979,13 +987,23 @@ cdef class QueryResult:
 
     def scores(self):
         """{endpoint id: local blocks} for every endpoint holding at least the first block
-        (Dynamo's per-worker overlap scores), built in one pass over the touched endpoints."""
-        cdef dict d = {}
-        cdef size_t i
+        (Dynamo's per-worker overlap scores), built in one pass over the touched endpoints.
+
+        With hundreds of holders, building the dict is most of a query's cost: it is made at
+        its final size, and ids and counts below _SMALL_INTS reuse the int objects of a table
+        instead of allocating one each (CPython caches only those up to 256)."""
+        cdef Py_ssize_t n = <Py_ssize_t>self.q.n_touched
+        cdef dict d = _PyDict_NewPresized(n)
+        cdef Py_ssize_t i
         cdef uint32_t e
-        for i in range(self.q.n_touched):
+        cdef int32_t v
+        cdef object key, value
+        for i in range(n):
             e = self.q.touched[i]
-            d[e] = self.q.local[e]
+            v = self.q.local[e]
+            key = <object>PyList_GET_ITEM(_SMALL_INT_LIST, e) if e < _SMALL_INTS else e
+            value = <object>PyList_GET_ITEM(_SMALL_INT_LIST, v) if 0 <= v < _SMALL_INTS else v
+            PyDict_SetItem(d, key, value)
         return d
 
     def matched(self):

@@ -50,6 +50,22 @@ def test_scores_follow_the_latest_query():
     assert idx.query(np.array([10], np.uint64), out).scores() == {0: 1, 5: 1}
 
 
+def test_scores_past_the_shared_small_ints(be):
+    """scores() reuses int objects for ids and counts below 4,096: the answer must not depend
+    on which side of that edge an id or a count falls."""
+    idx = be.Index()
+    chain = list(range(1, 5002))  # a 5,001-block prefix: counts past the edge
+    eps = [0, 255, 256, 4095, 4096, 4097, 70_000]
+    for k, ep in enumerate(eps):
+        n = [5001, 4096, 4095, 4097, 3, 1, 4100][k]
+        idx.store(ep, 0, [h + 10**6 * k for h in chain[:n]], chain[:n])
+    want = {0: 5001, 255: 4096, 256: 4095, 4095: 4097, 4096: 3, 4097: 1, 70_000: 4100}
+    got = idx.query(chain).scores()
+    assert got == want
+    assert all(type(k) is int and type(v) is int for k, v in got.items())
+    assert got == {ep: row[0] for ep, row in idx.query(chain).matched().items()}
+
+
 @pytest.mark.parametrize("n", [0, 16, 17, 480, 8192])
 def test_token_lists_hash_like_arrays(n):
     rng = np.random.default_rng(n)
