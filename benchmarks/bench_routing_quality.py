@@ -37,6 +37,7 @@ WORKLOADS = {
     "doc-qa": "doc-qa",  # bursty sessions over a few hot long documents
 }
 POLICIES = [
+    "affinity-protect",  # the default routing
     "kv",
     "affinity",
     "affinity:guard=12",

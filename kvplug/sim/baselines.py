@@ -18,19 +18,28 @@ own in-flight counts, and (vllm-router) the engines' KV events, through the same
   ``eviction_interval`` each tenant's least recently used leaves go until its size is at most
   ``max_tree_size``. Differences: the tree holds prompt blocks (512-token hash ids) instead of
   characters; sizes convert at 4 characters per token (2^26 chars = 32,768 blocks of 512).
-* ``vllm-kv-aware``: vllm-router's ``kv_aware`` policy, from ``vllm-project/router``
-  ``src/policies/kv_aware.rs``, ``src/kv_index/scorer.rs`` and ``index.rs`` (commits
-  ``dda6063bf691`` / ``cc14dbb8d7d7`` / ``2ec0ff0c55df``). A block-hash -> workers index fed by
-  BlockStored / BlockRemoved / AllBlocksCleared; the score of a worker is its contiguous
-  leading run of the prompt's blocks; the highest score wins (ties: the last worker, as Rust's
-  ``max_by_key``); if no worker has a block, the least-loaded (in-flight) one. The blocks the
-  winner lacks are inserted speculatively for it with a 2 s TTL (``enable_speculative`` true by
-  default). No load term at all once any worker holds a prefix.
+* ``vllm-kv-aware``: vllm-router 0.1.17's ``kv_aware`` policy, from its released source (the
+  PyPI sdist ``vllm_router-0.1.17.tar.gz``: ``src/policies/kv_aware.rs``,
+  ``src/kv_index/indexer.rs``, ``types.rs``). An index of which worker holds each block in
+  which tier (device, host, disk; external for a shared pool) fed by the engines' stored /
+  removed / cleared events. Per worker, the tokens it would compute: the prompt less its
+  leading run of device blocks (capped so the block holding the last prompt token is never
+  credited) and the longest continuation from there in another tier at that tier's credit
+  (host 0.8, external 0.6, disk 0.3), at least one token. Its cost is ``(those tokens + the
+  uncached tokens of its requests still in prefill) * (its in-flight requests + 1)``, both
+  counted by the router (a request's prefill tokens leave at its first output, the request at
+  its end); the lowest cost wins (ties: the first worker, as Rust's ``min_by``), or with
+  ``temperature`` > 0 a softmax draw over ``-(cost - min) / temperature``. Settings:
+  ``temperature``, ``penalty_host``, ``penalty_external``, ``penalty_disk`` (its CLI's
+  defaults). Not modelled: the optional session affinity (off by default). Earlier releases
+  (the source at ``dda6063bf691``, which this replay modelled before) had no load term once a
+  prefix matched anywhere.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +48,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvplug.errors import NoCompatibleWorker
-from kvplug.events import AllCleared, BlockRemoved, BlockStored
+from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, Tier
 
 CHARS_PER_TOKEN = 4  # to convert sglang-router's character sizes into blocks
 
@@ -249,72 +258,162 @@ class SglangCacheAware(_InflightRouter):
         return {**self.counters, "tree_blocks": sum(self.size.values())}
 
 
-class VllmKvAware(_InflightRouter):
-    """vllm-router ``kv_aware`` (see the module docstring)."""
+# the storage tiers vllm-router's index tells apart (bits of a worker's entry per block), and
+# the credit kv_aware gives a block of each (its TransferCredits defaults; the device's is 1)
+_DEVICE, _HOST, _DISK, _EXTERNAL = 1, 2, 4, 8
+_TIER_BIT = {Tier.DEVICE: _DEVICE, Tier.HOST: _HOST, Tier.DISK: _DISK}
 
-    DEFAULTS: ClassVar[dict[str, Any]] = {"speculative": True, "speculative_ttl": 2.0}
+
+class VllmKvAware(_InflightRouter):
+    """vllm-router 0.1.17 ``kv_aware`` (see the module docstring)."""
+
+    DEFAULTS: ClassVar[dict[str, Any]] = {
+        "temperature": 0.0,  # --router-temperature
+        "penalty_host": 0.8,  # --kv-penalty-host
+        "penalty_external": 0.6,  # --kv-penalty-external
+        "penalty_disk": 0.3,  # --kv-penalty-disk
+    }
 
     def __init__(self, config: BaselineConfig, clock, rng) -> None:
         super().__init__(config, clock, rng)
         p = {**self.DEFAULTS, **config.params}
-        self.speculative = bool(p["speculative"])
-        self.ttl = float(p["speculative_ttl"])
-        # block hash -> {worker: expiry time (inf for a real entry)}
-        self.index: dict[int, dict[str, float]] = {}
-        self.counters = {"prefix_routed": 0, "least_loaded": 0, "speculative_blocks": 0}
+        self.temperature = float(p["temperature"])
+        # non-device tiers in the order their continuations are compared (ties: higher credit)
+        self.credits = sorted(
+            (
+                (_HOST, float(p["penalty_host"])),
+                (_EXTERNAL, float(p["penalty_external"])),
+                (_DISK, float(p["penalty_disk"])),
+            ),
+            key=lambda tc: -tc[1],
+        )
+        self.block_size = config.kv_block_size
+        # block hash -> {worker: bits of the tiers it holds the block in}
+        self.index: dict[int, dict[str, int]] = {}
+        self.active_prefill: dict[str, int] = {}  # worker -> uncached prompt tokens in prefill
+        self._prefilling: dict[str, tuple[str, int]] = {}  # request -> (worker, its tokens)
+        self.counters = {"prefix_cost": 0, "cost_ties": 0}
+
+    def add_worker(self, worker) -> None:
+        super().add_worker(worker)
+        self.active_prefill[worker.worker_id] = 0
+
+    def _add(self, wid: str, hashes, bit: int) -> None:
+        for h in hashes:
+            where = self.index.setdefault(int(h), {})
+            where[wid] = where.get(wid, 0) | bit
+
+    def _drop(self, wid: str, hashes, bits: int) -> None:
+        for h in hashes:
+            where = self.index.get(int(h))
+            if where is None or wid not in where:
+                continue
+            left = where[wid] & ~bits
+            if left:
+                where[wid] = left
+            else:
+                del where[wid]
+                if not where:
+                    del self.index[int(h)]
 
     def apply_event(self, event) -> None:
+        # what the engines' vLLM wire gives it: a stored or removed block per medium (a move
+        # between tiers arrives as a store in one and a removal from the other)
         wid = event.worker_id
         if isinstance(event, BlockStored):
-            for h in event.engine_hashes:
-                self.index.setdefault(int(h), {})[wid] = float("inf")
+            bit = _EXTERNAL if event.shared else _TIER_BIT[event.tier]
+            self._add(wid, event.engine_hashes, bit)
         elif isinstance(event, BlockRemoved):
-            for h in event.engine_hashes:
-                where = self.index.get(int(h))
-                if where is not None:
-                    where.pop(wid, None)
-                    if not where:
-                        del self.index[int(h)]
+            any_tier = _DEVICE | _HOST | _DISK | _EXTERNAL
+            bits = any_tier if event.tier is None else _TIER_BIT[event.tier]
+            self._drop(wid, event.engine_hashes, bits)
+        elif isinstance(event, BlockMoved):
+            self._add(wid, event.engine_hashes, _TIER_BIT[event.to_tier])
+            self._drop(wid, event.engine_hashes, _TIER_BIT[event.from_tier])
         elif isinstance(event, AllCleared):
             for h in list(self.index):
-                self.index[h].pop(wid, None)
-                if not self.index[h]:
+                where = self.index[h]
+                where.pop(wid, None)
+                if not where:
                     del self.index[h]
+
+    def new_prefill_tokens(self, blocks: list[int], input_tokens: int) -> dict[str, int]:
+        """Per worker, the prompt tokens it would compute: the prompt less its leading run of
+        device blocks (never the block holding the last prompt token, whose logits vLLM
+        recomputes) and the longest continuation from there in another tier, at that tier's
+        credit; at least one token (``credited_tokens`` / ``request_prefill_tokens``)."""
+        chain = []  # per prompt block, while anyone holds it: {worker: tier bits}
+        for h in blocks:
+            where = self.index.get(h)
+            if not where:
+                break
+            chain.append(where)
+        out = dict.fromkeys(self.workers, input_tokens)
+        if not chain:
+            return out
+        bs, n = self.block_size, len(chain)
+        device_cap = max(input_tokens - 1, 0) // bs
+        for wid in chain[0]:
+            device = 0
+            while device < n and chain[device].get(wid, 0) & _DEVICE:
+                device += 1
+            device = min(device, device_cap)
+            extra, credit = 0, 0.0
+            for bit, tier_credit in self.credits:
+                k = device
+                while k < n and chain[k].get(wid, 0) & bit:
+                    k += 1
+                if k - device > extra:
+                    extra, credit = k - device, tier_credit
+            credited = min((device + extra * credit) * bs, max(input_tokens - 1, 0))
+            out[wid] = math.ceil(max(input_tokens - credited, 0.0))
+        return out
 
     def route(self, req) -> _Routed:
         if not self.workers:
             raise NoCompatibleWorker("no worker is registered")
-        now = self._clock()
-        blocks = self._blocks(req)
-        if not blocks:
-            wid = self._least_loaded()
-            self._book(req.request_id, wid)
-            return _Routed(wid)
-        scores = dict.fromkeys(self.workers, 0)
-        alive: set[str] | None = None
-        for i, h in enumerate(blocks):
-            where = self.index.get(h)
-            holding = {w for w, exp in where.items() if exp > now} if where else set()
-            alive = holding if alive is None else alive & holding
-            if not alive:
-                break
-            for w in alive:
-                scores[w] = i + 1
-        best = max(scores.values())
-        if best == 0:
-            wid = self._least_loaded()
-            self.counters["least_loaded"] += 1
+        input_tokens = len(req.token_ids)
+        new = self.new_prefill_tokens(self._blocks(req), input_tokens)
+        ptoken = [new[w] + self.active_prefill[w] for w in self.workers]
+        batch = [self.load[w] for w in self.workers]
+        costs = [float(p * (b + 1)) for p, b in zip(ptoken, batch, strict=True)]
+        if 0.0 in costs and (self.temperature <= 0.0 or all(c == 0.0 for c in costs)):
+            # zero work (an empty prompt on an idle engine): least projected load
+            zero = [i for i, c in enumerate(costs) if c == 0.0]
+            i = min(zero, key=lambda k: (ptoken[k] if input_tokens else 0, batch[k]))
+        elif self.temperature <= 0.0:
+            low = min(costs)
+            i = costs.index(low)  # the first of the minima, as Rust's min_by
+            self.counters["cost_ties"] += costs.count(low) > 1
         else:
-            wid = [w for w in self.workers if scores[w] == best][-1]  # Rust max_by_key: last
-            self.counters["prefix_routed"] += 1
-        if self.speculative and best < len(blocks):
-            for h in blocks[best:]:
-                where = self.index.setdefault(h, {})
-                if where.get(wid) != float("inf"):
-                    where[wid] = now + self.ttl
-                    self.counters["speculative_blocks"] += 1
+            low = min(costs)
+            weights = [math.exp(-(c - low) / self.temperature) for c in costs]
+            draw = self._rng.random() * sum(weights)
+            i = len(costs) - 1
+            for k, wt in enumerate(weights):
+                if draw < wt:
+                    i = k
+                    break
+                draw -= wt
+        wid = self.workers[i]
+        self.counters["prefix_cost"] += 1
+        self.active_prefill[wid] += new[wid]
+        self._prefilling[req.request_id] = (wid, new[wid])
         self._book(req.request_id, wid)
-        return _Routed(wid, best)
+        return _Routed(wid)
+
+    def _prefill_done(self, request_id: str) -> None:
+        booked = self._prefilling.pop(request_id, None)
+        if booked is not None:
+            wid, tokens = booked
+            self.active_prefill[wid] = max(0, self.active_prefill[wid] - tokens)
+
+    def on_first_token(self, request_id: str) -> None:
+        self._prefill_done(request_id)  # the first streamed frame: begin_decode
+
+    def on_finish(self, request_id: str) -> None:
+        self._prefill_done(request_id)  # a request that never streamed releases both
+        super().on_finish(request_id)
 
     def stats(self) -> dict:
         return {**self.counters, "indexed_blocks": len(self.index)}
