@@ -38,14 +38,28 @@ def _router(cls, n=2, **params):
     return r, clock
 
 
-def test_cache_aware_follows_the_match_above_the_threshold_and_the_smallest_tree_below():
+def test_cache_aware_follows_the_match_above_the_threshold_and_the_least_loaded_below():
     r, _ = _router(SglangCacheAware)
-    assert r.route(_req("a", [1, 2, 3])).worker_id == "w0"  # both empty: the first smallest
+    assert r.route(_req("a", [1, 2, 3])).worker_id == "w0"  # nothing matched, both idle: first
     assert r.route(_req("b", [1, 2, 3, 4])).worker_id == "w0"  # 3/4 matched > 0.3
-    assert r.route(_req("c", [9, 10, 11])).worker_id == "w1"  # no match: w1's tree is smaller
-    # 1 of 4 blocks matched (0.25 <= 0.3): the smallest tree again, although w0 holds block 1
+    assert r.route(_req("c", [9, 10, 11])).worker_id == "w1"  # no match: w1 has 0 in flight
+    # 1 of 4 blocks matched (0.25 <= 0.3): the least loaded (w1: 1, w0: 2), although w0 holds
+    # block 1 (0.3.2's rule; earlier sources took the tenant with the smallest tree)
     assert r.route(_req("d", [1, 20, 21, 22])).worker_id == "w1"
-    assert r.counters == {"cache_routed": 1, "smallest_tree": 3, "balanced": 0, "evictions": 0}
+    assert r.counters == {"cache_routed": 1, "least_loaded": 3, "balanced": 0, "evictions": 0}
+
+
+def test_cache_aware_answers_a_nodes_creator_while_it_holds_the_node():
+    r, clock = _router(SglangCacheAware, n=3)
+    r._insert([1, 2, 3], "w1", 0.0)
+    r._insert([1, 2, 3], "w0", 1.0)
+    r._insert([1, 2, 3], "w2", 2.0)
+    assert r._match([1, 2, 3], 3.0) == (3, "w1")  # created by w1, whoever came later
+    node = r.root.children[1].children[2].children[3]
+    del node.tenants["w1"]  # evicted there: another holder is cached from then on
+    depth, tenant = r._match([1, 2, 3], 4.0)
+    assert depth == 3 and tenant in ("w0", "w2") and node.last_tenant == tenant
+    assert r._match([1, 2, 3], 5.0) == (3, tenant)
 
 
 def test_cache_aware_balances_on_in_flight_counts_past_both_thresholds():

@@ -5,19 +5,22 @@ Each class has the slice of :class:`kvplug.router.Router`'s interface the replay
 ``on_finish``, ``set_attributes``). They see what their originals see: the routed requests, their
 own in-flight counts, and (vllm-router) the engines' KV events, through the same event link.
 
-* ``sglang-cache-aware``: sglang-router's ``cache_aware`` policy, from
-  ``sgl-project/sglang`` ``sgl-router/src/policies/cache_aware.rs`` and ``tree.rs`` (commits
-  ``b6f20641ad6b`` / ``4d40eec0266b``), defaults from its CLI (``cache_threshold`` 0.3,
-  ``balance_abs_threshold`` 64, ``balance_rel_threshold`` 1.5, ``eviction_interval`` 120 s,
-  ``max_tree_size`` 2^26 characters). Loads are the router's in-flight request counts; when
-  ``max - min > abs`` and ``max > rel * min`` it sends to the least-loaded worker; otherwise it
-  matches the prompt in one multi-tenant radix tree of routed text and, if the matched share is
-  above ``cache_threshold``, sends to a tenant of the deepest matched node (the original takes the
-  first key of a hash map there: an arbitrary one; here a seeded random one), else to the tenant
-  with the smallest tree. The chosen worker's tree gets the prompt either way. Every
-  ``eviction_interval`` each tenant's least recently used leaves go until its size is at most
-  ``max_tree_size``. Differences: the tree holds prompt blocks (512-token hash ids) instead of
-  characters; sizes convert at 4 characters per token (2^26 chars = 32,768 blocks of 512).
+* ``sglang-cache-aware``: sglang-router 0.3.2's ``cache_aware`` policy, from its released source
+  (the PyPI sdist ``sglang_router-0.3.2.tar.gz``: ``src/policies/cache_aware.rs``, ``tree.rs``,
+  CLI defaults in ``src/main.rs``: ``cache_threshold`` 0.3, ``balance_abs_threshold`` 64,
+  ``balance_rel_threshold`` 1.5, ``eviction_interval`` 120 s, ``max_tree_size`` 2^26
+  characters). Loads are the router's in-flight request counts; when ``max - min > abs`` and
+  ``max > rel * min`` it sends to the least-loaded worker; otherwise it matches the prompt in
+  one multi-tenant radix tree of routed text and, if the matched share is above
+  ``cache_threshold``, sends to the deepest matched node's cached tenant (the one that created
+  the node, while it still holds it; else the first key of a hash map, an arbitrary one: here a
+  seeded random one, then cached), else to the least-loaded worker. The chosen worker's tree
+  gets the prompt either way. Every ``eviction_interval`` each tenant's least recently used
+  leaves go until its size is at most ``max_tree_size``. Differences: the tree holds prompt
+  blocks (512-token hash ids) instead of characters; sizes convert at 4 characters per token
+  (2^26 chars = 32,768 blocks of 512); a match refreshes the node's timestamp every time, not
+  one time in eight. Earlier sources (``b6f20641ad6b`` / ``4d40eec0266b``, which this replay
+  modelled before) sent a low match to the tenant with the smallest tree.
 * ``vllm-kv-aware``: vllm-router 0.1.17's ``kv_aware`` policy, from its released source (the
   PyPI sdist ``vllm_router-0.1.17.tar.gz``: ``src/policies/kv_aware.rs``,
   ``src/kv_index/indexer.rs``, ``types.rs``). An index of which worker holds each block in
@@ -120,12 +123,13 @@ class _InflightRouter:
 
 
 class _Node:
-    __slots__ = ("parent", "children", "tenants")
+    __slots__ = ("parent", "children", "tenants", "last_tenant")
 
-    def __init__(self, parent: _Node | None) -> None:
+    def __init__(self, parent: _Node | None, creator: str | None = None) -> None:
         self.parent = parent
         self.children: dict[int, _Node] = {}
         self.tenants: dict[str, float] = {}  # tenant -> last access time
+        self.last_tenant = creator  # the tenant a match answers while it still holds the node
 
 
 class SglangCacheAware(_InflightRouter):
@@ -151,7 +155,7 @@ class SglangCacheAware(_InflightRouter):
         self.root = _Node(None)
         self.size: dict[str, int] = {}  # tenant -> blocks held in the tree
         self._next_eviction = self.eviction_interval
-        self.counters = {"cache_routed": 0, "smallest_tree": 0, "balanced": 0, "evictions": 0}
+        self.counters = {"cache_routed": 0, "least_loaded": 0, "balanced": 0, "evictions": 0}
 
     def add_worker(self, worker) -> None:
         super().add_worker(worker)
@@ -164,7 +168,7 @@ class SglangCacheAware(_InflightRouter):
         for h in blocks:
             child = node.children.get(h)
             if child is None:
-                child = node.children[h] = _Node(node)
+                child = node.children[h] = _Node(node, tenant)
             if tenant not in child.tenants:
                 self.size[tenant] += 1
             child.tenants[tenant] = now
@@ -179,12 +183,11 @@ class SglangCacheAware(_InflightRouter):
             node, depth = child, depth + 1
         if not node.tenants:
             return depth, None
-        tenants = sorted(node.tenants)
-        tenant = tenants[int(self._rng.random() * len(tenants))]
-        walk: _Node | None = node
-        while walk is not None:  # the original refreshes the path to the root for that tenant
-            walk.tenants[tenant] = now
-            walk = walk.parent
+        tenant = node.last_tenant
+        if tenant not in node.tenants:  # the original takes the first key of a hash map
+            tenants = sorted(node.tenants)
+            tenant = node.last_tenant = tenants[int(self._rng.random() * len(tenants))]
+        node.tenants[tenant] = now  # (the original refreshes it one match in eight)
         return depth, tenant
 
     def _evict(self) -> None:
@@ -248,8 +251,8 @@ class SglangCacheAware(_InflightRouter):
                 wid = tenant
                 self.counters["cache_routed"] += 1
             else:
-                wid = min(self.workers, key=lambda w: self.size[w])
-                self.counters["smallest_tree"] += 1
+                wid = self._least_loaded()
+                self.counters["least_loaded"] += 1
         self._insert(blocks, wid, now)
         self._book(req.request_id, wid)
         return _Routed(wid)
