@@ -78,6 +78,19 @@ TAIL_POOLS = ("choice", "all", "cold")
 SPREAD_BY = ("followups", "ttft")
 
 
+def _local_blocks(inputs) -> np.ndarray:
+    """Per candidate, the prompt's cached blocks in the engine's own tiers (device, then host
+    or disk continuing it): what the router books as the request's cached tokens, and what a
+    prefill there skips. Device blocks alone would send a request with a host-tier hit away
+    from it, or count the reload as a full prefill in the predictions."""
+    local = np.asarray(inputs["device"], dtype=np.float64)
+    for tier in ("host", "disk"):
+        more = inputs.get(tier)
+        if more is not None and np.any(more):
+            local = local + more
+    return local
+
+
 @dataclass(frozen=True)
 class AffinityParams:
     guard: float = 8.0  # extra work affinity may cost a request, x the prefix blocks it saves
@@ -354,7 +367,7 @@ class Affinity:
         overlap = None
         if inputs and "device" in inputs and "prefill_blocks" in inputs:
             # a list: per-candidate reads and small sums cost less than on numpy scalars
-            overlap = np.asarray(inputs["device"], dtype=np.float64).tolist()
+            overlap = _local_blocks(inputs).tolist()
         if overlap is None or len(overlap) < 2:
             self.affinity_counters["kept_kv"] += 1
             return None
@@ -435,8 +448,7 @@ class Affinity:
         prefill = np.asarray(inputs["prefill_blocks"], dtype=np.float64)
         decode = np.asarray(inputs["decode_blocks"], np.float64) if params.memory else None
         if len(overlap) >= VECTOR_FROM:
-            device = np.asarray(inputs["device"], dtype=np.float64)
-            holders = np.flatnonzero(device == best).tolist()
+            holders = np.flatnonzero(_local_blocks(inputs) == best).tolist()
         else:
             holders = [i for i, o in enumerate(overlap) if o == best]
         wait: dict[int, float] = {}

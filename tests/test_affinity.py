@@ -10,6 +10,7 @@ import pytest
 from test_router_helpers import make_router, store_prefix, tokens
 
 from kvplug.affinity import AffinityParams, AffinityRouter
+from kvplug.events import Tier
 from kvplug.request import RouteRequest, RoutingHints
 
 PARAMS = AffinityParams(guard=8.0, memory=0.25, cap=128.0)
@@ -47,6 +48,23 @@ def test_a_long_queue_on_the_prefix_engine_still_sends_the_request_elsewhere():
     aff = AffinityRouter(r, PARAMS)
     assert aff.route(RouteRequest("x", toks)).worker_id == "w2"
     assert aff.affinity_counters["guarded"] == 1
+
+
+def test_a_prefix_held_in_the_host_tier_counts_as_held():
+    # w1 offloaded 8 of the prompt's 10 blocks to host memory; w2 holds 4 on its device. kv
+    # prefers w2 (its device blocks also cut the decode term); affinity moves the request to
+    # the longest prefix in the engine's own tiers, w1, where it recomputes 2 blocks, not 6.
+    # Counting device blocks alone it saw w2 as the longest holder and kept kv's pick.
+    r = make_router(workers=("w1", "w2"))
+    toks = tokens(10)
+    store_prefix(r, "w1", toks, 8, tier=Tier.HOST)
+    store_prefix(r, "w2", toks, 4)
+    assert r.preview(RouteRequest("x", toks)).worker_id == "w2"
+    aff = AffinityRouter(r, PARAMS)
+    d = aff.route(RouteRequest("x", toks))
+    assert d.worker_id == "w1"
+    assert d.overlap_blocks == 8  # booked with its host-tier prefix as cached
+    assert aff.affinity_counters["affinity"] == 1
 
 
 def test_no_cached_prefix_means_kv_decides():
