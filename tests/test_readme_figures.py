@@ -386,7 +386,7 @@ def routing_quality_text() -> list:
     host_run = load("benchmarks/results/sim_bench_host_tier.json")
     host = {r["policy"]: r for r in host_run["results"]}
     trace, by = d["trace"], {r["policy"]: r for r in d["results"]}
-    kv, rr, sgl = by["kv"], by["round-robin"], by["sglang-cache-aware"]
+    kv, rr, sgl, vllm = by["kv"], by["round-robin"], by["sglang-cache-aware"], by["vllm-kv-aware"]
     default = by["affinity-protect"]
     bound = trace["fleet_lru_hit_rate"]
     seeds = []  # the default against kv over replay seeds 0-5
@@ -400,6 +400,12 @@ def routing_quality_text() -> list:
             )
         )
     shares, p99s = [s for s, _ in seeds], [p for _, p in seeds]
+    host_shares, host_p99s = [], []  # the default with a host tier, replay seeds 1-3
+    for n in (1, 2, 3):
+        run = load(f"benchmarks/results/sim_seeds_host/seed{n}.json")
+        at = {r["policy"]: r for r in run["results"]}
+        host_shares.append(100 * at["affinity-protect"]["hit_rate"])
+        host_p99s.append(at["affinity-protect"]["ttft_p99_s"] / at["kv"]["ttft_p99_s"])
     return [
         100 * trace["oracle_hit_rate"],
         100 * bound,
@@ -415,9 +421,23 @@ def routing_quality_text() -> list:
         kv["ttft_p99_s"] / rr["ttft_p99_s"],
         100 * sgl["hit_rate"],
         sgl["ttft_p99_s"] / kv["ttft_p99_s"],
+        100 * vllm["hit_rate"],
+        vllm["ttft_p99_s"] / kv["ttft_p99_s"],
         host_run["spec"]["host_capacity_blocks"] / d["spec"]["capacity_blocks"],
+        100 * host_run["trace"]["fleet_lru_hit_rate"],
         100 * host["kv"]["hit_rate"],
         100 * host["approx"]["hit_rate"],
+        100 * host["affinity-protect"]["hit_rate"],
+        100 * host["affinity-protect"]["hit_rate"] / host_run["trace"]["fleet_lru_hit_rate"],
+        host["affinity-protect"]["ttft_p99_s"] / host["kv"]["ttft_p99_s"],
+        min(host_shares),
+        max(host_shares),
+        min(host_p99s),
+        max(host_p99s),
+        1,  # seeds 1-3
+        3,
+        SKIP,  # the router's host credit, a setting
+        100 * host["vllm-kv-aware"]["hit_rate"],
     ]
 
 
