@@ -7,7 +7,9 @@ process; the router runs as its own process, started with the same command line 
 
 * ``sglang-router``: ``python -m sglang_router.launch_router --policy cache_aware`` (0.3.2)
 * ``smg``: ``python -m smg.launch_router --policy cache_aware`` (1.13)
-* ``kvplug``: ``python -m kvplug.integrations.sglang.launch_router --policy kvplug``
+* ``kvplug``: ``python -m kvplug.integrations.sglang.launch_router --policy kvplug`` (kvplug
+  serve's default routing)
+* ``kvplug-kv``: the same with ``--router-mode kv`` (Dynamo's cost alone)
 
 The request stream is the start of the bundled Mooncake conversation trace (text prompts whose
 512-character blocks follow the trace's ``hash_ids``: byte-level tokens on the simulated
@@ -148,10 +150,13 @@ def router_command(name: str, port: int, urls: list[str], block_size: int) -> li
         ]
     if name == "smg":
         return [sys.executable, "-m", "smg.launch_router", *common, "--policy", "cache_aware"]
-    if name == "kvplug":
+    if name in ("kvplug", "kvplug-kv"):
+        # kvplug: its default routing; kvplug-kv: Dynamo's cost alone (a kvplug serve flag the
+        # launcher passes through)
+        mode = ["--router-mode", "kv"] if name == "kvplug-kv" else []
         return [
             sys.executable, "-m", "kvplug.integrations.sglang.launch_router", *common,
-            "--policy", "kvplug", "--admin-port", str(free_port_run(1)),
+            "--policy", "kvplug", "--admin-port", str(free_port_run(1)), *mode,
         ]  # fmt: skip
     raise ValueError(name)
 
@@ -305,7 +310,7 @@ async def run_router(name: str, args, records, texts, log_dir: Path) -> dict:
 
 
 def available(name: str) -> bool:
-    module = {"sglang-router": "sglang_router", "smg": "smg", "kvplug": "kvplug"}[name]
+    module = {"sglang-router": "sglang_router", "smg": "smg"}.get(name, "kvplug")
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
@@ -330,7 +335,12 @@ def table(rows: list[dict], base: dict | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--routers", nargs="+", default=["sglang-router", "smg", "kvplug"])
+    p.add_argument(
+        "--routers",
+        nargs="+",
+        choices=["sglang-router", "smg", "kvplug", "kvplug-kv"],
+        default=["sglang-router", "smg", "kvplug", "kvplug-kv"],
+    )
     p.add_argument("--limit", type=int, default=600, help="trace requests (default 600)")
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--block-size", type=int, default=16, help="engine page size")

@@ -546,8 +546,8 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--router-affinity",
         default=None,
         metavar="NAME[:KEY=VALUE,...]",
-        help=f"--router-mode affinity's setting: affinity, affinity-rescue or affinity-soonest, "
-        f"then changes to it (default {d.router_affinity}; docs/router.md)",
+        help="--router-mode affinity's setting: affinity, affinity-rescue, affinity-soonest or "
+        f"affinity-protect, then changes to it (default {d.router_affinity}; docs/router.md)",
     )
     g.add_argument(
         "--router-conditional-disagg",

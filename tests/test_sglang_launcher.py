@@ -82,12 +82,13 @@ def test_aggregated_workers_and_policy(tmp_path):
 @pytest.mark.parametrize(
     ("policy", "mode"),
     [
-        ("kvplug", "kv"),
-        ("cache_aware", "kv"),
+        ("kvplug", "affinity"),
+        ("cache_aware", "affinity"),
+        ("prefix_hash", "affinity"),
         ("least_load", "least-loaded"),
         ("power_of_two", "power-of-two"),
         ("random", "random"),
-        ("consistent_hashing", "kv"),
+        ("consistent_hashing", "affinity"),
     ],
 )
 def test_policies(policy, mode, tmp_path):
@@ -122,7 +123,7 @@ def test_pd_flags_become_roles_and_bootstrap_ports(tmp_path):
         ]
     )
     args, specs = _serve_ok(launch, tmp_path)
-    assert args.router_mode == "kv"  # cache_aware
+    assert args.router_mode == "affinity"  # cache_aware: kvplug serve's default routing
     assert [(s.url, s.role) for s in specs] == [
         ("http://10.0.0.1:30000", "prefill"),
         ("http://10.0.0.2:30000", "prefill"),

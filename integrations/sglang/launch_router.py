@@ -78,10 +78,14 @@ from .router_flags import (
 
 log = logging.getLogger("kvplug.launch_router")
 
+# the cache-aware policies map to kvplug serve's default routing (kv's cost, then cache
+# affinity with a latency guard: --router-mode affinity); pass --router-mode kv for Dynamo's
+# cost alone
+DEFAULT_MODE = "affinity"
 POLICY_MODES = {
-    "kvplug": "kv",
-    "cache_aware": "kv",
-    "prefix_hash": "kv",
+    "kvplug": DEFAULT_MODE,
+    "cache_aware": DEFAULT_MODE,
+    "prefix_hash": DEFAULT_MODE,
     "random": "random",
     "round_robin": "round-robin",
     "power_of_two": "power-of-two",
@@ -207,8 +211,11 @@ def _mode(args: argparse.Namespace, notes: list[str]) -> str:
     policy = args.policy or "cache_aware"
     mode = POLICY_MODES.get(policy)
     if mode is None:
-        mode = "kv"
-        notes.append(f"--policy {policy}: no kvplug equivalent, using kv (event-driven)")
+        mode = DEFAULT_MODE
+        notes.append(
+            f"--policy {policy}: no kvplug equivalent, using kvplug's default routing "
+            f"({DEFAULT_MODE})"
+        )
     stages = {policy, args.prefill_policy or policy, args.decode_policy or policy}
     if len(stages) > 1:
         notes.append(
