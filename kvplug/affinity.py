@@ -364,14 +364,15 @@ class Affinity:
         ``b``, or None to keep ``b``; ``blocks`` is the prompt's length in blocks. Counted in
         ``affinity_counters``."""
         inputs = trace.inputs if trace is not None else None
-        overlap = None
+        local = None
         if inputs and "device" in inputs and "prefill_blocks" in inputs:
-            # a list: per-candidate reads and small sums cost less than on numpy scalars
-            overlap = _local_blocks(inputs).tolist()
-        if overlap is None or len(overlap) < 2:
+            local = _local_blocks(inputs)
+        if local is None or len(local) < 2:
             self.affinity_counters["kept_kv"] += 1
             return None
-        pick = self._holder_pick(inputs, trace, overlap, blocks, b)
+        # a list: per-candidate reads and small sums cost less than on numpy scalars
+        overlap = local.tolist()
+        pick = self._holder_pick(inputs, trace, local, overlap, blocks, b)
         if self.params.rescue and self.params.tail:
             pick = self._rescue(trace, overlap, blocks, b if pick is None else pick)
         if (self.params.protect or self.params.protect_blocks) and self.params.tail:
@@ -430,9 +431,12 @@ class Affinity:
         self.affinity_counters["protected"] += 1
         return alt
 
-    def _holder_pick(self, inputs, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
+    def _holder_pick(
+        self, inputs, trace, local: np.ndarray, overlap: np.ndarray, blocks: int, b: int
+    ) -> int | None:
         """The engine holding the longest prefix if the guards let the request wait for it
-        there, a cold prompt's spread pick, else None (kv's pick ``b``)."""
+        there, a cold prompt's spread pick, else None (kv's pick ``b``). ``local`` is each
+        candidate's cached blocks (``_local_blocks``), ``overlap`` the same as a list."""
         params = self.params
         best = float(max(overlap))
         cold = best < params.min_share * max(blocks, 1)
@@ -448,7 +452,7 @@ class Affinity:
         prefill = np.asarray(inputs["prefill_blocks"], dtype=np.float64)
         decode = np.asarray(inputs["decode_blocks"], np.float64) if params.memory else None
         if len(overlap) >= VECTOR_FROM:
-            holders = np.flatnonzero(_local_blocks(inputs) == best).tolist()
+            holders = np.flatnonzero(local == best).tolist()
         else:
             holders = [i for i, o in enumerate(overlap) if o == best]
         wait: dict[int, float] = {}

@@ -396,6 +396,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     d = RouterConfig()
     g = parser.add_argument_group("router")
     g.add_argument("--router-config", default=None, help="YAML/JSON file with the flags below")
+    from kvplug.affinity import AFFINITY_PRESETS
     from kvplug.policies import policy_names
 
     g.add_argument(
@@ -546,8 +547,8 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--router-affinity",
         default=None,
         metavar="NAME[:KEY=VALUE,...]",
-        help="--router-mode affinity's setting: affinity, affinity-rescue, affinity-soonest or "
-        f"affinity-protect, then changes to it (default {d.router_affinity}; docs/router.md)",
+        help=f"--router-mode affinity's setting: one of {', '.join(AFFINITY_PRESETS)}, then "
+        f"changes to it (default {d.router_affinity}; docs/router.md)",
     )
     g.add_argument(
         "--router-conditional-disagg",

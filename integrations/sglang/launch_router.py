@@ -61,6 +61,7 @@ from typing import Any
 import yaml
 
 from kvplug import ConfigError
+from kvplug.config import RouterConfig
 
 from .metrics import kv_events_from_server_info, page_size_from_server_info
 from .router_flags import (
@@ -79,9 +80,8 @@ from .router_flags import (
 log = logging.getLogger("kvplug.launch_router")
 
 # the cache-aware policies map to kvplug serve's default routing (kv's cost, then cache
-# affinity with a latency guard: --router-mode affinity); pass --router-mode kv for Dynamo's
-# cost alone
-DEFAULT_MODE = "affinity"
+# affinity with a latency guard); pass --router-mode kv for Dynamo's cost alone
+DEFAULT_MODE = RouterConfig.router_mode
 POLICY_MODES = {
     "kvplug": DEFAULT_MODE,
     "cache_aware": DEFAULT_MODE,

@@ -52,6 +52,7 @@ import numpy as np
 
 from kvplug.errors import NoCompatibleWorker
 from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, Tier
+from kvplug.pickers import inverse_cdf
 
 CHARS_PER_TOKEN = 4  # to convert sglang-router's character sizes into blocks
 
@@ -68,7 +69,6 @@ class BaselineConfig:
 @dataclass(frozen=True)
 class _Routed:
     worker_id: str
-    cached_blocks: int = 0
 
 
 class _InflightRouter:
@@ -388,16 +388,9 @@ class VllmKvAware(_InflightRouter):
             low = min(costs)
             i = costs.index(low)  # the first of the minima, as Rust's min_by
             self.counters["cost_ties"] += costs.count(low) > 1
-        else:
-            low = min(costs)
-            weights = [math.exp(-(c - low) / self.temperature) for c in costs]
-            draw = self._rng.random() * sum(weights)
-            i = len(costs) - 1
-            for k, wt in enumerate(weights):
-                if draw < wt:
-                    i = k
-                    break
-                draw -= wt
+        else:  # vllm-router's softmax: of -(cost - min) / T, not over the cost's range
+            weights = np.exp(-(np.asarray(costs) - min(costs)) / self.temperature)
+            i = inverse_cdf(weights / weights.sum(), self._rng.random())
         wid = self.workers[i]
         self.counters["prefix_cost"] += 1
         self.active_prefill[wid] += new[wid]
