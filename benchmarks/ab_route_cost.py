@@ -5,7 +5,8 @@ Each tree (``--base`` and ``--new``: a checkout built in place, i.e. holding
 ``kvplug/_core*.so``) runs in a fresh child process per round, so both load their own kvplug
 (Python and compiled core); the order alternates every round, so machine load (2 shared vCPUs
 here) falls on both alike. A child builds the router ``kvplug serve --kv-block-size 16`` builds
-(mode ``kv``, ``kv_cost``, ``--router-assume-kv-reuse`` on) with ``--workers`` workers and routes
+(mode ``kv``, or the default routing with ``--router-mode affinity``; ``kv_cost``,
+``--router-assume-kv-reuse`` on) with ``--workers`` workers and routes
 bench_frontend's ~512-token token-id prompts (numpy uint32, as the frontend's parser hands
 them over; 8 shared 384-token prefixes) with ``--inflight`` requests in flight (0: each
 request finishes right after its decision, as glue_cost.py; 16: wrk's 16 connections, so the
@@ -17,6 +18,7 @@ decision's ``to_dict()`` (the pick, the trace's inputs and values, the formula t
 
     python benchmarks/ab_route_cost.py --base /tmp/main15 --new .
     python benchmarks/ab_route_cost.py --base /tmp/main15 --new . --workers 2 --rounds 4
+    python benchmarks/ab_route_cost.py --base /tmp/main15 --new . --router-mode affinity
 
 Prints a table (medians, ranges over rounds, base/new ratio per round); writes
 ``benchmarks/results/ab_route_cost.json``.
@@ -38,7 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def child(tree: str, workers: int, inflight: int, requests: int) -> dict:
+def child(tree: str, workers: int, inflight: int, requests: int, mode: str = "kv") -> dict:
     """One round of one tree: CPU us per route + on_finish, and the decisions' digest."""
     sys.path.insert(0, str(Path(tree).resolve()))
     import numpy as np
@@ -58,7 +60,7 @@ def child(tree: str, workers: int, inflight: int, requests: int) -> dict:
     prompts = [np.asarray(token_ids(p), dtype=np.uint32) for p in make_prompts(512)]
 
     def router() -> Router:
-        r = Router(RouterConfig(kv_block_size=16, router_mode="kv"), rng=random.Random(7))
+        r = Router(RouterConfig(kv_block_size=16, router_mode=mode), rng=random.Random(7))
         for i in range(workers):
             r.add_worker(Worker(f"e{i}", url=f"http://127.0.0.1:{9001 + i}", engine="openai"))
         return r
@@ -94,10 +96,10 @@ def child(tree: str, workers: int, inflight: int, requests: int) -> dict:
     return {"us": us, "digest": digest.hexdigest()}
 
 
-def one_round(tree: str, workers: int, inflight: int, requests: int) -> dict:
+def one_round(tree: str, workers: int, inflight: int, requests: int, mode: str) -> dict:
     cmd = [
         sys.executable, __file__, "--child", tree, "--workers", str(workers),
-        "--inflight", str(inflight), "--requests", str(requests),
+        "--inflight", str(inflight), "--requests", str(requests), "--router-mode", mode,
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -117,11 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inflight", type=int, nargs="+", default=[0, 16])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--requests", type=int, default=20000, help="timed decisions per round")
+    ap.add_argument(
+        "--router-mode", default="kv", help="kv (default) or affinity: kvplug serve's default"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(HERE / "results" / "ab_route_cost.json"))
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.workers[0], args.inflight[0], args.requests)))
+        got = child(args.child, args.workers[0], args.inflight[0], args.requests, args.router_mode)
+        print(json.dumps(got))
         return 0
     if not (args.base and args.new):
         ap.error("--base and --new are required")
@@ -133,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(args.rounds):
                 for name in ("base", "new") if rnd % 2 == 0 else ("new", "base"):
                     tree = args.base if name == "base" else args.new
-                    got[name].append(one_round(tree, workers, inflight, args.requests))
+                    got[name].append(
+                        one_round(tree, workers, inflight, args.requests, args.router_mode)
+                    )
                 print(
                     f"[{workers} workers, {inflight} in flight] round {rnd + 1}/{args.rounds}: "
                     f"base {got['base'][-1]['us']:.2f} us, new {got['new'][-1]['us']:.2f} us "
