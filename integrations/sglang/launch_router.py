@@ -60,8 +60,7 @@ from typing import Any
 
 import yaml
 
-from kvplug import ConfigError
-from kvplug.config import RouterConfig
+from kvplug import ConfigError, RouterConfig
 
 from .metrics import kv_events_from_server_info, page_size_from_server_info
 from .router_flags import (
