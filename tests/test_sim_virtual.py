@@ -195,3 +195,35 @@ def test_next_output_start_is_when_a_decode_run_first_reports():
     assert not e.outputs
     e.advance(due + 1e-9)  # the eventful step starts at `due`
     assert sorted(k for k, _, _ in e.outputs) == ["kv", "progress"]  # block stored + reported
+
+
+def test_observe_sees_every_decision_before_the_engine_does(first_800):
+    """``replay(observe=...)`` is called once per routed request with the decision and the
+    engines, before the request reaches its engine (its arrival not yet queued there)."""
+    recs = first_800[:200]
+    seen = []
+
+    def observe(t, rreq, decision, router, engines):
+        engine = engines[decision.worker_id]
+        queued = any(q.request_id == rreq.request_id for q in engine.waiting)
+        seen.append((rreq.request_id, decision.worker_id, t, queued))
+
+    pol = parse_policy("kv")
+    res = replay(recs, pol.router_config(512), ReplayConfig(n_engines=4), observe=observe)
+    assert [s[0] for s in seen] == [r.request_id for r in res.requests]
+    assert [s[1] for s in seen] == [r.worker_id for r in res.requests]
+    assert [s[2] for s in seen] == [r.arrival for r in res.requests]
+    assert not any(s[3] for s in seen)
+
+
+def test_fleet_lru_hits_per_request_add_up_to_the_bound(first_800):
+    from kvplug.sim.bench import fleet_lru_hits
+
+    hits = fleet_lru_hits(first_800, 1640)
+    total = sum(len(r.hash_ids[: r.input_length // 512]) for r in first_800)
+    assert len(hits) == len(first_800)
+    assert sum(hits) / total == fleet_lru_hit_rate(first_800, 1640)
+    assert hits[0] == 0  # an empty cache
+    # a repeated prompt right after itself hits every full block
+    again = [first_800[5], first_800[5]]
+    assert fleet_lru_hits(again, 1640) == [0, first_800[5].input_length // 512]

@@ -110,26 +110,35 @@ class BenchSpec:
         return f"{self.replicas} replicas, sync {self.sync_delay_s * 1000:g} ms"
 
 
-def fleet_lru_hit_rate(
+def fleet_lru_hits(
     records: list[TraceRecord], capacity_blocks: int, block_tokens: int = TRACE_BLOCK_TOKENS
-) -> float:
-    """Prefix hit rate of one LRU cache of ``capacity_blocks`` shared by every request."""
+) -> list[int]:
+    """Per request, its leading prompt blocks found in one LRU cache of ``capacity_blocks``
+    shared by every request (each request's blocks enter it at its arrival)."""
     lru: OrderedDict[int, None] = OrderedDict()
-    total = hit = 0
+    hits = []
     for r in records:
         ids = r.hash_ids[: r.input_length // block_tokens]
-        run = True
+        n = 0
         for h in ids:
-            total += 1
-            if run and h in lru:
-                hit += 1
-            else:
-                run = False
+            if h not in lru:
+                break
+            n += 1
+        hits.append(n)
         for h in ids:
             lru[h] = None
             lru.move_to_end(h)
         while len(lru) > capacity_blocks:
             lru.popitem(last=False)
+    return hits
+
+
+def fleet_lru_hit_rate(
+    records: list[TraceRecord], capacity_blocks: int, block_tokens: int = TRACE_BLOCK_TOKENS
+) -> float:
+    """Prefix hit rate of one LRU cache of ``capacity_blocks`` shared by every request."""
+    total = sum(len(r.hash_ids[: r.input_length // block_tokens]) for r in records)
+    hit = sum(fleet_lru_hits(records, capacity_blocks, block_tokens))
     return hit / total if total else 0.0
 
 

@@ -129,6 +129,7 @@ def replay(
     policy: str = "",
     progress: Callable[[int], None] | None = None,
     router_factory: Callable[..., Any] | None = None,
+    observe: Callable[..., None] | None = None,
 ) -> ReplayResult:
     """Replay ``records`` through a fresh Router built from ``router_config``.
 
@@ -138,6 +139,11 @@ def replay(
 
     ``router_factory(config, clock=, rng=)``: builds something with the Router's interface
     instead of a :class:`Router` (the baseline policies of :mod:`kvplug.sim.baselines`).
+
+    ``observe(t, request, decision, router, engines)``: called after each routing decision, before
+    the request reaches its engine (analyses: ``benchmarks/sim_loss_breakdown.py``). ``engines``
+    maps worker ids to the :class:`SimEngine` objects; each is as of its last step at or
+    before ``t`` (the event-driven replay advances an engine only when it has something due).
     """
     from kvplug.request import RouteRequest
     from kvplug.router import Router
@@ -299,6 +305,8 @@ def replay(
             sreq.rejected = f"routing error: {exc}"
             return
         route_s += time.perf_counter() - r0
+        if observe is not None:
+            observe(t, rreq, decision, routers[replica], by_id)
         engine = by_id[decision.worker_id]
         if pick_stats:
             group = decode_engines if engine.worker_id in decode_ids else arrival_engines
