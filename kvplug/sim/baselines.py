@@ -3,7 +3,8 @@
 Each class has the slice of :class:`kvplug.router.Router`'s interface the replay drives
 (``add_worker``, ``route``, ``apply_event``, ``on_first_token``, ``on_output_progress``,
 ``on_finish``, ``set_attributes``). They see what their originals see: the routed requests, their
-own in-flight counts, and (vllm-router) the engines' KV events, through the same event link.
+own in-flight counts, (vllm-router) the engines' KV events, through the same event link, and
+(smg) the engines' load gauges, as the replay hands them to every router.
 
 * ``sglang-cache-aware``: sglang-router 0.3.2's ``cache_aware`` policy, from its released source
   (the PyPI sdist ``sglang_router-0.3.2.tar.gz``: ``src/policies/cache_aware.rs``, ``tree.rs``,
@@ -21,6 +22,46 @@ own in-flight counts, and (vllm-router) the engines' KV events, through the same
   (2^26 chars = 32,768 blocks of 512); a match refreshes the node's timestamp every time, not
   one time in eight. Earlier sources (``b6f20641ad6b`` / ``4d40eec0266b``, which this replay
   modelled before) sent a low match to the tenant with the smallest tree.
+* ``smg-cache-aware``: smg 1.13.0's ``cache_aware`` policy (the SGLang Model Gateway, successor of
+  sglang-router), as ``python -m smg.launch_router --policy cache_aware`` runs it over HTTP workers:
+  the approximate string-tree path, ``select_worker_with_text`` (the PyPI sdist
+  ``smg-1.13.0.tar.gz``: ``model_gateway/src/policies/cache_aware.rs``, ``least_load.rs``,
+  ``cost/default.rs``, ``crates/kv_index/src/string_tree.rs``, ``worker/monitor.rs``,
+  ``worker/overload.rs``, ``routers/common/placement.rs``; the launcher's defaults in
+  ``src/smg/router_args.py``: ``cache_threshold`` 0.3, ``balance_abs_threshold`` 64,
+  ``balance_rel_threshold`` 1.5, ``eviction_interval_secs`` 60, ``max_tree_size`` 2^26 characters
+  for the whole tree, load poll every 10 s, worker overload protection at 8 waiting requests or 0.8
+  KV usage). The simulated engines answer smg's backend detection as vLLM (their ``/version``) and
+  its load poll with their ``/metrics`` gauges (running, waiting, KV usage): here the gauges the
+  replay hands every router, the first delivery at or after each ``load_monitor_interval`` tick
+  taken as the poll (``engine_loads=false``: no reports). A poll marks a worker overloaded (waiting
+  >= 8 or KV usage >= 0.8) until the next; overloaded workers are left out, and if all are, the
+  request goes to the fewest in flight (ties drawn) with nothing recorded in the tree. Otherwise it
+  matches the prompt in one radix tree of routed text for all workers (``match_rate`` = matched over
+  prompt characters); above ``cache_threshold`` the candidates are every eligible worker holding the
+  deepest matched node (up to 8), else it is a miss. Candidates over the spill gate (in flight >
+  ``balance_rel_threshold`` x the eligible workers' mean AND > the mean +
+  min(``balance_abs_threshold``, max(ceil(2 sqrt(mean)), 4))) are dropped; if none is left the
+  request spills to the eligible workers under the gate (all of them if none is). The pick among the
+  candidates (or, on a miss, all eligible workers) is LeastLoad's expected wait, built with its
+  fixed defaults whatever the ``--least-load-*`` flags say: with reports, ``((waiting + running +
+  unaccounted) * 1024 + 1024 * dispatches since the poll) / 2000 + 0.15 k / (1 - k)`` (k the KV
+  usage; unaccounted the router's in-flight count beyond the report and those dispatches); before
+  any report, the in-flight count; waits within 1e-6 s tie and are drawn from uniformly. The chosen
+  worker's tree gets the prompt. Every ``eviction_interval_secs``, while the tree's total size
+  (summed over workers) is over ``max_tree_size``, the least recently used (node, worker) leaf goes,
+  whole nodes at a time. The tree is a compressed radix tree, as smg's: an insert stamps only the
+  node the prompt ends at (and a new suffix node) with a fresh epoch; a worker newly attached to an
+  existing node gets epoch 0 there, and an older attachment keeps its epoch; a match stamps the
+  deepest matched node's cached tenant one match in eight (smg's epoch counter, modelled). Not
+  modelled: the KV-pressure imbalance fallback (off: thresholds 1.0), the warm-up slice and divert
+  (event-driven mode only), overlap decay and selection temperature (0), accounting (off), the hash
+  index, mesh sync, health checks and the circuit breaker. Differences: the tree holds prompt blocks
+  (512-token hash ids) instead of characters, so only whole-block matches count and a prompt's
+  partial last block is not inserted (sizes at 4 characters per token: 2^26 chars = 32,768 blocks of
+  512, for all workers together); when more than 8 workers hold the matched node, the 8 are a seeded
+  random choice (smg: the first 8 of a hash map); eviction runs at the first routed request after
+  each interval rather than on its own thread.
 * ``vllm-kv-aware``: vllm-router 0.1.17's ``kv_aware`` policy, from its released source (the
   PyPI sdist ``vllm_router-0.1.17.tar.gz``: ``src/policies/kv_aware.rs``,
   ``src/kv_index/indexer.rs``, ``types.rs``). An index of which worker holds each block in
@@ -44,6 +85,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -54,7 +96,7 @@ from kvplug.errors import NoCompatibleWorker
 from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, Tier
 from kvplug.pickers import inverse_cdf
 
-CHARS_PER_TOKEN = 4  # to convert sglang-router's character sizes into blocks
+CHARS_PER_TOKEN = 4  # to convert sglang-router's and smg's character sizes into blocks
 
 
 @dataclass
@@ -72,7 +114,7 @@ class _Routed:
 
 
 class _InflightRouter:
-    """Workers and the router-side in-flight count both baselines balance on."""
+    """Workers and the router-side in-flight count the baselines balance on."""
 
     DEFAULTS: ClassVar[dict[str, Any]] = {}  # the policy's settings and their defaults
 
@@ -89,7 +131,7 @@ class _InflightRouter:
         self.load[worker.worker_id] = 0
 
     def set_attributes(self, worker_id: str, values: dict, ts: float | None = None) -> None:
-        """Neither baseline reads engine gauges."""
+        """Overridden by the baselines that read engine gauges."""
 
     def apply_event(self, event) -> None:
         """Overridden by the event-fed baseline."""
@@ -261,6 +303,384 @@ class SglangCacheAware(_InflightRouter):
         return {**self.counters, "tree_blocks": sum(self.size.values())}
 
 
+# smg's fixed values: LeastLoadPolicy::new() (cache_aware's expected-wait scorer, built with the
+# defaults of worker/expected_wait.rs whatever the --least-load-* flags say), the spill gate's
+# MIN_ABSOLUTE_MARGIN, kv_index's MATCHED_TENANTS_CAP, and LeastLoad's dispatch tally cap
+_SMG_KV_PRESSURE_WEIGHT = 0.15  # seconds
+_SMG_MEAN_PREFILL_TOKENS = 1024  # what an HTTP (text) dispatch is credited
+_SMG_DEFAULT_THROUGHPUT = 2000.0  # tokens/s (vLLM's /metrics carry no generation rate)
+_SMG_TIE_EPSILON_S = 1e-6
+_SMG_MIN_ABSOLUTE_MARGIN = 4.0
+_SMG_MATCHED_TENANTS_CAP = 8
+_SMG_SINCE_POLL_KEPT = 8192
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to an f32 (smg keeps its thresholds and the match rate in f32)."""
+    return float(np.float32(x))
+
+
+class _SmgNode:
+    """A node of smg's string tree (``kv_index::string_tree``), over prompt blocks: the edge
+    ``key`` (one or more blocks), each holder's last access epoch, the cached tenant."""
+
+    __slots__ = ("key", "parent", "children", "tenants", "last_tenant")
+
+    def __init__(self, key: list[int], parent: _SmgNode | None, last_tenant: str | None) -> None:
+        self.key = key
+        self.parent = parent
+        self.children: dict[int, _SmgNode] = {}
+        self.tenants: dict[str, int] = {}  # tenant -> epoch of its last access
+        self.last_tenant = last_tenant
+
+
+@dataclass
+class _SmgMatch:
+    depth: int  # matched blocks
+    holders: list[str]  # the deepest matched node's tenants (up to 8); [] when nothing matched
+    path: list[_SmgNode]  # the fully matched nodes, root excluded
+    rest: int  # index of the first block past the fully matched nodes
+
+
+class SmgStringTree:
+    """smg 1.13.0's approximate string tree (``crates/kv_index/src/string_tree.rs``) over prompt
+    blocks instead of characters: a compressed radix tree of every worker's routed prompts with a
+    global epoch counter, ``match_and_insert_with``'s match-then-insert, and
+    ``evict_tenant_by_size``'s tree-wide budget (see the module docstring)."""
+
+    def __init__(self, order: dict[str, float]) -> None:
+        self.root = _SmgNode([], None, None)
+        self.size: dict[str, int] = {}  # tenant -> blocks held
+        self.total = 0
+        self.epoch = 0  # the next value of smg's EPOCH_COUNTER
+        self.evicted = 0  # blocks
+        self._order = order  # tenant -> rank standing in for hash-map iteration order
+
+    def _next_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch - 1
+
+    def _add(self, tenant: str, blocks: int) -> None:
+        self.size[tenant] = self.size.get(tenant, 0) + blocks
+        self.total += blocks
+
+    def _map_order(self, tenants) -> list[str]:
+        return sorted(tenants, key=self._order.__getitem__)
+
+    def add_tenant(self, tenant: str) -> None:
+        """``insert_text("", url)``: the tenant at the root, with an epoch."""
+        self.root.tenants.setdefault(tenant, 0)
+        self.size.setdefault(tenant, 0)
+        self._insert_from(self.root, [], 0, tenant)
+
+    def match(self, blocks: list[int]) -> _SmgMatch:
+        """The match half of ``match_and_insert_with``, with its side effect: the deepest
+        matched node's cached tenant is stamped when the epoch is a multiple of 8."""
+        node, i, n = self.root, 0, len(blocks)
+        path: list[_SmgNode] = []
+        partial: _SmgNode | None = None
+        matched = 0
+        while i < n:
+            child = node.children.get(blocks[i])
+            if child is None:
+                break
+            key, k = child.key, 0
+            while k < len(key) and i + k < n and key[k] == blocks[i + k]:
+                k += 1
+            matched += k
+            if k < len(key):
+                partial = child  # the match ends inside this node
+                break
+            path.append(child)
+            node, i = child, i + k
+        curr = partial if partial is not None else node
+        tenant = curr.last_tenant
+        if tenant is None or tenant not in curr.tenants:  # the cache is stale: the map's first
+            first = self._map_order(curr.tenants)[:1]
+            tenant = first[0] if first else None
+            curr.last_tenant = tenant
+        epoch = self._next_epoch()
+        if epoch & 7 == 0 and tenant is not None:
+            curr.tenants[tenant] = epoch
+        holders: list[str] = []
+        if matched:
+            holders = list(curr.tenants)
+            if len(holders) > _SMG_MATCHED_TENANTS_CAP:
+                holders = self._map_order(holders)[:_SMG_MATCHED_TENANTS_CAP]
+        return _SmgMatch(matched, holders, path, i)
+
+    def insert(self, blocks: list[int], m: _SmgMatch, tenant: str) -> None:
+        """The insert half: ``tenant`` joins the fully matched nodes at epoch 0 where it is new
+        (an older attachment keeps its epoch), then the rest goes in below them; the node the
+        prompt ends at gets a fresh epoch."""
+        self.root.tenants.setdefault(tenant, 0)
+        self.size.setdefault(tenant, 0)
+        for node in m.path:
+            if tenant not in node.tenants:
+                node.tenants[tenant] = 0
+                self._add(tenant, len(node.key))
+        below = m.path[-1] if m.path else self.root
+        self._insert_from(below, blocks, m.rest, tenant)
+
+    def _insert_from(self, prev: _SmgNode, blocks: list[int], i: int, tenant: str) -> None:
+        n = len(blocks)
+        while i < n:
+            child = prev.children.get(blocks[i])
+            if child is None:  # a new leaf holding the whole rest
+                leaf = _SmgNode(blocks[i:], prev, tenant)
+                self._add(tenant, n - i)
+                leaf.tenants[tenant] = self._next_epoch()
+                prev.children[blocks[i]] = leaf
+                return
+            key, k = child.key, 0
+            while k < len(key) and i + k < n and key[k] == blocks[i + k]:
+                k += 1
+            if k < len(key):  # split: the prefix node inherits the tenants and their epochs
+                head = _SmgNode(key[:k], prev, child.last_tenant)
+                head.tenants = dict(child.tenants)
+                child.key = key[k:]
+                child.parent = head
+                head.children[child.key[0]] = child
+                prev.children[blocks[i]] = head
+                child = head
+            if tenant not in child.tenants:
+                child.tenants[tenant] = 0
+                self._add(tenant, len(child.key))
+            prev, i = child, i + k
+        prev.tenants[tenant] = self._next_epoch()
+
+    def evict(self, max_blocks: int) -> None:
+        """``evict_tenant_by_size``: while the total is over ``max_blocks``, the oldest
+        (node, tenant) leaf goes (a node is a leaf for a tenant when no child holds the tenant),
+        the node with it once nobody holds it, and a parent it leaves bare joins the queue."""
+        if self.total <= max_blocks:
+            return
+        heap: list[tuple[int, int, str, _SmgNode]] = []
+        seq = 0
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            for t, ts in node.tenants.items():
+                if not any(t in c.tenants for c in node.children.values()):
+                    seq += 1
+                    heap.append((ts, seq, t, node))
+        heapq.heapify(heap)
+        while self.total > max_blocks and heap:
+            _, _, t, node = heapq.heappop(heap)
+            if t not in node.tenants or any(t in c.tenants for c in node.children.values()):
+                continue
+            del node.tenants[t]
+            held = min(len(node.key), self.size[t])
+            self.size[t] -= held
+            self.total -= held
+            self.evicted += len(node.key)
+            parent = node.parent
+            if parent is None:
+                continue
+            if not node.children and not node.tenants:
+                if parent.children.get(node.key[0]) is node:
+                    del parent.children[node.key[0]]
+            if (
+                parent is not self.root
+                and t in parent.tenants
+                and not any(t in c.tenants for c in parent.children.values())
+            ):
+                seq += 1
+                heapq.heappush(heap, (parent.tenants[t], seq, t, parent))
+
+
+class SmgCacheAware(_InflightRouter):
+    """smg 1.13.0 ``cache_aware`` over HTTP workers (see the module docstring)."""
+
+    DEFAULTS: ClassVar[dict[str, Any]] = {
+        "cache_threshold": 0.3,
+        "balance_abs_threshold": 64,
+        "balance_rel_threshold": 1.5,
+        "eviction_interval_secs": 60.0,
+        "max_tree_size": 1 << 26,  # characters, the whole tree (every worker's share summed)
+        "load_monitor_interval": 10.0,  # seconds between load polls
+        "worker_overload_protection": True,
+        "worker_overload_waiting_requests": 8,
+        "worker_overload_token_usage": 0.8,
+        "engine_loads": True,  # the engines answer the load poll (the sim's vLLM /metrics)
+    }
+
+    def __init__(self, config: BaselineConfig, clock, rng) -> None:
+        super().__init__(config, clock, rng)
+        p = {**self.DEFAULTS, **config.params}
+        self.cache_threshold = _f32(p["cache_threshold"])
+        self.abs_threshold = float(int(p["balance_abs_threshold"]))
+        self.rel_threshold = _f32(p["balance_rel_threshold"])
+        self.eviction_interval = float(p["eviction_interval_secs"])
+        self.block_size = config.kv_block_size
+        self.max_blocks = int(p["max_tree_size"]) // (CHARS_PER_TOKEN * self.block_size)
+        self.poll_interval = max(1.0, float(p["load_monitor_interval"]))
+        self.protect = bool(p["worker_overload_protection"])
+        self.max_waiting = int(p["worker_overload_waiting_requests"])
+        self.max_kv = float(p["worker_overload_token_usage"])
+        self.engine_loads = bool(p["engine_loads"])
+        self._order: dict[str, float] = {}
+        self.tree = SmgStringTree(self._order)
+        self.reports: dict[str, tuple[float, float, float]] = {}  # running, waiting, KV usage
+        self.overloaded: dict[str, bool] = {}
+        self._since: dict[str, deque[float]] = {}  # dispatch times since the worker's report
+        self._next_poll: float | None = None
+        self._poll_at: float | None = None
+        self._next_eviction = self.eviction_interval
+        self.counters = {
+            "cache_hit": 0,
+            "spill": 0,
+            "miss": 0,
+            "all_overloaded": 0,
+            "polls": 0,
+            "overloaded_verdicts": 0,
+        }
+
+    def add_worker(self, worker) -> None:
+        super().add_worker(worker)
+        wid = worker.worker_id
+        self._order[wid] = self._rng.random()
+        self.overloaded[wid] = False
+        self._since[wid] = deque(maxlen=_SMG_SINCE_POLL_KEPT)
+        self.tree.add_tenant(wid)
+
+    # -- the load poll --------------------------------------------------------------------------
+    def set_attributes(self, worker_id: str, values: dict, ts: float | None = None) -> None:
+        """A gauge snapshot; one is taken as smg's poll every ``load_monitor_interval`` (the
+        report stamped at receipt, as ``poll_group_once`` stamps ``sampled_at``)."""
+        if not self.engine_loads or worker_id not in self.load:
+            return
+        now = self._clock()
+        if self._next_poll is None or now >= self._next_poll:
+            self._poll_at = now
+            self._next_poll = now if self._next_poll is None else self._next_poll
+            while self._next_poll <= now:
+                self._next_poll += self.poll_interval
+            self.counters["polls"] += 1
+        if now != self._poll_at:
+            return
+        running = float(values.get("num_requests_running", 0.0))
+        waiting = float(values.get("num_requests_waiting", 0.0))
+        usage = float(values.get("kv_cache_usage", 0.0))
+        self.reports[worker_id] = (running, waiting, usage)
+        since = self._since[worker_id]
+        while since and since[0] <= now:  # the report saw them: release their credit
+            since.popleft()
+        if self.protect:
+            over = waiting >= self.max_waiting or usage >= self.max_kv
+            self.overloaded[worker_id] = over
+            self.counters["overloaded_verdicts"] += over
+
+    # -- LeastLoad's expected wait -----------------------------------------------------------------
+    def expected_wait(self, wid: str, baseline: float = 0.0) -> float:
+        """Seconds (requests, with no report anywhere: see ``_pick``)."""
+        rep = self.reports.get(wid)
+        if rep is None:
+            return baseline + self.load[wid] * _SMG_MEAN_PREFILL_TOKENS / _SMG_DEFAULT_THROUGHPUT
+        running, waiting, usage = rep
+        since = len(self._since[wid])
+        unaccounted = max(0.0, self.load[wid] - (running + waiting) - since)
+        queued = (waiting + running + unaccounted) * _SMG_MEAN_PREFILL_TOKENS
+        k = min(max(usage, 0.0), 0.999)
+        return (queued + since * _SMG_MEAN_PREFILL_TOKENS) / _SMG_DEFAULT_THROUGHPUT + (
+            _SMG_KV_PRESSURE_WEIGHT * k / (1.0 - k)
+        )
+
+    def _pick(self, pool: list[str], now: float) -> str:
+        """``select_min_expected_wait_with_freshness``: the lowest expected wait (ties within
+        1e-6 drawn uniformly, reservoir style), credited with one mean prefill until the next
+        report. No report from any of ``pool``: the fewest in flight."""
+        reporting = [w for w in pool if w in self.reports]
+        if not reporting:
+            scores = [float(self.load[w]) for w in pool]
+        else:
+            baseline = 0.0
+            if len(reporting) < len(pool):
+                baseline = min(self.expected_wait(w) for w in reporting)
+            scores = [self.expected_wait(w, baseline) for w in pool]
+        best, best_score, tied = 0, scores[0], 1
+        for i in range(1, len(pool)):
+            s = scores[i]
+            if s < best_score - _SMG_TIE_EPSILON_S:
+                best, best_score, tied = i, s, 1
+            elif abs(s - best_score) <= _SMG_TIE_EPSILON_S:
+                tied += 1
+                best_score = min(best_score, s)
+                if int(self._rng.random() * tied) == 0:
+                    best = i
+        wid = pool[best]
+        self._since[wid].append(now)
+        return wid
+
+    def _fewest_in_flight(self) -> str:
+        """``fallback_if_all_vetoed``: the least loaded, ties drawn uniformly."""
+        best, tied = self.workers[0], 0
+        for w in self.workers[1:]:
+            if self.load[w] < self.load[best]:
+                best, tied = w, 0
+            elif self.load[w] == self.load[best]:
+                tied += 1
+                if int(self._rng.random() * (tied + 1)) == 0:
+                    best = w
+        return best
+
+    # -- the spill gate ----------------------------------------------------------------------------
+    def absolute_margin(self, avg_load: float) -> float:
+        swing = float(math.ceil(2.0 * math.sqrt(avg_load)))
+        return min(self.abs_threshold, max(swing, _SMG_MIN_ABSOLUTE_MARGIN))
+
+    def over_gate(self, wid: str, avg_load: float) -> bool:
+        load = self.load[wid]
+        return load > avg_load * self.rel_threshold and load > avg_load + self.absolute_margin(
+            avg_load
+        )
+
+    def route(self, req) -> _Routed:
+        if not self.workers:
+            raise NoCompatibleWorker("no worker is registered")
+        now = self._clock()
+        if self.eviction_interval > 0 and now >= self._next_eviction:
+            self.tree.evict(self.max_blocks)
+            while self._next_eviction <= now:
+                self._next_eviction += self.eviction_interval
+        blocks = self._blocks(req)
+        eligible = [w for w in self.workers if not self.overloaded[w]]
+        if not eligible:  # the placement's veto fallback: the policy is not asked
+            wid = self._fewest_in_flight()
+            self.counters["all_overloaded"] += 1
+            self._book(req.request_id, wid)
+            return _Routed(wid)
+        avg = sum(self.load[w] for w in eligible) / len(eligible)
+        m = self.tree.match(blocks)
+        tokens = len(req.token_ids)
+        rate = _f32(_f32(m.depth * self.block_size) / _f32(tokens)) if tokens else 0.0
+        holders = set(m.holders) if rate > self.cache_threshold else set()
+        candidates = [w for w in eligible if w in holders]
+        if candidates:
+            pool = [w for w in candidates if not self.over_gate(w, avg)]
+            if pool:
+                self.counters["cache_hit"] += 1
+            else:
+                pool = [w for w in eligible if not self.over_gate(w, avg)] or eligible
+                self.counters["spill"] += 1
+        else:
+            pool = eligible
+            self.counters["miss"] += 1
+        wid = self._pick(pool, now)
+        self.tree.insert(blocks, m, wid)
+        self._book(req.request_id, wid)
+        return _Routed(wid)
+
+    def stats(self) -> dict:
+        return {
+            **self.counters,
+            "evicted_blocks": self.tree.evicted,
+            "tree_blocks": self.tree.total,
+            "overloaded_now": sum(self.overloaded.values()),
+        }
+
+
 # the storage tiers vllm-router's index tells apart (bits of a worker's entry per block), and
 # the credit kv_aware gives a block of each (its TransferCredits defaults; the device's is 1)
 _DEVICE, _HOST, _DISK, _EXTERNAL = 1, 2, 4, 8
@@ -418,6 +838,7 @@ class VllmKvAware(_InflightRouter):
 BASELINES: dict[str, tuple[type[_InflightRouter], bool]] = {
     # name -> (class, consumes KV events)
     "sglang-cache-aware": (SglangCacheAware, False),
+    "smg-cache-aware": (SmgCacheAware, False),
     "vllm-kv-aware": (VllmKvAware, True),
 }
 

@@ -317,8 +317,8 @@ def _register_bench(sub) -> None:
         description=f"Policies are NAME[:key=value,...] with NAME one of {', '.join(NAMES)} "
         "and keys router settings or aliases (credit, temperature, prefill_scale, "
         "host_weight, track_output, ttl), e.g. kv:credit=0.5,temperature=0.1; affinity also "
-        "takes guard, cap, memory, min_share; the baselines sglang-cache-aware and "
-        "vllm-kv-aware take their own settings.",
+        "takes guard, cap, memory, min_share; the baselines sglang-cache-aware, "
+        "smg-cache-aware and vllm-kv-aware take their own settings.",
     )
     _add_fleet_args(p, engines=8)
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))

@@ -7,8 +7,8 @@
 (an llm-d-style scheduling profile; default: the bundled ``data/profile_llmd.yaml``, or
 ``profile:router_profile=FILE``), a simple mode
 (``round-robin``, ``random``, ``least-loaded``, ``power-of-two``), or another router's policy
-re-implemented in :mod:`kvplug.sim.baselines` (``sglang-cache-aware``, ``vllm-kv-aware``; keys are
-their own settings, e.g. ``sglang-cache-aware:cache_threshold=0.5``).
+re-implemented in :mod:`kvplug.sim.baselines` (``sglang-cache-aware``, ``smg-cache-aware``,
+``vllm-kv-aware``; keys are their own settings, e.g. ``sglang-cache-aware:cache_threshold=0.5``).
 Keys are :class:`kvplug.config.RouterConfig` fields or the short aliases below, e.g.
 ``kv:credit=0.5,temperature=0.1``.
 """
