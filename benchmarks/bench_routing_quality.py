@@ -37,7 +37,8 @@ WORKLOADS = {
     "doc-qa": "doc-qa",  # bursty sessions over a few hot long documents
 }
 POLICIES = [
-    "affinity-protect",  # the default routing
+    "affinity-balance",  # the default routing
+    "affinity-protect",  # the default before issue 14's sixth pass (no balance guard)
     "kv",
     "affinity",
     "affinity:guard=12",
@@ -45,6 +46,7 @@ POLICIES = [
     "affinity-rescue",  # kvplug.sim.policies.AFFINITY_PRESETS
     "affinity-soonest",
     "sglang-cache-aware",
+    "smg-cache-aware",
     "vllm-kv-aware",
     "profile",
     "round-robin",

@@ -10,7 +10,7 @@ router runs as its own process:
   engine (``--kv-event-source URL=tcp://...``, replay endpoints, ``--kv-event-model``);
 * ``vllm-router-rr``: the same binary with ``--policy round_robin`` (a cache-blind reference);
 * ``kvplug``: ``kvplug serve --worker URL ...`` (discovers each engine's events through
-  ``/kv_event_sources``; its default routing, ``affinity-protect``);
+  ``/kv_event_sources``; its default routing, ``affinity-balance``);
 * ``kvplug-kv``: the same with ``--router-mode kv`` (Dynamo's cost alone).
 
 The request stream is the start of the bundled Mooncake conversation trace, as in

@@ -42,7 +42,7 @@ from kvplug.sim.virtual import replay  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # affinity counters that name a decision (kept_kv counts every decision affinity left alone)
-DECISION_TAGS = ("guarded", "protected", "rescued", "spread", "affinity", "kept_kv")
+DECISION_TAGS = ("guarded", "balanced", "protected", "rescued", "spread", "affinity", "kept_kv")
 
 
 def policy_counters(router) -> dict[str, int]:
@@ -77,7 +77,7 @@ def session_gaps(records, block_tokens: int, min_blocks: int = 8) -> list[float]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policy", default="affinity-protect")
+    ap.add_argument("--policy", default="affinity-balance")
     ap.add_argument("--workload", default=None, help="a generated workload (default: the trace)")
     ap.add_argument("--steptime", default="cached", help="causal or cached (default cached)")
     ap.add_argument("--view", default="ideal", choices=sorted(PRESETS))

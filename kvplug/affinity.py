@@ -75,6 +75,12 @@ from kvplug.prefill_model import H200_LLAMA8B
 from kvplug.request import RouteRequest
 
 TAIL_POOLS = ("choice", "all", "cold")
+# balance guard: an engine is crowded at no fewer than this many requests over the mean
+BALANCE_MIN_EXCESS = 2.0
+# balance guard: prefix ends remembered (where a prompt left the longest cached prefix) before
+# the memory starts afresh; SHARED marks one that prompts have left in two different ways
+BALANCE_MEMORY = 1 << 16
+SHARED = -1
 SPREAD_BY = ("followups", "ttft")
 
 
@@ -109,7 +115,8 @@ class AffinityParams:
     # kv's pick, to the one where the fewest follow-ups (requests with a cached prefix) were
     # routed recently: a long cold prefill blocks the engine's returning sessions while it runs
     spread: float = 0.0
-    half_life: float = 60.0  # seconds: decay of the per-engine follow-up rate (spread)
+    # seconds: decay of the per-engine follow-up rate (spread) and request rate (balance)
+    half_life: float = 60.0
     # spread: ... and at most this many more active KV blocks than kv's pick (their reads slow
     # every step of the long prefill)
     spread_kv: float = 1e9
@@ -142,6 +149,15 @@ class AffinityParams:
     # protect / protect_blocks: only a prefill predicted below this quantile of the tail pool is
     # protected (0: any in the tail): one predicted above it is in the top of the tail anyway
     protect_below: float = 0.0
+    # > 0: the balance guard. A request whose longest cached prefix ends where earlier prompts
+    # went on differently (a prefix other sessions share, e.g. a system prompt) does not follow
+    # it to an engine that has recently been sent more requests than the fleet's mean plus
+    # this share of it (and at least BALANCE_MIN_EXCESS more; rates decaying with
+    # ``half_life``): kv's pick stands. A shared prefix must not pin every new session, and
+    # with it all its later turns, to the engines that first ran it; replicating the prefix
+    # costs one prefill per engine. A session's own history (a prefix no other prompt has left)
+    # never moves for it, and a momentary queue is the TTFT guard's business
+    balance: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.guard >= 0 and self.cap >= 0 and self.memory >= 0 and self.slack >= 0):
@@ -158,9 +174,12 @@ class AffinityParams:
             raise ValueError("affinity: rescue must be >= 0")
         if self.spread < 0 or self.half_life <= 0 or self.spread_kv < 0:
             raise ValueError("affinity: spread and spread_kv must be >= 0 and half_life > 0")
-        if min(self.read_ms, self.spread_eps, self.protect, self.protect_blocks) < 0:
+        if (
+            min(self.read_ms, self.spread_eps, self.protect, self.protect_blocks) < 0
+            or self.balance < 0
+        ):
             raise ValueError(
-                "affinity: read_ms, spread_eps, protect and protect_blocks must be >= 0"
+                "affinity: read_ms, spread_eps, protect, protect_blocks and balance must be >= 0"
             )
         if self.spread_by not in SPREAD_BY:
             raise ValueError(f"affinity: spread_by must be one of {', '.join(SPREAD_BY)}")
@@ -202,6 +221,10 @@ AFFINITY_PRESETS["affinity-protect"] = {
     "protect_blocks": 24,
     "protect_below": 0.99,
 }
+# affinity-protect with the balance guard: a prefix other sessions share (a system prompt, tool
+# definitions) does not pin new sessions to an engine already sent half again its share of
+# requests (docs/sim.md: issue 14's sixth pass; the default routing)
+AFFINITY_PRESETS["affinity-balance"] = {**AFFINITY_PRESETS["affinity-protect"], "balance": 0.5}
 AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
@@ -358,11 +381,18 @@ class Affinity:
         # _endpoint_queue: per endpoint, (prefilling_version, chunk, its _summarise); the
         # versions are router.load's, the one tracker of this router
         self._prefill_summaries: dict[int, tuple] = {}
+        # balance guard: prefix end (the sequence hash of a cached prefix's last block) -> the
+        # next block's hash of the first prompt that went on from there, or SHARED
+        self._went_on: dict[int, int] = {}
+        # balance guard: endpoint -> (decayed count of requests routed there, at), and the sum
+        self._routed: dict[int, tuple[float, float]] = {}
+        self._routed_sum = (0.0, 0.0)
 
-    def choose(self, trace, b: int, blocks: int) -> int | None:
+    def choose(self, trace, b: int, blocks: int, hashes=None) -> int | None:
         """The candidate (an index into ``trace``'s) this request goes to instead of kv's pick
-        ``b``, or None to keep ``b``; ``blocks`` is the prompt's length in blocks. Counted in
-        ``affinity_counters``."""
+        ``b``, or None to keep ``b``; ``blocks`` is the prompt's length in blocks, ``hashes``
+        its full blocks' sequence hashes (the balance guard's; None: that guard stays off).
+        Counted in ``affinity_counters``."""
         inputs = trace.inputs if trace is not None else None
         local = None
         if inputs and "device" in inputs and "prefill_blocks" in inputs:
@@ -372,11 +402,13 @@ class Affinity:
             return None
         # a list: per-candidate reads and small sums cost less than on numpy scalars
         overlap = local.tolist()
-        pick = self._holder_pick(inputs, trace, local, overlap, blocks, b)
+        pick = self._holder_pick(inputs, trace, local, overlap, blocks, b, hashes)
         if self.params.rescue and self.params.tail:
             pick = self._rescue(trace, overlap, blocks, b if pick is None else pick)
         if (self.params.protect or self.params.protect_blocks) and self.params.tail:
             pick = self._protect(trace, overlap, blocks, b if pick is None else pick)
+        if self.params.balance:
+            self._count_routed(trace, b if pick is None else pick)
         if pick is None or pick == b:
             self.affinity_counters["kept_kv"] += 1
             return None
@@ -432,7 +464,14 @@ class Affinity:
         return alt
 
     def _holder_pick(
-        self, inputs, trace, local: np.ndarray, overlap: np.ndarray, blocks: int, b: int
+        self,
+        inputs,
+        trace,
+        local: np.ndarray,
+        overlap: np.ndarray,
+        blocks: int,
+        b: int,
+        hashes=None,
     ) -> int | None:
         """The engine holding the longest prefix if the guards let the request wait for it
         there, a cold prompt's spread pick, else None (kv's pick ``b``). ``local`` is each
@@ -461,6 +500,15 @@ class Affinity:
             wait[i] = prefill.item(i) - overlap[i]
             work[i] = wait[i] if decode is None else wait[i] + params.memory * decode.item(i)
         a = min(holders, key=work.__getitem__)  # the first of equals, as argmin
+        if (
+            params.balance
+            and hashes is not None
+            and self._shared_end(hashes, int(best))
+            and self._crowded(trace, a)
+        ):
+            self.affinity_counters["balanced"] += 1
+            self._count_followup(trace, b, overlap[b])
+            return None
         if work[a] - work[b] > params.guard * (overlap[a] - overlap[b]) or (
             not params.tail and wait[a] - wait[b] > params.cap
         ):
@@ -473,6 +521,42 @@ class Affinity:
             return None
         self._count_followup(trace, a, overlap[a])
         return a
+
+    def _shared_end(self, hashes, best: int) -> bool:
+        """Balance guard: did earlier prompts leave this prompt's longest cached prefix (its
+        first ``best`` blocks) in two different ways? Remembers how this one leaves it."""
+        if best <= 0 or best >= len(hashes):
+            return False
+        end, went_on = int(hashes[best - 1]), int(hashes[best])
+        memory = self._went_on
+        before = memory.get(end)
+        if before is None:
+            if len(memory) >= BALANCE_MEMORY:
+                memory.clear()  # start afresh: shared prefixes show again within two prompts
+            memory[end] = went_on
+            return False
+        if before != went_on:  # a second way on (or a later one): other sessions share it
+            memory[end] = SHARED
+            return True
+        return False
+
+    def _decayed(self, value: tuple[float, float], now: float) -> float:
+        count, at = value
+        return count * 0.5 ** ((now - at) / self.params.half_life)
+
+    def _count_routed(self, trace, i: int) -> None:
+        ep = int(trace.endpoints[i])
+        now = self._router._clock()
+        self._routed[ep] = (self._decayed(self._routed.get(ep, (0.0, now)), now) + 1.0, now)
+        self._routed_sum = (self._decayed(self._routed_sum, now) + 1.0, now)
+
+    def _crowded(self, trace, i: int) -> bool:
+        """Balance guard: has candidate ``i`` been sent more requests recently than the fleet's
+        mean per candidate by the ``balance`` share of it, and by at least BALANCE_MIN_EXCESS?"""
+        now = self._router._clock()
+        mean = self._decayed(self._routed_sum, now) / len(trace.endpoints)
+        mine = self._decayed(self._routed.get(int(trace.endpoints[i]), (0.0, now)), now)
+        return mine > mean + max(BALANCE_MIN_EXCESS, self.params.balance * mean)
 
     def _rescue(self, trace, overlap: np.ndarray, blocks: int, pick: int) -> int:
         """Rescue mode: if the request's predicted TTFT at ``pick`` reaches tau (the latency

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from test_router_helpers import make_router, store_prefix, tokens
+from test_router_helpers import FakeClock, make_router, store_prefix, tokens
 
 from kvplug.affinity import AffinityParams, AffinityRouter
 from kvplug.events import Tier
@@ -521,6 +521,17 @@ def test_affinity_protect_is_the_third_pass_setting_measured_by_its_keys():
     )
 
 
+def test_affinity_balance_is_affinity_protect_with_the_balance_guard_and_the_default():
+    from kvplug.affinity import parse_affinity
+    from kvplug.config import RouterConfig
+
+    assert parse_affinity("affinity-balance") == parse_affinity("affinity-protect:balance=0.5")
+    assert parse_affinity("affinity-protect").balance == 0.0
+    assert RouterConfig().router_affinity == "affinity-balance"
+    with pytest.raises(ValueError, match="balance"):
+        parse_affinity("affinity-balance:balance=-1")
+
+
 def _walk_every_request(aff, endpoints):
     """The predictions' inputs as a walk over every request in flight computes them (the way
     the affinity decision did before the load tracker kept them per endpoint): the reference."""
@@ -658,3 +669,74 @@ def test_the_compiled_affinity_is_built_from_this_source():
     assert recorded["kvplug/affinity.py"] == source, (
         "kvplug/affinity.py changed since it was compiled: python setup.py build_ext --inplace"
     )
+
+
+def _sessions_router(balance: float):
+    """Two engines; w1 holds a 4-block system prompt and has 20 blocks of prefill queued, so
+    kv's cost picks w2 for a new session (system prompt + 6 blocks of its own) while the block
+    guard (guard 8 x 4 blocks saved) lets affinity follow the system prompt to w1."""
+    r = make_router(
+        workers=("w1", "w2"),
+        router_mode="affinity",
+        router_affinity=f"affinity:balance={balance}",
+    )
+    system = tokens(4, start=500_000)
+    store_prefix(r, "w1", system, 4)
+    _queue(r, "w1", 20, "busy")
+    return r, system
+
+
+def _new_sessions(r, system, n: int) -> list[str]:
+    went = []
+    for i in range(n):
+        d = r.route(RouteRequest(f"s{i}", system + tokens(6, start=10_000 * (i + 1))))
+        went.append(d.worker_id)
+        r.on_finish(f"s{i}")
+    return went
+
+
+def test_balance_guard_spreads_new_sessions_of_a_shared_prefix_off_a_crowded_engine():
+    r, system = _sessions_router(0.0)  # no guard: every session follows the system prompt
+    assert _new_sessions(r, system, 12) == ["w1"] * 12
+    r, system = _sessions_router(0.5)
+    went = _new_sessions(r, system, 12)
+    # the first sessions follow it (the prefix is not yet seen shared, w1 not yet crowded);
+    # once w1 has been sent more than the mean + half of it (and 2 more), kv's pick stands
+    assert went[:4] == ["w1"] * 4
+    assert "w2" in went[4:]
+    assert 5 <= went.count("w1") <= 9
+    stats = r.policy.stats()
+    assert stats["balanced"] == went.count("w2")
+
+
+def test_balance_guard_never_moves_a_session_off_its_own_history():
+    r, system = _sessions_router(0.5)
+    _new_sessions(r, system, 12)  # w1 crowded, the system prompt shared
+    # session 0's own turn: its 10 blocks are cached on w1 and no prompt has left them yet
+    own = system + tokens(6, start=10_000)
+    store_prefix(r, "w1", own, 10)
+    balanced = r.policy.stats().get("balanced", 0)
+    d = r.route(RouteRequest("s0-turn2", own + tokens(3, start=900_000)))
+    assert d.worker_id == "w1"
+    assert r.policy.stats().get("balanced", 0) == balanced
+
+
+def test_balance_guard_forgets_request_rates_with_the_half_life():
+    went = {}
+    for wait in (0.0, 100.0):
+        clock = FakeClock()
+        r = make_router(
+            workers=("w1", "w2"),
+            router_mode="affinity",
+            router_affinity="affinity:balance=0.5,half_life=10",
+            clock=clock,
+        )
+        system = tokens(4, start=500_000)
+        store_prefix(r, "w1", system, 4)
+        _queue(r, "w1", 20, "busy")
+        assert _new_sessions(r, system, 5) == ["w1"] * 5
+        clock.advance(wait)
+        went[wait] = r.route(RouteRequest("next", system + tokens(6, start=777_000))).worker_id
+    # right away w1 is crowded (5 of 5 sessions); ten half-lives later its count has decayed
+    # under the floor of 2 requests over the mean, and the session follows the prefix again
+    assert went == {0.0: "w2", 100.0: "w1"}

@@ -34,7 +34,7 @@ def _run(mod, tmp_path, policy):
 def test_breakdown_adds_up(tmp_path, capsys):
     mod = _load()
     kv = _run(mod, tmp_path, "kv")
-    default = _run(mod, tmp_path, "affinity-protect")
+    default = _run(mod, tmp_path, "affinity-balance")
     for r in (kv, default):
         assert 0 < r["hit_blocks"] and r["held_blocks"] <= r["prompt_blocks"]
         not_used = sum(r["held_not_used_blocks"].values())
@@ -44,6 +44,7 @@ def test_breakdown_adds_up(tmp_path, capsys):
     assert set(kv["held_not_used_blocks"]) <= {"moved"}
     assert set(default["held_not_used_blocks"]) <= {
         "guarded",
+        "balanced",
         "protected",
         "rescued",
         "spread",

@@ -42,7 +42,7 @@ class AffinityPolicy(KvCostPolicy):
         b = super().pick(ctx, trace)
         if not ctx.booking:
             return b
-        moved = self.affinity.choose(trace, b, ctx.full_blocks)
+        moved = self.affinity.choose(trace, b, ctx.full_blocks, ctx.hashes)
         if moved is None:
             return b
         trace.params["affinity_moved_from"] = int(trace.endpoints[b])

@@ -1,8 +1,8 @@
 """Routing policies for the replay, written ``NAME[:key=value,...]`` on the command line.
 
-``NAME`` is ``kv``, ``affinity``, ``affinity-rescue``, ``affinity-soonest`` or ``affinity-protect``
-(:mod:`kvplug.affinity`, the last three named settings of it), ``lmetric`` (kv mode with
-``--router-selection-policy lmetric``), ``approx``
+``NAME`` is ``kv``, ``affinity``, ``affinity-rescue``, ``affinity-soonest``, ``affinity-protect``
+or ``affinity-balance`` (:mod:`kvplug.affinity`, the last four named settings of it),
+``lmetric`` (kv mode with ``--router-selection-policy lmetric``), ``approx``
 (kv mode without engine events: the router records what it routed, with a TTL), ``profile``
 (an llm-d-style scheduling profile; default: the bundled ``data/profile_llmd.yaml``, or
 ``profile:router_profile=FILE``), a simple mode
@@ -40,11 +40,13 @@ ALIASES = {
 SIMPLE_MODES = ("round-robin", "random", "least-loaded", "power-of-two")
 NAMES = ("kv", "lmetric", "approx", "profile", *SIMPLE_MODES)  # what NAME may be
 DEFAULT_POLICIES = (
-    "affinity-protect",  # kvplug serve's default routing
+    "affinity-balance",  # kvplug serve's default routing
     "kv",
     "affinity",
     "affinity-soonest",
+    "affinity-protect",
     "sglang-cache-aware",
+    "smg-cache-aware",
     "vllm-kv-aware",
     "kv:credit=1.5",
     "kv:temperature=0.1",
@@ -55,7 +57,7 @@ DEFAULT_POLICIES = (
     "least-loaded",
     "power-of-two",
 )
-DEMO_POLICIES = ("affinity-protect", "kv", "round-robin", "random")
+DEMO_POLICIES = ("affinity-balance", "kv", "round-robin", "random")
 BASELINE_MODE = "baseline"
 
 
