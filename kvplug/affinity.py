@@ -541,6 +541,8 @@ class Affinity:
         return False
 
     def _decayed(self, value: tuple[float, float], now: float) -> float:
+        """A (count, at) pair decayed to ``now`` with ``half_life``: the follow-up rates
+        (spread) and the request counts (balance)."""
         count, at = value
         return count * 0.5 ** ((now - at) / self.params.half_life)
 
@@ -588,8 +590,7 @@ class Affinity:
         return history.quantile(self.params.tail) if len(history) >= warm else 0.0
 
     def _followup_rate(self, ep: int, now: float) -> float:
-        rate, at = self._followups.get(ep, (0.0, now))
-        return rate * 0.5 ** ((now - at) / self.params.half_life)
+        return self._decayed(self._followups.get(ep, (0.0, now)), now)
 
     def _count_followup(self, trace, i: int, blocks: float = 1.0) -> None:
         if not self.params.spread:
