@@ -11,7 +11,9 @@ router runs as its own process:
 * ``vllm-router-rr``: the same binary with ``--policy round_robin`` (a cache-blind reference);
 * ``kvplug``: ``kvplug serve --worker URL ...`` (discovers each engine's events through
   ``/kv_event_sources``; its default routing, ``affinity-balance``);
-* ``kvplug-kv``: the same with ``--router-mode kv`` (Dynamo's cost alone).
+* ``kvplug-kv``: the same with ``--router-mode kv`` (Dynamo's cost alone);
+* ``kvplug-protect`` (on request): the same with ``--router-affinity affinity-protect``, the
+  default routing before the balance guard.
 
 The request stream is the start of the bundled Mooncake conversation trace, as in
 ``bench_sglang_router.py`` (text prompts whose 512-character blocks follow the trace's
@@ -24,6 +26,7 @@ client, errors, requests per engine. JSON to ``benchmarks/results/vllm_router.js
     python benchmarks/bench_vllm_router.py                    # 600 requests, 4 engines
     python benchmarks/bench_vllm_router.py --limit 100 --routers vllm-router kvplug
     python benchmarks/bench_vllm_router.py --workload multi-turn:duration=120,think=5 --limit 300
+    python benchmarks/bench_vllm_router.py --rounds 3    # ranges over rounds, order flipped each
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from kvplug.sim.traces import load_trace, parse_workload  # noqa: E402
 from kvplug.testing import free_ports  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "vllm_router.json"
-ROUTERS = ("vllm-router", "vllm-router-rr", "kvplug", "kvplug-kv")
+ROUTERS = ("vllm-router", "vllm-router-rr", "kvplug", "kvplug-kv", "kvplug-protect")
 
 
 def vllm_router_binary() -> str | None:
@@ -77,6 +80,8 @@ def router_command(name: str, port: int, servers: list[SimServer], opts: FleetOp
         cmd = [sys.executable, "-m", "kvplug.cli", "serve", "--port", str(port)]
         if name == "kvplug-kv":
             cmd += ["--router-mode", "kv"]
+        if name == "kvplug-protect":  # the default routing before the balance guard
+            cmd += ["--router-affinity", "affinity-protect"]
         cmd += ["--admin-port", str(free_ports(1)[0]), "--kv-block-size", str(opts.block_size)]
         for u in urls:
             cmd += ["--worker", u]
@@ -154,9 +159,48 @@ def table(rows: list[dict], base: dict | None) -> str:
     return "\n".join(lines)
 
 
+def ranges(by_round: list[list[dict]], routers: list[str], base_name: str) -> list[dict]:
+    """Per router, the range over rounds of its hit rate and TTFT p99, and of its p99 against
+    the baseline's in the same round."""
+    out = []
+    for name in routers:
+        mine = [next((r for r in rs if r["router"] == name), None) for rs in by_round]
+        bases = [next((r for r in rs if r["router"] == base_name), None) for rs in by_round]
+        hit = [r["hit_rate"] for r in mine if r]
+        p99 = [r["ttft_p99_s"] for r in mine if r]
+        vs = [
+            r["ttft_p99_s"] / b["ttft_p99_s"] for r, b in zip(mine, bases, strict=True) if r and b
+        ]
+        out.append(
+            {
+                "router": name,
+                "rounds": len(hit),
+                "hit_rate": [min(hit), max(hit)] if hit else None,
+                "ttft_p99_s": [min(p99), max(p99)] if p99 else None,
+                "ttft_p99_vs_base": [min(vs), max(vs)] if vs else None,
+            }
+        )
+    return out
+
+
+def range_table(summary: list[dict]) -> str:
+    head = f"{'router':<15} {'hit rate':>15} {'TTFT p99':>17} {'p99 vs base':>13}"
+    head += "  (ranges over rounds)"
+    lines = [head, "-" * len(head)]
+    for s in summary:
+        if not s["hit_rate"]:
+            continue
+        hit = f"{s['hit_rate'][0]:.1%}-{s['hit_rate'][1]:.1%}"
+        p99 = f"{s['ttft_p99_s'][0]:.3f}-{s['ttft_p99_s'][1]:.3f}s"
+        vs = s["ttft_p99_vs_base"]
+        vs_text = f"{vs[0]:.2f}-{vs[1]:.2f}x" if vs else "-"
+        lines.append(f"{s['router']:<15} {hit:>15} {p99:>17} {vs_text:>13}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
+    p.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS[:4]))
     p.add_argument("--limit", type=int, default=600, help="trace requests (default 600)")
     p.add_argument(
         "--workload",
@@ -171,8 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speedup", type=float, default=1.0, help="trace arrival compression")
     p.add_argument("--max-output", type=int, default=64, help="cap on output tokens")
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--rounds", type=int, default=1, help="every router once per round, the order flipped"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds: >= 1")
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
 
     routers = [r for r in args.routers if available(r)]
@@ -187,11 +236,26 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True)
     rows = []
-    for name in routers:
-        print(f"{name}: {len(records)} requests on {args.engines} engines ...", file=sys.stderr)
-        rows.append(asyncio.run(run_router(name, args, records, texts, log_dir)))
-    base = next((r for r in rows if r["router"] == "vllm-router"), None)
-    print(table(rows, base))
+    for k in range(args.rounds):
+        # the order flips every round, so neither side always runs on a machine warmed (or
+        # loaded) by the other
+        for name in routers if k % 2 == 0 else routers[::-1]:
+            print(
+                f"round {k + 1}/{args.rounds}, {name}: {len(records)} requests on "
+                f"{args.engines} engines ...",
+                file=sys.stderr,
+            )
+            row = asyncio.run(run_router(name, args, records, texts, log_dir))
+            rows.append({**row, "round": k + 1})
+    by_round = [[r for r in rows if r["round"] == k + 1] for k in range(args.rounds)]
+    for k, round_rows in enumerate(by_round):
+        base = next((r for r in round_rows if r["router"] == "vllm-router"), None)
+        if args.rounds > 1:
+            print(f"round {k + 1}")
+        print(table(sorted(round_rows, key=lambda r: routers.index(r["router"])), base))
+    summary_rows = ranges(by_round, routers, "vllm-router")
+    if args.rounds > 1:
+        print(range_table(summary_rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
@@ -200,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                     k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                 },
                 "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
-                "baseline": "vllm-router" if base else None,
+                "baseline": "vllm-router" if "vllm-router" in routers else None,
                 "results": rows,
+                "ranges": summary_rows,
             },
             indent=2,
         )
