@@ -11,6 +11,13 @@ own caches in view (god's view, not the router's):
   ``protected``, ``rescued``, ``spread``, ``kept_kv``; other routers: ``moved``);
 * **evicted before admission**: held by the chosen engine at the decision, gone at admission.
 
+Two checks on the held-nowhere part, sampled every ``--sample`` decisions: how many of the
+device blocks the engines hold are copies of a block another engine holds (capacity the one
+shared LRU has and the partitions spend twice), and each engine's cache lifetime per 10-minute
+window, capacity / blocks evicted in it (an LRU's characteristic time: partitions evicting at
+equal lifetimes keep what one shared LRU of their memory would, up to the granularity of
+requests; unequal ones evict some blocks younger than the shared LRU would).
+
 It lists the largest "held, not used" decisions with what the holder had queued (the engine's
 waiting and in-prefill requests: prompt tokens, tokens still to compute, seconds since
 arrival), and, for the trace, the gap between a session's turns (a follow-up's arrival after the
@@ -75,6 +82,34 @@ def session_gaps(records, block_tokens: int, min_blocks: int = 8) -> list[float]
     return gaps
 
 
+def duplicate_share(copies: list[tuple[float, int, int]]) -> float | None:
+    """Mean share of the engines' device blocks that are copies (held elsewhere too), over the
+    samples after the first tenth of the run (the caches are filling before)."""
+    later = copies[len(copies) // 10 :]
+    held = sum(c[1] for c in later)
+    return (held - sum(c[2] for c in later)) / held if held else None
+
+
+def cache_lifetimes(
+    evicted_at: list[tuple[float, dict[str, int]]], capacity: dict[str, int], window: float = 600.0
+) -> dict[float, dict[str, float]]:
+    """Per window (its start, s) and engine: capacity / blocks evicted in it x the window, for
+    windows in which every engine evicted (a filling cache has no lifetime yet)."""
+    out: dict[float, dict[str, float]] = {}
+    if not evicted_at:
+        return out
+    start, first = evicted_at[0]
+    for t, counts in evicted_at[1:]:
+        if t - start < window:
+            continue
+        span = t - start
+        evicted = {w: counts[w] - first.get(w, 0) for w in counts}
+        if all(evicted.values()):
+            out[start] = {w: capacity[w] * span / n for w, n in sorted(evicted.items())}
+        start, first = t, counts
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", default="affinity-balance")
@@ -83,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--view", default="ideal", choices=sorted(PRESETS))
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--top", type=int, default=15, help="largest held-not-used decisions listed")
+    ap.add_argument("--sample", type=int, default=200, help="decisions between cache samples")
     ap.add_argument("--json", default=str(RESULTS / "sim_loss_breakdown.json"))
     args = ap.parse_args(argv)
 
@@ -97,8 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     bt = spec.block_tokens
     pol = parse_policy(args.policy)
     seen: dict[str, dict] = {}
+    capacity: dict[str, int] = {}
+    copies: list[tuple[float, int, int]] = []  # (t, device blocks held, distinct blocks)
+    evicted_at: list[tuple[float, dict[str, int]]] = []  # (t, each engine's evictions so far)
 
     def observe(t, rreq, decision, router, engines) -> None:
+        if len(seen) % args.sample == 0:
+            held_blocks: Counter[int] = Counter()
+            for e in engines.values():
+                held_blocks.update(e.cache.device_blocks())
+            copies.append((t, sum(held_blocks.values()), len(held_blocks)))
+            evicted_at.append((t, {w: e.cache.counters["evicted"] for w, e in engines.items()}))
+            capacity.update({w: e.cache.capacity for w, e in engines.items()})
         hashes = [int(h) for h in rreq.block_hashes]
         held = {}
         for wid, e in engines.items():
@@ -192,6 +238,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"  t={r['t']:>7} {r['forgone']:>4}/{r['blocks']:<4} blocks {r['decision']:<10}"
                 f" TTFT {r['ttft_s']:>6} s  holder queue: {q or '-'}"
             )
+    dup_share = duplicate_share(copies)
+    lifetimes = cache_lifetimes(evicted_at, capacity)
+    if dup_share is not None:
+        print(f"\ndevice blocks that are copies of another engine's: {100 * dup_share:.2f} %")
+    if lifetimes:
+        spread = [max(w.values()) / min(w.values()) for w in lifetimes.values() if w]
+        print(
+            "cache lifetime per engine and 10-minute window (capacity / evictions), s:\n"
+            + "\n".join(
+                f"  {int(t0):>5} s: " + " ".join(f"{v:5.0f}" for v in w.values())
+                for t0, w in lifetimes.items()
+            )
+            + f"\n  longest / shortest in a window: {min(spread):.2f}-{max(spread):.2f}x"
+        )
     gaps = session_gaps(records, bt) if args.workload is None else []
     gap_q = [round(x, 1) for x in statistics.quantiles(gaps, n=20)] if len(gaps) > 20 else []
     if gap_q:
@@ -216,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         "evicted_before_admission_blocks": evicted,
         "largest": lost_rows[: args.top],
         "turn_gap_quantiles_s": gap_q,
+        "duplicate_share_of_device_blocks": dup_share,
+        "cache_lifetime_s_by_window": {str(int(k)): v for k, v in lifetimes.items()},
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -54,3 +54,26 @@ def test_breakdown_adds_up(tmp_path, capsys):
     assert sum(kv["held_not_used_blocks"].values()) > sum(default["held_not_used_blocks"].values())
     printed = capsys.readouterr().out
     assert "held, not used" in printed and "held nowhere" in printed
+    for r in (kv, default):
+        assert 0 <= r["duplicate_share_of_device_blocks"] < 1
+
+
+def test_duplicate_share_counts_copies_after_the_first_tenth():
+    mod = _load()
+    # (t, device blocks held, distinct): the first tenth (one sample of ten) is left out
+    samples = [(0.0, 10, 1)] + [(float(t), 100, 90) for t in range(1, 10)]
+    assert mod.duplicate_share(samples) == 0.1
+    assert mod.duplicate_share([]) is None
+
+
+def test_cache_lifetime_is_capacity_over_evictions_per_window():
+    mod = _load()
+    capacity = {"a": 1000, "b": 1000}
+    evicted_at = [
+        (0.0, {"a": 0, "b": 0}),
+        (300.0, {"a": 50, "b": 0}),  # inside the first window
+        (600.0, {"a": 100, "b": 50}),  # a: 100 evictions in 600 s -> 6,000 s; b: 12,000 s
+        (1200.0, {"a": 100, "b": 80}),  # a evicted nothing: no lifetime for this window
+    ]
+    got = mod.cache_lifetimes(evicted_at, capacity)
+    assert got == {0.0: {"a": 6000.0, "b": 12000.0}}
