@@ -10,6 +10,8 @@ process; the router runs as its own process, started with the same command line 
 * ``kvplug``: ``python -m kvplug.integrations.sglang.launch_router --policy kvplug`` (kvplug
   serve's default routing)
 * ``kvplug-kv``: the same with ``--router-mode kv`` (Dynamo's cost alone)
+* ``kvplug-protect`` (on request): the same with ``--router-affinity affinity-protect``, the
+  default routing before the balance guard
 
 The request stream is the start of the bundled Mooncake conversation trace (text prompts whose
 512-character blocks follow the trace's ``hash_ids``: byte-level tokens on the simulated
@@ -20,6 +22,7 @@ ratios to sglang-router (the baseline). JSON to ``benchmarks/results/sglang_rout
 
     python benchmarks/bench_sglang_router.py                     # 600 requests, 4 engines
     python benchmarks/bench_sglang_router.py --limit 100 --routers sglang-router kvplug
+    python benchmarks/bench_sglang_router.py --rounds 2  # ranges over rounds, order flipped each
 """
 
 from __future__ import annotations
@@ -150,10 +153,13 @@ def router_command(name: str, port: int, urls: list[str], block_size: int) -> li
         ]
     if name == "smg":
         return [sys.executable, "-m", "smg.launch_router", *common, "--policy", "cache_aware"]
-    if name in ("kvplug", "kvplug-kv"):
-        # kvplug: its default routing; kvplug-kv: Dynamo's cost alone (a kvplug serve flag the
-        # launcher passes through)
-        mode = ["--router-mode", "kv"] if name == "kvplug-kv" else []
+    if name in ("kvplug", "kvplug-kv", "kvplug-protect"):
+        # kvplug: its default routing; kvplug-kv: Dynamo's cost alone; kvplug-protect: the
+        # default before the balance guard (kvplug serve flags the launcher passes through)
+        mode = {
+            "kvplug-kv": ["--router-mode", "kv"],
+            "kvplug-protect": ["--router-affinity", "affinity-protect"],
+        }.get(name, [])
         return [
             sys.executable, "-m", "kvplug.integrations.sglang.launch_router", *common,
             "--policy", "kvplug", "--admin-port", str(free_port_run(1)), *mode,
@@ -333,12 +339,77 @@ def table(rows: list[dict], base: dict | None) -> str:
     return "\n".join(lines)
 
 
+def ranges(by_round: list[list[dict]], routers: list[str], base_name: str) -> list[dict]:
+    """Per router, the range over rounds of its hit rate and TTFT p99, and of its p99 against
+    the baseline's in the same round."""
+    out = []
+    for name in routers:
+        mine = [next((r for r in rs if r["router"] == name), None) for rs in by_round]
+        bases = [next((r for r in rs if r["router"] == base_name), None) for rs in by_round]
+        hit = [r["hit_rate"] for r in mine if r]
+        p99 = [r["ttft_p99_s"] for r in mine if r]
+        vs = [
+            r["ttft_p99_s"] / b["ttft_p99_s"] for r, b in zip(mine, bases, strict=True) if r and b
+        ]
+        out.append(
+            {
+                "router": name,
+                "rounds": len(hit),
+                "hit_rate": [min(hit), max(hit)] if hit else None,
+                "ttft_p99_s": [min(p99), max(p99)] if p99 else None,
+                "ttft_p99_vs_base": [min(vs), max(vs)] if vs else None,
+            }
+        )
+    return out
+
+
+def range_table(summary: list[dict]) -> str:
+    head = f"{'router':<15} {'hit rate':>15} {'TTFT p99':>17} {'p99 vs base':>13}"
+    head += "  (ranges over rounds)"
+    lines = [head, "-" * len(head)]
+    for s in summary:
+        if not s["hit_rate"]:
+            continue
+        hit = f"{s['hit_rate'][0]:.1%}-{s['hit_rate'][1]:.1%}"
+        p99 = f"{s['ttft_p99_s'][0]:.3f}-{s['ttft_p99_s'][1]:.3f}s"
+        vs = s["ttft_p99_vs_base"]
+        vs_text = f"{vs[0]:.2f}-{vs[1]:.2f}x" if vs else "-"
+        lines.append(f"{s['router']:<15} {hit:>15} {p99:>17} {vs_text:>13}")
+    return "\n".join(lines)
+
+
+def run_rounds(routers: list[str], rounds: int, run_one, what: str) -> list[dict]:
+    """Every router once per round, ``run_one(name)`` each; the order flips every round, so
+    neither side always runs on a machine warmed (or loaded) by the other."""
+    rows = []
+    for k in range(rounds):
+        for name in routers if k % 2 == 0 else routers[::-1]:
+            print(f"round {k + 1}/{rounds}, {name}: {what} ...", file=sys.stderr)
+            rows.append({**run_one(name), "round": k + 1})
+    return rows
+
+
+def report_rounds(rows: list[dict], routers: list[str], rounds: int, base_name: str, table):
+    """Print each round's table (ratios to ``base_name`` in that round) and, over several
+    rounds, the ranges; returns the ranges."""
+    by_round = [[r for r in rows if r["round"] == k + 1] for k in range(rounds)]
+    for k, round_rows in enumerate(by_round):
+        base = next((r for r in round_rows if r["router"] == base_name), None)
+        if rounds > 1:
+            print(f"round {k + 1}")
+        print(table(sorted(round_rows, key=lambda r: routers.index(r["router"])), base))
+    summary = ranges(by_round, routers, base_name)
+    if rounds > 1:
+        print(range_table(summary))
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--routers",
         nargs="+",
-        choices=["sglang-router", "smg", "kvplug", "kvplug-kv"],
+        choices=["sglang-router", "smg", "kvplug", "kvplug-kv", "kvplug-protect"],
         default=["sglang-router", "smg", "kvplug", "kvplug-kv"],
     )
     p.add_argument("--limit", type=int, default=600, help="trace requests (default 600)")
@@ -349,8 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speedup", type=float, default=1.0, help="trace arrival compression")
     p.add_argument("--max-output", type=int, default=64, help="cap on output tokens")
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--rounds", type=int, default=1, help="every router once per round, the order flipped"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds: >= 1")
     # sglang-router probes workers with HTTP/2 prior knowledge (gRPC detection): the simulated
     # engines answer 400 and aiohttp logs each one
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
@@ -363,12 +439,13 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "kvplug-bench-sglang-router"
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True)
-    rows = []
-    for name in routers:
-        print(f"{name}: {len(records)} requests on {args.engines} engines ...", file=sys.stderr)
-        rows.append(asyncio.run(run_router(name, args, records, texts, log_dir)))
-    base = next((r for r in rows if r["router"] == "sglang-router"), None)
-    print(table(rows, base))
+    rows = run_rounds(
+        routers,
+        args.rounds,
+        lambda name: asyncio.run(run_router(name, args, records, texts, log_dir)),
+        f"{len(records)} requests on {args.engines} engines",
+    )
+    summary_rows = report_rounds(rows, routers, args.rounds, "sglang-router", table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
@@ -377,8 +454,9 @@ def main(argv: list[str] | None = None) -> int:
                     k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                 },
                 "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
-                "baseline": "sglang-router" if base else None,
+                "baseline": "sglang-router" if "sglang-router" in routers else None,
                 "results": rows,
+                "ranges": summary_rows,
                 "router_logs": str(log_dir),
             },
             indent=2,

@@ -53,7 +53,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_sglang_router import (  # noqa: E402
     prompt_text,
     replay,
+    report_rounds,
     reset_engine_counters,
+    run_rounds,
     start_fleet,
     stop_router,
     summary,
@@ -159,45 +161,6 @@ def table(rows: list[dict], base: dict | None) -> str:
     return "\n".join(lines)
 
 
-def ranges(by_round: list[list[dict]], routers: list[str], base_name: str) -> list[dict]:
-    """Per router, the range over rounds of its hit rate and TTFT p99, and of its p99 against
-    the baseline's in the same round."""
-    out = []
-    for name in routers:
-        mine = [next((r for r in rs if r["router"] == name), None) for rs in by_round]
-        bases = [next((r for r in rs if r["router"] == base_name), None) for rs in by_round]
-        hit = [r["hit_rate"] for r in mine if r]
-        p99 = [r["ttft_p99_s"] for r in mine if r]
-        vs = [
-            r["ttft_p99_s"] / b["ttft_p99_s"] for r, b in zip(mine, bases, strict=True) if r and b
-        ]
-        out.append(
-            {
-                "router": name,
-                "rounds": len(hit),
-                "hit_rate": [min(hit), max(hit)] if hit else None,
-                "ttft_p99_s": [min(p99), max(p99)] if p99 else None,
-                "ttft_p99_vs_base": [min(vs), max(vs)] if vs else None,
-            }
-        )
-    return out
-
-
-def range_table(summary: list[dict]) -> str:
-    head = f"{'router':<15} {'hit rate':>15} {'TTFT p99':>17} {'p99 vs base':>13}"
-    head += "  (ranges over rounds)"
-    lines = [head, "-" * len(head)]
-    for s in summary:
-        if not s["hit_rate"]:
-            continue
-        hit = f"{s['hit_rate'][0]:.1%}-{s['hit_rate'][1]:.1%}"
-        p99 = f"{s['ttft_p99_s'][0]:.3f}-{s['ttft_p99_s'][1]:.3f}s"
-        vs = s["ttft_p99_vs_base"]
-        vs_text = f"{vs[0]:.2f}-{vs[1]:.2f}x" if vs else "-"
-        lines.append(f"{s['router']:<15} {hit:>15} {p99:>17} {vs_text:>13}")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS[:4]))
@@ -235,27 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "kvplug-bench-vllm-router"
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True)
-    rows = []
-    for k in range(args.rounds):
-        # the order flips every round, so neither side always runs on a machine warmed (or
-        # loaded) by the other
-        for name in routers if k % 2 == 0 else routers[::-1]:
-            print(
-                f"round {k + 1}/{args.rounds}, {name}: {len(records)} requests on "
-                f"{args.engines} engines ...",
-                file=sys.stderr,
-            )
-            row = asyncio.run(run_router(name, args, records, texts, log_dir))
-            rows.append({**row, "round": k + 1})
-    by_round = [[r for r in rows if r["round"] == k + 1] for k in range(args.rounds)]
-    for k, round_rows in enumerate(by_round):
-        base = next((r for r in round_rows if r["router"] == "vllm-router"), None)
-        if args.rounds > 1:
-            print(f"round {k + 1}")
-        print(table(sorted(round_rows, key=lambda r: routers.index(r["router"])), base))
-    summary_rows = ranges(by_round, routers, "vllm-router")
-    if args.rounds > 1:
-        print(range_table(summary_rows))
+    rows = run_rounds(
+        routers,
+        args.rounds,
+        lambda name: asyncio.run(run_router(name, args, records, texts, log_dir)),
+        f"{len(records)} requests on {args.engines} engines",
+    )
+    summary_rows = report_rounds(rows, routers, args.rounds, "vllm-router", table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
