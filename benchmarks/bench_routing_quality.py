@@ -14,6 +14,8 @@ router view and step-time end into ``docs/img/``.
     python benchmarks/bench_routing_quality.py --settings ideal --steptime causal
     python benchmarks/bench_routing_quality.py --smoke          # seconds: small slices
     python benchmarks/bench_routing_quality.py --workloads conversation --spread-seeds 0 1 2 3
+    python benchmarks/bench_routing_quality.py --trace synthetic=benchmarks/data/mooncake_synthetic_trace.jsonl.gz \
+        --plots docs/img/synthetic --json benchmarks/results/routing_quality_synthetic.json
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def verdict_table(runs: list[dict], policies: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     ap.add_argument("--policies", nargs="+", default=POLICIES)
     ap.add_argument("--settings", nargs="+", default=["ideal", "realistic"], choices=list(PRESETS))
     ap.add_argument("--steptime", nargs="+", default=["causal", "cached"])
@@ -130,10 +132,29 @@ def main(argv: list[str] | None = None) -> int:
         help="conversation trace: 0 = as stamped; N > 0 = its same-timestamp arrivals spread "
         "over the gap to the next (kvplug bench --spread-arrivals --seed N); one run per seed",
     )
+    ap.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="another Mooncake-format trace (JSONL, .gz) as workload NAME; repeatable, and "
+        "--workloads defaults to these alone when given",
+    )
     args = ap.parse_args(argv)
     if any(seed < 0 for seed in args.spread_seeds):
         ap.error("--spread-seeds: seeds are >= 0")
+    traces: dict[str, str] = {}
+    for item in args.trace:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not Path(path).is_file():
+            ap.error(f"--trace {item!r}: expected NAME=PATH of an existing file")
+        traces[name] = path
+    if traces and args.workloads == list(WORKLOADS):
+        args.workloads = list(traces)
 
+    unknown = [w for w in args.workloads if w not in WORKLOADS and w not in traces]
+    if unknown:
+        ap.error(f"--workloads: unknown {', '.join(unknown)} (known: {', '.join(WORKLOADS)})")
     runs = []
     t0 = time.perf_counter()
     combos = [(st, view) for st in args.steptime for view in args.settings]
@@ -143,14 +164,16 @@ def main(argv: list[str] | None = None) -> int:
             (name, seed)
             for name in args.workloads
             for seed in args.spread_seeds
-            if seed == 0 or WORKLOADS[name] is None  # only the trace has arrivals to spread
+            # only traces have arrivals to spread
+            if seed == 0 or WORKLOADS.get(name) is None
         ]
         for name, seed in runs_here:
             label = name if seed == 0 else f"{name} seed {seed}"
             spec = BenchSpec(
                 policies=list(args.policies),
                 n_engines=args.engines,
-                workload=WORKLOADS[name],
+                workload=WORKLOADS.get(name),
+                trace=traces.get(name),
                 limit=SMOKE_LIMIT if args.smoke else None,
                 link=PRESETS[view],
                 steptime=st,

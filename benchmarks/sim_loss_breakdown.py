@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", default="affinity-balance")
     ap.add_argument("--workload", default=None, help="a generated workload (default: the trace)")
+    ap.add_argument(
+        "--trace", default=None, help="a Mooncake-format trace file instead of the bundled one"
+    )
     ap.add_argument("--steptime", default="cached", help="causal or cached (default cached)")
     ap.add_argument("--view", default="ideal", choices=sorted(PRESETS))
     ap.add_argument("--engines", type=int, default=8)
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         policies=[args.policy],
         n_engines=args.engines,
         workload=args.workload,
+        trace=args.trace,
         link=PRESETS[args.view],
         steptime=args.steptime,
     )
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     print(
-        f"replaying {args.policy} on {args.workload or 'the conversation trace'} "
+        f"replaying {args.policy} on {args.workload or args.trace or 'the conversation trace'} "
         f"({len(records)} requests, {args.engines} engines, {args.steptime}, {args.view})...",
         flush=True,
     )
@@ -262,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "command": "python benchmarks/sim_loss_breakdown.py " + " ".join(argv or sys.argv[1:]),
         "policy": args.policy,
-        "workload": args.workload or "conversation",
+        "workload": args.workload or args.trace or "conversation",
         "steptime": args.steptime,
         "view": args.view,
         "engines": args.engines,

@@ -7,6 +7,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_routing_quality.py"
 
 
@@ -170,3 +172,27 @@ def test_tail_floor_smoke_and_no_request_beats_its_own_prefill(tmp_path, capsys)
     ]
     assert min(gaps) >= -1e-9
     assert sum(g < 1e-6 for g in gaps) > 10  # ... and many run alone at exactly their floor
+
+
+def test_a_trace_file_is_a_workload_of_its_own(tmp_path, capsys):
+    """--trace NAME=PATH replays a Mooncake-format file (here the synthetic trace kept in
+    benchmarks/data) as workload NAME, alone unless --workloads names others."""
+    bench = _load()
+    trace = SCRIPT.parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
+    out = tmp_path / "rq.json"
+    argv = ["--smoke", "--settings", "ideal", "--steptime", "causal", "--policies", "kv"]
+    argv += ["--jobs", "1", "--json", str(out), "--plots", "", "--trace", f"synthetic={trace}"]
+    assert bench.main(argv) == 0
+    runs = json.loads((tmp_path / "rq_smoke.json").read_text())["runs"]
+    assert [r["workload"] for r in runs] == ["synthetic"]
+    assert runs[0]["trace"]["requests"] == 300
+    assert runs[0]["trace"]["fleet_lru_hit_rate"] > 0  # the file's multi-turn prefixes repeat
+
+
+def test_a_bad_trace_argument_is_refused(tmp_path):
+    bench = _load()
+    for bad in ("synthetic", f"x={tmp_path / 'missing.jsonl'}"):
+        with pytest.raises(SystemExit):
+            bench.main(["--smoke", "--trace", bad, "--plots", "", "--json", str(tmp_path / "j")])
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--workloads", "nope", "--plots", "", "--json", str(tmp_path / "j")])
