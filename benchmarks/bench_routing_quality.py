@@ -14,7 +14,8 @@ router view and step-time end into ``docs/img/``.
     python benchmarks/bench_routing_quality.py --settings ideal --steptime causal
     python benchmarks/bench_routing_quality.py --smoke          # seconds: small slices
     python benchmarks/bench_routing_quality.py --workloads conversation --spread-seeds 0 1 2 3
-    python benchmarks/bench_routing_quality.py --trace synthetic=benchmarks/data/mooncake_synthetic_trace.jsonl.gz \
+    python benchmarks/bench_routing_quality.py \
+        --trace synthetic=benchmarks/data/mooncake_synthetic_trace.jsonl.gz \
         --plots docs/img/synthetic --json benchmarks/results/routing_quality_synthetic.json
 """
 

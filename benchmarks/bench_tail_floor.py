@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steptime", default="cached")
     ap.add_argument("--view", default="ideal", choices=list(PRESETS))
     ap.add_argument("--spread-seed", type=int, default=0, help="0 = the trace as stamped")
+    ap.add_argument(
+        "--trace", default=None, help="a Mooncake-format trace instead of the bundled one"
+    )
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--json", default="benchmarks/results/tail_floor.json")
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = BenchSpec(
         policies=list(args.policies),
         n_engines=args.engines,
+        trace=args.trace,
         link=PRESETS[args.view],
         steptime=args.steptime,
         limit=args.limit,

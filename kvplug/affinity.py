@@ -158,6 +158,11 @@ class AffinityParams:
     # costs one prefill per engine. A session's own history (a prefix no other prompt has left)
     # never moves for it, and a momentary queue is the TTFT guard's business
     balance: float = 0.0
+    # > 0: the spread also weighs each candidate's cache churn, the prompt blocks recently
+    # written to it (each routed request's uncached blocks, decayed with half_life), at this
+    # many times its follow-up rate (in blocks with weigh_followups): an engine that writes more
+    # evicts sooner, so a long cold prompt there pushes out blocks the other caches would keep
+    spread_churn: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.guard >= 0 and self.cap >= 0 and self.memory >= 0 and self.slack >= 0):
@@ -176,10 +181,11 @@ class AffinityParams:
             raise ValueError("affinity: spread and spread_kv must be >= 0 and half_life > 0")
         if (
             min(self.read_ms, self.spread_eps, self.protect, self.protect_blocks) < 0
-            or self.balance < 0
+            or min(self.balance, self.spread_churn) < 0
         ):
             raise ValueError(
-                "affinity: read_ms, spread_eps, protect, protect_blocks and balance must be >= 0"
+                "affinity: read_ms, spread_eps, protect, protect_blocks, balance and "
+                "spread_churn must be >= 0"
             )
         if self.spread_by not in SPREAD_BY:
             raise ValueError(f"affinity: spread_by must be one of {', '.join(SPREAD_BY)}")
@@ -387,6 +393,8 @@ class Affinity:
         # balance guard: endpoint -> (decayed count of requests routed there, at), and the sum
         self._routed: dict[int, tuple[float, float]] = {}
         self._routed_sum = (0.0, 0.0)
+        # spread_churn: endpoint -> (decayed count of prompt blocks written there, at)
+        self._written: dict[int, tuple[float, float]] = {}
 
     def choose(self, trace, b: int, blocks: int, hashes=None) -> int | None:
         """The candidate (an index into ``trace``'s) this request goes to instead of kv's pick
@@ -409,6 +417,9 @@ class Affinity:
             pick = self._protect(trace, overlap, blocks, b if pick is None else pick)
         if self.params.balance:
             self._count_routed(trace, b if pick is None else pick)
+        if self.params.spread_churn:
+            final = b if pick is None else pick
+            self._count_written(trace, final, blocks - overlap[final])
         if pick is None or pick == b:
             self.affinity_counters["kept_kv"] += 1
             return None
@@ -552,6 +563,11 @@ class Affinity:
         self._routed[ep] = (self._decayed(self._routed.get(ep, (0.0, now)), now) + 1.0, now)
         self._routed_sum = (self._decayed(self._routed_sum, now) + 1.0, now)
 
+    def _count_written(self, trace, i: int, blocks: float) -> None:
+        ep = int(trace.endpoints[i])
+        now = self._router._clock()
+        self._written[ep] = (self._decayed(self._written.get(ep, (0.0, now)), now) + blocks, now)
+
     def _crowded(self, trace, i: int) -> bool:
         """Balance guard: has candidate ``i`` been sent more requests recently than the fleet's
         mean per candidate by the ``balance`` share of it, and by at least BALANCE_MIN_EXCESS?"""
@@ -604,7 +620,8 @@ class Affinity:
         """A long cold prompt: among the candidate engines (``spread_by="followups"``: no more
         queued prefill than kv's pick and at most ``spread_kv`` more active KV blocks;
         ``"ttft"``: predicted to start it within ``spread_eps`` seconds of the soonest), the one
-        with the fewest recent follow-ups (None: kv's pick stands, ties included)."""
+        with the fewest recent follow-ups, plus ``spread_churn`` times its recently written
+        blocks (None: kv's pick stands, ties included)."""
         params = self.params
         if not params.spread:
             return None
@@ -632,7 +649,18 @@ class Affinity:
         if b in candidates:
             candidates.insert(0, b)  # min() keeps the first of equals: a tie keeps kv's pick
         now = router._clock()
-        best = min(candidates, key=lambda i: self._followup_rate(eps[i], now))
+        churn = params.spread_churn
+        if churn:
+            written = self._written
+            best = min(
+                candidates,
+                key=lambda i: (
+                    self._followup_rate(eps[i], now)
+                    + churn * self._decayed(written.get(eps[i], (0.0, now)), now)
+                ),
+            )
+        else:
+            best = min(candidates, key=lambda i: self._followup_rate(eps[i], now))
         if best == b:
             return None
         self.affinity_counters["spread"] += 1

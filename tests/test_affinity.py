@@ -740,3 +740,62 @@ def test_balance_guard_forgets_request_rates_with_the_half_life():
     # right away w1 is crowded (5 of 5 sessions); ten half-lives later its count has decayed
     # under the floor of 2 requests over the mean, and the session follows the prefix again
     assert went == {0.0: "w2", 100.0: "w1"}
+
+
+def _churn_fleet(params: AffinityParams):
+    """Two engines each holding an unrelated prefix (so prompts are looked up), a clock, and
+    affinity over kv."""
+    clock = FakeClock()
+    r = make_router(workers=("w1", "w2"), clock=clock)
+    store_prefix(r, "w1", tokens(3, start=90_000), 2)
+    store_prefix(r, "w2", tokens(3, start=95_000), 2, engine_base=100)
+    return r, clock, AffinityRouter(r, params)
+
+
+def _run_cold(r, aff, tag: str, blocks: int, start: int, busy: str | None = None) -> str:
+    """A cold prompt of ``blocks`` blocks, routed and finished; ``busy``: that engine has a few
+    active KV blocks meanwhile, so kv picks the other one."""
+    if busy:
+        _decoding(r, busy, 2, f"{tag}-busy")
+    went = aff.route(RouteRequest(tag, tokens(blocks, start=start))).worker_id
+    r.on_first_token(tag)
+    r.on_finish(tag)
+    if busy:
+        r.on_finish(f"{tag}-busy")
+    return went
+
+
+def test_spread_churn_sends_a_long_cold_prompt_off_the_engine_just_written_to():
+    for churn, expected in ((0.0, "w1"), (1.0, "w2")):
+        r, _, aff = _churn_fleet(AffinityParams(spread=0.001, spread_churn=churn))
+        assert _run_cold(r, aff, "a", 10, 1_000, busy="w2") == "w1"  # kv's pick: 10 blocks on w1
+        # kv picks w1 again (w2 busy); no follow-ups anywhere: the follow-up spread ties and
+        # keeps kv's pick, the churn sees the 10 blocks just written to w1
+        nxt = RouteRequest("b", tokens(10, start=2_000))
+        _decoding(r, "w2", 2, "b-busy")
+        assert r.preview(nxt).worker_id == "w1"
+        assert aff.route(nxt).worker_id == expected, churn
+
+
+def test_spread_churn_forgets_written_blocks_with_the_half_life():
+    went = {}
+    for half_life in (10.0, 1e9):
+        params = AffinityParams(spread=0.001, spread_churn=1.0, half_life=half_life)
+        r, clock, aff = _churn_fleet(params)
+        assert _run_cold(r, aff, "a", 10, 1_000, busy="w2") == "w1"  # 10 blocks to w1
+        clock.advance(100.0)
+        assert _run_cold(r, aff, "c", 5, 3_000, busy="w1") == "w2"  # 5 blocks to w2
+        _decoding(r, "w1", 2, "b-busy")  # kv picks w2
+        went[half_life] = aff.route(RouteRequest("b", tokens(10, start=2_000))).worker_id
+    # ten half-lives on, w1's 10 blocks count 0.01 against w2's fresh 5 (the churn moves the
+    # prompt to w1); without decay, 10 (kv's pick stands)
+    assert went == {10.0: "w1", 1e9: "w2"}
+
+
+def test_spread_churn_parses_and_a_negative_weight_is_refused():
+    from kvplug.affinity import parse_affinity
+
+    assert parse_affinity("affinity-balance:spread_churn=0.5").spread_churn == 0.5
+    assert parse_affinity("affinity-balance").spread_churn == 0.0
+    with pytest.raises(ValueError, match="spread_churn"):
+        parse_affinity("affinity-balance:spread_churn=-1")
