@@ -106,6 +106,10 @@ class AffinityParams:
     tail: float = 0.0  # > 0: the TTFT guard (quantile of kv's predicted TTFT) replaces the cap
     slack: float = 0.5  # seconds of predicted TTFT above kv's pick always allowed (tail mode)
     window: int = 2000  # decisions the tail quantile is taken over
+    # tau is used once the pool holds this many samples above the tail quantile (window
+    # permitting); before, only the slack lets a request wait for its cache. 10 is cautious
+    # (500 decisions at tail 0.98, a router's first minutes); 1 trusts a shorter history
+    warm: float = 10.0
     # whose predicted TTFT at kv's pick tau is the quantile of: "choice" (decisions where a
     # longer prefix was on offer), "all" (every routed request) or "cold" (requests no engine
     # holds min_share of: the population that sets the TTFT tail and no placement speeds up)
@@ -175,6 +179,8 @@ class AffinityParams:
             raise ValueError("affinity: tail must be in [0, 1)")
         if self.window < 1:
             raise ValueError("affinity: window must be >= 1")
+        if not self.warm > 0:
+            raise ValueError("affinity: warm must be > 0")
         if self.rescue < 0:
             raise ValueError("affinity: rescue must be >= 0")
         if self.spread < 0 or self.half_life <= 0 or self.spread_kv < 0:
@@ -230,7 +236,14 @@ AFFINITY_PRESETS["affinity-protect"] = {
 # affinity-protect with the balance guard: a prefix other sessions share (a system prompt, tool
 # definitions) does not pin new sessions to an engine already sent half again its share of
 # requests (docs/sim.md: issue 14's sixth pass; the default routing)
-AFFINITY_PRESETS["affinity-balance"] = {**AFFINITY_PRESETS["affinity-protect"], "balance": 0.5}
+AFFINITY_PRESETS["affinity-balance"] = {
+    **AFFINITY_PRESETS["affinity-protect"],
+    "balance": 0.5,
+    # the tail taken after 50 decisions, not 500: until then only the 0.5 s slack lets a
+    # follow-up wait for its cache, and the sessions scattered then stay scattered (issue 14's
+    # seventh pass)
+    "warm": 1,
+}
 AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
@@ -598,9 +611,9 @@ class Affinity:
     def _tau(self) -> float:
         """The ``tail`` quantile of the remembered TTFT predictions at kv's pick (0 = none
         yet: a quantile of a handful of samples is their maximum, so none until the tail has
-        ten samples above it or the window is full)."""
+        ``warm`` samples above it or the window is full)."""
         history = self._kv_ttft
-        warm = min(self.params.window, math.ceil(10 / (1 - self.params.tail)))
+        warm = min(self.params.window, math.ceil(self.params.warm / (1 - self.params.tail)))
         if self.params.pool == "choice":
             warm = 1  # as first measured (its pool fills slowly: a warm-up costs it hits)
         return history.quantile(self.params.tail) if len(history) >= warm else 0.0

@@ -211,6 +211,18 @@ def test_pool_all_has_no_tau_until_the_tail_has_ten_samples_above_it():
     assert aff.route(RouteRequest("x", toks)).worker_id == "w2"
 
 
+def test_warm_sets_how_many_samples_above_the_tail_tau_waits_for():
+    # the same nine samples: with warm=1 a tail of 0.5 needs 2 of them, so tau (5 s) lets the
+    # request wait behind w1's queue for its cache; warm=10 (the default) still moves it
+    for warm, went in ((1.0, "w1"), (10.0, "w2")):
+        r, toks = _setup(20)
+        aff = AffinityRouter(r, AffinityParams(tail=0.5, slack=0.0, pool="all", warm=warm))
+        aff._kv_ttft.extend([5.0] * 8)
+        assert aff.route(RouteRequest("x", toks)).worker_id == went, warm
+    with pytest.raises(ValueError, match="warm"):
+        AffinityParams(warm=0)
+
+
 def _rescue_setup():
     """kv picks w1 (20 queued prefill blocks cost less than w2's 60 decoding ones), where the
     prompt waits for someone's prefill; on w2 it starts at once."""
@@ -525,7 +537,9 @@ def test_affinity_balance_is_affinity_protect_with_the_balance_guard_and_the_def
     from kvplug.affinity import parse_affinity
     from kvplug.config import RouterConfig
 
-    assert parse_affinity("affinity-balance") == parse_affinity("affinity-protect:balance=0.5")
+    assert parse_affinity("affinity-balance") == parse_affinity(
+        "affinity-protect:balance=0.5,warm=1"
+    )
     assert parse_affinity("affinity-protect").balance == 0.0
     assert RouterConfig().router_affinity == "affinity-balance"
     with pytest.raises(ValueError, match="balance"):
