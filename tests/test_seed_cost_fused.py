@@ -85,7 +85,9 @@ def test_decisions_are_the_same_with_and_without_the_compiled_call():
     rng = np.random.default_rng(7)
     made = {}
     for fused in (True, False):
-        router = Router(RouterConfig(), rng=random.Random(3))
+        # a fixed clock: the default routing's TTFT guard reads elapsed times, which a wall
+        # clock makes differ between the two runs once its latency tail is in use
+        router = Router(RouterConfig(), rng=random.Random(3), clock=lambda: 1000.0)
         for i in range(6):
             router.add_worker(Worker(worker_id=f"w{i}"))
         seed_cost(router, fused)
