@@ -428,10 +428,10 @@ class Affinity:
             pick = self._rescue(trace, overlap, blocks, b if pick is None else pick)
         if (self.params.protect or self.params.protect_blocks) and self.params.tail:
             pick = self._protect(trace, overlap, blocks, b if pick is None else pick)
+        final = b if pick is None else pick  # where the request goes
         if self.params.balance:
-            self._count_routed(trace, b if pick is None else pick)
+            self._count_routed(trace, final)
         if self.params.spread_churn:
-            final = b if pick is None else pick
             self._count_written(trace, final, blocks - overlap[final])
         if pick is None or pick == b:
             self.affinity_counters["kept_kv"] += 1
