@@ -9,6 +9,7 @@ engine holds (or a safe subset after unrecoverable loss), never crashing.
 from __future__ import annotations
 
 import struct
+import threading
 import time
 
 import pytest
@@ -527,3 +528,58 @@ def test_events_ready_only_while_the_subscriber_thread_runs():
     finally:
         adapter.subscriber.stop()
         eng.pub.close()
+
+
+
+def test_replay_answered_while_a_backlog_is_drained_is_not_timed_out():
+    """Engine e1 has a gap; e2 a long backlog for a slow sink, drained in the same round right
+    after e1's replay was asked for. e1 answers at once, but its replies wait in the socket
+    while e2's backlog is drained past the replay's timeout: e1 was not silent, so no rank
+    clear and nothing missed. (Before: the timeout fired right after the drain and e1's rank
+    was cleared; the fault_subscriber hwm scenario failed that way on a loaded CI machine.)"""
+    e1, e2 = Engine("e1"), Engine("e2", replay=False)
+    m1, m2 = Mirror(), Mirror()
+
+    def slow_sink(events):
+        time.sleep(0.02)  # 25 flushes of 8 batches: e2's drain outlasts the timeout 5-fold
+        m2(events)
+
+    sub = VllmSubscriber(flush_every=8, replay_timeout=0.1)
+    stop = threading.Event()
+
+    def serve_replays():
+        while not stop.is_set():
+            e1.pub.serve_replay(5)
+
+    server = threading.Thread(target=serve_replays)
+    try:
+        for eng, sink in ((e1, m1), (e2, slow_sink)):  # e1's socket first: drained first
+            for src in eng.sources(sink):
+                sub.add(src)  # not started: the SUB sockets connect now
+        for sock, eng in zip(sub._by_socket, (e1, e2), strict=True):
+            end = time.monotonic() + 20
+            while not sock.poll(20):
+                assert time.monotonic() < end, "a SUB socket heard no probe"
+                eng.pub.send_raw([b"probe"])
+            while sock.poll(200):
+                sock.recv_multipart()
+        e1.pub.auto_serve = False  # from here only the server thread answers replays
+        e1.store([1])
+        e1.store([2], send=False)  # lost: the gap shows at the next batch
+        e1.store([3])
+        for i in range(200):
+            e2.store([1000 + i])
+        time.sleep(0.3)  # everything waits in the SUB queues
+        server.start()
+        sub.start()
+        assert wait_for(lambda: m2.hashes("e2") == e2.truth, 20.0)
+        assert wait_for(lambda: m1.hashes("e1") == e1.truth, 20.0)
+    finally:
+        stop.set()
+        if server.is_alive():
+            server.join(5)
+        sub.stop()
+    st = sub.stats()["streams"]["e1/0"]
+    assert st["gaps"] == 1 and st["replays"] == 1
+    assert (st["replay_failures"], st["missed_batches"]) == (0, 0)
+    assert not any(isinstance(e, AllCleared) for e in m1.events)

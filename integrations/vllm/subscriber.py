@@ -211,7 +211,8 @@ class VllmSubscriber:
 
     ``add(source)`` / ``remove(worker_id)`` may be called from any thread at any time.
     ``replay_timeout``: how long live batches wait for a replay reply (a replay that keeps
-    delivering is not cut short) before the gap is declared lost
+    delivering is not cut short, nor one whose replies wait while this thread drains a
+    backlog) before the gap is declared lost
     (then the rank is cleared, so the index never claims blocks it may have missed removals
     of). ``catch_up``: when the first batch seen from a stream is not seq 0, ask for a replay
     from 0 (the engine keeps the last ``buffer_steps`` batches). ``max_drain``: messages taken
@@ -895,6 +896,11 @@ class VllmSubscriber:
         now = time.monotonic()
         for st in self._streams.values():
             if st.replaying and now > st.replay_deadline:
+                if st.replay_sock is not None and st.replay_sock.poll(0):
+                    # replies wait unread: the time passed draining a backlog here (the
+                    # situation that makes gaps), not in silence from the engine
+                    st.replay_deadline = now + self.replay_timeout
+                    continue
                 log.warning(
                     "vLLM events: replay from %s rank %d timed out",
                     st.src.worker_id,
