@@ -77,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--trace", default=None, help="a Mooncake-format trace instead of the bundled one"
     )
+    ap.add_argument(
+        "--workload",
+        default=None,
+        help="a generated workload (multi-turn, agentic, shared-prefix, doc-qa) instead of a trace",
+    )
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--json", default="benchmarks/results/tail_floor.json")
@@ -85,10 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--policies: the first policy is the reference and must be kv")
     if args.spread_seed < 0:
         ap.error("--spread-seed: >= 0")
+    if args.workload and (args.trace or args.spread_seed):
+        ap.error("--workload: generated arrivals; not with --trace or --spread-seed")
 
     spec = BenchSpec(
         policies=list(args.policies),
         n_engines=args.engines,
+        workload=args.workload,
         trace=args.trace,
         link=PRESETS[args.view],
         steptime=args.steptime,
@@ -121,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     head = "| policy | TTFT p99 s | vs kv | floor p99 s | above kv's p99 | floor above | "
     head += "waited: cold / follow-up (mean s) | cold > 5 s: excess mean / p90 s |"
     print(
-        f"\n{args.steptime}, view {args.view}, spread seed {args.spread_seed}, "
+        f"\n{args.workload or 'trace'}, {args.steptime}, view {args.view}, "
+        f"spread seed {args.spread_seed}, "
         f"{rows[0]['requests']} requests"
     )
     print(head)

@@ -530,7 +530,6 @@ def test_events_ready_only_while_the_subscriber_thread_runs():
         eng.pub.close()
 
 
-
 def test_replay_answered_while_a_backlog_is_drained_is_not_timed_out():
     """Engine e1 has a gap; e2 a long backlog for a slow sink, drained in the same round right
     after e1's replay was asked for. e1 answers at once, but its replies wait in the socket
