@@ -144,6 +144,42 @@ async def test_bad_entries_are_counted_and_static_workers_kept(etcd_url):
             await discovery.close()
 
 
+async def test_registration_comes_back_after_its_lease_is_lost(etcd_url):
+    """A lease lost while the engine lives (etcd away or this process stalled past the TTL;
+    here revoked from outside, which is the same to etcd): etcd deletes the entry and answers
+    the next keep-alive with TTL 0, not an error. The registration puts the entry again under a
+    new lease and a watching router sees the worker leave and come back."""
+    import aetcd
+
+    async with serving(0) as h:
+        discovery = EtcdDiscovery(h.frontend.fleet, etcd_url, namespace="t", default_engine="stub")
+        await _started(discovery)
+        spec = {"id": "w9", "url": "http://127.0.0.1:1", "engine": "stub"}
+        reg = EtcdRegistration(etcd_url, spec, namespace="t", ttl=3)
+        await _started(reg)
+        host, port = parse_etcd_url(etcd_url)
+        client = aetcd.Client(host=host, port=port)
+        await client.connect()
+        key = (workers_prefix("t") + "w9").encode()
+        try:
+            await _until(lambda: "w9" in h.frontend.fleet.workers)
+            lost = reg._lease.id
+            await client.revoke_lease(lost)
+            assert await client.get(key) is None  # gone from etcd
+            deadline = asyncio.get_running_loop().time() + 10  # > ttl / 3 and a put
+            while (value := await client.get(key)) is None:
+                assert asyncio.get_running_loop().time() < deadline, "the entry never came back"
+                await asyncio.sleep(0.1)
+            assert json.loads(value.value) == spec
+            assert reg._lease.id != lost and reg.reregistrations == 1
+            await _until(lambda: discovery.mirror.stats.removed >= 1, timeout=10)
+            await _until(lambda: "w9" in h.frontend.fleet.workers, timeout=10)
+        finally:
+            await client.close()
+            await reg.close()
+            await discovery.close()
+
+
 def test_discovery_urls():
     assert parse_etcd_url("etcd://10.0.0.1:2379") == ("10.0.0.1", 2379)
     assert parse_etcd_url("etcd://etcd") == ("etcd", 2379)

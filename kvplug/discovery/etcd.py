@@ -72,13 +72,18 @@ class EtcdRegistration:
         self._client: Any = None
         self._lease: Any = None
         self._keepalive: asyncio.Task | None = None
+        self.reregistrations = 0  # times the lease was found expired and the entry put again
 
     async def start(self, timeout: float = 5.0) -> None:
         self._client = await _client(self.url, timeout)
-        self._lease = await self._client.lease(self.ttl)
-        await self._client.put(self.key, json.dumps(self.spec).encode(), lease=self._lease)
+        await self._register()
         self._keepalive = asyncio.create_task(self._refresh(), name="kvplug-etcd-keepalive")
         log.info("registered %s in etcd (lease %d s)", self.key.decode(), self.ttl)
+
+    async def _register(self) -> None:
+        """A fresh lease and the entry under it."""
+        self._lease = await self._client.lease(self.ttl)
+        await self._client.put(self.key, json.dumps(self.spec).encode(), lease=self._lease)
 
     async def update(self, spec: dict[str, Any]) -> None:
         """Rewrite the entry under the same lease (e.g. ``"draining": true`` before leaving)."""
@@ -89,7 +94,14 @@ class EtcdRegistration:
         while True:
             await asyncio.sleep(self.ttl / 3)
             try:
-                await self._lease.refresh()
+                reply = await self._lease.refresh()
+                if reply is not None and reply.TTL <= 0:
+                    # etcd answers a keep-alive of an expired (or revoked) lease with TTL 0,
+                    # not an error, and has deleted the entry: etcd was away or this process
+                    # stalled for longer than the TTL. The engine is alive, so register again
+                    log.warning("etcd lease of %s expired; registering again", self.key.decode())
+                    await self._register()
+                    self.reregistrations += 1
             except Exception as exc:  # etcd away: the key expires unless it comes back in time
                 log.warning("etcd lease refresh failed: %s", exc)
 
