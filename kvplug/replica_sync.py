@@ -50,6 +50,7 @@ class SyncStats:
     dropped_unknown_worker: int = 0  # a peer routed to a worker this replica does not know
     dropped_malformed: int = 0
     expired_peers: int = 0
+    late_heartbeats: int = 0  # ticks this event loop was too late for to judge peers' silence
     peers: dict[str, float] = field(default_factory=dict)  # peer id -> last heard (monotonic)
 
 
@@ -232,6 +233,7 @@ class ReplicaLoad:
             "dropped_unknown_worker": st.dropped_unknown_worker,
             "dropped_malformed": st.dropped_malformed,
             "expired_peers": st.expired_peers,
+            "late_heartbeats": st.late_heartbeats,
             "peers": len(st.peers),
             "remote_inflight": self.remote_inflight(),
         }
@@ -357,12 +359,24 @@ class LoadSync(ReplicaLoad):
                     log.warning("load sync: publish failed (%s); %d events lost", exc, len(events))
 
     async def _heartbeats(self) -> None:
+        loop = asyncio.get_running_loop()
+        skipped = False
         while True:
+            slept = loop.time()
             await asyncio.sleep(self.heartbeat_s)
+            late = loop.time() - slept - self.heartbeat_s
             try:
                 await self._publish([])
             except Exception as exc:
                 log.debug("load sync: heartbeat failed: %s", exc)
+            if late > self.heartbeat_s and not skipped:
+                # this event loop stalled: the peers' heartbeats of the meantime wait unread
+                # in the socket, so their silence is ours; expire on the next tick, after them
+                # (one tick only: a loop late every time still releases a dead peer's load)
+                self.stats.late_heartbeats += 1
+                skipped = True
+                continue
+            skipped = False
             self.expire_silent_peers()
 
     # -- peers' requests -------------------------------------------------------------------------

@@ -133,6 +133,25 @@ async def test_a_replica_that_dies_has_its_load_released(nats_url):
         await syncs[1].close()
 
 
+async def test_a_stall_of_this_event_loop_does_not_expire_live_peers(nats_url):
+    """The loop blocks for longer than the expiry while the peer lives: the peer's heartbeats
+    of the meantime wait unread in the socket, so its silence is this replica's. The first
+    heartbeat tick after the stall is late and expires nobody; the peer's requests stay."""
+    a, b = _router(), _router()
+    syncs = await _replicas(nats_url, [a, b], heartbeat_s=0.2, expiry_s=1.0)
+    try:
+        for i in range(3):
+            a.route(RouteRequest(f"q{i}", list(range(40))))
+        await _until(lambda: len(b.load.requests) == 3)
+        time.sleep(1.6)  # a blocking call on the loop: a GC pause, a long decode, CPU starved
+        await asyncio.sleep(1.0)  # the ticks after it, the peer's heartbeats read meanwhile
+        assert syncs[1].stats.expired_peers == 0 and len(b.load.requests) == 3
+        assert syncs[1].stats.late_heartbeats >= 1
+    finally:
+        for s in syncs:
+            await s.close()
+
+
 async def test_a_replica_that_stops_cleanly_releases_at_once(nats_url, caplog):
     a, b = _router(), _router()
     syncs = await _replicas(nats_url, [a, b], expiry_s=60)
