@@ -115,3 +115,47 @@ async def test_nested_deadlines_expire_where_they_were_set():
 
     with pytest.raises(asyncio.TimeoutError):
         await within(outer_expires(), 0.01)
+
+
+def _loops():
+    loops = [asyncio.new_event_loop]
+    try:
+        import uvloop  # kvplug serve's loop when installed: its timers run before the I/O poll
+    except ImportError:  # pragma: no cover - the serve extra
+        return loops
+    return [*loops, uvloop.new_event_loop]
+
+
+@pytest.mark.parametrize("new_loop", _loops())
+def test_an_answer_that_came_while_the_loop_was_blocked_is_not_a_timeout(new_loop):
+    """The loop blocks past the deadline (a GC pause, a long decode); the awaited answer comes
+    in from elsewhere during the block. The deadline's timer runs late: the caller gets the
+    answer, not a TimeoutError (before: the timer ran first and cancelled it)."""
+    import threading
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        threading.Timer(0.1, loop.call_soon_threadsafe, (answer.set_result, 7)).start()
+        loop.call_later(0.02, time.sleep, 0.4)  # blocks the loop from 0.02 s to 0.42 s
+        return await within(answer, 0.2)
+
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        assert runner.run(scenario()) == 7
+
+
+@pytest.mark.parametrize("new_loop", _loops())
+def test_a_blocked_loop_with_nothing_come_still_times_out(new_loop):
+    """The same block with no answer: the deadline is judged again and expires."""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.02, time.sleep, 0.4)
+        t0 = loop.time()
+        with pytest.raises(asyncio.TimeoutError):
+            await within(loop.create_future(), 0.2)
+        return loop.time() - t0
+
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        # 0.42 s blocked (0.22 s past the deadline, given back), then the deadline expires
+        assert 0.6 < runner.run(scenario()) < 1.5

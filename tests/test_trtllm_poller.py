@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -41,6 +43,7 @@ class FakeTrtllmWorker:
         self.garbage_next = False
         self.raw_answers: list[bytes] = []  # served verbatim, one per poll, before events
         self.hold = 0.0
+        self.on_poll: Callable[[], None] | None = None  # called as each poll arrives
         self.inflight = 0
         self.max_inflight = 0
         self.polls = 0
@@ -52,6 +55,8 @@ class FakeTrtllmWorker:
         self.max_inflight = max(self.max_inflight, self.inflight)
         try:
             self.polls += 1
+            if self.on_poll is not None:
+                self.on_poll()
             if self.hold:
                 await asyncio.sleep(self.hold)
             if self.raw_answers:
@@ -405,3 +410,52 @@ async def test_a_stopped_poller_shows_in_ready_and_metrics(fake):
             assert 'reason="poller_stopped",worker="trt"} 1.0' in text
     finally:
         await running.close()
+
+
+async def test_a_timed_out_poll_clears_every_rank(fake):
+    """An answer later than the poll's timeout may have drained events: cleared, counted."""
+    got: list = []
+    async with aiohttp.ClientSession() as session:
+        poller = TrtllmPoller(
+            fake.url, TrtllmDecoder("t", 4), got.extend, session=session, timeout=0.2
+        )
+        fake.events = _drains()[0]
+        assert await poller.poll_once() > 0  # rank 0 seen: it has blocks to clear
+        n = len(got)
+        fake.hold = 1.0
+        assert await poller.poll_once() == 0
+        assert got[n:] == [AllCleared(worker_id="t", dp_rank=0)]
+        assert poller.counts["lost_answers"] == 1
+
+
+async def test_a_stall_of_this_loop_does_not_lose_an_answer_that_came_meanwhile():
+    """The engine answers at once, but this event loop is blocked past the poll's timeout (a GC
+    pause, a long decode of another worker's drain). The answer waited in the socket: it is
+    read, not cancelled and counted as lost (which clears the worker's blocks: TRT-LLM cannot
+    replay them). The fake engine runs on a loop of its own, in another thread."""
+    import threading
+
+    engine_loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=engine_loop.run_forever, daemon=True)
+    thread.start()
+    worker = asyncio.run_coroutine_threadsafe(FakeTrtllmWorker().start(), engine_loop).result(10)
+    try:
+        worker.events = _drains()[0]
+        got: list = []
+        async with aiohttp.ClientSession() as session:
+            poller = TrtllmPoller(
+                worker.url, TrtllmDecoder("t", 4), got.extend, session=session, timeout=0.3
+            )
+            # the poll arrives: this loop blocks for 0.8 s while the engine answers at once
+            here = asyncio.get_running_loop()
+            worker.on_poll = lambda: here.call_soon_threadsafe(time.sleep, 0.8)
+            assert await poller.poll_once() > 0
+        # exactly what the drain decodes to (its own first event is a clear: the engine's
+        # start), and no clear for a lost answer after it
+        assert got == TrtllmDecoder("t", 4).decode(_drains()[0])
+        assert poller.counts["lost_answers"] == 0
+    finally:
+        asyncio.run_coroutine_threadsafe(worker.stop(), engine_loop).result(10)
+        engine_loop.call_soon_threadsafe(engine_loop.stop)
+        thread.join(10)
+        engine_loop.close()

@@ -37,6 +37,7 @@ import msgspec
 from kvplug.integrations.common import DECODE_ERRORS
 
 from kvplug import KvEvent
+from kvplug.frontend.timeouts import within
 
 from .events import TrtllmDecoder
 
@@ -113,13 +114,12 @@ class TrtllmPoller:
     async def poll_once(self) -> int:
         """One drain. Returns how many envelopes it carried (0 on error)."""
         try:
-            async with self.session.post(
-                self.url, timeout=aiohttp.ClientTimeout(total=self.timeout)
-            ) as resp:
-                if resp.status != 200:
-                    self._lost(f"HTTP {resp.status}")
-                    return 0
-                body = await resp.content.read(MAX_BODY + 1)
+            # the deadline is ``within``'s, which a stall of this loop does not fire (the
+            # answer drains the engine's queue: one cancelled by our own stall is lost)
+            status, body = await within(self._post(), self.timeout)
+            if status != 200:
+                self._lost(f"HTTP {status}")
+                return 0
         except aiohttp.ClientConnectorError as exc:
             # nothing was sent, nothing drained: the worker is down (or not up yet)
             self.counts["connect_errors"] += 1
@@ -151,6 +151,12 @@ class TrtllmPoller:
         if events:
             self.deliver(events)
         return len(envelopes)
+
+    async def _post(self) -> tuple[int, bytes]:
+        async with self.session.post(self.url, timeout=aiohttp.ClientTimeout(total=None)) as resp:
+            if resp.status != 200:
+                return resp.status, b""
+            return 200, await resp.content.read(MAX_BODY + 1)
 
     def _lost(self, why: str) -> None:
         """An answer that may have drained events we never saw: clear and resync."""

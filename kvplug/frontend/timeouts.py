@@ -8,7 +8,9 @@ loop's clock, reschedule) still costs ~6 us a call under uvloop, on every reques
 (~2 us), with ``asyncio.timeout``'s semantics: an expired deadline raises ``TimeoutError``
 (``asyncio.TimeoutError``) in the caller, and a cancellation of the caller that arrives as well
 (``Task.cancelling()`` grew) stays a cancellation. On 3.10 (no ``Task.uncancel``) it is
-``wait_for``.
+``wait_for``. A deadline that passed while the loop itself was blocked (its timer ran late)
+gets the blocked time back (``STALL_S``), so a stall of this process is not taken for a silent
+engine.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 T = TypeVar("T")
+
+# A deadline timer running this late means the event loop was blocked, not the awaited peer
+# silent (a GC pause, a long decode, a starved process): the blocked time is given back to the
+# deadline, up to STALL_GRACES times (a loop blocked again and again still times out).
+STALL_S = 0.1
+STALL_GRACES = 3
 
 if sys.version_info >= (3, 11):
 
@@ -32,14 +40,25 @@ if sys.version_info >= (3, 11):
             raise RuntimeError("within() must run inside a task")
         cancelling = task.cancelling()
         fired = False
+        loop = task.get_loop()
+        graces = 0
 
         # a closure: a callable object measured ~1 us slower per call_later under uvloop
         def expire() -> None:
-            nonlocal fired
+            nonlocal fired, timer, graces
+            late = loop.time() - timer.when()
+            if late > STALL_S and graces < STALL_GRACES:
+                # this loop was blocked past the deadline (at least ``late`` seconds): that
+                # time is given back, up to the whole deadline. What ``aw`` waits for may have
+                # come in meanwhile (a due timer runs before the step that would deliver it),
+                # or never left: a request the stall kept from being sent
+                graces += 1
+                timer = loop.call_later(min(late, seconds), expire)
+                return
             fired = True
             task.cancel()
 
-        timer = task.get_loop().call_later(seconds, expire)
+        timer = loop.call_later(seconds, expire)
         try:
             return await aw
         except asyncio.CancelledError as exc:
