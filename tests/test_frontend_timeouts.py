@@ -159,3 +159,45 @@ def test_a_blocked_loop_with_nothing_come_still_times_out(new_loop):
     with asyncio.Runner(loop_factory=new_loop) as runner:
         # 0.42 s blocked (0.22 s past the deadline, given back), then the deadline expires
         assert 0.6 < runner.run(scenario()) < 1.5
+
+
+async def test_a_health_probe_answered_while_the_loop_was_blocked_passes():
+    """Upstream.get (health probes, model discovery): the engine answers at once, but this loop
+    blocks for longer than the probe's timeout as the probe arrives. The answer waited in the
+    socket: 200, not a failed probe (a worker never seen up is marked down on its first). The
+    engine runs on a loop of its own, in another thread."""
+    import threading
+
+    from aiohttp import web
+
+    from kvplug.frontend.upstream import Upstream
+
+    here = asyncio.get_running_loop()
+
+    async def health(request):
+        here.call_soon_threadsafe(time.sleep, 0.8)  # this loop blocks as the probe arrives
+        return web.Response(text="ok")
+
+    async def serve():
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, site._server.sockets[0].getsockname()[1]
+
+    engine_loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=engine_loop.run_forever, daemon=True)
+    thread.start()
+    runner, port = asyncio.run_coroutine_threadsafe(serve(), engine_loop).result(10)
+    upstream = Upstream()
+    await upstream.start()
+    try:
+        assert await upstream.get(f"http://127.0.0.1:{port}/health", 0.3) == (200, b"ok")
+    finally:
+        await upstream.close()
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), engine_loop).result(10)
+        engine_loop.call_soon_threadsafe(engine_loop.stop)
+        thread.join(10)
+        engine_loop.close()

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 
 from kvplug.frontend.engine_http import EnginePool, EngineResponse
+from kvplug.frontend.timeouts import within
 
 # headers that must not be forwarded (hop-by-hop, or set by the client session itself, or
 # kvplug's own routing hints)
@@ -147,8 +148,14 @@ class Upstream:
         return status, parsed, raw
 
     async def get(self, url: str, timeout: float) -> tuple[int, bytes]:
+        """(status, body) of a GET (health probes, model discovery) within ``timeout``: the
+        deadline is ``within``'s, so a stall of this loop is not the engine's silence (a
+        worker never seen up is marked down on its first failed probe)."""
+        return await within(self._get(url), timeout)
+
+    async def _get(self, url: str) -> tuple[int, bytes]:
         assert self.session is not None
         async with self.session.get(
-            url, timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout)
+            url, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout)
         ) as resp:
             return resp.status, await resp.read()
