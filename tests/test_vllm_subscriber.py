@@ -582,3 +582,43 @@ def test_replay_answered_while_a_backlog_is_drained_is_not_timed_out():
     assert st["gaps"] == 1 and st["replays"] == 1
     assert (st["replay_failures"], st["missed_batches"]) == (0, 0)
     assert not any(isinstance(e, AllCleared) for e in m1.events)
+
+
+def test_an_engine_added_during_a_long_drain_is_registered():
+    """A round draining a long backlog (engines catching up at startup; here a slow sink) takes
+    longer than 5 s: adding another engine meanwhile waits for the round while it makes
+    progress, and the engine is consumed (before: add() gave up after 5 s and raised, the
+    caller unregistered the worker, and the queued add still ran later as an orphan stream)."""
+    e1, e2 = Engine("e1", replay=False), Engine("e2", replay=False)
+    m1, m2 = Mirror(), Mirror()
+
+    def slow_sink(events):
+        time.sleep(0.1)  # 8 batches a call: e1's 500 take ~6 s
+        m1(events)
+
+    sub = VllmSubscriber(flush_every=8)
+    sub.command_stall_s = 1.0
+    try:
+        for src in e1.sources(slow_sink):
+            sub.add(src)  # not started: the SUB socket connects now
+        (sock,) = sub._by_socket
+        end = time.monotonic() + 20
+        while not sock.poll(20):
+            assert time.monotonic() < end, "the SUB socket heard no probe"
+            e1.pub.send_raw([b"probe"])
+        while sock.poll(200):
+            sock.recv_multipart()
+        for i in range(500):
+            e1.store([1000 + i])
+        time.sleep(0.3)  # all of them wait in the SUB's queue
+        sub.start()
+        time.sleep(0.2)  # the thread is in the long round
+        t0 = time.monotonic()
+        for src in e2.sources(m2):
+            sub.add(src)
+        assert time.monotonic() - t0 > 1.0  # it waited for the round, past command_stall_s
+        joined(sub, e2.pub)
+        e2.store([7])
+        assert settle(e2, m2) and settle(e1, m1)
+    finally:
+        sub.stop()

@@ -248,6 +248,9 @@ class VllmSubscriber:
         self._lock = threading.Lock()  # guards the stats snapshot
         self._droplog = _DropLog()
         self._ready = threading.Event()
+        # rounds and flushes of the thread: add() waits while a long drain makes progress
+        self._progress = 0
+        self.command_stall_s = 5.0  # no progress this long while a command waits: an error
         self.counters = {
             "unknown_source": 0,
             "malformed_frames": 0,
@@ -291,7 +294,7 @@ class VllmSubscriber:
         self._cmds.put(("add", (source, done)))
         if self._thread is None or not self._thread.is_alive():
             self._apply_commands()  # not started yet: register now
-        elif not done.wait(5.0):
+        elif not self._applied(done):
             raise RuntimeError(f"subscriber thread did not register {source.worker_id}")
         err = getattr(done, "error", None)
         if err is not None:
@@ -304,7 +307,20 @@ class VllmSubscriber:
         if self._thread is None or not self._thread.is_alive():
             self._apply_commands()
         else:
-            done.wait(5.0)
+            self._applied(done)
+
+    def _applied(self, done: threading.Event) -> bool:
+        """Wait until the thread has applied a command (it does between rounds): as long as it
+        runs and makes progress, since a round that drains a backlog (engines catching up at
+        startup) can take longer than any fixed wait; False once it stopped or stalled."""
+        seen = self._progress
+        while not done.wait(self.command_stall_s):
+            if self._thread is None or not self._thread.is_alive():
+                return done.is_set()
+            if self._progress == seen:
+                return False  # not a round nor a flush for command_stall_s: stuck
+            seen = self._progress
+        return True
 
     def restarts(self, worker_id: str) -> int:
         """How many restarts the sequence numbers revealed, over a worker's ranks."""
@@ -393,6 +409,7 @@ class VllmSubscriber:
 
     def _step(self) -> None:
         """One round: commands, a poll, drain what is readable, replay timeouts, sinks."""
+        self._progress += 1
         self._apply_commands()
         try:
             ready = dict(self._poller.poll(50))
@@ -571,6 +588,7 @@ class VllmSubscriber:
                 self.counters["internal_errors"] += 1
                 log.exception("%s", dropped)
             if i % flush_every == 0:
+                self._progress += 1
                 self._flush(out)
                 out.clear()
             if until is not None and until():
