@@ -42,6 +42,7 @@ if sys.version_info >= (3, 11):
         fired = False
         loop = task.get_loop()
         graces = 0
+        timer: asyncio.TimerHandle  # armed below; expire() re-arms it after a stall
 
         # a closure: a callable object measured ~1 us slower per call_later under uvloop
         def expire() -> None:
