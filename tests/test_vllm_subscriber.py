@@ -122,6 +122,22 @@ def settle(eng, mirror, expect=None, timeout=20.0):
     return wait_for(lambda: mirror.hashes(eng.worker) == expect, timeout, eng.pump)
 
 
+def connect_unstarted(sub, *pairs):
+    """Add each (engine, sink) to a subscriber not started yet and wait until its SUB socket
+    hears the engine (not started, so no probe is counted: read the socket itself), then drop
+    the probes in flight: none may reach the sinks' batches."""
+    for eng, sink in pairs:
+        for src in eng.sources(sink):
+            sub.add(src)  # not started: the SUB socket connects now
+    for sock, (eng, _) in zip(sub._by_socket, pairs, strict=True):
+        end = time.monotonic() + 20
+        while not sock.poll(20):
+            assert time.monotonic() < end, "a SUB socket heard no probe"
+            eng.pub.send_raw([b"probe"])
+        while sock.poll(200):
+            sock.recv_multipart()
+
+
 def test_endpoint_rules():
     assert engine_binds("tcp://*:5557") and engine_binds("tcp://[::]:5557")
     assert engine_binds("ipc:///tmp/x") and not engine_binds("tcp://127.0.0.1:5557")
@@ -476,16 +492,7 @@ def test_backlog_reaches_the_sink_in_bounded_ordered_batches():
 
     sub = VllmSubscriber(flush_every=8)
     try:
-        for src in eng.sources(sink):
-            sub.add(src)  # not started: the SUB socket connects now
-        # not started, so no probe is counted: read the SUB socket itself until one arrives
-        (sock,) = sub._by_socket
-        end = time.monotonic() + 20
-        while not sock.poll(20):
-            assert time.monotonic() < end, "the SUB socket heard no probe"
-            eng.pub.send_raw([b"probe"])
-        while sock.poll(200):  # the probes in flight: none may reach the sink's batches
-            sock.recv_multipart()
+        connect_unstarted(sub, (eng, sink))
         for i in range(60):
             eng.store([1000 + i])
         time.sleep(0.3)  # all 60 wait in the SUB's queue
@@ -552,16 +559,7 @@ def test_replay_answered_while_a_backlog_is_drained_is_not_timed_out():
 
     server = threading.Thread(target=serve_replays)
     try:
-        for eng, sink in ((e1, m1), (e2, slow_sink)):  # e1's socket first: drained first
-            for src in eng.sources(sink):
-                sub.add(src)  # not started: the SUB sockets connect now
-        for sock, eng in zip(sub._by_socket, (e1, e2), strict=True):
-            end = time.monotonic() + 20
-            while not sock.poll(20):
-                assert time.monotonic() < end, "a SUB socket heard no probe"
-                eng.pub.send_raw([b"probe"])
-            while sock.poll(200):
-                sock.recv_multipart()
+        connect_unstarted(sub, (e1, m1), (e2, slow_sink))  # e1's socket first: drained first
         e1.pub.auto_serve = False  # from here only the server thread answers replays
         e1.store([1])
         e1.store([2], send=False)  # lost: the gap shows at the next batch
@@ -599,15 +597,7 @@ def test_an_engine_added_during_a_long_drain_is_registered():
     sub = VllmSubscriber(flush_every=8)
     sub.command_stall_s = 1.0
     try:
-        for src in e1.sources(slow_sink):
-            sub.add(src)  # not started: the SUB socket connects now
-        (sock,) = sub._by_socket
-        end = time.monotonic() + 20
-        while not sock.poll(20):
-            assert time.monotonic() < end, "the SUB socket heard no probe"
-            e1.pub.send_raw([b"probe"])
-        while sock.poll(200):
-            sock.recv_multipart()
+        connect_unstarted(sub, (e1, slow_sink))
         for i in range(500):
             e1.store([1000 + i])
         time.sleep(0.3)  # all of them wait in the SUB's queue
