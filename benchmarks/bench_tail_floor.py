@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     head = "| policy | TTFT p99 s | vs kv | floor p99 s | above kv's p99 | floor above | "
     head += "waited: cold / follow-up (mean s) | cold > 5 s: excess mean / p90 s |"
     print(
-        f"\n{args.workload or 'trace'}, {args.steptime}, view {args.view}, "
+        f"\n{args.workload or args.trace or 'the conversation trace'}, {args.steptime}, "
+        f"view {args.view}, "
         f"spread seed {args.spread_seed}, "
         f"{rows[0]['requests']} requests"
     )

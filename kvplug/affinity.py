@@ -570,23 +570,27 @@ class Affinity:
         count, at = value
         return count * 0.5 ** ((now - at) / self.params.half_life)
 
+    def _rate(self, table: dict[int, tuple[float, float]], ep: int, now: float) -> float:
+        """``ep``'s decayed count in one of the per-engine tables (0 if never counted)."""
+        return self._decayed(table.get(ep, (0.0, now)), now)
+
+    def _add(self, table: dict[int, tuple[float, float]], ep: int, amount: float, now: float):
+        table[ep] = (self._rate(table, ep, now) + amount, now)
+
     def _count_routed(self, trace, i: int) -> None:
-        ep = int(trace.endpoints[i])
         now = self._router._clock()
-        self._routed[ep] = (self._decayed(self._routed.get(ep, (0.0, now)), now) + 1.0, now)
+        self._add(self._routed, int(trace.endpoints[i]), 1.0, now)
         self._routed_sum = (self._decayed(self._routed_sum, now) + 1.0, now)
 
     def _count_written(self, trace, i: int, blocks: float) -> None:
-        ep = int(trace.endpoints[i])
-        now = self._router._clock()
-        self._written[ep] = (self._decayed(self._written.get(ep, (0.0, now)), now) + blocks, now)
+        self._add(self._written, int(trace.endpoints[i]), blocks, self._router._clock())
 
     def _crowded(self, trace, i: int) -> bool:
         """Balance guard: has candidate ``i`` been sent more requests recently than the fleet's
         mean per candidate by the ``balance`` share of it, and by at least BALANCE_MIN_EXCESS?"""
         now = self._router._clock()
         mean = self._decayed(self._routed_sum, now) / len(trace.endpoints)
-        mine = self._decayed(self._routed.get(int(trace.endpoints[i]), (0.0, now)), now)
+        mine = self._rate(self._routed, int(trace.endpoints[i]), now)
         return mine > mean + max(BALANCE_MIN_EXCESS, self.params.balance * mean)
 
     def _rescue(self, trace, overlap: np.ndarray, blocks: int, pick: int) -> int:
@@ -618,16 +622,11 @@ class Affinity:
             warm = 1  # as first measured (its pool fills slowly: a warm-up costs it hits)
         return history.quantile(self.params.tail) if len(history) >= warm else 0.0
 
-    def _followup_rate(self, ep: int, now: float) -> float:
-        return self._decayed(self._followups.get(ep, (0.0, now)), now)
-
     def _count_followup(self, trace, i: int, blocks: float = 1.0) -> None:
         if not self.params.spread:
             return
-        ep = int(trace.endpoints[i])
-        now = self._router._clock()
         weight = blocks if self.params.weigh_followups else 1.0
-        self._followups[ep] = (self._followup_rate(ep, now) + weight, now)
+        self._add(self._followups, int(trace.endpoints[i]), weight, self._router._clock())
 
     def _spread_pick(self, inputs, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
         """A long cold prompt: among the candidate engines (``spread_by="followups"``: no more
@@ -662,18 +661,14 @@ class Affinity:
         if b in candidates:
             candidates.insert(0, b)  # min() keeps the first of equals: a tie keeps kv's pick
         now = router._clock()
-        churn = params.spread_churn
-        if churn:
-            written = self._written
-            best = min(
-                candidates,
-                key=lambda i: (
-                    self._followup_rate(eps[i], now)
-                    + churn * self._decayed(written.get(eps[i], (0.0, now)), now)
-                ),
-            )
-        else:
-            best = min(candidates, key=lambda i: self._followup_rate(eps[i], now))
+        churn, followups, written = params.spread_churn, self._followups, self._written
+        best = min(
+            candidates,
+            key=lambda i: (
+                self._rate(followups, eps[i], now)
+                + (churn * self._rate(written, eps[i], now) if churn else 0.0)
+            ),
+        )
         if best == b:
             return None
         self.affinity_counters["spread"] += 1

@@ -116,15 +116,22 @@ async def test_replicas_herd_without_sync_and_spread_with_it(nats_url, sync):
             await s.close()
 
 
-async def test_a_replica_that_dies_has_its_load_released(nats_url):
+async def _peer_with_three_requests(nats_url: str, **kw) -> tuple[Router, list[LoadSync]]:
+    """Two synced replicas; the first has routed 3 requests and the second holds them as
+    load. Returns the second's router and both syncs."""
     a, b = _router(), _router()
+    syncs = await _replicas(nats_url, [a, b], heartbeat_s=0.2, **kw)
+    for i in range(3):
+        a.route(RouteRequest(f"q{i}", list(range(40))))
+    await _until(lambda: len(b.load.requests) == 3)
+    return b, syncs
+
+
+async def test_a_replica_that_dies_has_its_load_released(nats_url):
     # expiry 15 heartbeats: a live peer is never expired by an event loop late by a second
     # or two on a loaded machine (expired_peers == 1 below counts the dead one only)
-    syncs = await _replicas(nats_url, [a, b], heartbeat_s=0.2, expiry_s=3.0)
+    b, syncs = await _peer_with_three_requests(nats_url, expiry_s=3.0)
     try:
-        for i in range(3):
-            a.route(RouteRequest(f"q{i}", list(range(40))))
-        await _until(lambda: len(b.load.requests) == 3)
         await syncs[0].close(say_bye=False)  # killed: no goodbye, heartbeats stop
         await _until(lambda: not b.load.requests)
         assert syncs[1].stats.expired_peers == 1
@@ -137,12 +144,8 @@ async def test_a_stall_of_this_event_loop_does_not_expire_live_peers(nats_url):
     """The loop blocks for longer than the expiry while the peer lives: the peer's heartbeats
     of the meantime wait unread in the socket, so its silence is this replica's. The first
     heartbeat tick after the stall is late and expires nobody; the peer's requests stay."""
-    a, b = _router(), _router()
-    syncs = await _replicas(nats_url, [a, b], heartbeat_s=0.2, expiry_s=1.0)
+    b, syncs = await _peer_with_three_requests(nats_url, expiry_s=1.0)
     try:
-        for i in range(3):
-            a.route(RouteRequest(f"q{i}", list(range(40))))
-        await _until(lambda: len(b.load.requests) == 3)
         time.sleep(1.6)  # a blocking call on the loop: a GC pause, a long decode, CPU starved
         await asyncio.sleep(1.0)  # the ticks after it, the peer's heartbeats read meanwhile
         assert syncs[1].stats.expired_peers == 0 and len(b.load.requests) == 3
