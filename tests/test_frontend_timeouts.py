@@ -201,3 +201,27 @@ async def test_a_health_probe_answered_while_the_loop_was_blocked_passes():
         engine_loop.call_soon_threadsafe(engine_loop.stop)
         thread.join(10)
         engine_loop.close()
+
+
+@pytest.mark.parametrize("new_loop", _loops())
+def test_within_leaves_no_reference_cycle(new_loop):
+    """Every request passes through within() a few times: a cycle through its timer (the
+    handle holds the closure, the closure the handle or itself) keeps the task and its request
+    alive until the cyclic GC runs, which cost the Python data path ~7 % CPU per request."""
+    import gc
+
+    async def work():
+        return 1
+
+    async def scenario():
+        for _ in range(1000):
+            await within(work(), 5)
+
+    gc.collect()
+    gc.disable()
+    try:
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            runner.run(scenario())
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
