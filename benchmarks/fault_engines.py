@@ -55,7 +55,7 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from kvplug.testing import free_port, free_port_run, serve_command, stop_process  # noqa: E402
+from kvplug.testing import free_port, free_port_runs, serve_command, stop_process  # noqa: E402
 
 MODEL = "sim-llama-3-8b"
 ENGINES = ("a", "b")
@@ -143,7 +143,7 @@ class Lab:
         self.workdir = workdir
         self.speed = speed
         self.serve_args = serve_args or []
-        http, ev, rp = free_port_run(2), free_port_run(2), free_port_run(2)
+        http, ev, rp = free_port_runs(2, 3)
         self.engines = {n: Engine(n, http + i, ev + i, rp + i) for i, n in enumerate(ENGINES)}
         self.proxy = MetricsProxy(self.engines["a"].url + "/metrics")
         self.routers: dict[str, Router] = {}
@@ -153,7 +153,7 @@ class Lab:
     # -- processes --------------------------------------------------------------------------
     def start_engine(self, name: str) -> None:
         e = self.engines[name]
-        out = open(self.workdir / f"engine-{name}.log", "ab")  # noqa: SIM115 - the child's
+        out = open(self._log(f"engine-{name}"), "ab")  # noqa: SIM115 - the child's
         e.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "kvplug.cli", "sim", "--engines", "1",
@@ -167,7 +167,7 @@ class Lab:
 
     def start_router(self, name: str) -> None:
         r = self.routers[name]
-        out = open(self.workdir / f"router-{name}.log", "ab")  # noqa: SIM115 - the child's
+        out = open(self._log(f"router-{name}"), "ab")  # noqa: SIM115 - the child's
         r.proc = subprocess.Popen(
             serve_command(
                 r.port,
@@ -197,7 +197,8 @@ class Lab:
         for n in ENGINES:
             self.start_engine(n)
         for n in ENGINES:
-            await self.wait_http(self.engines[n].url + "/health", self.engines[n].proc)
+            await self._engine_up(n)
+        self.proxy.target = self.engines["a"].url + "/metrics"  # a may have moved ports
         proxy_url = await self.proxy.start()
         config = self._write_config("r", proxy_url)
         self.routers["router"] = Router("router", free_port(), config, extra=PER_TRY)
@@ -219,12 +220,36 @@ class Lab:
         if self.session is not None:
             await self.session.close()
 
-    async def wait_http(self, url: str, proc: subprocess.Popen | None, timeout: float = 30.0):
+    async def _engine_up(self, name: str, attempts: int = 3) -> None:
+        """Wait for an engine; if it lost one of its ports to another process between the
+        probe and its bind (the ports were free when picked), start it again on fresh ones."""
+        for attempt in range(attempts):
+            e = self.engines[name]
+            try:
+                await self.wait_http(e.url + "/health", e.proc, log=self._log(f"engine-{name}"))
+                return
+            except RuntimeError as exc:
+                if "already in use" not in str(exc) or attempt == attempts - 1:
+                    raise
+            e.http, e.events, e.replay = free_port_runs(1, 3)
+            self.start_engine(name)
+
+    def _log(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
+
+    async def wait_http(
+        self,
+        url: str,
+        proc: subprocess.Popen | None,
+        timeout: float = 30.0,
+        log: Path | None = None,
+    ):
         end = time.monotonic() + timeout
         assert self.session is not None
         while time.monotonic() < end:
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{url}: the process exited ({proc.returncode}); see logs")
+                tail = log.read_text(errors="replace")[-1500:] if log and log.exists() else ""
+                raise RuntimeError(f"{url}: the process exited ({proc.returncode})\n{tail}")
             try:
                 async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status == 200:

@@ -43,7 +43,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from kvplug.testing import free_port, free_port_run, serve_command, stop_process  # noqa: E402
+from kvplug.testing import free_port, free_port_runs, serve_command, stop_process  # noqa: E402
 
 MODEL = "sim-llama-3-8b"
 BS = 16
@@ -98,7 +98,7 @@ class Soak:
 
     async def start(self) -> None:
         a = self.args
-        base, ev, rp = free_port_run(a.engines), free_port_run(a.engines), free_port_run(a.engines)
+        base, ev, rp = free_port_runs(a.engines, 3)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.sim = subprocess.Popen(
             [

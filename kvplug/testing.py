@@ -24,6 +24,7 @@ import aiohttp
 __all__ = [
     "free_port",
     "free_port_run",
+    "free_port_runs",
     "free_ports",
     "serve_command",
     "stop_process",
@@ -87,25 +88,43 @@ def free_port_run(n: int) -> int:
     Chosen below the ephemeral range when there is room: the runs are bound some time after
     they are found free, and any outgoing connection may take a port of that range meanwhile
     (seen in CI: a simulated fleet's port taken between the probe and the bind)."""
+    return free_port_runs(n, 1)[0]
+
+
+def free_port_runs(n: int, count: int) -> list[int]:
+    """count disjoint runs of n free ports (HTTP, events and replay ports of one fleet).
+
+    Each run is held bound while the next is picked, so no two overlap; separate
+    free_port_run calls could hand out overlapping runs."""
     lo, _ = ephemeral_port_range()
     below = lo - 10_000 > n + 1
-    for _ in range(200):
-        base = random.randrange(10_000, lo - n) if below else free_port()
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no run of {n} free ports")
+    held: list[socket.socket] = []
+    bases: list[int] = []
+    try:
+        for _ in range(200 * count):
+            if len(bases) == count:
+                break
+            base = random.randrange(10_000, lo - n) if below else free_port()
+            if base + n > 65535:
+                continue
+            socks: list[socket.socket] = []
+            try:
+                for i in range(n):
+                    s = socket.socket()
+                    socks.append(s)
+                    s.bind(("127.0.0.1", base + i))
+            except OSError:
+                for s in socks:
+                    s.close()
+                continue
+            held += socks
+            bases.append(base)
+    finally:
+        for s in held:
+            s.close()
+    if len(bases) < count:
+        raise RuntimeError(f"no {count} runs of {n} free ports")
+    return bases
 
 
 def serve_command(

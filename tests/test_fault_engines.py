@@ -5,6 +5,7 @@ starts from a healthy fleet and leaves one behind, so they share one lab."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 from pathlib import Path
 
@@ -25,10 +26,20 @@ pytestmark = pytest.mark.timeout(120)
 def lab(tmp_path_factory):
     loop = asyncio.new_event_loop()
     the_lab = fe.Lab(tmp_path_factory.mktemp("faults"))
+    # Engine a's port is taken after it was picked. On one CI run an engine exited with 1 at
+    # start (its log was not kept; a taken port is the sim's exit-1 cause) and every test here
+    # errored: the lab now starts that engine on fresh ports.
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", the_lab.engines["a"].http))
+    squatter.listen()
+    taken = the_lab.engines["a"].http
     try:
         loop.run_until_complete(the_lab.start())
+        squatter.close()
+        assert the_lab.engines["a"].http != taken
         yield loop, the_lab
     finally:
+        squatter.close()
         loop.run_until_complete(the_lab.close())
         loop.close()
 

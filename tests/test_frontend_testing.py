@@ -97,3 +97,18 @@ def test_port_runs_come_from_outside_the_ephemeral_range():
         finally:
             for s in socks:
                 s.close()
+
+
+def test_port_runs_taken_together_do_not_overlap(monkeypatch):
+    """Three separate free_port_run calls could hand out overlapping runs (each is released
+    before the next is picked); free_port_runs holds each run while picking the next. Forced
+    here by a port picker that offers overlapping bases inside a free run of 8."""
+    import random
+
+    from kvplug import testing
+
+    b = testing.free_port_run(8)
+    offered = iter([b, b + 1, b, b + 2, b + 3, b + 4, b + 5, b + 6])
+    monkeypatch.setattr(random, "randrange", lambda *_: next(offered))
+    bases = testing.free_port_runs(2, 3)
+    assert bases == [b, b + 2, b + 4]  # b + 1 and b + 3 overlap a run already held

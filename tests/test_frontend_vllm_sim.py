@@ -20,7 +20,7 @@ from kvplug.frontend.app import ServeSettings
 from kvplug.frontend.config import spec_from_mapping
 from kvplug.frontend.server import start_frontend
 from kvplug.router import Router
-from kvplug.testing import free_port_run
+from kvplug.testing import free_port_runs
 
 sim_server = pytest.importorskip("kvplug.sim.server")
 pytestmark = pytest.mark.timeout(90)
@@ -28,11 +28,12 @@ pytestmark = pytest.mark.timeout(90)
 
 async def _fleet(roles: list[str]):
     n = len(roles)
+    http, events, replay = free_port_runs(n, 3)
     opts = sim_server.FleetOptions(
         engines=n,
-        base_port=free_port_run(n),
-        events_base_port=free_port_run(n),
-        replay_base_port=free_port_run(n),
+        base_port=http,
+        events_base_port=events,
+        replay_base_port=replay,
         speed=20.0,
     )
     servers = await sim_server.start_fleet(opts)

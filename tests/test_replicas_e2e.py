@@ -26,7 +26,7 @@ from test_etcd_discovery import etcd_url  # noqa: F401 - fixture
 from test_replica_sync import nats_url  # noqa: F401 - fixture
 
 from kvplug.discovery.etcd import EtcdRegistration
-from kvplug.testing import free_port, free_port_run, serve_command, stop_process, wait_ready
+from kvplug.testing import free_port, free_port_runs, serve_command, stop_process, wait_ready
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 MODEL = "sim-llama-3-8b"
@@ -85,7 +85,7 @@ async def _register(etcd: str, base: int) -> list[EtcdRegistration]:
 
 def test_three_replicas_share_engines_indexes_and_load(etcd_url, nats_url, tmp_path):  # noqa: F811
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    base, ev, rp = free_port_run(ENGINES), free_port_run(ENGINES), free_port_run(ENGINES)
+    base, ev, rp = free_port_runs(ENGINES, 3)
     procs: list[subprocess.Popen] = []
     loop = asyncio.new_event_loop()  # the registrations' keep-alives run on it in a thread
     thread = threading.Thread(target=loop.run_forever, daemon=True)

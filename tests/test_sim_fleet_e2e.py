@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from kvplug.testing import free_port, free_port_run, serve_command, stop_process, wait_ready
+from kvplug.testing import free_port, free_port_runs, serve_command, stop_process, wait_ready
 
 MODEL = "sim-llama-3-8b"  # kvplug sim's default served model name
 
@@ -69,7 +69,7 @@ def _post(url: str, body: dict) -> tuple[dict, dict]:
 
 @pytest.fixture(params=["engines-bind", "router-binds"])
 def fleet_and_frontend(request, tmp_path):
-    base, ev, rp = free_port_run(2), free_port_run(2), free_port_run(2)  # engine i uses port + i
+    base, ev, rp = free_port_runs(2, 3)  # engine i uses port + i
     front = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     extra = []

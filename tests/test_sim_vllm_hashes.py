@@ -323,13 +323,14 @@ async def test_kvplug_serve_routes_follow_ups_on_vllm_digests():
     from kvplug.frontend.server import start_frontend
     from kvplug.router import Router
     from kvplug.sim.server import start_fleet
-    from kvplug.testing import free_port_run
+    from kvplug.testing import free_port_runs
 
+    http, events, replay = free_port_runs(2, 3)
     opts = FleetOptions(
         engines=2,
-        base_port=free_port_run(2),
-        events_base_port=free_port_run(2),
-        replay_base_port=free_port_run(2),
+        base_port=http,
+        events_base_port=events,
+        replay_base_port=replay,
         speed=20.0,
         block_hashes="vllm",
         hash_form="bytes",

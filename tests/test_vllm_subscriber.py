@@ -23,7 +23,7 @@ from kvplug.integrations.vllm.subscriber import (
     offset_endpoint,
     sources_for_engine,
 )
-from vllm_helpers import Mirror, free_port, free_port_run, wait_for, wait_subscribed
+from vllm_helpers import Mirror, free_port, free_port_runs, wait_for, wait_subscribed
 
 from kvplug.errors import ConfigError
 from kvplug.events import AllCleared, BlockRemoved, BlockStored
@@ -300,7 +300,7 @@ def test_stale_replay_reply_dropped(sub):
 
 
 def test_dp_ranks_on_offset_ports(sub):
-    port, rport = free_port_run(2), free_port_run(2)
+    port, rport = free_port_runs(2, 2)
     m = Mirror()
     pubs = [
         VllmEventPublisher(f"tcp://*:{port + r}", replay_endpoint=f"tcp://*:{rport + r}", dp_rank=r)

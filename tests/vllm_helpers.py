@@ -7,12 +7,13 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, KvEvent
-from kvplug.testing import free_port, free_port_run
+from kvplug.testing import free_port, free_port_run, free_port_runs
 
 __all__ = [
     "Mirror",
     "free_port",
     "free_port_run",
+    "free_port_runs",
     "wait_for",
     "wait_joined",
     "wait_sub_hears",
