@@ -29,6 +29,11 @@
 #define TAIL 4096
 #define READ_CHUNK 65536
 #define TICK_NS 20000000LL
+/* A deadline judged this late means the loop running the lane stalled (the tick is 20 ms), not
+ * that the peer was silent: the stalled time is given back, up to the deadline's own length and
+ * STALL_GRACES times per request (kvplug.frontend.timeouts.within does the same in Python). */
+#define STALL_NS 100000000LL
+#define STALL_GRACES 3
 #define ACCEPTS_PER_EVENT 64
 #define PIPELINE_HOLD 65536 /* bytes of later requests read while one is served */
 #define MAX_TRIES 16 /* retries of one request the lane follows */
@@ -92,6 +97,8 @@ struct client {
     int tries; /* retries of the current request (finish's FORWARDs) */
     int64_t deadline;
     int64_t limit; /* the request's total deadline (request_timeout, then stream_timeout), or 0 */
+    int64_t span, limit_span; /* their lengths, the most a stall gives back */
+    int graces;               /* stalls given back to this request (STALL_GRACES) */
     int can_end; /* a broken answer's client framing can take a last chunk (stream_end) */
     buf_t in, out;
     size_t head_len, body_len; /* of the current request: head includes its blank line */
@@ -170,6 +177,12 @@ static int64_t now_ns(void) {
 
 static int64_t after(double seconds) {
     return seconds > 0 ? now_ns() + (int64_t)(seconds * 1e9) : 0;
+}
+
+/* c's phase deadline, seconds from now (0: none) */
+static void due(client_t *c, double seconds) {
+    c->deadline = after(seconds);
+    c->span = c->deadline ? (int64_t)(seconds * 1e9) : 0;
 }
 
 static int buf_reserve(buf_t *b, size_t extra) {
@@ -649,7 +662,7 @@ static void client_new(lane_t *l, int fd) {
     c->fd = fd;
     c->first = 1;
     c->state = C_HEAD;
-    c->deadline = after(l->cfg.head_timeout);
+    due(c, l->cfg.head_timeout);
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     c->mask = EPOLLIN | EPOLLRDHUP;
@@ -733,7 +746,7 @@ static int client_flush(lane_t *l, client_t *c) {
         c->tail_pos = c->tail_fill = 0;
         c->tail_passed = 0;
         c->status = 0;
-        c->deadline = after(l->cfg.keepalive_timeout);
+        due(c, l->cfg.keepalive_timeout);
         client_mask(l, c);
         if (buf_size(&c->in)) {
             /* a pipelined request: at once, unless answers already nest here: then at the end
@@ -787,6 +800,7 @@ static void client_decide(lane_t *l, client_t *c, const lane_head *h) {
     c->keep_alive = h->keep_alive && !l->closing;
     c->first = 0;
     c->tries = 0;
+    c->graces = 0;
     switch (a.action) {
     case LANE_FORWARD:
         if (take_forward(c, &a)) {
@@ -796,6 +810,7 @@ static void client_decide(lane_t *l, client_t *c, const lane_head *h) {
         }
         l->st.served++;
         c->limit = l->request_ns ? now_ns() + l->request_ns : 0; /* every try included */
+        c->limit_span = l->request_ns;
         attempt(l, c);
         return;
     case LANE_ANSWER:
@@ -827,7 +842,7 @@ static void client_process(lane_t *l, client_t *c) {
         c->head_len = head + 4;
         c->body_len = h.content_length;
         c->state = C_BODY;
-        c->deadline = after(l->cfg.body_timeout);
+        due(c, l->cfg.body_timeout);
     }
     if (c->state == C_BODY && buf_size(&c->in) >= c->head_len + c->body_len) {
         lane_head h; /* parsed again (cheap) so its pointers are into the current buffer */
@@ -1024,10 +1039,13 @@ static void attempt(lane_t *l, client_t *c) {
     e->in.off = e->in.len = 0;
     c->eng = e;
     double first = l->cfg.try_timeout > 0 ? l->cfg.try_timeout : l->cfg.engine_idle_timeout;
-    c->deadline = after(first);
+    due(c, first);
     if (e->state == E_CONNECTING && l->cfg.connect_timeout > 0) {
         int64_t connect_by = after(l->cfg.connect_timeout);
-        if (!c->deadline || connect_by < c->deadline) c->deadline = connect_by;
+        if (!c->deadline || connect_by < c->deadline) {
+            c->deadline = connect_by;
+            c->span = (int64_t)(l->cfg.connect_timeout * 1e9);
+        }
     }
     if (e->state == E_SENDING) engine_send_later(l, e);
 }
@@ -1364,6 +1382,7 @@ static int engine_body(lane_t *l, engine_t *e, const char *p, size_t n, size_t *
         c->first_byte_done = 1;
         /* a stream's request_timeout ends at its first bytes; stream_timeout runs from here */
         c->limit = l->stream_ns ? now_ns() + l->stream_ns : 0;
+        c->limit_span = l->stream_ns;
         l->cfg.first_byte(l->cfg.ctx, c->token);
     }
     *used = i;
@@ -1456,7 +1475,7 @@ static int engine_feed(lane_t *l, engine_t *e, const char *p, size_t n) {
         }
         e->state = E_BODY;
         c->state = C_RELAY;
-        c->deadline = after(l->cfg.engine_idle_timeout);
+        due(c, l->cfg.engine_idle_timeout);
         size_t body_at = hl + 4;
         p = d + body_at;
         n = len - body_at;
@@ -1468,7 +1487,7 @@ static int engine_feed(lane_t *l, engine_t *e, const char *p, size_t n) {
     }
     size_t used = 0;
     int r = engine_body(l, e, p, n, &used);
-    c->deadline = after(l->cfg.engine_idle_timeout);
+    due(c, l->cfg.engine_idle_timeout);
     return engine_fed(l, e, r, used < n);
 }
 
@@ -1585,11 +1604,33 @@ static void client_expired(lane_t *l, client_t *c, int64_t now) {
     }
 }
 
+/* A due deadline judged more than STALL_NS late: the loop stalled, and what the peer sent
+ * meanwhile was read in this poll's batch (deadlines are judged after it). The stalled time is
+ * given back instead of expiring: a request the stall kept from being sent, or an answer on
+ * its way, gets its time. 1 if given back. */
+static int give_back(client_t *c, int64_t now) {
+    int64_t due_at = c->deadline && now >= c->deadline ? c->deadline : INT64_MAX;
+    if (c->limit && now >= c->limit && c->limit < due_at) due_at = c->limit;
+    int64_t late = now - due_at;
+    if (late <= STALL_NS || c->graces >= STALL_GRACES) return 0;
+    c->graces++;
+    if (c->deadline && now >= c->deadline) {
+        int64_t back = now - c->deadline;
+        c->deadline = now + (back < c->span ? back : c->span);
+    }
+    if (c->limit && now >= c->limit) {
+        int64_t back = now - c->limit;
+        c->limit = now + (back < c->limit_span ? back : c->limit_span);
+    }
+    return 1;
+}
+
 static void expire(lane_t *l) {
     int64_t now = now_ns();
     for (client_t *c = l->clients, *next; c; c = next) {
         next = c->next;
         if ((c->deadline && now >= c->deadline) || (c->limit && now >= c->limit)) {
+            if (give_back(c, now)) continue;
             client_expired(l, c, now);
             next = l->clients; /* callbacks may have closed anything: start over */
             now = now_ns();
@@ -1697,20 +1738,27 @@ int lane_poll(lane_t *l) {
     struct epoll_event evs[64];
     int n = epoll_wait(l->epfd, evs, 64, 0);
     if (n < 0) return errno == EINTR ? 0 : -errno;
+    int tick = 0;
     for (int i = 0; i < n; i++) {
         void *ptr = evs[i].data.ptr;
         int kind = *(int *)ptr;
         if (kind == K_LISTEN) {
             accept_all(l, ((int *)ptr)[1]);
         } else if (kind == K_TIMER) {
-            uint64_t ticks;
-            while (read(l->tfd, &ticks, sizeof ticks) > 0) {}
-            expire(l);
+            tick = 1;
         } else if (kind == K_CLIENT) {
             client_event(l, (client_t *)ptr, evs[i].events);
         } else if (kind == K_ENGINE) {
             engine_event(l, (engine_t *)ptr, evs[i].events);
         } /* else closed by an earlier event of this batch */
+    }
+    /* Deadlines are judged after the batch's sockets are read: after a stall of the loop the
+     * tick, ready since the stall began, leads the batch, and expiring first would cancel
+     * answers that arrived in the meantime and wait in this same batch. */
+    if (tick) {
+        uint64_t ticks;
+        while (read(l->tfd, &ticks, sizeof ticks) > 0) {}
+        expire(l);
     }
     for (;;) { /* a flush may start a pipelined request, whose write waits here too, ... */
         while (l->ready) { /* the pipelined requests left for later (client_flush) */

@@ -1160,6 +1160,97 @@ async def test_per_try_timeout_is_unavailable_and_retried():
         assert h.lane.stats()["timeouts"] == 1
 
 
+async def test_an_answer_that_arrived_while_the_loop_was_stalled_is_not_timed_out():
+    """The lane runs on the event loop. When the loop stalls past a try's deadline (a blocking
+    call, a GC pause, a starved CPU), the engine's answer that arrived meanwhile waits in the
+    lane's epoll batch with the timer tick, and the tick, ready since the stall began, comes
+    first: judging deadlines before reading the batch's sockets cancelled a delivered answer."""
+    import threading
+
+    wire = answers(8)["completions"]
+    got_request = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def engine() -> None:  # on its own thread: it answers while the loop is blocked
+        conn, _ = listener.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            got_request.set()
+            time.sleep(0.5)  # past the 0.3 s try deadline, inside the loop's stall
+            conn.sendall(wire)
+            conn.recv(1)  # until the lane closes or reuses the connection
+
+    thread = threading.Thread(target=engine, daemon=True)
+    thread.start()
+    try:
+        async with Harness(try_timeout=0.3) as h:
+            h.add_upstream(listener.getsockname()[1])
+            reader, writer = await h.connect()
+            writer.write(post(b"/v1/completions", body_of()))
+            await until(got_request.is_set)
+            time.sleep(1.0)  # the router's loop stalls; the engine answers at 0.5 s
+            head, _ = await read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert [f[2] for f in h.finished] == [OK]
+            assert h.lane.stats()["timeouts"] == 0
+            writer.close()
+    finally:
+        listener.close()
+        thread.join(5)
+
+
+async def test_a_request_the_loop_stalled_before_sending_gets_its_try_time_back():
+    """The loop stalls right after a request is decided, before the lane has written it to the
+    engine (the connect's completion waits for the next poll). Its try deadline passes in the
+    stall; the time is given back, so the instant engine's answer is relayed, not a 502."""
+    async with Harness(try_timeout=0.3) as h:
+        await h.instant_engine()
+        round_robin = h.decide
+
+        def decide_then_stall(kind, body, rid, auth):
+            h.loop.call_soon(time.sleep, 1.0)  # runs once this poll returns
+            h.decide_with = None
+            return round_robin(kind, body, rid, auth)
+
+        h.decide_with = decide_then_stall
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert [f[2] for f in h.finished] == [OK] and h.lane.stats()["timeouts"] == 0
+        writer.close()
+
+
+async def test_a_silent_engine_still_times_out_on_a_loop_that_keeps_stalling():
+    """What a stall gives back is bounded: a loop blocked for 0.5 s every 50 ms would give a
+    silent engine's 0.3 s try deadline its time back forever; after three stalls it expires."""
+    stalling = True
+
+    def stall() -> None:
+        time.sleep(0.5)
+        if stalling:
+            h.loop.call_later(0.05, stall)
+
+    async def silent(reader, writer):
+        await reader.read()
+
+    async with Harness(try_timeout=0.3) as h:
+        await h.scripted_engine(silent)
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of()))
+        await until(lambda: len(h.decided) == 1)
+        h.loop.call_soon(stall)
+        try:
+            head, _ = await read_answer(reader)
+        finally:
+            stalling = False
+        assert head.startswith(b"HTTP/1.1 502"), head
+        assert [f[2] for f in h.finished] == [UNAVAILABLE] and h.lane.stats()["timeouts"] == 1
+        writer.close()
+
+
 @pytest.mark.parametrize("stream", [True, False])
 async def test_engine_idle_timeout_mid_answer_is_outcome_4(stream):
     ctype = b"text/event-stream" if stream else b"application/json"
