@@ -98,6 +98,7 @@ struct client {
     int64_t deadline;
     int64_t limit; /* the request's total deadline (request_timeout, then stream_timeout), or 0 */
     int64_t span, limit_span; /* their lengths, the most a stall gives back */
+    int64_t given;            /* stalled time given back to the phase deadline since it was set */
     int graces;               /* stalls given back to this request (STALL_GRACES) */
     int can_end; /* a broken answer's client framing can take a last chunk (stream_end) */
     buf_t in, out;
@@ -183,6 +184,7 @@ static int64_t after(double seconds) {
 static void due(client_t *c, double seconds) {
     c->deadline = after(seconds);
     c->span = c->deadline ? (int64_t)(seconds * 1e9) : 0;
+    c->given = 0;
 }
 
 static int buf_reserve(buf_t *b, size_t extra) {
@@ -784,7 +786,7 @@ static void count_unfinished(lane_t *l, client_t *c, int event, int64_t deadline
         return; /* cannot be: the head qualified when it was whole */
     double seconds = 0.0;
     if (deadline && l->cfg.body_timeout > 0) {
-        int64_t since = deadline - (int64_t)(l->cfg.body_timeout * 1e9);
+        int64_t since = deadline - (int64_t)(l->cfg.body_timeout * 1e9) - c->given;
         if (now > since) seconds = (double)(now - since) / 1e9;
     }
     l->cfg.count(l->cfg.ctx, event, h.kind, seconds);
@@ -1045,6 +1047,7 @@ static void attempt(lane_t *l, client_t *c) {
         if (!c->deadline || connect_by < c->deadline) {
             c->deadline = connect_by;
             c->span = (int64_t)(l->cfg.connect_timeout * 1e9);
+            c->given = 0;
         }
     }
     if (e->state == E_SENDING) engine_send_later(l, e);
@@ -1615,8 +1618,9 @@ static int give_back(client_t *c, int64_t now) {
     if (late <= STALL_NS || c->graces >= STALL_GRACES) return 0;
     c->graces++;
     if (c->deadline && now >= c->deadline) {
-        int64_t back = now - c->deadline;
+        int64_t back = now - c->deadline, was = c->deadline;
         c->deadline = now + (back < c->span ? back : c->span);
+        c->given += c->deadline - was;
     }
     if (c->limit && now >= c->limit) {
         int64_t back = now - c->limit;

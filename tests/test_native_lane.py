@@ -1127,6 +1127,26 @@ async def test_a_slow_body_gets_the_408_given():
         assert got == answer and h.decided == []
 
 
+async def test_a_body_timeout_after_a_stall_counts_the_heads_whole_age():
+    """A stall of the loop gives the body's deadline its time back; the count of the request
+    closed unfinished still says how long ago its head came (not shortened by what was given
+    back)."""
+    async with Harness(body_timeout=0.3) as h:
+        reader, writer = await h.connect()
+        writer.write(post(b"/v1/completions", body_of())[:-3])
+        await until(lambda: h.lane.stats()["open_connections"] == 1)
+        await asyncio.sleep(0.05)  # the head is read: the body's deadline runs
+        start = time.monotonic()
+        time.sleep(1.0)  # the loop stalls past it: 0.3 s more is given back
+        await until(lambda: h.counted)
+        waited = time.monotonic() - start
+        assert waited >= 1.25  # the stall, then the time given back
+        [(event, kind, seconds)] = h.counted
+        assert event == COUNT_BODY_TIMEOUT and kind == COMPLETIONS
+        assert seconds >= waited, (seconds, waited)
+        writer.close()
+
+
 async def test_an_idle_kept_alive_connection_is_closed():
     async with Harness(keepalive_timeout=0.2) as h:
         await h.instant_engine()
