@@ -13,6 +13,7 @@ from enum import Enum
 import numpy as np
 
 from kvplug.errors import ConfigError
+from kvplug.stalls import LoopStalls
 
 
 class Role(str, Enum):
@@ -135,6 +136,9 @@ class AttributeTable:
         self._cap = 0
         self.values: dict[str, np.ndarray] = {}
         self.times: dict[str, np.ndarray] = {}
+        # kvplug serve's event-loop stalls (kvplug.stalls): an age does not count time the
+        # pollers could not run. None in the simulator (its clock is virtual)
+        self.stalls: LoopStalls | None = None
 
     def ensure(self, n: int) -> None:
         if n <= self._cap:
@@ -165,6 +169,11 @@ class AttributeTable:
         n = len(endpoints)
         if name not in self.values:
             return np.zeros(n), np.zeros(n, dtype=bool), np.full(n, np.nan)
-        ages = now - self.times[name][endpoints]
+        times = self.times[name][endpoints]
+        ages = now - times
+        if self.stalls is not None:
+            credit = self.stalls.credit(times, now)
+            if credit is not None:
+                ages -= credit
         fresh = ages <= max_age if max_age > 0 else ~np.isnan(ages)  # NaN compares False
         return self.values[name][endpoints], fresh, ages

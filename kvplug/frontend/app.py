@@ -65,6 +65,7 @@ from kvplug.frontend.timeouts import within
 from kvplug.frontend.tokens import LocalTokenizer, TokenResolver
 from kvplug.frontend.upstream import Upstream, UpstreamUnavailable, forward_headers
 from kvplug.request import NO_HINTS, RouteRequest, RoutingHints
+from kvplug.stalls import LoopStalls
 from kvplug.workers import Stage
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class Frontend:
             asyncio.Semaphore(s.tokenize_concurrency) if s.tokenize_concurrency > 0 else None
         )
         self.decisions = DecisionStore(s.decision_store_size)
+        self.stalls = LoopStalls()
         self.metrics = FrontendMetrics()
         self.client_hints = ClientHints(s.client_routing_hints, self.metrics.hints_ignored)
         self.metrics.attach_state(self._fleet_snapshot, self._router_stats, self.fleet.event_drops)
@@ -181,6 +183,10 @@ class Frontend:
 
     # -- process lifecycle ----------------------------------------------------------------
     async def start(self, specs=()) -> None:
+        attrs = getattr(self.router, "attrs", None)
+        if attrs is not None:  # ages of engines' attributes leave out this loop's stalls
+            attrs.stalls = self.stalls
+            self.stalls.start()
         await self.upstream.start()
         if specs:
             await self.fleet.add_many(list(specs))
@@ -189,6 +195,7 @@ class Frontend:
         self.prober.start()
 
     async def close(self) -> None:
+        self.stalls.stop()
         if self.queue is not None:
             await self.queue.close()
         await self.prober.stop()
@@ -227,6 +234,8 @@ class Frontend:
             stats["http_lane"] = {"served": lane.served, "handed_off": lane.handed_off}
         if self.native_lane is not None:  # kvplug_router_stat{stat="native_lane.*"}
             stats["native_lane"] = self.native_lane.stats()
+        # kvplug_router_stat{stat="loop_stalls.*"}: stalls of this event loop over 0.1 s
+        stats["loop_stalls"] = {"count": self.stalls.stalls, "seconds": self.stalls.stalled_s}
         tok = self.tokens.tokenizer
         if tok is not None and tok.prefix_cache is not None:
             # kvplug_router_stat{stat="tokenizer_cache.*"}: hits, misses, whether it is on
