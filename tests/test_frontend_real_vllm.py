@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from real_engine.engine_http import http_get, http_post
-from real_engine.engines import MODEL, Engine, missing_reason, start_engines
+from real_engine.engines import MODEL, Engine, engine_ports, missing_reason, start_engines
 from vllm_helpers import free_port
 
 from kvplug.testing import serve_command, stop_process, wait_ready
@@ -80,9 +80,10 @@ def _start_serve(engines: list, deadline: float, *extra: str) -> tuple[subproces
 
 @pytest.fixture(scope="module")
 def fleet():
+    ports = engine_ports(6)
     engines = [
-        Engine(name, free_port(), f"tcp://*:{free_port()}", f"tcp://*:{free_port()}")
-        for name in ("a", "b")
+        Engine(name, ports[3 * i], f"tcp://*:{ports[3 * i + 1]}", f"tcp://*:{ports[3 * i + 2]}")
+        for i, name in enumerate(("a", "b"))
     ]
     serve = None
     try:

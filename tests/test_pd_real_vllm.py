@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 from real_engine.engine_http import http_get, http_post
-from real_engine.engines import MODEL, Engine, missing_reason, start_engines
+from real_engine.engines import MODEL, Engine, engine_ports, missing_reason, start_engines
 from real_engine.nixl import nixl_engine, nixl_missing_reason, unpin
 
-from kvplug.testing import free_ports, serve_command, stop_process, wait_ready
+from kvplug.testing import serve_command, stop_process, wait_ready
 
 # Opt-in: on a 2-core host the two engines' busy-polling UCX progress threads can starve a NIXL
 # read past the prefill's KV lease (a 120 s stall in about 2 of 8 full-suite runs here), which
@@ -108,7 +108,7 @@ def _delta(before: dict, after: dict, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def pd_fleet():
-    ports = free_ports(9)
+    ports = engine_ports(9)
     prefill = nixl_engine(
         "prefill", "kv_producer", ports[0], ports[1], f"tcp://*:{ports[2]}", f"tcp://*:{ports[3]}"
     )

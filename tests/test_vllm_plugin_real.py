@@ -26,7 +26,14 @@ from pathlib import Path
 import pytest
 from mixed_engines import EngineThread, SglangSim, TrtllmSim
 from real_engine.engine_http import http_get, http_post
-from real_engine.engines import MODEL, VENV, Engine, plugin_missing_reason, start_engines
+from real_engine.engines import (
+    MODEL,
+    VENV,
+    Engine,
+    engine_ports,
+    plugin_missing_reason,
+    start_engines,
+)
 
 from kvplug.testing import free_ports, serve_command, stop_process, wait_ready
 
@@ -122,20 +129,20 @@ def fleet(tmp_path_factory):
         wait_ready(kv.url + "/health", proc=serve, timeout=60, log=log)
         assert kv.workers() == {}  # started with no workers
         plugin_env = {"KVPLUG_ROUTER_URL": kv.admin_url, "KVPLUG_ADMIN_TOKEN": token}
-        (b_events,) = free_ports(1)
+        a_http, b_http, b_events, b_replay = engine_ports(4)
         engines = [
             Engine(
                 "a",
-                free_ports(1)[0],
+                a_http,
                 "tcp://*:0",
                 "tcp://*:0",
                 extra_env={**plugin_env, "KVPLUG_WORKER_ID": "vllm-a"},
             ),
             Engine(
                 "b",
-                free_ports(1)[0],
+                b_http,
                 f"tcp://*:{b_events}",
-                f"tcp://*:{free_ports(1)[0]}",
+                f"tcp://*:{b_replay}",
                 topic="engine-b",
                 extra_env={**plugin_env, "KVPLUG_WORKER_ID": "vllm-b"},
             ),

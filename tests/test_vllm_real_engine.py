@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from kvplug.integrations.vllm.adapter import RouterSink, VllmAdapter
-from real_engine.engines import Engine, missing_reason, start_engines
+from real_engine.engines import Engine, engine_ports, missing_reason, start_engines
 from vllm_helpers import Mirror, free_port, wait_for
 
 from kvplug.config import RouterConfig
@@ -73,18 +73,19 @@ def prompt(rng: random.Random, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def engines():
     t0 = time.monotonic()
+    ports = engine_ports(6)
     a = Engine(
         "a",
-        free_port(),
-        f"tcp://*:{free_port()}",
-        f"tcp://*:{free_port()}",
+        ports[0],
+        f"tcp://*:{ports[1]}",
+        f"tcp://*:{ports[2]}",
         extra_args=["--max-model-len", "1024"],
     )
     b = Engine(
         "b",
-        free_port(),
-        f"tcp://127.0.0.1:{free_port()}",
-        f"tcp://*:{free_port()}",
+        ports[3],
+        f"tcp://127.0.0.1:{ports[4]}",
+        f"tcp://*:{ports[5]}",
         topic="engine-b",
         extra_args=["--max-model-len", "512", "--num-gpu-blocks-override", "24"],
     )

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvplug.testing import free_port_runs
+
 VENV = Path(os.environ.get("KVPLUG_VLLM_VENV", Path.home() / ".cache/kvplug/vllm-venv"))
 MODEL = Path(os.environ.get("KVPLUG_VLLM_MODEL", Path.home() / ".cache/kvplug/tiny-llama"))
 
@@ -64,6 +66,16 @@ def plugin_missing_reason() -> str | None:
         found = out.stdout.split()[0]
         return f"{VENV} loads kvplug from another checkout ({found}): rerun .ci/setup_vllm.sh"
     return None
+
+
+def engine_ports(n: int) -> list[int]:
+    """n distinct free ports for engines' HTTP and ZMQ endpoints, below the ephemeral range.
+
+    A vLLM engine binds its event ports tens of seconds after they are picked; a port from the
+    ephemeral range can meanwhile be handed to any bind to port 0 (vLLM's own internal
+    sockets, the other engine's) or outgoing connection, and the engine core then fails to
+    start (a CI run's "Engine core initialization failed")."""
+    return free_port_runs(1, n)
 
 
 @dataclass
@@ -153,10 +165,16 @@ class Engine:
         raise TimeoutError(f"engine {self.name} not healthy in time: {self.log_tail()}")
 
     def log_tail(self, n: int = 3000) -> str:
+        """The log's end, preceded by its first traceback: vLLM's engine core fails in a child
+        process whose traceback (the cause) is far above the API server's last lines."""
         try:
-            return Path(self.log_path).read_text(errors="replace")[-n:]
+            text = Path(self.log_path).read_text(errors="replace")
         except OSError:
             return "(no log)"
+        first = text.find("Traceback")
+        if first < 0 or first >= len(text) - n:
+            return text[-n:]
+        return text[first : first + 2500] + "\n[...]\n" + text[-n:]
 
     def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
         data = json.dumps(body or {}).encode()
