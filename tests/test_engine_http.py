@@ -311,6 +311,99 @@ def _cyclic_garbage(kind: type) -> int:
         gc.garbage.clear()
 
 
+def _loops():
+    loops = [asyncio.new_event_loop]
+    try:
+        import uvloop  # kvplug serve's loop when installed: its timers run before the I/O poll
+    except ImportError:  # pragma: no cover - the serve extra
+        return loops
+    return [*loops, uvloop.new_event_loop]
+
+
+@pytest.mark.parametrize("new_loop", _loops())
+def test_a_stream_read_across_a_stall_of_the_loop_is_not_cut_as_silent(new_loop):
+    """--idle-timeout 0.3 s; the engine (its own thread) sends a chunk every 0.4 s, and this
+    loop blocks for 1 s after the first. The idle timer runs late, with the engine's bytes
+    waiting to be read in the same iteration: the stall is given back and the stream arrives
+    whole (before: ServerTimeoutError, the connection closed mid-stream)."""
+    import socket
+    import threading
+
+    parts = [b"a" * 10, b"b" * 10, b"c" * 10, b"d" * 10]
+    wire = _chunked(parts)
+    head, _, framed = wire.partition(b"\r\n\r\n")
+    pieces = [head + b"\r\n\r\n"] + [b"%x\r\n%s\r\n" % (len(p), p) for p in parts]
+    pieces[-1] += b"0\r\n\r\n"
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def engine() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            conn.sendall(pieces[0] + pieces[1])
+            for piece in pieces[2:]:
+                time.sleep(0.4)
+                conn.sendall(piece)
+            conn.recv(1)
+
+    async def scenario() -> bytes:
+        pool = EnginePool(1.0, 0.3)
+        port = listener.getsockname()[1]
+        resp = await pool.post(f"http://127.0.0.1:{port}/v1/completions", b"{}", {})
+        asyncio.get_running_loop().call_soon(time.sleep, 1.0)
+        got = b""
+        while chunk := await resp.readany():
+            got += chunk
+        resp.close()
+        return got
+
+    thread = threading.Thread(target=engine, daemon=True)
+    thread.start()
+    try:
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            assert runner.run(scenario()) == b"".join(parts)
+    finally:
+        listener.close()
+        thread.join(5)
+
+
+@pytest.mark.parametrize("new_loop", _loops())
+def test_a_silent_engine_still_times_out_on_a_loop_that_keeps_stalling(new_loop):
+    """What stalls give back is bounded (three times a read): a loop blocked 0.5 s every 50 ms
+    still fails a silent engine's read."""
+
+    async def scenario() -> None:
+        async def answer(_req, writer):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+            await writer.drain()
+            return True
+
+        async with RawServer(answer) as srv:
+            pool = EnginePool(1.0, 0.3)
+            resp = await pool.post(srv.url + "/v1/completions", b"{}", {})
+            loop = asyncio.get_running_loop()
+            stalling = True
+
+            def stall() -> None:
+                time.sleep(0.5)
+                if stalling:
+                    loop.call_later(0.05, stall)
+
+            loop.call_soon(stall)
+            try:
+                assert await resp.readany() == b"abc"
+                with pytest.raises(aiohttp.ServerTimeoutError):
+                    await resp.readany()
+            finally:
+                stalling = False
+                resp.close()
+
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(scenario())
+
+
 async def test_answers_are_freed_without_the_collector():
     """A released or closed answer leaves no reference cycle (its parser held its bound
     callbacks: ~12 objects a request for the collector, a fifth of kvplug serve's CPU)."""

@@ -12,7 +12,8 @@ Behaviour kept from the aiohttp session it replaces on this path (``kvplug/front
 * idle connections close after ``keepalive`` seconds (4 s, before uvicorn's 5 s keep-alive in
   vLLM and SGLang), so a request never goes out on a socket the engine is closing;
 * ``connect_timeout`` bounds the TCP connect; ``read_timeout`` (``--idle-timeout``) the silence
-  between two reads, the wait for the answer's head included;
+  between two reads, the wait for the answer's head included (a stall of this loop is given
+  back, as ``within`` does: it is not the engine's silence);
 * errors are aiohttp's exception types (``ServerDisconnectedError`` before a whole answer head,
   ``ClientPayloadError`` for a body cut short or a malformed answer, ``ServerTimeoutError`` for
   silence), so every ``except aiohttp.ClientError`` on the path still means "the engine failed"
@@ -31,7 +32,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import httptools
 
-from kvplug.frontend.timeouts import within
+from kvplug.frontend.timeouts import STALL_GRACES, STALL_S, within
 
 # a slow client lets an engine's stream pile up here: stop reading the engine past this many
 # buffered bytes (TCP then holds the engine back), resume once the relay drained them
@@ -69,6 +70,8 @@ class EngineResponse:
         "_eof",
         "_exc",
         "_waiter",
+        "_timer",
+        "_graces",
         "_keep_alive",
         "_until_close",
         "_done",
@@ -85,6 +88,8 @@ class EngineResponse:
         self._eof = False  # the whole answer arrived
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None  # --idle-timeout, while a read waits
+        self._graces = 0
         self._keep_alive = False
         self._until_close = False  # no length, not chunked: the body ends with the connection
         self._done = False  # released or closed
@@ -180,15 +185,31 @@ class EngineResponse:
         assert conn is not None
         loop = conn.loop
         waiter = self._waiter = loop.create_future()
-        timer = loop.call_later(conn.read_timeout, self._silent) if conn.read_timeout else None
+        if conn.read_timeout:
+            self._graces = 0
+            self._timer = loop.call_later(conn.read_timeout, self._silent)
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
+            timer = self._timer
+            if timer is not None:  # emptied: self -> handle -> self._silent is a cycle
+                self._timer = None
                 timer.cancel()
 
     def _silent(self) -> None:
+        conn, timer, waiter = self._conn, self._timer, self._waiter
+        if waiter is not None and waiter.done():
+            return  # bytes came in this loop iteration (asyncio reads before its timers)
+        if conn is not None and timer is not None:
+            late = conn.loop.time() - timer.when()
+            if late > STALL_S and self._graces < STALL_GRACES:
+                # this loop was blocked past the deadline, not the engine silent: what it sent
+                # meanwhile is read in this iteration (uvloop polls after its timers), so the
+                # blocked time is given back, as kvplug.frontend.timeouts.within does
+                self._graces += 1
+                self._timer = conn.loop.call_later(min(late, conn.read_timeout), self._silent)
+                return
         self._fail(aiohttp.ServerTimeoutError("Timeout on reading data from socket"))
 
     # -- the caller's side --------------------------------------------------------------------
