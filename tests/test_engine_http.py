@@ -371,7 +371,7 @@ def test_a_stream_read_across_a_stall_of_the_loop_is_not_cut_as_silent(new_loop)
 
 @pytest.mark.parametrize("new_loop", _loops())
 def test_a_silent_engine_still_times_out_on_a_loop_that_keeps_stalling(new_loop):
-    """What stalls give back is bounded (three times a read): a loop blocked 0.5 s every 50 ms
+    """What stalls give back is bounded (three times an answer): a loop blocked 0.5 s every 50 ms
     still fails a silent engine's read."""
 
     async def scenario() -> None:

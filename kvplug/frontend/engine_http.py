@@ -89,7 +89,7 @@ class EngineResponse:
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None  # --idle-timeout, while a read waits
-        self._graces = 0
+        self._graces = 0  # stalls given back to this answer's reads (STALL_GRACES)
         self._keep_alive = False
         self._until_close = False  # no length, not chunked: the body ends with the connection
         self._done = False  # released or closed
@@ -186,7 +186,6 @@ class EngineResponse:
         loop = conn.loop
         waiter = self._waiter = loop.create_future()
         if conn.read_timeout:
-            self._graces = 0
             self._timer = loop.call_later(conn.read_timeout, self._silent)
         try:
             await waiter
