@@ -343,7 +343,7 @@ class Frontend:
                 if req.stream or self.settings.request_timeout <= 0:
                     return await batch, req.stream
                 try:
-                    return await asyncio.wait_for(batch, self.settings.request_timeout), False
+                    return await within(batch, self.settings.request_timeout), False
                 except asyncio.TimeoutError:
                     raise self._timed_out(None) from None
         tokens, source, note = await self.tokens.resolve(req)
