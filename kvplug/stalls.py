@@ -1,8 +1,11 @@
 """When this process's event loop was stalled, so that time is not counted against a peer.
 
-A GC pause, a long decode or a starved CPU stops the loop; the metric pollers stop with it. An
-engine's attributes (queue depth, KV usage) observed just before a stall of a second or two are
-then older than ``--attribute-max-age`` when the requests queued behind the stall are routed,
+A GC pause, a long decode or a starved CPU stops the loop; the metric pollers stop with it
+(SGLang's and TRT-LLM's run on the loop, vLLM's scrapers on threads that need the GIL a GC pause
+or a decode holds; a blocking call that releases it lets them refresh, and the credit then
+changes nothing: an observation's credit is at most its age). An engine's attributes (queue
+depth, KV usage) observed just before a stall of a second or two are then older than
+``--router-attribute-max-age`` when the requests queued behind the stall are routed,
 before any poller has run again: every engine looked stale, an attribute threshold with
 ``on_missing: exclude`` excluded them all and those requests got 503 although nothing was wrong
 with the engines. ``LoopStalls`` notes the stalls (a beat every 50 ms that finds itself late)
