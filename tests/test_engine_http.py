@@ -9,6 +9,7 @@ import time
 
 import aiohttp
 import pytest
+from loop_factories import loop_factories
 
 from kvplug.frontend.engine_http import EnginePool, EngineResponse
 
@@ -311,16 +312,7 @@ def _cyclic_garbage(kind: type) -> int:
         gc.garbage.clear()
 
 
-def _loops():
-    loops = [asyncio.new_event_loop]
-    try:
-        import uvloop  # kvplug serve's loop when installed: its timers run before the I/O poll
-    except ImportError:  # pragma: no cover - the serve extra
-        return loops
-    return [*loops, uvloop.new_event_loop]
-
-
-@pytest.mark.parametrize("new_loop", _loops())
+@pytest.mark.parametrize("new_loop", loop_factories())
 def test_a_stream_read_across_a_stall_of_the_loop_is_not_cut_as_silent(new_loop):
     """--idle-timeout 0.3 s; the engine (its own thread) sends a chunk every 0.4 s, and this
     loop blocks for 1 s after the first. The idle timer runs late, with the engine's bytes
@@ -369,7 +361,7 @@ def test_a_stream_read_across_a_stall_of_the_loop_is_not_cut_as_silent(new_loop)
         thread.join(5)
 
 
-@pytest.mark.parametrize("new_loop", _loops())
+@pytest.mark.parametrize("new_loop", loop_factories())
 def test_a_silent_engine_still_times_out_on_a_loop_that_keeps_stalling(new_loop):
     """What stalls give back is bounded (three times an answer): a loop blocked 0.5 s every 50 ms
     still fails a silent engine's read."""

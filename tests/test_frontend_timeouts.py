@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+from loop_factories import loop_factories
 
 from kvplug.frontend.timeouts import within
 
@@ -117,16 +118,7 @@ async def test_nested_deadlines_expire_where_they_were_set():
         await within(outer_expires(), 0.01)
 
 
-def _loops():
-    loops = [asyncio.new_event_loop]
-    try:
-        import uvloop  # kvplug serve's loop when installed: its timers run before the I/O poll
-    except ImportError:  # pragma: no cover - the serve extra
-        return loops
-    return [*loops, uvloop.new_event_loop]
-
-
-@pytest.mark.parametrize("new_loop", _loops())
+@pytest.mark.parametrize("new_loop", loop_factories())
 def test_an_answer_that_came_while_the_loop_was_blocked_is_not_a_timeout(new_loop):
     """The loop blocks past the deadline (a GC pause, a long decode); the awaited answer comes
     in from elsewhere during the block. The deadline's timer runs late: the caller gets the
@@ -144,7 +136,7 @@ def test_an_answer_that_came_while_the_loop_was_blocked_is_not_a_timeout(new_loo
         assert runner.run(scenario()) == 7
 
 
-@pytest.mark.parametrize("new_loop", _loops())
+@pytest.mark.parametrize("new_loop", loop_factories())
 def test_a_blocked_loop_with_nothing_come_still_times_out(new_loop):
     """The same block with no answer: the deadline is judged again and expires."""
 
@@ -203,7 +195,7 @@ async def test_a_health_probe_answered_while_the_loop_was_blocked_passes():
         engine_loop.close()
 
 
-@pytest.mark.parametrize("new_loop", _loops())
+@pytest.mark.parametrize("new_loop", loop_factories())
 def test_within_leaves_no_reference_cycle(new_loop):
     """Every request passes through within() a few times: a cycle through its timer (the
     handle holds the closure, the closure the handle or itself) keeps the task and its request

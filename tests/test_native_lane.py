@@ -184,6 +184,11 @@ class Harness:
         return await asyncio.open_connection("127.0.0.1", self.port)
 
 
+async def silent_engine(reader, writer) -> None:
+    """An engine that takes the request and never answers."""
+    await reader.read()
+
+
 async def read_chunked(reader, timeout: float = 10) -> bytes:
     """A chunked body as framed on the wire, up to and with its last chunk."""
     body = b""
@@ -1157,11 +1162,8 @@ async def test_an_idle_kept_alive_connection_is_closed():
 
 
 async def test_per_try_timeout_is_unavailable_and_retried():
-    async def silent(reader, writer):
-        await reader.read()
-
     async with Harness(try_timeout=0.2) as h:
-        slow = await h.scripted_engine(silent)
+        slow = await h.scripted_engine(silent_engine)
         good = await h.instant_engine()
         h.turn = 0  # the first try goes to the silent engine
 
@@ -1253,11 +1255,8 @@ async def test_a_silent_engine_still_times_out_on_a_loop_that_keeps_stalling():
         if stalling:
             h.loop.call_later(0.05, stall)
 
-    async def silent(reader, writer):
-        await reader.read()
-
     async with Harness(try_timeout=0.3) as h:
-        await h.scripted_engine(silent)
+        await h.scripted_engine(silent_engine)
         reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
         await until(lambda: len(h.decided) == 1)
@@ -1297,11 +1296,8 @@ async def test_engine_idle_timeout_mid_answer_is_outcome_4(stream):
 
 
 async def test_engine_idle_timeout_before_the_head_answers_504():
-    async def silent(reader, writer):
-        await reader.read()
-
     async with Harness(engine_idle_timeout=0.2) as h:
-        await h.scripted_engine(silent)
+        await h.scripted_engine(silent_engine)
         reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
         head, _ = await read_answer(reader)
@@ -1346,11 +1342,8 @@ def last_event_on(outcomes: tuple[int, ...], event: bytes):
 async def test_request_timeout_bounds_every_try_of_a_request_together():
     # the first try's per-try timeout (0.25 s) sends it elsewhere; the request's 0.4 s end it
     # before the second try's own (0.5 s) would: outcome 5 and what finish answers
-    async def silent(reader, writer):
-        await reader.read()
-
     async with Harness(request_timeout=0.4, try_timeout=0.25, engine_idle_timeout=10) as h:
-        upstream = await h.scripted_engine(silent)
+        upstream = await h.scripted_engine(silent_engine)
 
         def on_finish(token, status, outcome, tail):
             if outcome == UNAVAILABLE:
@@ -1370,11 +1363,8 @@ async def test_request_timeout_bounds_every_try_of_a_request_together():
 
 
 async def test_request_timeout_without_a_finish_answer_is_the_lanes_504():
-    async def silent(reader, writer):
-        await reader.read()
-
     async with Harness(request_timeout=0.2, engine_idle_timeout=10) as h:
-        await h.scripted_engine(silent)
+        await h.scripted_engine(silent_engine)
         reader, writer = await h.connect()
         writer.write(post(b"/v1/completions", body_of()))
         head, body = await read_answer(reader)
