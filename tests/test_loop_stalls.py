@@ -71,6 +71,8 @@ async def test_kvplug_serve_routes_after_its_loop_stalled_past_the_max_age():
             h.router.set_attributes(w, {"gpu_utilization": 0.5})
         resp, body = await h.complete(prompt(2, 1))
         assert resp.status == 200, body
+        for w in ("w0", "w1"):  # as a poller would leave them, right before the stall
+            h.router.set_attributes(w, {"gpu_utilization": 0.5})
         time.sleep(2.3)  # the frontend's loop (this test's) stalls
         resp, body = await h.complete(prompt(2, 2))
         assert resp.status == 200, body
