@@ -55,7 +55,13 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from kvplug.testing import free_port, free_port_runs, serve_command, stop_process  # noqa: E402
+from kvplug.testing import (  # noqa: E402
+    free_port,
+    free_port_runs,
+    raise_if_exited,
+    serve_command,
+    stop_process,
+)
 
 MODEL = "sim-llama-3-8b"
 ENGINES = ("a", "b")
@@ -247,9 +253,7 @@ class Lab:
         end = time.monotonic() + timeout
         assert self.session is not None
         while time.monotonic() < end:
-            if proc is not None and proc.poll() is not None:
-                tail = log.read_text(errors="replace")[-1500:] if log and log.exists() else ""
-                raise RuntimeError(f"{url}: the process exited ({proc.returncode})\n{tail}")
+            raise_if_exited(proc, url, log)
             try:
                 async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status == 200:

@@ -31,7 +31,7 @@
 #define TICK_NS 20000000LL
 /* A deadline judged this late means the loop running the lane stalled (the tick is 20 ms), not
  * that the peer was silent: the stalled time is given back, up to the deadline's own length and
- * STALL_GRACES times per request (kvplug.frontend.timeouts.within does the same in Python). */
+ * STALL_GRACES times per request (kvplug.stalls.given_back, the same figures, in Python). */
 #define STALL_NS 100000000LL
 #define STALL_GRACES 3
 #define ACCEPTS_PER_EVENT 64
@@ -1041,15 +1041,8 @@ static void attempt(lane_t *l, client_t *c) {
     e->in.off = e->in.len = 0;
     c->eng = e;
     double first = l->cfg.try_timeout > 0 ? l->cfg.try_timeout : l->cfg.engine_idle_timeout;
-    due(c, first);
-    if (e->state == E_CONNECTING && l->cfg.connect_timeout > 0) {
-        int64_t connect_by = after(l->cfg.connect_timeout);
-        if (!c->deadline || connect_by < c->deadline) {
-            c->deadline = connect_by;
-            c->span = (int64_t)(l->cfg.connect_timeout * 1e9);
-            c->given = 0;
-        }
-    }
+    double connect = e->state == E_CONNECTING ? l->cfg.connect_timeout : 0;
+    due(c, connect > 0 && (first <= 0 || connect < first) ? connect : first);
     if (e->state == E_SENDING) engine_send_later(l, e);
 }
 

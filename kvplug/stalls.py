@@ -21,8 +21,20 @@ from collections import deque
 
 import numpy as np
 
-# A beat this late means the loop did not run (the pollers could not either).
+# A timer running this late means this process's event loop did not run (a GC pause, a long
+# decode, a starved process), not that a peer was silent. A deadline judged late gets the
+# blocked time back, up to STALL_GRACES times (a loop blocked again and again still times out);
+# csrc/lane.c keeps the same two figures for the compiled lane.
 STALL_S = 0.1
+STALL_GRACES = 3
+
+
+def given_back(late: float, graces: int, seconds: float) -> float:
+    """When a ``seconds`` deadline whose timer ran ``late`` (after ``graces`` earlier give-backs)
+    is judged again: the blocked time, at most the deadline's length; 0.0 = it expires now."""
+    if late > STALL_S and graces < STALL_GRACES:
+        return min(late, seconds)
+    return 0.0
 
 
 class LoopStalls:

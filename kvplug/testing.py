@@ -26,6 +26,7 @@ __all__ = [
     "free_port_run",
     "free_port_runs",
     "free_ports",
+    "raise_if_exited",
     "serve_command",
     "stop_process",
     "wait_listening",
@@ -59,7 +60,7 @@ def wait_listening(port: int, proc: subprocess.Popen | None = None, timeout: flo
     """
     deadline = time.monotonic() + timeout
     while True:
-        _exited(proc, f"the server meant for port {port}", None)
+        raise_if_exited(proc, f"the server meant for port {port}", None)
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return
@@ -105,26 +106,30 @@ def free_port_runs(n: int, count: int) -> list[int]:
             if len(bases) == count:
                 break
             base = random.randrange(10_000, lo - n) if below else free_port()
-            if base + n > 65535:
-                continue
-            socks: list[socket.socket] = []
-            try:
-                for i in range(n):
-                    s = socket.socket()
-                    socks.append(s)
-                    s.bind(("127.0.0.1", base + i))
-            except OSError:
-                for s in socks:
-                    s.close()
-                continue
-            held += socks
-            bases.append(base)
+            socks = _bound_run(base, n) if base + n <= 65535 else None
+            if socks is not None:
+                held += socks
+                bases.append(base)
     finally:
         for s in held:
             s.close()
     if len(bases) < count:
         raise RuntimeError(f"no {count} runs of {n} free ports")
     return bases
+
+
+def _bound_run(base: int, n: int) -> list[socket.socket] | None:
+    """Sockets bound to base .. base + n - 1, or None (nothing left bound) if one is taken."""
+    socks: list[socket.socket] = []
+    try:
+        for i in range(n):
+            socks.append(socket.socket())
+            socks[-1].bind(("127.0.0.1", base + i))
+    except OSError:
+        for s in socks:
+            s.close()
+        return None
+    return socks
 
 
 def serve_command(
@@ -146,7 +151,8 @@ def serve_command(
     ]
 
 
-def _exited(proc: subprocess.Popen | None, what: str, log: Path | None) -> None:
+def raise_if_exited(proc: subprocess.Popen | None, what: str, log: Path | None) -> None:
+    """RuntimeError quoting the end of ``log`` (the child's output) if ``proc`` has exited."""
     if proc is not None and proc.poll() is not None:
         tail = log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else ""
         raise RuntimeError(f"{what}: process exited with {proc.returncode} while starting\n{tail}")
@@ -164,7 +170,7 @@ def wait_ready(
     the deadline passes; log (the child's output file) is quoted in the error."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        _exited(proc, url, log)
+        raise_if_exited(proc, url, log)
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -172,7 +178,7 @@ def wait_ready(
         except (urllib.error.URLError, OSError):  # refused, 503 while starting, reset
             pass
         time.sleep(interval)
-    _exited(proc, url, log)
+    raise_if_exited(proc, url, log)
     raise RuntimeError(f"{url} not ready within {timeout}s")
 
 
@@ -190,7 +196,7 @@ async def wait_ready_async(
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
-            _exited(proc, url, log)
+            raise_if_exited(proc, url, log)
             try:
                 if json_body is None:
                     probe = session.get(url)
@@ -205,7 +211,7 @@ async def wait_ready_async(
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(interval)
-    _exited(proc, url, log)
+    raise_if_exited(proc, url, log)
     raise RuntimeError(f"{url} not ready within {timeout}s")
 
 

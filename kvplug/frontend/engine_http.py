@@ -32,7 +32,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import httptools
 
-from kvplug.frontend.timeouts import STALL_GRACES, STALL_S, within
+from kvplug.frontend.timeouts import within
+from kvplug.stalls import given_back
 
 # a slow client lets an engine's stream pile up here: stop reading the engine past this many
 # buffered bytes (TCP then holds the engine back), resume once the relay drained them
@@ -89,7 +90,7 @@ class EngineResponse:
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None  # --idle-timeout, while a read waits
-        self._graces = 0  # stalls given back to this answer's reads (STALL_GRACES)
+        self._graces = 0  # stalls given back to this answer's reads (given_back)
         self._keep_alive = False
         self._until_close = False  # no length, not chunked: the body ends with the connection
         self._done = False  # released or closed
@@ -201,13 +202,13 @@ class EngineResponse:
         if waiter is not None and waiter.done():
             return  # bytes came in this loop iteration (asyncio reads before its timers)
         if conn is not None and timer is not None:
-            late = conn.loop.time() - timer.when()
-            if late > STALL_S and self._graces < STALL_GRACES:
+            again = given_back(conn.loop.time() - timer.when(), self._graces, conn.read_timeout)
+            if again:
                 # this loop was blocked past the deadline, not the engine silent: what it sent
                 # meanwhile is read in this iteration (uvloop polls after its timers), so the
                 # blocked time is given back, as kvplug.frontend.timeouts.within does
                 self._graces += 1
-                self._timer = conn.loop.call_later(min(late, conn.read_timeout), self._silent)
+                self._timer = conn.loop.call_later(again, self._silent)
                 return
         self._fail(aiohttp.ServerTimeoutError("Timeout on reading data from socket"))
 

@@ -9,8 +9,8 @@ loop's clock, reschedule) still costs ~6 us a call under uvloop, on every reques
 (``asyncio.TimeoutError``) in the caller, and a cancellation of the caller that arrives as well
 (``Task.cancelling()`` grew) stays a cancellation. On 3.10 (no ``Task.uncancel``) it is
 ``wait_for``. A deadline that passed while the loop itself was blocked (its timer ran late)
-gets the blocked time back (``STALL_S``), so a stall of this process is not taken for a silent
-engine.
+gets the blocked time back (``kvplug.stalls.given_back``), so a stall of this process is not
+taken for a silent engine.
 """
 
 from __future__ import annotations
@@ -20,13 +20,9 @@ import sys
 from collections.abc import Awaitable
 from typing import TypeVar
 
-T = TypeVar("T")
+from kvplug.stalls import given_back
 
-# A deadline timer running this late means the event loop was blocked, not the awaited peer
-# silent (a GC pause, a long decode, a starved process): the blocked time is given back to the
-# deadline, up to STALL_GRACES times (a loop blocked again and again still times out).
-STALL_S = 0.1
-STALL_GRACES = 3
+T = TypeVar("T")
 
 if sys.version_info >= (3, 11):
 
@@ -52,14 +48,14 @@ if sys.version_info >= (3, 11):
         def expire() -> None:
             nonlocal fired, timer, graces
             assert timer is not None  # only the finally empties it, after cancelling it
-            late = loop.time() - timer.when()
-            if late > STALL_S and graces < STALL_GRACES:
-                # this loop was blocked past the deadline (at least ``late`` seconds): that
-                # time is given back, up to the whole deadline. What ``aw`` waits for may have
+            again = given_back(loop.time() - timer.when(), graces, seconds)
+            if again:
+                # this loop was blocked past the deadline: that time is given back, up to the
+                # whole deadline. What ``aw`` waits for may have
                 # come in meanwhile (a due timer runs before the step that would deliver it),
                 # or never left: a request the stall kept from being sent
                 graces += 1
-                timer = loop.call_later(min(late, seconds), expire)
+                timer = loop.call_later(again, expire)
                 return
             fired = True
             task.cancel()
