@@ -138,3 +138,24 @@ class ActiveBlocks:
 def gather_f64(
     sel: slice | npt.NDArray[Any], *arrays: npt.NDArray[Any]
 ) -> tuple[npt.NDArray[np.float64], ...]: ...
+def stale_prefill_summaries(
+    endpoints: npt.NDArray[Any],
+    idx: list[int] | None,
+    max_batched: npt.NDArray[np.float64],
+    queues: Any,
+    versions: npt.NDArray[np.int64],
+) -> list[tuple[int, float]]: ...
+def predicted_ttfts(
+    endpoints: npt.NDArray[Any],
+    idx: list[int] | None,
+    overlap: list[float],
+    prompt_tokens: float,
+    block_size: float,
+    max_batched: npt.NDArray[np.float64],
+    queues: Any,
+    inflight: npt.NDArray[np.int64],
+    context_tokens: npt.NDArray[np.int64],
+    now: float,
+    read_ms: float,
+    coeffs: tuple[float, float, float],
+) -> list[float]: ...

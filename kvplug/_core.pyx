@@ -323,6 +323,7 @@ cdef extern from *:
     PyObject **PySequence_Fast_ITEMS(object o)
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer
 from cpython.pythread cimport NOWAIT_LOCK, WAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock, PyThread_release_lock, PyThread_type_lock
+from libc.math cimport ceil, copysign, floor, fmod
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
@@ -1882,8 +1883,170 @@ def gather_f64(sel, *arrays):
     return tuple(out)
 
 
+
+cdef inline double _py_max(double a, double b):
+    """Python's ``max(a, b)`` on floats: the first unless the second is greater."""
+    return b if b > a else a
+
+
+cdef inline double _py_min(double a, double b):
+    """Python's ``min(a, b)`` on floats: the first unless the second is smaller."""
+    return b if b < a else a
+
+
+cdef double _py_floordiv(double vx, double wx):
+    """The quotient of Python's ``divmod(vx, wx)`` on floats (CPython's float_divmod), wx != 0."""
+    cdef double mod = fmod(vx, wx)
+    cdef double div = (vx - mod) / wx
+    cdef double floordiv
+    if mod:
+        if (wx < 0) != (mod < 0):
+            div -= 1.0
+    if div:
+        floordiv = floor(div)
+        if div - floordiv > 0.5:
+            floordiv += 1.0
+        return floordiv
+    return copysign(0.0, vx / wx)
+
+
+cdef double _py_mod(double vx, double wx):
+    """The remainder of Python's ``divmod(vx, wx)`` on floats (CPython's float_divmod)."""
+    cdef double mod = fmod(vx, wx)
+    if mod:
+        if (wx < 0) != (mod < 0):
+            mod += wx
+        return mod
+    return copysign(0.0, wx)
+
+
+cdef double _chunked_prefill_seconds(double new, double cached, double chunk,
+                                     double a, double b, double c):
+    """kvplug.affinity.chunked_prefill_seconds: the same operations in the same order."""
+    cdef double n = _py_max(new, 0.0)
+    cdef double p = _py_max(cached, 0.0)
+    cdef double full, rem, quad, ctx
+    if n <= 0:
+        return 0.0
+    if chunk <= 0 or chunk >= n:
+        return (a * n + b * n * n + c * n * p) / 1000.0
+    full = _py_floordiv(n, chunk)
+    rem = _py_mod(n, chunk)
+    quad = full * chunk * chunk + rem * rem
+    ctx = n * p + chunk * chunk * full * (full - 1) / 2 + rem * full * chunk
+    return (a * n + b * quad + c * ctx) / 1000.0
+
+
+cdef const double *_f64_table(object x, str what, Py_ssize_t *size) except NULL:
+    if not _is_vector(x, cnp.NPY_DOUBLE):
+        raise InvalidArgument(f"{what} must be a 1-D contiguous float64 array")
+    size[0] = cnp.PyArray_DIM(<cnp.ndarray>x, 0)
+    return <const double *>cnp.PyArray_DATA(<cnp.ndarray>x)
+
+
+cdef const int64_t *_i64_table(object x, str what, Py_ssize_t *size) except NULL:
+    if not _is_vector(x, cnp.NPY_INT64):
+        raise InvalidArgument(f"{what} must be a 1-D contiguous int64 array")
+    size[0] = cnp.PyArray_DIM(<cnp.ndarray>x, 0)
+    return <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>x)
+
+
+def stale_prefill_summaries(endpoints, idx, max_batched, queues, versions):
+    """The affinity policy's prefill summaries to refresh before :func:`predicted_ttfts`:
+    ``(endpoint, chunk)`` for each candidate ``idx[i]`` (None: every one) of ``endpoints``
+    whose summary in ``queues`` (a ``kvplug.affinity.PrefillSummaries``) was taken at another
+    version of its prefills (``versions``, the load tracker's) or another chunk (its
+    ``max_batched``, 0.0 past the array's end)."""
+    cdef cnp.ndarray eps = (endpoints if _is_vector(endpoints, cnp.NPY_INTP)
+                            else np.ascontiguousarray(endpoints, dtype=np.intp))
+    cdef const Py_ssize_t *e = <const Py_ssize_t *>cnp.PyArray_DATA(eps)
+    cdef Py_ssize_t n_eps = eps.shape[0]
+    cdef Py_ssize_t n_mb, n_ver, n_sv, n_sc, n_lv
+    cdef const double *mb = _f64_table(max_batched, "max_batched", &n_mb)
+    cdef const int64_t *sv = _i64_table(queues.version, "queues.version", &n_sv)
+    cdef const double *sc = _f64_table(queues.chunk, "queues.chunk", &n_sc)
+    cdef const int64_t *lv = _i64_table(versions, "versions", &n_lv)
+    cdef Py_ssize_t n = n_eps if idx is None else len(idx)
+    cdef Py_ssize_t i, j, ep
+    cdef double chunk
+    cdef list out = []
+    for j in range(n):
+        i = j if idx is None else idx[j]
+        if i < 0 or i >= n_eps:
+            raise InvalidArgument(f"candidate {i} is outside the {n_eps} endpoints")
+        ep = e[i]
+        if ep < 0 or ep >= n_sv or ep >= n_sc or ep >= n_lv:
+            raise InvalidArgument(f"endpoint {ep} is outside the prefill summaries")
+        chunk = mb[ep] if ep < n_mb else 0.0
+        if sv[ep] != lv[ep] or sc[ep] != chunk:
+            out.append((ep, chunk))
+    return out
+
+
+def predicted_ttfts(endpoints, idx, overlap, double prompt_tokens, double block_size,
+                    max_batched, queues, inflight, context_tokens, double now, double read_ms,
+                    coeffs):
+    """The affinity policy's predicted time to first token of a prompt of ``prompt_tokens``
+    on candidates ``idx`` (indices into ``endpoints``, the trace's endpoint ids; None: every
+    one), a list of floats: the engine's queued prefill seconds at ``now`` (``queues``, a
+    ``kvplug.affinity.PrefillSummaries`` current for these endpoints:
+    :func:`stale_prefill_summaries`), plus the prompt's chunked prefill over its cached prefix
+    (``overlap[i]`` blocks) at the engine's chunk (``max_batched``, 0.0 past its end) with the
+    prefill fit ``coeffs`` (a, b, c), plus with ``read_ms`` the decode reads of the engine's
+    active sequences (``inflight``, ``context_tokens``) in its steps. The same double
+    operations, in the same order, as ``Affinity._predicted_ttft``'s one-engine path in
+    Python (tests/test_affinity.py checks equality), without a Python call per engine: with
+    hundreds of engines those were most of a routing decision."""
+    cdef cnp.ndarray eps = (endpoints if _is_vector(endpoints, cnp.NPY_INTP)
+                            else np.ascontiguousarray(endpoints, dtype=np.intp))
+    cdef const Py_ssize_t *e = <const Py_ssize_t *>cnp.PyArray_DATA(eps)
+    cdef Py_ssize_t n_eps = eps.shape[0]
+    cdef Py_ssize_t n_mb, n_s, n_st, n_oa, n_os, n_if, n_ctx
+    cdef const double *mb = _f64_table(max_batched, "max_batched", &n_mb)
+    cdef const double *sec = _f64_table(queues.seconds, "queues.seconds", &n_s)
+    cdef const double *stp = _f64_table(queues.steps, "queues.steps", &n_st)
+    cdef const double *oat = _f64_table(queues.oldest_at, "queues.oldest_at", &n_oa)
+    cdef const double *osec = _f64_table(queues.oldest_seconds, "queues.oldest_seconds", &n_os)
+    cdef const int64_t *active = _i64_table(inflight, "inflight", &n_if)
+    cdef const int64_t *ctx = _i64_table(context_tokens, "context_tokens", &n_ctx)
+    cdef double a, b, c
+    a, b, c = coeffs
+    cdef list ov = overlap if type(overlap) is list else list(overlap)
+    cdef Py_ssize_t n_ov = len(ov)
+    cdef Py_ssize_t n = n_eps if idx is None else len(idx)
+    cdef list out = [None] * n
+    cdef Py_ssize_t i, j, ep
+    cdef double cached, chunk, new, own, queued, elapsed, read, steps, context
+    for j in range(n):
+        i = j if idx is None else idx[j]
+        if i < 0 or i >= n_eps or i >= n_ov:
+            raise InvalidArgument(f"candidate {i} is outside the {n_eps} endpoints")
+        ep = e[i]
+        if (ep < 0 or ep >= n_s or ep >= n_st or ep >= n_oa or ep >= n_os or ep >= n_if
+                or ep >= n_ctx):
+            raise InvalidArgument(f"endpoint {ep} is outside the load or prefill summaries")
+        cached = <double>ov[i] * block_size
+        chunk = mb[ep] if ep < n_mb else 0.0
+        new = prompt_tokens - cached
+        own = _chunked_prefill_seconds(new, cached, chunk, a, b, c)
+        # Affinity._endpoint_queue: a summary without prefills (0, 0, inf, 0, -inf) gives 0.0
+        queued = sec[ep]
+        if read_ms:
+            queued += stp[ep] * read_ms * <double>ctx[ep] / 1e6
+        elapsed = _py_min(_py_max(now - oat[ep], 0.0), osec[ep])
+        queued = _py_max(queued - elapsed, 0.0)
+        # Affinity._read_seconds
+        read = 0.0
+        if read_ms and new > 0:
+            context = <double>ctx[ep]
+            steps = 1.0 if chunk <= 0 else ceil(new / _py_max(chunk - <double>active[ep], 1.0))
+            read = steps * read_ms * context / 1e6
+        out[j] = queued + own + read
+    return out
+
+
 __all__ = [
     "ActiveBlocks", "CostParams", "DEVICE", "DISK", "HOST", "Index", "MAX_ENDPOINT", "N_TIERS",
     "QueryResult", "SHARED", "chain_hash", "costs", "gather_f64", "hash_blocks", "local_hash",
-    "select", "softmax_probs",
+    "predicted_ttfts", "select", "softmax_probs", "stale_prefill_summaries",
 ]

@@ -305,23 +305,9 @@ def chunked_prefill_seconds(new: float, cached: float, chunk: float) -> float:
     return (a * n + b * quad + c * ctx) / 1000.0
 
 
-# _predicted_ttft computes this many engines' predictions or more at once in numpy
+# _predicted_ttft asks the compiled core for this many engines' predictions or more at once
+# (kvplug._core.predicted_ttfts; one Python call per engine otherwise)
 VECTOR_FROM = 8
-
-
-def chunked_prefill_vector(new: np.ndarray, cached: np.ndarray, chunk: np.ndarray) -> np.ndarray:
-    """:func:`chunked_prefill_seconds` over arrays, the same floats element by element (the
-    same operations in the same order; numpy's divmod of doubles is Python's)."""
-    a, b, c = H200_LLAMA8B
-    n, p = np.maximum(new, 0.0), np.maximum(cached, 0.0)
-    one_pass = (a * n + b * n * n + c * n * p) / 1000.0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        full, rem = np.divmod(n, chunk)
-        quad = full * chunk * chunk + rem * rem
-        ctx = n * p + chunk * chunk * full * (full - 1) / 2 + rem * full * chunk
-        chunked = (a * n + b * quad + c * ctx) / 1000.0
-    out = np.where((chunk <= 0) | (chunk >= n), one_pass, chunked)
-    return np.where(n <= 0, 0.0, out)
 
 
 class RecentQuantile:
@@ -374,6 +360,53 @@ class RecentQuantile:
         return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
 
 
+class PrefillSummaries:
+    """Per endpoint, the router's requests in prefill summed (``Affinity._summarise``: seconds,
+    steps, the oldest one's routing time and seconds, the latest routing time), each kept
+    while the load tracker's version of the endpoint's prefills and its chunk are the ones
+    summarised. Arrays, so the compiled core reads many endpoints' in one call; an endpoint
+    without prefills is summarised as (0, 0, inf, 0, -inf), which predicts no queue."""
+
+    __slots__ = ("version", "chunk", "seconds", "steps", "oldest_at", "oldest_seconds", "latest")
+
+    def __init__(self) -> None:
+        self.version = np.zeros(0, dtype=np.int64)
+        self.chunk = np.zeros(0)
+        self.seconds = np.zeros(0)
+        self.steps = np.zeros(0)
+        self.oldest_at = np.zeros(0)
+        self.oldest_seconds = np.zeros(0)
+        self.latest = np.zeros(0)
+
+    def fit(self, n: int) -> None:
+        """Room for endpoints below ``n``; a new one's version, -1, is never the tracker's."""
+        if n <= len(self.version):
+            return
+        cap = max(n, 2 * len(self.version), 16)
+        for name in self.__slots__:
+            old = getattr(self, name)
+            new = np.full(cap, -1 if name == "version" else 0, dtype=old.dtype)
+            new[: len(old)] = old
+            setattr(self, name, new)
+
+    def stale(self, load, ep: int, chunk: float) -> bool:
+        self.fit(ep + 1)
+        return (
+            self.version.item(ep) != load.prefilling_versions.item(ep)
+            or self.chunk.item(ep) != chunk
+        )
+
+    def store(self, ep: int, load, chunk: float, summary: tuple | None) -> None:
+        """``summary`` (``Affinity._summarise``'s, or None: no prefills) for ``ep``."""
+        self.fit(ep + 1)
+        self.version[ep] = load.prefilling_versions.item(ep)
+        self.chunk[ep] = chunk
+        if summary is None:
+            summary = (0.0, 0.0, math.inf, 0.0, -math.inf)
+        for name, value in zip(self.__slots__[2:], summary, strict=True):
+            getattr(self, name)[ep] = value
+
+
 class Affinity:
     """The affinity decision over kv's pick, with what it remembers between decisions (the
     TTFT tail, the follow-up rates). ``choose`` is asked once per routed request: by
@@ -397,9 +430,16 @@ class Affinity:
         self._ttft: dict[int, float] = {}
         self._all_for: Any = None  # _predicted_all of the decision under way
         self._all: list[float] = []
-        # _endpoint_queue: per endpoint, (prefilling_version, chunk, its _summarise); the
-        # versions are router.load's, the one tracker of this router
-        self._prefill_summaries: dict[int, tuple] = {}
+        # per endpoint, its prefills summed (_summarise), kept while router.load's version of
+        # them and the chunk are those summarised: arrays, so a decision reads many at once
+        self._summaries = PrefillSummaries()
+        # the compiled core's (stale_prefill_summaries, predicted_ttfts); None: Python only
+        core = getattr(router, "_core", None)
+        stale = getattr(core, "stale_prefill_summaries", None)
+        predicted = getattr(core, "predicted_ttfts", None)
+        self._kernel: tuple[Any, Any] | None = (
+            (stale, predicted) if stale is not None and predicted is not None else None
+        )
         # balance guard: prefix end (the sequence hash of a cached prefix's last block) -> the
         # next block's hash of the first prompt that went on from there, or SHARED
         self._went_on: dict[int, int] = {}
@@ -684,8 +724,8 @@ class Affinity:
             self._ttft = {}
         known = self._ttft
         missing = [i for i in idx if i not in known]
-        if len(missing) >= VECTOR_FROM:
-            vector = self._predicted_vector(trace, overlap, blocks, missing)
+        if len(missing) >= VECTOR_FROM and self._kernel is not None:
+            vector = self._predicted_many(trace, overlap, blocks, missing)
             known.update(zip(missing, vector, strict=True))
         elif missing:
             router = self._router
@@ -704,43 +744,44 @@ class Affinity:
         """``_predicted_ttft`` of every candidate, in their order (the same floats)."""
         if self._all_for is not trace:
             n = len(overlap)
-            if n >= VECTOR_FROM:
-                self._all = self._predicted_vector(trace, overlap, blocks, None)
+            if n >= VECTOR_FROM and self._kernel is not None:
+                self._all = self._predicted_many(trace, overlap, blocks, None)
             else:
                 self._all = self._predicted_ttft(trace, overlap, blocks, *range(n))
             self._all_for = trace
         return self._all
 
-    def _predicted_vector(self, trace, overlap, blocks: int, idx: list[int] | None) -> list[float]:
-        """``_predicted_ttft``'s loop for many engines at once, in numpy: the same operations in
-        the same order on doubles, so the same floats (tests/test_affinity.py checks it)."""
+    def _predicted_many(self, trace, overlap, blocks: int, idx: list[int] | None) -> list[float]:
+        """``_predicted_ttft``'s loop for many engines at once, in the compiled core: the same
+        operations in the same order on doubles, so the same floats (tests/test_affinity.py
+        checks it). ``idx``: candidate indices (None: every candidate)."""
         router = self._router
         load = router.load
-        bs = router.block_size
-        if idx is None:  # every candidate
-            eps = trace.endpoints.astype(np.int64)
-            cached = np.asarray(overlap, dtype=np.float64) * bs
-        else:
-            eps = trace.endpoints[np.asarray(idx)].astype(np.int64)
-            cached = np.asarray([overlap[i] for i in idx], dtype=np.float64) * bs
-        known = len(router.max_batched)
-        chunk = np.where(eps < known, router.max_batched[np.minimum(eps, known - 1)], 0.0)
-        chunk = chunk.astype(np.float64)
-        new = blocks * bs - cached
-        own = chunked_prefill_vector(new, cached, chunk)
-        # queued seconds: 0.0 but on the endpoints with prefills (a few, in a big fleet)
-        by_endpoint = np.zeros(len(load.inflight), dtype=np.float64)
-        for ep in load.prefilling:
-            by_endpoint[ep] = self._queue_of(trace, ep)[0]
-        t = by_endpoint[eps] + own
-        read_ms = self.params.read_ms
-        if read_ms:
-            count = load.inflight[eps]
-            context = load.context_tokens[eps].astype(np.float64)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                steps = np.where(chunk <= 0, 1.0, np.ceil(new / np.maximum(chunk - count, 1.0)))
-            t = t + np.where(new <= 0, 0.0, steps * read_ms * context / 1e6)
-        return t.tolist()
+        now = self._queue_clock(trace)
+        summaries = self._summaries
+        summaries.fit(len(load.prefilling_versions))
+        assert self._kernel is not None  # the callers' condition
+        stale, predicted = self._kernel
+        for ep, chunk in stale(
+            trace.endpoints, idx, router.max_batched, summaries, load.prefilling_versions
+        ):
+            queued = load.prefilling.get(ep)
+            summary = None if queued is None else self._summarise(queued, chunk)
+            summaries.store(ep, load, chunk, summary)
+        return predicted(
+            trace.endpoints,
+            idx,
+            overlap,
+            float(blocks * router.block_size),
+            float(router.block_size),
+            router.max_batched,
+            summaries,
+            load.inflight,
+            load.context_tokens,
+            now,
+            self.params.read_ms,
+            H200_LLAMA8B,
+        )
 
     def _read_seconds(self, ep: int, new: float, chunk: float) -> float:
         """``read_ms``: seconds of decode reads over the steps of a ``new``-token prefill on
@@ -773,41 +814,41 @@ class Affinity:
         (protect); (0.0, 0.0) without prefills. Computed for the endpoints a decision asks
         about, once each, at one ``now`` per decision (``trace``): most decisions ask about kv's
         pick and one or two others, not every endpoint with prefills."""
+        now = self._queue_clock(trace)
+        memo = self._queue_memo
+        known = memo.get(ep)
+        if known is None:
+            known = memo[ep] = self._endpoint_queue(ep, now)
+        return known
+
+    def _queue_clock(self, trace) -> float:
+        """The one ``now`` of the decision under way (``trace``) the queues are taken at."""
         if self._queued_for is not trace:
             self._queued_for = trace
             self._queue_memo = {}
             self._queue_now = self._router._clock()
-        memo = self._queue_memo
-        known = memo.get(ep)
-        if known is None:
-            known = memo[ep] = self._endpoint_queue(ep, self._queue_now)
-        return known
+        return self._queue_now
 
     def _endpoint_queue(self, ep: int, now: float) -> tuple[float, float]:
         """``_queue_of`` computed: the endpoint's prefills are summed once per change of them
         (``_summarise``); the elapsed time and decode reads are applied at ``now``."""
         router = self._router
         load = router.load
-        queued = load.prefilling.get(ep)
-        if queued is None:
+        if ep not in load.prefilling:
             return 0.0, 0.0
         chunk = router.chunk_tokens(ep)
-        version = load.prefilling_version.get(ep)
-        summary = self._prefill_summaries.get(ep)
-        if summary is None or summary[0] != version or summary[1] != chunk:
-            summary = self._prefill_summaries[ep] = (
-                version,
-                chunk,
-                *self._summarise(queued, chunk),
-            )
-        _, _, seconds_sum, steps, oldest_at, oldest_seconds, latest = summary
+        s = self._summaries
+        if s.stale(load, ep, chunk):
+            s.store(ep, load, chunk, self._summarise(load.prefilling[ep], chunk))
+        seconds_sum = s.seconds.item(ep)
         read_ms = self.params.read_ms
         if read_ms:
-            seconds_sum += steps * read_ms * float(load.context_tokens.item(ep)) / 1e6
+            seconds_sum += s.steps.item(ep) * read_ms * float(load.context_tokens.item(ep)) / 1e6
         # the oldest has been in prefill for part of its predicted time already
-        seconds_sum = max(seconds_sum - min(max(now - oldest_at, 0.0), oldest_seconds), 0.0)
+        elapsed = min(max(now - s.oldest_at.item(ep), 0.0), s.oldest_seconds.item(ep))
+        seconds_sum = max(seconds_sum - elapsed, 0.0)
         # and the last queued prefill's predicted TTFT (protect)
-        return seconds_sum, seconds_sum + now - latest
+        return seconds_sum, seconds_sum + now - s.latest.item(ep)
 
     @staticmethod
     def _summarise(queued: dict, chunk: float) -> tuple[float, float, float, float, float]:

@@ -69,6 +69,10 @@ seed_load_costs = getattr(impl, "seed_load_costs", None)
 # compiled only: the reference backend runs kvplug.active_blocks.ActiveBlocks and numpy gathers
 ActiveBlocks = getattr(impl, "ActiveBlocks", None)
 gather_f64 = getattr(impl, "gather_f64", None)
+# compiled only: the affinity policy's predictions for many engines (one Python call per engine
+# on the reference, the same floats)
+stale_prefill_summaries = getattr(impl, "stale_prefill_summaries", None)
+predicted_ttfts = getattr(impl, "predicted_ttfts", None)
 softmax_probs = impl.softmax_probs
 DEVICE, HOST, DISK, N_TIERS = impl.DEVICE, impl.HOST, impl.DISK, impl.N_TIERS
 SHARED = impl.SHARED
@@ -93,8 +97,10 @@ __all__ = [
     "impl",
     "load_backend",
     "local_hash",
+    "predicted_ttfts",
     "seed_load_costs",
     "select",
     "seq_hashes",
     "softmax_probs",
+    "stale_prefill_summaries",
 ]

@@ -78,8 +78,9 @@ class LoadTracker:
         # per endpoint, its requests without a first token yet, in the order they were added
         self.prefilling: dict[int, dict[str, ActiveRequest]] = {}
         # per endpoint, a number that changes whenever its ``prefilling`` does (readers that
-        # summarise an endpoint's prefills keep the summary until it changes)
-        self.prefilling_version: dict[int, int] = {}
+        # summarise an endpoint's prefills keep the summary until it changes; an array, so a
+        # reader finds the changed ones among many endpoints in one comparison)
+        self.prefilling_versions = np.zeros(0, dtype=np.int64)
         self._prefilling_changes = 0
         # prefill-duration model: per endpoint, the queue of pending prefills (oldest first)
         self.head_tokens = np.zeros(0)
@@ -107,6 +108,7 @@ class LoadTracker:
         self.decode_blocks = grow(self.decode_blocks)
         self.inflight = grow(self.inflight)
         self.context_tokens = grow(self.context_tokens)
+        self.prefilling_versions = grow(self.prefilling_versions)
         self.head_tokens = grow(self.head_tokens)
         self.head_start = grow(self.head_start)
         self.head_duration = grow(self.head_duration, 1.0)
@@ -264,7 +266,8 @@ class LoadTracker:
     # ------------------------------------------------------------------ internals
     def _prefilling_changed(self, ep: int) -> None:
         self._prefilling_changes += 1
-        self.prefilling_version[ep] = self._prefilling_changes
+        if ep < self._cap:
+            self.prefilling_versions[ep] = self._prefilling_changes
 
     def _set_head(self, ep: int, r: ActiveRequest, now: float) -> None:
         self.head_tokens[ep] = r.prefill_tokens

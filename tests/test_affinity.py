@@ -666,6 +666,82 @@ def test_the_predictions_for_many_engines_at_once_are_the_one_by_one_floats(monk
             assert aff._predicted_all(trace, overlap, blocks) == one_by_one
 
 
+def test_the_compiled_predictions_are_the_python_floats_as_the_load_changes(monkeypatch):
+    """``kvplug._core.predicted_ttfts`` (many engines in one call) against the one-by-one
+    Python path after every change a summary must follow: requests routed, first tokens,
+    finishes, a worker re-registered with another chunk; every candidate and subsets, with and
+    without decode reads; chunks that divide the prompt, exceed it, or are unknown (0)."""
+    from test_router_helpers import FakeClock
+
+    import kvplug.affinity as affinity_module
+    from kvplug.workers import Worker
+
+    budgets = (0, 64, 256, 8192, 0, 48, 1024, 16, 300, 512, 32)
+    clock = FakeClock()
+    r = make_router(
+        workers=[Worker(f"w{i}", max_batched_tokens=b) for i, b in enumerate(budgets)], clock=clock
+    )
+    if getattr(r._core, "predicted_ttfts", None) is None:
+        pytest.skip("the compiled core is not built (the Python path is the only one)")
+    rng = np.random.default_rng(5)
+    live: list[str] = []
+    for read_ms in (0.0305, 0.0):
+        aff = AffinityRouter(r, AffinityParams(read_ms=read_ms, tail=0.98))
+        for i in range(120):
+            rid = f"k{read_ms}-{i}"
+            aff.route(
+                RouteRequest(
+                    rid, tokens(int(rng.integers(1, 50)), start=int(rng.integers(0, 3)) * 9_000)
+                )
+            )
+            live.append(rid)
+            clock.advance(float(rng.exponential(0.03)))
+            if rng.random() < 0.4:
+                r.on_first_token(live[int(rng.integers(len(live)))])
+            if rng.random() < 0.25:
+                r.on_finish(live.pop(int(rng.integers(len(live)))))
+            if i == 60:  # another chunk for one engine: its summary must be taken again
+                r.add_worker(Worker("w3", max_batched_tokens=128))
+            n = len(r.ep_worker)
+            trace = _trace(r)
+            overlap = rng.integers(0, 40, size=n).astype(float).tolist()
+            blocks = int(rng.choice([1, 8, 16, 32, 40, 64]))  # some multiples of the chunks
+            subset = sorted(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False).tolist())
+            compiled = aff._predicted_many(trace, overlap, blocks, None)
+            compiled_subset = aff._predicted_many(trace, overlap, blocks, subset)
+            monkeypatch.setattr(affinity_module, "VECTOR_FROM", 10**9)
+            aff._ttft_for = None
+            one_by_one = aff._predicted_ttft(trace, overlap, blocks, *range(n))
+            monkeypatch.setattr(affinity_module, "VECTOR_FROM", 8)
+            assert compiled == one_by_one
+            assert compiled_subset == [one_by_one[j] for j in subset]
+            assert any(q > 0 for q in (aff._queue_of(trace, ep)[0] for ep in range(n)))
+
+
+def test_the_compiled_predictions_refuse_endpoints_outside_their_tables():
+    from kvplug import core
+    from kvplug.affinity import PrefillSummaries
+
+    if core.predicted_ttfts is None:
+        pytest.skip("the compiled core is not built")
+    from kvplug.errors import InvalidArgument
+
+    queues = PrefillSummaries()
+    queues.fit(4)
+    load = np.zeros(4, dtype=np.int64)
+    args = ([0.0] * 2, 512.0, 16.0, np.zeros(4), queues, load, load, 0.0, 0.0, (1.0, 1.0, 1.0))
+    assert core.predicted_ttfts(np.arange(2), None, *args) == [(512 + 512 * 512) / 1000.0] * 2
+    with pytest.raises(InvalidArgument):
+        core.predicted_ttfts(np.array([0, 7]), None, *args)
+    with pytest.raises(InvalidArgument):
+        core.predicted_ttfts(np.arange(2), [2], *args)
+    with pytest.raises(InvalidArgument):
+        core.stale_prefill_summaries(np.array([9]), None, np.zeros(4), queues, load)
+    assert core.stale_prefill_summaries(np.arange(4), None, np.zeros(4), queues, load) == [
+        (ep, 0.0) for ep in range(4)
+    ]
+
+
 def test_the_compiled_affinity_is_built_from_this_source():
     """setup.py compiles kvplug/affinity.py as it is (Cython) and records the source's SHA-256:
     an edit without a rebuild would otherwise run the old compiled code."""

@@ -258,7 +258,10 @@ def test_context_tokens_and_prefilling_follow_every_lifecycle_step():
             assert list(t.prefilling.get(ep, {})) == prefilling, (step, ep)
             # a reader's summary of an endpoint's prefills is reused while the version stays:
             # the same requests (the same objects: a retried id is a new one) in the same order
-            now = ([id(r) for r in t.prefilling.get(ep, {}).values()], t.prefilling_version.get(ep))
+            now = (
+                [id(r) for r in t.prefilling.get(ep, {}).values()],
+                t.prefilling_versions.item(ep),
+            )
             if ep in seen and seen[ep][1] == now[1]:
                 assert seen[ep][0] == now[0], (step, ep)
             seen[ep] = now
