@@ -390,7 +390,8 @@ class PrefillSummaries:
             setattr(self, name, new)
 
     def stale(self, load, ep: int, chunk: float) -> bool:
-        self.fit(ep + 1)
+        if ep >= len(self.version):
+            return True
         return (
             self.version.item(ep) != load.prefilling_versions.item(ep)
             or self.chunk.item(ep) != chunk
@@ -403,8 +404,12 @@ class PrefillSummaries:
         self.chunk[ep] = chunk
         if summary is None:
             summary = (0.0, 0.0, math.inf, 0.0, -math.inf)
-        for name, value in zip(self.__slots__[2:], summary, strict=True):
-            getattr(self, name)[ep] = value
+        seconds, steps, oldest_at, oldest_seconds, latest = summary
+        self.seconds[ep] = seconds
+        self.steps[ep] = steps
+        self.oldest_at[ep] = oldest_at
+        self.oldest_seconds[ep] = oldest_seconds
+        self.latest[ep] = latest
 
 
 class Affinity:
