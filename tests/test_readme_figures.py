@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -163,6 +164,7 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
     python_path = frontend["kvplug python path (token ids)"]
     default = frontend["kvplug default routing (token ids)"]
     r64 = router[64]
+    kernel = load("benchmarks/results/ab_route_cost_kernel.json")
     return {
         ("routing decision", "result"): lambda: [
             r64["kv_median_us"],
@@ -180,6 +182,16 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             r64["default_inflight_median_us"],
             router[512]["default_inflight_median_us"],
             r64["inflight"],
+            SKIP,  # the number
+            *_range(
+                [
+                    statistics.median(c["base_over_new"])
+                    for c in kernel["cases"]
+                    if c["workers"] in (64, 512)
+                ]
+            ),
+            64,
+            512,
         ],
         ("vLLM event ingestion", "result"): lambda: [
             ingest["results"]["kvplug"]["blocks_per_s"] / 1e6,
