@@ -97,6 +97,18 @@ def test_bench_reports_every_policy(first_800, tmp_path):
     assert paths[-1].name == "sim_frontier.png"
 
 
+def test_the_plots_name_a_router_view_other_than_the_ideal_one():
+    from dataclasses import asdict, replace
+
+    from kvplug.sim.plots import _router_view
+    from kvplug.sim.transport import PRESETS
+
+    assert _router_view(None) == "ideal"  # reports written before the view was recorded
+    assert _router_view(asdict(PRESETS["ideal"])) == "ideal"
+    assert _router_view(asdict(PRESETS["realistic"])) == "realistic"
+    assert _router_view(asdict(replace(PRESETS["realistic"], event_loss=0.05))) == "custom"
+
+
 def test_bad_policy_is_rejected_before_running():
     with pytest.raises(ValueError, match="not kv"):
         parse_policy("fastest")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+
+from kvplug.sim.transport import IDEAL, PRESETS
 
 
 def _plt():
@@ -14,6 +17,16 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _router_view(link: dict | None) -> str:
+    """The preset the report's router view is (``ideal``, ``realistic``), else ``custom``."""
+    if link is None:
+        return IDEAL
+    for name, preset in PRESETS.items():
+        if asdict(preset) == link:
+            return name
+    return "custom"
 
 
 def plot_report(report: dict, out_dir: str | Path, prefix: str = "sim") -> list[Path]:
@@ -27,6 +40,9 @@ def plot_report(report: dict, out_dir: str | Path, prefix: str = "sim") -> list[
     tr = report["trace"]
     n_eng = report["spec"]["n_engines"]
     title = f"{tr['requests']} requests, {n_eng} simulated engines (8B / H200 model)"
+    view = _router_view(report["spec"].get("link"))
+    if view != IDEAL:
+        title += f", {view} router view"
     paths = []
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
