@@ -324,8 +324,8 @@ cdef extern from *:
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer
 from cpython.pythread cimport NOWAIT_LOCK, WAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock, PyThread_release_lock, PyThread_type_lock
 from libc.math cimport ceil, copysign, floor, fmod
-from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy, memmove
 
 from kvplug._reference import CostParams, softmax_probs  # pure arithmetic, identical on both
 from kvplug.errors import InvalidArgument, InvalidTokens, KvplugError
@@ -2045,8 +2045,201 @@ def predicted_ttfts(endpoints, idx, overlap, double prompt_tokens, double block_
     return out
 
 
+
+cdef enum:
+    _QUANTILE_BLOCK = 512  # values per sorted block of SlidingQuantile before it splits
+
+
+cdef Py_ssize_t _bisect_left(const double *a, Py_ssize_t n, double v) noexcept:
+    cdef Py_ssize_t lo = 0, hi = n, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if a[mid] < v:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+cdef class SlidingQuantile:
+    """Quantiles of the last ``window`` values added: ``kvplug.affinity.RecentQuantile`` (the
+    same floats: numpy's linear method over the window's values in order) in C. The values
+    are kept sorted in blocks of at most 512 (an insert or removal moves at most a block's
+    entries; a quantile walks the blocks' sizes), and in arrival order in a ring, which says
+    which value leaves. The default routing adds one value and asks one quantile per decision:
+    ~0.3 us here against ~8 in Python (``SortedList``)."""
+
+    cdef readonly Py_ssize_t window
+    cdef Py_ssize_t count, oldest  # values held; the ring's oldest slot
+    cdef double *ring
+    cdef double **blocks
+    cdef double *maxes  # each block's largest value (its last)
+    cdef Py_ssize_t *sizes
+    cdef Py_ssize_t n_blocks, block_slots
+
+    def __cinit__(self, Py_ssize_t window):
+        if window < 1:
+            raise InvalidArgument("window must be >= 1")
+        self.window = window
+        self.ring = <double *>malloc(window * sizeof(double))
+        self.block_slots = 8
+        self.blocks = <double **>malloc(self.block_slots * sizeof(double *))
+        self.maxes = <double *>malloc(self.block_slots * sizeof(double))
+        self.sizes = <Py_ssize_t *>malloc(self.block_slots * sizeof(Py_ssize_t))
+        if not (self.ring and self.blocks and self.maxes and self.sizes):
+            raise MemoryError()
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.blocks != NULL:
+            for i in range(self.n_blocks):
+                free(self.blocks[i])
+        free(self.blocks)
+        free(self.maxes)
+        free(self.sizes)
+        free(self.ring)
+
+    def __len__(self):
+        return self.count
+
+    cdef int _new_block(self, Py_ssize_t at) except -1:
+        """An empty block at position ``at`` of the block list."""
+        cdef Py_ssize_t slots
+        cdef double **blocks
+        cdef double *maxes
+        cdef double *block
+        cdef Py_ssize_t *sizes
+        if self.n_blocks == self.block_slots:
+            slots = 2 * self.block_slots
+            blocks = <double **>realloc(self.blocks, slots * sizeof(double *))
+            if blocks == NULL:
+                raise MemoryError()
+            self.blocks = blocks
+            maxes = <double *>realloc(self.maxes, slots * sizeof(double))
+            if maxes == NULL:
+                raise MemoryError()
+            self.maxes = maxes
+            sizes = <Py_ssize_t *>realloc(self.sizes, slots * sizeof(Py_ssize_t))
+            if sizes == NULL:
+                raise MemoryError()
+            self.sizes = sizes
+            self.block_slots = slots
+        block = <double *>malloc(_QUANTILE_BLOCK * sizeof(double))
+        if block == NULL:
+            raise MemoryError()
+        cdef Py_ssize_t tail = self.n_blocks - at
+        memmove(&self.blocks[at + 1], &self.blocks[at], tail * sizeof(double *))
+        memmove(&self.maxes[at + 1], &self.maxes[at], tail * sizeof(double))
+        memmove(&self.sizes[at + 1], &self.sizes[at], tail * sizeof(Py_ssize_t))
+        self.blocks[at] = block
+        self.sizes[at] = 0
+        self.n_blocks += 1
+        return 0
+
+    cdef int _insert(self, double v) except -1:
+        cdef Py_ssize_t i, pos, n, half
+        cdef double *b
+        if self.n_blocks == 0:
+            self._new_block(0)
+        i = _bisect_left(self.maxes, self.n_blocks, v)
+        if i == self.n_blocks:
+            i -= 1  # past every block's largest: the last block's end
+        b = self.blocks[i]
+        n = self.sizes[i]
+        pos = _bisect_left(b, n, v)
+        memmove(&b[pos + 1], &b[pos], (n - pos) * sizeof(double))
+        b[pos] = v
+        n += 1
+        self.sizes[i] = n
+        self.maxes[i] = b[n - 1]
+        if n == _QUANTILE_BLOCK:  # split: the upper half into a new block after it
+            self._new_block(i + 1)
+            half = n >> 1
+            memcpy(self.blocks[i + 1], &self.blocks[i][half], (n - half) * sizeof(double))
+            self.sizes[i + 1] = n - half
+            self.maxes[i + 1] = self.blocks[i][n - 1]
+            self.sizes[i] = half
+            self.maxes[i] = self.blocks[i][half - 1]
+        return 0
+
+    cdef int _remove(self, double v) except -1:
+        cdef Py_ssize_t i = _bisect_left(self.maxes, self.n_blocks, v)
+        cdef Py_ssize_t pos, n, tail
+        cdef double *b
+        if i == self.n_blocks:
+            raise KvplugError("SlidingQuantile lost a value")  # unreachable: the ring's
+        b = self.blocks[i]
+        n = self.sizes[i]
+        pos = _bisect_left(b, n, v)
+        if pos == n or b[pos] != v:
+            raise KvplugError("SlidingQuantile lost a value")
+        memmove(&b[pos], &b[pos + 1], (n - pos - 1) * sizeof(double))
+        n -= 1
+        if n:
+            self.sizes[i] = n
+            self.maxes[i] = b[n - 1]
+            return 0
+        free(b)
+        tail = self.n_blocks - i - 1
+        memmove(&self.blocks[i], &self.blocks[i + 1], tail * sizeof(double *))
+        memmove(&self.maxes[i], &self.maxes[i + 1], tail * sizeof(double))
+        memmove(&self.sizes[i], &self.sizes[i + 1], tail * sizeof(Py_ssize_t))
+        self.n_blocks -= 1
+        return 0
+
+    def add(self, double value):
+        if value != value:
+            raise InvalidArgument("a NaN has no place in a quantile")
+        cdef Py_ssize_t slot
+        if self.count == self.window:  # the oldest leaves; its slot takes the new value
+            self._remove(self.ring[self.oldest])
+            slot = self.oldest
+            self.oldest = (self.oldest + 1) % self.window
+        else:
+            slot = (self.oldest + self.count) % self.window
+            self.count += 1
+        self.ring[slot] = value
+        self._insert(value)
+
+    def extend(self, values):
+        for v in values:
+            self.add(v)
+
+    cdef double _at(self, Py_ssize_t k) noexcept:
+        """The k-th smallest value held (0 <= k < count), walking the blocks' sizes from the
+        nearer end (the tail's quantiles are near the top)."""
+        cdef Py_ssize_t i = 0
+        cdef Py_ssize_t above = self.count - 1 - k  # values above the k-th
+        if above < k:
+            i = self.n_blocks - 1
+            while above >= self.sizes[i]:
+                above -= self.sizes[i]
+                i -= 1
+            return self.blocks[i][self.sizes[i] - 1 - above]
+        while k >= self.sizes[i]:
+            k -= self.sizes[i]
+            i += 1
+        return self.blocks[i][k]
+
+    def quantile(self, double q):
+        """numpy's ``quantile(values, q)`` (linear) over the values held, as RecentQuantile's."""
+        if not self.count:
+            raise ValueError("no values")
+        if not 0 <= q <= 1:
+            raise InvalidArgument(f"quantile {q} is not in [0, 1]")
+        cdef Py_ssize_t n = self.count
+        cdef double virtual = (n - 1) * q
+        if virtual >= n - 1:
+            return self._at(n - 1)
+        cdef Py_ssize_t lo = <Py_ssize_t>floor(virtual)
+        cdef double a = self._at(lo), b = self._at(lo + 1)
+        cdef double gamma = virtual - lo
+        cdef double diff = b - a
+        return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
+
+
 __all__ = [
     "ActiveBlocks", "CostParams", "DEVICE", "DISK", "HOST", "Index", "MAX_ENDPOINT", "N_TIERS",
     "QueryResult", "SHARED", "chain_hash", "costs", "gather_f64", "hash_blocks", "local_hash",
-    "predicted_ttfts", "select", "softmax_probs", "stale_prefill_summaries",
+    "SlidingQuantile", "predicted_ttfts", "select", "softmax_probs", "stale_prefill_summaries",
 ]

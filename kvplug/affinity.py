@@ -423,8 +423,11 @@ class Affinity:
         self.params = params or AffinityParams()
         # kept_kv, affinity (moved), guarded; rescued, spread, protected once those fire
         self.affinity_counters: Counter[str] = Counter(kept_kv=0, affinity=0, guarded=0)
-        # tail mode: the last ``window`` predicted TTFTs at kv's pick (of the pool's requests)
-        self._kv_ttft = RecentQuantile(self.params.window)
+        core = getattr(router, "_core", None)
+        # tail mode: the last ``window`` predicted TTFTs at kv's pick (of the pool's requests);
+        # the compiled core's twin where it is built (the same floats)
+        window = getattr(core, "SlidingQuantile", None) or RecentQuantile
+        self._kv_ttft = window(self.params.window)
         self._followups: dict[int, tuple[float, float]] = {}  # spread: endpoint -> (rate, at)
         # _queue_of in the decision under way (its trace): per endpoint, computed when asked
         self._queued_for: Any = None
@@ -439,7 +442,6 @@ class Affinity:
         # them and the chunk are those summarised: arrays, so a decision reads many at once
         self._summaries = PrefillSummaries()
         # the compiled core's (stale_prefill_summaries, predicted_ttfts); None: Python only
-        core = getattr(router, "_core", None)
         stale = getattr(core, "stale_prefill_summaries", None)
         predicted = getattr(core, "predicted_ttfts", None)
         self._kernel: tuple[Any, Any] | None = (

@@ -73,6 +73,8 @@ gather_f64 = getattr(impl, "gather_f64", None)
 # on the reference, the same floats)
 stale_prefill_summaries = getattr(impl, "stale_prefill_summaries", None)
 predicted_ttfts = getattr(impl, "predicted_ttfts", None)
+# compiled only: kvplug.affinity.RecentQuantile's twin (the same floats)
+SlidingQuantile = getattr(impl, "SlidingQuantile", None)
 softmax_probs = impl.softmax_probs
 DEVICE, HOST, DISK, N_TIERS = impl.DEVICE, impl.HOST, impl.DISK, impl.N_TIERS
 SHARED = impl.SHARED
@@ -85,6 +87,7 @@ __all__ = [
     "MAX_ENDPOINT",
     "N_TIERS",
     "SHARED",
+    "SlidingQuantile",
     "ActiveBlocks",
     "CostParams",
     "Index",

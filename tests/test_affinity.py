@@ -318,24 +318,53 @@ def test_affinity_rescue_is_the_measured_setting_and_takes_overrides():
         parse_policy("affinity-rescue:pool=some")
 
 
-def test_recent_quantile_matches_numpy_over_the_last_window_values():
-    import random
-
-    import numpy as np
-
+def _quantile_windows():
+    from kvplug import core
     from kvplug.affinity import RecentQuantile
 
+    compiled = [core.SlidingQuantile] if core.SlidingQuantile is not None else []
+    return [RecentQuantile, *compiled]
+
+
+@pytest.mark.parametrize("window_class", _quantile_windows(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("window", [1, 50, 2000])
+def test_recent_quantile_matches_numpy_over_the_last_window_values(window_class, window):
+    """Python's window and the compiled core's twin, against numpy over the last values: a
+    window of one, one inside a sorted block, and one of several blocks that split and empty
+    as values come and go."""
+    import random
+
     rng = random.Random(7)
-    recent = RecentQuantile(window=50)
+    recent = window_class(window)
     added: list[float] = []
-    for i in range(3000):
+    for i in range(3000 if window < 2000 else 12000):
         # repeats (ties) and a drifting scale, so values leave the window in every order
         v = float(rng.choice([1.0, 2.0, rng.random() * (1 + (i % 700) / 40)]))
         recent.add(v)
         added.append(v)
-        assert len(recent) == min(len(added), 50)
-        for q in (0.0, 0.5, 0.98, 0.985, 0.99, 1.0):
-            assert recent.quantile(q) == np.quantile(added[-50:], q)
+        assert len(recent) == min(len(added), window)
+        if window < 2000 or i % 97 == 0:
+            for q in (0.0, 0.5, 0.98, 0.985, 0.99, 1.0):
+                assert recent.quantile(q) == np.quantile(added[-window:], q)
+
+
+def test_the_compiled_quantile_window_refuses_what_has_no_quantile():
+    from kvplug import core
+    from kvplug.errors import InvalidArgument
+
+    if core.SlidingQuantile is None:
+        pytest.skip("the compiled core is not built")
+    window = core.SlidingQuantile(4)
+    with pytest.raises(ValueError, match="no values"):
+        window.quantile(0.5)
+    with pytest.raises(InvalidArgument):
+        window.add(float("nan"))
+    window.add(1.0)
+    with pytest.raises(InvalidArgument):
+        window.quantile(1.5)
+    with pytest.raises(InvalidArgument):
+        core.SlidingQuantile(0)
+    assert len(window) == 1 and window.quantile(0.98) == 1.0
 
 
 # ---- decode reads in the prediction, the spread to the soonest start, weighted follow-ups
