@@ -30,8 +30,9 @@ TESTS = [
     "test_parsing_fastpath.py",  # kvplug/_token_json.pyx reads client bytes
     "test_native_lane.py",  # kvplug/_lane.pyx + csrc/lane.c: client and engine bytes
     "test_active_blocks_differential.py",  # _core.ActiveBlocks' pointers into hash arrays
+    "test_affinity.py",  # _core.predicted_ttfts' tables and SlidingQuantile's blocks
 ]
-TEST_HELPERS = ["core_tables.py"]  # modules the tests above import
+TEST_HELPERS = ["core_tables.py", "test_router_helpers.py"]  # modules the tests above import
 BENCH_HELPERS = ["instant_engine.py"]  # test_native_lane's engines
 
 
