@@ -165,6 +165,7 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
     default = frontend["kvplug default routing (token ids)"]
     r64 = router[64]
     kernel = load("benchmarks/results/ab_route_cost_kernel.json")
+    window = load("benchmarks/results/ab_route_cost_window.json")
     return {
         ("routing decision", "result"): lambda: [
             r64["kv_median_us"],
@@ -183,14 +184,16 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             router[512]["default_inflight_median_us"],
             r64["inflight"],
             SKIP,  # the number
+            *_range([statistics.median(c["base_over_new"]) for c in window["cases"]]),
+            min(c["workers"] for c in window["cases"]),
+            max(c["workers"] for c in window["cases"]),
             *_range(
                 [
                     statistics.median(c["base_over_new"])
                     for c in kernel["cases"]
-                    if c["workers"] in (64, 512)
+                    if c["workers"] == 512
                 ]
             ),
-            64,
             512,
         ],
         ("vLLM event ingestion", "result"): lambda: [
