@@ -613,6 +613,25 @@ def _walk_every_request(aff, endpoints):
     return total, last, {ep: active.get(ep, (0, 0.0)) for ep in endpoints}
 
 
+def _route_then_move_on(aff, clock, rng, live: list[str], rid: str, prompt, step_s, odds):
+    """Route ``rid`` (up to ``prompt[0]`` blocks, starting at one of ``prompt[1]`` offsets
+    ``prompt[2]`` tokens apart), then move the fleet on: time passes (``step_s`` on average),
+    and with ``odds`` a request in flight gets its first token, reports output, finishes."""
+    longest, starts, stride = prompt
+    first, output, finish = odds
+    r = aff._router
+    n = int(rng.integers(1, longest))
+    aff.route(RouteRequest(rid, tokens(n, start=int(rng.integers(0, starts)) * stride)))
+    live.append(rid)
+    clock.advance(float(rng.exponential(step_s)))
+    if rng.random() < first:
+        r.on_first_token(live[int(rng.integers(len(live)))])
+    if output and rng.random() < output:
+        r.on_output_progress(live[int(rng.integers(len(live)))], int(rng.integers(1, 300)))
+    if rng.random() < finish:
+        r.on_finish(live.pop(int(rng.integers(len(live)))))
+
+
 def test_the_per_endpoint_walk_predicts_exactly_what_a_walk_over_every_request_does():
     """Same floats, not approximately: the simulator's measured settings must route a replay
     as they did when every decision walked every request in flight."""
@@ -625,20 +644,7 @@ def test_the_per_endpoint_walk_predicts_exactly_what_a_walk_over_every_request_d
     live: list[str] = []
     endpoints = tuple(range(len(r.ep_worker)))
     for i in range(300):
-        rid = f"q{i}"
-        aff.route(
-            RouteRequest(
-                rid, tokens(int(rng.integers(1, 60)), start=int(rng.integers(0, 4)) * 5_000)
-            )
-        )
-        live.append(rid)
-        clock.advance(float(rng.exponential(0.05)))
-        if rng.random() < 0.5:
-            r.on_first_token(live[int(rng.integers(len(live)))])
-        if rng.random() < 0.4:
-            r.on_output_progress(live[int(rng.integers(len(live)))], int(rng.integers(1, 300)))
-        if rng.random() < 0.3:
-            r.on_finish(live.pop(int(rng.integers(len(live)))))
+        _route_then_move_on(aff, clock, rng, live, f"q{i}", (60, 4, 5_000), 0.05, (0.5, 0.4, 0.3))
         total, last, active = _walk_every_request(aff, endpoints)
         now = r._clock()
         both = {ep: aff._endpoint_queue(ep, now) for ep in r.load.prefilling}
@@ -718,17 +724,7 @@ def test_the_compiled_predictions_are_the_python_floats_as_the_load_changes(monk
         aff = AffinityRouter(r, AffinityParams(read_ms=read_ms, tail=0.98))
         for i in range(120):
             rid = f"k{read_ms}-{i}"
-            aff.route(
-                RouteRequest(
-                    rid, tokens(int(rng.integers(1, 50)), start=int(rng.integers(0, 3)) * 9_000)
-                )
-            )
-            live.append(rid)
-            clock.advance(float(rng.exponential(0.03)))
-            if rng.random() < 0.4:
-                r.on_first_token(live[int(rng.integers(len(live)))])
-            if rng.random() < 0.25:
-                r.on_finish(live.pop(int(rng.integers(len(live)))))
+            _route_then_move_on(aff, clock, rng, live, rid, (50, 3, 9_000), 0.03, (0.4, 0.0, 0.25))
             if i == 60:  # another chunk for one engine: its summary must be taken again
                 r.add_worker(Worker("w3", max_batched_tokens=128))
             n = len(r.ep_worker)
