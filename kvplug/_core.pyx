@@ -1894,30 +1894,25 @@ cdef inline double _py_min(double a, double b):
     return b if b < a else a
 
 
-cdef double _py_floordiv(double vx, double wx):
-    """The quotient of Python's ``divmod(vx, wx)`` on floats (CPython's float_divmod), wx != 0."""
+cdef double _py_divmod(double vx, double wx, double *rem):
+    """Python's ``divmod(vx, wx)`` on floats (CPython's float_divmod), wx != 0: the quotient,
+    and the remainder in ``rem``."""
     cdef double mod = fmod(vx, wx)
     cdef double div = (vx - mod) / wx
     cdef double floordiv
     if mod:
         if (wx < 0) != (mod < 0):
+            mod += wx
             div -= 1.0
+    else:
+        mod = copysign(0.0, wx)
+    rem[0] = mod
     if div:
         floordiv = floor(div)
         if div - floordiv > 0.5:
             floordiv += 1.0
         return floordiv
     return copysign(0.0, vx / wx)
-
-
-cdef double _py_mod(double vx, double wx):
-    """The remainder of Python's ``divmod(vx, wx)`` on floats (CPython's float_divmod)."""
-    cdef double mod = fmod(vx, wx)
-    if mod:
-        if (wx < 0) != (mod < 0):
-            mod += wx
-        return mod
-    return copysign(0.0, wx)
 
 
 cdef double _chunked_prefill_seconds(double new, double cached, double chunk,
@@ -1930,13 +1925,14 @@ cdef double _chunked_prefill_seconds(double new, double cached, double chunk,
         return 0.0
     if chunk <= 0 or chunk >= n:
         return (a * n + b * n * n + c * n * p) / 1000.0
-    full = _py_floordiv(n, chunk)
-    rem = _py_mod(n, chunk)
+    full = _py_divmod(n, chunk, &rem)
     quad = full * chunk * chunk + rem * rem
     ctx = n * p + chunk * chunk * full * (full - 1) / 2 + rem * full * chunk
     return (a * n + b * quad + c * ctx) / 1000.0
 
 
+# the kernels' per-endpoint tables: the caller's own arrays, never a copy made per decision
+# (``_f64`` would convert silently)
 cdef const double *_f64_table(object x, str what, Py_ssize_t *size) except NULL:
     if not _is_vector(x, cnp.NPY_DOUBLE):
         raise InvalidArgument(f"{what} must be a 1-D contiguous float64 array")
@@ -1961,7 +1957,7 @@ def stale_prefill_summaries(endpoints, idx, max_batched, queues, versions):
                             else np.ascontiguousarray(endpoints, dtype=np.intp))
     cdef const Py_ssize_t *e = <const Py_ssize_t *>cnp.PyArray_DATA(eps)
     cdef Py_ssize_t n_eps = eps.shape[0]
-    cdef Py_ssize_t n_mb, n_ver, n_sv, n_sc, n_lv
+    cdef Py_ssize_t n_mb, n_sv, n_sc, n_lv
     cdef const double *mb = _f64_table(max_batched, "max_batched", &n_mb)
     cdef const int64_t *sv = _i64_table(queues.version, "queues.version", &n_sv)
     cdef const double *sc = _f64_table(queues.chunk, "queues.chunk", &n_sc)
@@ -2066,8 +2062,9 @@ cdef class SlidingQuantile:
     same floats: numpy's linear method over the window's values in order) in C. The values
     are kept sorted in blocks of at most 512 (an insert or removal moves at most a block's
     entries; a quantile walks the blocks' sizes), and in arrival order in a ring, which says
-    which value leaves. The default routing adds one value and asks one quantile per decision:
-    ~0.3 us here against ~8 in Python (``SortedList``)."""
+    which value leaves. The default routing adds one value and asks for its quantile per
+    decision: 0.8 us with two quantiles on a 50,000-value window, against ~10 with
+    ``SortedList``."""
 
     cdef readonly Py_ssize_t window
     cdef Py_ssize_t count, oldest  # values held; the ring's oldest slot
@@ -2166,12 +2163,11 @@ cdef class SlidingQuantile:
         cdef Py_ssize_t i = _bisect_left(self.maxes, self.n_blocks, v)
         cdef Py_ssize_t pos, n, tail
         cdef double *b
-        if i == self.n_blocks:
-            raise KvplugError("SlidingQuantile lost a value")  # unreachable: the ring's
-        b = self.blocks[i]
-        n = self.sizes[i]
-        pos = _bisect_left(b, n, v)
-        if pos == n or b[pos] != v:
+        if i < self.n_blocks:
+            b = self.blocks[i]
+            n = self.sizes[i]
+            pos = _bisect_left(b, n, v)
+        if i == self.n_blocks or pos == n or b[pos] != v:  # the ring's value is always held
             raise KvplugError("SlidingQuantile lost a value")
         memmove(&b[pos], &b[pos + 1], (n - pos - 1) * sizeof(double))
         n -= 1

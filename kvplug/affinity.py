@@ -772,9 +772,7 @@ class Affinity:
         for ep, chunk in stale(
             trace.endpoints, idx, router.max_batched, summaries, load.prefilling_versions
         ):
-            queued = load.prefilling.get(ep)
-            summary = None if queued is None else self._summarise(queued, chunk)
-            summaries.store(ep, load, chunk, summary)
+            self._resummarise(ep, chunk)
         return predicted(
             trace.endpoints,
             idx,
@@ -846,7 +844,7 @@ class Affinity:
         chunk = router.chunk_tokens(ep)
         s = self._summaries
         if s.stale(load, ep, chunk):
-            s.store(ep, load, chunk, self._summarise(load.prefilling[ep], chunk))
+            self._resummarise(ep, chunk)
         seconds_sum = s.seconds.item(ep)
         read_ms = self.params.read_ms
         if read_ms:
@@ -856,6 +854,13 @@ class Affinity:
         seconds_sum = max(seconds_sum - elapsed, 0.0)
         # and the last queued prefill's predicted TTFT (protect)
         return seconds_sum, seconds_sum + now - s.latest.item(ep)
+
+    def _resummarise(self, ep: int, chunk: float) -> None:
+        """Sum ``ep``'s prefills again (at ``chunk``) into the summaries."""
+        load = self._router.load
+        queued = load.prefilling.get(ep)
+        summary = None if queued is None else self._summarise(queued, chunk)
+        self._summaries.store(ep, load, chunk, summary)
 
     @staticmethod
     def _summarise(queued: dict, chunk: float) -> tuple[float, float, float, float, float]:
