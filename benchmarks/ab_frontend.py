@@ -10,6 +10,11 @@ serve flags), ``floor`` (``floor_proxy.py``) or ``ceiling`` (``floor_proxy.py --
 ``floor_proxy.py`` on that tree's kvplug: ``,floor,--native`` compares two builds of the compiled
 lane alone); token-id prompts, two instant engines, as ``bench_frontend.py`` runs them.
 
+A ``kvplug serve`` target routes with Dynamo's cost (``--router-mode kv``), as
+``bench_frontend.py``'s kvplug rows do, unless its flags name a ``--router-mode``: give
+``,--router-mode,affinity`` to measure the default routing. Each target's routing and full
+command are printed at the start and kept in the JSON.
+
     python benchmarks/ab_frontend.py main=/tmp/main this=. --rounds 10 [--mode stream]
     python benchmarks/ab_frontend.py main=/tmp/main,floor,--native this=.,floor,--native
 
@@ -35,6 +40,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_frontend as bf  # noqa: E402
 
 from kvplug.testing import free_port, stop_process  # noqa: E402
+
+
+def routing_of(cmd: list[str]) -> str:
+    """What a target's decision is: a proxy's, or the ``--router-mode`` (and affinity setting)
+    its ``kvplug serve`` command line gives."""
+    if "kvplug.cli" not in cmd:
+        return "proxy (" + ("route" if "--route" in cmd else "no routing") + ")"
+    mode = cmd[cmd.index("--router-mode") + 1] if "--router-mode" in cmd else "serve's default"
+    if "--router-affinity" in cmd:
+        mode += " " + cmd[cmd.index("--router-affinity") + 1]
+    return f"--router-mode {mode}"
 
 
 def main() -> None:
@@ -79,7 +95,12 @@ def main() -> None:
             p = bf.start(cmd, url + "/v1/completions", probe, tmp, env)
             procs.append(p)
             bf.run_wrk(url, script, bodies, 16, 1, p.pid)  # warm
-            targets.append({"name": label, "url": url, "pid": p.pid, "runs": []})
+            routing = routing_of(cmd)
+            print(f"{label}: {routing}: {' '.join(cmd)}", flush=True)
+            targets.append(
+                {"name": label, "url": url, "pid": p.pid, "runs": [], "routing": routing}
+            )
+            targets[-1]["command"] = cmd
         for rnd in range(args.rounds):
             order = targets if rnd % 2 == 0 else targets[::-1]
             for t in order:
@@ -105,6 +126,8 @@ def main() -> None:
         summary.append(
             {
                 "target": t["name"],
+                "routing": t["routing"],
+                "command": t["command"],
                 "cpu_ms_per_request_rounds": cpu,
                 "requests_per_s_rounds": rps,
                 "cpu_ms_per_request_median": statistics.median(cpu),

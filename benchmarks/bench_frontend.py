@@ -12,7 +12,8 @@ them all:
 * ``kvplug serve`` with its default routing (``affinity-balance``: kv's cost, then the affinity
   decision, more CPU per request than kv: ab_frontend.py measures it), token ids;
 * optionally ``kvplug serve --processes N`` (``--processes N``, repeatable): N server processes
-  on the one port, side by side with the single process;
+  on the one port, side by side with the single process (kv's cost, and the default routing
+  with token ids);
 * optionally (``--python-path``) ``kvplug serve --data-path python``: every request on the
   Python path (aiohttp and kvplug's Python HTTP lane), with each ``--processes N`` too;
 * optionally ``kvplug serve`` from another source tree (``--baseline-src DIR``: a before/after
@@ -312,14 +313,17 @@ def main_run(args) -> dict:
         add_kvplug("kvplug", None)
         # the default routing (no --router-mode): what a user who changes nothing pays
         default = RouterConfig()
-        add_kvplug(
-            "kvplug default routing",
-            None,
-            *("--router-mode", default.router_mode, "--router-affinity", default.router_affinity),
-            ids_only=True,
+        default_routing = (
+            *("--router-mode", default.router_mode),
+            *("--router-affinity", default.router_affinity),
         )
+        add_kvplug("kvplug default routing", None, *default_routing, ids_only=True)
         for n in args.processes:
             add_kvplug(f"kvplug --processes {n}", None, "--processes", str(n))
+            # the default routing scales the same way (each process a whole router, load
+            # shared): its affinity decision costs more CPU than kv's, so it needs the cores more
+            label = f"kvplug default routing --processes {n}"
+            add_kvplug(label, None, *default_routing, "--processes", str(n), ids_only=True)
         if args.python_path:  # every request on the Python path
             python = ("--data-path", "python")
             add_kvplug("kvplug python path", None, *python)

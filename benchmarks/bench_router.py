@@ -20,6 +20,7 @@ and approximate mode (no events: each decision also records its prompt in the si
 
 Usage: python benchmarks/bench_router.py [--workers 8 64 512] [--blocks 1000000]
        [--decisions 2000] [--prompt-tokens 8192] [--block-size 16] [--inflight 32]
+       [--rounds 3]
 """
 
 from __future__ import annotations
@@ -145,6 +146,140 @@ def time_floor(r: Router, prompts: list[np.ndarray], n: int) -> tuple[list[float
     return hash_us, query_us
 
 
+def measure(
+    n: int, args, docs: list[np.ndarray], prompts: list[np.ndarray], rng: np.random.Generator
+) -> dict:
+    """One round at ``n`` workers: a fresh fleet and index, every decision kind timed."""
+    t0 = time.perf_counter()
+    r = build(n, "kv", args, docs, rng, seed=n)
+    fill_s = time.perf_counter() - t0
+    warm = max(50, args.decisions // 20)
+    time_route(r, prompts, warm)
+    overlap: list[int] = []
+    kv = time_route(r, prompts, args.decisions, overlap)
+    kv_hit = [t for t, o in zip(kv, overlap, strict=True) if o > 0]
+    kv_miss = [t for t, o in zip(kv, overlap, strict=True) if o == 0]
+    inflight = time_route_inflight(r, prompts, args.decisions, args.inflight)
+    active_nodes = r.load.active.nodes()
+    hash_us, query_us = time_floor(r, prompts, args.decisions)
+    # the same fleet and index without the dedup (--no-router-assume-kv-reuse)
+    rn = Router(
+        RouterConfig(kv_block_size=args.block_size, router_mode="kv", router_assume_kv_reuse=False),
+        rng=random.Random(n),
+        index=r.index,
+    )
+    for w in r.workers.values():
+        rn.add_worker(w)
+    time_route(rn, prompts, warm)
+    inflight_nodedup = time_route_inflight(rn, prompts, args.decisions, args.inflight)
+    # same fleet and index, with busy and attribute thresholds configured
+    rf = Router(
+        RouterConfig(
+            kv_block_size=args.block_size,
+            router_mode="kv",
+            active_decode_blocks_threshold=0.9,
+            active_prefill_tokens_threshold_frac=4.0,
+            router_attribute_thresholds=["gpu_utilization<=0.9"],
+            router_attribute_max_age=1e9,
+        ),
+        rng=random.Random(n),
+        index=r.index,
+    )
+    for w in r.workers.values():
+        rf.add_worker(w)
+        rf.set_attributes(w.worker_id, {"gpu_utilization": 0.5})
+    time_route(rf, prompts, warm)
+    kv_filtered = time_route(rf, prompts, args.decisions)
+    # approximate mode (no events): every decision also records its prompt in the side
+    # index (and, once the 2^20-block cap is reached, drops the oldest record)
+    ra = Router(
+        RouterConfig(kv_block_size=args.block_size, router_mode="kv", router_kv_events=False),
+        rng=random.Random(n),
+    )
+    for w in r.workers.values():
+        ra.add_worker(w)
+    time_route(ra, prompts, warm)
+    kv_approx = time_route(ra, prompts, args.decisions)
+    # the default routing (kvplug serve with no --router-mode: kv's cost, then the affinity
+    # decision), the same fleet and index, with requests in flight
+    defaults = RouterConfig()
+    rd = Router(
+        RouterConfig(
+            kv_block_size=args.block_size,
+            router_mode=defaults.router_mode,
+            router_affinity=defaults.router_affinity,
+            router_max_prompt_tokens=max(args.prompt_tokens, 1 << 20),
+        ),
+        rng=random.Random(n),
+        index=r.index,
+    )
+    for w in r.workers.values():
+        rd.add_worker(w)
+    time_route_inflight(rd, prompts, warm, args.inflight)
+    default_inflight = time_route_inflight(rd, prompts, args.decisions, args.inflight)
+    rr = build(n, "round-robin", args, docs, rng, seed=n)
+    time_route(rr, prompts, warm)
+    base = time_route(rr, prompts, args.decisions)
+    floor = [a + b for a, b in zip(hash_us, query_us, strict=True)]
+    row = {
+        "workers": n,
+        "indexed_entries": r.index.stats().get("entries", args.blocks),
+        "fill_seconds": round(fill_s, 2),
+        "kv_median_us": statistics.median(kv),
+        "kv_p99_us": percentile(kv, 0.99),
+        "kv_median_us_cached_prefix": statistics.median(kv_hit) if kv_hit else None,
+        "kv_median_us_no_prefix": statistics.median(kv_miss) if kv_miss else None,
+        "mean_overlap_blocks_of_pick": statistics.fmean(overlap),
+        "inflight": args.inflight,
+        "kv_inflight_median_us": statistics.median(inflight),
+        "kv_inflight_p99_us": percentile(inflight, 0.99),
+        "kv_inflight_no_reuse_median_us": statistics.median(inflight_nodedup),
+        "default_mode": f"{defaults.router_mode}:{defaults.router_affinity}",
+        "default_inflight_median_us": statistics.median(default_inflight),
+        "default_inflight_p99_us": percentile(default_inflight, 0.99),
+        "active_trie_nodes_after": active_nodes,
+        "kv_with_filters_median_us": statistics.median(kv_filtered),
+        "kv_with_filters_p99_us": percentile(kv_filtered, 0.99),
+        "approx_median_us": statistics.median(kv_approx),
+        "approx_p99_us": percentile(kv_approx, 0.99),
+        "hash_median_us": statistics.median(hash_us),
+        "query_median_us": statistics.median(query_us),
+        "hash_query_median_us": statistics.median(floor),
+        "router_overhead_median_us": statistics.median(kv) - statistics.median(floor),
+        "round_robin_median_us": statistics.median(base),
+        "round_robin_p99_us": percentile(base, 0.99),
+    }
+    row["kv_over_round_robin"] = row["kv_median_us"] / row["round_robin_median_us"]
+    row["kv_over_hash_query"] = row["kv_median_us"] / row["hash_query_median_us"]
+    del r, rf, ra, rr, rn, rd
+    return row
+
+
+def median_row(rounds: list[dict]) -> dict:
+    """Each numeric figure's median over the rounds, its range beside the decision times
+    (``<figure>_range``: [lowest, highest]) and the rounds themselves."""
+    row = dict(rounds[0])
+    for key, value in rounds[0].items():
+        if isinstance(value, float) and key != "fill_seconds":
+            values = [r[key] for r in rounds]
+            row[key] = statistics.median(values)
+            if key.endswith("_us"):
+                row[f"{key}_range"] = [min(values), max(values)]
+    row["rounds"] = rounds
+    return row
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux): the decision times move with the host."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 64, 512])
@@ -154,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--docs", type=int, default=16)
     ap.add_argument("--inflight", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over the fleet sizes")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -169,113 +305,14 @@ def main(argv: list[str] | None = None) -> int:
             cut = int(rng.integers(args.prompt_tokens // 4, args.prompt_tokens))
             p[:cut] = d[:cut]
         prompts.append(p)
-    rows = []
-    for n in args.workers:
-        t0 = time.perf_counter()
-        r = build(n, "kv", args, docs, rng, seed=n)
-        fill_s = time.perf_counter() - t0
-        warm = max(50, args.decisions // 20)
-        time_route(r, prompts, warm)
-        overlap: list[int] = []
-        kv = time_route(r, prompts, args.decisions, overlap)
-        kv_hit = [t for t, o in zip(kv, overlap, strict=True) if o > 0]
-        kv_miss = [t for t, o in zip(kv, overlap, strict=True) if o == 0]
-        inflight = time_route_inflight(r, prompts, args.decisions, args.inflight)
-        active_nodes = r.load.active.nodes()
-        hash_us, query_us = time_floor(r, prompts, args.decisions)
-        # the same fleet and index without the dedup (--no-router-assume-kv-reuse)
-        rn = Router(
-            RouterConfig(
-                kv_block_size=args.block_size, router_mode="kv", router_assume_kv_reuse=False
-            ),
-            rng=random.Random(n),
-            index=r.index,
-        )
-        for w in r.workers.values():
-            rn.add_worker(w)
-        time_route(rn, prompts, warm)
-        inflight_nodedup = time_route_inflight(rn, prompts, args.decisions, args.inflight)
-        # same fleet and index, with busy and attribute thresholds configured
-        rf = Router(
-            RouterConfig(
-                kv_block_size=args.block_size,
-                router_mode="kv",
-                active_decode_blocks_threshold=0.9,
-                active_prefill_tokens_threshold_frac=4.0,
-                router_attribute_thresholds=["gpu_utilization<=0.9"],
-                router_attribute_max_age=1e9,
-            ),
-            rng=random.Random(n),
-            index=r.index,
-        )
-        for w in r.workers.values():
-            rf.add_worker(w)
-            rf.set_attributes(w.worker_id, {"gpu_utilization": 0.5})
-        time_route(rf, prompts, warm)
-        kv_filtered = time_route(rf, prompts, args.decisions)
-        # approximate mode (no events): every decision also records its prompt in the side
-        # index (and, once the 2^20-block cap is reached, drops the oldest record)
-        ra = Router(
-            RouterConfig(kv_block_size=args.block_size, router_mode="kv", router_kv_events=False),
-            rng=random.Random(n),
-        )
-        for w in r.workers.values():
-            ra.add_worker(w)
-        time_route(ra, prompts, warm)
-        kv_approx = time_route(ra, prompts, args.decisions)
-        # the default routing (kvplug serve with no --router-mode: kv's cost, then the affinity
-        # decision), the same fleet and index, with requests in flight
-        defaults = RouterConfig()
-        rd = Router(
-            RouterConfig(
-                kv_block_size=args.block_size,
-                router_mode=defaults.router_mode,
-                router_affinity=defaults.router_affinity,
-                router_max_prompt_tokens=max(args.prompt_tokens, 1 << 20),
-            ),
-            rng=random.Random(n),
-            index=r.index,
-        )
-        for w in r.workers.values():
-            rd.add_worker(w)
-        time_route_inflight(rd, prompts, warm, args.inflight)
-        default_inflight = time_route_inflight(rd, prompts, args.decisions, args.inflight)
-        rr = build(n, "round-robin", args, docs, rng, seed=n)
-        time_route(rr, prompts, warm)
-        base = time_route(rr, prompts, args.decisions)
-        floor = [a + b for a, b in zip(hash_us, query_us, strict=True)]
-        row = {
-            "workers": n,
-            "indexed_entries": r.index.stats().get("entries", args.blocks),
-            "fill_seconds": round(fill_s, 2),
-            "kv_median_us": statistics.median(kv),
-            "kv_p99_us": percentile(kv, 0.99),
-            "kv_median_us_cached_prefix": statistics.median(kv_hit) if kv_hit else None,
-            "kv_median_us_no_prefix": statistics.median(kv_miss) if kv_miss else None,
-            "mean_overlap_blocks_of_pick": statistics.fmean(overlap),
-            "inflight": args.inflight,
-            "kv_inflight_median_us": statistics.median(inflight),
-            "kv_inflight_p99_us": percentile(inflight, 0.99),
-            "kv_inflight_no_reuse_median_us": statistics.median(inflight_nodedup),
-            "default_mode": f"{defaults.router_mode}:{defaults.router_affinity}",
-            "default_inflight_median_us": statistics.median(default_inflight),
-            "default_inflight_p99_us": percentile(default_inflight, 0.99),
-            "active_trie_nodes_after": active_nodes,
-            "kv_with_filters_median_us": statistics.median(kv_filtered),
-            "kv_with_filters_p99_us": percentile(kv_filtered, 0.99),
-            "approx_median_us": statistics.median(kv_approx),
-            "approx_p99_us": percentile(kv_approx, 0.99),
-            "hash_median_us": statistics.median(hash_us),
-            "query_median_us": statistics.median(query_us),
-            "hash_query_median_us": statistics.median(floor),
-            "router_overhead_median_us": statistics.median(kv) - statistics.median(floor),
-            "round_robin_median_us": statistics.median(base),
-            "round_robin_p99_us": percentile(base, 0.99),
-        }
-        row["kv_over_round_robin"] = row["kv_median_us"] / row["round_robin_median_us"]
-        row["kv_over_hash_query"] = row["kv_median_us"] / row["hash_query_median_us"]
-        rows.append(row)
-        del r, rf, ra, rr, rn, rd
+    # rounds alternate the fleet sizes, so a noisy moment on a shared machine hits each;
+    # each figure is the median over rounds, with every round kept in the JSON
+    per_round: dict[int, list[dict]] = {n: [] for n in args.workers}
+    for k in range(args.rounds):
+        for n in args.workers:
+            per_round[n].append(measure(n, args, docs, prompts, rng))
+            print(f"round {k + 1}/{args.rounds}: {n} workers done", file=sys.stderr, flush=True)
+    rows = [median_row(per_round[n]) for n in args.workers]
     hdr = (
         f"{'workers':>7} {'entries':>9} {'kv med':>8} {'kv p99':>8} {'inflight':>8} "
         f"{'no-reuse':>8} {'default':>8} {'+filters':>8} {'approx':>7} "
@@ -305,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "load_average_after": os.getloadavg(),
         "params": vars(args),
         "rows": rows,
     }

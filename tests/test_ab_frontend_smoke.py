@@ -19,6 +19,7 @@ def test_ab_frontend_quick_run(tmp_path):
     out = tmp_path / "ab.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "ab_frontend.py"), "floor", f"this={ROOT}"]
+        + [f"default={ROOT},--router-mode,affinity"]
         + ["--rounds", "2", "--seconds", "1", "--out", str(out)],
         check=True,
         capture_output=True,
@@ -27,7 +28,16 @@ def test_ab_frontend_quick_run(tmp_path):
     )
     assert "floor below this in" in proc.stdout
     targets = json.loads(out.read_text())["targets"]
-    assert [t["target"] for t in targets] == ["floor", "this"]
+    assert [t["target"] for t in targets] == ["floor", "this", "default"]
+    # which routing each target ran is said, not assumed: a serve target without a
+    # --router-mode runs kv's cost, as bench_frontend's kvplug rows do
+    routing = {t["target"]: t["routing"] for t in targets}
+    assert routing == {
+        "floor": "proxy (no routing)",
+        "this": "--router-mode kv",
+        "default": "--router-mode affinity",
+    }
+    assert "default: --router-mode affinity: " in proc.stdout
     for t in targets:
         assert len(t["cpu_ms_per_request_rounds"]) == 2
         assert all(r > 0 for r in t["requests_per_s_rounds"])

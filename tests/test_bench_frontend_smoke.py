@@ -119,6 +119,7 @@ def test_bench_frontend_quick_run(tmp_path):
         "floor: kvplug's HTTP stacks + engine pool",
         "kvplug --processes 2 (text+tokenizer)",
         "kvplug --processes 2 (token ids)",
+        "kvplug default routing --processes 2 (token ids)",
     }
     for t in targets.values():
         for mode in ("plain", "stream"):

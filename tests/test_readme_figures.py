@@ -166,11 +166,25 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
     r64 = router[64]
     kernel = load("benchmarks/results/ab_route_cost_kernel.json")
     window = load("benchmarks/results/ab_route_cost_window.json")
+    checked = load("benchmarks/results/bench_router_host_check.json")["rounds"]
+
+    def host_check(build: str, key: str, workers: int | None = None) -> list[float]:
+        return [
+            row[key]
+            for rnd in checked
+            if rnd["build"] == build
+            for row in rnd["rows"]
+            if workers is None or row["workers"] == workers
+        ]
+
     return {
         ("routing decision", "result"): lambda: [
             r64["kv_median_us"],
+            *r64["kv_median_us_range"],
             r64["kv_p99_us"],
             SKIP,  # the target
+            SKIP,  # the earlier host's figure (its JSON replaced by this host's)
+            *_range(host_check("18dd7bc", "kv_median_us")),
             r64["kv_inflight_median_us"],
             r64["inflight"],
             512,
@@ -184,6 +198,9 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             router[512]["default_inflight_median_us"],
             r64["inflight"],
             SKIP,  # the issue's number
+            *_range(host_check("18dd7bc", "default_inflight_median_us", 8)),
+            *_range(host_check("18dd7bc", "default_inflight_median_us", 64)),
+            *_range(host_check("18dd7bc", "default_inflight_median_us", 512)),
             *_range([statistics.median(c["base_over_new"]) for c in window["cases"]]),
             min(c["workers"] for c in window["cases"]),
             max(c["workers"] for c in window["cases"]),
@@ -219,6 +236,8 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             SKIP,  # --processes 2
             *rates("kvplug default routing (token ids)"),
             *[default[f"{m}_throughput"]["cpu_ms_per_request"] for m in modes],
+            *rates("kvplug default routing --processes 2 (token ids)"),
+            SKIP,  # --processes 2
             *added("kvplug python path (token ids)"),
             *rates("kvplug python path (token ids)"),
             *[python_path[f"{m}_throughput"]["cpu_ms_per_request"] for m in modes],
@@ -241,6 +260,8 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             *rates("kvplug --processes 2 (token ids)", loaded),
             SKIP,  # --processes 2
             *rates("kvplug default routing (token ids)", loaded),
+            *rates("kvplug default routing --processes 2 (token ids)", loaded),
+            SKIP,  # --processes 2
             *added("kvplug python path (token ids)", loaded),
             *rates("kvplug python path (token ids)", loaded),
             *rates("kvplug python path --processes 2 (token ids)", loaded),
@@ -566,7 +587,72 @@ def realistic_text() -> list:
     return out
 
 
+def frontend_text() -> list:
+    """kvplug serve against sglang-router in the same bench_frontend runs: rates at c=16 as
+    ratios to sglang-router's, CPU per request, the repeat run, the default's A/B and the
+    streamed ratios over every kvplug target."""
+    runs = {
+        name: {t["target"]: t for t in load(f"benchmarks/results/{name}.json")["targets"]}
+        for name in ("bench_frontend", "bench_frontend_loaded", "bench_frontend_repeat")
+    }
+    quiet, loaded, repeat = runs.values()
+    sglang = next(t for t in quiet if t.startswith("sglang-router"))
+
+    def rate(run: dict, target: str, mode: str = "plain") -> float:
+        return run[target][f"{mode}_throughput"]["requests_per_s"]
+
+    def vs(run: dict, target: str) -> float:
+        return rate(run, target) / rate(run, sglang)
+
+    def cpu(run: dict, target: str) -> float:
+        return run[target]["plain_throughput"]["cpu_ms_per_request"]
+
+    def streamed(run: dict) -> list[float]:
+        mine = [t for t in run if t.startswith("kvplug")]
+        return _range([rate(run, t, "stream") / rate(run, sglang, "stream") for t in mine])
+
+    kv, kv2 = "kvplug (token ids)", "kvplug --processes 2 (token ids)"
+    default, default2 = (
+        "kvplug default routing (token ids)",
+        ("kvplug default routing --processes 2 (token ids)"),
+    )
+    ab = {
+        t["target"]: t
+        for t in load("benchmarks/results/ab_frontend_default_kernels.json")["targets"]
+    }
+    return [
+        SKIP,  # the issue's number
+        vs(quiet, kv),
+        SKIP,  # concurrency 16
+        vs(loaded, kv),
+        cpu(quiet, kv),
+        cpu(quiet, sglang),
+        vs(quiet, kv2),
+        vs(loaded, kv2),
+        cpu(quiet, default),
+        cpu(quiet, sglang),
+        cpu(loaded, default),
+        cpu(loaded, sglang),
+        vs(quiet, default),
+        vs(loaded, default),
+        SKIP,  # --processes 2
+        vs(quiet, default2),
+        vs(loaded, default2),
+        rate(repeat, sglang),
+        vs(repeat, kv),
+        vs(repeat, default),
+        ab["new"]["cpu_ms_per_request_median"],
+        ab["kv"]["cpu_ms_per_request_median"],
+        ab["base"]["cpu_ms_per_request_median"],
+        SKIP,  # the issue's number
+        quiet[sglang]["stream_latency"]["added_median_ms"],
+        *streamed(quiet),
+        *streamed(loaded),
+    ]
+
+
 PARAGRAPHS = {
+    "Side by side in the same runs": frontend_text,
     "In the realistic router view": realistic_text,
     "Bounds from the trace itself": routing_quality_text,
     "Why `affinity-balance` is the default": default_text,
