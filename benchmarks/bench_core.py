@@ -62,6 +62,10 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hostinfo
+
+from hostinfo import cpu_model  # noqa: E402
+
 from kvplug.core import load_backend  # noqa: E402
 
 core = load_backend("c")
@@ -81,18 +85,6 @@ def rss_bytes() -> int:
 
 
 _libc = ctypes.CDLL(None)
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux), since the ratios move with the hardware: the same build
-    measured 6.2-14.3x Dynamo's apply on one 2-vCPU machine and 3.2-4.4x on another."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def release_freed_heap() -> None:

@@ -39,6 +39,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hostinfo
+
+from hostinfo import cpu_model  # noqa: E402
+
 from kvplug import core  # noqa: E402
 from kvplug.config import RouterConfig  # noqa: E402
 from kvplug.events import BlockStored  # noqa: E402
@@ -267,17 +271,6 @@ def median_row(rounds: list[dict]) -> dict:
                 row[f"{key}_range"] = [min(values), max(values)]
     row["rounds"] = rounds
     return row
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux): the decision times move with the host."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def main(argv: list[str] | None = None) -> int:
