@@ -167,6 +167,11 @@ class AffinityParams:
     # many times its follow-up rate (in blocks with weigh_followups): an engine that writes more
     # evicts sooner, so a long cold prompt there pushes out blocks the other caches would keep
     spread_churn: float = 0.0
+    # > 0 (seconds): the spread counts a follow-up only once it is due back: its follow-up rate
+    # is the half_life rate less one decaying with this shorter half-life, so a session that
+    # has just had its turn (conversations come back tens of seconds to minutes later) weighs
+    # little, and one whose turn was minutes ago weighs most (experimental; docs/sim.md)
+    spread_lag: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.guard >= 0 and self.cap >= 0 and self.memory >= 0 and self.slack >= 0):
@@ -187,11 +192,11 @@ class AffinityParams:
             raise ValueError("affinity: spread and spread_kv must be >= 0 and half_life > 0")
         if (
             min(self.read_ms, self.spread_eps, self.protect, self.protect_blocks) < 0
-            or min(self.balance, self.spread_churn) < 0
+            or min(self.balance, self.spread_churn, self.spread_lag) < 0
         ):
             raise ValueError(
-                "affinity: read_ms, spread_eps, protect, protect_blocks, balance and "
-                "spread_churn must be >= 0"
+                "affinity: read_ms, spread_eps, protect, protect_blocks, balance, "
+                "spread_churn and spread_lag must be >= 0"
             )
         if self.spread_by not in SPREAD_BY:
             raise ValueError(f"affinity: spread_by must be one of {', '.join(SPREAD_BY)}")
@@ -429,6 +434,7 @@ class Affinity:
         window = getattr(core, "SlidingQuantile", None) or RecentQuantile
         self._kv_ttft = window(self.params.window)
         self._followups: dict[int, tuple[float, float]] = {}  # spread: endpoint -> (rate, at)
+        self._followups_lag: dict[int, tuple[float, float]] = {}  # spread_lag: the same, shorter
         # _queue_of in the decision under way (its trace): per endpoint, computed when asked
         self._queued_for: Any = None
         self._queue_memo: dict[int, tuple[float, float]] = {}
@@ -624,6 +630,12 @@ class Affinity:
     def _add(self, table: dict[int, tuple[float, float]], ep: int, amount: float, now: float):
         table[ep] = (self._rate(table, ep, now) + amount, now)
 
+    def _lagged(self, ep: int, now: float) -> float:
+        """spread_lag: ``ep``'s follow-ups decayed with the shorter half-life (the recent ones,
+        not yet due back)."""
+        count, at = self._followups_lag.get(ep, (0.0, now))
+        return count * 0.5 ** ((now - at) / self.params.spread_lag)
+
     def _count_routed(self, trace, i: int) -> None:
         now = self._router._clock()
         self._add(self._routed, int(trace.endpoints[i]), 1.0, now)
@@ -673,7 +685,12 @@ class Affinity:
         if not self.params.spread:
             return
         weight = blocks if self.params.weigh_followups else 1.0
-        self._add(self._followups, int(trace.endpoints[i]), weight, self._router._clock())
+        ep, now = int(trace.endpoints[i]), self._router._clock()
+        self._add(self._followups, ep, weight, now)
+        if self.params.spread_lag:
+            lag = self._followups_lag
+            count, at = lag.get(ep, (0.0, now))
+            lag[ep] = (count * 0.5 ** ((now - at) / self.params.spread_lag) + weight, now)
 
     def _spread_pick(self, inputs, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
         """A long cold prompt: among the candidate engines (``spread_by="followups"``: no more
@@ -713,6 +730,7 @@ class Affinity:
             candidates,
             key=lambda i: (
                 self._rate(followups, eps[i], now)
+                - (self._lagged(eps[i], now) if params.spread_lag else 0.0)
                 + (churn * self._rate(written, eps[i], now) if churn else 0.0)
             ),
         )

@@ -914,3 +914,30 @@ def test_spread_churn_parses_and_a_negative_weight_is_refused():
     assert parse_affinity("affinity-balance").spread_churn == 0.0
     with pytest.raises(ValueError, match="spread_churn"):
         parse_affinity("affinity-balance:spread_churn=-1")
+
+
+def test_spread_lag_counts_a_follow_up_only_once_it_is_due_back():
+    went = {}
+    for wait in (0.0, 60.0):
+        clock = FakeClock()
+        r = make_router(workers=("w1", "w2"), clock=clock)
+        toks = tokens(10)
+        store_prefix(r, "w1", toks, 8)
+        aff = AffinityRouter(r, AffinityParams(spread=0.001, half_life=600.0, spread_lag=5.0))
+        assert aff.route(RouteRequest("turn", toks)).worker_id == "w1"  # a follow-up on w1
+        r.on_first_token("turn")
+        _decoding(r, "w2", 40, "decoding")  # kv's pick for a cold prompt: w1
+        clock.advance(wait)
+        went[wait] = aff.route(RouteRequest("cold", tokens(10, start=5_000))).worker_id
+    # just served, the session is not due back (its lagged rate cancels it: the engines tie and
+    # kv's pick stands); twelve lag half-lives on it counts, and the cold prompt goes to w2
+    assert went == {0.0: "w1", 60.0: "w2"}
+
+
+def test_spread_lag_parses_and_a_negative_lag_is_refused():
+    from kvplug.affinity import parse_affinity
+
+    assert parse_affinity("affinity-balance:spread_lag=20").spread_lag == 20.0
+    assert parse_affinity("affinity-balance").spread_lag == 0.0
+    with pytest.raises(ValueError, match="spread_lag"):
+        parse_affinity("affinity-balance:spread_lag=-1")
