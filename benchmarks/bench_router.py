@@ -263,9 +263,10 @@ def median_row(rounds: list[dict]) -> dict:
     """Each numeric figure's median over the rounds, its range beside the decision times
     (``<figure>_range``: [lowest, highest]) and the rounds themselves."""
     row = dict(rounds[0])
-    for key, value in rounds[0].items():
-        if isinstance(value, float) and key != "fill_seconds":
-            values = [r[key] for r in rounds]
+    for key in rounds[0]:
+        # a split by prefix can be empty in a round (None): the median of the others
+        values = [r[key] for r in rounds if isinstance(r[key], float)]
+        if values and key != "fill_seconds":
             row[key] = statistics.median(values)
             if key.endswith("_us"):
                 row[f"{key}_range"] = [min(values), max(values)]

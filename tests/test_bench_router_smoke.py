@@ -32,3 +32,14 @@ def test_rounds_medians_and_ranges(tmp_path):
             assert all(v > 0 for v in values)
         # the printed table is the medians
         assert f"{row['kv_median_us']:>8.1f}" in proc.stdout
+
+
+def test_a_figure_missing_from_some_rounds_is_the_median_of_the_others():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_router
+
+    rounds = [{"split_us": None, "workers": 8}, {"split_us": 2.0, "workers": 8}]
+    rounds.append({"split_us": 4.0, "workers": 8})
+    row = bench_router.median_row(rounds)
+    assert row["split_us"] == 3.0 and row["split_us_range"] == [2.0, 4.0]
+    assert row["workers"] == 8 and row["rounds"] == rounds
