@@ -97,10 +97,8 @@ def main() -> None:
             bf.run_wrk(url, script, bodies, 16, 1, p.pid)  # warm
             routing = routing_of(cmd)
             print(f"{label}: {routing}: {' '.join(cmd)}", flush=True)
-            targets.append(
-                {"name": label, "url": url, "pid": p.pid, "runs": [], "routing": routing}
-            )
-            targets[-1]["command"] = cmd
+            target = {"name": label, "url": url, "pid": p.pid, "runs": [], "routing": routing}
+            targets.append({**target, "command": cmd})
         for rnd in range(args.rounds):
             order = targets if rnd % 2 == 0 else targets[::-1]
             for t in order:

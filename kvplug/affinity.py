@@ -688,9 +688,7 @@ class Affinity:
         ep, now = int(trace.endpoints[i]), self._router._clock()
         self._add(self._followups, ep, weight, now)
         if self.params.spread_lag:
-            lag = self._followups_lag
-            count, at = lag.get(ep, (0.0, now))
-            lag[ep] = (count * 0.5 ** ((now - at) / self.params.spread_lag) + weight, now)
+            self._followups_lag[ep] = (self._lagged(ep, now) + weight, now)
 
     def _spread_pick(self, inputs, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
         """A long cold prompt: among the candidate engines (``spread_by="followups"``: no more
