@@ -907,13 +907,14 @@ def test_spread_churn_forgets_written_blocks_with_the_half_life():
     assert went == {10.0: "w1", 1e9: "w2"}
 
 
-def test_spread_churn_parses_and_a_negative_weight_is_refused():
+@pytest.mark.parametrize("key", ["spread_churn", "spread_lag"])
+def test_spread_keys_parse_are_off_by_default_and_a_negative_value_is_refused(key):
     from kvplug.affinity import parse_affinity
 
-    assert parse_affinity("affinity-balance:spread_churn=0.5").spread_churn == 0.5
-    assert parse_affinity("affinity-balance").spread_churn == 0.0
-    with pytest.raises(ValueError, match="spread_churn"):
-        parse_affinity("affinity-balance:spread_churn=-1")
+    assert getattr(parse_affinity(f"affinity-balance:{key}=0.5"), key) == 0.5
+    assert getattr(parse_affinity("affinity-balance"), key) == 0.0
+    with pytest.raises(ValueError, match=key):
+        parse_affinity(f"affinity-balance:{key}=-1")
 
 
 def test_spread_lag_counts_a_follow_up_only_once_it_is_due_back():
@@ -932,12 +933,3 @@ def test_spread_lag_counts_a_follow_up_only_once_it_is_due_back():
     # just served, the session is not due back (its lagged rate cancels it: the engines tie and
     # kv's pick stands); twelve lag half-lives on it counts, and the cold prompt goes to w2
     assert went == {0.0: "w1", 60.0: "w2"}
-
-
-def test_spread_lag_parses_and_a_negative_lag_is_refused():
-    from kvplug.affinity import parse_affinity
-
-    assert parse_affinity("affinity-balance:spread_lag=20").spread_lag == 20.0
-    assert parse_affinity("affinity-balance").spread_lag == 0.0
-    with pytest.raises(ValueError, match="spread_lag"):
-        parse_affinity("affinity-balance:spread_lag=-1")
