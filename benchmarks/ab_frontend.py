@@ -47,7 +47,7 @@ def routing_of(cmd: list[str]) -> str:
     its ``kvplug serve`` command line gives."""
     if "kvplug.cli" not in cmd:
         return "proxy (" + ("route" if "--route" in cmd else "no routing") + ")"
-    mode = cmd[cmd.index("--router-mode") + 1] if "--router-mode" in cmd else "serve's default"
+    mode = cmd[cmd.index("--router-mode") + 1]  # bench_frontend.kvplug_cmd always names one
     if "--router-affinity" in cmd:
         mode += " " + cmd[cmd.index("--router-affinity") + 1]
     return f"--router-mode {mode}"
@@ -97,8 +97,16 @@ def main() -> None:
             bf.run_wrk(url, script, bodies, 16, 1, p.pid)  # warm
             routing = routing_of(cmd)
             print(f"{label}: {routing}: {' '.join(cmd)}", flush=True)
-            target = {"name": label, "url": url, "pid": p.pid, "runs": [], "routing": routing}
-            targets.append({**target, "command": cmd})
+            targets.append(
+                {
+                    "name": label,
+                    "url": url,
+                    "pid": p.pid,
+                    "runs": [],
+                    "routing": routing,
+                    "command": cmd,
+                }
+            )
         for rnd in range(args.rounds):
             order = targets if rnd % 2 == 0 else targets[::-1]
             for t in order:

@@ -313,8 +313,12 @@ def main_run(args) -> dict:
         add_kvplug("kvplug", None)
         # the default routing (no --router-mode): what a user who changes nothing pays
         default = RouterConfig()
-        default_routing = ("--router-mode", default.router_mode)
-        default_routing += ("--router-affinity", default.router_affinity)
+        default_routing = (
+            "--router-mode",
+            default.router_mode,
+            "--router-affinity",
+            default.router_affinity,
+        )
         add_kvplug("kvplug default routing", None, *default_routing, ids_only=True)
         for n in args.processes:
             add_kvplug(f"kvplug --processes {n}", None, "--processes", str(n))

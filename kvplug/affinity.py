@@ -434,7 +434,8 @@ class Affinity:
         window = getattr(core, "SlidingQuantile", None) or RecentQuantile
         self._kv_ttft = window(self.params.window)
         self._followups: dict[int, tuple[float, float]] = {}  # spread: endpoint -> (rate, at)
-        self._followups_lag: dict[int, tuple[float, float]] = {}  # spread_lag: the same, shorter
+        # spread_lag: the same follow-ups, decayed with the shorter half-life (not yet due back)
+        self._followups_lag: dict[int, tuple[float, float]] = {}
         # _queue_of in the decision under way (its trace): per endpoint, computed when asked
         self._queued_for: Any = None
         self._queue_memo: dict[int, tuple[float, float]] = {}
@@ -617,24 +618,27 @@ class Affinity:
             return True
         return False
 
-    def _decayed(self, value: tuple[float, float], now: float) -> float:
-        """A (count, at) pair decayed to ``now`` with ``half_life``: the follow-up rates
-        (spread) and the request counts (balance)."""
+    def _decayed(self, value: tuple[float, float], now: float, half_life: float = 0.0) -> float:
+        """A (count, at) pair decayed to ``now`` with ``half_life`` (0: the params'): the
+        follow-up rates (spread; spread_lag's with its own) and the request counts (balance)."""
         count, at = value
-        return count * 0.5 ** ((now - at) / self.params.half_life)
+        return count * 0.5 ** ((now - at) / (half_life or self.params.half_life))
 
-    def _rate(self, table: dict[int, tuple[float, float]], ep: int, now: float) -> float:
+    def _rate(
+        self, table: dict[int, tuple[float, float]], ep: int, now: float, half_life: float = 0.0
+    ) -> float:
         """``ep``'s decayed count in one of the per-engine tables (0 if never counted)."""
-        return self._decayed(table.get(ep, (0.0, now)), now)
+        return self._decayed(table.get(ep, (0.0, now)), now, half_life)
 
-    def _add(self, table: dict[int, tuple[float, float]], ep: int, amount: float, now: float):
-        table[ep] = (self._rate(table, ep, now) + amount, now)
-
-    def _lagged(self, ep: int, now: float) -> float:
-        """spread_lag: ``ep``'s follow-ups decayed with the shorter half-life (the recent ones,
-        not yet due back)."""
-        count, at = self._followups_lag.get(ep, (0.0, now))
-        return count * 0.5 ** ((now - at) / self.params.spread_lag)
+    def _add(
+        self,
+        table: dict[int, tuple[float, float]],
+        ep: int,
+        amount: float,
+        now: float,
+        half_life: float = 0.0,
+    ) -> None:
+        table[ep] = (self._rate(table, ep, now, half_life) + amount, now)
 
     def _count_routed(self, trace, i: int) -> None:
         now = self._router._clock()
@@ -688,7 +692,7 @@ class Affinity:
         ep, now = int(trace.endpoints[i]), self._router._clock()
         self._add(self._followups, ep, weight, now)
         if self.params.spread_lag:
-            self._followups_lag[ep] = (self._lagged(ep, now) + weight, now)
+            self._add(self._followups_lag, ep, weight, now, self.params.spread_lag)
 
     def _spread_pick(self, inputs, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
         """A long cold prompt: among the candidate engines (``spread_by="followups"``: no more
@@ -724,11 +728,12 @@ class Affinity:
             candidates.insert(0, b)  # min() keeps the first of equals: a tie keeps kv's pick
         now = router._clock()
         churn, followups, written = params.spread_churn, self._followups, self._written
+        lagged = self._followups_lag
         best = min(
             candidates,
             key=lambda i: (
                 self._rate(followups, eps[i], now)
-                - (self._lagged(eps[i], now) if params.spread_lag else 0.0)
+                - (self._rate(lagged, eps[i], now, params.spread_lag) if params.spread_lag else 0.0)
                 + (churn * self._rate(written, eps[i], now) if churn else 0.0)
             ),
         )

@@ -612,10 +612,8 @@ def frontend_text() -> list:
         return _range([rate(run, t, "stream") / rate(run, sglang, "stream") for t in mine])
 
     kv, kv2 = "kvplug (token ids)", "kvplug --processes 2 (token ids)"
-    default, default2 = (
-        "kvplug default routing (token ids)",
-        ("kvplug default routing --processes 2 (token ids)"),
-    )
+    default = "kvplug default routing (token ids)"
+    default2 = "kvplug default routing --processes 2 (token ids)"
     ab = {
         t["target"]: t
         for t in load("benchmarks/results/ab_frontend_default_kernels.json")["targets"]
