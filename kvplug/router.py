@@ -47,6 +47,10 @@ __all__ = ["Router", "RouteRequest", "RoutingHints", "Stage", "Worker", "Role", 
 
 log = logging.getLogger("kvplug.router")
 _EMPTY = np.zeros(0, dtype=np.int64)
+# The index is pre-sized for at most this many blocks from the workers' KV capacity: a
+# reservation touches ~16 bytes a block up front, and a capacity typed or reported wrong must not
+# take the router's memory (33.5 M blocks: 512 engines of an 8B model on H200s, 16-token blocks)
+INDEX_PRESIZE_MAX = 1 << 25
 
 
 def _gather_f64(sel: slice | np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -140,6 +144,7 @@ class Router:
         self.prefill_limit = np.zeros(0)
         self._base: dict[Stage, StageBase] = {}  # per stage: routable endpoints, rules
         self._seq = 0
+        self._index_presized = 0  # blocks the index was last pre-sized for (_presize_index)
         self._rules = self._make_stage_rules()
         # the routing mode: scores and picks (kvplug.policies); built last, it reads the above
         self._policy: RoutingPolicy = policy_class(cfg.router_mode)(self)
@@ -197,6 +202,7 @@ class Router:
         self._workers[worker.worker_id] = state
         self._base.clear()
         self._refresh_limits()
+        self._presize_index()
 
     def endpoint_of(self, worker_id: str, dp_rank: int) -> int | None:
         """The endpoint id of a worker's DP rank, or None if this router does not know it."""
@@ -731,6 +737,26 @@ class Router:
             or cfg.router_attribute_thresholds
             or self._policy_filters
         )
+
+    def _presize_index(self) -> None:
+        """Pre-size the index for the fleet's KV capacity (the sum of its endpoints' device
+        blocks, configured or reported by the engine; within ``--router-max-index-entries``
+        and INDEX_PRESIZE_MAX), so that filling it never stops to rehash: a table's growth
+        step rehashes it whole, on the event loop that applies events and routes (~0.2 s at
+        5 M blocks). Room only grows; blocks beyond it (host tiers, unknown capacity) grow
+        the tables as before."""
+        want = int(self.kv_capacity.sum())
+        bound = self.config.router_max_index_entries
+        want = min(want, bound, INDEX_PRESIZE_MAX) if bound else min(want, INDEX_PRESIZE_MAX)
+        reserve = getattr(self.index, "reserve", None)  # an index of another kind may not
+        if want <= self._index_presized or reserve is None:
+            return
+        try:
+            reserve(want)
+        except (KvplugError, MemoryError) as e:  # the tables grow as they fill instead
+            log.warning("could not pre-size the index for %d blocks: %s", want, e)
+            return
+        self._index_presized = want
 
     def _refresh_limits(self) -> None:
         self.decode_limit, self.prefill_limit = flt.busy_limits(
