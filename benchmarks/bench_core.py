@@ -25,6 +25,11 @@ delivered as one store event per turn (~30 blocks). Like for like, per operation
   gives) and prompt lists, the two sides taking turns pass by pass (best of 10 each); kvplug
   ``seq_hashes(list, 16)``, Dynamo ``compute_block_hash_for_seq(list, 16)``; each returns
   what its own query takes (a numpy array of sequence hashes, a list).
+* apply as ``kvplug serve`` runs it: the router pre-sizes its index for the fleet's KV
+  capacity (``Router._presize_index``; here the fleet's caches are taken as just full, i.e. a
+  capacity of the stored blocks), so the same apply is also timed into an index pre-sized
+  with ``Index.reserve``, the reservation inside the clock (``kvplug_presized``: ratios and
+  memory against the same Dynamo rounds; Dynamo's tree has no such call).
 * memory: RSS delta of building the index in a fresh subprocess per side and round (the same
   inputs built first; ``gc.collect()`` and ``malloc_trim(0)`` before both readings, so freed
   heap is returned to the OS on both sides).
@@ -266,6 +271,21 @@ class KvplugSide:
         return scores  # endpoint id == worker id here
 
 
+class KvplugPresizedSide(KvplugSide):
+    """kvplug as the router runs it: the index pre-sized for the fleet's capacity (here the
+    stored blocks) by the first thing ``apply`` does, so the reservation is timed with it."""
+
+    name = "kvplug_presized"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def apply(self, inputs: list) -> None:
+        self.idx.reserve(self.capacity, 0)
+        super().apply(inputs)
+
+
 class DynamoSide:
     """Dynamo's RadixTree (ai-dynamo-runtime) through its Python binding."""
 
@@ -428,10 +448,14 @@ def bench_workers(workers: int, args, sides: list) -> dict:
         rd: dict = {"order": [s.name for s in order], "loadavg": os.getloadavg()}
         # apply (fresh index each), then queries against the index just built; both sides'
         # indexes are alive together so every measurement of the round sees the same state
-        for s in order:
-            wall, cpu = apply_and_confirm(s, apply_in[s.name], probe)
+        presized = KvplugPresizedSide(wl.blocks)
+        apply_order = [order[0], presized, *order[1:]]  # kvplug's two applies between
+        for s in apply_order if r % 2 == 0 else apply_order[::-1]:
+            wall, cpu = apply_and_confirm(s, apply_in.get(s.name, apply_in["kvplug"]), probe)
             rd[f"{s.name}_apply_blocks_per_s"] = wl.blocks / wall
             rd[f"{s.name}_apply_blocks_per_cpu_s"] = wl.blocks / cpu
+        presized.drop_index()
+        release_freed_heap()
         for n_tok in PROMPT_LENGTHS:
             for s in order:
                 lat = time_calls(s.scores, q_in[n_tok][s.name])
@@ -481,7 +505,8 @@ def bench_workers(workers: int, args, sides: list) -> dict:
         res["correctness"] = {"compared": compared, "mismatches": mismatches}
         log(f"[{workers} workers] answers compared: {compared}, mismatches: {mismatches}")
     if args.memory_rounds:
-        res["memory"] = bench_memory(workers, args, [s.name for s in sides])
+        names = [s.name for s in sides]
+        res["memory"] = bench_memory(workers, args, [names[0], "kvplug_presized", *names[1:]])
     res["seconds"] = time.perf_counter() - t_start
     return res
 
@@ -509,7 +534,8 @@ def round_line(rd: dict, sides: list) -> str:
     if len(sides) == 2:
         parts.append(
             f"apply {ratio(rd, 'apply_blocks_per_s', True):.1f}x"
-            f" (cpu {ratio(rd, 'apply_blocks_per_cpu_s', True):.1f}x)"
+            f" (cpu {ratio(rd, 'apply_blocks_per_cpu_s', True):.1f}x,"
+            f" pre-sized {ratio(rd, 'apply_blocks_per_cpu_s', True, 'kvplug_presized'):.1f}x)"
         )
         parts.append(
             "query "
@@ -532,9 +558,9 @@ def round_line(rd: dict, sides: list) -> str:
     return ", ".join(parts)
 
 
-def ratio(rd: dict, key: str, higher_is_better: bool = False) -> float:
-    """kvplug's advantage: >1 means kvplug is better."""
-    k, d = rd[f"kvplug_{key}"], rd[f"dynamo_{key}"]
+def ratio(rd: dict, key: str, higher_is_better: bool = False, mine: str = "kvplug") -> float:
+    """kvplug's advantage: >1 means kvplug is better (``mine``: which kvplug figure)."""
+    k, d = rd[f"{mine}_{key}"], rd[f"dynamo_{key}"]
     return k / d if higher_is_better else d / k
 
 
@@ -570,8 +596,12 @@ def memory_child(side_name: str, workers: int, blocks: int) -> int:
     dynamo, note = load_dynamo()  # both children load both libraries: the same baseline
     if side_name == "dynamo" and dynamo is None:
         raise SystemExit(note)
-    side = KvplugSide() if side_name == "kvplug" else DynamoSide(dynamo)
     wl = make_workload(workers, blocks, seed=1000 + workers, dynamo=dynamo)
+    side = {
+        "kvplug": KvplugSide,
+        "kvplug_presized": lambda: KvplugPresizedSide(wl.blocks),
+        "dynamo": lambda: DynamoSide(dynamo),
+    }[side_name]()
     inputs = side.apply_inputs(wl)
     probe = probe_for_last_event(wl, dynamo)
     hashes = side.query_hashes(probe[0], probe[1])
@@ -589,7 +619,7 @@ def memory_child(side_name: str, workers: int, blocks: int) -> int:
         "rss_mib_per_million_blocks": (rss1 - rss0) / 2**20 / (wl.blocks / 1e6),
         "stored_blocks": wl.blocks,
     }
-    if side_name == "kvplug":
+    if side_name != "dynamo":
         result["own_accounting_mib_per_million_blocks"] = (
             side.idx.memory_bytes() / 2**20 / (wl.blocks / 1e6)
         )
@@ -603,9 +633,15 @@ def span(xs: list[float]) -> dict:
 
 
 RATIOS = (
-    # (summary key, round key, higher is better)
+    # (summary key, round key, higher is better[, kvplug's side if not "kvplug"])
     ("apply (wall)", "apply_blocks_per_s", True),
     ("apply (CPU)", "apply_blocks_per_cpu_s", True),
+    (
+        "apply, pre-sized as the router does (CPU)",
+        "apply_blocks_per_cpu_s",
+        True,
+        "kvplug_presized",
+    ),
     *((f"query {n} tok", f"query_{n}_median_us", False) for n in PROMPT_LENGTHS),
     *((f"hash+query {n} tok", f"hash_query_{n}_median_us", False) for n in PROMPT_LENGTHS),
     ("hashing, event token lists (wall)", "hash_event_list_tokens_per_s", True),
@@ -623,11 +659,12 @@ def summarise(res: dict, with_dynamo: bool) -> dict:
         summ[k] = span([rd[k] for rd in rounds])
     if with_dynamo:
         summ["ratios"] = {
-            label: span([ratio(rd, key, hib) for rd in rounds]) for label, key, hib in RATIOS
+            label: span([ratio(rd, key, hib, *mine) for rd in rounds])
+            for label, key, hib, *mine in RATIOS
         }
         # the most conservative reading: kvplug's worst round against Dynamo's best round
-        for label, key, hib in RATIOS:
-            k = [rd[f"kvplug_{key}"] for rd in rounds]
+        for label, key, hib, *mine in RATIOS:
+            k = [rd[f"{(mine or ['kvplug'])[0]}_{key}"] for rd in rounds]
             d = [rd[f"dynamo_{key}"] for rd in rounds]
             summ["ratios"][label]["worst_vs_best"] = min(k) / max(d) if hib else min(d) / max(k)
         kv8 = [rd["kvplug_numpy_query_8192_median_us"] for rd in rounds]
@@ -649,6 +686,11 @@ def summarise(res: dict, with_dynamo: bool) -> dict:
             summ["ratios"]["memory (kvplug / Dynamo RSS)"] = span(
                 [a / b for a, b in zip(k, d, strict=True)]
             )
+            if "kvplug_presized" in mem:
+                p = [m["rss_mib_per_million_blocks"] for m in mem["kvplug_presized"]]
+                summ["ratios"]["memory, pre-sized (kvplug / Dynamo RSS)"] = span(
+                    [a / b for a, b in zip(p, d, strict=True)]
+                )
     return summ
 
 
@@ -674,6 +716,12 @@ def table(results: dict) -> str:
         rows = [
             ("apply, M blocks/s wall", "apply_blocks_per_s", 1e-6, "apply (wall)"),
             ("apply, M blocks per CPU-s", "apply_blocks_per_cpu_s", 1e-6, "apply (CPU)"),
+            (
+                "  pre-sized as the router does",
+                "presized_apply_blocks_per_cpu_s",
+                1e-6,
+                "apply, pre-sized as the router does (CPU)",
+            ),
             *(
                 (f"query {n} tok, median µs", f"query_{n}_median_us", 1, f"query {n} tok")
                 for n in PROMPT_LENGTHS
@@ -716,7 +764,8 @@ def table(results: dict) -> str:
             k = {x: v * scale for x, v in s[f"kvplug_{key}"].items()}
             line = f"  {label:34} {fmt_range(k, '{:.2f}'):>16}"
             if with_dynamo:
-                d = {x: v * scale for x, v in s[f"dynamo_{key}"].items()}
+                dkey = key.removeprefix("presized_")  # Dynamo's one apply figure
+                d = {x: v * scale for x, v in s[f"dynamo_{dkey}"].items()}
                 rr = s["ratios"][rkey]
                 line += (
                     f" {fmt_range(d, '{:.2f}'):>16}  {fmt_range(rr)}x"
@@ -742,6 +791,13 @@ def table(results: dict) -> str:
                 )
             lines.append(line)
             lines.append(f"  {'  (kvplug own accounting)':34} {fmt_range(own):>16}")
+            if "kvplug_presized" in mem:
+                p = span([m["rss_mib_per_million_blocks"] for m in mem["kvplug_presized"]])
+                line = f"  {'  pre-sized as the router does':34} {fmt_range(p):>16}"
+                if "dynamo" in mem:
+                    rr = s["ratios"]["memory, pre-sized (kvplug / Dynamo RSS)"]
+                    line += f" {'':>16}  kvplug/Dynamo {fmt_range(rr, '{:.2f}')}"
+                lines.append(line)
         b = s["kvplug_only_batched_presized_blocks_per_s"]
         lines.append(
             f"  {'kvplug only: 64k batches, presized':34}"
@@ -763,7 +819,7 @@ def markdown(results: dict) -> str:
         + " |"
     ]
     out.append("|---" * (len(ws) + 1) + "|")
-    labels = [label for label, _, _ in RATIOS] + [
+    labels = [label for label, *_ in RATIOS] + [
         "numpy into kvplug: query 8192 tok",
         "numpy into kvplug: hashing event tokens",
     ]
@@ -783,6 +839,14 @@ def markdown(results: dict) -> str:
             cells.append(f"{fmt_range(k)} vs {fmt_range(d)} MiB/M ({fmt_range(rr, '{:.2f}')}×)")
         label = "memory, RSS delta per M blocks (kvplug vs Dynamo)"
         out.append(f"| {label} | " + " | ".join(cells) + " |")
+        if all("kvplug_presized" in r["memory"] for r in ws):
+            cells = []
+            for r in ws:
+                p = span([m["rss_mib_per_million_blocks"] for m in r["memory"]["kvplug_presized"]])
+                rr = r["summary"]["ratios"]["memory, pre-sized (kvplug / Dynamo RSS)"]
+                cells.append(f"{fmt_range(p)} MiB/M ({fmt_range(rr, '{:.2f}')}×)")
+            label = "memory, pre-sized as the router does (kvplug vs Dynamo)"
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -794,7 +858,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-rounds", type=int, default=None, help="0 skips memory")
     ap.add_argument("--blocks", type=int, default=None)
     ap.add_argument("--no-dynamo", action="store_true", help="kvplug only (no ratios)")
-    ap.add_argument("--memory-child", choices=["kvplug", "dynamo"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--memory-child", choices=["kvplug", "kvplug_presized", "dynamo"], help=argparse.SUPPRESS
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_core.json"))
     args = ap.parse_args(argv)
     if args.blocks is None:

@@ -33,12 +33,15 @@ def test_kvplug_side_runs_and_reports_every_measure(tmp_path):
     assert w["stored_blocks"] >= 4000 and len(w["rounds"]) == 2
     for rd in w["rounds"]:
         assert rd["kvplug_apply_blocks_per_s"] > 0 and rd["kvplug_apply_blocks_per_cpu_s"] > 0
+        assert rd["kvplug_presized_apply_blocks_per_cpu_s"] > 0  # as the router runs it
         for n in (128, 1024, 8192):
             assert rd[f"kvplug_query_{n}_median_us"] > 0
         assert rd["kvplug_hash_event_list_tokens_per_s"] > 0
     (mem,) = w["memory"]["kvplug"]  # one fresh subprocess
     assert mem["stored_blocks"] == w["stored_blocks"]
     assert mem["own_accounting_mib_per_million_blocks"] > 0
+    (pre,) = w["memory"]["kvplug_presized"]
+    assert pre["stored_blocks"] == w["stored_blocks"]
     assert "ratios" not in w["summary"]
 
 
@@ -52,5 +55,7 @@ def test_side_by_side_with_dynamo_agrees_on_every_answer(tmp_path):
     assert [rd["order"] for rd in w["rounds"]] == [["kvplug", "dynamo"], ["dynamo", "kvplug"]]
     ratios = w["summary"]["ratios"]
     assert ratios["query 8192 tok"]["min"] > 0
-    assert {"kvplug", "dynamo"} <= set(w["memory"])
+    assert ratios["apply, pre-sized as the router does (CPU)"]["min"] > 0
+    assert ratios["memory, pre-sized (kvplug / Dynamo RSS)"]["min"] > 0
+    assert {"kvplug", "kvplug_presized", "dynamo"} <= set(w["memory"])
     assert (tmp_path / "core.md").read_text().count("|") > 10

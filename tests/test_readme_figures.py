@@ -121,6 +121,15 @@ def core_rules() -> dict[tuple[str, str], Callable[[], list]]:
         ("apply, one", "kvplug (C)"): lambda: span("kvplug_apply_blocks_per_cpu_s", 1e6),
         ("apply, one", "Dynamo"): lambda: span("dynamo_apply_blocks_per_cpu_s", 1e6),
         ("apply, one", "kvplug vs Dynamo"): lambda: ratio("apply (CPU)"),
+        ("apply into an index pre-sized", "kvplug (C)"): lambda: span(
+            "kvplug_presized_apply_blocks_per_cpu_s", 1e6
+        ),
+        ("apply into an index pre-sized", "Dynamo"): lambda: span(
+            "dynamo_apply_blocks_per_cpu_s", 1e6
+        ),
+        ("apply into an index pre-sized", "kvplug vs Dynamo"): lambda: ratio(
+            "apply, pre-sized as the router does (CPU)"
+        ),
         ("hashing a vLLM", "kvplug (C)"): lambda: span("kvplug_hash_event_list_tokens_per_s", 1e9),
         ("hashing a vLLM", "Dynamo"): lambda: span("dynamo_hash_event_list_tokens_per_s", 1e9),
         ("hashing a vLLM", "kvplug vs Dynamo"): lambda: ratio("hashing, event token lists (wall)"),
@@ -129,6 +138,11 @@ def core_rules() -> dict[tuple[str, str], Callable[[], list]]:
         ),
         ("memory", "kvplug (C)"): lambda: mib("kvplug"),
         ("memory", "Dynamo"): lambda: mib("dynamo"),
+        ("the same, the index pre-sized", "kvplug (C)"): lambda: mib("kvplug_presized"),
+        ("the same, the index pre-sized", "kvplug vs Dynamo"): lambda: [
+            r["summary"]["ratios"]["memory, pre-sized (kvplug / Dynamo RSS)"]["median"]
+            for r in by_workers
+        ],
         ("memory", "kvplug vs Dynamo"): lambda: [
             r["summary"]["ratios"]["memory (kvplug / Dynamo RSS)"]["median"] for r in by_workers
         ],
@@ -138,6 +152,15 @@ def core_rules() -> dict[tuple[str, str], Callable[[], list]]:
 def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
     router = {r["workers"]: r for r in load("benchmarks/results/bench_router.json")["rows"]}
     ingest = load("benchmarks/results/bench_ingest.json")
+    growth = load("benchmarks/results/bench_index_growth.json")["summary"]
+
+    def spread(*keys: str) -> list[float]:
+        """A bench_index_growth figure: median, then its range over the rounds."""
+        s = growth
+        for k in keys:
+            s = s[k]
+        return [s["median"], s["min"], s["max"]]
+
     ingest32 = load("benchmarks/results/bench_ingest_bs32.json")
     frontend = {t["target"]: t for t in load("benchmarks/results/bench_frontend.json")["targets"]}
     loaded = {
@@ -212,6 +235,17 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
                 ]
             ),
             512,
+        ],
+        ("KV events applied while the caches fill", "result"): lambda: [
+            *spread("presized", "call_max_ms"),
+            SKIP,  # the threshold: no call over 1 ms
+            growth["presized"]["cpu_ns_per_block"]["median"],
+            *spread("growing", "call_max_ms"),
+            growth["growing"]["stalls"]["median"],
+            SKIP,  # 1 ms
+            growth["growing"]["stall_ms_total"]["median"],
+            growth["growing"]["cpu_ns_per_block"]["median"],
+            *spread("cpu_growing_over_presized"),
         ],
         ("vLLM event ingestion", "result"): lambda: [
             ingest["results"]["kvplug"]["blocks_per_s"] / 1e6,
