@@ -654,6 +654,7 @@ class Router:
         s["active_requests"] = self.load.active_count()
         s.update({f"load_{k}": v for k, v in self.load.counters.items()})
         s["index"] = self.index.stats()
+        s["index_presized_blocks"] = self._index_presized  # room reserved (_presize_index)
         if self._approx is not None:
             s["approx"] = self._approx.stats()
         policy_stats = self._policy.stats()

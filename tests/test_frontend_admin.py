@@ -216,6 +216,7 @@ async def test_engine_reported_capacity_reaches_the_router():
             assert (w0.kv_capacity_blocks, w0.max_batched_tokens) == (1000, 8192)
             assert (w1.kv_capacity_blocks, w1.max_batched_tokens) == (7, 4096)  # config wins
             assert h.router.stats()["index"]["blocks"] == blocks_before  # index kept
+            assert h.router.stats()["index_presized_blocks"] == 1007  # pre-sized for both
             resp, _ = await h.complete(prompt(4, 3))  # w0 is still draining
             assert resp.headers["x-kvplug-worker"] == "w1"
             h.assert_idle()

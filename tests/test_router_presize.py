@@ -57,6 +57,7 @@ def test_filling_to_the_declared_capacity_never_grows_a_table(capacity):
     st = r.index.core.stats()
     assert st["blocks"] == st["engine_mappings"] == 20_000
     assert r.index.core._verify() == 0
+    assert r.stats()["index_presized_blocks"] == r._index_presized
     if capacity:
         assert r._index_presized == 4 * capacity
         assert memory(r) == before  # every table, the record pool and the engine map sized
