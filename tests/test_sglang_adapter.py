@@ -149,6 +149,10 @@ class Sink:
         self.block_size = block_size
         self.events = []
         self.attributes = []
+        self.capacity = []  # update_capacity's kv_capacity_blocks, in call order
+
+    def update_capacity(self, kv_capacity_blocks=None, max_batched_tokens=None):
+        self.capacity.append(kv_capacity_blocks)
 
     def apply(self, e):
         self.events.append(e)
@@ -202,6 +206,9 @@ async def test_adapter_discovers_subscribes_and_scrapes(new):
         assert [e.engine_hashes for e in sink.events][1] == [(-5) & (2**64 - 1)]
         want = attributes_from_loads(LOADS) if new else attributes_from_prometheus(PROM)
         assert sink.attributes[-1] == want
+        # /v1/loads gives each rank's max_total_num_tokens (16,384 the largest): in 4-token
+        # pages, once; the Prometheus gauges of older builds carry no capacity
+        assert sink.capacity == ([16384 // 4] if new else [])
         await adapter.stop_worker("sg")
         assert not adapter.events_ready("sg")
     finally:
@@ -289,6 +296,8 @@ async def test_pushed_load_channel_replaces_polling():
             "kv_usage": 0.25,
         }
         assert await _until(lambda: want in sink.attributes, nudge=push)
+        # the pushed max_total_num_tokens, in pages (after /v1/loads' 16,384 before the pushes)
+        assert sink.capacity[-1] == 4000 // 4
         hits = fake.loads_hits
         for _ in range(6):  # pushes keep flowing: no HTTP polling meanwhile
             push()

@@ -13,7 +13,9 @@ Per worker, ``start_worker``:
    (``load_endpoint_port_base``, ``--load-publish-endpoint``, ≥ 0.5.23), and otherwise —
    or while that channel is silent — polls every ``load_period`` seconds
    ``GET /v1/loads?include=core``, else the Prometheus ``metrics_url`` (``sglang:*``), into
-   ``running_requests``, ``queue_depth``, ``kv_usage``... (``metrics.py``).
+   ``running_requests``, ``queue_depth``, ``kv_usage``... (``metrics.py``); a rank's
+   ``max_total_num_tokens`` from either source, in blocks, is the worker's KV capacity
+   (``update_capacity``, as vLLM's ``num_gpu_blocks``).
 
 If the worker is not reachable yet, discovery retries in the background and subscribes once
 it answers. PD: ``bootstrap_host`` (the prefill worker's host), ``bootstrap_port`` (option
@@ -53,6 +55,7 @@ from .metrics import (
     decode_load_stat,
     kv_events_from_server_info,
     page_size_from_server_info,
+    rank_capacity_tokens,
 )
 from .subscriber import SglangSubscriber, filtered_sink, sources_from_info
 
@@ -104,6 +107,7 @@ class _Run:
     last_push_at: float | None = None  # newest LoadStat from the ZMQ load channel
     pushed: dict[int, dict[str, int]] = field(default_factory=dict)
     bad_pushes: int = 0
+    capacity_reported: int = 0  # KV blocks per rank last handed to the sink
 
 
 class SglangAdapter(SglangHttpAdapter):
@@ -339,7 +343,9 @@ class SglangAdapter(SglangHttpAdapter):
                         loads_url = None  # older than 0.5.15: Prometheus instead
                         return True
                     resp.raise_for_status()
-                    attrs = attributes_from_loads(await resp.json(content_type=None))
+                    payload = await resp.json(content_type=None)
+                    attrs = attributes_from_loads(payload)
+                    self._report_capacity(run, rank_capacity_tokens(payload["loads"]))
             else:
                 async with session.get(prom_url) as resp:
                     resp.raise_for_status()
@@ -349,6 +355,18 @@ class SglangAdapter(SglangHttpAdapter):
             return False
 
         await poll_loads(scrape, self.load_period, run, f"sglang worker {worker.worker_id}", log)
+
+    @staticmethod
+    def _report_capacity(run: _Run, tokens: int | None) -> None:
+        """A rank's ``max_total_num_tokens`` in the router's blocks (the page size, checked
+        at subscription) to sinks that take it: the frontend re-registers the worker with it
+        unless configured (busy thresholds, the index pre-sized for the fleet)."""
+        update = getattr(run.sink, "update_capacity", None)
+        blocks = 0 if tokens is None else tokens // run.sink.block_size
+        if update is None or not blocks or blocks == run.capacity_reported:
+            return
+        run.capacity_reported = blocks
+        update(kv_capacity_blocks=blocks)
 
     async def _pushed_load(self, run: _Run, kv: KvEventsInfo) -> None:
         """Subscribe to every rank's load PUB (SGLang's KV-event framing, topic ``load``)."""
@@ -389,6 +407,7 @@ class SglangAdapter(SglangHttpAdapter):
                         continue
                     run.last_push_at = time.monotonic()
                     run.sink.set_attributes(attributes_from_load_stats(run.pushed))
+                    self._report_capacity(run, rank_capacity_tokens(run.pushed.values()))
         finally:
             for _, sock in sockets:
                 sock.close(0)

@@ -205,6 +205,21 @@ def decode_load_stat(payload: bytes) -> dict[str, int]:
     return out
 
 
+def rank_capacity_tokens(per_rank: Any) -> int | None:
+    """A DP rank's KV capacity in tokens: the largest ``max_total_num_tokens`` of the ranks'
+    ``/v1/loads`` entries or pushed ``LoadStat`` s (the ranks of one engine are sized alike);
+    None when no rank gives one."""
+    sizes = [
+        v
+        for entry in per_rank
+        if isinstance(entry, dict)
+        and isinstance(v := entry.get("max_total_num_tokens"), int)
+        and not isinstance(v, bool)
+        and v > 0
+    ]
+    return max(sizes) if sizes else None
+
+
 def attributes_from_load_stats(per_rank: dict[int, dict[str, int]]) -> dict[str, float]:
     """The newest ``LoadStat`` of every rank → attributes (same names as ``/v1/loads``)."""
     out: dict[str, float] = {}
