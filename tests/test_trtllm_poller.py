@@ -115,6 +115,10 @@ class RecordingSink:
         self.events: list = []
         self.attributes: list[dict] = []
         self.index = index
+        self.capacity: list[int] = []  # update_capacity's kv_capacity_blocks, in call order
+
+    def update_capacity(self, kv_capacity_blocks=None, max_batched_tokens=None) -> None:
+        self.capacity.append(kv_capacity_blocks)
 
     def apply(self, event) -> None:
         self.apply_many([event])
@@ -256,6 +260,7 @@ async def test_adapter_is_the_sole_consumer_and_fills_the_index(fake):
             "prefix_cache_hit_rate": 0.75,
             "kv_max_blocks": 1000.0,
         }
+        assert sink.capacity == [1000]  # trtllm_kv_cache_max_blocks, once
         # the index holds what the engine holds: [1..4] moved to host, [5..8] on device,
         # [9..12] (BIG2) removed, the partial block never stored
         ep = index.endpoint_id("trt-a", 0)
@@ -286,6 +291,7 @@ async def test_load_falls_back_to_drained_iteration_stats():
             "prefix_cache_hit_rate": 0.75,
         }
         assert len(sink.attributes) == 1
+        assert sink.capacity == [1000]  # the newest iteration's maxNumBlocks
     finally:
         await adapter.close()
         await fake.stop()
@@ -459,3 +465,13 @@ async def test_a_stall_of_this_loop_does_not_lose_an_answer_that_came_meanwhile(
         engine_loop.call_soon_threadsafe(engine_loop.stop)
         thread.join(10)
         engine_loop.close()
+
+
+def test_capacity_is_reported_per_attention_dp_rank_and_once():
+    from kvplug.integrations.trtllm.adapter import _Run
+
+    sink = RecordingSink("trt-dp", 32)
+    run = _Run(Worker("trt-dp", engine="trtllm", dp_size=2), sink, poller=None)  # type: ignore[arg-type]
+    for max_blocks in (2000.0, 2000.0, None, 0.0, 3000.0):  # summed over the two ranks
+        TrtllmAdapter._report_capacity(run, max_blocks)
+    assert sink.capacity == [1000, 1500]  # a change is reported, a repeat or a gap is not

@@ -184,6 +184,7 @@ class _Run:
     tasks: list[asyncio.Task] = field(default_factory=list)
     load_errors: int = 0
     prometheus: bool = True
+    capacity_reported: int = 0  # KV blocks per rank last handed to the sink
 
 
 class TrtllmAdapter(TrtllmHttpAdapter):
@@ -341,6 +342,19 @@ class TrtllmAdapter(TrtllmHttpAdapter):
             )
             return None
 
+    @staticmethod
+    def _report_capacity(run: _Run, max_blocks: float | None) -> None:
+        """``maxNumBlocks`` (summed over the engine's attention-DP ranks), per rank, to sinks
+        that take it: the frontend re-registers the worker with it unless configured (busy
+        thresholds, the index pre-sized for the fleet). Its blocks are the router's: the
+        tokens_per_block check at start."""
+        update = getattr(run.sink, "update_capacity", None)
+        blocks = 0 if not max_blocks else int(max_blocks) // max(run.worker.dp_size, 1)
+        if update is None or blocks <= 0 or blocks == run.capacity_reported:
+            return
+        run.capacity_reported = blocks
+        update(kv_capacity_blocks=blocks)
+
     async def _poll_load(self, run: _Run) -> None:
         worker = run.worker
         json_url = (worker.url or "").rstrip("/") + "/metrics"
@@ -362,6 +376,7 @@ class TrtllmAdapter(TrtllmHttpAdapter):
                     attrs, _ = parse_iteration_stats(json.loads(await resp.read()))
             if attrs:
                 run.sink.set_attributes(attrs)
+                self._report_capacity(run, attrs.get("kv_max_blocks"))
             return False
 
         await poll_loads(scrape, self.load_period, run, f"trtllm worker {worker.worker_id}", log)
