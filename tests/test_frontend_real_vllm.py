@@ -172,6 +172,27 @@ def test_local_tokenizer_matches_the_engine(fleet):
         assert trace["tokens"]["count"] == len(expected), (path, trace["tokens"])
 
 
+def test_the_index_is_presized_for_the_engines_capacity(fleet):
+    # each engine's num_gpu_blocks (vllm:cache_config_info), scraped by the vLLM adapter, is
+    # its capacity; the router reserves room for both in its index
+    url, engines = fleet
+    capacity = 0
+    for e in engines:
+        text = _get(e.url + "/metrics")[1].decode()
+        (info,) = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
+        capacity += int(info.split('num_gpu_blocks="')[1].split('"')[0])
+    assert capacity > 0
+    key = 'kvplug_router_stat{stat="index_presized_blocks"} '
+    deadline = time.monotonic() + 30  # the first metrics scrape after start
+    while True:
+        text = _get(url + "/metrics")[1].decode()
+        got = float(text.split(key)[1].split()[0]) if key in text else 0.0
+        if got == capacity or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert got == capacity
+
+
 def test_prefix_routing_stream_and_load_on_real_engines(fleet):
     url, _ = fleet
     _prefix_routing_stream_and_load(url, "Line")
