@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -84,17 +85,26 @@ SHARED = -1
 SPREAD_BY = ("followups", "ttft")
 
 
-def _local_blocks(inputs) -> np.ndarray:
+def _local_blocks(inputs) -> tuple[np.ndarray | None, list[float]]:
     """Per candidate, the prompt's cached blocks in the engine's own tiers (device, then host
     or disk continuing it): what the router books as the request's cached tokens, and what a
     prefill there skips. Device blocks alone would send a request with a host-tier hit away
-    from it, or count the reload as a full prefill in the predictions."""
-    local = np.asarray(inputs["device"], dtype=np.float64)
-    for tier in ("host", "disk"):
-        more = inputs.get(tier)
-        if more is not None:  # adding zeros keeps the floats; cheaper than asking np.any
+    from it, or count the reload as a full prefill in the predictions. As an array (None below
+    VECTOR_FROM candidates, where nothing reads it) and as a list (the same floats: a float64
+    sum is one IEEE addition either way, in the same order; for a few candidates the list
+    sums cost less than numpy's per-call overhead)."""
+    device = np.asarray(inputs["device"], dtype=np.float64)
+    tiers = [np.asarray(t, dtype=np.float64) for t in (inputs.get("host"), inputs.get("disk"))
+             if t is not None]  # fmt: skip
+    if len(device) >= VECTOR_FROM:
+        local = device
+        for more in tiers:  # adding zeros keeps the floats; cheaper than asking np.any
             local = local + more
-    return local
+        return local, local.tolist()
+    overlap = device.tolist()
+    for more in tiers:
+        overlap = [a + b for a, b in zip(overlap, more.tolist(), strict=True)]
+    return None, overlap
 
 
 @dataclass(frozen=True)
@@ -433,6 +443,13 @@ class Affinity:
         # the compiled core's twin where it is built (the same floats)
         window = getattr(core, "SlidingQuantile", None) or RecentQuantile
         self._kv_ttft = window(self.params.window)
+        # _tau: the samples the pool needs first (warm samples above the tail quantile, the
+        # window permitting; "choice" as first measured: its pool fills slowly, and a warm-up
+        # costs it hits)
+        p = self.params
+        self._tau_from = (
+            1 if p.pool == "choice" else min(p.window, math.ceil(p.warm / (1 - p.tail)))
+        )
         self._followups: dict[int, tuple[float, float]] = {}  # spread: endpoint -> (rate, at)
         # spread_lag: the same follow-ups, decayed with the shorter half-life (not yet due back)
         self._followups_lag: dict[int, tuple[float, float]] = {}
@@ -469,14 +486,14 @@ class Affinity:
         its full blocks' sequence hashes (the balance guard's; None: that guard stays off).
         Counted in ``affinity_counters``."""
         inputs = trace.inputs if trace is not None else None
+        overlap: list[float] = []
         local = None
         if inputs and "device" in inputs and "prefill_blocks" in inputs:
-            local = _local_blocks(inputs)
-        if local is None or len(local) < 2:
+            # the list: per-candidate reads and small sums cost less than on numpy scalars
+            local, overlap = _local_blocks(inputs)
+        if len(overlap) < 2:
             self.affinity_counters["kept_kv"] += 1
             return None
-        # a list: per-candidate reads and small sums cost less than on numpy scalars
-        overlap = local.tolist()
         pick = self._holder_pick(inputs, trace, local, overlap, blocks, b, hashes)
         if self.params.rescue and self.params.tail:
             pick = self._rescue(trace, overlap, blocks, b if pick is None else pick)
@@ -493,7 +510,7 @@ class Affinity:
         self.affinity_counters["affinity"] += 1
         return pick
 
-    def _protect(self, trace, overlap: np.ndarray, blocks: int, pick: int) -> int:
+    def _protect(self, trace, overlap: Sequence[float], blocks: int, pick: int) -> int:
         """Protect mode: if ``pick``'s last queued prefill is predicted in the tail (its elapsed
         wait plus what is queued up to it reaches tau), this request's first chunk would share
         that prefill's last step and slow it: the engine where it is predicted soonest among
@@ -545,8 +562,8 @@ class Affinity:
         self,
         inputs,
         trace,
-        local: np.ndarray,
-        overlap: np.ndarray,
+        local: np.ndarray | None,
+        overlap: Sequence[float],
         blocks: int,
         b: int,
         hashes=None,
@@ -568,7 +585,7 @@ class Affinity:
         # engines the per-candidate lists cost most of the decision), the same floats
         prefill = np.asarray(inputs["prefill_blocks"], dtype=np.float64)
         decode = np.asarray(inputs["decode_blocks"], np.float64) if params.memory else None
-        if len(overlap) >= VECTOR_FROM:
+        if local is not None:  # VECTOR_FROM candidates or more
             holders = np.flatnonzero(local == best).tolist()
         else:
             holders = [i for i, o in enumerate(overlap) if o == best]
@@ -656,7 +673,7 @@ class Affinity:
         mine = self._rate(self._routed, int(trace.endpoints[i]), now)
         return mine > mean + max(BALANCE_MIN_EXCESS, self.params.balance * mean)
 
-    def _rescue(self, trace, overlap: np.ndarray, blocks: int, pick: int) -> int:
+    def _rescue(self, trace, overlap: Sequence[float], blocks: int, pick: int) -> int:
         """Rescue mode: if the request's predicted TTFT at ``pick`` reaches tau (the latency
         tail), the engine where it is predicted soonest instead."""
         if not self._kv_ttft:
@@ -680,10 +697,7 @@ class Affinity:
         yet: a quantile of a handful of samples is their maximum, so none until the tail has
         ``warm`` samples above it or the window is full)."""
         history = self._kv_ttft
-        warm = min(self.params.window, math.ceil(self.params.warm / (1 - self.params.tail)))
-        if self.params.pool == "choice":
-            warm = 1  # as first measured (its pool fills slowly: a warm-up costs it hits)
-        return history.quantile(self.params.tail) if len(history) >= warm else 0.0
+        return history.quantile(self.params.tail) if len(history) >= self._tau_from else 0.0
 
     def _count_followup(self, trace, i: int, blocks: float = 1.0) -> None:
         if not self.params.spread:
@@ -694,7 +708,9 @@ class Affinity:
         if self.params.spread_lag:
             self._add(self._followups_lag, ep, weight, now, self.params.spread_lag)
 
-    def _spread_pick(self, inputs, trace, overlap: np.ndarray, blocks: int, b: int) -> int | None:
+    def _spread_pick(
+        self, inputs, trace, overlap: Sequence[float], blocks: int, b: int
+    ) -> int | None:
         """A long cold prompt: among the candidate engines (``spread_by="followups"``: no more
         queued prefill than kv's pick and at most ``spread_kv`` more active KV blocks;
         ``"ttft"``: predicted to start it within ``spread_eps`` seconds of the soonest), the one
@@ -742,7 +758,9 @@ class Affinity:
         self.affinity_counters["spread"] += 1
         return best
 
-    def _predicted_ttft(self, trace, overlap: np.ndarray, blocks: int, *idx: int) -> list[float]:
+    def _predicted_ttft(
+        self, trace, overlap: Sequence[float], blocks: int, *idx: int
+    ) -> list[float]:
         """Predicted TTFT of this prompt on each engine of ``idx`` (indices into the preview):
         its queued prefill seconds plus its own chunked prefill over its cached prefix (with
         ``read_ms``: plus the decode reads of the engine's active sequences in its steps).
@@ -826,7 +844,7 @@ class Affinity:
     def _remember(self, t_b: list[float]) -> None:
         self._kv_ttft.add(t_b[0])
 
-    def _within_tail(self, trace, overlap: np.ndarray, blocks: int, a: int, b: int) -> bool:
+    def _within_tail(self, trace, overlap: Sequence[float], blocks: int, a: int, b: int) -> bool:
         """Tail mode: is ``a``'s predicted TTFT within ``max(kv's + slack, tau)``?"""
         t_a, t_b = self._predicted_ttft(trace, overlap, blocks, a, b)
         if self.params.pool == "choice":

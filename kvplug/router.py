@@ -714,7 +714,7 @@ class Router:
     def chunk_tokens(self, ep: int) -> float:
         """Endpoint ``ep``'s prefill chunk (its worker's ``max_num_batched_tokens``); 0 when
         unknown (a prediction then takes a prompt in one pass)."""
-        return float(self.max_batched[ep]) if ep < len(self.max_batched) else 0.0
+        return self.max_batched.item(ep) if ep < len(self.max_batched) else 0.0
 
     def _fill_endpoint(self, ep: int, rank: int, st: WorkerState | None) -> None:
         self.ep_rank_arr[ep] = rank
