@@ -94,8 +94,11 @@ def _local_blocks(inputs) -> tuple[np.ndarray | None, list[float]]:
     sum is one IEEE addition either way, in the same order; for a few candidates the list
     sums cost less than numpy's per-call overhead)."""
     device = np.asarray(inputs["device"], dtype=np.float64)
-    tiers = [np.asarray(t, dtype=np.float64) for t in (inputs.get("host"), inputs.get("disk"))
-             if t is not None]  # fmt: skip
+    tiers = [
+        np.asarray(t, dtype=np.float64)
+        for t in (inputs.get("host"), inputs.get("disk"))
+        if t is not None
+    ]
     if len(device) >= VECTOR_FROM:
         local = device
         for more in tiers:  # adding zeros keeps the floats; cheaper than asking np.any
@@ -489,7 +492,6 @@ class Affinity:
         overlap: list[float] = []
         local = None
         if inputs and "device" in inputs and "prefill_blocks" in inputs:
-            # the list: per-candidate reads and small sums cost less than on numpy scalars
             local, overlap = _local_blocks(inputs)
         if len(overlap) < 2:
             self.affinity_counters["kept_kv"] += 1
