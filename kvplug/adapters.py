@@ -85,6 +85,21 @@ class WorkerSink(Protocol):
         ...
 
 
+class ReportsCapacity(Protocol):
+    capacity_reported: int  # the KV blocks per rank last handed to the sink
+
+
+def report_capacity(run: ReportsCapacity, sink: Any, blocks: int | None) -> None:
+    """An engine's KV capacity, in the router's blocks per DP rank, to a sink that takes it
+    (``update_capacity``: the frontend re-registers the worker with it unless configured, for
+    the busy thresholds and the index's pre-sizing); only a change is reported."""
+    update = getattr(sink, "update_capacity", None)
+    if update is None or not blocks or blocks < 0 or blocks == run.capacity_reported:
+        return
+    run.capacity_reported = blocks
+    update(kv_capacity_blocks=blocks)
+
+
 @dataclass
 class PDContext:
     """One disaggregated request as the adapter sees it.

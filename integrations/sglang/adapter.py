@@ -44,7 +44,14 @@ from kvplug.integrations.aio import LazySession, log_due, poll_loads
 from kvplug.integrations.vllm.subscriber import sources_for_engine
 
 from kvplug import ConfigError, Worker
-from kvplug.adapters import PDContext, PDStyle, SglangHttpAdapter, WorkerSink, register_adapter
+from kvplug.adapters import (
+    PDContext,
+    PDStyle,
+    SglangHttpAdapter,
+    WorkerSink,
+    register_adapter,
+    report_capacity,
+)
 from kvplug.tasks import cancel_and_wait
 
 from .metrics import (
@@ -359,14 +366,8 @@ class SglangAdapter(SglangHttpAdapter):
     @staticmethod
     def _report_capacity(run: _Run, tokens: int | None) -> None:
         """A rank's ``max_total_num_tokens`` in the router's blocks (the page size, checked
-        at subscription) to sinks that take it: the frontend re-registers the worker with it
-        unless configured (busy thresholds, the index pre-sized for the fleet)."""
-        update = getattr(run.sink, "update_capacity", None)
-        blocks = 0 if tokens is None else tokens // run.sink.block_size
-        if update is None or not blocks or blocks == run.capacity_reported:
-            return
-        run.capacity_reported = blocks
-        update(kv_capacity_blocks=blocks)
+        at subscription) as the worker's capacity (``report_capacity``)."""
+        report_capacity(run, run.sink, None if tokens is None else tokens // run.sink.block_size)
 
     async def _pushed_load(self, run: _Run, kv: KvEventsInfo) -> None:
         """Subscribe to every rank's load PUB (SGLang's KV-event framing, topic ``load``)."""

@@ -54,6 +54,7 @@ from kvplug.adapters import (
     WorkerSink,
     min_tokens_over_one,
     register_adapter,
+    report_capacity,
 )
 from kvplug.tasks import cancel_and_wait
 
@@ -344,16 +345,11 @@ class TrtllmAdapter(TrtllmHttpAdapter):
 
     @staticmethod
     def _report_capacity(run: _Run, max_blocks: float | None) -> None:
-        """``maxNumBlocks`` (summed over the engine's attention-DP ranks), per rank, to sinks
-        that take it: the frontend re-registers the worker with it unless configured (busy
-        thresholds, the index pre-sized for the fleet). Its blocks are the router's: the
-        tokens_per_block check at start."""
-        update = getattr(run.sink, "update_capacity", None)
-        blocks = 0 if not max_blocks else int(max_blocks) // max(run.worker.dp_size, 1)
-        if update is None or blocks <= 0 or blocks == run.capacity_reported:
-            return
-        run.capacity_reported = blocks
-        update(kv_capacity_blocks=blocks)
+        """``maxNumBlocks`` (summed over the engine's attention-DP ranks) per rank as the
+        worker's capacity (``report_capacity``); its blocks are the router's (the
+        tokens_per_block check at start)."""
+        per_rank = int(max_blocks) // max(run.worker.dp_size, 1) if max_blocks else None
+        report_capacity(run, run.sink, per_rank)
 
     async def _poll_load(self, run: _Run) -> None:
         worker = run.worker

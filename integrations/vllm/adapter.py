@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from kvplug.adapters import PDContext, VllmHttpAdapter, register_adapter
+from kvplug.adapters import PDContext, VllmHttpAdapter, register_adapter, report_capacity
 
 from .discovery import EngineInfo, check_block_size, discover
 from .metrics import MetricsSample, MetricsScraper
@@ -94,16 +94,6 @@ class VllmAdapter(VllmHttpAdapter):
             except Exception:
                 log.exception("liveness listener failed for %s", run.worker_id)
 
-    @staticmethod
-    def _report_capacity(run: _WorkerRun, sink: Any, blocks: int | None) -> None:
-        """The engine's KV capacity in blocks (``num_gpu_blocks``, per DP rank) to sinks that
-        take it (the frontend re-registers the worker with it unless configured)."""
-        update = getattr(sink, "update_capacity", None)
-        if update is None or not blocks or blocks == run.capacity_reported:
-            return
-        run.capacity_reported = blocks
-        update(kv_capacity_blocks=blocks)
-
     def _check_restart(self, run: _WorkerRun, sample: MetricsSample) -> None:
         """A new process start time = a restarted engine with an empty cache. The sequence
         numbers usually show it first; when they cannot (no batch from the new engine yet, or
@@ -174,7 +164,7 @@ class VllmAdapter(VllmHttpAdapter):
             def on_sample(s: MetricsSample, _run: _WorkerRun = run) -> None:
                 self._check_restart(_run, s)
                 sink.set_attributes(s.attributes)  # stamped on the router's clock
-                self._report_capacity(_run, sink, s.num_gpu_blocks)
+                report_capacity(_run, sink, s.num_gpu_blocks)  # per DP rank
                 self._set_alive(_run, True)
 
             def on_failure(n: int, e: Exception, _run: _WorkerRun = run) -> None:
@@ -190,7 +180,7 @@ class VllmAdapter(VllmHttpAdapter):
             )
             run.scraper = scraper
             scraper.start()
-        self._report_capacity(run, sink, info.num_gpu_blocks)
+        report_capacity(run, sink, info.num_gpu_blocks)
         with self._lock:
             old = self._runs.pop(worker.worker_id, None)
             self._runs[worker.worker_id] = run
