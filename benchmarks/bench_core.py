@@ -422,6 +422,7 @@ def bench_workers(workers: int, args, sides: list) -> dict:
     )
     probe = probe_for_last_event(wl, dynamo)
     apply_in = {s.name: s.apply_inputs(wl) for s in sides}
+    apply_in[KvplugPresizedSide.name] = apply_in[KvplugSide.name]  # the same lists
 
     # queries: the same prompts on both sides; each side gets the hashes its index keys on
     q_in: dict[int, dict] = {}
@@ -451,7 +452,7 @@ def bench_workers(workers: int, args, sides: list) -> dict:
         presized = KvplugPresizedSide(wl.blocks)
         apply_order = [order[0], presized, *order[1:]]  # kvplug's two applies between
         for s in apply_order if r % 2 == 0 else apply_order[::-1]:
-            wall, cpu = apply_and_confirm(s, apply_in.get(s.name, apply_in["kvplug"]), probe)
+            wall, cpu = apply_and_confirm(s, apply_in[s.name], probe)
             rd[f"{s.name}_apply_blocks_per_s"] = wl.blocks / wall
             rd[f"{s.name}_apply_blocks_per_cpu_s"] = wl.blocks / cpu
         presized.drop_index()
