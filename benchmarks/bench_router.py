@@ -67,8 +67,11 @@ def build(
         router_max_prompt_tokens=max(args.prompt_tokens, 1 << 20),
     )
     r = Router(cfg, rng=random.Random(seed))
+    # the fleet's caches as full as the index: the router pre-sizes its index for their sum, so
+    # a larger declared capacity would measure a sparser table than the ~--blocks it holds
+    capacity = max(1, args.blocks // n_workers)
     for i in range(n_workers):
-        r.add_worker(Worker(f"w{i}", kv_capacity_blocks=100_000, max_batched_tokens=8192))
+        r.add_worker(Worker(f"w{i}", kv_capacity_blocks=capacity, max_batched_tokens=8192))
     if mode != "kv":
         return r
     chain = args.prompt_tokens // args.block_size
