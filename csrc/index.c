@@ -1546,6 +1546,26 @@ kvp_status kvp_index_resolve(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine
     return KVP_OK;
 }
 
+/* A store from the root (no parent) whose first blocks ep already holds in `tier` (the same
+ * engine hash for the same block, idx->seq) re-announces them: vLLM with kv_cache_report_mode
+ * "full" sends a request's cache hits as BlockStored again, yet one BlockRemoved per block when
+ * it goes, so counting them again would leave blocks indexed after the engine dropped them.
+ * Those leading blocks are touched (the engine just used them), not stored again. A copy that
+ * an engine really holds twice then goes from the index at its first removal: a missed hit at
+ * worst, never a phantom one. Returns how many leading blocks are held. */
+static size_t held_prefix(kvp_index *idx, kvp_endpoint_t ep, int tier,
+                          const kvp_engine_hash_t *ehs, size_t n) {
+    size_t k = 0;
+    for (; k < n; k++) {
+        mapping_t mp;
+        if (!map_find(idx, ep, ehs[k], &mp)) break;
+        const uint32_t r = m_rec(&mp.v);
+        if (idx->pool[r].hash != idx->seq[k] || mref_of(idx, ep, &mp.v, tier) == 0) break;
+        touch(idx, r);
+    }
+    return k;
+}
+
 kvp_status kvp_index_store_tokens(kvp_index *idx, kvp_endpoint_t ep, int tier, int has_parent,
                                   kvp_engine_hash_t parent, const kvp_engine_hash_t *engine_hashes,
                                   size_t n_blocks, const void *tokens, kvp_dtype dt,
@@ -1583,7 +1603,9 @@ kvp_status kvp_index_store_tokens(kvp_index *idx, kvp_endpoint_t ep, int tier, i
     if ((st = reserve_for_store(idx, ep, n_blocks)) != KVP_OK) return st;
     if (n_blocks)
         kvp_hash_blocks_unchecked(tokens, dt, n_blocks, block_size, root, extra, NULL, idx->seq);
-    st = store_unchecked(idx, ep, tier, engine_hashes, idx->seq, n_blocks);
+    const size_t held = has_parent ? 0 : held_prefix(idx, ep, tier, engine_hashes, n_blocks);
+    idx->c.reannounced_blocks += held;
+    st = store_unchecked(idx, ep, tier, engine_hashes + held, idx->seq + held, n_blocks - held);
     if (st == KVP_OK) *stored = 1;
     return st;
 }

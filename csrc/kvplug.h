@@ -74,6 +74,7 @@ typedef struct {
     uint64_t stored_blocks, duplicate_stores, conflicting_stores, orphan_stores;
     uint64_t removed_blocks, unknown_removes, moved_blocks, unknown_moves;
     uint64_t evicted_blocks, evicted_entries, cleared_endpoints;
+    uint64_t reannounced_blocks; /* root stores of blocks the endpoint held: not counted twice */
     uint64_t blocks, entries, engine_mappings;
     uint64_t memory_bytes; /* bytes the index holds allocated (tables, records, scratch) */
 } kvp_stats;

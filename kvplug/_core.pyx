@@ -359,6 +359,7 @@ cdef extern from "kvplug.h" nogil:
         uint64_t stored_blocks, duplicate_stores, conflicting_stores, orphan_stores
         uint64_t removed_blocks, unknown_removes, moved_blocks, unknown_moves
         uint64_t evicted_blocks, evicted_entries, cleared_endpoints
+        uint64_t reannounced_blocks
         uint64_t blocks, entries, engine_mappings, memory_bytes
     ctypedef struct kvp_query_out:
         int32_t *local
@@ -1020,7 +1021,7 @@ cdef class QueryResult:
 _COUNTERS = (
     "stored_blocks", "duplicate_stores", "conflicting_stores", "orphan_stores",
     "removed_blocks", "unknown_removes", "moved_blocks", "unknown_moves",
-    "evicted_blocks", "evicted_entries", "cleared_endpoints",
+    "evicted_blocks", "evicted_entries", "cleared_endpoints", "reannounced_blocks",
 )
 
 
@@ -1467,6 +1468,7 @@ cdef class Index:
             "evicted_blocks": s.evicted_blocks,
             "evicted_entries": s.evicted_entries,
             "cleared_endpoints": s.cleared_endpoints,
+            "reannounced_blocks": s.reannounced_blocks,
             "blocks": s.blocks,
             "entries": s.entries,
             "engine_mappings": s.engine_mappings,

@@ -233,6 +233,11 @@ class Index:
     * orphan rule (``store_tokens`` only): when ``parent_engine_hash`` is given but the endpoint
       holds no mapping for it, the whole store is rejected, counted in ``orphan_stores``, and
       the index is unchanged (we cannot compute the chained hashes without the parent).
+    * re-announcement rule (``store_tokens`` only): a store from the root (no parent) whose
+      first blocks the endpoint already holds in that tier (the same engine hash for the same
+      block) re-announces them (vLLM's ``kv_cache_report_mode`` "full" sends a request's cache
+      hits again, and one removal per block): those leading blocks are touched, not stored
+      again, and counted in ``reannounced_blocks``; the rest is stored chained to them.
     * ``remove``: decrements the refcount of that tier (or of every tier holding it when tier is
       None); a hash with no mapping is counted in ``unknown_removes``. At refcount zero the
       mapping goes; a block no endpoint holds goes.
@@ -263,6 +268,7 @@ class Index:
             "evicted_blocks": 0,
             "evicted_entries": 0,
             "cleared_endpoints": 0,
+            "reannounced_blocks": 0,
         }
 
     # -- validation -------------------------------------------------------------------------
@@ -384,7 +390,16 @@ class Index:
                 return False
             root = parent
         _, seq = hash_blocks(tokens, block_size, root, extra)
-        self.store(ep, tier, engine_hashes, seq)
+        held = 0
+        if parent_engine_hash is None:  # the re-announcement rule
+            while held < len(seq):
+                m = self._maps.get((ep, _u64(engine_hashes[held], "engine hash")))
+                if m is None or m.block != seq[held] or m.refs[tier] == 0:
+                    break
+                self._touch(seq[held])
+                held += 1
+            self.counters["reannounced_blocks"] += held
+        self.store(ep, tier, engine_hashes[held:], seq[held:])
         return True
 
     def store_tokens_many(

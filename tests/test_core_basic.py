@@ -459,3 +459,48 @@ def test_a_missing_dependency_is_not_reported_as_an_unbuilt_core():
     last = err.strip().splitlines()[-1]
     assert "kvplug needs 'numpy'" in last and sys.executable in last, last
     assert "not built" not in last
+
+
+def test_a_root_store_of_held_blocks_reannounces_them(be):
+    """vLLM's kv_cache_report_mode "full" sends a request's cache hits as a root store again
+    (parent None) but one removal per block when they go: the leading blocks the endpoint
+    already holds in that tier are not counted again, so one removal takes them out; the rest
+    of the store chains from them. A parented duplicate stays a refcounted copy."""
+    idx = be.Index()
+    toks = list(range(64))  # 4 blocks of 16
+    idx.store_tokens(1, 0, None, [11, 12, 13], toks[:48], 16)
+    seq = ints(be.hash_blocks(toks, 16)[1])
+    # the cache hits re-announced, plus one new block chained after them
+    assert idx.store_tokens(1, 0, None, [11, 12, 13, 14], toks, 16)
+    s = idx.stats()
+    assert s["reannounced_blocks"] == 3 and s["duplicate_stores"] == 0
+    assert idx.holdings(1) == {h: [1, 0, 0] for h in seq}
+    idx.remove(1, [11, 12, 13, 14], 0)  # one removal each: nothing left behind
+    assert idx.holdings(1) == {} and idx.stats()["blocks"] == 0
+    # another tier or another endpoint is a new holding, not a re-announcement
+    idx.store_tokens(1, 0, None, [11, 12], toks[:32], 16)
+    idx.store_tokens(1, 1, None, [11, 12], toks[:32], 16)
+    idx.store_tokens(2, 0, None, [11, 12], toks[:32], 16)
+    assert idx.holdings(1) == {seq[0]: [1, 1, 0], seq[1]: [1, 1, 0]}
+    assert idx.stats()["reannounced_blocks"] == 3
+    # only the leading held blocks: a store chained to a parent is a copy, refcounted
+    assert idx.store_tokens(1, 0, 11, [12], toks[16:32], 16)
+    assert idx.holdings(1)[seq[1]] == [2, 1, 0] and idx.stats()["duplicate_stores"] == 1
+    # a different block under a held engine hash is still a conflict, not a re-announcement
+    idx.store_tokens(1, 0, None, [11], list(range(100, 116)), 16)
+    assert idx.stats()["conflicting_stores"] == 1 and idx.stats()["reannounced_blocks"] == 3
+
+
+def test_reannouncement_agrees_with_the_reference_and_refreshes_the_lru():
+    """Bounded index: a re-announced block counts as used (the engine just hit it), so the
+    LRU keeps it over a block stored earlier and not used since; C and reference agree."""
+    c, r = load_backend("c").Index(max_entries=3), load_backend("reference").Index(max_entries=3)
+    a, b = list(range(16)), list(range(100, 116))
+    for idx in (c, r):
+        idx.store_tokens(1, 0, None, [1], a, 16)
+        idx.store_tokens(1, 0, None, [2], b, 16)
+        idx.store_tokens(1, 0, None, [1], a, 16)  # a re-announced: now the most recent
+        idx.store_tokens(2, 0, None, [3, 4], list(range(200, 232)), 16)  # evicts one block
+    assert c.holdings(1) == r.holdings(1)
+    assert list(c.holdings(1)) == [ints(load_backend("c").hash_blocks(a, 16)[1])[0]]
+    assert c.stats() == r.stats()

@@ -279,6 +279,26 @@ def test_real_vllm_engines_end_to_end(engines):
     assert d.worker_id == "B", d.explain()
 
     # ---- (c) evictions on B's 24-block cache, then a cache reset -----------------------------
+    # first pb1 again, as a client asking for vLLM's kv_cache_report_mode "full": its cache
+    # hits come as BlockStored events a second time (parent None), while their eviction below
+    # sends one BlockRemoved per block; counted twice they would stay indexed after it
+    b.post(
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": pb1,
+            "max_tokens": 1,
+            "temperature": 0,
+            "vllm_xargs": {"kv_cache_report_mode": "full"},
+        },
+    )
+
+    def reannounced() -> int:
+        with lock:
+            return router.index.core.stats()["reannounced_blocks"]
+
+    assert wait_for(lambda: reannounced() == len(want_b), 15), reannounced()
+    assert holdings("B") == want_b
     fillers = [prompt(rng, 200) for _ in range(4)]
     for p in fillers:
         b.complete(p)
@@ -300,6 +320,17 @@ def test_real_vllm_engines_end_to_end(engines):
     )
     assert removed > 0, "B's small cache should have evicted blocks"
     assert not want_b <= holdings("B"), "pb1's evicted blocks must have left the index"
+    evicted = {
+        int(h)
+        for e in sinks["B"].mirror.events
+        if type(e).__name__ == "BlockRemoved"
+        for h in e.engine_hashes
+    }
+    pb1_blocks = {
+        h: toks for h, toks in sinks["B"].prefix.items() if tuple(pb1[: len(toks)]) == toks
+    }
+    gone = {kv(list(toks))[-1] for h, toks in pb1_blocks.items() if h in evicted}
+    assert gone and not (gone & holdings("B")), "re-announced blocks must go at their removal"
     assert holdings("A") == want_a  # A untouched
 
     b.post("/reset_prefix_cache")

@@ -25,7 +25,8 @@ class Mirror:
     """What a consumer of the normalised events believes each (worker, rank) holds.
 
     Engine-hash multiset per (worker, rank), applied with the index's rules (refcounted
-    duplicates; unknown removes counted). Thread-safe: the subscriber calls it from its thread.
+    duplicates; a store from the root re-announcing blocks already held does not count them
+    again; unknown removes counted). Thread-safe: the subscriber calls it from its thread.
     """
 
     def __init__(self) -> None:
@@ -41,8 +42,12 @@ class Mirror:
                 key = (e.worker_id, e.dp_rank)
                 h = self.held.setdefault(key, {})
                 if isinstance(e, BlockStored):
-                    for x in e.engine_hashes:
-                        h[int(x)] = h.get(int(x), 0) + 1
+                    hashes = [int(x) for x in e.engine_hashes]
+                    if e.parent_engine_hash is None:  # re-announced leading blocks: held already
+                        while hashes and h.get(hashes[0], 0) > 0:
+                            hashes.pop(0)
+                    for x in hashes:
+                        h[x] = h.get(x, 0) + 1
                 elif isinstance(e, BlockRemoved):
                     for x in e.engine_hashes:
                         if h.get(int(x), 0) > 0:
