@@ -15,6 +15,7 @@ at once; the command line parsed from a namespace or argv.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import multiprocessing
 import os
@@ -472,3 +473,42 @@ async def test_etcd_mode_registers_for_replicas_and_drains_before_leaving(etcd_u
 
 async def _async_true(value: bool) -> bool:
     return value
+
+
+# vLLM 0.34.0's own cases (tests/v1/kv_connector/unit/test_multi_connector.py,
+# test_multi_connector_role_follows_children): MultiConnector's children decide whether the
+# engine loads KV (consumer) and saves it (producer); kvplug's role is the pair of the two
+@pytest.mark.parametrize(
+    ("top_role", "child_roles", "consumer", "producer"),
+    [
+        ("kv_producer", ["kv_producer", "kv_both"], True, True),
+        ("kv_producer", ["kv_producer", "kv_producer"], False, True),
+        ("kv_consumer", ["kv_consumer", "kv_both"], True, True),
+        ("kv_both", ["kv_producer"], False, True),
+    ],
+    ids=["loading-child", "pure-producers", "saving-child", "no-loading-child"],
+)
+def test_multiconnector_role_follows_its_children(top_role, child_roles, consumer, producer):
+    config = {
+        "kv_connector": "MultiConnector",
+        "kv_role": top_role,
+        "kv_connector_extra_config": {
+            "connectors": [{"kv_connector": "ExampleConnector", "kv_role": r} for r in child_roles]
+        },
+    }
+    want = {(True, True): "both", (False, True): "prefill", (True, False): "decode"}
+    role = want[(consumer, producer)]
+
+    class TransferConfig:  # as vLLM hands it: an object with these fields
+        kv_role = config["kv_role"]
+        kv_connector = config["kv_connector"]
+        kv_connector_extra_config = config["kv_connector_extra_config"]
+
+    from_ns = args_from_namespace(SimpleNamespace(port=1, kv_transfer_config=TransferConfig()))
+    from_argv = args_from_argv(["serve", "m", "--kv-transfer-config", json.dumps(config)])
+    view = EngineView()
+    for args in (from_ns, from_argv):
+        assert worker_entry("w", "http://h:1", args, view, {})["role"] == role
+    # without child roles (vLLM before 0.34 passed the top-level role down) the top one counts
+    bare = {**config, "kv_connector_extra_config": {"connectors": [{"kv_connector": "X"}]}}
+    assert args_from_argv(["--kv-transfer-config", json.dumps(bare)]).kv_role == top_role

@@ -151,9 +151,37 @@ def _as_dict(value: Any, names: tuple[str, ...] = ()) -> dict[str, Any] | None:
     return {k: getattr(value, k) for k in names if hasattr(value, k)}
 
 
+_PRODUCER_ROLES = ("kv_producer", "kv_both")  # vLLM's KVProducer
+_CONSUMER_ROLES = ("kv_consumer", "kv_both")  # vLLM's KVConsumer
+
+
+def transfer_role(transfer: dict[str, Any]) -> str | None:
+    """The engine's ``kv_role`` as vLLM decides it. With ``MultiConnector`` the child
+    connectors' roles decide (vLLM >= 0.34 does not pass the top-level role down to them:
+    ``KVTransferConfig._connector_roles``); the top-level one counts when no child names
+    one, as in earlier vLLM."""
+    role = transfer.get("kv_role")
+    if transfer.get("kv_connector") != "MultiConnector":
+        return role if isinstance(role, str) else None
+    extra = transfer.get("kv_connector_extra_config")
+    children = extra.get("connectors") if isinstance(extra, dict) else None
+    roles = [c.get("kv_role") for c in children or () if isinstance(c, dict)]
+    roles = [r for r in roles if isinstance(r, str)]
+    if not roles:
+        return role if isinstance(role, str) else None
+    producer = any(r in _PRODUCER_ROLES for r in roles)
+    consumer = any(r in _CONSUMER_ROLES for r in roles)
+    if producer and consumer:
+        return "kv_both"
+    return "kv_producer" if producer else "kv_consumer" if consumer else None
+
+
+_TRANSFER_FIELDS = ("kv_role", "kv_connector", "kv_connector_extra_config")
+
+
 def args_from_namespace(ns: Any) -> ServeArgs:
     """From the namespace vLLM's serve parser returns."""
-    transfer = _as_dict(getattr(ns, "kv_transfer_config", None), ("kv_role",)) or {}
+    transfer = _as_dict(getattr(ns, "kv_transfer_config", None), _TRANSFER_FIELDS) or {}
     events = _as_dict(getattr(ns, "kv_events_config", None), _EVENTS_FIELDS)
     batched = getattr(ns, "max_num_batched_tokens", None)
     return ServeArgs(
@@ -161,7 +189,7 @@ def args_from_namespace(ns: Any) -> ServeArgs:
         port=int(getattr(ns, "port", None) or 8000),
         uds=getattr(ns, "uds", None) or None,
         https=bool(getattr(ns, "ssl_keyfile", None)),
-        kv_role=transfer.get("kv_role"),
+        kv_role=transfer_role(transfer),
         events_config=events,
         data_parallel_size=int(getattr(ns, "data_parallel_size", None) or 1),
         data_parallel_rank=getattr(ns, "data_parallel_rank", None),
@@ -192,7 +220,7 @@ def args_from_argv(argv: list[str]) -> ServeArgs:
         port=int(values.get("port") or 8000),
         uds=values.get("uds") or None,
         https=bool(values.get("ssl-keyfile")),
-        kv_role=transfer.get("kv_role") or role,
+        kv_role=transfer_role(transfer) or role,
         events_config=_as_dict(values.get("kv-events-config")),
         data_parallel_size=int(values.get("data-parallel-size") or 1),
         max_num_batched_tokens=int(batched) if batched.isdigit() else None,
