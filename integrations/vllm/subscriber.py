@@ -854,8 +854,9 @@ class VllmSubscriber:
         if item.seq > st.expected:
             if st.replay_got and st.replay_resumes < MAX_REPLAY_RESUMES:
                 # Replies were dropped on the way (the engine's ROUTER drops past its send
-                # high-water mark, 1000 by default): the buffer had them a moment ago, so ask
-                # again from the first missing one. Each resume follows progress.
+                # high-water mark: 1000 to 0.32, 2 * (buffer_steps + 1) since): the buffer had
+                # them a moment ago, so ask again from the first missing one. Each resume
+                # follows progress.
                 st.replay_resumes += 1
                 s.replay_resumes += 1
                 self._close_replay(st)

@@ -121,7 +121,8 @@ class _ClearedA(_ClearedFields, tag="AllBlocksCleared", array_like=True):
 
 class _StoredM(_StoredFields, tag="BlockStored", tag_field="type"):
     session_id: str | None = None  # map form only
-    lookahead_token_ids: msgspec.Raw = msgspec.Raw()  # EAGLE only; not indexed
+    # EAGLE block-drop: not read; a match may credit the last block one too many (docs/vllm.md)
+    lookahead_token_ids: msgspec.Raw = msgspec.Raw()
 
 
 class _RemovedM(_RemovedFields, tag="BlockRemoved", tag_field="type"):
