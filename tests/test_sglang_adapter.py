@@ -8,6 +8,7 @@ import importlib.util
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -21,9 +22,10 @@ from kvplug.integrations.sglang.metrics import (
     page_size_from_server_info,
 )
 
+from kvplug.adapters import PDContext
 from kvplug.errors import ConfigError
 from kvplug.events import BlockStored
-from kvplug.workers import Worker
+from kvplug.workers import Role, Worker
 
 DATA = Path(__file__).parent / "data" / "sglang"
 _spec = importlib.util.spec_from_file_location("sglang_zmq_publisher", DATA / "zmq_publisher.py")
@@ -60,6 +62,100 @@ def test_loads_and_prometheus_give_the_same_attributes():
         attributes_from_prometheus("# nothing here\nother_metric 1\n")
 
 
+# the label names SGLang 0.5.23's SchedulerMetricsCollector.init_new gives every gauge, with
+# priority scheduling on and a DP engine
+COLLECTOR_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank", "priority")
+
+
+def sglang_collector_text(
+    per_rank: dict[int | None, dict[str, Any]], *, pp_size: int, tp_per_rank: int
+) -> str:
+    """``/metrics`` as SGLang's scheduler collectors write it (prometheus_client, as SGLang):
+    every scheduler of a DP rank emits (each pipeline stage; each TP rank with
+    --enable-metrics-for-all-schedulers), labelled tp/pp/moe_ep rank, ``dp_rank`` on a DP
+    engine; queue counts as ``_log_gauge_queue_count`` writes them: the total under
+    ``priority=""``, then ``priority="<n>"`` per priority. A later pipeline stage's figures
+    are made to differ (stage + 1) so that counting one is visible."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    registry = CollectorRegistry()
+    dp = next(iter(per_rank)) is not None
+    names = COLLECTOR_LABELS + (("dp_rank",) if dp else ())
+    gauges = {
+        name: Gauge(name, "doc", names, registry=registry)
+        for name in (
+            "sglang:num_running_reqs",
+            "sglang:num_queue_reqs",
+            "sglang:token_usage",
+            "sglang:num_used_tokens",
+            "sglang:cache_hit_rate",
+        )
+    }
+    for dp_rank, figures in per_rank.items():
+        for pp_rank in range(pp_size):
+            for tp in range(tp_per_rank):
+                tp_rank = (dp_rank or 0) * tp_per_rank + tp
+                labels = {
+                    "model_name": "qwen",
+                    "engine_type": "unified",
+                    "tp_rank": str(tp_rank),
+                    "pp_rank": str(pp_rank),
+                    "moe_ep_rank": str(tp_rank),
+                    "priority": "",
+                }
+                if dp:
+                    labels["dp_rank"] = str(dp_rank)
+                for name, value in figures.items():
+                    if isinstance(value, dict):  # a QueueCount: by priority
+                        gauges[name].labels(**labels).set(sum(value.values()) + pp_rank)
+                        for priority, count in value.items():
+                            gauges[name].labels(**{**labels, "priority": str(priority)}).set(count)
+                    else:
+                        gauges[name].labels(**labels).set(value + pp_rank)
+    return generate_latest(registry).decode()
+
+
+def test_prometheus_counts_each_dp_rank_once():
+    text = sglang_collector_text(
+        {
+            0: {
+                "sglang:num_running_reqs": {0: 1, 5: 2},
+                "sglang:num_queue_reqs": {0: 0, 5: 1},  # a known priority with none waiting
+                "sglang:token_usage": 0.25,
+                "sglang:num_used_tokens": 1000,
+                "sglang:cache_hit_rate": 0.5,
+            },
+            1: {
+                "sglang:num_running_reqs": {0: 5, 5: 0},
+                "sglang:num_queue_reqs": {0: 0, 5: 0},
+                "sglang:token_usage": 0.5,
+                "sglang:num_used_tokens": 2000,
+                "sglang:cache_hit_rate": 0.7,
+            },
+        },
+        pp_size=2,
+        tp_per_rank=2,
+    )
+    assert 'priority="5"' in text and 'pp_rank="1"' in text and 'dp_rank="1"' in text
+    assert attributes_from_prometheus(text) == {
+        "running_requests": 8.0,
+        "queue_depth": 1.0,
+        "kv_usage": 0.5,
+        "kv_used_tokens": 3000.0,
+        "prefix_cache_hit_rate": pytest.approx(0.6),
+    }
+    # no DP: one rank, its pipeline stages and TP ranks counted once
+    single = sglang_collector_text(
+        {None: {"sglang:num_running_reqs": {0: 3, 1: 4}, "sglang:num_queue_reqs": {0: 2}}},
+        pp_size=3,
+        tp_per_rank=4,
+    )
+    assert attributes_from_prometheus(single) == {"running_requests": 7.0, "queue_depth": 2.0}
+    # a breakdown without its total (not what SGLang writes): the priorities summed
+    no_total = 'sglang:num_running_reqs{priority="0"} 2\nsglang:num_running_reqs{priority="1"} 3\n'
+    assert attributes_from_prometheus(no_total) == {"running_requests": 5.0}
+
+
 def test_server_info_discovery():
     kv = kv_events_from_server_info(INFO, "http://10.0.0.7:30000")
     assert (kv.host, kv.port_base, kv.dp_size, kv.block_size, kv.topic) == (
@@ -88,10 +184,13 @@ class FakeSglang:
     """An SGLang HTTP server's discovery and load endpoints (``new``: ≥ 0.5.20 shapes; else a
     0.5.5-era server: ``/get_server_info`` without ``kv_events``, Prometheus only)."""
 
-    def __init__(self, port_base: int, *, new: bool = True, page_size: int = 4) -> None:
+    def __init__(
+        self, port_base: int, *, new: bool = True, page_size: int = 4, dp_size: int = 1
+    ) -> None:
         self.port_base = port_base
         self.new = new
         self.page_size = page_size
+        self.dp_size = dp_size
         self.runner = None
         self.url = ""
         self.loads_hits = 0
@@ -105,7 +204,7 @@ class FakeSglang:
             INFO["kv_events"],
             endpoint_port_base=self.port_base,
             block_size=self.page_size,
-            dp_size=1,
+            dp_size=self.dp_size,
             topic="kv",
         )
         info["kv_events"].pop("replay_endpoint_port_base")
@@ -312,3 +411,36 @@ async def test_pushed_load_channel_replaces_polling():
         await fake.stop()
         load_pub.close(0)
         ctx.destroy(linger=0)  # never hangs on a socket left open by a failed test
+
+
+@pytest.mark.parametrize(("registered", "engine", "rank"), [(1, 2, 0), (2, 4, 1)])
+async def test_dp_aware_rooms_follow_the_engines_ranks_when_registered_with_fewer(
+    registered, engine, rank, caplog
+):
+    """A prefill worker registered with fewer DP ranks than its engine runs (configured so,
+    or registered before its engine answered): the routed rank sent with dp_aware must still
+    be ``bootstrap_room % <engine ranks>``, or SGLang fails the prefill
+    (follow_bootstrap_room conflict)."""
+    fake = await FakeSglang(_free_base(engine), dp_size=engine).start()
+    adapter = SglangAdapter(load_period=60.0)
+    worker = Worker("p0", url=fake.url, engine="sglang", role=Role.PREFILL, dp_size=registered)
+
+    def ctx(dp_aware):
+        options = {"dp_aware": True} if dp_aware else {}
+        return PDContext("r", "/v1/completions", worker, rank, options)
+
+    body = {"model": "m", "prompt": [1, 2, 3]}
+    try:
+        await adapter.start_worker(worker, Sink("p0", 4))
+        for _ in range(50):
+            hop = adapter.prefill_request(body, ctx(True))
+            assert hop["routed_dp_rank"] == rank == hop["bootstrap_room"] % engine
+            assert hop["bootstrap_room"] % registered == rank
+        # no routed rank sent: the room alone picks the engine's rank, spread as before
+        rooms = {adapter.prefill_request(body, ctx(False))["bootstrap_room"] for _ in range(50)}
+        assert {r % registered for r in rooms} == {rank}
+        assert {r % engine for r in rooms} == {r for r in range(engine) if r % registered == rank}
+        assert f"the engine runs {engine} DP rank(s)" in caplog.text  # and says what to set
+    finally:
+        await adapter.close()
+        await fake.stop()

@@ -80,8 +80,9 @@ async def test_pd_request_through_the_launcher(tmp_path):
 @pytest.mark.timeout(120)
 async def test_an_sglang_router_command_line_runs_unchanged(tmp_path):
     """sglang-router's own flags (no --kv-block-size: the block size comes from the engine's
-    /server_info, SGLang's default page size 1), --api-key to the engines, metrics on
-    --prometheus-port, a log file in --log-dir."""
+    /server_info, SGLang's default page size 1), --api-key guarding kvplug's API as it guards
+    sglang-router's and sent to the engines, metrics on --prometheus-port, a log file in
+    --log-dir."""
     engine = StubEngine("w", block_size=1)
 
     async def server_info(request):
@@ -95,7 +96,7 @@ async def test_an_sglang_router_command_line_runs_unchanged(tmp_path):
     stderr = tmp_path / "stderr"
     # the command line of sglang_router.launch_router, plus kvplug's --admin-port
     argv = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", url]
-    argv += ["--policy", "cache_aware", "--api-key", "engine-key", "--log-level", "info"]
+    argv += ["--policy", "cache_aware", "--api-key", "the-key", "--log-level", "info"]
     argv += ["--log-dir", str(log_dir), "--prometheus-port", str(prom_port)]
     argv += ["--prometheus-host", "127.0.0.1", "--request-timeout-secs", "60"]
     argv += ["--max-concurrent-requests", "64", "--disable-circuit-breaker"]
@@ -113,13 +114,25 @@ async def test_an_sglang_router_command_line_runs_unchanged(tmp_path):
         await wait_ready_async(base + "/health", proc=proc, timeout=60, interval=0.1, log=stderr)
         async with aiohttp.ClientSession() as session:
             body = {"model": "stub-model", "prompt": [1, 2, 3, 4, 5], "max_tokens": 2}
-            async with session.post(base + "/v1/completions", json=body) as resp:
+            # sglang-router 0.3.2 and smg 1.13 answer 401 here without the key (run for real)
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                async with session.post(
+                    base + "/v1/completions", json=body, headers=headers
+                ) as resp:
+                    assert resp.status == 401, (headers, await resp.text())
+            async with session.get(base + "/v1/models") as resp:
+                assert resp.status == 401
+            async with session.get(base + "/health") as resp:
+                assert resp.status == 200  # probes stay open, as sglang-router's
+            auth = {"Authorization": "Bearer the-key"}
+            async with session.post(base + "/v1/completions", json=body, headers=auth) as resp:
                 assert resp.status == 200, (await resp.text(), stderr.read_text()[-3000:])
             async with session.get(f"http://127.0.0.1:{prom_port}/metrics") as resp:
                 metrics = await resp.text()
                 assert resp.status == 200 and "kvplug_" in metrics, metrics[:500]
         sent = [r for r in engine.requests if r["path"].endswith("/completions")]
-        assert sent and sent[-1]["headers"]["Authorization"] == "Bearer engine-key"
+        assert len(sent) == 1  # the refused requests never reached the engine
+        assert sent[0]["headers"]["Authorization"] == "Bearer the-key"
         logged = (log_dir / "kvplug-router.log").read_text()
         assert "block size 1" in logged, logged[-3000:]
         assert "--max-concurrent-requests" in logged and "--disable-circuit-breaker" in logged

@@ -9,15 +9,19 @@ import asyncio
 import functools
 import importlib
 import threading
+import time
 
 import pytest
 import yaml
 from aiohttp import web
 from kvplug.integrations.sglang.launch_router import (
+    apply_engine_dp_sizes,
     discover_block_size,
+    read_server_infos,
     start_metrics_relay,
     translate,
 )
+from kvplug.integrations.sglang.metrics import dp_ranks_from_server_info
 from kvplug.integrations.sglang.router_flags import IGNORED, MAPPED, all_flags
 
 from kvplug.cli import build_parser
@@ -144,7 +148,7 @@ def test_mapped_serving_flags(tmp_path):
             "--worker-urls",
             "http://a:1",
             "--api-key",
-            "engine-secret",
+            "the-secret",
             "--log-level",
             "warn",
             "--request-timeout-secs",
@@ -169,7 +173,8 @@ def test_mapped_serving_flags(tmp_path):
         ]
     )
     args, specs = _serve_ok(launch, tmp_path)
-    assert args.engine_api_key == "engine-secret" and args.api_key != "engine-secret"
+    # sglang-router and smg guard their own API with --api-key and send it to the workers
+    assert args.api_key == "the-secret" and args.engine_api_key == "the-secret"
     assert args.log_level == "warning"
     assert args.request_timeout == 30 and args.max_body_bytes == 1000 and args.retries == 0
     assert args.health_interval == 7 and args.health_timeout == 3
@@ -202,6 +207,28 @@ def test_mapped_serving_flags(tmp_path):
 def test_bad_values_are_refused(argv, match):
     with pytest.raises(ConfigError, match=match):
         translate(argv)
+
+
+@pytest.mark.parametrize(
+    "flavour",
+    [
+        ["--worker-urls", "http://a:1"],  # sglang-router 0.3.2
+        ["--worker-urls", "http://a:1", "--tenant-api-key", "t1:k1"],  # smg 1.13 only
+        ["--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1"],
+    ],
+    ids=["sglang-router", "smg", "pd"],
+)
+def test_api_key_guards_kvplug_and_goes_to_the_engines(flavour, tmp_path, monkeypatch):
+    monkeypatch.delenv("KVPLUG_ENGINE_API_KEY", raising=False)
+    args, _ = _serve_ok(translate(flavour + ["--api-key", "K"]), tmp_path)
+    assert args.api_key == "K" and args.engine_api_key == "K"
+    # kvplug serve's own --engine-api-key wins for the engines; the client side stays guarded
+    launch = translate(flavour + ["--api-key", "K", "--engine-api-key", "E"])
+    args, _ = _serve_ok(launch, tmp_path)
+    assert args.api_key == "K" and args.engine_api_key == "E" and launch.engine_api_key == "E"
+    plain = translate(flavour)  # no key given: none asked of clients or sent to engines
+    assert plain.engine_api_key is None and "--api-key" not in plain.serve
+    assert "--engine-api-key" not in plain.serve
 
 
 def test_explicit_kvplug_arguments_win():
@@ -287,11 +314,14 @@ def test_every_upstream_flag_is_mapped_or_accepted_with_a_reason(package, tmp_pa
 
 # -- the block size from the workers' /server_info -------------------------------------------
 class FakeSglang:
-    """``/server_info`` as SGLang answers it (server args echoed; ``kv_events`` on >= 0.5.20)."""
+    """``/server_info`` as SGLang answers it (server args echoed; ``kv_events`` on >= 0.5.20);
+    with ``api_key``, 401 without ``Authorization: Bearer <api_key>`` (SGLang's --api-key)."""
 
-    def __init__(self, info: dict | None, missing: bool = False) -> None:
+    def __init__(self, info: dict | None, missing: bool = False, api_key: str | None = None):
         self.info = info
         self.missing = missing
+        self.api_key = api_key
+        self.authorizations: list[str | None] = []
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
@@ -302,6 +332,11 @@ class FakeSglang:
         app = web.Application()
 
         async def server_info(request):
+            self.authorizations.append(request.headers.get("Authorization"))
+            if self.api_key is not None and (
+                request.headers.get("Authorization") != f"Bearer {self.api_key}"
+            ):
+                raise web.HTTPUnauthorized()
             if self.missing:
                 raise web.HTTPNotFound()
             return web.json_response(self.info)
@@ -349,6 +384,80 @@ def test_a_worker_without_server_info_leaves_kvplugs_default():
 def test_no_worker_up_times_out_with_a_clear_error():
     with pytest.raises(ConfigError, match="--worker-startup-timeout-secs"):
         discover_block_size([f"http://127.0.0.1:{free_port()}"], timeout=0.3, interval=0.1)
+
+
+# -- the DP ranks from the workers' /server_info ----------------------------------------------
+def test_dp_ranks_from_server_info():
+    kv = {"endpoint_port_base": 5557, "block_size": 16, "dp_size": 4}
+    assert dp_ranks_from_server_info({"dp_size": 2, "kv_events": kv}) == 4  # kv_events first
+    assert dp_ranks_from_server_info({"dp_size": 2}) == 2  # older builds, what smg reads
+    # 0.5.23: --dp-size 2 --enable-dp-attention resolves to attn_dp_size 2, dp_size 1
+    assert dp_ranks_from_server_info({"dp_size": 1, "attn_dp_size": 2}) == 2
+    assert dp_ranks_from_server_info({"dp_size": 2, "attn_dp_size": None}) == 2
+    for junk in ({}, {"dp_size": 0}, {"dp_size": "2"}, {"dp_size": True}, [], None):
+        assert dp_ranks_from_server_info(junk) is None
+
+
+def _pd_launch(prefill_url: str, decode_url: str, *extra: str):
+    return translate(
+        ["--pd-disaggregation", "--prefill", prefill_url, "--decode", decode_url]
+        + ["--kv-block-size", "16", *extra]
+    )
+
+
+def test_command_line_workers_get_the_engines_dp_size(tmp_path):
+    two = {"page_size": 16, "dp_size": 2}
+    with FakeSglang(two) as p, FakeSglang({"page_size": 16, "dp_size": 1}) as d:
+        launch = _pd_launch(p.url, d.url, "--dp-aware")
+        assert launch.dp_aware
+        infos = read_server_infos(launch.worker_urls, 20, 0.1, wait_for_all=True)
+        apply_engine_dp_sizes(launch, infos)
+    _, specs = _serve_ok(launch, tmp_path)
+    assert [(s.role, s.dp_size) for s in specs] == [("prefill", 2), ("decode", 1)]
+    assert specs[0].to_worker().dp_ranks == range(2)
+    with FakeSglang({"page_size": 16, "dp_size": 4096}) as w:
+        launch = translate(["--worker-urls", w.url])
+        with pytest.raises(ConfigError, match="at most 1024"):
+            apply_engine_dp_sizes(launch, read_server_infos([w.url], 20, 0.1))
+
+
+def test_dp_aware_waits_for_every_worker_and_the_others_take_one_pass():
+    early = FakeSglang({"page_size": 16, "dp_size": 2})
+    late = FakeSglang({"page_size": 16, "dp_size": 2})
+    urls = [early.url, late.url]
+    with early:
+        # no --dp-aware and a given block size: one look, nobody waited for
+        started = time.monotonic()
+        assert set(read_server_infos(urls, 20, 0.1, require_answer=False)) == {early.url}
+        assert time.monotonic() - started < 5
+        # the block size wanted: the first pass in which someone answered
+        assert set(read_server_infos(urls, 20, 0.1)) == {early.url}
+        # --dp-aware: every worker, the late one included
+        timer = threading.Timer(0.5, late.__enter__)
+        timer.start()
+        try:
+            infos = read_server_infos(urls, 20, 0.1, wait_for_all=True, require_answer=False)
+            assert set(infos) == {early.url, late.url}
+        finally:
+            timer.join()
+            late.__exit__()
+    # past the deadline: who answered; nobody is an error only when the block size is needed
+    gone = f"http://127.0.0.1:{free_port()}"
+    assert read_server_infos([gone], 0.3, 0.1, wait_for_all=True, require_answer=False) == {}
+    with pytest.raises(ConfigError, match="--worker-startup-timeout-secs"):
+        read_server_infos([gone], 0.3, 0.1, wait_for_all=True)
+
+
+def test_server_info_is_asked_with_the_engine_key():
+    with FakeSglang({"page_size": 16, "dp_size": 2}, api_key="K") as w:
+        assert read_server_infos([w.url], 20, 0.1, api_key="K")[w.url]["dp_size"] == 2
+        assert w.authorizations == ["Bearer K"]
+        # refused: at once, naming the flag, not after the whole startup timeout
+        for key, match in ((None, "give it with --api-key"), ("bad", "not the key")):
+            started = time.monotonic()
+            with pytest.raises(ConfigError, match=match):
+                read_server_infos([w.url], 600, 0.1, api_key=key)
+            assert time.monotonic() - started < 5
 
 
 def test_metrics_relay_serves_the_api_ports_metrics():

@@ -24,13 +24,17 @@ on both hops, which run **concurrently** (``PDStyle.CONCURRENT``). When the pref
 has several DP ranks the room is chosen ≡ the routed rank (mod ``dp_size``), because SGLang's
 prefill picks rank ``bootstrap_room % dp_size``; option ``dp_aware: true`` also sends
 ``routed_dp_rank`` on each hop (the rank within that worker) and, on the decode hop,
-``disagg_prefill_dp_rank`` (the prefill's rank).
+``disagg_prefill_dp_rank`` (the prefill's rank). A worker registered with another rank count
+than its engine reports is warned about (kvplug routes only the registered ranks); with
+``dp_aware`` its rooms are then drawn modulo the lcm of both counts, so that the
+``routed_dp_rank`` sent is still ``room % <engine ranks>``, which SGLang checks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -60,6 +64,7 @@ from .metrics import (
     attributes_from_loads,
     attributes_from_prometheus,
     decode_load_stat,
+    dp_ranks_from_server_info,
     kv_events_from_server_info,
     page_size_from_server_info,
     rank_capacity_tokens,
@@ -83,8 +88,12 @@ def bootstrap_room(rng: random.Random, prefill_rank: int = 0, prefill_dp_size: i
     return room
 
 
-def bootstrap_fields(ctx: PDContext, rng: random.Random) -> dict[str, Any]:
-    """The three fields both hops carry, made once per request (kept in ``ctx.scratch``)."""
+def bootstrap_fields(
+    ctx: PDContext, rng: random.Random, room_modulus: int | None = None
+) -> dict[str, Any]:
+    """The three fields both hops carry, made once per request (kept in ``ctx.scratch``).
+    The room is ≡ the routed prefill rank modulo ``room_modulus`` (default: the prefill
+    worker's ``dp_size``)."""
     if "sglang_bootstrap" not in ctx.scratch:
         host = urlsplit(ctx.prefill_worker.url or "").hostname
         if host is None:
@@ -97,7 +106,7 @@ def bootstrap_fields(ctx: PDContext, rng: random.Random) -> dict[str, Any]:
         ctx.scratch["sglang_bootstrap"] = {
             "bootstrap_host": host,
             "bootstrap_port": port,
-            "bootstrap_room": bootstrap_room(rng, rank, worker.dp_size),
+            "bootstrap_room": bootstrap_room(rng, rank, room_modulus or worker.dp_size),
         }
     return ctx.scratch["sglang_bootstrap"]
 
@@ -115,6 +124,7 @@ class _Run:
     pushed: dict[int, dict[str, int]] = field(default_factory=dict)
     bad_pushes: int = 0
     capacity_reported: int = 0  # KV blocks per rank last handed to the sink
+    engine_dp_ranks: int | None = None  # DP ranks the engine's /server_info reports
 
 
 class SglangAdapter(SglangHttpAdapter):
@@ -210,9 +220,24 @@ class SglangAdapter(SglangHttpAdapter):
         }
 
     # -- PD ------------------------------------------------------------------------------------
+    def _room_modulus(self, ctx: PDContext) -> int:
+        """What the room is drawn ≡ the routed prefill rank modulo: the worker's ``dp_size``;
+        with ``dp_aware`` and an engine reporting another rank count (a worker registered
+        before its engine answered, or configured otherwise), their lcm, so that
+        ``room % engine ranks`` is the ``routed_dp_rank`` sent too: SGLang fails a prefill
+        whose routed rank contradicts the room (``follow_bootstrap_room`` conflict)."""
+        worker = ctx.prefill_worker
+        if not ctx.prefill_options.get("dp_aware"):
+            return worker.dp_size  # no routed rank sent: SGLang follows the room alone
+        run = self._runs.get(worker.worker_id)
+        engine_ranks = run.engine_dp_ranks if run is not None else None
+        if engine_ranks is None or engine_ranks == worker.dp_size:
+            return worker.dp_size
+        return math.lcm(worker.dp_size, engine_ranks)
+
     def prefill_request(self, body: dict[str, Any], ctx: PDContext) -> dict[str, Any]:
         out = {k: v for k, v in body.items() if k != "nvext"}
-        out.update(bootstrap_fields(ctx, self.rng))
+        out.update(bootstrap_fields(ctx, self.rng, self._room_modulus(ctx)))
         if ctx.prefill_options.get("dp_aware"):
             # equal to bootstrap_room % dp_size by construction: SGLang >= 0.5.23 fails a
             # prefill whose routed rank contradicts the room (follow_bootstrap_room)
@@ -223,7 +248,7 @@ class SglangAdapter(SglangHttpAdapter):
         self, body: dict[str, Any], prefill_response: dict[str, Any] | None, ctx: PDContext
     ) -> dict[str, Any]:
         out = {k: v for k, v in body.items() if k != "nvext"}
-        out.update(bootstrap_fields(ctx, self.rng))
+        out.update(bootstrap_fields(ctx, self.rng, self._room_modulus(ctx)))
         if ctx.decode_options.get("dp_aware"):
             start = ctx.decode_worker.dp_start if ctx.decode_worker is not None else 0
             out["routed_dp_rank"] = ctx.decode_dp_rank - start
@@ -278,6 +303,20 @@ class SglangAdapter(SglangHttpAdapter):
                 f"hashes blocks of {sink.block_size}: start the router with --kv-block-size "
                 f"{page_size} or the engine with --page-size {sink.block_size}"
             )
+        run.engine_dp_ranks = ranks = dp_ranks_from_server_info(info)
+        if ranks is not None and ranks != worker.dp_size:
+            # the router's endpoints are the registered ranks: the others' events are dropped
+            # and no request is routed to them
+            log.warning(
+                "sglang worker %s: the engine runs %d DP rank(s) but the worker is registered "
+                "with dp_size %d: the router routes and indexes only those; set dp_size: %d "
+                "in its worker config (the SGLang launcher does this for the workers that "
+                "answer /server_info at start)",
+                wid,
+                ranks,
+                worker.dp_size,
+                ranks,
+            )
         deliver = filtered_sink(sink.apply_threadsafe)
         if worker.event_endpoint is not None:  # configured explicitly: it wins
             endpoint = worker.event_endpoint.replace("0.0.0.0", "*")  # SGLang binds it too
@@ -296,15 +335,6 @@ class SglangAdapter(SglangHttpAdapter):
                 block_size=page_size,
             )
         elif kv is not None:
-            if kv.dp_size != worker.dp_size:
-                log.warning(
-                    "sglang worker %s: engine reports dp_size %d, config says %d; "
-                    "subscribing to the engine's ranks, but the router only routes (and "
-                    "indexes) the configured ones: set dp_size in the worker config",
-                    wid,
-                    kv.dp_size,
-                    worker.dp_size,
-                )
             sources = sources_from_info(wid, kv, deliver, dp_start=worker.dp_start)
         else:
             log.warning(
@@ -344,6 +374,8 @@ class SglangAdapter(SglangHttpAdapter):
             ):
                 return False  # the pushed channel is live
             session = self._http()
+            asked_at = time.monotonic()
+            capacity = None
             if loads_url is not None:
                 async with session.get(loads_url) as resp:
                     if resp.status in (404, 405) and prom_url:
@@ -352,11 +384,15 @@ class SglangAdapter(SglangHttpAdapter):
                     resp.raise_for_status()
                     payload = await resp.json(content_type=None)
                     attrs = attributes_from_loads(payload)
-                    self._report_capacity(run, rank_capacity_tokens(payload["loads"]))
+                    capacity = rank_capacity_tokens(payload["loads"])
             else:
                 async with session.get(prom_url) as resp:
                     resp.raise_for_status()
                     attrs = attributes_from_prometheus(await resp.text())
+            if run.last_push_at is not None and run.last_push_at >= asked_at:
+                return False  # a pushed gauge arrived meanwhile: it is newer than this answer
+            if capacity is not None:
+                self._report_capacity(run, capacity)
             run.sink.set_attributes(attrs)
             run.last_load_at = time.monotonic()
             return False

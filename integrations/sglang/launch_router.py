@@ -13,14 +13,20 @@ Every flag of sglang-router 0.3.2 and smg 1.13 is accepted (``router_flags.py``)
 * ``--host``, ``--port``: the OpenAI API address; ``--worker-urls`` (aggregated workers),
   ``--pd-disaggregation`` with ``--prefill URL [BOOTSTRAP_PORT|none]`` (default port 8998,
   the prefill worker's ``bootstrap_port`` option) and ``--decode URL``; ``--dp-aware`` sends
-  ``routed_dp_rank`` on both hops;
-* ``--policy`` (``--prefill-policy``, ``--decode-policy``): ``kvplug`` and ``cache_aware`` (the
-  default) → kvplug's event-driven ``kv`` mode, also ``prefix_hash``; ``random``,
-  ``round_robin``, ``power_of_two``, ``least_load`` → kvplug's ``random``, ``round-robin``,
-  ``power-of-two``, ``least-loaded``; the rest → ``kv`` with a note. kvplug routes both PD
-  stages with one mode;
-* ``--api-key`` (sglang-router: "the api key used for the authorization with the worker") →
-  ``--engine-api-key``; ``--log-level`` (``warn`` → ``warning``); ``--log-dir`` (a
+  ``routed_dp_rank`` on both PD hops;
+* ``--policy`` (``--prefill-policy``, ``--decode-policy``): ``kvplug``, ``cache_aware`` (the
+  default) and ``prefix_hash`` → ``kvplug serve``'s default routing
+  (``RouterConfig.router_mode``, ``affinity``; ``--router-mode kv`` for the event-driven cost
+  alone); ``random``, ``round_robin``, ``power_of_two``, ``least_load`` → kvplug's ``random``,
+  ``round-robin``, ``power-of-two``, ``least-loaded``; the rest → the default with a note.
+  kvplug routes both PD stages with one mode;
+* ``--api-key``: both routers answer 401 on their serving routes (``/v1/...``,
+  ``/generate``) to a request without ``Authorization: Bearer KEY`` and send the key to the
+  workers (sglang-router 0.3.2 and smg 1.13, checked by running them), so it becomes
+  ``--api-key`` (clients must send it on ``/v1/*``, ``/v1/models`` too, which both leave open;
+  ``/health``, ``/ready``, ``/metrics`` stay open, as theirs) **and** ``--engine-api-key``
+  (sent to the engines, and to their ``/server_info`` here); an explicit ``--engine-api-key``
+  wins for the engines; ``--log-level`` (``warn`` → ``warning``); ``--log-dir`` (a
   ``kvplug-router.log`` there as well as stderr); ``--request-timeout-secs`` →
   ``--request-timeout``; ``--max-payload-size`` → ``--max-body-bytes``; ``--disable-retries``
   → ``--retries 0``, ``--retry-max-retries N`` → ``--retries N``;
@@ -34,7 +40,14 @@ Every flag of sglang-router 0.3.2 and smg 1.13 is accepted (``router_flags.py``)
 * block size: without ``--kv-block-size`` (or ``--block-size``) the launcher reads the workers'
   page size from ``GET /server_info`` (``kv_events.block_size``, else ``page_size``; SGLang's
   default is 1), waiting up to ``--worker-startup-timeout-secs`` and asking every
-  ``--worker-startup-check-interval`` seconds (default 1 here) until a worker answers.
+  ``--worker-startup-check-interval`` seconds (default 1 here) until a worker answers;
+* DP ranks: a router command line gives none, so every worker that answered ``/server_info``
+  gets the DP rank count its engine reports (``kv_events.dp_size``, else ``dp_size`` ×
+  ``attn_dp_size``) as its ``dp_size``: each rank is routed, indexed and loaded on its own,
+  and PD rooms are drawn ≡ the rank. kvplug cannot add ranks to a registered worker, so with
+  ``--dp-aware`` the launcher waits (up to the same timeout) for every worker's answer; without
+  it, the workers that answered in the pass that found the block size (one pass when
+  ``--kv-block-size`` is given) are sized and the others keep one rank.
 
 Everything else of the two routers is accepted and has no effect under kvplug; the launcher
 logs each such flag once with the reason. Arguments neither router knows go to ``kvplug
@@ -61,8 +74,13 @@ from typing import Any
 import yaml
 
 from kvplug import ConfigError, RouterConfig
+from kvplug.frontend.config import MAX_DP_SIZE
 
-from .metrics import kv_events_from_server_info, page_size_from_server_info
+from .metrics import (
+    dp_ranks_from_server_info,
+    kv_events_from_server_info,
+    page_size_from_server_info,
+)
 from .router_flags import (
     ANY,
     BOOL,
@@ -150,10 +168,12 @@ class Launch:
     api_port: int = 30000
     startup_timeout: float = 1800.0
     startup_interval: float = 1.0
+    dp_aware: bool = False  # some worker's hops carry routed_dp_rank
+    engine_api_key: str | None = None  # sent to the workers' /server_info too
 
     @property
     def worker_urls(self) -> list[str]:
-        return [w["url"] for w in self.workers["workers"]]
+        return list(dict.fromkeys(w["url"] for w in self.workers["workers"]))
 
 
 def _int(value: str, flag: str) -> int:
@@ -233,6 +253,9 @@ def _serving_flags(args: argparse.Namespace, rest: list[str], notes: list[str]) 
             out.extend([flag, *values])
 
     if args.api_key:
+        # both routers guard their own serving routes with it (401 without the bearer) and
+        # send it to the workers: kvplug does both
+        put("--api-key", args.api_key)
         put("--engine-api-key", args.api_key)
     if args.request_timeout_secs is not None:
         put("--request-timeout", str(_int(args.request_timeout_secs, "--request-timeout-secs")))
@@ -311,6 +334,11 @@ def translate(argv: list[str]) -> Launch:
         prometheus=prometheus,
         api_host="127.0.0.1" if host in ("0.0.0.0", "::", "") else host,
         api_port=port,
+        # the PD hops are what carry routed_dp_rank (the adapter's dp_aware option)
+        dp_aware=any(w.get("options", {}).get("dp_aware") for w in workers),
+        engine_api_key=_serve_value(serve + rest, "--engine-api-key")
+        or os.environ.get("KVPLUG_ENGINE_API_KEY")
+        or None,
     )
     if args.worker_startup_timeout_secs is not None:
         launch.startup_timeout = float(
@@ -323,54 +351,136 @@ def translate(argv: list[str]) -> Launch:
     return launch
 
 
-# -- the block size from the workers ---------------------------------------------------------
-def _server_info(url: str, timeout: float) -> dict[str, Any] | None:
-    """``/server_info`` (``/get_server_info`` on old builds), None if the worker is not up."""
+def _serve_value(argv: list[str], flag: str) -> str | None:
+    """The last value of ``flag`` in a kvplug serve argv (``FLAG V`` or ``FLAG=V``)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
+# -- what the workers say in /server_info: page size, DP ranks -------------------------------
+def _server_info(url: str, timeout: float, api_key: str | None = None) -> dict[str, Any] | None:
+    """``/server_info`` (``/get_server_info`` on old builds), None if the worker is not up.
+    ``api_key``: an engine started with ``--api-key`` guards ``/server_info`` with it."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     for path in ("/server_info", "/get_server_info"):
         try:
-            with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout) as resp:
+            request = urllib.request.Request(url.rstrip("/") + path, headers=headers)
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
                 info = json.loads(resp.read())
                 return info if isinstance(info, dict) else {}
         except urllib.error.HTTPError as exc:
             if exc.code == 404:
                 continue
+            if exc.code in (401, 403):  # up, and refusing: waiting will not help
+                raise ConfigError(
+                    f"worker {url} answered {path} with HTTP {exc.code}: "
+                    + (
+                        "--api-key is not the key it was started with"
+                        if api_key
+                        else "it needs its key: give it with --api-key"
+                    )
+                ) from None
             return None
         except (OSError, ValueError):
             return None
     return {}  # up, but neither path exists: not an SGLang server
 
 
-def discover_block_size(urls: list[str], timeout: float, interval: float) -> int | None:
-    """The page size the workers publish KV events with; None if the workers that answered
-    do not say (kvplug's default applies). Waits up to ``timeout`` for a first answer."""
+def read_server_infos(
+    urls: list[str],
+    timeout: float,
+    interval: float,
+    *,
+    wait_for_all: bool = False,
+    require_answer: bool = True,
+    api_key: str | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The ``/server_info`` of the workers that answer, by URL (``{}`` for a server without
+    one). Asks every ``interval`` seconds until ``timeout``: until a first pass in which some
+    worker answered, or (``wait_for_all``) until every worker has. Without either need
+    (``require_answer`` false, ``wait_for_all`` false) one pass. Nobody answering by the
+    deadline is a ``ConfigError`` when ``require_answer``."""
     deadline = time.monotonic() + timeout
+    infos: dict[str, dict[str, Any]] = {}
+    pending = list(dict.fromkeys(urls))
     while True:
-        sizes: dict[str, int | None] = {}
-        for url in urls:
-            info = _server_info(url, min(5.0, max(timeout, 0.1)))
-            if info is None:
-                continue
-            kv = kv_events_from_server_info(info, url)
-            sizes[url] = kv.block_size if kv is not None else page_size_from_server_info(info)
-        if sizes:
-            known = {u: s for u, s in sizes.items() if s is not None}
-            if len(set(known.values())) > 1:
-                raise ConfigError(
-                    "the workers publish KV events at different page sizes: "
-                    + ", ".join(f"{u}={s}" for u, s in known.items())
-                )
-            if not known:
-                return None
-            url, size = next(iter(known.items()))
-            log.info("block size %d: the page size %s reports in /server_info", size, url)
-            return size
+        for url in pending:
+            info = _server_info(url, min(5.0, max(timeout, 0.1)), api_key)
+            if info is not None:
+                infos[url] = info
+        pending = [u for u in pending if u not in infos]
+        if not pending or (infos and not wait_for_all):
+            return infos  # everyone, or the first answers when that is all that is wanted
+        if not wait_for_all and not require_answer:
+            return infos  # nothing to wait for: one look
         if time.monotonic() >= deadline:
+            if infos or not require_answer:
+                return infos
             raise ConfigError(
                 f"no worker answered /server_info within {timeout:g} s "
                 "(--worker-startup-timeout-secs): start the workers, or give the page size "
                 "with --kv-block-size"
             )
         time.sleep(interval)
+
+
+def block_size_from_infos(infos: dict[str, dict[str, Any]]) -> int | None:
+    """The page size the workers publish KV events with; None if none of them says
+    (kvplug's default applies). Workers that disagree are a ``ConfigError``."""
+    sizes: dict[str, int | None] = {}
+    for url, info in infos.items():
+        kv = kv_events_from_server_info(info, url)
+        sizes[url] = kv.block_size if kv is not None else page_size_from_server_info(info)
+    known = {u: s for u, s in sizes.items() if s is not None}
+    if len(set(known.values())) > 1:
+        raise ConfigError(
+            "the workers publish KV events at different page sizes: "
+            + ", ".join(f"{u}={s}" for u, s in known.items())
+        )
+    if not known:
+        return None
+    url, size = next(iter(known.items()))
+    log.info("block size %d: the page size %s reports in /server_info", size, url)
+    return size
+
+
+def discover_block_size(urls: list[str], timeout: float, interval: float) -> int | None:
+    """The page size the workers publish KV events with; None if the workers that answered
+    do not say (kvplug's default applies). Waits up to ``timeout`` for a first answer."""
+    return block_size_from_infos(read_server_infos(urls, timeout, interval))
+
+
+def apply_engine_dp_sizes(launch: Launch, infos: dict[str, dict[str, Any]]) -> None:
+    """Give every command-line worker the DP rank count its engine reports (none is given on
+    a router command line: smg reads it from ``/server_info`` too), so that each rank is an
+    endpoint of its own (events, load, routing) and PD rooms steer ranks. kvplug cannot change
+    a registered worker's ranks later: a worker that has not answered keeps one rank."""
+    for entry in launch.workers["workers"]:
+        url = entry["url"]
+        if url not in infos:
+            if entry.get("options", {}).get("dp_aware"):
+                log.warning(
+                    "worker %s did not answer /server_info in time: registered with one DP "
+                    "rank, so --dp-aware routes it all to rank 0; restart the launcher once "
+                    "it is up to use all its ranks",
+                    url,
+                )
+            continue
+        ranks = dp_ranks_from_server_info(infos[url])
+        if ranks is None or ranks == 1:
+            continue
+        if ranks > MAX_DP_SIZE:
+            raise ConfigError(
+                f"worker {url}: /server_info reports {ranks} DP ranks, kvplug routes at most "
+                f"{MAX_DP_SIZE} per worker"
+            )
+        entry["dp_size"] = ranks
+        log.info("worker %s: %d DP ranks (its /server_info)", url, ranks)
 
 
 # -- --prometheus-port -----------------------------------------------------------------------
@@ -427,12 +537,23 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging(launch)
         for note in launch.notes:
             log.info("%s", note)
-        if "--kv-block-size" not in launch.serve and launch.worker_urls:
-            size = discover_block_size(
-                launch.worker_urls, launch.startup_timeout, launch.startup_interval
+        if launch.worker_urls:
+            need_block_size = _serve_value(launch.serve, "--kv-block-size") is None
+            # --dp-aware sends each request's rank to the engine: a worker registered with too
+            # few ranks would get everything on rank 0, so every worker's count is awaited
+            infos = read_server_infos(
+                launch.worker_urls,
+                launch.startup_timeout,
+                launch.startup_interval,
+                wait_for_all=launch.dp_aware,
+                require_answer=need_block_size,
+                api_key=launch.engine_api_key,
             )
-            if size is not None:
-                launch.serve += ["--kv-block-size", str(size)]
+            if need_block_size:
+                size = block_size_from_infos(infos)
+                if size is not None:
+                    launch.serve += ["--kv-block-size", str(size)]
+            apply_engine_dp_sizes(launch, infos)
         if launch.prometheus is not None:
             host, port = launch.prometheus
             start_metrics_relay(host, port, f"http://{launch.api_host}:{launch.api_port}/metrics")

@@ -12,12 +12,14 @@ Attributes (the names the router's filters and scorers read):
 =====================  ========================================================================
 
 Sources, best first: ``GET /v1/loads?include=core`` (≥ 0.5.15, per DP rank), else the
-Prometheus ``GET /metrics`` (``--enable-metrics``; ``sglang:*`` gauges, labelled per rank on DP
-engines).
+Prometheus ``GET /metrics`` (``--enable-metrics``; ``sglang:*`` gauges, labelled ``dp_rank`` on
+DP engines; each DP rank counted once: its first pipeline stage's and TP rank's sample, the
+``priority=""`` total of the queue counts under priority scheduling).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -79,9 +81,55 @@ _PROM = {
 }
 
 
+# Labels of SGLang's scheduler gauges (observability/metrics_collector.py) that do not tell DP
+# ranks apart: every pipeline stage's scheduler (and with --enable-metrics-for-all-schedulers
+# every TP rank's) reports the same rank's figures, and queue counts add one sample per
+# priority to the total, which is the one with priority="" (priority scheduling)
+_SCHEDULER_LABELS = ("pp_rank", "tp_rank", "moe_ep_rank")
+_PRIORITY = "priority"
+
+
+def _scheduler(sample: Any) -> tuple[float, ...]:
+    """Which scheduler of its DP rank emitted the sample, lowest first (absent label: 0; a
+    value that is not a rank number sorts last)."""
+    ranks: list[float] = []
+    for label in _SCHEDULER_LABELS:
+        value = sample.labels.get(label)
+        if value is None:
+            ranks.append(0)
+        else:  # isascii: "²".isdigit() holds but int() refuses it
+            ranks.append(int(value) if value.isascii() and value.isdigit() else math.inf)
+    return tuple(ranks)
+
+
+def _one_per_dp_rank(samples: list[Any]) -> list[float]:
+    """One value per DP rank: the samples are grouped by their labels other than the
+    scheduler's and the priority (``dp_rank``, model, engine type...); in a group, the first
+    pipeline stage's first scheduler, its ``priority=""`` total when it has per-priority
+    samples (their sum if the total is missing)."""
+    groups: dict[tuple, list[Any]] = {}
+    for sample in samples:
+        key = tuple(
+            sorted(
+                (k, v)
+                for k, v in sample.labels.items()
+                if k != _PRIORITY and k not in _SCHEDULER_LABELS
+            )
+        )
+        groups.setdefault(key, []).append(sample)
+    values = []
+    for group in groups.values():
+        first = min(_scheduler(s) for s in group)
+        own = [s for s in group if _scheduler(s) == first]
+        totals = [s for s in own if not s.labels.get(_PRIORITY)]
+        values.append(float(totals[0].value) if totals else sum(float(s.value) for s in own))
+    return values
+
+
 def attributes_from_prometheus(text: str) -> dict[str, float]:
-    """SGLang's Prometheus text → attributes (samples of one metric combined over ranks)."""
-    values: dict[str, list[float]] = {}
+    """SGLang's Prometheus text → attributes: per metric one value per DP rank
+    (``_one_per_dp_rank``), combined over the ranks."""
+    samples: dict[str, list[Any]] = {}
     try:
         families = list(text_string_to_metric_families(text))
     except ValueError as exc:
@@ -89,7 +137,8 @@ def attributes_from_prometheus(text: str) -> dict[str, float]:
     for fam in families:
         for sample in fam.samples:
             if sample.name in _PROM:
-                values.setdefault(sample.name, []).append(float(sample.value))
+                samples.setdefault(sample.name, []).append(sample)
+    values = {name: _one_per_dp_rank(group) for name, group in samples.items()}
     out: dict[str, float] = {}
     for name, vals in values.items():
         dst, how = _PROM[name]
@@ -239,6 +288,31 @@ def attributes_from_load_stats(per_rank: dict[int, dict[str, int]]) -> dict[str,
     if usage:
         out["kv_usage"] = max(usage)
     return out
+
+
+def _positive_int(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def dp_ranks_from_server_info(info: Any) -> int | None:
+    """How many DP ranks (each with its own KV cache and scheduler) the engine runs, from
+    ``/server_info``; None when it does not say.
+
+    ``kv_events.dp_size`` first (≥ 0.5.20; SGLang: "it counts DP ranks"), else the echoed
+    server args: ``dp_size × attn_dp_size`` (0.5.23 moved attention DP out of ``dp_size``,
+    ``num_dp_ranks_of``), ``dp_size`` alone on older builds (what smg's ``--dp-aware`` reads).
+    """
+    if not isinstance(info, dict):
+        return None
+    kv = info.get("kv_events")
+    if isinstance(kv, dict) and (ranks := _positive_int(kv.get("dp_size"))) is not None:
+        return ranks
+    ranks = _positive_int(info.get("dp_size"))
+    if ranks is None:
+        return None
+    return ranks * (_positive_int(info.get("attn_dp_size")) or 1)
 
 
 def page_size_from_server_info(info: Any) -> int | None:

@@ -1,0 +1,108 @@
+"""The DP ranks of command-line workers: an sglang-router command line never gives a dp_size,
+the engine's ``/server_info`` does. Through the launcher (a real ``kvplug serve`` process) in
+front of PD stub engines that report two DP ranks, requests reach both ranks and every
+prefill's ``bootstrap_room % 2`` is the rank it was routed to, as SGLang's prefill checks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvplug.frontend.stub_engine import StubEngine, TransferBoard
+from kvplug.testing import free_ports, stop_process, wait_ready_async
+
+ROOT = Path(__file__).resolve().parent.parent
+DP_RANKS = 2
+REQUESTS = 32  # random routing: all on one rank by chance has p = 2 ** -31 per stage
+
+
+def _sglang_dp_engine(name: str, role: str, board: TransferBoard) -> StubEngine:
+    """A PD stub answering ``/server_info`` as a ``--dp-size 2`` SGLang server (no KV events),
+    whose prefill side refuses what SGLang 0.5.23's refuses: a ``routed_dp_rank`` other than
+    ``bootstrap_room % dp_size`` (``follow_bootstrap_room conflict``, disaggregation/common)."""
+    engine = StubEngine(name, role=role, pd="sglang", board=board, block_size=16)
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response({"page_size": 16, "dp_size": DP_RANKS, "model_path": "m"})
+
+    @web.middleware
+    async def follow_bootstrap_room(request: web.Request, handler):
+        if role == "prefill" and request.path.endswith("/completions"):
+            body = await request.json()
+            routed, room = body.get("routed_dp_rank"), body.get("bootstrap_room")
+            if routed is not None and isinstance(room, int) and routed != room % DP_RANKS:
+                return web.json_response(
+                    {"error": f"follow_bootstrap_room conflict: {routed} != {room} % 2"},
+                    status=500,
+                )
+        return await handler(request)
+
+    engine.app.router.add_get("/server_info", server_info)
+    engine.app.middlewares.append(follow_bootstrap_room)
+    return engine
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dp_aware", [True, False], ids=["dp-aware", "rooms-only"])
+async def test_engine_reported_dp_size_spreads_requests_over_the_ranks(dp_aware, tmp_path):
+    board = TransferBoard()
+    prefill = _sglang_dp_engine("p", "prefill", board)
+    decode = _sglang_dp_engine("d", "decode", board)
+    p_url, d_url = await prefill.start(), await decode.start()
+    port, admin_port = free_ports(2)
+    stderr = tmp_path / "stderr"
+    # an sglang-router command line: no dp_size anywhere, no block size either
+    argv = ["--host", "127.0.0.1", "--port", str(port), "--pd-disaggregation"]
+    argv += ["--prefill", p_url, "none", "--decode", d_url, "--policy", "random"]
+    argv += ["--worker-startup-timeout-secs", "30", "--admin-port", str(admin_port)]
+    if dp_aware:
+        argv.append("--dp-aware")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvplug.integrations.sglang.launch_router", *argv],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.DEVNULL,
+        stderr=open(stderr, "w"),
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        await wait_ready_async(base + "/health", proc=proc, timeout=60, interval=0.1, log=stderr)
+        prefill_ranks, decode_ranks = [], []  # kvplug's picks, request by request
+        async with aiohttp.ClientSession() as session:
+            for i in range(REQUESTS):
+                body = {"model": "stub-model", "prompt": f"request {i} " * 8, "max_tokens": 2}
+                async with session.post(base + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, (await resp.text(), stderr.read_text()[-3000:])
+                    decode_ranks.append(int(resp.headers["x-kvplug-dp-rank"]))
+                    prefill_decision = resp.headers["x-kvplug-prefill-decision-id"]
+                async with session.get(f"{base}/kvplug/decisions/{prefill_decision}") as resp:
+                    assert resp.status == 200, await resp.text()
+                    prefill_ranks.append((await resp.json())["dp_rank"])
+        # both ranks of both engines are routed to
+        assert set(prefill_ranks) == set(decode_ranks) == set(range(DP_RANKS))
+        p_hops = [r["body"] for r in prefill.requests if r["path"].endswith("/completions")]
+        d_hops = [r["body"] for r in decode.requests if r["path"].endswith("/completions")]
+        assert len(p_hops) == len(d_hops) == REQUESTS
+        for rank, hop in zip(prefill_ranks, p_hops, strict=True):
+            # SGLang's prefill serves rank room % dp_size: the one kvplug routed to
+            assert hop["bootstrap_room"] % DP_RANKS == rank
+            assert hop.get("routed_dp_rank") == (rank if dp_aware else None)
+        for p_rank, d_rank, hop in zip(prefill_ranks, decode_ranks, d_hops, strict=True):
+            assert hop.get("routed_dp_rank") == (d_rank if dp_aware else None)
+            # with dp_aware the decode is told which prefill rank holds the KV
+            assert hop.get("disagg_prefill_dp_rank") == (p_rank if dp_aware else None)
+        assert board.pulled == REQUESTS
+        logged = stderr.read_text()
+        assert f"{p_url}: {DP_RANKS} DP ranks" in logged, logged[-3000:]
+        assert "registered with dp_size 1" not in logged  # the adapter's mismatch warning
+    finally:
+        stop_process(proc, timeout=10, sig=signal.SIGTERM)
+        await prefill.stop()
+        await decode.stop()
