@@ -189,3 +189,24 @@ async def test_a_both_role_worker_decodes_its_own_prefill_only_as_a_last_resort(
         assert resp.headers["x-kvplug-worker"] == "x"
         assert h.board.pulled == 5
         h.assert_idle()
+
+
+async def test_multi_rank_prefill_and_decode_workers_are_told_their_rank():
+    """Both hops name the rank kvplug chose behind a multi-rank worker's URL
+    (``X-Data-Parallel-Rank``, as for an aggregated request), each its own worker's."""
+    workers = [
+        {"id": "p0", "role": "prefill", "dp_size": 2},
+        {"id": "d0", "role": "decode", "dp_start": 2, "dp_size": 2},
+    ]
+    async with serving(workers) as h:
+        for i in range(4):
+            resp, raw = await h.complete(prompt(5 + i, 1), max_tokens=3)
+            assert resp.status == 200, raw
+            pre_trace = await h.trace(resp.headers["x-kvplug-prefill-decision-id"])
+            pre = h.engines["p0"].requests[-1]["headers"]
+            assert pre.getall("X-Data-Parallel-Rank") == [str(pre_trace["dp_rank"])]
+            dec = h.engines["d0"].requests[-1]["headers"]
+            assert dec.getall("X-Data-Parallel-Rank") == [
+                str(int(resp.headers["x-kvplug-dp-rank"]) - 2)
+            ]
+        h.assert_idle()

@@ -683,3 +683,27 @@ async def test_long_text_prompts_use_the_prefix_tokenization_cache(tmp_path):
     assert 'kvplug_router_stat{stat="tokenizer_cache.enabled"} 1.0' in text
     hits = next(ln for ln in text.splitlines() if 'stat="tokenizer_cache.chunk_hits"' in ln)
     assert float(hits.split()[-1]) > 0
+
+
+@pytest.mark.parametrize("data_path", ["python", "native"])
+async def test_a_multi_rank_worker_is_told_the_rank_kvplug_chose(data_path):
+    """A worker whose URL serves several DP ranks (vLLM's internal or hybrid load balancing,
+    SGLang with DP) gets ``X-Data-Parallel-Rank``: the rank's index behind that URL, which
+    vLLM 0.32 and SGLang 0.5.23 serve the request on. One-rank workers get no such header."""
+    settings = ServeSettings(health_interval=0.2, health_timeout=5.0, data_path=data_path)
+    async with serving([{"id": "w1", "dp_start": 4, "dp_size": 2}], settings=settings) as h:
+        ranks = set()
+        for i in range(6):  # plain requests: the native lane forwards these itself
+            resp, _ = await h.complete(prompt(3 + i, 13))
+            assert resp.status == 200
+            rank = int(resp.headers["x-kvplug-dp-rank"])
+            ranks.add(rank)
+            seen = h.engines["w1"].requests[-1]["headers"]
+            assert seen.getall("X-Data-Parallel-Rank") == [str(rank - 4)]
+        assert ranks == {4, 5}  # both ranks were chosen, and each named as such
+        if data_path == "native":
+            assert h.running.native.lane.stats()["served"] >= 6
+        h.assert_idle()
+    async with serving(1, settings=settings) as h:
+        resp, _ = await h.complete(prompt(3, 14))
+        assert "X-Data-Parallel-Rank" not in h.engines["w0"].requests[-1]["headers"]

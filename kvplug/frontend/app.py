@@ -51,7 +51,7 @@ from kvplug.frontend.bodies import read_body
 from kvplug.frontend.context import RequestContext, Routed
 from kvplug.frontend.decisions import DecisionRecord, DecisionStore
 from kvplug.frontend.errors import ApiError, bad_request
-from kvplug.frontend.fleet import Fleet, WorkerEntry
+from kvplug.frontend.fleet import RANK_HEADER, Fleet, WorkerEntry
 from kvplug.frontend.health import HealthProber
 from kvplug.frontend.hints import NO_HINTS as NO_CLIENT_HINTS
 from kvplug.frontend.hints import ClientHints, RequestHints, check_hint_targets
@@ -699,6 +699,9 @@ class Frontend:
         entry = routed.entry
         url = entry.url_base + ctx.req.path
         hop_headers = {**ctx.forward, **headers}
+        rank = entry.rank_on_url(routed.decision.dp_rank)  # as open_upstream sends it
+        if rank is not None:
+            hop_headers[RANK_HEADER] = str(rank)
         entry.inflight += 1
         started = time.perf_counter()
         try:
@@ -881,8 +884,10 @@ class Frontend:
                 routed.decision.conditional_disagg = plan.conditional.to_dict()
             entry = routed.entry
             entry.inflight += 1
+            rank = entry.rank_on_url(routed.decision.dp_rank)
+            headers = hop_headers if rank is None else {**hop_headers, RANK_HEADER: str(rank)}
             try:
-                upstream, first = await self._open_attempt(ctx, entry, body, hop_headers)
+                upstream, first = await self._open_attempt(ctx, entry, body, headers)
             except UpstreamUnavailable as exc:
                 self.attempt_failed(routed, stage, exc, exclude, failures, attempt + 1 < attempts)
                 continue

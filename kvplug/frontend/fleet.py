@@ -20,6 +20,9 @@ from kvplug.frontend.config import WorkerSpec
 
 log = logging.getLogger(__name__)
 
+# the request header vLLM and SGLang read a data-parallel rank from (WorkerEntry.rank_on_url)
+RANK_HEADER = "X-Data-Parallel-Rank"
+
 
 def _size(n: int) -> str:
     return str(n) if n else "unknown"  # 0 is "not known", not "none"
@@ -162,6 +165,15 @@ class WorkerEntry:
     def models(self, names: Iterable[str]) -> None:
         self._models = frozenset(names)
         _ViewEpoch.bump()
+
+    def rank_on_url(self, dp_rank: int) -> int | None:
+        """What ``X-Data-Parallel-Rank`` names for a request routed to ``dp_rank``: its index
+        among the ranks behind the worker's URL, or None for a one-rank worker. vLLM 0.32
+        (``_get_data_parallel_rank``: the index into the engines that API server manages) and
+        SGLang 0.5.23 (``extract_routed_dp_rank_from_header``) then serve it on the rank
+        kvplug chose; without it their own balancer picks, and the rank whose cache kvplug
+        counted and whose load it books may not be the one that runs it."""
+        return dp_rank - self.spec.dp_start if self.spec.dp_size > 1 else None
 
     @property
     def draining(self) -> bool:

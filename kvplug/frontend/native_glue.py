@@ -45,6 +45,7 @@ from kvplug.frontend.app import Frontend
 from kvplug.frontend.context import RequestContext
 from kvplug.frontend.engine_http import header_lines, request_target
 from kvplug.frontend.errors import ApiError
+from kvplug.frontend.fleet import RANK_HEADER
 from kvplug.frontend.hints import NO_HINTS
 from kvplug.frontend.parsing import (
     CHAT,
@@ -369,10 +370,12 @@ class NativeGlue:
             return self._answer_error(
                 token, fe.unavailable_error(ctx, token.attempt + 1, token.failures)
             )
-        head = b"%s%d\r\nX-Request-Id: %s\r\n%s\r\n" % (
+        rank = entry.rank_on_url(d.dp_rank)  # as Frontend.open_upstream sends it
+        head = b"%s%d\r\nX-Request-Id: %s\r\n%s%s\r\n" % (
             target.heads[token.kind],
             len(ctx.req.raw),
             token.request_id,
+            b"" if rank is None else b"%s: %d\r\n" % (RANK_HEADER.encode(), rank),
             token.hop_lines,
         )
         # Frontend.answer_headers' lines, formatted at once (the tests check they are equal)
