@@ -467,11 +467,12 @@ async def test_a_stall_of_this_loop_does_not_lose_an_answer_that_came_meanwhile(
         engine_loop.close()
 
 
-def test_capacity_is_reported_per_attention_dp_rank_and_once():
+def test_capacity_is_one_attention_dp_ranks_pool_reported_once():
     from kvplug.integrations.trtllm.adapter import _Run
 
     sink = RecordingSink("trt-dp", 32)
     run = _Run(Worker("trt-dp", engine="trtllm", dp_size=2), sink, poller=None)  # type: ignore[arg-type]
-    for max_blocks in (2000.0, 2000.0, None, 0.0, 3000.0):  # summed over the two ranks
+    # maxNumBlocks is one rank's KV pool (rank 0's, in every rank's row): not divided by dp_size
+    for max_blocks in (2000.0, 2000.0, None, 0.0, 3000.0):
         TrtllmAdapter._report_capacity(run, max_blocks)
-    assert sink.capacity == [1000, 1500]  # a change is reported, a repeat or a gap is not
+    assert sink.capacity == [2000, 3000]  # a change is reported, a repeat or a gap is not

@@ -7,7 +7,8 @@ Per worker, ``start_worker``:
    from the router's block size is refused loudly (``ConfigError``);
 2. starts the worker's ``TrtllmPoller`` (the **only** reader of its ``POST /kv_cache_events``);
 3. polls load every ``load_period`` s: ``/prometheus/metrics``, else the draining ``/metrics``
-   JSON (used only when the Prometheus endpoint is missing).
+   JSON (used only when the Prometheus endpoint is missing). Under attention DP both give one
+   rank's KV figures and rank 0's request counts, not sums over ranks (``metrics.py``).
 
 Disaggregation (``PDStyle.SEQUENTIAL``; PROTOCOLS.md §3.5, ``openai_disagg_service.py``):
 
@@ -345,11 +346,12 @@ class TrtllmAdapter(TrtllmHttpAdapter):
 
     @staticmethod
     def _report_capacity(run: _Run, max_blocks: float | None) -> None:
-        """``maxNumBlocks`` (summed over the engine's attention-DP ranks) per rank as the
-        worker's capacity (``report_capacity``); its blocks are the router's (the
+        """``maxNumBlocks`` / ``trtllm_kv_cache_max_blocks`` as the worker's capacity per rank
+        (``report_capacity``): TRT-LLM reports one attention-DP rank's KV pool there (rank
+        0's, copied into every rank's stats row; never a sum over ranks, see ``metrics.py``),
+        so it is not divided by ``dp_size``. Its blocks are the router's (the
         tokens_per_block check at start)."""
-        per_rank = int(max_blocks) // max(run.worker.dp_size, 1) if max_blocks else None
-        report_capacity(run, run.sink, per_rank)
+        report_capacity(run, run.sink, int(max_blocks) if max_blocks else None)
 
     async def _poll_load(self, run: _Run) -> None:
         worker = run.worker

@@ -1,4 +1,6 @@
-"""``router: {type: kvplug}`` for TRT-LLM builds without ``remote_http``.
+"""``router: {type: kvplug}`` in ``trtllm-serve disaggregated``: kvplug as its router on
+every ``tensorrt_llm/serve/router.py`` form read, including those with no ``remote_http``
+or one that sends block hashes (``docs/trtllm.md`` §5).
 
 ``install()`` puts a finder on ``sys.meta_path`` that waits for ``tensorrt_llm.serve.router``
 (the module ``trtllm-serve disaggregated`` picks each server role's router from). Right after
@@ -17,7 +19,23 @@ logs one warning and leaves the module as it was.
 Interface pinned to NVIDIA/TensorRT-LLM ``tensorrt_llm/serve/router.py`` at
 00895e31dc5f9865c6bdfd2dd0508a9d6d964e9d (``create_router(router_config, servers,
 metadata_server_cfg, metadata_server, server_preparation_func, disagg_node_id)``; ``Router``
-takes ``(server_role, servers, metadata_server_cfg, metadata_server, **kwargs)``).
+takes ``(server_role, servers, metadata_server_cfg, metadata_server, **kwargs)``). The later
+form with the disagg coordinator (``CoordinatorDelegatingRouter``; ``get_next_server(request,
+exclude_server=None, req_id=None)`` and ``finish_request(request, session=None, success=True,
+req_id=None)``) keeps that constructor; ``KvplugRouter`` takes ``req_id`` through ``**kwargs``
+and, like upstream's own routers outside the coordinator path, keys a placement by the request
+object. It has no ``get_next_server_by_key``, so a ``CoordinatorClient`` places with it locally
+in every orchestrator process (kvplug serve is the shared state) instead of delegating.
+
+Conditional disaggregation (``conditional_disagg_config``): TRT-LLM lets only a
+``KvCacheAwareRouter`` be the generation router and asks it for a prefix match; the forms read
+in upstream's ``openai_disagg_service.py`` / ``openai_disagg_server.py`` check
+``isinstance(gen_router, KvCacheAwareRouter)`` (a ``ValueError`` at start, an ``assert`` or a
+``TypeError`` per request) and read ``info["match_length"]`` / ``info["num_tokens"]`` (newer) or
+``sum(info["matches"])`` / the lengths of ``info["token_lists"]`` (older). ``KvplugRouter`` is
+registered as a virtual subclass of the module's ``KvCacheAwareRouter`` (ABC ``register``:
+``isinstance`` holds, nothing of its block tables or coordinator delegation is inherited) and
+answers those keys with kvplug serve's own match (``matched_tokens`` / ``num_tokens``).
 
 Activation (nothing is installed outside the ``kvplug`` name): ``KVPLUG_TRTLLM_HOOK=1`` in the
 orchestrator's environment, read by the one-line ``kvplug_trtllm.pth`` the wheel puts in
@@ -32,6 +50,7 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
+from abc import ABCMeta
 from types import ModuleType
 from typing import Any
 
@@ -69,6 +88,7 @@ def router_class(upstream: ModuleType) -> type:
                 )
             base_url = url.rstrip("/")
             role = _ROLE_PATHS.get(getattr(server_role, "name", ""))
+            self._kvplug_role = role
             self._place_url = (
                 f"{base_url}/trtllm/{role}/get_next_server"
                 if role
@@ -84,12 +104,15 @@ def router_class(upstream: ModuleType) -> type:
         async def get_next_server(
             self, request: Any, exclude_server: str | None = None, **kwargs: Any
         ) -> tuple[str, dict]:
+            # ``req_id`` (the coordinator form's disagg request id) arrives in kwargs: unused,
+            # placements are keyed by the request object as in upstream's standalone routers
             payload = request.model_dump(exclude_none=True)
             if exclude_server is not None:
                 payload["exclude_server"] = exclude_server
+            params = {"token_ids": "1"} if self._wants_token_ids(request) else None
             try:
                 async with self.session.post(
-                    self._place_url, json=payload, timeout=self._timeout
+                    self._place_url, json=payload, params=params, timeout=self._timeout
                 ) as resp:
                     if resp.status != 200:
                         raise ValueError(f"kvplug returned {resp.status}: {await resp.text()}")
@@ -102,10 +125,27 @@ def router_class(upstream: ModuleType) -> type:
             placement = body.get("request_id")
             if isinstance(placement, str):
                 self._placements[id(request)] = placement
+            matched_tokens = int(body.get("matched_tokens", 0))
+            token_ids = body.get("token_ids")
             return server, {
                 "matched_blocks": body.get("matched_blocks", 0),
                 "server_info": self._server_info.get(server, {}),
+                # conditional disaggregation's prefix match, in the keys each upstream form
+                # reads: match_length / num_tokens, else sum(matches) / len of token_lists
+                "match_length": matched_tokens,
+                "num_tokens": int(body.get("num_tokens", 0)),
+                "matches": [matched_tokens],
+                "token_lists": [token_ids] if isinstance(token_ids, list) else [],
             }
+
+        def _wants_token_ids(self, request: Any) -> bool:
+            """Only the generation router, asked about a request that has not been through a
+            context server (the conditional-disaggregation check), needs the prompt tokens
+            back: older orchestrators count them from ``info["token_lists"]``."""
+            if self._kvplug_role != "generation":
+                return False
+            params = getattr(request, "disaggregated_params", None)
+            return getattr(params, "request_type", None) != "generation_only"
 
         async def finish_request(
             self, request: Any, session: Any = None, success: bool = True, **kwargs: Any
@@ -122,7 +162,25 @@ def router_class(upstream: ModuleType) -> type:
                 log.debug("kvplug finish_request for %s failed: %s", placement, exc)
 
     KvplugRouter.__qualname__ = KvplugRouter.__name__ = "KvplugRouter"
+    _pass_kv_cache_aware_gate(upstream, KvplugRouter)
     return KvplugRouter
+
+
+def _pass_kv_cache_aware_gate(upstream: ModuleType, kvplug_router: type) -> None:
+    """Make ``isinstance(router, upstream.KvCacheAwareRouter)`` hold for ``KvplugRouter``
+    (conditional disaggregation's gate) without inheriting from it: a real subclass would
+    carry TRT-LLM's own block tables and ``get_next_server_by_key``, on which a
+    ``CoordinatorClient`` delegates placement to TRT-LLM's coordinator, bypassing kvplug."""
+    kv_aware = getattr(upstream, "KvCacheAwareRouter", None)
+    if isinstance(kv_aware, ABCMeta):
+        kv_aware.register(kvplug_router)
+    else:
+        log.info(
+            "kvplug: %s has no KvCacheAwareRouter ABC; router type %r cannot be the "
+            "generation router of conditional disaggregation",
+            upstream.__name__,
+            ROUTER_TYPE,
+        )
 
 
 def _check_interface(module: ModuleType) -> None:

@@ -5,12 +5,26 @@ Two sources (PROTOCOLS.md §3.8):
 * ``GET /prometheus/metrics`` — non-destructive Prometheus text (``trtllm_*``; the engine needs
   ``return_perf_metrics: true``). Preferred.
 * ``GET /metrics`` — a JSON array of iteration stats that every read **drains**
-  (``enable_iter_perf_stats: true``). The newest entry (per ``attentionDpRank``) is current;
-  an empty array means "no iteration since the last read", not zero load: no attributes.
+  (``enable_iter_perf_stats: true``). An empty array means "no iteration since the last
+  read", not zero load: no attributes.
 
-Attributes: ``running_requests``, ``queue_depth``, ``kv_usage`` (0–1, the fullest rank),
-``prefix_cache_hit_rate``, ``kv_max_blocks``, ``kv_used_blocks``; ``tokens_per_block`` is
-reported separately for the block-size check.
+Attention DP (upstream ``MetricsCollector.log_iteration_stats`` and ``adp_iter_stats``): one
+engine is one process with one collector, whose gauges carry only its fixed labels (model
+name, engine type), no rank. It logs every iteration-stats row in turn, so each gauge holds
+the row written last, not a sum. The rows themselves are not per-rank figures either: the
+fan-out that tags rows with ``attentionDpRank`` copies rank 0's ``numActiveRequests`` and
+``kvCacheStats`` (its own KV pool: each rank has one) into every rank's row and keeps
+``numQueuedRequests`` (the engine's queue, which lives on rank 0) on rank 0's row only, the
+others 0 (rows without ``attentionDpRank``, from builds before the tag, are read as rank
+0's). Only ``inflightBatchingStats`` is rank-local. So every figure kvplug reads is one value
+for the engine: ``kv_max_blocks`` / ``kv_used_blocks`` are ONE rank's KV pool,
+``running_requests`` is rank 0's; from the JSON they are read from rank 0's newest row, never
+summed over rows. In Prometheus under attention DP ``trtllm_num_requests_waiting`` shows the
+last rank's row (0) after each fan-out.
+
+Attributes: ``running_requests``, ``queue_depth``, ``kv_usage`` (0–1), ``prefix_cache_hit_rate``,
+``kv_max_blocks``, ``kv_used_blocks``; ``tokens_per_block`` is reported separately for the
+block-size check.
 """
 
 from __future__ import annotations
@@ -29,8 +43,9 @@ _PROM = {
 
 
 def parse_prometheus(text: str) -> tuple[dict[str, float], int | None]:
-    """(attributes, tokens_per_block or None). Samples of one gauge are summed over label sets,
-    except utilisation and hit rate (max). Raises ValueError if no ``trtllm_*`` load gauge."""
+    """(attributes, tokens_per_block or None). TRT-LLM writes one sample per gauge (its fixed
+    labels); were there several label sets, counts are summed over them and utilisation and hit
+    rate take the max. Raises ValueError if no ``trtllm_*`` load gauge."""
     try:
         families = list(text_string_to_metric_families(text))
     except ValueError as exc:
@@ -63,42 +78,40 @@ def _num(d: Any, key: str) -> float | None:
 
 
 def parse_iteration_stats(stats: Any) -> tuple[dict[str, float] | None, int | None]:
-    """(attributes or None when there is no new iteration, tokens_per_block or None)."""
+    """(attributes or None when there is no new iteration, tokens_per_block or None), from the
+    newest row of rank 0 (``attentionDpRank`` 0 or absent; the lowest rank if the drain holds
+    none of rank 0's): its engine-wide and rank-0 figures are the ones every rank's row
+    repeats, so no field is summed over rows (see the module docstring)."""
     if not isinstance(stats, list):
         raise ValueError(f"/metrics answered {type(stats).__name__}, not a list")
-    latest: dict[Any, dict] = {}
+    latest: dict[int, dict] = {}
     for entry in stats:
         if isinstance(entry, dict):
-            latest[entry.get("attentionDpRank", 0)] = entry  # later entries are newer
+            rank = _num(entry, "attentionDpRank")
+            latest[int(rank) if rank is not None else 0] = entry  # later entries are newer
     if not latest:
         return None, None
+    entry = latest[min(latest)]
     out: dict[str, float] = {}
     tpb: int | None = None
-    usage: list[float] = []
-    hit: list[float] = []
-    for entry in latest.values():
-        for src, dst in (
-            ("numActiveRequests", "running_requests"),
-            ("numQueuedRequests", "queue_depth"),
-        ):
-            v = _num(entry, src)
-            if v is not None:
-                out[dst] = out.get(dst, 0.0) + v
-        kv = entry.get("kvCacheStats")
-        if isinstance(kv, dict):
-            used, cap = _num(kv, "usedNumBlocks"), _num(kv, "maxNumBlocks")
-            if used is not None:
-                out["kv_used_blocks"] = out.get("kv_used_blocks", 0.0) + used
-            if cap is not None:
-                out["kv_max_blocks"] = out.get("kv_max_blocks", 0.0) + cap
-            if used is not None and cap:
-                usage.append(used / cap)
-            if (h := _num(kv, "cacheHitRate")) is not None:
-                hit.append(h)
-            if (t := _num(kv, "tokensPerBlock")) is not None:
-                tpb = int(t)
-    if usage:
-        out["kv_usage"] = max(usage)
-    if hit:
-        out["prefix_cache_hit_rate"] = max(hit)
+    for src, dst in (
+        ("numActiveRequests", "running_requests"),
+        ("numQueuedRequests", "queue_depth"),
+    ):
+        v = _num(entry, src)
+        if v is not None:
+            out[dst] = v
+    kv = entry.get("kvCacheStats")
+    if isinstance(kv, dict):
+        used, cap = _num(kv, "usedNumBlocks"), _num(kv, "maxNumBlocks")
+        if used is not None:
+            out["kv_used_blocks"] = used
+        if cap is not None:
+            out["kv_max_blocks"] = cap
+        if used is not None and cap:
+            out["kv_usage"] = used / cap
+        if (h := _num(kv, "cacheHitRate")) is not None:
+            out["prefix_cache_hit_rate"] = h
+        if (t := _num(kv, "tokensPerBlock")) is not None:
+            tpb = int(t)
     return (out or None), tpb

@@ -2,7 +2,9 @@
 
 ``trtllm-serve disaggregated`` picks each server role's router from its YAML
 (``router: {type: remote_http, args: {remote_url: URL}}``). Its ``RemoteHttpRouter``
-(``tensorrt_llm/serve/router.py`` upstream) POSTs every request it must place to
+(``tensorrt_llm/serve/router.py`` upstream, in the one form read that posts the request
+rather than block hashes; ``docs/trtllm.md`` §5 has which forms have it) POSTs every request
+it must place to
 ``{remote_url}/get_next_server``: the body is ``request.model_dump(exclude_none=True)`` of
 TRT-LLM's ``CompletionRequest`` / ``ChatCompletionRequest`` (JSON by aiohttp's ``json=``) plus
 ``"exclude_server"`` when the orchestrator retries elsewhere. It reads the answer as
@@ -21,7 +23,18 @@ kvplug serves it at
 The stage kvplug scores is the request's ``disaggregated_params.request_type``
 (``context_only`` → prefill, ``generation_only`` → decode, none → aggregated); the path
 only narrows the candidates, so a generation router never gets a context server even for a
-request whose context phase was skipped (TRT-LLM's conditional disaggregation).
+request whose context phase was skipped (TRT-LLM's conditional disaggregation). On the
+generation path a ``context_only`` request is scored as aggregated: a generation server never
+runs a context-only hop, and the orchestrator's conditional-disaggregation check asks its
+generation router about the client's request, which can carry the ``context_only`` params
+upstream synthesizes for a conversation id (it clears them before a generation server serves
+the whole request).
+
+Besides upstream's fields every answer carries ``num_tokens`` (the prompt tokens kvplug
+resolved, 0 when it had none) and ``matched_tokens`` (of those, the ones the picked worker
+holds): the prefix-match answer TRT-LLM's conditional disaggregation needs from its generation
+router (kvplug's import hook, ``hook.py``, hands them to it). ``?token_ids=1`` on the request
+adds ``token_ids``, the resolved prompt tokens themselves (older orchestrators count them).
 
 The orchestrator's ``RemoteHttpRouter.finish_request`` tells nobody when a request ends, so
 kvplug books each placement's load for ``ServeSettings.trtllm_booking_seconds`` (default 1 s,
@@ -29,7 +42,7 @@ two of the TRT-LLM adapter's load scrapes) and then releases it: the booking onl
 burst of requests from piling onto one worker until the engines' own load figures catch up.
 Every answer names its placement (``request_id``, ignored by upstream); ``POST
 /trtllm/finish_request {"request_id": ID}`` releases it at once (kvplug's import hook for
-older TRT-LLM builds, ``hook.py``, sends it from ``Router.finish_request``).
+TRT-LLM, ``hook.py``, sends it from ``Router.finish_request``).
 
 The ``/select`` variant of upstream's router server (block hashes computed by the
 orchestrator) is not served: kvplug hashes token ids with its own hash, TRT-LLM's block keys
@@ -142,7 +155,7 @@ class TrtllmRemoteRouter:
         exclude_server = body.pop("exclude_server", None)
         if exclude_server is not None and not isinstance(exclude_server, str):
             raise bad_request("'exclude_server' must be a string or null", param="exclude_server")
-        stage = self._stage(body)
+        stage = self._stage(body, role)
         path = CHAT if "messages" in body else COMPLETIONS
         req = parse_request(_encoder.encode(body), path)
         if path == CHAT and body.get("prompt_token_ids") is not None:
@@ -184,7 +197,13 @@ class TrtllmRemoteRouter:
             "route_hint": None,
             "worker_id": decision.worker_id,
             "request_id": route_id,  # for POST /trtllm/finish_request
+            # the prefix-match answer for conditional disaggregation (hook.py)
+            "num_tokens": len(tokens) if tokens is not None else 0,
+            "matched_tokens": int(decision.cached_tokens) if tokens is not None else 0,
         }
+        if request.query.get("token_ids") == "1":
+            ids = tokens if tokens is not None else []
+            answer["token_ids"] = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         # upstream turns a route_hint on a request without disaggregated_params into a
         # context_only request: only a disaggregated hop gets one
         if stage is not Stage.AGGREGATED and entry.spec.dp_size > 1:
@@ -217,7 +236,7 @@ class TrtllmRemoteRouter:
         return body
 
     @staticmethod
-    def _stage(body: dict[str, Any]) -> Stage:
+    def _stage(body: dict[str, Any], role: str | None = None) -> Stage:
         params = body.get("disaggregated_params")
         if params is None:
             return Stage.AGGREGATED
@@ -233,6 +252,9 @@ class TrtllmRemoteRouter:
                 "or generation_only",
                 param="disaggregated_params.request_type",
             )
+        if stage is Stage.PREFILL and role == "generation":
+            # the conditional-disaggregation check: where the whole request would run
+            return Stage.AGGREGATED
         return stage
 
     def _allowed(

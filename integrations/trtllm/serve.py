@@ -1,8 +1,7 @@
 """``trtllm-serve`` with kvplug's router hook installed: ``python -m
 kvplug.integrations.trtllm.serve disaggregated -c disagg.yaml`` runs TRT-LLM's own CLI
 (``tensorrt_llm.commands.serve:main``, its ``trtllm-serve`` console script) in this process,
-so a YAML ``router: {type: kvplug, args: {url: ...}}`` works on builds without ``remote_http``
-(see ``hook.py``)."""
+so a YAML ``router: {type: kvplug, args: {url: ...}}`` works (see ``hook.py``)."""
 
 from __future__ import annotations
 
