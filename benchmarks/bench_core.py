@@ -30,6 +30,10 @@ delivered as one store event per turn (~30 blocks). Like for like, per operation
   capacity of the stored blocks), so the same apply is also timed into an index pre-sized
   with ``Index.reserve``, the reservation inside the clock (``kvplug_presized``: ratios and
   memory against the same Dynamo rounds; Dynamo's tree has no such call).
+* the machine: Dynamo's calls are hand-offs to its background thread; on a VM an idle vCPU
+  takes ~100 µs to wake for one, which an idle run would time instead of Dynamo's index. So one
+  busy loop per other core runs at nice 19 for the whole run (yielding to Dynamo's thread at
+  once); ``--no-keep-awake`` measures without it.
 * memory: RSS delta of building the index in a fresh subprocess per side and round (the same
   inputs built first; ``gc.collect()`` and ``malloc_trim(0)`` before both readings, so freed
   heap is returned to the OS on both sides).
@@ -860,6 +864,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=None)
     ap.add_argument("--no-dynamo", action="store_true", help="kvplug only (no ratios)")
     ap.add_argument(
+        "--no-keep-awake",
+        dest="keep_awake",
+        action="store_false",
+        help="do not run the lowest-priority spinner that keeps the other cores awake",
+    )
+    ap.add_argument(
         "--memory-child", choices=["kvplug", "kvplug_presized", "dynamo"], help=argparse.SUPPRESS
     )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_core.json"))
@@ -882,6 +892,28 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{note}\ninstall it with: pip install -e '.[bench]' (or run with --no-dynamo)")
         return 2
     sides: list = [KvplugSide()] + ([DynamoSide(dynamo)] if dynamo is not None else [])
+    spinners = keep_cores_awake() if args.keep_awake and dynamo is not None else []
+    try:
+        return run(args, sides, dynamo, note, argv, len(spinners))
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+
+
+def keep_cores_awake() -> list[subprocess.Popen]:
+    """One busy loop at the lowest priority (nice 19) per core but this one. Dynamo's binding
+    hands every call to its background thread and waits: a hop to a core that went idle costs
+    a wake-up, ~100 µs on a VM (its vCPU halts), so an idle machine would time Dynamo's
+    wake-ups, not its index (0.28-0.42 M blocks/s and ~100 µs per query on this host, against
+    1.5-2.9 M and 6-21 µs with the cores kept awake: docs/core.md). The spinners yield to
+    anything else; kvplug runs on one thread and makes no such hop."""
+    n = max(0, (os.cpu_count() or 1) - 1)
+    spin = "import os; os.nice(19)\nwhile True: pass"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+
+
+def run(args, sides: list, dynamo, note: str, argv, spinners: int) -> int:
     results: dict = {
         "command": " ".join(
             ["python benchmarks/bench_core.py", *(sys.argv[1:] if argv is None else argv)]
@@ -897,10 +929,11 @@ def main(argv: list[str] | None = None) -> int:
         "target_stored_blocks": args.blocks,
         "rounds": args.rounds,
         "dynamo": note,
+        "keep_awake_spinners": spinners,
     }
     log(
         f"bench_core: {args.blocks:,} blocks, workers {args.workers}, {args.rounds} rounds, "
-        f"{note}, on {results['machine']['cpu_model']}"
+        f"{note}, on {results['machine']['cpu_model']}, {spinners} keep-awake spinner(s)"
     )
     results["workers"] = []
     for w in args.workers:
