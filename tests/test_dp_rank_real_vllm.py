@@ -13,17 +13,15 @@ Needs the venv and model from ``.ci/setup_vllm.sh``; skipped (with the reason) w
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from real_engine.engine_http import http_get, http_post
-from real_engine.engines import MODEL, Engine, missing_reason, start_engines
+from real_engine.engines import Engine, missing_reason, start_engines, start_serve
 from vllm_helpers import free_port
 
-from kvplug.testing import free_port_runs, serve_command, stop_process, wait_ready
+from kvplug.testing import free_port_runs, stop_process
 
 REASON = missing_reason()
 pytestmark = [
@@ -32,41 +30,6 @@ pytestmark = [
     pytest.mark.timeout(480),
     pytest.mark.skipif(REASON is not None, reason=f"real vLLM engine unavailable: {REASON}"),
 ]
-
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _start_serve(engine: Engine, deadline: float) -> tuple[subprocess.Popen, str]:
-    """``kvplug serve`` in front of the engine, registered with its two ranks (events from
-    both, found through ``/kv_event_sources``), ready."""
-    port = free_port()
-    config = Path(engine.workdir) / "workers.yaml"
-    config.write_text(f"workers:\n  - {{id: dp, url: '{engine.url}', engine: vllm, dp_size: 2}}\n")
-    serve = subprocess.Popen(
-        serve_command(
-            port,
-            "--client-routing-hints",  # the test pins requests to ranks
-            "trust",
-            "--kv-block-size",
-            "32",
-            "--tokenizer",
-            str(MODEL),
-            "--log-level",
-            "warning",
-            "--worker-config",
-            str(config),
-        ),
-        cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url + "/ready", proc=serve, timeout=max(1.0, deadline - time.monotonic()))
-    except BaseException:
-        stop_process(serve)
-        raise
-    return serve, url
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +46,13 @@ def dp_engine():
     serve = None
     try:
         start_engines([engine], timeout=300)
-        serve, url = _start_serve(engine, time.monotonic() + 120)
+        # registered with its two ranks (the events of both found through /kv_event_sources)
+        config = Path(engine.workdir) / "workers.yaml"
+        entry = f"{{id: dp, url: '{engine.url}', engine: vllm, dp_size: 2}}"
+        config.write_text(f"workers:\n  - {entry}\n")
+        serve, url = start_serve(
+            free_port(), "--worker-config", str(config), deadline=time.monotonic() + 120
+        )
         yield url, engine
     finally:
         stop_process(serve)

@@ -13,20 +13,23 @@ answer (seeded sampling's token ids, choice numbering with ``n=2``, usage), stre
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from real_engine.engine_http import http_get, http_post
-from real_engine.engines import MODEL, Engine, engine_ports, missing_reason, start_engines
+from real_engine.engines import (
+    Engine,
+    engine_ports,
+    missing_reason,
+    start_engines,
+    start_serve,
+)
 from vllm_helpers import free_port
 
-from kvplug.testing import serve_command, stop_process, wait_ready
+from kvplug.testing import stop_process
 
 REASON = missing_reason()
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [
     pytest.mark.real_engine,
     pytest.mark.slow,
@@ -47,30 +50,9 @@ def _metric(text: str, name: str, worker: str) -> float:
 
 def _start_serve(engines: list, deadline: float, *extra: str) -> tuple[subprocess.Popen, str]:
     """``kvplug serve`` in front of the engines, ready and hearing every engine's events."""
-    port = free_port()
-    serve = subprocess.Popen(
-        serve_command(
-            port,
-            "--client-routing-hints",  # the tests pin requests to engines
-            "trust",
-            "--kv-block-size",
-            "32",
-            "--tokenizer",
-            str(MODEL),
-            "--log-level",
-            "warning",
-            "--worker",
-            f"a={engines[0].url}",
-            "--worker",
-            f"b={engines[1].url}",
-            *extra,
-        ),
-        cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
+    workers = ("--worker", f"a={engines[0].url}", "--worker", f"b={engines[1].url}")
+    serve, url = start_serve(free_port(), *workers, *extra, deadline=deadline)
     try:
-        wait_ready(url + "/ready", proc=serve, timeout=max(1.0, deadline - time.monotonic()))
         _join_event_streams(url, engines, deadline)
     except BaseException:
         stop_process(serve)

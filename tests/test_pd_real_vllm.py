@@ -27,17 +27,22 @@ from pathlib import Path
 
 import pytest
 from real_engine.engine_http import http_get, http_post
-from real_engine.engines import MODEL, Engine, engine_ports, missing_reason, start_engines
+from real_engine.engines import (
+    Engine,
+    engine_ports,
+    missing_reason,
+    start_engines,
+    start_serve,
+)
 from real_engine.nixl import nixl_engine, nixl_missing_reason, unpin
 
-from kvplug.testing import serve_command, stop_process, wait_ready
+from kvplug.testing import stop_process
 
 # Opt-in: on a 2-core host the two engines' busy-polling UCX progress threads can starve a NIXL
 # read past the prefill's KV lease (a 120 s stall in about 2 of 8 full-suite runs here), which
 # would make CI fail for a reason outside kvplug. Run it with KVPLUG_REAL_PD=1.
 OPT_IN = None if os.environ.get("KVPLUG_REAL_PD") == "1" else "opt-in, set KVPLUG_REAL_PD=1"
 REASON = OPT_IN or missing_reason() or nixl_missing_reason()
-ROOT = Path(__file__).resolve().parent.parent
 SERVE_LOG = Path(tempfile.mkdtemp(prefix="kvplug-pd-")) / "serve.log"
 PROMPT_TOKENS = 150  # 4 full 32-token blocks and a partial one
 MAX_TOKENS = 8
@@ -129,33 +134,20 @@ def pd_fleet():
             f"  - {{id: decode, engine: vllm, url: {decode.url}, role: decode}}\n"
         )
         serve_log = open(SERVE_LOG, "wb")  # noqa: SIM115 - closed in finally
-        serve = subprocess.Popen(
-            serve_command(
-                ports[8],
-                "--client-routing-hints",  # the tests pin requests to engines
-                "trust",
-                "--kv-block-size",
-                "32",
-                "--tokenizer",
-                str(MODEL),
-                "--log-level",
-                "warning",
-                "--worker-config",
-                str(config),
-                # generous: NIXL's busy-polling threads and two engines share 2 cores, and a
-                # connect or probe that misses the default 5 s / 2 s is not a P/D failure
-                "--connect-timeout",
-                "30",
-                "--health-timeout",
-                "10",
-            ),
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        serve, url = start_serve(
+            ports[8],
+            "--worker-config",
+            str(config),
+            # generous: NIXL's busy-polling threads and two engines share 2 cores, and a
+            # connect or probe that misses the default 5 s / 2 s is not a P/D failure
+            "--connect-timeout",
+            "30",
+            "--health-timeout",
+            "10",
+            deadline=deadline,
             stdout=serve_log,
             stderr=subprocess.STDOUT,
         )
-        url = f"http://127.0.0.1:{ports[8]}"
-        wait_ready(url + "/ready", proc=serve, timeout=max(1.0, deadline - time.monotonic()))
         yield url, prefill, decode
     finally:
         stop_process(serve)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvplug.testing import free_port_runs
+from kvplug.testing import free_port_runs, serve_command, stop_process, wait_ready
 
 VENV = Path(os.environ.get("KVPLUG_VLLM_VENV", Path.home() / ".cache/kvplug/vllm-venv"))
 MODEL = Path(os.environ.get("KVPLUG_VLLM_MODEL", Path.home() / ".cache/kvplug/tiny-llama"))
@@ -216,3 +216,36 @@ def start_engines(engines, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     for e in engines:
         e.wait_healthy(deadline)
+
+
+def start_serve(
+    port: int, *args: str, deadline: float, **popen: Any
+) -> tuple[subprocess.Popen, str]:
+    """``kvplug serve`` on ``port`` as the real-engine tests run it (client routing hints
+    trusted, for the tests pin requests; the engines' 32-token blocks; the tiny model's
+    tokenizer), plus ``args``; returns (process, URL) once it is ready, by ``deadline``
+    (``time.monotonic()``). ``popen``: e.g. ``stdout`` for a log file."""
+    serve = subprocess.Popen(
+        serve_command(
+            port,
+            "--client-routing-hints",
+            "trust",
+            "--kv-block-size",
+            "32",
+            "--tokenizer",
+            str(MODEL),
+            "--log-level",
+            "warning",
+            *args,
+        ),
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        **popen,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url + "/ready", proc=serve, timeout=max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        stop_process(serve)
+        raise
+    return serve, url
