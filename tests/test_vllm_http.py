@@ -408,3 +408,36 @@ def test_adapter_clears_a_restarted_engine_before_it_publishes():
         asyncio.run(adapter.close())
         pub.close()
         eng.close()
+
+
+def test_an_engine_with_more_ranks_than_registered_is_named_in_a_warning(caplog):
+    """``--worker id=URL`` registers one rank; an engine running two DP ranks behind that URL
+    (``/kv_event_sources`` lists both) gets a warning naming the ranks and what to set, and
+    only the registered rank's events are consumed."""
+    sources = {
+        str(rank): {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{free_port()}",
+            "topic": "",
+        }
+        for rank in (0, 1)
+    }
+    eng = FakeEngineHTTP(sources)
+    router = Router(RouterConfig(kv_block_size=32))
+    router.add_worker(Worker(worker_id="A", url=eng.url))
+    adapter = VllmAdapter(metrics_period=0.1)
+    try:
+        with caplog.at_level("WARNING", logger="kvplug.vllm"):
+            adapter.start_worker_sync(
+                router.workers["A"], RouterSink(router, "A", 32, threading.Lock())
+            )
+        warned = [r.getMessage() for r in caplog.records if "registered with" in r.getMessage()]
+        assert warned and "DP ranks [0, 1]" in warned[0] and "ranks 0..0" in warned[0], warned
+        streams = adapter.stats()["subscriber"]["streams"]
+        assert sorted(streams) == ["A/0"]
+    finally:
+        import asyncio
+
+        asyncio.run(adapter.close())
+        eng.close()

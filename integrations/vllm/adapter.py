@@ -128,12 +128,26 @@ class VllmAdapter(VllmHttpAdapter):
         host = urlsplit(worker.url).hostname if worker.url else None
         ranks = range(worker.dp_start, worker.dp_start + worker.dp_size)
         self.subscriber.start()
-        if not any(rs.dp_rank in ranks for rs in info.sources):
+        published = sorted(rs.dp_rank for rs in info.sources)
+        if not any(r in ranks for r in published):
             log.warning(
                 "vLLM worker %s: the engine publishes ranks %s, none in %d..%d: "
                 "no events will be consumed",
                 worker.worker_id,
-                [rs.dp_rank for rs in info.sources],
+                published,
+                ranks.start,
+                ranks.stop - 1,
+            )
+        elif any(r not in ranks for r in published):
+            # e.g. --worker id=URL for an engine with --data-parallel-size N behind one API
+            # server: only the registered ranks are indexed, routed and told to the engine
+            log.warning(
+                "vLLM worker %s: the engine runs DP ranks %s but the worker is registered with "
+                "ranks %d..%d: the others' events are not consumed and no request is routed to "
+                "them; set dp_start/dp_size in its worker config (the vLLM plugin registers "
+                "them from /kv_event_sources)",
+                worker.worker_id,
+                published,
                 ranks.start,
                 ranks.stop - 1,
             )
