@@ -436,10 +436,12 @@ async def test_dp_aware_rooms_follow_the_engines_ranks_when_registered_with_fewe
             hop = adapter.prefill_request(body, ctx(True))
             assert hop["routed_dp_rank"] == rank == hop["bootstrap_room"] % engine
             assert hop["bootstrap_room"] % registered == rank
-        # no routed rank sent: the room alone picks the engine's rank, spread as before
         rooms = {adapter.prefill_request(body, ctx(False))["bootstrap_room"] for _ in range(50)}
         assert {r % registered for r in rooms} == {rank}
-        assert {r % engine for r in rooms} == {r for r in range(engine) if r % registered == rank}
+        if registered == 1:  # no routed rank sent: the room alone picks the engine's rank
+            assert {r % engine for r in rooms} == set(range(engine))
+        else:  # the frontend sends X-Data-Parallel-Rank (the rank) to a multi-rank worker
+            assert {r % engine for r in rooms} == {rank}
         assert f"the engine runs {engine} DP rank(s)" in caplog.text  # and says what to set
     finally:
         await adapter.close()

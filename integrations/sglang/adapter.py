@@ -25,9 +25,10 @@ has several DP ranks the room is chosen ≡ the routed rank (mod ``dp_size``), b
 prefill picks rank ``bootstrap_room % dp_size``; option ``dp_aware: true`` also sends
 ``routed_dp_rank`` on each hop (the rank within that worker) and, on the decode hop,
 ``disagg_prefill_dp_rank`` (the prefill's rank). A worker registered with another rank count
-than its engine reports is warned about (kvplug routes only the registered ranks); with
-``dp_aware`` its rooms are then drawn modulo the lcm of both counts, so that the
-``routed_dp_rank`` sent is still ``room % <engine ranks>``, which SGLang checks.
+than its engine reports is warned about (kvplug routes only the registered ranks); whenever a
+routed rank is sent (``dp_aware``, or the frontend's ``X-Data-Parallel-Rank`` to a worker with
+several registered ranks) its rooms are then drawn modulo the lcm of both counts, so that the
+rank sent is still ``room % <engine ranks>``, which SGLang checks.
 """
 
 from __future__ import annotations
@@ -227,8 +228,10 @@ class SglangAdapter(SglangHttpAdapter):
         ``room % engine ranks`` is the ``routed_dp_rank`` sent too: SGLang fails a prefill
         whose routed rank contradicts the room (``follow_bootstrap_room`` conflict)."""
         worker = ctx.prefill_worker
-        if not ctx.prefill_options.get("dp_aware"):
-            return worker.dp_size  # no routed rank sent: SGLang follows the room alone
+        if not ctx.prefill_options.get("dp_aware") and worker.dp_size == 1:
+            # no routed rank sent (the frontend's X-Data-Parallel-Rank goes only to a worker
+            # registered with several ranks): SGLang follows the room alone
+            return worker.dp_size
         run = self._runs.get(worker.worker_id)
         engine_ranks = run.engine_dp_ranks if run is not None else None
         if engine_ranks is None or engine_ranks == worker.dp_size:
