@@ -227,11 +227,18 @@ def test_duplicate_message_ignored_and_duplicate_stores_refcounted(sub):
     seq = eng.store([1])
     payload = eng.pub.buffer[-1][1]
     eng.pub.send_raw([b"", seq.to_bytes(8, "big"), payload])  # the same message again
-    eng.store([1])  # vLLM can store the same hash twice (two physical blocks)
-    eng.remove([1])
-    eng.truth = {1}  # one physical copy still holds it
+    # vLLM can store the same hash twice (two physical blocks), then remove one copy
+    for _ in range(2):
+        eng.pub.publish([stored(eng.worker, [2], parent=1)])
+    eng.remove([2])
+    eng.truth = {1, 2}  # one physical copy still holds it
     assert settle(eng, m)
     assert sub.stats()["streams"]["e1/0"]["duplicates"] == 1
+    # a store from the root of a held block re-announces it (kv_cache_report_mode "full"):
+    # one removal takes it out
+    eng.store([1])
+    eng.remove([1])
+    assert settle(eng, m) and eng.truth == {2}
 
 
 def test_garbage_and_unknown_engine_dropped_index_intact(sub):
