@@ -16,17 +16,21 @@ class LazySession:
     """One aiohttp session per adapter, made on first use (inside the running loop, as aiohttp
     wants) and made again if something closed it."""
 
-    def __init__(self, timeout: float | None = None) -> None:
+    def __init__(
+        self, timeout: float | None = None, headers: Callable[[], dict[str, str]] | None = None
+    ) -> None:
         self.timeout = timeout  # default total timeout of every request; None: per request
+        self.headers = headers  # read when the session is made: the adapter's engine_headers
         self._session: aiohttp.ClientSession | None = None
 
     def get(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            headers = self.headers() if self.headers is not None else None
             if self.timeout is None:
-                self._session = aiohttp.ClientSession()
+                self._session = aiohttp.ClientSession(headers=headers)
             else:
                 total = aiohttp.ClientTimeout(total=self.timeout)
-                self._session = aiohttp.ClientSession(timeout=total)
+                self._session = aiohttp.ClientSession(timeout=total, headers=headers)
         return self._session
 
     async def close(self) -> None:

@@ -135,6 +135,9 @@ class EngineAdapter:
     pd_style: PDStyle = PDStyle.NONE
     health_path: str = "/health"
     tokenize_path: str | None = "/tokenize"  # None: the engine has no token endpoint
+    # headers for the adapter's own requests to the engines (discovery, loads, metrics): the
+    # frontend puts ``--engine-api-key``'s bearer here, before any worker starts
+    engine_headers: dict[str, str] = {}  # noqa: RUF012 - replaced, never mutated
 
     # -- lifecycle of one worker ---------------------------------------------------------------
     async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:

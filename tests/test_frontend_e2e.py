@@ -707,3 +707,14 @@ async def test_a_multi_rank_worker_is_told_the_rank_kvplug_chose(data_path):
     async with serving(1, settings=settings) as h:
         resp, _ = await h.complete(prompt(3, 14))
         assert "X-Data-Parallel-Rank" not in h.engines["w0"].requests[-1]["headers"]
+
+
+async def test_kvplug_asks_an_engine_to_tokenize_with_the_engine_key():
+    """``--engine-api-key`` goes with kvplug's own ``/tokenize`` calls as with the requests:
+    an engine started with an API key (SGLang guards every route with it) answers them."""
+    settings = ServeSettings(health_interval=0.2, health_timeout=5.0, engine_api_key="k")
+    async with serving(1, settings=settings) as h:
+        resp, _ = await h.complete("some text prompt")
+        assert resp.status == 200
+        assert h.engines["w0"].tokenize_auth == ["Bearer k"]
+        assert h.engines["w0"].requests[-1]["headers"]["Authorization"] == "Bearer k"

@@ -185,8 +185,16 @@ class FakeSglang:
     0.5.5-era server: ``/get_server_info`` without ``kv_events``, Prometheus only)."""
 
     def __init__(
-        self, port_base: int, *, new: bool = True, page_size: int = 4, dp_size: int = 1
+        self,
+        port_base: int,
+        *,
+        new: bool = True,
+        page_size: int = 4,
+        dp_size: int = 1,
+        api_key: str | None = None,
     ) -> None:
+        self.api_key = api_key  # as SGLang's --api-key: every route wants the bearer
+        self.refused = 0
         self.port_base = port_base
         self.new = new
         self.page_size = page_size
@@ -225,8 +233,15 @@ class FakeSglang:
     async def metrics(self, request):
         return web.Response(text=PROM, content_type="text/plain")
 
+    @web.middleware
+    async def check_key(self, request, handler):
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            self.refused += 1
+            raise web.HTTPUnauthorized()
+        return await handler(request)
+
     async def start(self):
-        app = web.Application()
+        app = web.Application(middlewares=[self.check_key])
         app.router.add_get("/server_info", self.server_info)
         app.router.add_get("/get_server_info", self.get_server_info)
         app.router.add_get("/v1/loads", self.loads)
@@ -446,3 +461,45 @@ async def test_dp_aware_rooms_follow_the_engines_ranks_when_registered_with_fewe
     finally:
         await adapter.close()
         await fake.stop()
+
+
+async def test_an_engine_started_with_an_api_key_is_discovered_and_polled_with_it():
+    """SGLang's ``--api-key`` guards ``/server_info`` and ``/v1/loads`` too: the adapter's own
+    calls carry ``engine_headers`` (kvplug serve's ``--engine-api-key``), or discovery fails."""
+    base = _free_base(1)
+    fake = await FakeSglang(base, api_key="k").start()
+    worker = Worker("sg", url=fake.url, engine="sglang")
+    without = SglangAdapter(load_period=0.05, discovery_retry=0.05)
+    try:
+        await without.start_worker(worker, Sink("sg", 4))
+        assert not without.events_ready("sg") and fake.refused > 0
+    finally:
+        await without.close()
+    adapter = SglangAdapter(load_period=0.05)
+    adapter.engine_headers = {"Authorization": "Bearer k"}
+    sink = Sink("sg", 4)
+    try:
+        refused = fake.refused
+        await adapter.start_worker(worker, sink)
+        assert adapter.events_ready("sg")
+        assert await _until(lambda: sink.attributes)
+        assert sink.attributes[-1] == attributes_from_loads(LOADS)
+        assert fake.refused == refused
+    finally:
+        await adapter.close()
+        await fake.stop()
+
+
+async def test_kvplug_serve_gives_its_engine_key_to_the_adapters():
+    from kvplug.config import RouterConfig
+    from kvplug.frontend.app import Frontend, ServeSettings
+    from kvplug.router import Router
+
+    keyed = Frontend(Router(RouterConfig(kv_block_size=4)), ServeSettings(engine_api_key="k"))
+    plain = Frontend(Router(RouterConfig(kv_block_size=4)), ServeSettings())
+    for kind in ("sglang", "trtllm"):
+        assert keyed.fleet.adapter_for(kind).engine_headers == {"Authorization": "Bearer k"}
+        assert plain.fleet.adapter_for(kind).engine_headers == {}
+    for fe in (keyed, plain):
+        for adapter in fe.fleet.adapters.values():
+            await adapter.close()

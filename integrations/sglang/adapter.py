@@ -151,7 +151,8 @@ class SglangAdapter(SglangHttpAdapter):
         self.rng = rng or random.Random()
         self._subscriber: SglangSubscriber | None = None
         self._runs: dict[str, _Run] = {}
-        self._session = LazySession(timeout=http_timeout)
+        # an engine started with --api-key guards /server_info, /v1/loads and /metrics too
+        self._session = LazySession(timeout=http_timeout, headers=lambda: self.engine_headers)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:

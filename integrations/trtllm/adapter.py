@@ -211,7 +211,8 @@ class TrtllmAdapter(TrtllmHttpAdapter):
         self.lora_names = dict(lora_names or {})
         self.rng = rng or random.Random()
         self._runs: dict[str, _Run] = {}
-        self._session = LazySession()  # timeouts per request
+        # timeouts per request; the engines' key, when kvplug serve has one, on every call
+        self._session = LazySession(headers=lambda: self.engine_headers)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:

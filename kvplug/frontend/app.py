@@ -137,7 +137,9 @@ class Frontend:
     ) -> None:
         self.router = router
         self.settings = s = settings or ServeSettings()
-        self.fleet = Fleet(router)
+        # the adapters' own calls (discovery, loads, metrics) carry the engines' key too
+        auth = {"Authorization": f"Bearer {s.engine_api_key}"} if s.engine_api_key else {}
+        self.fleet = Fleet(router, engine_headers=auth)
         self.http_lane: Any = None  # kvplug.frontend.lane.Lane, once the API listens
         self.native_lane: Any = None  # kvplug.frontend.native_lane.NativeDataPath, if on
         self.fleet.configured_models = set(s.served_model_names)
@@ -1084,7 +1086,7 @@ class Frontend:
                 worker_id,
                 entry.url_base + (entry.adapter.tokenize_path or "/tokenize"),
                 body,
-                {"Content-Type": "application/json"},
+                {"Content-Type": "application/json", **self.fleet.engine_headers},
                 timeout=self.settings.tokenize_timeout,
             )
         finally:

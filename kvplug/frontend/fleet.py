@@ -210,8 +210,9 @@ class WorkerEntry:
 
 
 class Fleet:
-    def __init__(self, router: Any) -> None:
+    def __init__(self, router: Any, engine_headers: dict[str, str] | None = None) -> None:
         self.router = router
+        self.engine_headers = dict(engine_headers or {})  # each adapter's (engine_headers)
         self.workers: dict[str, WorkerEntry] = {}
         self.adapters: dict[str, EngineAdapter] = {}
         self.unhealthy: frozenset[str] = frozenset()
@@ -234,6 +235,7 @@ class Fleet:
         adapter = self.adapters.get(kind)
         if adapter is None:
             adapter = self.adapters[kind] = create_adapter(kind)
+            adapter.engine_headers = self.engine_headers
             loop = asyncio.get_running_loop()
 
             def on_liveness(worker_id: str, alive: bool) -> None:  # any thread

@@ -147,6 +147,7 @@ class StubEngine:
         self.cancelled = 0  # requests whose client (kvplug) hung up before the answer ended
         self.tokenize_delay = 0.0
         self.tokenize_calls = 0
+        self.tokenize_auth: list[str | None] = []  # each /tokenize call's Authorization
         self.tokenize_running = 0
         self.tokenize_peak = 0  # most /tokenize calls at once
         self.url: str | None = None
@@ -238,6 +239,7 @@ class StubEngine:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         self.tokenize_calls += 1
+        self.tokenize_auth.append(request.headers.get("Authorization"))
         if not self.has_tokenize:
             raise web.HTTPNotFound()
         self.tokenize_running += 1
