@@ -34,19 +34,18 @@ kvplug serve and its engines are real (stub engines on loopback)."""
 from __future__ import annotations
 
 import importlib
-import sys
-import textwrap
-import types
+import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kvplug.integrations.trtllm import hook
 from test_frontend_harness import MODEL, prompt, serving
+from test_trtllm_hook import STANDIN, _forget_trtllm
 
 from kvplug.frontend.app import ServeSettings
 
-STANDIN = Path(__file__).parent / "data" / "trtllm" / "standin"
+COORDINATOR_ERA = Path(__file__).parent / "data" / "trtllm" / "coordinator_era_router.py"
 BS = 16  # the harness's block size
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,98 +58,6 @@ PD = [
 # a placement's booking outlives any test: its release is finish_request's doing
 LONG_BOOKING = ServeSettings(health_interval=0.2, health_timeout=5.0, trtllm_booking_seconds=600)
 
-COORDINATOR_ERA_ROUTER = '''
-import asyncio
-from abc import ABC, abstractmethod
-
-import aiohttp
-
-
-class Router(ABC):
-    def __init__(self, server_role, servers, metadata_server_cfg, metadata_server,
-                 server_preparation_func=None, **kwargs):
-        self._servers = servers or []
-        self._metadata_server = metadata_server
-        self._server_info = {}
-        self._server_role = server_role
-        self._lock = asyncio.Lock()
-        self._session = None
-        self._server_preparation_func = server_preparation_func
-        self._prepared_ready_servers = set()
-
-    async def close(self):
-        if self._session:
-            await self._session.close()
-            self._session = None
-
-    @abstractmethod
-    def _on_servers_updated(self, old_servers, new_servers): ...
-
-    @abstractmethod
-    async def get_next_server(self, request, exclude_server=None, req_id=None): ...
-
-    @abstractmethod
-    async def finish_request(self, request, session=None, success=True, req_id=None): ...
-
-    @property
-    def session(self):
-        if not self._session:
-            self._session = aiohttp.ClientSession()
-        return self._session
-
-
-class RoundRobinRouter(Router):
-    def __init__(self, server_role, servers=None, metadata_server_cfg=None,
-                 metadata_server=None, **kwargs):
-        super().__init__(server_role, servers, metadata_server_cfg, metadata_server, **kwargs)
-        self._index = 0
-
-    def _on_servers_updated(self, old_servers, new_servers):
-        pass
-
-    async def get_next_server(self, request, exclude_server=None, req_id=None):
-        server = self._servers[self._index % len(self._servers)]
-        self._index += 1
-        return server, {}
-
-    async def finish_request(self, request, session=None, success=True, req_id=None):
-        pass
-
-
-class KvCacheAwareRouter(Router):
-    """Interface only: TRT-LLM's own KV-aware router is never placed with here."""
-
-    def routing_key(self, request): ...
-
-    async def get_next_server_by_key(self, routing_key, exclude_server=None, req_id=None): ...
-
-
-class CoordinatorDelegatingRouter(Router):
-    def __init__(self, coordinator_url, local_router, role, request_timeout_s=5.0):
-        self._local = local_router
-        self._role = role
-
-
-def create_router(router_config, servers, metadata_server_cfg=None, metadata_server=None,
-                  server_preparation_func=None, disagg_node_id=0):
-    router_map = {"round_robin": RoundRobinRouter, "kv_cache_aware": KvCacheAwareRouter}
-    router_type = router_config.type if router_config else "round_robin"
-    router_class = router_map.get(router_type.lower())
-    if router_class is None:
-        raise ValueError(f"Unsupported router type: {router_type}. "
-                         f"Supported types are: {list(router_map.keys())}")
-    extra_args = router_config.args if router_config else {}
-    extra_args["disagg_node_id"] = disagg_node_id
-    return router_class(router_config.server_role if router_config else None, servers,
-                        metadata_server_cfg, metadata_server,
-                        server_preparation_func=server_preparation_func, **extra_args)
-'''
-
-
-def _forget_trtllm() -> None:
-    for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
-        del sys.modules[name]
-
 
 @pytest.fixture
 def upstream(monkeypatch):
@@ -159,11 +66,9 @@ def upstream(monkeypatch):
     _forget_trtllm()
     utils = importlib.import_module("tensorrt_llm.llmapi.disagg_utils")
     proto = importlib.import_module("tensorrt_llm.serve.openai_protocol")
-    module = types.ModuleType("tensorrt_llm.serve.router")
-    exec(
-        compile(textwrap.dedent(COORDINATOR_ERA_ROUTER), "<coordinator-era router>", "exec"),
-        module.__dict__,
-    )
+    spec = importlib.util.spec_from_file_location("tensorrt_llm.serve.router", COORDINATOR_ERA)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     assert hook.patch(module)
     yield module, utils, proto
     _forget_trtllm()
