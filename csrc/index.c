@@ -179,6 +179,13 @@ typedef struct {
 #define OT_SUM 0x40000000u
 #define M_SHARED_CODE 0x100000u
 
+/* A query between kvp_index_query_begin and _end: the walk's locals between feeds. */
+typedef struct {
+    size_t n, walked, n_act, pending;
+    uint32_t prev_r;
+    int prev_shared, done, open;
+} query_state_t;
+
 struct kvp_index {
     uint64_t max_entries;
     slot_table_t bt; /* block hash -> record */
@@ -224,6 +231,7 @@ struct kvp_index {
     uint32_t gen;
     uint32_t *run;
     size_t run_cap;
+    query_state_t qs;
     /* store_tokens scratch */
     kvp_hash_t *seq;
     size_t seq_cap;
@@ -1794,9 +1802,10 @@ static inline void settle(const uint32_t *act, const uint8_t *act_best, size_t n
     }
 }
 
-kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_query_out *out) {
+/* A query's walk state between kvp_index_query_feed calls (the walk's locals, kept in the index
+ * so a caller can read the hashes in pieces and stop reading once the walk ends). */
+kvp_status kvp_index_query_begin(kvp_index *idx, size_t n, kvp_query_out *out) {
     if (idx == NULL || out == NULL) return KVP_E_NULL;
-    if (n > 0 && hs == NULL) return KVP_E_NULL;
     if (n > (size_t)INT32_MAX - 1) return KVP_E_ARG;
     if (out->cap < idx->ep_limit) return KVP_E_BUFFER;
     if (out->cap > 0 && (!out->local || !out->device || !out->host || !out->disk ||
@@ -1823,23 +1832,42 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
         if (idx->ep_cap) memset(idx->ep_gen, 0, idx->ep_cap * sizeof(uint32_t));
         idx->gen = 1;
     }
+    idx->qs = (query_state_t){.n = n, .prev_r = NONE32, .open = 1};
+    return KVP_OK;
+}
+
+kvp_status kvp_index_query_feed(kvp_index *idx, const kvp_hash_t *hs, size_t n_in,
+                                kvp_query_out *out, int *more) {
+    if (idx == NULL || out == NULL || more == NULL) return KVP_E_NULL;
+    if (n_in > 0 && hs == NULL) return KVP_E_NULL;
+    query_state_t *qs = &idx->qs;
+    if (!qs->open) return KVP_E_ARG;
+    if (n_in > qs->n - qs->walked) return KVP_E_ARG;
+    if (qs->done) {
+        *more = 0;
+        return KVP_OK;
+    }
     const uint32_t gen = idx->gen;
     uint32_t *ep_gen = idx->ep_gen, *ep_pos = idx->ep_pos;
     uint32_t *act = idx->act_ep;
     uint8_t *act_best = idx->act_best;
     int32_t *tier_out[KVP_N_TIERS] = {out->device, out->host, out->disk};
     uint32_t *run = idx->run;
-    size_t walked = 0;
-    size_t n_act = 0;   /* endpoints continuing after the last position */
-    size_t pending = 0; /* positions since the last full check whose holders repeat it exactly */
-    uint32_t prev_r = NONE32;
-    int prev_shared = 0;
+    const size_t base = qs->walked; /* position of hs[0] in the query */
+    size_t walked = base;
+    size_t n_act = qs->n_act;     /* endpoints continuing after the last position */
+    size_t pending = qs->pending; /* positions since the last full check whose holders repeat it */
+    uint32_t prev_r = qs->prev_r;
+    int prev_shared = qs->prev_shared;
+    int done = 0;
     const size_t bcap = idx->bt.cap;
     enum { AHEAD = 8 };
-    for (size_t i = 0; i < n && i < AHEAD; i++) __builtin_prefetch(&idx->bt.s[bslot_of(hs[i], bcap)]);
-    for (size_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) __builtin_prefetch(&idx->bt.s[bslot_of(hs[i + AHEAD], bcap)]);
-        uint32_t r = bt_find(idx, hs[i]);
+    for (size_t j = 0; j < n_in && j < AHEAD; j++)
+        __builtin_prefetch(&idx->bt.s[bslot_of(hs[j], bcap)]);
+    for (size_t j = 0; j < n_in; j++) {
+        if (j + AHEAD < n_in) __builtin_prefetch(&idx->bt.s[bslot_of(hs[j + AHEAD], bcap)]);
+        const size_t i = base + j;
+        uint32_t r = bt_find(idx, hs[j]);
         walked = i + 1;
         int shared = 0;
         size_t n_cont = 0;
@@ -1903,9 +1931,32 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
         n_act = n_cont;
         prev_r = r;
         prev_shared = shared;
-        if (n_cont == 0 && !shared) break;
+        if (n_cont == 0 && !shared) {
+            done = 1;
+            break;
+        }
     }
-    settle(act, act_best, n_act, pending, ep_pos, tier_out);
+    if (!done && walked == qs->n) done = 1;
+    qs->walked = walked;
+    qs->n_act = n_act;
+    qs->pending = pending;
+    qs->prev_r = prev_r;
+    qs->prev_shared = prev_shared;
+    qs->done = done;
+    *more = !done;
+    return KVP_OK;
+}
+
+kvp_status kvp_index_query_end(kvp_index *idx, kvp_query_out *out) {
+    if (idx == NULL || out == NULL) return KVP_E_NULL;
+    query_state_t *qs = &idx->qs;
+    if (!qs->open) return KVP_E_ARG;
+    qs->open = 0;
+    uint32_t *ep_pos = idx->ep_pos;
+    uint32_t *run = idx->run;
+    int32_t *tier_out[KVP_N_TIERS] = {out->device, out->host, out->disk};
+    const size_t walked = qs->walked;
+    settle(idx->act_ep, idx->act_best, qs->n_act, qs->pending, ep_pos, tier_out);
     /* run[i] = shared blocks in a row starting at position i (0 at and past the walk's end) */
     run[walked] = 0;
     for (size_t i = walked; i-- > 0;) run[i] = run[i] ? run[i + 1] + 1 : 0;
@@ -1923,6 +1974,15 @@ kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_q
     out->shared_prefix = shared_prefix;
     out->walked = walked;
     return KVP_OK;
+}
+
+kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *hs, size_t n, kvp_query_out *out) {
+    if (n > 0 && hs == NULL) return KVP_E_NULL;
+    kvp_status st = kvp_index_query_begin(idx, n, out);
+    if (st != KVP_OK) return st;
+    int more;
+    kvp_index_query_feed(idx, hs, n, out, &more);
+    return kvp_index_query_end(idx, out);
 }
 
 kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {

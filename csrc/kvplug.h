@@ -157,6 +157,16 @@ kvp_status kvp_index_resolve(const kvp_index *idx, kvp_endpoint_t ep, kvp_engine
                              kvp_hash_t *out, int *found);
 kvp_status kvp_index_query(kvp_index *idx, const kvp_hash_t *block_hashes, size_t n,
                            kvp_query_out *out);
+/* The same query fed in pieces, for a caller that converts the hashes as it goes: begin with
+ * the query's length n, feed the hashes in order (each feed continues where the last ended;
+ * at most n in all), end. *more = 0 once the walk has ended (no endpoint and no shared block
+ * continues the prefix, or all n fed): the hashes after that cannot change the answer, and
+ * need not be read. kvp_index_query is begin, one feed of all n, end. Nothing may change the
+ * index between begin and end. */
+kvp_status kvp_index_query_begin(kvp_index *idx, size_t n, kvp_query_out *out);
+kvp_status kvp_index_query_feed(kvp_index *idx, const kvp_hash_t *block_hashes, size_t n,
+                                kvp_query_out *out, int *more);
+kvp_status kvp_index_query_end(kvp_index *idx, kvp_query_out *out);
 kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out);
 /* Blocks ep holds: hashes[i] and counts[3*i .. 3*i+2]. *n_out = number held; KVP_E_BUFFER (with
  * *n_out set) when cap is too small. */

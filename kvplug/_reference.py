@@ -486,7 +486,13 @@ class Index:
         active: set[int] | None = None  # None = before block 0
         walked = 0
         for i, raw in enumerate(block_hashes):
-            h = _u64(raw, "block hash")
+            # read as the walk reaches it, so an item past the walk's end is never an error
+            try:
+                h = operator.index(raw) & MASK64
+            except TypeError:
+                raise InvalidArgument(
+                    f"block_hashes[{i}] must be an integer, got {type(raw).__name__}"
+                ) from None
             holders = self._blocks.get(h)
             walked += 1
             if holders is not None:

@@ -200,6 +200,80 @@ def test_hash_lists_that_fail_the_direct_read_keep_their_errors():
     assert idx.stats()["stored_blocks"] == 0
 
 
+# ---- a query's list read only as far as its walk goes (Index._query_items) ------------------
+def _answer(res, cap):
+    rows = {ep: res.row(ep) for ep in range(cap)}
+    return rows, res.walked, res.shared_prefix, res.scores()
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 191, 192, 193, 500, 2000, 3000])
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_list_queries_in_pieces_answer_like_arrays(n, kind):
+    """A list is fed to the walk in pieces of 64, 128, 256, ... (1,024 and up without the GIL):
+    every answer, at every piece boundary, is the array's, with endpoints dropping out at
+    random depths, a shared tier and a reused result."""
+    rng = np.random.default_rng(n)
+    chain = rng.integers(0, 2**64, n, dtype=np.uint64)
+    idx = C.Index()
+    for ep in range(6):
+        depth = int(rng.integers(0, n + 1)) if ep else n
+        if depth:
+            tier = ep % 3
+            idx.store(ep, tier, np.arange(1, depth + 1, dtype=np.uint64) + 1000 * ep, chain[:depth])
+    shared_depth = int(rng.integers(0, n + 1))
+    if shared_depth:
+        idx.store(
+            0xFFFFFFFF, 1, np.arange(1, shared_depth + 1, dtype=np.uint64), chain[:shared_depth]
+        )
+    out_list, out_arr = C.QueryResult(), C.QueryResult()
+    for cut in sorted({n, n // 2, max(1, n - 1)}):
+        q = chain[:cut]
+        got = _answer(idx.query(kind(q.tolist()), out_list), 8)
+        want = _answer(idx.query(q, out_arr), 8)
+        assert got == want
+    miss = chain.copy()
+    miss[n // 3] ^= np.uint64(1)  # every holder stops there
+    assert _answer(idx.query(kind(miss.tolist()), out_list), 8) == _answer(
+        idx.query(miss, out_arr), 8
+    )
+
+
+def test_list_items_past_the_walks_end_are_not_read(be):
+    """Once no endpoint and no shared block continues the prefix, later items cannot change the
+    answer: neither backend reads them (the reference walks item by item), so a bad one there
+    raises nothing; inside the walk it raises as before, naming its position, and the index
+    answers the next query as if nothing happened."""
+    idx = be.Index()
+    idx.store(0, 0, list(range(1, 101)), list(range(10, 110)))
+    tail = ["x", None, -1.5]
+    res = idx.query([*range(10, 80), 5, *tail])
+    assert res.scores() == {0: 70}
+    assert res.walked == 71
+    far = [*range(10, 110), 7, *(["x"] * 300)]  # past the first pieces (64 + 128)
+    assert idx.query(far).scores() == {0: 100}
+    with pytest.raises(InvalidArgument, match=r"block_hashes\[70\] must be an integer"):
+        idx.query([*range(10, 80), "x"])
+    with pytest.raises(InvalidArgument, match=r"block_hashes\[99\] must be an integer"):
+        idx.query([*range(10, 109), None])
+    assert idx.query(list(range(10, 60))).scores() == {0: 50}
+
+
+def test_list_pieces_that_fail_the_direct_read_convert_like_before():
+    """A piece with bools, int subclasses, numpy ints or ints outside u64 takes the general
+    conversion (folded modulo 2**64), wherever it falls in the list."""
+    idx = C.Index()
+    hs = list(range(10, 310))
+    idx.store(0, 0, list(range(1, 301)), hs)
+    for pos in (0, 63, 64, 200):
+        for item in (hs[pos] + 2**64, np.uint64(hs[pos]), np.int64(hs[pos])):
+            q = list(hs)
+            q[pos] = item
+            assert idx.query(q).scores() == {0: 300}
+    flags = C.Index()
+    flags.store(0, 0, [1, 2, 3], [0, 1, 42])
+    assert flags.query([False, True, Tok.A, 5]).scores() == {0: 3}
+
+
 # ---- seq_hashes: hash_blocks(...)[1] without the tuple, the local array and the keyword ------
 def _error_of(fn, *args):
     try:
