@@ -146,6 +146,13 @@ class EngineAdapter:
     async def stop_worker(self, worker_id: str) -> None:
         """Stop what ``start_worker`` started. Must be idempotent."""
 
+    async def engine_ranks(self, url: str) -> range | None:
+        """The data-parallel ranks the engine at ``url`` runs behind that one URL, each with
+        its own KV cache, when the engine says; ``None`` when it does not (or this kind cannot
+        tell). Asked before a worker given without ``dp_start``/``dp_size`` registers, so that
+        ``--worker URL`` in front of a DP engine indexes and routes every rank."""
+        return None
+
     def events_ready(self, worker_id: str) -> bool | None:
         """Whether the worker's event source is up; ``None`` when this kind has none."""
         return None

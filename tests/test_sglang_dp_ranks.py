@@ -106,3 +106,35 @@ async def test_engine_reported_dp_size_spreads_requests_over_the_ranks(dp_aware,
         stop_process(proc, timeout=10, sig=signal.SIGTERM)
         await prefill.stop()
         await decode.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_given_by_url_registers_the_ranks_server_info_reports():
+    """``kvplug serve --worker p=URL --engine sglang`` (no dp_size, as the launcher's workers
+    before it asked): the fleet asks the adapter, which reads ``/server_info``, and the worker
+    registers both ranks; an engine that does not say keeps one."""
+    from kvplug.config import RouterConfig
+    from kvplug.frontend.config import parse_worker_flag
+    from kvplug.frontend.fleet import Fleet
+    from kvplug.router import Router
+
+    board = TransferBoard()
+    dp = _sglang_dp_engine("p", "both", board)
+    plain = StubEngine("q", block_size=16)  # no /server_info
+    dp_url, plain_url = await dp.start(), await plain.start()
+    fleet = Fleet(Router(RouterConfig(kv_block_size=16)))
+    try:
+        assert await fleet.adapter_for("sglang").engine_ranks(dp_url) == range(DP_RANKS)
+        assert await fleet.adapter_for("sglang").engine_ranks(plain_url) is None
+        entries = await fleet.add_many(
+            [
+                parse_worker_flag(f"p={dp_url}", "sglang"),
+                parse_worker_flag(f"q={plain_url}", "sglang"),
+            ]
+        )
+        assert [(e.spec.dp_start, e.spec.dp_size) for e in entries] == [(0, DP_RANKS), (0, 1)]
+        assert fleet.router.endpoint_of("p", DP_RANKS - 1) is not None
+    finally:
+        await fleet.close()
+        await dp.stop()
+        await plain.stop()

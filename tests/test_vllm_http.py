@@ -3,6 +3,7 @@ bodies, and the adapter wiring events from a loopback publisher into a real Rout
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import threading
@@ -411,9 +412,9 @@ def test_adapter_clears_a_restarted_engine_before_it_publishes():
 
 
 def test_an_engine_with_more_ranks_than_registered_is_named_in_a_warning(caplog):
-    """``--worker id=URL`` registers one rank; an engine running two DP ranks behind that URL
-    (``/kv_event_sources`` lists both) gets a warning naming the ranks and what to set, and
-    only the registered rank's events are consumed."""
+    """A worker registered with one rank (``dp_size: 1`` given) in front of an engine running
+    two DP ranks behind that URL (``/kv_event_sources`` lists both) gets a warning naming the
+    ranks and what to set, and only the registered rank's events are consumed."""
     sources = {
         str(rank): {
             "enable_kv_cache_events": True,
@@ -441,3 +442,79 @@ def test_an_engine_with_more_ranks_than_registered_is_named_in_a_warning(caplog)
 
         asyncio.run(adapter.close())
         eng.close()
+
+
+def _rank_sources(ranks) -> dict:
+    return {
+        str(rank): {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{free_port()}",
+            "topic": "",
+        }
+        for rank in ranks
+    }
+
+
+@pytest.mark.parametrize(
+    ("ranks", "expected"),
+    [
+        ((0, 1), range(0, 2)),
+        ((2, 3), range(2, 4)),
+        ((5,), range(5, 6)),
+        ((0, 2), None),
+        (None, None),
+    ],
+)
+def test_engine_ranks_are_the_ranks_kv_event_sources_lists(ranks, expected):
+    """Internal load balancing lists every rank, hybrid the node's, external the server's own
+    one; a gap is not guessed at, and an engine without the route (before 0.32) says nothing."""
+    eng = FakeEngineHTTP(None if ranks is None else _rank_sources(ranks))
+    adapter = VllmAdapter(metrics_period=0.1)
+    try:
+        assert asyncio.run(adapter.engine_ranks(eng.url)) == expected
+    finally:
+        asyncio.run(adapter.close())
+        eng.close()
+
+
+@pytest.mark.parametrize(
+    ("given", "ranks"),
+    [
+        ("flag", [0, 1]),  # --worker A=URL: both ranks, from the engine
+        ("mapping", [0, 1]),  # a worker entry without dp_start/dp_size: the same
+        ("explicit", [0]),  # dp_size: 1 in the entry: the operator's word stands
+    ],
+)
+def test_a_worker_without_ranks_registers_the_ranks_its_engine_runs(given, ranks):
+    """Through the fleet, as ``kvplug serve`` adds workers: each rank the engine runs behind
+    the URL becomes an endpoint with its own event stream."""
+    from kvplug.frontend.config import parse_worker_flag, spec_from_mapping
+    from kvplug.frontend.fleet import Fleet
+
+    eng = FakeEngineHTTP(_rank_sources((0, 1)))
+    if given == "flag":
+        spec = parse_worker_flag(f"A={eng.url}")
+    elif given == "mapping":
+        spec = spec_from_mapping({"id": "A", "url": eng.url}, "test")
+    else:
+        spec = spec_from_mapping({"id": "A", "url": eng.url, "dp_size": 1}, "test")
+
+    async def run():
+        fleet = Fleet(Router(RouterConfig(kv_block_size=32)))
+        try:
+            (entry,) = await fleet.add_many([spec])
+            adapter = fleet.adapters["vllm"]
+            streams = sorted(adapter.stats()["subscriber"]["streams"])
+            known = [r for r in range(4) if fleet.router.endpoint_of("A", r) is not None]
+            return entry.spec, known, streams
+        finally:
+            await fleet.close()
+
+    try:
+        registered, router_ranks, streams = asyncio.run(run())
+    finally:
+        eng.close()
+    assert (registered.dp_start, registered.dp_size) == (0, len(ranks))
+    assert router_ranks == ranks
+    assert streams == [f"A/{r}" for r in ranks]

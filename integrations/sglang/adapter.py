@@ -182,6 +182,25 @@ class SglangAdapter(SglangHttpAdapter):
         if worker.url is not None or worker.metrics_url is not None:
             run.tasks.append(asyncio.create_task(self._poll_load(run)))
 
+    async def engine_ranks(self, url: str) -> range | None:
+        """0 .. n-1 for the n DP ranks ``/server_info`` reports (what the launcher gives its
+        command-line workers, and smg's ``--dp-aware`` reads); None when it does not say."""
+        base = url.rstrip("/")
+        session = self._http()
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                async with session.get(base + path) as resp:
+                    if resp.status == 404:
+                        continue
+                    resp.raise_for_status()
+                    info = await resp.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                log.warning("sglang %s: %s not readable (%s)", url, path, exc)
+                return None
+            n = dp_ranks_from_server_info(info)
+            return range(n) if n else None
+        return None
+
     async def stop_worker(self, worker_id: str) -> None:
         run = self._runs.pop(worker_id, None)
         if run is None:

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from kvplug.adapters import PDContext, VllmHttpAdapter, register_adapter, report_capacity
 
-from .discovery import EngineInfo, check_block_size, discover
+from .discovery import EngineInfo, check_block_size, discover, fetch_event_sources
 from .metrics import MetricsSample, MetricsScraper
 from .pd import decode_body, prefill_body
 from .subscriber import EventSource, VllmSubscriber
@@ -108,6 +108,28 @@ class VllmAdapter(VllmHttpAdapter):
         run.restarts_seen = self.subscriber.restarts(run.worker_id)
 
     # -- lifecycle ----------------------------------------------------------------------------
+    async def engine_ranks(self, url: str) -> range | None:
+        """The ranks ``/kv_event_sources`` lists (vLLM ≥ 0.32: one per DP rank behind this API
+        server: all of them with internal load balancing, the node's with hybrid, the one with
+        external); None from an older engine (404) or an unreachable one."""
+        try:
+            sources = await asyncio.to_thread(fetch_event_sources, url)
+        except (OSError, ValueError) as exc:
+            log.warning("vLLM %s: GET /kv_event_sources failed (%s)", url, exc)
+            return None
+        ranks = sorted({rs.dp_rank for rs in sources or ()})
+        if not ranks:
+            return None
+        if ranks != list(range(ranks[0], ranks[-1] + 1)):
+            log.warning(
+                "vLLM %s: /kv_event_sources lists DP ranks %s, not a contiguous run; "
+                "registered with one rank (set dp_start/dp_size)",
+                url,
+                ranks,
+            )
+            return None
+        return range(ranks[0], ranks[-1] + 1)
+
     async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.start_worker_sync, worker, sink)
 
@@ -139,13 +161,13 @@ class VllmAdapter(VllmHttpAdapter):
                 ranks.stop - 1,
             )
         elif any(r not in ranks for r in published):
-            # e.g. --worker id=URL for an engine with --data-parallel-size N behind one API
+            # a worker given dp_size 1 for an engine with --data-parallel-size N behind one API
             # server: only the registered ranks are indexed, routed and told to the engine
             log.warning(
                 "vLLM worker %s: the engine runs DP ranks %s but the worker is registered with "
                 "ranks %d..%d: the others' events are not consumed and no request is routed to "
-                "them; set dp_start/dp_size in its worker config (the vLLM plugin registers "
-                "them from /kv_event_sources)",
+                "them; set dp_start/dp_size in its worker config to match, or leave both out "
+                "and kvplug registers the ranks /kv_event_sources lists",
                 worker.worker_id,
                 published,
                 ranks.start,

@@ -79,6 +79,9 @@ class WorkerSpec:
     max_batched_tokens: int = 0
     models: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
+    # neither dp_start nor dp_size was given: the fleet asks the engine which DP ranks it
+    # serves behind the URL before registering (EngineAdapter.engine_ranks)
+    dp_from_engine: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -252,6 +255,7 @@ def spec_from_mapping(d: Any, where: str, default_engine: str = "vllm") -> Worke
         max_batched_tokens=_int(d, "max_batched_tokens", 0, 0, where),
         models=list(models),
         options=dict(options),
+        dp_from_engine=d.get("dp_start") is None and d.get("dp_size") is None,
     )
 
 

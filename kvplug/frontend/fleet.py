@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from kvplug.adapters import EngineAdapter, PDStyle, create_adapter
 from kvplug.errors import ConfigError, UnknownWorker
-from kvplug.frontend.config import WorkerSpec
+from kvplug.frontend.config import MAX_DP_RANK, MAX_DP_SIZE, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -314,13 +314,52 @@ class Fleet:
         )
         return entry
 
+    async def _with_engine_ranks(self, spec: WorkerSpec) -> WorkerSpec:
+        """A worker given without dp_start/dp_size gets the DP ranks its engine runs behind
+        its URL (vLLM: /kv_event_sources; SGLang: /server_info), so that each rank is an
+        endpoint of its own: indexed from its own events, loaded and routed to (with
+        X-Data-Parallel-Rank). A worker registers with its ranks once: an engine that does not
+        answer keeps one rank, as before."""
+        if not spec.dp_from_engine or not spec.url:
+            return spec
+        try:
+            adapter = self.adapter_for(spec.engine)
+        except ConfigError:  # an unknown kind: _register says so
+            return spec
+        try:
+            ranks = await adapter.engine_ranks(spec.url)
+        except Exception as exc:  # noqa: BLE001 - an engine's answer must not stop the add
+            log.warning("worker %s: could not ask its engine for its DP ranks (%s)", spec.url, exc)
+            return spec
+        if ranks is None or len(ranks) == 0 or (ranks.start, len(ranks)) == (0, 1):
+            return spec
+        if len(ranks) > MAX_DP_SIZE or ranks.start < 0 or ranks.start > MAX_DP_RANK - MAX_DP_SIZE:
+            log.warning(
+                "worker %s: its engine reports DP ranks %d..%d, beyond what kvplug registers "
+                "per worker; registered with one rank (set dp_start/dp_size)",
+                spec.worker_id,
+                ranks.start,
+                ranks.stop - 1,
+            )
+            return spec
+        log.info(
+            "worker %s: its engine runs DP ranks %d..%d behind %s; registered with all of them",
+            spec.worker_id,
+            ranks.start,
+            ranks.stop - 1,
+            spec.url,
+        )
+        return dataclasses.replace(spec, dp_start=ranks.start, dp_size=len(ranks))
+
     async def add(self, spec: WorkerSpec) -> WorkerEntry:
+        spec = await self._with_engine_ranks(spec)
         async with self._lock:
             return await self._start(self._register(spec))
 
     async def add_many(self, specs: list[WorkerSpec]) -> list[WorkerEntry]:
         """Register all (in order, so the router's view is deterministic), then start their
         adapters concurrently (discovery can take seconds per engine)."""
+        specs = list(await asyncio.gather(*(self._with_engine_ranks(s) for s in specs)))
         async with self._lock:
             entries: list[WorkerEntry] = []
             try:
