@@ -13,6 +13,14 @@ stops for that long.
 
     python benchmarks/bench_index_growth.py                 # 64 engines x 125 k blocks, 3 rounds
     python benchmarks/bench_index_growth.py --capacity 20000 --rounds 2   # quick
+    python benchmarks/bench_index_growth.py --approx --capacity 16384 \
+        --out benchmarks/results/bench_index_growth_approx.json --plot ''
+
+``--approx``: approximate mode (no KV events), where the router records every routed prompt in
+a side index on the same event loop (``kvplug.approx``); each call routes one prompt of 128 new
+blocks (2,048 tokens, hashing included) and finishes it, until the side index holds the fleet's
+capacity (its block cap, ``--router-max-tree-size``, set to that). The side index is pre-sized
+the same way (``ApproxIndex.presize``) since issue 14's fourteenth pass.
 
 Prints a table (median and range over rounds per figure), writes
 ``benchmarks/results/bench_index_growth.json`` and plots the first round's call latencies
@@ -40,6 +48,7 @@ from hostinfo import cpu_model  # noqa: E402
 
 from kvplug.config import RouterConfig  # noqa: E402
 from kvplug.events import BlockStored  # noqa: E402
+from kvplug.request import RouteRequest  # noqa: E402
 from kvplug.router import Router  # noqa: E402
 from kvplug.workers import Worker  # noqa: E402
 
@@ -48,13 +57,21 @@ EVENTS_PER_BATCH = 4
 STALL_MS = 1.0  # a call this long is counted as a stall of the event loop
 
 
-def fill(workers: int, capacity: int, presized: bool, seed: int) -> tuple[dict, list[float]]:
+def fill(
+    workers: int, capacity: int, presized: bool, seed: int, approx: bool = False
+) -> tuple[dict, list[float]]:
     """One fill of the fleet's caches: its figures, and every call's latency in ms."""
-    r = Router(RouterConfig(kv_block_size=16))
+    total = workers * capacity
+    if approx:
+        cfg = RouterConfig(kv_block_size=16, router_kv_events=False, router_max_tree_size=total)
+    else:
+        cfg = RouterConfig(kv_block_size=16)
+    r = Router(cfg)
     for i in range(workers):
         r.add_worker(Worker(f"w{i}", kv_capacity_blocks=capacity if presized else 0))
     rng = np.random.default_rng(seed)
-    total = workers * capacity
+    if approx:
+        return fill_by_routing(r, total, presized, rng)
     per_batch = BLOCKS_PER_EVENT * EVENTS_PER_BATCH
     lat_ms: list[float] = []
     cpu = 0.0
@@ -101,6 +118,50 @@ def fill(workers: int, capacity: int, presized: bool, seed: int) -> tuple[dict, 
         "stall_ms_total": sum(stalls),
         "stalls_ms": [round(x, 2) for x in stalls],
         "memory_mib": r.index.core.memory_bytes() / 2**20,
+    }, lat_ms
+
+
+def fill_by_routing(
+    r: Router, total: int, presized: bool, rng: np.random.Generator
+) -> tuple[dict, list[float]]:
+    """fill() in approximate mode: route (and finish) one 128-block prompt per call."""
+    per_call = BLOCKS_PER_EVENT * EVENTS_PER_BATCH
+    side = r._approx
+    assert side is not None
+    lat_ms: list[float] = []
+    cpu = 0.0
+    routed = 0
+    gc.collect()
+    gc.disable()
+    try:
+        while routed < total:
+            n = min(per_call, total - routed)
+            tokens = rng.integers(0, 128_000, size=n * 16, dtype=np.int64).tolist()
+            req = RouteRequest(f"r{len(lat_ms)}", tokens)
+            c0, t0 = time.process_time(), time.perf_counter()
+            r.route(req)
+            t1, c1 = time.perf_counter(), time.process_time()
+            r.on_finish(req.request_id)
+            lat_ms.append((t1 - t0) * 1e3)
+            cpu += c1 - c0
+            routed += n
+    finally:
+        gc.enable()
+    assert side.stats()["blocks"] == total and side.counters["capped"] == 0, side.stats()
+    lat = sorted(lat_ms)
+    stalls = [x for x in lat_ms if x >= STALL_MS]
+    return {
+        "presized": presized,
+        "blocks": total,
+        "calls": len(lat_ms),
+        "cpu_ns_per_block": cpu / total * 1e9,
+        "call_p50_us": lat[len(lat) // 2] * 1e3,
+        "call_p99_us": lat[int(0.99 * (len(lat) - 1))] * 1e3,
+        "call_max_ms": lat[-1],
+        "stalls": len(stalls),
+        "stall_ms_total": sum(stalls),
+        "stalls_ms": [round(x, 2) for x in stalls],
+        "memory_mib": side.index.core.memory_bytes() / 2**20,
     }, lat_ms
 
 
@@ -151,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", type=int, default=125_000, help="blocks per engine")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
+        "--approx",
+        action="store_true",
+        help="approximate mode: fill the side index by routing prompts (no events)",
+    )
+    ap.add_argument(
         "--out", default=str(ROOT / "benchmarks" / "results" / "bench_index_growth.json")
     )
     ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "index_growth.png"))
@@ -167,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         order = (False, True) if i % 2 == 0 else (True, False)
         rd = {}
         for presized in order:
-            got, lat = fill(args.workers, args.capacity, presized, seed=i)
+            got, lat = fill(args.workers, args.capacity, presized, seed=i, approx=args.approx)
             rd["presized" if presized else "growing"] = got
             if i == 0:
                 first["pre-sized (now)" if presized else "growing (before)"] = lat
@@ -202,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers": args.workers,
         "capacity_per_worker": args.capacity,
         "blocks": total,
+        "approx": args.approx,
         "blocks_per_event": BLOCKS_PER_EVENT,
         "events_per_call": EVENTS_PER_BATCH,
         "rounds": rounds,

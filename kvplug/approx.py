@@ -8,13 +8,17 @@ oldest records go first, and the side index itself is LRU-bounded by the same ca
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
 
+from kvplug.errors import KvplugError
 from kvplug.events import BlockRemoved, BlockStored
+
+log = logging.getLogger("kvplug.router")
 
 
 def _as_sequence(hashes: np.ndarray) -> Sequence[int]:
@@ -30,7 +34,24 @@ class ApproxIndex:
         self.max_blocks = max_blocks
         self._records: deque[tuple[float, str, int, np.ndarray]] = deque()
         self._blocks = 0
+        self._presized = 0  # blocks its index has room for (presize)
         self.counters = {"recorded": 0, "expired": 0, "capped": 0}
+
+    def presize(self, capacity: int) -> None:
+        """Room for what the side index will hold once the fleet's caches are full (its
+        capacity, within the block cap), reserved up front as the router does for its main
+        index: recording routed prompts then never stops the event loop for a rehash. Room
+        only grows."""
+        want = min(capacity, self.max_blocks) if self.max_blocks else capacity
+        reserve = getattr(self.index, "reserve", None)  # an index of another kind may not
+        if want <= self._presized or reserve is None:
+            return
+        try:
+            reserve(want)
+        except (KvplugError, MemoryError) as e:  # the tables grow as they fill instead
+            log.warning("could not pre-size the approximate-mode index for %d blocks: %s", want, e)
+            return
+        self._presized = want
 
     def add_endpoint(self, worker_id: str, dp_rank: int) -> int:
         return self.index.add_endpoint(worker_id, dp_rank)
@@ -82,4 +103,5 @@ class ApproxIndex:
         s = dict(self.counters)
         s["records"] = len(self._records)
         s["blocks"] = self._blocks
+        s["presized_blocks"] = self._presized
         return s

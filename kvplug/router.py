@@ -746,9 +746,13 @@ class Router:
         step rehashes it whole, on the event loop that applies events and routes (~0.2 s at
         5 M blocks). Room only grows; blocks beyond it (host tiers, unknown capacity) grow
         the tables as before."""
-        want = int(self.kv_capacity.sum())
+        capacity = int(self.kv_capacity.sum())
+        if self._approx is not None:  # its side index fills from routing at the same pace
+            self._approx.presize(min(capacity, INDEX_PRESIZE_MAX))
         bound = self.config.router_max_index_entries
-        want = min(want, bound, INDEX_PRESIZE_MAX) if bound else min(want, INDEX_PRESIZE_MAX)
+        want = (
+            min(capacity, bound, INDEX_PRESIZE_MAX) if bound else min(capacity, INDEX_PRESIZE_MAX)
+        )
         reserve = getattr(self.index, "reserve", None)  # an index of another kind may not
         if want <= self._index_presized or reserve is None:
             return

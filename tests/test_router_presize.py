@@ -104,3 +104,33 @@ def test_a_failed_reservation_is_logged_and_routing_goes_on(monkeypatch, caplog)
     assert "could not pre-size the index for 5000 blocks" in caplog.text
     fill(r, 1_000)
     assert r.index.core.stats()["blocks"] == 1_000
+
+
+@pytest.mark.parametrize(
+    ("capacity", "cap_blocks"), [(0, 1 << 20), (5_000, 1 << 20), (5_000, 8_000)]
+)
+def test_approximate_mode_side_index_is_presized_too(capacity, cap_blocks):
+    """Approximate mode records every routed prompt in a side index, on the same event loop:
+    it gets room for the fleet's capacity within its block cap, so recording up to that
+    never grows a table (with no capacity known, the control: its tables grow)."""
+    from kvplug.request import RouteRequest
+
+    r = make(capacity, router_kv_events=False, router_max_tree_size=cap_blocks)
+    side = r._approx
+    assert r.stats()["approx"]["presized_blocks"] == min(4 * capacity, cap_blocks)
+    rng = np.random.default_rng(7)
+
+    def route(i: int) -> None:  # a 400-token prompt: 25 new blocks for the side index
+        toks = rng.integers(0, 50_000, 25 * BS).tolist()
+        r.route(RouteRequest(f"r{i}", toks))
+        r.on_finish(f"r{i}")
+
+    route(0)
+    before = side.index.core.memory_bytes()
+    for i in range(1, 300):
+        route(i)
+    assert side.stats()["blocks"] == 300 * 25 or side.counters["capped"] > 0
+    if capacity:
+        assert side.index.core.memory_bytes() == before
+    else:
+        assert side.index.core.memory_bytes() > before
