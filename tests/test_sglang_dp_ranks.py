@@ -5,6 +5,7 @@ prefill's ``bootstrap_room % 2`` is the rank it was routed to, as SGLang's prefi
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -138,3 +139,45 @@ async def test_a_worker_given_by_url_registers_the_ranks_server_info_reports():
         await fleet.close()
         await dp.stop()
         await plain.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("given", ["url", "dp_size 1"])
+async def test_an_engine_that_comes_up_later_gets_its_ranks(given):
+    """The worker is added before its engine is up (a router started first): one rank then.
+    When the adapter's retry reads ``/server_info``, a worker given by URL alone is
+    re-registered with the engine's two ranks (both routable); one given ``dp_size: 1`` keeps
+    it, as configured."""
+    from kvplug.config import RouterConfig
+    from kvplug.frontend.config import spec_from_mapping
+    from kvplug.frontend.fleet import Fleet
+    from kvplug.router import Router
+    from kvplug.testing import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    entry = {"id": "p", "url": url, "engine": "sglang"}
+    if given != "url":
+        entry["dp_size"] = 1
+    fleet = Fleet(Router(RouterConfig(kv_block_size=16)))
+    fleet.adapter_for("sglang").discovery_retry = 0.05
+    engine = _sglang_dp_engine("p", "both", TransferBoard())
+    try:
+        (added,) = await fleet.add_many([spec_from_mapping(entry, "test")])
+        assert (added.spec.dp_start, added.spec.dp_size) == (0, 1)  # nobody answered yet
+        await engine.start(port=port)
+        want = DP_RANKS if given == "url" else 1
+        run = fleet.adapters["sglang"]._runs["p"]
+        for _ in range(200):  # until the retry has read /server_info
+            if run.engine_dp_ranks is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert run.engine_dp_ranks == DP_RANKS
+        entry_now = fleet.get("p")
+        assert (entry_now.spec.dp_size, entry_now.worker.dp_size) == (want, want)
+        known = [r for r in range(4) if fleet.router.endpoint_of("p", r) is not None]
+        assert known == list(range(want))
+        assert entry_now.rank_on_url(1) == (1 if want > 1 else None)
+    finally:
+        await fleet.close()
+        await engine.stop()

@@ -328,13 +328,20 @@ class SglangAdapter(SglangHttpAdapter):
             )
         run.engine_dp_ranks = ranks = dp_ranks_from_server_info(info)
         if ranks is not None and ranks != worker.dp_size:
+            # an engine that was not up when its worker was added: the frontend's sink
+            # re-registers a worker given without dp_size with the engine's ranks
+            update_ranks = getattr(sink, "update_ranks", None)
+            resized = update_ranks(range(ranks)) if update_ranks is not None else None
+            if resized is not None:
+                run.worker = worker = resized
+        if ranks is not None and ranks != worker.dp_size:
             # the router's endpoints are the registered ranks: the others' events are dropped
             # and no request is routed to them
             log.warning(
                 "sglang worker %s: the engine runs %d DP rank(s) but the worker is registered "
                 "with dp_size %d: the router routes and indexes only those; set dp_size: %d "
-                "in its worker config (the SGLang launcher does this for the workers that "
-                "answer /server_info at start)",
+                "in its worker config, or leave dp_start/dp_size out and kvplug takes the "
+                "engine's",
                 wid,
                 ranks,
                 worker.dp_size,

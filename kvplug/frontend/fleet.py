@@ -41,6 +41,7 @@ class FleetSink:
         "errors",
         "active",
         "on_capacity",
+        "on_ranks",
     )
 
     def __init__(self, worker_id: str, router: Any, loop: asyncio.AbstractEventLoop) -> None:
@@ -53,6 +54,7 @@ class FleetSink:
         self.last_event_at: float | None = None
         self.active = True  # false once the worker is removed: late events are dropped
         self.on_capacity: Any = None  # set by the fleet
+        self.on_ranks: Any = None  # set by the fleet
 
     def apply(self, event) -> None:
         if not self.active:
@@ -103,6 +105,14 @@ class FleetSink:
             self.on_capacity(*args)
         else:
             self._loop.call_soon_threadsafe(self.on_capacity, *args)
+
+    def update_ranks(self, ranks: range) -> Any:
+        """The DP ranks the engine turned out to run behind the worker's URL (it was not up
+        when the worker was added): the worker as re-registered with them, when it was given
+        without dp_start/dp_size, else None (it keeps its ranks). Call on the event loop."""
+        if not self.active or self.on_ranks is None:
+            return None
+        return self.on_ranks(self.worker_id, ranks)
 
 
 class _ViewEpoch:
@@ -267,6 +277,32 @@ class Fleet:
                 _size(entry.worker.max_batched_tokens),
             )
 
+    def _set_ranks(self, worker_id: str, ranks: range) -> Any:
+        """Re-register a worker given without dp_start/dp_size with the DP ranks its engine
+        reported after it was added (load and indexed blocks kept; see _with_engine_ranks);
+        the new Worker, or None when the worker keeps its ranks."""
+        entry = self.workers.get(worker_id)
+        if entry is None or not entry.spec.dp_from_engine or len(ranks) == 0:
+            return None
+        if (ranks.start, len(ranks)) == (entry.spec.dp_start, entry.spec.dp_size):
+            return None
+        if len(ranks) > MAX_DP_SIZE or ranks.start < 0 or ranks.start > MAX_DP_RANK - MAX_DP_SIZE:
+            return None
+        start, size = ranks.start, len(ranks)
+        entry.spec = dataclasses.replace(entry.spec, dp_start=start, dp_size=size)
+        entry.worker = dataclasses.replace(entry.worker, dp_start=start, dp_size=size)
+        self.router.add_worker(entry.worker)
+        if entry.draining:
+            self.router.drain_worker(worker_id)
+        _ViewEpoch.bump()
+        log.info(
+            "worker %s: its engine runs DP ranks %d..%d; re-registered with all of them",
+            worker_id,
+            ranks.start,
+            ranks.stop - 1,
+        )
+        return entry.worker
+
     def _set_liveness(self, worker_id: str, alive: bool) -> None:
         if alive:
             self.mark_healthy(worker_id, source="adapter")
@@ -287,6 +323,7 @@ class Fleet:
         self.router.add_worker(worker)
         sink = FleetSink(spec.worker_id, self.router, asyncio.get_running_loop())
         sink.on_capacity = self._set_capacity
+        sink.on_ranks = self._set_ranks
         entry = WorkerEntry(spec, worker, adapter, sink)
         self.workers[spec.worker_id] = entry
         _ViewEpoch.bump()
