@@ -659,23 +659,24 @@ cdef object _u64_slow(object seq, str what):
     return np.array(out, dtype=np.uint64)
 
 
-cdef tuple _u64_piece(object seq, Py_ssize_t start, Py_ssize_t k, str what):
-    """seq[start:start + k] as _as_u64 converts a list (same values, same errors, positions
-    counted in seq), for a piece that failed the direct read: (the u64 values up to the first
-    item that is not an integer, that item's error or None). The caller walks the values
-    before raising it, so an item the walk never reaches is never an error."""
-    piece = seq[start:start + k]
+cdef tuple _u64_prefix(object seq, str what):
+    """seq's items as u64, converted as _as_u64 converts a list (ints folded modulo 2**64),
+    up to the first that is not an integer: (the values before it, that item's error or
+    None). The caller walks the values and raises the error only if the walk reaches the
+    item, so an item the walk never reaches is never an error."""
     try:
-        return np.frombuffer(array("Q", piece), dtype=np.uint64), None
-    except (OverflowError, TypeError):
+        return np.frombuffer(array("Q", seq), dtype=np.uint64), None
+    except Exception:  # noqa: BLE001 - found again, item by item, below
         pass
     out = []
-    for i, x in enumerate(piece):
+    for i, x in enumerate(seq):
         try:
             out.append(operator.index(x) & MASK64)
         except TypeError:
-            err = InvalidArgument(f"{what}[{start + i}] must be an integer, got {type(x).__name__}")
+            err = InvalidArgument(f"{what}[{i}] must be an integer, got {type(x).__name__}")
             return np.array(out, dtype=np.uint64), err
+        except Exception as exc:  # noqa: BLE001 - what __index__ raised, if the walk gets there
+            return np.array(out, dtype=np.uint64), exc
     return np.array(out, dtype=np.uint64), None
 
 
@@ -1444,17 +1445,16 @@ cdef class Index:
         """query() of a list or tuple: its items converted a piece at a time, fed to the walk,
         and no further once the walk has ended. Reading a Python int costs a cache miss when
         the list is not hot, and a long prompt's walk usually ends well before its last block
-        (an 8,192-token prompt in bench_core: ~140 of 512 blocks at 8 workers)."""
+        (an 8,192-token prompt in bench_core: a median of 136 of 512 blocks at 8 workers).
+        Only exact ints in [0, 2**64) are read here, with the GIL held and no Python code
+        running; a piece with anything else goes to _query_converted."""
         cdef uint64_t buf[QUERY_PIECE_MAX]
         cdef Py_ssize_t n = len(seq)
-        cdef PyObject **items = PySequence_Fast_ITEMS(seq)
         cdef Py_ssize_t pos = 0, k
         cdef size_t piece = QUERY_PIECE
         cdef int more = 1
+        cdef bint general = False
         cdef kvp_status st
-        cdef const uint64_t *hp
-        cdef cnp.ndarray a
-        err = None
         self._acquire()
         try:
             out._ensure(kvp_index_endpoint_limit(self.idx))
@@ -1463,23 +1463,22 @@ cdef class Index:
                 _raise_status(st, "query")
             try:
                 while more and pos < n:
+                    # another thread may change a list while a long piece walks without the
+                    # GIL: its items are read afresh, and a change of length is an error
+                    if len(seq) != n:
+                        raise InvalidArgument("block_hashes changed length during the query")
                     k = min(<Py_ssize_t>piece, n - pos)
-                    if kvpy_ints_to_u64(items + pos, k, buf):
-                        hp = buf
-                    else:  # not all exact ints in range: the general conversion, same errors
-                        a, err = _u64_piece(seq, pos, k, "block_hashes")
-                        k = a.shape[0]
-                        hp = _u64_ptr(a)
+                    if not kvpy_ints_to_u64(PySequence_Fast_ITEMS(seq) + pos, k, buf):
+                        general = True
+                        break
                     if <size_t>k >= NOGIL_PIECE:
                         with nogil:
-                            st = kvp_index_query_feed(self.idx, hp, <size_t>k, &out.q, &more)
+                            st = kvp_index_query_feed(self.idx, buf, <size_t>k, &out.q, &more)
                     else:
-                        st = kvp_index_query_feed(self.idx, hp, <size_t>k, &out.q, &more)
+                        st = kvp_index_query_feed(self.idx, buf, <size_t>k, &out.q, &more)
                     if st != KVP_OK:
                         _raise_status(st, "query")
                     pos += k
-                    if err is not None and more:
-                        raise err
                     if piece < QUERY_PIECE_MAX:
                         piece *= 2
             finally:
@@ -1488,6 +1487,46 @@ cdef class Index:
                 _raise_status(st, "query")
         finally:
             self._release()
+        if general:
+            return self._query_converted(seq, out)
+        return out
+
+    cdef QueryResult _query_converted(self, object seq, QueryResult out):
+        """query() of a list or tuple with items the direct reader does not take (bools, int
+        subclasses, numpy ints, ints outside u64, non-integers): converted as far as its first
+        non-integer, outside the index's lock (the conversion may run Python code, which may
+        call this index), then walked; that item's error is raised only if the walk reaches
+        it, as the reference backend walks."""
+        values, err = _u64_prefix(seq, "block_hashes")
+        cdef cnp.ndarray a = values
+        cdef size_t m = <size_t>a.shape[0]
+        cdef const uint64_t *hp = _u64_ptr(a)
+        cdef int more = 1
+        cdef kvp_status st, end_st
+        self._acquire()
+        try:
+            out._ensure(kvp_index_endpoint_limit(self.idx))
+            # with a bad item, the walk is told of one more position: `more` then says
+            # whether it would go on to that item
+            st = kvp_index_query_begin(self.idx, m + (err is not None), &out.q)
+            if st != KVP_OK:
+                _raise_status(st, "query")
+            try:
+                if m >= NOGIL_BLOCKS:
+                    with nogil:
+                        st = kvp_index_query_feed(self.idx, hp, m, &out.q, &more)
+                else:
+                    st = kvp_index_query_feed(self.idx, hp, m, &out.q, &more)
+            finally:
+                end_st = kvp_index_query_end(self.idx, &out.q)
+            if st != KVP_OK:
+                _raise_status(st, "query")
+            if end_st != KVP_OK:
+                _raise_status(end_st, "query")
+        finally:
+            self._release()
+        if err is not None and more:
+            raise err
         return out
 
     def holdings(self, ep):

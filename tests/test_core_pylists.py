@@ -385,3 +385,41 @@ def test_seq_hashes_reuses_a_dropped_result_and_gives_a_fresh_one_after_in_place
         del reused
         reused = C.seq_hashes(toks, 16)
         assert reused.tolist() == want
+
+
+def test_list_items_that_run_python_code_cannot_break_the_walk(be):
+    """Items with their own ``__index__`` run Python code during the conversion: it runs
+    outside the index's lock (so it may call the index itself) and before the walk reads the
+    list (so clearing the list cannot make the walk read freed items); an exception it raises
+    is the query's only if the walk reaches the item."""
+    idx = be.Index()
+    hs = list(range(10, 2010))
+    idx.store(0, 0, list(range(1, 2001)), hs)
+
+    class Reentrant:
+        def __init__(self, value):
+            self.value = value
+
+        def __index__(self):
+            idx.stats()  # the same index, mid-query
+            return self.value
+
+    q = [Reentrant(hs[0]), *hs[1:]]
+    assert idx.query(q).scores() == {0: 2000}
+
+    class Clearing:
+        def __index__(self):
+            q.clear()
+            return hs[0]
+
+    q = [Clearing(), *hs[1:]]
+    res = idx.query(q)  # what it answers depends on when the list emptied; it must not crash
+    assert set(res.scores()) <= {0}
+
+    class Refusing:
+        def __index__(self):
+            raise ValueError("no value")
+
+    assert idx.query([*hs[:5], 3, Refusing()]).scores() == {0: 5}  # the walk ended at 3
+    with pytest.raises(ValueError, match="no value"):
+        idx.query([*hs[:5], Refusing()])

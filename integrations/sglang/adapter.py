@@ -187,9 +187,10 @@ class SglangAdapter(SglangHttpAdapter):
         command-line workers, and smg's ``--dp-aware`` reads); None when it does not say."""
         base = url.rstrip("/")
         session = self._http()
+        ask = aiohttp.ClientTimeout(total=2.0)  # the worker's add waits for this answer
         for path in ("/server_info", "/get_server_info"):
             try:
-                async with session.get(base + path) as resp:
+                async with session.get(base + path, timeout=ask) as resp:
                     if resp.status == 404:
                         continue
                     resp.raise_for_status()

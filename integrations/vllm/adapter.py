@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from kvplug.adapters import WorkerSink
 
 log = logging.getLogger("kvplug.vllm")
+RANKS_TIMEOUT = 2.0  # seconds for /kv_event_sources when a worker is added (it waits)
 
 LivenessListener = Callable[[str, bool], Any]
 
@@ -113,14 +114,14 @@ class VllmAdapter(VllmHttpAdapter):
         server: all of them with internal load balancing, the node's with hybrid, the one with
         external); None from an older engine (404) or an unreachable one."""
         try:
-            sources = await asyncio.to_thread(fetch_event_sources, url)
+            sources = await asyncio.to_thread(fetch_event_sources, url, RANKS_TIMEOUT)
         except (OSError, ValueError) as exc:
             log.warning("vLLM %s: GET /kv_event_sources failed (%s)", url, exc)
             return None
         ranks = sorted({rs.dp_rank for rs in sources or ()})
         if not ranks:
             return None
-        if ranks != list(range(ranks[0], ranks[-1] + 1)):
+        if len(ranks) != ranks[-1] - ranks[0] + 1:  # distinct and sorted: a gap
             log.warning(
                 "vLLM %s: /kv_event_sources lists DP ranks %s, not a contiguous run; "
                 "registered with one rank (set dp_start/dp_size)",

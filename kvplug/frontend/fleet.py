@@ -357,8 +357,8 @@ class Fleet:
         endpoint of its own: indexed from its own events, loaded and routed to (with
         X-Data-Parallel-Rank). A worker registers with its ranks once: an engine that does not
         answer keeps one rank, as before."""
-        if not spec.dp_from_engine or not spec.url:
-            return spec
+        if not spec.dp_from_engine or not spec.url or spec.worker_id in self.workers:
+            return spec  # (a duplicate id is refused by _register without asking)
         try:
             adapter = self.adapter_for(spec.engine)
         except ConfigError:  # an unknown kind: _register says so
