@@ -104,6 +104,11 @@ def fill(
         gc.enable()
     st = r.index.core.stats()
     assert st["blocks"] == total, st  # every block indexed, on both sides
+    return figures(presized, total, lat_ms, cpu, r.index.core.memory_bytes()), lat_ms
+
+
+def figures(presized: bool, total: int, lat_ms: list[float], cpu: float, memory: int) -> dict:
+    """One fill's figures from its calls' latencies (ms) and CPU time (s)."""
     lat = sorted(lat_ms)
     stalls = [x for x in lat_ms if x >= STALL_MS]
     return {
@@ -117,8 +122,8 @@ def fill(
         "stalls": len(stalls),
         "stall_ms_total": sum(stalls),
         "stalls_ms": [round(x, 2) for x in stalls],
-        "memory_mib": r.index.core.memory_bytes() / 2**20,
-    }, lat_ms
+        "memory_mib": memory / 2**20,
+    }
 
 
 def fill_by_routing(
@@ -148,21 +153,7 @@ def fill_by_routing(
     finally:
         gc.enable()
     assert side.stats()["blocks"] == total and side.counters["capped"] == 0, side.stats()
-    lat = sorted(lat_ms)
-    stalls = [x for x in lat_ms if x >= STALL_MS]
-    return {
-        "presized": presized,
-        "blocks": total,
-        "calls": len(lat_ms),
-        "cpu_ns_per_block": cpu / total * 1e9,
-        "call_p50_us": lat[len(lat) // 2] * 1e3,
-        "call_p99_us": lat[int(0.99 * (len(lat) - 1))] * 1e3,
-        "call_max_ms": lat[-1],
-        "stalls": len(stalls),
-        "stall_ms_total": sum(stalls),
-        "stalls_ms": [round(x, 2) for x in stalls],
-        "memory_mib": side.index.core.memory_bytes() / 2**20,
-    }, lat_ms
+    return figures(presized, total, lat_ms, cpu, side.index.core.memory_bytes()), lat_ms
 
 
 def span(values: list[float]) -> dict:

@@ -8,17 +8,14 @@ oldest records go first, and the side index itself is LRU-bounded by the same ca
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
 
-from kvplug.errors import KvplugError
 from kvplug.events import BlockRemoved, BlockStored
-
-log = logging.getLogger("kvplug.router")
+from kvplug.index import reserve_room
 
 
 def _as_sequence(hashes: np.ndarray) -> Sequence[int]:
@@ -43,15 +40,9 @@ class ApproxIndex:
         index: recording routed prompts then never stops the event loop for a rehash. Room
         only grows."""
         want = min(capacity, self.max_blocks) if self.max_blocks else capacity
-        reserve = getattr(self.index, "reserve", None)  # an index of another kind may not
-        if want <= self._presized or reserve is None:
-            return
-        try:
-            reserve(want)
-        except (KvplugError, MemoryError) as e:  # the tables grow as they fill instead
-            log.warning("could not pre-size the approximate-mode index for %d blocks: %s", want, e)
-            return
-        self._presized = want
+        self._presized = reserve_room(
+            self.index, want, self._presized, "the approximate-mode index"
+        )
 
     def add_endpoint(self, worker_id: str, dp_rank: int) -> int:
         return self.index.add_endpoint(worker_id, dp_rank)

@@ -87,6 +87,22 @@ def _empty_counter() -> Counter:
     return Counter.__new__(Counter)
 
 
+def reserve_room(index: Any, blocks: int, reserved: int, what: str) -> int:
+    """Room for ``blocks`` in ``index`` (``KvIndex.reserve``) when that is more than the
+    ``reserved`` already: returns the room reserved now. An index of another kind (no
+    ``reserve``) or a failed reservation (logged; its tables then grow as they fill) keeps
+    ``reserved``."""
+    reserve = getattr(index, "reserve", None)
+    if blocks <= reserved or reserve is None:
+        return reserved
+    try:
+        reserve(blocks)
+    except (KvplugError, MemoryError) as e:
+        log.warning("could not pre-size %s for %d blocks: %s", what, blocks, e)
+        return reserved
+    return blocks
+
+
 @dataclass(slots=True)
 class ApplyReport:
     """What ``apply_many`` did: events applied, events dropped (by reason), blocks in them."""

@@ -36,6 +36,7 @@ from kvplug.errors import (
     UnknownWorker,
 )
 from kvplug.events import AllCleared, KvEvent
+from kvplug.index import reserve_room
 from kvplug.load import LoadTracker
 from kvplug.pipeline import RouteContext, StageBase, StageRules
 from kvplug.policies import RoutingPolicy, policy_class
@@ -753,15 +754,7 @@ class Router:
         want = (
             min(capacity, bound, INDEX_PRESIZE_MAX) if bound else min(capacity, INDEX_PRESIZE_MAX)
         )
-        reserve = getattr(self.index, "reserve", None)  # an index of another kind may not
-        if want <= self._index_presized or reserve is None:
-            return
-        try:
-            reserve(want)
-        except (KvplugError, MemoryError) as e:  # the tables grow as they fill instead
-            log.warning("could not pre-size the index for %d blocks: %s", want, e)
-            return
-        self._index_presized = want
+        self._index_presized = reserve_room(self.index, want, self._index_presized, "the index")
 
     def _refresh_limits(self) -> None:
         self.decode_limit, self.prefill_limit = flt.busy_limits(

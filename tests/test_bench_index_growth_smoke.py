@@ -35,3 +35,19 @@ def test_alternating_rounds_and_their_summary(tmp_path):
         assert got == {"median": statistics.median(values), "min": min(values), "max": max(values)}
     assert "growing (before)" in proc.stdout and "pre-sized (now)" in proc.stdout
     assert (tmp_path / "growth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_approximate_mode_fills_the_side_index_by_routing(tmp_path):
+    """--approx: each call routes one 128-block prompt, until the side index holds the fleet's
+    capacity on both sides (the run asserts it)."""
+    out = tmp_path / "approx.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/bench_index_growth.py"), "--out", str(out)]
+    cmd += ["--approx", "--workers", "4", "--capacity", "3000", "--rounds", "1", "--plot", ""]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["approx"] is True
+    (rd,) = result["rounds"]
+    for side in ("growing", "presized"):
+        assert rd[side]["blocks"] == 12_000 and rd[side]["calls"] == 12_000 // 128 + 1
+    assert rd["growing"]["memory_mib"] >= rd["presized"]["memory_mib"] > 0
