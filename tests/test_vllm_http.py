@@ -37,7 +37,7 @@ METRICS = (DATA / "metrics-0.32.0.txt").read_text()
 class FakeEngineHTTP:
     """A loopback HTTP server answering like a vLLM engine's /metrics and /kv_event_sources."""
 
-    def __init__(self, sources: dict | None, metrics: str = METRICS) -> None:
+    def __init__(self, sources: dict | None, metrics: str = METRICS, port: int = 0) -> None:
         self.sources = sources
         self.metrics = metrics
         self.up = True
@@ -64,7 +64,7 @@ class FakeEngineHTTP:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), H)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -518,3 +518,67 @@ def test_a_worker_without_ranks_registers_the_ranks_its_engine_runs(given, ranks
     assert (registered.dp_start, registered.dp_size) == (0, len(ranks))
     assert router_ranks == ranks
     assert streams == [f"A/{r}" for r in ranks]
+
+
+@pytest.mark.parametrize("given", ["url", "dp_size 1"])
+def test_an_engine_that_comes_up_after_its_worker_was_added_is_subscribed_then(given):
+    """A router started before its engine: the worker is added (not refused), unready, and the
+    adapter asks again in the background; once the engine answers, its event sources are
+    subscribed, with its two ranks for a worker given by URL alone, as configured otherwise."""
+    from kvplug.frontend.config import spec_from_mapping
+    from kvplug.frontend.fleet import Fleet
+    from kvplug.testing import free_port
+
+    port = free_port()
+    entry = {"id": "A", "url": f"http://127.0.0.1:{port}"}
+    if given != "url":
+        entry["dp_size"] = 1
+    want = [0, 1] if given == "url" else [0]
+    holder: dict = {}
+
+    async def run():
+        fleet = Fleet(Router(RouterConfig(kv_block_size=32)))
+        adapter = fleet.adapter_for("vllm")
+        adapter.discovery_retry = 0.1
+        try:
+            (added,) = await fleet.add_many([spec_from_mapping(entry, "test")])
+            assert added.spec.dp_size == 1 and adapter.events_ready("A") is False
+            holder["engine"] = FakeEngineHTTP(_rank_sources((0, 1)), port=port)
+            for _ in range(100):  # until the background start has finished
+                if "A" not in adapter._waiting:
+                    break
+                await asyncio.sleep(0.1)
+            known = [r for r in range(4) if fleet.router.endpoint_of("A", r) is not None]
+            streams = sorted(adapter.stats()["subscriber"]["streams"])
+            return adapter.events_ready("A"), fleet.get("A").spec.dp_size, known, streams
+        finally:
+            await fleet.close()
+
+    try:
+        ready, size, known, streams = asyncio.run(run())
+    finally:
+        if "engine" in holder:
+            holder["engine"].close()
+    assert ready and size == len(want) and known == want
+    assert streams == [f"A/{r}" for r in want]
+
+
+def test_a_worker_whose_engine_never_comes_up_is_removed_cleanly():
+    """Removing a worker still waiting for its engine stops the background question."""
+    from kvplug.frontend.config import spec_from_mapping
+    from kvplug.frontend.fleet import Fleet
+    from kvplug.testing import free_port
+
+    async def run():
+        fleet = Fleet(Router(RouterConfig(kv_block_size=32)))
+        adapter = fleet.adapter_for("vllm")
+        adapter.discovery_retry = 0.05
+        spec = spec_from_mapping({"id": "A", "url": f"http://127.0.0.1:{free_port()}"}, "t")
+        await fleet.add(spec)
+        assert "A" in adapter._waiting
+        await asyncio.sleep(0.2)
+        await fleet.remove("A")
+        assert adapter._waiting == {} and not adapter.events_ready("A")
+        await fleet.close()
+
+    asyncio.run(run())

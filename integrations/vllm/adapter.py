@@ -13,6 +13,7 @@ Worker fields used: ``url`` (engine base URL: discovery, metrics), ``event_endpo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -24,7 +25,14 @@ from urllib.parse import urlsplit
 
 from kvplug.adapters import PDContext, VllmHttpAdapter, register_adapter, report_capacity
 
-from .discovery import EngineInfo, check_block_size, discover, fetch_event_sources
+from .discovery import (
+    EngineInfo,
+    EngineNotUp,
+    RankSource,
+    check_block_size,
+    discover,
+    fetch_event_sources,
+)
 from .metrics import MetricsSample, MetricsScraper
 from .pd import decode_body, prefill_body
 from .subscriber import EventSource, VllmSubscriber
@@ -50,6 +58,23 @@ class _WorkerRun:
     capacity_reported: int = 0  # num_gpu_blocks last handed to the sink
 
 
+def _rank_run(url: str, sources: list[RankSource] | None) -> range | None:
+    """The DP ranks ``/kv_event_sources`` listed, as a run; None when it listed none, or
+    ranks with a gap (logged: kvplug registers a worker's ranks as one run)."""
+    ranks = sorted({rs.dp_rank for rs in sources or ()})
+    if not ranks:
+        return None
+    if len(ranks) != ranks[-1] - ranks[0] + 1:  # distinct and sorted: a gap
+        log.warning(
+            "vLLM %s: /kv_event_sources lists DP ranks %s, not a contiguous run; "
+            "registered with one rank (set dp_start/dp_size)",
+            url,
+            ranks,
+        )
+        return None
+    return range(ranks[0], ranks[-1] + 1)
+
+
 class VllmAdapter(VllmHttpAdapter):
     """vLLM: KV events over ZMQ (with replay), metrics, NIXL P/D."""
 
@@ -61,6 +86,7 @@ class VllmAdapter(VllmHttpAdapter):
         metrics_period: float | None = None,
         replay_timeout: float = 2.0,
         unhealthy_after: int = 2,
+        discovery_retry: float = 2.0,
     ) -> None:
         self.metrics_period = metrics_period or float(
             os.environ.get("KVPLUG_VLLM_METRICS_PERIOD", "1.0")
@@ -68,6 +94,8 @@ class VllmAdapter(VllmHttpAdapter):
         self.unhealthy_after = unhealthy_after
         self.subscriber = VllmSubscriber(replay_timeout=replay_timeout)
         self._runs: dict[str, _WorkerRun] = {}
+        self.discovery_retry = discovery_retry
+        self._waiting: dict[str, asyncio.Task] = {}  # workers whose engine is not up yet
         self._listeners: list[LivenessListener] = []
         self._lock = threading.Lock()
 
@@ -118,21 +146,55 @@ class VllmAdapter(VllmHttpAdapter):
         except (OSError, ValueError) as exc:
             log.warning("vLLM %s: GET /kv_event_sources failed (%s)", url, exc)
             return None
-        ranks = sorted({rs.dp_rank for rs in sources or ()})
-        if not ranks:
-            return None
-        if len(ranks) != ranks[-1] - ranks[0] + 1:  # distinct and sorted: a gap
-            log.warning(
-                "vLLM %s: /kv_event_sources lists DP ranks %s, not a contiguous run; "
-                "registered with one rank (set dp_start/dp_size)",
-                url,
-                ranks,
-            )
-            return None
-        return range(ranks[0], ranks[-1] + 1)
+        return _rank_run(url, sources)
 
     async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.start_worker_sync, worker, sink)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, self.start_worker_sync, worker, sink)
+        except EngineNotUp as exc:
+            # a router started before its engines (a compose file, a Kubernetes rollout):
+            # the worker is added, unready, and subscribed once the engine answers
+            log.warning(
+                "vLLM worker %s: %s; asking again every %g s in the background",
+                worker.worker_id,
+                exc,
+                self.discovery_retry,
+            )
+            self._waiting[worker.worker_id] = asyncio.create_task(self._start_later(worker, sink))
+
+    async def _start_later(self, worker: Worker, sink: WorkerSink) -> None:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        reminded = started
+        while True:
+            await asyncio.sleep(self.discovery_retry)
+            try:  # quietly: the engine is expected to be down for a while
+                sources = await asyncio.to_thread(fetch_event_sources, worker.url, RANKS_TIMEOUT)
+            except (OSError, ValueError) as exc:
+                if time.monotonic() - reminded >= 60:  # a reminder a minute (a wrong URL?)
+                    reminded = time.monotonic()
+                    log.warning(
+                        "vLLM worker %s: engine %s still not answering after %.0f s (%s)",
+                        worker.worker_id,
+                        worker.url,
+                        reminded - started,
+                        exc,
+                    )
+                continue
+            ranks = _rank_run(worker.url or "", sources)
+            update_ranks = getattr(sink, "update_ranks", None)  # the frontend's sink
+            if ranks is not None and update_ranks is not None:
+                worker = update_ranks(ranks) or worker  # a worker given without ranks
+            try:
+                await loop.run_in_executor(None, self.start_worker_sync, worker, sink)
+            except EngineNotUp:
+                continue
+            except Exception as exc:  # e.g. a block size mismatch: as at start, loudly
+                log.error("vLLM worker %s: not subscribed: %s", worker.worker_id, exc)
+                return
+            self._waiting.pop(worker.worker_id, None)
+            return
 
     def start_worker_sync(self, worker: Worker, sink: WorkerSink) -> EngineInfo:
         """Blocking form of ``start_worker`` (tests, threads). Raises ConfigError on a block
@@ -234,6 +296,11 @@ class VllmAdapter(VllmHttpAdapter):
         return info
 
     async def stop_worker(self, worker_id: str) -> None:
+        waiting = self._waiting.pop(worker_id, None)
+        if waiting is not None:
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
         self.stop_worker_sync(worker_id)
 
     def stop_worker_sync(self, worker_id: str) -> None:
@@ -250,6 +317,8 @@ class VllmAdapter(VllmHttpAdapter):
         return self.subscriber.drop_counts()
 
     async def close(self) -> None:
+        for wid in list(self._waiting):
+            await self.stop_worker(wid)
         for wid in list(self._runs):
             self.stop_worker_sync(wid)
         self.subscriber.stop()

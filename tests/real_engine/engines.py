@@ -219,12 +219,13 @@ def start_engines(engines, timeout: float = 300) -> None:
 
 
 def start_serve(
-    port: int, *args: str, deadline: float, **popen: Any
+    port: int, *args: str, deadline: float | None, **popen: Any
 ) -> tuple[subprocess.Popen, str]:
     """``kvplug serve`` on ``port`` as the real-engine tests run it (client routing hints
     trusted, for the tests pin requests; the engines' 32-token blocks; the tiny model's
     tokenizer), plus ``args``; returns (process, URL) once it is ready, by ``deadline``
-    (``time.monotonic()``). ``popen``: e.g. ``stdout`` for a log file."""
+    (``time.monotonic()``), or at once with ``deadline=None``. ``popen``: e.g. ``stdout``
+    for a log file."""
     serve = subprocess.Popen(
         serve_command(
             port,
@@ -243,6 +244,8 @@ def start_serve(
         **popen,
     )
     url = f"http://127.0.0.1:{port}"
+    if deadline is None:
+        return serve, url
     try:
         wait_ready(url + "/ready", proc=serve, timeout=max(1.0, deadline - time.monotonic()))
     except BaseException:
