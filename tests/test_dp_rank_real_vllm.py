@@ -37,6 +37,23 @@ pytestmark = [
 ]
 
 
+def _serve_bare_url(engine: Engine, deadline: float | None):
+    """``kvplug serve --worker dp=URL`` (nothing about ranks) with its admin API: (process,
+    URL, admin URL); ready by ``deadline``, or at once with None."""
+    admin_port = free_port()
+    serve, url = start_serve(
+        free_port(),
+        "--worker",
+        f"dp={engine.url}",
+        "--admin-port",
+        str(admin_port),
+        "--admin-token",
+        ADMIN_TOKEN,
+        deadline=deadline,
+    )
+    return serve, url, f"http://127.0.0.1:{admin_port}"
+
+
 @pytest.fixture(scope="module")
 def dp_engine():
     # vLLM binds rank r's publisher and replay sockets at the configured ports + r
@@ -53,20 +70,10 @@ def dp_engine():
         # kvplug first, as a compose file or a rollout may start it: the engine is not up, so
         # the worker is added unready and the vLLM adapter asks again until it answers; then
         # it registers the two ranks /kv_event_sources lists
-        admin_port = free_port()
-        serve, url = start_serve(
-            free_port(),
-            "--worker",
-            f"dp={engine.url}",
-            "--admin-port",
-            str(admin_port),
-            "--admin-token",
-            ADMIN_TOKEN,
-            deadline=None,
-        )
+        serve, url, admin = _serve_bare_url(engine, deadline=None)
         start_engines([engine], timeout=300)
         wait_ready(url + "/ready", proc=serve, timeout=120)
-        yield url, engine, f"http://127.0.0.1:{admin_port}"
+        yield url, engine, admin
     finally:
         stop_process(serve)
         engine.stop()
@@ -98,19 +105,9 @@ def test_a_bare_url_registers_every_rank_the_engine_runs(dp_engine):
     assert (worker["id"], worker["dp_start"], worker["dp_size"]) == ("dp", 0, 2), worker
     assert worker["events_ready"], worker
     # one started with the engine up: ranks learnt before the worker is added
-    admin_port = free_port()
-    serve, _ = start_serve(
-        free_port(),
-        "--worker",
-        f"dp={engine.url}",
-        "--admin-port",
-        str(admin_port),
-        "--admin-token",
-        ADMIN_TOKEN,
-        deadline=time.monotonic() + 120,
-    )
+    serve, _, admin = _serve_bare_url(engine, deadline=time.monotonic() + 120)
     try:
-        worker = _registered(f"http://127.0.0.1:{admin_port}")
+        worker = _registered(admin)
         assert (worker["dp_start"], worker["dp_size"]) == (0, 2), worker
     finally:
         stop_process(serve)

@@ -253,13 +253,33 @@ def test_kvplug_serve_logs_what_it_binds_and_exits_cleanly_when_it_refuses(tmp_p
     assert f"serving the OpenAI API on http://0.0.0.0:{port} " in text  # not 127.0.0.1
     assert f"admin API on http://0.0.0.0:{admin_port}" in text
     assert "admin API listens beyond this machine" in text
-    # a vLLM worker that is not there: kvplug serve refuses to start, and says only why
-    proc2 = subprocess.run(
-        [*serve_command(port, "--worker", "http://127.0.0.1:9"), "--kv-block-size", "16"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    # a vLLM worker kvplug cannot use (an HTTP server without /kv_event_sources, i.e. a vLLM
+    # before 0.32, and no event endpoint given): kvplug serve refuses to start, and says only
+    # why (one that is not up yet is added unready instead: test_vllm_http.py)
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_error(404)
+
+        def log_message(self, *a):
+            pass
+
+    old_engine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=old_engine.serve_forever, daemon=True).start()
+    engine_url = f"http://127.0.0.1:{old_engine.server_address[1]}"
+    try:
+        proc2 = subprocess.run(
+            [*serve_command(port, "--worker", engine_url), "--kv-block-size", "16"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        old_engine.shutdown()
+        old_engine.server_close()
     assert proc2.returncode == 2, proc2.stderr[-2000:]
     assert "kvplug serve:" in proc2.stderr and "Unclosed" not in proc2.stderr, proc2.stderr
+    assert "no /kv_event_sources answer" in proc2.stderr, proc2.stderr
