@@ -185,22 +185,13 @@ class SglangAdapter(SglangHttpAdapter):
     async def engine_ranks(self, url: str) -> range | None:
         """0 .. n-1 for the n DP ranks ``/server_info`` reports (what the launcher gives its
         command-line workers, and smg's ``--dp-aware`` reads); None when it does not say."""
-        base = url.rstrip("/")
-        session = self._http()
-        ask = aiohttp.ClientTimeout(total=2.0)  # the worker's add waits for this answer
-        for path in ("/server_info", "/get_server_info"):
-            try:
-                async with session.get(base + path, timeout=ask) as resp:
-                    if resp.status == 404:
-                        continue
-                    resp.raise_for_status()
-                    info = await resp.json(content_type=None)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                log.warning("sglang %s: %s not readable (%s)", url, path, exc)
-                return None
-            n = dp_ranks_from_server_info(info)
-            return range(n) if n else None
-        return None
+        try:  # the worker's add waits for this answer
+            info = await self._server_info_at(url, aiohttp.ClientTimeout(total=2.0))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            log.warning("sglang %s: /server_info not readable (%s)", url, exc)
+            return None
+        n = dp_ranks_from_server_info(info)
+        return range(n) if n else None
 
     async def stop_worker(self, worker_id: str) -> None:
         run = self._runs.pop(worker_id, None)
@@ -288,10 +279,16 @@ class SglangAdapter(SglangHttpAdapter):
         """``/server_info`` JSON, ``{}`` when the worker has no URL (config-only)."""
         if worker.url is None:
             return {}
-        base = worker.url.rstrip("/")
+        return await self._server_info_at(worker.url)
+
+    async def _server_info_at(
+        self, url: str, timeout: aiohttp.ClientTimeout | None = None
+    ) -> dict[str, Any]:
+        base = url.rstrip("/")
         session = self._http()
+        extra = {} if timeout is None else {"timeout": timeout}
         for path in ("/server_info", "/get_server_info"):
-            async with session.get(base + path) as resp:
+            async with session.get(base + path, **extra) as resp:
                 if resp.status == 404:
                     continue
                 resp.raise_for_status()
@@ -335,19 +332,18 @@ class SglangAdapter(SglangHttpAdapter):
             resized = update_ranks(range(ranks)) if update_ranks is not None else None
             if resized is not None:
                 run.worker = worker = resized
-        if ranks is not None and ranks != worker.dp_size:
-            # the router's endpoints are the registered ranks: the others' events are dropped
-            # and no request is routed to them
-            log.warning(
-                "sglang worker %s: the engine runs %d DP rank(s) but the worker is registered "
-                "with dp_size %d: the router routes and indexes only those; set dp_size: %d "
-                "in its worker config, or leave dp_start/dp_size out and kvplug takes the "
-                "engine's",
-                wid,
-                ranks,
-                worker.dp_size,
-                ranks,
-            )
+            else:  # the router's endpoints are the registered ranks: the others' events are
+                # dropped and no request is routed to them
+                log.warning(
+                    "sglang worker %s: the engine runs %d DP rank(s) but the worker is registered "
+                    "with dp_size %d: the router routes and indexes only those; set dp_size: %d "
+                    "in its worker config, or leave dp_start/dp_size out and kvplug takes the "
+                    "engine's",
+                    wid,
+                    ranks,
+                    worker.dp_size,
+                    ranks,
+                )
         deliver = filtered_sink(sink.apply_threadsafe)
         if worker.event_endpoint is not None:  # configured explicitly: it wins
             endpoint = worker.event_endpoint.replace("0.0.0.0", "*")  # SGLang binds it too

@@ -75,6 +75,12 @@ def _rank_run(url: str, sources: list[RankSource] | None) -> range | None:
     return range(ranks[0], ranks[-1] + 1)
 
 
+async def _ask_ranks(url: str) -> range | None:
+    """_rank_run of the engine's /kv_event_sources answer; raises OSError / ValueError when
+    it does not answer (or answers nonsense)."""
+    return _rank_run(url, await asyncio.to_thread(fetch_event_sources, url, RANKS_TIMEOUT))
+
+
 class VllmAdapter(VllmHttpAdapter):
     """vLLM: KV events over ZMQ (with replay), metrics, NIXL P/D."""
 
@@ -142,11 +148,10 @@ class VllmAdapter(VllmHttpAdapter):
         server: all of them with internal load balancing, the node's with hybrid, the one with
         external); None from an older engine (404) or an unreachable one."""
         try:
-            sources = await asyncio.to_thread(fetch_event_sources, url, RANKS_TIMEOUT)
+            return await _ask_ranks(url)
         except (OSError, ValueError) as exc:
             log.warning("vLLM %s: GET /kv_event_sources failed (%s)", url, exc)
             return None
-        return _rank_run(url, sources)
 
     async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:
         loop = asyncio.get_running_loop()
@@ -170,7 +175,7 @@ class VllmAdapter(VllmHttpAdapter):
         while True:
             await asyncio.sleep(self.discovery_retry)
             try:  # quietly: the engine is expected to be down for a while
-                sources = await asyncio.to_thread(fetch_event_sources, worker.url, RANKS_TIMEOUT)
+                ranks = await _ask_ranks(worker.url or "")
             except (OSError, ValueError) as exc:
                 if time.monotonic() - reminded >= 60:  # a reminder a minute (a wrong URL?)
                     reminded = time.monotonic()
@@ -182,7 +187,6 @@ class VllmAdapter(VllmHttpAdapter):
                         exc,
                     )
                 continue
-            ranks = _rank_run(worker.url or "", sources)
             update_ranks = getattr(sink, "update_ranks", None)  # the frontend's sink
             if ranks is not None and update_ranks is not None:
                 worker = update_ranks(ranks) or worker  # a worker given without ranks

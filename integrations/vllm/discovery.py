@@ -157,23 +157,19 @@ def discover(
     """Ask the engine (when it has a URL) for its sources and cache config; fill the rest from
     configuration. Raises ConfigError when neither gives an event endpoint."""
     sources = None
-    unreachable: OSError | None = None
     if base_url:
         try:
             sources = fetch_event_sources(base_url, timeout)
         except (OSError, ValueError) as e:
-            if isinstance(e, OSError):
-                unreachable = e
-            if endpoint or not isinstance(e, OSError):
-                log.warning(
-                    "vLLM %s: GET /kv_event_sources failed (%s); using configuration", base_url, e
-                )
+            if isinstance(e, OSError) and not endpoint:  # nothing to subscribe to yet
+                raise EngineNotUp(
+                    f"vLLM engine {base_url}: GET /kv_event_sources failed ({e})"
+                ) from e
+            log.warning(
+                "vLLM %s: GET /kv_event_sources failed (%s); using configuration", base_url, e
+            )
     discovered = sources is not None
     if sources is None:
-        if not endpoint and unreachable is not None:
-            raise EngineNotUp(
-                f"vLLM engine {base_url}: GET /kv_event_sources failed ({unreachable})"
-            )
         if not endpoint:
             raise ConfigError(
                 f"vLLM engine {base_url or '?'}: no /kv_event_sources answer and no configured "

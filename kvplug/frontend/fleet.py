@@ -219,6 +219,34 @@ class WorkerEntry:
         }
 
 
+def _ranks_to_register(spec: WorkerSpec, ranks: range) -> range | None:
+    """The DP ranks a worker given without dp_start/dp_size takes from its engine's answer;
+    None when the worker keeps its ranks (given ones, the same ones, none, or more than
+    kvplug registers per worker: logged)."""
+    if not spec.dp_from_engine or len(ranks) == 0:
+        return None
+    if (ranks.start, len(ranks)) == (spec.dp_start, spec.dp_size):
+        return None
+    if len(ranks) > MAX_DP_SIZE or ranks.start < 0 or ranks.start > MAX_DP_RANK - MAX_DP_SIZE:
+        log.warning(
+            "worker %s: its engine reports DP ranks %d..%d, beyond what kvplug registers per "
+            "worker; it keeps %d rank(s) (set dp_start/dp_size)",
+            spec.worker_id,
+            ranks.start,
+            ranks.stop - 1,
+            spec.dp_size,
+        )
+        return None
+    log.info(
+        "worker %s: its engine runs DP ranks %d..%d behind %s; registered with all of them",
+        spec.worker_id,
+        ranks.start,
+        ranks.stop - 1,
+        spec.url,
+    )
+    return ranks
+
+
 class Fleet:
     def __init__(self, router: Any, engine_headers: dict[str, str] | None = None) -> None:
         self.router = router
@@ -282,25 +310,15 @@ class Fleet:
         reported after it was added (load and indexed blocks kept; see _with_engine_ranks);
         the new Worker, or None when the worker keeps its ranks."""
         entry = self.workers.get(worker_id)
-        if entry is None or not entry.spec.dp_from_engine or len(ranks) == 0:
+        if entry is None or (new := _ranks_to_register(entry.spec, ranks)) is None:
             return None
-        if (ranks.start, len(ranks)) == (entry.spec.dp_start, entry.spec.dp_size):
-            return None
-        if len(ranks) > MAX_DP_SIZE or ranks.start < 0 or ranks.start > MAX_DP_RANK - MAX_DP_SIZE:
-            return None
-        start, size = ranks.start, len(ranks)
+        start, size = new.start, len(new)
         entry.spec = dataclasses.replace(entry.spec, dp_start=start, dp_size=size)
         entry.worker = dataclasses.replace(entry.worker, dp_start=start, dp_size=size)
         self.router.add_worker(entry.worker)
         if entry.draining:
             self.router.drain_worker(worker_id)
         _ViewEpoch.bump()
-        log.info(
-            "worker %s: its engine runs DP ranks %d..%d; re-registered with all of them",
-            worker_id,
-            ranks.start,
-            ranks.stop - 1,
-        )
         return entry.worker
 
     def _set_liveness(self, worker_id: str, alive: bool) -> None:
@@ -355,8 +373,8 @@ class Fleet:
         """A worker given without dp_start/dp_size gets the DP ranks its engine runs behind
         its URL (vLLM: /kv_event_sources; SGLang: /server_info), so that each rank is an
         endpoint of its own: indexed from its own events, loaded and routed to (with
-        X-Data-Parallel-Rank). A worker registers with its ranks once: an engine that does not
-        answer keeps one rank, as before."""
+        X-Data-Parallel-Rank). An engine that does not answer yet is asked again by its
+        adapter, which reports the ranks through the sink (_set_ranks)."""
         if not spec.dp_from_engine or not spec.url or spec.worker_id in self.workers:
             return spec  # (a duplicate id is refused by _register without asking)
         try:
@@ -368,25 +386,10 @@ class Fleet:
         except Exception as exc:  # noqa: BLE001 - an engine's answer must not stop the add
             log.warning("worker %s: could not ask its engine for its DP ranks (%s)", spec.url, exc)
             return spec
-        if ranks is None or len(ranks) == 0 or (ranks.start, len(ranks)) == (0, 1):
+        new = _ranks_to_register(spec, ranks) if ranks is not None else None
+        if new is None:
             return spec
-        if len(ranks) > MAX_DP_SIZE or ranks.start < 0 or ranks.start > MAX_DP_RANK - MAX_DP_SIZE:
-            log.warning(
-                "worker %s: its engine reports DP ranks %d..%d, beyond what kvplug registers "
-                "per worker; registered with one rank (set dp_start/dp_size)",
-                spec.worker_id,
-                ranks.start,
-                ranks.stop - 1,
-            )
-            return spec
-        log.info(
-            "worker %s: its engine runs DP ranks %d..%d behind %s; registered with all of them",
-            spec.worker_id,
-            ranks.start,
-            ranks.stop - 1,
-            spec.url,
-        )
-        return dataclasses.replace(spec, dp_start=ranks.start, dp_size=len(ranks))
+        return dataclasses.replace(spec, dp_start=new.start, dp_size=len(new))
 
     async def add(self, spec: WorkerSpec) -> WorkerEntry:
         spec = await self._with_engine_ranks(spec)
