@@ -205,7 +205,9 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             r64["kv_median_us"],
             *r64["kv_median_us_range"],
             r64["kv_p99_us"],
+            load("benchmarks/results/bench_router.json")["load_average_after"][0],
             SKIP,  # the target
+            SKIP,  # this host's previous (busy) run
             SKIP,  # the earlier host's figure (its JSON replaced by this host's)
             *_range(host_check("18dd7bc", "kv_median_us")),
             r64["kv_inflight_median_us"],
