@@ -9,7 +9,8 @@ Checks that the engine runs each request on the rank kvplug chose: kvplug sends
 from that rank, and a follow-up with the same prefix is routed back to it and hits that rank's
 prefix cache (the engine's own per-rank counter, ``vllm:prefix_cache_hits_total{engine=...}``).
 Without the header vLLM's own balancer picks a rank, and kvplug's index and load accounting
-would name a rank that did not run the request.
+would name a rank that did not run the request. Last, the engine is restarted with one rank
+behind the same URL, and kvplug must re-register the worker with that one rank.
 
 Needs the venv and model from ``.ci/setup_vllm.sh``; skipped (with the reason) without them.
 """
@@ -136,3 +137,38 @@ def test_each_request_runs_on_the_rank_kvplug_chose(dp_engine):
         # ... and the engine served it there, from that rank's cache
         gained = {r: after.get(r, 0.0) - before.get(r, 0.0) for r in after}
         assert gained.get(str(rank), 0.0) > 0 and gained.get(str(1 - rank), 0.0) == 0, gained
+
+
+def test_an_engine_restarted_with_one_rank_is_registered_with_one(dp_engine):
+    """The engine behind the URL restarted with ``--data-parallel-size 1``: kvplug (started
+    when it ran two ranks) sees the new process start time, asks again, and registers and
+    subscribes the one rank it runs now; requests go there and its events are indexed."""
+    url, engine, admin = dp_engine
+    engine.stop()
+    single = Engine(
+        "dp1",
+        engine.port,
+        engine.events_endpoint,
+        engine.replay_endpoint,
+        extra_args=["--max-model-len", "512"],
+    )
+    try:
+        start_engines([single], timeout=300)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            worker = _registered(admin)
+            if worker["dp_size"] == 1 and worker["events_ready"]:
+                break
+            time.sleep(0.5)
+        assert (worker["dp_start"], worker["dp_size"]) == (0, 1), worker
+        doc = "".join(f"Restarted line {j}: one rank holds the cache now. " for j in range(10))
+        for question in ("Q0", "Q1"):
+            body = {"model": "tiny", "prompt": doc + question, "max_tokens": 1}
+            headers, _ = http_post(url + "/v1/completions", body)
+            assert headers["x-kvplug-dp-rank"] == "0", headers
+            time.sleep(1.0)  # the first prompt's KV events reach kvplug
+        # the follow-up was routed on the new engine's events: kvplug saw its prefix cached
+        trace = json.loads(http_get(f"{url}/kvplug/decisions/{headers['x-kvplug-decision-id']}")[1])
+        assert trace["router"]["overlap_blocks"] >= 2, trace["router"]
+    finally:
+        single.stop()

@@ -582,3 +582,61 @@ def test_a_worker_whose_engine_never_comes_up_is_removed_cleanly():
         await fleet.close()
 
     asyncio.run(run())
+
+
+def test_an_engine_restarted_with_other_dp_ranks_is_registered_and_subscribed_again():
+    """vLLM restarted behind the same URL with another --data-parallel-size (its process start
+    time changes): a worker given by URL alone takes the ranks it runs now, new ranks are
+    subscribed and gone ones forgotten; a worker whose ranks were given keeps them."""
+    from kvplug.frontend.config import spec_from_mapping
+    from kvplug.frontend.fleet import Fleet
+
+    start = "process_start_time_seconds 1.79600119038e+09"
+    eng = FakeEngineHTTP(_rank_sources((0, 1)))
+    fixed = FakeEngineHTTP(_rank_sources((0, 1)))
+
+    def restart(engine: FakeEngineHTTP, ranks, n: int) -> None:
+        engine.sources = _rank_sources(ranks)
+        engine.metrics = METRICS.replace(start, f"process_start_time_seconds {1.8e9 + n}")
+
+    async def settle(fleet: Fleet, adapter, want: list[int]) -> tuple[list[int], list[str]]:
+        for _ in range(100):
+            known = [r for r in range(6) if fleet.router.endpoint_of("A", r) is not None]
+            streams = sorted(s for s in adapter.stats()["subscriber"]["streams"] if s[0] == "A")
+            if known == want and streams == [f"A/{r}" for r in want]:
+                break
+            await asyncio.sleep(0.05)
+        return known, streams
+
+    async def run():
+        fleet = Fleet(Router(RouterConfig(kv_block_size=32)))
+        adapter = fleet.adapter_for("vllm")
+        adapter.metrics_period = 0.05
+        try:
+            await fleet.add_many(
+                [
+                    spec_from_mapping({"id": "A", "url": eng.url}, "test"),
+                    spec_from_mapping({"id": "B", "url": fixed.url, "dp_size": 2}, "test"),
+                ]
+            )
+            seen = [await settle(fleet, adapter, [0, 1])]
+            await asyncio.sleep(0.2)  # both scrapers have seen the first start time
+            restart(eng, (0, 1, 2, 3), 1)
+            restart(fixed, (0, 1, 2, 3), 1)
+            seen.append(await settle(fleet, adapter, [0, 1, 2, 3]))
+            restart(eng, (0,), 2)
+            seen.append(await settle(fleet, adapter, [0]))
+            b_known = [r for r in range(6) if fleet.router.endpoint_of("B", r) is not None]
+            return seen, fleet.get("A").spec.dp_size, b_known
+        finally:
+            await fleet.close()
+
+    try:
+        seen, size, b_known = asyncio.run(run())
+    finally:
+        eng.close()
+        fixed.close()
+    assert seen[0] == ([0, 1], ["A/0", "A/1"])
+    assert seen[1] == ([0, 1, 2, 3], ["A/0", "A/1", "A/2", "A/3"])
+    assert seen[2] == ([0], ["A/0"]) and size == 1
+    assert b_known == [0, 1]  # given ranks stand

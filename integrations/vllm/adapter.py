@@ -56,6 +56,8 @@ class _WorkerRun:
     started_at: float | None = None  # the engine's process_start_time_seconds
     restarts_seen: int = 0  # subscriber.restarts() at the last good scrape
     capacity_reported: int = 0  # num_gpu_blocks last handed to the sink
+    worker: Worker | None = None  # as subscribed (a restarted engine is discovered again)
+    sink: Any = None
 
 
 def _rank_run(url: str, sources: list[RankSource] | None) -> range | None:
@@ -81,6 +83,11 @@ async def _ask_ranks(url: str) -> range | None:
     return _rank_run(url, await asyncio.to_thread(fetch_event_sources, url, RANKS_TIMEOUT))
 
 
+def _log_failure(done: Any) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.error("vLLM rediscovery failed", exc_info=done.exception())
+
+
 class VllmAdapter(VllmHttpAdapter):
     """vLLM: KV events over ZMQ (with replay), metrics, NIXL P/D."""
 
@@ -104,6 +111,7 @@ class VllmAdapter(VllmHttpAdapter):
         self._waiting: dict[str, asyncio.Task] = {}  # workers whose engine is not up yet
         self._listeners: list[LivenessListener] = []
         self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None  # rediscovery runs on it
 
     # -- liveness -----------------------------------------------------------------------------
     def add_liveness_listener(self, fn: LivenessListener) -> None:
@@ -139,6 +147,10 @@ class VllmAdapter(VllmHttpAdapter):
         if run.started_at is not None and started != run.started_at:
             log.warning("vLLM worker %s restarted (process start time changed)", run.worker_id)
             self.subscriber.resync(run.worker_id, if_restarts_at=run.restarts_seen)
+            if self._loop is not None and run.worker is not None:
+                with contextlib.suppress(RuntimeError):  # the loop has closed: shutting down
+                    done = asyncio.run_coroutine_threadsafe(self._rediscover(run), self._loop)
+                    done.add_done_callback(_log_failure)
         run.started_at = started
         run.restarts_seen = self.subscriber.restarts(run.worker_id)
 
@@ -153,8 +165,54 @@ class VllmAdapter(VllmHttpAdapter):
             log.warning("vLLM %s: GET /kv_event_sources failed (%s)", url, exc)
             return None
 
+    async def _rediscover(self, run: _WorkerRun) -> None:
+        """A restarted engine may run other DP ranks (a new --data-parallel-size) or publish on
+        other ports: ask it again, re-register a worker given without ranks with the ranks it
+        runs now (sink.update_ranks) and subscribe again when its sources changed. Otherwise
+        (the usual restart) the subscriber's resync alone rebuilds the worker's blocks."""
+        worker, sink = run.worker, run.sink
+        if worker is None or self._runs.get(worker.worker_id) is not run:
+            return  # removed, or started again, meanwhile
+        update_ranks = getattr(sink, "update_ranks", None)  # the frontend's sink
+        if worker.url and update_ranks is not None:
+            try:
+                ranks = await _ask_ranks(worker.url)
+            except (OSError, ValueError) as exc:  # down again: its next start asks again
+                log.warning("vLLM worker %s: not rediscovered (%s)", worker.worker_id, exc)
+                return
+            if ranks is not None:
+                worker = update_ranks(ranks) or worker
+        loop = asyncio.get_running_loop()
+        try:
+            info = await loop.run_in_executor(None, self._discover, worker)
+        except Exception as exc:  # noqa: BLE001 - keep the current subscription
+            log.warning("vLLM worker %s: not rediscovered (%s)", worker.worker_id, exc)
+            return
+        if worker is run.worker and info.sources == run.info.sources:
+            return
+        if self._runs.get(worker.worker_id) is not run:
+            return
+        log.warning(
+            "vLLM worker %s: the restarted engine publishes DP ranks %s; subscribing again",
+            worker.worker_id,
+            sorted(rs.dp_rank for rs in info.sources),
+        )
+        try:
+            await loop.run_in_executor(None, self._subscribe_again, worker, sink, info)
+        except Exception as exc:  # e.g. a new block size: as at start, loudly
+            log.error("vLLM worker %s: not subscribed again: %s", worker.worker_id, exc)
+            self.stop_worker_sync(worker.worker_id)
+            return
+        if getattr(sink, "active", True) is False:  # removed while it was subscribing
+            self.stop_worker_sync(worker.worker_id)
+
+    def _subscribe_again(self, worker: Worker, sink: WorkerSink, info: EngineInfo) -> None:
+        self.subscriber.remove(worker.worker_id)  # ranks the engine no longer runs included
+        self.start_worker_sync(worker, sink, info)
+
     async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:
         loop = asyncio.get_running_loop()
+        self._loop = loop
         try:
             await loop.run_in_executor(None, self.start_worker_sync, worker, sink)
         except EngineNotUp as exc:
@@ -200,11 +258,10 @@ class VllmAdapter(VllmHttpAdapter):
             self._waiting.pop(worker.worker_id, None)
             return
 
-    def start_worker_sync(self, worker: Worker, sink: WorkerSink) -> EngineInfo:
-        """Blocking form of ``start_worker`` (tests, threads). Raises ConfigError on a block
-        size mismatch or when no event endpoint can be found."""
+    @staticmethod
+    def _discover(worker: Worker) -> EngineInfo:
         topic = worker.labels.get("kv_events_topic", "") if worker.labels else ""
-        info = discover(
+        return discover(
             worker.url,
             endpoint=worker.event_endpoint,
             replay_endpoint=worker.replay_endpoint,
@@ -213,6 +270,15 @@ class VllmAdapter(VllmHttpAdapter):
             dp_size=worker.dp_size,
             metrics_url=worker.metrics_url,
         )
+
+    def start_worker_sync(
+        self, worker: Worker, sink: WorkerSink, info: EngineInfo | None = None
+    ) -> EngineInfo:
+        """Blocking form of ``start_worker`` (tests, threads); ``info``: the engine as just
+        discovered (else asked here). Raises ConfigError on a block size mismatch or when no
+        event endpoint can be found."""
+        if info is None:
+            info = self._discover(worker)
         bs = check_block_size(worker.worker_id, info.block_size, sink.block_size)
         host = urlsplit(worker.url).hostname if worker.url else None
         ranks = range(worker.dp_start, worker.dp_start + worker.dp_size)
@@ -261,7 +327,7 @@ class VllmAdapter(VllmHttpAdapter):
             raise
         scraper = None
         murl = worker.metrics_url or (worker.url.rstrip("/") + "/metrics" if worker.url else None)
-        run = _WorkerRun(worker.worker_id, info, None)
+        run = _WorkerRun(worker.worker_id, info, None, worker=worker, sink=sink)
         if murl:
 
             def on_sample(s: MetricsSample, _run: _WorkerRun = run) -> None:
