@@ -37,6 +37,7 @@ def test_kvplug_side_runs_and_reports_every_measure(tmp_path):
         for n in (128, 1024, 8192):
             assert rd[f"kvplug_query_{n}_median_us"] > 0
         assert rd["kvplug_hash_event_list_tokens_per_s"] > 0
+        assert rd["kvplug_hash_event_decoded_tokens_per_s"] > 0  # lists just decoded
     (mem,) = w["memory"]["kvplug"]  # one fresh subprocess
     assert mem["stored_blocks"] == w["stored_blocks"]
     assert mem["own_accounting_mib_per_million_blocks"] > 0

@@ -133,6 +133,15 @@ def core_rules() -> dict[tuple[str, str], Callable[[], list]]:
         ("hashing a vLLM", "kvplug (C)"): lambda: span("kvplug_hash_event_list_tokens_per_s", 1e9),
         ("hashing a vLLM", "Dynamo"): lambda: span("dynamo_hash_event_list_tokens_per_s", 1e9),
         ("hashing a vLLM", "kvplug vs Dynamo"): lambda: ratio("hashing, event token lists (wall)"),
+        ("hashing the list just", "kvplug (C)"): lambda: span(
+            "kvplug_hash_event_decoded_tokens_per_s", 1e9
+        ),
+        ("hashing the list just", "Dynamo"): lambda: span(
+            "dynamo_hash_event_decoded_tokens_per_s", 1e9
+        ),
+        ("hashing the list just", "kvplug vs Dynamo"): lambda: ratio(
+            "hashing, event token lists as decoded (wall)"
+        ),
         ("hashing the same", "kvplug vs Dynamo"): lambda: ratio(
             "numpy into kvplug: hashing event tokens"
         ),
