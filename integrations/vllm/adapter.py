@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from kvplug.adapters import PDContext, VllmHttpAdapter, register_adapter, report_capacity
+from kvplug.errors import ConfigError
+from kvplug.events import AllCleared
 
 from .discovery import (
     EngineInfo,
@@ -58,6 +60,7 @@ class _WorkerRun:
     capacity_reported: int = 0  # num_gpu_blocks last handed to the sink
     worker: Worker | None = None  # as subscribed (a restarted engine is discovered again)
     sink: Any = None
+    rediscovering: bool = False  # a _rediscover of this run is under way
 
 
 def _rank_run(url: str, sources: list[RankSource] | None) -> range | None:
@@ -81,6 +84,11 @@ async def _ask_ranks(url: str) -> range | None:
     """_rank_run of the engine's /kv_event_sources answer; raises OSError / ValueError when
     it does not answer (or answers nonsense)."""
     return _rank_run(url, await asyncio.to_thread(fetch_event_sources, url, RANKS_TIMEOUT))
+
+
+def _sources_of(info: EngineInfo, worker: Worker) -> list[RankSource]:
+    """The sources of the ranks the worker is registered with (what it subscribes)."""
+    return [rs for rs in info.sources if rs.dp_rank in worker.dp_ranks]
 
 
 def _log_failure(done: Any) -> None:
@@ -112,6 +120,8 @@ class VllmAdapter(VllmHttpAdapter):
         self._listeners: list[LivenessListener] = []
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None  # rediscovery runs on it
+        self._rediscoveries: set[Any] = set()  # their futures, cancelled by close()
+        self._closed = False
 
     # -- liveness -----------------------------------------------------------------------------
     def add_liveness_listener(self, fn: LivenessListener) -> None:
@@ -147,9 +157,14 @@ class VllmAdapter(VllmHttpAdapter):
         if run.started_at is not None and started != run.started_at:
             log.warning("vLLM worker %s restarted (process start time changed)", run.worker_id)
             self.subscriber.resync(run.worker_id, if_restarts_at=run.restarts_seen)
-            if self._loop is not None and run.worker is not None:
+            if self._loop is not None and run.worker is not None and not run.rediscovering:
+                run.rediscovering = True
                 with contextlib.suppress(RuntimeError):  # the loop has closed: shutting down
-                    done = asyncio.run_coroutine_threadsafe(self._rediscover(run), self._loop)
+                    done = asyncio.run_coroutine_threadsafe(
+                        self._rediscover(run, started), self._loop
+                    )
+                    self._rediscoveries.add(done)
+                    done.add_done_callback(self._rediscoveries.discard)
                     done.add_done_callback(_log_failure)
         run.started_at = started
         run.restarts_seen = self.subscriber.restarts(run.worker_id)
@@ -165,50 +180,73 @@ class VllmAdapter(VllmHttpAdapter):
             log.warning("vLLM %s: GET /kv_event_sources failed (%s)", url, exc)
             return None
 
-    async def _rediscover(self, run: _WorkerRun) -> None:
+    def _current(self, run: _WorkerRun) -> bool:
+        """Whether ``run`` is still its worker's (not removed, restarted or closed meanwhile)."""
+        return not self._closed and self._runs.get(run.worker_id) is run
+
+    async def _rediscover(self, run: _WorkerRun, started: float) -> None:
         """A restarted engine may run other DP ranks (a new --data-parallel-size) or publish on
-        other ports: ask it again, re-register a worker given without ranks with the ranks it
-        runs now (sink.update_ranks) and subscribe again when its sources changed. Otherwise
-        (the usual restart) the subscriber's resync alone rebuilds the worker's blocks."""
+        other ports: discover it again (until it answers), re-register a worker given without
+        ranks with the ranks it runs now (sink.update_ranks) and subscribe again when the
+        sources of its registered ranks changed. Otherwise (the usual restart) the subscriber's
+        resync alone rebuilds the worker's blocks."""
         worker, sink = run.worker, run.sink
-        if worker is None or self._runs.get(worker.worker_id) is not run:
-            return  # removed, or started again, meanwhile
-        update_ranks = getattr(sink, "update_ranks", None)  # the frontend's sink
-        if worker.url and update_ranks is not None:
-            try:
-                ranks = await _ask_ranks(worker.url)
-            except (OSError, ValueError) as exc:  # down again: its next start asks again
-                log.warning("vLLM worker %s: not rediscovered (%s)", worker.worker_id, exc)
-                return
-            if ranks is not None:
-                worker = update_ranks(ranks) or worker
+        assert worker is not None
+        registered = worker.dp_ranks
         loop = asyncio.get_running_loop()
-        try:
-            info = await loop.run_in_executor(None, self._discover, worker)
-        except Exception as exc:  # noqa: BLE001 - keep the current subscription
-            log.warning("vLLM worker %s: not rediscovered (%s)", worker.worker_id, exc)
+        while True:
+            if not self._current(run):
+                return
+            try:
+                info = await loop.run_in_executor(None, self._discover, worker)
+                break
+            except Exception as exc:  # noqa: BLE001 - down again, or not yet: ask again
+                log.warning(
+                    "vLLM worker %s: restarted engine not rediscovered (%s); asking again in %g s",
+                    worker.worker_id,
+                    exc,
+                    self.discovery_retry,
+                )
+                await asyncio.sleep(self.discovery_retry)
+        if not self._current(run):
             return
-        if worker is run.worker and info.sources == run.info.sources:
-            return
-        if self._runs.get(worker.worker_id) is not run:
+        update_ranks = getattr(sink, "update_ranks", None)  # the frontend's sink
+        ranks = _rank_run(worker.url or "", info.sources) if info.discovered else None
+        if ranks is not None and update_ranks is not None:
+            worker = update_ranks(ranks) or worker  # the fleet's word: given ranks stand
+        if worker is run.worker and _sources_of(info, worker) == _sources_of(run.info, worker):
             return
         log.warning(
             "vLLM worker %s: the restarted engine publishes DP ranks %s; subscribing again",
             worker.worker_id,
             sorted(rs.dp_rank for rs in info.sources),
         )
+        kept = [r for r in registered if r in worker.dp_ranks]
         try:
-            await loop.run_in_executor(None, self._subscribe_again, worker, sink, info)
-        except Exception as exc:  # e.g. a new block size: as at start, loudly
+            await loop.run_in_executor(
+                None, self._subscribe_again, run, worker, sink, info, kept, started
+            )
+        except Exception as exc:  # e.g. a new block size: as at start, loudly, and down
             log.error("vLLM worker %s: not subscribed again: %s", worker.worker_id, exc)
-            self.stop_worker_sync(worker.worker_id)
-            return
-        if getattr(sink, "active", True) is False:  # removed while it was subscribing
-            self.stop_worker_sync(worker.worker_id)
+            self._set_alive(run, False)
+            await loop.run_in_executor(None, self.stop_worker_sync, worker.worker_id)
 
-    def _subscribe_again(self, worker: Worker, sink: WorkerSink, info: EngineInfo) -> None:
+    def _subscribe_again(
+        self,
+        run: _WorkerRun,
+        worker: Worker,
+        sink: WorkerSink,
+        info: EngineInfo,
+        kept: list[int],
+        started: float,
+    ) -> None:
+        if not self._current(run):
+            return
         self.subscriber.remove(worker.worker_id)  # ranks the engine no longer runs included
-        self.start_worker_sync(worker, sink, info)
+        # what the old streams indexed from the new engine before they stopped could miss
+        # removals in the gap; the new streams rebuild from its replay buffer (seq 0 on)
+        sink.apply_threadsafe([AllCleared(worker_id=worker.worker_id, dp_rank=r) for r in kept])
+        self.start_worker_sync(worker, sink, info, started_at=started)
 
     async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:
         loop = asyncio.get_running_loop()
@@ -272,11 +310,18 @@ class VllmAdapter(VllmHttpAdapter):
         )
 
     def start_worker_sync(
-        self, worker: Worker, sink: WorkerSink, info: EngineInfo | None = None
+        self,
+        worker: Worker,
+        sink: WorkerSink,
+        info: EngineInfo | None = None,
+        started_at: float | None = None,
     ) -> EngineInfo:
         """Blocking form of ``start_worker`` (tests, threads); ``info``: the engine as just
-        discovered (else asked here). Raises ConfigError on a block size mismatch or when no
-        event endpoint can be found."""
+        discovered (else asked here); ``started_at``: its process start time when known, so
+        that a restart before the first scrape is seen. Raises ConfigError on a block size
+        mismatch or when no event endpoint can be found."""
+        if self._closed:
+            raise ConfigError("the vLLM adapter is closed")
         if info is None:
             info = self._discover(worker)
         bs = check_block_size(worker.worker_id, info.block_size, sink.block_size)
@@ -327,7 +372,9 @@ class VllmAdapter(VllmHttpAdapter):
             raise
         scraper = None
         murl = worker.metrics_url or (worker.url.rstrip("/") + "/metrics" if worker.url else None)
-        run = _WorkerRun(worker.worker_id, info, None, worker=worker, sink=sink)
+        run = _WorkerRun(
+            worker.worker_id, info, None, started_at=started_at, worker=worker, sink=sink
+        )
         if murl:
 
             def on_sample(s: MetricsSample, _run: _WorkerRun = run) -> None:
@@ -351,10 +398,18 @@ class VllmAdapter(VllmHttpAdapter):
             scraper.start()
         report_capacity(run, sink, info.num_gpu_blocks)
         with self._lock:
+            closed = self._closed
             old = self._runs.pop(worker.worker_id, None)
-            self._runs[worker.worker_id] = run
+            if not closed:
+                self._runs[worker.worker_id] = run
         if old is not None and old.scraper is not None:
             old.scraper.stop()
+        if closed:  # close() ran meanwhile: leave nothing running
+            if scraper is not None:
+                scraper.stop()
+            self.subscriber.remove(worker.worker_id)
+            self.subscriber.stop()
+            raise ConfigError("the vLLM adapter is closed")
         log.info(
             "vLLM worker %s: %d event source(s) (%s), block size %s, %s GPU blocks",
             worker.worker_id,
@@ -387,6 +442,10 @@ class VllmAdapter(VllmHttpAdapter):
         return self.subscriber.drop_counts()
 
     async def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        for done in list(self._rediscoveries):
+            done.cancel()
         for wid in list(self._waiting):
             await self.stop_worker(wid)
         for wid in list(self._runs):
