@@ -596,7 +596,8 @@ def test_an_engine_restarted_with_other_dp_ranks_is_registered_and_subscribed_ag
     fixed = FakeEngineHTTP(_rank_sources((0, 1)))
 
     def restart(engine: FakeEngineHTTP, ranks, n: int) -> None:
-        engine.sources = _rank_sources(ranks)
+        if ranks is not None:  # None: the same ranks on the same ports
+            engine.sources = _rank_sources(ranks)
         engine.metrics = METRICS.replace(start, f"process_start_time_seconds {1.8e9 + n}")
 
     async def settle(fleet: Fleet, adapter, want: list[int]) -> tuple[list[int], list[str]]:
@@ -627,10 +628,19 @@ def test_an_engine_restarted_with_other_dp_ranks_is_registered_and_subscribed_ag
                 if adapter._runs["B"].started_at:
                     break
                 await asyncio.sleep(0.05)
-            restart(eng, (0, 1, 2, 3), 1)
-            restart(fixed, (0, 1, 2, 3), 1)
+            # a plain restart first (the same ranks): nothing to re-register, and the run's
+            # next restart must still be asked about
+            run = adapter._runs["A"]
+            restart(eng, None, 1)
+            for _ in range(100):
+                if run.started_at == 1.8e9 + 1 and not run.rediscovering:
+                    break
+                await asyncio.sleep(0.05)
+            assert adapter._runs["A"] is run  # not subscribed again
+            restart(eng, (0, 1, 2, 3), 2)
+            restart(fixed, (0, 1, 2, 3), 2)
             seen.append(await settle(fleet, adapter, [0, 1, 2, 3]))
-            restart(eng, (0,), 2)
+            restart(eng, (0,), 3)
             seen.append(await settle(fleet, adapter, [0]))
             b_known = [r for r in range(6) if fleet.router.endpoint_of("B", r) is not None]
             b_streams = sorted(s for s in adapter.stats()["subscriber"]["streams"] if s[0] == "B")
@@ -647,3 +657,42 @@ def test_an_engine_restarted_with_other_dp_ranks_is_registered_and_subscribed_ag
     assert seen[1] == ([0, 1, 2, 3], ["A/0", "A/1", "A/2", "A/3"])
     assert seen[2] == ([0], ["A/0"]) and size == 1
     assert b_known == ([0, 1], ["B/0", "B/1"])  # given ranks stand, and stay subscribed
+
+
+def test_an_engine_restarted_with_another_block_size_is_reported_down():
+    """Restarted on the same ports with another --block-size: kvplug cannot consume its events
+    (their blocks are another size), so the worker is no longer consumed and is marked down,
+    as a mismatch refuses a worker at start, rather than dropping every event from then on."""
+    from kvplug.frontend.config import spec_from_mapping
+    from kvplug.frontend.fleet import Fleet
+
+    eng = FakeEngineHTTP(_rank_sources((0,)))
+
+    async def run():
+        fleet = Fleet(Router(RouterConfig(kv_block_size=32)))
+        adapter = fleet.adapter_for("vllm")
+        adapter.metrics_period = 0.05
+        try:
+            await fleet.add_many([spec_from_mapping({"id": "A", "url": eng.url}, "test")])
+            for _ in range(100):
+                if adapter._runs["A"].started_at:
+                    break
+                await asyncio.sleep(0.05)
+            eng.metrics = METRICS.replace('block_size="32"', 'block_size="16"').replace(
+                "process_start_time_seconds 1.79600119038e+09", "process_start_time_seconds 1.9e9"
+            )
+            for _ in range(100):
+                if not fleet.get("A").healthy:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # no late sample of the old scraper revives it
+            streams = [s for s in adapter.stats()["subscriber"]["streams"] if s[0] == "A"]
+            return fleet.get("A").healthy, fleet.get("A").down_by, streams
+        finally:
+            await fleet.close()
+
+    try:
+        healthy, down_by, streams = asyncio.run(run())
+    finally:
+        eng.close()
+    assert not healthy and "adapter" in down_by and streams == []

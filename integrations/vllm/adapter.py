@@ -185,6 +185,12 @@ class VllmAdapter(VllmHttpAdapter):
         return not self._closed and self._runs.get(run.worker_id) is run
 
     async def _rediscover(self, run: _WorkerRun, started: float) -> None:
+        try:
+            await self._rediscover_run(run, started)
+        finally:
+            run.rediscovering = False  # the run's next restart is asked about again
+
+    async def _rediscover_run(self, run: _WorkerRun, started: float) -> None:
         """A restarted engine may run other DP ranks (a new --data-parallel-size) or publish on
         other ports: discover it again (until it answers), re-register a worker given without
         ranks with the ranks it runs now (sink.update_ranks) and subscribe again when the
@@ -194,27 +200,41 @@ class VllmAdapter(VllmHttpAdapter):
         assert worker is not None
         registered = worker.dp_ranks
         loop = asyncio.get_running_loop()
+        asked_at = time.monotonic()
+        reminded = None
         while True:
             if not self._current(run):
                 return
             try:
                 info = await loop.run_in_executor(None, self._discover, worker)
+                if run.info.discovered and not info.discovered:  # a passing /kv_event_sources
+                    raise ConfigError("/kv_event_sources did not answer")  # failure: not config
                 break
             except Exception as exc:  # noqa: BLE001 - down again, or not yet: ask again
-                log.warning(
-                    "vLLM worker %s: restarted engine not rediscovered (%s); asking again in %g s",
-                    worker.worker_id,
-                    exc,
-                    self.discovery_retry,
-                )
+                now = time.monotonic()
+                if reminded is None or now - reminded >= 60:  # the first time, then a minute
+                    reminded = now
+                    log.warning(
+                        "vLLM worker %s: restarted engine not rediscovered after %.0f s (%s); "
+                        "asking again every %g s",
+                        worker.worker_id,
+                        now - asked_at,
+                        exc,
+                        self.discovery_retry,
+                    )
                 await asyncio.sleep(self.discovery_retry)
         if not self._current(run):
+            return
+        try:  # a restart may bring another block size, on the same ports
+            check_block_size(worker.worker_id, info.block_size, sink.block_size)
+        except ConfigError as exc:
+            await self._give_up(run, exc)
             return
         update_ranks = getattr(sink, "update_ranks", None)  # the frontend's sink
         ranks = _rank_run(worker.url or "", info.sources) if info.discovered else None
         if ranks is not None and update_ranks is not None:
             worker = update_ranks(ranks) or worker  # the fleet's word: given ranks stand
-        if worker is run.worker and _sources_of(info, worker) == _sources_of(run.info, worker):
+        if _sources_of(info, worker) == _sources_of(run.info, worker) and worker is run.worker:
             return
         log.warning(
             "vLLM worker %s: the restarted engine publishes DP ranks %s; subscribing again",
@@ -226,10 +246,16 @@ class VllmAdapter(VllmHttpAdapter):
             await loop.run_in_executor(
                 None, self._subscribe_again, run, worker, sink, info, kept, started
             )
-        except Exception as exc:  # e.g. a new block size: as at start, loudly, and down
-            log.error("vLLM worker %s: not subscribed again: %s", worker.worker_id, exc)
-            self._set_alive(run, False)
-            await loop.run_in_executor(None, self.stop_worker_sync, worker.worker_id)
+        except Exception as exc:  # noqa: BLE001 - as at start, loudly, and down
+            await self._give_up(run, exc)
+
+    async def _give_up(self, run: _WorkerRun, exc: BaseException) -> None:
+        """The restarted engine cannot be consumed (another block size, a failed subscribe):
+        its worker stops being consumed and is reported down, until it is added again."""
+        log.error("vLLM worker %s: not subscribed again: %s", run.worker_id, exc)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.stop_worker_sync, run.worker_id)
+        self._set_alive(run, False)  # after its scraper stopped: no sample revives it
 
     def _subscribe_again(
         self,
@@ -246,7 +272,7 @@ class VllmAdapter(VllmHttpAdapter):
         # what the old streams indexed from the new engine before they stopped could miss
         # removals in the gap; the new streams rebuild from its replay buffer (seq 0 on)
         sink.apply_threadsafe([AllCleared(worker_id=worker.worker_id, dp_rank=r) for r in kept])
-        self.start_worker_sync(worker, sink, info, started_at=started)
+        self.start_worker_sync(worker, sink, info, started_at=started, replaces=run)
 
     async def start_worker(self, worker: Worker, sink: WorkerSink) -> None:
         loop = asyncio.get_running_loop()
@@ -315,11 +341,13 @@ class VllmAdapter(VllmHttpAdapter):
         sink: WorkerSink,
         info: EngineInfo | None = None,
         started_at: float | None = None,
+        replaces: _WorkerRun | None = None,
     ) -> EngineInfo:
         """Blocking form of ``start_worker`` (tests, threads); ``info``: the engine as just
         discovered (else asked here); ``started_at``: its process start time when known, so
-        that a restart before the first scrape is seen. Raises ConfigError on a block size
-        mismatch or when no event endpoint can be found."""
+        that a restart before the first scrape is seen; ``replaces``: the run this start takes
+        over (a restarted engine's), installed only while that run is still the worker's.
+        Raises ConfigError on a block size mismatch or when no event endpoint can be found."""
         if self._closed:
             raise ConfigError("the vLLM adapter is closed")
         if info is None:
@@ -378,13 +406,15 @@ class VllmAdapter(VllmHttpAdapter):
         if murl:
 
             def on_sample(s: MetricsSample, _run: _WorkerRun = run) -> None:
+                if not self._current(_run):  # replaced or stopped: its verdicts are over
+                    return
                 self._check_restart(_run, s)
                 sink.set_attributes(s.attributes)  # stamped on the router's clock
                 report_capacity(_run, sink, s.num_gpu_blocks)  # per DP rank
                 self._set_alive(_run, True)
 
             def on_failure(n: int, e: Exception, _run: _WorkerRun = run) -> None:
-                if n >= self.unhealthy_after:
+                if n >= self.unhealthy_after and self._current(_run):
                     self._set_alive(_run, False)
 
             scraper = MetricsScraper(
@@ -399,17 +429,20 @@ class VllmAdapter(VllmHttpAdapter):
         report_capacity(run, sink, info.num_gpu_blocks)
         with self._lock:
             closed = self._closed
-            old = self._runs.pop(worker.worker_id, None)
-            if not closed:
+            current = self._runs.get(worker.worker_id)
+            stale = replaces is not None and current is not replaces  # removed meanwhile
+            if not (closed or stale):
                 self._runs[worker.worker_id] = run
-        if old is not None and old.scraper is not None:
-            old.scraper.stop()
-        if closed:  # close() ran meanwhile: leave nothing running
+        if closed or stale:  # leave nothing running
             if scraper is not None:
                 scraper.stop()
-            self.subscriber.remove(worker.worker_id)
-            self.subscriber.stop()
-            raise ConfigError("the vLLM adapter is closed")
+            if current is None:  # (a newer start of the worker keeps its streams)
+                self.subscriber.remove(worker.worker_id)
+            raise ConfigError(
+                "the vLLM adapter is closed" if closed else f"worker {worker.worker_id} removed"
+            )
+        if current is not None and current.scraper is not None:
+            current.scraper.stop()
         log.info(
             "vLLM worker %s: %d event source(s) (%s), block size %s, %s GPU blocks",
             worker.worker_id,

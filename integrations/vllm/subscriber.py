@@ -269,8 +269,9 @@ class VllmSubscriber:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._running = False
-        if self._thread is not None:
-            self._thread.join(timeout)
+        thread = self._thread  # read once: two stops may race (an adapter closing)
+        if thread is not None:
+            thread.join(timeout)
             self._thread = None
 
     def add(self, source: EventSource) -> None:
