@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from kvplug import AllCleared, ConfigError
 from kvplug.adapters import PDContext, VllmHttpAdapter, register_adapter, report_capacity
-from kvplug.errors import ConfigError
-from kvplug.events import AllCleared
 
 from .discovery import (
     EngineInfo,
