@@ -659,10 +659,11 @@ def test_an_engine_restarted_with_other_dp_ranks_is_registered_and_subscribed_ag
     assert b_known == ([0, 1], ["B/0", "B/1"])  # given ranks stand, and stay subscribed
 
 
-def test_an_engine_restarted_with_another_block_size_is_reported_down():
+def test_an_engine_restarted_with_another_block_size_is_down_until_restarted_right():
     """Restarted on the same ports with another --block-size: kvplug cannot consume its events
     (their blocks are another size), so the worker is no longer consumed and is marked down,
-    as a mismatch refuses a worker at start, rather than dropping every event from then on."""
+    as a mismatch refuses a worker at start, rather than dropping every event from then on.
+    Restarted again with the block size kvplug uses, it is subscribed and up again."""
     from kvplug.frontend.config import spec_from_mapping
     from kvplug.frontend.fleet import Fleet
 
@@ -685,14 +686,25 @@ def test_an_engine_restarted_with_another_block_size_is_reported_down():
                 if not fleet.get("A").healthy:
                     break
                 await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)  # no late sample of the old scraper revives it
+            await asyncio.sleep(0.3)  # its scraper's later samples do not revive it
             streams = [s for s in adapter.stats()["subscriber"]["streams"] if s[0] == "A"]
-            return fleet.get("A").healthy, fleet.get("A").down_by, streams
+            down = (fleet.get("A").healthy, sorted(fleet.get("A").down_by), streams)
+            # the operator restarts it again, with the block size kvplug uses: back, by itself
+            eng.metrics = METRICS.replace(
+                "process_start_time_seconds 1.79600119038e+09", "process_start_time_seconds 2e9"
+            )
+            for _ in range(100):
+                if fleet.get("A").healthy and adapter.events_ready("A"):
+                    break
+                await asyncio.sleep(0.05)
+            streams = [s for s in adapter.stats()["subscriber"]["streams"] if s[0] == "A"]
+            return down, (fleet.get("A").healthy, streams)
         finally:
             await fleet.close()
 
     try:
-        healthy, down_by, streams = asyncio.run(run())
+        down, back = asyncio.run(run())
     finally:
         eng.close()
-    assert not healthy and "adapter" in down_by and streams == []
+    assert down == (False, ["adapter"], [])
+    assert back == (True, ["A/0"])

@@ -60,6 +60,7 @@ class _WorkerRun:
     worker: Worker | None = None  # as subscribed (a restarted engine is discovered again)
     sink: Any = None
     rediscovering: bool = False  # a _rediscover of this run is under way
+    given_up: bool = False  # its restarted engine could not be consumed: down, not subscribed
 
 
 def _rank_run(url: str, sources: list[RankSource] | None) -> range | None:
@@ -118,6 +119,7 @@ class VllmAdapter(VllmHttpAdapter):
         self._waiting: dict[str, asyncio.Task] = {}  # workers whose engine is not up yet
         self._listeners: list[LivenessListener] = []
         self._lock = threading.Lock()
+        self._alive_lock = threading.RLock()  # liveness verdicts (scraper threads, the loop)
         self._loop: asyncio.AbstractEventLoop | None = None  # rediscovery runs on it
         self._rediscoveries: set[Any] = set()  # their futures, cancelled by close()
         self._closed = False
@@ -136,15 +138,16 @@ class VllmAdapter(VllmHttpAdapter):
         return None if t is None else time.monotonic() - t
 
     def _set_alive(self, run: _WorkerRun, alive: bool) -> None:
-        if run.alive == alive:
-            return
-        run.alive = alive
-        log.warning("vLLM worker %s is %s", run.worker_id, "back up" if alive else "DOWN")
-        for fn in list(self._listeners):
-            try:
-                fn(run.worker_id, alive)
-            except Exception:
-                log.exception("liveness listener failed for %s", run.worker_id)
+        with self._alive_lock:  # a verdict and its announcement are one step
+            if run.alive == alive or (alive and run.given_up):
+                return
+            run.alive = alive
+            log.warning("vLLM worker %s is %s", run.worker_id, "back up" if alive else "DOWN")
+            for fn in list(self._listeners):
+                try:
+                    fn(run.worker_id, alive)
+                except Exception:
+                    log.exception("liveness listener failed for %s", run.worker_id)
 
     def _check_restart(self, run: _WorkerRun, sample: MetricsSample) -> None:
         """A new process start time = a restarted engine with an empty cache. The sequence
@@ -233,7 +236,8 @@ class VllmAdapter(VllmHttpAdapter):
         ranks = _rank_run(worker.url or "", info.sources) if info.discovered else None
         if ranks is not None and update_ranks is not None:
             worker = update_ranks(ranks) or worker  # the fleet's word: given ranks stand
-        if _sources_of(info, worker) == _sources_of(run.info, worker) and worker is run.worker:
+        same = _sources_of(info, worker) == _sources_of(run.info, worker)
+        if same and worker is run.worker and not run.given_up:
             return
         log.warning(
             "vLLM worker %s: the restarted engine publishes DP ranks %s; subscribing again",
@@ -250,11 +254,18 @@ class VllmAdapter(VllmHttpAdapter):
 
     async def _give_up(self, run: _WorkerRun, exc: BaseException) -> None:
         """The restarted engine cannot be consumed (another block size, a failed subscribe):
-        its worker stops being consumed and is reported down, until it is added again."""
-        log.error("vLLM worker %s: not subscribed again: %s", run.worker_id, exc)
+        its worker stops being consumed and is reported down. Its scraper goes on, so the
+        engine's next restart (with a setting kvplug can use) is discovered again."""
+        log.error(
+            "vLLM worker %s: not subscribed again: %s; reported down until the engine restarts",
+            run.worker_id,
+            exc,
+        )
+        with self._alive_lock:  # no sample in flight revives it (_set_alive checks given_up)
+            run.given_up = True
+            self._set_alive(run, False)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.stop_worker_sync, run.worker_id)
-        self._set_alive(run, False)  # after its scraper stopped: no sample revives it
+        await loop.run_in_executor(None, self.subscriber.remove, run.worker_id)
 
     def _subscribe_again(
         self,
@@ -402,6 +413,8 @@ class VllmAdapter(VllmHttpAdapter):
         run = _WorkerRun(
             worker.worker_id, info, None, started_at=started_at, worker=worker, sink=sink
         )
+        if replaces is not None and replaces.given_up:
+            run.alive = False  # reported down: its first sample reports it back up
         if murl:
 
             def on_sample(s: MetricsSample, _run: _WorkerRun = run) -> None:
@@ -410,7 +423,7 @@ class VllmAdapter(VllmHttpAdapter):
                 self._check_restart(_run, s)
                 sink.set_attributes(s.attributes)  # stamped on the router's clock
                 report_capacity(_run, sink, s.num_gpu_blocks)  # per DP rank
-                self._set_alive(_run, True)
+                self._set_alive(_run, True)  # not once given up
 
             def on_failure(n: int, e: Exception, _run: _WorkerRun = run) -> None:
                 if n >= self.unhealthy_after and self._current(_run):
