@@ -687,8 +687,14 @@ def test_an_engine_restarted_with_another_block_size_is_down_until_restarted_rig
                     break
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.3)  # its scraper's later samples do not revive it
+            given_up = adapter._runs["A"]
+            for _ in range(100):  # its rediscovery has ended
+                if not given_up.rediscovering:
+                    break
+                await asyncio.sleep(0.05)
             streams = [s for s in adapter.stats()["subscriber"]["streams"] if s[0] == "A"]
             down = (fleet.get("A").healthy, sorted(fleet.get("A").down_by), streams)
+            down += (given_up.given_up, adapter.events_ready("A"), fleet.ready()[0])
             # the operator restarts it again, with the block size kvplug uses: back, by itself
             eng.metrics = METRICS.replace(
                 "process_start_time_seconds 1.79600119038e+09", "process_start_time_seconds 2e9"
@@ -698,7 +704,8 @@ def test_an_engine_restarted_with_another_block_size_is_down_until_restarted_rig
                     break
                 await asyncio.sleep(0.05)
             streams = [s for s in adapter.stats()["subscriber"]["streams"] if s[0] == "A"]
-            return down, (fleet.get("A").healthy, streams)
+            fresh = adapter._runs["A"]
+            return down, (fleet.get("A").healthy, streams, fresh is given_up, fresh.given_up)
         finally:
             await fleet.close()
 
@@ -706,5 +713,7 @@ def test_an_engine_restarted_with_another_block_size_is_down_until_restarted_rig
         down, back = asyncio.run(run())
     finally:
         eng.close()
-    assert down == (False, ["adapter"], [])
-    assert back == (True, ["A/0"])
+    # down, not consumed, and no longer counted against the router's readiness (it has no
+    # other worker, so the router is not ready: no routable worker)
+    assert down == (False, ["adapter"], [], True, None, False)
+    assert back == (True, ["A/0"], False, False)  # a new run took over

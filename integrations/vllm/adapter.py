@@ -126,7 +126,8 @@ class VllmAdapter(VllmHttpAdapter):
 
     # -- liveness -----------------------------------------------------------------------------
     def add_liveness_listener(self, fn: LivenessListener) -> None:
-        """``fn(worker_id, alive)`` is called from a scraper thread when a verdict changes."""
+        """``fn(worker_id, alive)`` is called from a scraper thread or the event loop when a
+        verdict changes, under a lock: it must not block (the fleet's posts to its loop)."""
         self._listeners.append(fn)
 
     def worker_alive(self, worker_id: str) -> bool | None:
@@ -191,6 +192,14 @@ class VllmAdapter(VllmHttpAdapter):
             await self._rediscover_run(run, started)
         finally:
             run.rediscovering = False  # the run's next restart is asked about again
+            if self._current(run) and run.started_at not in (None, started):
+                # it restarted again while this rediscovery ran (which kept _check_restart from
+                # asking): ask about the latest start
+                run.rediscovering = True
+                task = asyncio.get_running_loop().create_task(self._rediscover(run, run.started_at))
+                self._rediscoveries.add(task)
+                task.add_done_callback(self._rediscoveries.discard)
+                task.add_done_callback(_log_failure)
 
     async def _rediscover_run(self, run: _WorkerRun, started: float) -> None:
         """A restarted engine may run other DP ranks (a new --data-parallel-size) or publish on
@@ -256,6 +265,8 @@ class VllmAdapter(VllmHttpAdapter):
         """The restarted engine cannot be consumed (another block size, a failed subscribe):
         its worker stops being consumed and is reported down. Its scraper goes on, so the
         engine's next restart (with a setting kvplug can use) is discovered again."""
+        if not self._current(run):  # removed (or added again) meanwhile: not this run's call
+            return
         log.error(
             "vLLM worker %s: not subscribed again: %s; reported down until the engine restarts",
             run.worker_id,
@@ -413,14 +424,16 @@ class VllmAdapter(VllmHttpAdapter):
         run = _WorkerRun(
             worker.worker_id, info, None, started_at=started_at, worker=worker, sink=sink
         )
-        if replaces is not None and replaces.given_up:
-            run.alive = False  # reported down: its first sample reports it back up
+        if replaces is not None:  # the verdict so far stands until this run's first sample
+            run.alive = replaces.alive and not replaces.given_up
         if murl:
 
             def on_sample(s: MetricsSample, _run: _WorkerRun = run) -> None:
                 if not self._current(_run):  # replaced or stopped: its verdicts are over
                     return
                 self._check_restart(_run, s)
+                if _run.given_up:  # its engine is not consumed: not the worker's figures
+                    return
                 sink.set_attributes(s.attributes)  # stamped on the router's clock
                 report_capacity(_run, sink, s.num_gpu_blocks)  # per DP rank
                 self._set_alive(_run, True)  # not once given up
@@ -481,6 +494,9 @@ class VllmAdapter(VllmHttpAdapter):
         self.subscriber.remove(worker_id)
 
     def events_ready(self, worker_id: str) -> bool | None:
+        run = self._runs.get(worker_id)
+        if run is not None and run.given_up:
+            return None  # reported down instead: one unusable engine does not unready the router
         return self.subscriber.running and self.subscriber.has_worker(worker_id)
 
     def event_drops(self) -> dict[str, dict[str, int]]:
