@@ -41,6 +41,7 @@ class FakeEngineHTTP:
         self.sources = sources
         self.metrics = metrics
         self.up = True
+        self.asked: dict[str, int] = {}  # GETs per path
         outer = self
 
         class H(http.server.BaseHTTPRequestHandler):
@@ -48,6 +49,7 @@ class FakeEngineHTTP:
                 pass
 
             def do_GET(self):  # noqa: N802 - http.server's name
+                outer.asked[self.path] = outer.asked.get(self.path, 0) + 1
                 if not outer.up:
                     self.send_error(503)
                     return
@@ -518,6 +520,8 @@ def test_a_worker_without_ranks_registers_the_ranks_its_engine_runs(given, ranks
     assert (registered.dp_start, registered.dp_size) == (0, len(ranks))
     assert router_ranks == ranks
     assert streams == [f"A/{r}" for r in ranks]
+    # the ranks registered and the sources subscribed are one answer: asked once per add
+    assert eng.asked["/kv_event_sources"] == 1
 
 
 @pytest.mark.parametrize("given", ["url", "dp_size 1"])

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvplug.vllm")
 RANKS_TIMEOUT = 2.0  # seconds for /kv_event_sources when a worker is added (it waits)
+ANSWER_REUSE_S = 5.0  # engine_ranks' answer serves the worker's start within this many seconds
 
 LivenessListener = Callable[[str, bool], Any]
 
@@ -78,12 +79,6 @@ def _rank_run(url: str, sources: list[RankSource] | None) -> range | None:
         )
         return None
     return range(ranks[0], ranks[-1] + 1)
-
-
-async def _ask_ranks(url: str) -> range | None:
-    """_rank_run of the engine's /kv_event_sources answer; raises OSError / ValueError when
-    it does not answer (or answers nonsense)."""
-    return _rank_run(url, await asyncio.to_thread(fetch_event_sources, url, RANKS_TIMEOUT))
 
 
 def _sources_of(info: EngineInfo, worker: Worker) -> list[RankSource]:
@@ -122,6 +117,8 @@ class VllmAdapter(VllmHttpAdapter):
         self._alive_lock = threading.RLock()  # liveness verdicts (scraper threads, the loop)
         self._loop: asyncio.AbstractEventLoop | None = None  # rediscovery runs on it
         self._rediscoveries: set[Any] = set()  # their futures, cancelled by close()
+        # url -> (when, /kv_event_sources answer) of engine_ranks, for the start that follows
+        self._answers: dict[str, tuple[float, list[RankSource] | None]] = {}
         self._closed = False
 
     # -- liveness -----------------------------------------------------------------------------
@@ -178,10 +175,18 @@ class VllmAdapter(VllmHttpAdapter):
         server: all of them with internal load balancing, the node's with hybrid, the one with
         external); None from an older engine (404) or an unreachable one."""
         try:
-            return await _ask_ranks(url)
+            return await self._ask_ranks(url)
         except (OSError, ValueError) as exc:
             log.warning("vLLM %s: GET /kv_event_sources failed (%s)", url, exc)
             return None
+
+    async def _ask_ranks(self, url: str) -> range | None:
+        """_rank_run of the engine's /kv_event_sources answer, kept for the worker's start
+        that follows (it subscribes the sources of the same answer, without asking again);
+        raises OSError / ValueError when the engine does not answer (or answers nonsense)."""
+        sources = await asyncio.to_thread(fetch_event_sources, url, RANKS_TIMEOUT)
+        self._answers[url] = (time.monotonic(), sources)
+        return _rank_run(url, sources)
 
     def _current(self, run: _WorkerRun) -> bool:
         """Whether ``run`` is still its worker's (not removed, restarted or closed meanwhile)."""
@@ -318,7 +323,7 @@ class VllmAdapter(VllmHttpAdapter):
         while True:
             await asyncio.sleep(self.discovery_retry)
             try:  # quietly: the engine is expected to be down for a while
-                ranks = await _ask_ranks(worker.url or "")
+                ranks = await self._ask_ranks(worker.url or "")
             except (OSError, ValueError) as exc:
                 if time.monotonic() - reminded >= 60:  # a reminder a minute (a wrong URL?)
                     reminded = time.monotonic()
@@ -343,9 +348,10 @@ class VllmAdapter(VllmHttpAdapter):
             self._waiting.pop(worker.worker_id, None)
             return
 
-    @staticmethod
-    def _discover(worker: Worker) -> EngineInfo:
+    def _discover(self, worker: Worker) -> EngineInfo:
         topic = worker.labels.get("kv_events_topic", "") if worker.labels else ""
+        asked = self._answers.pop(worker.url, None) if worker.url else None
+        fresh = asked is not None and time.monotonic() - asked[0] < ANSWER_REUSE_S
         return discover(
             worker.url,
             endpoint=worker.event_endpoint,
@@ -354,6 +360,7 @@ class VllmAdapter(VllmHttpAdapter):
             dp_start=worker.dp_start,
             dp_size=worker.dp_size,
             metrics_url=worker.metrics_url,
+            answered=(asked[1],) if fresh and asked is not None else None,
         )
 
     def start_worker_sync(

@@ -153,11 +153,15 @@ def discover(
     dp_size: int = 1,
     metrics_url: str | None = None,
     timeout: float = 2.0,
+    answered: tuple[list[RankSource] | None] | None = None,
 ) -> EngineInfo:
     """Ask the engine (when it has a URL) for its sources and cache config; fill the rest from
-    configuration. Raises ConfigError when neither gives an event endpoint."""
+    configuration. ``answered``: ``(fetch_event_sources's answer,)`` when the caller has just
+    fetched it (not asked again). Raises ConfigError when neither gives an event endpoint."""
     sources = None
-    if base_url:
+    if answered is not None:
+        (sources,) = answered
+    elif base_url:
         try:
             sources = fetch_event_sources(base_url, timeout)
         except (OSError, ValueError) as e:
