@@ -30,6 +30,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -138,42 +139,57 @@ def call_overhead(dll) -> float:
     return best
 
 
-def time_best(fn, passes: int) -> float:
+def time_best(run, prepared, passes: int) -> float:
     best = float("inf")
     for _ in range(passes):
         t0 = time.perf_counter()
-        fn()
+        run(prepared)
         best = min(best, time.perf_counter() - t0)
     return best
 
 
-def measure(lists: list[list[int]], dll, dynamo, passes: int, order: list[str]) -> dict:
-    n_tok = sum(len(lst) for lst in lists)
-    arrays = [np.array(lst, np.uint32) for lst in lists]
-    ptrs, lens = item_pointers(lists)
+def methods(dll, dynamo) -> dict[str, tuple[Callable, Callable]]:
+    """name -> (prepare, run): ``prepare(lists)`` makes what the method is handed, off the
+    clock; ``run`` of it is timed. The read loop is handed the lists' raw item arrays: their
+    caller keeps the lists alive while it runs."""
     acc = ctypes.c_uint64(0)
 
-    def floor() -> None:
-        if not dll.read_lists(ptrs, lens, len(lists), ctypes.byref(acc)):
+    def read_loop(prepared: tuple[ctypes.Array, ctypes.Array, int]) -> None:
+        ptrs, lens, count = prepared
+        if not dll.read_lists(ptrs, lens, count, ctypes.byref(acc)):
             raise AssertionError("read floor: an item is not a small exact int")
 
-    def kvplug_lists() -> None:
-        for lst in lists:
-            core.seq_hashes(lst, BS)
+    def hash_each(fn: Callable) -> Callable:
+        def run(items: list) -> None:
+            for x in items:
+                fn(x, BS)
 
-    def kvplug_numpy() -> None:
-        for a in arrays:
-            core.seq_hashes(a, BS)
+        return run
 
-    fns = {"read_floor": floor, "kvplug_list": kvplug_lists, "kvplug_numpy": kvplug_numpy}
+    def same(lists: list[list[int]]) -> list[list[int]]:
+        return lists
+
+    out: dict[str, tuple[Callable, Callable]] = {
+        "read_floor": (lambda lists: (*item_pointers(lists), len(lists)), read_loop),
+        "kvplug_list": (same, hash_each(core.seq_hashes)),
+        "kvplug_numpy": (
+            lambda lists: [np.array(x, np.uint32) for x in lists],
+            hash_each(core.seq_hashes),
+        ),
+    }
     if dynamo is not None:
+        out["dynamo_list"] = (same, hash_each(dynamo.compute_block_hash_for_seq))
+    return out
 
-        def dynamo_lists() -> None:
-            for lst in lists:
-                dynamo.compute_block_hash_for_seq(lst, BS)
 
-        fns["dynamo_list"] = dynamo_lists
-    best = {name: time_best(fns[name], passes) for name in order if name in fns}
+def measure(lists: list[list[int]], dll, dynamo, passes: int, order: list[str]) -> dict:
+    n_tok = sum(len(lst) for lst in lists)
+    fns = methods(dll, dynamo)
+    best = {}
+    for name in order:
+        if name in fns:
+            prepare, run = fns[name]
+            best[name] = time_best(run, prepare(lists), passes)
     overhead = call_overhead(dll)
     out = {"read_floor_raw": best["read_floor"] / n_tok * 1e9, "call_overhead_s": overhead}
     best["read_floor"] -= overhead  # one call per pass
@@ -188,29 +204,7 @@ def measure_decoded(
     import msgspec
 
     dec = msgspec.msgpack.Decoder(list[int])
-    acc = ctypes.c_uint64(0)
-
-    def floor(lists: tuple[ctypes.Array, ctypes.Array, int]) -> None:
-        ptrs, lens, count = lists  # the item arrays, found off the clock
-        if not dll.read_lists(ptrs, lens, count, ctypes.byref(acc)):
-            raise AssertionError("read floor: an item is not a small exact int")
-
-    def kvplug_lists(lists: list[list[int]]) -> None:
-        for lst in lists:
-            core.seq_hashes(lst, BS)
-
-    def kvplug_numpy(lists: list[list[int]]) -> None:  # the arrays are made off the clock
-        for a in lists:
-            core.seq_hashes(a, BS)
-
-    fns = {"read_floor": floor, "kvplug_list": kvplug_lists, "kvplug_numpy": kvplug_numpy}
-    if dynamo is not None:
-
-        def dynamo_lists(lists: list[list[int]]) -> None:
-            for lst in lists:
-                dynamo.compute_block_hash_for_seq(lst, BS)
-
-        fns["dynamo_list"] = dynamo_lists
+    fns = methods(dll, dynamo)
     overhead = call_overhead(dll)  # one read_lists call per chunk
     n_tok = 0
     best: dict[str, float] = {}
@@ -220,16 +214,13 @@ def measure_decoded(
             for name in order if (p + i // chunk) % 2 == 0 else order[::-1]:
                 if name not in fns:
                     continue
+                prepare, run = fns[name]
                 lists = [dec.decode(b) for b in encoded[i : i + chunk]]
                 if p == 0 and name == "read_floor":
                     n_tok += sum(len(lst) for lst in lists)
-                args: object = lists
-                if name == "kvplug_numpy":
-                    args = [np.array(x, np.uint32) for x in lists]
-                elif name == "read_floor":
-                    args = (*item_pointers(lists), len(lists))
+                prepared = prepare(lists)
                 t0 = time.perf_counter()
-                fns[name](args)
+                run(prepared)
                 total[name] += time.perf_counter() - t0 - (overhead if name == "read_floor" else 0)
         for name, t in total.items():
             best[name] = min(best.get(name, float("inf")), t)

@@ -446,6 +446,15 @@ def test_an_engine_with_more_ranks_than_registered_is_named_in_a_warning(caplog)
         eng.close()
 
 
+async def _until(condition, pause: float = 0.05, tries: int = 100) -> None:
+    """Wait until ``condition()`` holds, at most ``tries`` pauses (the caller's assertions say
+    what was expected)."""
+    for _ in range(tries):
+        if condition():
+            return
+        await asyncio.sleep(pause)
+
+
 def _rank_sources(ranks) -> dict:
     return {
         str(rank): {
@@ -548,10 +557,8 @@ def test_an_engine_that_comes_up_after_its_worker_was_added_is_subscribed_then(g
             (added,) = await fleet.add_many([spec_from_mapping(entry, "test")])
             assert added.spec.dp_size == 1 and adapter.events_ready("A") is False
             holder["engine"] = FakeEngineHTTP(_rank_sources((0, 1)), port=port)
-            for _ in range(100):  # until the background start has finished
-                if "A" not in adapter._waiting:
-                    break
-                await asyncio.sleep(0.1)
+            # until the background start has finished
+            await _until(lambda: "A" not in adapter._waiting, pause=0.1)
             known = [r for r in range(4) if fleet.router.endpoint_of("A", r) is not None]
             streams = sorted(adapter.stats()["subscriber"]["streams"])
             return adapter.events_ready("A"), fleet.get("A").spec.dp_size, known, streams
@@ -628,18 +635,13 @@ def test_an_engine_restarted_with_other_dp_ranks_is_registered_and_subscribed_ag
                 ]
             )
             seen = [await settle(fleet, adapter, [0, 1])]
-            for _ in range(100):  # B's scraper has seen the first start time too
-                if adapter._runs["B"].started_at:
-                    break
-                await asyncio.sleep(0.05)
+            # B's scraper has seen the first start time too
+            await _until(lambda: adapter._runs["B"].started_at)
             # a plain restart first (the same ranks): nothing to re-register, and the run's
             # next restart must still be asked about
             run = adapter._runs["A"]
             restart(eng, None, 1)
-            for _ in range(100):
-                if run.started_at == 1.8e9 + 1 and not run.rediscovering:
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: run.started_at == 1.8e9 + 1 and not run.rediscovering)
             assert adapter._runs["A"] is run  # not subscribed again
             restart(eng, (0, 1, 2, 3), 2)
             restart(fixed, (0, 1, 2, 3), 2)
@@ -679,23 +681,14 @@ def test_an_engine_restarted_with_another_block_size_is_down_until_restarted_rig
         adapter.metrics_period = 0.05
         try:
             await fleet.add_many([spec_from_mapping({"id": "A", "url": eng.url}, "test")])
-            for _ in range(100):
-                if adapter._runs["A"].started_at:
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: adapter._runs["A"].started_at)
             eng.metrics = METRICS.replace('block_size="32"', 'block_size="16"').replace(
                 "process_start_time_seconds 1.79600119038e+09", "process_start_time_seconds 1.9e9"
             )
-            for _ in range(100):
-                if not fleet.get("A").healthy:
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: not fleet.get("A").healthy)
             await asyncio.sleep(0.3)  # its scraper's later samples do not revive it
             given_up = adapter._runs["A"]
-            for _ in range(100):  # its rediscovery has ended
-                if not given_up.rediscovering:
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: not given_up.rediscovering)  # its rediscovery has ended
             streams = [s for s in adapter.stats()["subscriber"]["streams"] if s[0] == "A"]
             down = (fleet.get("A").healthy, sorted(fleet.get("A").down_by), streams)
             down += (given_up.given_up, adapter.events_ready("A"), fleet.ready()[0])
@@ -703,10 +696,7 @@ def test_an_engine_restarted_with_another_block_size_is_down_until_restarted_rig
             eng.metrics = METRICS.replace(
                 "process_start_time_seconds 1.79600119038e+09", "process_start_time_seconds 2e9"
             )
-            for _ in range(100):
-                if fleet.get("A").healthy and adapter.events_ready("A"):
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: fleet.get("A").healthy and adapter.events_ready("A"))
             streams = [s for s in adapter.stats()["subscriber"]["streams"] if s[0] == "A"]
             fresh = adapter._runs["A"]
             return down, (fleet.get("A").healthy, streams, fresh is given_up, fresh.given_up)

@@ -157,15 +157,7 @@ class VllmAdapter(VllmHttpAdapter):
         if run.started_at is not None and started != run.started_at:
             log.warning("vLLM worker %s restarted (process start time changed)", run.worker_id)
             self.subscriber.resync(run.worker_id, if_restarts_at=run.restarts_seen)
-            if self._loop is not None and run.worker is not None and not run.rediscovering:
-                run.rediscovering = True
-                with contextlib.suppress(RuntimeError):  # the loop has closed: shutting down
-                    done = asyncio.run_coroutine_threadsafe(
-                        self._rediscover(run, started), self._loop
-                    )
-                    self._rediscoveries.add(done)
-                    done.add_done_callback(self._rediscoveries.discard)
-                    done.add_done_callback(_log_failure)
+            self._ask_about_restart(run, started)
         run.started_at = started
         run.restarts_seen = self.subscriber.restarts(run.worker_id)
 
@@ -192,6 +184,18 @@ class VllmAdapter(VllmHttpAdapter):
         """Whether ``run`` is still its worker's (not removed, restarted or closed meanwhile)."""
         return not self._closed and self._runs.get(run.worker_id) is run
 
+    def _ask_about_restart(self, run: _WorkerRun, started: float | None) -> None:
+        """Schedule ``_rediscover`` of the run on the adapter's loop (from a scraper thread or
+        the loop itself), unless one is under way."""
+        if self._loop is None or run.worker is None or run.rediscovering or started is None:
+            return
+        run.rediscovering = True
+        with contextlib.suppress(RuntimeError):  # the loop has closed: shutting down
+            done = asyncio.run_coroutine_threadsafe(self._rediscover(run, started), self._loop)
+            self._rediscoveries.add(done)
+            done.add_done_callback(self._rediscoveries.discard)
+            done.add_done_callback(_log_failure)
+
     async def _rediscover(self, run: _WorkerRun, started: float) -> None:
         try:
             await self._rediscover_run(run, started)
@@ -200,11 +204,7 @@ class VllmAdapter(VllmHttpAdapter):
             if self._current(run) and run.started_at not in (None, started):
                 # it restarted again while this rediscovery ran (which kept _check_restart from
                 # asking): ask about the latest start
-                run.rediscovering = True
-                task = asyncio.get_running_loop().create_task(self._rediscover(run, run.started_at))
-                self._rediscoveries.add(task)
-                task.add_done_callback(self._rediscoveries.discard)
-                task.add_done_callback(_log_failure)
+                self._ask_about_restart(run, run.started_at)
 
     async def _rediscover_run(self, run: _WorkerRun, started: float) -> None:
         """A restarted engine may run other DP ranks (a new --data-parallel-size) or publish on
