@@ -185,6 +185,15 @@ class AffinityParams:
     # has just had its turn (conversations come back tens of seconds to minutes later) weighs
     # little, and one whose turn was minutes ago weighs most (experimental; docs/sim.md)
     spread_lag: float = 0.0
+    # > 0: the spread leaves out candidates whose recently written prompt blocks (as
+    # spread_churn counts them) exceed the fleet's mean per engine by more than this share of
+    # it: a cache that turns over faster than the others evicts what they would keep, and
+    # sending it more long cold prompts makes that self-reinforcing
+    churn_cap: float = 0.0
+    # seconds (0: half_life): decay of the written blocks spread_churn and churn_cap weigh. A
+    # cache's turnover is what fills it over its lifetime (minutes), longer than the memory
+    # of follow-ups the spread needs
+    churn_half_life: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.guard >= 0 and self.cap >= 0 and self.memory >= 0 and self.slack >= 0):
@@ -203,13 +212,15 @@ class AffinityParams:
             raise ValueError("affinity: rescue must be >= 0")
         if self.spread < 0 or self.half_life <= 0 or self.spread_kv < 0:
             raise ValueError("affinity: spread and spread_kv must be >= 0 and half_life > 0")
+        if self.churn_half_life < 0:
+            raise ValueError("affinity: churn_half_life must be >= 0")
         if (
             min(self.read_ms, self.spread_eps, self.protect, self.protect_blocks) < 0
-            or min(self.balance, self.spread_churn, self.spread_lag) < 0
+            or min(self.balance, self.spread_churn, self.spread_lag, self.churn_cap) < 0
         ):
             raise ValueError(
                 "affinity: read_ms, spread_eps, protect, protect_blocks, balance, "
-                "spread_churn and spread_lag must be >= 0"
+                "spread_churn, spread_lag and churn_cap must be >= 0"
             )
         if self.spread_by not in SPREAD_BY:
             raise ValueError(f"affinity: spread_by must be one of {', '.join(SPREAD_BY)}")
@@ -261,6 +272,13 @@ AFFINITY_PRESETS["affinity-balance"] = {
     # follow-up wait for its cache, and the sessions scattered then stay scattered (issue 14's
     # seventh pass)
     "warm": 1,
+    # a long cold prompt is not spread to an engine whose cache has been written a tenth more
+    # than the fleet's mean over the last minutes: spreading by follow-ups alone sent cold
+    # prompts to the same few engines, whose caches then turned over ~2x faster and evicted
+    # documents read again minutes later (Mooncake's synthetic trace; issue 14's sixteenth
+    # pass). Written blocks decay over 300 s, about a cache's lifetime there
+    "churn_cap": 0.1,
+    "churn_half_life": 300,
 }
 AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
@@ -480,8 +498,10 @@ class Affinity:
         # balance guard: endpoint -> (decayed count of requests routed there, at), and the sum
         self._routed: dict[int, tuple[float, float]] = {}
         self._routed_sum = (0.0, 0.0)
-        # spread_churn: endpoint -> (decayed count of prompt blocks written there, at)
+        # spread_churn, churn_cap: endpoint -> (decayed count of prompt blocks written there,
+        # at), and the sum
         self._written: dict[int, tuple[float, float]] = {}
+        self._written_sum = (0.0, 0.0)
 
     def choose(self, trace, b: int, blocks: int, hashes=None) -> int | None:
         """The candidate (an index into ``trace``'s) this request goes to instead of kv's pick
@@ -504,7 +524,7 @@ class Affinity:
         final = b if pick is None else pick  # where the request goes
         if self.params.balance:
             self._count_routed(trace, final)
-        if self.params.spread_churn:
+        if self.params.spread_churn or self.params.churn_cap:
             self._count_written(trace, final, blocks - overlap[final])
         if pick is None or pick == b:
             self.affinity_counters["kept_kv"] += 1
@@ -665,7 +685,18 @@ class Affinity:
         self._routed_sum = (self._decayed(self._routed_sum, now) + 1.0, now)
 
     def _count_written(self, trace, i: int, blocks: float) -> None:
-        self._add(self._written, int(trace.endpoints[i]), blocks, self._router._clock())
+        now = self._router._clock()
+        hl = self.params.churn_half_life
+        self._add(self._written, int(trace.endpoints[i]), blocks, now, hl)
+        self._written_sum = (self._decayed(self._written_sum, now, hl) + blocks, now)
+
+    def _churning(self, trace, i: int, now: float) -> bool:
+        """churn_cap: have more prompt blocks been written to candidate ``i``'s cache recently
+        than the fleet's mean per candidate by more than the ``churn_cap`` share of it?"""
+        hl = self.params.churn_half_life
+        mean = self._decayed(self._written_sum, now, hl) / len(trace.endpoints)
+        mine = self._rate(self._written, int(trace.endpoints[i]), now, hl)
+        return mine > mean * (1.0 + self.params.churn_cap)
 
     def _crowded(self, trace, i: int) -> bool:
         """Balance guard: has candidate ``i`` been sent more requests recently than the fleet's
@@ -717,7 +748,8 @@ class Affinity:
         queued prefill than kv's pick and at most ``spread_kv`` more active KV blocks;
         ``"ttft"``: predicted to start it within ``spread_eps`` seconds of the soonest), the one
         with the fewest recent follow-ups, plus ``spread_churn`` times its recently written
-        blocks (None: kv's pick stands, ties included)."""
+        blocks; with ``churn_cap``, only among those whose caches do not turn over faster than
+        the fleet's by more than that share (None: kv's pick stands, ties included)."""
         params = self.params
         if not params.spread:
             return None
@@ -742,17 +774,22 @@ class Affinity:
                 for i in range(n)
                 if self._queue_of(trace, eps[i])[0] <= limit and decode[i] <= decode_limit
             ]
+        now = router._clock()
+        if params.churn_cap:
+            candidates = [i for i in candidates if not self._churning(trace, i, now)]
         if b in candidates:
             candidates.insert(0, b)  # min() keeps the first of equals: a tie keeps kv's pick
-        now = router._clock()
+        elif not candidates:
+            return None
         churn, followups, written = params.spread_churn, self._followups, self._written
+        churn_hl = params.churn_half_life
         lagged = self._followups_lag
         best = min(
             candidates,
             key=lambda i: (
                 self._rate(followups, eps[i], now)
                 - (self._rate(lagged, eps[i], now, params.spread_lag) if params.spread_lag else 0.0)
-                + (churn * self._rate(written, eps[i], now) if churn else 0.0)
+                + (churn * self._rate(written, eps[i], now, churn_hl) if churn else 0.0)
             ),
         )
         if best == b:

@@ -567,7 +567,7 @@ def test_affinity_balance_is_affinity_protect_with_the_balance_guard_and_the_def
     from kvplug.config import RouterConfig
 
     assert parse_affinity("affinity-balance") == parse_affinity(
-        "affinity-protect:balance=0.5,warm=1"
+        "affinity-protect:balance=0.5,warm=1,churn_cap=0.1,churn_half_life=300"
     )
     assert parse_affinity("affinity-protect").balance == 0.0
     assert RouterConfig().router_affinity == "affinity-balance"
@@ -933,3 +933,51 @@ def test_spread_lag_counts_a_follow_up_only_once_it_is_due_back():
     # just served, the session is not due back (its lagged rate cancels it: the engines tie and
     # kv's pick stands); twelve lag half-lives on it counts, and the cold prompt goes to w2
     assert went == {0.0: "w1", 60.0: "w2"}
+
+
+def _churn_cap_run(params: AffinityParams, wait: float = 0.0) -> str:
+    """Where a long cold prompt goes once w2's cache has been written 10 blocks (``wait``
+    seconds ago) and w1's 2 more recently, with a follow-up just served on w1 (so the spread
+    prefers w2, the engine with no follow-ups) and kv picking w1."""
+    r, clock, aff = _churn_fleet(params)
+    assert _run_cold(r, aff, "a", 10, 1_000, busy="w1") == "w2"  # 10 blocks written to w2
+    clock.advance(wait)
+    toks = tokens(10, start=5_000)
+    store_prefix(r, "w1", toks, 8, engine_base=200)
+    assert aff.route(RouteRequest("turn", toks)).worker_id == "w1"  # a follow-up: 2 written
+    r.on_first_token("turn")
+    _decoding(r, "w2", 2, "b-busy")
+    return aff.route(RouteRequest("b", tokens(10, start=2_000))).worker_id
+
+
+def test_churn_cap_keeps_a_long_cold_prompt_off_an_engine_written_more_than_the_fleet():
+    went = {cap: _churn_cap_run(AffinityParams(spread=0.001, churn_cap=cap)) for cap in (0, 0.1)}
+    # the spread alone sends it to w2 (no follow-ups there); w2's 10 written blocks are over
+    # the mean of 6 by more than a tenth, so with the cap kv's pick stands
+    assert went == {0: "w2", 0.1: "w1"}
+
+
+def test_churn_cap_over_a_generous_share_does_not_bind():
+    assert _churn_cap_run(AffinityParams(spread=0.001, churn_cap=1.0)) == "w2"  # 10 < 2 x 6
+
+
+def test_churn_half_life_forgets_the_written_blocks_it_weighs():
+    went = {}
+    for churn_half_life in (60.0, 1e9):
+        params = AffinityParams(spread=0.001, churn_cap=0.1, churn_half_life=churn_half_life)
+        went[churn_half_life] = _churn_cap_run(params, wait=600.0)
+    # ten half-lives on, w2's 10 blocks count 0.01 against w1's fresh 2: w2 is not churning and
+    # the spread moves the prompt there; without decay w2 is over the cap and kv's pick stands
+    assert went == {60.0: "w2", 1e9: "w1"}
+
+
+def test_churn_keys_parse_are_in_the_default_and_a_negative_value_is_refused():
+    from kvplug.affinity import parse_affinity
+
+    default = parse_affinity("affinity-balance")
+    assert (default.churn_cap, default.churn_half_life) == (0.1, 300.0)
+    assert parse_affinity("affinity-protect").churn_cap == 0.0  # the earlier settings: off
+    assert parse_affinity("affinity-balance:churn_cap=0").churn_cap == 0.0
+    for key in ("churn_cap", "churn_half_life"):
+        with pytest.raises(ValueError, match=key):
+            parse_affinity(f"affinity-balance:{key}=-1")
