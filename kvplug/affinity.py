@@ -176,7 +176,7 @@ class AffinityParams:
     # never moves for it, and a momentary queue is the TTFT guard's business
     balance: float = 0.0
     # > 0: the spread also weighs each candidate's cache churn, the prompt blocks recently
-    # written to it (each routed request's uncached blocks, decayed with half_life), at this
+    # written to it (each routed request's uncached blocks, decayed with churn_half_life), at this
     # many times its follow-up rate (in blocks with weigh_followups): an engine that writes more
     # evicts sooner, so a long cold prompt there pushes out blocks the other caches would keep
     spread_churn: float = 0.0
@@ -186,9 +186,9 @@ class AffinityParams:
     # little, and one whose turn was minutes ago weighs most (experimental; docs/sim.md)
     spread_lag: float = 0.0
     # > 0: the spread leaves out candidates whose recently written prompt blocks (as
-    # spread_churn counts them) exceed the fleet's mean per engine by more than this share of
-    # it: a cache that turns over faster than the others evicts what they would keep, and
-    # sending it more long cold prompts makes that self-reinforcing
+    # spread_churn counts them) exceed the mean over the request's candidates by more than this
+    # share of it: a cache that turns over faster than the others evicts what they would keep,
+    # and sending it more long cold prompts makes that self-reinforcing
     churn_cap: float = 0.0
     # seconds (0: half_life): decay of the written blocks spread_churn and churn_cap weigh. A
     # cache's turnover is what fills it over its lifetime (minutes), longer than the memory
@@ -498,10 +498,8 @@ class Affinity:
         # balance guard: endpoint -> (decayed count of requests routed there, at), and the sum
         self._routed: dict[int, tuple[float, float]] = {}
         self._routed_sum = (0.0, 0.0)
-        # spread_churn, churn_cap: endpoint -> (decayed count of prompt blocks written there,
-        # at), and the sum
+        # spread_churn, churn_cap: endpoint -> (decayed count of prompt blocks written there, at)
         self._written: dict[int, tuple[float, float]] = {}
-        self._written_sum = (0.0, 0.0)
 
     def choose(self, trace, b: int, blocks: int, hashes=None) -> int | None:
         """The candidate (an index into ``trace``'s) this request goes to instead of kv's pick
@@ -659,7 +657,8 @@ class Affinity:
 
     def _decayed(self, value: tuple[float, float], now: float, half_life: float = 0.0) -> float:
         """A (count, at) pair decayed to ``now`` with ``half_life`` (0: the params'): the
-        follow-up rates (spread; spread_lag's with its own) and the request counts (balance)."""
+        follow-up rates (spread; spread_lag's with its own), the request counts (balance) and
+        the written blocks (spread_churn, churn_cap; with churn_half_life)."""
         count, at = value
         return count * 0.5 ** ((now - at) / (half_life or self.params.half_life))
 
@@ -686,17 +685,16 @@ class Affinity:
 
     def _count_written(self, trace, i: int, blocks: float) -> None:
         now = self._router._clock()
-        hl = self.params.churn_half_life
-        self._add(self._written, int(trace.endpoints[i]), blocks, now, hl)
-        self._written_sum = (self._decayed(self._written_sum, now, hl) + blocks, now)
+        self._add(self._written, int(trace.endpoints[i]), blocks, now, self.params.churn_half_life)
 
-    def _churning(self, trace, i: int, now: float) -> bool:
-        """churn_cap: have more prompt blocks been written to candidate ``i``'s cache recently
-        than the fleet's mean per candidate by more than the ``churn_cap`` share of it?"""
+    def _not_churning(self, eps: list[int], candidates: list[int], now: float) -> list[int]:
+        """churn_cap: the candidates whose caches have been written no more than the
+        ``churn_cap`` share above the mean over every candidate of the request (``eps``, the
+        engines its filters left: removed engines and other models' do not count)."""
         hl = self.params.churn_half_life
-        mean = self._decayed(self._written_sum, now, hl) / len(trace.endpoints)
-        mine = self._rate(self._written, int(trace.endpoints[i]), now, hl)
-        return mine > mean * (1.0 + self.params.churn_cap)
+        written = [self._rate(self._written, ep, now, hl) for ep in eps]
+        limit = sum(written) / len(written) * (1.0 + self.params.churn_cap)
+        return [i for i in candidates if written[i] <= limit]
 
     def _crowded(self, trace, i: int) -> bool:
         """Balance guard: has candidate ``i`` been sent more requests recently than the fleet's
@@ -776,10 +774,12 @@ class Affinity:
             ]
         now = router._clock()
         if params.churn_cap:
-            candidates = [i for i in candidates if not self._churning(trace, i, now)]
+            candidates = self._not_churning(eps, candidates, now)
         if b in candidates:
             candidates.insert(0, b)  # min() keeps the first of equals: a tie keeps kv's pick
         elif not candidates:
+            # every engine where it starts soonest turns over fast: the spread has nowhere
+            # better to send it, and kv's pick stands as it does without the spread
             return None
         churn, followups, written = params.spread_churn, self._followups, self._written
         churn_hl = params.churn_half_life

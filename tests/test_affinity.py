@@ -937,8 +937,8 @@ def test_spread_lag_counts_a_follow_up_only_once_it_is_due_back():
 
 def _churn_cap_run(params: AffinityParams, wait: float = 0.0) -> str:
     """Where a long cold prompt goes once w2's cache has been written 10 blocks (``wait``
-    seconds ago) and w1's 2 more recently, with a follow-up just served on w1 (so the spread
-    prefers w2, the engine with no follow-ups) and kv picking w1."""
+    seconds ago) and w1's 2 since, by a follow-up on w1 that is still decoding: kv picks w2
+    (less active KV), and the spread alone keeps it there (no follow-ups on w2)."""
     r, clock, aff = _churn_fleet(params)
     assert _run_cold(r, aff, "a", 10, 1_000, busy="w1") == "w2"  # 10 blocks written to w2
     clock.advance(wait)
@@ -947,13 +947,15 @@ def _churn_cap_run(params: AffinityParams, wait: float = 0.0) -> str:
     assert aff.route(RouteRequest("turn", toks)).worker_id == "w1"  # a follow-up: 2 written
     r.on_first_token("turn")
     _decoding(r, "w2", 2, "b-busy")
-    return aff.route(RouteRequest("b", tokens(10, start=2_000))).worker_id
+    nxt = RouteRequest("b", tokens(10, start=2_000))
+    assert r.preview(nxt).worker_id == "w2"
+    return aff.route(nxt).worker_id
 
 
-def test_churn_cap_keeps_a_long_cold_prompt_off_an_engine_written_more_than_the_fleet():
+def test_churn_cap_keeps_a_long_cold_prompt_off_an_engine_written_more_than_the_others():
     went = {cap: _churn_cap_run(AffinityParams(spread=0.001, churn_cap=cap)) for cap in (0, 0.1)}
-    # the spread alone sends it to w2 (no follow-ups there); w2's 10 written blocks are over
-    # the mean of 6 by more than a tenth, so with the cap kv's pick stands
+    # w2's 10 written blocks are over the mean of 6 by more than a tenth: the spread may not
+    # leave the prompt there and moves it to w1
     assert went == {0: "w2", 0.1: "w1"}
 
 
@@ -963,12 +965,37 @@ def test_churn_cap_over_a_generous_share_does_not_bind():
 
 def test_churn_half_life_forgets_the_written_blocks_it_weighs():
     went = {}
-    for churn_half_life in (60.0, 1e9):
+    for churn_half_life in (30.0, 1e9):
         params = AffinityParams(spread=0.001, churn_cap=0.1, churn_half_life=churn_half_life)
         went[churn_half_life] = _churn_cap_run(params, wait=600.0)
-    # ten half-lives on, w2's 10 blocks count 0.01 against w1's fresh 2: w2 is not churning and
-    # the spread moves the prompt there; without decay w2 is over the cap and kv's pick stands
-    assert went == {60.0: "w2", 1e9: "w1"}
+    # twenty half-lives on, w2's 10 blocks count nothing against w1's fresh 2: w1 is the one
+    # over the mean and kv's pick w2 stands; without decay w2 is over it and the prompt moves
+    assert went == {30.0: "w2", 1e9: "w1"}
+
+
+def test_churn_cap_leaves_kvs_pick_when_every_candidate_turns_over_fast():
+    r, _, aff = _churn_fleet(AffinityParams(spread=0.001, churn_cap=0.1))
+    assert _run_cold(r, aff, "a", 10, 1_000, busy="w1") == "w2"  # 10 blocks written to w2
+    _queue(r, "w1", 4, "w1-prefill")  # queued prefill on w1: the spread's only candidate is w2
+    nxt = RouteRequest("b", tokens(10, start=2_000))
+    assert r.preview(nxt).worker_id == "w2"
+    # w2 is over the mean (10 against 5), and no candidate is left: kv's pick stands
+    assert aff.route(nxt).worker_id == "w2"
+
+
+def test_spread_churn_decays_written_blocks_with_churn_half_life():
+    went = {}
+    for churn_half_life in (10.0, 0.0):  # 0: half_life's (1e9)
+        params = AffinityParams(
+            spread=0.001, spread_churn=1.0, half_life=1e9, churn_half_life=churn_half_life
+        )
+        r, clock, aff = _churn_fleet(params)
+        assert _run_cold(r, aff, "a", 10, 1_000, busy="w2") == "w1"  # 10 blocks to w1
+        clock.advance(100.0)
+        assert _run_cold(r, aff, "c", 5, 3_000, busy="w1") == "w2"  # 5 blocks to w2
+        _decoding(r, "w1", 2, "b-busy")  # kv picks w2
+        went[churn_half_life] = aff.route(RouteRequest("b", tokens(10, start=2_000))).worker_id
+    assert went == {10.0: "w1", 0.0: "w2"}  # as test_spread_churn_forgets_... with half_life
 
 
 def test_churn_keys_parse_are_in_the_default_and_a_negative_value_is_refused():
