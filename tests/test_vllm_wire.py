@@ -229,6 +229,28 @@ def test_unknown_fields_and_future_array_fields_ignored():
     assert list(e.engine_hashes) == [1] and e.block_size == 32
 
 
+def test_remote_storage_tier_stays_the_workers_own_disk_tier():
+    # vLLM 0.34.0's offloading connector (kv_connector/v1/offloading/events.py): an fs or
+    # object-store tier on network storage publishes tokenless STORAGE stores marked REMOTE.
+    # Nothing says which other engines mount that store, so only the publisher is credited.
+    st = {
+        "type": "BlockStored",
+        "block_hashes": [7, 8],
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 0,
+        "lora_id": None,
+        "medium": "STORAGE",
+        "lora_name": None,
+        "group_idx": 0,
+        "locality": "REMOTE",
+        "ownership": "fs",
+    }
+    (e,) = BatchDecoder("w").decode(msgspec.msgpack.encode([1.0, [st], 0])).events
+    assert e.tier == Tier.DISK and e.tier_copy and not e.shared
+    assert e.worker_id == "w" and list(e.engine_hashes) == [7, 8]
+
+
 def test_hybrid_non_prefix_groups_skipped():
     def st(h, g, kind):
         return {
