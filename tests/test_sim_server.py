@@ -58,7 +58,7 @@ async def _recv_batches(sub, n_blocks_min, timeout=20.0):
     end = loop.time() + timeout
     while loop.time() < end:
         if sub.poll(0):
-            topic, seq, payload = split_frames(sub.recv_multipart())
+            topic, seq, payload, _ = split_frames(sub.recv_multipart())
             assert topic == b"kv"
             seqs.append(seq)
             batch = dec.decode(payload)
@@ -225,7 +225,7 @@ async def test_host_tier_events_keep_a_vllm_fed_index_in_sync():
         deadline = time.monotonic() + 10
         while True:  # until the events in flight have arrived (or the deadline)
             while sub.poll(0):
-                _, _, payload = split_frames(sub.recv_multipart())
+                _, _, payload, _ = split_frames(sub.recv_multipart())
                 batch = dec.decode(payload)
                 assert batch is not None and batch.dropped == 0
                 for e in batch.events:

@@ -158,7 +158,7 @@ async def _stored_hashes(sub, n_blocks: int, timeout: float = 20.0) -> tuple[lis
     end = loop.time() + timeout
     while loop.time() < end and len(raw) < n_blocks:
         if sub.poll(0):
-            _topic, _seq, payload = split_frames(sub.recv_multipart())
+            _topic, _seq, payload, _ = split_frames(sub.recv_multipart())
             payloads.append(payload)
             for ev in msgspec.msgpack.decode(payload)[1]:
                 if ev["type"] == "BlockStored" and ev.get("token_ids"):

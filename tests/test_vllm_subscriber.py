@@ -59,6 +59,7 @@ class Engine:
         topic="",
         sub_port=None,
         buffer_steps=10_000,
+        publisher_ids=False,
     ):
         self.worker = worker
         self.port = sub_port or free_port()
@@ -71,6 +72,7 @@ class Engine:
             topic=topic,
             version=version,
             buffer_steps=buffer_steps,
+            publisher_ids=publisher_ids,
         )
         self.topic = topic
         self.truth: set[int] = set()
@@ -398,6 +400,65 @@ def test_resync_after_restart_the_sequence_numbers_did_not_show(sub):
     assert m.hashes("e1") == {1, 2, 6}  # stale 1, 2; missing 5: seq numbers cannot tell
     sub.resync("e1", if_restarts_at=seen)
     assert settle(eng, m)  # exactly the new engine's {5, 6}
+
+
+def test_publisher_id_shows_a_restart_the_sequence_numbers_do_not(sub):
+    """The scenario above with a snapshot-enabled publisher (its id after each seq): the new
+    process's id alone makes the subscriber clear and replay from 0, with no resync."""
+    eng = Engine("e1", publisher_ids=True)
+    m = Mirror()
+    attach(sub, eng, m)
+    eng.store([1, 2])
+    assert settle(eng, m)
+    eng.pub.restart()
+    eng.truth = set()
+    eng.store([5], send=False)  # missed
+    eng.store([6])  # seq 1 after seq 0: the next batch, by its number
+    assert settle(eng, m)  # exactly the new engine's {5, 6}
+    st = sub.stats()["streams"]["e1/0"]
+    assert st["restarts"] == 1 and st["gaps"] == 0 and 0 in eng.pub.replay_requests
+
+
+def test_publisher_ids_gaps_replayed_and_other_lifetimes_replies_stale(sub):
+    eng = Engine("e1", publisher_ids=True)
+    m = Mirror()
+    attach(sub, eng, m)
+    eng.store([1])
+    eng.pub.publish([])  # an idle publisher's heartbeat: consumes a seq, changes nothing
+    assert settle(eng, m)
+    eng.pub.auto_serve = False  # this test answers the replay request itself
+    eng.store([2], send=False)
+    eng.store([3])
+    assert wait_for(lambda: eng.pub.replay.poll(10) != 0, 10)
+    ident, _, start = eng.pub.replay.recv_multipart()
+    mine = eng.pub.publisher_id
+    eng.pub.publisher_id = bytes(16)  # a reply from another lifetime of the publisher
+    eng.pub.send_reply(ident, int.from_bytes(start, "big"), eng.pub.buffer[-2][1])
+    eng.pub.publisher_id = mine
+    for seq, payload in list(eng.pub.buffer):
+        if seq >= int.from_bytes(start, "big"):
+            eng.pub.send_reply(ident, seq, payload)
+    eng.pub.send_end(ident)
+    assert settle(eng, m)
+    st = sub.stats()["streams"]["e1/0"]
+    assert st["gaps"] == 1 and st["stale_replies"] == 1 and st["restarts"] == 0
+
+
+def test_resync_then_the_new_publisher_id_is_not_a_second_restart(sub):
+    eng = Engine("e1", publisher_ids=True)
+    m = Mirror()
+    attach(sub, eng, m)
+    eng.store([1])
+    assert settle(eng, m)
+    seen = sub.restarts("e1")
+    eng.pub.restart()
+    eng.truth = set()
+    sub.resync("e1", if_restarts_at=seen)  # the process start time showed it first
+    assert settle(eng, m)
+    eng.store([4])
+    eng.store([5])
+    assert settle(eng, m)
+    assert sub.restarts("e1") == seen + 1
 
 
 def test_resync_is_a_no_op_when_the_restart_was_already_seen(sub):

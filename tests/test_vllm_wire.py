@@ -368,11 +368,12 @@ def test_block_size_mismatch_dropped():
 
 
 def test_frames_and_replay_framing():
-    assert split_frames([b"t", (5).to_bytes(8, "big"), b"p"]) == (b"t", 5, b"p")
+    assert split_frames([b"t", (5).to_bytes(8, "big"), b"p"]) == (b"t", 5, b"p", None)
     with pytest.raises(WireError):
         split_frames([b"t", b"p"])
-    with pytest.raises(WireError):
-        split_frames([b"t", b"123", b"p"])
+    for size in (3, 9, 16, 23, 25, 32):  # 8, or 8 + a 16-byte publisher id, and nothing else
+        with pytest.raises(WireError):
+            split_frames([b"t", bytes(size), b"p"])
     old = parse_replay_reply([b"", (3).to_bytes(8, "big"), b"x"])
     assert old.topic is None and old.seq == 3 and old.payload == b"x"
     new = parse_replay_reply([b"", b"kv", (4).to_bytes(8, "big"), b"y"])
@@ -381,6 +382,24 @@ def test_frames_and_replay_framing():
     assert parse_replay_reply([b"", b"", END_SEQ, b""]) is None
     with pytest.raises(WireError):
         parse_replay_reply([b"", b"a", b"b", b"c", b"d"])
+    with pytest.raises(WireError):
+        parse_replay_reply([b"", b"kv", bytes(12), b"y"])
+
+
+def test_snapshot_publisher_frames_carry_its_id():
+    # vLLM's wire contract with KVEventsConfig.snapshot_endpoint set (docs/features/kv_events.md
+    # at commit 0aa3ce85, after 0.34.0): live and replay data messages' sequence frame is the
+    # u64 seq then 16 bytes naming the publisher's lifetime; the replay end marker stays 8 bytes
+    ident = bytes(range(16))
+    seq_b = (2**63 + 7).to_bytes(8, "big") + ident
+    assert split_frames([b"kv", seq_b, b"p"]) == (b"kv", 2**63 + 7, b"p", ident)
+    item = parse_replay_reply([b"", b"kv", seq_b, b"y"])
+    assert (item.topic, item.seq, item.payload, item.publisher) == (b"kv", 2**63 + 7, b"y", ident)
+    assert parse_replay_reply([b"", b"kv", (4).to_bytes(8, "big"), b"y"]).publisher is None
+    assert parse_replay_reply([b"", b"", END_SEQ, b""]) is None
+    # an idle publisher's heartbeat: an empty batch, which only consumes its seq
+    b = BatchDecoder("w").decode(msgspec.msgpack.encode([1.0, [], 0]))
+    assert b.events == [] and b.dropped == 0
 
 
 # -- the compiled fast path agrees with the msgspec path ------------------------------------

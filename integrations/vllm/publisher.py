@@ -10,6 +10,7 @@ requests. Written from the documented protocol; tests use it to inject loss, res
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -19,7 +20,7 @@ import zmq
 from kvplug import KvEvent
 
 from .subscriber import engine_binds
-from .wire import END_SEQ, encode_batch, parse_version
+from .wire import END_SEQ, PUBLISHER_ID_BYTES, SEQ_BYTES, encode_batch, parse_version
 
 TOPIC_REPLY_SINCE = (0, 26, 0)  # replay replies carry the topic frame from this version on
 
@@ -40,10 +41,15 @@ class VllmEventPublisher:
         context: zmq.Context | None = None,
         bind: bool | None = None,
         sndhwm: int = 100_000,
+        publisher_ids: bool = False,
     ) -> None:
         """``bind``: None binds a wildcard endpoint and connects to any other, as vLLM does;
-        True binds exactly ``endpoint`` (one interface, e.g. the simulator's --host)."""
+        True binds exactly ``endpoint`` (one interface, e.g. the simulator's --host).
+        ``publisher_ids``: data messages carry a 16-byte id of the publisher's lifetime after
+        the seq, as vLLM's do with ``snapshot_endpoint`` set (``wire.parse_seq_frame``); a
+        ``restart`` draws a new one."""
         self.version = version
+        self.publisher_id = os.urandom(PUBLISHER_ID_BYTES) if publisher_ids else b""
         self.topic = topic.encode()
         self.dp_rank = dp_rank
         self.hash_form = hash_form
@@ -87,7 +93,7 @@ class VllmEventPublisher:
         self.seq += 1
         self.buffer.append((seq, payload))
         if send:
-            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+            self.pub.send_multipart([self.topic, self._seq_frame(seq), payload])
         if self.auto_serve:
             self.serve_replay()
         return seq
@@ -96,10 +102,16 @@ class VllmEventPublisher:
         """Send arbitrary frames on the PUB socket (garbage for fault tests)."""
         self.pub.send_multipart(frames)
 
+    def _seq_frame(self, seq: int) -> bytes:
+        return seq.to_bytes(SEQ_BYTES, "big") + self.publisher_id
+
     def restart(self) -> None:
-        """What an engine restart looks like on the wire: seq back to 0, empty replay buffer."""
+        """What an engine restart looks like on the wire: seq back to 0, empty replay buffer
+        (and a new publisher id, when ids are sent)."""
         self.seq = 0
         self.buffer.clear()
+        if self.publisher_id:
+            self.publisher_id = os.urandom(PUBLISHER_ID_BYTES)
 
     # -- replay -------------------------------------------------------------------------------
     def serve_replay(self, timeout_ms: int = 0) -> int:
@@ -123,7 +135,7 @@ class VllmEventPublisher:
 
     def send_reply(self, ident: bytes, seq: int, payload: bytes) -> None:
         assert self.replay is not None
-        seq_b = seq.to_bytes(8, "big")
+        seq_b = self._seq_frame(seq)
         if parse_version(self.version) >= TOPIC_REPLY_SINCE:
             self.replay.send_multipart([ident, b"", self.topic, seq_b, payload])
         else:

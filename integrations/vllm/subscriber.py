@@ -10,7 +10,9 @@ DP rank r > 0 publishes on port + r (and replays on replay port + r).
 Per (engine, rank) the thread tracks the sequence number: the next expected seq is applied; a
 gap asks the engine's replay ROUTER (from a DEALER) for the missing batches while live batches
 wait; a seq going backwards means the engine restarted, so that rank is cleared
-(``AllCleared``) and rebuilt from the new stream; an exact repeat is ignored. Events go to the
+(``AllCleared``) and rebuilt from the new stream, as does a new publisher id (sent by
+publishers with snapshots enabled: it shows a restart whose first batches were missed, which
+the seq alone would take for a gap); an exact repeat is ignored. Events go to the
 source's ``sink`` (a callable taking a list of normalised events) in order, batched per drain
 of the sockets. Nothing here blocks routing: the router only sees finished ``sink`` calls.
 """
@@ -32,7 +34,14 @@ import zmq
 
 from kvplug import AllCleared, ConfigError, KvEvent
 
-from .wire import BatchDecoder, DecodedBatch, WireError, parse_replay_reply, replay_request
+from .wire import (
+    BatchDecoder,
+    DecodedBatch,
+    WireError,
+    parse_replay_reply,
+    replay_request,
+    split_frames,
+)
 
 log = logging.getLogger("kvplug.vllm")
 
@@ -184,6 +193,7 @@ class _Stream:
     # (queued in ZMQ while the replay ran) is a duplicate, not an engine restart
     replayed: dict[int, int] = field(default_factory=dict)
     replay_resumes: int = 0  # re-requests within this gap's replay (replies dropped on the way)
+    publisher: bytes | None = None  # the lifetime id a snapshot-enabled publisher sends
     # live batches waiting for a replay: (seq, payload, decoded; None = unreadable)
     pending: list[tuple[int, bytes, DecodedBatch | None]] = field(default_factory=list)
 
@@ -465,6 +475,7 @@ class VllmSubscriber:
             st.replaying = False
             st.pending = []
             st.last_payload = b""
+            st.publisher = None  # the new process's id is taken as it comes, not as a restart
             if st.src.replay_address:
                 st.expected = 0
                 st.catching_up = True
@@ -610,7 +621,7 @@ class VllmSubscriber:
 
     def _on_live(self, sock: zmq.Socket, frames: list[bytes], out: dict) -> None:
         try:
-            topic, seq, payload = _split(frames)
+            topic, seq, payload, publisher = split_frames(frames)
         except WireError as e:
             self.counters["malformed_frames"] += 1
             self._droplog("frames", "vLLM events: malformed message dropped: %s", e)
@@ -651,12 +662,29 @@ class VllmSubscriber:
                 st = routed
                 batch = self._decode(st, seq, payload)  # per-rank stats
         st.stats.last_message_at = time.monotonic()
-        self._on_batch(st, seq, payload, batch, out)
+        self._on_batch(st, seq, payload, batch, out, publisher)
 
     def _on_batch(
-        self, st: _Stream, seq: int, payload: bytes, batch: DecodedBatch | None, out: dict
+        self,
+        st: _Stream,
+        seq: int,
+        payload: bytes,
+        batch: DecodedBatch | None,
+        out: dict,
+        publisher: bytes | None = None,
     ) -> None:
         s = st.stats
+        if publisher is not None and publisher != st.publisher:
+            known, st.publisher = st.publisher, publisher
+            if known is not None:
+                # another publisher lifetime: the engine restarted, even when its seq looks
+                # like a gap (its first batches were missed) rather than going backwards
+                if st.replaying:  # the replay asked the previous process
+                    self._close_replay(st)
+                    st.replaying = False
+                    st.pending = []
+                self._restarted(st, seq, payload, batch, out, "publisher id changed")
+                return
         if st.replaying:
             st.pending.append((seq, payload, batch))
             return
@@ -696,13 +724,25 @@ class VllmSubscriber:
             # publisher's queue held it): a duplicate, not a restart
             s.duplicates += 1
             return
-        s.restarts += 1
+        self._restarted(st, seq, payload, batch, out, f"seq {seq} after {st.expected - 1}")
+
+    def _restarted(
+        self,
+        st: _Stream,
+        seq: int,
+        payload: bytes,
+        batch: DecodedBatch | None,
+        out: dict,
+        why: str,
+    ) -> None:
+        """Batch ``seq`` comes from a restarted engine: clear the rank, then rebuild it from
+        the new process's first batch on (replayed when this one is not it)."""
+        st.stats.restarts += 1
         log.warning(
-            "vLLM events: %s rank %d: seq %d after %d: engine restarted, clearing its blocks",
+            "vLLM events: %s rank %d: %s: engine restarted, clearing its blocks",
             st.src.worker_id,
             st.src.dp_rank,
-            seq,
-            st.expected - 1,
+            why,
         )
         self._emit(st, [AllCleared(worker_id=st.src.worker_id, dp_rank=st.src.dp_rank)], out)
         st.expected = 0
@@ -835,7 +875,9 @@ class VllmSubscriber:
             s.stale_replies += 1
             self.counters["stale_replies"] += 1
             return
-        if item.topic is not None and item.topic != st.src.topic.encode():
+        if (item.topic is not None and item.topic != st.src.topic.encode()) or (
+            item.publisher is not None and st.publisher not in (None, item.publisher)
+        ):
             s.stale_replies += 1
             self.counters["stale_replies"] += 1
             return
@@ -939,15 +981,6 @@ def _recv_frames(sock: zmq.Socket) -> list[bytes]:
         f = sock.recv(zmq.NOBLOCK, copy=False)
         frames.append(f.bytes)
     return frames
-
-
-def _split(frames: list[bytes]) -> tuple[bytes, int, bytes]:
-    if len(frames) != 3:
-        raise WireError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
-    topic, seq_b, payload = frames
-    if len(seq_b) != 8:
-        raise WireError(f"sequence frame of {len(seq_b)} bytes (want 8)")
-    return topic, int.from_bytes(seq_b, "big"), payload
 
 
 def _with_rank(ev: KvEvent, rank: int) -> KvEvent:

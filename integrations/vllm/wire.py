@@ -1,8 +1,9 @@
 """vLLM's KV-event wire format: decode (vLLM 0.9 - 0.33) and encode (simulators, tests).
 
-A ZMQ message is three frames ``[topic, seq (u64 big-endian), payload]``; the payload is a
-msgpack ``KVEventBatch``: ``[ts, events]`` (0.9.0) or ``[ts, events, data_parallel_rank]``
-(>= 0.9.2). Events are tagged by class name:
+A ZMQ message is three frames ``[topic, seq (u64 big-endian), payload]`` (a publisher with
+snapshots enabled appends its 16-byte lifetime id to the seq frame: ``parse_seq_frame``); the
+payload is a msgpack ``KVEventBatch``: ``[ts, events]`` (0.9.0) or
+``[ts, events, data_parallel_rank]`` (>= 0.9.2). Events are tagged by class name:
 
 * 0.9 - 0.23: positional arrays, tag first, fields appended over time (any length is accepted:
   missing trailing fields take their defaults, unknown trailing elements are ignored);
@@ -37,7 +38,7 @@ import time
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 from kvplug.integrations.common import (
@@ -50,7 +51,9 @@ from kvplug.integrations.common import (
 
 from kvplug import AllCleared, BlockRemoved, BlockStored, KvEvent, Tier
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)  # replay end marker
+SEQ_BYTES = 8  # a data message's sequence number: u64 big-endian
+PUBLISHER_ID_BYTES = 16  # appended to it by snapshot-enabled publishers (parse_seq_frame)
+END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)  # replay end marker
 MAP_FORM_SINCE = (0, 24, 0)  # first vLLM version that encodes events as maps with "type"
 DEFAULT_MAX_EVENT_TOKENS = 1 << 21  # one event carrying more tokens is dropped as absurd
 # KV-cache group kinds whose blocks do not describe a reusable prompt prefix (hybrid models)
@@ -746,14 +749,36 @@ class WireError(ValueError):
     """A ZMQ message that is not a vLLM KV-event message at all."""
 
 
-def split_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
-    """``[topic, seq8, payload]`` -> (topic, seq, payload); WireError on any other shape."""
+class LiveMessage(NamedTuple):
+    topic: bytes
+    seq: int
+    payload: bytes
+    publisher: bytes | None  # the publisher's lifetime id (snapshot-enabled publishers), or None
+
+
+def parse_seq_frame(seq_b: bytes) -> tuple[int, bytes | None]:
+    """A data message's sequence frame -> (seq, publisher id or None); WireError otherwise.
+
+    8 bytes: the seq (u64 big-endian). 24 bytes: the seq, then the 16 bytes that identify one
+    publisher lifetime, which vLLM sends when ``KVEventsConfig.snapshot_endpoint`` is set (the
+    wire contract in vLLM's ``docs/features/kv_events.md`` at commit 0aa3ce85, after 0.34.0)."""
+    if len(seq_b) == SEQ_BYTES:
+        return int.from_bytes(seq_b, "big"), None
+    if len(seq_b) == SEQ_BYTES + PUBLISHER_ID_BYTES:
+        return int.from_bytes(seq_b[:SEQ_BYTES], "big"), bytes(seq_b[SEQ_BYTES:])
+    raise WireError(
+        f"sequence frame of {len(seq_b)} bytes (want {SEQ_BYTES}, or "
+        f"{SEQ_BYTES + PUBLISHER_ID_BYTES} with a publisher id)"
+    )
+
+
+def split_frames(frames: Sequence[bytes]) -> LiveMessage:
+    """``[topic, seq, payload]`` -> LiveMessage; WireError on any other shape."""
     if len(frames) != 3:
         raise WireError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
     topic, seq_b, payload = frames
-    if len(seq_b) != 8:
-        raise WireError(f"sequence frame of {len(seq_b)} bytes (want 8)")
-    return bytes(topic), int.from_bytes(seq_b, "big"), payload
+    seq, publisher = parse_seq_frame(seq_b)
+    return LiveMessage(bytes(topic), seq, payload, publisher)
 
 
 @dataclass(frozen=True)
@@ -761,13 +786,15 @@ class ReplayItem:
     topic: bytes | None  # None in the 0.9-0.25 framing
     seq: int
     payload: bytes
+    publisher: bytes | None = None  # as in LiveMessage
 
 
 def parse_replay_reply(frames: Sequence[bytes]) -> ReplayItem | None:
     """One replay reply as a DEALER sees it. None = the end marker.
 
     0.9-0.25: ``[b"", seq8, payload]``, end ``[b"", END_SEQ, b""]``;
-    >= 0.26: ``[b"", topic, seq8, payload]``, end ``[b"", b"", END_SEQ, b""]``.
+    >= 0.26: ``[b"", topic, seq8, payload]``, end ``[b"", b"", END_SEQ, b""]``;
+    a snapshot-enabled publisher's data replies carry its id after the seq, as live ones do.
     """
     fr = [bytes(f) for f in frames]
     if fr and fr[0] == b"":
@@ -778,11 +805,10 @@ def parse_replay_reply(frames: Sequence[bytes]) -> ReplayItem | None:
         topic, seq_b, payload = fr
     else:
         raise WireError(f"replay reply with {len(frames)} frames")
-    if len(seq_b) != 8:
-        raise WireError(f"replay sequence frame of {len(seq_b)} bytes")
-    if seq_b == END_SEQ:
+    if seq_b == END_SEQ:  # the end marker keeps its 8 bytes
         return None
-    return ReplayItem(topic, int.from_bytes(seq_b, "big"), payload)
+    seq, publisher = parse_seq_frame(seq_b)
+    return ReplayItem(topic, seq, payload, publisher)
 
 
 def replay_request(start_seq: int) -> list[bytes]:
