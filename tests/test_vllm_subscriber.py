@@ -432,8 +432,9 @@ def test_publisher_ids_gaps_replayed_and_other_lifetimes_replies_stale(sub):
     assert wait_for(lambda: eng.pub.replay.poll(10) != 0, 10)
     ident, _, start = eng.pub.replay.recv_multipart()
     mine = eng.pub.publisher_id
-    eng.pub.publisher_id = bytes(16)  # a reply from another lifetime of the publisher
-    eng.pub.send_reply(ident, int.from_bytes(start, "big"), eng.pub.buffer[-2][1])
+    eng.pub.publisher_id = bytes(16)  # a reply from another lifetime of the publisher, with
+    other = eng.pub.encode([stored(eng.worker, [99])])  # what that lifetime stored there
+    eng.pub.send_reply(ident, int.from_bytes(start, "big"), other)
     eng.pub.publisher_id = mine
     for seq, payload in list(eng.pub.buffer):
         if seq >= int.from_bytes(start, "big"):
