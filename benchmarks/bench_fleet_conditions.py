@@ -1,0 +1,139 @@
+"""The default routing under fleet conditions nothing was tuned on, beside the baselines.
+
+The conversation trace replayed with one condition changed at a time from ``kvplug bench``'s
+(8 engines of 1,640 blocks, 8,192 batched tokens, the trace's own arrival rate): the load
+(arrivals compressed or stretched), the KV capacity per engine, the fleet size and the
+scheduler's token budget, at both ends of the prefill cost, in one router view. Per run: each
+policy's hit rate as a share of the one-shared-LRU bound and its TTFT p99 against kv's, whether
+the default meets issue 14's bar (>= 95 % of the bound, p99 <= kv's) and which policies, if
+any, beat it on both axes at once (more hits and a TTFT p99 no higher).
+
+    python benchmarks/bench_fleet_conditions.py                       # ~4 min on 2 cores
+    python benchmarks/bench_fleet_conditions.py --view ideal --steptime causal
+
+Prints a Markdown table; writes ``benchmarks/results/fleet_conditions.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from kvplug.sim.bench import BenchSpec, run_bench  # noqa: E402
+from kvplug.sim.transport import PRESETS  # noqa: E402
+
+DEFAULT = "affinity-balance"
+POLICIES = [DEFAULT, "kv", "sglang-cache-aware", "smg-cache-aware", "vllm-kv-aware"]
+# (label, BenchSpec fields): one change at a time from kvplug bench's fleet
+CONDITIONS: list[tuple[str, dict]] = [
+    ("as kvplug bench runs it", {}),
+    ("load 0.8x (arrivals stretched)", {"speedup": 0.8}),
+    ("load 1.25x", {"speedup": 1.25}),
+    ("load 1.5x", {"speedup": 1.5}),
+    ("1,000 blocks per engine", {"capacity_blocks": 1000}),
+    ("2,500 blocks per engine", {"capacity_blocks": 2500}),
+    ("4 engines", {"n_engines": 4}),
+    ("6 engines", {"n_engines": 6}),
+    ("12 engines", {"n_engines": 12}),
+    ("16 engines", {"n_engines": 16}),
+    ("4,096 batched tokens", {"max_batched_tokens": 4096}),
+    ("16,384 batched tokens", {"max_batched_tokens": 16384}),
+]
+
+
+def verdicts(report: dict, policies: list[str]) -> dict:
+    bound = report["trace"]["fleet_lru_hit_rate"]
+    by = {r["policy"]: r for r in report["results"]}
+    kv_p99 = by["kv"]["ttft_p99_s"]
+    out = {
+        p: {
+            "share_of_bound": by[p]["hit_rate"] / bound,
+            "ttft_p99_vs_kv": by[p]["ttft_p99_s"] / kv_p99,
+        }
+        for p in policies
+    }
+    mine = by[DEFAULT]
+    return {
+        "bound": bound,
+        "verdicts": out,
+        "meets_bar": out[DEFAULT]["share_of_bound"] >= 0.95
+        and out[DEFAULT]["ttft_p99_vs_kv"] <= 1.0,
+        "beaten_by": [
+            p
+            for p in policies
+            if p != DEFAULT
+            and by[p]["hit_rate"] > mine["hit_rate"]
+            and by[p]["ttft_p99_s"] <= mine["ttft_p99_s"]
+        ],
+    }
+
+
+def table(runs: list[dict], policies: list[str]) -> str:
+    head = "| condition | steptime | " + " | ".join(policies) + " | beaten by |"
+    lines = [head, "|---|---|" + "---:|" * len(policies) + "---|"]
+    for run in runs:
+        cells = []
+        for p in policies:
+            v = run["verdicts"][p]
+            text = f"{100 * v['share_of_bound']:.1f}% / {v['ttft_p99_vs_kv']:.3f}×"
+            cells.append(f"**{text}**" if p == DEFAULT and run["meets_bar"] else text)
+        beaten = ", ".join(run["beaten_by"]) or "none"
+        lines.append(
+            f"| {run['condition']} | {run['steptime']} | " + " | ".join(cells) + f" | {beaten} |"
+        )
+    met = sum(r["meets_bar"] for r in runs)
+    lines.append(
+        f"\n{DEFAULT} meets the bar (bold) in {met} of {len(runs)} runs; beaten on both "
+        f"axes in {sum(bool(r['beaten_by']) for r in runs)}."
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--view", default="realistic", choices=list(PRESETS))
+    ap.add_argument("--steptime", nargs="+", default=["causal", "cached"])
+    ap.add_argument("--policies", nargs="+", default=POLICIES)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--json", default="benchmarks/results/fleet_conditions.json")
+    args = ap.parse_args(argv)
+    for needed in (DEFAULT, "kv"):
+        if needed not in args.policies:
+            ap.error(f"--policies must include {needed}")
+    t0 = time.perf_counter()
+    runs = []
+    todo = [(label, c, st) for label, c in CONDITIONS for st in args.steptime]
+    for i, (label, cond, st) in enumerate(todo, 1):
+        print(f"[{i}/{len(todo)}] {label}, {st} ...", flush=True)
+        spec = BenchSpec(policies=list(args.policies), link=PRESETS[args.view], steptime=st, **cond)
+        report = run_bench(spec, jobs=args.jobs, progress=False)
+        runs.append(
+            {
+                "condition": label,
+                "fleet": cond,
+                "steptime": st,
+                "view": args.view,
+                **verdicts(report, args.policies),
+            }
+        )
+    print()
+    print(table(runs, args.policies))
+    wall = time.perf_counter() - t0
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(
+            json.dumps({"args": vars(args), "runs": runs, "wall_s": wall}, indent=1) + "\n"
+        )
+        print(f"JSON: {out}")
+    print(f"total wall time {wall:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
