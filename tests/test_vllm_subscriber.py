@@ -124,6 +124,20 @@ def settle(eng, mirror, expect=None, timeout=20.0):
     return wait_for(lambda: mirror.hashes(eng.worker) == expect, timeout, eng.pump)
 
 
+def answer_replay(eng, first):
+    """Answer the engine's next replay request from the test (``auto_serve`` off): ``first(ident,
+    start)`` sends whatever the test injects, then the buffered batches from ``start`` on and
+    the end marker, as the engine would."""
+    assert wait_for(lambda: eng.pub.replay.poll(10) != 0, 10)
+    ident, _, start_b = eng.pub.replay.recv_multipart()
+    start = int.from_bytes(start_b, "big")
+    first(ident, start)
+    for seq, payload in list(eng.pub.buffer):
+        if seq >= start:
+            eng.pub.send_reply(ident, seq, payload)
+    eng.pub.send_end(ident)
+
+
 def connect_unstarted(sub, *pairs):
     """Add each (engine, sink) to a subscriber not started yet and wait until its SUB socket
     hears the engine (not started, so no probe is counted: read the socket itself), then drop
@@ -297,13 +311,7 @@ def test_stale_replay_reply_dropped(sub):
     eng.store([2], send=False)
     eng.store([3])
     # answer the replay request with an extra stale batch (seq 0 again) before the real ones
-    assert wait_for(lambda: eng.pub.replay.poll(10) != 0, 10)
-    ident, _, start = eng.pub.replay.recv_multipart()
-    eng.pub.send_reply(ident, 0, eng.pub.buffer[0][1])
-    for seq, payload in list(eng.pub.buffer):
-        if seq >= int.from_bytes(start, "big"):
-            eng.pub.send_reply(ident, seq, payload)
-    eng.pub.send_end(ident)
+    answer_replay(eng, lambda ident, _start: eng.pub.send_reply(ident, 0, eng.pub.buffer[0][1]))
     assert settle(eng, m)
     assert sub.stats()["stale_replies"] >= 1
 
@@ -429,17 +437,14 @@ def test_publisher_ids_gaps_replayed_and_other_lifetimes_replies_stale(sub):
     eng.pub.auto_serve = False  # this test answers the replay request itself
     eng.store([2], send=False)
     eng.store([3])
-    assert wait_for(lambda: eng.pub.replay.poll(10) != 0, 10)
-    ident, _, start = eng.pub.replay.recv_multipart()
-    mine = eng.pub.publisher_id
-    eng.pub.publisher_id = bytes(16)  # a reply from another lifetime of the publisher, with
-    other = eng.pub.encode([stored(eng.worker, [99])])  # what that lifetime stored there
-    eng.pub.send_reply(ident, int.from_bytes(start, "big"), other)
-    eng.pub.publisher_id = mine
-    for seq, payload in list(eng.pub.buffer):
-        if seq >= int.from_bytes(start, "big"):
-            eng.pub.send_reply(ident, seq, payload)
-    eng.pub.send_end(ident)
+    other = eng.pub.encode([stored(eng.worker, [99])])  # what another lifetime stored there
+
+    def from_another_lifetime(ident: bytes, start: int) -> None:
+        mine, eng.pub.publisher_id = eng.pub.publisher_id, bytes(16)
+        eng.pub.send_reply(ident, start, other)
+        eng.pub.publisher_id = mine
+
+    answer_replay(eng, from_another_lifetime)
     assert settle(eng, m)
     st = sub.stats()["streams"]["e1/0"]
     assert st["gaps"] == 1 and st["stale_replies"] == 1 and st["restarts"] == 0
