@@ -8,7 +8,7 @@ policy's hit rate as a share of the one-shared-LRU bound and its TTFT p99 agains
 the default meets issue 14's bar (>= 95 % of the bound, p99 <= kv's) and which policies, if
 any, beat it on both axes at once (more hits and a TTFT p99 no higher).
 
-    python benchmarks/bench_fleet_conditions.py                       # ~4 min on 2 cores
+    python benchmarks/bench_fleet_conditions.py                       # ~2.5 min on 2 cores
     python benchmarks/bench_fleet_conditions.py --view ideal --steptime causal
 
 Prints a Markdown table; writes ``benchmarks/results/fleet_conditions.json``.

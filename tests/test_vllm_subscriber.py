@@ -427,27 +427,73 @@ def test_publisher_id_shows_a_restart_the_sequence_numbers_do_not(sub):
     assert st["restarts"] == 1 and st["gaps"] == 0 and 0 in eng.pub.replay_requests
 
 
-def test_publisher_ids_gaps_replayed_and_other_lifetimes_replies_stale(sub):
+def test_publisher_ids_gaps_replayed_and_a_replaced_lifetimes_reply_stale(sub):
     eng = Engine("e1", publisher_ids=True)
     m = Mirror()
     attach(sub, eng, m)
     eng.store([1])
+    assert settle(eng, m)
+    old_id = eng.pub.publisher_id
+    eng.pub.restart()
+    eng.truth = set()
+    eng.store([5])
     eng.pub.publish([])  # an idle publisher's heartbeat: consumes a seq, changes nothing
     assert settle(eng, m)
     eng.pub.auto_serve = False  # this test answers the replay request itself
     eng.store([2], send=False)
     eng.store([3])
-    other = eng.pub.encode([stored(eng.worker, [99])])  # what another lifetime stored there
+    other = eng.pub.encode([stored(eng.worker, [99])])  # what the old process stored there
 
-    def from_another_lifetime(ident: bytes, start: int) -> None:
-        mine, eng.pub.publisher_id = eng.pub.publisher_id, bytes(16)
+    def from_the_old_lifetime(ident: bytes, start: int) -> None:
+        mine, eng.pub.publisher_id = eng.pub.publisher_id, old_id
         eng.pub.send_reply(ident, start, other)
         eng.pub.publisher_id = mine
 
-    answer_replay(eng, from_another_lifetime)
+    answer_replay(eng, from_the_old_lifetime)
     assert settle(eng, m)
     st = sub.stats()["streams"]["e1/0"]
-    assert st["gaps"] == 1 and st["stale_replies"] == 1 and st["restarts"] == 0
+    assert st["gaps"] == 1 and st["stale_replies"] == 1 and st["restarts"] == 1
+
+
+def test_late_message_of_a_replaced_lifetime_is_stale_not_another_restart(sub):
+    eng = Engine("e1", publisher_ids=True)
+    m = Mirror()
+    attach(sub, eng, m)
+    eng.store([1])
+    assert settle(eng, m)
+    old_id, old_payload = eng.pub.publisher_id, eng.pub.buffer[-1][1]
+    eng.pub.restart()
+    eng.truth = set()
+    eng.store([5])
+    assert settle(eng, m)
+    late = (7).to_bytes(8, "big") + old_id  # queued from the old process, delivered late
+    eng.pub.send_raw([b"", late, old_payload])
+    eng.store([6])
+    assert settle(eng, m)  # {5, 6}: the old process's block did not come back
+    st = sub.stats()["streams"]["e1/0"]
+    assert st["restarts"] == 1 and st["stale_messages"] == 1
+
+
+def test_new_process_answering_a_replay_is_the_restart(sub):
+    eng = Engine("e1", publisher_ids=True)
+    m = Mirror()
+    attach(sub, eng, m)
+    eng.store([1])
+    assert settle(eng, m)
+    eng.pub.auto_serve = False  # this test answers the replay request itself
+    eng.store([2], send=False)
+    eng.store([3])  # a gap: the subscriber asks for seq 1 on
+    eng.pub.restart()  # ... and the engine restarts before answering
+    eng.truth = set()
+    eng.store([7], send=False)  # the new process's seq 0
+    answer_replay(eng, lambda ident, _start: eng.pub.send_reply(ident, 0, eng.pub.buffer[0][1]))
+    # the reply's id alone shows the restart: the rank is the new process's before any live
+    # message of it arrives (else the old process's seq 2 would be applied after a lost gap)
+    assert settle(eng, m)  # {7}
+    eng.pub.auto_serve = True
+    eng.store([8])
+    assert settle(eng, m)  # {7, 8}
+    assert sub.stats()["streams"]["e1/0"]["restarts"] == 1
 
 
 def test_resync_then_the_new_publisher_id_is_not_a_second_restart(sub):

@@ -397,6 +397,7 @@ def test_snapshot_publisher_frames_carry_its_id():
     assert (item.topic, item.seq, item.payload, item.publisher) == (b"kv", 2**63 + 7, b"y", ident)
     assert parse_replay_reply([b"", b"kv", (4).to_bytes(8, "big"), b"y"]).publisher is None
     assert parse_replay_reply([b"", b"", END_SEQ, b""]) is None
+    assert parse_replay_reply([b"", b"", END_SEQ + ident, b""]) is None  # an end marker with it
     # an idle publisher's heartbeat: an empty batch, which only consumes its seq
     b = BatchDecoder("w").decode(msgspec.msgpack.encode([1.0, [], 0]))
     assert b.events == [] and b.dropped == 0

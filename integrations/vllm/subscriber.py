@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,6 +170,7 @@ class StreamStats:
     restarts: int = 0
     duplicates: int = 0
     stale_replies: int = 0
+    stale_messages: int = 0  # live messages of a publisher lifetime already replaced
     malformed: int = 0  # batches rejected whole (their seq is consumed: they cost only themselves)
     decoder_errors: int = 0  # of those, batches the decoder raised on (a decoder bug)
     dropped_events: int = 0
@@ -194,6 +196,9 @@ class _Stream:
     replayed: dict[int, int] = field(default_factory=dict)
     replay_resumes: int = 0  # re-requests within this gap's replay (replies dropped on the way)
     publisher: bytes | None = None  # the lifetime id a snapshot-enabled publisher sends
+    # ids of lifetimes already replaced: a late message or reply carrying one is stale, not
+    # another restart
+    retired: deque[bytes] = field(default_factory=lambda: deque(maxlen=4))
     # live batches waiting for a replay: (seq, payload, decoded; None = unreadable)
     pending: list[tuple[int, bytes, DecodedBatch | None]] = field(default_factory=list)
 
@@ -392,6 +397,7 @@ class VllmSubscriber:
                 ("restarts", s.restarts),
                 ("duplicates", s.duplicates),
                 ("stale_replies", s.stale_replies),
+                ("stale_messages", s.stale_messages),
             ):
                 d[reason] = d.get(reason, 0) + n
             for reason, n in st.decoder.stats.drops().items():
@@ -471,11 +477,11 @@ class VllmSubscriber:
                 st.src.dp_rank,
             )
             self._emit(st, [AllCleared(worker_id=st.src.worker_id, dp_rank=st.src.dp_rank)], out)
-            self._close_replay(st)
-            st.replaying = False
-            st.pending = []
+            self._abort_replay(st)
             st.last_payload = b""
-            st.publisher = None  # the new process's id is taken as it comes, not as a restart
+            if st.publisher is not None:  # the new process's id is taken as it comes
+                st.retired.append(st.publisher)
+                st.publisher = None
             if st.src.replay_address:
                 st.expected = 0
                 st.catching_up = True
@@ -675,14 +681,12 @@ class VllmSubscriber:
     ) -> None:
         s = st.stats
         if publisher is not None and publisher != st.publisher:
-            known, st.publisher = st.publisher, publisher
-            if known is not None:
-                # another publisher lifetime: the engine restarted, even when its seq looks
-                # like a gap (its first batches were missed) rather than going backwards
-                if st.replaying:  # the replay asked the previous process
-                    self._close_replay(st)
-                    st.replaying = False
-                    st.pending = []
+            if publisher in st.retired:  # a late message of a lifetime already replaced
+                s.stale_messages += 1
+                return
+            if self._new_lifetime(st, publisher):
+                # the engine restarted, even when its seq looks like the next batch or a gap
+                # (its first batches were missed) rather than going backwards
                 self._restarted(st, seq, payload, batch, out, "publisher id changed")
                 return
         if st.replaying:
@@ -752,6 +756,25 @@ class VllmSubscriber:
         else:
             st.expected = seq
             self._apply(st, seq, payload, batch, out)
+
+    def _new_lifetime(self, st: _Stream, publisher: bytes) -> bool:
+        """Take ``publisher`` as the stream's id; True when it replaces a known one (a restart:
+        the old id is retired and any replay from the old process dropped)."""
+        known, st.publisher = st.publisher, publisher
+        if known is None:
+            return False
+        st.retired.append(known)
+        self._abort_replay(st)
+        return True
+
+    def _abort_replay(self, st: _Stream) -> None:
+        """Forget a replay and the batches waiting for it (its process is gone, or its answer
+        is no longer wanted), with the state a finished replay would leave."""
+        self._close_replay(st)
+        st.replaying = False
+        st.pending = []
+        st.replay_resumes = 0
+        st.replayed.clear()
 
     def _decode(self, st: _Stream, seq: int, payload: bytes) -> DecodedBatch | None:
         """The stream's decoder on one payload; None = unreadable. Decoders never raise by
@@ -876,11 +899,16 @@ class VllmSubscriber:
             self.counters["stale_replies"] += 1
             return
         if (item.topic is not None and item.topic != st.src.topic.encode()) or (
-            item.publisher is not None and st.publisher not in (None, item.publisher)
+            item.publisher is not None and item.publisher in st.retired
         ):
             s.stale_replies += 1
             self.counters["stale_replies"] += 1
             return
+        if item.publisher is not None and item.publisher != st.publisher:
+            if self._new_lifetime(st, item.publisher):  # a new process answered the replay
+                batch = self._decode(st, item.seq, item.payload)
+                self._restarted(st, item.seq, item.payload, batch, out, "publisher id changed")
+                return
         assert st.expected is not None
         if item.seq < st.expected:
             s.stale_replies += 1

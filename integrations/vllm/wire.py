@@ -805,7 +805,7 @@ def parse_replay_reply(frames: Sequence[bytes]) -> ReplayItem | None:
         topic, seq_b, payload = fr
     else:
         raise WireError(f"replay reply with {len(frames)} frames")
-    if seq_b == END_SEQ:  # the end marker keeps its 8 bytes
+    if seq_b[:SEQ_BYTES] == END_SEQ:  # the end marker (8 bytes; with an id, as a data frame)
         return None
     seq, publisher = parse_seq_frame(seq_b)
     return ReplayItem(topic, seq, payload, publisher)
