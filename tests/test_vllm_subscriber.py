@@ -124,6 +124,16 @@ def settle(eng, mirror, expect=None, timeout=20.0):
     return wait_for(lambda: mirror.hashes(eng.worker) == expect, timeout, eng.pump)
 
 
+def holding_block_1(sub, **engine_kw):
+    """Engine e1 attached to ``sub`` and its first stored block (1) in the mirror."""
+    eng = Engine("e1", **engine_kw)
+    m = Mirror()
+    attach(sub, eng, m)
+    eng.store([1])
+    assert settle(eng, m)
+    return eng, m
+
+
 def answer_replay(eng, first):
     """Answer the engine's next replay request from the test (``auto_serve`` off): ``first(ident,
     start)`` sends whatever the test injects, then the buffered batches from ``start`` on and
@@ -428,11 +438,7 @@ def test_publisher_id_shows_a_restart_the_sequence_numbers_do_not(sub):
 
 
 def test_publisher_ids_gaps_replayed_and_a_replaced_lifetimes_reply_stale(sub):
-    eng = Engine("e1", publisher_ids=True)
-    m = Mirror()
-    attach(sub, eng, m)
-    eng.store([1])
-    assert settle(eng, m)
+    eng, m = holding_block_1(sub, publisher_ids=True)
     old_id = eng.pub.publisher_id
     eng.pub.restart()
     eng.truth = set()
@@ -456,11 +462,7 @@ def test_publisher_ids_gaps_replayed_and_a_replaced_lifetimes_reply_stale(sub):
 
 
 def test_late_message_of_a_replaced_lifetime_is_stale_not_another_restart(sub):
-    eng = Engine("e1", publisher_ids=True)
-    m = Mirror()
-    attach(sub, eng, m)
-    eng.store([1])
-    assert settle(eng, m)
+    eng, m = holding_block_1(sub, publisher_ids=True)
     old_id, old_payload = eng.pub.publisher_id, eng.pub.buffer[-1][1]
     eng.pub.restart()
     eng.truth = set()
@@ -475,11 +477,7 @@ def test_late_message_of_a_replaced_lifetime_is_stale_not_another_restart(sub):
 
 
 def test_new_process_answering_a_replay_is_the_restart(sub):
-    eng = Engine("e1", publisher_ids=True)
-    m = Mirror()
-    attach(sub, eng, m)
-    eng.store([1])
-    assert settle(eng, m)
+    eng, m = holding_block_1(sub, publisher_ids=True)
     eng.pub.auto_serve = False  # this test answers the replay request itself
     eng.store([2], send=False)
     eng.store([3])  # a gap: the subscriber asks for seq 1 on
@@ -497,11 +495,7 @@ def test_new_process_answering_a_replay_is_the_restart(sub):
 
 
 def test_resync_then_the_new_publisher_id_is_not_a_second_restart(sub):
-    eng = Engine("e1", publisher_ids=True)
-    m = Mirror()
-    attach(sub, eng, m)
-    eng.store([1])
-    assert settle(eng, m)
+    eng, m = holding_block_1(sub, publisher_ids=True)
     seen = sub.restarts("e1")
     eng.pub.restart()
     eng.truth = set()
