@@ -38,7 +38,7 @@ import time
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any
 
 import msgspec
 from kvplug.integrations.common import (
@@ -749,13 +749,6 @@ class WireError(ValueError):
     """A ZMQ message that is not a vLLM KV-event message at all."""
 
 
-class LiveMessage(NamedTuple):
-    topic: bytes
-    seq: int
-    payload: bytes
-    publisher: bytes | None  # the publisher's lifetime id (snapshot-enabled publishers), or None
-
-
 def parse_seq_frame(seq_b: bytes) -> tuple[int, bytes | None]:
     """A data message's sequence frame -> (seq, publisher id or None); WireError otherwise.
 
@@ -772,13 +765,17 @@ def parse_seq_frame(seq_b: bytes) -> tuple[int, bytes | None]:
     )
 
 
-def split_frames(frames: Sequence[bytes]) -> LiveMessage:
-    """``[topic, seq, payload]`` -> LiveMessage; WireError on any other shape."""
+def split_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes, bytes | None]:
+    """``[topic, seq, payload]`` -> (topic, seq, payload, publisher id or None); WireError on
+    any other shape. Every live message passes here: a plain tuple, the common 8-byte seq
+    read inline (the general parse costs ~0.3 us more per message)."""
     if len(frames) != 3:
         raise WireError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
     topic, seq_b, payload = frames
+    if len(seq_b) == SEQ_BYTES:
+        return topic, int.from_bytes(seq_b, "big"), payload, None
     seq, publisher = parse_seq_frame(seq_b)
-    return LiveMessage(bytes(topic), seq, payload, publisher)
+    return topic, seq, payload, publisher
 
 
 @dataclass(frozen=True)
@@ -786,7 +783,7 @@ class ReplayItem:
     topic: bytes | None  # None in the 0.9-0.25 framing
     seq: int
     payload: bytes
-    publisher: bytes | None = None  # as in LiveMessage
+    publisher: bytes | None = None  # the publisher's lifetime id (parse_seq_frame), or None
 
 
 def parse_replay_reply(frames: Sequence[bytes]) -> ReplayItem | None:
