@@ -159,6 +159,10 @@ class Router:
             "events_applied": 0,
             "events_dropped_unknown_worker": 0,
             "events_dropped_invalid": 0,
+            # AllCleared for a worker or rank not registered: nothing of it is indexed (a
+            # rank's blocks go when it does), so this is not a drop; e.g. an engine restarted
+            # with fewer DP ranks, whose subscriber clears every rank it consumed
+            "clears_of_unregistered": 0,
             "attributes_dropped": 0,
             "fallback_decisions": 0,
             "no_compatible_worker": 0,
@@ -349,10 +353,14 @@ class Router:
         self.counters["events_applied"] += 1
 
     def _from_known_worker(self, event: KvEvent) -> bool:
-        """Whether the event's (worker, rank) is registered; if not, a counted, logged drop."""
+        """Whether the event's (worker, rank) is registered; if not, a counted, logged drop
+        (a clear of what is not registered has nothing to clear: counted apart, not logged)."""
         st = self._workers.get(getattr(event, "worker_id", None))  # type: ignore[arg-type]
         if st is not None and getattr(event, "dp_rank", None) in st.worker.dp_ranks:
             return True
+        if isinstance(event, AllCleared):
+            self.counters["clears_of_unregistered"] += 1
+            return False
         self.counters["events_dropped_unknown_worker"] += 1
         log.warning(
             "dropped %s for unknown worker %r rank %r",

@@ -306,6 +306,34 @@ def test_events_for_unknown_workers_are_counted_drops():
     assert BS == 16
 
 
+def test_a_clear_of_an_unregistered_rank_is_not_a_drop_and_keeps_what_is_indexed():
+    """An engine restarted with fewer DP ranks: the worker is registered again with one rank
+    (the other's blocks go with it), then its subscriber clears every rank it consumed. The
+    clear of the rank that went away has nothing to clear: counted apart, not as a drop; the
+    rank that stays keeps its blocks; a clear of a worker never registered is the same."""
+    from kvplug.events import AllCleared, BlockStored
+    from kvplug.workers import Worker
+
+    for batched in (False, True):
+        r = make_router(workers=())
+        r.add_worker(Worker("a", dp_size=2))
+        for rank in (0, 1):
+            r.apply_event(
+                BlockStored(worker_id="a", dp_rank=rank, engine_hashes=[1], block_hashes=[7])
+            )
+        r.add_worker(Worker("a", dp_size=1))  # re-registered with rank 0 alone
+        clears = [AllCleared(worker_id="a", dp_rank=1), AllCleared(worker_id="ghost")]
+        if batched:
+            assert r.apply_events(clears) == 0
+        else:
+            for ev in clears:
+                r.apply_event(ev)
+        stats = r.stats()
+        assert stats["clears_of_unregistered"] == 2
+        assert stats["events_dropped_unknown_worker"] == 0
+        assert set(r.index.core.holdings(r.index.endpoint_id("a", 0))) == {7}
+
+
 def test_event_batches_count_drops_like_single_events_and_keep_the_rest():
     from kvplug.events import BlockRemoved, BlockStored
 
