@@ -1,0 +1,355 @@
+"""kvplug's placements judged by Dynamo's own simulator, beside Dynamo's own KV router.
+
+NVIDIA Dynamo ships an offline trace replay (``run_mocker_trace_replay`` in
+``ai-dynamo-runtime``, what ``python -m dynamo.replay`` runs): its mocker engines (Dynamo's own
+model of a vLLM engine: scheduler, chunked prefill, prefix cache, step timing) behind Dynamo's KV
+router (``kv_router``, its default settings) or round robin. Its router cannot be swapped, but in
+an aggregated fleet engines interact only through placement: what an engine does depends on the
+requests it is sent and when. So any placement can be judged there by splitting the trace by
+engine and replaying each part on one mocker engine. The method is checked on Dynamo's own
+placement first: its ``kv_router`` decisions, split and replayed, must give back its whole-fleet
+figures (the ``check`` row; the run stops if they do not).
+
+Rows, all measured by the mocker, on the same trace, engines and settings:
+
+* ``Dynamo kv_router``: Dynamo's router in its own simulator, closed loop (``--rounds`` runs: it
+  breaks ties at random);
+* ``Dynamo round_robin``;
+* each policy of kvplug's simulator (kvplug's own, and its replays of other routers' policies)
+  at each ``--steptime`` end: its decisions made in kvplug's simulator (closed loop there, in
+  the ``--view`` router view), then split and replayed in the mocker. They are open loop in the
+  mocker: they saw kvplug's simulator's timing, not the mocker's, which can only cost them.
+
+Hit rate is the mocker's: reused prompt tokens / prompt tokens. The bound is one LRU of the
+fleet's memory shared by every request (kvplug's ``fleet_lru_hits``, in tokens).
+
+    python benchmarks/bench_dynamo_replay.py                  # ~1.5 min on 2 cores
+    python benchmarks/bench_dynamo_replay.py \\
+        --trace benchmarks/data/mooncake_synthetic_trace.jsonl.gz \\
+        --json benchmarks/results/dynamo_replay_synthetic.json \\
+        --plot docs/img/dynamo_replay_synthetic.png
+
+Needs the ``bench`` extra (``pip install -e '.[bench]'``). Prints a Markdown table, writes JSON
+and a plot (hit rate against TTFT p99, every row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from kvplug.sim.bench import BenchSpec, fleet_lru_hits  # noqa: E402
+from kvplug.sim.policies import parse_policy  # noqa: E402
+from kvplug.sim.traces import TraceRecord  # noqa: E402
+from kvplug.sim.transport import PRESETS  # noqa: E402
+from kvplug.sim.virtual import _engine_id, replay  # noqa: E402
+
+POLICIES = ["affinity-balance", "kv", "sglang-cache-aware", "vllm-kv-aware", "round-robin"]
+DYNAMO_KV = "Dynamo kv_router (its own, closed loop)"
+
+
+def mocker_engine(spec: BenchSpec) -> dict:
+    """The mocker's engine settings matching kvplug's simulated engine."""
+    return {
+        "engine": {
+            "block_size": spec.block_tokens,
+            "num_gpu_blocks": spec.capacity_blocks,
+            "max_num_batched_tokens": spec.max_batched_tokens,
+            "max_num_seqs": 256,
+        }
+    }
+
+
+def write_trace(records: list[TraceRecord], path: Path) -> None:
+    """Mooncake JSONL, timestamps in ms (kvplug's loader divided them by 1,000)."""
+    with open(path, "w") as f:
+        for r in records:
+            row = {
+                "timestamp": int(round(r.arrival_s * 1000)),
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.hash_ids),
+            }
+            f.write(json.dumps(row) + "\n")
+
+
+def mocker_run(dynamo, path: Path, spec: BenchSpec, workers: int, mode: str) -> list[dict]:
+    result = dynamo.run_mocker_trace_replay(
+        [str(path)],
+        extra_engine_args=mocker_engine(spec),
+        num_workers=workers,
+        router_mode=mode,
+        trace_block_size=spec.block_tokens,
+        capture_per_request=True,
+    )
+    return result.per_request
+
+
+def placement_of(records: list[TraceRecord], per_request: list[dict]) -> list[int]:
+    """Per trace record, the engine the mocker's router sent it to (records are matched by
+    arrival and prompt length; equal keys are interchangeable requests)."""
+    by_key: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for p in per_request:
+        by_key[(int(round(p["arrival_time_ms"])), p["input_length"])].append(
+            int(p["decode_worker_idx"])
+        )
+    return [by_key[(int(round(r.arrival_s * 1000)), r.input_length)].pop() for r in records]
+
+
+def split_replay(
+    dynamo, records: list[TraceRecord], placement: list[int], spec: BenchSpec, tmp: Path
+) -> list[dict]:
+    """Each engine's share of the trace replayed on one mocker engine; all requests' records."""
+    out: list[dict] = []
+    for engine in sorted(set(placement)):
+        part = [r for r, e in zip(records, placement, strict=True) if e == engine]
+        path = tmp / f"engine_{engine}.jsonl"
+        write_trace(part, path)
+        out.extend(mocker_run(dynamo, path, spec, 1, "round_robin"))
+    return out
+
+
+def figures(per_request: list[dict]) -> dict:
+    reused = sum(p["reused_input_tokens"] for p in per_request)
+    prompt = sum(p["input_length"] for p in per_request)
+    ttft = np.array([p["ttft_ms"] for p in per_request], dtype=float) / 1000.0
+    return {
+        "requests": len(per_request),
+        "hit_rate": reused / prompt,
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p90_s": float(np.percentile(ttft, 90)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+    }
+
+
+def kvplug_placement(args: tuple[BenchSpec, str]) -> tuple[list[int], float]:
+    """The engine kvplug's ``policy`` sends each record to in kvplug's simulator, and the hit
+    rate there (prompt blocks)."""
+    spec, policy = args
+    pol = parse_policy(policy)
+    res = replay(
+        spec.records(),
+        pol.router_config(spec.block_tokens),
+        spec.replay_config(pol.feed_events),
+        policy=pol.name,
+        router_factory=pol.router_factory(),
+    )
+    index = {_engine_id(i): i for i in range(spec.n_engines)}
+    placement = [index[r.worker_id] for r in res.requests]
+    blocks = sum(r.prompt_blocks for r in res.requests)
+    hits = sum(r.hit_device + r.hit_host for r in res.requests)
+    return placement, hits / blocks
+
+
+def token_bound(records: list[TraceRecord], spec: BenchSpec) -> float:
+    """One LRU of the fleet's memory shared by every request, in reused prompt tokens (a fully
+    cached prompt still computes its last token, as the engines do)."""
+    hits = fleet_lru_hits(records, spec.capacity_blocks * spec.n_engines, spec.block_tokens)
+    reused = sum(
+        min(h * spec.block_tokens, r.input_length - 1) for h, r in zip(hits, records, strict=True)
+    )
+    return reused / sum(r.input_length for r in records)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", default=None, help="Mooncake JSONL (.gz); default: the bundled one")
+    ap.add_argument("--limit", type=int, default=None, help="first N requests only")
+    ap.add_argument("--engines", type=int, default=8)
+    ap.add_argument("--policies", nargs="+", default=POLICIES)
+    ap.add_argument("--steptime", nargs="+", default=["causal", "cached"])
+    ap.add_argument("--view", choices=sorted(PRESETS), default="ideal", help="kvplug's router view")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of Dynamo's router")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--json", default="benchmarks/results/dynamo_replay.json")
+    ap.add_argument("--plot", default="docs/img/dynamo_replay.png", help="'' = none")
+    args = ap.parse_args()
+    # Dynamo's router logs every decision at INFO; its log level comes from DYN_LOG
+    os.environ.setdefault("DYN_LOG", "warn")
+    try:
+        from importlib.metadata import version
+
+        import dynamo._core as dynamo
+
+        dynamo_version = version("ai-dynamo-runtime")
+    except ImportError:
+        print("needs ai-dynamo-runtime: pip install -e '.[bench]'", file=sys.stderr)
+        return 2
+
+    t_start = time.perf_counter()
+    base = BenchSpec(
+        policies=[],
+        n_engines=args.engines,
+        trace=args.trace,
+        limit=args.limit,
+        link=PRESETS[args.view],
+    )
+    records = base.records()
+    bound = token_bound(records, base)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        whole = tmp / "trace.jsonl"
+        write_trace(records, whole)
+        # kvplug's placements first, in parallel (kvplug's simulator is Python)
+        jobs = [
+            (replace(base, policies=[p], steptime=st), p)
+            for st in args.steptime
+            for p in args.policies
+        ]
+        print(f"kvplug's simulator: {len(jobs)} placements ...", flush=True)
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            placements = list(pool.map(kvplug_placement, jobs))
+        print(f"  done ({time.perf_counter() - t_start:.0f} s)", flush=True)
+
+        check = None
+        for k in range(args.rounds):
+            per_request = mocker_run(dynamo, whole, base, args.engines, "kv_router")
+            rows.append({"row": DYNAMO_KV, "round": k, **figures(per_request)})
+            if k == 0:  # the method check: Dynamo's own placement, split and replayed
+                placement = placement_of(records, per_request)
+                again = figures(split_replay(dynamo, records, placement, base, tmp))
+                check = {"closed_loop": rows[-1], "split_replay": again}
+                if abs(again["hit_rate"] - rows[-1]["hit_rate"]) > 1e-4 or (
+                    abs(again["ttft_p99_s"] / rows[-1]["ttft_p99_s"] - 1) > 0.01
+                ):
+                    print(f"method check failed: {check}", file=sys.stderr)
+                    return 1
+            print(f"Dynamo kv_router round {k + 1}/{args.rounds}", flush=True)
+        per_request = mocker_run(dynamo, whole, base, args.engines, "round_robin")
+        rows.append({"row": "Dynamo round_robin", "round": 0, **figures(per_request)})
+        for (spec, policy), (placement, sim_hit) in zip(jobs, placements, strict=True):
+            got = figures(split_replay(dynamo, records, placement, base, tmp))
+            rows.append(
+                {
+                    "row": f"{policy} ({spec.steptime})",
+                    "policy": policy,
+                    "steptime": spec.steptime,
+                    "kvplug_sim_hit_rate": sim_hit,
+                    **got,
+                }
+            )
+            print(f"  {policy} ({spec.steptime}) judged by the mocker", flush=True)
+
+    dyn = [r for r in rows if r["row"] == DYNAMO_KV]
+    dyn_hit = [r["hit_rate"] for r in dyn]
+    dyn_p99 = [r["ttft_p99_s"] for r in dyn]
+    for r in rows:  # against Dynamo's router: each of its rounds (a range)
+        r["hit_vs_dynamo"] = [r["hit_rate"] / h for h in dyn_hit]
+        r["p99_vs_dynamo"] = [r["ttft_p99_s"] / p for p in dyn_p99]
+        r["share_of_bound"] = r["hit_rate"] / bound
+    report = {
+        "command": "python benchmarks/bench_dynamo_replay.py " + " ".join(sys.argv[1:]),
+        "dynamo": f"ai-dynamo-runtime {dynamo_version}",
+        "trace": args.trace or "bundled conversation trace",
+        "view": args.view,
+        "requests": len(records),
+        "engines": args.engines,
+        "mocker_engine": mocker_engine(base),
+        "token_bound": bound,
+        "check": check,
+        "rows": rows,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    print_table(report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"JSON: {args.json}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def span(xs: list[float], fmt: str) -> str:
+    lo, hi = min(xs), max(xs)
+    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{lo:{fmt}}–{hi:{fmt}}"
+
+
+def print_table(report: dict) -> None:
+    print(
+        f"\n{report['requests']:,} requests, {report['engines']} engines, judged by Dynamo's "
+        f"mocker ({report['dynamo']}); one-shared-LRU bound {report['token_bound']:.1%} of "
+        "prompt tokens"
+    )
+    check = report["check"]
+    split, closed = check["split_replay"], check["closed_loop"]
+    print(
+        f"method check: Dynamo's kv_router placement split and replayed: hit "
+        f"{split['hit_rate']:.4f} / p99 {split['ttft_p99_s']:.3f} s against "
+        f"{closed['hit_rate']:.4f} / {closed['ttft_p99_s']:.3f} s closed loop\n"
+    )
+    print(
+        "| placement (kvplug's simulator's decisions at that end) | hit rate | share of the bound "
+        "| vs Dynamo's kv_router | TTFT p50 s | TTFT p99 s | p99 vs Dynamo's "
+        "| hit in kvplug's simulator |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in report["rows"]:
+        groups[r["row"]].append(r)
+    for name, rs in groups.items():
+        vs_hit = [x for r in rs for x in r["hit_vs_dynamo"]]
+        vs_p99 = [x for r in rs for x in r["p99_vs_dynamo"]]
+        sim = rs[0].get("kvplug_sim_hit_rate")
+        print(
+            f"| {name} | {span([r['hit_rate'] * 100 for r in rs], '.1f')} % "
+            f"| {span([r['share_of_bound'] * 100 for r in rs], '.1f')} % "
+            f"| {span(vs_hit, '.3f')}× | {span([r['ttft_p50_s'] for r in rs], '.3f')} "
+            f"| {span([r['ttft_p99_s'] for r in rs], '.2f')} | {span(vs_p99, '.3f')}× "
+            f"| {'' if sim is None else f'{sim:.1%}'} |"
+        )
+
+
+def plot(report: dict, path: str) -> None:
+    """Hit rate against TTFT p99, every row (each of Dynamo's rounds a point)."""
+    from kvplug.sim.plots import _plt
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 5.0))
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in report["rows"]:
+        groups[r["row"]].append(r)
+    markers = "os^Dv<>pP*Xh"
+    for i, (name, rs) in enumerate(groups.items()):
+        ax.scatter(
+            [r["hit_rate"] for r in rs],
+            [r["ttft_p99_s"] for r in rs],
+            marker=markers[i % len(markers)],
+            s=60 if name.startswith("Dynamo") else 42,
+            label=name + (f" ({len(rs)} runs)" if len(rs) > 1 else ""),
+            zorder=3,
+        )
+    bound = report["token_bound"]
+    ax.axvline(bound, color="k", ls="--", lw=1, label="one shared LRU (fleet memory)")
+    ax.axvline(0.95 * bound, color="k", ls=":", lw=1, label="95 % of it")
+    ax.set_xlabel("KV hit rate (reused prompt tokens / prompt tokens), by Dynamo's mocker")
+    ax.set_ylabel("TTFT p99 (s), by Dynamo's mocker")
+    ax.set_title(
+        f"Placements judged by Dynamo's own simulator ({report['dynamo']}): "
+        f"{report['requests']:,} requests, {report['engines']} engines",
+        fontsize=9,
+    )
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=6.5, loc="best")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
