@@ -13,7 +13,7 @@ figures (the ``check`` row; the run stops if they do not).
 Rows, all measured by the mocker, on the same trace, engines and settings:
 
 * ``Dynamo kv_router``: Dynamo's router in its own simulator, closed loop (``--rounds`` runs: it
-  breaks ties at random);
+  breaks ties at random), with its defaults and as its users may tune it (``--dynamo-settings``);
 * ``Dynamo round_robin``;
 * each policy of kvplug's simulator (kvplug's own, and its replays of other routers' policies)
   at each ``--steptime`` end: its decisions made in kvplug's simulator (closed loop there, in
@@ -22,6 +22,10 @@ Rows, all measured by the mocker, on the same trace, engines and settings:
 
 Hit rate is the mocker's: reused prompt tokens / prompt tokens. The bound is one LRU of the
 fleet's memory shared by every request (kvplug's ``fleet_lru_hits``, in tokens).
+
+Then the other way round: each of Dynamo's placements (its first run of each setting) replayed
+in kvplug's simulator at each end, beside kvplug's policies there (closed loop), hit rate in
+prompt blocks and TTFT p99 against kvplug's ``kv``.
 
     python benchmarks/bench_dynamo_replay.py                  # ~1.5 min on 2 cores
     python benchmarks/bench_dynamo_replay.py \\
@@ -50,14 +54,27 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from kvplug.sim.bench import BenchSpec, fleet_lru_hits  # noqa: E402
+from kvplug.sim.baselines import BaselineConfig, _InflightRouter, _Routed  # noqa: E402
+from kvplug.sim.bench import BenchSpec, fleet_lru_hit_rate, fleet_lru_hits  # noqa: E402
 from kvplug.sim.policies import parse_policy  # noqa: E402
 from kvplug.sim.traces import TraceRecord  # noqa: E402
 from kvplug.sim.transport import PRESETS  # noqa: E402
-from kvplug.sim.virtual import _engine_id, replay  # noqa: E402
+from kvplug.sim.virtual import _engine_id, replay, summarize  # noqa: E402
 
 POLICIES = ["affinity-balance", "kv", "sglang-cache-aware", "vllm-kv-aware", "round-robin"]
-DYNAMO_KV = "Dynamo kv_router (its own, closed loop)"
+DYNAMO_KV = "Dynamo kv_router, defaults"
+# Dynamo's router tuned as its users may: the weight of the prefill (uncached) blocks against the
+# decode blocks (prefill_load_scale, formerly overlap_score_weight; 1 by default) and the credit
+# a cached block earns (overlap_score_credit, 1 by default). A sweep on the conversation trace in
+# the mocker (scale 0.5-1,000, credit 1-16, temperature 0.5): hits rise with the scale to ~16,
+# then with the credit to 4 at scale 64-128 (24.2-24.3 %), and fall beyond; a temperature of 0.5
+# halves them. The last two are the best of that sweep
+DYNAMO_SETTINGS = [
+    "prefill_load_scale=16",
+    "prefill_load_scale=16,overlap_score_credit=2",
+    "prefill_load_scale=64,overlap_score_credit=4",
+    "prefill_load_scale=128,overlap_score_credit=4",
+]
 
 
 def mocker_engine(spec: BenchSpec) -> dict:
@@ -85,16 +102,31 @@ def write_trace(records: list[TraceRecord], path: Path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def mocker_run(dynamo, path: Path, spec: BenchSpec, workers: int, mode: str) -> list[dict]:
+def mocker_run(
+    dynamo, path: Path, spec: BenchSpec, workers: int, mode: str, setting: str = ""
+) -> list[dict]:
     result = dynamo.run_mocker_trace_replay(
         [str(path)],
         extra_engine_args=mocker_engine(spec),
         num_workers=workers,
         router_mode=mode,
+        router_config=dynamo.KvRouterConfig(**router_settings(setting)) if setting else None,
         trace_block_size=spec.block_tokens,
         capture_per_request=True,
     )
     return result.per_request
+
+
+def router_settings(text: str) -> dict:
+    """``prefill_load_scale=16,overlap_score_credit=2`` -> KvRouterConfig keyword arguments."""
+    out: dict = {}
+    for term in filter(None, text.split(",")):
+        key, _, raw = term.partition("=")
+        try:
+            out[key.strip()] = float(raw)
+        except ValueError:
+            out[key.strip()] = raw.strip()
+    return out
 
 
 def placement_of(records: list[TraceRecord], per_request: list[dict]) -> list[int]:
@@ -134,9 +166,9 @@ def figures(per_request: list[dict]) -> dict:
     }
 
 
-def kvplug_placement(args: tuple[BenchSpec, str]) -> tuple[list[int], float]:
-    """The engine kvplug's ``policy`` sends each record to in kvplug's simulator, and the hit
-    rate there (prompt blocks)."""
+def kvplug_placement(args: tuple[BenchSpec, str]) -> tuple[list[int], dict]:
+    """The engine kvplug's ``policy`` sends each record to in kvplug's simulator, and its
+    figures there (hit rate in prompt blocks)."""
     spec, policy = args
     pol = parse_policy(policy)
     res = replay(
@@ -147,10 +179,41 @@ def kvplug_placement(args: tuple[BenchSpec, str]) -> tuple[list[int], float]:
         router_factory=pol.router_factory(),
     )
     index = {_engine_id(i): i for i in range(spec.n_engines)}
-    placement = [index[r.worker_id] for r in res.requests]
-    blocks = sum(r.prompt_blocks for r in res.requests)
-    hits = sum(r.hit_device + r.hit_host for r in res.requests)
-    return placement, hits / blocks
+    return [index[r.worker_id] for r in res.requests], sim_figures(res)
+
+
+def sim_figures(res) -> dict:
+    out = summarize(res)
+    return {k: out[k] for k in ("hit_rate", "ttft_p50_s", "ttft_p99_s")}
+
+
+class FixedPlacement(_InflightRouter):
+    """A router for kvplug's simulator that sends the i-th request to engine ``placement[i]``:
+    a placement decided elsewhere (Dynamo's router in the mocker), judged here."""
+
+    def __init__(self, config, clock, rng, placement: list[int]) -> None:
+        super().__init__(config, clock, rng)
+        self._placement = placement
+        self._next = 0
+
+    def route(self, req) -> _Routed:
+        wid = _engine_id(self._placement[self._next])
+        self._next += 1
+        self._book(req.request_id, wid)
+        return _Routed(wid)
+
+
+def judged_by_kvplug(args: tuple[BenchSpec, list[int]]) -> dict:
+    """A placement replayed in kvplug's simulator (open loop), its figures there."""
+    spec, placement = args
+    res = replay(
+        spec.records(),
+        BaselineConfig("fixed", spec.block_tokens),
+        spec.replay_config(False),
+        policy="fixed",
+        router_factory=lambda config, clock, rng: FixedPlacement(config, clock, rng, placement),
+    )
+    return sim_figures(res)
 
 
 def token_bound(records: list[TraceRecord], spec: BenchSpec) -> float:
@@ -172,6 +235,12 @@ def main() -> int:
     ap.add_argument("--steptime", nargs="+", default=["causal", "cached"])
     ap.add_argument("--view", choices=sorted(PRESETS), default="ideal", help="kvplug's router view")
     ap.add_argument("--rounds", type=int, default=3, help="runs of Dynamo's router")
+    ap.add_argument(
+        "--dynamo-settings",
+        nargs="*",
+        default=DYNAMO_SETTINGS,
+        help="Dynamo's router also with these KvRouterConfig settings (KEY=VALUE,...)",
+    )
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--json", default="benchmarks/results/dynamo_replay.json")
     ap.add_argument("--plot", default="docs/img/dynamo_replay.png", help="'' = none")
@@ -215,11 +284,12 @@ def main() -> int:
         print(f"  done ({time.perf_counter() - t_start:.0f} s)", flush=True)
 
         check = None
+        dynamo_placements: dict[str, list[int]] = {}  # each setting's first run
         for k in range(args.rounds):
             per_request = mocker_run(dynamo, whole, base, args.engines, "kv_router")
             rows.append({"row": DYNAMO_KV, "round": k, **figures(per_request)})
             if k == 0:  # the method check: Dynamo's own placement, split and replayed
-                placement = placement_of(records, per_request)
+                placement = dynamo_placements[DYNAMO_KV] = placement_of(records, per_request)
                 again = figures(split_replay(dynamo, records, placement, base, tmp))
                 check = {"closed_loop": rows[-1], "split_replay": again}
                 if abs(again["hit_rate"] - rows[-1]["hit_rate"]) > 1e-4 or (
@@ -228,22 +298,55 @@ def main() -> int:
                     print(f"method check failed: {check}", file=sys.stderr)
                     return 1
             print(f"Dynamo kv_router round {k + 1}/{args.rounds}", flush=True)
+        for setting in args.dynamo_settings:  # Dynamo's router as its users may tune it
+            for k in range(args.rounds):
+                per_request = mocker_run(dynamo, whole, base, args.engines, "kv_router", setting)
+                name = f"Dynamo kv_router, {setting}"
+                rows.append({"row": name, "round": k, **figures(per_request)})
+                if k == 0:
+                    dynamo_placements[name] = placement_of(records, per_request)
+            print(f"Dynamo kv_router {setting}: {args.rounds} rounds", flush=True)
         per_request = mocker_run(dynamo, whole, base, args.engines, "round_robin")
         rows.append({"row": "Dynamo round_robin", "round": 0, **figures(per_request)})
-        for (spec, policy), (placement, sim_hit) in zip(jobs, placements, strict=True):
+        for (spec, policy), (placement, sim) in zip(jobs, placements, strict=True):
             got = figures(split_replay(dynamo, records, placement, base, tmp))
             rows.append(
                 {
                     "row": f"{policy} ({spec.steptime})",
                     "policy": policy,
                     "steptime": spec.steptime,
-                    "kvplug_sim_hit_rate": sim_hit,
+                    "kvplug_sim_hit_rate": sim["hit_rate"],
                     **got,
                 }
             )
             print(f"  {policy} ({spec.steptime}) judged by the mocker", flush=True)
 
-    dyn = [r for r in rows if r["row"] == DYNAMO_KV]
+    # the other way round: Dynamo's placements judged by kvplug's simulator, beside kvplug's
+    # policies there (closed loop), at each step-time end
+    judged = [
+        (replace(base, steptime=st), name) for st in args.steptime for name in dynamo_placements
+    ]
+    print(f"kvplug's simulator judges {len(judged)} of Dynamo's placements ...", flush=True)
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        dynamo_in_kvplug = list(
+            pool.map(judged_by_kvplug, [(spec, dynamo_placements[n]) for spec, n in judged])
+        )
+    kvplug_sim_rows = [
+        {"row": f"{policy} (closed loop)", "steptime": spec.steptime, **sim}
+        for (spec, policy), (_, sim) in zip(jobs, placements, strict=True)
+    ] + [
+        {"row": f"{name}: its placement", "steptime": spec.steptime, **sim}
+        for (spec, name), sim in zip(judged, dynamo_in_kvplug, strict=True)
+    ]
+    block_bound = fleet_lru_hit_rate(records, base.capacity_blocks * base.n_engines)
+    for st in args.steptime:
+        here = [r for r in kvplug_sim_rows if r["steptime"] == st]
+        kv = [r for r in here if r["row"] == "kv (closed loop)"]
+        for r in here:
+            r["share_of_bound"] = r["hit_rate"] / block_bound
+            r["p99_vs_kv"] = r["ttft_p99_s"] / kv[0]["ttft_p99_s"] if kv else None
+
+    dyn = [r for r in rows if r["row"] == DYNAMO_KV]  # the ratios are against its defaults
     dyn_hit = [r["hit_rate"] for r in dyn]
     dyn_p99 = [r["ttft_p99_s"] for r in dyn]
     for r in rows:  # against Dynamo's router: each of its rounds (a range)
@@ -259,8 +362,10 @@ def main() -> int:
         "engines": args.engines,
         "mocker_engine": mocker_engine(base),
         "token_bound": bound,
+        "block_bound": block_bound,
         "check": check,
         "rows": rows,
+        "judged_by_kvplug": kvplug_sim_rows,
         "wall_s": time.perf_counter() - t_start,
     }
     print_table(report)
@@ -293,7 +398,8 @@ def print_table(report: dict) -> None:
         f"{closed['hit_rate']:.4f} / {closed['ttft_p99_s']:.3f} s closed loop\n"
     )
     print(
-        "| placement (kvplug's simulator's decisions at that end) | hit rate | share of the bound "
+        "| placement (Dynamo's: its own, closed loop; kvplug's simulator's: its decisions at that "
+        "end) | hit rate | share of the bound "
         "| vs Dynamo's kv_router | TTFT p50 s | TTFT p99 s | p99 vs Dynamo's "
         "| hit in kvplug's simulator |"
     )
@@ -313,6 +419,22 @@ def print_table(report: dict) -> None:
             f"| {'' if sim is None else f'{sim:.1%}'} |"
         )
 
+    print(
+        f"\nThe other way round: judged by kvplug's simulator (one-shared-LRU bound "
+        f"{report['block_bound']:.1%} of prompt blocks; kvplug's policies closed loop, "
+        "Dynamo's placements from its first run, open loop)\n"
+    )
+    print(
+        "| placement | step-time end | hit rate | share of the bound | TTFT p99 s | p99 vs kv's |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
+    for r in report["judged_by_kvplug"]:
+        vs = "" if r["p99_vs_kv"] is None else f"{r['p99_vs_kv']:.3f}×"
+        print(
+            f"| {r['row']} | {r['steptime']} | {r['hit_rate']:.1%} | {r['share_of_bound']:.1%} "
+            f"| {r['ttft_p99_s']:.2f} | {vs} |"
+        )
+
 
 def plot(report: dict, path: str) -> None:
     """Hit rate against TTFT p99, every row (each of Dynamo's rounds a point)."""
@@ -323,15 +445,25 @@ def plot(report: dict, path: str) -> None:
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in report["rows"]:
         groups[r["row"]].append(r)
-    markers = "os^Dv<>pP*Xh"
-    for i, (name, rs) in enumerate(groups.items()):
+    dynamo_names = [n for n in groups if n.startswith("Dynamo kv_router")]
+    blues = plt.get_cmap("Blues")
+    markers = "s^Dv<>pPXh"
+    others = 0
+    for name, rs in groups.items():
+        style: dict = {"s": 42, "zorder": 3}
+        if name in dynamo_names:  # Dynamo's own router: blue circles, darker = more tuned
+            shade = 0.35 + 0.6 * dynamo_names.index(name) / max(len(dynamo_names) - 1, 1)
+            style.update(marker="o", s=55, color=blues(shade), edgecolor="k", linewidth=0.4)
+        elif name.startswith(POLICIES[0]):  # kvplug's default, on top
+            style.update(marker="*", s=190, color="red", edgecolor="k", linewidth=0.6, zorder=5)
+        else:
+            style.update(marker=markers[others % len(markers)])
+            others += 1
         ax.scatter(
             [r["hit_rate"] for r in rs],
             [r["ttft_p99_s"] for r in rs],
-            marker=markers[i % len(markers)],
-            s=60 if name.startswith("Dynamo") else 42,
             label=name + (f" ({len(rs)} runs)" if len(rs) > 1 else ""),
-            zorder=3,
+            **style,
         )
     bound = report["token_bound"]
     ax.axvline(bound, color="k", ls="--", lw=1, label="one shared LRU (fleet memory)")
