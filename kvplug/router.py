@@ -335,7 +335,8 @@ class Router:
     # ================================================================ events
     def apply_event(self, event: KvEvent) -> None:
         """Feed one normalised KV event to the index. An unknown worker or rank, or a malformed
-        event, is a counted and logged drop: what is indexed already stays."""
+        event, is a counted and logged drop: what is indexed already stays (a clear for an
+        unknown worker or rank has nothing to clear: counted apart, not logged)."""
         if not self._from_known_worker(event):
             return
         try:

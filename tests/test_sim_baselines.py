@@ -12,6 +12,7 @@ from kvplug.events import AllCleared, BlockMoved, BlockRemoved, BlockStored, Tie
 from kvplug.request import RouteRequest
 from kvplug.sim.baselines import (
     BaselineConfig,
+    FixedPlacement,
     SglangCacheAware,
     SmgCacheAware,
     SmgStringTree,
@@ -334,3 +335,21 @@ def test_smg_cache_aware_replays_in_the_bench():
     assert stats["polls"] > 0 and stats["cache_hit"] > 0
     assert stats["cache_hit"] + stats["spill"] + stats["miss"] + stats["all_overloaded"] == 300
     assert by["smg-cache-aware"]["hit_rate"] > by["round-robin"]["hit_rate"]
+
+
+def test_a_fixed_placement_goes_by_request_not_by_call_order():
+    """FixedPlacement (a placement decided elsewhere, judged by this simulator) sends request
+    ``r{i}`` to the fleet's ``placement[i]``-th engine whatever order the routes come in, keeps
+    the in-flight count the others keep, and refuses a P/D hop (it places whole requests)."""
+    clock = Clock()
+    r = FixedPlacement(BaselineConfig("fixed", 512), clock, random.Random(0), [2, 0, 2])
+    for i in range(3):
+        r.add_worker(Worker(worker_id=f"w{i}", engine="sim"))
+    assert r.route(_req("r2", [1])).worker_id == "w2"
+    assert r.route(_req("r0", [1])).worker_id == "w2"
+    assert r.route(_req("r1", [1])).worker_id == "w0"
+    assert r.load == {"w0": 1, "w1": 0, "w2": 2}
+    r.on_finish("r0")
+    assert r.load["w2"] == 1
+    with pytest.raises(ValueError, match="whole requests"):
+        r.route(_req("r1:p", [1]))

@@ -86,7 +86,7 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -833,6 +833,34 @@ class VllmKvAware(_InflightRouter):
 
     def stats(self) -> dict:
         return {**self.counters, "indexed_blocks": len(self.index)}
+
+
+class FixedPlacement(_InflightRouter):
+    """Sends request ``r{i}`` to the ``placement[i]``-th engine of the fleet (in the order the
+    replay registers them): a placement decided elsewhere, e.g. by Dynamo's router in its own
+    simulator (``benchmarks/bench_dynamo_replay.py``), judged by this one. Aggregated fleets
+    only: a request is placed once."""
+
+    def __init__(self, config: BaselineConfig, clock, rng, placement: Sequence[int]) -> None:
+        super().__init__(config, clock, rng)
+        self.placement = placement
+
+    def route(self, req) -> _Routed:
+        rid = req.request_id
+        if not (rid.startswith("r") and rid[1:].isdigit()):
+            raise ValueError(f"a fixed placement places whole requests, not {rid!r}")
+        wid = self.workers[self.placement[int(rid[1:])]]
+        self._book(rid, wid)
+        return _Routed(wid)
+
+
+def fixed_placement_factory(placement: Sequence[int]) -> Callable[..., FixedPlacement]:
+    """``replay``'s ``router_factory`` for a :class:`FixedPlacement`."""
+
+    def make(config: BaselineConfig, clock, rng) -> FixedPlacement:
+        return FixedPlacement(config, clock, rng, placement)
+
+    return make
 
 
 BASELINES: dict[str, tuple[type[_InflightRouter], bool]] = {
