@@ -69,7 +69,7 @@ DYNAMO_KV = "Dynamo kv_router, defaults"
 # a cached block earns (overlap_score_credit, 1 by default). A sweep of 17 settings on the
 # conversation trace (benchmarks/results/dynamo_knob_sweep.json, its command there): hits rise
 # with the scale to ~16 and stay, rise further with a credit of 4-8 at scales 64-256 (23.9-24.2 %),
-# fall at a credit of 16; a temperature of 0.5 halves them. The last two are its best, run again
+# fall at a credit of 16; a temperature of 0.5 halves them. The last two are among its top ones
 DYNAMO_SETTINGS = [
     "prefill_load_scale=16",
     "prefill_load_scale=16,overlap_score_credit=2",
