@@ -48,14 +48,18 @@ import time
 from collections import defaultdict, deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from kvplug.sim.baselines import BaselineConfig, fixed_placement_factory  # noqa: E402
-from kvplug.sim.bench import BenchSpec, fleet_lru_hit_rate, fleet_lru_hits  # noqa: E402
+from kvplug.sim.baselines import BaselineConfig, FixedPlacement  # noqa: E402
+from kvplug.sim.bench import (  # noqa: E402
+    BenchSpec,
+    fleet_lru_hit_rate,
+    fleet_lru_hits,
+    ttft_quantiles,
+)
 from kvplug.sim.engine import EngineConfig  # noqa: E402
 from kvplug.sim.policies import parse_policy  # noqa: E402
 from kvplug.sim.traces import TraceRecord  # noqa: E402
@@ -190,13 +194,11 @@ def same_run(a: dict, b: dict) -> bool:
 def figures(per_request: list[dict]) -> dict:
     reused = sum(p["reused_input_tokens"] for p in per_request)
     prompt = sum(p["input_length"] for p in per_request)
-    ttft = np.array([p["ttft_ms"] for p in per_request], dtype=float) / 1000.0
+    ttft = ttft_quantiles([p["ttft_ms"] / 1000.0 for p in per_request])
     return {
         "requests": len(per_request),
         "hit_rate": reused / prompt,
-        "ttft_p50_s": float(np.percentile(ttft, 50)),
-        "ttft_p90_s": float(np.percentile(ttft, 90)),
-        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        **{f"ttft_{q}_s": v for q, v in ttft.items()},
     }
 
 
@@ -229,7 +231,7 @@ def judged_by_kvplug(args: tuple[BenchSpec, list[int]]) -> dict:
         BaselineConfig("fixed", spec.block_tokens),
         spec.replay_config(False),
         policy="fixed",
-        router_factory=fixed_placement_factory(placement),
+        router_factory=partial(FixedPlacement, placement=placement),
     )
     return sim_figures(res)
 
@@ -305,25 +307,23 @@ def main() -> int:
 
         check = None
         dynamo_placements: dict[str, list[int]] = {}  # each setting's first run
-        for k in range(args.rounds):
-            per_request = mocker_run(dynamo, whole, base, args.engines, "kv_router")
-            rows.append({"row": DYNAMO_KV, "round": k, **figures(per_request)})
-            if k == 0:  # the method check: Dynamo's own placement, split and replayed
-                placement = dynamo_placements[DYNAMO_KV] = placement_of(records, per_request)
-                again = figures(split_replay(dynamo, records, placement, base, tmp))
-                check = {"closed_loop": rows[-1], "split_replay": again}
-                if not same_run(again, rows[-1]):
-                    print(f"method check failed: {check}", file=sys.stderr)
-                    return 1
-            print(f"Dynamo kv_router round {k + 1}/{args.rounds}", flush=True)
-        for setting in args.dynamo_settings:  # Dynamo's router as its users may tune it
+        # its defaults, then as its users may tune it
+        for setting in ["", *args.dynamo_settings]:
+            name = f"Dynamo kv_router, {setting}" if setting else DYNAMO_KV
             for k in range(args.rounds):
                 per_request = mocker_run(dynamo, whole, base, args.engines, "kv_router", setting)
-                name = f"Dynamo kv_router, {setting}"
                 rows.append({"row": name, "round": k, **figures(per_request)})
                 if k == 0:
                     dynamo_placements[name] = placement_of(records, per_request)
-            print(f"Dynamo kv_router {setting}: {args.rounds} rounds", flush=True)
+                if k == 0 and not setting:  # the method check: its placement split and replayed
+                    again = figures(
+                        split_replay(dynamo, records, dynamo_placements[name], base, tmp)
+                    )
+                    check = {"closed_loop": rows[-1], "split_replay": again}
+                    if not same_run(again, rows[-1]):
+                        print(f"method check failed: {check}", file=sys.stderr)
+                        return 1
+            print(f"{name}: {args.rounds} rounds", flush=True)
         per_request = mocker_run(dynamo, whole, base, args.engines, "round_robin")
         rows.append({"row": "Dynamo round_robin", "round": 0, **figures(per_request)})
         for (spec, policy), (placement, sim) in zip(jobs, placements, strict=True):

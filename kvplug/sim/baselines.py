@@ -854,15 +854,6 @@ class FixedPlacement(_InflightRouter):
         return _Routed(wid)
 
 
-def fixed_placement_factory(placement: Sequence[int]) -> Callable[..., FixedPlacement]:
-    """``replay``'s ``router_factory`` for a :class:`FixedPlacement`."""
-
-    def make(config: BaselineConfig, clock, rng) -> FixedPlacement:
-        return FixedPlacement(config, clock, rng, placement)
-
-    return make
-
-
 BASELINES: dict[str, tuple[type[_InflightRouter], bool]] = {
     # name -> (class, consumes KV events)
     "sglang-cache-aware": (SglangCacheAware, False),
