@@ -95,3 +95,52 @@ def test_reload_and_overhead():
 def test_capacity_of_the_reference_setup():
     assert capacity_blocks(512) == 1640
     assert capacity_blocks(16) == 52500
+
+
+def test_mocker_preset_adds_a_fixed_cost_per_prefill_and_per_decode_step():
+    m = steptime.MOCKER
+    assert parse_steptime("mocker") is m
+    # a prefill step: Dynamo's mocker polynomial in its tokens, whatever the cached prefix
+    pre = m.prefill_ms(4096, 30_000)
+    assert pre == pytest.approx(0.015183 * 4096 + 4.21e-7 * 4096**2)
+    assert m.step_ms(pre, 0, 0) == pytest.approx(16.50 + pre)
+    # a decode-only step: fixed + per sequence + per 1,000 context tokens
+    assert m.step_ms(0.0, 32, 32_000) == pytest.approx(5.86 + 0.015183 * 32 + 0.0432 * 32)
+    assert m.decode_only_ms(32) + m.decode_kv_ms(32_000) == pytest.approx(
+        m.step_ms(0.0, 32, 32_000)
+    )
+    # both in one step add up (the mocker's mixed steps cost the two apart)
+    both = m.step_ms(pre, 32, 32_000)
+    assert both == pytest.approx(16.50 + pre + 5.86 + 0.015183 * 32 + 0.0432 * 32)
+    # the H200 model has neither fixed cost: its steps are unchanged
+    assert REFERENCE.prefill_step_ms == REFERENCE.decode_step_ms == 0.0
+    assert REFERENCE.decode_only_ms(0) == REFERENCE.weights_ms
+
+
+def test_mocker_preset_matches_dynamos_mocker():
+    """The preset against Dynamo's own mocker engine (ai-dynamo-runtime, the bench extra CI
+    installs), measured as benchmarks/fit_mocker_steptime.py does: prefill exact, decode steps
+    within 15 % (the mocker's decode time is concave in the context, the preset's linear)."""
+    pytest.importorskip("dynamo._core")
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    os.environ.setdefault("DYN_LOG", "warn")
+    import dynamo._core as dynamo
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fit_mocker_steptime.py"
+    spec = importlib.util.spec_from_file_location("fit_mocker_steptime", path)
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    rows = fit.measure(dynamo)
+    prefill = [r for r in rows if r["probe"].startswith("prefill")]
+    decode = [r for r in rows if r["probe"].startswith("decode")]
+    assert len(prefill) == 9 and len(decode) == 7
+    for r in prefill:
+        assert r["ratio"] == pytest.approx(1.0, abs=1e-3), r
+    for r in decode:
+        assert 0.85 <= r["ratio"] <= 1.15, r
+    # and a preset with the H200 timing is far from it: the test can tell them apart
+    h200 = fit.measure(dynamo, REFERENCE)
+    assert max(abs(r["ratio"] - 1) for r in h200 if r["probe"].startswith("prefill")) > 0.3

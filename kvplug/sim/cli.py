@@ -78,10 +78,11 @@ def _add_fleet_args(
     g.add_argument(
         "--steptime",
         default="causal",
-        metavar="causal|cached|ctx=MS",
+        metavar="causal|cached|ctx=MS|mocker",
         help="prefill context cost per (new, cached) token pair: causal (default, the cold fit's "
         "causal rate, 8.7e-7 ms) or cached (the cached-prefill fit, 2.45e-6 ms): the two ends "
-        "of what the H200 calibration allows",
+        "of what the H200 calibration allows; or mocker: the step timing of Dynamo's mocker "
+        "engine, as measured (docs/sim.md)",
     )
     r = p.add_argument_group("the router's view of the fleet (default: ideal)")
     r.add_argument(
