@@ -18,7 +18,11 @@ Rows, all measured by the mocker, on the same trace, engines and settings:
 * each policy of kvplug's simulator (kvplug's own, and its replays of other routers' policies)
   at each ``--steptime`` end: its decisions made in kvplug's simulator (closed loop there, in
   the ``--view`` router view), then split and replayed in the mocker. They are open loop in the
-  mocker: they saw kvplug's simulator's timing, not the mocker's, which can only cost them.
+  mocker. At the ``mocker`` end (the first by default) kvplug's simulator runs the mocker's own
+  step timing (:data:`kvplug.sim.steptime.MOCKER`, measured by
+  ``benchmarks/fit_mocker_steptime.py``), so those decisions saw the engines they are judged
+  on, as Dynamo's router's do; at the ``causal`` and ``cached`` ends they saw kvplug's H200
+  timing (slower engines, a longer tail), not the mocker's.
 
 Hit rate is the mocker's: reused prompt tokens / prompt tokens. The bound is one LRU of the
 fleet's memory shared by every request (kvplug's ``fleet_lru_hits``, in tokens).
@@ -27,7 +31,7 @@ Then the other way round: each of Dynamo's placements (its first run of each set
 in kvplug's simulator at each end, beside kvplug's policies there (closed loop), hit rate in
 prompt blocks and TTFT p99 against kvplug's ``kv``.
 
-    python benchmarks/bench_dynamo_replay.py                  # ~2.5 min on 2 cores
+    python benchmarks/bench_dynamo_replay.py                  # ~3.5 min on 2 cores
     python benchmarks/bench_dynamo_replay.py \\
         --trace benchmarks/data/mooncake_synthetic_trace.jsonl.gz \\
         --json benchmarks/results/dynamo_replay_synthetic.json \\
@@ -184,11 +188,12 @@ def split_replay(
 
 def same_run(a: dict, b: dict) -> bool:
     """The method check: the same requests and reused tokens exactly, the same TTFT quantiles
-    within 0.1 % (the mocker's whole-fleet replay and its one-engine replay can differ in the
-    fifth digit of a TTFT: seen once, a median of 0.176502 s against 0.176526 s)."""
+    within 0.2 % (the mocker's whole-fleet replay and its one-engine replay can differ in the
+    fourth or fifth digit of a TTFT quantile: a median of 0.176502 s against 0.176526 s on 8
+    engines, 0.241405 s against 0.241664 s, 0.11 %, on 6; the reused tokens never differ)."""
     exact = a["requests"] == b["requests"] and a["hit_rate"] == b["hit_rate"]
     keys = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
-    return exact and all(abs(a[k] / b[k] - 1) <= 1e-3 for k in keys)
+    return exact and all(abs(a[k] / b[k] - 1) <= 2e-3 for k in keys)
 
 
 def figures(per_request: list[dict]) -> dict:
@@ -252,7 +257,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--policies", nargs="*", default=POLICIES)
-    ap.add_argument("--steptime", nargs="+", default=["causal", "cached"])
+    ap.add_argument("--steptime", nargs="+", default=["mocker", "causal", "cached"])
     ap.add_argument("--view", choices=sorted(PRESETS), default="ideal", help="kvplug's router view")
     ap.add_argument("--rounds", type=int, default=3, help="runs of Dynamo's router")
     ap.add_argument(
@@ -464,16 +469,23 @@ def plot(report: dict, path: str) -> None:
     for r in report["rows"]:
         groups[r["row"]].append(r)
     dynamo_names = [n for n in groups if n.startswith("Dynamo kv_router")]
+    # kvplug's other policies at the first --steptime end only (the default at every end)
+    ends = [n.rsplit(" (", 1)[1] for n in groups if not n.startswith("Dynamo") and " (" in n]
     blues = plt.get_cmap("Blues")
     markers = "s^Dv<>pPXh"
     others = 0
     for name, rs in groups.items():
+        if ends and " (" in name and not name.startswith(("Dynamo", POLICIES[0])):
+            if not name.endswith(f"({ends[0]}"):
+                continue
         style: dict = {"s": 42, "zorder": 3}
         if name in dynamo_names:  # Dynamo's own router: blue circles, darker = more tuned
             shade = 0.35 + 0.6 * dynamo_names.index(name) / max(len(dynamo_names) - 1, 1)
             style.update(marker="o", s=55, color=blues(shade), edgecolor="k", linewidth=0.4)
-        elif name.startswith(POLICIES[0]):  # kvplug's default, on top
-            style.update(marker="*", s=190, color="red", edgecolor="k", linewidth=0.6, zorder=5)
+        elif name.startswith(POLICIES[0]):  # kvplug's default, on top; red: decided with the
+            # mocker's timing, orange: with kvplug's H200 timing
+            color = "red" if "(mocker)" in name else "orange"
+            style.update(marker="*", s=190, color=color, edgecolor="k", linewidth=0.6, zorder=5)
         else:
             style.update(marker=markers[others % len(markers)])
             others += 1
