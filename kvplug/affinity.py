@@ -194,6 +194,14 @@ class AffinityParams:
     # cache's turnover is what fills it over its lifetime (minutes), longer than the memory
     # of follow-ups the spread needs
     churn_half_life: float = 0.0
+    # the TTFT guard's prefill model, ms: per new token, per new token squared, per (new,
+    # cached) token pair (ms = linear*n + quad*n^2 + ctx*n*cached, chunk by chunk). The
+    # shipped fit is one H200 running an 8B model (kvplug.prefill_model); engines of another
+    # speed or shape (no attention cost over the cached prefix, say) are better guarded by
+    # their own fit
+    prefill_linear_ms: float = H200_LLAMA8B[0]
+    prefill_quad_ms: float = H200_LLAMA8B[1]
+    prefill_ctx_ms: float = H200_LLAMA8B[2]
 
     def __post_init__(self) -> None:
         if not (self.guard >= 0 and self.cap >= 0 and self.memory >= 0 and self.slack >= 0):
@@ -214,6 +222,10 @@ class AffinityParams:
             raise ValueError("affinity: spread and spread_kv must be >= 0 and half_life > 0")
         if self.churn_half_life < 0:
             raise ValueError("affinity: churn_half_life must be >= 0")
+        if not min(self.prefill_linear_ms, self.prefill_quad_ms, self.prefill_ctx_ms) >= 0:
+            raise ValueError("affinity: prefill_linear_ms, prefill_quad_ms, prefill_ctx_ms >= 0")
+        if not self.prefill_linear_ms + self.prefill_quad_ms > 0:
+            raise ValueError("affinity: prefill_linear_ms or prefill_quad_ms must be > 0")
         if (
             min(self.read_ms, self.spread_eps, self.protect, self.protect_blocks) < 0
             or min(self.balance, self.spread_churn, self.spread_lag, self.churn_cap) < 0
@@ -325,11 +337,14 @@ def affinity_setting(params: AffinityParams) -> str:
     return "affinity:" + ",".join(t.replace("'", "") for t in terms)
 
 
-def chunked_prefill_seconds(new: float, cached: float, chunk: float) -> float:
+def chunked_prefill_seconds(
+    new: float, cached: float, chunk: float, model: tuple[float, float, float] = H200_LLAMA8B
+) -> float:
     """Predicted prefill time of ``new`` tokens over ``cached`` ones, computed in chunks of
-    ``chunk`` tokens (0 = one pass): the shipped H200 fit ``a*n + b*n^2 + c*n*context`` per
-    chunk, each chunk's context being the cached prefix plus the earlier chunks."""
-    a, b, c = H200_LLAMA8B
+    ``chunk`` tokens (0 = one pass): ``a*n + b*n^2 + c*n*context`` ms per chunk (``model``:
+    (a, b, c), by default the shipped H200 fit), each chunk's context being the cached prefix
+    plus the earlier chunks."""
+    a, b, c = model
     n, p = max(float(new), 0.0), max(float(cached), 0.0)
     if n <= 0:
         return 0.0
@@ -457,6 +472,8 @@ class Affinity:
     def __init__(self, router, params: AffinityParams | None = None) -> None:
         self._router = router
         self.params = params or AffinityParams()
+        p = self.params
+        self._prefill_model = (p.prefill_linear_ms, p.prefill_quad_ms, p.prefill_ctx_ms)
         # kept_kv, affinity (moved), guarded; rescued, spread, protected once those fire
         self.affinity_counters: Counter[str] = Counter(kept_kv=0, affinity=0, guarded=0)
         core = getattr(router, "_core", None)
@@ -567,7 +584,9 @@ class Affinity:
         chunk = router.chunk_tokens(eps[pick])
         cached = float(overlap[pick]) * bs
         new = blocks * bs - cached
-        first = chunked_prefill_seconds(min(new, chunk) if chunk > 0 else new, cached, 0.0)
+        first = chunked_prefill_seconds(
+            min(new, chunk) if chunk > 0 else new, cached, 0.0, self._prefill_model
+        )
         if first < self.params.protect:
             return pick
         if not others:
@@ -755,7 +774,9 @@ class Affinity:
         n = len(overlap)
         chunk = router.chunk_tokens(int(trace.endpoints[b]))
         cached = float(overlap[b]) * router.block_size
-        own = chunked_prefill_seconds(blocks * router.block_size - cached, cached, chunk)
+        own = chunked_prefill_seconds(
+            blocks * router.block_size - cached, cached, chunk, self._prefill_model
+        )
         if own < params.spread:
             return None
         eps = trace.endpoints.tolist()
@@ -820,7 +841,7 @@ class Affinity:
                 ep = int(trace.endpoints[i])
                 cached = float(overlap[i]) * bs
                 chunk = router.chunk_tokens(ep)
-                own = chunked_prefill_seconds(n - cached, cached, chunk)
+                own = chunked_prefill_seconds(n - cached, cached, chunk, self._prefill_model)
                 queued = self._queue_of(trace, ep)[0]
                 known[i] = queued + own + self._read_seconds(ep, n - cached, chunk)
         return [known[i] for i in idx]
@@ -863,7 +884,7 @@ class Affinity:
             load.context_tokens,
             now,
             self.params.read_ms,
-            H200_LLAMA8B,
+            self._prefill_model,
         )
 
     def _read_seconds(self, ep: int, new: float, chunk: float) -> float:
@@ -937,11 +958,13 @@ class Affinity:
         """Sum ``ep``'s prefills again (at ``chunk``) into the summaries."""
         load = self._router.load
         queued = load.prefilling.get(ep)
-        summary = None if queued is None else self._summarise(queued, chunk)
+        summary = None if queued is None else self._summarise(queued, chunk, self._prefill_model)
         self._summaries.store(ep, load, chunk, summary)
 
     @staticmethod
-    def _summarise(queued: dict, chunk: float) -> tuple[float, float, float, float, float]:
+    def _summarise(
+        queued: dict, chunk: float, model: tuple[float, float, float] = H200_LLAMA8B
+    ) -> tuple[float, float, float, float, float]:
         """An endpoint's requests in prefill, summed in their routing order: predicted
         seconds, steps, the oldest one's routing time and seconds, the latest routing time.
         Kept per endpoint until its requests in prefill change (``prefilling_version``)."""
@@ -954,7 +977,7 @@ class Affinity:
                 prefill = r.prefill_tokens
                 estimate = r.prefill_estimate = (
                     chunk,
-                    chunked_prefill_seconds(prefill, r.prompt_tokens - prefill, chunk),
+                    chunked_prefill_seconds(prefill, r.prompt_tokens - prefill, chunk, model),
                     1.0 if chunk <= 0 else math.ceil(prefill / chunk),
                 )
             seconds = estimate[1]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_router_helpers import FakeClock, make_router, store_prefix, tokens
 
-from kvplug.affinity import AffinityParams, AffinityRouter
+from kvplug.affinity import AffinityParams, AffinityRouter, affinity_setting, parse_affinity
 from kvplug.events import Tier
 from kvplug.request import RouteRequest, RoutingHints
 
@@ -998,3 +998,60 @@ def test_churn_keys_parse_are_in_the_default_and_a_negative_value_is_refused():
     for key in ("churn_cap", "churn_half_life"):
         with pytest.raises(ValueError, match=key):
             parse_affinity(f"affinity-balance:{key}=-1")
+
+
+# ---- the TTFT guard's prefill model, set to the engines' own
+
+
+def test_the_guards_prefill_model_is_a_setting():
+    from kvplug.affinity import chunked_prefill_seconds
+    from kvplug.prefill_model import H200_LLAMA8B
+
+    p = parse_affinity("affinity-balance")
+    assert (p.prefill_linear_ms, p.prefill_quad_ms, p.prefill_ctx_ms) == H200_LLAMA8B
+    mine = parse_affinity(
+        "affinity-balance:prefill_linear_ms=0.0172,prefill_quad_ms=4.21e-7,prefill_ctx_ms=0"
+    )
+    assert (mine.prefill_linear_ms, mine.prefill_quad_ms, mine.prefill_ctx_ms) == (
+        0.0172,
+        4.21e-7,
+        0.0,
+    )
+    assert parse_affinity(affinity_setting(mine)) == mine
+    for bad in ("prefill_ctx_ms=-1", "prefill_linear_ms=0,prefill_quad_ms=0"):
+        with pytest.raises(ValueError, match="prefill_"):
+            parse_affinity(f"affinity-balance:{bad}")
+    # the chunked prediction with another model: 20,000 tokens over 1,000 cached in 8,192-token
+    # chunks, no cost for the context, 0.0172 ms a token plus 4.21e-7 per token squared
+    model = (0.0172, 4.21e-7, 0.0)
+    want = sum(0.0172 * n + 4.21e-7 * n * n for n in (8192, 8192, 3616)) / 1000
+    assert chunked_prefill_seconds(20000, 1000, 8192, model) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("vector", [False, True], ids=["python", "compiled"])
+def test_the_guard_predicts_with_the_prefill_model_it_is_given(vector, monkeypatch):
+    """Both the per-engine loop and the compiled kernel (8 engines or more) take the setting:
+    an idle engine's predicted TTFT is the prompt's prefill under that model."""
+    from kvplug import affinity as affinity_module
+    from kvplug.affinity import chunked_prefill_seconds
+
+    workers = tuple(f"w{i}" for i in range(8))
+    r = make_router(workers=workers)
+    if not vector:
+        monkeypatch.setattr(affinity_module, "VECTOR_FROM", 10**9)
+    model = (0.0172, 4.21e-7, 0.0)
+    params = AffinityParams(prefill_linear_ms=0.0172, prefill_quad_ms=4.21e-7, prefill_ctx_ms=0.0)
+    aff = AffinityRouter(r, params)
+    h200 = AffinityRouter(r, AffinityParams())
+    aff.route(RouteRequest("busy", tokens(640)))  # 40 blocks queued on one engine
+    overlap = np.zeros(len(workers))
+    mine = aff._predicted_all(_trace(r), overlap, 100)
+    theirs = h200._predicted_all(_trace(r), overlap, 100)
+    budget = _budget(r)
+    idle = [i for i, t in enumerate(mine) if t == min(mine)]
+    assert len(idle) == len(workers) - 1
+    for i in idle:
+        assert mine[i] == pytest.approx(chunked_prefill_seconds(1600, 0, budget, model))
+        assert theirs[i] == pytest.approx(chunked_prefill_seconds(1600, 0, budget))
+    (busy,) = set(range(len(workers))) - set(idle)
+    assert mine[busy] > mine[idle[0]] and mine[busy] != theirs[busy]
