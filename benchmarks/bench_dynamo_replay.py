@@ -31,7 +31,7 @@ Then the other way round: each of Dynamo's placements (its first run of each set
 in kvplug's simulator at each end, beside kvplug's policies there (closed loop), hit rate in
 prompt blocks and TTFT p99 against kvplug's ``kv``.
 
-    python benchmarks/bench_dynamo_replay.py                  # ~3.5 min on 2 cores
+    python benchmarks/bench_dynamo_replay.py                  # ~3 min on 2 cores
     python benchmarks/bench_dynamo_replay.py \\
         --trace benchmarks/data/mooncake_synthetic_trace.jsonl.gz \\
         --json benchmarks/results/dynamo_replay_synthetic.json \\
@@ -190,7 +190,8 @@ def same_run(a: dict, b: dict) -> bool:
     """The method check: the same requests and reused tokens exactly, the same TTFT quantiles
     within 0.2 % (the mocker's whole-fleet replay and its one-engine replay can differ in the
     fourth or fifth digit of a TTFT quantile: a median of 0.176502 s against 0.176526 s on 8
-    engines, 0.241405 s against 0.241664 s, 0.11 %, on 6; the reused tokens never differ)."""
+    engines, 0.241405 s against 0.241664 s, 0.11 %, in a 6-engine run the earlier 0.1 % stopped;
+    the reused tokens never differ)."""
     exact = a["requests"] == b["requests"] and a["hit_rate"] == b["hit_rate"]
     keys = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
     return exact and all(abs(a[k] / b[k] - 1) <= 2e-3 for k in keys)

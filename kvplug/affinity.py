@@ -973,12 +973,15 @@ class Affinity:
         latest = -math.inf
         for r in queued.values():
             estimate = r.prefill_estimate
-            if estimate is None or estimate[0] != chunk:
+            # keyed by the chunk and the prefill model: two guards over one router's requests
+            # (different prefill models) must not read each other's estimates
+            if estimate is None or estimate[0] != chunk or estimate[3] != model:
                 prefill = r.prefill_tokens
                 estimate = r.prefill_estimate = (
                     chunk,
                     chunked_prefill_seconds(prefill, r.prompt_tokens - prefill, chunk, model),
                     1.0 if chunk <= 0 else math.ceil(prefill / chunk),
+                    model,
                 )
             seconds = estimate[1]
             steps += estimate[2]

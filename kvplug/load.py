@@ -46,9 +46,9 @@ class ActiveRequest:
     output_contrib: float = 0.0  # weighted placeholder blocks currently counted
     chain: _Node | None = None  # tail of its deduplicated prompt chain (ActiveBlocks)
     deduplicated: bool = False
-    # the affinity policy's (chunk tokens, predicted prefill seconds, steps) of its prefill, kept
-    # so that every decision while it waits does not compute it again
-    prefill_estimate: tuple[float, float, float] | None = None
+    # the affinity policy's (chunk tokens, predicted prefill seconds, steps, prefill model) of
+    # its prefill, kept so that every decision while it waits does not compute it again
+    prefill_estimate: tuple[float, float, float, tuple[float, float, float]] | None = None
 
 
 class LoadListener(Protocol):

@@ -1055,3 +1055,20 @@ def test_the_guard_predicts_with_the_prefill_model_it_is_given(vector, monkeypat
         assert theirs[i] == pytest.approx(chunked_prefill_seconds(1600, 0, budget))
     (busy,) = set(range(len(workers))) - set(idle)
     assert mine[busy] > mine[idle[0]] and mine[busy] != theirs[busy]
+
+
+def test_two_guards_with_different_prefill_models_do_not_share_estimates():
+    """A request in prefill keeps its predicted prefill for the next decisions; a guard with
+    another prefill model over the same router's requests must compute its own."""
+    mocker = AffinityParams(prefill_linear_ms=0.0172, prefill_quad_ms=4.21e-7, prefill_ctx_ms=0.0)
+
+    def busy_prediction(first_h200: bool) -> float:
+        r = make_router(workers=("w1", "w2"))
+        h200, mine = AffinityRouter(r, AffinityParams()), AffinityRouter(r, mocker)
+        h200.route(RouteRequest("busy", tokens(4000)))  # in prefill on one engine
+        overlap = np.zeros(2)
+        if first_h200:
+            h200._predicted_all(_trace(r), overlap, 100)  # its estimate kept on the request
+        return max(mine._predicted_all(_trace(r), overlap, 100))
+
+    assert busy_prediction(first_h200=True) == busy_prediction(first_h200=False)

@@ -861,7 +861,9 @@ def dynamo_replay_text() -> list:
 
     conv = ("", "_realistic")
     defaults = [r for n in conv for r in rows(runs[n], "Dynamo kv_router, defaults")]
-    out: list = [SKIP, SKIP]  # 1.6.1, 8 engines
+    pairs = [(m, t) for n in names for m in mine(n) for t in tuned(n)]
+    wins = sum(m["hit_rate"] > t["hit_rate"] for m, t in pairs)
+    out: list = [wins, len(pairs), SKIP, SKIP]  # ..., 1.6.1, 8 engines
     out += one(mine(*conv)) + hits(defaults)
     out += _range([x for r in mine(*conv) for x in r["hit_vs_dynamo"]])
     out += _range([x for r in mine(*conv) for x in r["p99_vs_dynamo"]])

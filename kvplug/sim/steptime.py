@@ -108,13 +108,14 @@ REFERENCE = StepTimeModel()
 
 # The step timing of NVIDIA Dynamo's mocker engine (ai-dynamo-runtime 1.6.1, its default
 # polynomial model), measured by replaying single requests and batches through its offline trace
-# replay (benchmarks/fit_mocker_steptime.py; tests/test_sim_steptime_mocker.py re-measures it):
-# a step that runs n prefill tokens costs 16.50 + 0.015183 n + 4.21e-7 n^2 ms (exact to 1e-8 at
-# 512-8,192 tokens) whatever the cached prefix (no context term); a step with decoding sequences
-# adds 5.86 ms + 0.0152 ms per sequence + 0.0432 ms per 1,000 tokens of their context (the
-# mocker's decode time is concave in the context: within 15 % over 1-128 sequences of 0.5-8 k
-# tokens); the two add up when a step has both. Lets kvplug's policies decide closed loop with
-# the timing Dynamo's simulator judges them by (benchmarks/bench_dynamo_replay.py)
+# replay (benchmarks/fit_mocker_steptime.py; tests/test_sim_steptime.py re-measures it):
+# a step that runs n prefill tokens costs 16.50 + 0.015183 n + 4.21e-7 n^2 ms (the preset within
+# 0.02 ms of the mocker at 512-24,576 tokens) whatever the cached prefix (no context term); a
+# step with decoding sequences adds 5.86 ms + 0.0152 ms per sequence + 0.0432 ms per 1,000
+# tokens of their context (the mocker's decode time is concave in the context: within 13 % over
+# 1-128 sequences of 0.5-8 k tokens); the two add up when a step has both. Lets kvplug's
+# policies decide closed loop with the timing Dynamo's simulator judges them by
+# (benchmarks/bench_dynamo_replay.py)
 MOCKER = StepTimeModel(
     linear_ms=0.015183,
     quad_ms=4.21e-7,
@@ -133,7 +134,8 @@ MODEL_PRESETS = {"mocker": MOCKER}
 
 
 def parse_steptime(text: str) -> StepTimeModel:
-    """``causal`` | ``cached`` | ``ctx=MS_PER_PAIR`` -> a model (ValueError otherwise)."""
+    """``causal`` | ``cached`` | ``ctx=MS_PER_PAIR`` | ``mocker`` -> a model (ValueError
+    otherwise)."""
     text = text.strip()
     if text in PRESETS:
         return StepTimeModel(ctx_ms=PRESETS[text])
