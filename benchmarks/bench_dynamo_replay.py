@@ -471,14 +471,14 @@ def plot(report: dict, path: str) -> None:
         groups[r["row"]].append(r)
     dynamo_names = [n for n in groups if n.startswith("Dynamo kv_router")]
     # kvplug's other policies at the first --steptime end only (the default at every end)
-    ends = [n.rsplit(" (", 1)[1] for n in groups if not n.startswith("Dynamo") and " (" in n]
+    first = next((n[n.rindex(" (") :] for n in groups if not n.startswith("Dynamo")), None)
     blues = plt.get_cmap("Blues")
     markers = "s^Dv<>pPXh"
     others = 0
     for name, rs in groups.items():
-        if ends and " (" in name and not name.startswith(("Dynamo", POLICIES[0])):
-            if not name.endswith(f"({ends[0]}"):
-                continue
+        mine = not name.startswith(("Dynamo", POLICIES[0]))
+        if mine and first and not name.endswith(first):
+            continue
         style: dict = {"s": 42, "zorder": 3}
         if name in dynamo_names:  # Dynamo's own router: blue circles, darker = more tuned
             shade = 0.35 + 0.6 * dynamo_names.index(name) / max(len(dynamo_names) - 1, 1)

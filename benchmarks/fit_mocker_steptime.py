@@ -29,20 +29,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))  # bench_dynamo_replay
 
+from bench_dynamo_replay import mocker_run  # noqa: E402
+
+from kvplug.sim.bench import BenchSpec  # noqa: E402
 from kvplug.sim.steptime import MOCKER, StepTimeModel  # noqa: E402
 
-BLOCK = 512
-ENGINE = {
-    "engine": {
-        "block_size": BLOCK,
-        "num_gpu_blocks": 1640,
-        "max_num_batched_tokens": 8192,
-        "max_num_seqs": 256,
-    }
-}
+SPEC = BenchSpec(policies=[])  # bench_dynamo_replay's engines: the same mocker settings
+BLOCK = SPEC.block_tokens
 PREFILL_TOKENS = (512, 1024, 2048, 4096, 8192, 24576)
 CACHED_PROBES = ((4096, 4096), (16384, 4096), (32768, 4096))  # (cached prefix, new tokens)
 DECODE_PROBES = ((1, 512), (1, 8192), (16, 2048), (32, 8192), (64, 2048), (64, 8192), (128, 512))
@@ -64,15 +61,7 @@ class Mocker:
     def run(self, rows: list[dict]) -> list[dict]:
         path = self.tmp / "probe.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        result = self.dynamo.run_mocker_trace_replay(
-            [str(path)],
-            extra_engine_args=ENGINE,
-            num_workers=1,
-            router_mode="round_robin",
-            trace_block_size=BLOCK,
-            capture_per_request=True,
-        )
-        return result.per_request
+        return mocker_run(self.dynamo, path, SPEC, 1, "round_robin")
 
     def prefill_ms(self, tokens: int) -> float:
         row = {"timestamp": 0, "input_length": tokens, "output_length": 1}
@@ -106,7 +95,7 @@ class Mocker:
 
 
 def preset_prefill_ms(
-    model: StepTimeModel, tokens: int, cached: int = 0, chunk: int = 8192
+    model: StepTimeModel, tokens: int, cached: int = 0, chunk: int = SPEC.max_batched_tokens
 ) -> float:
     """The preset's time to first token of one prompt alone on an idle engine."""
     total, done = 0.0, 0

@@ -963,7 +963,7 @@ class Affinity:
 
     @staticmethod
     def _summarise(
-        queued: dict, chunk: float, model: tuple[float, float, float] = H200_LLAMA8B
+        queued: dict, chunk: float, model: tuple[float, float, float]
     ) -> tuple[float, float, float, float, float]:
         """An endpoint's requests in prefill, summed in their routing order: predicted
         seconds, steps, the oldest one's routing time and seconds, the latest routing time.
