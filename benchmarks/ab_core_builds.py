@@ -13,6 +13,7 @@ it, plus each build's own accounting.
 
     python benchmarks/ab_core_builds.py --base /tmp/base --new . --workers 8 64 512
     python benchmarks/ab_core_builds.py --base /tmp/base --new . --disagree   # engines disagree
+    python benchmarks/ab_core_builds.py --base /tmp/base --new . --presized   # as kvplug serve
 
 Prints progress and a table of per-round new/base ratios; writes
 ``benchmarks/results/ab_core_builds.json``.
@@ -53,13 +54,16 @@ def load_build(folder: str, tag: str) -> ModuleType:
 
 
 def apply_cpu_ns_per_block(
-    mod: ModuleType, inputs: list, n_blocks: int, clear_ep: int
+    mod: ModuleType, inputs: list, n_blocks: int, clear_ep: int, presized: bool = False
 ) -> tuple[float, int, float]:
     """CPU ns per block of the apply, the index's own bytes, then CPU ms of ``clear(clear_ep)``
-    on the full index (an engine restart or removal)."""
+    on the full index (an engine restart or removal). ``presized``: the index reserves room for
+    the blocks first, inside the clock, as ``kvplug serve`` does (bench_core's pre-sized apply)."""
     idx = mod.Index()
     store = idx.store
     t0 = time.process_time()
+    if presized:
+        idx.reserve(n_blocks, 0)
     for w, eng, seq in inputs:
         store(w, 0, eng, seq)
     cpu = time.process_time() - t0
@@ -84,13 +88,15 @@ def store_inputs(wl: bench_core.Workload, disagree: bool) -> list:
     ]
 
 
-def memory_child(folder: str, workers: int, blocks: int, disagree: bool) -> None:
+def memory_child(folder: str, workers: int, blocks: int, disagree: bool, presized: bool) -> None:
     mod = load_build(folder, "child")
     wl = bench_core.make_workload(workers, blocks, seed=1000 + workers)
     inputs = store_inputs(wl, disagree)
     bench_core.release_freed_heap()
     rss0 = bench_core.rss_bytes()
     idx = mod.Index()
+    if presized:
+        idx.reserve(wl.blocks, 0)
     for w, eng, seq in inputs:
         idx.store(w, 0, eng, seq)
     bench_core.release_freed_heap()
@@ -121,10 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--disagree", action="store_true", help="per-worker engine hashes (engines that disagree)"
     )
+    ap.add_argument(
+        "--presized", action="store_true", help="reserve the blocks first, as kvplug serve does"
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ab_core_builds.json"))
     args = ap.parse_args(argv)
     if args.memory_child:
-        memory_child(args.memory_child, args.workers[0], args.blocks, args.disagree)
+        memory_child(
+            args.memory_child, args.workers[0], args.blocks, args.disagree, args.presized
+        )
         return 0
     builds = {"base": load_build(args.base, "base"), "new": load_build(args.new, "new")}
     results: dict = {"args": vars(args), "workers": {}}
@@ -138,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             got = {}
             for name in order:
                 bench_core.release_freed_heap()
-                got[name] = apply_cpu_ns_per_block(builds[name], inputs, wl.blocks, r % workers)
+                got[name] = apply_cpu_ns_per_block(
+                    builds[name], inputs, wl.blocks, r % workers, args.presized
+                )
             rd = {
                 "load": os.getloadavg()[0],
                 "base_ns": got["base"][0],
@@ -163,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                 folder = args.base if name == "base" else args.new
                 cmd = [sys.executable, __file__, "--base", args.base, "--new", args.new,
                        "--memory-child", folder, "--workers", str(workers),
-                       "--blocks", str(args.blocks)] + ["--disagree"] * args.disagree  # fmt: skip
+                       "--blocks", str(args.blocks)] + ["--disagree"] * args.disagree \
+                    + ["--presized"] * args.presized  # fmt: skip
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 mem[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             bench_core.log(
