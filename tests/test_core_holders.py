@@ -287,3 +287,55 @@ def test_holder_arrays_grow_exactly_at_each_step_and_shrink_in_any_order(wide, b
         if k % 9 == 0 or k >= len(held) - 3:
             check(c, r, eps, [(e, eh_of(e, j)) for e in held for j in range(3)])
     assert all(b not in c.holdings(e) for e in eps for b in BLOCKS)
+
+
+# Engines that agree on engine hashes (one PYTHONHASHSEED fleet-wide, the usual deployment) take
+# the store's fast paths (csrc/index.c, store_fast): a new block, and a new holder joining a
+# block several endpoints hold. These pin that state to the reference where it is subtle.
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_agreeing_engines_join_in_any_order_at_mixed_tiers(bounded):
+    """40 endpoints store one chain under the same engine hashes, in random order, each at its
+    own tier, queried as they join (the walk's cached holder equality must see every join)."""
+    rng = np.random.default_rng(5)
+    c, r = (C.Index(100_000), R.Index(100_000)) if bounded else (C.Index(), R.Index())
+    eps = [int(e) for e in rng.permutation(40)]
+    for k, ep in enumerate(eps):
+        both(c, r, "store", ep, ep % 3, [500, 501, 502], BLOCKS)
+        check(c, r, eps[: k + 1], [(e, 500 + j) for e in eps[: k + 1] for j in range(3)])
+    for ep in eps[::3]:
+        both(c, r, "remove", ep, [500, 501, 502])
+    check(c, r, eps)
+
+
+def test_a_join_invalidates_the_walks_cached_holder_equality():
+    """Two chained blocks held by the same endpoints: a query caches that the second's holders
+    equal the first's. A third endpoint then joins the first on the device tier and the second on
+    the host tier: the holder counts match again, the tiers do not."""
+    c, r = C.Index(), R.Index()
+    for ep in (0, 1):
+        both(c, r, "store", ep, 0, [500, 501], BLOCKS[:2])
+    check(c, r, [0, 1])  # queries every prefix: the cache is set
+    both(c, r, "store", 2, 0, [500], BLOCKS[:1])
+    both(c, r, "store", 2, 1, [501], BLOCKS[1:2])
+    check(c, r, [0, 1, 2])
+    assert c.query(BLOCKS[:2]).row(2)[:4] == (2, 1, 1, 0)  # local, device, host, disk
+
+
+def test_a_joining_holders_engine_hash_is_its_own_when_a_neighbour_disagrees():
+    """Bounded: endpoint 2 holds a block under its own engine hash, endpoint 1 then joins it
+    between endpoints 0 and 2 under the block's canonical one; endpoint 1 adds a second mapping
+    and drops the first. Eviction must still find the second (endpoint 1's per-holder engine
+    hash is its own, not its neighbour's)."""
+    c, r = C.Index(8), R.Index(8)
+    both(c, r, "store", 0, 0, [500], [77])  # owns 500: the canonical engine hash of block 77
+    both(c, r, "store", 2, 0, [900], [77])  # disagrees: its own map
+    both(c, r, "store", 1, 0, [500], [77])  # joins between them, canonically
+    both(c, r, "store", 1, 0, [501], [77])  # a second mapping to the same block
+    both(c, r, "remove", 1, [500])
+    check(c, r, [0, 1, 2], [(0, 500), (1, 500), (1, 501), (2, 900)], query=False)
+    for k in range(12):  # push block 77 out
+        both(c, r, "store", 3, 0, [800_000 + k], [90_000 + k])
+    assert c.resolve(1, 501) is None
+    check(c, r, [0, 1, 2, 3], [(1, 501), (2, 900)], query=False)
