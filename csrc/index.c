@@ -533,23 +533,36 @@ ST_INLINE void st_refill(kvp_index *idx, int which, size_t cap) {
     slot_table_t *tab = st_table(idx, which);
     const st_keys_t k = st_keys(idx);
     bslot_t *t = tab->s;
-    for (size_t i = 0; i < cap; i++) {
-        t[i].tag = 0;
-        t[i].rec = NONE32;
-    }
+    memset(t, 0xFF, cap * sizeof(*t)); /* every slot empty: rec NONE32 (an empty slot's tag is
+                                        * never read) */
+    /* each record's home and tag are computed once, REHASH_AHEAD records ahead, when its home
+     * line is prefetched, and kept in a ring until its turn (a refill is ~half of an apply into
+     * a growing index, by callgrind) */
     enum { REHASH_AHEAD = 16 };
+    size_t home[REHASH_AHEAD];
+    uint16_t tag[REHASH_AHEAD];
     const uint32_t n = idx->pool_len;
-    for (uint32_t r = 0; r < n; r++) {
-        if (r + REHASH_AHEAD < n)
-            __builtin_prefetch(&t[bhome_of(st_mix(which, st_key(k, which, r + REHASH_AHEAD)), cap)],
-                               1);
-        if (!st_member(k, which, r)) continue;
+    for (uint32_t r = 0; r < n && r < REHASH_AHEAD; r++) {
         const uint64_t mixed = st_mix(which, st_key(k, which, r));
-        size_t j = bhome_of(mixed, cap);
+        home[r] = bhome_of(mixed, cap);
+        tag[r] = btag_of(mixed);
+        __builtin_prefetch(&t[home[r]], 1);
+    }
+    for (uint32_t r = 0; r < n; r++) {
+        const unsigned slot = r % REHASH_AHEAD;
+        size_t j = home[slot];
+        const uint16_t tg = tag[slot];
+        if (r + REHASH_AHEAD < n) {
+            const uint64_t mixed = st_mix(which, st_key(k, which, r + REHASH_AHEAD));
+            home[slot] = bhome_of(mixed, cap);
+            tag[slot] = btag_of(mixed);
+            __builtin_prefetch(&t[home[slot]], 1);
+        }
+        if (!st_member(k, which, r)) continue;
         while (t[j].rec != NONE32)
             if (++j == cap) j = 0;
         t[j].rec = r;
-        t[j].tag = btag_of(mixed);
+        t[j].tag = tg;
     }
     tab->cap = cap;
 }
