@@ -133,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ab_core_builds.json"))
     args = ap.parse_args(argv)
     if args.memory_child:
-        memory_child(
-            args.memory_child, args.workers[0], args.blocks, args.disagree, args.presized
-        )
+        memory_child(args.memory_child, args.workers[0], args.blocks, args.disagree, args.presized)
         return 0
     builds = {"base": load_build(args.base, "base"), "new": load_build(args.new, "new")}
     results: dict = {"args": vars(args), "workers": {}}
