@@ -129,7 +129,7 @@ _Static_assert(sizeof(ext_t) % 8 == 0, "ext_t header keeps the eh array aligned"
  * backward-shift deletion recompute a slot's home from its record's hash. */
 typedef struct __attribute__((packed)) {
     uint32_t rec; /* NONE32 = empty slot */
-    uint16_t tag;
+    uint16_t tag; /* an empty slot's is never read (0 or 0xFFFF as it was emptied) */
 } bslot_t;
 _Static_assert(sizeof(bslot_t) == 6, "bslot_t is 6 bytes");
 
@@ -885,12 +885,15 @@ static int arr_grow(void **p, size_t *bytes, unsigned char *mapped, size_t new_b
         } else {
             q = mmap(NULL, new_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
             if (q != MAP_FAILED) {
+#ifdef MADV_HUGEPAGE /* before the copy faults the pages in (random probes: fewer TLB misses) */
+                (void)madvise(q, new_bytes, MADV_HUGEPAGE);
+#endif
                 memcpy(q, *p, *bytes);
                 free(*p);
             }
         }
         if (q == MAP_FAILED) return 0;
-#ifdef MADV_HUGEPAGE
+#ifdef MADV_HUGEPAGE /* again after mremap: the range may have moved or grown */
         (void)madvise(q, new_bytes, MADV_HUGEPAGE);
 #endif
         *p = q;
@@ -1506,8 +1509,8 @@ enum { STORE_AHEAD = 12 }; /* blocks to prefetch ahead: covers DRAM latency at ~
  * engine agrees with the others on engine hashes), with exactly the state add_ref leaves:
  * - a block no record has, under an engine hash no record owns: a new record, which owns eh,
  *   with ep as its inline holder (one canonical mapping, one ref in `tier`);
- * - the block of the record owning eh, already held by several endpoints (an ext_t) but not by
- *   ep: ep joins its sorted holders with one canonical mapping and one ref, found by one
+ * - the block of the record owning eh, whose holders are in an ext_t (other endpoints hold or
+ *   held it) and do not include ep: ep joins its sorted holders with one canonical mapping and one ref, found by one
  *   bisection (add_ref's general path runs three: two lookups, then the insert's).
  * Between them most of a store's instructions by callgrind. Returns 0, having changed nothing,
  * for any other case, which the caller sends to add_ref. The pool, block table and canonical

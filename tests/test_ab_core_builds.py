@@ -56,3 +56,25 @@ def test_disagree_gives_every_worker_its_own_engine_hashes():
     for w, eng, seq in disagree:
         idx.store(w, 0, eng, seq)
     assert idx.stats()["engine_mappings"] == wl.blocks and idx._verify() == 0
+
+
+def test_presized_reserves_inside_the_clock_in_rounds_and_memory_children(tmp_path):
+    """--presized: the index reserves the workload's blocks before its first store, in the timed
+    rounds and in the memory subprocesses alike (the reservation shows in the index's own bytes)."""
+    _load("bench_core", ROOT / "benchmarks/bench_core.py")
+    ab = _load("ab_core_builds", ROOT / "benchmarks/ab_core_builds.py")
+    outs = {}
+    for presized in (False, True):
+        out = tmp_path / f"ab{presized}.json"
+        args = ["--base", str(ROOT), "--new", str(ROOT), "--workers", "8", "--blocks", "4000"]
+        args += ["--rounds", "1", "--memory-rounds", "1", "--out", str(out)]
+        assert ab.main(args + ["--presized"] * presized) == 0
+        outs[presized] = json.loads(out.read_text())
+    assert outs[True]["args"]["presized"] and not outs[False]["args"]["presized"]
+    grown, reserved = (outs[p]["workers"]["8"] for p in (False, True))
+    assert (
+        reserved["apply_rounds"][0]["new_own_mib_per_m"]
+        != grown["apply_rounds"][0]["new_own_mib_per_m"]
+    )
+    mem = [w["memory"]["new"][0]["own_mib_per_million_blocks"] for w in (grown, reserved)]
+    assert mem[0] != mem[1]

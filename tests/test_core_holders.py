@@ -16,6 +16,7 @@ from kvplug.core import load_backend
 C = load_backend("c")
 R = load_backend("reference")
 BLOCKS = [77, 78, 79]  # a chain every holder stores, queried as a prefix
+SHARED = C.SHARED
 
 
 def both(c, r, method, *args):
@@ -339,3 +340,21 @@ def test_a_joining_holders_engine_hash_is_its_own_when_a_neighbour_disagrees():
         both(c, r, "store", 3, 0, [800_000 + k], [90_000 + k])
     assert c.resolve(1, 501) is None
     check(c, r, [0, 1, 2, 3], [(1, 501), (2, 900)], query=False)
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_agreeing_engines_join_a_wide_array_and_the_shared_tier(bounded):
+    """Joins into a wide holder array (one holder past 255 refs) under the shared engine hashes,
+    and the shared tier joining as a holder too, in any order; checked against the reference."""
+    rng = np.random.default_rng(9)
+    c, r = (C.Index(100_000), R.Index(100_000)) if bounded else (C.Index(), R.Index())
+    eps = [int(e) for e in rng.permutation(24)]
+    for ep in eps[:3]:
+        both(c, r, "store", ep, 0, [500, 501, 502], BLOCKS)
+    both(c, r, "store", eps[1], 0, [500] * 300, [BLOCKS[0]] * 300)  # BLOCKS[0]'s array wide
+    both(c, r, "store", SHARED, 1, [500, 501], BLOCKS[:2])
+    for k, ep in enumerate(eps[3:]):
+        both(c, r, "store", ep, ep % 3, [500, 501, 502], BLOCKS)
+        if k % 4 == 0:
+            check(c, r, [*eps[: k + 4], SHARED], [(e, 500) for e in eps[: k + 4]])
+    check(c, r, [*eps, SHARED], [(e, 500 + j) for e in eps for j in range(3)])
