@@ -541,29 +541,26 @@ ST_INLINE void st_refill(kvp_index *idx, int which, size_t cap) {
     enum { REHASH_AHEAD = 16 };
     size_t home[REHASH_AHEAD];
     uint16_t tag[REHASH_AHEAD];
+#define REFILL_AHEAD(r)                                                         \
+    do {                                                                        \
+        const uint64_t mixed_ = st_mix(which, st_key(k, which, (r)));           \
+        home[(r) % REHASH_AHEAD] = bhome_of(mixed_, cap);                       \
+        tag[(r) % REHASH_AHEAD] = btag_of(mixed_);                              \
+        __builtin_prefetch(&t[home[(r) % REHASH_AHEAD]], 1);                    \
+    } while (0)
     const uint32_t n = idx->pool_len;
-    for (uint32_t r = 0; r < n && r < REHASH_AHEAD; r++) {
-        const uint64_t mixed = st_mix(which, st_key(k, which, r));
-        home[r] = bhome_of(mixed, cap);
-        tag[r] = btag_of(mixed);
-        __builtin_prefetch(&t[home[r]], 1);
-    }
+    for (uint32_t r = 0; r < n && r < REHASH_AHEAD; r++) REFILL_AHEAD(r);
     for (uint32_t r = 0; r < n; r++) {
-        const unsigned slot = r % REHASH_AHEAD;
-        size_t j = home[slot];
-        const uint16_t tg = tag[slot];
-        if (r + REHASH_AHEAD < n) {
-            const uint64_t mixed = st_mix(which, st_key(k, which, r + REHASH_AHEAD));
-            home[slot] = bhome_of(mixed, cap);
-            tag[slot] = btag_of(mixed);
-            __builtin_prefetch(&t[home[slot]], 1);
-        }
+        size_t j = home[r % REHASH_AHEAD];
+        const uint16_t tg = tag[r % REHASH_AHEAD];
+        if (r + REHASH_AHEAD < n) REFILL_AHEAD(r + REHASH_AHEAD);
         if (!st_member(k, which, r)) continue;
         while (t[j].rec != NONE32)
             if (++j == cap) j = 0;
         t[j].rec = r;
         t[j].tag = tg;
     }
+#undef REFILL_AHEAD
     tab->cap = cap;
 }
 
@@ -882,10 +879,13 @@ static int arr_grow(void **p, size_t *bytes, unsigned char *mapped, size_t new_b
         void *q;
         if (*mapped) {
             q = mremap(*p, *bytes, new_bytes, MREMAP_MAYMOVE);
+#ifdef MADV_HUGEPAGE /* the range may have moved or grown (random probes: fewer TLB misses) */
+            if (q != MAP_FAILED) (void)madvise(q, new_bytes, MADV_HUGEPAGE);
+#endif
         } else {
             q = mmap(NULL, new_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
             if (q != MAP_FAILED) {
-#ifdef MADV_HUGEPAGE /* before the copy faults the pages in (random probes: fewer TLB misses) */
+#ifdef MADV_HUGEPAGE /* before the copy faults the pages in */
                 (void)madvise(q, new_bytes, MADV_HUGEPAGE);
 #endif
                 memcpy(q, *p, *bytes);
@@ -893,9 +893,6 @@ static int arr_grow(void **p, size_t *bytes, unsigned char *mapped, size_t new_b
             }
         }
         if (q == MAP_FAILED) return 0;
-#ifdef MADV_HUGEPAGE /* again after mremap: the range may have moved or grown */
-        (void)madvise(q, new_bytes, MADV_HUGEPAGE);
-#endif
         *p = q;
         *bytes = new_bytes;
         *mapped = 1;
@@ -1128,6 +1125,21 @@ static inline uint32_t ext_grown_cap(uint32_t cap) {
     return (cap + cap / 4 + 1) & ~1u;
 }
 
+/* Open position k of e's holders (room made by holder_room): holders k.. and, bounded, their
+ * engine hashes move up one; n grows by one. */
+static inline void ext_open_at(ext_t *e, uint32_t k, int bounded) {
+    const uint32_t n = e->n;
+    const size_t stride = ext_stride(e);
+    if (k < n) {
+        memmove(e->w + (k + 1) * stride, e->w + k * stride, (n - k) * stride * 4);
+        if (bounded) {
+            kvp_engine_hash_t *ehs = ext_eh(e);
+            memmove(&ehs[k + 1], &ehs[k], (size_t)(n - k) * sizeof(*ehs));
+        }
+    }
+    e->n++;
+}
+
 /* Make room for one more holder on record r (before any state changes). */
 static kvp_status holder_room(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
@@ -1278,17 +1290,8 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
                 st = holder_room(idx, r);
                 if (st != KVP_OK) return st;
                 ext_t *e = ext_of(idx, b);
-                const uint32_t n = e->n;
-                const size_t stride = ext_stride(e);
-                k = holder_lower_bound(e->w, stride, n, ep, idx->ep_limit);
-                if (k < n) {
-                    memmove(e->w + (k + 1) * stride, e->w + k * stride, (n - k) * stride * 4);
-                    if (idx->max_entries) {
-                        kvp_engine_hash_t *ehs = ext_eh(e);
-                        memmove(&ehs[k + 1], &ehs[k], (size_t)(n - k) * sizeof(*ehs));
-                    }
-                }
-                e->n++;
+                k = holder_lower_bound(e->w, ext_stride(e), e->n, ep, idx->ep_limit);
+                ext_open_at(e, k, idx->max_entries != 0);
                 hd = e->wide ? &ext_wide(e)[k] : &tmp; /* a new holder fits the compact form */
             }
             hk = k;
@@ -1505,13 +1508,37 @@ enum { STORE_AHEAD = 12 }; /* blocks to prefetch ahead: covers DRAM latency at ~
         }                                                                               \
     } while (0)
 
+/* The holder both fast paths create: one canonical mapping, one ref in `tier` (and, bounded,
+ * its engine hash kept), and the counts a new canonical holding moves. */
+static inline holder_t new_canon_holder(kvp_endpoint_t ep, int tier, int bounded) {
+    holder_t hd;
+    memset(&hd, 0, sizeof(hd));
+    hd.ep = ep;
+    hd.count[tier] = 1;
+    hd.nmaps = 1u | HOLDER_CANON | (bounded ? HOLDER_EH_VALID : 0u);
+    return hd;
+}
+/* pack_fields(new_canon_holder(ep, tier, bounded)), spelled out: tier is only known at run
+ * time, and the general packing costs a new block ~10 instructions more (callgrind) */
+static inline uint32_t packed_new_canon(int tier, int bounded) {
+    return (1u << (8 * tier)) | (1u | IN_CANON | (bounded ? IN_EH_VALID : 0u)) << 24;
+}
+static inline void count_new_canon_holding(kvp_index *idx, emap_t *em, kvp_endpoint_t ep) {
+    idx->n_holdings++;
+    if (ep != KVP_SHARED && ep + 1 > idx->ep_limit) idx->ep_limit = ep + 1;
+    em->ncanon++;
+    idx->mt_count++;
+    idx->c.stored_blocks++;
+}
+
 /* add_ref's two commonest cases on their own, for an endpoint whose own map is empty (its
  * engine agrees with the others on engine hashes), with exactly the state add_ref leaves:
  * - a block no record has, under an engine hash no record owns: a new record, which owns eh,
  *   with ep as its inline holder (one canonical mapping, one ref in `tier`);
  * - the block of the record owning eh, whose holders are in an ext_t (other endpoints hold or
- *   held it) and do not include ep: ep joins its sorted holders with one canonical mapping and one ref, found by one
- *   bisection (add_ref's general path runs three: two lookups, then the insert's).
+ *   held it) and do not include ep: ep joins its sorted holders with one canonical mapping and
+ *   one ref, its place found by one bisection (add_ref's general path runs three: two lookups,
+ *   then the insert's).
  * Between them most of a store's instructions by callgrind. Returns 0, having changed nothing,
  * for any other case, which the caller sends to add_ref. The pool, block table and canonical
  * map have room (reserve_for_store). */
@@ -1527,32 +1554,16 @@ static inline int store_new_holder(kvp_index *idx, emap_t *em, kvp_endpoint_t ep
     if (holder_room(idx, r) != KVP_OK) return 0;  /* nothing changed: add_ref reports it */
     e = ext_of(idx, b);                            /* holder_room may have moved it */
     const int bounded = idx->max_entries != 0;
-    if (k < n) {
-        memmove(e->w + (k + 1) * stride, e->w + k * stride, (n - k) * stride * 4);
-        if (bounded) {
-            kvp_engine_hash_t *ehs = ext_eh(e);
-            memmove(&ehs[k + 1], &ehs[k], (size_t)(n - k) * sizeof(*ehs));
-        }
-    }
-    e->n++;
-    holder_t hd;
-    memset(&hd, 0, sizeof(hd));
-    hd.ep = ep;
-    hd.count[tier] = 1;
-    hd.nmaps = 1u | HOLDER_CANON | (bounded ? HOLDER_EH_VALID : 0u);
+    ext_open_at(e, k, bounded);
     if (e->wide) {
-        ext_wide(e)[k] = hd;
+        ext_wide(e)[k] = new_canon_holder(ep, tier, bounded);
     } else {
         ext_compact(e)[k].ep = ep;
-        ext_compact(e)[k].packed = pack_fields(&hd);
+        ext_compact(e)[k].packed = packed_new_canon(tier, bounded);
     }
     if (bounded) ext_eh(e)[k] = eh;
-    idx->n_holdings++;
-    if (ep != KVP_SHARED && ep + 1 > idx->ep_limit) idx->ep_limit = ep + 1;
-    em->ncanon++;
-    idx->mt_count++;
+    count_new_canon_holding(idx, em, ep);
     holders_changed(idx, b);
-    idx->c.stored_blocks++;
     touch(idx, r);
     return 1;
 }
@@ -1571,19 +1582,14 @@ static inline int store_fast(kvp_index *idx, emap_t *em, kvp_endpoint_t ep, int 
     idx->bt.s[b_empty].rec = r;
     idx->bt.count++;
     cm_insert(idx, r, eh, c_empty);
-    uint32_t nm = 1u | IN_CANON; /* one mapping, the canonical one */
-    if (idx->max_entries) {
+    const int bounded = idx->max_entries != 0;
+    if (bounded) {
         lru_append(idx, r); /* newest: add_ref's touch() would leave it there */
         idx->rec_eh[r] = eh;
-        nm |= IN_EH_VALID;
     }
-    b->ep = ep;
-    b->packed = (1u << (8 * tier)) | nm << 24; /* pack_fields of count[tier] = 1 */
-    idx->n_holdings++;
-    if (ep != KVP_SHARED && ep + 1 > idx->ep_limit) idx->ep_limit = ep + 1;
-    em->ncanon++;
-    idx->mt_count++;
-    idx->c.stored_blocks++;
+    b->ep = ep; /* the only holder: inline */
+    b->packed = packed_new_canon(tier, bounded);
+    count_new_canon_holding(idx, em, ep);
     return 1;
 }
 
