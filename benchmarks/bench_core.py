@@ -270,9 +270,11 @@ class KvplugSide:
     def hash_and_scores(self, tokens: list[int]) -> dict:
         return self.idx.query(core.seq_hashes(tokens, BS), self.out).scores()
 
-    @staticmethod
-    def hash(tokens: list[int]):
-        return core.seq_hashes(tokens, BS)
+    @property
+    def hash(self):
+        """The library's hashing call itself, ``(tokens, block_size)`` (no wrapper of ours: the
+        timers call both sides' the same way)."""
+        return core.seq_hashes
 
     @staticmethod
     def worker_scores(scores: dict) -> dict[int, int]:
@@ -328,8 +330,10 @@ class DynamoSide:
     def hash_and_scores(self, tokens: list[int]) -> dict:
         return self.tree.find_matches(self.dyn.compute_block_hash_for_seq(tokens, BS)).scores
 
-    def hash(self, tokens: list[int]):
-        return self.dyn.compute_block_hash_for_seq(tokens, BS)
+    @property
+    def hash(self):
+        """The library's hashing call itself, ``(tokens, block_size)``."""
+        return self.dyn.compute_block_hash_for_seq
 
     @staticmethod
     def worker_scores(scores: dict) -> dict[int, int]:
@@ -393,9 +397,10 @@ def time_calls(fn, inputs: list) -> list[float]:
 
 
 def time_passes(fns: dict, inputs: list, repeat: int) -> dict[str, tuple[float, float]]:
-    """Best total (wall s, process CPU s) of `repeat` passes over inputs per function, the
-    functions taking turns pass by pass (order flipped every pass), so a burst of load from
-    the neighbours hits both sides alike; a pass is short (~1 ms), hence many."""
+    """Best total (wall s, process CPU s) of `repeat` passes over inputs per hashing function
+    (called ``fn(tokens, BS)``), the functions taking turns pass by pass (order flipped every
+    pass), so a burst of load from the neighbours hits both sides alike; a pass is short
+    (~1 ms), hence many."""
     best = {name: (float("inf"), float("inf")) for name in fns}
     names = list(fns)
     gc.disable()
@@ -405,7 +410,7 @@ def time_passes(fns: dict, inputs: list, repeat: int) -> dict[str, tuple[float, 
                 fn = fns[name]
                 c0, t0 = time.process_time(), time.perf_counter()
                 for x in inputs:
-                    fn(x)
+                    fn(x, BS)
                 t1, c1 = time.perf_counter(), time.process_time()
                 best[name] = (min(best[name][0], t1 - t0), min(best[name][1], c1 - c0))
     finally:
@@ -414,15 +419,16 @@ def time_passes(fns: dict, inputs: list, repeat: int) -> dict[str, tuple[float, 
 
 
 def time_decoded_passes(
-    fns: dict, encoded: list[bytes], repeat: int, chunk: int = 8
+    fns: dict, encoded: list[bytes], repeat: int, chunk: int = 8, decode=None
 ) -> dict[str, float]:
     """Best total wall time of `repeat` passes per function over msgpack-encoded token lists,
     each function hashing lists it has just decoded itself, as an event subscriber hashes the
     token ids of the batch it has just decoded: `chunk` events at a time (~3 k tokens, in the
-    cache as they would be). Decoding is outside the clock; the functions take turns chunk by
-    chunk, the order flipping every chunk. Each chunk is one clock reading (~0.1 µs against a
-    few µs of kvplug's hashing: a bias against kvplug, left in)."""
-    dec = msgspec.msgpack.Decoder(list[int])
+    cache as they would be). Decoding, and freeing the lists decoded for the turn before, are
+    outside the clock; the functions take turns chunk by chunk, the order flipping every
+    chunk. Each chunk is one clock reading (~0.1 µs against a few µs of kvplug's hashing: a
+    bias against kvplug, left in). ``decode``: bytes -> token list (default: msgspec's)."""
+    decode = decode or msgspec.msgpack.Decoder(list[int]).decode
     chunks = [encoded[i : i + chunk] for i in range(0, len(encoded), chunk)]
     names = list(fns)
     best = dict.fromkeys(names, float("inf"))
@@ -433,10 +439,14 @@ def time_decoded_passes(
             for j, ch in enumerate(chunks):
                 for name in names if (i + j) % 2 == 0 else names[::-1]:
                     fn = fns[name]
-                    lists = [dec.decode(b) for b in ch]  # fresh int objects, as decoded
+                    # the loop variable still holds the last list of the turn before: dropped
+                    # inside the clock, its ~500 int objects were freed on the next side's time
+                    # (+0.6 ns a token, whichever side ran next; issue 14's twenty-first pass)
+                    lists = x = None
+                    lists = [decode(b) for b in ch]  # fresh int objects, as decoded
                     t0 = time.perf_counter()
                     for x in lists:
-                        fn(x)
+                        fn(x, BS)
                     total[name] += time.perf_counter() - t0
             for name in names:
                 best[name] = min(best[name], total[name])
@@ -539,7 +549,7 @@ def bench_workers(workers: int, args, sides: list) -> dict:
             rd[f"{name}_hash_prompt_list_tokens_per_s"] = n_long / wall
             rd[f"{name}_hash_prompt_list_tokens_per_cpu_s"] = n_long / cpu
         best = time_passes(
-            {"np": lambda t: core.seq_hashes(t, BS)},
+            {"np": core.seq_hashes},
             hash_events_np,
             args.hash_repeat,
         )

@@ -60,3 +60,31 @@ def test_side_by_side_with_dynamo_agrees_on_every_answer(tmp_path):
     assert ratios["memory, pre-sized (kvplug / Dynamo RSS)"]["min"] > 0
     assert {"kvplug", "kvplug_presized", "dynamo"} <= set(w["memory"])
     assert (tmp_path / "core.md").read_text().count("|") > 10
+
+
+def test_decoded_hashing_frees_no_list_inside_the_clock(monkeypatch):
+    """Each side's clock covers its hashing only: the lists decoded for the turn before (the
+    other side's, when they alternate) are freed before the clock starts. Before issue 14's
+    twenty-first pass the timer's loop variable kept the last of them alive into the next
+    turn's clock, charging its ~500 int objects' frees to whichever side ran next."""
+    bench = _bench()
+    in_clock = [False]
+    frees_in_clock = []
+
+    class Token(int):  # an int whose free is seen
+        def __del__(self):
+            frees_in_clock.append(in_clock[0])
+
+    real = bench.time.perf_counter
+
+    def clock():  # calls alternate: start, stop
+        in_clock[0] = not in_clock[0]
+        return real()
+
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    seen = []
+    fns = {"a": lambda toks, bs: seen.append(len(toks)), "b": lambda toks, bs: None}
+    encoded = [bytes([n]) for n in (3, 5, 7, 9, 11, 13)]
+    bench.time_decoded_passes(fns, encoded, repeat=2, chunk=2, decode=lambda b: [Token(1)] * b[0])
+    assert seen and set(seen) == {3, 5, 7, 9, 11, 13}  # every list hashed, as decoded
+    assert frees_in_clock and not any(frees_in_clock)
