@@ -427,7 +427,8 @@ def time_decoded_passes(
     cache as they would be). Decoding, and freeing the lists decoded for the turn before, are
     outside the clock; the functions take turns chunk by chunk, the order flipping every
     chunk. Each chunk is one clock reading (~0.1 µs against a few µs of kvplug's hashing: a
-    bias against kvplug, left in). ``decode``: bytes -> token list (default: msgspec's)."""
+    bias against kvplug, left in); each side's results are freed inside its own clock, as its
+    caller would free them. ``decode``: bytes -> token list (default: msgspec's)."""
     decode = decode or msgspec.msgpack.Decoder(list[int]).decode
     chunks = [encoded[i : i + chunk] for i in range(0, len(encoded), chunk)]
     names = list(fns)
