@@ -49,7 +49,9 @@ labelled as such, as are kvplug-only figures (64 k-block batches into a pre-size
     python benchmarks/bench_core.py --no-dynamo     # kvplug only (no ratios)
 
 Needs ``ai-dynamo-runtime`` (``pip install -e '.[bench]'``) for the side by side. Prints
-progress and a table; writes benchmarks/results/bench_core.json (and .md).
+progress and a table; writes benchmarks/results/bench_core.json (and .md) and plots every
+round's ratio against issue 14's aims (``--plot``, default docs/img/bench_core_ratios.png;
+``--plot-from JSON`` draws it from a results file alone).
 """
 
 from __future__ import annotations
@@ -754,6 +756,58 @@ def summarise(res: dict, with_dynamo: bool) -> dict:
     return summ
 
 
+# issue 14's aims, as plotted: (RATIOS label, axis label, aim: kvplug at least this many times
+# Dynamo in every round)
+AIMS = (
+    ("query 8192 tok", "query, 8,192 tokens", 3.0),
+    ("query 1024 tok", "query, 1,024 tokens", 3.0),
+    ("query 128 tok", "query, 128 tokens", 3.0),
+    ("apply (CPU)", "apply, growing index", 5.0),
+    ("apply, pre-sized as the router does (CPU)", "apply, pre-sized", 5.0),
+    ("hashing, event token lists (wall)", "hashing an event's list", 10.0),
+    ("hashing, event token lists as decoded (wall)", "hashing a list just decoded", 10.0),
+)
+
+
+def plot_ratios(results: dict, path: Path) -> None:
+    """Every round's kvplug / Dynamo ratio per aimed-at operation and worker count, each
+    operation's aim drawn beside its points: how many rounds meet it, at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    rows = [w for w in results["workers"] if "ratios" in w["summary"]]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4.6))
+    colours = ("tab:blue", "tab:orange", "tab:green", "tab:purple")
+    for j, w in enumerate(rows):
+        xs, ys = [], []
+        for i, (label, _axis, _aim) in enumerate(AIMS):
+            key = next(r for r in RATIOS if r[0] == label)
+            per_round = [ratio(rd, key[1], key[2], *key[3:]) for rd in w["rounds"]]
+            offset = (j - (len(rows) - 1) / 2) * 0.18
+            xs += [i + offset] * len(per_round)
+            ys += per_round
+        ax.scatter(xs, ys, s=14, color=colours[j % len(colours)], label=f"{w['workers']} workers")
+    for i, (_label, _axis, aim) in enumerate(AIMS):
+        ax.hlines(aim, i - 0.42, i + 0.42, color="black", linewidth=1.2)
+    ax.set_xticks(range(len(AIMS)), [a[1] for a in AIMS], rotation=20, ha="right")
+    ax.set_yscale("log")
+    ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ticks = [t for t in (1, 2, 3, 5, 10, 20, 50) if t <= 1.2 * max(ax.get_ylim())]
+    ax.set_yticks(ticks, [f"{t}×" for t in ticks])
+    ax.set_ylabel("kvplug / Dynamo, per round (log)")
+    ax.set_title("kvplug's C core against Dynamo's indexer, every round (bar: the aim)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def fmt_range(s: dict, fmt: str = "{:.1f}") -> str:
     lo, hi = fmt.format(s["min"]), fmt.format(s["max"])
     return lo if lo == hi else f"{lo}–{hi}"
@@ -934,7 +988,18 @@ def main(argv: list[str] | None = None) -> int:
         "--memory-child", choices=["kvplug", "kvplug_presized", "dynamo"], help=argparse.SUPPRESS
     )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_core.json"))
+    ap.add_argument(
+        "--plot",
+        default=str(Path(__file__).resolve().parents[1] / "docs" / "img" / "bench_core_ratios.png"),
+        help="per-round ratios against the aims ('' = none)",
+    )
+    ap.add_argument(
+        "--plot-from", metavar="JSON", help="only draw --plot from a results file this wrote"
+    )
     args = ap.parse_args(argv)
+    if args.plot_from:
+        plot_ratios(json.loads(Path(args.plot_from).read_text()), Path(args.plot))
+        return 0
     if args.blocks is None:
         args.blocks = 100_000 if args.small else 1_000_000
     if args.memory_child:
@@ -1008,7 +1073,9 @@ def run(args, sides: list, dynamo, note: str, argv, spinners: int) -> int:
     if dynamo is not None:
         md = Path(args.out).with_suffix(".md")
         md.write_text(markdown(results) + "\n")
-        print(f"\nwrote {args.out} and {md}")
+        if args.plot:
+            plot_ratios(results, Path(args.plot))
+        print(f"\nwrote {args.out} and {md}" + (f", plot {args.plot}" if args.plot else ""))
     else:
         print(f"\nwrote {args.out}")
     return 0

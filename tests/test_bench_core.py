@@ -23,7 +23,8 @@ def _bench():
 def _run(tmp_path, *extra):
     out = tmp_path / "core.json"
     args = ["--workers", "8", "--blocks", "4000", "--rounds", "2", "--memory-rounds", "1"]
-    assert _bench().main([*args, *extra, "--out", str(out)]) == 0
+    plot = ["--plot", str(tmp_path / "ratios.png")]  # never the committed docs/img one
+    assert _bench().main([*args, *plot, *extra, "--out", str(out)]) == 0
     return json.loads(out.read_text())
 
 
@@ -60,6 +61,10 @@ def test_side_by_side_with_dynamo_agrees_on_every_answer(tmp_path):
     assert ratios["memory, pre-sized (kvplug / Dynamo RSS)"]["min"] > 0
     assert {"kvplug", "kvplug_presized", "dynamo"} <= set(w["memory"])
     assert (tmp_path / "core.md").read_text().count("|") > 10
+    assert (tmp_path / "ratios.png").stat().st_size > 10_000  # every round against the aims
+    again = tmp_path / "again.png"  # ... and drawn again from the JSON alone
+    assert _bench().main(["--plot-from", str(tmp_path / "core.json"), "--plot", str(again)]) == 0
+    assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_decoded_hashing_frees_no_list_inside_the_clock(monkeypatch):
