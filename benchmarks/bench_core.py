@@ -79,6 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # hostinfo
 
+from figures import save_figure  # noqa: E402
 from hostinfo import cpu_model  # noqa: E402
 
 from kvplug.core import load_backend  # noqa: E402
@@ -802,10 +803,7 @@ def plot_ratios(results: dict, path: Path) -> None:
     ax.set_ylabel("kvplug / Dynamo, per round (log)")
     ax.set_title("kvplug's C core against Dynamo's indexer, every round (bar: the aim)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def fmt_range(s: dict, fmt: str = "{:.1f}") -> str:

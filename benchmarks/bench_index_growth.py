@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from figures import save_figure  # noqa: E402
 from hostinfo import cpu_model  # noqa: E402
 
 from kvplug.config import RouterConfig  # noqa: E402
@@ -191,10 +192,7 @@ def plot(latencies: dict[str, list[float]], per_call: int, path: Path) -> None:
     ax.set_ylabel("one apply_events call (ms)")
     ax.set_title("Applying KV events while the index fills: each call's latency")
     ax.legend(markerscale=4)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
