@@ -53,6 +53,16 @@ def load_build(folder: str, tag: str) -> ModuleType:
     return mod
 
 
+def fill(idx, inputs: list, n_blocks: int, presized: bool) -> None:
+    """Store ``inputs`` into ``idx``, one call per event, having reserved ``n_blocks`` first when
+    ``presized`` (as ``kvplug serve`` does: bench_core's pre-sized apply)."""
+    if presized:
+        idx.reserve(n_blocks, 0)
+    store = idx.store
+    for w, eng, seq in inputs:
+        store(w, 0, eng, seq)
+
+
 def apply_cpu_ns_per_block(
     mod: ModuleType, inputs: list, n_blocks: int, clear_ep: int, presized: bool = False
 ) -> tuple[float, int, float]:
@@ -60,12 +70,8 @@ def apply_cpu_ns_per_block(
     on the full index (an engine restart or removal). ``presized``: the index reserves room for
     the blocks first, inside the clock, as ``kvplug serve`` does (bench_core's pre-sized apply)."""
     idx = mod.Index()
-    store = idx.store
     t0 = time.process_time()
-    if presized:
-        idx.reserve(n_blocks, 0)
-    for w, eng, seq in inputs:
-        store(w, 0, eng, seq)
+    fill(idx, inputs, n_blocks, presized)
     cpu = time.process_time() - t0
     mem = idx.memory_bytes()
     t0 = time.process_time()
@@ -95,10 +101,7 @@ def memory_child(folder: str, workers: int, blocks: int, disagree: bool, presize
     bench_core.release_freed_heap()
     rss0 = bench_core.rss_bytes()
     idx = mod.Index()
-    if presized:
-        idx.reserve(wl.blocks, 0)
-    for w, eng, seq in inputs:
-        idx.store(w, 0, eng, seq)
+    fill(idx, inputs, wl.blocks, presized)
     bench_core.release_freed_heap()
     rss1 = bench_core.rss_bytes()
     print(

@@ -967,6 +967,17 @@ static uint32_t pool_take(kvp_index *idx) {
     return r;
 }
 
+/* A new record for block h, entered in the block table at b_empty (the empty slot h's probe
+ * found: nothing may have moved since). */
+static inline uint32_t record_new(kvp_index *idx, kvp_hash_t h, size_t b_empty) {
+    const uint32_t r = pool_take(idx);
+    idx->pool[r].hash = h;
+    idx->bt.s[b_empty].tag = btag_of(bmix_of(h));
+    idx->bt.s[b_empty].rec = r;
+    idx->bt.count++;
+    return r;
+}
+
 static void pool_give(kvp_index *idx, uint32_t r) {
     block_t *b = &idx->pool[r];
     if (is_ext(b)) {
@@ -1270,12 +1281,7 @@ static kvp_status add_ref(kvp_index *idx, kvp_endpoint_t ep, kvp_engine_hash_t e
             if (em->cap != had) mt_probe(em, eh, &m_empty);
         }
         if (r == NONE32) {
-            r = pool_take(idx);
-            idx->pool[r].hash = h;
-            /* the probe's empty slot: nothing moved */
-            idx->bt.s[b_empty].tag = btag_of(bmix_of(h));
-            idx->bt.s[b_empty].rec = r;
-            idx->bt.count++;
+            r = record_new(idx, h, b_empty);           /* the probe's empty slot: nothing moved */
             if (canon) cm_insert(idx, r, eh, c_empty); /* likewise */
             if (idx->max_entries) lru_append(idx, r);
         }
@@ -1575,12 +1581,8 @@ static inline int store_fast(kvp_index *idx, emap_t *em, kvp_endpoint_t ep, int 
     const uint32_t rc = cm_probe(idx, eh, &c_empty);
     if (rc != NONE32) return store_new_holder(idx, em, ep, tier, eh, h, rc);
     if (bt_probe(idx, h, &b_empty) != NONE32) return 0;
-    const uint32_t r = pool_take(idx);
+    const uint32_t r = record_new(idx, h, b_empty);
     block_t *b = &idx->pool[r];
-    b->hash = h;
-    idx->bt.s[b_empty].tag = btag_of(bmix_of(h));
-    idx->bt.s[b_empty].rec = r;
-    idx->bt.count++;
     cm_insert(idx, r, eh, c_empty);
     const int bounded = idx->max_entries != 0;
     if (bounded) {
