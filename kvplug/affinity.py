@@ -72,6 +72,7 @@ from typing import Any
 import numpy as np
 from sortedcontainers import SortedList
 
+from kvplug.prefill_fit import OnlinePrefillFit
 from kvplug.prefill_model import H200_LLAMA8B
 from kvplug.request import RouteRequest
 
@@ -202,6 +203,10 @@ class AffinityParams:
     prefill_linear_ms: float = H200_LLAMA8B[0]
     prefill_quad_ms: float = H200_LLAMA8B[1]
     prefill_ctx_ms: float = H200_LLAMA8B[2]
+    # True: the three coefficients above are only the prior of a fit to the engines' own first
+    # tokens (kvplug.prefill_fit: requests that prefilled alone, seen as they came), so the
+    # guard predicts with the speed of the engines it routes to, not one H200's
+    fit_prefill: bool = False
 
     def __post_init__(self) -> None:
         if not (self.guard >= 0 and self.cap >= 0 and self.memory >= 0 and self.slack >= 0):
@@ -292,6 +297,9 @@ AFFINITY_PRESETS["affinity-balance"] = {
     "churn_cap": 0.1,
     "churn_half_life": 300,
 }
+# affinity-balance predicting with a prefill model fitted to the engines' first tokens (issue
+# 14's twenty-second pass; docs/sim.md, *The prefill model the guard predicts with*)
+AFFINITY_PRESETS["affinity-fitted"] = {**AFFINITY_PRESETS["affinity-balance"], "fit_prefill": True}
 AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
@@ -474,6 +482,7 @@ class Affinity:
         self.params = params or AffinityParams()
         p = self.params
         self._prefill_model = (p.prefill_linear_ms, p.prefill_quad_ms, p.prefill_ctx_ms)
+        self._prefill_fit = OnlinePrefillFit(self._prefill_model) if p.fit_prefill else None
         # kept_kv, affinity (moved), guarded; rescued, spread, protected once those fire
         self.affinity_counters: Counter[str] = Counter(kept_kv=0, affinity=0, guarded=0)
         core = getattr(router, "_core", None)
@@ -546,6 +555,20 @@ class Affinity:
             return None
         self.affinity_counters["affinity"] += 1
         return pick
+
+    def heard_first_token(self, request, now: float) -> None:
+        """``fit_prefill``: a request that prefilled alone on its engine (``request.alone``)
+        teaches the fit its prefill time; a new model replaces the predictions' and the
+        prefill sums made with the old one."""
+        fit = self._prefill_fit
+        if fit is None or not request.alone or request.prefill_tokens <= 0:
+            return
+        new = float(request.prefill_tokens)
+        chunk = self._router.chunk_tokens(request.endpoint)
+        if fit.add(new, request.prompt_tokens - new, chunk, now - request.routed_at):
+            self._prefill_model = fit.model
+            self._summaries = PrefillSummaries()  # every endpoint summed again when asked
+            self.affinity_counters["prefill_fits"] += 1
 
     def _protect(self, trace, overlap: Sequence[float], blocks: int, pick: int) -> int:
         """Protect mode: if ``pick``'s last queued prefill is predicted in the tail (its elapsed

@@ -49,6 +49,9 @@ class ActiveRequest:
     # the affinity policy's (chunk tokens, predicted prefill seconds, steps, prefill model) of
     # its prefill, kept so that every decision while it waits does not compute it again
     prefill_estimate: tuple[float, float, float, tuple[float, float, float]] | None = None
+    # no other request of this router's was in prefill on its endpoint when it was added: its
+    # first token then times its own prefill (kvplug.prefill_fit learns from those)
+    alone: bool = False
 
 
 class LoadListener(Protocol):
@@ -175,7 +178,9 @@ class LoadTracker:
         blocks[endpoint] = blocks.item(endpoint) + r.decode_blocks
         if uncached > 0:
             self.prefill_tokens[endpoint] = self.prefill_tokens.item(endpoint) + uncached
-            self.prefilling.setdefault(endpoint, {})[request_id] = r
+            queued = self.prefilling.setdefault(endpoint, {})
+            r.alone = not queued
+            queued[request_id] = r
             self._prefilling_changed(endpoint)
             if self.predictor is not None:
                 r.prefill_duration = max(

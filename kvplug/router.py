@@ -383,9 +383,16 @@ class Router:
         return report.applied
 
     # ================================================================ lifecycle
-    def on_first_token(self, request_id: str) -> None:
-        """Prefill is done: release the request's prompt-side (prefill) load."""
-        self.load.first_token(request_id, self._clock())
+    def on_first_token(self, request_id: str, measured: bool = True) -> None:
+        """Prefill is done: release the request's prompt-side (prefill) load. ``measured``:
+        the first token was seen as it came (a stream's first event; a P/D prefill's answer),
+        not with a whole answer after its decode, so its time may teach the routing policy."""
+        now = self._clock()
+        if measured and self._policy.hears_first_tokens:
+            request = self.load.requests.get(request_id)
+            if request is not None and not request.prefill_done:
+                self._policy.heard_first_token(request, now)
+        self.load.first_token(request_id, now)
 
     def hears_output_progress(self) -> bool:
         """Whether routing reads a stream's output as it grows (output-block tracking, or a

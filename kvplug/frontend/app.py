@@ -706,15 +706,17 @@ class Frontend:
             hop_headers[RANK_HEADER] = str(rank)
         entry.inflight += 1
         started = time.perf_counter()
+        answered = False  # a prefill's answer is its first token: timed only when it came
         try:
             status, answer, raw = await self.upstream.post_json(
                 entry.spec.worker_id, url, body, hop_headers, self.settings.prefill_timeout
             )
+            answered = status == 200
         except UpstreamUnavailable as exc:
             raise StageUnavailable(exc.reason) from exc
         finally:
             entry.inflight -= 1
-            routed.lifecycle.first_token()
+            routed.lifecycle.first_token(measured=answered)
             routed.lifecycle.finish()
         rec = routed.record
         rec.status = status

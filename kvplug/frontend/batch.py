@@ -285,7 +285,7 @@ class _Batch:
         streamed = ctype.startswith("text/event-stream")
         if upstream.status != 200 or streamed != self.req.stream:
             body = first + await upstream.content.read()
-            routed.lifecycle.first_token()
+            routed.lifecycle.first_token(measured=False)
             if upstream.status == 200:  # a 200 in the wrong shape: not mergeable
                 body = _encode(
                     {
@@ -307,7 +307,7 @@ class _Batch:
         if self.req.stream:
             return
         body = first + await upstream.content.read()
-        routed.lifecycle.first_token()
+        routed.lifecycle.first_token(measured=False)  # a whole answer, after its decode
         total = completion_tokens(body)
         if total:
             routed.lifecycle.output(total)

@@ -316,7 +316,8 @@ class EndpointPicker(ExternalProcessorBase):
         assert chunk is not None  # the caller dispatched on it
         routed = stream.routed
         if routed is not None:
-            routed.lifecycle.first_token()
+            # a whole answer's first bytes come after its decode: only a stream's time its prefill
+            routed.lifecycle.first_token(measured=stream.streaming_response)
             if chunk.end_of_stream:
                 routed.lifecycle.finish()
                 record = routed.record

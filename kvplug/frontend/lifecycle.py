@@ -44,11 +44,13 @@ class Lifecycle:
         self.first_at: float | None = None
         self.on_release = on_release
 
-    def first_token(self) -> None:
+    def first_token(self, measured: bool = True) -> None:
+        """The first token came; ``measured=False`` when it came with a whole answer (after its
+        decode), so its time says nothing of the prefill (``Router.on_first_token``)."""
         if not self.first_seen and not self.finished:
             self.first_seen = True
             self.first_at = time.perf_counter()
-            self.router.on_first_token(self.route_id)
+            self.router.on_first_token(self.route_id, measured)
             if self.on_release is not None:
                 self.on_release()
 

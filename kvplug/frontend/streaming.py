@@ -128,9 +128,10 @@ def completion_tokens(body: bytes) -> int | None:
 
 
 def whole_answer_read(lifecycle: Lifecycle, status: int, total: int | None) -> None:
-    """A non-streamed answer arrived whole: its first token is now, and an answer that
-    reports ``usage.completion_tokens`` (``total``) is counted."""
-    lifecycle.first_token()
+    """A non-streamed answer arrived whole: its first token is now (not a measured one: it
+    came after the decode), and an answer that reports ``usage.completion_tokens`` (``total``)
+    is counted."""
+    lifecycle.first_token(measured=False)
     if status == 200 and total:
         lifecycle.output(total)
 

@@ -34,6 +34,7 @@ class AffinityPolicy(KvCostPolicy):
         super().__init__(router)
         # RouterConfig.validate has parsed it already (a bad setting is a ConfigError there)
         self.affinity = Affinity(router, parse_affinity(router.config.router_affinity))
+        self.hears_first_tokens = self.affinity.params.fit_prefill
         # read_ms weighs the decode reads of the requests in flight, outputs included, but as
         # a sum of thousands of context tokens per engine: the native lane's reports 4 KiB
         # (tens of tokens) apart move it by under one percent, so its streams stay on the lane
@@ -47,6 +48,9 @@ class AffinityPolicy(KvCostPolicy):
             return b
         trace.params["affinity_moved_from"] = int(trace.endpoints[b])
         return moved
+
+    def heard_first_token(self, request, now: float) -> None:
+        self.affinity.heard_first_token(request, now)
 
     def stats(self) -> dict[str, int]:
         return dict(self.affinity.affinity_counters)

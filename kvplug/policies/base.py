@@ -12,6 +12,7 @@ from kvplug.pipeline import RouteContext
 from kvplug.workers import Stage
 
 if TYPE_CHECKING:
+    from kvplug.load import ActiveRequest
     from kvplug.router import Router
 
 
@@ -57,6 +58,13 @@ class RoutingPolicy:
 
     def pick(self, ctx: RouteContext, trace: CandidateTrace) -> int:
         raise NotImplementedError
+
+    # it learns from first tokens as they come (``heard_first_token``)
+    hears_first_tokens: bool = False
+
+    def heard_first_token(self, request: ActiveRequest, now: float) -> None:
+        """A first token of a request this router routed, seen as it came (a stream's first
+        event, not a whole answer's end), before its prefill load is released."""
 
     def stats(self) -> dict[str, int] | None:
         """The policy's own counters, reported under its name in ``Router.stats()`` (and so

@@ -1,0 +1,107 @@
+"""The affinity guard's prefill model, fitted online to the engines' own first tokens.
+
+The TTFT guard (:mod:`kvplug.affinity`) predicts a prompt's prefill as
+``a·n + b·n² + c·n·context`` ms, chunk by chunk; the shipped coefficients are one H200 running
+an 8B model. Engines of another speed, or whose attention over a cached prefix costs less, are
+mispredicted, and the guard then lets follow-ups wait where they should not, or moves them
+where they need not go. :class:`OnlinePrefillFit` learns the three coefficients from requests
+the router has already served: one that started prefilling on an engine with nothing else of
+the router's in prefill (``ActiveRequest.alone``) and whose first token was seen as it came
+(a stream's first event, not the end of a whole answer) took about its own prefill to its first
+token. Its features are those :func:`kvplug.affinity.chunked_prefill_seconds` sums.
+
+The fit is least squares with the shipped coefficients as a prior worth ``PRIOR_WEIGHT``
+samples (so a handful of first tokens cannot swing it), non-negative coefficients, and
+samples forgotten with a half-life of ``HALF_LIFE`` samples (an engine replaced by a faster one
+is learnt again). It is solved from 3x3 running sums every ``REFIT_EVERY`` samples: no sample
+is kept.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+PRIOR_WEIGHT = 50.0  # the shipped coefficients count as this many samples
+REFIT_EVERY = 50  # samples between two solves
+HALF_LIFE = 5000.0  # samples after which a sample weighs half
+
+
+def prefill_features(new: float, cached: float, chunk: float) -> tuple[float, float, float]:
+    """(new tokens, the sum of each chunk's new tokens squared, the (new, context) token pairs
+    over the chunks): the terms ``chunked_prefill_seconds`` multiplies by a, b and c."""
+    n, p = max(float(new), 0.0), max(float(cached), 0.0)
+    if chunk <= 0 or chunk >= n:
+        return n, n * n, n * p
+    full, rem = divmod(n, chunk)
+    quad = full * chunk * chunk + rem * rem
+    ctx = n * p + chunk * chunk * full * (full - 1) / 2 + rem * full * chunk
+    return n, quad, ctx
+
+
+class OnlinePrefillFit:
+    """``model``: (a, b, c) in ms, the prior's until enough first tokens have been added."""
+
+    def __init__(
+        self,
+        prior: tuple[float, float, float],
+        prior_weight: float = PRIOR_WEIGHT,
+        refit_every: int = REFIT_EVERY,
+        half_life: float = HALF_LIFE,
+    ) -> None:
+        self.prior = np.asarray(prior, dtype=np.float64)
+        self.prior_weight = float(prior_weight)
+        self.refit_every = max(int(refit_every), 1)
+        self._decay = 0.5 ** (1.0 / half_life) if half_life > 0 else 1.0
+        self.model: tuple[float, float, float] = tuple(float(x) for x in prior)  # type: ignore[assignment]
+        self.samples = 0  # first tokens added
+        self.solves = 0  # times the model was solved
+        self._xx = np.zeros((3, 3))  # decayed sums of x xᵀ, x y and the weights
+        self._xy = np.zeros(3)
+        self._weight = 0.0
+
+    def add(self, new: float, cached: float, chunk: float, seconds: float) -> bool:
+        """One request's prefill (``new`` tokens over ``cached``, in chunks of ``chunk``) and its
+        observed time to first token; True when the model was solved again."""
+        if not (new > 0 and math.isfinite(seconds) and seconds > 0):
+            return False
+        x = np.asarray(prefill_features(new, cached, chunk))
+        d = self._decay
+        self._xx *= d
+        self._xy *= d
+        self._weight = self._weight * d + 1.0
+        self._xx += np.outer(x, x)
+        self._xy += x * (seconds * 1000.0)
+        self.samples += 1
+        if self.samples % self.refit_every:
+            return False
+        return self._solve()
+
+    def _solve(self) -> bool:
+        # the prior as PRIOR_WEIGHT pseudo-samples on each coefficient, at the features'
+        # typical size (their root mean square), so it weighs the same whatever the units
+        scale2 = np.diag(self._xx) / max(self._weight, 1e-12)
+        prior_rows = self.prior_weight * np.diag(scale2)
+        lhs = self._xx + prior_rows
+        rhs = self._xy + prior_rows @ self.prior
+        active = [0, 1, 2]
+        theta = np.zeros(3)
+        while active:  # non-negative: a coefficient solved below zero is held at zero
+            sub = np.ix_(active, active)
+            try:
+                solved = np.linalg.solve(lhs[sub], rhs[active])
+            except np.linalg.LinAlgError:
+                return False
+            theta = np.zeros(3)
+            theta[active] = solved
+            negative = [j for j in active if theta[j] < 0]
+            if not negative:
+                break
+            active = [j for j in active if j not in negative]
+        theta = np.maximum(theta, 0.0)
+        if not (np.all(np.isfinite(theta)) and theta[0] + theta[1] > 0):
+            return False  # a model must charge for new tokens (AffinityParams' own rule)
+        self.model = (float(theta[0]), float(theta[1]), float(theta[2]))
+        self.solves += 1
+        return True
