@@ -11,7 +11,8 @@ the router's in prefill (``ActiveRequest.alone``) and whose first token was seen
 token. Its features are those :func:`kvplug.affinity.chunked_prefill_seconds` sums.
 
 The fit is least squares with the shipped coefficients as a prior worth ``PRIOR_WEIGHT``
-samples (so a handful of first tokens cannot swing it), non-negative coefficients, and
+samples timed by them (so a handful of first tokens cannot swing it), non-negative
+coefficients, and
 samples forgotten with a half-life of ``HALF_LIFE`` samples (an engine replaced by a faster one
 is learnt again). It is solved from 3x3 running sums every ``REFIT_EVERY`` samples: no sample
 is kept.
@@ -79,22 +80,35 @@ class OnlinePrefillFit:
         return self._solve()
 
     def _solve(self) -> bool:
-        # the prior as PRIOR_WEIGHT pseudo-samples on each coefficient, at the features'
-        # typical size (their root mean square), so it weighs the same whatever the units
-        scale2 = np.diag(self._xx) / max(self._weight, 1e-12)
-        prior_rows = self.prior_weight * np.diag(scale2)
-        lhs = self._xx + prior_rows
-        rhs = self._xy + prior_rows @ self.prior
-        active = [0, 1, 2]
-        theta = np.zeros(3)
+        scale = np.sqrt(np.diag(self._xx) / max(self._weight, 1e-300))
+        # a term no sample has exercised (no cached prefix seen yet, say) keeps the prior's
+        # coefficient: the samples say nothing of it
+        seen = [j for j in range(3) if scale[j] > 0]
+        if not seen:
+            return False
+        # solved in units of each feature's typical size (its root mean square): the raw sums
+        # span ~11 orders of magnitude (tokens against token pairs), too many for a plain solve
+        unit = np.where(scale > 0, scale, 1.0)
+        xx = self._xx / np.outer(unit, unit)
+        xy = self._xy / unit
+        # the prior as prior_weight more samples at the prompts seen, timed by the prior: the
+        # solution is the least-squares one pulled towards the prior by weight / (weight +
+        # samples). (A ridge on the coefficients would instead decide the direction the data
+        # hardly constrain, the split between the n^2 and context terms of long prompts, and
+        # with it a wrong per-token cost once that split is held non-negative.)
+        k = self.prior_weight / max(self._weight, 1e-300)
+        lhs = (1.0 + k) * xx + 1e-9 * self._weight * np.eye(3)
+        rhs = xy + k * (xx @ (self.prior * unit))
+        theta = self.prior.copy()
+        active = seen
         while active:  # non-negative: a coefficient solved below zero is held at zero
             sub = np.ix_(active, active)
             try:
                 solved = np.linalg.solve(lhs[sub], rhs[active])
             except np.linalg.LinAlgError:
                 return False
-            theta = np.zeros(3)
-            theta[active] = solved
+            theta[seen] = 0.0
+            theta[active] = solved / unit[active]
             negative = [j for j in active if theta[j] < 0]
             if not negative:
                 break

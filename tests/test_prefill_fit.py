@@ -1,0 +1,175 @@
+"""The affinity guard's prefill model fitted online (kvplug.prefill_fit): it learns the
+coefficients of engines unlike the shipped H200 fit from first tokens, holds the prior until it
+has samples, stays non-negative, forgets, ignores what is not a measurement; and the router
+feeds it only measured first tokens of requests that prefilled alone."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from test_router_helpers import BS, make_router, tokens
+
+from kvplug.affinity import chunked_prefill_seconds, parse_affinity
+from kvplug.prefill_fit import REFIT_EVERY, OnlinePrefillFit, prefill_features
+from kvplug.prefill_model import H200_LLAMA8B
+from kvplug.request import RouteRequest
+
+CHUNK = 8192.0
+# an engine unlike the prior: faster per token, a third of its attention cost over the context
+ENGINE = (0.02, 3.0e-7, 8.0e-7)
+
+
+def _prompts(n: int, seed: int = 0):
+    """(new, cached) token counts as a conversation trace has them: cold prompts up to 100k
+    tokens and follow-ups over long cached prefixes."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        cached = rng.choice([0.0, 0.0, rng.uniform(1_000, 60_000)])
+        yield rng.uniform(200, 100_000 if not cached else 8_000), cached
+
+
+def _train(fit: OnlinePrefillFit, model, n: int, seed: int = 0) -> None:
+    for new, cached in _prompts(n, seed):
+        fit.add(new, cached, CHUNK, chunked_prefill_seconds(new, cached, CHUNK, model))
+
+
+def _worst_error(model, truth) -> float:
+    """Largest relative error of ``model``'s predictions against ``truth``'s on fresh prompts."""
+    return max(
+        abs(chunked_prefill_seconds(n, p, CHUNK, model) / seconds - 1)
+        for n, p in _prompts(300, seed=99)
+        for seconds in [chunked_prefill_seconds(n, p, CHUNK, truth)]
+    )
+
+
+def test_the_features_are_what_the_chunked_prediction_multiplies():
+    rng = random.Random(1)
+    for _ in range(200):
+        new, cached = rng.uniform(1, 120_000), rng.choice([0.0, rng.uniform(0, 80_000)])
+        chunk = rng.choice([0.0, 512.0, 8192.0, 1e9])
+        x = prefill_features(new, cached, chunk)
+        by_features = sum(c * f for c, f in zip(ENGINE, x, strict=True)) / 1000.0
+        assert by_features == pytest.approx(chunked_prefill_seconds(new, cached, chunk, ENGINE))
+
+
+def test_it_learns_an_engine_unlike_the_prior():
+    fit = OnlinePrefillFit(H200_LLAMA8B)
+    assert _worst_error(fit.model, ENGINE) > 0.3  # the prior mispredicts this engine
+    _train(fit, ENGINE, 2000)
+    assert fit.solves == 2000 // REFIT_EVERY
+    # within what the prior's 50 samples still pull (~2.7 % of the way back at 2,000)
+    assert _worst_error(fit.model, ENGINE) < 0.06
+    assert fit.model[2] == pytest.approx(ENGINE[2], rel=0.1)  # the attention over the context
+    _train(fit, ENGINE, 8000, seed=2)
+    assert _worst_error(fit.model, ENGINE) < 0.03
+
+
+def test_the_prior_holds_until_samples_outweigh_it():
+    fit = OnlinePrefillFit(H200_LLAMA8B)
+    _train(fit, ENGINE, REFIT_EVERY - 1)
+    assert fit.model == H200_LLAMA8B and fit.solves == 0  # nothing solved yet
+    _train(fit, ENGINE, 1, seed=5)
+    assert fit.solves == 1
+    moved = _worst_error(fit.model, ENGINE)
+    assert 0.1 < moved < _worst_error(H200_LLAMA8B, ENGINE)  # towards the engine, not there
+    stronger = OnlinePrefillFit(H200_LLAMA8B, prior_weight=5000)
+    _train(stronger, ENGINE, REFIT_EVERY)
+    assert _worst_error(stronger.model, ENGINE) > moved  # a heavier prior moves less
+
+
+def test_coefficients_stay_non_negative():
+    # an engine with no cost over the cached context, timed with noise: unconstrained least
+    # squares puts c below zero half the time
+    rng = random.Random(3)
+    for seed in range(6):
+        fit = OnlinePrefillFit(H200_LLAMA8B, prior_weight=1e-6)
+        for new, cached in _prompts(400, seed):
+            s = chunked_prefill_seconds(new, cached, CHUNK, (0.03, 4e-7, 0.0))
+            fit.add(new, cached, CHUNK, s * (1 + rng.gauss(0, 0.05)))
+        assert min(fit.model) >= 0.0
+        assert fit.model[0] + fit.model[1] > 0
+
+
+def test_it_forgets_an_engine_that_was_replaced():
+    fit = OnlinePrefillFit(H200_LLAMA8B, half_life=500)
+    _train(fit, H200_LLAMA8B, 3000)
+    _train(fit, ENGINE, 5000, seed=1)
+    # what is left is the prior's pull: 50 samples against the ~720 a half-life of 500 keeps
+    assert _worst_error(fit.model, ENGINE) < 0.15
+    keeps = OnlinePrefillFit(H200_LLAMA8B, half_life=0)  # no forgetting: an average of both
+    _train(keeps, H200_LLAMA8B, 3000)
+    _train(keeps, ENGINE, 5000, seed=1)
+    assert _worst_error(keeps.model, ENGINE) > 2 * _worst_error(fit.model, ENGINE)
+
+
+@pytest.mark.parametrize(
+    "new, seconds", [(0.0, 1.0), (-5.0, 1.0), (1000.0, 0.0), (1000.0, -1.0), (1000.0, math.nan)]
+)
+def test_what_is_not_a_measurement_is_ignored(new, seconds):
+    fit = OnlinePrefillFit(H200_LLAMA8B, refit_every=1)
+    assert not fit.add(new, 0.0, CHUNK, seconds)
+    assert fit.samples == 0 and fit.model == H200_LLAMA8B
+
+
+def test_a_term_no_sample_has_exercised_keeps_the_prior():
+    fit = OnlinePrefillFit(H200_LLAMA8B)
+    rng = random.Random(4)
+    for _ in range(500):  # cold one-chunk prompts: the context term is never exercised
+        new = rng.uniform(200, CHUNK)
+        fit.add(new, 0.0, CHUNK, chunked_prefill_seconds(new, 0.0, CHUNK, ENGINE))
+    assert fit.model[2] == H200_LLAMA8B[2]
+    assert fit.model[0] == pytest.approx(ENGINE[0], rel=0.1)
+
+
+def _fitted_router():
+    r = make_router(workers=("w1",), router_mode="affinity", router_affinity="affinity-fitted")
+    return r, r._policy.affinity
+
+
+def _serve(r, n: int, measured: bool = True) -> None:
+    """n requests one after another on an idle engine, each first token after the prefill the
+    ENGINE model gives it (the router's clock advanced by that much)."""
+    rng = random.Random(7)
+    chunk = r.chunk_tokens(0)
+    for i in range(n):
+        blocks = rng.randint(4, 400)
+        r.route(RouteRequest(f"q{i}", tokens(blocks, start=1_000_000 * (i + 1))))
+        r._clock.advance(chunked_prefill_seconds(blocks * BS, 0.0, chunk, ENGINE))
+        r.on_first_token(f"q{i}", measured)
+        r.on_finish(f"q{i}")
+
+
+def test_the_router_teaches_the_fitted_setting_its_measured_first_tokens():
+    r, aff = _fitted_router()
+    assert aff.params == parse_affinity("affinity-balance:fit_prefill=true")
+    _serve(r, 3 * REFIT_EVERY)
+    fit = aff._prefill_fit
+    assert fit.samples == 3 * REFIT_EVERY
+    assert aff.affinity_counters["prefill_fits"] == 3
+    assert aff._prefill_model == fit.model != H200_LLAMA8B  # the guard predicts with it
+    assert r.stats()["affinity"]["prefill_fits"] == 3
+
+
+def test_whole_answers_and_queued_requests_teach_nothing():
+    r, aff = _fitted_router()
+    _serve(r, 2 * REFIT_EVERY, measured=False)  # first tokens that came with whole answers
+    assert aff._prefill_fit.samples == 0 and aff._prefill_model == H200_LLAMA8B
+    # a request queued behind another's prefill: its first token times both
+    r.route(RouteRequest("first", tokens(50, start=7_000_000)))
+    r.route(RouteRequest("second", tokens(50, start=8_000_000)))
+    assert r.load.requests["first"].alone and not r.load.requests["second"].alone
+    r._clock.advance(2.0)
+    r.on_first_token("second")
+    assert aff._prefill_fit.samples == 0
+    r.on_first_token("first")
+    assert aff._prefill_fit.samples == 1
+
+
+def test_the_default_setting_keeps_the_shipped_model():
+    r = make_router(workers=("w1",), router_mode="affinity", router_affinity="affinity-balance")
+    aff = r._policy.affinity
+    assert not r._policy.hears_first_tokens and aff._prefill_fit is None
+    _serve(r, REFIT_EVERY)
+    assert aff._prefill_model == H200_LLAMA8B
