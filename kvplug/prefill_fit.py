@@ -58,8 +58,10 @@ class OnlinePrefillFit:
         self.model: tuple[float, float, float] = tuple(float(x) for x in prior)  # type: ignore[assignment]
         self.samples = 0  # first tokens added
         self.solves = 0  # times the model was solved
-        self._xx = np.zeros((3, 3))  # decayed sums of x xᵀ, x y and the weights
-        self._xy = np.zeros(3)
+        # decayed sums of x xᵀ (upper triangle, row by row), of x y and of the weights, in
+        # Python floats: an add is a first token's cost, and numpy's per-call overhead on
+        # 3-vectors is ten times the arithmetic
+        self._sums = [0.0] * 9
         self._weight = 0.0
 
     def add(self, new: float, cached: float, chunk: float, seconds: float) -> bool:
@@ -67,20 +69,22 @@ class OnlinePrefillFit:
         observed time to first token; True when the model was solved again."""
         if not (new > 0 and math.isfinite(seconds) and seconds > 0):
             return False
-        x = np.asarray(prefill_features(new, cached, chunk))
+        x0, x1, x2 = prefill_features(new, cached, chunk)
+        y = seconds * 1000.0
         d = self._decay
-        self._xx *= d
-        self._xy *= d
+        terms = (x0 * x0, x0 * x1, x0 * x2, x1 * x1, x1 * x2, x2 * x2, x0 * y, x1 * y, x2 * y)
+        self._sums = [s * d + t for s, t in zip(self._sums, terms, strict=True)]
         self._weight = self._weight * d + 1.0
-        self._xx += np.outer(x, x)
-        self._xy += x * (seconds * 1000.0)
         self.samples += 1
         if self.samples % self.refit_every:
             return False
         return self._solve()
 
     def _solve(self) -> bool:
-        scale = np.sqrt(np.diag(self._xx) / max(self._weight, 1e-300))
+        a00, a01, a02, a11, a12, a22, b0, b1, b2 = self._sums
+        sums_xx = np.array([[a00, a01, a02], [a01, a11, a12], [a02, a12, a22]])
+        sums_xy = np.array([b0, b1, b2])
+        scale = np.sqrt(np.diag(sums_xx) / max(self._weight, 1e-300))
         # a term no sample has exercised (no cached prefix seen yet, say) keeps the prior's
         # coefficient: the samples say nothing of it
         seen = [j for j in range(3) if scale[j] > 0]
@@ -89,8 +93,8 @@ class OnlinePrefillFit:
         # solved in units of each feature's typical size (its root mean square): the raw sums
         # span ~11 orders of magnitude (tokens against token pairs), too many for a plain solve
         unit = np.where(scale > 0, scale, 1.0)
-        xx = self._xx / np.outer(unit, unit)
-        xy = self._xy / unit
+        xx = sums_xx / np.outer(unit, unit)
+        xy = sums_xy / unit
         # the prior as prior_weight more samples at the prompts seen, timed by the prior: the
         # solution is the least-squares one pulled towards the prior by weight / (weight +
         # samples). (A ridge on the coefficients would instead decide the direction the data

@@ -434,13 +434,15 @@ class _RecordingRouter:
     def __init__(self, router):
         self._router = router
         self.calls = []
+        self.measured = []  # per first token: whether it came as it came (not a whole answer)
 
     def __getattr__(self, name):
         return getattr(self._router, name)
 
-    def on_first_token(self, rid):
+    def on_first_token(self, rid, measured=True):
         self.calls.append(("first", rid))
-        self._router.on_first_token(rid)
+        self.measured.append(measured)
+        self._router.on_first_token(rid, measured)
 
     def on_output_progress(self, rid, n):
         self.calls.append(("progress", n))
@@ -474,6 +476,7 @@ async def test_block_boundaries_are_those_of_the_whole_sequence():
         _boundary_reports_ok(progress, 20, 50)
         assert 12 <= progress[0] < 16  # not 16: the prompt's partial block fills first
         assert rec.calls[0][0] == "first" and rec.calls[-1][0] == "finish"
+        assert rec.measured == [True]  # a stream's first event: its time is the prefill's
         # chunks of 3 tokens (token_ids): a boundary is reported at the chunk that crosses it
         rec.calls.clear()
         h.engines["w0"].tokens_per_chunk = 3
@@ -498,6 +501,7 @@ async def test_the_native_path_reports_a_streams_output_4_kib_apart():
         _boundary_reports_ok(progress, 20, 50)
         assert len(progress) >= 2 and progress[-1] == 50  # during the stream, then at its end
         assert rec.calls[0][0] == "first" and rec.calls[-1][0] == "finish"
+        assert rec.measured == [True]
         trace = await h.trace(resp.headers["x-kvplug-decision-id"])
         assert trace["output_tokens"] == 50
         assert h.running.native.lane.stats()["served"] == 1  # (the trace's GET: handed off)
@@ -506,6 +510,23 @@ async def test_the_native_path_reports_a_streams_output_4_kib_apart():
         assert [c[0] for c in rec.calls] == ["first", "finish"]  # 21 tokens: one block
         trace = await h.trace(resp.headers["x-kvplug-decision-id"])
         assert trace["output_tokens"] == 1
+        h.assert_idle()
+
+
+@pytest.mark.parametrize("data_path", ["python", "native"])
+async def test_a_whole_answers_first_token_is_not_a_measured_one(data_path):
+    """A non-streamed answer arrives after its decode: the router hears its first token
+    (the prefill load goes) but not as a time a policy may learn the prefill from; a stream's
+    first event on the same server is one."""
+    settings = ServeSettings(data_path=data_path)
+    async with serving(1, settings=settings, stub_options={"token_delay": 0.002}) as h:
+        rec = _RecordingRouter(h.router)
+        h.frontend.router = rec
+        resp, _ = await h.complete(list(range(20)), stream=False, max_tokens=20)
+        assert resp.status == 200
+        assert [c[0] for c in rec.calls][0] == "first" and rec.measured == [False]
+        resp, _ = await h.complete(list(range(20)), stream=True, max_tokens=20)
+        assert resp.status == 200 and rec.measured == [False, True]
         h.assert_idle()
 
 
