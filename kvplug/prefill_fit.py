@@ -27,6 +27,7 @@ import numpy as np
 PRIOR_WEIGHT = 50.0  # the shipped coefficients count as this many samples
 REFIT_EVERY = 50  # samples between two solves
 HALF_LIFE = 5000.0  # samples after which a sample weighs half
+_N = 4  # fitted terms: a constant per request, then the three of the prefill model
 
 
 def prefill_features(new: float, cached: float, chunk: float) -> tuple[float, float, float]:
@@ -58,10 +59,14 @@ class OnlinePrefillFit:
         self.model: tuple[float, float, float] = tuple(float(x) for x in prior)  # type: ignore[assignment]
         self.samples = 0  # first tokens added
         self.solves = 0  # times the model was solved
-        # decayed sums of x xᵀ (upper triangle, row by row), of x y and of the weights, in
-        # Python floats: an add is a first token's cost, and numpy's per-call overhead on
-        # 3-vectors is ten times the arithmetic
-        self._sums = [0.0] * 9
+        # what a request costs on top, whatever its prefill (ms): the step it waits to join, the
+        # report's way back. Fitted beside the three so they are not bent to carry it, and left
+        # out of the predictions, which it would shift alike on every engine
+        self.overhead_ms = 0.0
+        # decayed sums of x xᵀ (upper triangle, row by row) and of x y over the features (1, the
+        # three prefill terms), and of the weights, in Python floats: an add is a first
+        # token's cost, and numpy's per-call overhead on 4-vectors is ten times the arithmetic
+        self._sums = [0.0] * (_N * (_N + 1) // 2 + _N)
         self._weight = 0.0
 
     def add(self, new: float, cached: float, chunk: float, seconds: float) -> bool:
@@ -69,10 +74,10 @@ class OnlinePrefillFit:
         observed time to first token; True when the model was solved again."""
         if not (new > 0 and math.isfinite(seconds) and seconds > 0):
             return False
-        x0, x1, x2 = prefill_features(new, cached, chunk)
+        x = (1.0, *prefill_features(new, cached, chunk))
         y = seconds * 1000.0
+        terms = [x[i] * x[j] for i in range(_N) for j in range(i, _N)] + [v * y for v in x]
         d = self._decay
-        terms = (x0 * x0, x0 * x1, x0 * x2, x1 * x1, x1 * x2, x2 * x2, x0 * y, x1 * y, x2 * y)
         self._sums = [s * d + t for s, t in zip(self._sums, terms, strict=True)]
         self._weight = self._weight * d + 1.0
         self.samples += 1
@@ -81,15 +86,14 @@ class OnlinePrefillFit:
         return self._solve()
 
     def _solve(self) -> bool:
-        a00, a01, a02, a11, a12, a22, b0, b1, b2 = self._sums
-        sums_xx = np.array([[a00, a01, a02], [a01, a11, a12], [a02, a12, a22]])
-        sums_xy = np.array([b0, b1, b2])
+        sums_xx = np.zeros((_N, _N))
+        sums_xx[np.triu_indices(_N)] = self._sums[:-_N]
+        sums_xx = sums_xx + np.triu(sums_xx, 1).T
+        sums_xy = np.asarray(self._sums[-_N:])
         scale = np.sqrt(np.diag(sums_xx) / max(self._weight, 1e-300))
         # a term no sample has exercised (no cached prefix seen yet, say) keeps the prior's
         # coefficient: the samples say nothing of it
-        seen = [j for j in range(3) if scale[j] > 0]
-        if not seen:
-            return False
+        seen = [j for j in range(_N) if scale[j] > 0]
         # solved in units of each feature's typical size (its root mean square): the raw sums
         # span ~11 orders of magnitude (tokens against token pairs), too many for a plain solve
         unit = np.where(scale > 0, scale, 1.0)
@@ -100,10 +104,11 @@ class OnlinePrefillFit:
         # samples). (A ridge on the coefficients would instead decide the direction the data
         # hardly constrain, the split between the n^2 and context terms of long prompts, and
         # with it a wrong per-token cost once that split is held non-negative.)
+        prior = np.concatenate([[0.0], self.prior])
         k = self.prior_weight / max(self._weight, 1e-300)
-        lhs = (1.0 + k) * xx + 1e-9 * self._weight * np.eye(3)
-        rhs = xy + k * (xx @ (self.prior * unit))
-        theta = self.prior.copy()
+        lhs = (1.0 + k) * xx + 1e-9 * self._weight * np.eye(_N)
+        rhs = xy + k * (xx @ (prior * unit))
+        theta = prior.copy()
         active = seen
         while active:  # non-negative: a coefficient solved below zero is held at zero
             sub = np.ix_(active, active)
@@ -118,8 +123,9 @@ class OnlinePrefillFit:
                 break
             active = [j for j in active if j not in negative]
         theta = np.maximum(theta, 0.0)
-        if not (np.all(np.isfinite(theta)) and theta[0] + theta[1] > 0):
+        if not (np.all(np.isfinite(theta)) and theta[1] + theta[2] > 0):
             return False  # a model must charge for new tokens (AffinityParams' own rule)
-        self.model = (float(theta[0]), float(theta[1]), float(theta[2]))
+        self.overhead_ms = float(theta[0])
+        self.model = (float(theta[1]), float(theta[2]), float(theta[3]))
         self.solves += 1
         return True
