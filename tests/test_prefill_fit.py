@@ -66,6 +66,16 @@ def test_it_learns_an_engine_unlike_the_prior():
     assert _worst_error(fit.model, ENGINE) < 0.03
 
 
+def test_a_constant_per_request_is_fitted_apart_and_left_out_of_the_model():
+    # every first token 60 ms later than the prefill (the step it joins, the report's way
+    # back): fitted as the overhead, not spread over the per-token cost
+    fit = OnlinePrefillFit(H200_LLAMA8B)
+    for new, cached in _prompts(4000):
+        fit.add(new, cached, CHUNK, chunked_prefill_seconds(new, cached, CHUNK, ENGINE) + 0.06)
+    assert fit.overhead_ms == pytest.approx(60.0, rel=0.1)
+    assert _worst_error(fit.model, ENGINE) < 0.05
+
+
 def test_the_prior_holds_until_samples_outweigh_it():
     fit = OnlinePrefillFit(H200_LLAMA8B)
     _train(fit, ENGINE, REFIT_EVERY - 1)
