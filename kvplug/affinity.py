@@ -565,6 +565,7 @@ class Affinity:
             return
         new = float(request.prefill_tokens)
         chunk = self._router.chunk_tokens(request.endpoint)
+        self.affinity_counters["prefill_samples"] += 1
         if fit.add(new, request.prompt_tokens - new, chunk, now - request.routed_at):
             self._prefill_model = fit.model
             self._summaries = PrefillSummaries()  # every endpoint summed again when asked

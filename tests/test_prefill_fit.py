@@ -156,7 +156,7 @@ def test_the_router_teaches_the_fitted_setting_its_measured_first_tokens():
     assert aff.params == parse_affinity("affinity-balance:fit_prefill=true")
     _serve(r, 3 * REFIT_EVERY)
     fit = aff._prefill_fit
-    assert fit.samples == 3 * REFIT_EVERY
+    assert fit.samples == 3 * REFIT_EVERY == aff.affinity_counters["prefill_samples"]
     assert aff.affinity_counters["prefill_fits"] == 3
     assert aff._prefill_model == fit.model != H200_LLAMA8B  # the guard predicts with it
     assert r.stats()["affinity"]["prefill_fits"] == 3

@@ -193,6 +193,71 @@ def test_kvplug_serve_routes_by_prefix_on_real_engines(engines, tmp_path):
         log.close()
 
 
+def test_the_fitted_guard_learns_from_real_streams_not_whole_answers(engines, tmp_path):
+    """`kvplug serve --router-affinity affinity-fitted` in front of the real engines: the
+    first tokens of streamed answers teach the guard's prefill model (the frontend's stream
+    relay, the router's measured flag, the policy's fit), whole answers do not."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import urllib.request
+
+    from real_engine.engines import MODEL
+
+    from kvplug.prefill_fit import REFIT_EVERY
+    from kvplug.testing import serve_command, stop_process, wait_ready
+
+    a, b, _ = engines
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "wb")  # noqa: SIM115
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        serve_command(
+            port,
+            *("--worker", f"a={a.url}", "--worker", f"b={b.url}"),
+            *("--kv-block-size", str(BS), "--tokenizer", str(MODEL)),
+            *("--router-affinity", "affinity-fitted"),
+        ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=root,
+    )
+
+    def complete(tokens: list[int], stream: bool) -> None:
+        body = {"model": "tiny", "prompt": tokens, "max_tokens": 2, "stream": stream}
+        req = urllib.request.Request(
+            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+
+    def stat(name: str) -> float:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            lines = r.read().decode().splitlines()
+        key = f'kvplug_router_stat{{stat="affinity.{name}"}}'
+        return next((float(ln.rpartition(" ")[2]) for ln in lines if ln.startswith(key)), 0.0)
+
+    try:
+        wait_ready(url + "/ready", proc=proc, timeout=60, log=log_path)
+        rng = random.Random(5)
+        # one at a time, so each prefills alone on its engine (B's window is 512 tokens)
+        for _ in range(10):
+            complete(prompt(rng, rng.randrange(BS, 15 * BS)), stream=False)
+        assert stat("prefill_samples") == 0  # whole answers: their first token came last
+        for _ in range(REFIT_EVERY + 10):
+            complete(prompt(rng, rng.randrange(BS, 15 * BS)), stream=True)
+        assert stat("prefill_samples") >= REFIT_EVERY, log_path.read_text()[-2000:]
+        assert stat("prefill_fits") >= 1
+    finally:
+        stop_process(proc, sig=signal.SIGTERM)
+        log.close()
+
+
 def test_real_vllm_engines_end_to_end(engines):
     a, b, startup = engines
     t0 = time.monotonic()
