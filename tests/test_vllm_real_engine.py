@@ -12,9 +12,15 @@ index; (d) killing A's processes takes it out of routing (metrics liveness).
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import random
+import signal
+import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -97,15 +103,10 @@ def engines():
             e.stop()
 
 
-def test_kvplug_serve_routes_by_prefix_on_real_engines(engines, tmp_path):
-    """The whole product: `kvplug serve` (the vllm adapter, local tokenizer) in front of the two
-    engines; requests sharing a prompt prefix keep going to the engine that cached it."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import urllib.request
-
+@contextlib.contextmanager
+def _kvplug_serve(engines, tmp_path, *extra: str):
+    """`kvplug serve` (the vllm adapter, local tokenizer) in front of the two engines, ready:
+    its URL and log; stopped on the way out."""
     from real_engine.engines import MODEL
 
     from kvplug.testing import serve_command, stop_process, wait_ready
@@ -120,51 +121,57 @@ def test_kvplug_serve_routes_by_prefix_on_real_engines(engines, tmp_path):
     proc = subprocess.Popen(
         serve_command(
             port,
-            "--worker",
-            f"a={a.url}",
-            "--worker",
-            f"b={b.url}",
-            "--kv-block-size",
-            str(BS),
-            "--tokenizer",
-            str(MODEL),
+            *("--worker", f"a={a.url}", "--worker", f"b={b.url}"),
+            *("--kv-block-size", str(BS), "--tokenizer", str(MODEL)),
+            *extra,
         ),
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
         cwd=root,
     )
-
-    def complete(text: str) -> str:
-        body = json.dumps(
-            {"model": "tiny", "prompt": text, "max_tokens": 1, "temperature": 0}
-        ).encode()
-        req = urllib.request.Request(
-            url + "/v1/completions", body, {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.headers["x-kvplug-worker"]
-
-    def metrics() -> dict[str, float]:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            lines = r.read().decode().splitlines()
-        samples = (ln.rpartition(" ") for ln in lines if ln and not ln.startswith("#"))
-        return {key: float(value) for key, _, value in samples}
-
-    def index_blocks() -> float:
-        return metrics().get('kvplug_router_stat{stat="index.blocks"}', 0.0)
-
-    def load_released() -> bool:
-        # the frontend releases a request's load just after sending its last bytes, so the
-        # next request could otherwise still see it (and a load-aware policy spread them)
-        m = metrics()
-        return all(
-            m.get(f'kvplug_worker_inflight_requests{{worker="{w}"}}', 0.0) == 0.0
-            for w in ("a", "b")
-        )
-
     try:
         wait_ready(url + "/ready", proc=proc, timeout=60, log=log_path)
+        yield url, log_path
+    finally:
+        stop_process(proc, sig=signal.SIGTERM)
+        log.close()
+
+
+def test_kvplug_serve_routes_by_prefix_on_real_engines(engines, tmp_path):
+    """The whole product: `kvplug serve` (the vllm adapter, local tokenizer) in front of the two
+    engines; requests sharing a prompt prefix keep going to the engine that cached it."""
+    a, b, _ = engines
+    with _kvplug_serve(engines, tmp_path) as (url, _):
+
+        def complete(text: str) -> str:
+            body = json.dumps(
+                {"model": "tiny", "prompt": text, "max_tokens": 1, "temperature": 0}
+            ).encode()
+            req = urllib.request.Request(
+                url + "/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.headers["x-kvplug-worker"]
+
+        def metrics() -> dict[str, float]:
+            with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+                lines = r.read().decode().splitlines()
+            samples = (ln.rpartition(" ") for ln in lines if ln and not ln.startswith("#"))
+            return {key: float(value) for key, _, value in samples}
+
+        def index_blocks() -> float:
+            return metrics().get('kvplug_router_stat{stat="index.blocks"}', 0.0)
+
+        def load_released() -> bool:
+            # the frontend releases a request's load just after sending its last bytes, so the
+            # next request could otherwise still see it (and a load-aware policy spread them)
+            m = metrics()
+            return all(
+                m.get(f'kvplug_worker_inflight_requests{{worker="{w}"}}', 0.0) == 0.0
+                for w in ("a", "b")
+            )
+
         rng = random.Random(11)
         # ZMQ's slow joiner: a batch published before kvplug's subscription is in place is
         # lost, and only the engine's next batch shows the gap (then the replay brings it
@@ -188,62 +195,32 @@ def test_kvplug_serve_routes_by_prefix_on_real_engines(engines, tmp_path):
             follow.append(complete(sys_p + f" follow-up {i}"))
         # a load-only policy would spread these; the cached 12-block prefix keeps them together
         assert follow == [first] * 6, (first, follow)
-    finally:
-        stop_process(proc, sig=signal.SIGTERM)
-        log.close()
 
 
 def test_the_fitted_guard_learns_from_real_streams_not_whole_answers(engines, tmp_path):
     """`kvplug serve --router-affinity affinity-fitted` in front of the real engines: the
     first tokens of streamed answers teach the guard's prefill model (the frontend's stream
     relay, the router's measured flag, the policy's fit), whole answers do not."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import urllib.request
-
-    from real_engine.engines import MODEL
-
     from kvplug.prefill_fit import REFIT_EVERY
-    from kvplug.testing import serve_command, stop_process, wait_ready
 
-    a, b, _ = engines
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "serve.log"
-    log = open(log_path, "wb")  # noqa: SIM115
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(
-        serve_command(
-            port,
-            *("--worker", f"a={a.url}", "--worker", f"b={b.url}"),
-            *("--kv-block-size", str(BS), "--tokenizer", str(MODEL)),
-            *("--router-affinity", "affinity-fitted"),
-        ),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=root,
-    )
+    with _kvplug_serve(engines, tmp_path, "--router-affinity", "affinity-fitted") as (url, log):
 
-    def complete(tokens: list[int], stream: bool) -> None:
-        body = {"model": "tiny", "prompt": tokens, "max_tokens": 2, "stream": stream}
-        req = urllib.request.Request(
-            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=60) as r:
-            r.read()
+        def complete(tokens: list[int], stream: bool) -> None:
+            body = {"model": "tiny", "prompt": tokens, "max_tokens": 2, "stream": stream}
+            req = urllib.request.Request(
+                url + "/v1/completions",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=60) as r:
+                r.read()
 
-    def stat(name: str) -> float:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            lines = r.read().decode().splitlines()
-        key = f'kvplug_router_stat{{stat="affinity.{name}"}}'
-        return next((float(ln.rpartition(" ")[2]) for ln in lines if ln.startswith(key)), 0.0)
+        def stat(name: str) -> float:
+            with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+                lines = r.read().decode().splitlines()
+            key = f'kvplug_router_stat{{stat="affinity.{name}"}}'
+            return next((float(ln.rpartition(" ")[2]) for ln in lines if ln.startswith(key)), 0.0)
 
-    try:
-        wait_ready(url + "/ready", proc=proc, timeout=60, log=log_path)
         rng = random.Random(5)
         # one at a time, so each prefills alone on its engine (B's window is 512 tokens)
         for _ in range(10):
@@ -251,11 +228,8 @@ def test_the_fitted_guard_learns_from_real_streams_not_whole_answers(engines, tm
         assert stat("prefill_samples") == 0  # whole answers: their first token came last
         for _ in range(REFIT_EVERY + 10):
             complete(prompt(rng, rng.randrange(BS, 15 * BS)), stream=True)
-        assert stat("prefill_samples") >= REFIT_EVERY, log_path.read_text()[-2000:]
+        assert stat("prefill_samples") >= REFIT_EVERY, log.read_text()[-2000:]
         assert stat("prefill_fits") >= 1
-    finally:
-        stop_process(proc, sig=signal.SIGTERM)
-        log.close()
 
 
 def test_real_vllm_engines_end_to_end(engines):
