@@ -564,9 +564,14 @@ class Affinity:
         if fit is None or not request.alone or request.prefill_tokens <= 0:
             return
         new = float(request.prefill_tokens)
-        chunk = self._router.chunk_tokens(request.endpoint)
+        ep = request.endpoint
+        chunk = self._router.chunk_tokens(ep)
+        # with read_ms the predictions add the decode reads sharing the prefill's steps
+        # themselves: the fit must learn the prefill without them, or they count twice (the
+        # engine's active sequences now, as a decision would read them)
+        seconds = now - request.routed_at - self._read_seconds(ep, new, chunk)
         self.affinity_counters["prefill_samples"] += 1
-        if fit.add(new, request.prompt_tokens - new, chunk, now - request.routed_at):
+        if fit.add(new, request.prompt_tokens - new, chunk, seconds):
             self._prefill_model = fit.model
             self._summaries = PrefillSummaries()  # every endpoint summed again when asked
             self.affinity_counters["prefill_fits"] += 1

@@ -76,7 +76,12 @@ class OnlinePrefillFit:
             return False
         x = (1.0, *prefill_features(new, cached, chunk))
         y = seconds * 1000.0
-        terms = [x[i] * x[j] for i in range(_N) for j in range(i, _N)] + [v * y for v in x]
+        # relative errors: weighed by its square, every sample counts by how far off the model
+        # is in proportion (in absolute ms the long prompts decide alone, and their per-token
+        # and per-square terms are nearly one: a long prompt's chunks all have the same size)
+        w = 1.0 / max(y, 1.0) ** 2
+        terms = [w * x[i] * x[j] for i in range(_N) for j in range(i, _N)]
+        terms += [w * v * y for v in x]
         d = self._decay
         self._sums = [s * d + t for s, t in zip(self._sums, terms, strict=True)]
         self._weight = self._weight * d + 1.0
