@@ -10,12 +10,13 @@ the router's in prefill (``ActiveRequest.alone``) and whose first token was seen
 (a stream's first event, not the end of a whole answer) took about its own prefill to its first
 token. Its features are those :func:`kvplug.affinity.chunked_prefill_seconds` sums.
 
-The fit is least squares with the shipped coefficients as a prior worth ``PRIOR_WEIGHT``
-samples timed by them (so a handful of first tokens cannot swing it), non-negative
-coefficients, and
-samples forgotten with a half-life of ``HALF_LIFE`` samples (an engine replaced by a faster one
-is learnt again). It is solved from 3x3 running sums every ``REFIT_EVERY`` samples: no sample
-is kept.
+The fit is least squares in relative errors, over the three terms and a constant per request
+(the step a request waits to join, the report's way back: fitted so the three are not bent to
+carry it, and left out of ``model``), with the shipped coefficients as a prior worth
+``PRIOR_WEIGHT`` samples timed by them (so a handful of first tokens cannot swing it),
+non-negative coefficients, and samples forgotten with a half-life of ``HALF_LIFE`` samples (an
+engine replaced by a faster one is learnt again). It is solved from 4x4 running sums every
+``REFIT_EVERY`` samples: no sample is kept.
 """
 
 from __future__ import annotations
