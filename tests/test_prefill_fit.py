@@ -162,6 +162,17 @@ def test_the_router_teaches_the_fitted_setting_its_measured_first_tokens():
     assert aff._prefill_model == fit.model != H200_LLAMA8B  # the guard predicts with it
     assert r.stats()["affinity"]["prefill_fits"] == 3
 
+    # and it predicts the engine's cold prompts (what it was shown) far better than the prior
+    # (150 samples: the prior's 50 still pull it a quarter of the way back)
+    def cold_error(model) -> float:
+        return max(
+            abs(chunked_prefill_seconds(n, 0, CHUNK, model) / s - 1)
+            for n in range(64, 6400, 64)
+            for s in [chunked_prefill_seconds(n, 0, CHUNK, ENGINE)]
+        )
+
+    assert cold_error(aff._prefill_model) < 0.15 and cold_error(H200_LLAMA8B) > 0.3
+
 
 def test_whole_answers_and_queued_requests_teach_nothing():
     r, aff = _fitted_router()
