@@ -10,6 +10,7 @@ any, beat it on both axes at once (more hits and a TTFT p99 no higher).
 
     python benchmarks/bench_fleet_conditions.py                       # ~2.5 min on 2 cores
     python benchmarks/bench_fleet_conditions.py --view ideal --steptime causal
+    python benchmarks/bench_fleet_conditions.py --seeds 1 2 3   # each run at three replay seeds
 
 Prints a Markdown table; writes ``benchmarks/results/fleet_conditions.json``.
 """
@@ -100,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steptime", nargs="+", default=["causal", "cached"])
     ap.add_argument("--policies", nargs="+", default=POLICIES)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="replay seeds (the tie-breaks between equally priced engines): each condition is "
+        "run once per seed",
+    )
     ap.add_argument("--json", default="benchmarks/results/fleet_conditions.json")
     args = ap.parse_args(argv)
     for needed in (DEFAULT, "kv"):
@@ -107,17 +116,26 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--policies must include {needed}")
     t0 = time.perf_counter()
     runs = []
-    todo = [(label, c, st) for label, c in CONDITIONS for st in args.steptime]
-    for i, (label, cond, st) in enumerate(todo, 1):
-        print(f"[{i}/{len(todo)}] {label}, {st} ...", flush=True)
-        spec = BenchSpec(policies=list(args.policies), link=PRESETS[args.view], steptime=st, **cond)
+    todo = [
+        (label, c, st, seed)
+        for seed in args.seeds
+        for label, c in CONDITIONS
+        for st in args.steptime
+    ]
+    for i, (label, cond, st, seed) in enumerate(todo, 1):
+        named = label if seed == 0 else f"{label}, replay seed {seed}"
+        print(f"[{i}/{len(todo)}] {named}, {st} ...", flush=True)
+        spec = BenchSpec(
+            policies=list(args.policies), link=PRESETS[args.view], steptime=st, seed=seed, **cond
+        )
         report = run_bench(spec, jobs=args.jobs, progress=False)
         runs.append(
             {
-                "condition": label,
+                "condition": named,
                 "fleet": cond,
                 "steptime": st,
                 "view": args.view,
+                "seed": seed,
                 **verdicts(report, args.policies),
             }
         )
