@@ -33,7 +33,9 @@ _N = 4  # fitted terms: a constant per request, then the three of the prefill mo
 
 def prefill_features(new: float, cached: float, chunk: float) -> tuple[float, float, float]:
     """(new tokens, the sum of each chunk's new tokens squared, the (new, context) token pairs
-    over the chunks): the terms ``chunked_prefill_seconds`` multiplies by a, b and c."""
+    over the chunks): the terms ``chunked_prefill_seconds`` multiplies by a, b and c. That
+    function keeps its own arithmetic: the compiled predictions repeat its operations, in its
+    order, to the same floats."""
     n, p = max(float(new), 0.0), max(float(cached), 0.0)
     if chunk <= 0 or chunk >= n:
         return n, n * n, n * p
@@ -57,18 +59,19 @@ class OnlinePrefillFit:
         self.prior_weight = float(prior_weight)
         self.refit_every = max(int(refit_every), 1)
         self._decay = 0.5 ** (1.0 / half_life) if half_life > 0 else 1.0
-        self.model: tuple[float, float, float] = tuple(float(x) for x in prior)  # type: ignore[assignment]
+        self.model = (float(prior[0]), float(prior[1]), float(prior[2]))
         self.samples = 0  # first tokens added
         self.solves = 0  # times the model was solved
         # what a request costs on top, whatever its prefill (ms): the step it waits to join, the
         # report's way back. Fitted beside the three so they are not bent to carry it, and left
         # out of the predictions, which it would shift alike on every engine
         self.overhead_ms = 0.0
-        # decayed sums of x xᵀ (upper triangle, row by row) and of x y over the features (1, the
-        # three prefill terms), and of the weights, in Python floats: an add is a first
-        # token's cost, and numpy's per-call overhead on 4-vectors is ten times the arithmetic
+        # weighted, decayed sums of x xᵀ (upper triangle, row by row) and of x y over the features
+        # (1, the three prefill terms), and the decayed number of samples, in Python floats: an
+        # add is a first token's cost, and numpy's per-call overhead on 4-vectors is ten times
+        # the arithmetic
         self._sums = [0.0] * (_N * (_N + 1) // 2 + _N)
-        self._weight = 0.0
+        self._count = 0.0
 
     def add(self, new: float, cached: float, chunk: float, seconds: float) -> bool:
         """One request's prefill (``new`` tokens over ``cached``, in chunks of ``chunk``) and its
@@ -85,7 +88,7 @@ class OnlinePrefillFit:
         terms += [w * v * y for v in x]
         d = self._decay
         self._sums = [s * d + t for s, t in zip(self._sums, terms, strict=True)]
-        self._weight = self._weight * d + 1.0
+        self._count = self._count * d + 1.0
         self.samples += 1
         if self.samples % self.refit_every:
             return False
@@ -96,7 +99,7 @@ class OnlinePrefillFit:
         sums_xx[np.triu_indices(_N)] = self._sums[:-_N]
         sums_xx = sums_xx + np.triu(sums_xx, 1).T
         sums_xy = np.asarray(self._sums[-_N:])
-        scale = np.sqrt(np.diag(sums_xx) / max(self._weight, 1e-300))
+        scale = np.sqrt(np.diag(sums_xx) / max(self._count, 1e-300))
         # a term no sample has exercised (no cached prefix seen yet, say) keeps the prior's
         # coefficient: the samples say nothing of it
         seen = [j for j in range(_N) if scale[j] > 0]
@@ -111,8 +114,8 @@ class OnlinePrefillFit:
         # hardly constrain, the split between the n^2 and context terms of long prompts, and
         # with it a wrong per-token cost once that split is held non-negative.)
         prior = np.concatenate([[0.0], self.prior])
-        k = self.prior_weight / max(self._weight, 1e-300)
-        lhs = (1.0 + k) * xx + 1e-9 * self._weight * np.eye(_N)
+        k = self.prior_weight / max(self._count, 1e-300)
+        lhs = (1.0 + k) * xx + 1e-9 * self._count * np.eye(_N)
         rhs = xy + k * (xx @ (prior * unit))
         theta = prior.copy()
         active = seen

@@ -316,7 +316,7 @@ class EndpointPicker(ExternalProcessorBase):
         assert chunk is not None  # the caller dispatched on it
         routed = stream.routed
         if routed is not None:
-            # a whole answer's first bytes come after its decode: only a stream's time its prefill
+            # a whole answer's first bytes come after its decode: only a stream's times its prefill
             routed.lifecycle.first_token(measured=stream.streaming_response)
             if chunk.end_of_stream:
                 routed.lifecycle.finish()
