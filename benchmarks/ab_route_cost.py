@@ -19,6 +19,7 @@ decision's ``to_dict()`` (the pick, the trace's inputs and values, the formula t
     python benchmarks/ab_route_cost.py --base /tmp/main15 --new .
     python benchmarks/ab_route_cost.py --base /tmp/main15 --new . --workers 2 --rounds 4
     python benchmarks/ab_route_cost.py --base /tmp/main15 --new . --router-mode affinity
+    python benchmarks/ab_route_cost.py --base /tmp/main15 --new . --first-token  # + first tokens
 
 Prints a table (medians, ranges over rounds, base/new ratio per round); writes
 ``benchmarks/results/ab_route_cost.json``.
@@ -40,8 +41,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def child(tree: str, workers: int, inflight: int, requests: int, mode: str = "kv") -> dict:
-    """One round of one tree: CPU us per route + on_finish, and the decisions' digest."""
+def child(
+    tree: str, workers: int, inflight: int, requests: int, mode: str = "kv", first: bool = False
+) -> dict:
+    """One round of one tree: CPU us per route (+ on_first_token) + on_finish, and the
+    decisions' digest."""
     sys.path.insert(0, str(Path(tree).resolve()))
     import numpy as np
 
@@ -66,7 +70,7 @@ def child(tree: str, workers: int, inflight: int, requests: int, mode: str = "kv
         return r
 
     def run(r: Router, start: int, n: int, keep: list | None = None) -> float:
-        route, finish = r.route, r.on_finish
+        route, finish, first_token = r.route, r.on_finish, r.on_first_token
         live: list[str] = []
         c0 = time.process_time()
         for i in range(start, start + n):
@@ -74,6 +78,8 @@ def child(tree: str, workers: int, inflight: int, requests: int, mode: str = "kv
             d = route(RouteRequest(rid, prompts[i % len(prompts)]))
             if keep is not None:
                 keep.append(d)
+            if first:  # as the frontend reports a stream's first event
+                first_token(rid)
             live.append(rid)
             if len(live) > inflight:
                 finish(live.pop(0))
@@ -96,11 +102,13 @@ def child(tree: str, workers: int, inflight: int, requests: int, mode: str = "kv
     return {"us": us, "digest": digest.hexdigest()}
 
 
-def one_round(tree: str, workers: int, inflight: int, requests: int, mode: str) -> dict:
+def one_round(
+    tree: str, workers: int, inflight: int, requests: int, mode: str, first: bool = False
+) -> dict:
     cmd = [
         sys.executable, __file__, "--child", tree, "--workers", str(workers),
         "--inflight", str(inflight), "--requests", str(requests), "--router-mode", mode,
-    ]  # fmt: skip
+    ] + (["--first-token"] if first else [])  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"child for {tree} failed:\n{out.stderr}")
@@ -122,11 +130,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--router-mode", default="kv", help="kv (default) or affinity: kvplug serve's default"
     )
+    ap.add_argument(
+        "--first-token",
+        action="store_true",
+        help="report each request's first token between its route and its finish, as the "
+        "frontend does for a stream (Router.on_first_token in the timed loop)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(HERE / "results" / "ab_route_cost.json"))
     args = ap.parse_args(argv)
     if args.child:
-        got = child(args.child, args.workers[0], args.inflight[0], args.requests, args.router_mode)
+        got = child(
+            args.child,
+            args.workers[0],
+            args.inflight[0],
+            args.requests,
+            args.router_mode,
+            args.first_token,
+        )
         print(json.dumps(got))
         return 0
     if not (args.base and args.new):
@@ -140,7 +161,14 @@ def main(argv: list[str] | None = None) -> int:
                 for name in ("base", "new") if rnd % 2 == 0 else ("new", "base"):
                     tree = args.base if name == "base" else args.new
                     got[name].append(
-                        one_round(tree, workers, inflight, args.requests, args.router_mode)
+                        one_round(
+                            tree,
+                            workers,
+                            inflight,
+                            args.requests,
+                            args.router_mode,
+                            args.first_token,
+                        )
                     )
                 print(
                     f"[{workers} workers, {inflight} in flight] round {rnd + 1}/{args.rounds}: "
