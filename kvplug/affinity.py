@@ -367,6 +367,8 @@ def chunked_prefill_seconds(
 # _predicted_ttft asks the compiled core for this many engines' predictions or more at once
 # (kvplug._core.predicted_ttfts; one Python call per engine otherwise)
 VECTOR_FROM = 8
+# fit_prefill: the tail prompts a refit's effect on the tail is measured over
+TAIL_PROMPTS = 256
 
 
 class RecentQuantile:
@@ -417,6 +419,33 @@ class RecentQuantile:
         a, b, gamma = values[lo], values[lo + 1], virtual - lo
         diff = b - a
         return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
+
+
+class RescaledQuantile:
+    """A window of TTFT predictions made with a prefill model that changes (``fit_prefill``):
+    ``rescale(r)`` multiplies every value held by ``r`` at once, so the tail quantile compares
+    with predictions made by the model now, not a mix of the models each was made with. Values
+    are kept divided by the scale in force when added (one scale for the whole window: O(1)
+    per rescale; a quantile's order is unchanged by it)."""
+
+    __slots__ = ("_inner", "scale")
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.scale = 1.0
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def add(self, value: float) -> None:
+        self._inner.add(value / self.scale)
+
+    def quantile(self, q: float) -> float:
+        return self._inner.quantile(q) * self.scale
+
+    def rescale(self, ratio: float) -> None:
+        if ratio > 0 and math.isfinite(ratio):
+            self.scale *= ratio
 
 
 class PrefillSummaries:
@@ -490,6 +519,13 @@ class Affinity:
         # the compiled core's twin where it is built (the same floats)
         window = getattr(core, "SlidingQuantile", None) or RecentQuantile
         self._kv_ttft = window(self.params.window)
+        # fit_prefill: the window's predictions are rescaled when the model is solved again
+        # (RescaledQuantile), by what the change does to the prompts that make up the tail: the
+        # (new, cached, chunk) of the latest predictions at kv's pick at or above tau
+        self._tail_prompts: deque[tuple[float, float, float]] = deque(maxlen=TAIL_PROMPTS)
+        self._rescaled: RescaledQuantile | None = None
+        if self._prefill_fit is not None:
+            self._kv_ttft = self._rescaled = RescaledQuantile(self._kv_ttft)
         # _tau: the samples the pool needs first (warm samples above the tail quantile, the
         # window permitting; "choice" as first measured: its pool fills slowly, and a warm-up
         # costs it hits)
@@ -572,9 +608,30 @@ class Affinity:
         seconds = now - request.routed_at - self._read_seconds(ep, new, chunk)
         self.affinity_counters["prefill_samples"] += 1
         if fit.add(new, request.prompt_tokens - new, chunk, seconds):
-            self._prefill_model = fit.model
+            old, self._prefill_model = self._prefill_model, fit.model
+            if self._rescaled is not None:
+                self._rescaled.rescale(self._tail_ratio(old, fit.model))
             self._summaries = PrefillSummaries()  # every endpoint summed again when asked
             self.affinity_counters["prefill_fits"] += 1
+
+    def _tail_ratio(self, old: tuple, new: tuple) -> float:
+        """What replacing the prefill model ``old`` by ``new`` does to the tail's predictions:
+        the tail prompts' own prefills summed under each (1.0 before any is known)."""
+        before = after = 0.0
+        for n, cached, chunk in self._tail_prompts:
+            before += chunked_prefill_seconds(n, cached, chunk, old)
+            after += chunked_prefill_seconds(n, cached, chunk, new)
+        return after / before if before > 0 else 1.0
+
+    def _remember_tail_prompt(self, trace, overlap, blocks: int, b: int, t_b: float) -> None:
+        """``fit_prefill``: keep kv's pick's prompt (its new and cached tokens, the chunk) if its
+        prediction is in the tail (every one before tau is taken)."""
+        tau = self._tau()
+        if t_b >= tau:
+            router = self._router
+            cached = float(overlap[b]) * router.block_size
+            new = blocks * router.block_size - cached
+            self._tail_prompts.append((new, cached, router.chunk_tokens(int(trace.endpoints[b]))))
 
     def _protect(self, trace, overlap: Sequence[float], blocks: int, pick: int) -> int:
         """Protect mode: if ``pick``'s last queued prefill is predicted in the tail (its elapsed
@@ -643,7 +700,10 @@ class Affinity:
         best = float(max(overlap))
         cold = best < params.min_share * max(blocks, 1)
         if params.tail and (params.pool == "all" or (params.pool == "cold" and cold)):
-            self._remember(self._predicted_ttft(trace, overlap, blocks, b))
+            t_b = self._predicted_ttft(trace, overlap, blocks, b)
+            if self._prefill_fit is not None:
+                self._remember_tail_prompt(trace, overlap, blocks, b, t_b[0])
+            self._remember(t_b)
         if cold:
             return self._spread_pick(inputs, trace, overlap, blocks, b)
         if best <= overlap[b]:

@@ -10,7 +10,9 @@ the router's in prefill (``ActiveRequest.alone``) and whose first token was seen
 (a stream's first event, not the end of a whole answer) took about its own prefill to its first
 token. Its features are those :func:`kvplug.affinity.chunked_prefill_seconds` sums.
 
-The fit is least squares in relative errors, over the three terms and a constant per request
+The fit is least squares in relative errors, prompts shorter than a chunk weighed down by their
+share of one squared (a short prompt's first token is timed by the step it joins more than by
+its prefill), over the three terms and a constant per request
 (the step a request waits to join, the report's way back: fitted so the three are not bent to
 carry it, and left out of ``model``), with the shipped coefficients as a prior worth
 ``PRIOR_WEIGHT`` samples timed by them (so a handful of first tokens cannot swing it),
@@ -28,6 +30,9 @@ import numpy as np
 PRIOR_WEIGHT = 50.0  # the shipped coefficients count as this many samples
 REFIT_EVERY = 50  # samples between two solves
 HALF_LIFE = 5000.0  # samples after which a sample weighs half
+# a prompt weighs fully from one chunk of new tokens; without a known chunk, from this many (vLLM's
+# default max_num_batched_tokens for an API server on a large GPU)
+FULL_WEIGHT_TOKENS = 8192.0
 _N = 4  # fitted terms: a constant per request, then the three of the prefill model
 
 
@@ -54,11 +59,14 @@ class OnlinePrefillFit:
         prior_weight: float = PRIOR_WEIGHT,
         refit_every: int = REFIT_EVERY,
         half_life: float = HALF_LIFE,
+        weigh_short: bool = True,
     ) -> None:
         self.prior = np.asarray(prior, dtype=np.float64)
         self.prior_weight = float(prior_weight)
         self.refit_every = max(int(refit_every), 1)
         self._decay = 0.5 ** (1.0 / half_life) if half_life > 0 else 1.0
+        # False: every prompt in full, as the fit first did (benchmarks/prefill_fit_accuracy.py)
+        self.weigh_short = weigh_short
         self.model = (float(prior[0]), float(prior[1]), float(prior[2]))
         self.samples = 0  # first tokens added
         self.solves = 0  # times the model was solved
@@ -84,6 +92,13 @@ class OnlinePrefillFit:
         # is in proportion (in absolute ms the long prompts decide alone, and their per-token
         # and per-square terms are nearly one: a long prompt's chunks all have the same size)
         w = 1.0 / max(y, 1.0) ** 2
+        # and a prompt under a chunk by its share of one, squared: a short prompt's first token
+        # is timed mostly by the step it waits for and what shares it, not by its own prefill
+        # (on the conversation trace the short ones' times ran 1.1-5x any prefill model, and
+        # counted in full they bent the fit to predict the long prefills the guard turns on
+        # 3-9 % short, its context cost 10-35 % low; docs/sim.md)
+        if self.weigh_short:
+            w *= min(1.0, new / (chunk if chunk > 0 else FULL_WEIGHT_TOKENS)) ** 2
         terms = [w * x[i] * x[j] for i in range(_N) for j in range(i, _N)]
         terms += [w * v * y for v in x]
         d = self._decay
