@@ -12,6 +12,8 @@ process; the router runs as its own process, started with the same command line 
 * ``kvplug-kv``: the same with ``--router-mode kv`` (Dynamo's cost alone)
 * ``kvplug-protect`` (on request): the same with ``--router-affinity affinity-protect``, the
   default routing before the balance guard
+* ``kvplug-fitted`` (on request): the same with ``--router-affinity affinity-fitted``, the
+  default with its prefill model fitted to the engines' streamed first tokens
 
 The request stream is the start of the bundled Mooncake conversation trace (text prompts whose
 512-character blocks follow the trace's ``hash_ids``: byte-level tokens on the simulated
@@ -153,12 +155,13 @@ def router_command(name: str, port: int, urls: list[str], block_size: int) -> li
         ]
     if name == "smg":
         return [sys.executable, "-m", "smg.launch_router", *common, "--policy", "cache_aware"]
-    if name in ("kvplug", "kvplug-kv", "kvplug-protect"):
+    if name in ("kvplug", "kvplug-kv", "kvplug-protect", "kvplug-fitted"):
         # kvplug: its default routing; kvplug-kv: Dynamo's cost alone; kvplug-protect: the
         # default before the balance guard (kvplug serve flags the launcher passes through)
         mode = {
             "kvplug-kv": ["--router-mode", "kv"],
             "kvplug-protect": ["--router-affinity", "affinity-protect"],
+            "kvplug-fitted": ["--router-affinity", "affinity-fitted"],
         }.get(name, [])
         return [
             sys.executable, "-m", "kvplug.integrations.sglang.launch_router", *common,
@@ -409,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--routers",
         nargs="+",
-        choices=["sglang-router", "smg", "kvplug", "kvplug-kv", "kvplug-protect"],
+        choices=["sglang-router", "smg", "kvplug", "kvplug-kv", "kvplug-protect", "kvplug-fitted"],
         default=["sglang-router", "smg", "kvplug", "kvplug-kv"],
     )
     p.add_argument("--limit", type=int, default=600, help="trace requests (default 600)")

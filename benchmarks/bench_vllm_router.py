@@ -13,7 +13,9 @@ router runs as its own process:
   ``/kv_event_sources``; its default routing, ``affinity-balance``);
 * ``kvplug-kv``: the same with ``--router-mode kv`` (Dynamo's cost alone);
 * ``kvplug-protect`` (on request): the same with ``--router-affinity affinity-protect``, the
-  default routing before the balance guard.
+  default routing before the balance guard;
+* ``kvplug-fitted`` (on request): the same with ``--router-affinity affinity-fitted``, the
+  default with its prefill model fitted to the engines' streamed first tokens.
 
 The request stream is the start of the bundled Mooncake conversation trace, as in
 ``bench_sglang_router.py`` (text prompts whose 512-character blocks follow the trace's
@@ -67,7 +69,14 @@ from kvplug.sim.traces import load_trace, parse_workload  # noqa: E402
 from kvplug.testing import free_ports  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "vllm_router.json"
-ROUTERS = ("vllm-router", "vllm-router-rr", "kvplug", "kvplug-kv", "kvplug-protect")
+ROUTERS = (
+    "vllm-router",
+    "vllm-router-rr",
+    "kvplug",
+    "kvplug-kv",
+    "kvplug-protect",
+    "kvplug-fitted",
+)
 
 
 def vllm_router_binary() -> str | None:
@@ -84,6 +93,8 @@ def router_command(name: str, port: int, servers: list[SimServer], opts: FleetOp
             cmd += ["--router-mode", "kv"]
         if name == "kvplug-protect":  # the default routing before the balance guard
             cmd += ["--router-affinity", "affinity-protect"]
+        if name == "kvplug-fitted":  # the default, its prefill model fitted to the engines
+            cmd += ["--router-affinity", "affinity-fitted"]
         cmd += ["--admin-port", str(free_ports(1)[0]), "--kv-block-size", str(opts.block_size)]
         for u in urls:
             cmd += ["--worker", u]
