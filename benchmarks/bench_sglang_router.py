@@ -261,6 +261,24 @@ def stop_router(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+async def affinity_stats(session, url: str) -> dict[str, float]:
+    """A kvplug router's affinity counters from its ``/metrics`` (``affinity.*``: the moves, and
+    with ``affinity-fitted`` the first tokens it learnt from and its solves), read before it
+    stops; {} for other routers or when unreadable."""
+    prefix = 'kvplug_router_stat{stat="affinity.'
+    try:
+        async with session.get(url + "/metrics") as r:
+            text = await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return {}
+    stats = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            key, _, value = line.rpartition(" ")
+            stats[key[len(prefix) : key.index('"', len(prefix))]] = float(value)
+    return stats
+
+
 def summary(name: str, records, servers, out, wall: float) -> dict:
     """Hit rate from the engines' own counters, TTFT percentiles from the client."""
     prompt = sum(s.engine.stats["prompt_tokens"] for s in servers)
@@ -278,6 +296,7 @@ def summary(name: str, records, servers, out, wall: float) -> dict:
         "ttft_p99_s": float(np.percentile(ttft, 99)),
         "wall_s": wall,
         "per_engine_requests": [s.counters["requests"] for s in servers],
+        **({"affinity": out["affinity"]} if out.get("affinity") else {}),
     }
 
 
@@ -311,6 +330,8 @@ async def run_router(name: str, args, records, texts, log_dir: Path) -> dict:
             await wait_routable(session, url, opts.model, proc, time.monotonic() + 60)
             reset_engine_counters(servers)
             wall = await replay(session, url, opts.model, records, texts, args, name, out)
+            if name.startswith("kvplug"):
+                out["affinity"] = await affinity_stats(session, url)
     finally:
         stop_router(proc)
         for s in servers:

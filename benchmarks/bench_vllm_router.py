@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_sglang_router import (  # noqa: E402
+    affinity_stats,
     prompt_text,
     replay,
     report_rounds,
@@ -145,6 +146,8 @@ async def run_router(name: str, args, records, texts, log_dir: Path) -> dict:
             await asyncio.sleep(1.0)  # subscribers connected (ZMQ slow joiner) before the stream
             reset_engine_counters(servers)
             wall = await replay(session, url, base.model, records, texts, args, name, out)
+            if name.startswith("kvplug"):
+                out["affinity"] = await affinity_stats(session, url)
     finally:
         stop_router(proc)
         for s in servers:
