@@ -625,7 +625,7 @@ class Affinity:
 
     def _remember_tail_prompt(self, trace, overlap, blocks: int, b: int, t_b: float) -> None:
         """``fit_prefill``: keep kv's pick's prompt (its new and cached tokens, the chunk) if its
-        prediction is in the tail (every one before tau is taken)."""
+        prediction is in the tail (every one while there is no tau yet)."""
         tau = self._tau()
         if t_b >= tau:
             router = self._router

@@ -94,9 +94,10 @@ class OnlinePrefillFit:
         w = 1.0 / max(y, 1.0) ** 2
         # and a prompt under a chunk by its share of one, squared: a short prompt's first token
         # is timed mostly by the step it waits for and what shares it, not by its own prefill
-        # (on the conversation trace the short ones' times ran 1.1-5x any prefill model, and
-        # counted in full they bent the fit to predict the long prefills the guard turns on
-        # 3-9 % short, its context cost 6-36 % low; docs/sim.md)
+        # (in replays of the conversation trace, prompts under 2,000 new tokens came 3-12x late
+        # at the median against any prefill model, and counted in full they bent the fit to
+        # predict the long prefills the guard turns on 3-9 % short, its context cost 6-36 %
+        # low; docs/sim.md)
         if self.weigh_short:
             w *= min(1.0, new / (chunk if chunk > 0 else FULL_WEIGHT_TOKENS)) ** 2
         terms = [w * x[i] * x[j] for i in range(_N) for j in range(i, _N)]
