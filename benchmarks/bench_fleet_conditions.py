@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from kvplug.sim.bench import BenchSpec, run_bench  # noqa: E402
 from kvplug.sim.transport import PRESETS  # noqa: E402
 
-DEFAULT = "affinity-balance"
-POLICIES = [DEFAULT, "kv", "sglang-cache-aware", "smg-cache-aware", "vllm-kv-aware"]
+DEFAULT = "affinity-fitted"
+PREVIOUS_DEFAULT = "affinity-balance"  # the default before issue 14's twenty-fourth pass
+POLICIES = [DEFAULT, PREVIOUS_DEFAULT, "kv", "sglang-cache-aware", "smg-cache-aware", "vllm-kv-aware"]
 # (label, BenchSpec fields): one change at a time from kvplug bench's fleet
 CONDITIONS: list[tuple[str, dict]] = [
     ("as kvplug bench runs it", {}),

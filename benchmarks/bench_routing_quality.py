@@ -40,7 +40,8 @@ WORKLOADS = {
     "doc-qa": "doc-qa",  # bursty sessions over a few hot long documents
 }
 POLICIES = [
-    "affinity-balance",  # the default routing
+    "affinity-fitted",  # the default routing
+    "affinity-balance",  # the default before issue 14's twenty-fourth pass (the shipped model)
     "affinity-protect",  # the default before issue 14's sixth pass (no balance guard)
     "kv",
     "affinity",

@@ -12,8 +12,9 @@ process; the router runs as its own process, started with the same command line 
 * ``kvplug-kv``: the same with ``--router-mode kv`` (Dynamo's cost alone)
 * ``kvplug-protect`` (on request): the same with ``--router-affinity affinity-protect``, the
   default routing before the balance guard
-* ``kvplug-fitted`` (on request): the same with ``--router-affinity affinity-fitted``, the
-  default with its prefill model fitted to the engines' streamed first tokens
+* ``kvplug-balance`` (on request): the same with ``--router-affinity affinity-balance``, the
+  default routing before issue 14's twenty-fourth pass (the shipped prefill model; runs made
+  before it, ``*_fitted.json``, name today's default ``kvplug-fitted`` and this one ``kvplug``)
 
 The request stream is the start of the bundled Mooncake conversation trace (text prompts whose
 512-character blocks follow the trace's ``hash_ids``: byte-level tokens on the simulated
@@ -155,13 +156,13 @@ def router_command(name: str, port: int, urls: list[str], block_size: int) -> li
         ]
     if name == "smg":
         return [sys.executable, "-m", "smg.launch_router", *common, "--policy", "cache_aware"]
-    if name in ("kvplug", "kvplug-kv", "kvplug-protect", "kvplug-fitted"):
+    if name in ("kvplug", "kvplug-kv", "kvplug-protect", "kvplug-balance"):
         # kvplug: its default routing; kvplug-kv: Dynamo's cost alone; kvplug-protect: the
         # default before the balance guard (kvplug serve flags the launcher passes through)
         mode = {
             "kvplug-kv": ["--router-mode", "kv"],
             "kvplug-protect": ["--router-affinity", "affinity-protect"],
-            "kvplug-fitted": ["--router-affinity", "affinity-fitted"],
+            "kvplug-balance": ["--router-affinity", "affinity-balance"],
         }.get(name, [])
         return [
             sys.executable, "-m", "kvplug.integrations.sglang.launch_router", *common,
@@ -433,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--routers",
         nargs="+",
-        choices=["sglang-router", "smg", "kvplug", "kvplug-kv", "kvplug-protect", "kvplug-fitted"],
+        choices=["sglang-router", "smg", "kvplug", "kvplug-kv", "kvplug-protect", "kvplug-balance"],
         default=["sglang-router", "smg", "kvplug", "kvplug-kv"],
     )
     p.add_argument("--limit", type=int, default=600, help="trace requests (default 600)")

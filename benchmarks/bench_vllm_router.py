@@ -10,12 +10,13 @@ router runs as its own process:
   engine (``--kv-event-source URL=tcp://...``, replay endpoints, ``--kv-event-model``);
 * ``vllm-router-rr``: the same binary with ``--policy round_robin`` (a cache-blind reference);
 * ``kvplug``: ``kvplug serve --worker URL ...`` (discovers each engine's events through
-  ``/kv_event_sources``; its default routing, ``affinity-balance``);
+  ``/kv_event_sources``; its default routing, ``affinity-fitted``);
 * ``kvplug-kv``: the same with ``--router-mode kv`` (Dynamo's cost alone);
 * ``kvplug-protect`` (on request): the same with ``--router-affinity affinity-protect``, the
   default routing before the balance guard;
-* ``kvplug-fitted`` (on request): the same with ``--router-affinity affinity-fitted``, the
-  default with its prefill model fitted to the engines' streamed first tokens.
+* ``kvplug-balance`` (on request): the same with ``--router-affinity affinity-balance``, the
+  default routing before issue 14's twenty-fourth pass (the shipped prefill model; runs made
+  before it, ``*_fitted.json``, name today's default ``kvplug-fitted`` and this one ``kvplug``).
 
 The request stream is the start of the bundled Mooncake conversation trace, as in
 ``bench_sglang_router.py`` (text prompts whose 512-character blocks follow the trace's
@@ -76,7 +77,7 @@ ROUTERS = (
     "kvplug",
     "kvplug-kv",
     "kvplug-protect",
-    "kvplug-fitted",
+    "kvplug-balance",
 )
 
 
@@ -94,8 +95,8 @@ def router_command(name: str, port: int, servers: list[SimServer], opts: FleetOp
             cmd += ["--router-mode", "kv"]
         if name == "kvplug-protect":  # the default routing before the balance guard
             cmd += ["--router-affinity", "affinity-protect"]
-        if name == "kvplug-fitted":  # the default, its prefill model fitted to the engines
-            cmd += ["--router-affinity", "affinity-fitted"]
+        if name == "kvplug-balance":  # the default before its prefill model was fitted
+            cmd += ["--router-affinity", "affinity-balance"]
         cmd += ["--admin-port", str(free_ports(1)[0]), "--kv-block-size", str(opts.block_size)]
         for u in urls:
             cmd += ["--worker", u]

@@ -112,7 +112,7 @@ def cache_lifetimes(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policy", default="affinity-balance")
+    ap.add_argument("--policy", default="affinity-fitted")
     ap.add_argument("--workload", default=None, help="a generated workload (default: the trace)")
     ap.add_argument(
         "--trace", default=None, help="a Mooncake-format trace file instead of the bundled one"

@@ -281,7 +281,7 @@ AFFINITY_PRESETS["affinity-protect"] = {
 }
 # affinity-protect with the balance guard: a prefix other sessions share (a system prompt, tool
 # definitions) does not pin new sessions to an engine already sent half again its share of
-# requests (docs/sim.md: issue 14's sixth pass; the default routing)
+# requests (docs/sim.md: issue 14's sixth pass; the default routing until its twenty-fourth)
 AFFINITY_PRESETS["affinity-balance"] = {
     **AFFINITY_PRESETS["affinity-protect"],
     "balance": 0.5,
@@ -298,7 +298,8 @@ AFFINITY_PRESETS["affinity-balance"] = {
     "churn_half_life": 300,
 }
 # affinity-balance predicting with a prefill model fitted to the engines' first tokens (issue
-# 14's twenty-second pass; docs/sim.md, *The prefill model the guard predicts with*)
+# 14's twenty-second pass; the default routing since its twenty-fourth: it meets the routing bar
+# in more runs, docs/sim.md, *The prefill model the guard predicts with*)
 AFFINITY_PRESETS["affinity-fitted"] = {**AFFINITY_PRESETS["affinity-balance"], "fit_prefill": True}
 AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")

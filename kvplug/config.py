@@ -149,7 +149,7 @@ class RouterConfig:
     router_accelerator_weight: float = 8.0  # DYN_ENCODER_CUDA_TO_CPU_RATIO
     router_profile: str | None = None  # scheduling profile YAML (mode "profile")
     # mode "affinity": a named setting and changes to it (kvplug.affinity.AFFINITY_PRESETS)
-    router_affinity: str = "affinity-balance"
+    router_affinity: str = "affinity-fitted"
     router_max_prompt_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:

@@ -562,7 +562,7 @@ def test_affinity_protect_is_the_third_pass_setting_measured_by_its_keys():
     )
 
 
-def test_affinity_balance_is_affinity_protect_with_the_balance_guard_and_the_default():
+def test_affinity_balance_is_affinity_protect_with_the_balance_guard_and_the_default_fits_it():
     from kvplug.affinity import parse_affinity
     from kvplug.config import RouterConfig
 
@@ -570,7 +570,9 @@ def test_affinity_balance_is_affinity_protect_with_the_balance_guard_and_the_def
         "affinity-protect:balance=0.5,warm=1,churn_cap=0.1,churn_half_life=300"
     )
     assert parse_affinity("affinity-protect").balance == 0.0
-    assert RouterConfig().router_affinity == "affinity-balance"
+    # the default since issue 14's twenty-fourth pass: affinity-balance with the fitted model
+    assert RouterConfig().router_affinity == "affinity-fitted"
+    assert parse_affinity("affinity-fitted") == parse_affinity("affinity-balance:fit_prefill=on")
     with pytest.raises(ValueError, match="balance"):
         parse_affinity("affinity-balance:balance=-1")
 

@@ -23,10 +23,10 @@ def test_demo_writes_table_json_and_plots(tmp_path, capsys):
     )
     assert rc == 0
     text = capsys.readouterr().out
-    assert "round-robin" in text and "oracle" in text and "affinity-balance vs kv" in text
+    assert "round-robin" in text and "oracle" in text and "affinity-fitted vs kv" in text
     report = json.loads(out.read_text())
     assert [r["policy"] for r in report["results"]] == [
-        "affinity-balance",
+        "affinity-fitted",
         "kv",
         "round-robin",
         "random",

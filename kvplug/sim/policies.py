@@ -1,8 +1,8 @@
 """Routing policies for the replay, written ``NAME[:key=value,...]`` on the command line.
 
-``NAME`` is ``kv``, ``affinity``, ``affinity-rescue``, ``affinity-soonest``, ``affinity-protect``
-or ``affinity-balance`` (:mod:`kvplug.affinity`, the last four named settings of it),
-``lmetric`` (kv mode with ``--router-selection-policy lmetric``), ``approx``
+``NAME`` is ``kv``, ``affinity``, ``affinity-rescue``, ``affinity-soonest``, ``affinity-protect``,
+``affinity-balance`` or ``affinity-fitted`` (:mod:`kvplug.affinity`, the last five named settings
+of it), ``lmetric`` (kv mode with ``--router-selection-policy lmetric``), ``approx``
 (kv mode without engine events: the router records what it routed, with a TTL), ``profile``
 (an llm-d-style scheduling profile; default: the bundled ``data/profile_llmd.yaml``, or
 ``profile:router_profile=FILE``), a simple mode
@@ -40,7 +40,8 @@ ALIASES = {
 SIMPLE_MODES = ("round-robin", "random", "least-loaded", "power-of-two")
 NAMES = ("kv", "lmetric", "approx", "profile", *SIMPLE_MODES)  # what NAME may be
 DEFAULT_POLICIES = (
-    "affinity-balance",  # kvplug serve's default routing
+    "affinity-fitted",  # kvplug serve's default routing
+    "affinity-balance",  # the default before issue 14's twenty-fourth pass (the shipped model)
     "kv",
     "affinity",
     "affinity-soonest",
@@ -57,7 +58,7 @@ DEFAULT_POLICIES = (
     "least-loaded",
     "power-of-two",
 )
-DEMO_POLICIES = ("affinity-balance", "kv", "round-robin", "random")
+DEMO_POLICIES = ("affinity-fitted", "kv", "round-robin", "random")
 BASELINE_MODE = "baseline"
 
 
