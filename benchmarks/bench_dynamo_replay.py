@@ -70,7 +70,14 @@ from kvplug.sim.traces import TraceRecord  # noqa: E402
 from kvplug.sim.transport import PRESETS  # noqa: E402
 from kvplug.sim.virtual import replay, summarize  # noqa: E402
 
-POLICIES = ["affinity-fitted", "affinity-balance", "kv", "sglang-cache-aware", "vllm-kv-aware", "round-robin"]
+POLICIES = [
+    "affinity-fitted",
+    "affinity-balance",
+    "kv",
+    "sglang-cache-aware",
+    "vllm-kv-aware",
+    "round-robin",
+]
 DYNAMO_KV = "Dynamo kv_router, defaults"
 # Dynamo's router tuned as its users may: the weight of the prefill (uncached) blocks against the
 # decode blocks (prefill_load_scale, formerly overlap_score_weight; 1 by default) and the credit

@@ -30,7 +30,14 @@ from kvplug.sim.transport import PRESETS  # noqa: E402
 
 DEFAULT = "affinity-fitted"
 PREVIOUS_DEFAULT = "affinity-balance"  # the default before issue 14's twenty-fourth pass
-POLICIES = [DEFAULT, PREVIOUS_DEFAULT, "kv", "sglang-cache-aware", "smg-cache-aware", "vllm-kv-aware"]
+POLICIES = [
+    DEFAULT,
+    PREVIOUS_DEFAULT,
+    "kv",
+    "sglang-cache-aware",
+    "smg-cache-aware",
+    "vllm-kv-aware",
+]
 # (label, BenchSpec fields): one change at a time from kvplug bench's fleet
 CONDITIONS: list[tuple[str, dict]] = [
     ("as kvplug bench runs it", {}),

@@ -9,8 +9,9 @@ them all:
 * ``kvplug serve --router-mode kv`` (Dynamo's cost; otherwise its defaults: the compiled data
   path where it is built) with ~512-token text prompts and a local tokenizer, and with the same
   prompts as token ids;
-* ``kvplug serve`` with its default routing (``affinity-balance``: kv's cost, then the affinity
-  decision, more CPU per request than kv: ab_frontend.py measures it), token ids;
+* ``kvplug serve`` with its default routing (``affinity-fitted``: kv's cost, then the affinity
+  decision, more CPU per request than kv: ab_frontend.py measures it; the committed JSON's runs
+  are of ``affinity-balance``, the default before issue 14's twenty-fourth pass), token ids;
 * optionally ``kvplug serve --processes N`` (``--processes N``, repeatable): N server processes
   on the one port, side by side with the single process (kv's cost, and the default routing
   with token ids);
