@@ -802,6 +802,18 @@ def realistic_text() -> list:
     for policy in (DEFAULT, PREVIOUS, "sglang-cache-aware", "smg-cache-aware", "vllm-kv-aware"):
         r = by_policy[policy]
         out += [100 * r["hit_rate"] / bound, r["ttft_p99_s"] / kv_p99]
+    seeds = []  # replay seeds 0-5 in the same view: (policy -> result, bound)
+    for n in range(6):
+        run = load(f"benchmarks/results/sim_seeds_realistic/seed{n}.json")
+        assert (
+            run["spec"]["link"]
+            == load("benchmarks/results/sim_bench_realistic.json")["spec"]["link"]
+        ), "the same router view"
+        seeds.append(({r["policy"]: r for r in run["results"]}, run["trace"]["fleet_lru_hit_rate"]))
+    for policy, p99 in ((DEFAULT, True), (PREVIOUS, False)):
+        out += _range([100 * at[policy]["hit_rate"] / b for at, b in seeds])
+        if p99:
+            out += _range([at[policy]["ttft_p99_s"] / at["kv"]["ttft_p99_s"] for at, _ in seeds])
     return out
 
 
