@@ -608,7 +608,12 @@ class Affinity:
         # engine's active sequences now, as a decision would read them)
         seconds = now - request.routed_at - self._read_seconds(ep, new, chunk)
         self.affinity_counters["prefill_samples"] += 1
-        if fit.add(new, request.prompt_tokens - new, chunk, seconds):
+        fast = fit.fast_samples
+        solved = fit.add(new, request.prompt_tokens - new, chunk, seconds)
+        # a first token too fast for its prefill (a cache the router did not know of) is counted
+        # at the fit's floor, and here, visibly
+        self.affinity_counters["prefill_fast_samples"] += fit.fast_samples - fast
+        if solved:
             old, self._prefill_model = self._prefill_model, fit.model
             if self._rescaled is not None:
                 self._rescaled.rescale(self._tail_ratio(old, fit.model))

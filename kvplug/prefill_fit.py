@@ -17,8 +17,11 @@ its prefill), over the three terms and a constant per request
 carry it, and left out of ``model``), with the shipped coefficients as a prior worth
 ``PRIOR_WEIGHT`` samples timed by them (so a handful of first tokens cannot swing it),
 non-negative coefficients, and samples forgotten with a half-life of ``HALF_LIFE`` samples (an
-engine replaced by a faster one is learnt again). It is solved from 4x4 running sums every
-``REFIT_EVERY`` samples: no sample is kept.
+engine replaced by a faster one is learnt again). A first token faster than ``FAST_FLOOR`` of the
+current model's prefill is counted at that floor (``fast_samples``): it is most likely a prefix
+the engine had cached and the router did not know of, and in relative errors one such sample
+outweighs thousands of true ones. It is solved from 4x4 running sums every ``REFIT_EVERY``
+samples: no sample is kept.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ HALF_LIFE = 5000.0  # samples after which a sample weighs half
 # a prompt weighs fully from one chunk of new tokens; without a known chunk, from this many (vLLM's
 # default max_num_batched_tokens for an API server on a large GPU)
 FULL_WEIGHT_TOKENS = 8192.0
+# a first token is counted as at least this share of the current model's prediction for its
+# prefill. Faster ones are mostly cache hits the router did not know of (lost events, an engine's
+# own tiers): relative errors weigh a sample by 1 / y^2, so one of them outweighed thousands of
+# true ones, and 0.5 % of them bent every coefficient down 15-25x (tests/test_prefill_fit.py). An
+# engine truly faster than the model is still learnt: each solve can move the model 4x down
+FAST_FLOOR = 0.25
 _N = 4  # fitted terms: a constant per request, then the three of the prefill model
 
 
@@ -69,6 +78,7 @@ class OnlinePrefillFit:
         self.weigh_short = weigh_short
         self.model = (float(prior[0]), float(prior[1]), float(prior[2]))
         self.samples = 0  # first tokens added
+        self.fast_samples = 0  # of them, counted at FAST_FLOOR of the model's prediction
         self.solves = 0  # times the model was solved
         # what a request costs on top, whatever its prefill (ms): the step it waits to join, the
         # report's way back. Fitted beside the three so they are not bent to carry it, and left
@@ -91,7 +101,14 @@ class OnlinePrefillFit:
         # relative errors: weighed by its square, every sample counts by how far off the model
         # is in proportion (in absolute ms the long prompts decide alone, and their per-token
         # and per-square terms are nearly one: a long prompt's chunks all have the same size)
-        w = 1.0 / max(y, 1.0) ** 2
+        scale = y
+        predicted = self.model[0] * x[1] + self.model[1] * x[2] + self.model[2] * x[3]
+        if y < FAST_FLOOR * predicted:
+            # too fast for its prefill: counted at the floor, and in proportion to the prediction
+            # rather than to itself, so it weighs as one sample, not thousands
+            y, scale = FAST_FLOOR * predicted, predicted
+            self.fast_samples += 1
+        w = 1.0 / max(scale, 1.0) ** 2
         # and a prompt under a chunk by its share of one, squared: a short prompt's first token
         # is timed mostly by the step it waits for and what shares it, not by its own prefill
         # (in replays of the conversation trace, prompts under 2,000 new tokens came 3-12x late
