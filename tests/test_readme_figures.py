@@ -649,10 +649,10 @@ def synthetic_text() -> list:
 def live_routers_text() -> list:
     """The live side-by-sides (bench_vllm_router.py, bench_sglang_router.py): per router the
     range over rounds of its hit rate, and per round its difference from the baseline router's
-    and the TTFT ratios, as the paragraph reads them; the replayed kv_aware beside kv. The runs
-    were made before the switch of the default: their JSON names today's default (affinity-fitted)
-    ``kvplug-fitted`` and the previous one ``kvplug``."""
-    mine, before = "kvplug-fitted", "kvplug"
+    and the TTFT ratios, as the paragraph reads them; the replayed kv_aware beside kv. The
+    SGLang run was made before the switch of the default: its JSON names today's default
+    (affinity-fitted) ``kvplug-fitted`` and the previous one ``kvplug``; the vLLM runs, after
+    it, ``kvplug`` and ``kvplug-balance``."""
 
     def by_round(name: str) -> dict[tuple[int, str], dict]:
         rows = load(f"benchmarks/results/{name}.json")["results"]
@@ -673,21 +673,31 @@ def live_routers_text() -> list:
     def p50_vs(r: dict, b: dict) -> float:
         return r["ttft_p50_s"] / b["ttft_p50_s"]
 
+    mine, before = "kvplug", "kvplug-balance"
+
     def own_p99_spread(rs: dict) -> float:
         """How far the default's own p99 moves between one seed's rounds, in %."""
         lo, hi = _range([r["ttft_p99_s"] for k, r in rs.items() if k[1] == mine])
         return 100 * (hi / lo - 1)
 
-    conv = [by_round("vllm_router_conversation_fitted")]
-    chat = [by_round("vllm_router_fitted"), by_round("vllm_router_seed1_fitted")]
+    def fit_samples(runs: list[dict], solves: set[int]) -> list[float]:
+        """The first tokens the default's fit learnt from a run (its /metrics), and the solves
+        the paragraph says they gave."""
+        stats = [r["affinity"] for rs in runs for k, r in rs.items() if k[1] == mine]
+        assert {int(s.get("prefill_fits", 0)) for s in stats} <= solves
+        return _range([s["prefill_samples"] for s in stats])
+
+    conv = [by_round("vllm_router_conversation")]
+    chat = [by_round("vllm_router"), by_round("vllm_router_seed1")]
     sgl = [by_round("sglang_router_fitted")]
+    sgl_mine, sgl_before = "kvplug-fitted", "kvplug"
     vr = "vllm-router"
     sim = {r["policy"]: r for r in load("benchmarks/results/sim_bench.json")["results"]}
     conv_p99 = {
         who: _range([r["ttft_p99_s"] for k, r in conv[0].items() if k[1] == who])
         for who in (vr, mine)
     }
-    sgl_gain = per_round(sgl, mine, "sglang-router", gain)
+    sgl_gain = per_round(sgl, sgl_mine, "sglang-router", gain)
     return [
         SKIP,  # vllm-router's version
         SKIP,
@@ -710,6 +720,8 @@ def live_routers_text() -> list:
         *per_round(chat, mine, vr, p50_vs),
         *hits(conv, before),
         *hits(chat, before),
+        *fit_samples(conv, {0, 1}),
+        *fit_samples(chat, {3}),
         SKIP,  # vllm-router's version
         100 * sim["vllm-kv-aware"]["hit_rate"],
         100 * sim["kv"]["hit_rate"],
@@ -717,13 +729,13 @@ def live_routers_text() -> list:
         SKIP,
         SKIP,
         SKIP,  # --rounds 4, 600 requests, 4 engines
-        *hits(sgl, mine),
+        *hits(sgl, sgl_mine),
         *hits(sgl, "sglang-router"),
         -sgl_gain[0],  # shown as a minus sign and its figure
         sgl_gain[1],
-        *per_round(sgl, mine, "sglang-router", lambda r, b: r["ttft_p90_s"] / b["ttft_p90_s"]),
-        *per_round(sgl, mine, "sglang-router", p99_vs),
-        *hits(sgl, before),
+        *per_round(sgl, sgl_mine, "sglang-router", lambda r, b: r["ttft_p90_s"] / b["ttft_p90_s"]),
+        *per_round(sgl, sgl_mine, "sglang-router", p99_vs),
+        *hits(sgl, sgl_before),
         SKIP,  # smg's version
         *hits(sgl, "smg"),
         *per_round(sgl, "smg", "sglang-router", p99_vs),
