@@ -299,7 +299,7 @@ AFFINITY_PRESETS["affinity-balance"] = {
 }
 # affinity-balance predicting with a prefill model fitted to the engines' first tokens (issue
 # 14's twenty-second pass; the default routing since its twenty-fourth: it meets the routing bar
-# in more runs, docs/sim.md, *The prefill model the guard predicts with*)
+# in more runs, docs/sim.md, *The default since issue 14's twenty-fourth pass*)
 AFFINITY_PRESETS["affinity-fitted"] = {**AFFINITY_PRESETS["affinity-balance"], "fit_prefill": True}
 AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")

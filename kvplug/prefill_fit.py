@@ -39,8 +39,9 @@ FULL_WEIGHT_TOKENS = 8192.0
 # a first token is counted as at least this share of the current model's prediction for its
 # prefill. Faster ones are mostly cache hits the router did not know of (lost events, an engine's
 # own tiers): relative errors weigh a sample by 1 / y^2, so one of them outweighed thousands of
-# true ones, and 0.5 % of them bent every coefficient down 15-25x (tests/test_prefill_fit.py). An
-# engine truly faster than the model is still learnt: each solve can move the model 4x down
+# true ones, and with 2 % of them long prefills were predicted at 3 % of their time
+# (tests/test_prefill_fit.py). An engine truly faster than the model is still learnt: the floor
+# follows the model down as it solves
 FAST_FLOOR = 0.25
 _N = 4  # fitted terms: a constant per request, then the three of the prefill model
 

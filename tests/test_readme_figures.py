@@ -650,9 +650,7 @@ def live_routers_text() -> list:
     """The live side-by-sides (bench_vllm_router.py, bench_sglang_router.py): per router the
     range over rounds of its hit rate, and per round its difference from the baseline router's
     and the TTFT ratios, as the paragraph reads them; the replayed kv_aware beside kv. The
-    SGLang run was made before the switch of the default: its JSON names today's default
-    (affinity-fitted) ``kvplug-fitted`` and the previous one ``kvplug``; the vLLM runs, after
-    it, ``kvplug`` and ``kvplug-balance``."""
+    default (affinity-fitted) is ``kvplug``, the previous one ``kvplug-balance``."""
 
     def by_round(name: str) -> dict[tuple[int, str], dict]:
         rows = load(f"benchmarks/results/{name}.json")["results"]
@@ -689,8 +687,8 @@ def live_routers_text() -> list:
 
     conv = [by_round("vllm_router_conversation")]
     chat = [by_round("vllm_router"), by_round("vllm_router_seed1")]
-    sgl = [by_round("sglang_router_fitted")]
-    sgl_mine, sgl_before = "kvplug-fitted", "kvplug"
+    sgl = [by_round("sglang_router_fitted_default")]
+    sgl_mine, sgl_before = mine, before
     vr = "vllm-router"
     sim = {r["policy"]: r for r in load("benchmarks/results/sim_bench.json")["results"]}
     conv_p99 = {
