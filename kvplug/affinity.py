@@ -608,11 +608,10 @@ class Affinity:
         # engine's active sequences now, as a decision would read them)
         seconds = now - request.routed_at - self._read_seconds(ep, new, chunk)
         self.affinity_counters["prefill_samples"] += 1
-        fast = fit.fast_samples
         solved = fit.add(new, request.prompt_tokens - new, chunk, seconds)
-        # a first token too fast for its prefill (a cache the router did not know of) is counted
-        # at the fit's floor, and here, visibly
-        self.affinity_counters["prefill_fast_samples"] += fit.fast_samples - fast
+        # first tokens too fast for their prefill (a cache the router did not know of), counted
+        # at the fit's floor: shown, as the fit keeps them
+        self.affinity_counters["prefill_fast_samples"] = fit.fast_samples
         if solved:
             old, self._prefill_model = self._prefill_model, fit.model
             if self._rescaled is not None:

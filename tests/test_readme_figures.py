@@ -688,14 +688,13 @@ def live_routers_text() -> list:
     conv = [by_round("vllm_router_conversation")]
     chat = [by_round("vllm_router"), by_round("vllm_router_seed1")]
     sgl = [by_round("sglang_router_fitted_default")]
-    sgl_mine, sgl_before = mine, before
     vr = "vllm-router"
     sim = {r["policy"]: r for r in load("benchmarks/results/sim_bench.json")["results"]}
     conv_p99 = {
         who: _range([r["ttft_p99_s"] for k, r in conv[0].items() if k[1] == who])
         for who in (vr, mine)
     }
-    sgl_gain = per_round(sgl, sgl_mine, "sglang-router", gain)
+    sgl_gain = per_round(sgl, mine, "sglang-router", gain)
     return [
         SKIP,  # vllm-router's version
         SKIP,
@@ -727,13 +726,13 @@ def live_routers_text() -> list:
         SKIP,
         SKIP,
         SKIP,  # --rounds 4, 600 requests, 4 engines
-        *hits(sgl, sgl_mine),
+        *hits(sgl, mine),
         *hits(sgl, "sglang-router"),
         -sgl_gain[0],  # shown as a minus sign and its figure
         sgl_gain[1],
-        *per_round(sgl, sgl_mine, "sglang-router", lambda r, b: r["ttft_p90_s"] / b["ttft_p90_s"]),
-        *per_round(sgl, sgl_mine, "sglang-router", p99_vs),
-        *hits(sgl, sgl_before),
+        *per_round(sgl, mine, "sglang-router", lambda r, b: r["ttft_p90_s"] / b["ttft_p90_s"]),
+        *per_round(sgl, mine, "sglang-router", p99_vs),
+        *hits(sgl, before),
         SKIP,  # smg's version
         *hits(sgl, "smg"),
         *per_round(sgl, "smg", "sglang-router", p99_vs),
