@@ -2108,7 +2108,7 @@ def stale_prefill_summaries(endpoints, idx, max_batched, queues, versions):
 
 def predicted_ttfts(endpoints, idx, overlap, double prompt_tokens, double block_size,
                     max_batched, queues, inflight, context_tokens, double now, double read_ms,
-                    coeffs):
+                    coeffs, slowdowns=None):
     """The affinity policy's predicted time to first token of a prompt of ``prompt_tokens``
     on candidates ``idx`` (indices into ``endpoints``, the trace's endpoint ids; None: every
     one), a list of floats: the engine's queued prefill seconds at ``now`` (``queues``, a
@@ -2119,7 +2119,9 @@ def predicted_ttfts(endpoints, idx, overlap, double prompt_tokens, double block_
     active sequences (``inflight``, ``context_tokens``) in its steps. The same double
     operations, in the same order, as ``Affinity._predicted_ttft``'s one-engine path in
     Python (tests/test_affinity.py checks equality), without a Python call per engine: with
-    hundreds of engines those were most of a routing decision."""
+    hundreds of engines those were most of a routing decision. ``slowdowns`` (float64 per
+    endpoint, 1.0 past its end; None: all 1.0): each engine's step times relative to the
+    prefill fit's, which scale its predicted seconds (a factor of 1.0 changes no float)."""
     cdef cnp.ndarray eps = (endpoints if _is_vector(endpoints, cnp.NPY_INTP)
                             else np.ascontiguousarray(endpoints, dtype=np.intp))
     cdef const Py_ssize_t *e = <const Py_ssize_t *>cnp.PyArray_DATA(eps)
@@ -2132,6 +2134,9 @@ def predicted_ttfts(endpoints, idx, overlap, double prompt_tokens, double block_
     cdef const double *osec = _f64_table(queues.oldest_seconds, "queues.oldest_seconds", &n_os)
     cdef const int64_t *active = _i64_table(inflight, "inflight", &n_if)
     cdef const int64_t *ctx = _i64_table(context_tokens, "context_tokens", &n_ctx)
+    cdef Py_ssize_t n_sd = 0
+    cdef const double *sd = (NULL if slowdowns is None
+                             else _f64_table(slowdowns, "slowdowns", &n_sd))
     cdef double a, b, c
     a, b, c = coeffs
     cdef list ov = overlap if type(overlap) is list else list(overlap)
@@ -2139,7 +2144,7 @@ def predicted_ttfts(endpoints, idx, overlap, double prompt_tokens, double block_
     cdef Py_ssize_t n = n_eps if idx is None else len(idx)
     cdef list out = [None] * n
     cdef Py_ssize_t i, j, ep
-    cdef double cached, chunk, new, own, queued, elapsed, read, steps, context
+    cdef double cached, chunk, new, own, queued, elapsed, read, steps, context, slow
     for j in range(n):
         i = j if idx is None else idx[j]
         if i < 0 or i >= n_eps or i >= n_ov:
@@ -2151,19 +2156,21 @@ def predicted_ttfts(endpoints, idx, overlap, double prompt_tokens, double block_
         cached = <double>ov[i] * block_size
         chunk = mb[ep] if ep < n_mb else 0.0
         new = prompt_tokens - cached
-        own = _chunked_prefill_seconds(new, cached, chunk, a, b, c)
+        slow = sd[ep] if ep < n_sd else 1.0
+        own = _chunked_prefill_seconds(new, cached, chunk, a, b, c) * slow
         # Affinity._endpoint_queue: a summary without prefills (0, 0, inf, 0, -inf) gives 0.0
         queued = sec[ep]
         if read_ms:
             queued += stp[ep] * read_ms * <double>ctx[ep] / 1e6
-        elapsed = _py_min(_py_max(now - oat[ep], 0.0), osec[ep])
+        queued = queued * slow
+        elapsed = _py_min(_py_max(now - oat[ep], 0.0), osec[ep] * slow)
         queued = _py_max(queued - elapsed, 0.0)
         # Affinity._read_seconds
         read = 0.0
         if read_ms and new > 0:
             context = <double>ctx[ep]
             steps = 1.0 if chunk <= 0 else ceil(new / _py_max(chunk - <double>active[ep], 1.0))
-            read = steps * read_ms * context / 1e6
+            read = steps * read_ms * context / 1e6 * slow
         out[j] = queued + own + read
     return out
 

@@ -72,7 +72,7 @@ from typing import Any
 import numpy as np
 from sortedcontainers import SortedList
 
-from kvplug.prefill_fit import OnlinePrefillFit
+from kvplug.prefill_fit import FULL_WEIGHT_TOKENS, EngineSpeeds, OnlinePrefillFit
 from kvplug.prefill_model import H200_LLAMA8B
 from kvplug.request import RouteRequest
 
@@ -207,6 +207,11 @@ class AffinityParams:
     # tokens (kvplug.prefill_fit: requests that prefilled alone, seen as they came), so the
     # guard predicts with the speed of the engines it routes to, not one H200's
     fit_prefill: bool = False
+    # > 1 (with fit_prefill): each engine's prefill time relative to the fleet's is learnt from
+    # the same first tokens (kvplug.prefill_fit.EngineSpeeds) and scales that engine's
+    # predictions once it is more than this many times off: a fleet of different GPUs is not
+    # predicted as one. 0: one model for every engine
+    fit_speeds: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.guard >= 0 and self.cap >= 0 and self.memory >= 0 and self.slack >= 0):
@@ -239,6 +244,10 @@ class AffinityParams:
                 "affinity: read_ms, spread_eps, protect, protect_blocks, balance, "
                 "spread_churn, spread_lag and churn_cap must be >= 0"
             )
+        if not (self.fit_speeds == 0 or self.fit_speeds > 1):
+            raise ValueError("affinity: fit_speeds must be 0 (off) or > 1")
+        if self.fit_speeds and not self.fit_prefill:
+            raise ValueError("affinity: fit_speeds learns from the prefill fit: set fit_prefill")
         if self.spread_by not in SPREAD_BY:
             raise ValueError(f"affinity: spread_by must be one of {', '.join(SPREAD_BY)}")
         if self.pool not in TAIL_POOLS:
@@ -299,8 +308,15 @@ AFFINITY_PRESETS["affinity-balance"] = {
 }
 # affinity-balance predicting with a prefill model fitted to the engines' first tokens (issue
 # 14's twenty-second pass; the default routing since its twenty-fourth: it meets the routing bar
-# in more runs, docs/sim.md, *The default since issue 14's twenty-fourth pass*)
-AFFINITY_PRESETS["affinity-fitted"] = {**AFFINITY_PRESETS["affinity-balance"], "fit_prefill": True}
+# in more runs, docs/sim.md, *The default since issue 14's twenty-fourth pass*), each engine at
+# its own speed once it is a tenth off the fleet's (issue 14's twenty-fifth pass: engines that
+# are alike stay within ~4 % of each other in replays, so there it routes exactly as one model
+# does; a fleet of mixed speeds is predicted engine by engine, docs/sim.md, *Mixed fleets*)
+AFFINITY_PRESETS["affinity-fitted"] = {
+    **AFFINITY_PRESETS["affinity-balance"],
+    "fit_prefill": True,
+    "fit_speeds": 1.1,
+}
 AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
@@ -513,8 +529,14 @@ class Affinity:
         p = self.params
         self._prefill_model = (p.prefill_linear_ms, p.prefill_quad_ms, p.prefill_ctx_ms)
         self._prefill_fit = OnlinePrefillFit(self._prefill_model) if p.fit_prefill else None
+        # fit_speeds: each engine's step times over the fitted model's, per endpoint (1.0 past
+        # the end); None: every engine runs at the model's speed
+        self._speeds = EngineSpeeds(p.fit_speeds) if p.fit_speeds else None
+        self._slowdowns: np.ndarray | None = None
         # kept_kv, affinity (moved), guarded; rescued, spread, protected once those fire
         self.affinity_counters: Counter[str] = Counter(kept_kv=0, affinity=0, guarded=0)
+        if self._speeds is not None:  # engines whose predictions run at their own speed
+            self.affinity_counters["engines_off_speed"] = 0
         core = getattr(router, "_core", None)
         # tail mode: the last ``window`` predicted TTFTs at kv's pick (of the pool's requests);
         # the compiled core's twin where it is built (the same floats)
@@ -608,7 +630,10 @@ class Affinity:
         # engine's active sequences now, as a decision would read them)
         seconds = now - request.routed_at - self._read_seconds(ep, new, chunk)
         self.affinity_counters["prefill_samples"] += 1
-        solved = fit.add(new, request.prompt_tokens - new, chunk, seconds)
+        cached = request.prompt_tokens - new
+        if self._speeds is not None:
+            self._learn_speed(ep, new, cached, chunk, seconds)
+        solved = fit.add(new, cached, chunk, seconds)
         # first tokens too fast for their prefill (a cache the router did not know of), counted
         # at the fit's floor: shown, as the fit keeps them
         self.affinity_counters["prefill_fast_samples"] = fit.fast_samples
@@ -618,6 +643,36 @@ class Affinity:
                 self._rescaled.rescale(self._tail_ratio(old, fit.model))
             self._summaries = PrefillSummaries()  # every endpoint summed again when asked
             self.affinity_counters["prefill_fits"] += 1
+            if self._speeds is not None:  # the fleet's mean moved: every engine's relative to it
+                for other in self._speeds.endpoints():
+                    self._set_slowdown(other, self._speeds.slowdown(other))
+
+    def _learn_speed(self, ep: int, new: float, cached: float, chunk: float, seconds: float) -> None:
+        """``fit_speeds``: one first token of ``ep`` against the model's prediction, weighed as
+        the fit weighs it; the engine's slowdown follows."""
+        assert self._speeds is not None
+        predicted = chunked_prefill_seconds(new, cached, chunk, self._prefill_model)
+        weight = min(1.0, new / (chunk if chunk > 0 else FULL_WEIGHT_TOKENS)) ** 2
+        self._speeds.add(ep, seconds, predicted, weight)
+        self._set_slowdown(ep, self._speeds.slowdown(ep))
+
+    def _set_slowdown(self, ep: int, factor: float) -> None:
+        table = self._slowdowns
+        if table is None or ep >= len(table):
+            if factor == 1.0 and (table is None or ep >= len(table)):
+                return  # 1.0 is what an endpoint past the table's end has
+            grown = np.ones(max(ep + 1, 2 * (0 if table is None else len(table)), 16))
+            if table is not None:
+                grown[: len(table)] = table
+            self._slowdowns = table = grown
+        if table.item(ep) != factor:
+            table[ep] = factor
+            self.affinity_counters["engines_off_speed"] = int(np.count_nonzero(table != 1.0))
+
+    def _slow(self, ep: int) -> float:
+        """``ep``'s step times over the prefill model's (``fit_speeds``; else 1.0)."""
+        table = self._slowdowns
+        return table.item(ep) if table is not None and ep < len(table) else 1.0
 
     def _tail_ratio(self, old: tuple, new: tuple) -> float:
         """What replacing the prefill model ``old`` by ``new`` does to the tail's predictions:
@@ -677,7 +732,7 @@ class Affinity:
         new = blocks * bs - cached
         first = chunked_prefill_seconds(
             min(new, chunk) if chunk > 0 else new, cached, 0.0, self._prefill_model
-        )
+        ) * self._slow(eps[pick])
         if first < self.params.protect:
             return pick
         if not others:
@@ -870,7 +925,7 @@ class Affinity:
         cached = float(overlap[b]) * router.block_size
         own = chunked_prefill_seconds(
             blocks * router.block_size - cached, cached, chunk, self._prefill_model
-        )
+        ) * self._slow(int(trace.endpoints[b]))
         if own < params.spread:
             return None
         eps = trace.endpoints.tolist()
@@ -935,9 +990,10 @@ class Affinity:
                 ep = int(trace.endpoints[i])
                 cached = float(overlap[i]) * bs
                 chunk = router.chunk_tokens(ep)
-                own = chunked_prefill_seconds(n - cached, cached, chunk, self._prefill_model)
+                slow = self._slow(ep)
+                own = chunked_prefill_seconds(n - cached, cached, chunk, self._prefill_model) * slow
                 queued = self._queue_of(trace, ep)[0]
-                known[i] = queued + own + self._read_seconds(ep, n - cached, chunk)
+                known[i] = queued + own + self._read_seconds(ep, n - cached, chunk) * slow
         return [known[i] for i in idx]
 
     def _predicted_all(self, trace, overlap, blocks: int) -> list[float]:
@@ -979,6 +1035,7 @@ class Affinity:
             now,
             self.params.read_ms,
             self._prefill_model,
+            self._slowdowns,
         )
 
     def _read_seconds(self, ep: int, new: float, chunk: float) -> float:
@@ -1042,8 +1099,10 @@ class Affinity:
         read_ms = self.params.read_ms
         if read_ms:
             seconds_sum += s.steps.item(ep) * read_ms * float(load.context_tokens.item(ep)) / 1e6
+        slow = self._slow(ep)  # fit_speeds: summed at the model's speed, taken at the engine's
+        seconds_sum = seconds_sum * slow
         # the oldest has been in prefill for part of its predicted time already
-        elapsed = min(max(now - s.oldest_at.item(ep), 0.0), s.oldest_seconds.item(ep))
+        elapsed = min(max(now - s.oldest_at.item(ep), 0.0), s.oldest_seconds.item(ep) * slow)
         seconds_sum = max(seconds_sum - elapsed, 0.0)
         # and the last queued prefill's predicted TTFT (protect)
         return seconds_sum, seconds_sum + now - s.latest.item(ep)

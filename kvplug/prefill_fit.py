@@ -172,3 +172,70 @@ class OnlinePrefillFit:
         self.model = (float(theta[1]), float(theta[2]), float(theta[3]))
         self.solves += 1
         return True
+
+
+# EngineSpeeds: an engine's first tokens count as this many fleet samples' worth of doubt before
+# its own speed is believed (its estimate is shrunk towards the fleet's by prior / (prior + its
+# weight)); its samples are forgotten with a half-life of SPEED_HALF_LIFE of its own (an engine
+# replaced by another is learnt again), the fleet's with HALF_LIFE
+SPEED_PRIOR_WEIGHT = 20.0
+SPEED_HALF_LIFE = 500.0
+
+
+class EngineSpeeds:
+    """Each engine's prefill time relative to the fleet's, learnt from the first tokens the fit
+    learns from: a fleet of different GPUs (or of engines serving at different parallelism) is
+    one model fitted to all of them, which predicts the slower ones short and the faster ones
+    long. Per sample, the log of its time over the current model's prediction, weighed as the
+    fit weighs it (prompts under a chunk by their share of one, squared) and held within
+    ``1 / MAX_RATIO`` .. ``MAX_RATIO``; an engine's slowdown is its weighted mean log ratio less
+    the fleet's, shrunk towards the fleet's and applied only once it is more than ``band``
+    times off (so engines that are alike, whose estimates scatter by a few per cent, keep 1.0
+    and route exactly as with one model)."""
+
+    MAX_RATIO = 4.0
+
+    def __init__(
+        self,
+        band: float,
+        prior_weight: float = SPEED_PRIOR_WEIGHT,
+        half_life: float = SPEED_HALF_LIFE,
+        fleet_half_life: float = HALF_LIFE,
+    ) -> None:
+        if not band > 1.0:
+            raise ValueError(f"EngineSpeeds: band must be > 1, got {band!r}")
+        self._log_band = math.log(band)
+        self.prior_weight = float(prior_weight)
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._fleet_decay = 0.5 ** (1.0 / fleet_half_life)
+        self._engines: dict[int, list[float]] = {}  # endpoint -> [weighted log sum, weight]
+        self._fleet = [0.0, 0.0]
+
+    def add(self, ep: int, seconds: float, predicted: float, weight: float) -> None:
+        """One first token of ``ep``: ``seconds`` observed where the fleet's model predicted
+        ``predicted``, the sample weighing ``weight`` (0..1)."""
+        if not (seconds > 0 and predicted > 0 and weight > 0 and math.isfinite(seconds)):
+            return
+        bound = math.log(self.MAX_RATIO)
+        x = min(max(math.log(seconds / predicted), -bound), bound)
+        sums = self._engines.setdefault(ep, [0.0, 0.0])
+        d = self._decay
+        sums[0] = sums[0] * d + weight * x
+        sums[1] = sums[1] * d + weight
+        f = self._fleet
+        fd = self._fleet_decay
+        f[0] = f[0] * fd + weight * x
+        f[1] = f[1] * fd + weight
+
+    def slowdown(self, ep: int) -> float:
+        """``ep``'s step times over the fleet model's (1.0 within the band, or unknown)."""
+        sums = self._engines.get(ep)
+        if sums is None or self._fleet[1] <= 0:
+            return 1.0
+        fleet_mean = self._fleet[0] / self._fleet[1]
+        # shrunk: weight / (weight + prior) of the way from the fleet's mean to its own
+        off = (sums[0] - sums[1] * fleet_mean) / (sums[1] + self.prior_weight)
+        return math.exp(off) if abs(off) > self._log_band else 1.0
+
+    def endpoints(self) -> list[int]:
+        return list(self._engines)

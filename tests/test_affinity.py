@@ -570,11 +570,18 @@ def test_affinity_balance_is_affinity_protect_with_the_balance_guard_and_the_def
         "affinity-protect:balance=0.5,warm=1,churn_cap=0.1,churn_half_life=300"
     )
     assert parse_affinity("affinity-protect").balance == 0.0
-    # the default since issue 14's twenty-fourth pass: affinity-balance with the fitted model
+    # the default since issue 14's twenty-fourth pass: affinity-balance with the fitted model,
+    # and since its twenty-fifth each engine at its own speed once it is a tenth off
     assert RouterConfig().router_affinity == "affinity-fitted"
-    assert parse_affinity("affinity-fitted") == parse_affinity("affinity-balance:fit_prefill=on")
+    assert parse_affinity("affinity-fitted") == parse_affinity(
+        "affinity-balance:fit_prefill=on,fit_speeds=1.1"
+    )
     with pytest.raises(ValueError, match="balance"):
         parse_affinity("affinity-balance:balance=-1")
+    with pytest.raises(ValueError, match="fit_speeds"):
+        parse_affinity("affinity-balance:fit_speeds=1.1")  # learnt from the fit's first tokens
+    with pytest.raises(ValueError, match="fit_speeds"):
+        parse_affinity("affinity-fitted:fit_speeds=0.9")
 
 
 def _walk_every_request(aff, endpoints):

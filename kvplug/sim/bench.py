@@ -62,6 +62,7 @@ class BenchSpec:
     sync_delay_s: float = 0.003  # lifecycle event -> the other replicas
     spread_arrivals: bool = False  # requests sharing a timestamp spread to the next one
     pick_stats: bool = False  # per-decision herding figures (pick_excess_*)
+    slowdowns: tuple[float, ...] = ()  # a mixed fleet: engine i's step times x slowdowns[i % len]
     extra: dict[str, Any] = field(default_factory=dict)
 
     def records(self) -> list[TraceRecord]:
@@ -99,6 +100,7 @@ class BenchSpec:
             replica_sync=self.replica_sync,
             sync_delay_s=self.sync_delay_s,
             pick_stats=self.pick_stats,
+            slowdowns=tuple(self.slowdowns),
         )
 
     def replica_label(self) -> str:

@@ -26,7 +26,7 @@ keeps them in step):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 LINEAR_MS = 0.0282  # per new token (cold fit)
 QUAD_MS = 4.36e-7  # per new token squared (cold fit: causal attention within the chunk)
@@ -56,6 +56,23 @@ class StepTimeModel:
         25.0  # P/D KV transfer prefill->decode engine (assumption: ~200 Gb/s RDMA)
     )
     kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
+
+    def slowed(self, factor: float) -> StepTimeModel:
+        """This engine's model on hardware ``factor`` times slower (> 1) or faster (< 1): every
+        compute and memory-read time scaled alike; the host and P/D links' rates unchanged."""
+        if not factor > 0:
+            raise ValueError(f"a step-time factor must be > 0, got {factor!r}")
+        return replace(
+            self,
+            linear_ms=self.linear_ms * factor,
+            quad_ms=self.quad_ms * factor,
+            ctx_ms=self.ctx_ms * factor,
+            weights_ms=self.weights_ms * factor,
+            kv_read_ms_per_1k=self.kv_read_ms_per_1k * factor,
+            overhead_ms=self.overhead_ms * factor,
+            prefill_step_ms=self.prefill_step_ms * factor,
+            decode_step_ms=self.decode_step_ms * factor,
+        )
 
     def prefill_ms(self, n: int, cached: int) -> float:
         """Compute time of ``n`` new prompt tokens on top of ``cached`` tokens of context."""

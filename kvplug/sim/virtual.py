@@ -26,7 +26,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -80,6 +80,9 @@ class ReplayConfig:
     replica_sync: bool = True  # replicas fold each other's request lifecycle (kvplug.replica_sync)
     sync_delay_s: float = 0.003  # a replica's lifecycle event reaches the others this late
     pick_stats: bool = False  # record each pick's in-flight excess over the least-loaded engine
+    # a mixed fleet: engine i's step times are engine.model's times slowdowns[i % len] (empty:
+    # every engine alike)
+    slowdowns: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in ("hashes", "tokens"):
@@ -92,6 +95,8 @@ class ReplayConfig:
             raise ValueError("replicas must be >= 1")
         if not self.sync_delay_s >= 0:
             raise ValueError("sync_delay_s must be >= 0")
+        if not all(f > 0 for f in self.slowdowns):
+            raise ValueError("slowdowns must be > 0")
 
 
 @dataclass
@@ -118,7 +123,15 @@ def _engine_id(i: int) -> str:
 
 
 def make_fleet(cfg: ReplayConfig) -> list[SimEngine]:
-    return [SimEngine(_engine_id(i), cfg.engine) for i in range(cfg.n_engines)]
+    return [SimEngine(_engine_id(i), engine_config(cfg, i)) for i in range(cfg.n_engines)]
+
+
+def engine_config(cfg: ReplayConfig, i: int) -> EngineConfig:
+    """Engine i's configuration: the fleet's, its step times scaled in a mixed fleet."""
+    if not cfg.slowdowns or cfg.slowdowns[i % len(cfg.slowdowns)] == 1.0:
+        return cfg.engine
+    factor = cfg.slowdowns[i % len(cfg.slowdowns)]
+    return replace(cfg.engine, model=cfg.engine.model.slowed(factor))
 
 
 def replay(
