@@ -11,6 +11,7 @@ any, beat it on both axes at once (more hits and a TTFT p99 no higher).
     python benchmarks/bench_fleet_conditions.py                       # ~2.5 min on 2 cores
     python benchmarks/bench_fleet_conditions.py --view ideal --steptime causal
     python benchmarks/bench_fleet_conditions.py --seeds 1 2 3   # each run at three replay seeds
+    python benchmarks/bench_fleet_conditions.py --conditions mixed    # engines of mixed speeds
 
 Prints a Markdown table; writes ``benchmarks/results/fleet_conditions.json``.
 """
@@ -53,6 +54,20 @@ CONDITIONS: list[tuple[str, dict]] = [
     ("4,096 batched tokens", {"max_batched_tokens": 4096}),
     ("16,384 batched tokens", {"max_batched_tokens": 16384}),
 ]
+# --conditions mixed: engines of different speeds (other GPUs, other parallelism), each one's
+# step times the H200 model's times a factor; and every engine slower alike, where the default
+# must route as one model does
+ONE_MODEL = "affinity-fitted:fit_speeds=0"  # the default with one prefill model for all engines
+MIXED_CONDITIONS: list[tuple[str, dict]] = [
+    ("every engine at 2x step time (alike)", {"slowdowns": (2.0,)}),
+    ("half the engines at 1.25x step time", {"slowdowns": (1.0, 1.25)}),
+    ("half the engines at 1.5x", {"slowdowns": (1.0, 1.5)}),
+    ("half the engines at 2x", {"slowdowns": (1.0, 2.0)}),
+    ("one engine in eight at 2x", {"slowdowns": (1.0,) * 7 + (2.0,)}),
+    ("a quarter of the engines at 3x", {"slowdowns": (1.0, 1.0, 1.0, 3.0)}),
+    ("eight speeds, 0.7x to 1.5x", {"slowdowns": (0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.35, 1.5)}),
+]
+CONDITION_SETS = {"standard": CONDITIONS, "mixed": MIXED_CONDITIONS}
 
 
 def verdicts(report: dict, policies: list[str]) -> dict:
@@ -107,7 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--view", default="realistic", choices=list(PRESETS))
     ap.add_argument("--steptime", nargs="+", default=["causal", "cached"])
-    ap.add_argument("--policies", nargs="+", default=POLICIES)
+    ap.add_argument(
+        "--conditions",
+        default="standard",
+        choices=list(CONDITION_SETS),
+        help="standard: one fleet change at a time; mixed: engines of different speeds (with "
+        f"{ONE_MODEL} beside the default)",
+    )
+    ap.add_argument("--policies", nargs="+", default=None)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument(
         "--seeds",
@@ -117,8 +139,17 @@ def main(argv: list[str] | None = None) -> int:
         help="replay seeds (the tie-breaks between equally priced engines): each condition is "
         "run once per seed",
     )
-    ap.add_argument("--json", default="benchmarks/results/fleet_conditions.json")
+    ap.add_argument(
+        "--json", default=None, help="default benchmarks/results/fleet_conditions{,_mixed}.json"
+    )
     args = ap.parse_args(argv)
+    if args.policies is None:
+        args.policies = list(POLICIES)
+        if args.conditions == "mixed":
+            args.policies.insert(1, ONE_MODEL)
+    if args.json is None:
+        suffix = "" if args.conditions == "standard" else f"_{args.conditions}"
+        args.json = f"benchmarks/results/fleet_conditions{suffix}.json"
     for needed in (DEFAULT, "kv"):
         if needed not in args.policies:
             ap.error(f"--policies must include {needed}")
@@ -127,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = [
         (label, c, st, seed)
         for seed in args.seeds
-        for label, c in CONDITIONS
+        for label, c in CONDITION_SETS[args.conditions]
         for st in args.steptime
     ]
     for i, (label, cond, st, seed) in enumerate(todo, 1):

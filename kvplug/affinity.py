@@ -647,7 +647,9 @@ class Affinity:
                 for other in self._speeds.endpoints():
                     self._set_slowdown(other, self._speeds.slowdown(other))
 
-    def _learn_speed(self, ep: int, new: float, cached: float, chunk: float, seconds: float) -> None:
+    def _learn_speed(
+        self, ep: int, new: float, cached: float, chunk: float, seconds: float
+    ) -> None:
         """``fit_speeds``: one first token of ``ep`` against the model's prediction, weighed as
         the fit weighs it; the engine's slowdown follows."""
         assert self._speeds is not None
@@ -657,10 +659,11 @@ class Affinity:
         self._set_slowdown(ep, self._speeds.slowdown(ep))
 
     def _set_slowdown(self, ep: int, factor: float) -> None:
+        """``ep``'s predictions from now on at ``factor`` times the model's (``_slow``)."""
         table = self._slowdowns
         if table is None or ep >= len(table):
-            if factor == 1.0 and (table is None or ep >= len(table)):
-                return  # 1.0 is what an endpoint past the table's end has
+            if factor == 1.0:
+                return  # what an endpoint past the table's end has
             grown = np.ones(max(ep + 1, 2 * (0 if table is None else len(table)), 16))
             if table is not None:
                 grown[: len(table)] = table

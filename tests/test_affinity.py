@@ -729,10 +729,13 @@ def test_the_compiled_predictions_are_the_python_floats_as_the_load_changes(monk
         pytest.skip("the compiled core is not built (the Python path is the only one)")
     rng = np.random.default_rng(5)
     live: list[str] = []
-    for read_ms in (0.0305, 0.0):
+    for read_ms, slowed in ((0.0305, False), (0.0, False), (0.0305, True), (0.0, True)):
         aff = AffinityRouter(r, AffinityParams(read_ms=read_ms, tail=0.98))
+        if slowed:  # engines at their own speeds (fit_speeds), one past the others' table
+            for ep, factor in ((1, 2.0), (4, 0.6), (9, 1.35), (12, 3.0)):
+                aff._set_slowdown(ep, factor)
         for i in range(120):
-            rid = f"k{read_ms}-{i}"
+            rid = f"k{read_ms}-{slowed}-{i}"
             _route_then_move_on(aff, clock, rng, live, rid, (50, 3, 9_000), 0.03, (0.4, 0.0, 0.25))
             if i == 60:  # another chunk for one engine: its summary must be taken again
                 r.add_worker(Worker("w3", max_batched_tokens=128))

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from test_router_helpers import BS, make_router, tokens
 
 from kvplug.affinity import chunked_prefill_seconds, parse_affinity
-from kvplug.prefill_fit import REFIT_EVERY, OnlinePrefillFit, prefill_features
+from kvplug.prefill_fit import REFIT_EVERY, EngineSpeeds, OnlinePrefillFit, prefill_features
 from kvplug.prefill_model import H200_LLAMA8B
 from kvplug.request import RouteRequest
 
@@ -310,3 +312,107 @@ def test_the_router_counts_first_tokens_too_fast_for_their_prefill():
         r.on_finish(f"c{i}")
     assert aff.affinity_counters["prefill_samples"] == 20
     assert r.stats()["affinity"]["prefill_fast_samples"] == 10
+
+
+# ---- each engine's own speed (fit_speeds) ------------------------------------------------------
+
+
+def _speeds_after(truth: dict[int, float], n: int, noise: float, seed: int = 0) -> EngineSpeeds:
+    """EngineSpeeds fed ``n`` first tokens per engine, each engine ``truth[ep]`` times the
+    model's prediction, times log-normal noise of ``noise``."""
+    speeds = EngineSpeeds(1.1)
+    rng = random.Random(seed)
+    for _ in range(n):
+        for ep, factor in truth.items():
+            predicted = rng.uniform(0.5, 5.0)
+            speeds.add(ep, predicted * factor * math.exp(rng.gauss(0.0, noise)), predicted, 1.0)
+    return speeds
+
+
+def test_engines_alike_keep_one_model():
+    """Eight alike engines with 30 % noise on every first token: no engine leaves the band, so
+    the predictions are the one model's, float for float."""
+    speeds = _speeds_after(dict.fromkeys(range(8), 1.0), 2000, 0.3)
+    assert [speeds.slowdown(ep) for ep in range(8)] == [1.0] * 8
+    # an engine never heard from is at the model's speed
+    assert speeds.slowdown(99) == 1.0
+
+
+def test_a_mixed_fleet_is_learnt_engine_by_engine():
+    """Half the engines twice as slow as the other half: each is learnt relative to the fleet
+    (whose model, fitted to both, sits between them), to within 10 % of the true ratio."""
+    speeds = _speeds_after({0: 1.0, 1: 2.0, 2: 1.0, 3: 2.0}, 300, 0.2)
+    fast = [speeds.slowdown(ep) for ep in (0, 2)]
+    slow = [speeds.slowdown(ep) for ep in (1, 3)]
+    assert all(f < 1 / 1.1 for f in fast) and all(s > 1.1 for s in slow)
+    for s in slow:
+        for f in fast:
+            assert s / f == pytest.approx(2.0, rel=0.1)
+
+
+def test_one_wild_first_token_does_not_move_an_engine():
+    """A first token 1,000x its prediction (a stall, a clock jump) counts as at most 4x: one of
+    them among 30 ordinary ones leaves the engine at the model's speed (counted in full it
+    would put it 15 % off, past the band)."""
+    speeds = _speeds_after(dict.fromkeys(range(4), 1.0), 30, 0.0)
+    speeds.add(0, 1000.0, 1.0, 1.0)
+    assert speeds.slowdown(0) == 1.0
+    unbounded = EngineSpeeds(1.1)
+    unbounded.MAX_RATIO = 1e9
+    for ep in range(4):
+        for _ in range(30):
+            unbounded.add(ep, 1.0, 1.0, 1.0)
+    unbounded.add(0, 1000.0, 1.0, 1.0)
+    assert unbounded.slowdown(0) > 1.1
+
+
+def test_engine_speeds_refuse_a_band_that_is_no_band():
+    with pytest.raises(ValueError, match="band"):
+        EngineSpeeds(1.0)
+    speeds = EngineSpeeds(1.1)
+    for bad in ((0.0, 1.0, 1.0), (1.0, 0.0, 1.0), (1.0, 1.0, 0.0), (math.nan, 1.0, 1.0)):
+        speeds.add(0, *bad)
+    assert speeds.slowdown(0) == 1.0 and speeds.endpoints() == []
+
+
+def test_the_router_predicts_a_slower_engine_at_its_own_speed():
+    """Two engines, the second twice as slow: the default learns it from the first tokens of
+    requests that prefilled alone, and then predicts a cold prompt there at twice the time (the
+    same prompt, the same model, no queue); engines_off_speed counts both."""
+    r = make_router(workers=("w1", "w2"), router_mode="affinity", router_affinity="affinity-fitted")
+    aff = r._policy.affinity
+    chunk = r.chunk_tokens(0)
+    rng = random.Random(3)
+    factor = {"w1": 1.0, "w2": 2.0}
+    for i in range(300):
+        worker, other = ("w1", "w2") if i % 2 else ("w2", "w1")
+        blocks = rng.randint(256, 1024)  # 4-16 k tokens: prompts under a chunk weigh less
+        d = r.route(
+            RouteRequest(
+                f"q{i}",
+                tokens(blocks, start=1_000_000 * (i + 1)),
+                exclude_workers=frozenset({other}),
+            )
+        )
+        assert d.worker_id == worker
+        r._clock.advance(chunked_prefill_seconds(blocks * BS, 0.0, chunk, ENGINE) * factor[worker])
+        r.on_first_token(f"q{i}")
+        r.on_finish(f"q{i}")
+    ep1, ep2 = (r.endpoint_of(w, 0) for w in ("w1", "w2"))
+    assert aff.affinity_counters["engines_off_speed"] == 2
+    assert aff._slow(ep2) / aff._slow(ep1) == pytest.approx(2.0, rel=0.1)
+    assert r.stats()["affinity"]["engines_off_speed"] == 2
+    # a cold 100-block prompt on each idle engine: twice the time on the slower one
+    trace = SimpleNamespace(endpoints=np.array([ep1, ep2]))
+    t1, t2 = aff._predicted_ttft(trace, [0.0, 0.0], 100, 0, 1)
+    assert t2 / t1 == pytest.approx(aff._slow(ep2) / aff._slow(ep1), rel=1e-12)
+
+
+def test_one_model_for_the_fleet_when_fit_speeds_is_off():
+    r = make_router(
+        workers=("w1", "w2"),
+        router_mode="affinity",
+        router_affinity="affinity-fitted:fit_speeds=0",
+    )
+    aff = r._policy.affinity
+    assert aff._speeds is None and "engines_off_speed" not in aff.affinity_counters

@@ -144,3 +144,16 @@ def test_mocker_preset_matches_dynamos_mocker():
     # and a preset with the H200 timing is far from it: the test can tell them apart
     h200 = fit.measure(dynamo, REFERENCE)
     assert max(abs(r["ratio"] - 1) for r in h200 if r["probe"].startswith("prefill")) > 0.3
+
+
+def test_a_slower_engine_scales_every_compute_and_read_time_but_not_its_links():
+    slow = REFERENCE.slowed(2.0)
+    assert slow.prefill_ms(4096, 8192) == pytest.approx(2 * REFERENCE.prefill_ms(4096, 8192))
+    assert slow.step_ms(30.0, 8, 50_000) == pytest.approx(2 * REFERENCE.step_ms(15.0, 8, 50_000))
+    assert slow.decode_only_ms(64) == pytest.approx(2 * REFERENCE.decode_only_ms(64))
+    assert slow.reload_ms(1000) == REFERENCE.reload_ms(1000)  # host and P/D links unchanged
+    assert slow.transfer_ms(1000) == REFERENCE.transfer_ms(1000)
+    assert REFERENCE.slowed(1.0) == REFERENCE
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="factor"):
+            REFERENCE.slowed(bad)

@@ -239,3 +239,40 @@ def test_fleet_lru_hits_per_request_add_up_to_the_bound(first_800):
     # a repeated prompt right after itself hits every full block
     again = [first_800[5], first_800[5]]
     assert fleet_lru_hits(again, 1640) == [0, first_800[5].input_length // 512]
+
+
+def test_a_mixed_fleet_runs_each_engine_at_its_own_speed_and_the_default_learns_them(first_800):
+    """Every other engine at twice the step time (``ReplayConfig.slowdowns``): the same work
+    keeps the slower engines busier, and the default routing learns which ones they are from
+    their first tokens (its per-engine slowdowns, fit_speeds)."""
+    from kvplug.sim.engine import EngineConfig
+    from kvplug.sim.virtual import make_fleet
+
+    cfg = ReplayConfig(n_engines=4, slowdowns=(1.0, 2.0))
+    fleet = make_fleet(cfg)
+    assert [e.model for e in fleet[::2]] == [EngineConfig().model] * 2
+    assert [e.model for e in fleet[1::2]] == [EngineConfig().model.slowed(2.0)] * 2
+    with pytest.raises(ValueError, match="slowdowns"):
+        ReplayConfig(slowdowns=(1.0, 0.0))
+
+    pol = parse_policy("affinity-fitted")
+    make_router = pol.router_factory()
+    routers = []
+
+    def keep(*args, **kwargs):  # the replay's router, kept to read its affinity state after
+        routers.append(make_router(*args, **kwargs))
+        return routers[-1]
+
+    res = replay(
+        load_trace(limit=2500),
+        pol.router_config(512),
+        ReplayConfig(n_engines=4, slowdowns=(1.0, 2.0)),
+        policy="affinity-fitted",
+        router_factory=keep,
+    )
+    busy = [e.stats["busy_s"] / max(e.stats["prefill_tokens"], 1) for e in res.engines]
+    assert min(busy[1::2]) > 1.5 * max(busy[::2])  # busier per prefilled token
+    aff = routers[0]._policy.affinity
+    slow = [aff._slow(routers[0].endpoint_of(e.worker_id, 0)) for e in res.engines]
+    assert aff.affinity_counters["engines_off_speed"] == 4
+    assert min(slow[1::2]) / max(slow[::2]) > 1.5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -83,6 +84,14 @@ def _add_fleet_args(
         "causal rate, 8.7e-7 ms) or cached (the cached-prefill fit, 2.45e-6 ms): the two ends "
         "of what the H200 calibration allows; or mocker: the step timing of Dynamo's mocker "
         "engine, as measured (docs/sim.md)",
+    )
+    g.add_argument(
+        "--slowdowns",
+        default="",
+        metavar="F[,F...]",
+        help="a mixed fleet: engine i's step times are the model's times the i-th factor, the "
+        "list repeated over the engines (e.g. 1,2: every other engine twice as slow; default: "
+        "every engine alike)",
     )
     r = p.add_argument_group("the router's view of the fleet (default: ideal)")
     r.add_argument(
@@ -165,6 +174,7 @@ def _spec(args, policies):
                     "keep no load tracker to fold into); use --replica-sync off"
                 )
     link = _link(args)
+    slowdowns = _slowdowns(getattr(args, "slowdowns", ""))
     try:
         if args.workload:
             from kvplug.sim.traces import parse_workload
@@ -197,6 +207,7 @@ def _spec(args, policies):
         sync_delay_s=sync_delay,
         spread_arrivals=getattr(args, "spread_arrivals", False),
         pick_stats=replicas > 1,
+        slowdowns=slowdowns,
     )
 
 
@@ -232,6 +243,19 @@ _LINK_FLAGS = {
     "metrics_period": "attribute_period_s",
     "report_delay": "report_delay_s",
 }
+
+
+def _slowdowns(text: str) -> tuple[float, ...]:
+    """``--slowdowns 1,2`` -> (1.0, 2.0); UsageError on anything else."""
+    if not text.strip():
+        return ()
+    try:
+        factors = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        factors = ()
+    if not factors or not all(f > 0 and math.isfinite(f) for f in factors):
+        raise UsageError(f"--slowdowns: expected factors > 0 separated by commas, got {text!r}")
+    return factors
 
 
 def _link(args):
