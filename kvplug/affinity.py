@@ -72,7 +72,12 @@ from typing import Any
 import numpy as np
 from sortedcontainers import SortedList
 
-from kvplug.prefill_fit import FULL_WEIGHT_TOKENS, EngineSpeeds, OnlinePrefillFit
+from kvplug.prefill_fit import (
+    FULL_WEIGHT_TOKENS,
+    SPEED_MIN_SHARE,
+    EngineSpeeds,
+    OnlinePrefillFit,
+)
 from kvplug.prefill_model import H200_LLAMA8B
 from kvplug.request import RouteRequest
 
@@ -651,11 +656,15 @@ class Affinity:
         self, ep: int, new: float, cached: float, chunk: float, seconds: float
     ) -> None:
         """``fit_speeds``: one first token of ``ep`` against the model's prediction, weighed as
-        the fit weighs it; the engine's slowdown follows."""
+        the fit weighs it; the engine's slowdown follows. A prompt under a quarter of a chunk
+        is left out: its first token is timed by the step it joins, and at under 1/16 of a
+        sample's weight it would cost a chat workload's every first token for next to nothing."""
         assert self._speeds is not None
+        share = new / (chunk if chunk > 0 else FULL_WEIGHT_TOKENS)
+        if share < SPEED_MIN_SHARE:
+            return
         predicted = chunked_prefill_seconds(new, cached, chunk, self._prefill_model)
-        weight = min(1.0, new / (chunk if chunk > 0 else FULL_WEIGHT_TOKENS)) ** 2
-        self._speeds.add(ep, seconds, predicted, weight)
+        self._speeds.add(ep, seconds, predicted, min(1.0, share) ** 2)
         self._set_slowdown(ep, self._speeds.slowdown(ep))
 
     def _set_slowdown(self, ep: int, factor: float) -> None:
@@ -668,9 +677,11 @@ class Affinity:
             if table is not None:
                 grown[: len(table)] = table
             self._slowdowns = table = grown
-        if table.item(ep) != factor:
+        old = table.item(ep)
+        if old != factor:
             table[ep] = factor
-            self.affinity_counters["engines_off_speed"] = int(np.count_nonzero(table != 1.0))
+            if (old == 1.0) != (factor == 1.0):  # an engine joins or leaves those off speed
+                self.affinity_counters["engines_off_speed"] += 1 if old == 1.0 else -1
 
     def _slow(self, ep: int) -> float:
         """``ep``'s step times over the prefill model's (``fit_speeds``; else 1.0)."""

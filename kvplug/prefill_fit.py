@@ -180,6 +180,8 @@ class OnlinePrefillFit:
 # replaced by another is learnt again), the fleet's with HALF_LIFE
 SPEED_PRIOR_WEIGHT = 20.0
 SPEED_HALF_LIFE = 500.0
+# and a first token teaches its engine's speed only from a quarter of a chunk of new tokens up
+SPEED_MIN_SHARE = 0.25
 
 
 class EngineSpeeds:
