@@ -78,6 +78,7 @@ ROUTERS = (
     "kvplug-kv",
     "kvplug-protect",
     "kvplug-balance",
+    "kvplug-one-model",
 )
 
 
@@ -97,6 +98,8 @@ def router_command(name: str, port: int, servers: list[SimServer], opts: FleetOp
             cmd += ["--router-affinity", "affinity-protect"]
         if name == "kvplug-balance":  # the default before its prefill model was fitted
             cmd += ["--router-affinity", "affinity-balance"]
+        if name == "kvplug-one-model":  # the default with one prefill model for every engine
+            cmd += ["--router-affinity", "affinity-fitted:fit_speeds=0"]
         cmd += ["--admin-port", str(free_ports(1)[0]), "--kv-block-size", str(opts.block_size)]
         for u in urls:
             cmd += ["--worker", u]
@@ -124,6 +127,7 @@ async def run_router(name: str, args, records, texts, log_dir: Path) -> dict:
         speed=args.speed,
         capacity_blocks=args.capacity_blocks,
         block_hashes="vllm",  # vLLM's defaults: sha256, seed "vllm-none-hash", topic ""
+        slowdowns=args.slowdowns,
     )
     servers = await start_fleet(SimServer, base, ports)
     port = ports[-1]
@@ -190,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16, help="engine block size")
     p.add_argument("--capacity-blocks", type=int, default=None)
     p.add_argument("--speed", type=float, default=1.0, help="engine model speed (wall)")
+    p.add_argument(
+        "--slowdowns",
+        type=lambda text: tuple(float(x) for x in text.split(",")),
+        default=(),
+        help="a mixed fleet: engine i's step times x the i-th factor (e.g. 1,2)",
+    )
     p.add_argument("--speedup", type=float, default=1.0, help="trace arrival compression")
     p.add_argument("--max-output", type=int, default=64, help="cap on output tokens")
     p.add_argument("--request-timeout", type=float, default=600.0)

@@ -976,6 +976,46 @@ def dynamo_replay_text() -> list:
     return [*out, max(gaps), max(p99_gap)]
 
 
+def mixed_fleet_text() -> list:
+    """bench_fleet_conditions.py --conditions mixed: the mixed runs (not the fleet slower alike),
+    those where the default meets the bar and its p99 is over kv's, the same for the default with
+    one prefill model (fit_speeds=0) and by how much at most; no other router's policy meets it
+    and none beats the default. Then same_decisions.py: the replays where the two decide alike."""
+    one = f"{DEFAULT}:fit_speeds=0"  # bench_fleet_conditions.ONE_MODEL
+    data = load("benchmarks/results/fleet_conditions_mixed.json")
+    runs = [r for r in data["runs"] if "alike" not in r["condition"]]
+    others = [p for p in data["args"]["policies"] if p not in (DEFAULT, one, PREVIOUS, "kv")]
+    assert not any(meets_bar(r["verdicts"][p]) for r in runs for p in others), "the paragraph"
+    assert not any(r["beaten_by"] for r in runs), "the paragraph: no policy beats it"
+
+    def over(policy: str) -> list[float]:
+        return [
+            r["verdicts"][policy]["ttft_p99_vs_kv"]
+            for r in runs
+            if r["verdicts"][policy]["ttft_p99_vs_kv"] > 1
+        ]
+
+    same = load("benchmarks/results/same_decisions_fit_speeds.json")
+    assert same["policies"] == [DEFAULT, one]
+    assert [r["run"] for r in same["runs"] if not r["same"]] == [
+        "dynamo replay: 4 engines, mocker"
+    ], "the paragraph names the one replay that differs"
+    return [
+        *[SKIP] * 11,  # the seeds and the fleets' speeds, as the command sets them
+        len(runs),
+        sum(meets_bar(r["verdicts"][DEFAULT]) for r in runs),
+        len(over(DEFAULT)),
+        sum(meets_bar(r["verdicts"][one]) for r in runs),
+        len(over(one)),
+        100 * (max(over(one)) - 1),
+        SKIP,  # issue 14
+        SKIP,  # the band, 1.1x
+        len(same["runs"]),
+        same["same"],
+        SKIP,  # 4-engine
+    ]
+
+
 PARAGRAPHS = {
     "Side by side in the same runs": frontend_text,
     "In the realistic router view": realistic_text,
@@ -985,6 +1025,7 @@ PARAGRAPHS = {
     "The replayed baselines agree with the live processes": live_routers_text,
     "Under fleet conditions nothing was tuned on": fleet_text,
     "Judged by Dynamo's own simulator": dynamo_replay_text,
+    "On fleets whose engines run at different speeds": mixed_fleet_text,
 }
 
 

@@ -96,3 +96,19 @@ def test_bench_steptime_and_realism_flags_reach_the_replay(tmp_path):
     assert report["results"][0]["event_batches"] > 0
     for bad in (["--steptime", "fast"], ["--event-loss", "1.5"]):
         assert main(["bench", "--limit", "5", "--json", "", "--no-progress", *bad]) == 2
+
+
+def test_bench_slowdowns_make_a_mixed_fleet(tmp_path, capsys):
+    """``--slowdowns 1,2``: every other engine twice as slow, recorded in the report; bad lists
+    are usage errors before any replay."""
+    out = tmp_path / "m.json"
+    argv = ["bench", "--limit", "200", "--engines", "4", "--policies", "round-robin"]
+    argv += ["--jobs", "1", "--no-progress", "--json", str(out), "--slowdowns", "1,2"]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["spec"]["slowdowns"] == [1.0, 2.0]
+    capsys.readouterr()
+    for bad in ("1,0", "fast", "1,,2", "-1", "nan"):
+        argv = ["bench", "--limit", "5", "--json", "", "--no-progress", "--slowdowns", bad]
+        assert main(argv) == 2
+        assert "--slowdowns" in capsys.readouterr().err

@@ -292,3 +292,12 @@ async def test_an_engine_failure_ends_requests_instead_of_hanging_them(fleet):
         ) as r:
             assert (await r.json())["usage"]["completion_tokens"] == 3
     assert server.counters["engine_errors"] == 1
+
+
+def test_a_mixed_fleet_serves_each_engine_at_its_speed():
+    """``kvplug sim --slowdowns 1,3``: every other engine steps with the model's times x3."""
+    from kvplug.sim.steptime import REFERENCE
+
+    opts = FleetOptions(engines=4, slowdowns=(1.0, 3.0))
+    assert [opts.model_of(i) for i in range(4)] == [REFERENCE, REFERENCE.slowed(3.0)] * 2
+    assert FleetOptions(engines=2).model_of(1) == REFERENCE

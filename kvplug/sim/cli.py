@@ -489,6 +489,13 @@ def _register_sim(sub) -> None:
         default=1.0,
         help="virtual seconds per wall second (2 = twice as fast as the modelled GPU)",
     )
+    p.add_argument(
+        "--slowdowns",
+        default="",
+        metavar="F[,F...]",
+        help="a mixed fleet: engine i's step times are the model's times the i-th factor, the "
+        "list repeated over the engines (e.g. 1,2; default: every engine alike)",
+    )
     p.add_argument("--model", default="sim-llama-3-8b", help="model name served")
     p.add_argument(
         "--block-hashes",
@@ -565,6 +572,7 @@ def _cmd_sim(args) -> int:
         hash_algo=args.hash_algo,
         hash_seeds=seeds,
         hash_form=args.hash_form,
+        slowdowns=_slowdowns(args.slowdowns),
     )
     import zmq
 

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from kvplug.events import BlockMoved, BlockStored, KvEvent
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
-from kvplug.sim.steptime import capacity_blocks
+from kvplug.sim.steptime import REFERENCE, StepTimeModel, capacity_blocks
 from kvplug.sim.traces import output_tokens
 from kvplug.sim.vllm_hashes import DEFAULT_SEED, VllmBlockHasher, low64
 
@@ -133,6 +133,13 @@ class FleetOptions:
     # how events carry a vLLM hash: "uint64" (low 64 bits, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1,
     # vLLM's default) or "bytes" (the 32-byte digest)
     hash_form: str = "uint64"
+    # a mixed fleet: engine i's step times are the model's times slowdowns[i % len] (empty: alike)
+    slowdowns: tuple[float, ...] = ()
+
+    def model_of(self, index: int) -> StepTimeModel:
+        """Engine ``index``'s step-time model: the reference, scaled in a mixed fleet."""
+        factor = self.slowdowns[index % len(self.slowdowns)] if self.slowdowns else 1.0
+        return REFERENCE if factor == 1.0 else REFERENCE.slowed(factor)
 
     def seed_of(self, index: int) -> str:
         return self.hash_seeds[index] if len(self.hash_seeds) > 1 else self.hash_seeds[0]
@@ -199,6 +206,7 @@ class SimServer:
                 max_batched_tokens=opts.max_batched_tokens,
                 events_with_tokens=True,
                 fast_forward=False,
+                model=opts.model_of(index),
             ),
         )
         self.port = opts.base_port + index
