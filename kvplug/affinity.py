@@ -314,9 +314,10 @@ AFFINITY_PRESETS["affinity-balance"] = {
 # affinity-balance predicting with a prefill model fitted to the engines' first tokens (issue
 # 14's twenty-second pass; the default routing since its twenty-fourth: it meets the routing bar
 # in more runs, docs/sim.md, *The default since issue 14's twenty-fourth pass*), each engine at
-# its own speed once it is a tenth off the fleet's (issue 14's twenty-fifth pass: engines that
-# are alike stay within ~4 % of each other in replays, so there it routes exactly as one model
-# does; a fleet of mixed speeds is predicted engine by engine, docs/sim.md, *Mixed fleets*)
+# its own speed once it is a tenth off the fleet's (issue 14's twenty-fifth pass: the estimates
+# of engines that are alike stay within 1-6 % of the fleet's in replays, so there it routes as
+# one model does; a fleet of mixed speeds is predicted engine by engine, docs/sim.md, *Mixed
+# fleets*)
 AFFINITY_PRESETS["affinity-fitted"] = {
     **AFFINITY_PRESETS["affinity-balance"],
     "fit_prefill": True,
