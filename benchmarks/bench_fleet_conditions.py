@@ -13,7 +13,7 @@ any, beat it on both axes at once (more hits and a TTFT p99 no higher).
     python benchmarks/bench_fleet_conditions.py --seeds 1 2 3   # each run at three replay seeds
     python benchmarks/bench_fleet_conditions.py --conditions mixed    # engines of mixed speeds
 
-Prints a Markdown table; writes ``benchmarks/results/fleet_conditions.json``.
+Prints a Markdown table; writes ``benchmarks/results/fleet_conditions{,_mixed}.json``.
 """
 
 from __future__ import annotations

@@ -189,7 +189,8 @@ class EngineSpeeds:
     learns from: a fleet of different GPUs (or of engines serving at different parallelism) is
     one model fitted to all of them, which predicts the slower ones short and the faster ones
     long. Per sample, the log of its time over the current model's prediction, weighed as the
-    fit weighs it (prompts under a chunk by their share of one, squared) and held within
+    caller says (the affinity guard: as the fit weighs a prompt, by its share of a chunk squared,
+    prompts under a quarter of a chunk left out) and held within
     ``1 / MAX_RATIO`` .. ``MAX_RATIO``; an engine's slowdown is its weighted mean log ratio less
     the fleet's, shrunk towards the fleet's and applied only once it is more than ``band``
     times off (so engines that are alike, whose estimates scatter by a few per cent, keep 1.0

@@ -252,8 +252,9 @@ def test_a_mixed_fleet_runs_each_engine_at_its_own_speed_and_the_default_learns_
     fleet = make_fleet(cfg)
     assert [e.model for e in fleet[::2]] == [EngineConfig().model] * 2
     assert [e.model for e in fleet[1::2]] == [EngineConfig().model.slowed(2.0)] * 2
-    with pytest.raises(ValueError, match="slowdowns"):
-        ReplayConfig(slowdowns=(1.0, 0.0))
+    for bad in ((1.0, 0.0), (float("inf"),), (float("nan"), 1.0)):
+        with pytest.raises(ValueError, match="slowdowns"):
+            ReplayConfig(slowdowns=bad)
 
     pol = parse_policy("affinity-fitted")
     make_router = pol.router_factory()

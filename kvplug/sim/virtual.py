@@ -95,8 +95,8 @@ class ReplayConfig:
             raise ValueError("replicas must be >= 1")
         if not self.sync_delay_s >= 0:
             raise ValueError("sync_delay_s must be >= 0")
-        if not all(f > 0 for f in self.slowdowns):
-            raise ValueError("slowdowns must be > 0")
+        if not all(0 < f < math.inf for f in self.slowdowns):
+            raise ValueError("slowdowns must be finite and > 0")
 
 
 @dataclass
