@@ -67,6 +67,7 @@ from bench_sglang_router import (  # noqa: E402
 )
 
 from kvplug.sim.server import FleetOptions, SimServer  # noqa: E402
+from kvplug.sim.steptime import parse_slowdowns  # noqa: E402
 from kvplug.sim.traces import load_trace, parse_workload  # noqa: E402
 from kvplug.testing import free_ports  # noqa: E402
 
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed", type=float, default=1.0, help="engine model speed (wall)")
     p.add_argument(
         "--slowdowns",
-        type=lambda text: tuple(float(x) for x in text.split(",")),
+        type=parse_slowdowns,
         default=(),
         help="a mixed fleet: engine i's step times x the i-th factor (e.g. 1,2)",
     )

@@ -72,12 +72,7 @@ from typing import Any
 import numpy as np
 from sortedcontainers import SortedList
 
-from kvplug.prefill_fit import (
-    FULL_WEIGHT_TOKENS,
-    SPEED_MIN_SHARE,
-    EngineSpeeds,
-    OnlinePrefillFit,
-)
+from kvplug.prefill_fit import SPEED_MIN_SHARE, EngineSpeeds, OnlinePrefillFit, chunk_share
 from kvplug.prefill_model import H200_LLAMA8B
 from kvplug.request import RouteRequest
 
@@ -661,7 +656,7 @@ class Affinity:
         is left out: its first token is timed by the step it joins, and at under 1/16 of a
         sample's weight it would cost a chat workload's every first token for next to nothing."""
         assert self._speeds is not None
-        share = new / (chunk if chunk > 0 else FULL_WEIGHT_TOKENS)
+        share = chunk_share(new, chunk)
         if share < SPEED_MIN_SHARE:
             return
         predicted = chunked_prefill_seconds(new, cached, chunk, self._prefill_model)

@@ -46,6 +46,13 @@ FAST_FLOOR = 0.25
 _N = 4  # fitted terms: a constant per request, then the three of the prefill model
 
 
+def chunk_share(new: float, chunk: float) -> float:
+    """A prompt's new tokens as a share of its engine's chunk (of FULL_WEIGHT_TOKENS when the
+    chunk is unknown): the fit weighs a first token by its square up to one, the speed estimate
+    also leaves out those under SPEED_MIN_SHARE."""
+    return new / (chunk if chunk > 0 else FULL_WEIGHT_TOKENS)
+
+
 def prefill_features(new: float, cached: float, chunk: float) -> tuple[float, float, float]:
     """(new tokens, the sum of each chunk's new tokens squared, the (new, context) token pairs
     over the chunks): the terms ``chunked_prefill_seconds`` multiplies by a, b and c. That
@@ -117,7 +124,7 @@ class OnlinePrefillFit:
         # predict the long prefills the guard turns on 3-9 % short, its context cost 6-36 %
         # low; docs/sim.md)
         if self.weigh_short:
-            w *= min(1.0, new / (chunk if chunk > 0 else FULL_WEIGHT_TOKENS)) ** 2
+            w *= min(1.0, chunk_share(new, chunk)) ** 2
         terms = [w * x[i] * x[j] for i in range(_N) for j in range(i, _N)]
         terms += [w * v * y for v in x]
         d = self._decay

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -247,15 +246,14 @@ _LINK_FLAGS = {
 
 def _slowdowns(text: str) -> tuple[float, ...]:
     """``--slowdowns 1,2`` -> (1.0, 2.0); UsageError on anything else."""
-    if not text.strip():
-        return ()
+    from kvplug.sim.steptime import parse_slowdowns
+
     try:
-        factors = tuple(float(x) for x in text.split(","))
+        return parse_slowdowns(text)
     except ValueError:
-        factors = ()
-    if not factors or not all(f > 0 and math.isfinite(f) for f in factors):
-        raise UsageError(f"--slowdowns: expected factors > 0 separated by commas, got {text!r}")
-    return factors
+        raise UsageError(
+            f"--slowdowns: expected factors > 0 separated by commas, got {text!r}"
+        ) from None
 
 
 def _link(args):

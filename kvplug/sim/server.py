@@ -31,7 +31,7 @@ from aiohttp import web
 
 from kvplug.events import BlockMoved, BlockStored, KvEvent
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
-from kvplug.sim.steptime import REFERENCE, StepTimeModel, capacity_blocks
+from kvplug.sim.steptime import REFERENCE, StepTimeModel, capacity_blocks, engine_model
 from kvplug.sim.traces import output_tokens
 from kvplug.sim.vllm_hashes import DEFAULT_SEED, VllmBlockHasher, low64
 
@@ -138,8 +138,7 @@ class FleetOptions:
 
     def model_of(self, index: int) -> StepTimeModel:
         """Engine ``index``'s step-time model: the reference, scaled in a mixed fleet."""
-        factor = self.slowdowns[index % len(self.slowdowns)] if self.slowdowns else 1.0
-        return REFERENCE if factor == 1.0 else REFERENCE.slowed(factor)
+        return engine_model(REFERENCE, self.slowdowns, index)
 
     def seed_of(self, index: int) -> str:
         return self.hash_seeds[index] if len(self.hash_seeds) > 1 else self.hash_seeds[0]

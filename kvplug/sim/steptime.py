@@ -26,6 +26,7 @@ keeps them in step):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 LINEAR_MS = 0.0282  # per new token (cold fit)
@@ -170,6 +171,29 @@ def parse_steptime(text: str) -> StepTimeModel:
         f"--steptime {text!r}: expected one of {', '.join([*PRESETS, *MODEL_PRESETS])} or "
         "ctx=MS_PER_TOKEN_PAIR (>= 0)"
     )
+
+
+def parse_slowdowns(text: str) -> tuple[float, ...]:
+    """``1,2`` -> (1.0, 2.0) (``--slowdowns``; '' -> (): every engine alike); ValueError unless
+    every factor is finite and > 0."""
+    if not text.strip():
+        return ()
+    factors = tuple(float(x) for x in text.split(","))  # ValueError on a word or a gap
+    check_slowdowns(factors)
+    return factors
+
+
+def check_slowdowns(factors: tuple[float, ...]) -> None:
+    """ValueError unless every factor is finite and > 0 (NaN is not)."""
+    if not all(0 < f < math.inf for f in factors):
+        raise ValueError(f"slowdowns must be finite and > 0, got {factors!r}")
+
+
+def engine_model(model: StepTimeModel, slowdowns: tuple[float, ...], i: int) -> StepTimeModel:
+    """Engine ``i``'s step-time model in a fleet of ``slowdowns`` (the list repeated over the
+    engines; empty: every engine runs ``model``)."""
+    factor = slowdowns[i % len(slowdowns)] if slowdowns else 1.0
+    return model if factor == 1.0 else model.slowed(factor)
 
 
 # KV capacity of the reference setup: ~110 GB of the H200's 141 GB for KV at 128 KiB per token

@@ -33,6 +33,7 @@ import numpy as np
 
 from kvplug.errors import InvalidRequest, RoutingError
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
+from kvplug.sim.steptime import check_slowdowns, engine_model
 from kvplug.sim.traces import TraceRecord, block_hashes_of, expand_tokens
 from kvplug.sim.transport import EventLink, LinkConfig
 
@@ -95,8 +96,7 @@ class ReplayConfig:
             raise ValueError("replicas must be >= 1")
         if not self.sync_delay_s >= 0:
             raise ValueError("sync_delay_s must be >= 0")
-        if not all(0 < f < math.inf for f in self.slowdowns):
-            raise ValueError("slowdowns must be finite and > 0")
+        check_slowdowns(self.slowdowns)
 
 
 @dataclass
@@ -128,10 +128,8 @@ def make_fleet(cfg: ReplayConfig) -> list[SimEngine]:
 
 def engine_config(cfg: ReplayConfig, i: int) -> EngineConfig:
     """Engine i's configuration: the fleet's, its step times scaled in a mixed fleet."""
-    if not cfg.slowdowns or cfg.slowdowns[i % len(cfg.slowdowns)] == 1.0:
-        return cfg.engine
-    factor = cfg.slowdowns[i % len(cfg.slowdowns)]
-    return replace(cfg.engine, model=cfg.engine.model.slowed(factor))
+    model = engine_model(cfg.engine.model, cfg.slowdowns, i)
+    return cfg.engine if model is cfg.engine.model else replace(cfg.engine, model=model)
 
 
 def replay(
