@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import lzma
 
 import numpy as np
 import pytest
@@ -48,6 +49,28 @@ def test_slicing_and_rebasing(tmp_path):
     assert (
         len(load_trace(p, duration_s=2.0)) == 2
     )  # trace time [0, 2) s and len(load_trace(p, limit=1)) == 1
+
+
+def test_xz_traces_read_as_gzip_ones_do(tmp_path):
+    text = "".join(json.dumps(r) + "\n" for r in RECS)
+    gz, xz = tmp_path / "t.jsonl.gz", tmp_path / "t.jsonl.xz"
+    _write(gz, RECS, gz=True)
+    xz.write_bytes(lzma.compress(text.encode()))
+    assert load_trace(xz) == load_trace(gz) and len(load_trace(xz)) == 3
+
+
+@pytest.mark.parametrize("suffix, pack", [(".gz", gzip.compress), (".xz", lzma.compress)])
+def test_a_broken_compressed_trace_is_a_value_error_naming_the_file(tmp_path, suffix, pack):
+    # many records, so the break comes after the first ones were read
+    text = "".join(json.dumps(RECS[i % 3]) + "\n" for i in range(3000)).encode()
+    truncated = tmp_path / f"cut.jsonl{suffix}"
+    truncated.write_bytes(pack(text)[:-40])
+    with pytest.raises(ValueError, match=r"cut.jsonl.*unreadable trace file"):
+        list(iter_trace(truncated))
+    not_packed = tmp_path / f"plain.jsonl{suffix}"  # plain JSON under a compressed name
+    not_packed.write_bytes(text)
+    with pytest.raises(ValueError, match=r"plain.jsonl.*:1: unreadable trace file"):
+        list(iter_trace(not_packed))
 
 
 def test_bad_lines_name_their_line(tmp_path):

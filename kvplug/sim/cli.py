@@ -219,7 +219,7 @@ def _check_trace(path: str) -> None:
         raise UsageError(f"--trace {path}: no such file")
     try:
         next(iter_trace(path), None)
-    except (ValueError, OSError, EOFError) as exc:  # EOFError: a truncated .gz
+    except (ValueError, OSError) as exc:  # OSError: unreadable; a broken .gz/.xz is a ValueError
         raise UsageError(f"--trace {path} is not a Mooncake JSONL trace: {exc}") from None
 
 
