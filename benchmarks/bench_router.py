@@ -13,7 +13,8 @@ Also measured: decisions with ``--inflight`` requests kept in flight (each decis
 the oldest), so the active-block dedup (``--router-assume-kv-reuse``, on by default) walks a
 populated trie of shared document prefixes, and the same with the flag off; the default routing
 (``kvplug serve`` with no ``--router-mode``: kv's cost, then the affinity decision in Python) with
-the same requests in flight; the same kv
+the same requests in flight, and beside it the default before issue 14's twenty-fourth pass
+(``affinity-balance``: no fitted prefill model), the two taking turns; the same kv
 decision with busy thresholds and an attribute threshold
 (``gpu_utilization<=0.9``, all fresh, nobody over) configured, i.e. the cost of the filters;
 and approximate mode (no events: each decision also records its prompt in the side index).
@@ -51,6 +52,7 @@ from kvplug.router import Router  # noqa: E402
 from kvplug.workers import Worker  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "bench_router.json"
+PREVIOUS_DEFAULT_AFFINITY = "affinity-balance"  # the default before issue 14's 24th pass
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -154,7 +156,12 @@ def time_floor(r: Router, prompts: list[np.ndarray], n: int) -> tuple[list[float
 
 
 def measure(
-    n: int, args, docs: list[np.ndarray], prompts: list[np.ndarray], rng: np.random.Generator
+    n: int,
+    args,
+    docs: list[np.ndarray],
+    prompts: list[np.ndarray],
+    rng: np.random.Generator,
+    previous_first: bool = False,
 ) -> dict:
     """One round at ``n`` workers: a fresh fleet and index, every decision kind timed."""
     t0 = time.perf_counter()
@@ -210,20 +217,32 @@ def measure(
     # the default routing (kvplug serve with no --router-mode: kv's cost, then the affinity
     # decision), the same fleet and index, with requests in flight
     defaults = RouterConfig()
-    rd = Router(
-        RouterConfig(
-            kv_block_size=args.block_size,
-            router_mode=defaults.router_mode,
-            router_affinity=defaults.router_affinity,
-            router_max_prompt_tokens=max(args.prompt_tokens, 1 << 20),
-        ),
-        rng=random.Random(n),
-        index=r.index,
-    )
-    for w in r.workers.values():
-        rd.add_worker(w)
-    time_route_inflight(rd, prompts, warm, args.inflight)
-    default_inflight = time_route_inflight(rd, prompts, args.decisions, args.inflight)
+
+    def affinity_router(affinity: str, like: Router) -> Router:
+        router = Router(
+            RouterConfig(
+                kv_block_size=args.block_size,
+                router_mode=defaults.router_mode,
+                router_affinity=affinity,
+                router_max_prompt_tokens=max(args.prompt_tokens, 1 << 20),
+            ),
+            rng=random.Random(n),
+            index=like.index,
+        )
+        for w in like.workers.values():
+            router.add_worker(w)
+        time_route_inflight(router, prompts, warm, args.inflight)
+        return router
+
+    # and the default before issue 14's twenty-fourth pass (no fitted prefill model, no
+    # per-engine speeds) on the same fleet and index: what the fit costs a decision. The two
+    # take turns going first, round by round
+    rd = affinity_router(defaults.router_affinity, r)
+    rp = affinity_router(PREVIOUS_DEFAULT_AFFINITY, r)
+    timed = {}
+    for router in (rp, rd) if previous_first else (rd, rp):
+        timed[id(router)] = time_route_inflight(router, prompts, args.decisions, args.inflight)
+    default_inflight, previous_inflight = timed[id(rd)], timed[id(rp)]
     rr = build(n, "round-robin", args, docs, rng, seed=n)
     time_route(rr, prompts, warm)
     base = time_route(rr, prompts, args.decisions)
@@ -244,6 +263,9 @@ def measure(
         "default_mode": f"{defaults.router_mode}:{defaults.router_affinity}",
         "default_inflight_median_us": statistics.median(default_inflight),
         "default_inflight_p99_us": percentile(default_inflight, 0.99),
+        "previous_default_mode": f"{defaults.router_mode}:{PREVIOUS_DEFAULT_AFFINITY}",
+        "previous_default_inflight_median_us": statistics.median(previous_inflight),
+        "previous_default_inflight_p99_us": percentile(previous_inflight, 0.99),
         "active_trie_nodes_after": active_nodes,
         "kv_with_filters_median_us": statistics.median(kv_filtered),
         "kv_with_filters_p99_us": percentile(kv_filtered, 0.99),
@@ -258,7 +280,7 @@ def measure(
     }
     row["kv_over_round_robin"] = row["kv_median_us"] / row["round_robin_median_us"]
     row["kv_over_hash_query"] = row["kv_median_us"] / row["hash_query_median_us"]
-    del r, rf, ra, rr, rn, rd
+    del r, rf, ra, rr, rn, rd, rp
     return row
 
 
@@ -307,12 +329,12 @@ def main(argv: list[str] | None = None) -> int:
     per_round: dict[int, list[dict]] = {n: [] for n in args.workers}
     for k in range(args.rounds):
         for n in args.workers:
-            per_round[n].append(measure(n, args, docs, prompts, rng))
+            per_round[n].append(measure(n, args, docs, prompts, rng, previous_first=k % 2 == 1))
             print(f"round {k + 1}/{args.rounds}: {n} workers done", file=sys.stderr, flush=True)
     rows = [median_row(per_round[n]) for n in args.workers]
     hdr = (
         f"{'workers':>7} {'entries':>9} {'kv med':>8} {'kv p99':>8} {'inflight':>8} "
-        f"{'no-reuse':>8} {'default':>8} {'+filters':>8} {'approx':>7} "
+        f"{'no-reuse':>8} {'default':>8} {'previous':>8} {'+filters':>8} {'approx':>7} "
         f"{'hash':>7} {'query':>7} "
         f"{'overhead':>8} {'rr med':>7} {'kv/rr':>6}"
     )
@@ -326,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{x['workers']:>7} {x['indexed_entries']:>9} {x['kv_median_us']:>8.1f} "
             f"{x['kv_p99_us']:>8.1f} {x['kv_inflight_median_us']:>8.1f} "
             f"{x['kv_inflight_no_reuse_median_us']:>8.1f} {x['default_inflight_median_us']:>8.1f} "
+            f"{x['previous_default_inflight_median_us']:>8.1f} "
             f"{x['kv_with_filters_median_us']:>8.1f} "
             f"{x['approx_median_us']:>7.1f} "
             f"{x['hash_median_us']:>7.1f} {x['query_median_us']:>7.1f} "

@@ -75,6 +75,22 @@ def verdict(report: dict, policy: str, reference: str = "kv") -> dict | None:
     return out
 
 
+def beaten_by(results: list[dict], policy: str) -> list[str]:
+    """The policies with more hits than ``policy`` at a TTFT p99 no higher than its: the ones
+    that beat it on both axes of the frontier (none: it leads the frontier in that run)."""
+    by = {r["policy"]: r for r in results}
+    if policy not in by:
+        return []
+    mine = by[policy]
+    return [
+        p
+        for p, r in by.items()
+        if p != policy
+        and r["hit_rate"] > mine["hit_rate"]
+        and r["ttft_p99_s"] <= mine["ttft_p99_s"]
+    ]
+
+
 def _near(value: float, bar: float, percent: bool) -> str:
     """The figure rounded as usual, one more digit where that rounding would hide which side
     of the bar it is on (94.96 % is not 95.0 %, 1.004x is not 1.00x)."""
@@ -87,9 +103,10 @@ def _near(value: float, bar: float, percent: bool) -> str:
 
 def verdict_table(runs: list[dict], policies: list[str]) -> str:
     """Markdown: per run, each policy's share of the bound / TTFT p99 vs kv's (bold: meets the
-    bar), then per policy how many runs meet it."""
-    head = "| workload | steptime | view | " + " | ".join(policies) + " |"
-    lines = [head, "|---|---|---|" + "---:|" * len(policies)]
+    bar) and the policies beating the first one on both axes, then per policy how many runs
+    meet the bar."""
+    head = "| workload | steptime | view | " + " | ".join(policies) + f" | beats {policies[0]} |"
+    lines = [head, "|---|---|---|" + "---:|" * len(policies) + "---|"]
     met = dict.fromkeys(policies, 0)
     for run in runs:
         cells = []
@@ -104,13 +121,17 @@ def verdict_table(runs: list[dict], policies: list[str]) -> str:
                 met[p] += 1
                 text = f"**{text}**"
             cells.append(text)
+        beaten = ", ".join(beaten_by(run["results"], policies[0])) or "none"
         lines.append(
-            f"| {run['workload']} | {run['steptime']} | {run['view']} | " + " | ".join(cells) + " |"
+            f"| {run['workload']} | {run['steptime']} | {run['view']} | "
+            + " | ".join(cells)
+            + f" | {beaten} |"
         )
+    led = sum(not beaten_by(run["results"], policies[0]) for run in runs)
     lines.append(
         "| runs meeting the bar | | | "
         + " | ".join(f"{met[p]}/{len(runs)}" for p in policies)
-        + " |"
+        + f" | {policies[0]} beaten in {len(runs) - led}/{len(runs)} |"
     )
     return "\n".join(lines)
 

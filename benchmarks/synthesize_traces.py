@@ -7,10 +7,11 @@ user reaches for: ``--synthesis-prefix-len-multiplier`` (stretch the shared pref
 ``--synthesis-prefix-root-multiplier`` (spread requests over N copies of the prefix trees) and
 ``--synthesis-speedup-ratio`` (arrival rate). This script runs AIPerf's ``Synthesizer`` on the
 Mooncake conversation trace with those knobs and writes the results into
-``benchmarks/data/aiperf/`` with a manifest (AIPerf version, parameters, seed, sha256 and
-statistics of every file; xz, which kvplug's trace reader takes like gzip). kvplug never imports AIPerf: it has heavy dependencies, so it runs in
-a venv of its own, and the traces are committed so the benchmark
-(``benchmarks/bench_routing_quality.py --trace NAME=PATH``) does not need it.
+``benchmarks/data/aiperf/`` (xz, which kvplug's trace reader takes like gzip) with a manifest
+(AIPerf version, parameters, seed, sha256 and statistics of every file). kvplug never imports
+AIPerf: it has heavy dependencies, so it runs in a venv of its own, and the traces are
+committed so the benchmark (``benchmarks/bench_routing_quality.py --trace NAME=PATH``) does not
+need it.
 
     python3 -m venv /tmp/aiperf_venv && /tmp/aiperf_venv/bin/pip install aiperf==0.13.0
     /tmp/aiperf_venv/bin/python benchmarks/synthesize_traces.py
@@ -164,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         params = dict(VARIANTS[name])
         if args.match_load:  # one pass at speedup 1 measures the shape's new-token rate
             shaped = trace_stats(synthesize(source, params, args.seed))
-            params["speedup_ratio"] = round(base["new_tokens_per_s"] / shaped["new_tokens_per_s"], 3)
+            params["speedup_ratio"] = round(
+                base["new_tokens_per_s"] / shaped["new_tokens_per_s"], 3
+            )
         trace = synthesize(source, params, args.seed)
         path = args.out / f"conversation_{name}.jsonl.xz"
         digest = write_trace(path, trace)

@@ -25,7 +25,15 @@ def test_rounds_medians_and_ranges(tmp_path):
     for row in result["rows"]:
         rounds = row["rounds"]
         assert len(rounds) == 3 and {r["workers"] for r in rounds} == {row["workers"]}
-        for key in ("kv_median_us", "default_inflight_median_us", "round_robin_median_us"):
+        # the default and the previous default, timed on the same fleet and index
+        assert row["default_mode"] == "affinity:affinity-fitted"
+        assert row["previous_default_mode"] == "affinity:affinity-balance"
+        for key in (
+            "kv_median_us",
+            "default_inflight_median_us",
+            "previous_default_inflight_median_us",
+            "round_robin_median_us",
+        ):
             values = [r[key] for r in rounds]
             assert row[key] == statistics.median(values)
             assert row[f"{key}_range"] == [min(values), max(values)]

@@ -100,6 +100,7 @@ def test_verdict_table_marks_the_runs_that_meet_the_bar_and_counts_them():
     bench = _load()
 
     def run(workload, share, p99):
+        bound, kv_p99 = 0.25, 8.0
         return {
             "workload": workload,
             "steptime": "causal",
@@ -108,6 +109,10 @@ def test_verdict_table_marks_the_runs_that_meet_the_bar_and_counts_them():
                 "kv": {"share_of_bound": 0.8, "ttft_p99_vs_kv": 1.0},
                 "new": {"share_of_bound": share, "ttft_p99_vs_kv": p99},
             },
+            "results": [
+                {"policy": "kv", "hit_rate": 0.8 * bound, "ttft_p99_s": kv_p99},
+                {"policy": "new", "hit_rate": share * bound, "ttft_p99_s": p99 * kv_p99},
+            ],
         }
 
     runs = [run("a", 0.97, 0.5), run("b", 0.9496, 0.9), run("c", 0.99, 1.004)]
@@ -116,7 +121,9 @@ def test_verdict_table_marks_the_runs_that_meet_the_bar_and_counts_them():
     # rounding would show 95.0 % and 1.00x: one more digit shows which side of the bar
     assert "94.96% / 0.90×" in lines[3] and "**" not in lines[3].split("|")[5]
     assert "99.0% / 1.004×" in lines[4] and "**" not in lines[4].split("|")[5]
-    assert lines[-1].endswith("| 0/3 | 1/3 |")
+    # "new" hits more at a lower p99 in a and b (beating kv, the first policy), not in c
+    assert [line.split("|")[6].strip() for line in lines[2:5]] == ["new", "new", "none"]
+    assert lines[-1].endswith("| 0/3 | 1/3 | kv beaten in 2/3 |")
 
 
 def test_spread_seeds_add_runs_of_the_trace_with_its_arrivals_spread(tmp_path):
