@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="another Mooncake-format trace (JSONL, .gz) as workload NAME; repeatable, and "
+        help="another Mooncake-format trace (JSONL, .gz, .xz) as workload NAME; repeatable, and "
         "--workloads defaults to these alone when given",
     )
     args = ap.parse_args(argv)

@@ -29,7 +29,7 @@ def _add_fleet_args(
     g.add_argument(
         "--trace",
         default=None,
-        help="Mooncake-format JSONL(.gz); default: the bundled Mooncake FAST'25 conversation trace",
+        help="Mooncake-format JSONL (.gz, .xz); default: the bundled FAST'25 conversation trace",
     )
     g.add_argument(
         "--workload",
