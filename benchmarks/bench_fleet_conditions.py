@@ -26,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from bench_routing_quality import beaten_by  # noqa: E402
+
 from kvplug.sim.bench import BenchSpec, run_bench  # noqa: E402
 from kvplug.sim.transport import PRESETS  # noqa: E402
 
@@ -81,19 +83,12 @@ def verdicts(report: dict, policies: list[str]) -> dict:
         }
         for p in policies
     }
-    mine = by[DEFAULT]
     return {
         "bound": bound,
         "verdicts": out,
         "meets_bar": out[DEFAULT]["share_of_bound"] >= 0.95
         and out[DEFAULT]["ttft_p99_vs_kv"] <= 1.0,
-        "beaten_by": [
-            p
-            for p in policies
-            if p != DEFAULT
-            and by[p]["hit_rate"] > mine["hit_rate"]
-            and by[p]["ttft_p99_s"] <= mine["ttft_p99_s"]
-        ],
+        "beaten_by": [p for p in beaten_by(report["results"], DEFAULT) if p in policies],
     }
 
 

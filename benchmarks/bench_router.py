@@ -239,10 +239,12 @@ def measure(
     # take turns going first, round by round
     rd = affinity_router(defaults.router_affinity, r)
     rp = affinity_router(PREVIOUS_DEFAULT_AFFINITY, r)
-    timed = {}
-    for router in (rp, rd) if previous_first else (rd, rp):
-        timed[id(router)] = time_route_inflight(router, prompts, args.decisions, args.inflight)
-    default_inflight, previous_inflight = timed[id(rd)], timed[id(rp)]
+    routers = {"default": rd, "previous": rp}
+    order = ("previous", "default") if previous_first else ("default", "previous")
+    timed = {
+        k: time_route_inflight(routers[k], prompts, args.decisions, args.inflight) for k in order
+    }
+    default_inflight, previous_inflight = timed["default"], timed["previous"]
     rr = build(n, "round-robin", args, docs, rng, seed=n)
     time_route(rr, prompts, warm)
     base = time_route(rr, prompts, args.decisions)

@@ -1023,14 +1023,11 @@ def aiperf_text() -> list:
     bar; at the causal end the default's share of the bound and its p99 over kv's (how many runs,
     the small excesses and the two largest); at the cached end the five variants other than the
     copied trees. No run has the default beaten by another project's router or by kv."""
-    import json as _json
-    import sys as _sys
-
-    _sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_routing_quality import beaten_by
 
     runs = load("benchmarks/results/routing_quality_aiperf.json")["runs"]
-    manifest = _json.loads((ROOT / "benchmarks/data/aiperf/manifest.json").read_text())
+    manifest = load("benchmarks/data/aiperf/manifest.json")
     assert {r["workload"].split(" seed ")[0] for r in runs} == set(manifest["traces"])
     assert all(set(beaten_by(r["results"], DEFAULT)) <= {PREVIOUS} for r in runs), "the paragraph"
 
