@@ -14,7 +14,9 @@ the oldest), so the active-block dedup (``--router-assume-kv-reuse``, on by defa
 populated trie of shared document prefixes, and the same with the flag off; the default routing
 (``kvplug serve`` with no ``--router-mode``: kv's cost, then the affinity decision in Python) with
 the same requests in flight, and beside it the default before issue 14's twenty-fourth pass
-(``affinity-balance``: no fitted prefill model), the two taking turns; the same kv
+(``affinity-balance``: no fitted prefill model) and the default on engines registered with
+vLLM's ``--long-prefill-token-threshold`` 2048 (``capped``: its predictions in Python), the three
+taking turns; the same kv
 decision with busy thresholds and an attribute threshold
 (``gpu_utilization<=0.9``, all fresh, nobody over) configured, i.e. the cost of the filters;
 and approximate mode (no events: each decision also records its prompt in the side index).
@@ -27,6 +29,7 @@ Usage: python benchmarks/bench_router.py [--workers 8 64 512] [--blocks 1000000]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -53,6 +56,9 @@ from kvplug.workers import Worker  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "bench_router.json"
 PREVIOUS_DEFAULT_AFFINITY = "affinity-balance"  # the default before issue 14's 24th pass
+# the default routing again, its engines registered with vLLM's --long-prefill-token-threshold:
+# its predictions then run in Python (the compiled kernel has no step cap)
+CAPPED_THRESHOLD = 2048
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -161,7 +167,7 @@ def measure(
     docs: list[np.ndarray],
     prompts: list[np.ndarray],
     rng: np.random.Generator,
-    previous_first: bool = False,
+    turn: int = 0,
 ) -> dict:
     """One round at ``n`` workers: a fresh fleet and index, every decision kind timed."""
     t0 = time.perf_counter()
@@ -218,7 +224,7 @@ def measure(
     # decision), the same fleet and index, with requests in flight
     defaults = RouterConfig()
 
-    def affinity_router(affinity: str, like: Router) -> Router:
+    def affinity_router(affinity: str, like: Router, threshold: int = 0) -> Router:
         router = Router(
             RouterConfig(
                 kv_block_size=args.block_size,
@@ -230,21 +236,27 @@ def measure(
             index=like.index,
         )
         for w in like.workers.values():
+            if threshold:
+                w = dataclasses.replace(w, long_prefill_token_threshold=threshold)
             router.add_worker(w)
         time_route_inflight(router, prompts, warm, args.inflight)
         return router
 
     # and the default before issue 14's twenty-fourth pass (no fitted prefill model, no
-    # per-engine speeds) on the same fleet and index: what the fit costs a decision. The two
-    # take turns going first, round by round
+    # per-engine speeds) on the same fleet and index: what the fit costs a decision; and the
+    # default on engines with a long_prefill_token_threshold. The three take turns going first,
+    # round by round
     rd = affinity_router(defaults.router_affinity, r)
     rp = affinity_router(PREVIOUS_DEFAULT_AFFINITY, r)
-    routers = {"default": rd, "previous": rp}
-    order = ("previous", "default") if previous_first else ("default", "previous")
+    rc = affinity_router(defaults.router_affinity, r, CAPPED_THRESHOLD)
+    routers = {"default": rd, "previous": rp, "capped": rc}
+    names = list(routers)
+    order = names[turn % 3 :] + names[: turn % 3]
     timed = {
         k: time_route_inflight(routers[k], prompts, args.decisions, args.inflight) for k in order
     }
     default_inflight, previous_inflight = timed["default"], timed["previous"]
+    capped_inflight = timed["capped"]
     rr = build(n, "round-robin", args, docs, rng, seed=n)
     time_route(rr, prompts, warm)
     base = time_route(rr, prompts, args.decisions)
@@ -268,6 +280,9 @@ def measure(
         "previous_default_mode": f"{defaults.router_mode}:{PREVIOUS_DEFAULT_AFFINITY}",
         "previous_default_inflight_median_us": statistics.median(previous_inflight),
         "previous_default_inflight_p99_us": percentile(previous_inflight, 0.99),
+        "capped_threshold": CAPPED_THRESHOLD,
+        "capped_default_inflight_median_us": statistics.median(capped_inflight),
+        "capped_default_inflight_p99_us": percentile(capped_inflight, 0.99),
         "active_trie_nodes_after": active_nodes,
         "kv_with_filters_median_us": statistics.median(kv_filtered),
         "kv_with_filters_p99_us": percentile(kv_filtered, 0.99),
@@ -282,7 +297,7 @@ def measure(
     }
     row["kv_over_round_robin"] = row["kv_median_us"] / row["round_robin_median_us"]
     row["kv_over_hash_query"] = row["kv_median_us"] / row["hash_query_median_us"]
-    del r, rf, ra, rr, rn, rd, rp
+    del r, rf, ra, rr, rn, rd, rp, rc
     return row
 
 
@@ -331,12 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     per_round: dict[int, list[dict]] = {n: [] for n in args.workers}
     for k in range(args.rounds):
         for n in args.workers:
-            per_round[n].append(measure(n, args, docs, prompts, rng, previous_first=k % 2 == 1))
+            per_round[n].append(measure(n, args, docs, prompts, rng, turn=k))
             print(f"round {k + 1}/{args.rounds}: {n} workers done", file=sys.stderr, flush=True)
     rows = [median_row(per_round[n]) for n in args.workers]
     hdr = (
         f"{'workers':>7} {'entries':>9} {'kv med':>8} {'kv p99':>8} {'inflight':>8} "
-        f"{'no-reuse':>8} {'default':>8} {'previous':>8} {'+filters':>8} {'approx':>7} "
+        f"{'no-reuse':>8} {'default':>8} {'previous':>8} {'capped':>8} {'+filters':>8} "
+        f"{'approx':>7} "
         f"{'hash':>7} {'query':>7} "
         f"{'overhead':>8} {'rr med':>7} {'kv/rr':>6}"
     )
@@ -351,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{x['kv_p99_us']:>8.1f} {x['kv_inflight_median_us']:>8.1f} "
             f"{x['kv_inflight_no_reuse_median_us']:>8.1f} {x['default_inflight_median_us']:>8.1f} "
             f"{x['previous_default_inflight_median_us']:>8.1f} "
+            f"{x['capped_default_inflight_median_us']:>8.1f} "
             f"{x['kv_with_filters_median_us']:>8.1f} "
             f"{x['approx_median_us']:>7.1f} "
             f"{x['hash_median_us']:>7.1f} {x['query_median_us']:>7.1f} "

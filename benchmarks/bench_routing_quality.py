@@ -164,7 +164,16 @@ def main(argv: list[str] | None = None) -> int:
         help="another Mooncake-format trace (JSONL, .gz, .xz) as workload NAME; repeatable, and "
         "--workloads defaults to these alone when given",
     )
+    ap.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        metavar="T",
+        help="every engine runs with vLLM's --long-prefill-token-threshold T (default 0: off)",
+    )
     args = ap.parse_args(argv)
+    if args.long_prefill_token_threshold < 0:
+        ap.error("--long-prefill-token-threshold: T is >= 0")
     if any(seed < 0 for seed in args.spread_seeds):
         ap.error("--spread-seeds: seeds are >= 0")
     traces: dict[str, str] = {}
@@ -203,8 +212,14 @@ def main(argv: list[str] | None = None) -> int:
                 steptime=st,
                 spread_arrivals=seed > 0,
                 seed=seed,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
             )
-            print(f"\n== {label} | router view {view} | steptime {st}", flush=True)
+            cap = args.long_prefill_token_threshold
+            print(
+                f"\n== {label} | router view {view} | steptime {st}"
+                + (f" | long_prefill_token_threshold {cap}" if cap else ""),
+                flush=True,
+            )
             report = run_bench(spec, jobs=args.jobs, progress=False)
             print(format_table(report, markdown=True), flush=True)
             verdicts = {p: verdict(report, p) for p in args.policies}
@@ -227,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                     else 0,
                     "view": view,
                     "steptime": st,
+                    "long_prefill_token_threshold": args.long_prefill_token_threshold,
                     "trace": report["trace"],
                     "results": [
                         {k: v for k, v in r.items() if k != "series"} for r in report["results"]

@@ -164,6 +164,10 @@ class AffinityParams:
     # the longest prefix among those, then the soonest) holds at most this many fewer of its
     # blocks: a short follow-up's first chunk in that prefill's last step pushes it over the tail
     protect_blocks: float = 0.0
+    # > 0: protect_blocks for a pick whose engine caps a prompt's share of a step (its worker's
+    # long_prefill_token_threshold): there a follow-up shares every step of the prefill in the
+    # tail, not only its last, and slows it by all of its own prefill; 0: protect_blocks
+    protect_blocks_capped: float = 0.0
     # protect / protect_blocks: only a prefill predicted below this quantile of the tail pool is
     # protected (0: any in the tail): one predicted above it is in the top of the tail anyway
     protect_below: float = 0.0
@@ -237,11 +241,19 @@ class AffinityParams:
         if not self.prefill_linear_ms + self.prefill_quad_ms > 0:
             raise ValueError("affinity: prefill_linear_ms or prefill_quad_ms must be > 0")
         if (
-            min(self.read_ms, self.spread_eps, self.protect, self.protect_blocks) < 0
+            min(
+                self.read_ms,
+                self.spread_eps,
+                self.protect,
+                self.protect_blocks,
+                self.protect_blocks_capped,
+            )
+            < 0
             or min(self.balance, self.spread_churn, self.spread_lag, self.churn_cap) < 0
         ):
             raise ValueError(
-                "affinity: read_ms, spread_eps, protect, protect_blocks, balance, "
+                "affinity: read_ms, spread_eps, protect, protect_blocks, protect_blocks_capped, "
+                "balance, "
                 "spread_churn, spread_lag and churn_cap must be >= 0"
             )
         if not (self.fit_speeds == 0 or self.fit_speeds > 1):
@@ -317,6 +329,11 @@ AFFINITY_PRESETS["affinity-fitted"] = {
     **AFFINITY_PRESETS["affinity-balance"],
     "fit_prefill": True,
     "fit_speeds": 1.1,
+    # engines run with vLLM's --long-prefill-token-threshold let a follow-up start beside a
+    # long prefill instead of behind it; sharing all its steps, it slows a prefill in the tail
+    # more, so more follow-ups are kept off one (issue 14's twenty-seventh pass: on the
+    # conversation trace, 13 of 16 runs meet the bar at 96 blocks, 7 at protect_blocks' 24)
+    "protect_blocks_capped": 96,
 }
 AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
@@ -603,7 +620,9 @@ class Affinity:
         pick = self._holder_pick(inputs, trace, local, overlap, blocks, b, hashes)
         if self.params.rescue and self.params.tail:
             pick = self._rescue(trace, overlap, blocks, b if pick is None else pick)
-        if (self.params.protect or self.params.protect_blocks) and self.params.tail:
+        if (
+            self.params.protect or self.params.protect_blocks or self.params.protect_blocks_capped
+        ) and self.params.tail:
             pick = self._protect(trace, overlap, blocks, b if pick is None else pick)
         final = b if pick is None else pick  # where the request goes
         if self.params.balance:
@@ -713,12 +732,18 @@ class Affinity:
             return pick
         router = self._router
         n = len(overlap)
-        at_pick = self._queue_of(trace, int(trace.endpoints[pick]))[1]
+        pick_ep = int(trace.endpoints[pick])
+        at_pick = self._queue_of(trace, pick_ep)[1]
         if at_pick < tau:
             return pick  # the common case: no engine's prediction is needed
         if self.params.protect_below:
             if at_pick >= self._kv_ttft.quantile(self.params.protect_below):
                 return pick
+        limit = self.params.protect_blocks
+        if self.params.protect_blocks_capped and router.long_prefill_tokens(pick_ep) > 0:
+            limit = self.params.protect_blocks_capped
+        if not limit and not self.params.protect:
+            return pick  # only protect_blocks_capped is set, and this engine has no cap
         t = self._predicted_all(trace, overlap, blocks)
         eps = trace.endpoints.tolist()
         prefilling = router.load.prefilling  # an engine without prefills has none in the tail
@@ -727,12 +752,12 @@ class Affinity:
             for i in range(n)
             if eps[i] not in prefilling or self._queue_of(trace, eps[i])[1] < tau
         ]
-        if self.params.protect_blocks:
+        if limit:
             safe = [i for i in others if t[i] < tau]
             if not safe:
                 return pick
             alt = max(safe, key=lambda i: (overlap[i], -t[i]))
-            if overlap[pick] - overlap[alt] > self.params.protect_blocks:
+            if overlap[pick] - overlap[alt] > limit:
                 return pick
             self.affinity_counters["protected"] += 1
             return alt
@@ -989,7 +1014,7 @@ class Affinity:
             self._ttft = {}
         known = self._ttft
         missing = [i for i in idx if i not in known]
-        if len(missing) >= VECTOR_FROM and self._kernel is not None:
+        if len(missing) >= VECTOR_FROM and self._vector_ok():
             vector = self._predicted_many(trace, overlap, blocks, missing)
             known.update(zip(missing, vector, strict=True))
         elif missing:
@@ -1001,16 +1026,47 @@ class Affinity:
                 cached = float(overlap[i]) * bs
                 chunk = router.chunk_tokens(ep)
                 slow = self._slow(ep)
-                own = chunked_prefill_seconds(n - cached, cached, chunk, self._prefill_model) * slow
                 queued = self._queue_of(trace, ep)[0]
+                cap = router.long_prefill_tokens(ep)
+                if cap > 0 and router.load.inflight.item(ep) > 0:
+                    # the engine caps every prompt's share of a step (vLLM's
+                    # --long-prefill-token-threshold): this one starts at once, in chunks of at
+                    # most cap, and waits only for what the others compute beside it
+                    chunk = min(chunk, cap) if chunk > 0 else cap
+                    if queued > 0:
+                        queued = min(queued, self._shared_seconds(ep, n - cached, cap) * slow)
+                own = chunked_prefill_seconds(n - cached, cached, chunk, self._prefill_model) * slow
                 known[i] = queued + own + self._read_seconds(ep, n - cached, chunk) * slow
         return [known[i] for i in idx]
+
+    def _vector_ok(self) -> bool:
+        """Whether the compiled kernel may predict: it has no step cap, so not while some
+        engine has a ``long_prefill_token_threshold``."""
+        return self._kernel is not None and not self._router.long_prefill.any()
+
+    def _shared_seconds(self, ep: int, new: float, cap: float) -> float:
+        """Predicted seconds of ``ep``'s other prefills computed in the steps of a ``new``-token
+        prompt there, each prompt taking at most ``cap`` tokens a step: a prefill longer than
+        those steps' share of it counts that share of its time, a shorter one all of it."""
+        queued = self._router.load.prefilling.get(ep)
+        if not queued or new <= 0:
+            return 0.0
+        share = math.ceil(new / cap) * cap
+        chunk = self._router.chunk_tokens(ep)
+        total = 0.0
+        for r in queued.values():
+            estimate = r.prefill_estimate
+            if estimate is None or estimate[0] != chunk or estimate[3] != self._prefill_model:
+                continue  # summed by the queue (_summarise) before this is asked
+            tokens = r.prefill_tokens
+            total += estimate[1] if tokens <= share else estimate[1] * share / tokens
+        return total
 
     def _predicted_all(self, trace, overlap, blocks: int) -> list[float]:
         """``_predicted_ttft`` of every candidate, in their order (the same floats)."""
         if self._all_for is not trace:
             n = len(overlap)
-            if n >= VECTOR_FROM and self._kernel is not None:
+            if n >= VECTOR_FROM and self._vector_ok():
                 self._all = self._predicted_many(trace, overlap, blocks, None)
             else:
                 self._all = self._predicted_ttft(trace, overlap, blocks, *range(n))

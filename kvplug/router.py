@@ -139,6 +139,7 @@ class Router:
         self._side_ep = np.zeros(0, dtype=np.int64)  # endpoint id -> approx side-index id
         self.kv_capacity = np.zeros(0)
         self.max_batched = np.zeros(0)
+        self.long_prefill = np.zeros(0)  # each endpoint's long_prefill_token_threshold (0: off)
         self._is_cpu = np.zeros(0, dtype=bool)
         self.attrs = AttributeTable()  # dynamic attributes by endpoint id
         self.decode_limit = np.zeros(0)  # busy limits by endpoint id (filters.busy_limits)
@@ -697,6 +698,7 @@ class Router:
             for name, dtype in (
                 ("kv_capacity", np.float64),
                 ("max_batched", np.float64),
+                ("long_prefill", np.float64),
                 ("_is_cpu", bool),
             ):
                 old = getattr(self, name)
@@ -733,11 +735,17 @@ class Router:
         unknown (a prediction then takes a prompt in one pass)."""
         return self.max_batched.item(ep) if ep < len(self.max_batched) else 0.0
 
+    def long_prefill_tokens(self, ep: int) -> float:
+        """Endpoint ``ep``'s ``long_prefill_token_threshold`` (its worker's; 0 = off or
+        unknown): the most tokens of a step one prompt takes while others run or wait."""
+        return self.long_prefill.item(ep) if ep < len(self.long_prefill) else 0.0
+
     def _fill_endpoint(self, ep: int, rank: int, st: WorkerState | None) -> None:
         self.ep_rank_arr[ep] = rank
         if st is not None:
             self.kv_capacity[ep] = st.worker.kv_capacity_blocks
             self.max_batched[ep] = st.worker.max_batched_tokens
+            self.long_prefill[ep] = st.worker.long_prefill_token_threshold
             self._is_cpu[ep] = st.worker.is_cpu
             self.attrs.clear([ep])
             for name, a in st.attributes.items():  # a re-registered worker keeps its attributes
@@ -745,6 +753,7 @@ class Router:
         else:
             self.kv_capacity[ep] = 0
             self.max_batched[ep] = 0
+            self.long_prefill[ep] = 0
             self.attrs.clear([ep])
 
     def _refresh_filters_configured(self) -> None:

@@ -69,6 +69,9 @@ class Worker:
     device: str = "gpu"  # "cpu" or an accelerator class ("gpu", "tpu", ...)
     kv_capacity_blocks: int = 0  # 0 = unknown
     max_batched_tokens: int = 0  # 0 = unknown
+    # vLLM's --long-prefill-token-threshold: while other requests run or wait, a prompt takes at
+    # most this many tokens of a step, so it does not hold up the requests behind it (0 = off)
+    long_prefill_token_threshold: int = 0
     event_endpoint: str | None = None
     replay_endpoint: str | None = None
     metrics_url: str | None = None
@@ -88,7 +91,11 @@ class Worker:
                 f"worker {self.worker_id}: dp_start={self.dp_start} dp_size={self.dp_size} "
                 "(need dp_start >= 0, dp_size >= 1)"
             )
-        if self.kv_capacity_blocks < 0 or self.max_batched_tokens < 0:
+        if (
+            self.kv_capacity_blocks < 0
+            or self.max_batched_tokens < 0
+            or self.long_prefill_token_threshold < 0
+        ):
             raise ConfigError(f"worker {self.worker_id}: capacities must be >= 0")
         self.taints = frozenset(self.taints)
         self.labels = dict(self.labels)

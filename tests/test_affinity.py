@@ -127,6 +127,29 @@ def test_tail_mode_keeps_a_request_whose_extra_wait_is_within_the_slack():
     assert aff.affinity_counters["affinity"] == 1
 
 
+@pytest.mark.parametrize("threshold, expect", [(0, "w2"), (32, "w1")])
+def test_tail_mode_with_a_long_prefill_threshold_lets_a_follow_up_share_the_steps(
+    threshold, expect
+):
+    """An engine run with vLLM's --long-prefill-token-threshold gives a newcomer its own share of
+    every step beside a long prefill: waiting there costs the long prefill's share of the
+    newcomer's few steps, not the whole of it, so the follow-up stays with its cached prefix."""
+    from kvplug.workers import Worker
+
+    workers = (
+        Worker("w1", max_batched_tokens=512, long_prefill_token_threshold=threshold),
+        Worker("w2", max_batched_tokens=512),
+    )
+    r = make_router(workers=workers)
+    toks = tokens(10)
+    store_prefix(r, "w1", toks, 8)
+    _queue(r, "w1", 400, "busy")  # a long cold prefill just started on the prefix's engine
+    # the TTFT guard alone decides, as in the default (its block guard is 1000)
+    aff = AffinityRouter(r, replace(_tail(slack=0.0), guard=1000.0))
+    assert aff.route(RouteRequest("x", toks)).worker_id == expect
+    assert r.long_prefill_tokens(0) == threshold
+
+
 def test_tail_mode_stops_counting_a_prefill_once_its_first_token_came():
     r, toks = _setup(20)
     r.on_first_token("busy")  # w1's queue has drained
@@ -481,12 +504,20 @@ def test_protect_keeps_a_request_off_the_last_step_of_a_prefill_in_the_tail():
 
 
 def _protect_blocks_route(
-    protect_blocks: float, tail_values: list[float], protect_below: float = 0.0, w2_blocks: int = 0
+    protect_blocks: float,
+    tail_values: list[float],
+    protect_below: float = 0.0,
+    w2_blocks: int = 0,
+    capped: float = 0.0,
+    w1_threshold: int = 0,
 ) -> str:
     """A follow-up (w1 holds 8 of its 10 blocks, w2 ``w2_blocks`` with a short prefill just
     queued, w3 nothing) whose holder w1 has a prefill routed 5 s ago and still no first token:
-    predicted in the tail (tau = 1 s). The affinity guards keep it on w1; where does it go?"""
-    r = make_router(workers=("w1", "w2", "w3"))
+    predicted in the tail (tau = 1 s). The affinity guards keep it on w1; where does it go?
+    ``capped``: protect_blocks_capped; ``w1_threshold``: w1's long_prefill_token_threshold."""
+    from kvplug.workers import Worker
+
+    r = make_router(workers=(Worker("w1", long_prefill_token_threshold=w1_threshold), "w2", "w3"))
     toks = tokens(10)
     store_prefix(r, "w1", toks, 8)
     if w2_blocks:
@@ -497,7 +528,11 @@ def _protect_blocks_route(
     aff = AffinityRouter(
         r,
         AffinityParams(
-            tail=0.4, pool="all", protect_blocks=protect_blocks, protect_below=protect_below
+            tail=0.4,
+            pool="all",
+            protect_blocks=protect_blocks,
+            protect_below=protect_below,
+            protect_blocks_capped=capped,
         ),
     )
     aff._kv_ttft.extend(tail_values)
@@ -515,6 +550,18 @@ def test_protect_blocks_moves_a_follow_up_off_a_tail_prefills_last_step_if_it_fo
     assert _protect_blocks_route(1.0, tail, w2_blocks=6) == "w1"
     # nowhere predicted below tau (1 us): moving would only put it in the tail elsewhere
     assert _protect_blocks_route(8.0, [1e-6] * 20) == "w1"
+
+
+def test_protect_blocks_capped_applies_on_an_engine_that_caps_a_prompts_step():
+    """On an engine run with --long-prefill-token-threshold a follow-up shares every step of the
+    tail prefill: protect_blocks_capped is the limit there, protect_blocks elsewhere."""
+    tail = [1.0] * 20
+    assert _protect_blocks_route(7.0, tail, capped=8.0) == "w1"  # w1 has no cap: 7 decides
+    assert _protect_blocks_route(7.0, tail, capped=8.0, w1_threshold=64) == "w3"
+    assert _protect_blocks_route(8.0, tail, capped=7.0, w1_threshold=64) == "w1"
+    # capped alone: engines without a cap are left alone, as with protect off
+    assert _protect_blocks_route(0.0, tail, capped=8.0) == "w1"
+    assert _protect_blocks_route(0.0, tail, capped=8.0, w1_threshold=64) == "w3"
 
 
 def test_protect_below_leaves_a_prefill_already_above_the_quantile():
@@ -571,11 +618,14 @@ def test_affinity_balance_is_affinity_protect_with_the_balance_guard_and_the_def
     )
     assert parse_affinity("affinity-protect").balance == 0.0
     # the default since issue 14's twenty-fourth pass: affinity-balance with the fitted model,
-    # and since its twenty-fifth each engine at its own speed once it is a tenth off
+    # since its twenty-fifth each engine at its own speed once it is a tenth off, and since its
+    # twenty-seventh more follow-ups kept off a tail prefill on engines that cap a prompt's step
     assert RouterConfig().router_affinity == "affinity-fitted"
     assert parse_affinity("affinity-fitted") == parse_affinity(
-        "affinity-balance:fit_prefill=on,fit_speeds=1.1"
+        "affinity-balance:fit_prefill=on,fit_speeds=1.1,protect_blocks_capped=96"
     )
+    with pytest.raises(ValueError, match="protect_blocks_capped"):
+        parse_affinity("affinity-fitted:protect_blocks_capped=-1")
     with pytest.raises(ValueError, match="balance"):
         parse_affinity("affinity-balance:balance=-1")
     with pytest.raises(ValueError, match="fit_speeds"):

@@ -28,10 +28,12 @@ def test_rounds_medians_and_ranges(tmp_path):
         # the default and the previous default, timed on the same fleet and index
         assert row["default_mode"] == "affinity:affinity-fitted"
         assert row["previous_default_mode"] == "affinity:affinity-balance"
+        assert row["capped_threshold"] == 2048
         for key in (
             "kv_median_us",
             "default_inflight_median_us",
             "previous_default_inflight_median_us",
+            "capped_default_inflight_median_us",
             "round_robin_median_us",
         ):
             values = [r[key] for r in rounds]

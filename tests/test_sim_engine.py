@@ -71,6 +71,53 @@ def test_chunked_prefill_respects_the_token_budget():
     assert e.stats["steps"] == 3
 
 
+def test_long_prefill_threshold_lets_a_short_prompt_past_a_long_one():
+    """vLLM's --long-prefill-token-threshold (vLLM 0.32.0's V1 scheduler): with another request
+    waiting, the long prompt takes at most T tokens of a step and the short one joins the same
+    step; without it the short one waits for the long prefill's every chunk."""
+
+    def run(threshold):
+        e = SimEngine(
+            "w",
+            EngineConfig(
+                capacity_blocks=100, max_batched_tokens=4096, long_prefill_token_threshold=threshold
+            ),
+        )
+        long = _req("long", 0.0, 8192, 1, list(range(1, 17)))
+        short = _req("short", 0.0, 512, 1, [99])
+        e.add_request(long, 0.0)
+        e.add_request(short, 0.0)
+        e.run_until_idle()
+        return long, short, e.stats["steps"]
+
+    long, short, _ = run(0)
+    # off: steps 1 and 2 are the long prompt's two chunks of 4096; short is admitted after them
+    assert short.admitted == long.first_token
+    assert long.first_token == pytest.approx(
+        (REFERENCE.prefill_ms(4096, 0) + REFERENCE.prefill_ms(4096, 4096)) / 1000
+    )
+    long, short, _ = run(1024)
+    # on: step 1 is 1024 of the long prompt and the short prompt's 512
+    assert short.first_token == pytest.approx(
+        (REFERENCE.prefill_ms(1024, 0) + REFERENCE.prefill_ms(512, 0)) / 1000
+    )
+    assert long.first_token > short.first_token
+
+
+def test_long_prefill_threshold_does_not_cap_a_prompt_alone():
+    """vLLM lets a request that is alone use the whole budget: nothing to starve."""
+    e = SimEngine(
+        "w",
+        EngineConfig(
+            capacity_blocks=100, max_batched_tokens=4096, long_prefill_token_threshold=1024
+        ),
+    )
+    r = _req("a", 0.0, 8192, 1, list(range(1, 17)))
+    e.add_request(r, 0.0)
+    e.run_until_idle()
+    assert e.stats["steps"] == 2  # two chunks of 4096, not eight of 1024
+
+
 def test_fast_forward_equals_step_by_step():
     recs = load_trace(limit=150)
 

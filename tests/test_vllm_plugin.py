@@ -200,7 +200,12 @@ async def test_registers_what_the_engine_reports_and_routes(caplog):
         reg = Registrar(
             running.admin_url,
             TOKEN,
-            engine_args(sim, kv_role="kv_both", max_num_batched_tokens=4096),
+            engine_args(
+                sim,
+                kv_role="kv_both",
+                max_num_batched_tokens=4096,
+                long_prefill_token_threshold=1024,
+            ),
             poll=0.05,
         ).start()
         try:
@@ -216,6 +221,8 @@ async def test_registers_what_the_engine_reports_and_routes(caplog):
             assert w["labels"] == ({"kv_events_topic": sim.topic} if sim.topic else {})
             assert (w["dp_start"], w["dp_size"], w["role"]) == (0, 1, "both")
             assert w["kv_capacity_blocks"] == 512 and w["max_batched_tokens"] == 4096
+            # vLLM's --long-prefill-token-threshold: the default routing predicts with it
+            assert w["long_prefill_token_threshold"] == 1024
             assert w["models"] == ["sim-model"] and w["events_ready"] is True
             # it takes requests, and its KV events reach kvplug's index (once kvplug's SUB
             # hears the engine: a batch published before the ZMQ join is lost for good)
@@ -372,11 +379,12 @@ def test_args_from_vllm_namespace_and_argv():
         data_parallel_size=2,
         data_parallel_rank=None,
         max_num_batched_tokens=2048,
+        long_prefill_token_threshold=1024,
     )
     a = args_from_namespace(ns)
     assert (a.host, a.port, a.kv_role, a.data_parallel_size) == ("0.0.0.0", 8123, "kv_producer", 2)
     assert a.events_config == {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557"}
-    assert a.max_num_batched_tokens == 2048
+    assert a.max_num_batched_tokens == 2048 and a.long_prefill_token_threshold == 1024
     argv = [
         "serve",
         "model",
@@ -387,6 +395,7 @@ def test_args_from_vllm_namespace_and_argv():
         '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}',
         "--max_num_batched_tokens",
         "512",
+        "--long-prefill-token-threshold=256",
     ]
     b = args_from_argv(argv)
     assert (b.host, b.port, b.kv_role, b.max_num_batched_tokens) == (
@@ -395,7 +404,9 @@ def test_args_from_vllm_namespace_and_argv():
         "kv_consumer",
         512,
     )
+    assert b.long_prefill_token_threshold == 256
     assert args_from_argv([]).port == 8000
+    assert args_from_argv([]).long_prefill_token_threshold is None
     assert args_from_namespace(SimpleNamespace(port=1, host=None, headless=True)).headless
 
 

@@ -129,6 +129,7 @@ class ServeArgs:
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None
     max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int | None = None
     headless: bool = False  # engine cores only, no API server (vllm serve --headless)
 
 
@@ -184,6 +185,7 @@ def args_from_namespace(ns: Any) -> ServeArgs:
     transfer = _as_dict(getattr(ns, "kv_transfer_config", None), _TRANSFER_FIELDS) or {}
     events = _as_dict(getattr(ns, "kv_events_config", None), _EVENTS_FIELDS)
     batched = getattr(ns, "max_num_batched_tokens", None)
+    long_prefill = getattr(ns, "long_prefill_token_threshold", None)
     return ServeArgs(
         host=getattr(ns, "host", None) or None,
         port=int(getattr(ns, "port", None) or 8000),
@@ -194,6 +196,7 @@ def args_from_namespace(ns: Any) -> ServeArgs:
         data_parallel_size=int(getattr(ns, "data_parallel_size", None) or 1),
         data_parallel_rank=getattr(ns, "data_parallel_rank", None),
         max_num_batched_tokens=batched if isinstance(batched, int) else None,
+        long_prefill_token_threshold=long_prefill if isinstance(long_prefill, int) else None,
         headless=bool(getattr(ns, "headless", False)),
     )
 
@@ -215,6 +218,7 @@ def args_from_argv(argv: list[str]) -> ServeArgs:
     transfer = _as_dict(values.get("kv-transfer-config")) or {}
     role = values.get("kv-transfer-config.kv-role") or values.get("kv-transfer-config.kv_role")
     batched = values.get("max-num-batched-tokens", "")
+    long_prefill = values.get("long-prefill-token-threshold", "")
     return ServeArgs(
         host=values.get("host") or None,
         port=int(values.get("port") or 8000),
@@ -224,6 +228,7 @@ def args_from_argv(argv: list[str]) -> ServeArgs:
         events_config=_as_dict(values.get("kv-events-config")),
         data_parallel_size=int(values.get("data-parallel-size") or 1),
         max_num_batched_tokens=int(batched) if batched.isdigit() else None,
+        long_prefill_token_threshold=int(long_prefill) if long_prefill.isdigit() else None,
     )
 
 
@@ -384,6 +389,8 @@ def worker_entry(
         entry["kv_capacity_blocks"] = int(view.num_gpu_blocks)
     if args.max_num_batched_tokens:
         entry["max_batched_tokens"] = int(args.max_num_batched_tokens)
+    if args.long_prefill_token_threshold:
+        entry["long_prefill_token_threshold"] = int(args.long_prefill_token_threshold)
     if view.models:
         entry["models"] = view.models
     if labels:

@@ -17,6 +17,7 @@ workers:
     device: gpu              # gpu | cpu
     kv_capacity_blocks: 0    # 0 = unknown
     max_batched_tokens: 0
+    long_prefill_token_threshold: 0   # vLLM's flag of that name (0 = off)
     models: [llama-3-8b]     # served model names (default: discovered from /v1/models)
     options: {bootstrap_port: 8998}   # adapter-specific
 ```
@@ -56,6 +57,7 @@ _KEYS = {
     "device",
     "kv_capacity_blocks",
     "max_batched_tokens",
+    "long_prefill_token_threshold",
     "models",
     "options",
 }
@@ -77,6 +79,7 @@ class WorkerSpec:
     device: str = "gpu"
     kv_capacity_blocks: int = 0
     max_batched_tokens: int = 0
+    long_prefill_token_threshold: int = 0
     models: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
     # neither dp_start nor dp_size was given: the fleet asks the engine which DP ranks it
@@ -99,6 +102,7 @@ class WorkerSpec:
             "device": self.device,
             "kv_capacity_blocks": self.kv_capacity_blocks,
             "max_batched_tokens": self.max_batched_tokens,
+            "long_prefill_token_threshold": self.long_prefill_token_threshold,
             "models": list(self.models),
             "options": dict(self.options),
         }
@@ -119,6 +123,7 @@ class WorkerSpec:
             device=self.device,
             kv_capacity_blocks=self.kv_capacity_blocks,
             max_batched_tokens=self.max_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             event_endpoint=self.event_endpoint,
             replay_endpoint=self.replay_endpoint,
             metrics_url=self.metrics_url,
@@ -253,6 +258,7 @@ def spec_from_mapping(d: Any, where: str, default_engine: str = "vllm") -> Worke
         device=device,
         kv_capacity_blocks=_int(d, "kv_capacity_blocks", 0, 0, where),
         max_batched_tokens=_int(d, "max_batched_tokens", 0, 0, where),
+        long_prefill_token_threshold=_int(d, "long_prefill_token_threshold", 0, 0, where),
         models=list(models),
         options=dict(options),
         dp_from_engine=d.get("dp_start") is None and d.get("dp_size") is None,

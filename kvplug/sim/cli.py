@@ -76,6 +76,14 @@ def _add_fleet_args(
     )
     g.add_argument("--max-batched-tokens", type=int, default=8192, help="chunked-prefill budget")
     g.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        metavar="T",
+        help="vLLM's flag of that name on every engine: while other requests run or wait, no "
+        "prompt takes more than T tokens of a step (default 0: off, as vLLM)",
+    )
+    g.add_argument(
         "--steptime",
         default="causal",
         metavar="causal|cached|ctx=MS|mocker",
@@ -140,6 +148,10 @@ def _spec(args, policies):
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.prefill_engines < args.engines:
         raise UsageError("--prefill-engines must be in [0, --engines)")
+    if args.long_prefill_token_threshold < 0:
+        raise UsageError(
+            f"--long-prefill-token-threshold must be >= 0, got {args.long_prefill_token_threshold}"
+        )
     if args.host_blocks < 0 or args.speedup <= 0:
         raise UsageError("--host-blocks must be >= 0, --speedup > 0")
     if args.duration is not None and not args.duration > 0:
@@ -194,6 +206,7 @@ def _spec(args, policies):
         capacity_blocks=args.capacity_blocks,
         host_capacity_blocks=args.host_blocks,
         max_batched_tokens=args.max_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         link=link,
         steptime=args.steptime,
         mode=args.mode,

@@ -19,7 +19,11 @@ Scheduling (vLLM V1-like, simplified; assumptions in docs/sim.md):
   a copy cost) and reserves KV for the rest of the prompt *and* the requested output, so a
   running sequence is never preempted (a request that cannot fit waits at the head of the queue);
 * the last prompt token is always computed (a fully cached prompt recomputes its last block);
-* the step that computes a prompt's last chunk also samples its first token.
+* the step that computes a prompt's last chunk also samples its first token;
+* with ``long_prefill_token_threshold`` T > 0, no prompt's chunk exceeds T tokens while more
+  than one request is running or waiting, as vLLM's V1 scheduler caps it (vLLM 0.32.0,
+  ``vllm/v1/core/sched/scheduler.py``: the cap applies to running and waiting requests alike,
+  and not when a request is alone).
 """
 
 from __future__ import annotations
@@ -79,6 +83,10 @@ class EngineConfig:
     capacity_blocks: int = 1640  # 8B on H200: ~840k tokens of KV (assumption, see steptime)
     host_capacity_blocks: int = 0  # 0 = no host tier
     max_batched_tokens: int = 8192  # chunked-prefill token budget per step (vLLM-like default)
+    # vLLM's --long-prefill-token-threshold: while another request is running or waiting, no
+    # prompt takes more than this many tokens of a step, so a long prefill leaves room for the
+    # rest (0 = off, vLLM's default)
+    long_prefill_token_threshold: int = 0
     max_num_seqs: int = 256
     events_with_tokens: bool = False  # token mode: BlockStored carries token ids, not hashes
     emit_output_blocks: bool = True  # report blocks filled by generated tokens, as vLLM does
@@ -335,10 +343,14 @@ class SimEngine:
         chunks: list[tuple[SimRequest, int]] = []
         prefill_ms = 0.0
         reload_tokens = 0
+        # vLLM caps a prompt's share of the step only when some other request could use the rest
+        cap = self.cfg.long_prefill_token_threshold
+        if not cap or n_decode + len(self.prefilling) + len(self.waiting) <= 1:
+            cap = budget
         for req in self.prefilling:
             if budget <= 0:
                 break
-            n = min(req.prompt_len - req.computed, budget)
+            n = min(req.prompt_len - req.computed, budget, cap)
             chunks.append((req, n))
             prefill_ms += model.prefill_ms(n, req.computed)
             budget -= n
@@ -349,7 +361,7 @@ class SimEngine:
             self.waiting.popleft()
             req.admitted = self.now
             self.prefilling.append(req)
-            n = min(req.prompt_len - req.computed, budget)
+            n = min(req.prompt_len - req.computed, budget, cap)
             chunks.append((req, n))
             prefill_ms += model.prefill_ms(n, req.computed)
             reload_tokens += req.reload_tokens
