@@ -137,7 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--json", default=None, help="default benchmarks/results/fleet_conditions{,_mixed}.json"
     )
+    ap.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        metavar="T",
+        help="every engine runs with vLLM's --long-prefill-token-threshold T (default 0: off)",
+    )
     args = ap.parse_args(argv)
+    if args.long_prefill_token_threshold < 0:
+        ap.error("--long-prefill-token-threshold: T is >= 0")
     if args.policies is None:
         args.policies = list(POLICIES)
         if args.conditions == "mixed":
@@ -160,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         named = label if seed == 0 else f"{label}, replay seed {seed}"
         print(f"[{i}/{len(todo)}] {named}, {st} ...", flush=True)
         spec = BenchSpec(
-            policies=list(args.policies), link=PRESETS[args.view], steptime=st, seed=seed, **cond
+            policies=list(args.policies),
+            link=PRESETS[args.view],
+            steptime=st,
+            seed=seed,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            **cond,
         )
         report = run_bench(spec, jobs=args.jobs, progress=False)
         runs.append(

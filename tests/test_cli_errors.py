@@ -51,6 +51,14 @@ def busy_port():
         (["sim", "--base-port", "99999"], "--base-port: 99999 is not a port number"),
         (["sim", "--base-port", "65000", "--engines", "3"], "66000 is not a port number"),
         (["sim", "--engines", "0"], "--engines"),
+        (
+            ["bench", "--long-prefill-token-threshold", "-1"],
+            "--long-prefill-token-threshold must be >= 0",
+        ),
+        (
+            ["sim", "--long-prefill-token-threshold", "-1"],
+            "--long-prefill-token-threshold must be >= 0",
+        ),
     ],
 )
 def test_usage_mistakes_are_one_line_and_exit_2(argv, words, capsys):

@@ -203,3 +203,26 @@ def test_abort_frees_the_blocks_and_keeps_the_cached_prefix():
     assert e.cache.match_prefix(a.block_hashes) == (4, 0)  # a's prompt stays cached
     assert b in e.waiting  # not admitted before the next step
     assert e.abort(b, e.now) and not e.has_work() and b.rejected == "aborted"
+
+
+async def test_the_threshold_reaches_the_engines_of_a_replay_and_of_kvplug_sim():
+    from kvplug.sim.bench import BenchSpec
+    from kvplug.sim.server import FleetOptions, SimServer
+    from kvplug.testing import free_ports
+
+    spec = BenchSpec(policies=["kv"], long_prefill_token_threshold=512)
+    assert spec.replay_config(feed_events=True).engine.long_prefill_token_threshold == 512
+    http, events, replay = free_ports(3)
+    opts = FleetOptions(
+        engines=1,
+        host="127.0.0.1",
+        base_port=http,
+        events_base_port=events,
+        replay_base_port=replay,
+        long_prefill_token_threshold=512,
+    )
+    server = SimServer(0, opts)
+    try:
+        assert server.engine.cfg.long_prefill_token_threshold == 512
+    finally:
+        server.publisher.close()

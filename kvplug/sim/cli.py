@@ -495,6 +495,14 @@ def _register_sim(sub) -> None:
         "--max-batched-tokens", type=int, default=8192, help="chunked-prefill budget (8192)"
     )
     p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        metavar="T",
+        help="vLLM's flag of that name: while other requests run or wait, no prompt takes more "
+        "than T tokens of a step (default 0: off, as vLLM)",
+    )
+    p.add_argument(
         "--speed",
         type=float,
         default=1.0,
@@ -544,6 +552,10 @@ def _cmd_sim(args) -> int:
 
     if args.engines < 1 or args.block_size < 1 or args.speed <= 0:
         raise UsageError("--engines and --block-size must be >= 1, --speed > 0")
+    if args.long_prefill_token_threshold < 0:
+        raise UsageError(
+            f"--long-prefill-token-threshold must be >= 0, got {args.long_prefill_token_threshold}"
+        )
     seeds = (DEFAULT_SEED,) if args.hash_seed is None else tuple(args.hash_seed.split(","))
     if len(seeds) not in (1, args.engines):
         raise UsageError(f"--hash-seed: give one seed or {args.engines} (one per engine)")
@@ -577,6 +589,7 @@ def _cmd_sim(args) -> int:
         capacity_blocks=args.capacity_blocks,
         host_blocks=args.host_blocks,
         max_batched_tokens=args.max_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         speed=args.speed,
         model=args.model,
         block_hashes=args.block_hashes,

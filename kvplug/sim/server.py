@@ -123,6 +123,7 @@ class FleetOptions:
     capacity_blocks: int | None = None
     host_blocks: int = 0
     max_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0  # vLLM's flag of that name (0 = off)
     speed: float = 1.0
     model: str = "sim-llama-3-8b"
     # "sim": the simulator's own blake2b chain; "vllm": vLLM's block hashes (hash_algo, with
@@ -203,6 +204,7 @@ class SimServer:
                 capacity_blocks=cap,
                 host_capacity_blocks=opts.host_blocks,
                 max_batched_tokens=opts.max_batched_tokens,
+                long_prefill_token_threshold=opts.long_prefill_token_threshold,
                 events_with_tokens=True,
                 fast_forward=False,
                 model=opts.model_of(index),
