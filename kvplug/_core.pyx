@@ -78,6 +78,12 @@ cdef extern from *:
     #endif
     }
 
+    /* Ask for the int objects of items[0..n) ahead of reading them: a call's few dozen objects
+     * (a store's two lists) then come from memory in parallel, not one miss at a time. */
+    static inline void kvpy_prefetch_items(PyObject *const *items, Py_ssize_t n) {
+        for (Py_ssize_t i = 0; i < n; i++) __builtin_prefetch(items[i]);
+    }
+
     /* items[0..n) as u64: 1 if every item is an exact int in [0, 2**64), else 0. */
     static int kvpy_ints_to_u64(PyObject *const *restrict items, Py_ssize_t n,
                                 uint64_t *restrict out) {
@@ -320,6 +326,7 @@ cdef extern from *:
     int kvpy_hash_items(PyObject **items, Py_ssize_t n, size_t bs, uint64_t seed, uint64_t *lo,
                         uint64_t *seq)
     int kvpy_ints_to_u64(PyObject **items, Py_ssize_t n, uint64_t *out)
+    void kvpy_prefetch_items(PyObject **items, Py_ssize_t n)
     PyObject **PySequence_Fast_ITEMS(object o)
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer
 from cpython.pythread cimport NOWAIT_LOCK, WAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock, PyThread_release_lock, PyThread_type_lock
@@ -1141,6 +1148,10 @@ cdef class Index:
         cdef uint64_t small_ehs[128]
         cdef uint64_t small_hs[128]
         cdef U64View ehv, hv
+        if (type(engine_hashes) is list and type(block_hashes) is list
+                and len(engine_hashes) <= 128 and len(block_hashes) <= 128):
+            kvpy_prefetch_items(PySequence_Fast_ITEMS(engine_hashes), len(engine_hashes))
+            kvpy_prefetch_items(PySequence_Fast_ITEMS(block_hashes), len(block_hashes))
         keep_ehs = _u64_view(engine_hashes, "engine_hashes", small_ehs, 128, &ehv)
         keep_hs = _u64_view(block_hashes, "block_hashes", small_hs, 128, &hv)
         cdef size_t n = ehv.n
@@ -2108,7 +2119,7 @@ def stale_prefill_summaries(endpoints, idx, max_batched, queues, versions):
 
 def predicted_ttfts(endpoints, idx, overlap, double prompt_tokens, double block_size,
                     max_batched, queues, inflight, context_tokens, double now, double read_ms,
-                    coeffs, slowdowns=None):
+                    coeffs, slowdowns=None, long_prefill=None):
     """The affinity policy's predicted time to first token of a prompt of ``prompt_tokens``
     on candidates ``idx`` (indices into ``endpoints``, the trace's endpoint ids; None: every
     one), a list of floats: the engine's queued prefill seconds at ``now`` (``queues``, a
@@ -2121,7 +2132,12 @@ def predicted_ttfts(endpoints, idx, overlap, double prompt_tokens, double block_
     Python (tests/test_affinity.py checks equality), without a Python call per engine: with
     hundreds of engines those were most of a routing decision. ``slowdowns`` (float64 per
     endpoint, 1.0 past its end; None: all 1.0): each engine's step times relative to the
-    prefill fit's, which scale its predicted seconds (a factor of 1.0 changes no float)."""
+    prefill fit's, which scale its predicted seconds (a factor of 1.0 changes no float).
+    ``long_prefill`` (float64 per endpoint, 0.0 past its end; None: all 0.0): each engine's
+    ``long_prefill_token_threshold``; on one with a threshold T and requests in flight the
+    prompt runs in chunks of at most T and waits at most for ``ceil(new / T) * T`` tokens of
+    each queued prefill (``queues.rate``: their seconds per token, summed), as
+    ``Affinity._predicted_ttft``."""
     cdef cnp.ndarray eps = (endpoints if _is_vector(endpoints, cnp.NPY_INTP)
                             else np.ascontiguousarray(endpoints, dtype=np.intp))
     cdef const Py_ssize_t *e = <const Py_ssize_t *>cnp.PyArray_DATA(eps)
@@ -2134,9 +2150,12 @@ def predicted_ttfts(endpoints, idx, overlap, double prompt_tokens, double block_
     cdef const double *osec = _f64_table(queues.oldest_seconds, "queues.oldest_seconds", &n_os)
     cdef const int64_t *active = _i64_table(inflight, "inflight", &n_if)
     cdef const int64_t *ctx = _i64_table(context_tokens, "context_tokens", &n_ctx)
-    cdef Py_ssize_t n_sd = 0
+    cdef Py_ssize_t n_sd = 0, n_lp = 0, n_rt = 0
     cdef const double *sd = (NULL if slowdowns is None
                              else _f64_table(slowdowns, "slowdowns", &n_sd))
+    cdef const double *lp = (NULL if long_prefill is None
+                             else _f64_table(long_prefill, "long_prefill", &n_lp))
+    cdef const double *rt = _f64_table(queues.rate, "queues.rate", &n_rt)
     cdef double a, b, c
     a, b, c = coeffs
     cdef list ov = overlap if type(overlap) is list else list(overlap)
@@ -2144,20 +2163,19 @@ def predicted_ttfts(endpoints, idx, overlap, double prompt_tokens, double block_
     cdef Py_ssize_t n = n_eps if idx is None else len(idx)
     cdef list out = [None] * n
     cdef Py_ssize_t i, j, ep
-    cdef double cached, chunk, new, own, queued, elapsed, read, steps, context, slow
+    cdef double cached, chunk, new, own, queued, elapsed, read, steps, context, slow, cap
     for j in range(n):
         i = j if idx is None else idx[j]
         if i < 0 or i >= n_eps or i >= n_ov:
             raise InvalidArgument(f"candidate {i} is outside the {n_eps} endpoints")
         ep = e[i]
         if (ep < 0 or ep >= n_s or ep >= n_st or ep >= n_oa or ep >= n_os or ep >= n_if
-                or ep >= n_ctx):
+                or ep >= n_ctx or ep >= n_rt):
             raise InvalidArgument(f"endpoint {ep} is outside the load or prefill summaries")
         cached = <double>ov[i] * block_size
         chunk = mb[ep] if ep < n_mb else 0.0
         new = prompt_tokens - cached
         slow = sd[ep] if ep < n_sd else 1.0
-        own = _chunked_prefill_seconds(new, cached, chunk, a, b, c) * slow
         # Affinity._endpoint_queue: a summary without prefills (0, 0, inf, 0, -inf) gives 0.0
         queued = sec[ep]
         if read_ms:
@@ -2165,6 +2183,12 @@ def predicted_ttfts(endpoints, idx, overlap, double prompt_tokens, double block_
         queued = queued * slow
         elapsed = _py_min(_py_max(now - oat[ep], 0.0), osec[ep] * slow)
         queued = _py_max(queued - elapsed, 0.0)
+        cap = lp[ep] if ep < n_lp else 0.0
+        if cap > 0 and active[ep] > 0:
+            chunk = _py_min(chunk, cap) if chunk > 0 else cap
+            if queued > 0:
+                queued = _py_min(queued, ceil(new / cap) * cap * rt[ep] * slow)
+        own = _chunked_prefill_seconds(new, cached, chunk, a, b, c) * slow
         # Affinity._read_seconds
         read = 0.0
         if read_ms and new > 0:

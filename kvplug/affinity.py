@@ -485,12 +485,22 @@ class RescaledQuantile:
 
 class PrefillSummaries:
     """Per endpoint, the router's requests in prefill summed (``Affinity._summarise``: seconds,
-    steps, the oldest one's routing time and seconds, the latest routing time), each kept
-    while the load tracker's version of the endpoint's prefills and its chunk are the ones
-    summarised. Arrays, so the compiled core reads many endpoints' in one call; an endpoint
-    without prefills is summarised as (0, 0, inf, 0, -inf), which predicts no queue."""
+    steps, the oldest one's routing time and seconds, the latest routing time, seconds per
+    prefill token), each kept while the load tracker's version of the endpoint's prefills and
+    its chunk are the ones summarised. Arrays, so the compiled core reads many endpoints' in
+    one call; an endpoint without prefills is summarised as (0, 0, inf, 0, -inf, 0), which
+    predicts no queue."""
 
-    __slots__ = ("version", "chunk", "seconds", "steps", "oldest_at", "oldest_seconds", "latest")
+    __slots__ = (
+        "version",
+        "chunk",
+        "seconds",
+        "steps",
+        "oldest_at",
+        "oldest_seconds",
+        "latest",
+        "rate",
+    )
 
     def __init__(self) -> None:
         self.version = np.zeros(0, dtype=np.int64)
@@ -500,6 +510,7 @@ class PrefillSummaries:
         self.oldest_at = np.zeros(0)
         self.oldest_seconds = np.zeros(0)
         self.latest = np.zeros(0)
+        self.rate = np.zeros(0)
 
     def fit(self, n: int) -> None:
         """Room for endpoints below ``n``; a new one's version, -1, is never the tracker's."""
@@ -526,13 +537,14 @@ class PrefillSummaries:
         self.version[ep] = load.prefilling_versions.item(ep)
         self.chunk[ep] = chunk
         if summary is None:
-            summary = (0.0, 0.0, math.inf, 0.0, -math.inf)
-        seconds, steps, oldest_at, oldest_seconds, latest = summary
+            summary = (0.0, 0.0, math.inf, 0.0, -math.inf, 0.0)
+        seconds, steps, oldest_at, oldest_seconds, latest, rate = summary
         self.seconds[ep] = seconds
         self.steps[ep] = steps
         self.oldest_at[ep] = oldest_at
         self.oldest_seconds[ep] = oldest_seconds
         self.latest[ep] = latest
+        self.rate[ep] = rate
 
 
 class Affinity:
@@ -1014,7 +1026,7 @@ class Affinity:
             self._ttft = {}
         known = self._ttft
         missing = [i for i in idx if i not in known]
-        if len(missing) >= VECTOR_FROM and self._vector_ok():
+        if len(missing) >= VECTOR_FROM and self._kernel is not None:
             vector = self._predicted_many(trace, overlap, blocks, missing)
             known.update(zip(missing, vector, strict=True))
         elif missing:
@@ -1031,7 +1043,8 @@ class Affinity:
                 if cap > 0 and router.load.inflight.item(ep) > 0:
                     # the engine caps every prompt's share of a step (vLLM's
                     # --long-prefill-token-threshold): this one starts at once, in chunks of at
-                    # most cap, and waits only for what the others compute beside it
+                    # most cap, and waits only for what the others compute beside it: at most
+                    # cap tokens of each of them in each of its steps (_shared_seconds)
                     chunk = min(chunk, cap) if chunk > 0 else cap
                     if queued > 0:
                         queued = min(queued, self._shared_seconds(ep, n - cached, cap) * slow)
@@ -1039,34 +1052,19 @@ class Affinity:
                 known[i] = queued + own + self._read_seconds(ep, n - cached, chunk) * slow
         return [known[i] for i in idx]
 
-    def _vector_ok(self) -> bool:
-        """Whether the compiled kernel may predict: it has no step cap, so not while some
-        engine has a ``long_prefill_token_threshold``."""
-        return self._kernel is not None and not self._router.long_prefill.any()
-
     def _shared_seconds(self, ep: int, new: float, cap: float) -> float:
         """Predicted seconds of ``ep``'s other prefills computed in the steps of a ``new``-token
-        prompt there, each prompt taking at most ``cap`` tokens a step: a prefill longer than
-        those steps' share of it counts that share of its time, a shorter one all of it."""
-        queued = self._router.load.prefilling.get(ep)
-        if not queued or new <= 0:
-            return 0.0
-        share = math.ceil(new / cap) * cap
-        chunk = self._router.chunk_tokens(ep)
-        total = 0.0
-        for r in queued.values():
-            estimate = r.prefill_estimate
-            if estimate is None or estimate[0] != chunk or estimate[3] != self._prefill_model:
-                continue  # summed by the queue (_summarise) before this is asked
-            tokens = r.prefill_tokens
-            total += estimate[1] if tokens <= share else estimate[1] * share / tokens
-        return total
+        prompt there, each prompt taking at most ``cap`` tokens a step: each one's seconds per
+        token (summed in the summary's ``rate``) times those steps' share, ``cap`` tokens a
+        step. A prefill shorter than that share counts more than its whole time here; the
+        caller takes the queue's whole prediction where it is less."""
+        return math.ceil(new / cap) * cap * self._summaries.rate.item(ep)
 
     def _predicted_all(self, trace, overlap, blocks: int) -> list[float]:
         """``_predicted_ttft`` of every candidate, in their order (the same floats)."""
         if self._all_for is not trace:
             n = len(overlap)
-            if n >= VECTOR_FROM and self._vector_ok():
+            if n >= VECTOR_FROM and self._kernel is not None:
                 self._all = self._predicted_many(trace, overlap, blocks, None)
             else:
                 self._all = self._predicted_ttft(trace, overlap, blocks, *range(n))
@@ -1102,6 +1100,7 @@ class Affinity:
             self.params.read_ms,
             self._prefill_model,
             self._slowdowns,
+            router.long_prefill,
         )
 
     def _read_seconds(self, ep: int, new: float, chunk: float) -> float:
@@ -1183,11 +1182,13 @@ class Affinity:
     @staticmethod
     def _summarise(
         queued: dict, chunk: float, model: tuple[float, float, float]
-    ) -> tuple[float, float, float, float, float]:
+    ) -> tuple[float, float, float, float, float, float]:
         """An endpoint's requests in prefill, summed in their routing order: predicted
-        seconds, steps, the oldest one's routing time and seconds, the latest routing time.
+        seconds, steps, the oldest one's routing time and seconds, the latest routing time,
+        and the sum of their predicted seconds per prefill token (an engine capping a prompt's
+        share of a step computes that much of them per token of each prompt's share).
         Kept per endpoint until its requests in prefill change (``prefilling_version``)."""
-        seconds_sum = steps = 0.0
+        seconds_sum = steps = rate = 0.0
         oldest_at, oldest_seconds = math.inf, 0.0
         latest = -math.inf
         for r in queued.values():
@@ -1205,12 +1206,14 @@ class Affinity:
             seconds = estimate[1]
             steps += estimate[2]
             seconds_sum += seconds
+            if r.prefill_tokens > 0:
+                rate += seconds / r.prefill_tokens
             at = r.routed_at
             if at > latest:
                 latest = at
             if at < oldest_at:
                 oldest_at, oldest_seconds = at, seconds
-        return seconds_sum, steps, oldest_at, oldest_seconds, latest
+        return seconds_sum, steps, oldest_at, oldest_seconds, latest, rate
 
 
 class AffinityRouter(Affinity):

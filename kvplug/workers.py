@@ -96,7 +96,10 @@ class Worker:
             or self.max_batched_tokens < 0
             or self.long_prefill_token_threshold < 0
         ):
-            raise ConfigError(f"worker {self.worker_id}: capacities must be >= 0")
+            raise ConfigError(
+                f"worker {self.worker_id}: kv_capacity_blocks, max_batched_tokens and "
+                "long_prefill_token_threshold must be >= 0"
+            )
         self.taints = frozenset(self.taints)
         self.labels = dict(self.labels)
 

@@ -722,14 +722,19 @@ def test_the_per_endpoint_walk_predicts_exactly_what_a_walk_over_every_request_d
 def test_the_predictions_for_many_engines_at_once_are_the_one_by_one_floats(monkeypatch):
     """``_predicted_ttft`` computes eight engines or more in numpy: the same floats as the loop
     (engines with no chunk size, chunks shorter and longer than the prompt, a prompt its cached
-    prefix covers entirely, engines with and without requests in flight)."""
+    prefix covers entirely, engines with and without requests in flight, with and without a
+    long_prefill_token_threshold)."""
     from test_router_helpers import FakeClock
 
     import kvplug.affinity as affinity_module
     from kvplug.workers import Worker
 
     budgets = (0, 64, 256, 8192, 0, 48, 1024, 16, 300)
-    workers = [Worker(f"w{i}", max_batched_tokens=b) for i, b in enumerate(budgets)]
+    caps = (16, 0, 64, 2048, 0, 100, 0, 8, 0)  # vLLM's --long-prefill-token-threshold
+    workers = [
+        Worker(f"w{i}", max_batched_tokens=b, long_prefill_token_threshold=c)
+        for i, (b, c) in enumerate(zip(budgets, caps, strict=True))
+    ]
     clock = FakeClock()
     r = make_router(workers=workers, clock=clock)
     rng = np.random.default_rng(11)
@@ -764,16 +769,22 @@ def test_the_compiled_predictions_are_the_python_floats_as_the_load_changes(monk
     """``kvplug._core.predicted_ttfts`` (many engines in one call) against the one-by-one
     Python path after every change a summary must follow: requests routed, first tokens,
     finishes, a worker re-registered with another chunk; every candidate and subsets, with and
-    without decode reads; chunks that divide the prompt, exceed it, or are unknown (0)."""
+    without decode reads; chunks that divide the prompt, exceed it, or are unknown (0); engines
+    with a long_prefill_token_threshold below, above and without a chunk, and without one."""
     from test_router_helpers import FakeClock
 
     import kvplug.affinity as affinity_module
     from kvplug.workers import Worker
 
     budgets = (0, 64, 256, 8192, 0, 48, 1024, 16, 300, 512, 32)
+    caps = (0, 32, 0, 2048, 24, 0, 4096, 0, 100, 0, 16)  # vLLM's --long-prefill-token-threshold
     clock = FakeClock()
     r = make_router(
-        workers=[Worker(f"w{i}", max_batched_tokens=b) for i, b in enumerate(budgets)], clock=clock
+        workers=[
+            Worker(f"w{i}", max_batched_tokens=b, long_prefill_token_threshold=c)
+            for i, (b, c) in enumerate(zip(budgets, caps, strict=True))
+        ],
+        clock=clock,
     )
     if getattr(r._core, "predicted_ttfts", None) is None:
         pytest.skip("the compiled core is not built (the Python path is the only one)")
@@ -789,6 +800,9 @@ def test_the_compiled_predictions_are_the_python_floats_as_the_load_changes(monk
             _route_then_move_on(aff, clock, rng, live, rid, (50, 3, 9_000), 0.03, (0.4, 0.0, 0.25))
             if i == 60:  # another chunk for one engine: its summary must be taken again
                 r.add_worker(Worker("w3", max_batched_tokens=128))
+            if i == 90:  # an engine's cap turned off, another's on
+                r.add_worker(Worker("w1", max_batched_tokens=64))
+                r.add_worker(Worker("w2", max_batched_tokens=256, long_prefill_token_threshold=8))
             n = len(r.ep_worker)
             trace = _trace(r)
             overlap = rng.integers(0, 40, size=n).astype(float).tolist()

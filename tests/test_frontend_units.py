@@ -152,7 +152,8 @@ def test_worker_flag_and_yaml(tmp_path):
         "  - {id: p0, url: 'http://h:1', role: prefill, engine: vllm, dp_size: 2,\n"
         "     labels: {tier: 1}, taints: [spot], event_endpoint: 'tcp://h:5557',\n"
         "     replay_endpoint: 'tcp://h:5558', metrics_url: 'http://h:1/metrics',\n"
-        "     models: m, options: {bootstrap_port: 8998}, device: cpu}\n"
+        "     models: m, options: {bootstrap_port: 8998}, device: cpu,\n"
+        "     long_prefill_token_threshold: 2048}\n"
         "  - url: 'http://h:2'\n"
     )
     p0, d = load_worker_config(cfg)
@@ -161,7 +162,8 @@ def test_worker_flag_and_yaml(tmp_path):
     w = p0.to_worker()
     assert isinstance(w, Worker) and w.taints == frozenset({"spot"}) and w.dp_size == 2
     assert w.event_endpoint == "tcp://h:5557" and w.device == "cpu"
-    assert d.worker_id == "h:2"
+    assert w.long_prefill_token_threshold == 2048 and p0.to_dict()["long_prefill_token_threshold"]
+    assert d.worker_id == "h:2" and d.to_worker().long_prefill_token_threshold == 0
     check_unique([p0, d])
     with pytest.raises(ConfigError, match="twice"):
         check_unique([p0, p0])
@@ -177,6 +179,8 @@ def test_worker_flag_and_yaml(tmp_path):
         ({"url": "http://h:1", "bogus": 1}, "unknown"),
         ({"url": "http://h:1", "taints": "a"}, "taints"),
         ({"url": "http://h:99999"}, "port"),
+        ({"url": "http://h:1", "long_prefill_token_threshold": -1}, "long_prefill_token"),
+        ({"url": "http://h:1", "long_prefill_token_threshold": "x"}, "long_prefill_token"),
     ],
 )
 def test_bad_worker_specs(entry, match):

@@ -241,6 +241,17 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
                     for rnd in row["rounds"]
                 ]
             ),
+            r64["capped_threshold"],
+            router[8]["capped_default_inflight_median_us"],
+            r64["capped_default_inflight_median_us"],
+            router[512]["capped_default_inflight_median_us"],
+            *_range(
+                [
+                    rnd["capped_default_inflight_median_us"] / rnd["default_inflight_median_us"]
+                    for row in router.values()
+                    for rnd in row["rounds"]
+                ]
+            ),
             SKIP,  # the issue's number
             *_range(host_check("18dd7bc", "default_inflight_median_us", 8)),
             *_range(host_check("18dd7bc", "default_inflight_median_us", 64)),
@@ -1110,6 +1121,92 @@ def aiperf_dynamo_figures() -> list:
     ]
 
 
+def long_prefill_text() -> list:
+    """bench_routing_quality.py with every engine at --long-prefill-token-threshold 2048 against
+    the same runs without it: the five shapes' runs meeting the bar; the conversation trace at
+    the cached end (share, TTFT p99 against kv's, runs meeting the bar with and without) and at
+    the causal end (the runs missing, the largest excess); AIPerf's variants (runs meeting the
+    bar, at the cached end too); kv's own TTFT p99 at the cached end against its p99 without the
+    threshold, on the conversation trace and on AIPerf's variants; bench_fleet_conditions.py's
+    runs meeting the bar with and without the threshold."""
+
+    def key(r: dict) -> tuple:
+        return r["workload"], r["view"], r["steptime"]
+
+    def p99(r: dict, policy: str) -> float:
+        (row,) = [x for x in r["results"] if x["policy"] == policy]
+        return row["ttft_p99_s"]
+
+    capped = load("benchmarks/results/routing_quality_long_prefill.json")["runs"]
+    plain = load("benchmarks/results/routing_quality_default.json")["runs"]
+    ai_capped = load("benchmarks/results/routing_quality_aiperf_long_prefill.json")["runs"]
+    ai_plain = load("benchmarks/results/routing_quality_aiperf.json")["runs"]
+    assert all(r["long_prefill_token_threshold"] == 2048 for r in capped + ai_capped)
+    assert {key(r) for r in capped} == {key(r) for r in plain}
+    assert {key(r) for r in ai_capped} == {key(r) for r in ai_plain}
+    fleet_capped = load("benchmarks/results/fleet_conditions_long_prefill.json")
+    assert fleet_capped["args"]["long_prefill_token_threshold"] == 2048
+    fleet_capped = fleet_capped["runs"]
+    fleet_plain = load("benchmarks/results/fleet_conditions.json")["runs"]
+    assert [r["condition"] for r in fleet_capped] == [r["condition"] for r in fleet_plain]
+    assert all(set(r["beaten_by"]) <= {PREVIOUS} for r in fleet_capped), "the paragraph: no other"
+
+    def met(runs: list[dict], steptime: str | None = None, conversation: bool | None = None):
+        return sum(
+            meets_bar(r["verdicts"][DEFAULT])
+            for r in runs
+            if (steptime is None or r["steptime"] == steptime)
+            and (conversation is None or r["workload"].startswith("conversation") == conversation)
+        )
+
+    def conv(runs: list[dict], steptime: str) -> list[dict]:
+        return [
+            r
+            for r in runs
+            if r["steptime"] == steptime and r["workload"].startswith("conversation")
+        ]
+
+    cached = [r["verdicts"][DEFAULT] for r in conv(capped, "cached")]
+    causal = [r["verdicts"][DEFAULT] for r in conv(capped, "causal")]
+    misses = [v for v in causal if not meets_bar(v)]
+    assert all(v["share_of_bound"] >= 0.95 for v in misses), "the paragraph: the TTFT condition"
+
+    def kv_growth(runs: list[dict], before: list[dict]) -> float:
+        by_key = {key(r): r for r in before}
+        return max(p99(r, "kv") / p99(by_key[key(r)], "kv") for r in runs)
+
+    return [
+        SKIP,  # the flag's default, 0
+        SKIP,  # vLLM 0.32.0
+        SKIP,  # 2048
+        SKIP,  # ... in the command
+        met(capped),
+        len(capped),
+        met(plain),
+        100 * min(v["share_of_bound"] for v in cached),
+        100 * max(v["share_of_bound"] for v in cached),
+        min(v["ttft_p99_vs_kv"] for v in cached),
+        max(v["ttft_p99_vs_kv"] for v in cached),
+        met(capped, "cached", True),
+        len(cached),
+        met(plain, "cached", True),
+        len(misses),
+        len(causal),
+        100 * (max(v["ttft_p99_vs_kv"] for v in misses) - 1),
+        met(ai_capped),
+        len(ai_capped),
+        met(ai_plain),
+        met(ai_capped, "cached"),
+        len([r for r in ai_capped if r["steptime"] == "cached"]),
+        met(ai_plain, "cached"),
+        sum(r["meets_bar"] for r in fleet_capped),
+        len(fleet_capped),
+        sum(r["meets_bar"] for r in fleet_plain),
+        kv_growth(conv(capped, "cached"), plain),
+        kv_growth([r for r in ai_capped if r["steptime"] == "cached"], ai_plain),
+    ]
+
+
 PARAGRAPHS = {
     "Side by side in the same runs": frontend_text,
     "In the realistic router view": realistic_text,
@@ -1121,6 +1218,7 @@ PARAGRAPHS = {
     "Judged by Dynamo's own simulator": dynamo_replay_text,
     "On fleets whose engines run at different speeds": mixed_fleet_text,
     "On traces made by AIPerf's prefix synthesizer": aiperf_text,
+    "With vLLM's `--long-prefill-token-threshold` on the engines": long_prefill_text,
 }
 
 
