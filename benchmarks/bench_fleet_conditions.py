@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bench_routing_quality import beaten_by  # noqa: E402
+from bench_routing_quality import add_long_prefill_option, beaten_by  # noqa: E402
 
 from kvplug.sim.bench import BenchSpec, run_bench  # noqa: E402
 from kvplug.sim.transport import PRESETS  # noqa: E402
@@ -137,16 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--json", default=None, help="default benchmarks/results/fleet_conditions{,_mixed}.json"
     )
-    ap.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=0,
-        metavar="T",
-        help="every engine runs with vLLM's --long-prefill-token-threshold T (default 0: off)",
-    )
+    add_long_prefill_option(ap)
     args = ap.parse_args(argv)
-    if args.long_prefill_token_threshold < 0:
-        ap.error("--long-prefill-token-threshold: T is >= 0")
     if args.policies is None:
         args.policies = list(POLICIES)
         if args.conditions == "mixed":

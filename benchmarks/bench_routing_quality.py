@@ -137,6 +137,24 @@ def verdict_table(runs: list[dict], policies: list[str]) -> str:
     return "\n".join(lines)
 
 
+def add_long_prefill_option(ap: argparse.ArgumentParser) -> None:
+    """``--long-prefill-token-threshold T``: every simulated engine runs with vLLM's flag."""
+
+    def threshold(text: str) -> int:
+        value = int(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"T is >= 0, got {value}")
+        return value
+
+    ap.add_argument(
+        "--long-prefill-token-threshold",
+        type=threshold,
+        default=0,
+        metavar="T",
+        help="every engine runs with vLLM's --long-prefill-token-threshold T (default 0: off)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
@@ -164,16 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         help="another Mooncake-format trace (JSONL, .gz, .xz) as workload NAME; repeatable, and "
         "--workloads defaults to these alone when given",
     )
-    ap.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=0,
-        metavar="T",
-        help="every engine runs with vLLM's --long-prefill-token-threshold T (default 0: off)",
-    )
+    add_long_prefill_option(ap)
     args = ap.parse_args(argv)
-    if args.long_prefill_token_threshold < 0:
-        ap.error("--long-prefill-token-threshold: T is >= 0")
     if any(seed < 0 for seed in args.spread_seeds):
         ap.error("--spread-seeds: seeds are >= 0")
     traces: dict[str, str] = {}

@@ -203,3 +203,23 @@ def test_a_bad_trace_argument_is_refused(tmp_path):
             bench.main(["--smoke", "--trace", bad, "--plots", "", "--json", str(tmp_path / "j")])
     with pytest.raises(SystemExit):
         bench.main(["--smoke", "--workloads", "nope", "--plots", "", "--json", str(tmp_path / "j")])
+
+
+def test_the_engines_threshold_is_recorded_per_run_and_a_negative_one_refused(tmp_path, capsys):
+    """--long-prefill-token-threshold T runs every engine with vLLM's flag: each run's JSON says
+    so, and the replay differs from the one without it (here the TTFTs); T < 0 is a usage error."""
+    bench = _load()
+    argv = ["--smoke", "--settings", "ideal", "--steptime", "cached", "--policies", "kv"]
+    argv += ["--workloads", "conversation", "--jobs", "1", "--plots", ""]
+    runs = {}
+    for cap in (0, 1024):
+        out = tmp_path / f"rq{cap}.json"
+        more = ["--long-prefill-token-threshold", str(cap), "--json", str(out)]
+        assert bench.main(argv + more) == 0
+        runs[cap] = json.loads((tmp_path / f"rq{cap}_smoke.json").read_text())["runs"]
+    assert [r["long_prefill_token_threshold"] for r in runs[0] + runs[1024]] == [0, 1024]
+    ttft = {cap: r[0]["results"][0]["ttft_mean_s"] for cap, r in runs.items()}
+    assert ttft[0] != ttft[1024]
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv + ["--long-prefill-token-threshold", "-1", "--json", str(tmp_path / "j")])
+    assert exc.value.code == 2 and "T is >= 0" in capsys.readouterr().err

@@ -196,6 +196,11 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
     python_path = frontend["kvplug python path (token ids)"]
     default = frontend["kvplug default routing (token ids)"]
     r64 = router[64]
+
+    def round_ratios(num: str, den: str) -> list[float]:
+        """The lowest and highest per-round ratio of two of bench_router's columns."""
+        return _range([rnd[num] / rnd[den] for row in router.values() for rnd in row["rounds"]])
+
     kernel = load("benchmarks/results/ab_route_cost_kernel.json")
     window = load("benchmarks/results/ab_route_cost_window.json")
     checked = load("benchmarks/results/bench_router_host_check.json")["rounds"]
@@ -234,24 +239,12 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             router[8]["previous_default_inflight_median_us"],
             r64["previous_default_inflight_median_us"],
             router[512]["previous_default_inflight_median_us"],
-            *_range(
-                [
-                    rnd["default_inflight_median_us"] / rnd["previous_default_inflight_median_us"]
-                    for row in router.values()
-                    for rnd in row["rounds"]
-                ]
-            ),
+            *round_ratios("default_inflight_median_us", "previous_default_inflight_median_us"),
             r64["capped_threshold"],
             router[8]["capped_default_inflight_median_us"],
             r64["capped_default_inflight_median_us"],
             router[512]["capped_default_inflight_median_us"],
-            *_range(
-                [
-                    rnd["capped_default_inflight_median_us"] / rnd["default_inflight_median_us"]
-                    for row in router.values()
-                    for rnd in row["rounds"]
-                ]
-            ),
+            *round_ratios("capped_default_inflight_median_us", "default_inflight_median_us"),
             SKIP,  # the issue's number
             *_range(host_check("18dd7bc", "default_inflight_median_us", 8)),
             *_range(host_check("18dd7bc", "default_inflight_median_us", 64)),
