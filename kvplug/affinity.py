@@ -332,7 +332,7 @@ AFFINITY_PRESETS["affinity-fitted"] = {
     # engines run with vLLM's --long-prefill-token-threshold let a follow-up start beside a
     # long prefill instead of behind it; sharing all its steps, it slows a prefill in the tail
     # more, so more follow-ups are kept off one (issue 14's twenty-seventh pass: on the
-    # conversation trace, 13 of 16 runs meet the bar at 96 blocks, 7 at protect_blocks' 24)
+    # conversation trace, 13 of 16 runs meet the bar at 96 blocks, 6 at protect_blocks' 24)
     "protect_blocks_capped": 96,
 }
 AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
