@@ -2176,7 +2176,7 @@ def predicted_ttfts(endpoints, idx, overlap, double prompt_tokens, double block_
         chunk = mb[ep] if ep < n_mb else 0.0
         new = prompt_tokens - cached
         slow = sd[ep] if ep < n_sd else 1.0
-        # Affinity._endpoint_queue: a summary without prefills (0, 0, inf, 0, -inf) gives 0.0
+        # Affinity._endpoint_queue: a summary without prefills (0, 0, inf, 0, -inf, 0) gives 0.0
         queued = sec[ep]
         if read_ms:
             queued += stp[ep] * read_ms * <double>ctx[ep] / 1e6

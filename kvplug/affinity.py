@@ -253,8 +253,7 @@ class AffinityParams:
         ):
             raise ValueError(
                 "affinity: read_ms, spread_eps, protect, protect_blocks, protect_blocks_capped, "
-                "balance, "
-                "spread_churn, spread_lag and churn_cap must be >= 0"
+                "balance, spread_churn, spread_lag and churn_cap must be >= 0"
             )
         if not (self.fit_speeds == 0 or self.fit_speeds > 1):
             raise ValueError("affinity: fit_speeds must be 0 (off) or > 1")
