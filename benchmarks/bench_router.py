@@ -15,8 +15,8 @@ populated trie of shared document prefixes, and the same with the flag off; the 
 (``kvplug serve`` with no ``--router-mode``: kv's cost, then the affinity decision in Python) with
 the same requests in flight, and beside it the default before issue 14's twenty-fourth pass
 (``affinity-balance``: no fitted prefill model) and the default on engines registered with
-vLLM's ``--long-prefill-token-threshold`` 2048 (``capped``: its predictions in Python), the three
-taking turns; the same kv
+vLLM's ``--long-prefill-token-threshold`` 2048 (``capped``: predicting with the step cap), the
+three taking turns; the same kv
 decision with busy thresholds and an attribute threshold
 (``gpu_utilization<=0.9``, all fresh, nobody over) configured, i.e. the cost of the filters;
 and approximate mode (no events: each decision also records its prompt in the side index).
@@ -57,7 +57,7 @@ from kvplug.workers import Worker  # noqa: E402
 RESULTS = Path(__file__).parent / "results" / "bench_router.json"
 PREVIOUS_DEFAULT_AFFINITY = "affinity-balance"  # the default before issue 14's 24th pass
 # the default routing again, its engines registered with vLLM's --long-prefill-token-threshold:
-# its predictions then run in Python (the compiled kernel has no step cap)
+# what predicting with the step cap costs a decision
 CAPPED_THRESHOLD = 2048
 
 

@@ -6,12 +6,12 @@ not needed: benchmarks/synthesize_traces.py imports it only to synthesize."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import lzma
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 from kvplug.sim.traces import load_trace
 
@@ -20,17 +20,8 @@ DATA = ROOT / "benchmarks" / "data" / "aiperf"
 MANIFEST = json.loads((DATA / "manifest.json").read_text())
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location(
-        "synthesize_traces", ROOT / "benchmarks" / "synthesize_traces.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_manifest_names_every_variant_the_script_makes():
-    assert list(MANIFEST["traces"]) == list(_script().VARIANTS)
+    assert list(MANIFEST["traces"]) == list(load_script("synthesize_traces").VARIANTS)
     assert MANIFEST["tool"].startswith("aiperf 0.13.0") and MANIFEST["match_load"]
 
 
@@ -40,7 +31,7 @@ def test_each_trace_is_its_manifest_entry(name):
     body = lzma.decompress((DATA / entry["file"]).read_bytes())
     assert hashlib.sha256(body).hexdigest() == entry["sha256_uncompressed"]
     records = [json.loads(line) for line in body.decode().splitlines()]
-    stats = _script().trace_stats(records)
+    stats = load_script("synthesize_traces").trace_stats(records)
     assert stats == entry["stats"]
     # the load match: the variant's new-token rate is the original's (to the speedup's rounding)
     source = MANIFEST["source_stats"]["new_tokens_per_s"]
@@ -53,7 +44,7 @@ def test_each_trace_is_its_manifest_entry(name):
 
 
 def test_padding_makes_a_shared_tail_whole_and_leaves_the_rest():
-    pad = _script().pad_shared_tails
+    pad = load_script("synthesize_traces").pad_shared_tails
     trace = [
         # ends in a partial block another request shares: padded to 2 whole blocks
         {"input_length": 700, "hash_ids": [1, 2]},

@@ -4,22 +4,14 @@ bench_vllm_router.py shares)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from script_loader import load_script
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_sglang_router", ROOT / "benchmarks" / "bench_sglang_router.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("bench_sglang_router")
 
 
 @pytest.mark.timeout(120)

@@ -11,31 +11,24 @@ must be routed back to that engine with its prefix credited. Also the smoke run 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
+from script_loader import load_script
 
 from kvplug.sim.server import FleetOptions, SimServer
 from kvplug.testing import free_ports
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_vllm_router", ROOT / "benchmarks" / "bench_vllm_router.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("bench_vllm_router")
 
 
 async def _engines(n: int, **opts) -> list[SimServer]:
