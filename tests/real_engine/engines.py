@@ -90,6 +90,7 @@ class Engine:
     log_path: str = ""
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)  # over the defaults below
+    block_size: int = 32  # vLLM refuses a repeated --block-size, so not in extra_args
 
     @property
     def url(self) -> str:
@@ -118,7 +119,7 @@ class Engine:
             "--port",
             str(self.port),
             "--block-size",
-            "32",
+            str(self.block_size),
             "--dtype",
             "bfloat16",
             "--kv-events-config",
