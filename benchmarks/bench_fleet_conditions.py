@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             steptime=st,
             seed=seed,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
+            long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
             **cond,
         )
         report = run_bench(spec, jobs=args.jobs, progress=False)

@@ -138,7 +138,8 @@ def verdict_table(runs: list[dict], policies: list[str]) -> str:
 
 
 def add_long_prefill_option(ap: argparse.ArgumentParser) -> None:
-    """``--long-prefill-token-threshold T``: every simulated engine runs with vLLM's flag."""
+    """``--long-prefill-token-threshold T`` (and ``--long-prefill-token-threshold-adaptive``):
+    every simulated engine runs with vLLM's flags."""
 
     def threshold(text: str) -> int:
         value = int(text)
@@ -152,6 +153,12 @@ def add_long_prefill_option(ap: argparse.ArgumentParser) -> None:
         default=0,
         metavar="T",
         help="every engine runs with vLLM's --long-prefill-token-threshold T (default 0: off)",
+    )
+    ap.add_argument(
+        "--long-prefill-token-threshold-adaptive",
+        action="store_true",
+        help="and with vLLM's --long-prefill-token-threshold-adaptive (the cap floored at the "
+        "budget over the engine's running and waiting requests)",
     )
 
 
@@ -223,11 +230,13 @@ def main(argv: list[str] | None = None) -> int:
                 spread_arrivals=seed > 0,
                 seed=seed,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
+                long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
             )
             cap = args.long_prefill_token_threshold
+            adaptive = " adaptive" if args.long_prefill_token_threshold_adaptive else ""
             print(
                 f"\n== {label} | router view {view} | steptime {st}"
-                + (f" | long_prefill_token_threshold {cap}" if cap else ""),
+                + (f" | long_prefill_token_threshold {cap}{adaptive}" if cap else ""),
                 flush=True,
             )
             report = run_bench(spec, jobs=args.jobs, progress=False)
@@ -253,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                     "view": view,
                     "steptime": st,
                     "long_prefill_token_threshold": args.long_prefill_token_threshold,
+                    "long_prefill_token_threshold_adaptive": (
+                        args.long_prefill_token_threshold_adaptive
+                    ),
                     "trace": report["trace"],
                     "results": [
                         {k: v for k, v in r.items() if k != "series"} for r in report["results"]

@@ -1099,7 +1099,7 @@ class Affinity:
             self.params.read_ms,
             self._prefill_model,
             self._slowdowns,
-            router.long_prefill,
+            router.long_prefill_now(),
         )
 
     def _read_seconds(self, ep: int, new: float, chunk: float) -> float:

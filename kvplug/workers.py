@@ -72,6 +72,9 @@ class Worker:
     # vLLM's --long-prefill-token-threshold: while other requests run or wait, a prompt takes at
     # most this many tokens of a step, so it does not hold up the requests behind it (0 = off)
     long_prefill_token_threshold: int = 0
+    # vLLM's --long-prefill-token-threshold-adaptive: that cap is floored at the budget over
+    # the engine's running and waiting requests
+    long_prefill_token_threshold_adaptive: bool = False
     event_endpoint: str | None = None
     replay_endpoint: str | None = None
     metrics_url: str | None = None

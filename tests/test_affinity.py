@@ -719,6 +719,36 @@ def test_the_per_endpoint_walk_predicts_exactly_what_a_walk_over_every_request_d
         assert {ep: aff._context(ep) for ep in endpoints} == active
 
 
+def test_an_adaptive_threshold_is_floored_by_the_requests_in_flight():
+    """vLLM's --long-prefill-token-threshold-adaptive floors the cap at the budget over the
+    engine's running and waiting requests: the router counts its requests in flight there and
+    the one it is deciding; long_prefill_now gives every endpoint's the same."""
+    from kvplug.workers import Worker
+
+    r = make_router(
+        workers=(
+            Worker(
+                "w1",
+                max_batched_tokens=8192,
+                long_prefill_token_threshold=1024,
+                long_prefill_token_threshold_adaptive=True,
+            ),
+            Worker("w2", max_batched_tokens=8192, long_prefill_token_threshold=1024),
+        )
+    )
+    w1, w2 = r.ep_worker.index("w1"), r.ep_worker.index("w2")
+    seen = []
+    for i in range(10):
+        seen.append((r.long_prefill_tokens(w1), r.long_prefill_tokens(w2)))
+        assert r.long_prefill_now()[[w1, w2]].tolist() == list(seen[-1])
+        r.route(RouteRequest(f"r{i}", tokens(4), hints=RoutingHints(pinned_worker_id="w1")))
+    # 8192 // (in flight + 1) until it falls under the threshold; w2 is not adaptive
+    assert seen[:4] == [(8192, 1024), (4096, 1024), (8192 // 3, 1024), (2048, 1024)]
+    assert seen[-1] == (1024, 1024)
+    r.add_worker(Worker("w1", max_batched_tokens=8192, long_prefill_token_threshold=1024))
+    assert r.long_prefill_tokens(w1) == 1024 and r.long_prefill_now() is r.long_prefill
+
+
 def test_the_predictions_for_many_engines_at_once_are_the_one_by_one_floats(monkeypatch):
     """``_predicted_ttft`` computes eight engines or more in numpy: the same floats as the loop
     (engines with no chunk size, chunks shorter and longer than the prompt, a prompt its cached
@@ -731,9 +761,15 @@ def test_the_predictions_for_many_engines_at_once_are_the_one_by_one_floats(monk
 
     budgets = (0, 64, 256, 8192, 0, 48, 1024, 16, 300)
     caps = (16, 0, 64, 2048, 0, 100, 0, 8, 0)  # vLLM's --long-prefill-token-threshold
+    adaptive = (True, False, True, False, False, True, False, False, False)  # ...-adaptive
     workers = [
-        Worker(f"w{i}", max_batched_tokens=b, long_prefill_token_threshold=c)
-        for i, (b, c) in enumerate(zip(budgets, caps, strict=True))
+        Worker(
+            f"w{i}",
+            max_batched_tokens=b,
+            long_prefill_token_threshold=c,
+            long_prefill_token_threshold_adaptive=a,
+        )
+        for i, (b, c, a) in enumerate(zip(budgets, caps, adaptive, strict=True))
     ]
     clock = FakeClock()
     r = make_router(workers=workers, clock=clock)
@@ -770,7 +806,8 @@ def test_the_compiled_predictions_are_the_python_floats_as_the_load_changes(monk
     Python path after every change a summary must follow: requests routed, first tokens,
     finishes, a worker re-registered with another chunk; every candidate and subsets, with and
     without decode reads; chunks that divide the prompt, exceed it, or are unknown (0); engines
-    with a long_prefill_token_threshold below, above and without a chunk, and without one."""
+    with a long_prefill_token_threshold below, above and without a chunk, and without one, and
+    with an adaptive one (floored by the requests in flight there)."""
     from test_router_helpers import FakeClock
 
     import kvplug.affinity as affinity_module
@@ -778,11 +815,17 @@ def test_the_compiled_predictions_are_the_python_floats_as_the_load_changes(monk
 
     budgets = (0, 64, 256, 8192, 0, 48, 1024, 16, 300, 512, 32)
     caps = (0, 32, 0, 2048, 24, 0, 4096, 0, 100, 0, 16)  # vLLM's --long-prefill-token-threshold
+    adaptive = (False, True, True, False, True, False, True, False, True, False, False)
     clock = FakeClock()
     r = make_router(
         workers=[
-            Worker(f"w{i}", max_batched_tokens=b, long_prefill_token_threshold=c)
-            for i, (b, c) in enumerate(zip(budgets, caps, strict=True))
+            Worker(
+                f"w{i}",
+                max_batched_tokens=b,
+                long_prefill_token_threshold=c,
+                long_prefill_token_threshold_adaptive=a,
+            )
+            for i, (b, c, a) in enumerate(zip(budgets, caps, adaptive, strict=True))
         ],
         clock=clock,
     )
@@ -800,9 +843,16 @@ def test_the_compiled_predictions_are_the_python_floats_as_the_load_changes(monk
             _route_then_move_on(aff, clock, rng, live, rid, (50, 3, 9_000), 0.03, (0.4, 0.0, 0.25))
             if i == 60:  # another chunk for one engine: its summary must be taken again
                 r.add_worker(Worker("w3", max_batched_tokens=128))
-            if i == 90:  # an engine's cap turned off, another's on
+            if i == 90:  # an engine's cap turned off, another's on (adaptive)
                 r.add_worker(Worker("w1", max_batched_tokens=64))
-                r.add_worker(Worker("w2", max_batched_tokens=256, long_prefill_token_threshold=8))
+                r.add_worker(
+                    Worker(
+                        "w2",
+                        max_batched_tokens=256,
+                        long_prefill_token_threshold=8,
+                        long_prefill_token_threshold_adaptive=True,
+                    )
+                )
             n = len(r.ep_worker)
             trace = _trace(r)
             overlap = rng.integers(0, 40, size=n).astype(float).tolist()

@@ -206,20 +206,28 @@ def test_a_bad_trace_argument_is_refused(tmp_path):
 
 
 def test_the_engines_threshold_is_recorded_per_run_and_a_negative_one_refused(tmp_path, capsys):
-    """--long-prefill-token-threshold T runs every engine with vLLM's flag: each run's JSON says
-    so, and the replay differs from the one without it (here the TTFTs); T < 0 is a usage error."""
+    """--long-prefill-token-threshold T (and --long-prefill-token-threshold-adaptive) runs every
+    engine with vLLM's flags: each run's JSON says so, and the replay differs from the one
+    without them (here the TTFTs); T < 0 is a usage error."""
     bench = _load()
     argv = ["--smoke", "--settings", "ideal", "--steptime", "cached", "--policies", "kv"]
     argv += ["--workloads", "conversation", "--jobs", "1", "--plots", ""]
     runs = {}
-    for cap in (0, 1024):
-        out = tmp_path / f"rq{cap}.json"
-        more = ["--long-prefill-token-threshold", str(cap), "--json", str(out)]
-        assert bench.main(argv + more) == 0
-        runs[cap] = json.loads((tmp_path / f"rq{cap}_smoke.json").read_text())["runs"]
-    assert [r["long_prefill_token_threshold"] for r in runs[0] + runs[1024]] == [0, 1024]
-    ttft = {cap: r[0]["results"][0]["ttft_mean_s"] for cap, r in runs.items()}
-    assert ttft[0] != ttft[1024]
+    for cap, adaptive in ((0, []), (1024, []), (1024, ["--long-prefill-token-threshold-adaptive"])):
+        name = f"rq{cap}{len(adaptive)}"
+        more = ["--long-prefill-token-threshold", str(cap), *adaptive]
+        assert bench.main(argv + more + ["--json", str(tmp_path / f"{name}.json")]) == 0
+        runs[cap, bool(adaptive)] = json.loads((tmp_path / f"{name}_smoke.json").read_text())[
+            "runs"
+        ]
+    recorded = [
+        (r["long_prefill_token_threshold"], r["long_prefill_token_threshold_adaptive"])
+        for rs in runs.values()
+        for r in rs
+    ]
+    assert recorded == [(0, False), (1024, False), (1024, True)]
+    ttft = [r[0]["results"][0]["ttft_mean_s"] for r in runs.values()]
+    assert len(set(ttft)) == 3  # the flags change the replay
     with pytest.raises(SystemExit) as exc:
         bench.main(argv + ["--long-prefill-token-threshold", "-1", "--json", str(tmp_path / "j")])
     assert exc.value.code == 2 and "T is >= 0" in capsys.readouterr().err

@@ -153,7 +153,7 @@ def test_worker_flag_and_yaml(tmp_path):
         "     labels: {tier: 1}, taints: [spot], event_endpoint: 'tcp://h:5557',\n"
         "     replay_endpoint: 'tcp://h:5558', metrics_url: 'http://h:1/metrics',\n"
         "     models: m, options: {bootstrap_port: 8998}, device: cpu,\n"
-        "     long_prefill_token_threshold: 2048}\n"
+        "     long_prefill_token_threshold: 2048, long_prefill_token_threshold_adaptive: true}\n"
         "  - url: 'http://h:2'\n"
     )
     p0, d = load_worker_config(cfg)
@@ -163,7 +163,10 @@ def test_worker_flag_and_yaml(tmp_path):
     assert isinstance(w, Worker) and w.taints == frozenset({"spot"}) and w.dp_size == 2
     assert w.event_endpoint == "tcp://h:5557" and w.device == "cpu"
     assert w.long_prefill_token_threshold == 2048 and p0.to_dict()["long_prefill_token_threshold"]
+    assert w.long_prefill_token_threshold_adaptive
+    assert p0.to_dict()["long_prefill_token_threshold_adaptive"] is True
     assert d.worker_id == "h:2" and d.to_worker().long_prefill_token_threshold == 0
+    assert not d.to_worker().long_prefill_token_threshold_adaptive
     check_unique([p0, d])
     with pytest.raises(ConfigError, match="twice"):
         check_unique([p0, p0])
@@ -181,6 +184,7 @@ def test_worker_flag_and_yaml(tmp_path):
         ({"url": "http://h:99999"}, "port"),
         ({"url": "http://h:1", "long_prefill_token_threshold": -1}, "long_prefill_token"),
         ({"url": "http://h:1", "long_prefill_token_threshold": "x"}, "long_prefill_token"),
+        ({"url": "http://h:1", "long_prefill_token_threshold_adaptive": "yes"}, "true or false"),
     ],
 )
 def test_bad_worker_specs(entry, match):

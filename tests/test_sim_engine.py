@@ -104,6 +104,28 @@ def test_long_prefill_threshold_lets_a_short_prompt_past_a_long_one():
     assert long.first_token > short.first_token
 
 
+def test_adaptive_long_prefill_threshold_is_floored_at_the_budget_over_the_requests():
+    """vLLM's --long-prefill-token-threshold-adaptive (vLLM 0.32.0): the cap is at least
+    max_num_batched_tokens // (running + waiting requests); here 4096 // 2 over a threshold of
+    1024, so step 1 is 2048 of the long prompt and the short one's 512."""
+    for adaptive, first_chunk in ((False, 1024), (True, 2048)):
+        e = SimEngine(
+            "w",
+            EngineConfig(
+                capacity_blocks=100,
+                max_batched_tokens=4096,
+                long_prefill_token_threshold=1024,
+                long_prefill_token_threshold_adaptive=adaptive,
+            ),
+        )
+        long = _req("long", 0.0, 8192, 1, list(range(1, 17)))
+        short = _req("short", 0.0, 512, 1, [99])
+        e.add_request(long, 0.0)
+        e.add_request(short, 0.0)
+        e.step()
+        assert long.computed == first_chunk and short.computed == 512
+
+
 def test_long_prefill_threshold_does_not_cap_a_prompt_alone():
     """vLLM lets a request that is alone use the whole budget: nothing to starve."""
     e = SimEngine(
@@ -210,8 +232,14 @@ async def test_the_threshold_reaches_the_engines_of_a_replay_and_of_kvplug_sim()
     from kvplug.sim.server import FleetOptions, SimServer
     from kvplug.testing import free_ports
 
-    spec = BenchSpec(policies=["kv"], long_prefill_token_threshold=512)
-    assert spec.replay_config(feed_events=True).engine.long_prefill_token_threshold == 512
+    spec = BenchSpec(
+        policies=["kv"],
+        long_prefill_token_threshold=512,
+        long_prefill_token_threshold_adaptive=True,
+    )
+    engine = spec.replay_config(feed_events=True).engine
+    assert engine.long_prefill_token_threshold == 512
+    assert engine.long_prefill_token_threshold_adaptive
     http, events, replay = free_ports(3)
     opts = FleetOptions(
         engines=1,
@@ -220,9 +248,11 @@ async def test_the_threshold_reaches_the_engines_of_a_replay_and_of_kvplug_sim()
         events_base_port=events,
         replay_base_port=replay,
         long_prefill_token_threshold=512,
+        long_prefill_token_threshold_adaptive=True,
     )
     server = SimServer(0, opts)
     try:
         assert server.engine.cfg.long_prefill_token_threshold == 512
+        assert server.engine.cfg.long_prefill_token_threshold_adaptive
     finally:
         server.publisher.close()

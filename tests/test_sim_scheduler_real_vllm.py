@@ -3,12 +3,15 @@
 Every routing figure of the simulator rests on how its engines schedule chunked prefill: a
 step's token budget, decodes first, a running prefill before a waiting one, and vLLM's
 ``--long-prefill-token-threshold``, which caps a prompt's share of a step while another request
-runs or waits. This runs the same requests on two real engines (token budget 64, 32-token
-blocks; one with the threshold at 32, one without) and on kvplug's ``SimEngine`` with the same
-settings, and compares which prompt blocks each step stores: the engines' own KV events (one
-batch per step) against the simulator's. Each scenario is one completion of two prompts, which
-vLLM's API server hands to the engine back to back (the simulator is given the second one 0, 1,
-... steps after the first, and one of those must match):
+runs or waits, and ``--long-prefill-token-threshold-adaptive``, which floors that cap at the
+budget over the running and waiting requests. This runs the same requests on three real
+engines (32-token blocks; a token budget of 64 with the threshold off and at 32, and of 128
+with it at 32, adaptive) and on
+kvplug's ``SimEngine`` with the same settings, and compares which prompt blocks each step
+stores: the engines' own KV events (one batch per step) against the simulator's. Each
+scenario is one completion of two prompts, which vLLM's API server hands to the engine back to
+back (the simulator is given the second one 0, 1, ... steps after the first, and one of those
+must match):
 
 * a short prompt, then a long one: the long one is chunked beside the short one's decode at
   63 tokens a step without the threshold (the budget less the decode), 32 with it;
@@ -37,8 +40,6 @@ from kvplug.events import BlockStored
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
 
 BS = 32
-BUDGET = 64
-THRESHOLD = 32
 LONG, SHORT = 960, 40  # tokens: 30 blocks; one block (it decodes beside the long prefill)
 FOLLOWUP = 96  # the short prompt queued behind the long one: three blocks
 REASON = missing_reason()
@@ -50,27 +51,41 @@ pytestmark = [
 ]
 
 
+# the engines' settings: vLLM's --long-prefill-token-threshold, whether it is adaptive (floored
+# at the budget over the running and waiting requests) and --max-num-batched-tokens. Events
+# show blocks, not tokens: so the adaptive one's floor is a block over its threshold with two
+# requests (128 // 2 = 64 against 32)
+SETTINGS = {"off": (0, False, 64), "32": (32, False, 64), "32 adaptive": (32, True, 128)}
+
+
+def cap_blocks(setting: tuple[int, bool, int], requests: int = 2) -> int:
+    """Blocks of a prompt one step takes under ``setting`` beside another request."""
+    threshold, adaptive, budget = setting
+    return max(threshold, budget // requests if adaptive else 0) // BS
+
+
 @pytest.fixture(scope="module")
 def engines():
-    ports = engine_ports(6)
-    common = ["--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "8"]
-    common += ["--max-model-len", "1024"]
-    plain = Engine(
-        "plain", ports[0], f"tcp://*:{ports[1]}", f"tcp://*:{ports[2]}", extra_args=common
-    )
-    capped = Engine(
-        "capped",
-        ports[3],
-        f"tcp://*:{ports[4]}",
-        f"tcp://*:{ports[5]}",
-        extra_args=[*common, "--long-prefill-token-threshold", str(THRESHOLD)],
-    )
-    both = {0: plain, THRESHOLD: capped}
+    ports = iter(engine_ports(3 * len(SETTINGS)))
+    common = ["--max-num-seqs", "8", "--max-model-len", "1024"]
+    fleet = {}
+    for name, (threshold, adaptive, budget) in SETTINGS.items():
+        extra = ["--max-num-batched-tokens", str(budget)]
+        extra += ["--long-prefill-token-threshold", str(threshold)] if threshold else []
+        extra += ["--long-prefill-token-threshold-adaptive"] if adaptive else []
+        http, events, replay = next(ports), next(ports), next(ports)
+        fleet[name] = Engine(
+            name.replace(" ", "-"),
+            http,
+            f"tcp://*:{events}",
+            f"tcp://*:{replay}",
+            extra_args=[*common, *extra],
+        )
     try:
-        start_engines(both.values())
-        yield both
+        start_engines(fleet.values())
+        yield fleet
     finally:
-        for e in both.values():
+        for e in fleet.values():
             e.stop()
 
 
@@ -141,30 +156,35 @@ def post(engine: Engine, tokens: list[int] | list[list[int]], max_tokens: int) -
 
 
 def fresh(rng: random.Random, n: int) -> list[int]:
-    """Tokens no earlier prompt began with: every block a cache miss (vocabulary of 512)."""
+    """Tokens no earlier prompt began with, each test drawing from its own seed: every block a
+    cache miss (vocabulary of 512)."""
     return [rng.randrange(1, 500) for _ in range(n)]
 
 
 # ---- the simulator, same settings ------------------------------------------------------------
-def sim_engine(threshold: int) -> SimEngine:
+def sim_engine(threshold: int, adaptive: bool, budget: int) -> SimEngine:
     return SimEngine(
         "sim",
         EngineConfig(
             block_size=BS,
             capacity_blocks=512,
-            max_batched_tokens=BUDGET,
+            max_batched_tokens=budget,
             long_prefill_token_threshold=threshold,
+            long_prefill_token_threshold_adaptive=adaptive,
             max_num_seqs=8,
             fast_forward=False,  # one step at a time, as the events come
         ),
     )
 
 
-def sim_steps(threshold: int, first: int, second: int, max_tokens: int, later: int) -> list[str]:
-    """The simulated engine given a ``first``-token prompt, then ``later`` steps on a
-    ``second``-token one, each to decode ``max_tokens``; per step that stored any of their
-    prompt blocks, 'a' * the first's + 'b' * the second's, until both have a first token."""
-    e = sim_engine(threshold)
+def sim_steps(
+    setting: tuple[int, bool, int], first: int, second: int, max_tokens: int, later: int
+) -> list[str]:
+    """The simulated engine (``setting``: a value of SETTINGS) given a ``first``-token prompt,
+    then ``later`` steps on a ``second``-token one, each to decode ``max_tokens``; per step that
+    stored any of their prompt blocks, 'a' * the first's + 'b' * the second's, until both have
+    a first token."""
+    e = sim_engine(*setting)
     a = SimRequest("first", 0.0, first, max_tokens, list(range(1, 1 + first // BS)))
     b = SimRequest("second", 0.0, second, max_tokens, list(range(1000, 1000 + second // BS)))
     label = {h: "a" for h in a.block_hashes} | {h: "b" for h in b.block_hashes}
@@ -205,33 +225,38 @@ def real_steps(engine: Engine, rng: random.Random, first: int, second: int, max_
     ]
 
 
-def matching_delay(real: list[str], threshold: int, *scenario: int) -> int:
+def matching_delay(real: list[str], setting: tuple[int, bool, int], *scenario: int) -> int:
     """The steps the engine ran before it took in the second prompt, for which the simulator
     stores the same blocks in the same steps (the API server hands the two over back to
     back, so 0 or 1 on a quiet machine): the test fails if there is none."""
-    for later in range(LONG // BUDGET + 2):
-        if sim_steps(threshold, *scenario, later) == real:
+    for later in range(LONG // 64 + 2):  # every step of the long prompt alone at the least budget
+        if sim_steps(setting, *scenario, later) == real:
             print(
                 f"vLLM and the simulator match with the second prompt taken in {later} steps later"
             )
             return later
     pytest.fail(
         f"no arrival step makes the simulator match vLLM: {real}; simulator at 0 and 1: "
-        f"{sim_steps(threshold, *scenario, 0)}, {sim_steps(threshold, *scenario, 1)}"
+        f"{sim_steps(setting, *scenario, 0)}, {sim_steps(setting, *scenario, 1)}"
     )
 
 
-@pytest.mark.parametrize("threshold", [0, THRESHOLD])
-def test_a_long_prompt_beside_a_decode_is_chunked_as_vllm_does(engines, threshold):
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_a_long_prompt_beside_a_decode_is_chunked_as_vllm_does(engines, setting):
     """A short prompt (a), then a long one (b); a decodes through b's whole prefill."""
     scenario = (SHORT, LONG, 60)  # 960 + 60 tokens: the model's 1,024
-    real = real_steps(engines[threshold], random.Random(threshold), *scenario)
-    matching_delay(real, threshold, *scenario)
+    real = real_steps(engines[setting], random.Random(f"beside {setting}"), *scenario)
+    matching_delay(real, SETTINGS[setting], *scenario)
     beside = real[1:]  # after a's prompt: b's blocks while a decodes
-    if threshold:  # one 32-token block a step
-        assert set(beside) == {"b"}, real
+    if SETTINGS[setting][0]:  # the cap's blocks a step
+        assert set(beside) == {"b" * cap_blocks(SETTINGS[setting])}, real
     else:  # 63 tokens a step, the budget less a's decode token: mostly two blocks
-        assert beside.count("bb") >= LONG // (BUDGET - 1) - 2, real
+        assert beside.count("bb") >= LONG // (64 - 1) - 2, real
+    threshold, adaptive, budget = SETTINGS[setting]
+    if adaptive:  # the floor decides: without it the simulator would not match
+        assert all(
+            sim_steps((threshold, False, budget), *scenario, later) != real for later in (0, 1)
+        )
 
 
 def test_a_short_prompt_behind_a_long_prefill_waits_for_every_chunk_without_the_threshold(
@@ -239,18 +264,25 @@ def test_a_short_prompt_behind_a_long_prefill_waits_for_every_chunk_without_the_
 ):
     """A long prompt (a), then a short one (b) queued behind it."""
     scenario = (LONG, FOLLOWUP, 1)
-    real = real_steps(engines[0], random.Random(7), *scenario)
-    matching_delay(real, 0, *scenario)
-    # a takes the whole budget, two blocks a step; b starts only once a's last chunk is
+    real = real_steps(engines["off"], random.Random("behind off"), *scenario)
+    matching_delay(real, SETTINGS["off"], *scenario)
+    # a takes the whole budget of 64, two blocks a step; b starts only once a's last chunk is
     # scheduled (which fills that step)
-    assert real == ["aa"] * (LONG // BUDGET) + ["bb", "b"]
+    assert real == ["aa"] * (LONG // 64) + ["bb", "b"]
 
 
-def test_a_short_prompt_behind_a_long_prefill_shares_its_steps_with_the_threshold(engines):
+@pytest.mark.parametrize("setting", ["32", "32 adaptive"])
+def test_a_short_prompt_behind_a_long_prefill_shares_its_steps_with_the_threshold(engines, setting):
     scenario = (LONG, FOLLOWUP, 1)
-    real = real_steps(engines[THRESHOLD], random.Random(8), *scenario)
-    later = matching_delay(real, THRESHOLD, *scenario)
-    assert later < LONG // BUDGET - 3, f"the short prompt came too late to test the cap: {real}"
-    # both capped at one block a step while both prefill; a alone again after b's prompt
+    real = real_steps(engines[setting], random.Random(f"behind {setting}"), *scenario)
+    later = matching_delay(real, SETTINGS[setting], *scenario)
+    threshold, adaptive, budget = SETTINGS[setting]
+    assert later < LONG // budget - 3, f"the short prompt came too late to test the cap: {real}"
+    # both capped while both prefill, so b's prompt is stored before a's; a alone again after
+    k = cap_blocks(SETTINGS[setting])
     joined = next(i for i, x in enumerate(real) if "b" in x)
-    assert real[joined : joined + 3] == ["ab"] * 3 and real[joined + 3] == "aa", real
+    assert real[joined] == "a" * k + "b" * k, real
+    assert max(i for i, x in enumerate(real) if "b" in x) < len(real) - 1, real
+    assert real[-2] == "a" * (budget // BS), real
+    if adaptive:  # the floor decides: without it the simulator would not match
+        assert sim_steps((threshold, False, budget), *scenario, later) != real

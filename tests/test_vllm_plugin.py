@@ -205,6 +205,7 @@ async def test_registers_what_the_engine_reports_and_routes(caplog):
                 kv_role="kv_both",
                 max_num_batched_tokens=4096,
                 long_prefill_token_threshold=1024,
+                long_prefill_token_threshold_adaptive=True,
             ),
             poll=0.05,
         ).start()
@@ -223,6 +224,7 @@ async def test_registers_what_the_engine_reports_and_routes(caplog):
             assert w["kv_capacity_blocks"] == 512 and w["max_batched_tokens"] == 4096
             # vLLM's --long-prefill-token-threshold: the default routing predicts with it
             assert w["long_prefill_token_threshold"] == 1024
+            assert w["long_prefill_token_threshold_adaptive"] is True
             assert w["models"] == ["sim-model"] and w["events_ready"] is True
             # it takes requests, and its KV events reach kvplug's index (once kvplug's SUB
             # hears the engine: a batch published before the ZMQ join is lost for good)
@@ -380,11 +382,13 @@ def test_args_from_vllm_namespace_and_argv():
         data_parallel_rank=None,
         max_num_batched_tokens=2048,
         long_prefill_token_threshold=1024,
+        long_prefill_token_threshold_adaptive=True,
     )
     a = args_from_namespace(ns)
     assert (a.host, a.port, a.kv_role, a.data_parallel_size) == ("0.0.0.0", 8123, "kv_producer", 2)
     assert a.events_config == {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557"}
     assert a.max_num_batched_tokens == 2048 and a.long_prefill_token_threshold == 1024
+    assert a.long_prefill_token_threshold_adaptive
     argv = [
         "serve",
         "model",
@@ -396,6 +400,8 @@ def test_args_from_vllm_namespace_and_argv():
         "--max_num_batched_tokens",
         "512",
         "--long-prefill-token-threshold=256",
+        "--long-prefill-token-threshold-adaptive",
+        "--enforce-eager",
     ]
     b = args_from_argv(argv)
     assert (b.host, b.port, b.kv_role, b.max_num_batched_tokens) == (
@@ -405,6 +411,11 @@ def test_args_from_vllm_namespace_and_argv():
         512,
     )
     assert b.long_prefill_token_threshold == 256
+    assert b.long_prefill_token_threshold_adaptive
+    assert not args_from_argv(
+        ["--no-long-prefill-token-threshold-adaptive"]
+    ).long_prefill_token_threshold_adaptive
+    assert not args_from_argv(argv[:-2]).long_prefill_token_threshold_adaptive
     assert args_from_argv([]).port == 8000
     assert args_from_argv([]).long_prefill_token_threshold is None
     assert args_from_namespace(SimpleNamespace(port=1, host=None, headless=True)).headless

@@ -130,6 +130,7 @@ class ServeArgs:
     data_parallel_rank: int | None = None
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int | None = None
+    long_prefill_token_threshold_adaptive: bool = False
     headless: bool = False  # engine cores only, no API server (vllm serve --headless)
 
 
@@ -197,6 +198,9 @@ def args_from_namespace(ns: Any) -> ServeArgs:
         data_parallel_rank=getattr(ns, "data_parallel_rank", None),
         max_num_batched_tokens=batched if isinstance(batched, int) else None,
         long_prefill_token_threshold=long_prefill if isinstance(long_prefill, int) else None,
+        long_prefill_token_threshold_adaptive=(
+            getattr(ns, "long_prefill_token_threshold_adaptive", False) is True
+        ),
         headless=bool(getattr(ns, "headless", False)),
     )
 
@@ -229,6 +233,10 @@ def args_from_argv(argv: list[str]) -> ServeArgs:
         data_parallel_size=int(values.get("data-parallel-size") or 1),
         max_num_batched_tokens=int(batched) if batched.isdigit() else None,
         long_prefill_token_threshold=int(long_prefill) if long_prefill.isdigit() else None,
+        # a flag without a value (vLLM's BooleanOptionalAction; --no-... turns it off), though
+        # the scan above may have taken the next word for its value
+        long_prefill_token_threshold_adaptive="long-prefill-token-threshold-adaptive" in values
+        and values["long-prefill-token-threshold-adaptive"].lower() not in ("false", "0"),
     )
 
 
@@ -391,6 +399,8 @@ def worker_entry(
         entry["max_batched_tokens"] = int(args.max_num_batched_tokens)
     if args.long_prefill_token_threshold:
         entry["long_prefill_token_threshold"] = int(args.long_prefill_token_threshold)
+        if args.long_prefill_token_threshold_adaptive:
+            entry["long_prefill_token_threshold_adaptive"] = True
     if view.models:
         entry["models"] = view.models
     if labels:

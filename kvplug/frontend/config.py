@@ -18,6 +18,7 @@ workers:
     kv_capacity_blocks: 0    # 0 = unknown
     max_batched_tokens: 0
     long_prefill_token_threshold: 0   # vLLM's flag of that name (0 = off)
+    long_prefill_token_threshold_adaptive: false   # vLLM's flag of that name
     models: [llama-3-8b]     # served model names (default: discovered from /v1/models)
     options: {bootstrap_port: 8998}   # adapter-specific
 ```
@@ -58,6 +59,7 @@ _KEYS = {
     "kv_capacity_blocks",
     "max_batched_tokens",
     "long_prefill_token_threshold",
+    "long_prefill_token_threshold_adaptive",
     "models",
     "options",
 }
@@ -80,6 +82,7 @@ class WorkerSpec:
     kv_capacity_blocks: int = 0
     max_batched_tokens: int = 0
     long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
     models: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
     # neither dp_start nor dp_size was given: the fleet asks the engine which DP ranks it
@@ -103,6 +106,7 @@ class WorkerSpec:
             "kv_capacity_blocks": self.kv_capacity_blocks,
             "max_batched_tokens": self.max_batched_tokens,
             "long_prefill_token_threshold": self.long_prefill_token_threshold,
+            "long_prefill_token_threshold_adaptive": self.long_prefill_token_threshold_adaptive,
             "models": list(self.models),
             "options": dict(self.options),
         }
@@ -124,6 +128,7 @@ class WorkerSpec:
             kv_capacity_blocks=self.kv_capacity_blocks,
             max_batched_tokens=self.max_batched_tokens,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            long_prefill_token_threshold_adaptive=self.long_prefill_token_threshold_adaptive,
             event_endpoint=self.event_endpoint,
             replay_endpoint=self.replay_endpoint,
             metrics_url=self.metrics_url,
@@ -243,6 +248,9 @@ def spec_from_mapping(d: Any, where: str, default_engine: str = "vllm") -> Worke
     options = d.get("options") or {}
     if not isinstance(options, dict):
         raise ConfigError(f"{where}: 'options' must be a mapping")
+    adaptive = d.get("long_prefill_token_threshold_adaptive", False)
+    if not isinstance(adaptive, bool):
+        raise ConfigError(f"{where}: 'long_prefill_token_threshold_adaptive' must be true or false")
     return WorkerSpec(
         worker_id=str(worker_id),
         url=url,
@@ -259,6 +267,7 @@ def spec_from_mapping(d: Any, where: str, default_engine: str = "vllm") -> Worke
         kv_capacity_blocks=_int(d, "kv_capacity_blocks", 0, 0, where),
         max_batched_tokens=_int(d, "max_batched_tokens", 0, 0, where),
         long_prefill_token_threshold=_int(d, "long_prefill_token_threshold", 0, 0, where),
+        long_prefill_token_threshold_adaptive=adaptive,
         models=list(models),
         options=dict(options),
         dp_from_engine=d.get("dp_start") is None and d.get("dp_size") is None,

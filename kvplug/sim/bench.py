@@ -51,6 +51,7 @@ class BenchSpec:
     host_capacity_blocks: int = 0
     max_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0  # the engines' (vLLM's flag); 0 = off
+    long_prefill_token_threshold_adaptive: bool = False  # vLLM's flag: the cap's floor
     link: LinkConfig = field(default_factory=LinkConfig)  # the router's view (ideal default)
     steptime: str = "causal"  # step-time preset (kvplug.sim.steptime.parse_steptime)
     mode: str = "hashes"
@@ -90,6 +91,7 @@ class BenchSpec:
                 host_capacity_blocks=self.host_capacity_blocks,
                 max_batched_tokens=self.max_batched_tokens,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                long_prefill_token_threshold_adaptive=self.long_prefill_token_threshold_adaptive,
                 events_with_tokens=self.mode == "tokens",
                 model=parse_steptime(self.steptime),
             ),

@@ -84,6 +84,12 @@ def _add_fleet_args(
         "prompt takes more than T tokens of a step (default 0: off, as vLLM)",
     )
     g.add_argument(
+        "--long-prefill-token-threshold-adaptive",
+        action="store_true",
+        help="vLLM's flag of that name on every engine: that cap is at least the budget over "
+        "the engine's running and waiting requests",
+    )
+    g.add_argument(
         "--steptime",
         default="causal",
         metavar="causal|cached|ctx=MS|mocker",
@@ -207,6 +213,7 @@ def _spec(args, policies):
         host_capacity_blocks=args.host_blocks,
         max_batched_tokens=args.max_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
         link=link,
         steptime=args.steptime,
         mode=args.mode,
@@ -503,6 +510,12 @@ def _register_sim(sub) -> None:
         "than T tokens of a step (default 0: off, as vLLM)",
     )
     p.add_argument(
+        "--long-prefill-token-threshold-adaptive",
+        action="store_true",
+        help="vLLM's flag of that name: that cap is at least the budget over the engine's "
+        "running and waiting requests",
+    )
+    p.add_argument(
         "--speed",
         type=float,
         default=1.0,
@@ -590,6 +603,7 @@ def _cmd_sim(args) -> int:
         host_blocks=args.host_blocks,
         max_batched_tokens=args.max_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
         speed=args.speed,
         model=args.model,
         block_hashes=args.block_hashes,

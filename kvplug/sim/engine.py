@@ -23,7 +23,9 @@ Scheduling (vLLM V1-like, simplified; assumptions in docs/sim.md):
 * with ``long_prefill_token_threshold`` T > 0, no prompt's chunk exceeds T tokens while more
   than one request is running or waiting, as vLLM's V1 scheduler caps it (vLLM 0.32.0,
   ``vllm/v1/core/sched/scheduler.py``: the cap applies to running and waiting requests alike,
-  and not when a request is alone).
+  and not when a request is alone); with ``long_prefill_token_threshold_adaptive`` the cap is
+  at least the budget over the running and waiting requests, as vLLM's flag of that name
+  floors it.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ class EngineConfig:
     # prompt takes more than this many tokens of a step, so a long prefill leaves room for the
     # rest (0 = off, vLLM's default)
     long_prefill_token_threshold: int = 0
+    # vLLM's --long-prefill-token-threshold-adaptive: that cap is floored at the budget's fair
+    # share, max_batched_tokens // (running + waiting requests)
+    long_prefill_token_threshold_adaptive: bool = False
     max_num_seqs: int = 256
     events_with_tokens: bool = False  # token mode: BlockStored carries token ids, not hashes
     emit_output_blocks: bool = True  # report blocks filled by generated tokens, as vLLM does
@@ -345,8 +350,11 @@ class SimEngine:
         reload_tokens = 0
         # vLLM caps a prompt's share of the step only when some other request could use the rest
         cap = self.cfg.long_prefill_token_threshold
-        if not cap or n_decode + len(self.prefilling) + len(self.waiting) <= 1:
+        eligible = n_decode + len(self.prefilling) + len(self.waiting)
+        if not cap or eligible <= 1:
             cap = budget
+        elif self.cfg.long_prefill_token_threshold_adaptive:
+            cap = max(cap, self.cfg.max_batched_tokens // eligible)
         for req in self.prefilling:
             if budget <= 0:
                 break

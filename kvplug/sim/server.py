@@ -124,6 +124,7 @@ class FleetOptions:
     host_blocks: int = 0
     max_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0  # vLLM's flag of that name (0 = off)
+    long_prefill_token_threshold_adaptive: bool = False  # vLLM's flag of that name
     speed: float = 1.0
     model: str = "sim-llama-3-8b"
     # "sim": the simulator's own blake2b chain; "vllm": vLLM's block hashes (hash_algo, with
@@ -205,6 +206,7 @@ class SimServer:
                 host_capacity_blocks=opts.host_blocks,
                 max_batched_tokens=opts.max_batched_tokens,
                 long_prefill_token_threshold=opts.long_prefill_token_threshold,
+                long_prefill_token_threshold_adaptive=opts.long_prefill_token_threshold_adaptive,
                 events_with_tokens=True,
                 fast_forward=False,
                 model=opts.model_of(index),

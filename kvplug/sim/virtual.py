@@ -189,6 +189,9 @@ def replay(
                     kv_capacity_blocks=cfg.engine.capacity_blocks,
                     max_batched_tokens=cfg.engine.max_batched_tokens,
                     long_prefill_token_threshold=cfg.engine.long_prefill_token_threshold,
+                    long_prefill_token_threshold_adaptive=(
+                        cfg.engine.long_prefill_token_threshold_adaptive
+                    ),
                 )
             )
     # engines that receive new requests only at trace arrivals, and (P/D) the decode engines,
