@@ -747,7 +747,7 @@ class Router:
         if ep >= len(self.long_prefill):
             return 0.0
         cap = self.long_prefill.item(ep)
-        if cap > 0 and self.long_prefill_adaptive.item(ep):
+        if cap and self._n_adaptive and self.long_prefill_adaptive.item(ep):
             share = self.max_batched.item(ep) // (self.load.inflight.item(ep) + 1)
             if share > cap:
                 cap = share
