@@ -1209,9 +1209,9 @@ def long_prefill_adaptive_text() -> list:
     flat = [r for r in flat if r["workload"].startswith("conversation")]
     assert all(r["long_prefill_token_threshold_adaptive"] for r in adaptive)
     assert all(r["long_prefill_token_threshold"] == 2048 for r in adaptive + flat)
-    assert sorted(
-        (r["workload"], r["view"], r["steptime"]) for r in adaptive
-    ) == sorted((r["workload"], r["view"], r["steptime"]) for r in flat)
+    assert sorted((r["workload"], r["view"], r["steptime"]) for r in adaptive) == sorted(
+        (r["workload"], r["view"], r["steptime"]) for r in flat
+    )
     verdicts = [r["verdicts"][DEFAULT] for r in adaptive]
     cached = [r["verdicts"][DEFAULT] for r in adaptive if r["steptime"] == "cached"]
     assert all(map(meets_bar, cached)), "the paragraph: in all of them at the cached end"
