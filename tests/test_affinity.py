@@ -749,20 +749,12 @@ def test_an_adaptive_threshold_is_floored_by_the_requests_in_flight():
     assert r.long_prefill_tokens(w1) == 1024 and r.long_prefill_now() is r.long_prefill
 
 
-def test_the_predictions_for_many_engines_at_once_are_the_one_by_one_floats(monkeypatch):
-    """``_predicted_ttft`` computes eight engines or more in numpy: the same floats as the loop
-    (engines with no chunk size, chunks shorter and longer than the prompt, a prompt its cached
-    prefix covers entirely, engines with and without requests in flight, with and without a
-    long_prefill_token_threshold)."""
-    from test_router_helpers import FakeClock
-
-    import kvplug.affinity as affinity_module
+def _chunked_workers(budgets, caps, adaptive) -> list:
+    """Workers w0, w1, ... with these max_num_batched_tokens, long_prefill_token_thresholds
+    and adaptive flags (vLLM's)."""
     from kvplug.workers import Worker
 
-    budgets = (0, 64, 256, 8192, 0, 48, 1024, 16, 300)
-    caps = (16, 0, 64, 2048, 0, 100, 0, 8, 0)  # vLLM's --long-prefill-token-threshold
-    adaptive = (True, False, True, False, False, True, False, False, False)  # ...-adaptive
-    workers = [
+    return [
         Worker(
             f"w{i}",
             max_batched_tokens=b,
@@ -771,8 +763,22 @@ def test_the_predictions_for_many_engines_at_once_are_the_one_by_one_floats(monk
         )
         for i, (b, c, a) in enumerate(zip(budgets, caps, adaptive, strict=True))
     ]
+
+
+def test_the_predictions_for_many_engines_at_once_are_the_one_by_one_floats(monkeypatch):
+    """``_predicted_ttft`` computes eight engines or more in numpy: the same floats as the loop
+    (engines with no chunk size, chunks shorter and longer than the prompt, a prompt its cached
+    prefix covers entirely, engines with and without requests in flight, with and without a
+    long_prefill_token_threshold)."""
+    from test_router_helpers import FakeClock
+
+    import kvplug.affinity as affinity_module
+
+    budgets = (0, 64, 256, 8192, 0, 48, 1024, 16, 300)
+    caps = (16, 0, 64, 2048, 0, 100, 0, 8, 0)  # vLLM's --long-prefill-token-threshold
+    adaptive = (True, False, True, False, False, True, False, False, False)  # ...-adaptive
     clock = FakeClock()
-    r = make_router(workers=workers, clock=clock)
+    r = make_router(workers=_chunked_workers(budgets, caps, adaptive), clock=clock)
     rng = np.random.default_rng(11)
     for params in (AffinityParams(read_ms=0.0305, tail=0.98), AffinityParams(tail=0.98)):
         aff = AffinityRouter(r, params)
@@ -817,18 +823,7 @@ def test_the_compiled_predictions_are_the_python_floats_as_the_load_changes(monk
     caps = (0, 32, 0, 2048, 24, 0, 4096, 0, 100, 0, 16)  # vLLM's --long-prefill-token-threshold
     adaptive = (False, True, True, False, True, False, True, False, True, False, False)
     clock = FakeClock()
-    r = make_router(
-        workers=[
-            Worker(
-                f"w{i}",
-                max_batched_tokens=b,
-                long_prefill_token_threshold=c,
-                long_prefill_token_threshold_adaptive=a,
-            )
-            for i, (b, c, a) in enumerate(zip(budgets, caps, adaptive, strict=True))
-        ],
-        clock=clock,
-    )
+    r = make_router(workers=_chunked_workers(budgets, caps, adaptive), clock=clock)
     if getattr(r._core, "predicted_ttfts", None) is None:
         pytest.skip("the compiled core is not built (the Python path is the only one)")
     rng = np.random.default_rng(5)

@@ -34,7 +34,7 @@ import urllib.request
 import msgspec
 import pytest
 import zmq
-from real_engine.engines import Engine, engine_ports, missing_reason, start_engines
+from real_engine.engines import Engine, engine_ports, real_engine_marks, start_engines
 
 from kvplug.events import BlockStored
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
@@ -42,13 +42,7 @@ from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
 BS = 32
 LONG, SHORT = 960, 40  # tokens: 30 blocks; one block (it decodes beside the long prefill)
 FOLLOWUP = 96  # the short prompt queued behind the long one: three blocks
-REASON = missing_reason()
-pytestmark = [
-    pytest.mark.real_engine,
-    pytest.mark.slow,
-    pytest.mark.timeout(420),
-    pytest.mark.skipif(REASON is not None, reason=f"real vLLM engine unavailable: {REASON}"),
-]
+pytestmark = real_engine_marks()
 
 
 # the engines' settings: vLLM's --long-prefill-token-threshold, whether it is adaptive (floored

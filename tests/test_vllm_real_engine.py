@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from kvplug.integrations.vllm.adapter import RouterSink, VllmAdapter
-from real_engine.engines import Engine, engine_ports, missing_reason, start_engines
+from real_engine.engines import Engine, engine_ports, real_engine_marks, start_engines
 from vllm_helpers import Mirror, free_port, wait_for
 
 from kvplug.config import RouterConfig
@@ -36,13 +36,7 @@ from kvplug.router import Router
 from kvplug.workers import Worker
 
 BS = 32
-REASON = missing_reason()
-pytestmark = [
-    pytest.mark.real_engine,
-    pytest.mark.slow,
-    pytest.mark.timeout(420),
-    pytest.mark.skipif(REASON is not None, reason=f"real vLLM engine unavailable: {REASON}"),
-]
+pytestmark = real_engine_marks()
 
 
 class TeeSink(RouterSink):

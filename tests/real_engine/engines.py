@@ -39,6 +39,20 @@ def missing_reason() -> str | None:
     return None
 
 
+def real_engine_marks(timeout: float = 420) -> list:
+    """A real-engine test module's ``pytestmark``: real_engine and slow, its timeout, and a skip
+    with the reason where no engine can run here (a failure under ``CI=true``: conftest.py)."""
+    import pytest
+
+    reason = missing_reason()
+    return [
+        pytest.mark.real_engine,
+        pytest.mark.slow,
+        pytest.mark.timeout(timeout),
+        pytest.mark.skipif(reason is not None, reason=f"real vLLM engine unavailable: {reason}"),
+    ]
+
+
 def plugin_missing_reason() -> str | None:
     """Why the engines here would not load kvplug's vLLM plugin from this checkout, or None
     (``.ci/setup_vllm.sh`` installs it editable into the venv)."""
