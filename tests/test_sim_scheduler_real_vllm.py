@@ -20,6 +20,10 @@ must match):
   prompt, issue 14); with it the two share each step, and the long one takes the whole budget
   again once it is alone.
 
+And one check of the prefix cache: a prompt sent twice hits, by vLLM's own counters, the tokens
+the simulator credits it with (whole blocks, never the last token: a prompt of whole blocks
+computes its last block again).
+
 Needs the venv and model from ``.ci/setup_vllm.sh`` (skipped without them, failed under CI).
 """
 
@@ -280,3 +284,40 @@ def test_a_short_prompt_behind_a_long_prefill_shares_its_steps_with_the_threshol
     assert real[-2] == "a" * (budget // BS), real
     if adaptive:  # the floor decides: without it the simulator would not match
         assert sim_steps((threshold, False, budget), *scenario, later) != real
+
+
+# ---- a repeated prompt: what the prefix cache gives back ---------------------------------------
+def prefix_cache_counters(engine: Engine) -> tuple[float, float]:
+    """vLLM's prefix-cache queries and hits so far, in tokens (its /metrics)."""
+    with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    totals = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
+
+
+@pytest.mark.parametrize("tokens", [960, 970, 40, 32])
+def test_a_repeated_prompt_hits_what_vllm_hits(engines, tokens):
+    """The same prompt twice: vLLM serves whole cached blocks, but never the last token, so a
+    prompt of whole blocks computes its last block again (the simulator's hit accounting)."""
+    engine = engines["off"]
+    prompt = fresh(random.Random(f"repeat {tokens}"), tokens)
+    engine.complete(prompt, 1)
+    queries, hits = prefix_cache_counters(engine)
+    engine.complete(prompt, 1)
+    queries2, hits2 = prefix_cache_counters(engine)
+    assert queries2 - queries == tokens
+
+    sim = sim_engine(*SETTINGS["off"])
+    blocks_of_prompt = list(range(1, 1 + tokens // BS))
+    sim.add_request(SimRequest("first", 0.0, tokens, 1, blocks_of_prompt), 0.0)
+    sim.run_until_idle()
+    again = SimRequest("again", sim.now, tokens, 1, blocks_of_prompt)
+    computed = sim.stats["prefill_tokens"]
+    sim.add_request(again, sim.now)
+    sim.run_until_idle()
+    assert hits2 - hits == again.hit_device * BS
+    assert tokens - (hits2 - hits) == sim.stats["prefill_tokens"] - computed
