@@ -145,6 +145,14 @@ def fleet(tmp_path_factory):
                 f"tcp://*:{b_replay}",
                 topic="engine-b",
                 extra_env={**plugin_env, "KVPLUG_WORKER_ID": "vllm-b"},
+                # the scheduler flags the default routing predicts with, registered from argv
+                extra_args=[
+                    "--max-num-batched-tokens",
+                    "512",
+                    "--long-prefill-token-threshold",
+                    "256",
+                    "--long-prefill-token-threshold-adaptive",
+                ],
             ),
         ]
         probe = start_serve_parser_probe(tmp_path_factory.mktemp("probe"))  # meanwhile
@@ -181,6 +189,11 @@ def test_engines_register_themselves_once(fleet):
         assert log.count("registered with kvplug") == 1, log[-3000:]
     assert not workers["vllm-a"]["event_endpoint"].endswith(":0")  # ephemeral, resolved
     assert workers["vllm-b"]["labels"] == {"kv_events_topic": "engine-b"}
+    scheduler = ("max_batched_tokens", "long_prefill_token_threshold")
+    assert [workers["vllm-b"][k] for k in scheduler] == [512, 256]
+    assert workers["vllm-b"]["long_prefill_token_threshold_adaptive"] is True
+    assert workers["vllm-a"]["long_prefill_token_threshold"] == 0
+    assert workers["vllm-a"]["long_prefill_token_threshold_adaptive"] is False
     assert kv.log_text().count("admin: added worker") == 2
 
 
