@@ -89,8 +89,7 @@ def engines():
 
 class Steps:
     """The engine's KV event batches (one per scheduler step that stored or removed blocks),
-    as the prompt blocks each stored: 'L' per block of the long prompt, 'S' per block of the
-    short one, in the order of the batch."""
+    each as the blocks it stored (their token ids, a tuple per block), in the batch's order."""
 
     def __init__(self, engine: Engine) -> None:
         self.sub = zmq.Context.instance().socket(zmq.SUB)
