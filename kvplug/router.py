@@ -140,9 +140,8 @@ class Router:
         self.kv_capacity = np.zeros(0)
         self.max_batched = np.zeros(0)
         self.long_prefill = np.zeros(0)  # each endpoint's long_prefill_token_threshold (0: off)
-        # ... and whether the engine floors it (--long-prefill-token-threshold-adaptive)
-        self.long_prefill_adaptive = np.zeros(0, dtype=bool)
-        self._n_adaptive = 0  # endpoints with an adaptive threshold (long_prefill_now's fast path)
+        # ... the endpoints whose engine floors it (--long-prefill-token-threshold-adaptive)
+        self._adaptive_eps: set[int] = set()
         self._is_cpu = np.zeros(0, dtype=bool)
         self.attrs = AttributeTable()  # dynamic attributes by endpoint id
         self.decode_limit = np.zeros(0)  # busy limits by endpoint id (filters.busy_limits)
@@ -702,7 +701,6 @@ class Router:
                 ("kv_capacity", np.float64),
                 ("max_batched", np.float64),
                 ("long_prefill", np.float64),
-                ("long_prefill_adaptive", bool),
                 ("_is_cpu", bool),
             ):
                 old = getattr(self, name)
@@ -747,7 +745,7 @@ class Router:
         if ep >= len(self.long_prefill):
             return 0.0
         cap = self.long_prefill.item(ep)
-        if cap and self._n_adaptive and self.long_prefill_adaptive.item(ep):
+        if cap and ep in self._adaptive_eps:
             share = self.max_batched.item(ep) // (self.load.inflight.item(ep) + 1)
             if share > cap:
                 cap = share
@@ -756,12 +754,12 @@ class Router:
     def long_prefill_now(self) -> np.ndarray:
         """``long_prefill_tokens`` of every endpoint, as one array (the same floats; the
         compiled predictions read it). The thresholds themselves unless one is adaptive."""
-        if not self._n_adaptive:
+        if not self._adaptive_eps:
             return self.long_prefill
         caps = self.long_prefill.copy()
-        eps = np.flatnonzero(self.long_prefill_adaptive)
+        eps = np.fromiter(self._adaptive_eps, dtype=np.intp, count=len(self._adaptive_eps))
         share = self.max_batched[eps] // (self.load.inflight[eps] + 1)
-        caps[eps] = np.where(share > caps[eps], share, caps[eps])
+        caps[eps] = np.maximum(caps[eps], share)
         return caps
 
     def _fill_endpoint(self, ep: int, rank: int, st: WorkerState | None) -> None:
@@ -770,11 +768,13 @@ class Router:
             self.kv_capacity[ep] = st.worker.kv_capacity_blocks
             self.max_batched[ep] = st.worker.max_batched_tokens
             self.long_prefill[ep] = st.worker.long_prefill_token_threshold
-            self._set_adaptive(
-                ep,
+            if (
                 st.worker.long_prefill_token_threshold_adaptive
-                and st.worker.long_prefill_token_threshold > 0,
-            )
+                and st.worker.long_prefill_token_threshold > 0
+            ):
+                self._adaptive_eps.add(ep)
+            else:
+                self._adaptive_eps.discard(ep)
             self._is_cpu[ep] = st.worker.is_cpu
             self.attrs.clear([ep])
             for name, a in st.attributes.items():  # a re-registered worker keeps its attributes
@@ -783,12 +783,8 @@ class Router:
             self.kv_capacity[ep] = 0
             self.max_batched[ep] = 0
             self.long_prefill[ep] = 0
-            self._set_adaptive(ep, False)
+            self._adaptive_eps.discard(ep)
             self.attrs.clear([ep])
-
-    def _set_adaptive(self, ep: int, adaptive: bool) -> None:
-        self._n_adaptive += int(adaptive) - int(self.long_prefill_adaptive.item(ep))
-        self.long_prefill_adaptive[ep] = adaptive
 
     def _refresh_filters_configured(self) -> None:
         cfg = self.config

@@ -29,15 +29,15 @@ Needs the venv and model from ``.ci/setup_vllm.sh`` (skipped without them, faile
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
-import urllib.request
 
-import msgspec
 import pytest
 import zmq
+from kvplug.integrations.vllm.wire import BatchDecoder, split_frames
+from prometheus_client.parser import text_string_to_metric_families
+from real_engine.engine_http import http_get
 from real_engine.engines import Engine, engine_ports, real_engine_marks, start_engines
 
 from kvplug.events import BlockStored
@@ -89,13 +89,14 @@ def engines():
 
 class Steps:
     """The engine's KV event batches (one per scheduler step that stored or removed blocks),
-    each as the blocks it stored (their token ids, a tuple per block), in the batch's order."""
+    decoded as kvplug's subscriber decodes them, each as the blocks it stored (their token ids,
+    a tuple per block), in the batch's order."""
 
     def __init__(self, engine: Engine) -> None:
         self.sub = zmq.Context.instance().socket(zmq.SUB)
         self.sub.connect(engine.events_endpoint.replace("*", "127.0.0.1"))
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.decode = msgspec.msgpack.Decoder()
+        self.decoder = BatchDecoder(engine.name, block_size=BS)
         self.batches: list[list[tuple[int, ...]]] = []
         time.sleep(0.5)  # the subscription reaches the publisher before any request
 
@@ -105,13 +106,15 @@ class Steps:
         while not done(self.batches):
             assert time.monotonic() < end, f"timed out; batches so far: {self.batches}"
             if self.sub.poll(50):
-                batch = self.decode.decode(self.sub.recv_multipart()[-1])
+                _topic, _seq, payload, _ = split_frames(self.sub.recv_multipart())
+                batch = self.decoder.decode(payload)
+                assert batch is not None, self.decoder.stats.as_dict()
                 self.batches.append(
                     [
-                        tuple(ev["token_ids"][i : i + BS])  # one event may carry several blocks
-                        for ev in batch[1]
-                        if ev.get("type") == "BlockStored"
-                        for i in range(0, len(ev["token_ids"]), BS)
+                        tuple(ev.token_ids[i : i + BS])  # one event may carry several blocks
+                        for ev in batch.events
+                        if isinstance(ev, BlockStored) and ev.token_ids is not None
+                        for i in range(0, len(ev.token_ids), BS)
                     ]
                 )
 
@@ -127,27 +130,12 @@ def count(batches, wanted) -> int:
     return sum(b in wanted for batch in batches for b in batch)
 
 
-def post(engine: Engine, tokens: list[int] | list[list[int]], max_tokens: int) -> threading.Thread:
-    """Send a completion in the background (ignore_eos: exactly ``max_tokens`` decode steps);
-    a list of prompts is one request per prompt, in that order."""
-    body = {
-        "model": "tiny",
-        "prompt": tokens,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    req = urllib.request.Request(
-        engine.url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+def post(engine: Engine, prompts: list[list[int]], max_tokens: int) -> threading.Thread:
+    """One completion of ``prompts`` in the background (ignore_eos: exactly ``max_tokens``
+    decode steps each)."""
+    t = threading.Thread(
+        target=engine.complete, args=(prompts, max_tokens), kwargs={"ignore_eos": True}
     )
-
-    def run() -> None:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            r.read()
-
-    t = threading.Thread(target=run)
     t.start()
     return t
 
@@ -288,13 +276,13 @@ def test_a_short_prompt_behind_a_long_prefill_shares_its_steps_with_the_threshol
 # ---- a repeated prompt: what the prefix cache gives back ---------------------------------------
 def prefix_cache_counters(engine: Engine) -> tuple[float, float]:
     """vLLM's prefix-cache queries and hits so far, in tokens (its /metrics)."""
-    with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
+    status, text = http_get(engine.url + "/metrics", timeout=10)
+    assert status == 200, text[:500]
     totals = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
     return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
 
 

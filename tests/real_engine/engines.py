@@ -200,10 +200,20 @@ class Engine:
             raw = r.read()
         return json.loads(raw) if raw.strip() else None
 
-    def complete(self, token_ids: list[int], max_tokens: int = 1) -> dict:
+    def complete(
+        self, token_ids: list[int] | list[list[int]], max_tokens: int = 1, **fields: Any
+    ) -> dict:
+        """A greedy completion (a list of prompts: one request each, in order); ``fields``
+        go into the body as well (e.g. ``ignore_eos=True``)."""
         return self.post(
             "/v1/completions",
-            {"model": "tiny", "prompt": token_ids, "max_tokens": max_tokens, "temperature": 0},
+            {
+                "model": "tiny",
+                "prompt": token_ids,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                **fields,
+            },
         )
 
     def kill(self) -> None:
