@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bench_routing_quality import add_long_prefill_option, beaten_by  # noqa: E402
+from bench_routing_quality import add_engine_options, beaten_by  # noqa: E402
 
 from kvplug.sim.bench import BenchSpec, run_bench  # noqa: E402
 from kvplug.sim.transport import PRESETS  # noqa: E402
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--json", default=None, help="default benchmarks/results/fleet_conditions{,_mixed}.json"
     )
-    add_long_prefill_option(ap)
+    add_engine_options(ap)
     args = ap.parse_args(argv)
     if args.policies is None:
         args.policies = list(POLICIES)
@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=seed,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
+            kv_allocation=args.kv_allocation,
             **cond,
         )
         report = run_bench(spec, jobs=args.jobs, progress=False)

@@ -137,9 +137,9 @@ def verdict_table(runs: list[dict], policies: list[str]) -> str:
     return "\n".join(lines)
 
 
-def add_long_prefill_option(ap: argparse.ArgumentParser) -> None:
+def add_engine_options(ap: argparse.ArgumentParser) -> None:
     """``--long-prefill-token-threshold T`` (and ``--long-prefill-token-threshold-adaptive``):
-    every simulated engine runs with vLLM's flags."""
+    every simulated engine runs with vLLM's flags; ``--kv-allocation``: how they allocate KV."""
 
     def threshold(text: str) -> int:
         value = int(text)
@@ -159,6 +159,13 @@ def add_long_prefill_option(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="and with vLLM's --long-prefill-token-threshold-adaptive (the cap floored at the "
         "budget over the engine's running and waiting requests)",
+    )
+    ap.add_argument(
+        "--kv-allocation",
+        choices=("reserve", "vllm"),
+        default="reserve",
+        help="the engines' KV allocation: 'reserve' (default: prompt and output reserved at "
+        "admission, nothing preempted) or 'vllm' (as vLLM 0.32.0, with preemption)",
     )
 
 
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         help="another Mooncake-format trace (JSONL, .gz, .xz) as workload NAME; repeatable, and "
         "--workloads defaults to these alone when given",
     )
-    add_long_prefill_option(ap)
+    add_engine_options(ap)
     args = ap.parse_args(argv)
     if any(seed < 0 for seed in args.spread_seeds):
         ap.error("--spread-seeds: seeds are >= 0")
@@ -231,12 +238,18 @@ def main(argv: list[str] | None = None) -> int:
                 seed=seed,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
+                kv_allocation=args.kv_allocation,
             )
             cap = args.long_prefill_token_threshold
             adaptive = " adaptive" if args.long_prefill_token_threshold_adaptive else ""
             print(
                 f"\n== {label} | router view {view} | steptime {st}"
-                + (f" | long_prefill_token_threshold {cap}{adaptive}" if cap else ""),
+                + (f" | long_prefill_token_threshold {cap}{adaptive}" if cap else "")
+                + (
+                    f" | kv_allocation {args.kv_allocation}"
+                    if args.kv_allocation != "reserve"
+                    else ""
+                ),
                 flush=True,
             )
             report = run_bench(spec, jobs=args.jobs, progress=False)
@@ -265,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                     "long_prefill_token_threshold_adaptive": (
                         args.long_prefill_token_threshold_adaptive
                     ),
+                    "kv_allocation": args.kv_allocation,
                     "trace": report["trace"],
                     "results": [
                         {k: v for k, v in r.items() if k != "series"} for r in report["results"]

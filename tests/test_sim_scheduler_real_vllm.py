@@ -24,6 +24,17 @@ And one check of the prefix cache: a prompt sent twice hits, by vLLM's own count
 the simulator credits it with (whole blocks, never the last token: a prompt of whole blocks
 computes its last block again).
 
+A fourth engine has a KV cache of 16 blocks (``--num-gpu-blocks-override 17``: vLLM keeps one
+as its null block), so what it evicts and preempts shows in its events. The simulator with
+``kv_allocation="vllm"`` must give the same events, stored and removed, batch for batch:
+
+* two prompts decoding past what the cache holds: the later one is preempted, its blocks freed
+  tail first and evicted as the other grows, and it is taken in again with a hit on what is
+  left, recomputing the rest (``kv_allocation="reserve"``, the replay's default, would admit
+  it only when the first one finishes);
+* prompts one after another: what a new one evicts (the least recently freed first, a prompt's
+  tail before its head) and what a returning one hits, by vLLM's counters.
+
 Needs the venv and model from ``.ci/setup_vllm.sh`` (skipped without them, failed under CI).
 """
 
@@ -40,7 +51,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from real_engine.engine_http import http_get
 from real_engine.engines import Engine, engine_ports, real_engine_marks, start_engines
 
-from kvplug.events import BlockStored
+from kvplug.events import BlockRemoved, BlockStored
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
 
 BS = 32
@@ -54,6 +65,7 @@ pytestmark = real_engine_marks()
 # show blocks, not tokens: so the adaptive one's floor is a block over its threshold with two
 # requests (128 // 2 = 64 against 32)
 SETTINGS = {"off": (0, False, 64), "32": (32, False, 64), "32 adaptive": (32, True, 128)}
+SMALL_CACHE = 16  # blocks: the engine "small" runs with --num-gpu-blocks-override 17
 
 
 def cap_blocks(setting: tuple[int, bool, int], requests: int = 2) -> int:
@@ -64,7 +76,7 @@ def cap_blocks(setting: tuple[int, bool, int], requests: int = 2) -> int:
 
 @pytest.fixture(scope="module")
 def engines():
-    ports = iter(engine_ports(3 * len(SETTINGS)))
+    ports = iter(engine_ports(3 * len(SETTINGS) + 3))
     common = ["--max-num-seqs", "8", "--max-model-len", "1024"]
     fleet = {}
     for name, (threshold, adaptive, budget) in SETTINGS.items():
@@ -79,6 +91,15 @@ def engines():
             f"tcp://*:{replay}",
             extra_args=[*common, *extra],
         )
+    http, events, replay = next(ports), next(ports), next(ports)
+    fleet["small"] = Engine(
+        "small",
+        http,
+        f"tcp://*:{events}",
+        f"tcp://*:{replay}",
+        extra_args=["--max-num-seqs", "8", "--max-model-len", "512"]
+        + ["--max-num-batched-tokens", "512", "--num-gpu-blocks-override", str(SMALL_CACHE + 1)],
+    )
     try:
         start_engines(fleet.values())
         yield fleet
@@ -98,6 +119,7 @@ class Steps:
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.decoder = BatchDecoder(engine.name, block_size=BS)
         self.batches: list[list[tuple[int, ...]]] = []
+        self.events: list[list] = []  # each batch's events, as decoded
         time.sleep(0.5)  # the subscription reaches the publisher before any request
 
     def wait(self, done, timeout: float = 60.0) -> None:
@@ -105,18 +127,31 @@ class Steps:
         end = time.monotonic() + timeout
         while not done(self.batches):
             assert time.monotonic() < end, f"timed out; batches so far: {self.batches}"
-            if self.sub.poll(50):
-                _topic, _seq, payload, _ = split_frames(self.sub.recv_multipart())
-                batch = self.decoder.decode(payload)
-                assert batch is not None, self.decoder.stats.as_dict()
-                self.batches.append(
-                    [
-                        tuple(ev.token_ids[i : i + BS])  # one event may carry several blocks
-                        for ev in batch.events
-                        if isinstance(ev, BlockStored) and ev.token_ids is not None
-                        for i in range(0, len(ev.token_ids), BS)
-                    ]
-                )
+            self._receive(50)
+
+    def drain(self, quiet: float = 1.0) -> None:
+        """Collect batches until none has come for ``quiet`` seconds (the engine is idle)."""
+        last = time.monotonic()
+        while time.monotonic() - last < quiet:
+            if self._receive(50):
+                last = time.monotonic()
+
+    def _receive(self, timeout_ms: int) -> bool:
+        if not self.sub.poll(timeout_ms):
+            return False
+        _topic, _seq, payload, _ = split_frames(self.sub.recv_multipart())
+        batch = self.decoder.decode(payload)
+        assert batch is not None, self.decoder.stats.as_dict()
+        self.events.append(batch.events)
+        self.batches.append(
+            [
+                tuple(ev.token_ids[i : i + BS])  # one event may carry several blocks
+                for ev in batch.events
+                if isinstance(ev, BlockStored) and ev.token_ids is not None
+                for i in range(0, len(ev.token_ids), BS)
+            ]
+        )
+        return True
 
     def close(self) -> None:
         self.sub.close(linger=0)
@@ -308,3 +343,148 @@ def test_a_repeated_prompt_hits_what_vllm_hits(engines, tokens):
     sim.run_until_idle()
     assert hits2 - hits == again.hit_device * BS
     assert tokens - (hits2 - hits) == sim.stats["prefill_tokens"] - computed
+
+
+# ---- a cache too small for what runs: eviction, allocation and preemption ----------------------
+def sim_small(kv_allocation: str, fast_forward: bool) -> SimEngine:
+    return SimEngine(
+        "sim",
+        EngineConfig(
+            block_size=BS,
+            capacity_blocks=SMALL_CACHE,
+            max_batched_tokens=512,
+            max_num_seqs=8,
+            fast_forward=fast_forward,
+            kv_allocation=kv_allocation,
+        ),
+    )
+
+
+def real_changes(events: list[list], by_tokens: dict[tuple[int, ...], str]) -> list[str]:
+    """Each batch's stored (+) and removed (-) blocks, named: a prompt's blocks by their tokens
+    (``by_tokens``), a block of generated tokens as the one after its parent ('a5' after
+    'a4'), in the batch's order; batches that change none of them are left out."""
+    names: dict[int, str] = {}
+    out = []
+    for batch in events:
+        changes = []
+        for ev in batch:
+            if isinstance(ev, BlockStored):
+                for j, h in enumerate(ev.engine_hashes):
+                    name = by_tokens.get(tuple(ev.token_ids[j * BS : (j + 1) * BS]))
+                    if name is None:
+                        parent = names[ev.parent_engine_hash if j == 0 else ev.engine_hashes[j - 1]]
+                        name = parent[0] + str(int(parent[1:]) + 1)
+                    names[h] = name
+                    changes.append("+" + name)
+            elif isinstance(ev, BlockRemoved):
+                changes += ["-" + names[h] for h in ev.engine_hashes]
+        if changes:
+            out.append(" ".join(changes))
+    return out
+
+
+def sim_changes(e: SimEngine, names: dict[int, str]) -> list[str]:
+    """The same from the simulator's outputs so far, one step's events to a batch."""
+    by_step: dict[float, list[str]] = {}
+    for kind, t, ev in e.outputs:
+        if kind == "kv" and isinstance(ev, BlockStored):
+            by_step.setdefault(t, []).extend("+" + names[h] for h in ev.engine_hashes)
+        elif kind == "kv" and isinstance(ev, BlockRemoved):
+            by_step.setdefault(t, []).extend("-" + names[h] for h in ev.engine_hashes)
+    e.outputs.clear()
+    return [" ".join(c) for _t, c in sorted(by_step.items())]
+
+
+def reset_cache(engine: Engine) -> None:
+    """An empty prefix cache, so that no earlier test's blocks are evicted in this one."""
+    engine.post("/reset_prefix_cache")
+
+
+def prompt_names(prompts: dict[str, list[int]]) -> dict[tuple[int, ...], str]:
+    return {b: f"{k}{i}" for k, toks in prompts.items() for i, b in enumerate(blocks(toks))}
+
+
+def sim_request(name: str, tokens: int, max_tokens: int, names: dict[int, str]) -> SimRequest:
+    """A simulated request whose blocks are named as real_changes names the engine's."""
+    salt = ord(name)
+    req = SimRequest(name, 0.0, tokens, max_tokens, [salt * 1000 + i for i in range(tokens // BS)])
+    req.salt = salt
+    names.update({h: f"{name}{i}" for i, h in enumerate(req.block_hashes)})
+    names.update(
+        {
+            SimEngine._output_block_hash(req, i): f"{name}{i}"
+            for i in range(tokens // BS, (tokens + max_tokens) // BS)
+        }
+    )
+    return req
+
+
+def test_a_request_the_cache_cannot_hold_beside_another_is_preempted_as_vllm_preempts(engines):
+    """Two 160-token prompts (five blocks each) in one completion, each to decode 150 tokens:
+    ten blocks each by the end, and 16 in the cache."""
+    engine = engines["small"]
+    reset_cache(engine)
+    rng = random.Random("preempt")
+    prompts = {"a": fresh(rng, 160), "b": fresh(rng, 160)}
+    steps = Steps(engine)
+    try:
+        engine.complete(list(prompts.values()), 150, ignore_eos=True)
+        steps.drain()
+    finally:
+        steps.close()
+    real = real_changes(steps.events, prompt_names(prompts))
+
+    def simulated(kv_allocation: str, later: int, fast_forward: bool) -> list[str]:
+        e = sim_small(kv_allocation, fast_forward)
+        names: dict[int, str] = {}
+        a, b = (sim_request(k, 160, 150, names) for k in prompts)
+        e.add_request(a, 0.0)
+        for _ in range(later):
+            e.step()
+        e.add_request(b, e.now)
+        e.run_until_idle()
+        return sim_changes(e, names)
+
+    later = next((k for k in range(4) if simulated("vllm", k, False) == real), None)
+    assert later is not None, f"vLLM: {real}\nsimulator at 1: {simulated('vllm', 1, False)}"
+    assert simulated("vllm", later, True) == real  # the decode runs skipped in closed form too
+    assert simulated("reserve", later, False) != real
+    # b was preempted: one of its blocks evicted while a ran, and recomputed after a finished
+    evicted_b = next(i for i, x in enumerate(real) if x.startswith("-b"))
+    a_done = next(i for i, x in enumerate(real) if "-a" in x)
+    assert evicted_b < a_done, real
+    assert sum(x.count("+b0") for x in real) == 1, real  # its prompt's head was a cache hit
+
+
+def test_what_a_new_prompt_evicts_and_a_returning_one_hits_as_in_vllm(engines):
+    """Three prompts of 120 tokens (three full blocks and a partial one each), then one of 256
+    (eight blocks) which must evict, then the first two again: one completion at a time."""
+    engine = engines["small"]
+    reset_cache(engine)
+    rng = random.Random("evict")
+    prompts = {"a": fresh(rng, 120), "b": fresh(rng, 120), "c": fresh(rng, 120)}
+    prompts["d"] = fresh(rng, 256)
+    sim, names = sim_small("vllm", True), {}
+    real_hits, sim_hits = [], []
+    steps = Steps(engine)
+    try:
+        for name in ["a", "b", "c", "d", "a", "b"]:
+            _queries, before = prefix_cache_counters(engine)
+            engine.complete(prompts[name], 1)
+            real_hits.append(prefix_cache_counters(engine)[1] - before)
+            req = sim_request(name, len(prompts[name]), 1, names)
+            sim.add_request(req, sim.now)
+            sim.run_until_idle()
+            sim_hits.append(req.hit_device * BS)
+        steps.drain()
+    finally:
+        steps.close()
+    real = real_changes(steps.events, prompt_names(prompts))
+    assert sim_changes(sim, names) == real
+    assert sim_hits == real_hits
+    # d takes the never-used blocks, then evicts a's tail (of a's blocks, freed first); a comes
+    # back to its first two blocks and evicts b's tail for its third; b then has one left
+    assert real[3] == "-a2 " + " ".join(f"+d{i}" for i in range(8)), real
+    assert real[4] == "-b2 -b1 +a2", real
+    assert real_hits == [0, 0, 0, 0, 2 * BS, BS], real_hits

@@ -52,6 +52,7 @@ class BenchSpec:
     max_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0  # the engines' (vLLM's flag); 0 = off
     long_prefill_token_threshold_adaptive: bool = False  # vLLM's flag: the cap's floor
+    kv_allocation: str = "reserve"  # the engines' KV allocation (EngineConfig.kv_allocation)
     link: LinkConfig = field(default_factory=LinkConfig)  # the router's view (ideal default)
     steptime: str = "causal"  # step-time preset (kvplug.sim.steptime.parse_steptime)
     mode: str = "hashes"
@@ -92,6 +93,7 @@ class BenchSpec:
                 max_batched_tokens=self.max_batched_tokens,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 long_prefill_token_threshold_adaptive=self.long_prefill_token_threshold_adaptive,
+                kv_allocation=self.kv_allocation,
                 events_with_tokens=self.mode == "tokens",
                 model=parse_steptime(self.steptime),
             ),

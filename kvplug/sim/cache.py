@@ -148,16 +148,23 @@ class BlockCache:
         self.counters["host_evicted"] += len(drop)
         self._emit("removed", Tier.HOST, drop)
 
-    def admit(self, device_hits: Sequence[int], host_hits: Sequence[int], n_new: int) -> None:
+    def admit(
+        self,
+        device_hits: Sequence[int],
+        host_hits: Sequence[int],
+        n_new: int,
+        fits: int | None = None,
+    ) -> None:
         """Atomically: reference the device hits, reload the host hits, reserve ``n_new`` blocks.
 
-        Raises CacheFull and changes nothing when the blocks do not fit.
+        Raises CacheFull and changes nothing when the blocks do not fit, or when ``fits`` blocks
+        (default ``n_new``) beyond the hits would not: vLLM admits a request when its whole
+        prompt fits but allocates only what a step computes.
         """
         unreferenced_hits = sum(1 for h in device_hits if self._refs[h] == 0)
-        if len(host_hits) + n_new > self.free - unreferenced_hits:
-            raise CacheFull(
-                f"need {len(host_hits) + n_new} blocks, {self.free - unreferenced_hits} allocatable"
-            )
+        wanted = len(host_hits) + max(n_new, n_new if fits is None else fits)
+        if wanted > self.free - unreferenced_hits:
+            raise CacheFull(f"need {wanted} blocks, {self.free - unreferenced_hits} allocatable")
         self.acquire_cached(device_hits)
         if host_hits:
             self.reload(host_hits)

@@ -90,6 +90,15 @@ def _add_fleet_args(
         "the engine's running and waiting requests",
     )
     g.add_argument(
+        "--kv-allocation",
+        choices=("reserve", "vllm"),
+        default="reserve",
+        help="how the engines allocate KV: 'reserve' (default: prompt and requested output at "
+        "admission, nothing preempted) or 'vllm' (as vLLM 0.32.0: admitted when the whole prompt "
+        "fits, blocks allocated as computed, the latest admitted request preempted and "
+        "recomputed when a running one cannot grow)",
+    )
+    g.add_argument(
         "--steptime",
         default="causal",
         metavar="causal|cached|ctx=MS|mocker",
@@ -214,6 +223,7 @@ def _spec(args, policies):
         max_batched_tokens=args.max_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
+        kv_allocation=args.kv_allocation,
         link=link,
         steptime=args.steptime,
         mode=args.mode,
@@ -516,6 +526,15 @@ def _register_sim(sub) -> None:
         "running and waiting requests",
     )
     p.add_argument(
+        "--kv-allocation",
+        choices=("reserve", "vllm"),
+        default="reserve",
+        help="how the engines allocate KV: 'reserve' (default: prompt and requested output at "
+        "admission, nothing preempted) or 'vllm' (as vLLM 0.32.0: admitted when the whole prompt "
+        "fits, blocks allocated as computed, the latest admitted request preempted and "
+        "recomputed when a running one cannot grow)",
+    )
+    p.add_argument(
         "--speed",
         type=float,
         default=1.0,
@@ -604,6 +623,7 @@ def _cmd_sim(args) -> int:
         max_batched_tokens=args.max_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
+        kv_allocation=args.kv_allocation,
         speed=args.speed,
         model=args.model,
         block_hashes=args.block_hashes,

@@ -16,8 +16,13 @@ Scheduling (vLLM V1-like, simplified; assumptions in docs/sim.md):
   running prefills take chunks in arrival order, then waiting requests are admitted FCFS while
   budget, ``max_num_seqs`` and KV blocks allow;
 * admission references the cached prefix (device hits, then host-tier hits which are reloaded at
-  a copy cost) and reserves KV for the rest of the prompt *and* the requested output, so a
-  running sequence is never preempted (a request that cannot fit waits at the head of the queue);
+  a copy cost) and, with ``kv_allocation="reserve"`` (the default), reserves KV for the rest of
+  the prompt *and* the requested output, so a running sequence is never preempted (a request
+  that cannot fit waits at the head of the queue); with ``kv_allocation="vllm"`` KV is
+  allocated as vLLM 0.32.0 allocates it: a request is admitted when its whole prompt fits, each
+  step allocates the blocks that step computes, and a running request that cannot grow
+  preempts the latest admitted one (its blocks freed tail first, recomputed when it is taken in
+  again, as vLLM recomputes a preempted request);
 * the last prompt token is always computed (a fully cached prompt recomputes its last block);
 * the step that computes a prompt's last chunk also samples its first token;
 * with ``long_prefill_token_threshold`` T > 0, no prompt's chunk exceeds T tokens while more
@@ -69,6 +74,13 @@ class SimRequest:
     hit_host: int = 0  # prompt blocks reloaded from the host tier
     remote_blocks: int = 0  # prompt blocks received from a prefill engine (P/D)
     reload_tokens: int = 0  # pending host->device copy, charged to its first step
+    # kv_allocation="vllm": the tokens its prefill computes (the prompt; after a preemption the
+    # prompt and the tokens generated so far, as vLLM recomputes them), the chained hashes of
+    # their full blocks, its place in the running order, and how often it was preempted
+    prefill_len: int = 0
+    prefill_hashes: Sequence[int] = ()
+    admission: int = 0
+    preemptions: int = 0
     admitted: float = math.nan
     first_token: float = math.nan
     finished: float = math.nan
@@ -96,6 +108,11 @@ class EngineConfig:
     events_with_tokens: bool = False  # token mode: BlockStored carries token ids, not hashes
     emit_output_blocks: bool = True  # report blocks filled by generated tokens, as vLLM does
     fast_forward: bool = True  # closed-form decode runs (False: one step at a time; tests)
+    # "reserve": prompt and requested output reserved at admission, nothing preempted (the
+    # simplification every README figure was replayed with); "vllm": as vLLM 0.32.0 allocates
+    # (the whole prompt must fit to be admitted, blocks allocated as computed, the latest
+    # admitted request preempted and recomputed when a running one cannot grow)
+    kv_allocation: str = "reserve"
     model: StepTimeModel = REFERENCE
 
 
@@ -106,6 +123,12 @@ class SimEngine:
         self.cfg = config or EngineConfig()
         self.model = self.cfg.model
         self.bs = self.cfg.block_size
+        if self.cfg.kv_allocation not in ("reserve", "vllm"):
+            raise ValueError(
+                f"kv_allocation must be 'reserve' or 'vllm', got {self.cfg.kv_allocation!r}"
+            )
+        self.vllm_allocation = self.cfg.kv_allocation == "vllm"
+        self._admitted = 0  # admissions so far: the running order preemption goes by
         self.cache = BlockCache(
             self.cfg.capacity_blocks, self.cfg.host_capacity_blocks, sink=self._on_cache_change
         )
@@ -129,6 +152,7 @@ class SimEngine:
             "hit_blocks_device": 0,
             "hit_blocks_host": 0,
             "remote_blocks": 0,
+            "preemptions": 0,
         }
 
     # -- introspection ------------------------------------------------------------------------
@@ -265,6 +289,8 @@ class SimEngine:
 
     # -- scheduling -----------------------------------------------------------------------------
     def _admit(self, req: SimRequest) -> bool:
+        if self.vllm_allocation:
+            return self._admit_as_vllm(req)
         nf = len(req.block_hashes)
         cacheable = min(nf, (req.prompt_len - 1) // self.bs)  # the last token is always computed
         dev, host = self.cache.split_prefix(req.block_hashes[:cacheable])
@@ -276,6 +302,44 @@ class SimEngine:
             return False
         req.held = list(dev) + list(host)
         req.reserved = need - hits
+        req.prefill_len, req.prefill_hashes = req.prompt_len, req.block_hashes
+        self._admitted_with_hits(req, dev, host, cacheable)
+        return True
+
+    def _admit_as_vllm(self, req: SimRequest) -> bool:
+        """vLLM 0.32.0's admission: the prefix hits are referenced when the blocks of the whole
+        prefill (not the output) fit; the blocks it computes are allocated step by step."""
+        resumed = req.preemptions > 0
+        if not resumed:
+            req.prefill_len, req.prefill_hashes = req.prompt_len, req.block_hashes
+        chain = req.prefill_hashes
+        cacheable = min(len(chain), (req.prefill_len - 1) // self.bs)
+        dev, host = self.cache.split_prefix(chain[:cacheable])
+        hits = len(dev) + len(host)
+        try:
+            self.cache.admit(dev, host, 0, fits=-(-req.prefill_len // self.bs) - hits)
+        except CacheFull:
+            return False
+        req.held = list(dev) + list(host)
+        req.reserved = 0
+        self._admitted += 1
+        req.admission = self._admitted
+        if resumed:  # its hit was counted when it was first admitted
+            req.computed = hits * self.bs
+            req.reload_tokens = len(host) * self.bs
+            return True
+        if req.kv_from_remote and cacheable > hits:
+            self.cache.reserve(cacheable - hits)  # the transferred blocks, committed below
+            req.reserved = cacheable - hits
+        self._admitted_with_hits(req, dev, host, cacheable)
+        return True
+
+    def _admitted_with_hits(
+        self, req: SimRequest, dev: list[int], host: list[int], cacheable: int
+    ) -> None:
+        """A request's first admission: its prefix hits and the statistics."""
+        nf = len(req.block_hashes)
+        hits = len(dev) + len(host)
         req.hit_device, req.hit_host = len(dev), len(host)
         req.computed = hits * self.bs
         req.reload_tokens = len(host) * self.bs
@@ -295,7 +359,61 @@ class SimEngine:
         st["hit_blocks_host"] += len(host)
         st["cached_tokens"] += req.computed
         st["prompt_tokens"] += req.prompt_len
-        return True
+
+    def _allocate_running(self, chunks: list[tuple[SimRequest, int]]) -> bool:
+        """kv_allocation="vllm": allocate the blocks this step computes for the running requests,
+        in the order they were admitted; when one cannot grow, preempt the latest admitted
+        (vLLM's FCFS policy), which may be itself. Returns whether any was preempted."""
+        bs, cache = self.bs, self.cache
+        wants = []
+        for req in self.decoding:  # a decode computes the KV of its last sampled token
+            need = -(-(req.prompt_len + req.generated) // bs) - len(req.held) - req.reserved
+            if need > 0:
+                wants.append((req.admission, need, req))
+        for req, n in chunks:
+            need = -(-(req.computed + n) // bs) - len(req.held) - req.reserved
+            if need > 0:
+                wants.append((req.admission, need, req))
+        if not wants:
+            return False
+        wants.sort(key=lambda w: w[0])
+        preempted: set[SimRequest] = set()
+        for _order, need, req in wants:
+            while req not in preempted:
+                try:
+                    cache.reserve(need)
+                except CacheFull:
+                    victim = max(self.prefilling + self.decoding, key=lambda r: r.admission)
+                    self._preempt(victim, chunks)
+                    preempted.add(victim)
+                    continue
+                req.reserved += need
+                break
+        return bool(preempted)
+
+    def _preempt(self, req: SimRequest, chunks: list[tuple[SimRequest, int]]) -> None:
+        """Back to the head of the queue, its blocks freed (tail first: they stay cached until
+        evicted) and its KV to be computed again, the tokens it generated included."""
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+            chunks[:] = [(r, n) for r, n in chunks if r is not req]
+        else:
+            self.decoding.remove(req)
+        self.cache.release(req.held)
+        self.cache.unreserve(req.reserved)
+        req.held, req.reserved = [], 0
+        req.computed = 0
+        req.preemptions += 1
+        if req.generated:  # it recomputes its prompt and what it generated before its next token
+            req.prefill_len = req.prompt_len + req.generated
+            if self.cfg.emit_output_blocks:
+                first_out = len(req.block_hashes)
+                req.prefill_hashes = list(req.block_hashes) + [
+                    self._output_block_hash(req, i)
+                    for i in range(first_out, req.prefill_len // self.bs)
+                ]
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(req)
 
     def _finish(self, req: SimRequest, t: float) -> None:
         req.finished = t
@@ -329,7 +447,8 @@ class SimEngine:
         req.generated += 1
         ctx = req.prompt_len + req.generated
         if ctx % self.bs == 0:  # a block just filled with output tokens
-            if self.cfg.emit_output_blocks:
+            # (kv_allocation="vllm" stores it in the next step, which computes the token's KV)
+            if self.cfg.emit_output_blocks and not self.vllm_allocation:
                 idx = ctx // self.bs - 1
                 self._commit(req, [self._output_block_hash(req, idx)])
             self.outputs.append(("progress", t, req))
@@ -341,16 +460,12 @@ class SimEngine:
     def step(self) -> None:
         """Build, time and complete one iteration starting at ``self.now``."""
         model = self.model
-        budget = self.cfg.max_batched_tokens
-        decoding = self.decoding
-        n_decode = len(decoding)
-        budget -= n_decode
+        budget = self.cfg.max_batched_tokens - len(self.decoding)
         chunks: list[tuple[SimRequest, int]] = []
-        prefill_ms = 0.0
         reload_tokens = 0
         # vLLM caps a prompt's share of the step only when some other request could use the rest
         cap = self.cfg.long_prefill_token_threshold
-        eligible = n_decode + len(self.prefilling) + len(self.waiting)
+        eligible = len(self.decoding) + len(self.prefilling) + len(self.waiting)
         if not cap or eligible <= 1:
             cap = budget
         elif self.cfg.long_prefill_token_threshold_adaptive:
@@ -358,23 +473,36 @@ class SimEngine:
         for req in self.prefilling:
             if budget <= 0:
                 break
-            n = min(req.prompt_len - req.computed, budget, cap)
+            n = min(req.prefill_len - req.computed, budget, cap)
             chunks.append((req, n))
-            prefill_ms += model.prefill_ms(n, req.computed)
             budget -= n
-        while budget > 0 and self.waiting and self.num_running < self.cfg.max_num_seqs:
+        # vLLM takes in no waiting request in a step that preempted one
+        admitting = not (self.vllm_allocation and self._allocate_running(chunks))
+        prefill_ms = 0.0
+        for req, n in chunks:
+            prefill_ms += model.prefill_ms(n, req.computed)
+        while (
+            admitting and budget > 0 and self.waiting and self.num_running < self.cfg.max_num_seqs
+        ):
             req = self.waiting[0]
             if not self._admit(req):
                 break  # head of line waits for blocks
             self.waiting.popleft()
-            req.admitted = self.now
+            if math.isnan(req.admitted):
+                req.admitted = self.now
             self.prefilling.append(req)
-            n = min(req.prompt_len - req.computed, budget, cap)
+            n = min(req.prefill_len - req.computed, budget, cap)
+            if self.vllm_allocation:  # the blocks of this step's chunk (the whole prompt fits)
+                need = -(-(req.computed + n) // self.bs) - len(req.held) - req.reserved
+                self.cache.reserve(need)
+                req.reserved += need
             chunks.append((req, n))
             prefill_ms += model.prefill_ms(n, req.computed)
             reload_tokens += req.reload_tokens
             req.reload_tokens = 0
             budget -= n
+        decoding = self.decoding
+        n_decode = len(decoding)
         ctx = 0
         for req in decoding:
             ctx += req.prompt_len + req.generated
@@ -384,28 +512,35 @@ class SimEngine:
         st = self.stats
         st["steps"] += 1
         st["busy_s"] += dt
+        bs = self.bs
         # decoders first (they were running before this step's prefills)
         if n_decode:
             st["generated_tokens"] += n_decode
             done = False
+            store_computed = self.vllm_allocation and self.cfg.emit_output_blocks
             for req in decoding:
+                if store_computed and (req.prompt_len + req.generated) % bs == 0:
+                    # vLLM stores a block once its last token's KV is computed: this step
+                    idx = (req.prompt_len + req.generated) // bs - 1
+                    self._commit(req, [self._output_block_hash(req, idx)])
                 if self._generated_one(req, t):
                     done = True
             if done:
                 self.decoding = [r for r in decoding if math.isnan(r.finished)]
-        bs = self.bs
         for req, n in chunks:
             before = req.computed
             req.computed += n
             st["prefill_tokens"] += n
-            full_before = min(before // bs, len(req.block_hashes))
-            full_after = min(req.computed // bs, len(req.block_hashes))
+            chain = req.prefill_hashes
+            full_before = min(before // bs, len(chain))
+            full_after = min(req.computed // bs, len(chain))
             if full_after > full_before:
-                self._commit(req, list(req.block_hashes[full_before:full_after]))
-            if req.computed >= req.prompt_len:
+                self._commit(req, list(chain[full_before:full_after]))
+            if req.computed >= req.prefill_len:
                 self.prefilling.remove(req)
-                req.first_token = t
-                self.outputs.append(("first", t, req))
+                if not req.generated:  # (a preempted request had its first token already)
+                    req.first_token = t
+                    self.outputs.append(("first", t, req))
                 st["generated_tokens"] += 1
                 if not self._generated_one(req, t):
                     self.decoding.append(req)
@@ -413,11 +548,20 @@ class SimEngine:
             self._flush_cache_events(t)
 
     def _steps_to_event(self) -> int:
-        """Decode steps until some sequence finishes or fills a block (the last is eventful)."""
+        """Decode steps until some sequence finishes or fills a block (the last is eventful);
+        with kv_allocation="vllm" also until one stores that block (the step after) or needs a
+        new one (the step after that: it may evict or preempt)."""
         bs = self.bs
         k = 1 << 62
+        if not self.vllm_allocation:
+            for req in self.decoding:
+                k = min(
+                    k, req.output_len - req.generated, bs - (req.prompt_len + req.generated) % bs
+                )
+            return k
         for req in self.decoding:
-            k = min(k, req.output_len - req.generated, bs - (req.prompt_len + req.generated) % bs)
+            r = (req.prompt_len + req.generated) % bs  # of the tokens whose KV exists after a step
+            k = min(k, req.output_len - req.generated, bs - r, (-r % bs) + 1, ((1 - r) % bs) + 1)
         return k
 
     def _fast_forward(self, t_until: float) -> bool:
@@ -494,12 +638,14 @@ class SimEngine:
         if not self.waiting or self.num_running >= self.cfg.max_num_seqs:
             return False
         req = self.waiting[0]
-        need = -(-(req.prompt_len + req.output_len) // self.bs)
+        if self.vllm_allocation:  # the whole prefill must fit; a preempted one has no hashes set
+            chain = req.prefill_hashes if req.preemptions else req.block_hashes
+            need = -(-max(req.prefill_len, req.prompt_len) // self.bs)
+        else:
+            chain = req.block_hashes
+            need = -(-(req.prompt_len + req.output_len) // self.bs)
         # optimistic bound: cached prefix blocks need no new space
-        return (
-            need - min(len(req.block_hashes), self.cache.match_prefix(req.block_hashes)[0])
-            <= self.cache.free
-        )
+        return need - min(len(chain), self.cache.match_prefix(chain)[0]) <= self.cache.free
 
     def run_until_idle(self, limit: float = math.inf) -> None:
         while self.has_work() and self.now < limit:

@@ -125,6 +125,7 @@ class FleetOptions:
     max_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0  # vLLM's flag of that name (0 = off)
     long_prefill_token_threshold_adaptive: bool = False  # vLLM's flag of that name
+    kv_allocation: str = "reserve"  # EngineConfig.kv_allocation: "reserve" or "vllm"
     speed: float = 1.0
     model: str = "sim-llama-3-8b"
     # "sim": the simulator's own blake2b chain; "vllm": vLLM's block hashes (hash_algo, with
@@ -207,6 +208,7 @@ class SimServer:
                 max_batched_tokens=opts.max_batched_tokens,
                 long_prefill_token_threshold=opts.long_prefill_token_threshold,
                 long_prefill_token_threshold_adaptive=opts.long_prefill_token_threshold_adaptive,
+                kv_allocation=opts.kv_allocation,
                 events_with_tokens=True,
                 fast_forward=False,
                 model=opts.model_of(index),

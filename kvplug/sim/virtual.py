@@ -584,6 +584,8 @@ def summarize(res: ReplayResult) -> dict:
         "imbalance_busy": imbalance(per_engine_busy),
         "busy_fraction_mean": float(per_engine_busy.mean() / (t1 - t0)) if t1 > t0 else 0.0,
         "transferred_blocks": sum(r.remote_blocks for r in done),
+        # kv_allocation="vllm": running requests sent back to the queue to recompute
+        "preemptions": sum(e.stats["preemptions"] for e in res.engines),
         "route_errors": res.route_errors,
         "route_us_mean": 1e6 * res.route_seconds / max(1, len(res.requests)),
         "event_batches": res.link_stats.get("batches", 0),
