@@ -301,3 +301,40 @@ def test_a_mixed_fleet_serves_each_engine_at_its_speed():
     opts = FleetOptions(engines=4, slowdowns=(1.0, 3.0))
     assert [opts.model_of(i) for i in range(4)] == [REFERENCE, REFERENCE.slowed(3.0)] * 2
     assert FleetOptions(engines=2).model_of(1) == REFERENCE
+
+
+async def test_engines_allocating_as_vllm_preempt_and_count_it_as_vllm_does():
+    """kvplug sim --kv-allocation vllm: two requests that outgrow a 16-block cache together;
+    one is preempted and recomputed, both complete, and /metrics counts the preemption."""
+    http, ev, rp = _free_ports(3)
+    opts = FleetOptions(
+        engines=1,
+        base_port=http,
+        events_base_port=ev,
+        replay_base_port=rp,
+        block_size=16,
+        capacity_blocks=16,
+        speed=20.0,
+        kv_allocation="vllm",
+    )
+    servers = await start_fleet(opts)
+    url = f"http://127.0.0.1:{http}"
+    try:
+        async with aiohttp.ClientSession() as s:
+
+            async def complete(prompt: str) -> dict:
+                body = {"prompt": prompt, "max_tokens": 80}
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    return await r.json()
+
+            # 80 prompt tokens (5 blocks) + 80 generated: 10 blocks each, 16 in the cache
+            done = await asyncio.gather(complete("a" * 80), complete("b" * 80))
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+    finally:
+        for server in servers:
+            await server.stop()
+    assert [d["usage"]["completion_tokens"] for d in done] == [80, 80]
+    (line,) = [x for x in text.splitlines() if x.startswith("vllm:num_preemptions_total{")]
+    assert float(line.split()[-1]) >= 1

@@ -662,7 +662,7 @@ class SimServer:
             "# TYPE vllm:generation_tokens_total counter",
             f"vllm:generation_tokens_total{{{labels}}} {st['generated_tokens']}",
             "# TYPE vllm:num_preemptions_total counter",
-            f"vllm:num_preemptions_total{{{labels}}} 0",
+            f"vllm:num_preemptions_total{{{labels}}} {st['preemptions']}",
             "# TYPE vllm:cache_config_info gauge",
             f'vllm:cache_config_info{{block_size="{self.opts.block_size}",enable_prefix_caching="True",'
             f'effective_attention_block_size="{self.opts.block_size}",'
