@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from kvplug.sim.bench import BenchSpec, format_table, run_bench  # noqa: E402
+from kvplug.sim.cli import add_kv_allocation_option  # noqa: E402
 from kvplug.sim.transport import PRESETS  # noqa: E402
 
 WORKLOADS = {
@@ -160,13 +161,7 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         help="and with vLLM's --long-prefill-token-threshold-adaptive (the cap floored at the "
         "budget over the engine's running and waiting requests)",
     )
-    ap.add_argument(
-        "--kv-allocation",
-        choices=("reserve", "vllm"),
-        default="reserve",
-        help="the engines' KV allocation: 'reserve' (default: prompt and output reserved at "
-        "admission, nothing preempted) or 'vllm' (as vLLM 0.32.0, with preemption)",
-    )
+    add_kv_allocation_option(ap)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,26 +140,29 @@ def test_long_prefill_threshold_does_not_cap_a_prompt_alone():
     assert e.stats["steps"] == 2  # two chunks of 4096, not eight of 1024
 
 
-def test_fast_forward_equals_step_by_step():
-    recs = load_trace(limit=150)
+def _replay_trace(config: EngineConfig, limit: int = 150):
+    """The trace's first ``limit`` requests through one engine; (engine, requests)."""
+    e = SimEngine("w", config)
+    reqs = []
+    for i, rec in enumerate(load_trace(limit=limit)):
+        e.advance(rec.arrival_s)
+        q = SimRequest(
+            str(i),
+            rec.arrival_s,
+            rec.input_length,
+            rec.output_length,
+            block_hashes_of(rec.hash_ids, rec.input_length // 512),
+            salt=i,
+        )
+        reqs.append(q)
+        e.add_request(q, rec.arrival_s)
+    e.run_until_idle()
+    return e, reqs
 
+
+def test_fast_forward_equals_step_by_step():
     def run(ff):
-        e = SimEngine("w", EngineConfig(fast_forward=ff))
-        reqs = []
-        for i, rec in enumerate(recs):
-            e.advance(rec.arrival_s)
-            q = SimRequest(
-                str(i),
-                rec.arrival_s,
-                rec.input_length,
-                rec.output_length,
-                block_hashes_of(rec.hash_ids, rec.input_length // 512),
-                salt=i,
-            )
-            reqs.append(q)
-            e.add_request(q, rec.arrival_s)
-        e.run_until_idle()
-        return e, reqs
+        return _replay_trace(EngineConfig(fast_forward=ff))
 
     fast, rf = run(True)
     slow, rs = run(False)
@@ -340,25 +343,11 @@ def test_vllm_allocation_admits_a_request_only_when_its_whole_prompt_fits():
 def test_vllm_allocation_fast_forward_equals_step_by_step_under_preemption():
     """A cache of 40 blocks of 512 tokens under the trace's first 150 requests: preemptions
     happen, and skipping decode runs in closed form changes nothing."""
-    recs = load_trace(limit=150)
 
     def run(ff):
-        e = SimEngine("w", EngineConfig(capacity_blocks=40, fast_forward=ff, kv_allocation="vllm"))
-        reqs = []
-        for i, rec in enumerate(recs):
-            e.advance(rec.arrival_s)
-            q = SimRequest(
-                str(i),
-                rec.arrival_s,
-                rec.input_length,
-                rec.output_length,
-                block_hashes_of(rec.hash_ids, rec.input_length // 512),
-                salt=i,
-            )
-            reqs.append(q)
-            e.add_request(q, rec.arrival_s)
-        e.run_until_idle()
-        return e, reqs
+        return _replay_trace(
+            EngineConfig(capacity_blocks=40, fast_forward=ff, kv_allocation="vllm")
+        )
 
     fast, rf = run(True)
     slow, rs = run(False)

@@ -31,8 +31,8 @@ def _free_ports(n):
     return ports
 
 
-@pytest.fixture
-async def fleet():
+def _one_engine(**options) -> tuple[FleetOptions, int, int, int]:
+    """Options for one fast simulated engine of 16-token blocks on free ports (over: options)."""
     http, ev, rp = _free_ports(3)
     opts = FleetOptions(
         engines=1,
@@ -40,10 +40,15 @@ async def fleet():
         events_base_port=ev,
         replay_base_port=rp,
         block_size=16,
-        capacity_blocks=256,
         speed=20.0,
-        topic="kv",
+        **options,
     )
+    return opts, http, ev, rp
+
+
+@pytest.fixture
+async def fleet():
+    opts, http, ev, rp = _one_engine(capacity_blocks=256, topic="kv")
     servers = await start_fleet(opts)
     yield servers[0], http, ev, rp
     for s in servers:
@@ -306,17 +311,7 @@ def test_a_mixed_fleet_serves_each_engine_at_its_speed():
 async def test_engines_allocating_as_vllm_preempt_and_count_it_as_vllm_does():
     """kvplug sim --kv-allocation vllm: two requests that outgrow a 16-block cache together;
     one is preempted and recomputed, both complete, and /metrics counts the preemption."""
-    http, ev, rp = _free_ports(3)
-    opts = FleetOptions(
-        engines=1,
-        base_port=http,
-        events_base_port=ev,
-        replay_base_port=rp,
-        block_size=16,
-        capacity_blocks=16,
-        speed=20.0,
-        kv_allocation="vllm",
-    )
+    opts, http, _ev, _rp = _one_engine(capacity_blocks=16, kv_allocation="vllm")
     servers = await start_fleet(opts)
     url = f"http://127.0.0.1:{http}"
     try:

@@ -12,6 +12,19 @@ from kvplug.cli import RunError, UsageError, check_port, check_ports_free
 from kvplug.sim.policies import DEFAULT_POLICIES, DEMO_POLICIES, NAMES
 
 
+def add_kv_allocation_option(parser: argparse._ActionsContainer) -> None:
+    """``--kv-allocation reserve|vllm`` (EngineConfig.kv_allocation), for bench and sim alike."""
+    parser.add_argument(
+        "--kv-allocation",
+        choices=("reserve", "vllm"),
+        default="reserve",
+        help="how the engines allocate KV: 'reserve' (default: prompt and requested output at "
+        "admission, nothing preempted) or 'vllm' (as vLLM 0.32.0: admitted when the whole prompt "
+        "fits, blocks allocated as computed, the latest admitted request preempted and "
+        "recomputed when a running one cannot grow)",
+    )
+
+
 def register(subparsers) -> None:
     _register_demo(subparsers)
     _register_bench(subparsers)
@@ -89,15 +102,7 @@ def _add_fleet_args(
         help="vLLM's flag of that name on every engine: that cap is at least the budget over "
         "the engine's running and waiting requests",
     )
-    g.add_argument(
-        "--kv-allocation",
-        choices=("reserve", "vllm"),
-        default="reserve",
-        help="how the engines allocate KV: 'reserve' (default: prompt and requested output at "
-        "admission, nothing preempted) or 'vllm' (as vLLM 0.32.0: admitted when the whole prompt "
-        "fits, blocks allocated as computed, the latest admitted request preempted and "
-        "recomputed when a running one cannot grow)",
-    )
+    add_kv_allocation_option(g)
     g.add_argument(
         "--steptime",
         default="causal",
@@ -525,15 +530,7 @@ def _register_sim(sub) -> None:
         help="vLLM's flag of that name: that cap is at least the budget over the engine's "
         "running and waiting requests",
     )
-    p.add_argument(
-        "--kv-allocation",
-        choices=("reserve", "vllm"),
-        default="reserve",
-        help="how the engines allocate KV: 'reserve' (default: prompt and requested output at "
-        "admission, nothing preempted) or 'vllm' (as vLLM 0.32.0: admitted when the whole prompt "
-        "fits, blocks allocated as computed, the latest admitted request preempted and "
-        "recomputed when a running one cannot grow)",
-    )
+    add_kv_allocation_option(p)
     p.add_argument(
         "--speed",
         type=float,
