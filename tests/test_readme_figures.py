@@ -1233,6 +1233,48 @@ def long_prefill_adaptive_text() -> list:
     ]
 
 
+def kv_allocation_text() -> list:
+    """The replay with both KV allocations: runs, preemptions (random's alone), the default's
+    hit-rate and TTFT-ratio moves, and the runs meeting the bar under each (the same count)."""
+    runs = load("benchmarks/results/kv_allocation.json")["runs"]
+    preempted = [
+        (r["policy"], r["preemptions"])
+        for run in runs
+        for r in run["vllm"]["results"]
+        if r["preemptions"]
+    ]
+    assert {p for p, _ in preempted} == {"random"}, "the paragraph: no policy but random did"
+    assert not any(r["preemptions"] for run in runs for r in run["reserve"]["results"])
+
+    def default(run: dict, alloc: str) -> dict:
+        return {r["policy"]: r for r in run[alloc]["results"]}[DEFAULT]
+
+    hits = [
+        100 * (default(r, "vllm")["hit_rate"] - default(r, "reserve")["hit_rate"]) for r in runs
+    ]
+    ratios = [
+        r["vllm"]["verdicts"][DEFAULT]["ttft_p99_vs_kv"]
+        - r["reserve"]["verdicts"][DEFAULT]["ttft_p99_vs_kv"]
+        for r in runs
+    ]
+    met = {alloc: sum(r[alloc]["meets_bar"] for r in runs) for alloc in ("reserve", "vllm")}
+    assert met["reserve"] == met["vllm"], "the paragraph: the same count either way"
+    return [
+        SKIP,  # 0.32.0
+        SKIP,  # 16 blocks
+        SKIP,  # 1,000 blocks per engine
+        SKIP,  # 1.5x the load
+        len(runs),
+        sum(n for _, n in preempted),
+        -min(hits),
+        max(hits),
+        -min(ratios),
+        max(ratios),
+        met["vllm"],
+        len(runs),
+    ]
+
+
 PARAGRAPHS = {
     "Side by side in the same runs": frontend_text,
     "In the realistic router view": realistic_text,
@@ -1246,6 +1288,7 @@ PARAGRAPHS = {
     "On traces made by AIPerf's prefix synthesizer": aiperf_text,
     "With vLLM's `--long-prefill-token-threshold` on the engines": long_prefill_text,
     "The simulated engines schedule that flag": long_prefill_adaptive_text,
+    "The simulated engines reserve a request's prompt": kv_allocation_text,
 }
 
 

@@ -446,7 +446,8 @@ def test_a_request_the_cache_cannot_hold_beside_another_is_preempted_as_vllm_pre
         e.run_until_idle()
         return sim_changes(e, names)
 
-    later = next((k for k in range(4) if simulated("vllm", k, False) == real), None)
+    # the API server hands b over 0, 1, ... steps after a (1 on a quiet machine)
+    later = next((k for k in range(20) if simulated("vllm", k, False) == real), None)
     assert later is not None, f"vLLM: {real}\nsimulator at 1: {simulated('vllm', 1, False)}"
     assert simulated("vllm", later, True) == real  # the decode runs skipped in closed form too
     assert simulated("reserve", later, False) != real
