@@ -88,6 +88,30 @@ def test_host_tier_is_lru_bounded():
     assert ("removed", Tier.HOST, [1]) in log
 
 
+def test_an_inclusive_host_tier_keeps_copies_as_vllms_offloading_connector_does():
+    """host_inclusive (vLLM's OffloadingConnector): blocks are copied to the host as stored, a
+    device eviction drops the device copy only, a host hit is copied back and stays on the
+    host, which evicts its least recently used copies."""
+    log, sink = _recorder()
+    c = BlockCache(3, host_capacity=2, sink=sink, host_inclusive=True)
+    c.reserve(3)
+    c.commit([1, 2, 3])
+    c.store_host([1, 2, 3])  # host holds two: 1 is its oldest, dropped
+    assert log == [("host_stored", Tier.HOST, [1, 2, 3]), ("removed", Tier.HOST, [1])]
+    assert c.host_blocks() == [2, 3]
+    c.release([1, 2, 3])  # free order 3, 2, 1
+    c.reserve(2)  # evicts 3 and 2 from the device: their host copies stay
+    assert log[-1] == ("removed", Tier.DEVICE, [3, 2]) and c.host_blocks() == [2, 3]
+    dev, host = c.split_prefix([1, 2, 3])
+    assert (dev, host) == ([1], [2, 3])
+    c.unreserve(2)
+    c.admit(dev, host, 0)  # copied back: no event from the cache (the engine reports stores)
+    assert log[-1] == ("removed", Tier.DEVICE, [3, 2])
+    assert c.on_device(2) and c.on_host(2) and c.counters["reloaded"] == 2
+    c.store_host([2])  # a copy the host has: just used again, nothing reported
+    assert c.host_blocks() == [3, 2] and log[-1] == ("removed", Tier.DEVICE, [3, 2])
+
+
 def test_admit_is_atomic():
     c = BlockCache(4)
     c.reserve(2)

@@ -53,6 +53,7 @@ class BenchSpec:
     long_prefill_token_threshold: int = 0  # the engines' (vLLM's flag); 0 = off
     long_prefill_token_threshold_adaptive: bool = False  # vLLM's flag: the cap's floor
     kv_allocation: str = "reserve"  # the engines' KV allocation (EngineConfig.kv_allocation)
+    host_offload: str = "evicted"  # with host_capacity_blocks: EngineConfig.host_offload
     link: LinkConfig = field(default_factory=LinkConfig)  # the router's view (ideal default)
     steptime: str = "causal"  # step-time preset (kvplug.sim.steptime.parse_steptime)
     mode: str = "hashes"
@@ -94,6 +95,7 @@ class BenchSpec:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 long_prefill_token_threshold_adaptive=self.long_prefill_token_threshold_adaptive,
                 kv_allocation=self.kv_allocation,
+                host_offload=self.host_offload,
                 events_with_tokens=self.mode == "tokens",
                 model=parse_steptime(self.steptime),
             ),
@@ -260,7 +262,12 @@ def run_bench(spec: BenchSpec, jobs: int = 1, progress: bool = True) -> dict:
             bar.close()
     oracle = oracle_hit_rate(records, spec.block_tokens)
     prompt_engines = spec.n_prefill or spec.n_engines  # where prompts are computed and cached
-    fleet_cap = prompt_engines * (spec.capacity_blocks + spec.host_capacity_blocks)
+    # distinct blocks an engine can hold: a victim-cache host adds to the device, an inclusive
+    # one ("stored") holds copies of what the device holds
+    per_engine = spec.capacity_blocks + spec.host_capacity_blocks
+    if spec.host_offload == "stored":
+        per_engine = max(spec.capacity_blocks, spec.host_capacity_blocks)
+    fleet_cap = prompt_engines * per_engine
     report = {
         "spec": asdict(spec),
         "trace": {

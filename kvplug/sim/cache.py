@@ -6,6 +6,10 @@ reserved for tokens not computed yet. Eviction follows vLLM's free-queue order: 
 blocks are evicted least recently freed first, and a finished sequence frees its blocks tail first,
 so a prompt's tail is evicted before its prefix. With a host tier, an evicted device block is
 offloaded to host memory (its own LRU); a prefix hit on host reloads the block to the device.
+With ``host_inclusive`` the host tier is a copy instead, as vLLM's default offloading connector
+keeps it: every block computed on the device is copied to the host when stored
+(:meth:`BlockCache.store_host`), a device eviction drops the device copy only, and a host hit is
+copied back, its host copy staying.
 
 Evictions and tier changes are reported through ``sink`` as (kind, tier, hashes):
 ``("removed", DEVICE | HOST, hs)`` and ``("moved", (from, to), hs)``; newly stored blocks are
@@ -30,13 +34,20 @@ class CacheFull(Exception):
 class BlockCache:
     """Device tier of ``capacity`` blocks, optional host tier of ``host_capacity`` blocks."""
 
-    def __init__(self, capacity: int, host_capacity: int = 0, sink: CacheSink | None = None):
+    def __init__(
+        self,
+        capacity: int,
+        host_capacity: int = 0,
+        sink: CacheSink | None = None,
+        host_inclusive: bool = False,
+    ):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         if host_capacity < 0:
             raise ValueError(f"host_capacity must be >= 0, got {host_capacity}")
         self.capacity = capacity
         self.host_capacity = host_capacity
+        self.host_inclusive = host_inclusive and host_capacity > 0
         self.sink = sink
         self._refs: dict[int, int] = {}  # cached device block -> reference count
         self._free_lru: OrderedDict[int, None] = (
@@ -125,7 +136,7 @@ class BlockCache:
             del self._refs[h]
             victims.append(h)
         self.counters["evicted"] += len(victims)
-        if self.host_capacity:
+        if self.host_capacity and not self.host_inclusive:
             self._offload(victims)
         else:
             self._emit("removed", Tier.DEVICE, victims)
@@ -141,12 +152,29 @@ class BlockCache:
         self._emit(
             "removed", Tier.DEVICE, already
         )  # host already had a copy: device copy just goes
+        self._trim_host()
+
+    def _trim_host(self) -> None:
+        """Evict the host tier's least recently used blocks beyond its capacity."""
         drop = []
         while len(self._host) > self.host_capacity:
             h, _ = self._host.popitem(last=False)
             drop.append(h)
         self.counters["host_evicted"] += len(drop)
         self._emit("removed", Tier.HOST, drop)
+
+    def store_host(self, hashes: Sequence[int]) -> None:
+        """``host_inclusive``: copy blocks just stored on the device to the host tier (a copy it
+        has already becomes its most recently used), reported as ``("host_stored", HOST,
+        new)``; the host's least recently used blocks make room."""
+        host = self._host
+        new = [h for h in hashes if h not in host]
+        for h in hashes:
+            host[h] = None
+            host.move_to_end(h)
+        self.counters["offloaded"] += len(new)
+        self._emit("host_stored", Tier.HOST, new)
+        self._trim_host()
 
     def admit(
         self,
@@ -197,6 +225,14 @@ class BlockCache:
         missing = [h for h in hashes if h not in self._host]
         if missing:
             raise KeyError(f"blocks not on the host tier: {missing[:4]}")
+        if self.host_inclusive:  # copied back; the host copy stays, just used
+            for h in hashes:
+                self._host.move_to_end(h)
+            self._make_room(len(hashes))
+            for h in hashes:
+                self._refs[h] = 1
+            self.counters["reloaded"] += len(hashes)
+            return  # the engine reports the device copies as stored (it has their parents)
         # leave the host tier first: the offloads that make room must not evict these
         for h in hashes:
             del self._host[h]
@@ -225,7 +261,9 @@ class BlockCache:
             if r is None:
                 refs[h] = 1
                 flags.append(True)
-                if host and h in host:  # recomputed on the device although a host copy existed
+                # recomputed on the device although a host copy existed: one copy, on the device
+                # (an inclusive host keeps its copy: store_host refreshes it)
+                if host and h in host and not self.host_inclusive:
                     del host[h]
                     host_dropped.append(h)
             else:

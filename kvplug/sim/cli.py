@@ -12,6 +12,18 @@ from kvplug.cli import RunError, UsageError, check_port, check_ports_free
 from kvplug.sim.policies import DEFAULT_POLICIES, DEMO_POLICIES, NAMES
 
 
+def add_host_offload_option(parser: argparse._ActionsContainer) -> None:
+    """``--host-offload evicted|stored`` (EngineConfig.host_offload), for bench and sim."""
+    parser.add_argument(
+        "--host-offload",
+        choices=("evicted", "stored"),
+        default="evicted",
+        help="with a host tier: 'evicted' (default: a device block moves to the host when "
+        "evicted and back on a hit) or 'stored' (as vLLM's default offloading connector: every "
+        "block computed is copied to the host, whose LRU keeps copies; a hit is copied back)",
+    )
+
+
 def add_kv_allocation_option(parser: argparse._ActionsContainer) -> None:
     """``--kv-allocation reserve|vllm`` (EngineConfig.kv_allocation), for bench and sim alike."""
     parser.add_argument(
@@ -103,6 +115,7 @@ def _add_fleet_args(
         "the engine's running and waiting requests",
     )
     add_kv_allocation_option(g)
+    add_host_offload_option(g)
     g.add_argument(
         "--steptime",
         default="causal",
@@ -229,6 +242,7 @@ def _spec(args, policies):
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
         kv_allocation=args.kv_allocation,
+        host_offload=args.host_offload,
         link=link,
         steptime=args.steptime,
         mode=args.mode,
@@ -531,6 +545,7 @@ def _register_sim(sub) -> None:
         "running and waiting requests",
     )
     add_kv_allocation_option(p)
+    add_host_offload_option(p)
     p.add_argument(
         "--speed",
         type=float,
@@ -621,6 +636,7 @@ def _cmd_sim(args) -> int:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
         kv_allocation=args.kv_allocation,
+        host_offload=args.host_offload,
         speed=args.speed,
         model=args.model,
         block_hashes=args.block_hashes,

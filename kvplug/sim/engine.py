@@ -113,6 +113,11 @@ class EngineConfig:
     # (the whole prompt must fit to be admitted, blocks allocated as computed, the latest
     # admitted request preempted and recomputed when a running one cannot grow)
     kv_allocation: str = "reserve"
+    # with a host tier: "evicted" (a device block is moved to the host when evicted, and moved
+    # back on a hit: a victim cache, what every README figure was replayed with); "stored" (as
+    # vLLM's default offloading connector, OffloadingConnector: every block computed on the
+    # device is copied to the host, whose LRU keeps copies; a hit is copied back)
+    host_offload: str = "evicted"
     model: StepTimeModel = REFERENCE
 
 
@@ -128,9 +133,16 @@ class SimEngine:
                 f"kv_allocation must be 'reserve' or 'vllm', got {self.cfg.kv_allocation!r}"
             )
         self.vllm_allocation = self.cfg.kv_allocation == "vllm"
+        if self.cfg.host_offload not in ("evicted", "stored"):
+            raise ValueError(
+                f"host_offload must be 'evicted' or 'stored', got {self.cfg.host_offload!r}"
+            )
         self._admitted = 0  # admissions so far: the running order preemption goes by
         self.cache = BlockCache(
-            self.cfg.capacity_blocks, self.cfg.host_capacity_blocks, sink=self._on_cache_change
+            self.cfg.capacity_blocks,
+            self.cfg.host_capacity_blocks,
+            sink=self._on_cache_change,
+            host_inclusive=self.cfg.host_offload == "stored",
         )
         self.now = 0.0  # end of the last step (virtual seconds)
         self.waiting: deque[SimRequest] = deque()
@@ -209,6 +221,15 @@ class SimEngine:
         for kind, tier, hashes in self._pending_cache:
             if kind == "removed":
                 ev = BlockRemoved(worker_id=wid, dp_rank=rank, tier=tier, engine_hashes=hashes)
+            elif kind == "host_stored":  # copies of device blocks: resolved by engine hash
+                ev = BlockStored(
+                    worker_id=wid,
+                    dp_rank=rank,
+                    tier=tier,
+                    engine_hashes=hashes,
+                    tier_copy=True,
+                    block_size=self.bs,
+                )
             elif kind == "moved":
                 ev = BlockMoved(
                     worker_id=wid,
@@ -278,6 +299,15 @@ class SimEngine:
         req.reserved -= len(hashes)
         if any(stored):
             self._stored(req, first, hashes, stored)
+        if self.cache.host_inclusive:  # the offloading connector copies what a step computed
+            self.cache.store_host(hashes)
+
+    def _copied_back(self, req: SimRequest, host: list[int]) -> None:
+        """An inclusive host tier's hits were copied to the device, after the device hits:
+        reported as stored there, as vLLM's prefix cache reports the blocks it loaded."""
+        if host and self.cache.host_inclusive:
+            first = len(req.held) - len(host)
+            self._stored(req, first, host, [True] * len(host))
 
     @staticmethod
     def _output_block_hash(req: SimRequest, block_index: int) -> int:
@@ -327,6 +357,7 @@ class SimEngine:
         if resumed:  # its hit was counted when it was first admitted
             req.computed = hits * self.bs
             req.reload_tokens = len(host) * self.bs
+            self._copied_back(req, host)
             return True
         if req.kv_from_remote and cacheable > hits:
             self.cache.reserve(cacheable - hits)  # the transferred blocks, committed below
@@ -340,6 +371,7 @@ class SimEngine:
         """A request's first admission: its prefix hits and the statistics."""
         nf = len(req.block_hashes)
         hits = len(dev) + len(host)
+        self._copied_back(req, host)
         req.hit_device, req.hit_host = len(dev), len(host)
         req.computed = hits * self.bs
         req.reload_tokens = len(host) * self.bs

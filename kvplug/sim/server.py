@@ -126,6 +126,7 @@ class FleetOptions:
     long_prefill_token_threshold: int = 0  # vLLM's flag of that name (0 = off)
     long_prefill_token_threshold_adaptive: bool = False  # vLLM's flag of that name
     kv_allocation: str = "reserve"  # EngineConfig.kv_allocation: "reserve" or "vllm"
+    host_offload: str = "evicted"  # EngineConfig.host_offload: "evicted" or "stored"
     speed: float = 1.0
     model: str = "sim-llama-3-8b"
     # "sim": the simulator's own blake2b chain; "vllm": vLLM's block hashes (hash_algo, with
@@ -209,6 +210,7 @@ class SimServer:
                 long_prefill_token_threshold=opts.long_prefill_token_threshold,
                 long_prefill_token_threshold_adaptive=opts.long_prefill_token_threshold_adaptive,
                 kv_allocation=opts.kv_allocation,
+                host_offload=opts.host_offload,
                 events_with_tokens=True,
                 fast_forward=False,
                 model=opts.model_of(index),
