@@ -190,7 +190,7 @@ class BlockCache:
         prompt fits but allocates only what a step computes.
         """
         unreferenced_hits = sum(1 for h in device_hits if self._refs[h] == 0)
-        wanted = len(host_hits) + max(n_new, n_new if fits is None else fits)
+        wanted = len(host_hits) + (n_new if fits is None else max(n_new, fits))
         if wanted > self.free - unreferenced_hits:
             raise CacheFull(f"need {wanted} blocks, {self.free - unreferenced_hits} allocatable")
         self.acquire_cached(device_hits)

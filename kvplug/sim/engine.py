@@ -670,7 +670,7 @@ class SimEngine:
         if not self.waiting or self.num_running >= self.cfg.max_num_seqs:
             return False
         req = self.waiting[0]
-        if self.vllm_allocation:  # the whole prefill must fit; a preempted one has no hashes set
+        if self.vllm_allocation:  # the whole prefill must fit (a new one's is set at admission)
             chain = req.prefill_hashes if req.preemptions else req.block_hashes
             need = -(-max(req.prefill_len, req.prompt_len) // self.bs)
         else:
