@@ -1293,6 +1293,7 @@ def host_stored_text() -> list:
         SKIP,  # 2x
         SKIP,  # 3x
         SKIP,  # --host-blocks 3280
+        SKIP,  # vLLM 0.32.0
         100 * bound,
         100 * by[DEFAULT]["hit_rate"],
         100 * by[DEFAULT]["hit_rate"] / bound,

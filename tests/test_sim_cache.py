@@ -1,5 +1,8 @@
 """The simulated paged KV cache: prefix hits, vLLM's eviction order, host tier, atomic admission."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from kvplug.events import Tier
@@ -91,25 +94,61 @@ def test_host_tier_is_lru_bounded():
 def test_an_inclusive_host_tier_keeps_copies_as_vllms_offloading_connector_does():
     """host_inclusive (vLLM's OffloadingConnector): blocks are copied to the host as stored, a
     device eviction drops the device copy only, a host hit is copied back and stays on the
-    host, which evicts its least recently used copies."""
+    host."""
     log, sink = _recorder()
-    c = BlockCache(3, host_capacity=2, sink=sink, host_inclusive=True)
+    c = BlockCache(3, host_capacity=4, sink=sink, host_inclusive=True)
     c.reserve(3)
     c.commit([1, 2, 3])
-    c.store_host([1, 2, 3])  # host holds two: 1 is its oldest, dropped
-    assert log == [("host_stored", Tier.HOST, [1, 2, 3]), ("removed", Tier.HOST, [1])]
-    assert c.host_blocks() == [2, 3]
+    c.store_host([1, 2, 3])
+    assert log == [("host_stored", Tier.HOST, [1, 2, 3])] and c.host_blocks() == [1, 2, 3]
     c.release([1, 2, 3])  # free order 3, 2, 1
     c.reserve(2)  # evicts 3 and 2 from the device: their host copies stay
-    assert log[-1] == ("removed", Tier.DEVICE, [3, 2]) and c.host_blocks() == [2, 3]
+    assert log[-1] == ("removed", Tier.DEVICE, [3, 2]) and c.host_blocks() == [1, 2, 3]
     dev, host = c.split_prefix([1, 2, 3])
     assert (dev, host) == ([1], [2, 3])
     c.unreserve(2)
     c.admit(dev, host, 0)  # copied back: no event from the cache (the engine reports stores)
     assert log[-1] == ("removed", Tier.DEVICE, [3, 2])
     assert c.on_device(2) and c.on_host(2) and c.counters["reloaded"] == 2
-    c.store_host([2])  # a copy the host has: just used again, nothing reported
-    assert c.host_blocks() == [3, 2] and log[-1] == ("removed", Tier.DEVICE, [3, 2])
+    c.store_host([1, 2, 3, 4, 5])  # 4 and 5 need a copy evicted, and all are offered: no store
+    assert c.host_blocks() == [1, 2, 3] and log[-1] == ("removed", Tier.DEVICE, [3, 2])
+    c.store_host([4, 5])  # 1 is the oldest copy not offered
+    assert log[-2:] == [("removed", Tier.HOST, [1]), ("host_stored", Tier.HOST, [4, 5])]
+    assert c.host_blocks() == [2, 3, 4, 5]
+
+
+def test_the_inclusive_host_tier_evicts_in_the_order_vllms_own_manager_does():
+    """tests/data/vllm/offload_lru-0.32.0.json: vLLM 0.32.0's CPUOffloadingManager (LRU), six
+    chunks, driven as its offloading connector drives it (make_offload_lru.py): stores, prefix
+    hits loaded, request finishes. The inclusive host tier given the same operations evicts the
+    same copies and keeps the rest in the same order after every one: a new copy goes in as the
+    most recent, a copy offered again or loaded is used again only when its request finishes,
+    the last block first (so the prefix's head is evicted last), and what a store offers is
+    never evicted to make room for it."""
+    doc = json.loads((Path(__file__).parent / "data/vllm/offload_lru-0.32.0.json").read_text())
+    assert doc["manager_args"]["cache_policy"] == "lru"
+    log, sink = _recorder()
+    c = BlockCache(
+        1, host_capacity=doc["manager_args"]["num_chunks"], sink=sink, host_inclusive=True
+    )
+    used: dict[str, list[int]] = {}  # each request's loaded or offered keys, in prefix order
+    for op in doc["ops"]:
+        before = len(log)
+        keys, mine = op["keys"], used.setdefault(op["request"], [])
+        if op["op"] == "store":
+            c.store_host(keys)
+            mine += [k for k in keys if k not in mine]
+        elif op["op"] == "load":
+            hit = c.match_prefix(keys)[1]  # the device holds none of them
+            assert keys[:hit] == op["hit_keys"], op
+            mine += [k for k in keys[:hit] if k not in mine]
+        elif op["op"] == "finish":
+            c.host_finished(mine)
+        else:  # complete_store: the simulator's copies complete at once
+            assert op["op"] == "complete_store", op
+        evicted = [h for kind, tier, hs in log[before:] if kind == "removed" for h in hs]
+        assert evicted == op["evicted"], op
+        assert c.host_blocks() == op["resident_after"], op
 
 
 def test_admit_is_atomic():

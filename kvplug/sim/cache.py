@@ -164,17 +164,45 @@ class BlockCache:
         self._emit("removed", Tier.HOST, drop)
 
     def store_host(self, hashes: Sequence[int]) -> None:
-        """``host_inclusive``: copy blocks just stored on the device to the host tier (a copy it
-        has already becomes its most recently used), reported as ``("host_stored", HOST,
-        new)``; the host's least recently used blocks make room."""
+        """``host_inclusive``: copy device blocks to the host tier, as vLLM's CPU offloading
+        manager stores what a request offers (``prepare_store``): the ones it lacks go in as its
+        most recent, in order, reported as ``("host_stored", HOST, new)``; the ones it has are
+        left where they are (used again only when the request finishes, :meth:`host_finished`).
+        Its least recently used blocks make room, never one offered here; when too few could,
+        nothing is stored (vLLM's store fails)."""
         host = self._host
-        new = [h for h in hashes if h not in host]
-        for h in hashes:
+        new = [h for h in dict.fromkeys(hashes) if h not in host]
+        if not new:
+            return
+        over = len(host) + len(new) - self.host_capacity
+        if over > 0:
+            offered = set(hashes)
+            drop = []
+            for h in host:  # oldest first
+                if h not in offered:
+                    drop.append(h)
+                    if len(drop) == over:
+                        break
+            if len(drop) < over:
+                return
+            for h in drop:
+                del host[h]
+            self.counters["host_evicted"] += len(drop)
+            self._emit("removed", Tier.HOST, drop)
+        for h in new:
             host[h] = None
-            host.move_to_end(h)
         self.counters["offloaded"] += len(new)
         self._emit("host_stored", Tier.HOST, new)
-        self._trim_host()
+
+    def host_finished(self, hashes: Sequence[int]) -> None:
+        """``host_inclusive``: a request that loaded or offered ``hashes`` (its blocks, in
+        prefix order) finished: those the host holds become its most recently used, the last
+        block first, so the prefix's head is evicted last (vLLM's LRU policy,
+        ``on_request_finished``)."""
+        host = self._host
+        for h in reversed(hashes):
+            if h in host:
+                host.move_to_end(h)
 
     def admit(
         self,
@@ -225,9 +253,7 @@ class BlockCache:
         missing = [h for h in hashes if h not in self._host]
         if missing:
             raise KeyError(f"blocks not on the host tier: {missing[:4]}")
-        if self.host_inclusive:  # copied back; the host copy stays, just used
-            for h in hashes:
-                self._host.move_to_end(h)
+        if self.host_inclusive:  # copied back; the host copy stays (used again at the finish)
             self._make_room(len(hashes))
             for h in hashes:
                 self._refs[h] = 1

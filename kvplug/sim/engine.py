@@ -299,15 +299,21 @@ class SimEngine:
         req.reserved -= len(hashes)
         if any(stored):
             self._stored(req, first, hashes, stored)
-        if self.cache.host_inclusive:  # the offloading connector copies what a step computed
+        if self.cache.host_inclusive:  # the offloading connector stores what a step computed
             self.cache.store_host(hashes)
 
-    def _copied_back(self, req: SimRequest, host: list[int]) -> None:
-        """An inclusive host tier's hits were copied to the device, after the device hits:
-        reported as stored there, as vLLM's prefix cache reports the blocks it loaded."""
-        if host and self.cache.host_inclusive:
+    def _copied_back(self, req: SimRequest, dev: list[int], host: list[int]) -> None:
+        """An inclusive host tier: its hits were copied to the device, after the device hits,
+        and are reported as stored there, as vLLM's prefix cache reports the blocks it loaded;
+        the device hits are offered to the host again, as vLLM's offloading connector offers a
+        request's hits (stored if the host lost them)."""
+        if not self.cache.host_inclusive:
+            return
+        if host:
             first = len(req.held) - len(host)
             self._stored(req, first, host, [True] * len(host))
+        if dev:
+            self.cache.store_host(dev)
 
     @staticmethod
     def _output_block_hash(req: SimRequest, block_index: int) -> int:
@@ -357,7 +363,7 @@ class SimEngine:
         if resumed:  # its hit was counted when it was first admitted
             req.computed = hits * self.bs
             req.reload_tokens = len(host) * self.bs
-            self._copied_back(req, host)
+            self._copied_back(req, dev, host)
             return True
         if req.kv_from_remote and cacheable > hits:
             self.cache.reserve(cacheable - hits)  # the transferred blocks, committed below
@@ -371,7 +377,7 @@ class SimEngine:
         """A request's first admission: its prefix hits and the statistics."""
         nf = len(req.block_hashes)
         hits = len(dev) + len(host)
-        self._copied_back(req, host)
+        self._copied_back(req, dev, host)
         req.hit_device, req.hit_host = len(dev), len(host)
         req.computed = hits * self.bs
         req.reload_tokens = len(host) * self.bs
@@ -449,6 +455,8 @@ class SimEngine:
 
     def _finish(self, req: SimRequest, t: float) -> None:
         req.finished = t
+        if self.cache.host_inclusive:
+            self.cache.host_finished(req.held)
         self.cache.release(req.held)
         if req.reserved:
             self.cache.unreserve(req.reserved)
