@@ -126,7 +126,10 @@ def test_bench_frontend_quick_run(tmp_path):
             assert t[f"{mode}_throughput"]["requests_per_s"] > 0
             assert t[f"{mode}_throughput"]["cpu_ms_per_request"] > 0
             assert t[f"{mode}_latency"]["median_ms"] > 0
-    # wrk is no bottleneck: it drives the engine itself far faster than any router
-    direct = targets["engine (direct)"]["plain_throughput"]["requests_per_s"]
-    assert direct > 3 * targets["kvplug (token ids)"]["plain_throughput"]["requests_per_s"]
+    # wrk is no bottleneck: under one core of CPU in every run, the engine's own included (a
+    # share, not a throughput ratio, which other load on the machine moves: a CI run with two
+    # benchmarks beside it saw the engine only 2.2x kvplug's requests/s against 3x otherwise)
+    for t in targets.values():
+        for mode in ("plain", "stream"):
+            assert t[f"{mode}_throughput"]["wrk_cpu_share"] < 1.0, t
     assert "| kvplug (token ids) | streamed |" in proc.stdout
