@@ -12,9 +12,10 @@ keeps it: every block computed on the device is copied to the host when stored
 copied back, its host copy staying.
 
 Evictions and tier changes are reported through ``sink`` as (kind, tier, hashes):
-``("removed", DEVICE | HOST, hs)`` and ``("moved", (from, to), hs)``; newly stored blocks are
-returned by :meth:`BlockCache.commit` (the engine builds their events, which need tokens or
-parents). The engine turns all of them into normalised kvplug events.
+``("removed", DEVICE | HOST, hs)``, ``("moved", (from, to), hs)`` and, for an inclusive host's
+new copies, ``("host_stored", HOST, hs)``; newly stored device blocks are returned by
+:meth:`BlockCache.commit` (the engine builds their events, which need tokens or parents). The
+engine turns all of them into normalised kvplug events.
 """
 
 from __future__ import annotations
@@ -288,7 +289,7 @@ class BlockCache:
                 refs[h] = 1
                 flags.append(True)
                 # recomputed on the device although a host copy existed: one copy, on the device
-                # (an inclusive host keeps its copy: store_host refreshes it)
+                # (an inclusive host keeps its copy)
                 if host and h in host and not self.host_inclusive:
                     del host[h]
                     host_dropped.append(h)
