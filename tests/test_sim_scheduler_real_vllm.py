@@ -24,14 +24,15 @@ And one check of the prefix cache: a prompt sent twice hits, by vLLM's own count
 the simulator credits it with (whole blocks, never the last token: a prompt of whole blocks
 computes its last block again).
 
-A fourth engine has a KV cache of 16 blocks (``--num-gpu-blocks-override 17``: vLLM keeps one
-as its null block), so what it evicts and preempts shows in its events. The simulator with
-``kv_allocation="vllm"`` must give the same events, stored and removed, batch for batch:
+Two more engines have a KV cache of 16 blocks (``--num-gpu-blocks-override 17``: vLLM keeps one
+as its null block), so what they evict and preempt shows in their events; one computes a whole
+prompt a step, the other 64 tokens a step. The simulator with ``kv_allocation="vllm"`` must give
+the same events, stored and removed, batch for batch:
 
 * two prompts decoding past what the cache holds: the later one is preempted, its blocks freed
   tail first and evicted as the other grows, and it is taken in again with a hit on what is
-  left, recomputing the rest (``kv_allocation="reserve"``, the replay's default, would admit
-  it only when the first one finishes);
+  left, recomputing the rest, in chunks on the second engine (``kv_allocation="reserve"``, the
+  replay's default, would admit it only when the first one finishes);
 * prompts one after another: what a new one evicts (the least recently freed first, a prompt's
   tail before its head) and what a returning one hits, by vLLM's counters.
 
@@ -65,7 +66,9 @@ pytestmark = real_engine_marks()
 # show blocks, not tokens: so the adaptive one's floor is a block over its threshold with two
 # requests (128 // 2 = 64 against 32)
 SETTINGS = {"off": (0, False, 64), "32": (32, False, 64), "32 adaptive": (32, True, 128)}
-SMALL_CACHE = 16  # blocks: the engine "small" runs with --num-gpu-blocks-override 17
+SMALL_CACHE = 16  # blocks: the "small" engines run with --num-gpu-blocks-override 17
+# their token budgets: the whole of a prompt a step, or chunks of 64 tokens
+SMALL_BUDGETS = {"small": 512, "small chunked": 64}
 
 
 def cap_blocks(setting: tuple[int, bool, int], requests: int = 2) -> int:
@@ -76,7 +79,7 @@ def cap_blocks(setting: tuple[int, bool, int], requests: int = 2) -> int:
 
 @pytest.fixture(scope="module")
 def engines():
-    ports = iter(engine_ports(3 * len(SETTINGS) + 3))
+    ports = iter(engine_ports(3 * (len(SETTINGS) + len(SMALL_BUDGETS))))
     common = ["--max-num-seqs", "8", "--max-model-len", "1024"]
     fleet = {}
     for name, (threshold, adaptive, budget) in SETTINGS.items():
@@ -91,15 +94,17 @@ def engines():
             f"tcp://*:{replay}",
             extra_args=[*common, *extra],
         )
-    http, events, replay = next(ports), next(ports), next(ports)
-    fleet["small"] = Engine(
-        "small",
-        http,
-        f"tcp://*:{events}",
-        f"tcp://*:{replay}",
-        extra_args=["--max-num-seqs", "8", "--max-model-len", "512"]
-        + ["--max-num-batched-tokens", "512", "--num-gpu-blocks-override", str(SMALL_CACHE + 1)],
-    )
+    for name, budget in SMALL_BUDGETS.items():
+        http, events, replay = next(ports), next(ports), next(ports)
+        fleet[name] = Engine(
+            name.replace(" ", "-"),
+            http,
+            f"tcp://*:{events}",
+            f"tcp://*:{replay}",
+            extra_args=["--max-num-seqs", "8", "--max-model-len", "512"]
+            + ["--max-num-batched-tokens", str(budget)]
+            + ["--num-gpu-blocks-override", str(SMALL_CACHE + 1)],
+        )
     try:
         start_engines(fleet.values())
         yield fleet
@@ -346,13 +351,13 @@ def test_a_repeated_prompt_hits_what_vllm_hits(engines, tokens):
 
 
 # ---- a cache too small for what runs: eviction, allocation and preemption ----------------------
-def sim_small(kv_allocation: str, fast_forward: bool) -> SimEngine:
+def sim_small(kv_allocation: str, fast_forward: bool, budget: int = 512) -> SimEngine:
     return SimEngine(
         "sim",
         EngineConfig(
             block_size=BS,
             capacity_blocks=SMALL_CACHE,
-            max_batched_tokens=512,
+            max_batched_tokens=budget,
             max_num_seqs=8,
             fast_forward=fast_forward,
             kv_allocation=kv_allocation,
@@ -420,13 +425,21 @@ def sim_request(name: str, tokens: int, max_tokens: int, names: dict[int, str]) 
     return req
 
 
-def test_a_request_the_cache_cannot_hold_beside_another_is_preempted_as_vllm_preempts(engines):
-    """Two 160-token prompts (five blocks each) in one completion, each to decode 150 tokens:
-    ten blocks each by the end, and 16 in the cache."""
-    engine = engines["small"]
+@pytest.mark.parametrize(
+    ("engine_name", "b_tokens"), [("small", 160), ("small chunked", 320)], ids=["whole", "chunked"]
+)
+def test_a_request_the_cache_cannot_hold_beside_another_is_preempted_as_vllm_preempts(
+    engines, engine_name, b_tokens
+):
+    """A 160-token prompt (five blocks) and a 160- or 320-token one in one completion, each to
+    decode 150 tokens: 10 and 10 or 15 blocks by the end, and 16 in the cache. On the engine of
+    64-token steps the prompts are computed in chunks, the second one's again after it is
+    preempted."""
+    engine = engines[engine_name]
+    budget = SMALL_BUDGETS[engine_name]
     reset_cache(engine)
-    rng = random.Random("preempt")
-    prompts = {"a": fresh(rng, 160), "b": fresh(rng, 160)}
+    rng = random.Random(f"preempt {engine_name}")
+    prompts = {"a": fresh(rng, 160), "b": fresh(rng, b_tokens)}
     steps = Steps(engine)
     try:
         engine.complete(list(prompts.values()), 150, ignore_eos=True)
@@ -436,9 +449,9 @@ def test_a_request_the_cache_cannot_hold_beside_another_is_preempted_as_vllm_pre
     real = real_changes(steps.events, prompt_names(prompts))
 
     def simulated(kv_allocation: str, later: int, fast_forward: bool) -> list[str]:
-        e = sim_small(kv_allocation, fast_forward)
+        e = sim_small(kv_allocation, fast_forward, budget)
         names: dict[int, str] = {}
-        a, b = (sim_request(k, 160, 150, names) for k in prompts)
+        a, b = (sim_request(k, len(tokens), 150, names) for k, tokens in prompts.items())
         e.add_request(a, 0.0)
         for _ in range(later):
             e.step()
