@@ -366,6 +366,8 @@ def test_vllm_allocation_fast_forward_equals_step_by_step_under_preemption():
     assert changes(fast) == changes(slow)
 
 
-def test_kv_allocation_is_reserve_or_vllm():
+def test_kv_allocation_and_host_offload_take_their_named_values_only():
     with pytest.raises(ValueError, match="kv_allocation"):
         SimEngine("w", EngineConfig(kv_allocation="lazy"))
+    with pytest.raises(ValueError, match="host_offload"):
+        SimEngine("w", EngineConfig(host_capacity_blocks=8, host_offload="lazy"))
