@@ -3,6 +3,7 @@
 import math
 
 import pytest
+from sim_events import step_changes
 
 from kvplug.events import BlockRemoved, BlockStored
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
@@ -266,16 +267,6 @@ async def test_the_engine_flags_reach_the_engines_of_a_replay_and_of_kvplug_sim(
 
 
 # ---- kv_allocation="vllm": vLLM 0.32.0's allocation and preemption -----------------------------
-def _changes(e: SimEngine, names: dict[int, str]) -> list[str]:
-    """Each step's stored (+) and removed (-) blocks, named."""
-    steps: dict[float, list[str]] = {}
-    for kind, t, ev in e.outputs:
-        if kind == "kv" and isinstance(ev, (BlockStored, BlockRemoved)):
-            sign = "+" if isinstance(ev, BlockStored) else "-"
-            steps.setdefault(t, []).extend(sign + names[h] for h in ev.engine_hashes)
-    return [" ".join(c) for _t, c in sorted(steps.items())]
-
-
 @pytest.mark.parametrize("fast_forward", [False, True])
 def test_vllm_allocation_preempts_the_latest_admitted_request_as_vllm_does(fast_forward):
     """Two 160-token prompts decoding 150 tokens each on 16 blocks of 32 (ten blocks each by
@@ -299,7 +290,7 @@ def test_vllm_allocation_preempts_the_latest_admitted_request_as_vllm_does(fast_
     e.step()
     e.add_request(b, e.now)
     e.run_until_idle()
-    assert _changes(e, names) == [
+    assert step_changes(e, names) == [
         "+a0 +a1 +a2 +a3 +a4",
         "+b0 +b1 +b2 +b3 +b4",
         "+a5",

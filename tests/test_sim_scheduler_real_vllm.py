@@ -51,6 +51,7 @@ from kvplug.integrations.vllm.wire import BatchDecoder, split_frames
 from prometheus_client.parser import text_string_to_metric_families
 from real_engine.engine_http import http_get
 from real_engine.engines import Engine, engine_ports, real_engine_marks, start_engines
+from sim_events import step_changes
 
 from kvplug.events import BlockRemoved, BlockStored
 from kvplug.sim.engine import EngineConfig, SimEngine, SimRequest
@@ -82,26 +83,22 @@ def engines():
     ports = iter(engine_ports(3 * (len(SETTINGS) + len(SMALL_BUDGETS))))
     common = ["--max-num-seqs", "8", "--max-model-len", "1024"]
     fleet = {}
+
+    def add(name: str, args: list[str]) -> None:
+        http, events, replay = next(ports), next(ports), next(ports)
+        fleet[name] = Engine(
+            name.replace(" ", "-"), http, f"tcp://*:{events}", f"tcp://*:{replay}", extra_args=args
+        )
+
     for name, (threshold, adaptive, budget) in SETTINGS.items():
         extra = ["--max-num-batched-tokens", str(budget)]
         extra += ["--long-prefill-token-threshold", str(threshold)] if threshold else []
         extra += ["--long-prefill-token-threshold-adaptive"] if adaptive else []
-        http, events, replay = next(ports), next(ports), next(ports)
-        fleet[name] = Engine(
-            name.replace(" ", "-"),
-            http,
-            f"tcp://*:{events}",
-            f"tcp://*:{replay}",
-            extra_args=[*common, *extra],
-        )
+        add(name, [*common, *extra])
     for name, budget in SMALL_BUDGETS.items():
-        http, events, replay = next(ports), next(ports), next(ports)
-        fleet[name] = Engine(
-            name.replace(" ", "-"),
-            http,
-            f"tcp://*:{events}",
-            f"tcp://*:{replay}",
-            extra_args=["--max-num-seqs", "8", "--max-model-len", "512"]
+        add(
+            name,
+            ["--max-num-seqs", "8", "--max-model-len", "512"]
             + ["--max-num-batched-tokens", str(budget)]
             + ["--num-gpu-blocks-override", str(SMALL_CACHE + 1)],
         )
@@ -389,18 +386,6 @@ def real_changes(events: list[list], by_tokens: dict[tuple[int, ...], str]) -> l
     return out
 
 
-def sim_changes(e: SimEngine, names: dict[int, str]) -> list[str]:
-    """The same from the simulator's outputs so far, one step's events to a batch."""
-    by_step: dict[float, list[str]] = {}
-    for kind, t, ev in e.outputs:
-        if kind == "kv" and isinstance(ev, BlockStored):
-            by_step.setdefault(t, []).extend("+" + names[h] for h in ev.engine_hashes)
-        elif kind == "kv" and isinstance(ev, BlockRemoved):
-            by_step.setdefault(t, []).extend("-" + names[h] for h in ev.engine_hashes)
-    e.outputs.clear()
-    return [" ".join(c) for _t, c in sorted(by_step.items())]
-
-
 def reset_cache(engine: Engine) -> None:
     """An empty prefix cache, so that no earlier test's blocks are evicted in this one."""
     engine.post("/reset_prefix_cache")
@@ -457,7 +442,7 @@ def test_a_request_the_cache_cannot_hold_beside_another_is_preempted_as_vllm_pre
             e.step()
         e.add_request(b, e.now)
         e.run_until_idle()
-        return sim_changes(e, names)
+        return step_changes(e, names)
 
     # the API server hands b over 0, 1, ... steps after a (1 on a quiet machine)
     later = next((k for k in range(20) if simulated("vllm", k, False) == real), None)
@@ -495,7 +480,7 @@ def test_what_a_new_prompt_evicts_and_a_returning_one_hits_as_in_vllm(engines):
     finally:
         steps.close()
     real = real_changes(steps.events, prompt_names(prompts))
-    assert sim_changes(sim, names) == real
+    assert step_changes(sim, names) == real
     assert sim_hits == real_hits
     # d takes the never-used blocks, then evicts a's tail (of a's blocks, freed first); a comes
     # back to its first two blocks and evicts b's tail for its third; b then has one left

@@ -74,9 +74,10 @@ class SimRequest:
     hit_host: int = 0  # prompt blocks reloaded from the host tier
     remote_blocks: int = 0  # prompt blocks received from a prefill engine (P/D)
     reload_tokens: int = 0  # pending host->device copy, charged to its first step
-    # kv_allocation="vllm": the tokens its prefill computes (the prompt; after a preemption the
-    # prompt and the tokens generated so far, as vLLM recomputes them), the chained hashes of
-    # their full blocks, its place in the running order, and how often it was preempted
+    # the tokens its prefill computes (set when it is queued: the prompt; with
+    # kv_allocation="vllm", after a preemption, the prompt and the tokens generated so far, as
+    # vLLM recomputes them) and the chained hashes of their full blocks; its place in the
+    # running order, and how often it was preempted
     prefill_len: int = 0
     prefill_hashes: Sequence[int] = ()
     admission: int = 0
@@ -209,6 +210,7 @@ class SimEngine:
             self.stats["rejected"] += 1
             self.outputs.append(("finish", req.finished, req))
             return
+        req.prefill_len, req.prefill_hashes = req.prompt_len, req.block_hashes
         self.waiting.append(req)
 
     # -- cache -> events ------------------------------------------------------------------------
@@ -338,16 +340,12 @@ class SimEngine:
             return False
         req.held = list(dev) + list(host)
         req.reserved = need - hits
-        req.prefill_len, req.prefill_hashes = req.prompt_len, req.block_hashes
         self._admitted_with_hits(req, dev, host, cacheable)
         return True
 
     def _admit_as_vllm(self, req: SimRequest) -> bool:
         """vLLM 0.32.0's admission: the prefix hits are referenced when the blocks of the whole
         prefill (not the output) fit; the blocks it computes are allocated step by step."""
-        resumed = req.preemptions > 0
-        if not resumed:
-            req.prefill_len, req.prefill_hashes = req.prompt_len, req.block_hashes
         chain = req.prefill_hashes
         cacheable = min(len(chain), (req.prefill_len - 1) // self.bs)
         dev, host = self.cache.split_prefix(chain[:cacheable])
@@ -360,7 +358,7 @@ class SimEngine:
         req.reserved = 0
         self._admitted += 1
         req.admission = self._admitted
-        if resumed:  # its hit was counted when it was first admitted
+        if req.preemptions:  # its hit was counted when it was first admitted
             req.computed = hits * self.bs
             req.reload_tokens = len(host) * self.bs
             self._copied_back(req, dev, host)
@@ -591,17 +589,13 @@ class SimEngine:
         """Decode steps until some sequence finishes or fills a block (the last is eventful);
         with kv_allocation="vllm" also until one stores that block (the step after) or needs a
         new one (the step after that: it may evict or preempt)."""
-        bs = self.bs
+        bs, vllm = self.bs, self.vllm_allocation
         k = 1 << 62
-        if not self.vllm_allocation:
-            for req in self.decoding:
-                k = min(
-                    k, req.output_len - req.generated, bs - (req.prompt_len + req.generated) % bs
-                )
-            return k
         for req in self.decoding:
             r = (req.prompt_len + req.generated) % bs  # of the tokens whose KV exists after a step
-            k = min(k, req.output_len - req.generated, bs - r, (-r % bs) + 1, ((1 - r) % bs) + 1)
+            k = min(k, req.output_len - req.generated, bs - r)
+            if vllm:  # the step storing the filled block, and the one allocating the next
+                k = min(k, (-r % bs) + 1, ((1 - r) % bs) + 1)
         return k
 
     def _fast_forward(self, t_until: float) -> bool:
@@ -678,9 +672,9 @@ class SimEngine:
         if not self.waiting or self.num_running >= self.cfg.max_num_seqs:
             return False
         req = self.waiting[0]
-        if self.vllm_allocation:  # the whole prefill must fit (a new one's is set at admission)
-            chain = req.prefill_hashes if req.preemptions else req.block_hashes
-            need = -(-max(req.prefill_len, req.prompt_len) // self.bs)
+        if self.vllm_allocation:  # the whole prefill must fit
+            chain = req.prefill_hashes
+            need = -(-req.prefill_len // self.bs)
         else:
             chain = req.block_hashes
             need = -(-(req.prompt_len + req.output_len) // self.bs)
