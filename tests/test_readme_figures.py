@@ -1,6 +1,7 @@
 """The figures the README quotes are the ones the benchmarks wrote.
 
-Each results table in README.md is preceded by a marker naming the JSON files it comes from:
+The README's results and their details in docs/results.md are checked alike (``DOCUMENTS``).
+Each results table is preceded by a marker naming the JSON files it comes from:
 
     <!-- figures: benchmarks/results/sim_bench.json rows: kv, kv:credit=1.5, ... -->
 
@@ -26,14 +27,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+RESULTS = ROOT / "docs" / "results.md"  # the README's results in detail
+
+
+def documents() -> list[Path]:
+    """Where figures are quoted (read at call time: a test swaps README for a broken copy)."""
+    return [README, RESULTS]
+
+
 MARKER = re.compile(r"<!-- figures: (?P<files>[^>]*?)(?: rows: (?P<rows>[^>]*?))? -->")
 NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?")
 SKIP = object()  # a figure that is not a measurement (a target, a version, a constant)
 
 
-def tables() -> list[tuple[list[str], list[str] | None, list[str], list[list[str]]]]:
-    """(files, row keys, header, rows) of each marked table, in README order."""
-    lines = README.read_text().splitlines()
+Table = tuple[list[str], list[str] | None, list[str], list[list[str]]]
+
+
+def tables(doc: Path | None = None) -> list[Table]:
+    """(files, row keys, header, rows) of each marked table, in document order (of ``doc``, or
+    of every document)."""
+    if doc is None:
+        return [t for d in documents() for t in tables(d)]
+    lines = doc.read_text().splitlines()
     out = []
     for i, line in enumerate(lines):
         m = MARKER.search(line)
@@ -1329,7 +1344,7 @@ PARAGRAPHS = {
 
 def marked_paragraphs() -> list[tuple[list[str], str]]:
     """(files, text) of each marked paragraph (a marker followed by prose, not a table)."""
-    lines = README.read_text().splitlines()
+    lines = [line for doc in documents() for line in doc.read_text().splitlines() + [""]]
     out = []
     for i, line in enumerate(lines):
         m = MARKER.search(line)
@@ -1343,13 +1358,15 @@ def marked_paragraphs() -> list[tuple[list[str], str]]:
 
 def test_the_prose_figures_are_the_benchmarks_too():
     paragraphs = marked_paragraphs()
-    assert paragraphs, "no marked paragraph"
+    starts = [s for _, text in paragraphs for s in PARAGRAPHS if text.startswith(s)]
+    # every rule checks one paragraph: a paragraph moved or reworded away from its rule fails
+    assert sorted(starts) == sorted(PARAGRAPHS), "a marked paragraph with no rule, or a rule unused"
     for files, text in paragraphs:
         (rule,) = [r for start, r in PARAGRAPHS.items() if text.startswith(start)]
         figures, expected = shown(text), rule()
         assert len(figures) == len(expected), f"{text[:40]!r}: {figures} vs {len(expected)}"
         wrong = [
-            f"README {f}, {files} {v:.6g}"
+            f"quoted {f}, {files} {v:.6g}"
             for f, v in zip(figures, expected, strict=True)
             if v is not SKIP and not agrees(f, float(v))
         ]
@@ -1378,7 +1395,11 @@ def test_every_results_table_names_its_source():
     text = README.read_text()
     results = text.split("## Quick start", 1)[1].split("## Using it with your engines", 1)[0]
     n_tables = len(re.findall(r"\n\|[-|: ]+\|\n", results))
-    assert n_tables == len(tables()) == 8, "a results table without a marker"
+    assert n_tables == len(tables(README)) == 8, "a results table without a marker"
+    detail = RESULTS.read_text()
+    assert len(re.findall(r"\n\|[-|: ]+\|\n", detail)) == len(tables(RESULTS)), (
+        "a table in docs/results.md without a marker"
+    )
     for files, *_ in marked():
         for name in files:
             assert (ROOT / name).is_file(), f"{name} (named by a README marker) does not exist"
