@@ -1,0 +1,269 @@
+"""Does the default routing lead the frontier? Every replay behind the README's routing figures.
+
+Issue 14's "done when": the default policy leads the frontier plot (hit rate against TTFT p99) on
+every trace the README reports, under the realistic settings. In one run a policy *beats* the
+default when it hits more at a TTFT p99 no higher (``bench_routing_quality.beaten_by``); the
+default *leads* that run when none does. This reads the results the README and
+``docs/results.md`` quote (no replay is run: each source names the command that wrote it) and
+counts, per source and router view, the runs the default leads and who beats it where it does
+not, in three groups: other projects' routers (sglang-router's and smg's ``cache_aware`` and
+vllm-router's ``kv_aware`` replayed, Dynamo's KV-router cost as ``kv``, and in the mocker
+replays Dynamo's own router), plain baselines (round-robin and the like), and kvplug's own modes
+and settings (the previous defaults, sweep points), with the largest margin by which one of
+those hits more.
+
+    python benchmarks/frontier_lead.py [--out benchmarks/results/frontier_lead.json]
+
+Prints the table; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_routing_quality import beaten_by  # noqa: E402
+
+RESULTS = HERE / "results"
+DEFAULT = "affinity-fitted"
+OTHER_PROJECTS = {"kv", "sglang-cache-aware", "smg-cache-aware", "vllm-kv-aware"}
+BASELINES = {"round-robin", "random", "least-loaded", "power-of-two"}
+
+# (label, files) in the README's order; each file as a bench or routing-quality benchmark wrote it
+SOURCES = [
+    (
+        "whole conversation trace, 8 engines (kvplug bench [--realism realistic])",
+        [
+            "sim_bench.json",
+            "sim_bench_realistic.json",
+        ],
+    ),
+    (
+        "the same, six replay seeds (kvplug bench --seed N)",
+        [
+            "sim_seeds/seed*.json",
+            "sim_seeds_realistic/seed*.json",
+        ],
+    ),
+    (
+        "the same with a host tier (victim cache; copies)",
+        [
+            "sim_bench_host_tier.json",
+            "sim_bench_host_tier_stored.json",
+            "sim_seeds_host/seed*.json",
+            "sim_seeds_host_stored/seed*.json",
+        ],
+    ),
+    ("five trace shapes (bench_routing_quality.py)", ["routing_quality_default.json"]),
+    ("Mooncake's synthetic trace", ["routing_quality_synthetic.json"]),
+    ("Mooncake's synthetic trace, eight arrival seeds", ["routing_quality_synthetic_seeds.json"]),
+    ("AIPerf-synthesized variants", ["routing_quality_aiperf.json"]),
+    (
+        "fleet conditions (bench_fleet_conditions.py), four replay seeds",
+        [
+            "fleet_conditions.json",
+            "fleet_conditions_fitted_seeds.json",
+        ],
+    ),
+    ("mixed fleets", ["fleet_conditions_mixed.json"]),
+    (
+        "with vLLM's --long-prefill-token-threshold: trace shapes, AIPerf, fleets",
+        [
+            "routing_quality_long_prefill.json",
+            "routing_quality_aiperf_long_prefill.json",
+            "fleet_conditions_long_prefill.json",
+        ],
+    ),
+    (
+        "judged by Dynamo's mocker (bench_dynamo_replay.py)",
+        [
+            "dynamo_replay.json",
+            "dynamo_replay_realistic.json",
+            "dynamo_replay_synthetic.json",
+            "dynamo_replay_4engines.json",
+            "dynamo_replay_6engines.json",
+            "dynamo_replay_aiperf_prefix-x2.json",
+        ],
+    ),
+]
+
+
+def group(policy: str) -> str:
+    if policy in OTHER_PROJECTS or policy.startswith("Dynamo"):
+        return "other"
+    return "baseline" if policy in BASELINES else "own"
+
+
+def view_of(run: dict, doc: dict) -> str:
+    if "view" in run:
+        return run["view"]
+    # kvplug bench's report: the ideal view's link is lossless, its gauges fresh
+    link = doc.get("spec", {}).get("link") or {}
+    lossy = link.get("event_loss", 0) > 0 or link.get("metrics_delay_s", 0) > 0
+    return "realistic" if lossy else "ideal"
+
+
+def verdict_rows(run: dict) -> list[dict]:
+    """A fleet-conditions run keeps each policy's share of the run's bound (hit rate over it)
+    and TTFT p99 over kv's: the hit rate back, and the p99 in the same order within the run."""
+    return [
+        {
+            "policy": p,
+            "hit_rate": v["share_of_bound"] * run["bound"],
+            "ttft_p99_s": v["ttft_p99_vs_kv"],
+        }
+        for p, v in run["verdicts"].items()
+    ]
+
+
+def mocker_rows(doc: dict) -> list[list[dict]]:
+    """A Dynamo-mocker replay: the default's placement (deciding at the mocker's timing, else
+    its first row) against every Dynamo router round, each judged by the mocker."""
+    rows = doc["rows"]
+    mine = [r for r in rows if r["row"].startswith("default") or r["row"].startswith(DEFAULT)]
+    at_mocker = [r for r in mine if "mocker" in r["row"]] or mine
+    if not at_mocker:
+        return []
+    d = at_mocker[0]
+    others = [r for r in rows if r["row"].startswith("Dynamo") or "cache_aware" in r["row"]]
+    out = [{"policy": DEFAULT, "hit_rate": d["hit_rate"], "ttft_p99_s": d["ttft_p99_s"]}]
+    for r in others:
+        name = r["row"] if r["row"].startswith("Dynamo") else "sglang-cache-aware"
+        out.append(
+            {
+                "policy": f"{name} #{r.get('round', 0)}",
+                "hit_rate": r["hit_rate"],
+                "ttft_p99_s": r["ttft_p99_s"],
+            }
+        )
+    return [out]
+
+
+def runs_of(path: Path) -> list[tuple[str, str, list[dict]]]:
+    """(run label, view, per-policy rows) of every run in one results file."""
+    doc = json.loads(path.read_text())
+    if "rows" in doc and "mocker_engine" in doc:
+        view = doc.get("view", "ideal")
+        return [(path.stem, view, rows) for rows in mocker_rows(doc)]
+    if "runs" in doc:
+        out = []
+        for r in doc["runs"]:
+            rows = r["results"] if "results" in r else verdict_rows(r)
+            label = " ".join(
+                str(r.get(k))
+                for k in ("workload", "condition", "steptime", "spread_seed", "seed")
+                if r.get(k) is not None
+            )
+            out.append((f"{path.stem}: {label}", view_of(r, doc), rows))
+        return out
+    return [(path.stem, view_of(doc, doc), doc["results"])]
+
+
+def judge(rows: list[dict]) -> dict | None:
+    names = {r["policy"] for r in rows}
+    if DEFAULT not in names:
+        return None
+    beaten = beaten_by(rows, DEFAULT)
+    by = {r["policy"]: r for r in rows}
+    mine = by[DEFAULT]
+    own = [p for p in beaten if group(p) == "own"]
+    return {
+        "policies": len(rows),
+        "beaten_by": beaten,
+        "beaten_by_other_project": [p for p in beaten if group(p) == "other"],
+        "beaten_by_baseline": [p for p in beaten if group(p) == "baseline"],
+        "beaten_by_own": own,
+        # points of hit rate
+        "own_margin_points": max(
+            (100 * (by[p]["hit_rate"] - mine["hit_rate"]) for p in own), default=0.0
+        ),
+        "other_margin_points": max(
+            (100 * (by[p]["hit_rate"] - mine["hit_rate"]) for p in beaten if group(p) == "other"),
+            default=0.0,
+        ),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(RESULTS / "frontier_lead.json"))
+    args = ap.parse_args(argv)
+    table = []
+    for label, patterns in SOURCES:
+        files = sorted({p for pat in patterns for p in RESULTS.glob(pat)})
+        assert files, f"{label}: none of {patterns} under {RESULTS}"
+        for view in ("realistic", "ideal"):
+            runs = []
+            for f in files:
+                for run_label, v, rows in runs_of(f):
+                    verdict = judge(rows) if v == view else None
+                    if verdict is not None:
+                        runs.append({"run": run_label, **verdict})
+            if not runs:
+                continue
+            table.append(
+                {
+                    "source": label,
+                    "files": [str(f.relative_to(HERE.parent)) for f in files],
+                    "view": view,
+                    "runs": len(runs),
+                    "led": sum(not r["beaten_by"] for r in runs),
+                    "beaten_by_other_project": sum(
+                        bool(r["beaten_by_other_project"]) for r in runs
+                    ),
+                    "beaten_by_baseline": sum(bool(r["beaten_by_baseline"]) for r in runs),
+                    "beaten_only_by_own": sum(
+                        bool(r["beaten_by"]) and r["beaten_by"] == r["beaten_by_own"] for r in runs
+                    ),
+                    "own_margin_points_max": max(r["own_margin_points"] for r in runs),
+                    "other_margins_points": [
+                        r["other_margin_points"] for r in runs if r["beaten_by_other_project"]
+                    ],
+                    "per_run": runs,
+                }
+            )
+    print(
+        "| source | view | runs | default leads | beaten by another project's router or kv "
+        "| by a baseline | only by kvplug's own settings (largest margin, points) |"
+    )
+    print("|---|---|---:|---:|---:|---:|---|")
+    for t in table:
+        print(
+            f"| {t['source']} | {t['view']} | {t['runs']} | {t['led']} | "
+            f"{t['beaten_by_other_project']} | {t['beaten_by_baseline']} | "
+            f"{t['beaten_only_by_own']} ({t['own_margin_points_max']:.2f}) |"
+        )
+    total = {
+        view: {
+            k: sum(t[k] for t in table if t["view"] == view)
+            for k in (
+                "runs",
+                "led",
+                "beaten_by_other_project",
+                "beaten_by_baseline",
+                "beaten_only_by_own",
+            )
+        }
+        for view in ("realistic", "ideal")
+    }
+    for view, s in total.items():
+        print(
+            f"{view}: {s['runs']} runs, the default leads {s['led']}; beaten by another "
+            f"project's router or kv in {s['beaten_by_other_project']}, by a baseline in "
+            f"{s['beaten_by_baseline']}, only by kvplug's own settings in "
+            f"{s['beaten_only_by_own']}"
+        )
+    Path(args.out).write_text(
+        json.dumps({"default": DEFAULT, "total": total, "sources": table}, indent=1) + "\n"
+    )
+    print(f"JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
