@@ -114,7 +114,19 @@ lane = Extension(
 # Python modules on the routing path compiled as they are (Cython, no annotations: the same
 # semantics and floats, ~40 % less interpreter time); the .py stays the source and the
 # fallback. Each one's SHA-256 is recorded so a stale build is caught (tests/test_affinity.py).
-COMPILED_PY = [m for m in ("kvplug/affinity.py",) if os.path.exists(m)]
+# These are the default routing's own: compiled too, the router's kv path (router, pipeline,
+# decision, index, kv_cost) ran 4-6 % slower, CPython 3.11's specialised attribute loads
+# beating Cython's generic ones there (benchmarks/results/ab_route_cost_compiled_*.json)
+COMPILED_PY = [
+    m
+    for m in (
+        "kvplug/affinity.py",  # the affinity decision
+        "kvplug/prefill_fit.py",  # the prefill model fitted to first tokens
+        "kvplug/load.py",  # in-flight load, read by every prediction
+        "kvplug/policies/affinity.py",  # the policy's pick and first-token hooks
+    )
+    if os.path.exists(m)
+]
 if COMPILED_PY:
     with open("kvplug/_compiled_sources.json", "w") as out:
         json.dump({m: hashlib.sha256(open(m, "rb").read()).hexdigest() for m in COMPILED_PY}, out)

@@ -888,22 +888,28 @@ def test_the_compiled_predictions_refuse_endpoints_outside_their_tables():
     ]
 
 
-def test_the_compiled_affinity_is_built_from_this_source():
-    """setup.py compiles kvplug/affinity.py as it is (Cython) and records the source's SHA-256:
+COMPILED = ["kvplug.affinity", "kvplug.prefill_fit", "kvplug.load", "kvplug.policies.affinity"]
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_the_compiled_modules_are_built_from_this_source(name):
+    """setup.py compiles these modules as they are (Cython) and records each source's SHA-256:
     an edit without a rebuild would otherwise run the old compiled code."""
     import hashlib
+    import importlib
     import json
     from pathlib import Path
 
-    import kvplug.affinity as module
-
+    module = importlib.import_module(name)
     path = Path(module.__file__)
     if path.suffix == ".py":
-        pytest.skip("kvplug.affinity is not compiled here (python setup.py build_ext --inplace)")
-    recorded = json.loads((path.parent / "_compiled_sources.json").read_text())
-    source = hashlib.sha256((path.parent / "affinity.py").read_bytes()).hexdigest()
-    assert recorded["kvplug/affinity.py"] == source, (
-        "kvplug/affinity.py changed since it was compiled: python setup.py build_ext --inplace"
+        pytest.skip(f"{name} is not compiled here (python setup.py build_ext --inplace)")
+    root = Path(importlib.import_module("kvplug").__file__).parent
+    recorded = json.loads((root / "_compiled_sources.json").read_text())
+    source_name = name.replace(".", "/") + ".py"
+    source = hashlib.sha256((root.parent / source_name).read_bytes()).hexdigest()
+    assert recorded[source_name] == source, (
+        f"{source_name} changed since it was compiled: python setup.py build_ext --inplace"
     )
 
 
