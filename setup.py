@@ -111,9 +111,10 @@ lane = Extension(
     extra_link_args=link_args,
 )
 
-# Python modules on the routing path compiled as they are (Cython, no annotations: the same
-# semantics and floats, ~40 % less interpreter time); the .py stays the source and the
-# fallback. Each one's SHA-256 is recorded so a stale build is caught (tests/test_affinity.py).
+# Python modules on the routing path compiled as they are (Cython: the same semantics and
+# floats, ~40 % less interpreter time; arguments annotated `float` become C doubles, the same
+# IEEE arithmetic with -ffp-contract=off); the .py stays the source and the fallback. Each
+# one's SHA-256 is recorded so a stale build is caught (tests/test_affinity.py).
 # These are the default routing's own: compiled too, the router's kv path (router, pipeline,
 # decision, index, kv_cost) ran 4-6 % slower, CPython 3.11's specialised attribute loads
 # beating Cython's generic ones there (benchmarks/results/ab_route_cost_compiled_*.json)

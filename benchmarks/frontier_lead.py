@@ -94,9 +94,12 @@ SOURCES = [
 
 
 def group(policy: str) -> str:
-    if policy in OTHER_PROJECTS or policy.startswith("Dynamo"):
+    name = policy.split(" #")[0]  # a Dynamo router's round in the mocker replays
+    if name in BASELINES or name == "Dynamo round_robin":
+        return "baseline"
+    if name in OTHER_PROJECTS or name.startswith("Dynamo"):
         return "other"
-    return "baseline" if policy in BASELINES else "own"
+    return "own"
 
 
 def view_of(run: dict, doc: dict) -> str:
@@ -122,26 +125,20 @@ def verdict_rows(run: dict) -> list[dict]:
 
 
 def mocker_rows(doc: dict) -> list[list[dict]]:
-    """A Dynamo-mocker replay: the default's placement (deciding at the mocker's timing, else
-    its first row) against every Dynamo router round, each judged by the mocker."""
-    rows = doc["rows"]
-    mine = [r for r in rows if r["row"].startswith("default") or r["row"].startswith(DEFAULT)]
-    at_mocker = [r for r in mine if "mocker" in r["row"]] or mine
-    if not at_mocker:
-        return []
-    d = at_mocker[0]
-    others = [r for r in rows if r["row"].startswith("Dynamo") or "cache_aware" in r["row"]]
-    out = [{"policy": DEFAULT, "hit_rate": d["hit_rate"], "ttft_p99_s": d["ttft_p99_s"]}]
-    for r in others:
-        name = r["row"] if r["row"].startswith("Dynamo") else "sglang-cache-aware"
-        out.append(
-            {
-                "policy": f"{name} #{r.get('round', 0)}",
-                "hit_rate": r["hit_rate"],
-                "ttft_p99_s": r["ttft_p99_s"],
-            }
-        )
-    return [out]
+    """A Dynamo-mocker replay, judged by the mocker: every kvplug-side placement decided at the
+    mocker's timing (rows "NAME (mocker)": the default, kv, the replayed routers) beside every
+    round of Dynamo's own router and of its round-robin."""
+    out = []
+    for r in doc["rows"]:
+        name = r["row"]
+        if name.endswith(" (mocker)"):
+            policy = name[: -len(" (mocker)")]
+        elif name.startswith("Dynamo"):
+            policy = f"{name} #{r.get('round', 0)}"
+        else:
+            continue  # placements decided at kvplug's H200 timing: another decision clock
+        out.append({"policy": policy, "hit_rate": r["hit_rate"], "ttft_p99_s": r["ttft_p99_s"]})
+    return [out] if any(r["policy"] == DEFAULT for r in out) else []
 
 
 def runs_of(path: Path) -> list[tuple[str, str, list[dict]]]:

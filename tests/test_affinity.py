@@ -888,6 +888,7 @@ def test_the_compiled_predictions_refuse_endpoints_outside_their_tables():
     ]
 
 
+# setup.py's COMPILED_PY
 COMPILED = ["kvplug.affinity", "kvplug.prefill_fit", "kvplug.load", "kvplug.policies.affinity"]
 
 

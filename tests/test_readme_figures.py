@@ -1,6 +1,6 @@
 """The figures the README quotes are the ones the benchmarks wrote.
 
-The README's results and their details in docs/results.md are checked alike (``DOCUMENTS``).
+The README's results and their details in docs/results.md are checked alike (``documents()``).
 Each results table is preceded by a marker naming the JSON files it comes from:
 
     <!-- figures: benchmarks/results/sim_bench.json rows: kv, kv:credit=1.5, ... -->
