@@ -162,27 +162,48 @@ def runs_of(path: Path) -> list[tuple[str, str, list[dict]]]:
 
 
 def judge(rows: list[dict]) -> dict | None:
-    names = {r["policy"] for r in rows}
-    if DEFAULT not in names:
+    """Who beats the default in one run (None: the run has no default), by group, and the
+    largest margin in points of hit rate within the own and other-project groups."""
+    by = {r["policy"]: r for r in rows}
+    if DEFAULT not in by:
         return None
     beaten = beaten_by(rows, DEFAULT)
-    by = {r["policy"]: r for r in rows}
-    mine = by[DEFAULT]
-    own = [p for p in beaten if group(p) == "own"]
+    grouped = {g: [p for p in beaten if group(p) == g] for g in ("other", "baseline", "own")}
+
+    def margin(policies: list[str]) -> float:
+        return max(
+            (100 * (by[p]["hit_rate"] - by[DEFAULT]["hit_rate"]) for p in policies), default=0.0
+        )
+
     return {
         "policies": len(rows),
         "beaten_by": beaten,
-        "beaten_by_other_project": [p for p in beaten if group(p) == "other"],
-        "beaten_by_baseline": [p for p in beaten if group(p) == "baseline"],
-        "beaten_by_own": own,
-        # points of hit rate
-        "own_margin_points": max(
-            (100 * (by[p]["hit_rate"] - mine["hit_rate"]) for p in own), default=0.0
+        "beaten_by_other_project": grouped["other"],
+        "beaten_by_baseline": grouped["baseline"],
+        "beaten_by_own": grouped["own"],
+        "own_margin_points": margin(grouped["own"]),
+        "other_margin_points": margin(grouped["other"]),
+    }
+
+
+def summarise(label: str, files: list[Path], view: str, runs: list[dict]) -> dict:
+    """One source's runs in one router view: the table's row, every run's verdict kept."""
+    return {
+        "source": label,
+        "files": [str(f.relative_to(HERE.parent)) for f in files],
+        "view": view,
+        "runs": len(runs),
+        "led": sum(not r["beaten_by"] for r in runs),
+        "beaten_by_other_project": sum(bool(r["beaten_by_other_project"]) for r in runs),
+        "beaten_by_baseline": sum(bool(r["beaten_by_baseline"]) for r in runs),
+        "beaten_only_by_own": sum(
+            bool(r["beaten_by"]) and r["beaten_by"] == r["beaten_by_own"] for r in runs
         ),
-        "other_margin_points": max(
-            (100 * (by[p]["hit_rate"] - mine["hit_rate"]) for p in beaten if group(p) == "other"),
-            default=0.0,
-        ),
+        "own_margin_points_max": max(r["own_margin_points"] for r in runs),
+        "other_margins_points": [
+            r["other_margin_points"] for r in runs if r["beaten_by_other_project"]
+        ],
+        "per_run": runs,
     }
 
 
@@ -194,36 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     for label, patterns in SOURCES:
         files = sorted({p for pat in patterns for p in RESULTS.glob(pat)})
         assert files, f"{label}: none of {patterns} under {RESULTS}"
+        judged = [  # each file read once, its runs then split by view
+            (view, {"run": run_label, **verdict})
+            for f in files
+            for run_label, view, rows in runs_of(f)
+            if (verdict := judge(rows)) is not None
+        ]
         for view in ("realistic", "ideal"):
-            runs = []
-            for f in files:
-                for run_label, v, rows in runs_of(f):
-                    verdict = judge(rows) if v == view else None
-                    if verdict is not None:
-                        runs.append({"run": run_label, **verdict})
-            if not runs:
-                continue
-            table.append(
-                {
-                    "source": label,
-                    "files": [str(f.relative_to(HERE.parent)) for f in files],
-                    "view": view,
-                    "runs": len(runs),
-                    "led": sum(not r["beaten_by"] for r in runs),
-                    "beaten_by_other_project": sum(
-                        bool(r["beaten_by_other_project"]) for r in runs
-                    ),
-                    "beaten_by_baseline": sum(bool(r["beaten_by_baseline"]) for r in runs),
-                    "beaten_only_by_own": sum(
-                        bool(r["beaten_by"]) and r["beaten_by"] == r["beaten_by_own"] for r in runs
-                    ),
-                    "own_margin_points_max": max(r["own_margin_points"] for r in runs),
-                    "other_margins_points": [
-                        r["other_margin_points"] for r in runs if r["beaten_by_other_project"]
-                    ],
-                    "per_run": runs,
-                }
-            )
+            runs = [run for v, run in judged if v == view]
+            if runs:
+                table.append(summarise(label, files, view, runs))
     print(
         "| source | view | runs | default leads | beaten by another project's router or kv "
         "| by a baseline | only by kvplug's own settings (largest margin, points) |"
