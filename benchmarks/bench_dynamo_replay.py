@@ -75,6 +75,7 @@ POLICIES = [
     "affinity-balance",
     "kv",
     "sglang-cache-aware",
+    "smg-cache-aware",
     "vllm-kv-aware",
     "round-robin",
 ]

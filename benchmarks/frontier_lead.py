@@ -32,6 +32,11 @@ from bench_routing_quality import beaten_by  # noqa: E402
 RESULTS = HERE / "results"
 DEFAULT = "affinity-fitted"
 OTHER_PROJECTS = {"kv", "sglang-cache-aware", "smg-cache-aware", "vllm-kv-aware"}
+# a run counts only as far as the routers in it: the default "led" a run that had no other
+# project's router in it by default. Every run must have all of these (and the mocker replays
+# Dynamo's own router too), or the count says which runs miss which
+EVERY_OTHER_PROJECT = sorted(OTHER_PROJECTS)
+DYNAMO_ROUTER = "Dynamo kv_router"
 BASELINES = {"round-robin", "random", "least-loaded", "power-of-two"}
 
 # (label, files) in the README's order; each file as a bench or routing-quality benchmark wrote it
@@ -168,6 +173,12 @@ def judge(rows: list[dict]) -> dict | None:
     if DEFAULT not in by:
         return None
     beaten = beaten_by(rows, DEFAULT)
+    names = {r["policy"].split(" #")[0] for r in rows}
+    missing = [p for p in EVERY_OTHER_PROJECT if p not in names]
+    if any(n.startswith("Dynamo") for n in names) and not any(
+        n.startswith(DYNAMO_ROUTER) for n in names
+    ):
+        missing.append(DYNAMO_ROUTER)
     grouped = {g: [p for p in beaten if group(p) == g] for g in ("other", "baseline", "own")}
 
     def margin(policies: list[str]) -> float:
@@ -183,6 +194,7 @@ def judge(rows: list[dict]) -> dict | None:
         "beaten_by_own": grouped["own"],
         "own_margin_points": margin(grouped["own"]),
         "other_margin_points": margin(grouped["other"]),
+        "other_projects_missing": missing,
     }
 
 
@@ -199,6 +211,7 @@ def summarise(label: str, files: list[Path], view: str, runs: list[dict]) -> dic
         "beaten_only_by_own": sum(
             bool(r["beaten_by"]) and r["beaten_by"] == r["beaten_by_own"] for r in runs
         ),
+        "missing_other_projects": sum(bool(r["other_projects_missing"]) for r in runs),
         "own_margin_points_max": max(r["own_margin_points"] for r in runs),
         "other_margins_points": [
             r["other_margin_points"] for r in runs if r["beaten_by_other_project"]
@@ -227,14 +240,16 @@ def main(argv: list[str] | None = None) -> int:
                 table.append(summarise(label, files, view, runs))
     print(
         "| source | view | runs | default leads | beaten by another project's router or kv "
-        "| by a baseline | only by kvplug's own settings (largest margin, points) |"
+        "| by a baseline | only by kvplug's own settings (largest margin, points) "
+        "| runs without every other project's router |"
     )
-    print("|---|---|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---|---:|")
     for t in table:
         print(
             f"| {t['source']} | {t['view']} | {t['runs']} | {t['led']} | "
             f"{t['beaten_by_other_project']} | {t['beaten_by_baseline']} | "
-            f"{t['beaten_only_by_own']} ({t['own_margin_points_max']:.2f}) |"
+            f"{t['beaten_only_by_own']} ({t['own_margin_points_max']:.2f}) | "
+            f"{t['missing_other_projects']} |"
         )
     total = {
         view: {
@@ -245,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 "beaten_by_other_project",
                 "beaten_by_baseline",
                 "beaten_only_by_own",
+                "missing_other_projects",
             )
         }
         for view in ("realistic", "ideal")
@@ -254,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{view}: {s['runs']} runs, the default leads {s['led']}; beaten by another "
             f"project's router or kv in {s['beaten_by_other_project']}, by a baseline in "
             f"{s['beaten_by_baseline']}, only by kvplug's own settings in "
-            f"{s['beaten_only_by_own']}"
+            f"{s['beaten_only_by_own']}; runs without every other project's router: "
+            f"{s['missing_other_projects']}"
         )
     Path(args.out).write_text(
         json.dumps({"default": DEFAULT, "total": total, "sources": table}, indent=1) + "\n"

@@ -42,6 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from bench_routing_quality import add_engine_options  # noqa: E402
+
 from kvplug.sim.bench import BenchSpec, fleet_lru_hits  # noqa: E402
 from kvplug.sim.policies import parse_policy  # noqa: E402
 from kvplug.sim.transport import PRESETS  # noqa: E402
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=15, help="largest held-not-used decisions listed")
     ap.add_argument("--sample", type=int, default=200, help="decisions between cache samples")
     ap.add_argument("--json", default=str(RESULTS / "sim_loss_breakdown.json"))
+    add_engine_options(ap)
     args = ap.parse_args(argv)
 
     spec = BenchSpec(
@@ -132,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         trace=args.trace,
         link=PRESETS[args.view],
         steptime=args.steptime,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
+        kv_allocation=args.kv_allocation,
     )
     records = spec.records()
     bt = spec.block_tokens

@@ -564,6 +564,10 @@ def routing_quality_text() -> list:
         100 * (host_p99s[2] - 1),
         SKIP,  # the router's host credit, a setting
         100 * host["vllm-kv-aware"]["hit_rate"],
+        100 * host["sglang-cache-aware"]["hit_rate"],
+        100 * host["smg-cache-aware"]["hit_rate"],
+        host["sglang-cache-aware"]["ttft_p99_s"] / host["kv"]["ttft_p99_s"],
+        host["smg-cache-aware"]["ttft_p99_s"] / host["kv"]["ttft_p99_s"],
     ]
 
 
@@ -1293,7 +1297,8 @@ def kv_allocation_text() -> list:
 def host_stored_text() -> list:
     """The host tier as vLLM's default offloading connector keeps it (copies): the bound, the
     default's hit rate and share of it and TTFT p99 against kv's, kv's and vllm-router's hit
-    rates; over replay seeds 1-3 the default's hit rates and p99 ratios."""
+    rates, sglang-router's and smg's hit rates and p99s against kv's; over replay seeds 1-3 the
+    default's hit rates and p99 ratios."""
 
     def run(name: str) -> tuple[float, dict]:
         doc = load(name)
@@ -1315,6 +1320,10 @@ def host_stored_text() -> list:
         by[DEFAULT]["ttft_p99_s"] / by["kv"]["ttft_p99_s"],
         100 * by["kv"]["hit_rate"],
         100 * by["vllm-kv-aware"]["hit_rate"],
+        100 * by["sglang-cache-aware"]["hit_rate"],
+        100 * by["smg-cache-aware"]["hit_rate"],
+        by["sglang-cache-aware"]["ttft_p99_s"] / by["kv"]["ttft_p99_s"],
+        by["smg-cache-aware"]["ttft_p99_s"] / by["kv"]["ttft_p99_s"],
         SKIP,  # seeds 1
         SKIP,  # ... 3
         min(hits),
