@@ -194,6 +194,11 @@ def judge(rows: list[dict]) -> dict | None:
         "beaten_by_own": grouped["own"],
         "own_margin_points": margin(grouped["own"]),
         "other_margin_points": margin(grouped["other"]),
+        # how much lower the winners' TTFT p99 is than the default's, at most (percent)
+        "other_p99_lower_percent": max(
+            (100 * (1 - by[p]["ttft_p99_s"] / by[DEFAULT]["ttft_p99_s"]) for p in grouped["other"]),
+            default=0.0,
+        ),
         "other_projects_missing": missing,
     }
 
