@@ -200,6 +200,9 @@ def judge(rows: list[dict]) -> dict | None:
             default=0.0,
         ),
         "other_projects_missing": missing,
+        # the other side of the head to head: the policies the default beats on both axes
+        "default_beats": [r["policy"] for r in rows if DEFAULT in beaten_by(rows, r["policy"])],
+        "policies_in_run": [r["policy"] for r in rows if r["policy"] != DEFAULT],
     }
 
 
@@ -256,6 +259,26 @@ def main(argv: list[str] | None = None) -> int:
             f"{t['beaten_only_by_own']} ({t['own_margin_points_max']:.2f}) | "
             f"{t['missing_other_projects']} |"
         )
+    # head to head over every run a policy shares with the default: how often each beats the
+    # other on both axes (a policy that wins some runs may lose more)
+    head: dict[str, dict[str, dict[str, int]]] = {}
+    for t in table:
+        for r in t["per_run"]:
+            for p in r["policies_in_run"]:
+                name = p.split(" #")[0]
+                h = head.setdefault(t["view"], {}).setdefault(
+                    name, {"runs": 0, "beats_default": 0, "default_beats": 0}
+                )
+                h["runs"] += 1
+                h["beats_default"] += p in r["beaten_by"]
+                h["default_beats"] += p in r["default_beats"]
+    for view, rivals in head.items():
+        print(f"\nhead to head, {view} view (policies in 20 runs or more):")
+        print("| policy | runs with the default | beats the default | the default beats it |")
+        print("|---|---:|---:|---:|")
+        for name, h in sorted(rivals.items(), key=lambda kv: -kv[1]["runs"]):
+            if h["runs"] >= 20:
+                print(f"| {name} | {h['runs']} | {h['beats_default']} | {h['default_beats']} |")
     total = {
         view: {
             k: sum(t[k] for t in table if t["view"] == view)
@@ -279,7 +302,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['missing_other_projects']}"
         )
     Path(args.out).write_text(
-        json.dumps({"default": DEFAULT, "total": total, "sources": table}, indent=1) + "\n"
+        json.dumps(
+            {"default": DEFAULT, "total": total, "head_to_head": head, "sources": table}, indent=1
+        )
+        + "\n"
     )
     print(f"JSON: {args.out}")
     return 0

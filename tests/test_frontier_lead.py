@@ -37,6 +37,8 @@ def test_each_winner_is_sorted_into_its_group_with_its_margin():
     assert verdict["beaten_by_baseline"] == []
     assert abs(verdict["other_margin_points"] - 0.5) < 1e-9
     assert abs(verdict["own_margin_points"] - 0.25) < 1e-9
+    # the head to head's other side: fewer hits at a p99 no lower (kv, round-robin)
+    assert sorted(verdict["default_beats"]) == ["kv", "round-robin"]
 
 
 def test_a_run_names_the_other_projects_routers_it_lacks():

@@ -1353,8 +1353,9 @@ def frontier_lead_text() -> list:
     """frontier_lead.py over every replay behind the results, the realistic view: the runs the
     default leads, those another project's router wins (all on the generated shared-prefix and
     doc-qa workloads), their margins and how much lower the winner's TTFT p99 is at most, and
-    those only kvplug's own settings win, with the largest margin. Every run has every other
-    project's router in it."""
+    those only kvplug's own settings win, with the largest margin; head to head, how often the
+    other projects' routers, kv and the default before it beat the default and it beats them.
+    Every run has every other project's router in it."""
     d = load("benchmarks/results/frontier_lead.json")
     total = d["total"]["realistic"]
     assert d["total"]["realistic"]["missing_other_projects"] == 0, "the paragraph: every run"
@@ -1369,6 +1370,9 @@ def frontier_lead_text() -> list:
         "the paragraph: shared-prefix and doc-qa only"
     )
     margins = sorted(r["other_margin_points"] for r in won)
+    head, ideal = d["head_to_head"]["realistic"], d["head_to_head"]["ideal"]
+    assert all(head[p]["runs"] == total["runs"] for p in head if p in ("kv", PREVIOUS))
+    assert head["kv"]["beats_default"] == head["vllm-kv-aware"]["beats_default"] == 0
     return [
         total["led"],
         total["runs"],
@@ -1378,6 +1382,18 @@ def frontier_lead_text() -> list:
         max(r["other_p99_lower_percent"] for r in won),
         total["beaten_only_by_own"],
         max(s["own_margin_points_max"] for s in real),
+        total["runs"],
+        head["sglang-cache-aware"]["default_beats"],
+        head["sglang-cache-aware"]["beats_default"],
+        head["smg-cache-aware"]["default_beats"],
+        head["smg-cache-aware"]["beats_default"],
+        head["vllm-kv-aware"]["default_beats"],
+        head["kv"]["default_beats"],
+        head[PREVIOUS]["beats_default"],
+        head[PREVIOUS]["default_beats"],
+        d["total"]["ideal"]["runs"],
+        ideal[PREVIOUS]["beats_default"],
+        ideal[PREVIOUS]["default_beats"],
     ]
 
 
