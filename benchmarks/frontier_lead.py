@@ -32,9 +32,9 @@ from bench_routing_quality import beaten_by  # noqa: E402
 RESULTS = HERE / "results"
 DEFAULT = "affinity-fitted"
 OTHER_PROJECTS = {"kv", "sglang-cache-aware", "smg-cache-aware", "vllm-kv-aware"}
-# a run counts only as far as the routers in it: the default "led" a run that had no other
-# project's router in it by default. Every run must have all of these (and the mocker replays
-# Dynamo's own router too), or the count says which runs miss which
+# a run judges the default only against the routers in it: where no other project's router ran,
+# it "leads" by default. So every run must have all of these (the mocker replays Dynamo's own
+# router too), and the count names the runs that miss one
 EVERY_OTHER_PROJECT = sorted(OTHER_PROJECTS)
 DYNAMO_ROUTER = "Dynamo kv_router"
 BASELINES = {"round-robin", "random", "least-loaded", "power-of-two"}
@@ -260,14 +260,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{t['missing_other_projects']} |"
         )
     # head to head over every run a policy shares with the default: how often each beats the
-    # other on both axes (a policy that wins some runs may lose more)
+    # other on both axes (a policy that wins some runs may lose more). Dynamo's own router runs
+    # several rounds in one mocker replay ("NAME #k"): those are the per-run table's alone
     head: dict[str, dict[str, dict[str, int]]] = {}
     for t in table:
         for r in t["per_run"]:
             for p in r["policies_in_run"]:
-                name = p.split(" #")[0]
+                if " #" in p:
+                    continue
                 h = head.setdefault(t["view"], {}).setdefault(
-                    name, {"runs": 0, "beats_default": 0, "default_beats": 0}
+                    p, {"runs": 0, "beats_default": 0, "default_beats": 0}
                 )
                 h["runs"] += 1
                 h["beats_default"] += p in r["beaten_by"]
