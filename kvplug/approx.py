@@ -27,6 +27,10 @@ def _as_sequence(hashes: np.ndarray) -> Sequence[int]:
 class ApproxIndex:
     def __init__(self, index_factory: Any, block_size: int, ttl: float, max_blocks: int) -> None:
         self.index = index_factory(block_size, max_entries=max_blocks)
+        # a KvIndex's core and endpoint ids: records go straight in (another index kind: events)
+        self._core = (
+            getattr(self.index, "core", None) if hasattr(self.index, "endpoint_id") else None
+        )
         self.ttl = ttl
         self.max_blocks = max_blocks
         self._records: deque[tuple[float, str, int, np.ndarray]] = deque()
@@ -62,9 +66,17 @@ class ApproxIndex:
         # our own hashes double as the "engine" hashes: this namespace is ours alone. The
         # arrays go in as numpy buffers (the core reads them directly; no per-block objects).
         seq = _as_sequence(h)
-        self.index.apply(
-            BlockStored(worker_id=worker_id, dp_rank=dp_rank, engine_hashes=seq, block_hashes=seq)
-        )
+        ep = self.index.endpoint_id(worker_id, dp_rank) if self._core is not None else None
+        if ep is not None:
+            # straight into the core: every request records one, and the event path's checks
+            # (an engine's block size, tiers, shared copies) never apply to our own records
+            self._core.store(ep, 0, seq, seq)
+        else:
+            self.index.apply(
+                BlockStored(
+                    worker_id=worker_id, dp_rank=dp_rank, engine_hashes=seq, block_hashes=seq
+                )
+            )
         self._records.append((now, worker_id, dp_rank, h))
         self._blocks += len(h)
         self.counters["recorded"] += 1
@@ -80,10 +92,14 @@ class ApproxIndex:
     def _drop_oldest(self) -> None:
         _, wid, rank, h = self._records.popleft()
         self._blocks -= len(h)
+        ep = self.index.endpoint_id(wid, rank) if self._core is not None else None
         try:
-            self.index.apply(
-                BlockRemoved(worker_id=wid, dp_rank=rank, engine_hashes=_as_sequence(h))
-            )
+            if ep is not None:  # as record: straight into the core
+                self._core.remove(ep, _as_sequence(h), None)
+            else:
+                self.index.apply(
+                    BlockRemoved(worker_id=wid, dp_rank=rank, engine_hashes=_as_sequence(h))
+                )
         except Exception:  # the worker was removed meanwhile: nothing left to drop
             pass
 

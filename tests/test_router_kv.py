@@ -380,3 +380,40 @@ def test_credit_decay_and_active_request_weight():
     r2.route(RouteRequest("p", tokens(1, 7000), hints=RoutingHints(pinned_worker_id="a")))
     rows = {c["worker_id"]: c for c in r2.route(RouteRequest("x", tokens(2))).candidates}
     assert rows["a"]["decode_blocks"] == 1 + 2 + 5 and rows["b"]["decode_blocks"] == 2
+
+
+def test_approximate_records_go_straight_to_the_core_as_the_event_path_would():
+    """ApproxIndex stores and drops its records in a KvIndex's core directly; an index kind
+    without one goes through events. Both hold the same blocks after every step."""
+    import numpy as np
+
+    from kvplug.approx import ApproxIndex
+    from kvplug.index import KvIndex
+
+    class EventsOnly:  # a KvIndex seen through its event API alone
+        def __init__(self, block_size: int, max_entries: int) -> None:
+            self._index = KvIndex(block_size, max_entries=max_entries)
+
+        def __getattr__(self, name: str):
+            if name in ("core", "endpoint_id"):
+                raise AttributeError(name)
+            return getattr(self._index, name)
+
+    direct = ApproxIndex(lambda bs, max_entries: KvIndex(bs, max_entries=max_entries), 16, 5.0, 40)
+    events = ApproxIndex(lambda bs, max_entries: EventsOnly(bs, max_entries), 16, 5.0, 40)
+    assert direct._core is not None and events._core is None
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(1, 2**63, size=n, dtype=np.uint64) for n in (6, 9, 12, 20)]
+    for side in (direct, events):
+        for w in ("a", "b"):
+            side.add_endpoint(w, 0)
+    for t, h in enumerate(prompts):
+        for side in (direct, events):
+            side.expire(float(t))
+            side.record("ab"[t % 2], 0, h, float(t))  # the 40-block cap drops the oldest
+        for probe in prompts:
+            assert (direct.query(probe).local == events.query(probe).local).all()
+    for side in (direct, events):
+        side.expire(100.0)  # every record past its TTL
+        assert side.stats()["blocks"] == 0
+        assert not any(side.query(p).local.any() for p in prompts)
