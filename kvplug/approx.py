@@ -66,11 +66,12 @@ class ApproxIndex:
         # our own hashes double as the "engine" hashes: this namespace is ours alone. The
         # arrays go in as numpy buffers (the core reads them directly; no per-block objects).
         seq = _as_sequence(h)
-        ep = self.index.endpoint_id(worker_id, dp_rank) if self._core is not None else None
-        if ep is not None:
+        core = self._core
+        ep = self.index.endpoint_id(worker_id, dp_rank) if core is not None else None
+        if core is not None and ep is not None:
             # straight into the core: every request records one, and the event path's checks
             # (an engine's block size, tiers, shared copies) never apply to our own records
-            self._core.store(ep, 0, seq, seq)
+            core.store(ep, 0, seq, seq)
         else:
             self.index.apply(
                 BlockStored(
@@ -92,10 +93,11 @@ class ApproxIndex:
     def _drop_oldest(self) -> None:
         _, wid, rank, h = self._records.popleft()
         self._blocks -= len(h)
-        ep = self.index.endpoint_id(wid, rank) if self._core is not None else None
+        core = self._core
+        ep = self.index.endpoint_id(wid, rank) if core is not None else None
         try:
-            if ep is not None:  # as record: straight into the core
-                self._core.remove(ep, _as_sequence(h), None)
+            if core is not None and ep is not None:  # as record: straight into the core
+                core.remove(ep, _as_sequence(h), None)
             else:
                 self.index.apply(
                     BlockRemoved(worker_id=wid, dp_rank=rank, engine_hashes=_as_sequence(h))
