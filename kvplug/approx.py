@@ -17,6 +17,13 @@ import numpy as np
 from kvplug.events import BlockRemoved, BlockStored
 from kvplug.index import reserve_room
 
+# live records per endpoint, at most: each record adds one reference to each of its blocks on
+# its endpoint, and the core counts references in 16 bits (65,535). A prompt prefix every request
+# shares (a system prompt) would otherwise overflow that count once one engine had been sent it
+# 65,535 times within the TTL (~550 requests a second at the 120 s default), and the store
+# would fail the request
+RECORDS_PER_ENDPOINT = 65_000
+
 
 def _as_sequence(hashes: np.ndarray) -> Sequence[int]:
     """A u64 array where the events declare Sequence[int]: it is one (len, index, iteration),
@@ -34,9 +41,10 @@ class ApproxIndex:
         self.ttl = ttl
         self.max_blocks = max_blocks
         self._records: deque[tuple[float, str, int, np.ndarray]] = deque()
+        self._per_endpoint: dict[tuple[str, int], int] = {}  # live records
         self._blocks = 0
         self._presized = 0  # blocks its index has room for (presize)
-        self.counters = {"recorded": 0, "expired": 0, "capped": 0}
+        self.counters = {"recorded": 0, "expired": 0, "capped": 0, "capped_endpoint": 0}
 
     def presize(self, capacity: int) -> None:
         """Room for what the side index will hold once the fleet's caches are full (its
@@ -58,10 +66,15 @@ class ApproxIndex:
         self.index.remove_worker(worker_id)
         self._records = deque(r for r in self._records if r[1] != worker_id)
         self._blocks = sum(len(r[3]) for r in self._records)
+        self._per_endpoint = {k: n for k, n in self._per_endpoint.items() if k[0] != worker_id}
 
     def record(self, worker_id: str, dp_rank: int, hashes: np.ndarray, now: float) -> None:
         if len(hashes) == 0:
             return
+        key = (worker_id, dp_rank)
+        while self._per_endpoint.get(key, 0) >= RECORDS_PER_ENDPOINT and self._records:
+            self._drop_oldest()  # the oldest first, as the block cap does
+            self.counters["capped_endpoint"] += 1
         h = np.array(hashes, dtype=np.uint64, copy=True)
         # our own hashes double as the "engine" hashes: this namespace is ours alone. The
         # arrays go in as numpy buffers (the core reads them directly; no per-block objects).
@@ -79,6 +92,7 @@ class ApproxIndex:
                 )
             )
         self._records.append((now, worker_id, dp_rank, h))
+        self._per_endpoint[key] = self._per_endpoint.get(key, 0) + 1
         self._blocks += len(h)
         self.counters["recorded"] += 1
         while self.max_blocks and self._blocks > self.max_blocks and self._records:
@@ -93,6 +107,11 @@ class ApproxIndex:
     def _drop_oldest(self) -> None:
         _, wid, rank, h = self._records.popleft()
         self._blocks -= len(h)
+        left = self._per_endpoint.get((wid, rank), 0) - 1
+        if left > 0:
+            self._per_endpoint[(wid, rank)] = left
+        else:
+            self._per_endpoint.pop((wid, rank), None)
         core = self._core
         ep = self.index.endpoint_id(wid, rank) if core is not None else None
         try:

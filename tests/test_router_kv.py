@@ -417,3 +417,29 @@ def test_approximate_records_go_straight_to_the_core_as_the_event_path_would():
         side.expire(100.0)  # every record past its TTL
         assert side.stats()["blocks"] == 0
         assert not any(side.query(p).local.any() for p in prompts)
+
+
+def test_approximate_mode_survives_a_prefix_routed_more_often_than_a_count_holds():
+    """Every routed prompt adds a reference to its blocks in the side index, and the core counts
+    them in 16 bits: a prefix sent to one engine 65,535 times within the TTL (a shared system
+    prompt at ~550 requests a second) made the next route raise. The side index now keeps at
+    most RECORDS_PER_ENDPOINT live records per engine, dropping the oldest."""
+    from kvplug.approx import RECORDS_PER_ENDPOINT
+
+    clock = FakeClock()
+    r = make_router(
+        workers=("a",),
+        clock=clock,
+        router_kv_events=False,
+        router_ttl_secs=120,
+        router_track_prefill_tokens=False,
+        router_track_active_blocks=False,
+    )
+    toks = tokens(2)
+    n = 65_536 + 10
+    for i in range(n):
+        d = r.route(RouteRequest(f"x{i}", toks))
+    assert d.overlap_blocks == 2  # still predicted on its engine
+    approx = r.stats()["approx"]
+    assert approx["records"] == RECORDS_PER_ENDPOINT
+    assert approx["capped_endpoint"] == n - RECORDS_PER_ENDPOINT
