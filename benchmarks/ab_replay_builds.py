@@ -3,13 +3,19 @@ requests, the trees taking turns round by round.
 
 Each tree (``--base`` and ``--new``: a checkout built in place) replays in a fresh child
 process per round, so each loads its own kvplug; the order alternates every round, so machine
-load falls on both alike. Three replays a round: the conversation trace's first 6,000 requests
-on 8 engines under ``kv``; its first 4,000 on 8 engines with a host tier under the default
-routing; a generated multi-turn workload (~23,000 requests) on 128 engines under ``kv``. Each
-child digests every replay's hit rate, TTFT and E2E p99 and prefill tokens: both trees must give
-the same digests (a change of the engines' defaults would show there).
+load falls on both alike. ``--cases replay`` (the default), three replays a round: the
+conversation trace's first 6,000 requests on 8 engines under ``kv``; its first 4,000 on 8
+engines with a host tier under the default routing; a generated multi-turn workload (~23,000
+requests) on 128 engines under ``kv``. ``--cases approx``: the whole conversation trace in the
+realistic router view under approximate mode and under the default routing with a 2 s
+predicted TTL (both record every routed prompt in a side index). Each child digests every
+replay's hit rate, TTFT and E2E p99 and prefill tokens: both trees must give the same digests (a
+change of the engines' defaults would show there); it also reports the mean ``Router.route``
+time (wall, µs).
 
     python benchmarks/ab_replay_builds.py --base /tmp/base --new . --rounds 6
+    python benchmarks/ab_replay_builds.py --base /tmp/base --new . --rounds 4 --cases approx \
+        --out benchmarks/results/ab_replay_builds_approx.json
 
 Prints a table (medians, ranges over rounds, base/new per round); writes
 ``benchmarks/results/ab_replay_builds.json``.
@@ -30,39 +36,58 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def child(tree: str) -> dict:
+def child(tree: str, case_set: str) -> dict:
     """One round of one tree: CPU seconds per replay, and each replay's results digested."""
     sys.path.insert(0, str(Path(tree).resolve()))
     import kvplug
     from kvplug.sim.engine import EngineConfig
     from kvplug.sim.policies import parse_policy
     from kvplug.sim.traces import load_trace, parse_workload
+    from kvplug.sim.transport import PRESETS
     from kvplug.sim.virtual import ReplayConfig, replay, summarize
 
     loaded = Path(kvplug.__file__).resolve().parent.parent
     assert loaded == Path(tree).resolve(), f"{tree}: imported kvplug from {loaded}"
-    cases = [
-        ("conversation, 8 engines, kv", load_trace(limit=6000), 8, "kv", {}),
-        (
-            "conversation, 8 engines with a host tier, the default routing",
-            load_trace(limit=4000),
-            8,
-            "affinity-fitted",
-            {"host_capacity_blocks": 3280},
-        ),
-        (
-            "multi-turn, 128 engines, kv",
-            parse_workload("multi-turn:session_rate=24,duration=120,seed=3", 512),
-            128,
-            "kv",
-            {},
-        ),
-    ]
+    ideal, realistic = PRESETS["ideal"], PRESETS["realistic"]
+    if case_set == "approx":
+        cases = [
+            ("conversation, 8 engines, realistic view, approx", load_trace(), 8, "approx", {}),
+            (
+                "the same, the default routing with a 2 s predicted TTL",
+                load_trace(),
+                8,
+                "affinity-fitted:router_predicted_ttl_secs=2",
+                {},
+            ),
+        ]
+        link = realistic
+    else:
+        cases = [
+            ("conversation, 8 engines, kv", load_trace(limit=6000), 8, "kv", {}),
+            (
+                "conversation, 8 engines with a host tier, the default routing",
+                load_trace(limit=4000),
+                8,
+                "affinity-fitted",
+                {"host_capacity_blocks": 3280},
+            ),
+            (
+                "multi-turn, 128 engines, kv",
+                parse_workload("multi-turn:session_rate=24,duration=120,seed=3", 512),
+                128,
+                "kv",
+                {},
+            ),
+        ]
+        link = ideal
     out = {}
     for name, records, engines, policy, engine in cases:
         pol = parse_policy(policy)
         cfg = ReplayConfig(
-            n_engines=engines, engine=EngineConfig(**engine), feed_events=pol.feed_events
+            n_engines=engines,
+            engine=EngineConfig(**engine),
+            feed_events=pol.feed_events,
+            link=link,
         )
         c0 = time.process_time()
         res = replay(
@@ -72,7 +97,8 @@ def child(tree: str) -> dict:
         s = summarize(res)
         key = [s["hit_rate"], s["ttft_p99_s"], s["e2e_p99_s"], s["prefill_tokens"]]
         digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
-        out[name] = {"cpu_s": cpu, "requests": len(records), "digest": digest}
+        route_us = 1e6 * res.route_seconds / max(1, len(records))
+        out[name] = {"cpu_s": cpu, "route_us": route_us, "requests": len(records), "digest": digest}
     return out
 
 
@@ -85,19 +111,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", help="source tree of the baseline (built in place)")
     ap.add_argument("--new", help="source tree to compare (built in place)")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument(
+        "--cases",
+        choices=("replay", "approx"),
+        default="replay",
+        help="replay: the simulator's own cost (default); approx: the side index of routed "
+        "prompts (approximate mode, a predicted TTL)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(HERE / "results" / "ab_replay_builds.json"))
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child)))
+        print(json.dumps(child(args.child, args.cases)))
         return 0
     if not (args.base and args.new):
         ap.error("--base and --new are required")
     got: dict[str, list[dict]] = {"base": [], "new": []}
     for rnd in range(args.rounds):
         for name in ("base", "new") if rnd % 2 == 0 else ("new", "base"):
-            tree = args.base if name == "base" else args.new
-            cmd = [sys.executable, __file__, "--child", tree]
+            # resolved here: the child runs in / (nothing on its path but the tree)
+            tree = str(Path(args.base if name == "base" else args.new).resolve())
+            cmd = [sys.executable, __file__, "--child", tree, "--cases", args.cases]
             run = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd="/")
             if run.returncode != 0:
                 raise SystemExit(f"child for {tree} failed:\n{run.stderr}")
@@ -109,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         base = [r[case]["cpu_s"] for r in got["base"]]
         new = [r[case]["cpu_s"] for r in got["new"]]
         ratios = [b / n for b, n in zip(base, new, strict=True)]
+        base_route = [r[case]["route_us"] for r in got["base"]]
+        new_route = [r[case]["route_us"] for r in got["new"]]
+        route_ratios = [b / n for b, n in zip(base_route, new_route, strict=True)]
         same = len({r[case]["digest"] for r in got["base"] + got["new"]}) == 1
         cases.append(
             {
@@ -117,14 +154,18 @@ def main(argv: list[str] | None = None) -> int:
                 "base_cpu_s": base,
                 "new_cpu_s": new,
                 "base_over_new": ratios,
+                "base_route_us": base_route,
+                "new_route_us": new_route,
+                "route_base_over_new": route_ratios,
                 "same_results": same,
             }
         )
         rows.append(
-            f"| {case} | {span(base)} | {span(new)} | {span(ratios)} | {'yes' if same else 'NO'} |"
+            f"| {case} | {span(base)} | {span(new)} | {span(ratios)} | {span(route_ratios)} "
+            f"| {'yes' if same else 'NO'} |"
         )
-    print("| replay | base CPU s | new CPU s | base/new | same results |")
-    print("|---|---:|---:|---:|---|")
+    print("| replay | base CPU s | new CPU s | base/new | route time base/new | same results |")
+    print("|---|---:|---:|---:|---:|---|")
     print("\n".join(rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "cases": cases}, indent=1) + "\n")
