@@ -12,6 +12,15 @@ replays Dynamo's own router), plain baselines (round-robin and the like), and kv
 and settings (the previous defaults, sweep points), with the largest margin by which one of
 those hits more.
 
+One run's verdict turns on margins as small as a few blocks in 100,000, and the same replay
+with another seed (the arrivals spread another way, the router's and the event links' random
+draws, a generated workload drawn again) moves every policy by more than that. So the runs
+that differ only by seed are also judged together: per condition (source, view, workload,
+step-time end, fleet condition), each policy's hit rate and TTFT p99 averaged over the seeds
+the condition was run with, the default judged on those means, and each policy that beats it
+there given the paired difference of its hit rate from the default's, run by run: its mean and
+standard error, and whether a paired t-test finds it at 95 % (larger than what the seeds move).
+
     python benchmarks/frontier_lead.py [--out benchmarks/results/frontier_lead.json]
 
 Prints the table; writes JSON.
@@ -21,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -64,7 +75,10 @@ SOURCES = [
             "sim_seeds_host_stored/seed*.json",
         ],
     ),
-    ("five trace shapes (bench_routing_quality.py)", ["routing_quality_default.json"]),
+    (
+        "five trace shapes (bench_routing_quality.py), the generated ones drawn four times",
+        ["routing_quality_default.json", "routing_quality_workload_seeds.json"],
+    ),
     ("Mooncake's synthetic trace", ["routing_quality_synthetic.json"]),
     ("Mooncake's synthetic trace, eight arrival seeds", ["routing_quality_synthetic_seeds.json"]),
     ("AIPerf-synthesized variants", ["routing_quality_aiperf.json"]),
@@ -80,6 +94,7 @@ SOURCES = [
         "with vLLM's --long-prefill-token-threshold: trace shapes, AIPerf, fleets",
         [
             "routing_quality_long_prefill.json",
+            "routing_quality_workload_seeds_long_prefill.json",
             "routing_quality_aiperf_long_prefill.json",
             "fleet_conditions_long_prefill.json",
         ],
@@ -163,7 +178,9 @@ def runs_of(path: Path) -> list[tuple[str, str, list[dict]]]:
             )
             out.append((f"{path.stem}: {label}", view_of(r, doc), rows))
         return out
-    return [(path.stem, view_of(doc, doc), doc["results"])]
+    # kvplug bench writes a file per seed into a directory of its own (sim_seeds/seed2.json)
+    name = path.stem if path.parent == RESULTS else f"{path.parent.name}/{path.stem}"
+    return [(name, view_of(doc, doc), doc["results"])]
 
 
 def judge(rows: list[dict]) -> dict | None:
@@ -206,6 +223,93 @@ def judge(rows: list[dict]) -> dict | None:
     }
 
 
+# the parts of a run's label that name its seed: a trace's arrival seed ("conversation seed 2"),
+# a fleet condition's replay seed (", replay seed 2"), a generated workload's draw ("shared-prefix
+# workload seed 2"), the seed fields appended to every label (" causal 2"), and kvplug bench's
+# one file per seed (sim_seeds/seed2.json) or per condition with its seeds apart
+# (fleet_conditions.json beside fleet_conditions_fitted_seeds.json)
+SEED_PARTS = re.compile(
+    r"(,? replay seed \d+| workload seed \d+| seed \d+|(?<=causal|cached) \d+$)"
+)
+# a condition whose seeds were run apart from its first run: the file it goes with
+SEEDS_OF = {
+    "fleet_conditions_fitted_seeds": "fleet_conditions",
+    "routing_quality_workload_seeds": "routing_quality_default",
+    "routing_quality_workload_seeds_long_prefill": "routing_quality_long_prefill",
+}
+
+
+def condition_of(run_label: str) -> str:
+    """A run's label without its seed: the runs of one condition share it."""
+    stem, sep, rest = run_label.partition(": ")
+    if not sep:
+        stem, rest = run_label, ""
+    stem = re.sub(r"/seed\d+$", "", SEEDS_OF.get(stem, stem))  # kvplug bench: a file per seed
+    return f"{stem}: {SEED_PARTS.sub('', rest)}".strip()
+
+
+# Student's t, two-sided 95 %, by degrees of freedom (past 10: 10's, which is conservative)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+       10: 2.228}  # fmt: skip
+
+
+def judge_seeds(runs: list[list[dict]]) -> dict:
+    """The default judged on the means over one condition's seeds (each policy's hit rate and
+    TTFT p99; the policies every run has), and for each policy that beats it there the paired
+    difference of hit rates, in points: mean, standard error and the run count."""
+    common = set.intersection(*({r["policy"] for r in rows} for rows in runs))
+    by_run = [{r["policy"]: r for r in rows if r["policy"] in common} for rows in runs]
+    means = [
+        {
+            "policy": p,
+            "hit_rate": statistics.fmean(b[p]["hit_rate"] for b in by_run),
+            "ttft_p99_s": statistics.fmean(b[p]["ttft_p99_s"] for b in by_run),
+        }
+        for p in sorted(common)
+    ]
+    verdict = judge(means)
+    assert verdict is not None
+    paired = {}
+    for p in verdict["beaten_by"]:
+        diffs = [100 * (b[p]["hit_rate"] - b[DEFAULT]["hit_rate"]) for b in by_run]
+        se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+        paired[p] = {"mean_points": statistics.fmean(diffs), "standard_error": se}
+    verdict["runs"] = len(runs)
+    verdict["paired_hit_difference"] = paired
+    # a paired t-test at 95 %, two-sided: a lead the seeds do not explain
+    t95 = T95.get(len(runs) - 1, T95[max(T95)])
+    verdict["beaten_beyond_noise_by"] = [
+        p for p, d in paired.items() if d["mean_points"] > t95 * d["standard_error"]
+    ]
+    return verdict
+
+
+def summarise_seeds(label: str, view: str, judged: list[tuple[str, list[dict]]]) -> dict | None:
+    """One source's conditions run with two seeds or more, in one view, judged on the means."""
+    by_condition: dict[str, list[list[dict]]] = {}
+    for run_label, rows in judged:
+        by_condition.setdefault(condition_of(run_label), []).append(rows)
+    conditions = [
+        {"condition": c, **judge_seeds(runs)} for c, runs in by_condition.items() if len(runs) > 1
+    ]
+    if not conditions:
+        return None
+    return {
+        "source": label,
+        "view": view,
+        "conditions": len(conditions),
+        "runs": sum(c["runs"] for c in conditions),
+        "led": sum(not c["beaten_by"] for c in conditions),
+        "beaten_by_other_project": sum(bool(c["beaten_by_other_project"]) for c in conditions),
+        "beaten_by_baseline": sum(bool(c["beaten_by_baseline"]) for c in conditions),
+        "beaten_only_by_own": sum(
+            bool(c["beaten_by"]) and c["beaten_by"] == c["beaten_by_own"] for c in conditions
+        ),
+        "beaten_beyond_noise": sum(bool(c["beaten_beyond_noise_by"]) for c in conditions),
+        "per_condition": conditions,
+    }
+
+
 def summarise(label: str, files: list[Path], view: str, runs: list[dict]) -> dict:
     """One source's runs in one router view: the table's row, every run's verdict kept."""
     return {
@@ -233,19 +337,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "frontier_lead.json"))
     args = ap.parse_args(argv)
     table = []
+    seed_table: list[dict] = []
     for label, patterns in SOURCES:
         files = sorted({p for pat in patterns for p in RESULTS.glob(pat)})
         assert files, f"{label}: none of {patterns} under {RESULTS}"
         judged = [  # each file read once, its runs then split by view
-            (view, {"run": run_label, **verdict})
+            (view, {"run": run_label, **verdict}, rows)
             for f in files
             for run_label, view, rows in runs_of(f)
             if (verdict := judge(rows)) is not None
         ]
         for view in ("realistic", "ideal"):
-            runs = [run for v, run in judged if v == view]
+            runs = [run for v, run, _ in judged if v == view]
             if runs:
                 table.append(summarise(label, files, view, runs))
+            seeded = summarise_seeds(
+                label, view, [(run["run"], rows) for v, run, rows in judged if v == view]
+            )
+            if seeded:
+                seed_table.append(seeded)
     print(
         "| source | view | runs | default leads | beaten by another project's router or kv "
         "| by a baseline | only by kvplug's own settings (largest margin, points) "
@@ -303,9 +413,62 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['beaten_only_by_own']}; runs without every other project's router: "
             f"{s['missing_other_projects']}"
         )
+    print(
+        "\nthe same runs, each condition's seeds averaged (conditions run with two seeds or "
+        "more; beaten beyond noise: the winner's paired hit difference significant at 95 %, t-test)"
+    )
+    print(
+        "| source | view | conditions (runs) | default leads | beaten by another project's "
+        "router or kv | by a baseline | only by kvplug's own settings | beaten beyond noise |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for t in seed_table:
+        print(
+            f"| {t['source']} | {t['view']} | {t['conditions']} ({t['runs']}) | {t['led']} | "
+            f"{t['beaten_by_other_project']} | {t['beaten_by_baseline']} | "
+            f"{t['beaten_only_by_own']} | {t['beaten_beyond_noise']} |"
+        )
+    seed_total = {
+        view: {
+            k: sum(t[k] for t in seed_table if t["view"] == view)
+            for k in (
+                "conditions",
+                "runs",
+                "led",
+                "beaten_by_other_project",
+                "beaten_by_baseline",
+                "beaten_only_by_own",
+                "beaten_beyond_noise",
+            )
+        }
+        for view in ("realistic", "ideal")
+    }
+    for view, s in seed_total.items():
+        print(
+            f"{view}, seeds averaged: {s['conditions']} conditions ({s['runs']} runs), the "
+            f"default leads {s['led']}; beaten by another project's router or kv in "
+            f"{s['beaten_by_other_project']}, by a baseline in {s['beaten_by_baseline']}, only "
+            f"by kvplug's own settings in {s['beaten_only_by_own']}; beyond noise in "
+            f"{s['beaten_beyond_noise']}"
+        )
+        for t in seed_table:
+            for c in t["per_condition"] if t["view"] == view else ():
+                for p, d in c["paired_hit_difference"].items():
+                    if group(p) != "own":
+                        print(
+                            f"  {c['condition']}: {p} +{d['mean_points']:.3f} points "
+                            f"(s.e. {d['standard_error']:.3f}, {c['runs']} runs)"
+                        )
     Path(args.out).write_text(
         json.dumps(
-            {"default": DEFAULT, "total": total, "head_to_head": head, "sources": table}, indent=1
+            {
+                "default": DEFAULT,
+                "total": total,
+                "head_to_head": head,
+                "sources": table,
+                "seeds_averaged": {"total": seed_total, "sources": seed_table},
+            },
+            indent=1,
         )
         + "\n"
     )

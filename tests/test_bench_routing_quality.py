@@ -144,6 +144,28 @@ def test_spread_seeds_add_runs_of_the_trace_with_its_arrivals_spread(tmp_path):
     assert stamped["ttft_p50_s"] != spread["ttft_p50_s"]  # other arrival times, other waits
 
 
+def test_workload_seeds_draw_the_generated_workloads_again(tmp_path):
+    bench = _load()
+    out = tmp_path / "rq.json"
+    argv = ["--smoke", "--workloads", "conversation", "shared-prefix", "--settings", "ideal"]
+    argv += ["--steptime", "causal", "--policies", "kv", "--jobs", "1", "--json", str(out)]
+    assert bench.main([*argv, "--plots", "", "--workload-seeds", "0", "2"]) == 0
+    runs = json.loads((tmp_path / "rq_smoke.json").read_text())["runs"]
+    # a trace is not drawn again; a generated workload once per seed, the seed recorded
+    assert [(r["workload"], r.get("workload_seed")) for r in runs] == [
+        ("conversation", None),
+        ("shared-prefix", None),
+        ("shared-prefix workload seed 2", 2),
+    ]
+    first, again = runs[1:]
+    assert first["trace"]["requests"] == again["trace"]["requests"] == 300
+    # other sessions and prompts: another arrival span and bound
+    assert first["trace"]["span_s"] != again["trace"]["span_s"]
+    assert first["trace"]["oracle_hit_rate"] != again["trace"]["oracle_hit_rate"]
+    with pytest.raises(SystemExit):
+        bench.main([*argv, "--plots", "", "--workload-seeds", "-1"])
+
+
 def test_tail_floor_smoke_and_no_request_beats_its_own_prefill(tmp_path, capsys):
     floor = _load("bench_tail_floor")
     out = tmp_path / "tf.json"

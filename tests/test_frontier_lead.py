@@ -96,9 +96,71 @@ def test_the_views_of_a_bench_report():
     assert frontier_lead.view_of({"view": "realistic"}, ideal) == "realistic"
 
 
+def test_a_runs_condition_is_its_label_without_its_seed():
+    c = frontier_lead.condition_of
+    # a trace's arrival seeds, and the seed fields after the step-time end
+    assert c("routing_quality_aiperf: prefix-x2 seed 3 causal 3") == c(
+        "routing_quality_aiperf: prefix-x2 causal 0"
+    )
+    assert c("routing_quality_aiperf: prefix-x2 causal 0") != c(
+        "routing_quality_aiperf: prefix-x2 cached 0"
+    )
+    assert c("routing_quality_aiperf: prefix-x2 causal 0") != c(
+        "routing_quality_aiperf: prefix-x2-roots-x2 causal 0"
+    )
+    # a fleet condition's replay seeds, run into a file of their own beside the first run
+    assert c("fleet_conditions_fitted_seeds: 4 engines, replay seed 2 cached 2") == c(
+        "fleet_conditions: 4 engines cached 0"
+    )
+    assert c("fleet_conditions: 4 engines cached 0") != c("fleet_conditions: 6 engines cached 0")
+    # a generated workload drawn again
+    assert c("routing_quality_workload_seeds: doc-qa workload seed 2 causal 0") == c(
+        "routing_quality_default: doc-qa causal 0"
+    )
+    assert c("routing_quality_workload_seeds_long_prefill: doc-qa workload seed 1 causal 0") == (
+        c("routing_quality_long_prefill: doc-qa causal 0")
+    )
+    # kvplug bench's file per seed: the directory is the condition
+    assert (
+        c("sim_seeds_host/seed3") == c("sim_seeds_host/seed0") != c("sim_seeds_host_stored/seed0")
+    )
+
+
+def test_seeds_averaged_judge_the_default_on_the_means_with_a_paired_test():
+    # the rival hits more on average and its p99 is lower: it beats the default on the means,
+    # but by less than the seeds move the difference
+    noisy = [
+        rows(kv=(0.20, 5.0), affinity_fitted=(0.250, 4.0), affinity_balance=(0.253, 3.9)),
+        rows(kv=(0.20, 5.0), affinity_fitted=(0.250, 4.0), affinity_balance=(0.245, 3.9)),
+        rows(kv=(0.20, 5.0), affinity_fitted=(0.250, 4.0), affinity_balance=(0.254, 3.9)),
+    ]
+    v = frontier_lead.judge_seeds(noisy)
+    assert v["runs"] == 3 and v["beaten_by"] == ["affinity-balance"]
+    assert abs(v["paired_hit_difference"]["affinity-balance"]["mean_points"] - 0.0667) < 1e-3
+    assert v["beaten_beyond_noise_by"] == []
+    # the same lead in every seed: beyond noise
+    steady = [
+        rows(kv=(0.20, 5.0), affinity_fitted=(0.250, 4.0), sglang_cache_aware=(0.252 + d, 4.0))
+        for d in (0.0, 0.0005, 0.001)
+    ]
+    v = frontier_lead.judge_seeds(steady)
+    assert v["beaten_by_other_project"] == ["sglang-cache-aware"]
+    assert v["beaten_beyond_noise_by"] == ["sglang-cache-aware"]
+    # a policy one seed's run lacks is left out of the means, not averaged over fewer runs
+    partial = [*steady[:2], rows(kv=(0.20, 5.0), affinity_fitted=(0.25, 4.0))]
+    assert frontier_lead.judge_seeds(partial)["beaten_by"] == []
+    # a worse mean p99 is no win, whatever the hits
+    slower = [rows(affinity_fitted=(0.25, 4.0), smg_cache_aware=(0.30, 4.1 + d)) for d in (0, 0.1)]
+    assert frontier_lead.judge_seeds(slower)["beaten_by"] == []
+
+
 def test_the_committed_results_give_the_committed_totals(tmp_path, capsys):
     out = tmp_path / "frontier_lead.json"
     assert frontier_lead.main(["--out", str(out)]) == 0
     committed = json.loads((ROOT / "benchmarks/results/frontier_lead.json").read_text())
     assert json.loads(out.read_text())["total"] == committed["total"]
+    assert (
+        json.loads(out.read_text())["seeds_averaged"]["total"]
+        == committed["seeds_averaged"]["total"]
+    )
     assert "the default leads" in capsys.readouterr().out
