@@ -22,8 +22,9 @@ there given the paired difference of its hit rate from the default's, run by run
 standard error, and whether a paired t-test finds it at 95 % (larger than what the seeds move).
 
     python benchmarks/frontier_lead.py [--out benchmarks/results/frontier_lead.json]
+                                       [--plot docs/img/frontier_lead.png]
 
-Prints the table; writes JSON.
+Prints the table; writes JSON and a plot of every condition's rivals against the default.
 """
 
 from __future__ import annotations
@@ -275,6 +276,7 @@ def judge_seeds(runs: list[list[dict]]) -> dict:
         se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
         paired[p] = {"mean_points": statistics.fmean(diffs), "standard_error": se}
     verdict["runs"] = len(runs)
+    verdict["means"] = {m["policy"]: [m["hit_rate"], m["ttft_p99_s"]] for m in means}
     verdict["paired_hit_difference"] = paired
     # a paired t-test at 95 %, two-sided: a lead the seeds do not explain
     t95 = T95.get(len(runs) - 1, T95[max(T95)])
@@ -332,9 +334,76 @@ def summarise(label: str, files: list[Path], view: str, runs: list[dict]) -> dic
     }
 
 
+# the rivals the plot shows, each against the default, and their colours
+PLOTTED = {
+    "sglang-cache-aware": "tab:orange",
+    "smg-cache-aware": "tab:red",
+    "vllm-kv-aware": "tab:purple",
+    "kv": "tab:blue",
+    "affinity-balance": "tab:gray",
+}
+
+
+def plot_conditions(seed_table: list[dict], view: str, path: Path) -> None:
+    """One dot per condition and rival: the rival's mean hit rate minus the default's (points)
+    against its mean TTFT p99 over the default's; a dot in the shaded corner (more hits at a p99
+    no higher) beats the default on the means."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    conditions = [c for t in seed_table if t["view"] == view for c in t["per_condition"]]
+    for rival, colour in PLOTTED.items():
+        points = [
+            (
+                100 * (c["means"][rival][0] - c["means"][DEFAULT][0]),
+                100 * (c["means"][rival][1] / c["means"][DEFAULT][1] - 1),
+            )
+            for c in conditions
+            if rival in c["means"]
+        ]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            wins = sum(x > 0 and y <= 0 for x, y in points)
+            label = f"{rival} ({len(points)} conditions, beats the default in {wins})"
+            ax.scatter(xs, ys, s=14, color=colour, alpha=0.75, label=label)
+    # both axes symlog: most conditions sit within a few points and percent, a few far out
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.axhline(0, color="black", lw=0.8)
+    ax.axvline(0, color="black", lw=0.8)
+    (x_lo, x_hi), (y_lo, _) = ax.get_xlim(), ax.get_ylim()
+    x_hi = max(x_hi, 2.0)
+    ax.fill_between([0, x_hi], [y_lo, y_lo], [0, 0], color="tab:red", alpha=0.1, lw=0)
+    ax.set_xlim(x_lo, x_hi)
+    ax.set_ylim(bottom=y_lo)
+    ax.set_xlabel("rival's hit rate minus the default's (points, mean over seeds; symlog)")
+    ax.set_ylabel("rival's TTFT p99 over the default's (%, symlog)")
+    runs = sum(c["runs"] for c in conditions)
+    ax.set_title(
+        f"Each rival against {DEFAULT}, {view} view: {len(conditions)} conditions, each averaged "
+        f"over its seeds ({runs} runs)\nshaded: more hits at a TTFT p99 no higher, the rival beats "
+        "the default",
+        fontsize=9,
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(RESULTS / "frontier_lead.json"))
+    ap.add_argument(
+        "--plot",
+        default=str(HERE.parent / "docs" / "img" / "frontier_lead.png"),
+        help="the realistic view's conditions, each rival against the default ('' = none)",
+    )
     args = ap.parse_args(argv)
     table = []
     seed_table: list[dict] = []
@@ -473,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
         + "\n"
     )
     print(f"JSON: {args.out}")
+    if args.plot:
+        plot_conditions(seed_table, "realistic", Path(args.plot))
+        print(f"plot: {args.plot}")
     return 0
 
 

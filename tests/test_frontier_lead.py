@@ -155,8 +155,9 @@ def test_seeds_averaged_judge_the_default_on_the_means_with_a_paired_test():
 
 
 def test_the_committed_results_give_the_committed_totals(tmp_path, capsys):
-    out = tmp_path / "frontier_lead.json"
-    assert frontier_lead.main(["--out", str(out)]) == 0
+    out, plot = tmp_path / "frontier_lead.json", tmp_path / "frontier_lead.png"
+    assert frontier_lead.main(["--out", str(out), "--plot", str(plot)]) == 0
+    assert plot.stat().st_size > 10_000
     committed = json.loads((ROOT / "benchmarks/results/frontier_lead.json").read_text())
     assert json.loads(out.read_text())["total"] == committed["total"]
     assert (
