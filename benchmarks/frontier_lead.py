@@ -396,6 +396,17 @@ def plot_conditions(seed_table: list[dict], view: str, path: Path) -> None:
     plt.close(fig)
 
 
+COUNTED = ("led", "beaten_by_other_project", "beaten_by_baseline", "beaten_only_by_own")
+
+
+def totals(rows: list[dict], keys: tuple[str, ...]) -> dict:
+    """Per router view, each key summed over the sources' rows."""
+    return {
+        view: {k: sum(t[k] for t in rows if t["view"] == view) for k in keys}
+        for view in ("realistic", "ideal")
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(RESULTS / "frontier_lead.json"))
@@ -460,20 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, h in sorted(rivals.items(), key=lambda kv: -kv[1]["runs"]):
             if h["runs"] >= 20:
                 print(f"| {name} | {h['runs']} | {h['beats_default']} | {h['default_beats']} |")
-    total = {
-        view: {
-            k: sum(t[k] for t in table if t["view"] == view)
-            for k in (
-                "runs",
-                "led",
-                "beaten_by_other_project",
-                "beaten_by_baseline",
-                "beaten_only_by_own",
-                "missing_other_projects",
-            )
-        }
-        for view in ("realistic", "ideal")
-    }
+    total = totals(table, ("runs", *COUNTED, "missing_other_projects"))
     for view, s in total.items():
         print(
             f"{view}: {s['runs']} runs, the default leads {s['led']}; beaten by another "
@@ -497,21 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{t['beaten_by_other_project']} | {t['beaten_by_baseline']} | "
             f"{t['beaten_only_by_own']} | {t['beaten_beyond_noise']} |"
         )
-    seed_total = {
-        view: {
-            k: sum(t[k] for t in seed_table if t["view"] == view)
-            for k in (
-                "conditions",
-                "runs",
-                "led",
-                "beaten_by_other_project",
-                "beaten_by_baseline",
-                "beaten_only_by_own",
-                "beaten_beyond_noise",
-            )
-        }
-        for view in ("realistic", "ideal")
-    }
+    seed_total = totals(seed_table, ("conditions", "runs", *COUNTED, "beaten_beyond_noise"))
     for view, s in seed_total.items():
         print(
             f"{view}, seeds averaged: {s['conditions']} conditions ({s['runs']} runs), the "

@@ -126,11 +126,16 @@ def test_verdict_table_marks_the_runs_that_meet_the_bar_and_counts_them():
     assert lines[-1].endswith("| 0/3 | 1/3 | kv beaten in 2/3 |")
 
 
+def _two_workloads_smoke(tmp_path) -> list[str]:
+    """The trace and one generated workload, kv alone, one view and end: rq_smoke.json."""
+    argv = ["--smoke", "--workloads", "conversation", "shared-prefix", "--settings", "ideal"]
+    out = str(tmp_path / "rq.json")
+    return argv + ["--steptime", "causal", "--policies", "kv", "--jobs", "1", "--json", out]
+
+
 def test_spread_seeds_add_runs_of_the_trace_with_its_arrivals_spread(tmp_path):
     bench = _load()
-    out = tmp_path / "rq.json"
-    argv = ["--smoke", "--workloads", "conversation", "shared-prefix", "--settings", "ideal"]
-    argv += ["--steptime", "causal", "--policies", "kv", "--jobs", "1", "--json", str(out)]
+    argv = _two_workloads_smoke(tmp_path)
     assert bench.main([*argv, "--plots", "", "--spread-seeds", "0", "1"]) == 0
     runs = json.loads((tmp_path / "rq_smoke.json").read_text())["runs"]
     # only the trace has same-timestamp arrivals to spread: no seeded generated workload
@@ -146,9 +151,7 @@ def test_spread_seeds_add_runs_of_the_trace_with_its_arrivals_spread(tmp_path):
 
 def test_workload_seeds_draw_the_generated_workloads_again(tmp_path):
     bench = _load()
-    out = tmp_path / "rq.json"
-    argv = ["--smoke", "--workloads", "conversation", "shared-prefix", "--settings", "ideal"]
-    argv += ["--steptime", "causal", "--policies", "kv", "--jobs", "1", "--json", str(out)]
+    argv = _two_workloads_smoke(tmp_path)
     assert bench.main([*argv, "--plots", "", "--workload-seeds", "0", "2"]) == 0
     runs = json.loads((tmp_path / "rq_smoke.json").read_text())["runs"]
     # a trace is not drawn again; a generated workload once per seed, the seed recorded
