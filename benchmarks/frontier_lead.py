@@ -74,6 +74,8 @@ SOURCES = [
             "sim_bench_host_tier_stored.json",
             "sim_seeds_host/seed*.json",
             "sim_seeds_host_stored/seed*.json",
+            "sim_seeds_host_realistic/seed*.json",
+            "sim_seeds_host_stored_realistic/seed*.json",
         ],
     ),
     (
@@ -232,8 +234,10 @@ def judge(rows: list[dict]) -> dict | None:
 SEED_PARTS = re.compile(
     r"(,? replay seed \d+| workload seed \d+| seed \d+|(?<=causal|cached) \d+$)"
 )
-# a condition whose seeds were run apart from its first run: the file it goes with
+# a condition whose first run and other seeds were written apart: the name they share
 SEEDS_OF = {
+    "sim_bench_host_tier": "sim_seeds_host",
+    "sim_bench_host_tier_stored": "sim_seeds_host_stored",
     "fleet_conditions_fitted_seeds": "fleet_conditions",
     "routing_quality_workload_seeds": "routing_quality_default",
     "routing_quality_workload_seeds_long_prefill": "routing_quality_long_prefill",

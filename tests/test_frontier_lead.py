@@ -120,7 +120,8 @@ def test_a_runs_condition_is_its_label_without_its_seed():
     assert c("routing_quality_workload_seeds_long_prefill: doc-qa workload seed 1 causal 0") == (
         c("routing_quality_long_prefill: doc-qa causal 0")
     )
-    # kvplug bench's file per seed: the directory is the condition
+    # kvplug bench's file per seed: the directory is the condition (the first run apart)
+    assert c("sim_bench_host_tier") == c("sim_seeds_host/seed2") != c("sim_bench_host_tier_stored")
     assert (
         c("sim_seeds_host/seed3") == c("sim_seeds_host/seed0") != c("sim_seeds_host_stored/seed0")
     )
