@@ -228,9 +228,8 @@ def judge(rows: list[dict]) -> dict | None:
 
 # the parts of a run's label that name its seed: a trace's arrival seed ("conversation seed 2"),
 # a fleet condition's replay seed (", replay seed 2"), a generated workload's draw ("shared-prefix
-# workload seed 2"), the seed fields appended to every label (" causal 2"), and kvplug bench's
-# one file per seed (sim_seeds/seed2.json) or per condition with its seeds apart
-# (fleet_conditions.json beside fleet_conditions_fitted_seeds.json)
+# workload seed 2") and the seed fields appended to every label (" causal 2"); kvplug bench's file
+# per seed (sim_seeds/seed2.json) and the files below are condition_of's
 SEED_PARTS = re.compile(
     r"(,? replay seed \d+| workload seed \d+| seed \d+|(?<=causal|cached) \d+$)"
 )
