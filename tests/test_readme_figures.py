@@ -210,6 +210,7 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
     ids = frontend["kvplug (token ids)"]
     python_path = frontend["kvplug python path (token ids)"]
     default = frontend["kvplug default routing (token ids)"]
+    loaded_default = loaded["kvplug default routing (token ids)"]
     r64 = router[64]
 
     def round_ratios(num: str, den: str) -> list[float]:
@@ -342,6 +343,10 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             SKIP,  # --processes 2
             loaded[sglang]["plain_latency"]["added_median_ms"],
             loaded[sglang]["plain_throughput"]["requests_per_s"],
+            loaded[sglang]["plain_throughput"]["cpu_ms_per_request"],
+            loaded_default["plain_throughput"]["cpu_ms_per_request"],
+            loaded[sglang]["plain_throughput"]["router_cpu_share"],
+            loaded_default["plain_throughput"]["router_cpu_share"],
             loaded[vllm]["plain_latency"]["added_median_ms"],
             loaded[vllm]["plain_throughput"]["requests_per_s"],
         ],
