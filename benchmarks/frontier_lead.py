@@ -289,6 +289,19 @@ def judge_seeds(runs: list[list[dict]]) -> dict:
     return verdict
 
 
+def counted(verdicts: list[dict]) -> dict[str, int]:
+    """How many verdicts (runs, or conditions on their means) the default leads, and how many
+    another project's router, a baseline, or only kvplug's own settings beat it in."""
+    return {
+        "led": sum(not v["beaten_by"] for v in verdicts),
+        "beaten_by_other_project": sum(bool(v["beaten_by_other_project"]) for v in verdicts),
+        "beaten_by_baseline": sum(bool(v["beaten_by_baseline"]) for v in verdicts),
+        "beaten_only_by_own": sum(
+            bool(v["beaten_by"]) and v["beaten_by"] == v["beaten_by_own"] for v in verdicts
+        ),
+    }
+
+
 def summarise_seeds(label: str, view: str, judged: list[tuple[str, list[dict]]]) -> dict | None:
     """One source's conditions run with two seeds or more, in one view, judged on the means."""
     by_condition: dict[str, list[list[dict]]] = {}
@@ -304,12 +317,7 @@ def summarise_seeds(label: str, view: str, judged: list[tuple[str, list[dict]]])
         "view": view,
         "conditions": len(conditions),
         "runs": sum(c["runs"] for c in conditions),
-        "led": sum(not c["beaten_by"] for c in conditions),
-        "beaten_by_other_project": sum(bool(c["beaten_by_other_project"]) for c in conditions),
-        "beaten_by_baseline": sum(bool(c["beaten_by_baseline"]) for c in conditions),
-        "beaten_only_by_own": sum(
-            bool(c["beaten_by"]) and c["beaten_by"] == c["beaten_by_own"] for c in conditions
-        ),
+        **counted(conditions),
         "beaten_beyond_noise": sum(bool(c["beaten_beyond_noise_by"]) for c in conditions),
         "per_condition": conditions,
     }
@@ -322,12 +330,7 @@ def summarise(label: str, files: list[Path], view: str, runs: list[dict]) -> dic
         "files": [str(f.relative_to(HERE.parent)) for f in files],
         "view": view,
         "runs": len(runs),
-        "led": sum(not r["beaten_by"] for r in runs),
-        "beaten_by_other_project": sum(bool(r["beaten_by_other_project"]) for r in runs),
-        "beaten_by_baseline": sum(bool(r["beaten_by_baseline"]) for r in runs),
-        "beaten_only_by_own": sum(
-            bool(r["beaten_by"]) and r["beaten_by"] == r["beaten_by_own"] for r in runs
-        ),
+        **counted(runs),
         "missing_other_projects": sum(bool(r["other_projects_missing"]) for r in runs),
         "own_margin_points_max": max(r["own_margin_points"] for r in runs),
         "other_margins_points": [
