@@ -354,11 +354,9 @@ def plot_conditions(seed_table: list[dict], view: str, path: Path) -> None:
     """One dot per condition and rival: the rival's mean hit rate minus the default's (points)
     against its mean TTFT p99 over the default's; a dot in the shaded corner (more hits at a p99
     no higher) beats the default on the means."""
-    import matplotlib
+    from kvplug.sim.plots import _plt  # matplotlib on its Agg backend, as kvplug bench's plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     conditions = [c for t in seed_table if t["view"] == view for c in t["per_condition"]]
     for rival, colour in PLOTTED.items():
@@ -402,7 +400,7 @@ def plot_conditions(seed_table: list[dict], view: str, path: Path) -> None:
     plt.close(fig)
 
 
-COUNTED = ("led", "beaten_by_other_project", "beaten_by_baseline", "beaten_only_by_own")
+COUNTED = tuple(counted([]))  # the counts both tables keep
 
 
 def totals(rows: list[dict], keys: tuple[str, ...]) -> dict:
