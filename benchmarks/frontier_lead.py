@@ -54,17 +54,11 @@ BASELINES = {"round-robin", "random", "least-loaded", "power-of-two"}
 # (label, files) in the README's order; each file as a bench or routing-quality benchmark wrote it
 SOURCES = [
     (
-        "whole conversation trace, 8 engines (kvplug bench [--realism realistic])",
+        "whole conversation trace, 8 engines, six replay seeds (kvplug bench --seeds 6 [--realism "
+        "realistic])",
         [
             "sim_bench.json",
             "sim_bench_realistic.json",
-        ],
-    ),
-    (
-        "the same, six replay seeds (kvplug bench --seed N)",
-        [
-            "sim_seeds/seed*.json",
-            "sim_seeds_realistic/seed*.json",
         ],
     ),
     (
@@ -181,8 +175,12 @@ def runs_of(path: Path) -> list[tuple[str, str, list[dict]]]:
             )
             out.append((f"{path.stem}: {label}", view_of(r, doc), rows))
         return out
-    # kvplug bench writes a file per seed into a directory of its own (sim_seeds/seed2.json)
+    # kvplug bench writes a file per seed into a directory of its own (sim_seeds_host/seed2.json)
     name = path.stem if path.parent == RESULTS else f"{path.parent.name}/{path.stem}"
+    if "seed_runs" in doc:  # kvplug bench --seeds: every seed's run, not their means
+        return [
+            (f"{name}/seed{r['seed']}", view_of(doc, doc), r["results"]) for r in doc["seed_runs"]
+        ]
     return [(name, view_of(doc, doc), doc["results"])]
 
 
@@ -229,7 +227,8 @@ def judge(rows: list[dict]) -> dict | None:
 # the parts of a run's label that name its seed: a trace's arrival seed ("conversation seed 2"),
 # a fleet condition's replay seed (", replay seed 2"), a generated workload's draw ("shared-prefix
 # workload seed 2") and the seed fields appended to every label (" causal 2"); kvplug bench's file
-# per seed (sim_seeds/seed2.json) and the files below are condition_of's
+# per seed (sim_seeds_host/seed2.json), its --seeds runs (sim_bench/seed2) and the files below are
+# condition_of's
 SEED_PARTS = re.compile(
     r"(,? replay seed \d+| workload seed \d+| seed \d+|(?<=causal|cached) \d+$)"
 )

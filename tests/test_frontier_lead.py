@@ -127,6 +127,29 @@ def test_a_runs_condition_is_its_label_without_its_seed():
     )
 
 
+def test_a_several_seed_bench_file_is_read_run_by_run(tmp_path):
+    """kvplug bench --seeds writes the means and every seed's run: the frontier is judged on the
+    runs (one per seed, one condition), not on the means."""
+    runs = [rows(kv=(0.20, 5.0), affinity_fitted=(0.24 + s / 100, 5.0)) for s in range(3)]
+    doc = {
+        "spec": {"link": None},
+        "seeds": [4, 5, 6],
+        "results": rows(kv=(0.20, 5.0), affinity_fitted=(0.25, 5.0)),
+        "seed_runs": [{"seed": 4 + i, "results": r} for i, r in enumerate(runs)],
+    }
+    path = tmp_path / "sim_bench_x.json"
+    path.write_text(json.dumps(doc))
+    got = frontier_lead.runs_of(path)
+    # (a file outside benchmarks/results is named with its directory, as kvplug bench's per-seed
+    # files are)
+    labels = [label for label, _, _ in got]
+    assert labels == [f"{tmp_path.name}/sim_bench_x/seed{s}" for s in (4, 5, 6)]
+    assert [r for _, _, r in got] == runs and {view for _, view, _ in got} == {"ideal"}
+    assert {frontier_lead.condition_of(label) for label in labels} == {
+        f"{tmp_path.name}/sim_bench_x:"
+    }
+
+
 def test_seeds_averaged_judge_the_default_on_the_means_with_a_paired_test():
     # the rival hits more on average and its p99 is lower: it beats the default on the means,
     # but by less than the seeds move the difference

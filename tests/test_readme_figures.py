@@ -89,14 +89,23 @@ SIM_COLUMNS: dict[str, Callable[[dict], float]] = {
 }
 
 
+# the columns a several-seed report gives as "mean (lowest–highest)": its field and scale
+SEED_RANGE_COLUMNS = {"hit %": ("hit_rate", 100.0), "TTFT p99 s": ("ttft_p99_s", 1.0)}
+
+
 def sim_expected(files: list[str], row_keys: list[str], header: list[str], rows: list[list[str]]):
     (name,) = files
     by_policy = {r["policy"]: r for r in load(name)["results"]}
     assert len(rows) == len(row_keys), f"{name}: {len(rows)} rows, marker names {len(row_keys)}"
     for key, row in zip(row_keys, rows, strict=True):
         assert key in by_policy, f"{name} has no policy {key!r}"
+        r = by_policy[key]
         for col, cell in zip(header[1:], row[1:], strict=True):
-            yield row[0], col, cell, [SIM_COLUMNS[col](by_policy[key])]
+            expected = [SIM_COLUMNS[col](r)]
+            if "over_seeds" in r and col in SEED_RANGE_COLUMNS:  # kvplug bench --seeds
+                field, scale = SEED_RANGE_COLUMNS[col]
+                expected += [scale * v for v in r["over_seeds"][field]]
+            yield row[0], col, cell, expected
 
 
 # ---------------------------------------------------------------- the speed tables
@@ -350,12 +359,15 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             loaded[vllm]["plain_latency"]["added_median_ms"],
             loaded[vllm]["plain_throughput"]["requests_per_s"],
         ],
-        # this run, then issue 14, the earlier runs' 16 policies and their 13.2, 25.9 and 44.3 s
-        # (JSON replaced)
+        # each seed's run, the six together, then issue 14, the twenty-fourth pass's 14.2 s, the
+        # earlier runs' 16 policies and their 13.2, 25.9 and 44.3 s (JSON replaced)
         ("whole-trace replay", "result"): lambda: [
-            sim["wall_s"],
+            *_range([run["wall_s"] for run in sim["seed_runs"]]),
             sim["jobs"],
+            sim["wall_s"],
+            len(sim["seeds"]),
             SKIP,  # issue 14
+            SKIP,  # the twenty-fourth pass's run
             SKIP,  # the earlier runs' policies
             SKIP,
             SKIP,
@@ -509,6 +521,14 @@ DEFAULT = "affinity-fitted"  # kvplug serve's default routing
 PREVIOUS = "affinity-balance"  # the default before issue 14's twenty-fourth pass
 
 
+def seed_runs(name: str) -> list[tuple[dict, float]]:
+    """Each seed's run in a ``kvplug bench --seeds`` report: (policy -> result, its bound)."""
+    return [
+        ({r["policy"]: r for r in run["results"]}, run["trace"]["fleet_lru_hit_rate"])
+        for run in load(name)["seed_runs"]
+    ]
+
+
 def routing_quality_text() -> list:
     """The figures of the paragraph under the routing-quality table, in reading order."""
     d = load("benchmarks/results/sim_bench.json")
@@ -522,12 +542,9 @@ def routing_quality_text() -> list:
 
     def seeds(policy: str) -> list[float]:
         """The policy against kv over replay seeds 0-5: shares of the bound, p99 ratios."""
-        shares, p99s = [], []
-        for n in range(6):
-            run = load(f"benchmarks/results/sim_seeds/seed{n}.json")
-            at = {r["policy"]: r for r in run["results"]}
-            shares.append(100 * at[policy]["hit_rate"] / run["trace"]["fleet_lru_hit_rate"])
-            p99s.append(at[policy]["ttft_p99_s"] / at["kv"]["ttft_p99_s"])
+        runs = seed_runs("benchmarks/results/sim_bench.json")
+        shares = [100 * at[policy]["hit_rate"] / bound for at, bound in runs]
+        p99s = [at[policy]["ttft_p99_s"] / at["kv"]["ttft_p99_s"] for at, _ in runs]
         return [*_range(shares), *_range(p99s)]
 
     host_shares, host_p99s = [], []  # the default with a host tier, replay seeds 1-3
@@ -861,14 +878,7 @@ def realistic_text() -> list:
     for policy in (DEFAULT, PREVIOUS, "sglang-cache-aware", "smg-cache-aware", "vllm-kv-aware"):
         r = by_policy[policy]
         out += [100 * r["hit_rate"] / bound, r["ttft_p99_s"] / kv_p99]
-    seeds = []  # replay seeds 0-5 in the same view: (policy -> result, bound)
-    for n in range(6):
-        run = load(f"benchmarks/results/sim_seeds_realistic/seed{n}.json")
-        assert (
-            run["spec"]["link"]
-            == load("benchmarks/results/sim_bench_realistic.json")["spec"]["link"]
-        ), "the same router view"
-        seeds.append(({r["policy"]: r for r in run["results"]}, run["trace"]["fleet_lru_hit_rate"]))
+    seeds = seed_runs("benchmarks/results/sim_bench_realistic.json")  # replay seeds 0-5
     for policy, p99 in ((DEFAULT, True), (PREVIOUS, False)):
         out += _range([100 * at[policy]["hit_rate"] / b for at, b in seeds])
         if p99:

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from kvplug.cli import main
 
 
@@ -112,3 +114,40 @@ def test_bench_slowdowns_make_a_mixed_fleet(tmp_path, capsys):
         argv = ["bench", "--limit", "5", "--json", "", "--no-progress", "--slowdowns", bad]
         assert main(argv) == 2
         assert "--slowdowns" in capsys.readouterr().err
+
+
+def test_bench_seeds_report_each_policys_mean_and_range_over_its_runs(tmp_path, capsys):
+    """``--seeds 3 --seed 1``: seeds 1-3, each run the one ``--seed N`` gives alone, the results
+    their means with [min, max]; the table shows the ranges, the frontier plot is drawn."""
+    out, alone = tmp_path / "s.json", tmp_path / "alone.json"
+    argv = ["bench", "--limit", "300", "--engines", "4", "--policies", "kv", "round-robin"]
+    argv += ["--jobs", "1", "--no-progress", "--realism", "realistic"]
+    assert main([*argv, "--seeds", "3", "--seed", "1", "--json", str(out)]) == 0
+    assert main([*argv, "--seed", "2", "--json", str(alone), "--plots", ""]) == 0
+    table = capsys.readouterr().out
+    report, single = json.loads(out.read_text()), json.loads(alone.read_text())
+    assert report["seeds"] == [1, 2, 3] and [r["seed"] for r in report["seed_runs"]] == [1, 2, 3]
+    timed = ("wall_s", "route_us_mean")  # the host's time, not the replay's
+
+    def replayed(results: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in timed} for r in results]
+
+    assert replayed(report["seed_runs"][1]["results"]) == replayed(single["results"])
+    hits = [[r["hit_rate"] for r in run["results"]] for run in report["seed_runs"]]
+    assert len({tuple(h) for h in hits}) > 1  # the seed reaches the replay
+    for i, row in enumerate(report["results"]):
+        for key in ("hit_rate", "ttft_p99_s"):
+            per_run = [run["results"][i][key] for run in report["seed_runs"]]
+            assert row[key] == pytest.approx(sum(per_run) / 3)
+            assert row["over_seeds"][key] == [min(per_run), max(per_run)]
+    kv = report["results"][0]
+    lo, hi = kv["over_seeds"]["hit_rate"]
+    assert f"{kv['hit_rate']:.1%} ({lo:.1%}".rstrip("%") + f"–{hi:.1%})" in table
+    assert "means over 3 runs, seeds 1, 2, 3" in table
+    capsys.readouterr()
+    plots = tmp_path / "plots"
+    assert main([*argv, "--seeds", "2", "--json", "", "--plots", str(plots)]) == 0
+    assert (plots / "sim_frontier.png").stat().st_size > 10_000
+    assert main([*argv, "--seeds", "0", "--json", ""]) == 2
+    assert main([*argv, "--seeds", "2", "--sweep", "credit=1", "temperature=0"]) == 2
+    assert "--seeds" in capsys.readouterr().err

@@ -282,6 +282,17 @@ def _run_bench(spec, args):
         raise RunError(str(exc).splitlines()[0]) from None
 
 
+def _run_seeds(spec, args):
+    """run_seeds over --seed .. --seed + --seeds - 1, a bad record being one line (exit 1)."""
+    from kvplug.sim.bench import run_seeds
+
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    try:
+        return run_seeds(spec, seeds, jobs=args.jobs, progress=not args.no_progress)
+    except ValueError as exc:
+        raise RunError(str(exc).splitlines()[0]) from None
+
+
 _LINK_FLAGS = {
     "event_delay": "event_delay_s",
     "event_jitter": "event_jitter_s",
@@ -406,6 +417,14 @@ def _register_bench(sub) -> None:
         help="grid-sweep two kv settings, e.g. --sweep credit=0.25,0.5,1 temperature=0,0.1",
     )
     p.add_argument("--sweep-base", default="kv", help="policy the sweep varies (default kv)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="replay every policy with this many seeds from --seed on and report each figure's "
+        "mean with its range over them (the seed draws tie-breaks and the router view's "
+        "jitter and losses; default 1)",
+    )
     r = p.add_argument_group("router replicas (docs/scale-out.md)")
     r.add_argument(
         "--replicas",
@@ -439,9 +458,17 @@ def _register_bench(sub) -> None:
 
 
 def _cmd_bench(args) -> int:
+    if args.seeds < 1:
+        raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
     if args.sweep:
+        if args.seeds > 1:
+            raise UsageError("--seeds: a sweep replays one seed (give --seed instead)")
         return _cmd_sweep(args)
-    report = _run_bench(_spec(args, args.policies), args)
+    spec = _spec(args, args.policies)
+    if args.seeds > 1:
+        report = _run_seeds(spec, args)
+    else:
+        report = _run_bench(spec, args)
     _finish_report(report, args, prefix="sim")
     return 0
 

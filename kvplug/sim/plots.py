@@ -43,6 +43,8 @@ def plot_report(report: dict, out_dir: str | Path, prefix: str = "sim") -> list[
     view = _router_view(report["spec"].get("link"))
     if view != IDEAL:
         title += f", {view} router view"
+    if "seeds" in report:
+        title += f"\nmeans of {len(report['seeds'])} seeds; whiskers: their lowest to highest run"
     paths = []
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -178,7 +180,8 @@ def plot_sweep(sweep: dict, out_dir: str | Path, prefix: str = "sim_sweep") -> l
 def plot_frontier(panels: list[tuple[str, dict]], path: str | Path, title: str = "") -> Path:
     """Hit rate against TTFT p99, one point per policy (or sweep point), one panel per
     ``(label, report)``: the frontier is the lower right. The one-shared-LRU bound is the dashed
-    line; 95 % of it the dotted one."""
+    line; 95 % of it the dotted one. A report of several seeds (``kvplug bench --seeds``) draws
+    each policy's means with whiskers over its runs' range."""
     plt = _plt()
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -195,7 +198,7 @@ def plot_frontier(panels: list[tuple[str, dict]], path: str | Path, title: str =
         top = 4.0 * float(np.median(p99)) if len(p99) > 2 else max(p99) * 1.1
         for i, r in enumerate(results):
             y = min(r["ttft_p99_s"], top)
-            ax.scatter(
+            dot = ax.scatter(
                 r["hit_rate"],
                 y,
                 marker=markers[i % len(markers)],
@@ -203,6 +206,22 @@ def plot_frontier(panels: list[tuple[str, dict]], path: str | Path, title: str =
                 label=names[i] if y == r["ttft_p99_s"] else f"{names[i]} (off scale)",
                 zorder=3,
             )
+            if "over_seeds" in r and y == r["ttft_p99_s"]:
+                # a mean over seeds: whiskers from its lowest to its highest run on both axes
+                (x_lo, x_hi), (y_lo, y_hi) = (
+                    r["over_seeds"][k] for k in ("hit_rate", "ttft_p99_s")
+                )
+                ax.errorbar(
+                    r["hit_rate"],
+                    y,
+                    # a mean of equal runs can sit an ulp outside them: no negative whisker
+                    xerr=[[max(r["hit_rate"] - x_lo, 0.0)], [max(x_hi - r["hit_rate"], 0.0)]],
+                    yerr=[[max(y - y_lo, 0.0)], [max(y_hi - y, 0.0)]],
+                    fmt="none",
+                    ecolor=dot.get_facecolor()[0],
+                    elinewidth=0.9,
+                    zorder=2,
+                )
             if y < r["ttft_p99_s"]:
                 ax.annotate(
                     f"{r['ttft_p99_s']:.0f} s",
