@@ -311,7 +311,7 @@ SEED_RANGES = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s")
 def run_seeds(spec: BenchSpec, seeds: list[int], jobs: int = 1, progress: bool = True) -> dict:
     """``run_bench`` once per seed, combined by ``combine_seeds``. A seed draws the tie-breaks
     between equally priced engines and, in a realistic router view, the link's jitter and
-    losses: one run's order of policies can turn on it, their means over seeds do not."""
+    losses: the order of close policies in one run can turn on it, so compare their means."""
     reports = [
         run_bench(replace(spec, seed=s), jobs=jobs, progress=progress, desc=f"seed {s}")
         for s in seeds
