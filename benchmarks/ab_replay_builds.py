@@ -107,6 +107,13 @@ def span(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
 
 
+def by_round(got: dict[str, list[dict]], case: str, key: str) -> tuple[list, list, list]:
+    """One figure of one case, round by round: the base's, the new tree's, base / new."""
+    base = [r[case][key] for r in got["base"]]
+    new = [r[case][key] for r in got["new"]]
+    return base, new, [b / n for b, n in zip(base, new, strict=True)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", help="source tree of the baseline (built in place)")
@@ -141,12 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     rows = []
     for case in got["base"][0]:
-        base = [r[case]["cpu_s"] for r in got["base"]]
-        new = [r[case]["cpu_s"] for r in got["new"]]
-        ratios = [b / n for b, n in zip(base, new, strict=True)]
-        base_route = [r[case]["route_us"] for r in got["base"]]
-        new_route = [r[case]["route_us"] for r in got["new"]]
-        route_ratios = [b / n for b, n in zip(base_route, new_route, strict=True)]
+        base, new, ratios = by_round(got, case, "cpu_s")
+        base_route, new_route, route_ratios = by_round(got, case, "route_us")
         same = len({r[case]["digest"] for r in got["base"] + got["new"]}) == 1
         cases.append(
             {

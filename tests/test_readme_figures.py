@@ -521,11 +521,11 @@ DEFAULT = "affinity-fitted"  # kvplug serve's default routing
 PREVIOUS = "affinity-balance"  # the default before issue 14's twenty-fourth pass
 
 
-def seed_runs(name: str) -> list[tuple[dict, float]]:
+def seed_runs(report: dict) -> list[tuple[dict, float]]:
     """Each seed's run in a ``kvplug bench --seeds`` report: (policy -> result, its bound)."""
     return [
         ({r["policy"]: r for r in run["results"]}, run["trace"]["fleet_lru_hit_rate"])
-        for run in load(name)["seed_runs"]
+        for run in report["seed_runs"]
     ]
 
 
@@ -540,10 +540,11 @@ def routing_quality_text() -> list:
     default = by[DEFAULT]
     bound = trace["fleet_lru_hit_rate"]
 
+    runs = seed_runs(d)
+
     def seeds(policy: str) -> list[float]:
         """The policy against kv over replay seeds 0-5: shares of the bound, p99 ratios."""
-        runs = seed_runs("benchmarks/results/sim_bench.json")
-        shares = [100 * at[policy]["hit_rate"] / bound for at, bound in runs]
+        shares = [100 * at[policy]["hit_rate"] / b for at, b in runs]
         p99s = [at[policy]["ttft_p99_s"] / at["kv"]["ttft_p99_s"] for at, _ in runs]
         return [*_range(shares), *_range(p99s)]
 
@@ -878,7 +879,7 @@ def realistic_text() -> list:
     for policy in (DEFAULT, PREVIOUS, "sglang-cache-aware", "smg-cache-aware", "vllm-kv-aware"):
         r = by_policy[policy]
         out += [100 * r["hit_rate"] / bound, r["ttft_p99_s"] / kv_p99]
-    seeds = seed_runs("benchmarks/results/sim_bench_realistic.json")  # replay seeds 0-5
+    seeds = seed_runs(run)  # replay seeds 0-5
     for policy, p99 in ((DEFAULT, True), (PREVIOUS, False)):
         out += _range([100 * at[policy]["hit_rate"] / b for at, b in seeds])
         if p99:

@@ -359,7 +359,7 @@ def combine_seeds(reports: list[dict]) -> dict:
             {
                 "seed": seed,
                 "trace": rep["trace"],
-                "results": [{k: v for k, v in r.items() if k != "series"} for r in rep["results"]],
+                "results": _without_series(rep["results"]),
                 "wall_s": rep["wall_s"],
             }
             for seed, rep in zip(seeds, reports, strict=True)
@@ -451,12 +451,17 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     return text
 
 
+def _without_series(results: list[dict]) -> list[dict]:
+    """The rows without the plots' series (the JSON keeps the figures)."""
+    return [{k: v for k, v in r.items() if k != "series"} for r in results]
+
+
 def write_json(report: dict, path: str | Path, keep_series: bool = False) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     out = dict(report)
     if not keep_series:
-        out["results"] = [{k: v for k, v in r.items() if k != "series"} for r in report["results"]]
+        out["results"] = _without_series(report["results"])
     p.write_text(json.dumps(out, indent=1, default=float) + "\n")
 
 

@@ -273,22 +273,16 @@ def _check_trace(path: str) -> None:
 
 
 def _run_bench(spec, args):
-    """run_bench, a bad record further down the trace being one line (exit 1), too."""
-    from kvplug.sim.bench import run_bench
+    """run_bench, or run_seeds over --seed .. --seed + --seeds - 1 (bench's --seeds > 1); a bad
+    record further down the trace being one line (exit 1), too."""
+    from kvplug.sim.bench import run_bench, run_seeds
 
+    seeds = getattr(args, "seeds", 1)  # demo has no --seeds
     try:
+        if seeds > 1:
+            span = list(range(args.seed, args.seed + seeds))
+            return run_seeds(spec, span, jobs=args.jobs, progress=not args.no_progress)
         return run_bench(spec, jobs=args.jobs, progress=not args.no_progress)
-    except ValueError as exc:
-        raise RunError(str(exc).splitlines()[0]) from None
-
-
-def _run_seeds(spec, args):
-    """run_seeds over --seed .. --seed + --seeds - 1, a bad record being one line (exit 1)."""
-    from kvplug.sim.bench import run_seeds
-
-    seeds = list(range(args.seed, args.seed + args.seeds))
-    try:
-        return run_seeds(spec, seeds, jobs=args.jobs, progress=not args.no_progress)
     except ValueError as exc:
         raise RunError(str(exc).splitlines()[0]) from None
 
@@ -464,11 +458,7 @@ def _cmd_bench(args) -> int:
         if args.seeds > 1:
             raise UsageError("--seeds: a sweep replays one seed (give --seed instead)")
         return _cmd_sweep(args)
-    spec = _spec(args, args.policies)
-    if args.seeds > 1:
-        report = _run_seeds(spec, args)
-    else:
-        report = _run_bench(spec, args)
+    report = _run_bench(_spec(args, args.policies), args)
     _finish_report(report, args, prefix="sim")
     return 0
 
