@@ -62,14 +62,13 @@ SOURCES = [
         ],
     ),
     (
-        "the same with a host tier (victim cache; copies)",
+        "the same with a host tier (victim cache; copies), four replay seeds (kvplug bench "
+        "--host-blocks 3280 [--host-offload stored] --seeds 4 [--realism realistic])",
         [
             "sim_bench_host_tier.json",
             "sim_bench_host_tier_stored.json",
-            "sim_seeds_host/seed*.json",
-            "sim_seeds_host_stored/seed*.json",
-            "sim_seeds_host_realistic/seed*.json",
-            "sim_seeds_host_stored_realistic/seed*.json",
+            "sim_bench_host_tier_realistic.json",
+            "sim_bench_host_tier_stored_realistic.json",
         ],
     ),
     (
@@ -175,13 +174,12 @@ def runs_of(path: Path) -> list[tuple[str, str, list[dict]]]:
             )
             out.append((f"{path.stem}: {label}", view_of(r, doc), rows))
         return out
-    # kvplug bench writes a file per seed into a directory of its own (sim_seeds_host/seed2.json)
-    name = path.stem if path.parent == RESULTS else f"{path.parent.name}/{path.stem}"
     if "seed_runs" in doc:  # kvplug bench --seeds: every seed's run, not their means
         return [
-            (f"{name}/seed{r['seed']}", view_of(doc, doc), r["results"]) for r in doc["seed_runs"]
+            (f"{path.stem}/seed{r['seed']}", view_of(doc, doc), r["results"])
+            for r in doc["seed_runs"]
         ]
-    return [(name, view_of(doc, doc), doc["results"])]
+    return [(path.stem, view_of(doc, doc), doc["results"])]
 
 
 def judge(rows: list[dict]) -> dict | None:
@@ -226,16 +224,13 @@ def judge(rows: list[dict]) -> dict | None:
 
 # the parts of a run's label that name its seed: a trace's arrival seed ("conversation seed 2"),
 # a fleet condition's replay seed (", replay seed 2"), a generated workload's draw ("shared-prefix
-# workload seed 2") and the seed fields appended to every label (" causal 2"); kvplug bench's file
-# per seed (sim_seeds_host/seed2.json), its --seeds runs (sim_bench/seed2) and the files below are
-# condition_of's
+# workload seed 2") and the seed fields appended to every label (" causal 2"); kvplug bench
+# --seeds runs (sim_bench/seed2) and the files below are condition_of's
 SEED_PARTS = re.compile(
     r"(,? replay seed \d+| workload seed \d+| seed \d+|(?<=causal|cached) \d+$)"
 )
 # a condition whose first run and other seeds were written apart: the name they share
 SEEDS_OF = {
-    "sim_bench_host_tier": "sim_seeds_host",
-    "sim_bench_host_tier_stored": "sim_seeds_host_stored",
     "fleet_conditions_fitted_seeds": "fleet_conditions",
     "routing_quality_workload_seeds": "routing_quality_default",
     "routing_quality_workload_seeds_long_prefill": "routing_quality_long_prefill",
@@ -247,7 +242,7 @@ def condition_of(run_label: str) -> str:
     stem, sep, rest = run_label.partition(": ")
     if not sep:
         stem, rest = run_label, ""
-    stem = re.sub(r"/seed\d+$", "", SEEDS_OF.get(stem, stem))  # kvplug bench: a file per seed
+    stem = re.sub(r"/seed\d+$", "", SEEDS_OF.get(stem, stem))  # kvplug bench --seeds: a run
     return f"{stem}: {SEED_PARTS.sub('', rest)}".strip()
 
 

@@ -120,10 +120,11 @@ def test_a_runs_condition_is_its_label_without_its_seed():
     assert c("routing_quality_workload_seeds_long_prefill: doc-qa workload seed 1 causal 0") == (
         c("routing_quality_long_prefill: doc-qa causal 0")
     )
-    # kvplug bench's file per seed: the directory is the condition (the first run apart)
-    assert c("sim_bench_host_tier") == c("sim_seeds_host/seed2") != c("sim_bench_host_tier_stored")
+    # kvplug bench --seeds: the file is the condition, each seed's run one of its runs
     assert (
-        c("sim_seeds_host/seed3") == c("sim_seeds_host/seed0") != c("sim_seeds_host_stored/seed0")
+        c("sim_bench_host_tier/seed3")
+        == c("sim_bench_host_tier/seed0")
+        != c("sim_bench_host_tier_stored/seed0")
     )
 
 
@@ -140,14 +141,10 @@ def test_a_several_seed_bench_file_is_read_run_by_run(tmp_path):
     path = tmp_path / "sim_bench_x.json"
     path.write_text(json.dumps(doc))
     got = frontier_lead.runs_of(path)
-    # (a file outside benchmarks/results is named with its directory, as kvplug bench's per-seed
-    # files are)
     labels = [label for label, _, _ in got]
-    assert labels == [f"{tmp_path.name}/sim_bench_x/seed{s}" for s in (4, 5, 6)]
+    assert labels == [f"sim_bench_x/seed{s}" for s in (4, 5, 6)]
     assert [r for _, _, r in got] == runs and {view for _, view, _ in got} == {"ideal"}
-    assert {frontier_lead.condition_of(label) for label in labels} == {
-        f"{tmp_path.name}/sim_bench_x:"
-    }
+    assert {frontier_lead.condition_of(label) for label in labels} == {"sim_bench_x:"}
 
 
 def test_seeds_averaged_judge_the_default_on_the_means_with_a_paired_test():

@@ -548,13 +548,12 @@ def routing_quality_text() -> list:
         p99s = [at[policy]["ttft_p99_s"] / at["kv"]["ttft_p99_s"] for at, _ in runs]
         return [*_range(shares), *_range(p99s)]
 
-    host_shares, host_p99s = [], []  # the default with a host tier, replay seeds 1-3
-    for n in (1, 2, 3):
-        run = load(f"benchmarks/results/sim_seeds_host/seed{n}.json")
-        at = {r["policy"]: r for r in run["results"]}
-        host_shares.append(100 * at[DEFAULT]["hit_rate"])
+    host_hits, host_p99s = [], []  # the default with a host tier, run by run (seeds 0-3)
+    for at, _ in seed_runs(host_run):
+        host_hits.append(100 * at[DEFAULT]["hit_rate"])
         host_p99s.append(at[DEFAULT]["ttft_p99_s"] / at["kv"]["ttft_p99_s"])
-    assert max(host_p99s) == host_p99s[2], "the paragraph says: on seed 3 its p99 is over kv's"
+    assert host_run["seeds"] == [0, 1, 2, 3], "the paragraph says: seeds 0 to 3"
+    assert max(host_p99s) == host_p99s[3] > 1, "the paragraph says: on seed 3 its p99 is over kv's"
     return [
         100 * trace["oracle_hit_rate"],
         100 * bound,
@@ -573,18 +572,20 @@ def routing_quality_text() -> list:
         100 * vllm["hit_rate"],
         vllm["ttft_p99_s"] / kv["ttft_p99_s"],
         host_run["spec"]["host_capacity_blocks"] / d["spec"]["capacity_blocks"],
+        SKIP,  # --host-blocks 3280
+        len(host_run["seeds"]),
+        host_run["seeds"][0],
+        host_run["seeds"][-1],
         100 * host_run["trace"]["fleet_lru_hit_rate"],
         100 * host["kv"]["hit_rate"],
         100 * host["approx"]["hit_rate"],
         100 * host[DEFAULT]["hit_rate"],
         100 * host[DEFAULT]["hit_rate"] / host_run["trace"]["fleet_lru_hit_rate"],
         host[DEFAULT]["ttft_p99_s"] / host["kv"]["ttft_p99_s"],
-        *_range(host_shares),
+        *_range(host_hits),
         *_range(host_p99s),
-        1,  # seeds 1-3
-        3,
         3,  # seed 3
-        100 * (host_p99s[2] - 1),
+        100 * (host_p99s[3] - 1),
         SKIP,  # the router's host credit, a setting
         100 * host["vllm-kv-aware"]["hit_rate"],
         100 * host["sglang-cache-aware"]["hit_rate"],
@@ -1322,27 +1323,42 @@ def kv_allocation_text() -> list:
     ]
 
 
+def beaten_by(rows: list[dict], policy: str) -> list[str]:
+    """The policies that beat ``policy`` on both axes in one run (bench_routing_quality.py's
+    judgement, the one every routing figure uses)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_routing_quality import beaten_by as judged
+
+    return judged(rows, policy)
+
+
+def host_report(name: str, offload: str) -> tuple[dict, float, list[tuple[dict, float]]]:
+    """A host-tier ``kvplug bench --seeds`` report: its means by policy, its bound, its runs."""
+    doc = load(name)
+    assert doc["spec"]["host_offload"] == offload and doc["spec"]["host_capacity_blocks"]
+    by = {r["policy"]: r for r in doc["results"]}
+    return by, doc["trace"]["fleet_lru_hit_rate"], seed_runs(doc)
+
+
 def host_stored_text() -> list:
-    """The host tier as vLLM's default offloading connector keeps it (copies): the bound, the
-    default's hit rate and share of it and TTFT p99 against kv's, kv's and vllm-router's hit
-    rates, sglang-router's and smg's hit rates and p99s against kv's; over replay seeds 1-3 the
-    default's hit rates and p99 ratios."""
-
-    def run(name: str) -> tuple[float, dict]:
-        doc = load(name)
-        assert doc["spec"]["host_offload"] == "stored" and doc["spec"]["host_capacity_blocks"]
-        return doc["trace"]["fleet_lru_hit_rate"], {r["policy"]: r for r in doc["results"]}
-
-    bound, by = run("benchmarks/results/sim_bench_host_tier_stored.json")
-    seeds = [run(f"benchmarks/results/sim_seeds_host_stored/seed{s}.json")[1] for s in (1, 2, 3)]
-    hits = [100 * r[DEFAULT]["hit_rate"] for r in seeds]
-    ratios = [r[DEFAULT]["ttft_p99_s"] / r["kv"]["ttft_p99_s"] for r in seeds]
+    """The host tier as vLLM's default offloading connector keeps it (copies), means over seeds
+    0-3: the bound, the default's hit rate and share of it and TTFT p99 against kv's, kv's and
+    vllm-router's hit rates, sglang-router's and smg's hit rates and p99s against kv's; run by
+    run the default's hit rates and p99 ratios."""
+    by, bound, runs = host_report("benchmarks/results/sim_bench_host_tier_stored.json", "stored")
+    hits = [100 * at[DEFAULT]["hit_rate"] for at, _ in runs]
+    ratios = [at[DEFAULT]["ttft_p99_s"] / at["kv"]["ttft_p99_s"] for at, _ in runs]
+    winners = beaten_by(list(by.values()), DEFAULT)
+    assert not winners, f"the paragraph says no policy crosses the default's frontier: {winners}"
     return [
         SKIP,  # 2x
         SKIP,  # 3x
         SKIP,  # --host-blocks 3280
+        len(runs),
         SKIP,  # vLLM 0.32.0
         100 * bound,
+        0,  # seeds 0
+        len(runs) - 1,  # to 3
         100 * by[DEFAULT]["hit_rate"],
         100 * by[DEFAULT]["hit_rate"] / bound,
         by[DEFAULT]["ttft_p99_s"] / by["kv"]["ttft_p99_s"],
@@ -1352,13 +1368,50 @@ def host_stored_text() -> list:
         100 * by["smg-cache-aware"]["hit_rate"],
         by["sglang-cache-aware"]["ttft_p99_s"] / by["kv"]["ttft_p99_s"],
         by["smg-cache-aware"]["ttft_p99_s"] / by["kv"]["ttft_p99_s"],
-        SKIP,  # seeds 1
-        SKIP,  # ... 3
-        min(hits),
-        max(hits),
-        min(ratios),
-        max(ratios),
+        *_range(hits),
+        *_range(ratios),
     ]
+
+
+def host_realistic_text() -> list:
+    """Both host tiers in the realistic view, means over seeds 0-3: the default leads on the
+    means and in every run; per tier its hit rate, share of the bound, range of hit rates, p99
+    against kv's and its range; the victim cache's sglang-router and smg hit rates and p99s, the
+    copies' smg hit rate and p99."""
+    victim = host_report("benchmarks/results/sim_bench_host_tier_realistic.json", "evicted")
+    copies = host_report("benchmarks/results/sim_bench_host_tier_stored_realistic.json", "stored")
+    out: list = [SKIP, len(victim[2])]  # --host-blocks 3280, --seeds 4
+    n_policies = {len(victim[0]), len(copies[0])}
+    assert n_policies == {10}, n_policies
+    out += [10, SKIP, 6]  # the 10 policies; issue 14's thirty-second pass's 6
+    led = 0
+    for by, _, runs in (victim, copies):
+        assert not beaten_by(list(by.values()), DEFAULT), "the paragraph: leads on the means"
+        led += sum(not beaten_by(list(at.values()), DEFAULT) for at, _ in runs)
+    out.append(led)
+    assert led == len(victim[2]) + len(copies[2]), "the paragraph: the default leads every run"
+
+    def tier(by: dict, bound: float, runs: list) -> list:
+        hits = [100 * at[DEFAULT]["hit_rate"] for at, _ in runs]
+        p99s = [at[DEFAULT]["ttft_p99_s"] / at["kv"]["ttft_p99_s"] for at, _ in runs]
+        return [
+            100 * by[DEFAULT]["hit_rate"],
+            100 * by[DEFAULT]["hit_rate"] / bound,
+            *_range(hits),
+            by[DEFAULT]["ttft_p99_s"] / by["kv"]["ttft_p99_s"],
+            *_range(p99s),
+        ]
+
+    def vs_kv(by: dict, policy: str) -> float:
+        return by[policy]["ttft_p99_s"] / by["kv"]["ttft_p99_s"]
+
+    v = victim[0]
+    out += tier(*victim)
+    out += [100 * v["sglang-cache-aware"]["hit_rate"], 100 * v["smg-cache-aware"]["hit_rate"]]
+    out += [vs_kv(v, "sglang-cache-aware"), vs_kv(v, "smg-cache-aware")]
+    out += tier(*copies)
+    out += [100 * copies[0]["smg-cache-aware"]["hit_rate"], vs_kv(copies[0], "smg-cache-aware")]
+    return out
 
 
 def frontier_lead_text() -> list:
@@ -1447,6 +1500,7 @@ PARAGRAPHS = {
     "The simulated engines schedule that flag": long_prefill_adaptive_text,
     "The simulated engines reserve a request's prompt": kv_allocation_text,
     "That host tier is a victim cache": host_stored_text,
+    "Both host tiers in the realistic router view too": host_realistic_text,
     "Does the default lead the frontier": frontier_lead_text,
 }
 
