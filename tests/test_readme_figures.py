@@ -113,72 +113,83 @@ def _range(values: list[float]) -> list[float]:
     return [min(values), max(values)]
 
 
+# the ratio rows of the core table: its row (how it starts) and bench_core.py's ratio keys, each
+# shown as a range over the rounds of every worker count
+CORE_RATIO_ROWS = {
+    "query, 8,192-token": ["query 8192 tok"],
+    "query, 1,024 / 128": ["query 1024 tok", "query 128 tok"],
+    "apply, one": ["apply (CPU)"],
+    "apply into an index pre-sized": ["apply, pre-sized as the router does (CPU)"],
+    "hashing a vLLM": ["hashing, event token lists (wall)"],
+    "hashing the list just": ["hashing, event token lists as decoded (wall)"],
+    "hashing the same": ["numpy into kvplug: hashing event tokens"],
+}
+
+
+def core_ratio_rules(name: str, column: str) -> dict[tuple[str, str], Callable[[], list]]:
+    """One bench_core.py run's ratio column of the core table."""
+    rows = load(name)["workers"]
+    by_workers = sorted(rows, key=lambda r: r["workers"])
+
+    def ratio(key: str) -> list[float]:
+        s = [r["summary"]["ratios"][key] for r in rows]
+        return [min(x["min"] for x in s), max(x["max"] for x in s)]
+
+    def memory(key: str) -> list[float]:
+        return [r["summary"]["ratios"][key]["median"] for r in by_workers]
+
+    rules: dict[tuple[str, str], Callable[[], list]] = {
+        (row, column): (lambda keys=keys: [v for k in keys for v in ratio(k)])
+        for row, keys in CORE_RATIO_ROWS.items()
+    }
+    rules[("hash + query", column)] = lambda: [
+        min(ratio(f"hash+query {n} tok")[0] for n in (128, 1024, 8192)),
+        max(ratio(f"hash+query {n} tok")[1] for n in (128, 1024, 8192)),
+    ]
+    rules[("the same, the index pre-sized", column)] = lambda: memory(
+        "memory, pre-sized (kvplug / Dynamo RSS)"
+    )
+    rules[("memory", column)] = lambda: memory("memory (kvplug / Dynamo RSS)")
+    return rules
+
+
 def core_rules() -> dict[tuple[str, str], Callable[[], list]]:
-    """Ranges over worker counts of the per-round ranges bench_core.py wrote."""
+    """Ranges over worker counts of the per-round ranges bench_core.py wrote: the run on the
+    AMD EPYC host (speeds and ratios) and the Intel Xeon one (ratios)."""
     rows = load("benchmarks/results/bench_core.json")["workers"]
 
     def span(key: str, scale: float = 1.0) -> list[float]:
         s = [r["summary"][key] for r in rows]
         return [min(x["min"] for x in s) / scale, max(x["max"] for x in s) / scale]
 
-    def ratio(key: str) -> list[float]:
-        s = [r["summary"]["ratios"][key] for r in rows]
-        return [min(x["min"] for x in s), max(x["max"] for x in s)]
-
     def mib(side: str) -> list[float]:
         v = [m["rss_mib_per_million_blocks"] for r in rows for m in r["memory"][side]]
         return [min(v), max(v)]
 
-    by_workers = sorted(rows, key=lambda r: r["workers"])
     return {
         ("query, 8,192-token", "kvplug (C)"): lambda: span("kvplug_query_8192_median_us"),
         ("query, 8,192-token", "Dynamo"): lambda: span("dynamo_query_8192_median_us"),
-        ("query, 8,192-token", "kvplug vs Dynamo"): lambda: ratio("query 8192 tok"),
-        ("query, 1,024 / 128", "kvplug vs Dynamo"): lambda: [
-            *ratio("query 1024 tok"),
-            *ratio("query 128 tok"),
-        ],
-        ("hash + query", "kvplug vs Dynamo"): lambda: [
-            min(ratio(f"hash+query {n} tok")[0] for n in (128, 1024, 8192)),
-            max(ratio(f"hash+query {n} tok")[1] for n in (128, 1024, 8192)),
-        ],
         ("apply, one", "kvplug (C)"): lambda: span("kvplug_apply_blocks_per_cpu_s", 1e6),
         ("apply, one", "Dynamo"): lambda: span("dynamo_apply_blocks_per_cpu_s", 1e6),
-        ("apply, one", "kvplug vs Dynamo"): lambda: ratio("apply (CPU)"),
         ("apply into an index pre-sized", "kvplug (C)"): lambda: span(
             "kvplug_presized_apply_blocks_per_cpu_s", 1e6
         ),
         ("apply into an index pre-sized", "Dynamo"): lambda: span(
             "dynamo_apply_blocks_per_cpu_s", 1e6
         ),
-        ("apply into an index pre-sized", "kvplug vs Dynamo"): lambda: ratio(
-            "apply, pre-sized as the router does (CPU)"
-        ),
         ("hashing a vLLM", "kvplug (C)"): lambda: span("kvplug_hash_event_list_tokens_per_s", 1e9),
         ("hashing a vLLM", "Dynamo"): lambda: span("dynamo_hash_event_list_tokens_per_s", 1e9),
-        ("hashing a vLLM", "kvplug vs Dynamo"): lambda: ratio("hashing, event token lists (wall)"),
         ("hashing the list just", "kvplug (C)"): lambda: span(
             "kvplug_hash_event_decoded_tokens_per_s", 1e9
         ),
         ("hashing the list just", "Dynamo"): lambda: span(
             "dynamo_hash_event_decoded_tokens_per_s", 1e9
         ),
-        ("hashing the list just", "kvplug vs Dynamo"): lambda: ratio(
-            "hashing, event token lists as decoded (wall)"
-        ),
-        ("hashing the same", "kvplug vs Dynamo"): lambda: ratio(
-            "numpy into kvplug: hashing event tokens"
-        ),
         ("memory", "kvplug (C)"): lambda: mib("kvplug"),
         ("memory", "Dynamo"): lambda: mib("dynamo"),
         ("the same, the index pre-sized", "kvplug (C)"): lambda: mib("kvplug_presized"),
-        ("the same, the index pre-sized", "kvplug vs Dynamo"): lambda: [
-            r["summary"]["ratios"]["memory, pre-sized (kvplug / Dynamo RSS)"]["median"]
-            for r in by_workers
-        ],
-        ("memory", "kvplug vs Dynamo"): lambda: [
-            r["summary"]["ratios"]["memory (kvplug / Dynamo RSS)"]["median"] for r in by_workers
-        ],
+        **core_ratio_rules("benchmarks/results/bench_core.json", "kvplug vs Dynamo"),
+        **core_ratio_rules("benchmarks/results/bench_core_intel.json", "the same, Intel Xeon VM"),
     }
 
 
@@ -1485,6 +1496,42 @@ def frontier_lead_text() -> list:
     ]
 
 
+def core_intel_text() -> list:
+    """bench_list_read_floor.py on the Intel Xeon VM (the read loop, kvplug's and Dynamo's ns a
+    token out of the cache, Dynamo over the loop there and on lists just decoded; kvplug in the
+    cache) and bench_core.py's apply
+    speeds there (kvplug growing and pre-sized, Dynamo)."""
+    cases = load("benchmarks/results/list_read_floor_intel.json")["cases"]
+    cold, warm = cases["out_of_cache_256_lists"], cases["in_cache_8_lists"]
+    decoded = cases["as_decoded_256_lists"]
+
+    def ns(case: dict, method: str) -> list[float]:
+        return [case["ns_per_token"][method]["min"], case["ns_per_token"][method]["max"]]
+
+    rows = load("benchmarks/results/bench_core_intel.json")["workers"]
+
+    def span(key: str) -> list[float]:
+        s = [r["summary"][key] for r in rows]
+        return [min(x["min"] for x in s) / 1e6, max(x["max"] for x in s) / 1e6]
+
+    return [
+        *ns(cold, "read_floor"),
+        cold["lists"],
+        *ns(cold, "kvplug_list"),
+        *ns(cold, "dynamo_list"),
+        cold["dynamo_over_read_floor"]["min"],
+        cold["dynamo_over_read_floor"]["max"],
+        decoded["dynamo_over_read_floor"]["min"],
+        decoded["dynamo_over_read_floor"]["max"],
+        warm["dynamo_over_kvplug_list"]["min"],
+        warm["dynamo_over_kvplug_list"]["max"],
+        warm["lists"],
+        *span("kvplug_apply_blocks_per_cpu_s"),
+        *span("kvplug_presized_apply_blocks_per_cpu_s"),
+        *span("dynamo_apply_blocks_per_cpu_s"),
+    ]
+
+
 PARAGRAPHS = {
     "Side by side in the same runs": frontend_text,
     "In the realistic router view": realistic_text,
@@ -1502,6 +1549,7 @@ PARAGRAPHS = {
     "That host tier is a victim cache": host_stored_text,
     "Both host tiers in the realistic router view too": host_realistic_text,
     "Does the default lead the frontier": frontier_lead_text,
+    "On the Intel Xeon VM the hashing rows": core_intel_text,
 }
 
 
