@@ -113,6 +113,12 @@ def _range(values: list[float]) -> list[float]:
     return [min(values), max(values)]
 
 
+def summary_span(rows: list[dict], key: str, scale: float = 1.0) -> list[float]:
+    """A bench_core.py figure's lowest and highest round over every worker count, scaled."""
+    s = [r["summary"][key] for r in rows]
+    return [min(x["min"] for x in s) / scale, max(x["max"] for x in s) / scale]
+
+
 # the ratio rows of the core table: its row (how it starts) and bench_core.py's ratio keys, each
 # shown as a range over the rounds of every worker count
 CORE_RATIO_ROWS = {
@@ -159,8 +165,7 @@ def core_rules() -> dict[tuple[str, str], Callable[[], list]]:
     rows = load("benchmarks/results/bench_core.json")["workers"]
 
     def span(key: str, scale: float = 1.0) -> list[float]:
-        s = [r["summary"][key] for r in rows]
-        return [min(x["min"] for x in s) / scale, max(x["max"] for x in s) / scale]
+        return summary_span(rows, key, scale)
 
     def mib(side: str) -> list[float]:
         v = [m["rss_mib_per_million_blocks"] for r in rows for m in r["memory"][side]]
@@ -1499,8 +1504,7 @@ def frontier_lead_text() -> list:
 def core_intel_text() -> list:
     """bench_list_read_floor.py on the Intel Xeon VM (the read loop, kvplug's and Dynamo's ns a
     token out of the cache, Dynamo over the loop there and on lists just decoded; kvplug in the
-    cache) and bench_core.py's apply
-    speeds there (kvplug growing and pre-sized, Dynamo)."""
+    cache) and bench_core.py's apply speeds there (kvplug growing and pre-sized, Dynamo)."""
     cases = load("benchmarks/results/list_read_floor_intel.json")["cases"]
     cold, warm = cases["out_of_cache_256_lists"], cases["in_cache_8_lists"]
     decoded = cases["as_decoded_256_lists"]
@@ -1511,8 +1515,7 @@ def core_intel_text() -> list:
     rows = load("benchmarks/results/bench_core_intel.json")["workers"]
 
     def span(key: str) -> list[float]:
-        s = [r["summary"][key] for r in rows]
-        return [min(x["min"] for x in s) / 1e6, max(x["max"] for x in s) / 1e6]
+        return summary_span(rows, key, 1e6)
 
     return [
         *ns(cold, "read_floor"),

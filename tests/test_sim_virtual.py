@@ -97,6 +97,36 @@ def test_bench_reports_every_policy(first_800, tmp_path):
     assert paths[-1].name == "sim_frontier.png"
 
 
+def test_a_one_report_frontier_zooms_on_the_policies_near_the_bound(tmp_path):
+    """The policies within 10 % of the bound and of the lowest TTFT p99 among those get a second,
+    zoomed panel; a policy near the bound but slower, or far from it, is left to the full view;
+    with fewer than two such policies, or several reports, there is no zoom panel."""
+    from matplotlib.image import imread
+
+    from kvplug.sim.plots import _near_the_bound, plot_frontier
+
+    def row(policy: str, hit: float, p99: float) -> dict:
+        return {"policy": policy, "hit_rate": hit, "ttft_p99_s": p99}
+
+    rows = [
+        row("default", 0.249, 4.95),
+        row("before", 0.246, 4.94),
+        row("slower", 0.248, 7.2),  # near the bound, 1.46x the lowest p99
+        row("kv", 0.21, 4.96),  # far from the bound
+        row("round-robin", 0.078, 7.4),
+    ]
+    report = {"results": rows, "trace": {"fleet_lru_hit_rate": 0.2576}}
+    assert [r["policy"] for r in _near_the_bound(rows, 0.2576)] == ["default", "before"]
+    widths = {}
+    for name, panels in {
+        "zoomed": [("one", report)],
+        "alone": [("one", {**report, "results": rows[2:]})],  # only "slower" near the bound
+        "two": [("one", report), ("two", report)],
+    }.items():
+        widths[name] = imread(plot_frontier(panels, tmp_path / f"{name}.png")).shape[1]
+    assert widths["zoomed"] == widths["two"] == 2 * widths["alone"]
+
+
 def test_the_plots_name_a_router_view_other_than_the_ideal_one():
     from dataclasses import asdict, replace
 

@@ -29,6 +29,20 @@ def _router_view(link: dict | None) -> str:
     return "custom"
 
 
+def report_title(report: dict) -> str:
+    """What a bench report's plots are titled with: the trace, the fleet, the router view, and
+    for a report of several seeds what its points and whiskers are."""
+    tr = report["trace"]
+    n_eng = report["spec"]["n_engines"]
+    title = f"{tr['requests']} requests, {n_eng} simulated engines (8B / H200 model)"
+    view = _router_view(report["spec"].get("link"))
+    if view != IDEAL:
+        title += f", {view} router view"
+    if "seeds" in report:
+        title += f"\nmeans of {len(report['seeds'])} seeds; whiskers: their lowest to highest run"
+    return title
+
+
 def plot_report(report: dict, out_dir: str | Path, prefix: str = "sim") -> list[Path]:
     """Write ``{prefix}_ttft_cdf.png``, ``{prefix}_hit_rate.png``, ``{prefix}_load.png``."""
     plt = _plt()
@@ -38,13 +52,7 @@ def plot_report(report: dict, out_dir: str | Path, prefix: str = "sim") -> list[
     out.mkdir(parents=True, exist_ok=True)
     results = report["results"]
     tr = report["trace"]
-    n_eng = report["spec"]["n_engines"]
-    title = f"{tr['requests']} requests, {n_eng} simulated engines (8B / H200 model)"
-    view = _router_view(report["spec"].get("link"))
-    if view != IDEAL:
-        title += f", {view} router view"
-    if "seeds" in report:
-        title += f"\nmeans of {len(report['seeds'])} seeds; whiskers: their lowest to highest run"
+    title = report_title(report)
     paths = []
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -177,69 +185,141 @@ def plot_sweep(sweep: dict, out_dir: str | Path, prefix: str = "sim_sweep") -> l
     return paths
 
 
+MARKERS = "os^Dv<>pP*Xh"
+
+
+def _draw_policies(ax, results: list[dict], top: float, names_beside: bool = False) -> None:
+    """Each policy's point (its colour and marker by its place in ``results``, so a zoom reads
+    with the full view's legend), with whiskers over its runs for a report of several seeds; a
+    point above ``top`` is drawn at the top edge with its value written next to it.
+    ``names_beside`` writes each name beside its point."""
+    order = sorted(range(len(results)), key=lambda i: results[i]["hit_rate"])
+    for i, r in enumerate(results):
+        name = r["policy"]
+        y = min(r["ttft_p99_s"], top)
+        colour = f"C{i % 10}"
+        ax.scatter(
+            r["hit_rate"],
+            y,
+            marker=MARKERS[i % len(MARKERS)],
+            s=46,
+            color=colour,
+            label=name if y == r["ttft_p99_s"] else f"{name} (off scale)",
+            zorder=3,
+        )
+        if "over_seeds" in r and y == r["ttft_p99_s"]:
+            # a mean over seeds: whiskers from its lowest to its highest run on both axes
+            (x_lo, x_hi), (y_lo, y_hi) = (r["over_seeds"][k] for k in ("hit_rate", "ttft_p99_s"))
+            ax.errorbar(
+                r["hit_rate"],
+                y,
+                # a mean of equal runs can sit an ulp outside them: no negative whisker
+                xerr=[[max(r["hit_rate"] - x_lo, 0.0)], [max(x_hi - r["hit_rate"], 0.0)]],
+                yerr=[[max(y - y_lo, 0.0)], [max(y_hi - y, 0.0)]],
+                fmt="none",
+                ecolor=colour,
+                elinewidth=0.9,
+                zorder=2,
+            )
+        if y < r["ttft_p99_s"]:
+            ax.annotate(
+                f"{r['ttft_p99_s']:.0f} s",
+                (r["hit_rate"], y),
+                textcoords="offset points",
+                xytext=(6, -10),
+                fontsize=7,
+            )
+        elif names_beside:
+            # names on staggered levels above and below, in order of hit rate, each tied to its
+            # point: close points' names then do not sit on one another
+            level = order.index(i) % 4
+            ax.annotate(
+                name,
+                (r["hit_rate"], y),
+                textcoords="offset points",
+                xytext=(-10, (14, -18, 28, -32)[level]),
+                fontsize=6.5,
+                color=colour,
+                arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.5},
+            )
+
+
+def _bound_lines(ax, bound: float, legend: bool) -> None:
+    ax.axvline(
+        bound, color="k", ls="--", lw=1, label="one shared LRU (fleet memory)" if legend else None
+    )
+    ax.axvline(0.95 * bound, color="k", ls=":", lw=1, label="95 % of it" if legend else None)
+
+
+def _near_the_bound(results: list[dict], bound: float) -> list[dict]:
+    """The policies a one-panel frontier zooms on: within 10 % of the bound's hit rate, and of
+    those the ones with a TTFT p99 within 10 % of the lowest (where the frontier is decided)."""
+    near = [r for r in results if r["hit_rate"] >= 0.9 * bound]
+    fastest = min((r["ttft_p99_s"] for r in near), default=0.0)
+    return [r for r in near if r["ttft_p99_s"] <= 1.1 * fastest]
+
+
 def plot_frontier(panels: list[tuple[str, dict]], path: str | Path, title: str = "") -> Path:
     """Hit rate against TTFT p99, one point per policy (or sweep point), one panel per
     ``(label, report)``: the frontier is the lower right. The one-shared-LRU bound is the dashed
     line; 95 % of it the dotted one. A report of several seeds (``kvplug bench --seeds``) draws
-    each policy's means with whiskers over its runs' range."""
+    each policy's means with whiskers over its runs' range. One report with two or more
+    policies near the bound at about the same TTFT p99 (``_near_the_bound``) gets a second panel
+    zoomed on them, each named, since at the full view's scale they sit on one another."""
     plt = _plt()
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    cols = min(len(panels), 2)
-    rows = -(-len(panels) // cols)
+    zoom = None
+    if len(panels) == 1:
+        report = panels[0][1]
+        near = _near_the_bound(report["results"], report["trace"]["fleet_lru_hit_rate"])
+        zoom = near if len(near) >= 2 else None
+    cols = 2 if zoom else min(len(panels), 2)
+    rows = -(-len(panels) // cols) if not zoom else 1
     fig, axes = plt.subplots(rows, cols, figsize=(6.2 * cols, 4.6 * rows), squeeze=False)
-    markers = "os^Dv<>pP*Xh"
     for ax, (label, report) in zip(axes.flat, panels, strict=False):
         results = report["results"]
-        names = [r["policy"] for r in results]
         p99 = [r["ttft_p99_s"] for r in results]
         # a collapsed policy (a queue growing all run) would squash the rest: draw it at the top
         # edge with its value written next to it
         top = 4.0 * float(np.median(p99)) if len(p99) > 2 else max(p99) * 1.1
-        for i, r in enumerate(results):
-            y = min(r["ttft_p99_s"], top)
-            dot = ax.scatter(
-                r["hit_rate"],
-                y,
-                marker=markers[i % len(markers)],
-                s=46,
-                label=names[i] if y == r["ttft_p99_s"] else f"{names[i]} (off scale)",
-                zorder=3,
-            )
-            if "over_seeds" in r and y == r["ttft_p99_s"]:
-                # a mean over seeds: whiskers from its lowest to its highest run on both axes
-                (x_lo, x_hi), (y_lo, y_hi) = (
-                    r["over_seeds"][k] for k in ("hit_rate", "ttft_p99_s")
-                )
-                ax.errorbar(
-                    r["hit_rate"],
-                    y,
-                    # a mean of equal runs can sit an ulp outside them: no negative whisker
-                    xerr=[[max(r["hit_rate"] - x_lo, 0.0)], [max(x_hi - r["hit_rate"], 0.0)]],
-                    yerr=[[max(y - y_lo, 0.0)], [max(y_hi - y, 0.0)]],
-                    fmt="none",
-                    ecolor=dot.get_facecolor()[0],
-                    elinewidth=0.9,
-                    zorder=2,
-                )
-            if y < r["ttft_p99_s"]:
-                ax.annotate(
-                    f"{r['ttft_p99_s']:.0f} s",
-                    (r["hit_rate"], y),
-                    textcoords="offset points",
-                    xytext=(6, -10),
-                    fontsize=7,
-                )
-        bound = report["trace"]["fleet_lru_hit_rate"]
-        ax.axvline(bound, color="k", ls="--", lw=1, label="one shared LRU (fleet memory)")
-        ax.axvline(0.95 * bound, color="k", ls=":", lw=1, label="95 % of it")
+        _draw_policies(ax, results, top)
+        _bound_lines(ax, report["trace"]["fleet_lru_hit_rate"], legend=True)
         ax.set_ylim(0, top * 1.08)
         ax.set_xlabel("KV hit rate (reused prompt blocks / prompt blocks)")
         ax.set_ylabel("TTFT p99 (s)")
         ax.set_title(label, fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6.5, loc="best")
-    for ax in list(axes.flat)[len(panels) :]:
+    if zoom:
+        label, report = panels[0]
+        ax = axes[0, 1]
+        results = report["results"]
+        bound = report["trace"]["fleet_lru_hit_rate"]
+        # the same colours and markers as the full view: the others drawn but outside the limits
+        _draw_policies(ax, results, float("inf"), names_beside=True)
+        _bound_lines(ax, bound, legend=False)
+        lo = [r.get("over_seeds", {}).get("hit_rate", [r["hit_rate"]])[0] for r in zoom]
+        hi = [r.get("over_seeds", {}).get("hit_rate", [r["hit_rate"]])[-1] for r in zoom]
+        y_lo = [r.get("over_seeds", {}).get("ttft_p99_s", [r["ttft_p99_s"]])[0] for r in zoom]
+        y_hi = [r.get("over_seeds", {}).get("ttft_p99_s", [r["ttft_p99_s"]])[-1] for r in zoom]
+        kv = [(i, r) for i, r in enumerate(results) if r["policy"] == "kv"]
+        for i, r in kv:  # issue 14's bar: a TTFT p99 no worse than kv's, in kv's colour
+            line = ax.axhline(r["ttft_p99_s"], color=f"C{i % 10}", ls="-.", lw=0.8)
+            ax.legend([line], ["kv's TTFT p99"], fontsize=6.5, loc="upper right")
+            y_lo.append(r["ttft_p99_s"])
+        x0, x1 = min(lo), max(max(hi), bound)
+        y0, y1 = min(y_lo), max(y_hi)
+        ax.set_xlim(x0 - 0.08 * (x1 - x0), x1 + 0.08 * (x1 - x0))
+        ax.set_ylim(y0 - 0.1 * (y1 - y0), y1 + 0.15 * (y1 - y0))
+        ax.set_xlabel("KV hit rate (reused prompt blocks / prompt blocks)")
+        ax.set_ylabel("TTFT p99 (s)")
+        ax.set_title(
+            f"zoomed: {len(zoom)} policies near the bound, at most 10 % over their lowest p99",
+            fontsize=9,
+        )
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(panels) + (1 if zoom else 0) :]:
         ax.axis("off")
     if title:
         fig.suptitle(title, fontsize=10)
