@@ -310,8 +310,9 @@ def plot_frontier(panels: list[tuple[str, dict]], path: str | Path, title: str =
         x0, x1 = min(lo), max(max(hi), bound)
         y0 = min(y_lo + [p for _, p in kv])  # kv's line in view wherever it is
         y1 = max(y_hi + [p for _, p in kv])
+        dy = (y1 - y0) or 0.02 * abs(y0) or 1.0  # points at one p99 (a sweep): still a range
         ax.set_xlim(x0 - 0.08 * (x1 - x0), x1 + 0.08 * (x1 - x0))
-        ax.set_ylim(y0 - 0.1 * (y1 - y0), y1 + 0.15 * (y1 - y0))
+        ax.set_ylim(y0 - 0.1 * dy, y1 + 0.15 * dy)
         ax.set_xlabel("KV hit rate (reused prompt blocks / prompt blocks)")
         ax.set_ylabel("TTFT p99 (s)")
         ax.set_title(
