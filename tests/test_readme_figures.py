@@ -545,6 +545,22 @@ def seed_runs(report: dict) -> list[tuple[dict, float]]:
     ]
 
 
+def default_by_run(runs: list[tuple[dict, float]]) -> tuple[list[float], list[float]]:
+    """The default's hit rate (%) and TTFT p99 against kv's in each of ``seed_runs``' runs."""
+    hits = [100 * at[DEFAULT]["hit_rate"] for at, _ in runs]
+    p99s = [at[DEFAULT]["ttft_p99_s"] / at["kv"]["ttft_p99_s"] for at, _ in runs]
+    return hits, p99s
+
+
+def beaten_by(rows: list[dict], policy: str) -> list[str]:
+    """The policies that beat ``policy`` on both axes in one run (bench_routing_quality.py's
+    judgement, the one every routing figure uses)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_routing_quality import beaten_by as judged
+
+    return judged(rows, policy)
+
+
 def routing_quality_text() -> list:
     """The figures of the paragraph under the routing-quality table, in reading order."""
     d = load("benchmarks/results/sim_bench.json")
@@ -564,10 +580,7 @@ def routing_quality_text() -> list:
         p99s = [at[policy]["ttft_p99_s"] / at["kv"]["ttft_p99_s"] for at, _ in runs]
         return [*_range(shares), *_range(p99s)]
 
-    host_hits, host_p99s = [], []  # the default with a host tier, run by run (seeds 0-3)
-    for at, _ in seed_runs(host_run):
-        host_hits.append(100 * at[DEFAULT]["hit_rate"])
-        host_p99s.append(at[DEFAULT]["ttft_p99_s"] / at["kv"]["ttft_p99_s"])
+    host_hits, host_p99s = default_by_run(seed_runs(host_run))  # with a host tier, seeds 0-3
     assert host_run["seeds"] == [0, 1, 2, 3], "the paragraph says: seeds 0 to 3"
     assert max(host_p99s) == host_p99s[3] > 1, "the paragraph says: on seed 3 its p99 is over kv's"
     return [
@@ -1091,9 +1104,6 @@ def aiperf_text() -> list:
     bar; at the causal end the default's share of the bound and its p99 over kv's (how many runs,
     the small excesses and the two largest); at the cached end the five variants other than the
     copied trees. No run has the default beaten by another project's router or by kv."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_routing_quality import beaten_by
-
     runs = load("benchmarks/results/routing_quality_aiperf.json")["runs"]
     manifest = load("benchmarks/data/aiperf/manifest.json")
     assert {r["workload"].split(" seed ")[0] for r in runs} == set(manifest["traces"])
@@ -1339,15 +1349,6 @@ def kv_allocation_text() -> list:
     ]
 
 
-def beaten_by(rows: list[dict], policy: str) -> list[str]:
-    """The policies that beat ``policy`` on both axes in one run (bench_routing_quality.py's
-    judgement, the one every routing figure uses)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_routing_quality import beaten_by as judged
-
-    return judged(rows, policy)
-
-
 def host_report(name: str, offload: str) -> tuple[dict, float, list[tuple[dict, float]]]:
     """A host-tier ``kvplug bench --seeds`` report: its means by policy, its bound, its runs."""
     doc = load(name)
@@ -1362,8 +1363,7 @@ def host_stored_text() -> list:
     vllm-router's hit rates, sglang-router's and smg's hit rates and p99s against kv's; run by
     run the default's hit rates and p99 ratios."""
     by, bound, runs = host_report("benchmarks/results/sim_bench_host_tier_stored.json", "stored")
-    hits = [100 * at[DEFAULT]["hit_rate"] for at, _ in runs]
-    ratios = [at[DEFAULT]["ttft_p99_s"] / at["kv"]["ttft_p99_s"] for at, _ in runs]
+    hits, ratios = default_by_run(runs)
     winners = beaten_by(list(by.values()), DEFAULT)
     assert not winners, f"the paragraph says no policy crosses the default's frontier: {winners}"
     return [
@@ -1408,8 +1408,7 @@ def host_realistic_text() -> list:
     assert led == len(victim[2]) + len(copies[2]), "the paragraph: the default leads every run"
 
     def tier(by: dict, bound: float, runs: list) -> list:
-        hits = [100 * at[DEFAULT]["hit_rate"] for at, _ in runs]
-        p99s = [at[DEFAULT]["ttft_p99_s"] / at["kv"]["ttft_p99_s"] for at, _ in runs]
+        hits, p99s = default_by_run(runs)
         return [
             100 * by[DEFAULT]["hit_rate"],
             100 * by[DEFAULT]["hit_rate"] / bound,

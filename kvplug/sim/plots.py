@@ -193,7 +193,8 @@ def _draw_policies(ax, results: list[dict], top: float, names_beside: bool = Fal
     with the full view's legend), with whiskers over its runs for a report of several seeds; a
     point above ``top`` is drawn at the top edge with its value written next to it.
     ``names_beside`` writes each name beside its point."""
-    order = sorted(range(len(results)), key=lambda i: results[i]["hit_rate"])
+    by_hits = sorted(range(len(results)), key=lambda i: results[i]["hit_rate"])
+    rank = {i: k for k, i in enumerate(by_hits)}
     for i, r in enumerate(results):
         name = r["policy"]
         y = min(r["ttft_p99_s"], top)
@@ -232,7 +233,7 @@ def _draw_policies(ax, results: list[dict], top: float, names_beside: bool = Fal
         elif names_beside:
             # names on staggered levels above and below, in order of hit rate, each tied to its
             # point: close points' names then do not sit on one another
-            level = order.index(i) % 4
+            level = rank[i] % 4
             ax.annotate(
                 name,
                 (r["hit_rate"], y),
@@ -249,6 +250,12 @@ def _bound_lines(ax, bound: float, legend: bool) -> None:
         bound, color="k", ls="--", lw=1, label="one shared LRU (fleet memory)" if legend else None
     )
     ax.axvline(0.95 * bound, color="k", ls=":", lw=1, label="95 % of it" if legend else None)
+
+
+def _over_runs(row: dict, key: str) -> tuple[float, float]:
+    """A figure's lowest and highest run (a report of several seeds), else the figure twice."""
+    lo, hi = row.get("over_seeds", {}).get(key, (row[key], row[key]))
+    return lo, hi
 
 
 def _near_the_bound(results: list[dict], bound: float) -> list[dict]:
@@ -299,17 +306,15 @@ def plot_frontier(panels: list[tuple[str, dict]], path: str | Path, title: str =
         # the same colours and markers as the full view: the others drawn but outside the limits
         _draw_policies(ax, results, float("inf"), names_beside=True)
         _bound_lines(ax, bound, legend=False)
-        lo = [r.get("over_seeds", {}).get("hit_rate", [r["hit_rate"]])[0] for r in zoom]
-        hi = [r.get("over_seeds", {}).get("hit_rate", [r["hit_rate"]])[-1] for r in zoom]
-        y_lo = [r.get("over_seeds", {}).get("ttft_p99_s", [r["ttft_p99_s"]])[0] for r in zoom]
-        y_hi = [r.get("over_seeds", {}).get("ttft_p99_s", [r["ttft_p99_s"]])[-1] for r in zoom]
+        lo, hi = zip(*(_over_runs(r, "hit_rate") for r in zoom), strict=True)
+        y_lo, y_hi = zip(*(_over_runs(r, "ttft_p99_s") for r in zoom), strict=True)
         kv = [(i, r["ttft_p99_s"]) for i, r in enumerate(results) if r["policy"] == "kv"]
         for i, kv_p99 in kv:  # issue 14's bar: a TTFT p99 no worse than kv's, in kv's colour
             line = ax.axhline(kv_p99, color=f"C{i % 10}", ls="-.", lw=0.8)
             ax.legend([line], ["kv's TTFT p99"], fontsize=6.5, loc="upper right")
         x0, x1 = min(lo), max(max(hi), bound)
-        y0 = min(y_lo + [p for _, p in kv])  # kv's line in view wherever it is
-        y1 = max(y_hi + [p for _, p in kv])
+        y0 = min([*y_lo, *(p for _, p in kv)])  # kv's line in view wherever it is
+        y1 = max([*y_hi, *(p for _, p in kv)])
         dy = (y1 - y0) or 0.02 * abs(y0) or 1.0  # points at one p99 (a sweep): still a range
         ax.set_xlim(x0 - 0.08 * (x1 - x0), x1 + 0.08 * (x1 - x0))
         ax.set_ylim(y0 - 0.1 * dy, y1 + 0.15 * dy)
