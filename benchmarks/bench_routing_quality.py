@@ -13,6 +13,7 @@ router view and step-time end into ``docs/img/``.
     python benchmarks/bench_routing_quality.py                 # everything (~20 min, 2 cores)
     python benchmarks/bench_routing_quality.py --settings ideal --steptime causal
     python benchmarks/bench_routing_quality.py --smoke          # seconds: small slices
+    python benchmarks/bench_routing_quality.py --plot-only --json F --plots DIR  # redraw F
     python benchmarks/bench_routing_quality.py --workloads conversation --spread-seeds 0 1 2 3
     python benchmarks/bench_routing_quality.py --workload-seeds 0 1 2 3  # generated: 4 draws
     python benchmarks/bench_routing_quality.py \
@@ -165,6 +166,39 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
     add_kv_allocation_option(ap)
 
 
+def panel_label(workload: str, report: dict) -> str:
+    return f"{workload} ({report['trace']['requests']} requests)"
+
+
+def draw_frontier(panels: list, plots: str, st: str, view: str, engines: int, suffix: str = ""):
+    """One frontier plot (``kvplug.sim.plots.plot_frontier``) for a step-time end and view."""
+    from kvplug.sim.plots import plot_frontier
+
+    return plot_frontier(
+        panels,
+        Path(plots) / f"frontier_{st}_{view}{suffix}.png",
+        title=f"hit rate vs TTFT p99, {engines} engines, router view {view}, "
+        f"prefill context cost {st}",
+    )
+
+
+def redraw(path: Path, plots: str, engines: int) -> list[Path]:
+    """The frontier plots of a run, drawn again from its JSON (``--plot-only``): the runs of the
+    trace as stamped and of each generated workload's first draw, one panel each, as the run
+    drew them."""
+    runs = json.loads(path.read_text())["runs"]
+    combos: dict[tuple[str, str], list] = {}
+    for run in runs:
+        if run.get("spread_seed", 0) or run.get("workload_seed", 0):
+            continue
+        combos.setdefault((run["steptime"], run["view"]), []).append(
+            (panel_label(run["workload"], run), run)
+        )
+    return [
+        draw_frontier(panels, plots, st, view, engines) for (st, view), panels in combos.items()
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
@@ -176,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help=f"first {SMOKE_LIMIT} requests only")
     ap.add_argument("--json", default="benchmarks/results/routing_quality.json")
     ap.add_argument("--plots", default="docs/img", help="frontier plots directory ('' = none)")
+    ap.add_argument(
+        "--plot-only",
+        action="store_true",
+        help="replay nothing: draw the frontier plots of --json again into --plots",
+    )
     ap.add_argument(
         "--spread-seeds",
         nargs="+",
@@ -202,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_engine_options(ap)
     args = ap.parse_args(argv)
+    if args.plot_only:
+        if not args.plots or not Path(args.json).is_file():
+            ap.error("--plot-only: needs --plots DIR and the --json of an earlier run")
+        for path in redraw(Path(args.json), args.plots, args.engines):
+            print(f"plot: {path}")
+        return 0
     if any(seed < 0 for seed in args.spread_seeds):
         ap.error("--spread-seeds: seeds are >= 0")
     if any(seed < 0 for seed in args.workload_seeds):
@@ -297,18 +342,10 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             if seed == 0 and wseed == 0:  # one panel per workload
-                panels.append((f"{name} ({report['trace']['requests']} requests)", report))
+                panels.append((panel_label(name, report), report))
         if args.plots and panels:
-            from kvplug.sim.plots import plot_frontier
-
             suffix = "_smoke" if args.smoke else ""
-            path = plot_frontier(
-                panels,
-                Path(args.plots) / f"frontier_{st}_{view}{suffix}.png",
-                title=f"hit rate vs TTFT p99, {args.engines} engines, router view {view}, "
-                f"prefill context cost {st}",
-            )
-            print(f"plot: {path}")
+            print(f"plot: {draw_frontier(panels, args.plots, st, view, args.engines, suffix)}")
     wall = time.perf_counter() - t0
     print(f"\nVerdicts (bold: >= {BAR_SHARE:.0%} of the bound and TTFT p99 <= kv's):")
     print(verdict_table(runs, list(args.policies)))

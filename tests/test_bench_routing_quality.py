@@ -54,8 +54,22 @@ def test_smoke_run_writes_verdicts_and_a_frontier_plot(tmp_path, capsys):
         assert run["verdicts"]["kv"]["ttft_p99_vs_kv"] == 1.0
         assert all(r["requests"] == 300 for r in run["results"])
         assert any(r["event_batches"] > 0 for r in run["results"])  # the lossy link ran
-    assert (tmp_path / "frontier_cached_realistic_smoke.png").stat().st_size > 10_000
+    drawn = tmp_path / "frontier_cached_realistic_smoke.png"
+    assert drawn.stat().st_size > 10_000
     assert "of the bound" in capsys.readouterr().out
+
+    # --plot-only draws the same plot again from the JSON, replaying nothing
+    from matplotlib.image import imread
+
+    again = tmp_path / "again"
+    rc = bench.main(
+        ["--plot-only", "--json", str(tmp_path / "rq_smoke.json"), "--plots", str(again)]
+    )
+    assert rc == 0
+    assert (imread(again / "frontier_cached_realistic.png") == imread(drawn)).all()
+    with pytest.raises(SystemExit) as err:  # no such JSON: a usage error, not a traceback
+        bench.main(["--plot-only", "--json", str(tmp_path / "none.json"), "--plots", str(again)])
+    assert err.value.code == 2
 
 
 def test_replay_scale_smoke(tmp_path):

@@ -100,7 +100,8 @@ def test_bench_reports_every_policy(first_800, tmp_path):
 def test_a_one_report_frontier_zooms_on_the_policies_near_the_bound(tmp_path):
     """The policies within 10 % of the bound and of the lowest TTFT p99 among those get a second,
     zoomed panel; a policy near the bound but slower, or far from it, is left to the full view;
-    with fewer than two such policies, or several reports, there is no zoom panel."""
+    with fewer than two such policies there is no zoom panel. Of several reports each is a row
+    (its full view, then its zoom) when any has a zoom, else they share a grid of two columns."""
     from matplotlib.image import imread
 
     from kvplug.sim.plots import _near_the_bound, plot_frontier
@@ -117,14 +118,19 @@ def test_a_one_report_frontier_zooms_on_the_policies_near_the_bound(tmp_path):
     ]
     report = {"results": rows, "trace": {"fleet_lru_hit_rate": 0.2576}}
     assert [r["policy"] for r in _near_the_bound(rows, 0.2576)] == ["default", "before"]
-    widths = {}
+    unzoomed = {**report, "results": rows[2:]}  # only "slower" near the bound
+    size = {}
     for name, panels in {
         "zoomed": [("one", report)],
-        "alone": [("one", {**report, "results": rows[2:]})],  # only "slower" near the bound
-        "two": [("one", report), ("two", report)],
+        "alone": [("one", unzoomed)],
+        "two zoomed": [("one", report), ("two", report)],
+        "one of two zoomed": [("one", unzoomed), ("two", report)],
+        "two unzoomed": [("one", unzoomed), ("two", unzoomed)],
     }.items():
-        widths[name] = imread(plot_frontier(panels, tmp_path / f"{name}.png")).shape[1]
-    assert widths["zoomed"] == widths["two"] == 2 * widths["alone"]
+        size[name] = imread(plot_frontier(panels, tmp_path / f"{name}.png")).shape[:2]
+    (h, w) = size["alone"]
+    assert size["zoomed"] == size["two unzoomed"] == (h, 2 * w)
+    assert size["two zoomed"] == size["one of two zoomed"] == (2 * h, 2 * w)
 
 
 def test_the_plots_name_a_router_view_other_than_the_ideal_one():

@@ -259,7 +259,7 @@ def _over_runs(row: dict, key: str) -> tuple[float, float]:
 
 
 def _near_the_bound(results: list[dict], bound: float) -> list[dict]:
-    """The policies a one-panel frontier zooms on: within 10 % of the bound's hit rate, and of
+    """The policies a frontier panel zooms on: within 10 % of the bound's hit rate, and of
     those the ones with a TTFT p99 within 10 % of the lowest (where the frontier is decided)."""
     near = [r for r in results if r["hit_rate"] >= 0.9 * bound]
     fastest = min((r["ttft_p99_s"] for r in near), default=0.0)
@@ -270,21 +270,24 @@ def plot_frontier(panels: list[tuple[str, dict]], path: str | Path, title: str =
     """Hit rate against TTFT p99, one point per policy (or sweep point), one panel per
     ``(label, report)``: the frontier is the lower right. The one-shared-LRU bound is the dashed
     line; 95 % of it the dotted one. A report of several seeds (``kvplug bench --seeds``) draws
-    each policy's means with whiskers over its runs' range. One report with two or more
-    policies near the bound at about the same TTFT p99 (``_near_the_bound``) gets a second panel
-    zoomed on them, each named, since at the full view's scale they sit on one another."""
+    each policy's means with whiskers over its runs' range. A report with two or more policies
+    near the bound at about the same TTFT p99 (``_near_the_bound``) gets a zoomed panel beside
+    its full view, each policy named, since at the full view's scale they sit on one another;
+    when any report has one, each report is a row (full view, zoom)."""
     plt = _plt()
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    zoom = None
-    if len(panels) == 1:
-        report = panels[0][1]
+    zooms = []
+    for _, report in panels:
         near = _near_the_bound(report["results"], report["trace"]["fleet_lru_hit_rate"])
-        zoom = near if len(near) >= 2 else None
-    cols = 2 if zoom else min(len(panels), 2)
-    rows = -(-len(panels) // cols) if not zoom else 1
+        zooms.append(near if len(near) >= 2 else None)
+    zoomed = any(zooms)
+    cols = 2 if zoomed else min(len(panels), 2)
+    rows = len(panels) if zoomed else -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.2 * cols, 4.6 * rows), squeeze=False)
-    for ax, (label, report) in zip(axes.flat, panels, strict=False):
+    # zoomed: each report's full view in the left column, its zoom (if any) beside it
+    full_axes = list(axes[:, 0]) if zoomed else list(axes.flat)
+    for ax, (label, report) in zip(full_axes, panels, strict=False):
         results = report["results"]
         p99 = [r["ttft_p99_s"] for r in results]
         # a collapsed policy (a queue growing all run) would squash the rest: draw it at the top
@@ -298,38 +301,50 @@ def plot_frontier(panels: list[tuple[str, dict]], path: str | Path, title: str =
         ax.set_title(label, fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6.5, loc="best")
-    if zoom:
-        label, report = panels[0]
-        ax = axes[0, 1]
-        results = report["results"]
-        bound = report["trace"]["fleet_lru_hit_rate"]
-        # the same colours and markers as the full view: the others drawn but outside the limits
-        _draw_policies(ax, results, float("inf"), names_beside=True)
-        _bound_lines(ax, bound, legend=False)
-        lo, hi = zip(*(_over_runs(r, "hit_rate") for r in zoom), strict=True)
-        y_lo, y_hi = zip(*(_over_runs(r, "ttft_p99_s") for r in zoom), strict=True)
-        kv = [(i, r["ttft_p99_s"]) for i, r in enumerate(results) if r["policy"] == "kv"]
-        for i, kv_p99 in kv:  # issue 14's bar: a TTFT p99 no worse than kv's, in kv's colour
-            line = ax.axhline(kv_p99, color=f"C{i % 10}", ls="-.", lw=0.8)
-            ax.legend([line], ["kv's TTFT p99"], fontsize=6.5, loc="upper right")
-        x0, x1 = min(lo), max(max(hi), bound)
-        y0 = min([*y_lo, *(p for _, p in kv)])  # kv's line in view wherever it is
-        y1 = max([*y_hi, *(p for _, p in kv)])
-        dy = (y1 - y0) or 0.02 * abs(y0) or 1.0  # points at one p99 (a sweep): still a range
-        ax.set_xlim(x0 - 0.08 * (x1 - x0), x1 + 0.08 * (x1 - x0))
-        ax.set_ylim(y0 - 0.1 * dy, y1 + 0.15 * dy)
-        ax.set_xlabel("KV hit rate (reused prompt blocks / prompt blocks)")
-        ax.set_ylabel("TTFT p99 (s)")
-        ax.set_title(
-            f"zoomed: {len(zoom)} policies near the bound, at most 10 % over their lowest p99",
-            fontsize=9,
-        )
-        ax.grid(True, alpha=0.3)
-    for ax in list(axes.flat)[len(panels) + (1 if zoom else 0) :]:
-        ax.axis("off")
+    if zoomed:
+        for row, ((_, report), zoom) in enumerate(zip(panels, zooms, strict=True)):
+            if zoom:
+                _draw_zoom(axes[row, 1], report, zoom)
+            else:
+                axes[row, 1].axis("off")
+    else:
+        for ax in full_axes[len(panels) :]:
+            ax.axis("off")
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+        # room for the title above the panels' own (tight_layout leaves a suptitle out)
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (4.6 * rows)))
+    else:
+        fig.tight_layout()
     fig.savefig(p, dpi=110)
     plt.close(fig)
     return p
+
+
+def _draw_zoom(ax, report: dict, zoom: list[dict]) -> None:
+    """The zoom on a report's policies near the bound (``zoom``), in the full view's colours and
+    markers with each name beside its point, and kv's TTFT p99 as a line (the issue's bar)."""
+    results = report["results"]
+    bound = report["trace"]["fleet_lru_hit_rate"]
+    # the same colours and markers as the full view: the others drawn but outside the limits
+    _draw_policies(ax, results, float("inf"), names_beside=True)
+    _bound_lines(ax, bound, legend=False)
+    lo, hi = zip(*(_over_runs(r, "hit_rate") for r in zoom), strict=True)
+    y_lo, y_hi = zip(*(_over_runs(r, "ttft_p99_s") for r in zoom), strict=True)
+    kv = [(i, r["ttft_p99_s"]) for i, r in enumerate(results) if r["policy"] == "kv"]
+    for i, kv_p99 in kv:  # issue 14's bar: a TTFT p99 no worse than kv's, in kv's colour
+        line = ax.axhline(kv_p99, color=f"C{i % 10}", ls="-.", lw=0.8)
+        ax.legend([line], ["kv's TTFT p99"], fontsize=6.5, loc="upper right")
+    x0, x1 = min(lo), max(max(hi), bound)
+    y0 = min([*y_lo, *(p for _, p in kv)])  # kv's line in view wherever it is
+    y1 = max([*y_hi, *(p for _, p in kv)])
+    dy = (y1 - y0) or 0.02 * abs(y0) or 1.0  # points at one p99 (a sweep): still a range
+    ax.set_xlim(x0 - 0.08 * (x1 - x0), x1 + 0.08 * (x1 - x0))
+    ax.set_ylim(y0 - 0.1 * dy, y1 + 0.15 * dy)
+    ax.set_xlabel("KV hit rate (reused prompt blocks / prompt blocks)")
+    ax.set_ylabel("TTFT p99 (s)")
+    ax.set_title(
+        f"zoomed: {len(zoom)} policies near the bound, at most 10 % over their lowest p99",
+        fontsize=9,
+    )
+    ax.grid(True, alpha=0.3)
