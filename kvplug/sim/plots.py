@@ -311,9 +311,11 @@ def plot_frontier(panels: list[tuple[str, dict]], path: str | Path, title: str =
         for ax in full_axes[len(panels) :]:
             ax.axis("off")
     if title:
-        fig.suptitle(title, fontsize=10)
-        # room for the title above the panels' own (tight_layout leaves a suptitle out)
-        fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (4.6 * rows)))
+        # at a fixed distance from the top edge, and room for it above the panels' own titles
+        # (tight_layout leaves a suptitle out; its default height is a share of a tall figure)
+        height = 4.6 * rows
+        fig.suptitle(title, fontsize=10, y=1 - 0.08 / height, va="top")
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.32 / height))
     else:
         fig.tight_layout()
     fig.savefig(p, dpi=110)
