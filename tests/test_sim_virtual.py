@@ -133,6 +133,24 @@ def test_a_one_report_frontier_zooms_on_the_policies_near_the_bound(tmp_path):
     assert size["two zoomed"] == size["one of two zoomed"] == (2 * h, 2 * w)
 
 
+def test_the_load_plot_shows_the_default_routing_first():
+    from kvplug.sim.plots import _load_panels
+    from kvplug.sim.policies import DEMO_POLICIES
+
+    def row(policy: str, load: list) -> dict:
+        return {"policy": policy, "series": {"load": load}}
+
+    names = ["kv", "affinity-balance", "random", "round-robin", "affinity-fitted"]
+    rows = [row(n, [[1, 0]]) for n in names]
+    assert [r["policy"] for r in _load_panels(rows)] == list(DEMO_POLICIES)
+    from kvplug.config import RouterConfig
+
+    assert DEMO_POLICIES[0] == RouterConfig().router_affinity  # kvplug serve's default routing
+    # none of the demo's: the first three that have a series
+    rows = [row(n, [[1]] if n != "b" else []) for n in "abcde"]
+    assert [r["policy"] for r in _load_panels(rows)] == ["a", "c", "d"]
+
+
 def test_the_plots_name_a_router_view_other_than_the_ideal_one():
     from dataclasses import asdict, replace
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvplug.sim.policies import DEMO_POLICIES
 from kvplug.sim.transport import IDEAL, PRESETS
 
 
@@ -102,8 +103,7 @@ def plot_report(report: dict, out_dir: str | Path, prefix: str = "sim") -> list[
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    pick = [r for r in results if r["series"]["load"]]
-    shown = [r for r in pick if r["policy"] in ("kv", "round-robin", "random")] or pick[:3]
+    shown = _load_panels(results)
     if shown:
         fig, axes = plt.subplots(
             len(shown), 1, figsize=(7, 2.2 * len(shown) + 0.6), sharex=True, squeeze=False
@@ -118,9 +118,9 @@ def plot_report(report: dict, out_dir: str | Path, prefix: str = "sim") -> list[
             ax.set_ylabel("running+waiting", fontsize=8)
             ax.set_title(f"{r['policy']}: requests per engine over time", fontsize=8)
             ax.grid(True, alpha=0.3)
-        axes[0, 0].legend(
-            fontsize=7,
-            ncol=min(load.shape[1], 8),
+        axes[0, 0].legend(  # four to a row: eight in one ran past the panel's edge
+            fontsize=6.5,
+            ncol=min(load.shape[1], 4),
             loc="upper left",
             title="colour",
             title_fontsize=7,
@@ -186,6 +186,13 @@ def plot_sweep(sweep: dict, out_dir: str | Path, prefix: str = "sim_sweep") -> l
 
 
 MARKERS = "os^Dv<>pP*Xh"
+
+
+def _load_panels(results: list[dict]) -> list[dict]:
+    """The policies the load plot shows: the demo's (the default routing first), else the
+    first three with a load series."""
+    pick = {r["policy"]: r for r in results if r["series"]["load"]}
+    return [pick[name] for name in DEMO_POLICIES if name in pick] or list(pick.values())[:3]
 
 
 def _draw_policies(ax, results: list[dict], top: float, names_beside: bool = False) -> None:
