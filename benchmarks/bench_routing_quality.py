@@ -167,10 +167,13 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
 
 
 def panel_label(workload: str, report: dict) -> str:
+    """A frontier panel's title: the workload and its request count."""
     return f"{workload} ({report['trace']['requests']} requests)"
 
 
-def draw_frontier(panels: list, plots: str, st: str, view: str, engines: int, suffix: str = ""):
+def draw_frontier(
+    panels: list, plots: str, st: str, view: str, engines: int, suffix: str = ""
+) -> Path:
     """One frontier plot (``kvplug.sim.plots.plot_frontier``) for a step-time end and view."""
     from kvplug.sim.plots import plot_frontier
 
@@ -213,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--plot-only",
         action="store_true",
-        help="replay nothing: draw the frontier plots of --json again into --plots",
+        help="replay nothing: draw the frontier plots of --json again into --plots (give "
+        "--engines as the run had it: the JSON does not record it, and the title names it)",
     )
     ap.add_argument(
         "--spread-seeds",
