@@ -1508,8 +1508,11 @@ def core_intel_text() -> list:
     cold, warm = cases["out_of_cache_256_lists"], cases["in_cache_8_lists"]
     decoded = cases["as_decoded_256_lists"]
 
+    def lo_hi(summary: dict) -> list[float]:  # a {min, max} summary over the rounds
+        return [summary["min"], summary["max"]]
+
     def ns(case: dict, method: str) -> list[float]:
-        return [case["ns_per_token"][method]["min"], case["ns_per_token"][method]["max"]]
+        return lo_hi(case["ns_per_token"][method])
 
     rows = load("benchmarks/results/bench_core_intel.json")["workers"]
 
@@ -1521,12 +1524,9 @@ def core_intel_text() -> list:
         cold["lists"],
         *ns(cold, "kvplug_list"),
         *ns(cold, "dynamo_list"),
-        cold["dynamo_over_read_floor"]["min"],
-        cold["dynamo_over_read_floor"]["max"],
-        decoded["dynamo_over_read_floor"]["min"],
-        decoded["dynamo_over_read_floor"]["max"],
-        warm["dynamo_over_kvplug_list"]["min"],
-        warm["dynamo_over_kvplug_list"]["max"],
+        *lo_hi(cold["dynamo_over_read_floor"]),
+        *lo_hi(decoded["dynamo_over_read_floor"]),
+        *lo_hi(warm["dynamo_over_kvplug_list"]),
         warm["lists"],
         *span("kvplug_apply_blocks_per_cpu_s"),
         *span("kvplug_presized_apply_blocks_per_cpu_s"),
