@@ -122,16 +122,47 @@ _Static_assert(sizeof(pholder_t) == 8, "pholder_t is 8 bytes");
 _Static_assert(sizeof(block_t) == 16, "block_t is 16 bytes");
 _Static_assert(sizeof(ext_t) % 8 == 0, "ext_t header keeps the eh array aligned");
 
-/* A block-table slot is 6 bytes: a 16-bit tag (low bits of the mixed block hash, independent of
- * the home slot, which its high 32 bits pick) and the record id. A tag match is confirmed
- * against the record's full hash, which a hit reads anyway; a false tag match costs one record
- * read with probability 2^-16 per probed slot. Rehash (from the pool, sequentially) and
- * backward-shift deletion recompute a slot's home from its record's hash. */
-typedef struct __attribute__((packed)) {
-    uint32_t rec; /* NONE32 = empty slot */
-    uint16_t tag; /* an empty slot's is never read (0 or 0xFFFF as it was emptied) */
-} bslot_t;
-_Static_assert(sizeof(bslot_t) == 6, "bslot_t is 6 bytes");
+/* A block-table slot is 5 bytes, one 40-bit little-endian word: the record id in its low 28 bits
+ * (SLOT_NONE: an empty slot) and a 12-bit tag above it (low bits of the mixed block hash,
+ * independent of the home slot, which its high 32 bits pick). A tag match is confirmed against
+ * the record's full hash, which a hit reads anyway; a false tag match costs one record read with
+ * probability 2^-12 per probed slot (~0.5 % of an insert's ~23 probes at the 0.85 load bound).
+ * 5 bytes, not 6 with a 16-bit tag: the two tables are ~a third of the index (issue 14's memory
+ * aim; docs/core.md). Rehash (from the pool, sequentially) and backward-shift
+ * deletion recompute a slot's home from its record's hash. */
+typedef unsigned char bslot_t; /* a table is an array of SLOT_BYTES-byte slots */
+#define SLOT_BYTES 5u
+#define SLOT_REC_BITS 28
+#define SLOT_NONE 0x0FFFFFFFu /* record id of an empty slot; records are below it */
+#define SLOT_TAG_MASK 0xFFFu
+static inline size_t slot_table_bytes(size_t cap) { return cap * SLOT_BYTES; }
+static inline const bslot_t *slot_at(const bslot_t *t, size_t i) { return t + i * SLOT_BYTES; }
+/* The slot's 5 bytes, read as 4 + 1: an 8-byte load would run into the next cache line for
+ * 7 slots in 64 (a 5-byte read for 4, as 6-byte slots did), a line the probe did not prefetch */
+static inline uint64_t slot_word(const bslot_t *t, size_t i) {
+    const bslot_t *p = slot_at(t, i);
+    uint32_t lo;
+    memcpy(&lo, p, sizeof(lo));
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    lo = __builtin_bswap32(lo);
+#endif
+    return (uint64_t)lo | (uint64_t)p[4] << 32;
+}
+static inline uint32_t slot_rec(const bslot_t *t, size_t i) {
+    return (uint32_t)slot_word(t, i) & SLOT_NONE;
+}
+static inline uint32_t slot_tag(const bslot_t *t, size_t i) {
+    return (uint32_t)(slot_word(t, i) >> SLOT_REC_BITS) & SLOT_TAG_MASK;
+}
+static inline void slot_set(bslot_t *t, size_t i, uint32_t rec, uint32_t tag) {
+    const uint64_t x = (uint64_t)rec | (uint64_t)tag << SLOT_REC_BITS;
+    uint32_t lo = (uint32_t)x; /* bytes 0-3, then byte 4: two stores, the next slot untouched */
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    lo = __builtin_bswap32(lo);
+#endif
+    memcpy(t + i * SLOT_BYTES, &lo, sizeof(lo));
+    t[i * SLOT_BYTES + 4] = (unsigned char)(x >> 32);
+}
 
 /* A table of such slots whose keys live in the records, not in the slots: the block table
  * (keyed on the records' block hashes) and the canonical engine map (keyed on the owners'
@@ -157,7 +188,7 @@ typedef struct __attribute__((packed, aligned(4))) {
 _Static_assert(sizeof(mslot_t) == 12, "mslot_t is 12 bytes");
 #define M_SIDE 0x80000000u
 #define M_REC_MASK 0x7FFFFFFFu
-#define POOL_MAX_RECORDS 0x7FFFFFF0u /* record ids must leave M_SIDE free */
+#define POOL_MAX_RECORDS 0x0FFFFFF0u /* record ids fit a slot (SLOT_NONE) and leave M_SIDE free */
 
 /* One endpoint's engine map: open addressing on the engine hash, linear probing. It holds the
  * endpoint's mappings other than canonical ones (see cm below), so it stays empty while the
@@ -245,7 +276,7 @@ static inline uint64_t bmix_of(kvp_hash_t h) {
     uint64_t x = (h ^ (h >> 31)) * KPH_K0;
     return x ^ (x >> 29);
 }
-static inline uint16_t btag_of(uint64_t mixed) { return (uint16_t)mixed; }
+static inline uint32_t btag_of(uint64_t mixed) { return (uint32_t)mixed & SLOT_TAG_MASK; }
 static inline size_t bhome_of(uint64_t mixed, size_t cap) { /* cap < 2^32 */
     return (size_t)(((mixed >> 32) * cap) >> 32);
 }
@@ -448,13 +479,10 @@ static holder_t *find_holder(const kvp_index *idx, const block_t *b, kvp_endpoin
 
 /* ---- slot tables ------------------------------------------------------------------------- */
 static kvp_status bt_alloc(size_t cap, bslot_t **out) {
-    if (cap > SIZE_MAX / sizeof(bslot_t)) return KVP_E_NOMEM;
-    bslot_t *t = (bslot_t *)malloc(cap * sizeof(bslot_t));
+    if (cap > SIZE_MAX / SLOT_BYTES) return KVP_E_NOMEM;
+    bslot_t *t = (bslot_t *)malloc(slot_table_bytes(cap));
     if (!t) return KVP_E_NOMEM;
-    for (size_t i = 0; i < cap; i++) {
-        t[i].tag = 0;
-        t[i].rec = NONE32;
-    }
+    memset(t, 0xFF, slot_table_bytes(cap)); /* every slot empty */
     *out = t;
     return KVP_OK;
 }
@@ -511,16 +539,17 @@ ST_INLINE int st_member(st_keys_t k, int which, uint32_t r) {
 ST_INLINE uint32_t st_probe(const kvp_index *idx, int which, uint64_t key, size_t *empty) {
     const size_t cap = which == ST_CANON ? idx->cm.cap : idx->bt.cap;
     const uint64_t mixed = st_mix(which, key);
-    const uint16_t tag = btag_of(mixed);
+    const uint32_t tag = btag_of(mixed);
     size_t i = bhome_of(mixed, cap);
     for (;;) {
-        const bslot_t *s = which == ST_CANON ? &idx->cm.s[i] : &idx->bt.s[i];
-        const uint32_t rec = s->rec;
-        if (rec == NONE32) {
+        const uint64_t w = slot_word(which == ST_CANON ? idx->cm.s : idx->bt.s, i);
+        const uint32_t rec = (uint32_t)w & SLOT_NONE;
+        if (rec == SLOT_NONE) {
             *empty = i;
             return NONE32;
         }
-        if (s->tag == tag && (which == ST_CANON ? idx->rec_ceh[rec] : idx->pool[rec].hash) == key)
+        if (((uint32_t)(w >> SLOT_REC_BITS) & SLOT_TAG_MASK) == tag &&
+            (which == ST_CANON ? idx->rec_ceh[rec] : idx->pool[rec].hash) == key)
             return rec;
         if (++i == cap) i = 0;
     }
@@ -533,32 +562,31 @@ ST_INLINE void st_refill(kvp_index *idx, int which, size_t cap) {
     slot_table_t *tab = st_table(idx, which);
     const st_keys_t k = st_keys(idx);
     bslot_t *t = tab->s;
-    memset(t, 0xFF, cap * sizeof(*t)); /* every slot empty: rec NONE32 (an empty slot's tag is
-                                        * never read) */
+    memset(t, 0xFF, slot_table_bytes(cap)); /* every slot empty: rec SLOT_NONE (an empty slot's
+                                             * tag is never read) */
     /* each record's home and tag are computed once, REHASH_AHEAD records ahead, when its home
      * line is prefetched, and kept in a ring until its turn (a refill is ~half of an apply into
      * a growing index, by callgrind) */
     enum { REHASH_AHEAD = 16 };
     size_t home[REHASH_AHEAD];
-    uint16_t tag[REHASH_AHEAD];
+    uint32_t tag[REHASH_AHEAD];
 #define REFILL_AHEAD(r)                                                         \
     do {                                                                        \
         const uint64_t mixed_ = st_mix(which, st_key(k, which, (r)));           \
         home[(r) % REHASH_AHEAD] = bhome_of(mixed_, cap);                       \
         tag[(r) % REHASH_AHEAD] = btag_of(mixed_);                              \
-        __builtin_prefetch(&t[home[(r) % REHASH_AHEAD]], 1);                    \
+        __builtin_prefetch(slot_at(t, home[(r) % REHASH_AHEAD]), 1);            \
     } while (0)
     const uint32_t n = idx->pool_len;
     for (uint32_t r = 0; r < n && r < REHASH_AHEAD; r++) REFILL_AHEAD(r);
     for (uint32_t r = 0; r < n; r++) {
         size_t j = home[r % REHASH_AHEAD];
-        const uint16_t tg = tag[r % REHASH_AHEAD];
+        const uint32_t tg = tag[r % REHASH_AHEAD];
         if (r + REHASH_AHEAD < n) REFILL_AHEAD(r + REHASH_AHEAD);
         if (!st_member(k, which, r)) continue;
-        while (t[j].rec != NONE32)
+        while (slot_rec(t, j) != SLOT_NONE)
             if (++j == cap) j = 0;
-        t[j].rec = r;
-        t[j].tag = tg;
+        slot_set(t, j, r, tg);
     }
 #undef REFILL_AHEAD
     tab->cap = cap;
@@ -573,8 +601,8 @@ ST_INLINE kvp_status st_reserve(kvp_index *idx, int which, size_t extra) {
     if (need < tab->count || need > ((size_t)1 << 31)) return KVP_E_NOMEM;
     size_t cap = grown_cap(tab->cap, need);
     if (cap == tab->cap) return KVP_OK;
-    if (cap > SIZE_MAX / sizeof(bslot_t) ||
-        !arr_grow((void **)&tab->s, &tab->bytes, &tab->mapped, cap * sizeof(bslot_t)))
+    if (cap > SIZE_MAX / SLOT_BYTES ||
+        !arr_grow((void **)&tab->s, &tab->bytes, &tab->mapped, slot_table_bytes(cap)))
         return KVP_E_NOMEM;
     st_refill(idx, which, cap);
     return KVP_OK;
@@ -589,23 +617,23 @@ ST_INLINE void st_delete(kvp_index *idx, int which, uint32_t r) {
     const size_t cap = tab->cap;
     size_t i = bhome_of(st_mix(which, st_key(k, which, r)), cap);
     for (;;) {
-        if (t[i].rec == NONE32) return;
-        if (t[i].rec == r) break;
+        const uint32_t ri = slot_rec(t, i);
+        if (ri == SLOT_NONE) return;
+        if (ri == r) break;
         if (++i == cap) i = 0;
     }
     size_t j = i;
     for (;;) {
         if (++j == cap) j = 0;
-        const uint32_t rj = t[j].rec;
-        if (rj == NONE32) break;
+        const uint32_t rj = slot_rec(t, j);
+        if (rj == SLOT_NONE) break;
         size_t home = bhome_of(st_mix(which, st_key(k, which, rj)), cap);
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (stays) continue;
-        t[i] = t[j];
+        slot_set(t, i, rj, slot_tag(t, j));
         i = j;
     }
-    t[i].rec = NONE32;
-    t[i].tag = 0;
+    slot_set(t, i, SLOT_NONE, SLOT_TAG_MASK);
     tab->count--;
 }
 
@@ -629,8 +657,7 @@ static uint32_t cm_probe(const kvp_index *idx, kvp_engine_hash_t eh, size_t *emp
 }
 /* Record r (new, holding nothing in cm yet) owns eh, whose probe found slot `empty` free. */
 static void cm_insert(kvp_index *idx, uint32_t r, kvp_engine_hash_t eh, size_t empty) {
-    idx->cm.s[empty].tag = btag_of(cmix_of(eh));
-    idx->cm.s[empty].rec = r;
+    slot_set(idx->cm.s, empty, r, btag_of(cmix_of(eh)));
     idx->cm.count++;
     idx->rec_ceh[r] = eh;
     idx->cm_own[r >> 6] |= (uint64_t)1 << (r & 63);
@@ -972,8 +999,7 @@ static uint32_t pool_take(kvp_index *idx) {
 static inline uint32_t record_new(kvp_index *idx, kvp_hash_t h, size_t b_empty) {
     const uint32_t r = pool_take(idx);
     idx->pool[r].hash = h;
-    idx->bt.s[b_empty].tag = btag_of(bmix_of(h));
-    idx->bt.s[b_empty].rec = r;
+    slot_set(idx->bt.s, b_empty, r, btag_of(bmix_of(h)));
     idx->bt.count++;
     return r;
 }
@@ -1446,13 +1472,13 @@ kvp_status kvp_index_new(uint64_t max_entries, kvp_index **out) {
         kvp_index_free(idx);
         return KVP_E_NOMEM;
     }
-    idx->bt.bytes = MIN_CAP * sizeof(bslot_t);
+    idx->bt.bytes = slot_table_bytes(MIN_CAP);
     idx->cm.cap = MIN_CAP;
     if (bt_alloc(MIN_CAP, &idx->cm.s) != KVP_OK) {
         kvp_index_free(idx);
         return KVP_E_NOMEM;
     }
-    idx->cm.bytes = MIN_CAP * sizeof(bslot_t);
+    idx->cm.bytes = slot_table_bytes(MIN_CAP);
     *out = idx;
     return KVP_OK;
 }
@@ -1501,8 +1527,9 @@ enum { STORE_AHEAD = 12 }; /* blocks to prefetch ahead: covers DRAM latency at ~
  * deems a function of prefetches alone free of side effects and deletes its calls. */
 #define PREFETCH_STORE(idx, em, eh, h)                                                  \
     do {                                                                                \
-        const char *b_ = (const char *)&(idx)->bt.s[bslot_of((h), (idx)->bt.cap)];      \
-        const char *c_ = (const char *)&(idx)->cm.s[bhome_of(cmix_of(eh), (idx)->cm.cap)]; \
+        const char *b_ = (const char *)slot_at((idx)->bt.s, bslot_of((h), (idx)->bt.cap)); \
+        const char *c_ =                                                                \
+            (const char *)slot_at((idx)->cm.s, bhome_of(cmix_of(eh), (idx)->cm.cap));   \
         __builtin_prefetch(b_);                                                         \
         __builtin_prefetch(b_ + 64);                                                    \
         __builtin_prefetch(c_);                                                         \
@@ -1973,9 +2000,9 @@ kvp_status kvp_index_query_feed(kvp_index *idx, const kvp_hash_t *hs, size_t n_i
     const size_t bcap = idx->bt.cap;
     enum { AHEAD = 8 };
     for (size_t j = 0; j < n_in && j < AHEAD; j++)
-        __builtin_prefetch(&idx->bt.s[bslot_of(hs[j], bcap)]);
+        __builtin_prefetch(slot_at(idx->bt.s, bslot_of(hs[j], bcap)));
     for (size_t j = 0; j < n_in; j++) {
-        if (j + AHEAD < n_in) __builtin_prefetch(&idx->bt.s[bslot_of(hs[j + AHEAD], bcap)]);
+        if (j + AHEAD < n_in) __builtin_prefetch(slot_at(idx->bt.s, bslot_of(hs[j + AHEAD], bcap)));
         const size_t i = base + j;
         uint32_t r = bt_find(idx, hs[j]);
         walked = i + 1;
@@ -2101,7 +2128,7 @@ kvp_status kvp_index_stats(const kvp_index *idx, kvp_stats *out) {
     out->blocks = idx->bt.count;
     out->entries = idx->n_holdings;
     out->engine_mappings = idx->mt_count;
-    out->memory_bytes = sizeof(kvp_index) + sizeof(bslot_t) * idx->bt.cap +
+    out->memory_bytes = sizeof(kvp_index) + idx->bt.bytes +
                         sizeof(mslot_t) * idx->mt_slots + sizeof(emap_t) * idx->em_cap +
                         sizeof(oslot_t) * idx->ot_cap +
                         idx->pool_bytes + idx->ext_bytes + idx->lru_prev_bytes +
@@ -2118,8 +2145,9 @@ kvp_status kvp_index_held_counts(const kvp_index *idx, uint64_t *counts, size_t 
     for (size_t i = 0; i < n; i++) counts[i] = 0;
     const size_t slots = idx->bt.cap;
     for (size_t i = 0; i < slots; i++) {
-        if (idx->bt.s[i].rec == NONE32) continue;
-        const block_t *b = &idx->pool[idx->bt.s[i].rec];
+        const uint32_t r = slot_rec(idx->bt.s, i);
+        if (r == SLOT_NONE) continue;
+        const block_t *b = &idx->pool[r];
         if (!is_ext(b)) {
             if (b->ep < n) counts[b->ep]++; /* EP_NONE is far above any n */
             continue;
@@ -2140,8 +2168,9 @@ kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_
     size_t n = 0;
     size_t slots = idx->bt.cap;
     for (size_t i = 0; i < slots; i++) {
-        if (idx->bt.s[i].rec == NONE32) continue;
-        block_t *b = &idx->pool[idx->bt.s[i].rec];
+        const uint32_t r = slot_rec(idx->bt.s, i);
+        if (r == SLOT_NONE) continue;
+        block_t *b = &idx->pool[r];
         holder_t tmp;
         holder_t *hd = find_holder(idx, b, ep, &tmp, NULL);
         if (hd == NULL) continue;
@@ -2161,7 +2190,7 @@ kvp_status kvp_index_holdings(const kvp_index *idx, kvp_endpoint_t ep, kvp_hash_
 static int bslot_reachable(const bslot_t *t, size_t cap, size_t home, size_t at) {
     for (size_t i = home;; i = (i + 1 == cap) ? 0 : i + 1) {
         if (i == at) return 1;
-        if (t[i].rec == NONE32) return 0;
+        if (slot_rec(t, i) == SLOT_NONE) return 0;
     }
 }
 
@@ -2170,24 +2199,24 @@ int kvp_index_verify(const kvp_index *idx) {
     /* block table: live records, tags, reachability, count */
     size_t n = 0;
     for (size_t i = 0; i < idx->bt.cap; i++) {
-        const uint32_t r = idx->bt.s[i].rec;
-        if (r == NONE32) continue;
+        const uint32_t r = slot_rec(idx->bt.s, i);
+        if (r == SLOT_NONE) continue;
         n++;
         if (r >= idx->pool_len || idx->pool[r].ep == EP_NONE) return 2;
         const uint64_t mixed = bmix_of(idx->pool[r].hash);
-        if (idx->bt.s[i].tag != btag_of(mixed)) return 3;
+        if (slot_tag(idx->bt.s, i) != btag_of(mixed)) return 3;
         if (!bslot_reachable(idx->bt.s, idx->bt.cap, bhome_of(mixed, idx->bt.cap), i)) return 4;
     }
     if (n != idx->bt.count) return 5;
     /* canonical map: owners only, tags, reachability, count; every owner is in it, alive */
     n = 0;
     for (size_t i = 0; i < idx->cm.cap; i++) {
-        const uint32_t r = idx->cm.s[i].rec;
-        if (r == NONE32) continue;
+        const uint32_t r = slot_rec(idx->cm.s, i);
+        if (r == SLOT_NONE) continue;
         n++;
         if (r >= idx->pool_len || idx->pool[r].ep == EP_NONE || !cm_owns(idx, r)) return 6;
         const uint64_t mixed = cmix_of(idx->rec_ceh[r]);
-        if (idx->cm.s[i].tag != btag_of(mixed)) return 7;
+        if (slot_tag(idx->cm.s, i) != btag_of(mixed)) return 7;
         if (!bslot_reachable(idx->cm.s, idx->cm.cap, bhome_of(mixed, idx->cm.cap), i)) return 8;
         size_t empty;
         if (cm_probe(idx, idx->rec_ceh[r], &empty) != r) return 9; /* two owners of one hash */

@@ -49,7 +49,7 @@ __all__ = ["Router", "RouteRequest", "RoutingHints", "Stage", "Worker", "Role", 
 log = logging.getLogger("kvplug.router")
 _EMPTY = np.zeros(0, dtype=np.int64)
 # The index is pre-sized for at most this many blocks from the workers' KV capacity: a
-# reservation touches ~16 bytes a block up front, and a capacity typed or reported wrong must not
+# reservation touches ~12 bytes a block up front, and a capacity typed or reported wrong must not
 # take the router's memory (33.5 M blocks: 512 engines of an 8B model on H200s, 16-token blocks)
 INDEX_PRESIZE_MAX = 1 << 25
 

@@ -330,7 +330,7 @@ def test_canonical_map_across_every_resize_point_with_removals():
 def test_agreeing_engines_cost_no_mapping_slot_per_holder():
     """What the canonical map is for: 64 endpoints storing the same 1,000-block chain under the
     same engine hashes add their holders (8 bytes each in the blocks' holder arrays) and no
-    engine-map slot per holder; the first endpoint's stores paid one 6-byte slot per block.
+    engine-map slot per holder; the first endpoint's stores paid one 5-byte slot per block.
     Under their own engine hashes (engines that disagree), each endpoint's map grows instead."""
     n, eps = 1000, 64
     ehs, bhs = list(range(1, n + 1)), list(range(10**6, 10**6 + n))
