@@ -126,10 +126,11 @@ _Static_assert(sizeof(ext_t) % 8 == 0, "ext_t header keeps the eh array aligned"
  * (SLOT_NONE: an empty slot) and a 12-bit tag above it (low bits of the mixed block hash,
  * independent of the home slot, which its high 32 bits pick). A tag match is confirmed against
  * the record's full hash, which a hit reads anyway; a false tag match costs one record read with
- * probability 2^-12 per probed slot (~0.5 % of an insert's ~23 probes at the 0.85 load bound).
- * 5 bytes, not 6 with a 16-bit tag: the two tables are ~a third of the index (issue 14's memory
- * aim; docs/core.md). Rehash (from the pool, sequentially) and backward-shift
- * deletion recompute a slot's home from its record's hash. */
+ * probability 2^-12 per probed slot (an insert at the 0.85 load bound probes ~23 slots, so ~0.5 %
+ * of those inserts read one record more). 5 bytes, not 6 with a 16-bit tag: the two tables are a
+ * third to a half of the index's memory (issue 14's memory aim; docs/core.md). Rehash (from the
+ * pool, sequentially) and backward-shift deletion recompute a slot's home from its record's
+ * hash. */
 typedef unsigned char bslot_t; /* a table is an array of SLOT_BYTES-byte slots */
 #define SLOT_BYTES 5u
 #define SLOT_REC_BITS 28
@@ -137,8 +138,9 @@ typedef unsigned char bslot_t; /* a table is an array of SLOT_BYTES-byte slots *
 #define SLOT_TAG_MASK 0xFFFu
 static inline size_t slot_table_bytes(size_t cap) { return cap * SLOT_BYTES; }
 static inline const bslot_t *slot_at(const bslot_t *t, size_t i) { return t + i * SLOT_BYTES; }
-/* The slot's 5 bytes, read as 4 + 1: an 8-byte load would run into the next cache line for
- * 7 slots in 64 (a 5-byte read for 4, as 6-byte slots did), a line the probe did not prefetch */
+/* The slot's 5 bytes, read as 4 + 1: one 8-byte load would cross into the next cache line for 7
+ * of 64 slot positions, a line the probe may not have prefetched; the 5 bytes themselves cross
+ * for 4 of 64, as 6-byte slots did */
 static inline uint64_t slot_word(const bslot_t *t, size_t i) {
     const bslot_t *p = slot_at(t, i);
     uint32_t lo;
