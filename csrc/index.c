@@ -150,12 +150,14 @@ static inline uint64_t slot_word(const bslot_t *t, size_t i) {
 #endif
     return (uint64_t)lo | (uint64_t)p[4] << 32;
 }
-static inline uint32_t slot_rec(const bslot_t *t, size_t i) {
-    return (uint32_t)slot_word(t, i) & SLOT_NONE;
-}
-static inline uint32_t slot_tag(const bslot_t *t, size_t i) {
-    return (uint32_t)(slot_word(t, i) >> SLOT_REC_BITS) & SLOT_TAG_MASK;
-}
+/* A slot word's two fields (a probe reads the word once and takes both) */
+static inline uint32_t word_rec(uint64_t w) { return (uint32_t)w & SLOT_NONE; }
+static inline uint32_t word_tag(uint64_t w) { return (uint32_t)(w >> SLOT_REC_BITS) & SLOT_TAG_MASK; }
+static inline uint32_t slot_rec(const bslot_t *t, size_t i) { return word_rec(slot_word(t, i)); }
+static inline uint32_t slot_tag(const bslot_t *t, size_t i) { return word_tag(slot_word(t, i)); }
+/* Every slot of a table of `cap` empty: all-ones bytes, record SLOT_NONE (an empty slot's tag is
+ * never read) */
+static inline void slots_empty(bslot_t *t, size_t cap) { memset(t, 0xFF, slot_table_bytes(cap)); }
 static inline void slot_set(bslot_t *t, size_t i, uint32_t rec, uint32_t tag) {
     const uint64_t x = (uint64_t)rec | (uint64_t)tag << SLOT_REC_BITS;
     uint32_t lo = (uint32_t)x; /* bytes 0-3, then byte 4: two stores, the next slot untouched */
@@ -484,7 +486,7 @@ static kvp_status bt_alloc(size_t cap, bslot_t **out) {
     if (cap > SIZE_MAX / SLOT_BYTES) return KVP_E_NOMEM;
     bslot_t *t = (bslot_t *)malloc(slot_table_bytes(cap));
     if (!t) return KVP_E_NOMEM;
-    memset(t, 0xFF, slot_table_bytes(cap)); /* every slot empty */
+    slots_empty(t, cap);
     *out = t;
     return KVP_OK;
 }
@@ -545,12 +547,12 @@ ST_INLINE uint32_t st_probe(const kvp_index *idx, int which, uint64_t key, size_
     size_t i = bhome_of(mixed, cap);
     for (;;) {
         const uint64_t w = slot_word(which == ST_CANON ? idx->cm.s : idx->bt.s, i);
-        const uint32_t rec = (uint32_t)w & SLOT_NONE;
+        const uint32_t rec = word_rec(w);
         if (rec == SLOT_NONE) {
             *empty = i;
             return NONE32;
         }
-        if (((uint32_t)(w >> SLOT_REC_BITS) & SLOT_TAG_MASK) == tag &&
+        if (word_tag(w) == tag &&
             (which == ST_CANON ? idx->rec_ceh[rec] : idx->pool[rec].hash) == key)
             return rec;
         if (++i == cap) i = 0;
@@ -564,8 +566,7 @@ ST_INLINE void st_refill(kvp_index *idx, int which, size_t cap) {
     slot_table_t *tab = st_table(idx, which);
     const st_keys_t k = st_keys(idx);
     bslot_t *t = tab->s;
-    memset(t, 0xFF, slot_table_bytes(cap)); /* every slot empty: rec SLOT_NONE (an empty slot's
-                                             * tag is never read) */
+    slots_empty(t, cap);
     /* each record's home and tag are computed once, REHASH_AHEAD records ahead, when its home
      * line is prefetched, and kept in a ring until its turn (a refill is ~half of an apply into
      * a growing index, by callgrind) */
