@@ -74,8 +74,10 @@ class EngineModel:
         capacity: int,
         block_size: int,
         systems: list[list[int]],
+        vocab: int = 32000,
     ) -> None:
         self.rng = rng
+        self.vocab = vocab
         self.worker = worker
         self.capacity = capacity
         self.bs = block_size
@@ -94,10 +96,10 @@ class EngineModel:
             r = self.rng.random()
             if r < 0.5 and self.sessions:  # a session's next turn grows its context
                 s = self.rng.choice(self.sessions)
-                s.extend(self.rng.randrange(32000) for _ in range(self.rng.randrange(64, 256)))
+                s.extend(self.rng.randrange(self.vocab) for _ in range(self.rng.randrange(64, 256)))
             else:  # a new session on one of the system prompts
                 s = list(self.rng.choice(self.systems)) + [
-                    self.rng.randrange(32000) for _ in range(self.rng.randrange(64, 512))
+                    self.rng.randrange(self.vocab) for _ in range(self.rng.randrange(64, 512))
                 ]
                 self.sessions.append(s)
                 if len(self.sessions) > 64:
@@ -151,13 +153,16 @@ class EngineModel:
 ENGINE_BLOCKS = 4096  # each simulated engine's KV cache, in blocks
 
 
-def make_workload(n_batches: int, block_size: int, n_engines: int, seed: int) -> list[tuple]:
+def make_workload(
+    n_batches: int, block_size: int, n_engines: int, seed: int, vocab: int = 32000
+) -> list[tuple]:
     rng = random.Random(seed)
     systems = [
-        [rng.randrange(32000) for _ in range(rng.choice((256, 512, 1024)))] for _ in range(8)
+        [rng.randrange(vocab) for _ in range(rng.choice((256, 512, 1024)))] for _ in range(8)
     ]
     engines = [
-        EngineModel(rng, f"w{i}", ENGINE_BLOCKS, block_size, systems) for i in range(n_engines)
+        EngineModel(rng, f"w{i}", ENGINE_BLOCKS, block_size, systems, vocab)
+        for i in range(n_engines)
     ]
     out = []  # (worker, payload, blocks in it)
     seqs = [0] * n_engines
@@ -397,19 +402,28 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=32000,
+        help="token ids drawn uniformly below this (32,000: Llama 2's vocabulary, ids msgpack "
+        "writes in 1 or 3 bytes; 128,256: Llama 3's, whose ids over 65,535 take 5, so the "
+        "decoder meets mixed widths)",
+    )
     ap.add_argument("--repeat", type=int, default=5, help="best of N for each path")
     ap.add_argument("--no-zmq", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_ingest.json"))
     args = ap.parse_args()
 
     t = time.perf_counter()
-    work = make_workload(args.batches, args.block_size, args.engines, args.seed)
+    work = make_workload(args.batches, args.block_size, args.engines, args.seed, args.vocab)
     gen_s = time.perf_counter() - t
     blocks = sum(w[3] for w in work)
     nbytes = sum(len(w[2]) for w in work)
     print(
         f"workload: {len(work)} batches, {blocks} blocks, {nbytes / 1e6:.1f} MB "
-        f"(generated in {gen_s:.1f}s), block size {args.block_size}, {args.engines} engines"
+        f"(generated in {gen_s:.1f}s), block size {args.block_size}, {args.engines} engines, "
+        f"token ids below {args.vocab:,}"
     )
 
     results = {}

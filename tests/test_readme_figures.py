@@ -211,6 +211,8 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
         return [s["median"], s["min"], s["max"]]
 
     ingest32 = load("benchmarks/results/bench_ingest_bs32.json")
+    vocab32k = load("benchmarks/results/bench_ingest_vocab32k.json")
+    vocab128k = load("benchmarks/results/bench_ingest_vocab128k.json")
     frontend = {t["target"]: t for t in load("benchmarks/results/bench_frontend.json")["targets"]}
     loaded = {
         t["target"]: t for t in load("benchmarks/results/bench_frontend_loaded.json")["targets"]
@@ -322,6 +324,18 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             ingest["results"]["kvplug_growing"]["blocks_per_s"] / 1e6,
             ingest32["results"]["kvplug_growing"]["blocks_per_s"] / 1e6,
             ingest["ratio_vs_naive"]["kvplug"],
+            SKIP,  # 32,000: the default vocabulary (the runs above predate --vocab)
+            SKIP,  # Llama 2
+            SKIP,  # Llama 3
+            vocab128k["params"]["vocab"],
+            vocab128k["params"]["vocab"],  # the flag
+            SKIP,  # 65,535
+            SKIP,  # 5 bytes
+            vocab128k["results"]["kvplug"]["blocks_per_s"] / 1e6,
+            vocab32k["results"]["kvplug"]["blocks_per_s"] / 1e6,
+            vocab32k["params"]["vocab"],
+            vocab128k["kvplug_stages_cpu_ns_per_block"]["parse"],
+            vocab32k["kvplug_stages_cpu_ns_per_block"]["parse"],
         ],
         ("frontend overhead", "result"): lambda: [
             *added("kvplug (token ids)"),
