@@ -23,7 +23,7 @@ Wall-clock blocks/s (the headline) and thread-CPU blocks/s (robust to a busy mac
 kvplug path's stages timed apart in CPU time: parse (C), event building, hashing alone, the core
 calls from a bare loop, and what ``KvIndex.apply_many``'s per-event dispatch adds.
 
-    python benchmarks/bench_ingest.py [--batches 3000] [--block-size 16] [--no-zmq]
+    python benchmarks/bench_ingest.py [--batches 3000] [--block-size 16] [--vocab 32000] [--no-zmq]
 
 Prints a table and writes ``benchmarks/results/bench_ingest.json``.
 """
