@@ -22,8 +22,6 @@ Prints progress and a table of per-round new/base ratios; writes
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import json
 import os
 import statistics
@@ -37,20 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_core  # noqa: E402  (its workload, RSS reading and heap release)
 import numpy as np  # noqa: E402
+from build_loader import load_extension  # noqa: E402
 
 
 def load_build(folder: str, tag: str) -> ModuleType:
     """The ``_core`` extension module of the source tree at ``folder``, under its own name."""
-    found = sorted(Path(folder, "kvplug").glob("_core*.so"))
-    if not found:
-        raise SystemExit(f"no kvplug/_core*.so under {folder}: build it in place first")
-    name = f"kvplug_ab_{tag}._core"  # the last part names the init function (PyInit__core)
-    loader = importlib.machinery.ExtensionFileLoader(name, str(found[0]))
-    spec = importlib.util.spec_from_file_location(name, str(found[0]), loader=loader)
-    assert spec is not None
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
+    return load_extension(folder, "kvplug", "_core", f"kvplug_ab_{tag}._core")
 
 
 def fill(idx, inputs: list, n_blocks: int, presized: bool) -> None:

@@ -24,9 +24,8 @@ Prints base/new per round; writes ``benchmarks/results/ab_fastwire_builds.json``
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
-import importlib.machinery
-import importlib.util
 import json
 import statistics
 import sys
@@ -38,7 +37,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from build_loader import load_extension  # noqa: E402
 from kvplug.integrations.vllm.wire import (  # noqa: E402
     DEFAULT_MAX_EVENT_TOKENS,
     _fast_extra_keys,
@@ -48,28 +49,31 @@ from kvplug.integrations.vllm.wire import (  # noqa: E402
 from kvplug.events import BlockStored  # noqa: E402
 
 BS = 16
+EVENTS_PER_BATCH = 8
+BLOCKS_PER_EVENT = 26
+LLAMA3_VOCAB = 128_256
 KINDS = ("uniform-32k", "zipf-128k", "uniform-128k")
 
 
 def load_fastwire(tree: str) -> ModuleType:
-    name = "kvplug.integrations.vllm._fastwire"
-    so = next(Path(tree, "integrations", "vllm").glob("_fastwire*.so"))
-    loader = importlib.machinery.ExtensionFileLoader(name, str(so))
-    spec = importlib.util.spec_from_loader(name, loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return load_extension(
+        tree, "integrations/vllm", "_fastwire", "kvplug.integrations.vllm._fastwire"
+    )
 
 
 def token_ids(rng: np.random.Generator, kind: str, n: int) -> np.ndarray:
     if kind == "uniform-32k":
         return rng.integers(0, 32_000, n)
     if kind == "uniform-128k":
-        return rng.integers(0, 128_256, n)
-    ranks = np.arange(1, 128_257)
-    p = 1.0 / ranks
-    return rng.choice(128_256, n, p=p / p.sum())
+        return rng.integers(0, LLAMA3_VOCAB, n)
+    return rng.choice(LLAMA3_VOCAB, n, p=zipf_weights())
+
+
+@functools.cache
+def zipf_weights() -> np.ndarray:
+    """P(id) proportional to 1 / (id + 1) over Llama 3's ids (computed once, not per event)."""
+    p = 1.0 / np.arange(1, LLAMA3_VOCAB + 1)
+    return p / p.sum()
 
 
 def payloads(kind: str, batches: int, seed: int) -> tuple[list[bytes], int]:
@@ -79,14 +83,14 @@ def payloads(kind: str, batches: int, seed: int) -> tuple[list[bytes], int]:
         events = [
             BlockStored(
                 worker_id="w",
-                engine_hashes=rng.integers(0, 2**63, 26).tolist(),
-                token_ids=token_ids(rng, kind, 26 * BS).tolist(),
+                engine_hashes=rng.integers(0, 2**63, BLOCKS_PER_EVENT).tolist(),
+                token_ids=token_ids(rng, kind, BLOCKS_PER_EVENT * BS).tolist(),
                 block_size=BS,
             )
-            for _ in range(8)
+            for _ in range(EVENTS_PER_BATCH)
         ]
         out.append(encode_batch(events, "0.32"))
-    return out, batches * 8 * 26 * BS
+    return out, batches * EVENTS_PER_BATCH * BLOCKS_PER_EVENT * BS
 
 
 def decode_all(dec, work: list[bytes]) -> list:

@@ -15,8 +15,6 @@ Prints new/base median query time per round; writes ``benchmarks/results/ab_quer
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import json
 import statistics
 import sys
@@ -28,18 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_core  # noqa: E402  (its workload and prompts)
 import numpy as np  # noqa: E402
+from build_loader import load_extension  # noqa: E402
 
 LENGTHS = (1024, 8192)
 
 
 def load_core(tree: str) -> ModuleType:
-    so = next(Path(tree, "kvplug").glob("_core*.so"))
-    loader = importlib.machinery.ExtensionFileLoader("kvplug._core", str(so))
-    spec = importlib.util.spec_from_loader("kvplug._core", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return load_extension(tree, "kvplug", "_core", "kvplug._core")
 
 
 def bench(

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import glob
-import importlib.machinery
-import importlib.util
 import json
 import os
 import statistics
@@ -31,19 +28,15 @@ import numpy as np
 
 import kvplug.core  # noqa: F401 - the package a build's module imports from
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from build_loader import load_extension  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def load_core(folder: str):
     """The compiled core of a build folder (a source tree built with build_ext --inplace)."""
-    paths = glob.glob(os.path.join(folder, "kvplug", "_core.*.so"))
-    if not paths:
-        raise SystemExit(f"no kvplug/_core.*.so under {folder}: build it with build_ext --inplace")
-    loader = importlib.machinery.ExtensionFileLoader("kvplug._core", paths[0])
-    spec = importlib.util.spec_from_file_location("kvplug._core", paths[0], loader=loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
+    return load_extension(folder, "kvplug", "_core", "kvplug._core")
 
 
 def main(argv: list[str] | None = None) -> dict:

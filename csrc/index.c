@@ -560,7 +560,7 @@ ST_INLINE uint32_t st_probe(const kvp_index *idx, int which, uint64_t key, size_
 }
 
 /* Empty the table's first `cap` slots (allocated) and fill them from its members, read in
- * record order with each one's home slot prefetched ahead: slots keep only a 16-bit tag, so
+ * record order with each one's home slot prefetched ahead: slots keep only a 12-bit tag, so
  * homes come from the records' keys. */
 ST_INLINE void st_refill(kvp_index *idx, int which, size_t cap) {
     slot_table_t *tab = st_table(idx, which);
