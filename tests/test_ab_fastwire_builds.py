@@ -30,7 +30,10 @@ def test_same_build_on_both_sides_times_every_kind(ab, tmp_path):
         assert [r["order"] for r in got["rounds"]] == [["base", "new"], ["new", "base"]]
         for r in got["rounds"]:
             for name in ("base", "new"):
-                assert 0 < r[f"{name}_parse_ns_per_id"] < r[f"{name}_decode_ns_per_id"]
+                # timed, not compared: one pass over 3 batches is noise (the parse alone once
+                # measured slower than a whole decode when run after the other A/B tests)
+                assert 0 < r[f"{name}_parse_ns_per_id"] < float("inf")
+                assert 0 < r[f"{name}_decode_ns_per_id"] < float("inf")
 
 
 def test_the_token_id_mixes_have_the_widths_they_are_named_for(ab):
