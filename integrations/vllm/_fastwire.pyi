@@ -5,6 +5,7 @@ from typing import Any
 from kvplug.events import KvEvent
 
 class FastDecoder:
+    wide_ids: bool  # a 5-byte token id has been read: ids go two a step
     def decode(
         self,
         payload: bytes | memoryview,
