@@ -2,12 +2,19 @@
 and → KvIndex applied), against the checked per-event path measured in the same run.
 
 Workload (seeded): batches of 200 BlockStored events of 8 pages × 16 tokens each (SGLang
-0.5.23 map form; the same stores as TRT-LLM JSON envelopes), token ids < 32,000.
+0.5.23 map form; the same stores as TRT-LLM JSON envelopes), token ids below ``--vocab``
+(default 32,000; 128,256 is Llama 3's, whose ids over 65,535 take 5 bytes in msgpack).
+
+The SGLang typed path reads a store's token ids with the vLLM decoder's compiled loop
+(``_fastwire``) into a uint32 array; the same path with msgspec reading them into a list of
+Python ints (what it did before) runs beside it. Every path is timed once per round, the
+paths taking turns in an order that rotates every round; a path's figure is its best round,
+and the compiled-ids / msgspec-ids ratio is given per round.
 
     python benchmarks/bench_sglang.py           # default sizes (a few seconds)
-    python benchmarks/bench_sglang.py --rounds 5
+    python benchmarks/bench_sglang.py --rounds 5 --vocab 128256
 
-Writes benchmarks/results/bench_sglang.json and prints a table.
+Writes benchmarks/results/bench_sglang.json (``--out``) and prints a table.
 """
 
 from __future__ import annotations
@@ -32,13 +39,13 @@ PAGES = 8
 EVENTS = 200
 
 
-def workload(seed: int) -> tuple[bytes, bytes, int]:
+def workload(seed: int, vocab: int = 32000) -> tuple[bytes, bytes, int]:
     rng = random.Random(seed)
     events, envelopes, h = [], [], 1
     for i in range(EVENTS):
         hashes = list(range(h, h + PAGES))
         h += PAGES
-        tokens = [rng.randrange(32000) for _ in range(BLOCK * PAGES)]
+        tokens = [rng.randrange(vocab) for _ in range(BLOCK * PAGES)]
         events.append(
             {
                 "type": "BlockStored",
@@ -78,54 +85,90 @@ def workload(seed: int) -> tuple[bytes, bytes, int]:
     return sg, trt, EVENTS * PAGES
 
 
-def rate(fn, blocks: int, rounds: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return blocks / best
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=32000, help="token ids drawn below this")
+    ap.add_argument(
+        "--out", default=str(Path(__file__).resolve().parent / "results" / "bench_sglang.json")
+    )
     args = ap.parse_args()
-    sg, trt, blocks = workload(args.seed)
+    sg, trt, blocks = workload(args.seed, args.vocab)
 
     fast = SglangDecoder("w", BLOCK)
+    msgspec_ids = SglangDecoder("w", BLOCK)
+    msgspec_ids._ids = None  # token ids read by msgspec into Python ints: the path before
     slow = SglangDecoder("w", BLOCK)
     slow._fast_order = ()  # the checked, per-event path: the baseline
 
     def trt_decode():
         TrtllmDecoder("w", BLOCK).decode(msgspec.json.decode(trt))
 
-    rows = [
-        ("sglang decode (typed fast path)", rate(lambda: fast.decode(sg), blocks, args.rounds)),
-        (
-            "sglang decode (checked path, baseline)",
-            rate(lambda: slow.decode(sg), blocks, args.rounds),
-        ),
-        ("trtllm JSON parse (msgspec) + decode", rate(trt_decode, blocks, args.rounds)),
-    ]
+    paths = {
+        "sglang decode (typed, compiled token ids)": lambda: fast.decode(sg),
+        "sglang decode (typed, msgspec token ids: before)": lambda: msgspec_ids.decode(sg),
+        "sglang decode (checked path, baseline)": lambda: slow.decode(sg),
+        "trtllm JSON parse (msgspec) + decode": trt_decode,
+    }
     try:
         from kvplug.index import KvIndex
 
-        def sg_apply():
-            index = KvIndex(block_size=BLOCK)
-            index.add_endpoint("w", 0)
-            index.apply_many(fast.decode(sg))
+        def applied(dec):
+            def run():
+                index = KvIndex(block_size=BLOCK)
+                index.add_endpoint("w", 0)
+                index.apply_many(dec.decode(sg))
 
-        rows.append(("sglang decode + KvIndex.apply_many", rate(sg_apply, blocks, args.rounds)))
+            return run
+
+        paths["sglang decode + KvIndex.apply_many (compiled token ids)"] = applied(fast)
+        paths["sglang decode + KvIndex.apply_many (msgspec token ids: before)"] = applied(
+            msgspec_ids
+        )
     except ImportError as exc:  # no compiled core built
         print(f"(KvIndex unavailable: {exc})")
-    base = rows[1][1]
-    print(f"{'path':42s} {'blocks/s':>12s} {'tokens/s':>14s} {'vs baseline':>12s}")
-    for name, r in rows:
-        print(f"{name:42s} {r:12,.0f} {r * BLOCK:14,.0f} {r / base:11.2f}x")
-    out = Path(__file__).resolve().parent / "results" / "bench_sglang.json"
+    names = list(paths)
+    for fn in paths.values():
+        fn()  # warm-up
+    secs: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            secs[name].append(timed(paths[name]))
+    best = {n: blocks / min(v) for n, v in secs.items()}
+    base = best["sglang decode (checked path, baseline)"]
+    print(
+        f"workload: {blocks} blocks of {BLOCK} tokens, ids below {args.vocab:,}; "
+        f"{args.rounds} rounds"
+    )
+    print(f"{'path':62s} {'blocks/s':>12s} {'tokens/s':>14s} {'vs baseline':>12s}")
+    for name in names:
+        print(
+            f"{name:62s} {best[name]:12,.0f} {best[name] * BLOCK:14,.0f} {best[name] / base:11.2f}x"
+        )
+    pairs = {
+        "decode": (names[1], names[0]),
+        "decode_apply": (names[-1], names[-2]) if len(names) > 4 else None,
+    }
+    ratios = {}
+    for what, pair in pairs.items():
+        if pair is None:
+            continue
+        before, after = pair
+        per_round = [b / a for b, a in zip(secs[before], secs[after], strict=True)]
+        ratios[what] = {"min": min(per_round), "max": max(per_round), "per_round": per_round}
+        print(
+            f"compiled token ids against msgspec's, {what}: {min(per_round):.2f}-"
+            f"{max(per_round):.2f}x by round"
+        )
+    out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
     out.write_text(
         json.dumps(
@@ -136,12 +179,15 @@ def main() -> int:
                     "block_size": BLOCK,
                     "seed": args.seed,
                     "rounds": args.rounds,
+                    "vocab": args.vocab,
                 },
                 "machine": platform.platform(),
                 "python": platform.python_version(),
                 "results": [
-                    {"path": n, "blocks_per_s": r, "vs_baseline": r / base} for n, r in rows
+                    {"path": n, "blocks_per_s": best[n], "vs_baseline": best[n] / base}
+                    for n in names
                 ],
+                "compiled_over_msgspec_ids": ratios,
             },
             indent=2,
         )

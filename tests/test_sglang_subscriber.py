@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from event_helpers import plain
 from kvplug.integrations.sglang.metrics import KvEventsInfo
 from kvplug.integrations.sglang.subscriber import SglangSubscriber, filtered_sink, sources_from_info
 from kvplug.integrations.sglang.wire import MASK64
@@ -101,7 +102,7 @@ def test_two_ranks_gap_replay_restart_and_garbage(zmq_ctx):
         )
         r0 = [e for e in ev if e.dp_rank == 0]
         r1 = [e for e in ev if e.dp_rank == 1]
-        assert r0 == [
+        assert plain(r0) == [
             BlockStored(
                 worker_id="sg",
                 tier=Tier.DEVICE,

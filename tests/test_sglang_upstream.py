@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from event_helpers import plain
 from kvplug.integrations.sglang.metrics import KvEventsInfo
 from kvplug.integrations.sglang.subscriber import SglangSubscriber, filtered_sink, sources_from_info
 from kvplug.integrations.sglang.wire import MASK64, SglangDecoder, encode_batch
@@ -98,7 +99,7 @@ def test_sglang_classes_encode_byte_for_byte_what_kvplug_decodes_and_encodes(kv)
     # ZmqEventPublisher._publisher_thread: msgspec.msgpack.Encoder().encode(event_batch)
     payload = msgspec.msgpack.Encoder().encode(_batch(kv, 1.5, 1))
     dec = SglangDecoder("sg", page_size=4)
-    assert dec.decode(payload, dp_rank=0, seq=0) == EXPECTED  # the batch's rank wins
+    assert plain(dec.decode(payload, dp_rank=0, seq=0)) == EXPECTED  # the batch's rank wins
     assert not dec.drops
     # kvplug's SGLang encoder (simulated engines, fixtures) writes the same bytes
     assert encode_batch(EXPECTED, "0.5.23", ts=1.5, attn_dp_rank=1) == payload
@@ -121,7 +122,7 @@ def test_fields_kvplug_does_not_use_are_ignored(kv):
         ],
     )
     payload = msgspec.msgpack.Encoder().encode(batch)
-    got = SglangDecoder("sg", page_size=4).decode(payload, dp_rank=2, seq=0)
+    got = plain(SglangDecoder("sg", page_size=4).decode(payload, dp_rank=2, seq=0))
     assert got == [
         BlockStored(
             worker_id="sg", dp_rank=2, engine_hashes=[7], token_ids=[1, 2, 3, 4], block_size=4
@@ -179,7 +180,7 @@ def test_sglangs_zmq_publisher_feeds_kvplugs_index(kv):
             time.sleep(0.1)
         with lock:
             events = list(got)
-        assert events[:2] == [
+        assert plain(events[:2]) == [
             BlockStored(
                 worker_id="sg",
                 tier=Tier.DEVICE,

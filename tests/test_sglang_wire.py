@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from event_helpers import plain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvplug.integrations.sglang.wire import MASK64, SglangDecoder, encode_batch
@@ -43,7 +44,7 @@ def test_golden_payloads_are_byte_exact(name):
 def test_arrays_0_5_15_decode_to_expected_events():
     dec = SglangDecoder("sg-a", page_size=4)
     payloads = _golden("v0_5_15")
-    got = [dec.decode(payloads[0], dp_rank=0, seq=0)]
+    got = [plain(dec.decode(payloads[0], dp_rank=0, seq=0))]
     assert got[0] == [
         BlockStored(
             worker_id="sg-a",
@@ -66,7 +67,7 @@ def test_arrays_0_5_15_decode_to_expected_events():
         # the partial tail page [13, 14] is not stored
     ]
     assert dec.partial == {0: {U["HP"]}}
-    got += [dec.decode(p, dp_rank=0, seq=i) for i, p in enumerate(payloads[1:], 1)]
+    got += [plain(dec.decode(p, dp_rank=0, seq=i)) for i, p in enumerate(payloads[1:], 1)]
     assert got[1] == [
         BlockStored(
             worker_id="sg-a",
@@ -99,7 +100,7 @@ def test_arrays_0_5_15_decode_to_expected_events():
 
 def test_maps_0_5_23_decode_to_expected_events():
     dec = SglangDecoder("sg-b", page_size=4)
-    got = [dec.decode(p, dp_rank=0, seq=i) for i, p in enumerate(_golden("v0_5_23"))]
+    got = [plain(dec.decode(p, dp_rank=0, seq=i)) for i, p in enumerate(_golden("v0_5_23"))]
     # the batch's attn_dp_rank (1) wins over the socket's rank (0)
     assert got[0] == [
         BlockStored(
@@ -186,6 +187,8 @@ def _stored_map(hashes, parent, tokens, block_size, **extra):
         (_stored_map([1], None, [1, 2, 3, "x"], 4), "bad_tokens"),
         (_stored_map(["1"], None, [1, 2, 3, 4], 4), "bad_hash"),
         (_stored_map([1], None, [1, 2, 3, 4], 0), "bad_block_size"),
+        # pages times a block size past 2**64 (a fuzzer's find: it overflowed the id loop's bound)
+        (_stored_map([1, 2], None, [1, 2, 3, 4], 2**64 - 1), "length_mismatch"),
         (_stored_map([1], None, [1, 2, 3, 4], 4, medium="NVME"), "unknown_medium"),
         (_stored_map([1], None, [1, 2, 3, 4], 4, cache_salt=7), "bad_field"),
         ({"type": "BlockExploded", "block_hashes": [1]}, "unknown_event"),
@@ -196,7 +199,7 @@ def _stored_map(hashes, parent, tokens, block_size, **extra):
 def test_bad_events_are_dropped_and_counted_alone(event, reason):
     dec = SglangDecoder("w", page_size=4)
     good = _stored_map([10], None, [1, 2, 3, 4], 4)
-    out = dec.decode(_batch([good, event, {"type": "AllBlocksCleared"}]), seq=7)
+    out = plain(dec.decode(_batch([good, event, {"type": "AllBlocksCleared"}]), seq=7))
     assert [type(e) for e in out] == [BlockStored, AllCleared]  # neighbours survive
     assert dec.drops == {reason: 1}
 
@@ -224,19 +227,19 @@ def test_bad_batches_are_dropped_and_counted(payload, reason):
 def test_store_chained_onto_a_partial_page_is_dropped():
     dec = SglangDecoder("w", page_size=4)
     dec.decode(_batch([_stored_map([5], None, [1, 2], 2)]))
-    out = dec.decode(_batch([_stored_map([6], 5, [3, 4, 5, 6], 4)]))
+    out = plain(dec.decode(_batch([_stored_map([6], 5, [3, 4, 5, 6], 4)])))
     assert out == [] and dec.drops == {"parent_partial": 1}
 
 
 def test_page_size_one_never_has_partial_pages():
     dec = SglangDecoder("w", page_size=1)
-    out = dec.decode(_batch([_stored_map([1, 2, 3], None, [7, 8, 9], 1)]))
+    out = plain(dec.decode(_batch([_stored_map([1, 2, 3], None, [7, 8, 9], 1)])))
     assert out[0].engine_hashes == [1, 2, 3] and dec.partial == {}
 
 
 def test_arrays_0_5_18_with_metadata_decode_to_expected_events():
     dec = SglangDecoder("sg-c", page_size=4)
-    assert dec.decode(_golden("v0_5_18")[0]) == [
+    assert plain(dec.decode(_golden("v0_5_18")[0])) == [
         BlockStored(
             worker_id="sg-c",
             engine_hashes=[U["H1"], U["H2"]],
@@ -259,7 +262,7 @@ def test_positional_events_with_unknown_trailing_fields_decode(fast):
     if not fast:
         dec._fast_order = ()
     raw = ["BlockStored", [-1], None, [1, 2], 2, None, "GPU", {"cache_salt": "s", "x": 1}, 9]
-    out = dec.decode(_batch([raw]))
+    out = plain(dec.decode(_batch([raw])))
     assert out == [
         BlockStored(
             worker_id="w", engine_hashes=[MASK64], token_ids=[1, 2], block_size=2, cache_salt="s"
@@ -284,7 +287,7 @@ def test_typed_fast_path_agrees_with_the_checked_slow_path(name):
     for payload in _golden(name):
         probe = SglangDecoder("w", page_size=4)
         assert probe._fast_items(payload, 0) is not None  # well-formed: the fast path takes it
-        assert fast.decode_items(payload) == slow.decode_items(payload)
+        assert plain(fast.decode_items(payload)) == plain(slow.decode_items(payload))
     assert fast.counts == slow.counts and not fast.drops and not slow.drops
 
 
@@ -341,7 +344,7 @@ def test_encoder_round_trips_through_the_decoder_0_5_23(events, fast):
     dec = SglangDecoder("w", page_size=4)
     if not fast:
         dec._fast_order = ()
-    assert dec.decode(encode_batch(events, "0.5.23", attn_dp_rank=1)) == events
+    assert plain(dec.decode(encode_batch(events, "0.5.23", attn_dp_rank=1))) == events
     assert not dec.drops
 
 
@@ -353,7 +356,7 @@ def test_encoder_round_trips_through_the_decoder_arrays(events, form):
         with pytest.raises(ValueError):
             encode_batch(events, form)
         return
-    assert dec.decode(encode_batch(events, form)) == events
+    assert plain(dec.decode(encode_batch(events, form))) == events
 
 
 def test_encoder_refuses_what_sglang_cannot_say():
@@ -363,3 +366,66 @@ def test_encoder_refuses_what_sglang_cannot_say():
         )
     with pytest.raises(ValueError):
         encode_batch([], "0.4.0")
+
+
+# -- token ids through the vLLM decoder's compiled loop ----------------------------------------
+
+_FASTWIRE = importlib.util.find_spec("kvplug.integrations.vllm._fastwire") is not None
+
+
+@pytest.mark.skipif(not _FASTWIRE, reason="compiled vLLM decoder not built")
+def test_token_ids_come_as_u32_arrays_from_the_compiled_loop():
+    """A well-formed store's ids are read by _fastwire's token loop, without a Python int per
+    id, into the msgspec path's values; ids of every msgpack width, one decoder reused (the
+    loop goes two ids a step after the first 5-byte id)."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(4)
+    fast, slow = SglangDecoder("w", page_size=16), SglangDecoder("w", page_size=16)
+    slow._fast_order = ()  # the checked, per-event path: lists of Python ints
+    forms = ((0, 128), (128, 256), (256, 65536), (65536, 2**32))
+    for n in range(200):
+        events = []
+        for _ in range(rng.randrange(1, 4)):
+            pages = rng.randrange(1, 4)
+            weights = [rng.choice([0, 1, 5]) for _ in forms]
+            weights[rng.randrange(len(forms))] += 1  # never all zero
+            # every third batch uint16 ids only: the per-id loop's four-at-once step
+            spans = rng.choices(forms, weights=weights if n % 3 else [0, 0, 1, 0], k=16 * pages)
+            tokens = [rng.randrange(lo, hi) for lo, hi in spans]
+            events.append(
+                _stored_map([rng.getrandbits(63) for _ in range(pages)], None, tokens, 16)
+            )
+        payload = _batch(events)
+        got, want = fast.decode(payload), slow.decode(payload)
+        assert plain(got) == want, n
+        for ev in got:
+            assert isinstance(ev.token_ids, np.ndarray) and ev.token_ids.dtype == np.uint32
+    assert fast._ids.wide_ids
+
+
+@pytest.mark.skipif(not _FASTWIRE, reason="compiled vLLM decoder not built")
+def test_token_loop_declines_what_it_cannot_read_and_msgspec_decides():
+    dec = SglangDecoder("w", page_size=2)
+    enc = msgspec.msgpack.encode
+    ids = dec._ids
+    assert ids.token_array(enc([1, 300, 70000, 2**32 - 1]), 4).tolist() == [
+        1,
+        300,
+        70000,
+        2**32 - 1,
+    ]
+    assert ids.token_array(enc([1, 2, 3]), 2) is None  # more ids than the store's pages hold
+    for bad in ([1, -1], [1, 2**32], [1, "x"], [[1, 2], [3, 4]], [1, None], [1.0, 2]):
+        assert ids.token_array(enc(bad), 8) is None, bad
+    assert ids.token_array(enc([1, 2]) + b"\x01", 8) is None  # bytes after the array
+    assert ids.token_array(enc([1, 2])[:-1], 8) is None  # truncated
+    # EAGLE3's pairs still decode (msgspec), a bad id is still dropped and counted
+    out = dec.decode(_batch([_stored_map([5], None, [[7, 8], [9, 10]], 2)]))
+    assert plain(out) == [
+        BlockStored(worker_id="w", engine_hashes=[5], token_ids=[7, 9], block_size=2)
+    ]
+    assert dec.decode(_batch([_stored_map([6], None, [1, -1], 2)])) == []
+    assert dec.drops == {"bad_tokens": 1}

@@ -78,6 +78,11 @@ _REMOVED_FIELDS = ("block_hashes", "medium")
 
 _decoder = msgspec.msgpack.Decoder()
 
+try:  # the vLLM decoder's compiled token loop reads a store's raw token_ids into a u32 array
+    from kvplug.integrations.vllm import _fastwire
+except ImportError:  # pragma: no cover - source checkouts without a build
+    _fastwire = None  # type: ignore[assignment]
+
 
 class PartialPages(msgspec.Struct, frozen=True, kw_only=True):
     """Internal marker: partial tail pages a rank stored. Never leaves this package: the
@@ -298,6 +303,9 @@ class SglangDecoder:
         self.filter = PartialPageFilter(self.drops, self.counts)
         self.last_error = ""
         self._fast_order = _FAST
+        # token ids into uint32 arrays without a Python int each (its buffers are reused and it
+        # learns the stream's id widths, so one per decoder)
+        self._ids = _fastwire.FastDecoder() if _fastwire is not None else None
 
     @property
     def partial(self) -> dict[int, set[int]]:
@@ -375,14 +383,10 @@ class SglangDecoder:
                     return None
                 if not hashes:
                     continue
-                try:
-                    tokens = _TOKENS.decode(ev.token_ids)
-                except DECODE_ERRORS:
-                    try:
-                        tokens = [t for t, _ in _BIGRAMS.decode(ev.token_ids)]
-                    except DECODE_ERRORS:
-                        return None
-                if len(tokens) != len(hashes) * bs or bs > self.page_size:
+                if bs > self.page_size:  # before the ids: a hostile size must not size a read
+                    return None
+                tokens = self._token_ids(ev.token_ids, len(hashes) * bs)
+                if tokens is None or len(tokens) != len(hashes) * bs:
                     return None
                 if bs < self.page_size:
                     counts["partial_pages"] += len(hashes)
@@ -428,6 +432,21 @@ class SglangDecoder:
                 out.append(AllCleared(worker_id=wid, dp_rank=dp_rank))
         self.counts.update(counts)
         return rank, out
+
+    def _token_ids(self, raw: msgspec.Raw, expected: int) -> Any:
+        """A store's raw ``token_ids``: a uint32 array from the compiled loop, else a list from
+        msgspec (EAGLE3's pairs, or what the loop declines); None if neither reads it."""
+        if self._ids is not None:
+            tokens = self._ids.token_array(raw, expected)
+            if tokens is not None:
+                return tokens
+        try:
+            return _TOKENS.decode(raw)
+        except DECODE_ERRORS:
+            try:
+                return [t for t, _ in _BIGRAMS.decode(raw)]
+            except DECODE_ERRORS:
+                return None
 
     def stats(self) -> dict[str, int]:
         s = {f"events_{k}": v for k, v in self.counts.items()}

@@ -677,6 +677,30 @@ cdef class FastDecoder:
             PyBuffer_Release(&view)
             self._trim()
 
+    def token_array(self, object raw, size_t max_tokens):
+        """One msgpack array of token ids (unsigned ints below 2**32; an SGLang store's
+        ``token_ids``, which msgspec keeps raw) as a new uint32 array, by the same loop as a
+        vLLM store's; None for anything else (EAGLE3's id pairs, a negative or wider int, more
+        than ``max_tokens`` ids, bytes after the array): the caller's msgspec decoder then
+        reads it and says what is wrong."""
+        cdef Py_buffer view
+        cdef Reader r
+        cdef Rec rec
+        if self.busy:
+            return None
+        PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
+        try:
+            r.p = <const uint8_t *>view.buf
+            r.n = <size_t>view.len
+            r.pos = 0
+            self.t_n = 0
+            if self._tokens_into(&r, max_tokens, &rec) < 0 or r.pos != r.n:
+                return None
+            return _copy_array(self.tokens, self.t_n, cnp.NPY_UINT32, sizeof(uint32_t))
+        finally:
+            PyBuffer_Release(&view)
+            self._trim()
+
     # -- phase 1: parse and check, pure C ----------------------------------------------------
     cdef Rec *_new_rec(self) noexcept nogil:
         if _grow(<void **>&self.recs, &self.r_cap, self.r_n + 1, sizeof(Rec)) < 0:
