@@ -85,9 +85,12 @@ def workload(seed: int, vocab: int = 32000) -> tuple[bytes, bytes, int]:
     return sg, trt, EVENTS * PAGES
 
 
-def timed(fn) -> float:
+def timed(path) -> float:
+    """One timed run of ``path``: ``(setup, run)``, ``run(setup())`` timed (setup: None)."""
+    setup, run = path
+    state = setup() if setup is not None else None
     t = time.perf_counter()
-    fn()
+    run(state)
     return time.perf_counter() - t
 
 
@@ -112,21 +115,24 @@ def main() -> int:
         TrtllmDecoder("w", BLOCK).decode(msgspec.json.decode(trt))
 
     paths = {
-        "sglang decode (typed, compiled token ids)": lambda: fast.decode(sg),
-        "sglang decode (typed, msgspec token ids: before)": lambda: msgspec_ids.decode(sg),
-        "sglang decode (checked path, baseline)": lambda: slow.decode(sg),
-        "trtllm JSON parse (msgspec) + decode": trt_decode,
+        "sglang decode (typed, compiled token ids)": (None, lambda _: fast.decode(sg)),
+        "sglang decode (typed, msgspec token ids: before)": (
+            None,
+            lambda _: msgspec_ids.decode(sg),
+        ),
+        "sglang decode (checked path, baseline)": (None, lambda _: slow.decode(sg)),
+        "trtllm JSON parse (msgspec) + decode": (None, lambda _: trt_decode()),
     }
     try:
         from kvplug.index import KvIndex
 
-        def applied(dec):
-            def run():
-                index = KvIndex(block_size=BLOCK)
-                index.add_endpoint("w", 0)
-                index.apply_many(dec.decode(sg))
+        def fresh_index():  # made before the clock: the rows time decode and apply alone
+            index = KvIndex(block_size=BLOCK)
+            index.add_endpoint("w", 0)
+            return index
 
-            return run
+        def applied(dec):
+            return fresh_index, lambda index: index.apply_many(dec.decode(sg))
 
         paths["sglang decode + KvIndex.apply_many (compiled token ids)"] = applied(fast)
         paths["sglang decode + KvIndex.apply_many (msgspec token ids: before)"] = applied(
@@ -135,8 +141,8 @@ def main() -> int:
     except ImportError as exc:  # no compiled core built
         print(f"(KvIndex unavailable: {exc})")
     names = list(paths)
-    for fn in paths.values():
-        fn()  # warm-up
+    for path in paths.values():
+        timed(path)  # warm-up
     secs: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
         k = r % len(names)
