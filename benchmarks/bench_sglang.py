@@ -85,6 +85,14 @@ def workload(seed: int, vocab: int = 32000) -> tuple[bytes, bytes, int]:
     return sg, trt, EVENTS * PAGES
 
 
+# the rows: compiled token ids against msgspec's, decode alone and with the index applied
+DECODE = "sglang decode (typed, compiled token ids)"
+DECODE_BEFORE = "sglang decode (typed, msgspec token ids: before)"
+BASELINE = "sglang decode (checked path, baseline)"
+APPLY = "sglang decode + KvIndex.apply_many (compiled token ids)"
+APPLY_BEFORE = "sglang decode + KvIndex.apply_many (msgspec token ids: before)"
+
+
 def timed(path) -> float:
     """One timed run of ``path``: ``(setup, run)``, ``run(setup())`` timed (setup: None)."""
     setup, run = path
@@ -111,17 +119,14 @@ def main() -> int:
     slow = SglangDecoder("w", BLOCK)
     slow._fast_order = ()  # the checked, per-event path: the baseline
 
-    def trt_decode():
+    def trt_decode(_):
         TrtllmDecoder("w", BLOCK).decode(msgspec.json.decode(trt))
 
     paths = {
-        "sglang decode (typed, compiled token ids)": (None, lambda _: fast.decode(sg)),
-        "sglang decode (typed, msgspec token ids: before)": (
-            None,
-            lambda _: msgspec_ids.decode(sg),
-        ),
-        "sglang decode (checked path, baseline)": (None, lambda _: slow.decode(sg)),
-        "trtllm JSON parse (msgspec) + decode": (None, lambda _: trt_decode()),
+        DECODE: (None, lambda _: fast.decode(sg)),
+        DECODE_BEFORE: (None, lambda _: msgspec_ids.decode(sg)),
+        BASELINE: (None, lambda _: slow.decode(sg)),
+        "trtllm JSON parse (msgspec) + decode": (None, trt_decode),
     }
     try:
         from kvplug.index import KvIndex
@@ -134,10 +139,8 @@ def main() -> int:
         def applied(dec):
             return fresh_index, lambda index: index.apply_many(dec.decode(sg))
 
-        paths["sglang decode + KvIndex.apply_many (compiled token ids)"] = applied(fast)
-        paths["sglang decode + KvIndex.apply_many (msgspec token ids: before)"] = applied(
-            msgspec_ids
-        )
+        paths[APPLY] = applied(fast)
+        paths[APPLY_BEFORE] = applied(msgspec_ids)
     except ImportError as exc:  # no compiled core built
         print(f"(KvIndex unavailable: {exc})")
     names = list(paths)
@@ -149,7 +152,7 @@ def main() -> int:
         for name in names[k:] + names[:k]:
             secs[name].append(timed(paths[name]))
     best = {n: blocks / min(v) for n, v in secs.items()}
-    base = best["sglang decode (checked path, baseline)"]
+    base = best[BASELINE]
     print(
         f"workload: {blocks} blocks of {BLOCK} tokens, ids below {args.vocab:,}; "
         f"{args.rounds} rounds"
@@ -159,15 +162,13 @@ def main() -> int:
         print(
             f"{name:62s} {best[name]:12,.0f} {best[name] * BLOCK:14,.0f} {best[name] / base:11.2f}x"
         )
-    pairs = {
-        "decode": (names[1], names[0]),
-        "decode_apply": (names[-1], names[-2]) if len(names) > 4 else None,
-    }
     ratios = {}
-    for what, pair in pairs.items():
-        if pair is None:
+    for what, (before, after) in {
+        "decode": (DECODE_BEFORE, DECODE),
+        "decode_apply": (APPLY_BEFORE, APPLY),
+    }.items():
+        if before not in secs:
             continue
-        before, after = pair
         per_round = [b / a for b, a in zip(secs[before], secs[after], strict=True)]
         ratios[what] = {"min": min(per_round), "max": max(per_round), "per_round": per_round}
         print(

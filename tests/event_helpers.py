@@ -1,4 +1,5 @@
-"""Events compared as values, whatever holds their token ids.
+"""Events in tests: compared as values whatever holds their token ids, and token ids of every
+width msgpack gives them.
 
 The compiled decoders hand a store's token ids over as a uint32 numpy array (vLLM's and, for
 its token loop, SGLang's), the msgspec paths as a list; ``==`` on a struct holding an array is
@@ -29,3 +30,19 @@ def plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(plain(v) for v in value)
     return value
+
+
+# msgpack's unsigned forms for token ids: positive fixint (1 byte), uint8 (2), uint16 (3),
+# uint32 (5)
+ID_FORMS = ((0, 128), (128, 256), (256, 65536), (65536, 2**32))
+
+
+def mixed_width_ids(rng: Any, n: int, weights: list[int] | None = None) -> list[int]:
+    """``n`` token ids whose msgpack forms mix by ``weights`` (one per form in ID_FORMS;
+    None: each drawn afresh from 0, 1, 5, never all 0), so some arrays are nearly one width
+    and others switch width at random."""
+    if weights is None:
+        weights = [rng.choice([0, 1, 5]) for _ in ID_FORMS]
+        if not any(weights):
+            weights[rng.randrange(len(ID_FORMS))] = 1
+    return [rng.randrange(lo, hi) for lo, hi in rng.choices(ID_FORMS, weights=weights, k=n)]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from event_helpers import plain
+from event_helpers import mixed_width_ids, plain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvplug.integrations.sglang.wire import MASK64, SglangDecoder, encode_batch
@@ -385,16 +385,12 @@ def test_token_ids_come_as_u32_arrays_from_the_compiled_loop():
     rng = random.Random(4)
     fast, slow = SglangDecoder("w", page_size=16), SglangDecoder("w", page_size=16)
     slow._fast_order = ()  # the checked, per-event path: lists of Python ints
-    forms = ((0, 128), (128, 256), (256, 65536), (65536, 2**32))
     for n in range(200):
         events = []
         for _ in range(rng.randrange(1, 4)):
             pages = rng.randrange(1, 4)
-            weights = [rng.choice([0, 1, 5]) for _ in forms]
-            weights[rng.randrange(len(forms))] += 1  # never all zero
             # every third batch uint16 ids only: the per-id loop's four-at-once step
-            spans = rng.choices(forms, weights=weights if n % 3 else [0, 0, 1, 0], k=16 * pages)
-            tokens = [rng.randrange(lo, hi) for lo, hi in spans]
+            tokens = mixed_width_ids(rng, 16 * pages, None if n % 3 else [0, 0, 1, 0])
             events.append(
                 _stored_map([rng.getrandbits(63) for _ in range(pages)], None, tokens, 16)
             )

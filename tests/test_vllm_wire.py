@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from event_helpers import mixed_width_ids
 from kvplug.integrations.vllm.wire import (
     END_SEQ,
     FAST_PATH,
@@ -490,28 +491,18 @@ def test_fast_path_declines_garbage_without_crashing():
                 BatchDecoder("w", block_size=32).decode(bad)  # never raises
 
 
-# msgpack's unsigned forms for token ids: positive fixint (1 byte), uint8 (2), uint16 (3),
-# uint32 (5)
-_ID_FORMS = ((0, 128), (128, 256), (256, 65536), (65536, 2**32))
-
-
 def _id_batch(rng, block_size: int) -> bytes:
-    """Stores whose token ids mix every form: per event, each form's weight drawn afresh, so
-    some arrays are nearly one width and others switch width at random."""
+    """Stores whose token ids mix every msgpack form, each event in its own mix."""
     evs = []
     for _ in range(rng.randrange(1, 5)):
         nb = rng.randrange(1, 4)
-        weights = [rng.choice([0, 1, 5]) for _ in _ID_FORMS] or [1]
-        if not any(weights):
-            weights[rng.randrange(4)] = 1
-        forms = rng.choices(_ID_FORMS, weights=weights, k=block_size * nb)
         evs.append(
             BlockStored(
                 worker_id="w",
                 engine_hashes=[rng.getrandbits(64) for _ in range(nb)],
                 block_size=block_size,
                 parent_engine_hash=None,
-                token_ids=[rng.randrange(lo, hi) for lo, hi in forms],
+                token_ids=mixed_width_ids(rng, block_size * nb),
             )
         )
     return encode_batch(evs, "0.32.0", ts=1.0, hash_form="uint64")

@@ -2,6 +2,10 @@
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
 from kvplug.events import KvEvent
 
 class FastDecoder:
@@ -18,4 +22,6 @@ class FastDecoder:
     def parse_only(
         self, payload: bytes | memoryview, max_tokens: int, block_size: int
     ) -> tuple[int, int, int] | None: ...
-    def token_array(self, raw: Any, max_tokens: int) -> Any: ...
+    def token_array(
+        self, raw: bytes | memoryview | msgspec.Raw, max_tokens: int
+    ) -> npt.NDArray[np.uint32] | None: ...
