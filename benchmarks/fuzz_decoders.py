@@ -9,7 +9,9 @@ Decoders (each gets ``--inputs`` inputs; the contract is "never raises, counts w
 * ``vllm-msgspec``: ``BatchDecoder.decode_msgspec`` alone;
 * ``sglang``: ``SglangDecoder.decode`` (typed fast path, per-event slow path, partial pages);
 * ``trtllm-json``: what the TRT-LLM poller does with a drained answer's body:
-  ``parse_answer`` (JSON) then ``TrtllmDecoder.decode`` (per-rank state kept across inputs).
+  ``parse_answer`` (JSON) then ``TrtllmDecoder.decode`` (per-rank state kept across inputs);
+  every answer also goes, as a plain JSON decode, to a second decoder of the same stream (the
+  checked reader), which must give the same events, counts and state (``compare_readers``).
 
 Inputs (seeded): valid batches from kvplug's encoders (every vLLM version and hash form, the
 map-encoded batch, SGLang's three forms, the TRT-LLM fixtures), then mutated: structured
@@ -21,8 +23,9 @@ the Python decoders instrumented; a libFuzzer-detected crash (or a hang) counts 
 
 Figures per decoder: inputs (random + atheris), inputs/s, batches accepted, crashes, escapes
 (an exception out of the decoder), bad events (an output event breaking kvplug's event
-invariants), disagreements (``vllm-fast``). Baseline in the same run: the reproducers issue 9
-filed (deep nesting, the four fast-path disagreements) go through the same checks first.
+invariants), disagreements (``vllm-fast``, ``trtllm-json``). Baseline in the same run: the
+reproducers issue 9 filed (deep nesting, the four fast-path disagreements) go through the same
+checks first.
 
     python benchmarks/fuzz_decoders.py                       # 1,000,000 inputs per decoder
     python benchmarks/fuzz_decoders.py --inputs 20000 --atheris-inputs 0 --out /tmp/f.json
@@ -63,7 +66,7 @@ with _decoders_import:
     from kvplug.integrations.sglang.wire import SglangDecoder
     from kvplug.integrations.sglang.wire import encode_batch as sglang_batch
     from kvplug.integrations.trtllm.events import TrtllmDecoder
-    from kvplug.integrations.trtllm.poller import parse_answer
+    from kvplug.integrations.trtllm.poller import compare_readers
     from kvplug.integrations.vllm.wire import FAST_PATH, BatchDecoder, compare_paths
     from kvplug.integrations.vllm.wire import encode_batch as vllm_batch
 
@@ -537,6 +540,7 @@ class TrtllmJson(Target):
     def __init__(self) -> None:
         self.n = 0
         self.dec = TrtllmDecoder("w", BS)
+        self.checked = TrtllmDecoder("w", BS)  # the same stream as dicts: the checked reader
 
     def seed_fn(self, rng):
         return trtllm_seed(rng)
@@ -544,11 +548,11 @@ class TrtllmJson(Target):
     def run(self, payload):
         self.n += 1
         if self.n % 5000 == 0:
-            self.dec = TrtllmDecoder("w", BS)
-        envelopes, _ = parse_answer(payload)
-        if envelopes is None:
-            return False, None, None
-        return True, _check_events(self.dec.decode(envelopes)), None
+            self.dec, self.checked = TrtllmDecoder("w", BS), TrtllmDecoder("w", BS)
+        events, disagree = compare_readers(payload, self.dec, self.checked)
+        if events is None:
+            return False, None, disagree
+        return True, _check_events(events), disagree
 
 
 TARGETS: dict[str, type[Target]] = {t.name: t for t in (VllmFast, VllmMsgspec, Sglang, TrtllmJson)}

@@ -79,7 +79,7 @@ def test_2026_vswa_adp_drain_decodes_to_expected_events():
     dec = TrtllmDecoder("t2", tokens_per_block=4, lora_names={3: "sql-lora"})
     out = dec.decode(_fixture("v2026_vswa_adp_events.json"))
     mm_extra = _block_extra(
-        {"mm_keys": [{"type": "mm_key", "hash": "ab" * 32, "start_offset": 0}]}, [0, 0, 0, 0]
+        [{"type": "mm_key", "hash": "ab" * 32, "start_offset": 0}], [0, 0, 0, 0]
     )
     assert mm_extra != 0
     assert out == [

@@ -30,6 +30,14 @@ Rules (each tested in ``tests/test_trtllm_events.py``; PROTOCOLS.md §3.2–3.3)
   blocks can never match a text-only request.
 * LoRA: an event-level ``lora_name`` (some 2026 builds) names the adapter; otherwise a block's
   non-zero ``lora_id`` maps through ``lora_names`` (default ``trtllm-lora-<id>``).
+
+Two readers, one set of rules. ``decode`` takes envelopes as a plain JSON decode gives them
+(dicts: the checked reader) or as ``poller.parse_answer`` reads them (``read_envelope``): a
+``stored`` envelope of the usual shape read by msgspec into typed structs
+(``_StoredEnvelope``), which skips building a dict per token, most of the checked reader's
+cost, and every other envelope (another kind, a field of another type) as a dict. Both feed
+the same sequencing and store logic, so they give the same events, counts and state
+(``tests/test_trtllm_events.py``; ``benchmarks/fuzz_decoders.py`` compares them).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from kvplug.integrations.common import MASK64, EventDrop, full_blocks_stored, u64_hash
 
 from kvplug import AllCleared, BlockMoved, BlockRemoved, KvEvent, Tier
@@ -80,9 +89,9 @@ def parse_hash(value: Any, what: str, *, allow_none: bool = False) -> int | None
     return u64_hash(value, what)
 
 
-def _block_extra(block: dict[str, Any], extra_ids: list[int]) -> int:
+def _block_extra(mm_keys: Any, extra_ids: list[int]) -> int:
     """Per-block u64 extra key from multimodal keys and token extra ids; 0 = none."""
-    mm = block.get("mm_keys") or []
+    mm = mm_keys or []
     if not mm and not any(extra_ids):
         return 0
     h = hashlib.blake2b(digest_size=8)
@@ -93,6 +102,115 @@ def _block_extra(block: dict[str, Any], extra_ids: list[int]) -> int:
     if any(extra_ids):
         h.update(("x:" + ",".join(map(str, extra_ids))).encode())
     return int.from_bytes(h.digest(), "little") or 1
+
+
+def _why_ids(ids: list) -> str | None:
+    """The drop reason of the first unusable token id (in token order), None if all are."""
+    for tid in ids:
+        if isinstance(tid, str):
+            return "hex_token_ids"
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < MAX_TOKEN:
+            return "bad_tokens"
+    return None
+
+
+# The typed read of a stored envelope. Each field is typed as narrowly as the checked reader
+# accepts without a drop or a coercion, so whatever decodes here the checked reader would take
+# the same way; everything else (a bool, a null where a number belongs, another kind) fails
+# the typed read and goes the checked way. Unknown fields are ignored by both.
+class _Token(msgspec.Struct, gc=False):
+    token_id: int | str
+    token_extra_id: int = 0
+
+
+class _Block(msgspec.Struct, gc=False):
+    block_hash: int | str
+    tokens: list[_Token]
+    cache_level: int = 0
+    cache_salt: str | None = None
+    lora_id: int | None = None
+    mm_keys: Any = None
+
+
+class _StoredData(msgspec.Struct, gc=False):
+    type: str  # a plain field, not a msgspec tag: a tag may be absent, "type" may not
+    blocks: list[_Block]
+    parent_hash: int | str | None = None
+    lora_name: str | None = None
+
+
+class _StoredEnvelope(msgspec.Struct, gc=False):
+    event_id: int
+    data: _StoredData
+    window_size: int | None = None
+    attention_dp_rank: int | None = None
+    hash_algo: str | None = None
+
+
+_typed_envelope = msgspec.json.Decoder(_StoredEnvelope)
+_any_json = msgspec.json.Decoder()
+
+
+def read_envelope(raw: msgspec.Raw) -> Any:
+    """One envelope's raw JSON → a ``_StoredEnvelope`` if it is a stored event of the usual
+    shape, else what a plain JSON decode gives (for the checked reader). Raises what that
+    plain decode raises (``msgspec.DecodeError``, ``RecursionError``)."""
+    try:
+        env = _typed_envelope.decode(raw)
+        if env.data.type == "stored":
+            return env
+    except msgspec.ValidationError:
+        pass
+    return _any_json.decode(raw)
+
+
+def _checked_block(block: Any, i: int) -> tuple[int, Any, Any, Any, Any, Any]:
+    """A block dict → (hash, tokens list, raw cache_level, cache_salt, lora_id, mm_keys)."""
+    if not isinstance(block, dict):
+        raise EventDrop("bad_block", f"blocks[{i}] is not an object")
+    h = parse_hash(block.get("block_hash"), f"blocks[{i}].block_hash")
+    assert h is not None
+    tokens = block.get("tokens")
+    if not isinstance(tokens, list):
+        raise EventDrop("bad_block", f"blocks[{i}] has no tokens list")
+    return (
+        h,
+        tokens,
+        block.get("cache_level", 0),
+        block.get("cache_salt"),
+        block.get("lora_id"),
+        block.get("mm_keys"),
+    )
+
+
+def _typed_block(block: _Block, i: int) -> tuple[int, Any, Any, Any, Any, Any]:
+    h = parse_hash(block.block_hash, f"blocks[{i}].block_hash")
+    assert h is not None
+    return h, block.tokens, block.cache_level, block.cache_salt, block.lora_id, block.mm_keys
+
+
+def _checked_token_ids(tokens: list) -> tuple[list[int], list[int], str | None]:
+    """Token dicts → (ids, extra ids, None), or a drop reason for the first bad token."""
+    ids: list = []
+    extra: list[int] = []
+    for t in tokens:
+        if not isinstance(t, dict):
+            return ids, extra, _why_ids(ids) or "bad_tokens"
+        ids.append(t.get("token_id"))
+        e = t.get("token_extra_id", 0)
+        extra.append(e if isinstance(e, int) and not isinstance(e, bool) else 0)
+    return ids, extra, _why_ids(ids)
+
+
+def _typed_token_ids(tokens: list[_Token]) -> tuple[list[int], list[int], str | None]:
+    ids: list = [t.token_id for t in tokens]
+    try:  # all ints in range, checked by two C loops; a str among ints raises TypeError
+        usable = 0 <= min(ids) and max(ids) < MAX_TOKEN
+    except (TypeError, ValueError):
+        usable = False
+    if not usable:
+        return ids, [], _why_ids(ids) or "bad_tokens"
+    return ids, [t.token_extra_id for t in tokens], None
 
 
 class TrtllmDecoder:
@@ -124,10 +242,17 @@ class TrtllmDecoder:
             return out
         for envelope in envelopes:
             try:
-                self._envelope(envelope, out)
+                if type(envelope) is _StoredEnvelope:
+                    self._typed_stored(envelope, out)
+                else:
+                    self._envelope(envelope, out)
             except EventDrop as drop:
-                rank = envelope.get("attention_dp_rank") if isinstance(envelope, dict) else None
-                eid = envelope.get("event_id") if isinstance(envelope, dict) else None
+                if isinstance(envelope, dict):
+                    rank, eid = envelope.get("attention_dp_rank"), envelope.get("event_id")
+                elif type(envelope) is _StoredEnvelope:
+                    rank, eid = envelope.attention_dp_rank, envelope.event_id
+                else:
+                    rank = eid = None
                 self._drop(drop.reason, rank, eid, drop.detail)
         return out
 
@@ -168,6 +293,7 @@ class TrtllmDecoder:
         out.append(AllCleared(worker_id=self.worker_id, dp_rank=rank))
 
     def _envelope(self, env: Any, out: list[KvEvent]) -> None:
+        """The checked reader: one envelope as a plain JSON decode gives it."""
         if not isinstance(env, dict):
             raise EventDrop("bad_event", f"envelope is {type(env).__name__}")
         if not env:
@@ -179,18 +305,97 @@ class TrtllmDecoder:
         if not isinstance(data, dict):
             raise EventDrop("bad_event", "no data object")
         kind = data.get("type")
-        rank = env.get("attention_dp_rank", 0)
+        entered = self._enter(
+            kind,
+            data,
+            env.get("attention_dp_rank", 0),
+            env.get("event_id"),
+            env.get("window_size"),
+            env.get("hash_algo"),
+            out,
+        )
+        if entered is None:
+            return
+        rank, state = entered
+        if kind == "stored":
+            self._stored(
+                data.get("parent_hash"), data.get("blocks"), data.get("lora_name"), False,
+                rank, state, out,
+            )  # fmt: skip
+        elif kind == "removed":
+            self._removed(data, rank, state, out)
+        else:
+            self._updated(data, rank, state, out)
+
+    def _typed_stored(self, env: _StoredEnvelope, out: list[KvEvent]) -> None:
+        """The typed reader: a stored envelope msgspec has read into structs."""
+        data = env.data
+        entered = self._enter(
+            "stored", None, env.attention_dp_rank, env.event_id, env.window_size,
+            env.hash_algo, out,
+        )  # fmt: skip
+        if entered is not None:
+            rank, state = entered
+            if not self._plain_store(data, rank, state, out):
+                self._stored(data.parent_hash, data.blocks, data.lora_name, True, rank, state, out)
+
+    def _plain_store(
+        self, data: _StoredData, rank: int, state: RankState, out: list[KvEvent]
+    ) -> bool:
+        """The common store in whole: full device blocks with integer hashes and plain token
+        ids, no salt, LoRA, multimodal key or extra id. Gives what ``_stored`` gives for it
+        (one ``BlockStored``) with a few list-wide checks in place of a pass per block, and
+        returns False, having done nothing, for any other store."""
+        blocks = data.blocks
+        n = self.tokens_per_block
+        if not blocks or data.lora_name is not None:
+            return False
+        for b in blocks:
+            if len(b.tokens) != n or b.cache_level or b.cache_salt is not None or b.lora_id:
+                return False
+            if b.mm_keys:
+                return False
+        hashes: list = [b.block_hash for b in blocks]
+        ids: list = [t.token_id for b in blocks for t in b.tokens]
+        try:  # a str among ints raises TypeError: the per-block path decides then
+            if not (-(1 << 63) <= min(hashes) and max(hashes) <= MASK64):
+                return False
+            if not (0 <= min(ids) and max(ids) < MAX_TOKEN):
+                return False
+        except TypeError:
+            return False
+        if any([t.token_extra_id for b in blocks for t in b.tokens]):
+            return False
+        parent = parse_hash(data.parent_hash, "parent_hash", allow_none=True)
+        if parent is not None and parent in state.partial:
+            return False
+        if min(hashes) < 0:
+            hashes = [h & MASK64 for h in hashes]
+        out.append(full_blocks_stored(self.worker_id, rank, Tier.DEVICE, parent, hashes, ids, n))
+        self.counts["stored_blocks"] += len(hashes)
+        return True
+
+    def _enter(
+        self,
+        kind: Any,
+        data: dict | None,
+        rank: Any,
+        event_id: Any,
+        window: Any,
+        algo: Any,
+        out: list[KvEvent],
+    ) -> tuple[int, RankState] | None:
+        """An envelope's header: checks, the rank's event_id sequence, ``created`` and the
+        window. Returns the rank and its state for a stored/removed/updated event that the
+        indexed window holds, else None (handled here, or another window's)."""
         if rank is None:
             rank = 0
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise EventDrop("bad_event", f"attention_dp_rank {rank!r}")
-        event_id = env.get("event_id")
         if isinstance(event_id, bool) or not isinstance(event_id, int) or event_id < 0:
             raise EventDrop("bad_event", f"event_id {event_id!r}")
-        window = env.get("window_size")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
             raise EventDrop("bad_event", f"window_size {window!r}")
-        algo = env.get("hash_algo")
         if isinstance(algo, str):
             self.hash_algo = algo
         state = self.ranks.setdefault(rank, RankState())
@@ -212,8 +417,9 @@ class TrtllmDecoder:
                 state.in_created_run = False
 
         if kind == "created":
+            assert data is not None
             self._created(data, rank, window, state, out)
-            return
+            return None
         state.in_created_run = False
         if kind not in ("stored", "removed", "updated"):
             raise EventDrop("unknown_event", f"data.type {kind!r}")
@@ -227,13 +433,8 @@ class TrtllmDecoder:
                 self.counts["window_switches"] += 1
             if window != state.window:
                 self.counts["other_window_skipped"] += 1
-                return
-        if kind == "stored":
-            self._stored(data, rank, state, out)
-        elif kind == "removed":
-            self._removed(data, rank, state, out)
-        else:
-            self._updated(data, rank, state, out)
+                return None
+        return rank, state
 
     def _created(
         self, data: dict, rank: int, window: int | None, state: RankState, out: list[KvEvent]
@@ -249,14 +450,21 @@ class TrtllmDecoder:
             if window == state.window and isinstance(levels, list):
                 state.capacity_blocks = [int(x) for x in levels if isinstance(x, int)]
 
-    def _stored(self, data: dict, rank: int, state: RankState, out: list[KvEvent]) -> None:
-        parent = parse_hash(data.get("parent_hash"), "parent_hash", allow_none=True)
-        blocks = data.get("blocks")
+    def _stored(
+        self,
+        parent_hash: Any,
+        blocks: Any,
+        data_lora: Any,  # some 2026 builds name the adapter per event
+        typed: bool,  # blocks are _Block structs (the typed reader), else dicts
+        rank: int,
+        state: RankState,
+        out: list[KvEvent],
+    ) -> None:
+        parent = parse_hash(parent_hash, "parent_hash", allow_none=True)
         if not isinstance(blocks, list):
             raise EventDrop("bad_event", "stored without a blocks list")
         if parent is not None and parent in state.partial:
             raise EventDrop("parent_partial", f"parent {parent:#x} is a partial block")
-        data_lora = data.get("lora_name")  # some 2026 builds name the adapter per event
         if data_lora is not None and not isinstance(data_lora, str):
             raise EventDrop("bad_field", f"lora_name {data_lora!r}")
         run_key: tuple | None = None
@@ -288,19 +496,13 @@ class TrtllmDecoder:
             run_parent = run_hashes[-1]
             run_hashes, run_tokens, run_extra = [], [], []
 
+        read_block = _typed_block if typed else _checked_block
+        token_ids = _typed_token_ids if typed else _checked_token_ids
         for i, block in enumerate(blocks):
-            if not isinstance(block, dict):
-                self._drop("bad_block", rank, None, f"blocks[{i}] is not an object")
-                break
             try:
-                h = parse_hash(block.get("block_hash"), f"blocks[{i}].block_hash")
+                h, tokens, level, salt, lora_id, mm_keys = read_block(block, i)
             except EventDrop as drop:
                 self._drop(drop.reason, rank, None, drop.detail)
-                break
-            assert h is not None
-            tokens = block.get("tokens")
-            if not isinstance(tokens, list):
-                self._drop("bad_block", rank, None, f"blocks[{i}] has no tokens list")
                 break
             if len(tokens) < self.tokens_per_block:
                 if len(state.partial) >= MAX_PARTIAL_PER_RANK:
@@ -317,19 +519,17 @@ class TrtllmDecoder:
                     f"{self.tokens_per_block}",
                 )
                 break
-            ids, extra_ids, why = self._token_ids(tokens)
+            ids, extra_ids, why = token_ids(tokens)
             if why is not None:
                 self._drop(why, rank, None, f"blocks[{i}]: token ids unusable")
                 break
-            level = block.get("cache_level", 0)
             tier = CACHE_LEVEL_TIERS.get(level) if isinstance(level, int) else None
             if tier is None:
                 self._drop("bad_cache_level", rank, None, f"blocks[{i}] cache_level {level!r}")
                 break
-            salt = block.get("cache_salt")
             salt = str(salt) if salt is not None else None
             try:
-                lora = data_lora or self._lora_name(block.get("lora_id"))
+                lora = data_lora or self._lora_name(lora_id)
             except EventDrop as drop:
                 self._drop(drop.reason, rank, None, f"blocks[{i}]: {drop.detail}")
                 break
@@ -339,24 +539,8 @@ class TrtllmDecoder:
                 run_key = key
             run_hashes.append(h)
             run_tokens.extend(ids)
-            run_extra.append(_block_extra(block, extra_ids))
+            run_extra.append(_block_extra(mm_keys, extra_ids))
         flush()
-
-    def _token_ids(self, tokens: list) -> tuple[list[int], list[int], str | None]:
-        ids: list[int] = []
-        extra: list[int] = []
-        for t in tokens:
-            if not isinstance(t, dict):
-                return ids, extra, "bad_tokens"
-            tid = t.get("token_id")
-            if isinstance(tid, str):
-                return ids, extra, "hex_token_ids"
-            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < MAX_TOKEN:
-                return ids, extra, "bad_tokens"
-            ids.append(tid)
-            e = t.get("token_extra_id", 0)
-            extra.append(e if isinstance(e, int) and not isinstance(e, bool) else 0)
-        return ids, extra, None
 
     def _lora_name(self, lora_id: Any) -> str | None:
         if lora_id is None or lora_id == 0 or isinstance(lora_id, bool):

@@ -26,6 +26,7 @@ answering ``[]``; the request timeout allows for that.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import Counter
@@ -39,26 +40,79 @@ from kvplug.integrations.common import DECODE_ERRORS
 from kvplug import KvEvent
 from kvplug.frontend.timeouts import within
 
-from .events import TrtllmDecoder
+from .events import TrtllmDecoder, read_envelope
 
 log = logging.getLogger("kvplug.integrations.trtllm")
 
 MAX_BODY = 64 << 20  # one drained answer; a bigger one is treated as garbage
 _json = msgspec.json.Decoder()
+_envelopes = msgspec.json.Decoder(list[msgspec.Raw])
 
 
 def parse_answer(body: bytes) -> tuple[list | None, str]:
     """A drained answer's body -> (its envelopes, "") or (None, why it is unusable). Never
-    raises: nesting past the recursion limit is unparsable like any other bad JSON."""
+    raises: nesting past the recursion limit is unparsable like any other bad JSON.
+
+    The array is split into each envelope's raw JSON, and each is read typed if it is a
+    stored event of the usual shape, else as a dict (``events.read_envelope``). An answer a
+    plain JSON decode refuses is refused whole, as before: the split checks the syntax, the
+    reads check the numbers, the UTF-8 inside strings is checked here. One exception: a
+    number out of a float's range (``1e999``) in a field of a stored envelope that kvplug does
+    not read is skipped unread there, and the answer is used (Python's ``json`` would read it
+    as inf)."""
     if len(body) > MAX_BODY:
         return None, f"answer over {MAX_BODY} bytes"
     try:
-        envelopes = _json.decode(body)  # arbitrary-precision ints, like json.loads
+        if not body.isascii():
+            body.decode("utf-8")
+        raws = _envelopes.decode(body)
+    except msgspec.ValidationError:  # JSON, but not an array
+        return _not_a_list(body)
+    except (*DECODE_ERRORS, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        return None, f"unparsable JSON: {type(exc).__name__}: {exc}"
+    try:  # ints of any size, like json.loads
+        return [read_envelope(raw) for raw in raws], ""
+    except DECODE_ERRORS as exc:
+        return None, f"unparsable JSON: {type(exc).__name__}: {exc}"
+
+
+def compare_readers(
+    body: bytes, typed: TrtllmDecoder, checked: TrtllmDecoder
+) -> tuple[list[KvEvent] | None, str | None]:
+    """One answer to two decoders of the same stream: ``typed`` fed as the poller feeds it
+    (``parse_answer``'s raw envelopes), ``checked`` fed a plain JSON decode of the body (the
+    dicts the checked reader takes). Returns ``typed``'s events (None if ``parse_answer``
+    refused the answer) and None, or what differs: the events, what either counted or
+    dropped, either's per-rank state. For tests and the fuzzer."""
+    envelopes, _ = parse_answer(body)
+    try:
+        plain = _json.decode(body) if len(body) <= MAX_BODY else None
+    except msgspec.ValidationError as exc:
+        # a number out of a float's range: parse_answer may take the answer (it is then in a
+        # field kvplug does not read), and the checked reader gets Python's reading of it
+        plain = json.loads(body) if envelopes is not None and "out of range" in str(exc) else None
+    except (*DECODE_ERRORS, ValueError):
+        plain = None
+    if envelopes is None or not isinstance(plain, list):
+        if envelopes is None and not isinstance(plain, list):
+            return None, None
+        took = "refused" if envelopes is None else "took"
+        return None, f"parse_answer {took} an answer a plain JSON decode did not"
+    got, want = typed.decode(envelopes), checked.decode(plain)
+    if got != want:
+        return got, f"events differ: {got!r} != {want!r}"
+    for what in ("counts", "drops", "ranks", "hash_algo"):
+        if getattr(typed, what) != getattr(checked, what):
+            return got, f"{what} differ: {getattr(typed, what)!r} != {getattr(checked, what)!r}"
+    return got, None
+
+
+def _not_a_list(body: bytes) -> tuple[None, str]:
+    try:
+        answer = _json.decode(body)
     except (*DECODE_ERRORS, ValueError) as exc:
         return None, f"unparsable JSON: {type(exc).__name__}: {exc}"
-    if not isinstance(envelopes, list):
-        return None, f"answer is {type(envelopes).__name__}, not a list"
-    return envelopes, ""
+    return None, f"answer is {type(answer).__name__}, not a list"
 
 
 class TrtllmPoller:
