@@ -461,7 +461,7 @@ def robustness_rules() -> dict[tuple[str, str], Callable[[], list]]:
             worst["crashes"],
             worst["escapes"],
             worst["bad_events"],
-            fuzz["vllm-fast"]["disagreements"],
+            max(fuzz["vllm-fast"]["disagreements"], fuzz["trtllm-json"]["disagreements"]),
         ],
         ("hostile HTTP", "how much"): lambda: [http["requests"]],
         ("hostile HTTP", "what went wrong"): lambda: [
