@@ -156,6 +156,18 @@ ENGINE_BLOCKS = 4096  # each simulated engine's KV cache, in blocks
 def make_workload(
     n_batches: int, block_size: int, n_engines: int, seed: int, vocab: int = 32000
 ) -> list[tuple]:
+    """(worker, its batch number, the vLLM 0.32 payload, blocks in it) per scheduler step."""
+    return [
+        (worker, seq, encode_batch(evs, "0.32.0", ts=1.0), blocks)
+        for worker, seq, evs, blocks in make_events(n_batches, block_size, n_engines, seed, vocab)
+    ]
+
+
+def make_events(
+    n_batches: int, block_size: int, n_engines: int, seed: int, vocab: int = 32000
+) -> list[tuple]:
+    """(worker, its batch number, the step's events, blocks in them) per scheduler step: the
+    workload before any engine's encoding (``bench_ingest_engines.py`` encodes it three ways)."""
     rng = random.Random(seed)
     systems = [
         [rng.randrange(vocab) for _ in range(rng.choice((256, 512, 1024)))] for _ in range(8)
@@ -172,7 +184,7 @@ def make_workload(
         if not evs:
             continue
         blocks = sum(len(e.engine_hashes) for e in evs)
-        out.append((f"w{i}", seqs[i], encode_batch(evs, "0.32.0", ts=1.0), blocks))
+        out.append((f"w{i}", seqs[i], evs, blocks))
         seqs[i] += 1
     return out
 

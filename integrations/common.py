@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from kvplug import BlockStored, Tier
+from kvplug import BlockRemoved, BlockStored, KvEvent, Tier
 
 MASK64 = (1 << 64) - 1
 # What decoding hostile bytes may raise: msgspec's errors, and RecursionError for values nested
@@ -74,3 +74,48 @@ def full_blocks_stored(
         cache_salt=cache_salt,
         block_extra=block_extra,
     )
+
+
+def coalesce_removes(events: list[KvEvent]) -> list[KvEvent]:
+    """One batch's removes gathered into as few events as the index allows (each is a call).
+
+    vLLM sends one ``BlockRemoved`` per evicted hash and SGLang one per evicted radix node,
+    interleaved with the stores of the requests that needed the room. A remove joins the
+    batch's previous remove (same tier and rank; no clear in between), i.e. moves earlier past
+    the stores in between, unless one of those stores holds or chains to (``parent``) one of
+    its hashes — then the order matters and it starts a new event. vLLM's compiled decoder
+    applies the same rule.
+    """
+    out: list[KvEvent] = []
+    rm: BlockRemoved | None = None
+    touched: set[int] = set()
+    for e in events:
+        if type(e) is BlockRemoved:
+            if (
+                rm is not None
+                and rm.tier == e.tier
+                and rm.dp_rank == e.dp_rank
+                and rm.shared == e.shared
+                and touched.isdisjoint(e.engine_hashes)
+            ):
+                rm.engine_hashes.extend(e.engine_hashes)  # type: ignore[attr-defined]
+                continue
+            rm = BlockRemoved(
+                worker_id=e.worker_id,
+                dp_rank=e.dp_rank,
+                tier=e.tier,
+                engine_hashes=list(e.engine_hashes),
+                shared=e.shared,
+            )
+            touched = set()
+            out.append(rm)
+            continue
+        if type(e) is BlockStored:
+            if rm is not None:
+                touched.update(e.engine_hashes)
+                if e.parent_engine_hash is not None:
+                    touched.add(e.parent_engine_hash)
+        else:
+            rm = None  # a clear (or anything else) is a barrier
+        out.append(e)
+    return out

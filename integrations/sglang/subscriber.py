@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvplug.integrations.common import coalesce_removes
 from kvplug.integrations.vllm.subscriber import EventSource, VllmSubscriber
 from kvplug.integrations.vllm.wire import DecodedBatch
 
@@ -66,11 +67,12 @@ class SglangSubscriber(VllmSubscriber):
 
 
 def filtered_sink(deliver: Callable[[list[KvEvent]], Any]) -> Callable[[list[Any]], None]:
-    """A subscriber sink for one worker: partial pages filtered, then ``deliver(events)``."""
+    """A subscriber sink for one worker: partial pages filtered, consecutive removes gathered
+    (as ``SglangDecoder.decode`` does), then ``deliver(events)``."""
     partial = PartialPageFilter()
 
     def sink(items: list[Any]) -> None:
-        events = partial.apply(items)
+        events = coalesce_removes(partial.apply(items))
         if events:
             deliver(events)
 

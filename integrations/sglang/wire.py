@@ -43,6 +43,7 @@ from kvplug.integrations.common import (
     DECODE_ERRORS,
     MASK64,
     EventDrop,
+    coalesce_removes,
     full_blocks_stored,
     int64_hash,
     u64_hash,
@@ -168,8 +169,6 @@ _FAST: tuple[msgspec.msgpack.Decoder[Any], ...] = (
     msgspec.msgpack.Decoder(_BatchM),
     msgspec.msgpack.Decoder(_BatchA),
 )
-_STORED_T = (_StoredM, _StoredA)
-_REMOVED_T = (_RemovedM, _RemovedA)
 
 
 def _as_fields(raw: Any, names: Sequence[str], kind: str) -> dict[str, Any]:
@@ -306,6 +305,7 @@ class SglangDecoder:
         # token ids into uint32 arrays without a Python int each (its buffers are reused and it
         # learns the stream's id widths, so one per decoder)
         self._ids = _fastwire.FastDecoder() if _fastwire is not None else None
+        self._join_removes = True  # False: one event per removal, as before (benchmarks)
 
     @property
     def partial(self) -> dict[int, set[int]]:
@@ -313,9 +313,13 @@ class SglangDecoder:
 
     # -- public ------------------------------------------------------------------------------
     def decode(self, payload: bytes, *, dp_rank: int = 0, seq: int | None = None) -> list[KvEvent]:
-        """One message payload → events, partial pages filtered."""
+        """One message payload → events, partial pages filtered, consecutive removes gathered
+        (``coalesce_removes``: each event is a call into the index)."""
         decoded = self.decode_items(payload, dp_rank=dp_rank, seq=seq)
-        return [] if decoded is None else self.filter.apply(decoded[1])
+        if decoded is None:
+            return []
+        events = self.filter.apply(decoded[1])
+        return coalesce_removes(events) if self._join_removes else events
 
     def decode_items(
         self, payload: bytes, *, dp_rank: int = 0, seq: int | None = None
@@ -371,9 +375,46 @@ class SglangDecoder:
             dp_rank = rank
         wid = self.worker_id
         out: list[WireItem] = []
-        counts: Counter[str] = Counter(batches=1)
+        # counted in locals and committed on success (a Counter per event costs more)
+        stored = partial = removed = cleared = 0
+        join = self._join_removes
         for ev in batch.events:
-            if isinstance(ev, _STORED_T):
+            kind = type(ev)
+            if kind is _RemovedM or kind is _RemovedA:  # the commonest while caches are full
+                block_hashes = ev.block_hashes
+                if ev.medium is None:
+                    tier, shared = None, False
+                else:
+                    medium = MEDIUM_TIERS.get(ev.medium)
+                    if medium is None:
+                        return None
+                    tier, shared = medium
+                    if shared:
+                        tier = None
+                if len(block_hashes) > MAX_BLOCKS_PER_EVENT:
+                    return None
+                if not block_hashes:
+                    continue
+                removed += len(block_hashes)
+                hashes = [h & MASK64 for h in block_hashes]
+                last = out[-1] if out else None
+                if (
+                    join
+                    and type(last) is BlockRemoved
+                    and last.tier == tier
+                    and last.shared == shared
+                ):
+                    # one removal per evicted radix node, several in a row: one event (each
+                    # is a call into the index); ``coalesce_removes`` joins the rest later
+                    last.engine_hashes.extend(hashes)  # type: ignore[attr-defined]
+                    continue
+                out.append(
+                    BlockRemoved(
+                        worker_id=wid, dp_rank=dp_rank, tier=tier, engine_hashes=hashes,
+                        shared=shared,
+                    )
+                )  # fmt: skip
+            elif kind is _StoredM or kind is _StoredA:
                 hashes = [h & MASK64 for h in ev.block_hashes]
                 medium = (
                     MEDIUM_TIERS.get(ev.medium) if ev.medium is not None else (Tier.DEVICE, False)
@@ -389,10 +430,10 @@ class SglangDecoder:
                 if tokens is None or len(tokens) != len(hashes) * bs:
                     return None
                 if bs < self.page_size:
-                    counts["partial_pages"] += len(hashes)
+                    partial += len(hashes)
                     out.append(PartialPages(worker_id=wid, dp_rank=dp_rank, engine_hashes=hashes))
                     continue
-                counts["stored_blocks"] += len(hashes)
+                stored += len(hashes)
                 parent = ev.parent_block_hash
                 out.append(
                     full_blocks_stored(
@@ -408,29 +449,19 @@ class SglangDecoder:
                         shared=medium[1],
                     )
                 )
-            elif isinstance(ev, _REMOVED_T):
-                medium = (
-                    MEDIUM_TIERS.get(ev.medium) if ev.medium is not None else (Tier.DEVICE, False)
-                )
-                if medium is None or len(ev.block_hashes) > MAX_BLOCKS_PER_EVENT:
-                    return None
-                if not ev.block_hashes:
-                    continue
-                counts["removed_blocks"] += len(ev.block_hashes)
-                shared = medium[1]
-                out.append(
-                    BlockRemoved(
-                        worker_id=wid,
-                        dp_rank=dp_rank,
-                        tier=None if shared or ev.medium is None else medium[0],
-                        engine_hashes=[h & MASK64 for h in ev.block_hashes],
-                        shared=shared,
-                    )
-                )
             else:
-                counts["cleared"] += 1
+                cleared += 1
                 out.append(AllCleared(worker_id=wid, dp_rank=dp_rank))
-        self.counts.update(counts)
+        counts = self.counts
+        counts["batches"] += 1
+        for key, n in (
+            ("stored_blocks", stored),
+            ("partial_pages", partial),
+            ("removed_blocks", removed),
+            ("cleared", cleared),
+        ):
+            if n:
+                counts[key] += n
         return rank, out
 
     def _token_ids(self, raw: msgspec.Raw, expected: int) -> Any:

@@ -44,6 +44,7 @@ import msgspec
 from kvplug.integrations.common import (
     DECODE_ERRORS,
     MASK64,
+    coalesce_removes,
     full_blocks_stored,
     int64_hash,
     u64_hash,
@@ -332,50 +333,6 @@ def lora_namespace(lora_name: str | None, lora_id: int | None) -> str | None:
 def _is_map(buf: bytes | memoryview) -> bool:
     """Whether a msgpack value is a map (by its first byte)."""
     return len(buf) > 0 and (0x80 <= buf[0] <= 0x8F or buf[0] in (0xDE, 0xDF))
-
-
-def coalesce_removes(events: list[KvEvent]) -> list[KvEvent]:
-    """One batch's removes gathered into as few events as the index allows (each is a call).
-
-    vLLM sends one ``BlockRemoved`` per evicted hash, interleaved with the stores of the
-    requests that needed the room. A remove joins the batch's previous remove (same tier and
-    rank; no clear in between), i.e. moves earlier past the stores in between, unless one of
-    those stores holds or chains to (``parent``) one of its hashes — then the order matters and
-    it starts a new event. The compiled decoder applies the same rule.
-    """
-    out: list[KvEvent] = []
-    rm: BlockRemoved | None = None
-    touched: set[int] = set()
-    for e in events:
-        if type(e) is BlockRemoved:
-            if (
-                rm is not None
-                and rm.tier == e.tier
-                and rm.dp_rank == e.dp_rank
-                and rm.shared == e.shared
-                and touched.isdisjoint(e.engine_hashes)
-            ):
-                rm.engine_hashes.extend(e.engine_hashes)  # type: ignore[attr-defined]
-                continue
-            rm = BlockRemoved(
-                worker_id=e.worker_id,
-                dp_rank=e.dp_rank,
-                tier=e.tier,
-                engine_hashes=list(e.engine_hashes),
-                shared=e.shared,
-            )
-            touched = set()
-            out.append(rm)
-            continue
-        if type(e) is BlockStored:
-            if rm is not None:
-                touched.update(e.engine_hashes)
-                if e.parent_engine_hash is not None:
-                    touched.add(e.parent_engine_hash)
-        else:
-            rm = None  # a clear (or anything else) is a barrier
-        out.append(e)
-    return out
 
 
 @dataclass
