@@ -37,7 +37,7 @@ Two readers, one set of rules. ``decode`` takes envelopes as a plain JSON decode
 (``_StoredEnvelope``), which skips building a dict per token, most of the checked reader's
 cost, and every other envelope (another kind, a field of another type) as a dict. Both feed
 the same sequencing and store logic, so they give the same events, counts and state
-(``tests/test_trtllm_events.py``; ``benchmarks/fuzz_decoders.py`` compares them).
+(``tests/test_trtllm_typed_reader.py``; ``benchmarks/fuzz_decoders.py`` compares them).
 """
 
 from __future__ import annotations

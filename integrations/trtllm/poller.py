@@ -80,10 +80,10 @@ def compare_readers(
     body: bytes, typed: TrtllmDecoder, checked: TrtllmDecoder
 ) -> tuple[list[KvEvent] | None, str | None]:
     """One answer to two decoders of the same stream: ``typed`` fed as the poller feeds it
-    (``parse_answer``'s raw envelopes), ``checked`` fed a plain JSON decode of the body (the
-    dicts the checked reader takes). Returns ``typed``'s events (None if ``parse_answer``
-    refused the answer) and None, or what differs: the events, what either counted or
-    dropped, either's per-rank state. For tests and the fuzzer."""
+    (``parse_answer``'s envelopes, stored ones read typed), ``checked`` fed a plain JSON
+    decode of the body (the dicts the checked reader takes). Returns ``typed``'s events (None
+    if ``parse_answer`` refused the answer) and None, or what differs: the events, what either
+    counted or dropped, either's per-rank state. For tests and the fuzzer."""
     envelopes, _ = parse_answer(body)
     try:
         plain = _json.decode(body) if len(body) <= MAX_BODY else None
