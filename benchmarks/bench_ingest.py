@@ -408,8 +408,8 @@ def run_zmq(work, block_size, n_engines, queued=False) -> tuple[float, float, Kv
     return dt, cpu[0], idx, {"gaps": gaps, "complete": applied[0] >= total}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload's options (``make_events``'s arguments), shared with bench_ingest_engines."""
     ap.add_argument("--batches", type=int, default=3000)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--engines", type=int, default=8)
@@ -422,6 +422,11 @@ def main() -> None:
         "writes in 1 or 3 bytes; 128,256: Llama 3's, whose ids over 65,535 take 5, so the "
         "decoder meets mixed widths)",
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_args(ap)
     ap.add_argument("--repeat", type=int, default=5, help="best of N for each path")
     ap.add_argument("--no-zmq", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_ingest.json"))

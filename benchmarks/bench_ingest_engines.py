@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(1, str(HERE))
 
-from bench_ingest import ENGINE_BLOCKS, fresh_index, make_events  # noqa: E402
+from bench_ingest import ENGINE_BLOCKS, add_workload_args, fresh_index, make_events  # noqa: E402
 from kvplug.integrations.sglang.wire import SglangDecoder  # noqa: E402
 from kvplug.integrations.sglang.wire import encode_batch as sglang_batch  # noqa: E402
 from kvplug.integrations.trtllm.events import TrtllmDecoder  # noqa: E402
@@ -57,6 +57,28 @@ SGLANG = "sglang 0.5.23 (typed, compiled ids, removes joined)"
 SGLANG_BEFORE = "sglang 0.5.23 (msgspec ids, removes apart: before)"
 TRT = "trt-llm (parse_answer, typed reader)"
 TRT_BEFORE = "trt-llm (plain JSON, checked reader: before)"
+
+
+def trtllm_stored(parent: int | None, hashes: list[int], tokens, block_size: int) -> dict:
+    """A TRT-LLM ``stored`` event's data for full device blocks (``KVCacheEventSerializer``)."""
+    tokens = list(tokens)
+    return {
+        "type": "stored",
+        "parent_hash": parent,
+        "blocks": [
+            {
+                "type": "stored_block",
+                "block_hash": h,
+                "tokens": [
+                    {"type": "unique_token", "token_id": t, "token_extra_id": 0}
+                    for t in tokens[j * block_size : (j + 1) * block_size]
+                ],
+                "cache_level": 0,
+                "priority": 35,
+            }
+            for j, h in enumerate(hashes)
+        ],
+    }
 
 
 def trtllm_answer(evs: list, first_id: int, block_size: int) -> tuple[bytes, int]:
@@ -74,24 +96,7 @@ def trtllm_answer(evs: list, first_id: int, block_size: int) -> tuple[bytes, int
             envelopes[-1]["data"]["block_hashes"].extend(ev.engine_hashes)
             continue
         if isinstance(ev, BlockStored):
-            tokens = list(ev.token_ids)
-            data = {
-                "type": "stored",
-                "parent_hash": ev.parent_engine_hash,
-                "blocks": [
-                    {
-                        "type": "stored_block",
-                        "block_hash": h,
-                        "tokens": [
-                            {"type": "unique_token", "token_id": t, "token_extra_id": 0}
-                            for t in tokens[j * block_size : (j + 1) * block_size]
-                        ],
-                        "cache_level": 0,
-                        "priority": 35,
-                    }
-                    for j, h in enumerate(ev.engine_hashes)
-                ],
-            }
+            data = trtllm_stored(ev.parent_engine_hash, ev.engine_hashes, ev.token_ids, block_size)
         elif isinstance(ev, BlockRemoved):
             data = {"type": "removed", "block_hashes": list(ev.engine_hashes)}
         else:
@@ -169,11 +174,7 @@ def run(path, block_size: int, n_engines: int) -> tuple[float, float, dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", type=int, default=3000)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--engines", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--vocab", type=int, default=32000, help="token ids drawn below this")
+    add_workload_args(ap)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=str(HERE / "results" / "bench_ingest_engines.json"))
     args = ap.parse_args()

@@ -40,6 +40,9 @@ from kvplug.integrations.sglang.wire import SglangDecoder  # noqa: E402
 from kvplug.integrations.trtllm.events import TrtllmDecoder  # noqa: E402
 from kvplug.integrations.trtllm.poller import parse_answer  # noqa: E402
 
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+from bench_ingest_engines import trtllm_stored  # noqa: E402
+
 BLOCK = 16
 PAGES = 8
 EVENTS = 200
@@ -81,23 +84,7 @@ def workload(seed: int, vocab: int = 32000) -> tuple[bytes, bytes, int]:
             {
                 "event_id": i,
                 "window_size": 4096,
-                "data": {
-                    "type": "stored",
-                    "parent_hash": None,
-                    "blocks": [
-                        {
-                            "type": "stored_block",
-                            "block_hash": bh,
-                            "tokens": [
-                                {"type": "unique_token", "token_id": t, "token_extra_id": 0}
-                                for t in tokens[j * BLOCK : (j + 1) * BLOCK]
-                            ],
-                            "cache_level": 0,
-                            "priority": 35,
-                        }
-                        for j, bh in enumerate(hashes)
-                    ],
-                },
+                "data": trtllm_stored(None, hashes, tokens, BLOCK),
             }
         )
     sg = msgspec.msgpack.encode([1.0, events, 0])
