@@ -43,67 +43,20 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(1, str(HERE))
 
 from bench_ingest import ENGINE_BLOCKS, add_workload_args, fresh_index, make_events  # noqa: E402
+from hostinfo import cpu_model  # noqa: E402
 from kvplug.integrations.sglang.wire import SglangDecoder  # noqa: E402
 from kvplug.integrations.sglang.wire import encode_batch as sglang_batch  # noqa: E402
 from kvplug.integrations.trtllm.events import TrtllmDecoder  # noqa: E402
+from kvplug.integrations.trtllm.events import encode_answer as trtllm_encode_answer  # noqa: E402
 from kvplug.integrations.trtllm.poller import parse_answer  # noqa: E402
 from kvplug.integrations.vllm.wire import BatchDecoder  # noqa: E402
 from kvplug.integrations.vllm.wire import encode_batch as vllm_batch  # noqa: E402
-
-from kvplug.events import BlockRemoved, BlockStored  # noqa: E402
 
 VLLM = "vllm 0.32 (compiled decoder)"
 SGLANG = "sglang 0.5.23 (typed, compiled ids, removes joined)"
 SGLANG_BEFORE = "sglang 0.5.23 (msgspec ids, removes apart: before)"
 TRT = "trt-llm (parse_answer, typed reader)"
 TRT_BEFORE = "trt-llm (plain JSON, checked reader: before)"
-
-
-def trtllm_stored(parent: int | None, hashes: list[int], tokens, block_size: int) -> dict:
-    """A TRT-LLM ``stored`` event's data for full device blocks (``KVCacheEventSerializer``)."""
-    tokens = list(tokens)
-    return {
-        "type": "stored",
-        "parent_hash": parent,
-        "blocks": [
-            {
-                "type": "stored_block",
-                "block_hash": h,
-                "tokens": [
-                    {"type": "unique_token", "token_id": t, "token_extra_id": 0}
-                    for t in tokens[j * block_size : (j + 1) * block_size]
-                ],
-                "cache_level": 0,
-                "priority": 35,
-            }
-            for j, h in enumerate(hashes)
-        ],
-    }
-
-
-def trtllm_answer(evs: list, first_id: int, block_size: int) -> tuple[bytes, int]:
-    """One step's events as a drained TRT-LLM answer (``KVCacheEventSerializer``'s shapes, as
-    ``tests/data/trtllm/build.py`` renders them), event ids from ``first_id``; and how many
-    envelopes. A removal right after a removal joins it, as TRT-LLM's event manager does
-    (``KVCacheEventManager::enqueueRemovedEvent``)."""
-    envelopes: list[dict] = []
-    for ev in evs:
-        if (
-            isinstance(ev, BlockRemoved)
-            and envelopes
-            and envelopes[-1]["data"]["type"] == "removed"
-        ):
-            envelopes[-1]["data"]["block_hashes"].extend(ev.engine_hashes)
-            continue
-        if isinstance(ev, BlockStored):
-            data = trtllm_stored(ev.parent_engine_hash, ev.engine_hashes, ev.token_ids, block_size)
-        elif isinstance(ev, BlockRemoved):
-            data = {"type": "removed", "block_hashes": list(ev.engine_hashes)}
-        else:
-            raise TypeError(f"no TRT-LLM form for {type(ev).__name__}")
-        event_id = first_id + len(envelopes)
-        envelopes.append({"event_id": event_id, "data": data, "window_size": 4096})
-    return json.dumps(envelopes, separators=(",", ":")).encode(), len(envelopes)
 
 
 def encode(steps: list, block_size: int) -> dict[str, list[tuple[str, bytes]]]:
@@ -114,7 +67,7 @@ def encode(steps: list, block_size: int) -> dict[str, list[tuple[str, bytes]]]:
         out["vllm"].append((worker, vllm_batch(evs, "0.32.0", ts=1.0)))
         out["sglang"].append((worker, sglang_batch(evs, "0.5.23", ts=1.0)))
         first = next_id.get(worker, 0)
-        answer, n = trtllm_answer(evs, first, block_size)
+        answer, n = trtllm_encode_answer(evs, first, block_size)
         out["trtllm"].append((worker, answer))
         next_id[worker] = first + n
     return out
@@ -264,9 +217,9 @@ def main() -> int:
                 "after_over_before": befores,
                 "same_index": same,
                 "machine": {
-                    "python": platform.python_version(),
+                    "cpu": cpu_model(),
                     "cpus": os.cpu_count(),
-                    "platform": platform.platform(),
+                    "python": platform.python_version(),
                     "loadavg_1m": os.getloadavg()[0],
                 },
             },

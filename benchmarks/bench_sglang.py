@@ -37,11 +37,8 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvplug.integrations.sglang.wire import SglangDecoder  # noqa: E402
-from kvplug.integrations.trtllm.events import TrtllmDecoder  # noqa: E402
+from kvplug.integrations.trtllm.events import TrtllmDecoder, stored_event_data  # noqa: E402
 from kvplug.integrations.trtllm.poller import parse_answer  # noqa: E402
-
-sys.path.insert(1, str(Path(__file__).resolve().parent))
-from bench_ingest_engines import trtllm_stored  # noqa: E402
 
 BLOCK = 16
 PAGES = 8
@@ -84,7 +81,9 @@ def workload(seed: int, vocab: int = 32000) -> tuple[bytes, bytes, int]:
             {
                 "event_id": i,
                 "window_size": 4096,
-                "data": trtllm_stored(None, hashes, tokens, BLOCK),
+                "data": stored_event_data(
+                    None, [(h, tokens[j * BLOCK : (j + 1) * BLOCK]) for j, h in enumerate(hashes)]
+                ),
             }
         )
     sg = msgspec.msgpack.encode([1.0, events, 0])

@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 from aiohttp import web
 from kvplug.integrations.sglang.wire import encode_batch
+from kvplug.integrations.trtllm.events import stored_event_data
 
 from kvplug.events import BlockStored
 from kvplug.testing import free_ports
@@ -210,25 +211,7 @@ class TrtllmSim(_SimEngine):
         self.next_id += 1
 
     def publish(self, parent: int | None, blocks: list[tuple[int, list[int]]]) -> None:
-        self._event(
-            {
-                "type": "stored",
-                "parent_hash": parent,
-                "blocks": [
-                    {
-                        "type": "stored_block",
-                        "block_hash": h,
-                        "tokens": [
-                            {"type": "unique_token", "token_id": t, "token_extra_id": 0}
-                            for t in block
-                        ],
-                        "cache_level": 0,
-                        "priority": 35,
-                    }
-                    for h, block in blocks
-                ],
-            }
-        )
+        self._event(stored_event_data(parent, blocks))
 
     async def kv_cache_events(self, request: web.Request) -> web.Response:
         drained, self.queue = self.queue, []  # TRT-LLM drains: one reader per worker

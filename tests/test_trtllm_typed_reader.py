@@ -170,3 +170,32 @@ def test_an_out_of_range_number_in_a_field_kvplug_does_not_read_is_skipped():
     assert envelopes is not None
     events, why = compare_readers(body, TrtllmDecoder("t", BS), TrtllmDecoder("t", BS))
     assert why is None and events is not None and len(events) == 1
+
+
+def test_the_answer_encoder_round_trips_and_joins_removals_as_trtllm_does():
+    """``encode_answer`` (benchmarks and test engines use it) renders what the decoder reads
+    back; a removal right after a removal is one envelope, as TRT-LLM's event manager makes."""
+    from kvplug.integrations.trtllm.events import encode_answer
+
+    from kvplug.events import BlockRemoved, BlockStored
+
+    events = [
+        BlockStored(worker_id="t", engine_hashes=[1, 2], token_ids=list(range(8)), block_size=4),
+        BlockRemoved(worker_id="t", engine_hashes=[7]),
+        BlockRemoved(worker_id="t", engine_hashes=[8, 9]),
+        BlockStored(
+            worker_id="t", parent_engine_hash=2, engine_hashes=[3], token_ids=[9] * 4, block_size=4
+        ),
+        BlockRemoved(worker_id="t", engine_hashes=[1]),
+    ]
+    body, n = encode_answer(events, 5, BS)
+    assert n == 4 and [e["event_id"] for e in json.loads(body)] == [5, 6, 7, 8]
+    dec = TrtllmDecoder("t", BS)
+    got = dec.decode(parse_answer(body)[0])
+    assert got == [
+        events[0],
+        BlockRemoved(worker_id="t", engine_hashes=[7, 8, 9]),
+        events[3],
+        events[4],
+    ]
+    assert _typed_count(body) == 2

@@ -45,14 +45,14 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from kvplug.integrations.common import MASK64, EventDrop, full_blocks_stored, u64_hash
 
-from kvplug import AllCleared, BlockMoved, BlockRemoved, KvEvent, Tier
+from kvplug import AllCleared, BlockMoved, BlockRemoved, BlockStored, KvEvent, Tier
 
 log = logging.getLogger("kvplug.integrations.trtllm")
 
@@ -590,3 +590,52 @@ class TrtllmDecoder:
                 engine_hashes=[h],
             )
         )
+
+
+# -- encoders (tests and benchmarks): events as TRT-LLM's serializer renders them ---------------
+def stored_event_data(parent_hash: int | None, blocks: Sequence[tuple[int, Sequence[int]]]) -> dict:
+    """A ``stored`` event's ``data`` as ``KVCacheEventSerializer`` renders it: device blocks of
+    (hash, token ids), priority 35, no extra ids."""
+    return {
+        "type": "stored",
+        "parent_hash": parent_hash,
+        "blocks": [
+            {
+                "type": "stored_block",
+                "block_hash": h,
+                "tokens": [
+                    {"type": "unique_token", "token_id": int(t), "token_extra_id": 0}
+                    for t in tokens
+                ],
+                "cache_level": 0,
+                "priority": 35,
+            }
+            for h, tokens in blocks
+        ],
+    }
+
+
+def encode_answer(
+    events: Sequence[KvEvent], first_event_id: int, tokens_per_block: int, window_size: int = 4096
+) -> tuple[bytes, int]:
+    """Device-tier stores and removals as one drained ``/kv_cache_events`` answer (compact JSON,
+    as ``trtllm-serve`` sends it), event ids from ``first_event_id``; and how many envelopes. A
+    removal right after a removal joins it, as TRT-LLM's ``KVCacheEventManager`` does."""
+    envelopes: list[dict[str, Any]] = []
+    for ev in events:
+        if isinstance(ev, BlockRemoved):
+            last = envelopes[-1]["data"] if envelopes else None
+            if last is not None and last["type"] == "removed":
+                last["block_hashes"].extend(ev.engine_hashes)
+                continue
+            data: dict[str, Any] = {"type": "removed", "block_hashes": list(ev.engine_hashes)}
+        elif isinstance(ev, BlockStored):
+            tokens = list(ev.token_ids or [])
+            n = tokens_per_block
+            blocks = [(h, tokens[j * n : (j + 1) * n]) for j, h in enumerate(ev.engine_hashes)]
+            data = stored_event_data(ev.parent_engine_hash, blocks)
+        else:
+            raise TypeError(f"no TRT-LLM form for {type(ev).__name__} here")
+        event_id = first_event_id + len(envelopes)
+        envelopes.append({"event_id": event_id, "data": data, "window_size": window_size})
+    return msgspec.json.encode(envelopes), len(envelopes)
