@@ -7,8 +7,9 @@ every round. A child decodes and applies the workload's payloads for one engine 
 kvplug does with what the engine sends (vLLM: ``BatchDecoder.decode``; SGLang:
 ``SglangDecoder.decode``; TRT-LLM: ``parse_answer`` then ``TrtllmDecoder.decode``), into an
 index pre-sized for the fleet, and reports the best of ``--repeat`` passes in thread CPU time
-and the index it built, which must be the same for both trees. The payloads are made by this
-file's tree, so both trees read the same bytes.
+and the index it built, which must be the same for both trees. The payloads are made once, by this
+checkout (``bench_ingest_engines.encode``), and handed to every child in a file, so both trees
+read the same bytes.
 
     python benchmarks/ab_ingest_builds.py --base /tmp/base --new . --rounds 6
 
@@ -21,10 +22,12 @@ import argparse
 import gc
 import importlib.util
 import json
+import pickle
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 ENGINES = ("vllm", "sglang", "trtllm")
 
 
-def child(tree: str, engine: str, batches: int, repeat: int) -> dict:
+def child(tree: str, engine: str, payload_file: str, repeat: int) -> dict:
     sys.path.insert(0, str(Path(tree).resolve()))
     import kvplug
 
@@ -49,15 +52,14 @@ def child(tree: str, engine: str, batches: int, repeat: int) -> dict:
     sys.modules["kvplug.integrations"] = integrations
     spec.loader.exec_module(integrations)
     kvplug.integrations = integrations  # type: ignore[attr-defined]
-    sys.path.insert(1, str(HERE))  # the workload and its encoders, after the tree's kvplug
     import kvplug.integrations.sglang.wire as sglang_wire
-    from bench_ingest import fresh_index, make_events
-    from bench_ingest_engines import encode
+
+    from kvplug.index import KvIndex
 
     got = Path(sglang_wire.__file__).resolve()
     assert got.is_relative_to(folder), f"{tree}: imported the integrations from {got}"
-    steps = make_events(batches, 16, 8, 1)
-    payloads = encode(steps, 16)[engine]
+    work = pickle.loads(Path(payload_file).read_bytes())
+    payloads = work["payloads"][engine]
     best = float("inf")
     stats: dict = {}
     for _ in range(repeat):
@@ -84,7 +86,10 @@ def child(tree: str, engine: str, batches: int, repeat: int) -> dict:
             def decode(w, p, d=trt):
                 return d[w].decode(parse_answer(p)[0])
 
-        index = fresh_index(16, 8)
+        index = KvIndex(16)  # pre-sized for the fleet, as bench_ingest's fresh_index
+        for i in range(8):
+            index.add_endpoint(f"w{i}", 0)
+        index.reserve(8 * work["engine_blocks"])
         apply_many = index.apply_many
         gc.collect()
         c0 = time.thread_time()
@@ -93,41 +98,25 @@ def child(tree: str, engine: str, batches: int, repeat: int) -> dict:
         best = min(best, time.thread_time() - c0)
         st = index.stats()
         stats = {"blocks": st.get("blocks"), "entries": st.get("entries")}
-    blocks = sum(s[3] for s in steps)
-    return {"cpu_s": best, "blocks": blocks, "index": stats}
+    return {"cpu_s": best, "blocks": work["blocks"], "index": stats}
 
 
-def one(tree: str, engine: str, batches: int, repeat: int) -> dict:
+def one(tree: str, engine: str, payload_file: str, repeat: int) -> dict:
     cmd = [sys.executable, __file__, "--child", tree, "--engine", engine]
-    cmd += ["--batches", str(batches), "--repeat", str(repeat)]
+    cmd += ["--payloads", payload_file, "--repeat", str(repeat)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", help="source tree of the baseline (built in place)")
-    ap.add_argument("--new", help="source tree to compare (built in place)")
-    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--batches", type=int, default=3000)
-    ap.add_argument("--repeat", type=int, default=3, help="passes per child; its best counts")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--engine", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=str(HERE / "results" / "ab_ingest_builds.json"))
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(child(args.child, args.engine, args.batches, args.repeat)))
-        return 0
-    if not (args.base and args.new):
-        ap.error("--base and --new are required")
+def compare(args: argparse.Namespace, payload_file: str) -> dict:
+    """Each engine's rounds, the trees taking turns: per-engine rows."""
     rows = {}
     for engine in args.engines:
         runs: dict[str, list[dict]] = {"base": [], "new": []}
         for r in range(args.rounds):
             order = (("base", args.base), ("new", args.new))
             for name, tree in order if r % 2 == 0 else order[::-1]:
-                runs[name].append(one(tree, engine, args.batches, args.repeat))
+                runs[name].append(one(tree, engine, payload_file, args.repeat))
             print(f"  {engine}: round {r + 1}/{args.rounds}", file=sys.stderr)
         blocks = runs["new"][0]["blocks"]
         ratio = [b["cpu_s"] / n["cpu_s"] for b, n in zip(runs["base"], runs["new"], strict=True)]
@@ -140,6 +129,42 @@ def main() -> int:
             "same_index": same,
             "index": runs["new"][0]["index"],
         }
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", help="source tree of the baseline (built in place)")
+    ap.add_argument("--new", help="source tree to compare (built in place)")
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--batches", type=int, default=3000)
+    ap.add_argument("--repeat", type=int, default=3, help="passes per child; its best counts")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--engine", help=argparse.SUPPRESS)
+    ap.add_argument("--payloads", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(HERE / "results" / "ab_ingest_builds.json"))
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.engine, args.payloads, args.repeat)))
+        return 0
+    if not (args.base and args.new):
+        ap.error("--base and --new are required")
+    # the payloads, made once by this checkout: both trees read the same bytes
+    sys.path.insert(0, str(HERE))
+    from bench_ingest import ENGINE_BLOCKS, make_events
+    from bench_ingest_engines import encode
+
+    steps = make_events(args.batches, 16, 8, 1)
+    work = {
+        "payloads": encode(steps, 16),
+        "blocks": sum(s[3] for s in steps),
+        "engine_blocks": ENGINE_BLOCKS,
+    }
+    with tempfile.NamedTemporaryFile(suffix=".pickle") as f:
+        f.write(pickle.dumps(work))
+        f.flush()
+        rows = compare(args, f.name)
     print(f"\n{'engine':8s} {'base M blocks/CPU-s':>21s} {'new':>13s} {'new faster by':>20s}")
     for engine, row in rows.items():
         b, n, q = (

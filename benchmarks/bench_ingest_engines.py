@@ -74,7 +74,7 @@ def encode(steps: list, block_size: int) -> dict[str, list[tuple[str, bytes]]]:
 
 
 def paths(payloads: dict, block_size: int, n_engines: int) -> dict:
-    """name → (the engine's payloads, a function making a fresh per-worker decode(payload))."""
+    """name → (engine, its payloads, a function making a fresh ``decode(worker, payload)``)."""
     workers = [f"w{i}" for i in range(n_engines)]
 
     def vllm():
@@ -84,10 +84,10 @@ def paths(payloads: dict, block_size: int, n_engines: int) -> dict:
     def sglang(compiled_ids: bool):
         def make():
             decoders = {w: SglangDecoder(w, block_size) for w in workers}
-            if not compiled_ids:  # the path before: token ids read by msgspec, and one
-                for d in decoders.values():  # event per removal
-                    d._ids = None
-                    d._join_removes = False
+            if not compiled_ids:
+                for d in decoders.values():  # the path before this pass and the last one:
+                    d._ids = None  # token ids read by msgspec,
+                    d._join_removes = False  # one event per removal
             return lambda w, p: decoders[w].decode(p)
 
         return make
@@ -103,17 +103,17 @@ def paths(payloads: dict, block_size: int, n_engines: int) -> dict:
         return make
 
     return {
-        VLLM: (payloads["vllm"], vllm),
-        SGLANG: (payloads["sglang"], sglang(True)),
-        SGLANG_BEFORE: (payloads["sglang"], sglang(False)),
-        TRT: (payloads["trtllm"], trtllm(True)),
-        TRT_BEFORE: (payloads["trtllm"], trtllm(False)),
+        VLLM: ("vllm", payloads["vllm"], vllm),
+        SGLANG: ("sglang", payloads["sglang"], sglang(True)),
+        SGLANG_BEFORE: ("sglang", payloads["sglang"], sglang(False)),
+        TRT: ("trtllm", payloads["trtllm"], trtllm(True)),
+        TRT_BEFORE: ("trtllm", payloads["trtllm"], trtllm(False)),
     }
 
 
 def run(path, block_size: int, n_engines: int) -> tuple[float, float, dict]:
     """One timed pass: (wall s, thread CPU s, the index's stats)."""
-    payloads, make = path
+    _engine, payloads, make = path
     index = fresh_index(block_size, n_engines)
     decode = make()
     apply_many = index.apply_many
@@ -156,18 +156,16 @@ def main() -> int:
         print(f"  round {r + 1}/{args.rounds} done", file=sys.stderr)
     same = all(v == indexes[VLLM] for v in indexes.values())
 
-    def engine(name: str) -> str:
-        return name.split()[0].replace("trt-llm", "trtllm").replace("vllm", "vllm")
-
     results = {}
     for name in names:
+        engine = table[name][0]
         per_round = [v / w for v, w in zip(walls[VLLM], walls[name], strict=True)]
         results[name] = {
-            "engine": engine(name),
+            "engine": engine,
             "blocks_per_s": blocks / min(walls[name]),
             "blocks_per_cpu_s": blocks / min(cpus[name]),
-            "mb_per_s": nbytes[engine(name)] / min(walls[name]) / 1e6,
-            "bytes_per_block": nbytes[engine(name)] / blocks,
+            "mb_per_s": nbytes[engine] / min(walls[name]) / 1e6,
+            "bytes_per_block": nbytes[engine] / blocks,
             "vs_vllm_per_round": per_round,
             "index": indexes[name],
         }
@@ -185,12 +183,12 @@ def main() -> int:
         }
 
     print(
-        f"\n{'path':48s} {'blocks/s':>12s} {'blocks/CPU-s':>13s} {'B/block':>8s} {'vs vLLM':>12s}"
+        f"\n{'path':52s} {'blocks/s':>12s} {'blocks/CPU-s':>13s} {'B/block':>8s} {'vs vLLM':>12s}"
     )
     for name, r in results.items():
         v = r["vs_vllm_per_round"]
         print(
-            f"{name:48s} {r['blocks_per_s']:12,.0f} {r['blocks_per_cpu_s']:13,.0f} "
+            f"{name:52s} {r['blocks_per_s']:12,.0f} {r['blocks_per_cpu_s']:13,.0f} "
             f"{r['bytes_per_block']:8.0f} {min(v):5.2f}-{max(v):.2f}x"
         )
     for what, b in befores.items():
