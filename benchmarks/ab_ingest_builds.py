@@ -54,7 +54,8 @@ def child(tree: str, engine: str, payload_file: str, repeat: int) -> dict:
     kvplug.integrations = integrations  # type: ignore[attr-defined]
     import kvplug.integrations.sglang.wire as sglang_wire
 
-    from kvplug.index import KvIndex
+    sys.path.insert(1, str(HERE))  # bench_ingest, after the tree's kvplug and integrations
+    from bench_ingest import fresh_index
 
     got = Path(sglang_wire.__file__).resolve()
     assert got.is_relative_to(folder), f"{tree}: imported the integrations from {got}"
@@ -86,10 +87,7 @@ def child(tree: str, engine: str, payload_file: str, repeat: int) -> dict:
             def decode(w, p, d=trt):
                 return d[w].decode(parse_answer(p)[0])
 
-        index = KvIndex(16)  # pre-sized for the fleet, as bench_ingest's fresh_index
-        for i in range(8):
-            index.add_endpoint(f"w{i}", 0)
-        index.reserve(8 * work["engine_blocks"])
+        index = fresh_index(16, 8)  # pre-sized for the fleet
         apply_many = index.apply_many
         gc.collect()
         c0 = time.thread_time()
@@ -152,15 +150,11 @@ def main() -> int:
         ap.error("--base and --new are required")
     # the payloads, made once by this checkout: both trees read the same bytes
     sys.path.insert(0, str(HERE))
-    from bench_ingest import ENGINE_BLOCKS, make_events
+    from bench_ingest import make_events
     from bench_ingest_engines import encode
 
     steps = make_events(args.batches, 16, 8, 1)
-    work = {
-        "payloads": encode(steps, 16),
-        "blocks": sum(s[3] for s in steps),
-        "engine_blocks": ENGINE_BLOCKS,
-    }
+    work = {"payloads": encode(steps, 16), "blocks": sum(s[3] for s in steps)}
     with tempfile.NamedTemporaryFile(suffix=".pickle") as f:
         f.write(pickle.dumps(work))
         f.flush()

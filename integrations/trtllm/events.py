@@ -358,7 +358,8 @@ class TrtllmDecoder:
         hashes: list = [b.block_hash for b in blocks]
         ids: list = [t.token_id for b in blocks for t in b.tokens]
         try:  # a str among ints raises TypeError: the per-block path decides then
-            if not (-(1 << 63) <= min(hashes) and max(hashes) <= MASK64):
+            lowest = min(hashes)
+            if not (-(1 << 63) <= lowest and max(hashes) <= MASK64):
                 return False
             if not (0 <= min(ids) and max(ids) < MAX_TOKEN):
                 return False
@@ -369,7 +370,7 @@ class TrtllmDecoder:
         parent = parse_hash(data.parent_hash, "parent_hash", allow_none=True)
         if parent is not None and parent in state.partial:
             return False
-        if min(hashes) < 0:
+        if lowest < 0:  # int64 hashes fold to u64, as parse_hash folds them
             hashes = [h & MASK64 for h in hashes]
         out.append(full_blocks_stored(self.worker_id, rank, Tier.DEVICE, parent, hashes, ids, n))
         self.counts["stored_blocks"] += len(hashes)
