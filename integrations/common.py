@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from kvplug import BlockRemoved, BlockStored, KvEvent, Tier
 
@@ -76,46 +77,81 @@ def full_blocks_stored(
     )
 
 
+def hash_values(hashes: Sequence[int]) -> Sequence[int]:
+    """An event's engine hashes as Python ints, for sets: a compiled decoder's uint64 array
+    becomes a list (one C loop, where iterating it would make a numpy scalar per hash)."""
+    return hashes.tolist() if type(hashes) is np.ndarray else hashes
+
+
+def join_hashes(parts: list[Sequence[int]]) -> Sequence[int]:
+    """The engine hashes of several events as one sequence: one uint64 array if every part is
+    one (what the compiled decoders give), else one list."""
+    if len(parts) == 1:
+        return parts[0]
+    if all(type(p) is np.ndarray for p in parts):
+        return np.concatenate(parts)
+    out: list[int] = []
+    for p in parts:
+        out.extend(hash_values(p))
+    return out
+
+
 def coalesce_removes(events: list[KvEvent]) -> list[KvEvent]:
     """One batch's removes gathered into as few events as the index allows (each is a call).
 
     vLLM sends one ``BlockRemoved`` per evicted hash and SGLang one per evicted radix node,
-    interleaved with the stores of the requests that needed the room. A remove joins the
-    batch's previous remove (same tier and rank; no clear in between), i.e. moves earlier past
-    the stores in between, unless one of those stores holds or chains to (``parent``) one of
-    its hashes — then the order matters and it starts a new event. vLLM's compiled decoder
-    applies the same rule.
+    interleaved with the stores of the requests that needed the room. Each removed hash joins
+    the batch's open remove (the last one; same tier and rank, no clear since), i.e. moves
+    earlier past the stores in between, unless one of those stores holds or chains to
+    (``parent``) it; then the order matters, and that hash and the rest of its event start a
+    new open remove. Decided hash by hash, so the result does not depend on how the removes
+    came grouped: a decoder that already joined adjacent removes (SGLang's typed decode) gets
+    what joining them here one by one gives. vLLM's compiled decoder applies the same rule.
+    The events given are not changed: a joined remove is a new event, its hashes one list, or
+    one uint64 array where every part was one.
     """
     out: list[KvEvent] = []
-    rm: BlockRemoved | None = None
+    rm: BlockRemoved | None = None  # the open remove, at out[rm_at]; its parts' hashes
+    rm_at = 0
+    parts: list[Sequence[int]] = []
     touched: set[int] = set()
+
+    def close() -> None:
+        if len(parts) > 1:
+            out[rm_at] = msgspec.structs.replace(out[rm_at], engine_hashes=join_hashes(parts))
+
     for e in events:
         if type(e) is BlockRemoved:
+            hashes = e.engine_hashes
             if (
                 rm is not None
                 and rm.tier == e.tier
                 and rm.dp_rank == e.dp_rank
                 and rm.shared == e.shared
-                and touched.isdisjoint(e.engine_hashes)
             ):
-                rm.engine_hashes.extend(e.engine_hashes)  # type: ignore[attr-defined]
-                continue
-            rm = BlockRemoved(
-                worker_id=e.worker_id,
-                dp_rank=e.dp_rank,
-                tier=e.tier,
-                engine_hashes=list(e.engine_hashes),
-                shared=e.shared,
-            )
+                if not touched or touched.isdisjoint(hash_values(hashes)):
+                    parts.append(hashes)
+                    continue
+                # the hashes before the first one a store touched still move; from it on
+                # they start the next open remove
+                first = next(i for i, h in enumerate(hash_values(hashes)) if h in touched)
+                if first:
+                    parts.append(hashes[:first])
+                    hashes = hashes[first:]
+                    e = msgspec.structs.replace(e, engine_hashes=hashes)
+            close()
+            rm, rm_at, parts = e, len(out), [hashes]
             touched = set()
-            out.append(rm)
+            out.append(e)
             continue
         if type(e) is BlockStored:
             if rm is not None:
-                touched.update(e.engine_hashes)
+                touched.update(hash_values(e.engine_hashes))
                 if e.parent_engine_hash is not None:
                     touched.add(e.parent_engine_hash)
         else:
-            rm = None  # a clear (or anything else) is a barrier
+            close()
+            rm, parts = None, []  # a clear (or anything else) is a barrier
         out.append(e)
+    close()
     return out

@@ -2,7 +2,8 @@
 width msgpack gives them.
 
 The compiled decoders hand a store's token ids over as a uint32 numpy array (vLLM's and, for
-its token loop, SGLang's), the msgspec paths as a list; ``==`` on a struct holding an array is
+its token loop, SGLang's) and its hashes as a uint64 array (vLLM's, and SGLang's hash reader
+for stores and removals), the msgspec paths as lists; ``==`` on a struct holding an array is
 an error, so tests compare ``plain(...)`` of what a decoder returned.
 """
 
@@ -13,15 +14,15 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvplug.events import BlockStored
-
 
 def plain(value: Any) -> Any:
-    """``value`` with every BlockStored's array fields as lists (lists and tuples walked)."""
-    if isinstance(value, BlockStored):
+    """``value`` with every event's array fields as lists (lists and tuples walked): a store's
+    token ids and hashes, and the engine hashes of a removal or of SGLang's partial-page
+    marker, which the compiled hash reader gives as a uint64 array."""
+    if isinstance(value, msgspec.Struct):
         changes = {
             name: getattr(value, name).tolist()
-            for name in ("token_ids", "engine_hashes", "block_hashes", "block_extra")
+            for name in value.__struct_fields__
             if isinstance(getattr(value, name), np.ndarray)
         }
         return msgspec.structs.replace(value, **changes) if changes else value

@@ -28,7 +28,8 @@ def _well_formed(events, block_size):
         assert isinstance(e, (BlockStored, BlockRemoved, BlockMoved, AllCleared))
         if isinstance(e, AllCleared):
             continue
-        assert e.engine_hashes and all(0 <= h <= MASK64 for h in e.engine_hashes)
+        hashes = list(e.engine_hashes)  # a list, or a uint64 array from the compiled reader
+        assert hashes and all(0 <= int(h) <= MASK64 for h in hashes)
         if isinstance(e, BlockStored):
             assert e.block_size == block_size
             assert len(e.token_ids) == len(e.engine_hashes) * block_size

@@ -45,7 +45,9 @@ from kvplug.integrations.common import (
     EventDrop,
     coalesce_removes,
     full_blocks_stored,
+    hash_values,
     int64_hash,
+    join_hashes,
     u64_hash,
 )
 
@@ -92,7 +94,7 @@ class PartialPages(msgspec.Struct, frozen=True, kw_only=True):
 
     worker_id: str
     dp_rank: int
-    engine_hashes: list[int]
+    engine_hashes: Sequence[int]  # a list, or a uint64 array from the compiled reader
 
 
 WireItem = KvEvent | PartialPages
@@ -100,11 +102,12 @@ WireItem = KvEvent | PartialPages
 # --- fast path: typed decoding (validation in C); anything it rejects goes the slow path ---
 U32 = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN)]
 _TOKENS = msgspec.msgpack.Decoder(list[U32])
+_HASHES = msgspec.msgpack.Decoder(list[int])
 _BIGRAMS = msgspec.msgpack.Decoder(list[tuple[U32, int]])
 
 
 class _StoredM(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
-    block_hashes: list[int]
+    block_hashes: msgspec.Raw
     parent_block_hash: int | None = None
     token_ids: msgspec.Raw = msgspec.Raw()
     block_size: int = 0
@@ -116,7 +119,7 @@ class _StoredM(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
 
 
 class _RemovedM(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
-    block_hashes: list[int]
+    block_hashes: msgspec.Raw
     medium: str | None = None
 
 
@@ -129,7 +132,7 @@ class _Metadata(msgspec.Struct, gc=False):
 
 
 class _StoredA(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    block_hashes: list[int]
+    block_hashes: msgspec.Raw
     parent_block_hash: int | None = None
     token_ids: msgspec.Raw = msgspec.Raw()
     block_size: int = 0
@@ -145,7 +148,7 @@ class _StoredA(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
 
 
 class _RemovedA(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
-    block_hashes: list[int]
+    block_hashes: msgspec.Raw
     medium: str | None = None
 
 
@@ -231,6 +234,11 @@ def _opt_str(fields: dict[str, Any], key: str) -> str | None:
     return value
 
 
+def _joined(removed: BlockRemoved, parts: list[Any]) -> BlockRemoved:
+    """``removed`` with the hashes of its run of removals (``join_hashes``)."""
+    return msgspec.structs.replace(removed, engine_hashes=join_hashes(parts))
+
+
 class PartialPageFilter:
     """Per-worker memory of partial pages, applied to decoded items in stream order.
 
@@ -252,7 +260,7 @@ class PartialPageFilter:
                 if len(held) + len(item.engine_hashes) > MAX_PARTIAL_PER_RANK:
                     held.clear()  # only costs a few "unknown remove" counts later
                     self.counts["partial_overflow"] += 1
-                held.update(item.engine_hashes)
+                held.update(hash_values(item.engine_hashes))
             elif isinstance(item, BlockStored):
                 partial = self.partial.get(item.dp_rank)
                 if partial and item.parent_engine_hash in partial:
@@ -268,11 +276,12 @@ class PartialPageFilter:
             elif isinstance(item, BlockRemoved):
                 partial = self.partial.get(item.dp_rank)
                 if partial:
-                    kept = [h for h in item.engine_hashes if h not in partial]
-                    swallowed = len(item.engine_hashes) - len(kept)
+                    hashes = hash_values(item.engine_hashes)
+                    kept = [h for h in hashes if h not in partial]
+                    swallowed = len(hashes) - len(kept)
                     if swallowed:
                         self.counts["partial_removes_swallowed"] += swallowed
-                        partial.difference_update(item.engine_hashes)
+                        partial.difference_update(hashes)
                         if not kept:
                             continue
                         item = msgspec.structs.replace(item, engine_hashes=kept)
@@ -378,10 +387,14 @@ class SglangDecoder:
         # counted in locals and committed on success (a Counter per event costs more)
         stored = partial = removed = cleared = 0
         join = self._join_removes
+        # the removal event this decode made last (at out[open_at]) and the hashes of the
+        # adjacent removals it gathers, joined into it once their run ends
+        open_rm: Any = None
+        open_at = 0
+        run: list[Any] = []
         for ev in batch.events:
             kind = type(ev)
             if kind is _RemovedM or kind is _RemovedA:  # the commonest while caches are full
-                block_hashes = ev.block_hashes
                 if ev.medium is None:
                     tier, shared = None, False
                 else:
@@ -391,38 +404,42 @@ class SglangDecoder:
                     tier, shared = medium
                     if shared:
                         tier = None
-                if len(block_hashes) > MAX_BLOCKS_PER_EVENT:
+                hashes = self._hashes(ev.block_hashes)
+                if hashes is None:
                     return None
-                if not block_hashes:
+                if not len(hashes):
                     continue
-                removed += len(block_hashes)
-                hashes = [h & MASK64 for h in block_hashes]
-                last = out[-1] if out else None
+                removed += len(hashes)
                 if (
                     join
-                    and type(last) is BlockRemoved
-                    and last.tier == tier
-                    and last.shared == shared
+                    and out
+                    and out[-1] is open_rm
+                    and open_rm.tier == tier
+                    and open_rm.shared == shared
                 ):
                     # one removal per evicted radix node, several in a row: one event (each
                     # is a call into the index); ``coalesce_removes`` joins the rest later
-                    last.engine_hashes.extend(hashes)  # type: ignore[attr-defined]
+                    run.append(hashes)
                     continue
-                out.append(
-                    BlockRemoved(
-                        worker_id=wid, dp_rank=dp_rank, tier=tier, engine_hashes=hashes,
-                        shared=shared,
-                    )
-                )  # fmt: skip
+                if len(run) > 1:
+                    out[open_at] = _joined(open_rm, run)
+                open_rm = BlockRemoved(
+                    worker_id=wid, dp_rank=dp_rank, tier=tier, engine_hashes=hashes, shared=shared
+                )
+                run = [hashes]
+                open_at = len(out)
+                out.append(open_rm)
             elif kind is _StoredM or kind is _StoredA:
-                hashes = [h & MASK64 for h in ev.block_hashes]
                 medium = (
                     MEDIUM_TIERS.get(ev.medium) if ev.medium is not None else (Tier.DEVICE, False)
                 )
                 bs = ev.block_size
-                if medium is None or bs <= 0 or len(hashes) > MAX_BLOCKS_PER_EVENT:
+                if medium is None or bs <= 0:
                     return None
-                if not hashes:
+                hashes = self._hashes(ev.block_hashes)
+                if hashes is None:
+                    return None
+                if not len(hashes):
                     continue
                 if bs > self.page_size:  # before the ids: a hostile size must not size a read
                     return None
@@ -452,6 +469,8 @@ class SglangDecoder:
             else:
                 cleared += 1
                 out.append(AllCleared(worker_id=wid, dp_rank=dp_rank))
+        if len(run) > 1:
+            out[open_at] = _joined(open_rm, run)
         counts = self.counts
         counts["batches"] += 1
         for key, n in (
@@ -463,6 +482,22 @@ class SglangDecoder:
             if n:
                 counts[key] += n
         return rank, out
+
+    def _hashes(self, raw: msgspec.Raw) -> Any:
+        """An event's raw ``block_hashes`` folded to u64: a uint64 array from the compiled
+        reader, else a list from msgspec (what the reader declines); None if neither reads it
+        or there are more than MAX_BLOCKS_PER_EVENT."""
+        if self._ids is not None:
+            hashes = _fastwire.hash_array(raw, MAX_BLOCKS_PER_EVENT)
+            if hashes is not None:
+                return hashes
+        try:
+            values = _HASHES.decode(raw)
+        except DECODE_ERRORS:
+            return None
+        if len(values) > MAX_BLOCKS_PER_EVENT:
+            return None
+        return [h & MASK64 for h in values]
 
     def _token_ids(self, raw: msgspec.Raw, expected: int) -> Any:
         """A store's raw ``token_ids``: a uint32 array from the compiled loop, else a list from

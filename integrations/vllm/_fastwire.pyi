@@ -25,3 +25,7 @@ class FastDecoder:
     def token_array(
         self, raw: bytes | memoryview | msgspec.Raw, max_tokens: int
     ) -> npt.NDArray[np.uint32] | None: ...
+
+def hash_array(
+    raw: bytes | memoryview | msgspec.Raw, max_n: int
+) -> npt.NDArray[np.uint64] | None: ...

@@ -1052,9 +1052,9 @@ cdef class FastDecoder:
         cdef Rec *ev
         cdef Rec *rm
         # The last remove output (-1: none since the start or a clear). A later remove of its
-        # tier joins it — moving earlier past the stores in between — when none of those
-        # stores holds or chains to one of its hashes (the set): the index ends up the same,
-        # with one event (one index call) instead of one per eviction burst.
+        # tier joins it — moving earlier past the stores in between — up to the first of its
+        # hashes one of those stores holds or chains to (the set): the index ends up the
+        # same, with one event (one index call) instead of one per eviction burst.
         cdef Py_ssize_t rm_i = -1
         cdef bint clash
         if _len(r, &nev, ARRAY) < 0:
@@ -1106,10 +1106,15 @@ cdef class FastDecoder:
                         if self._set_has(self.rhashes[h_off + k]):
                             clash = True
                             break
+                    # contiguous: rm_i is the last remove, its hashes end the buffer
                     if not clash:
-                        # contiguous: rm_i is the last remove, its hashes end the buffer
                         self.recs[rm_i].h_n += h_n
                         continue
+                    # hash by hash, as coalesce_removes: the ones before the first a store
+                    # touched still join; from it on they start the next remove
+                    self.recs[rm_i].h_n += k
+                    h_off += k
+                    h_n -= k
                 rm = self._new_rec()
                 if rm == NULL:
                     return -1
@@ -1262,3 +1267,43 @@ cdef class FastDecoder:
             events.append(e)
         return (ts, None if wire_rank < 0 else wire_rank, events, nev, stored_blocks,
                 removed_blocks, cleared, copies)
+
+
+def hash_array(object raw, size_t max_n):
+    """One msgpack array of integer block hashes (an SGLang event's ``block_hashes``, which
+    msgspec keeps raw) as a new uint64 array, each folded to u64 as ``h & MASK64`` folds it:
+    no Python int per hash, where msgspec's ``list[int]`` and the fold made two. None for
+    anything else (a bin, a float, a bool, more than ``max_n`` hashes, bytes after the array):
+    the caller's msgspec decoder then reads it and says what is wrong."""
+    cdef Py_buffer view
+    cdef Reader r
+    cdef size_t n, i
+    cdef bint neg
+    cdef uint8_t b
+    cdef cnp.npy_intp dim
+    cdef cnp.ndarray arr
+    cdef uint64_t *d
+    PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
+    try:
+        r.p = <const uint8_t *>view.buf
+        r.n = <size_t>view.len
+        r.pos = 0
+        if _len(&r, &n, ARRAY) < 0 or n > max_n or not _need(&r, n):
+            return None
+        dim = <cnp.npy_intp>n
+        arr = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_UINT64, 0)
+        d = <uint64_t *>cnp.PyArray_DATA(arr)
+        for i in range(n):
+            b = r.p[r.pos] if r.pos < r.n else 0xC1
+            # a uint64 (0xCF) or int64 (0xD3) hash: its 8 big-endian bytes are the u64 either
+            # way (two's complement); SGLang's hash_str_to_int64 hashes take one of the two
+            if (b == 0xCF or b == 0xD3) and r.pos + 9 <= r.n:
+                d[i] = _be64(r.p + r.pos + 1)
+                r.pos += 9
+            elif _int(&r, &d[i], &neg) < 0:
+                return None
+        if r.pos != r.n:
+            return None
+        return arr
+    finally:
+        PyBuffer_Release(&view)
