@@ -61,20 +61,21 @@ def child(tree: str, engine: str, payload_file: str, repeat: int) -> dict:
     assert got.is_relative_to(folder), f"{tree}: imported the integrations from {got}"
     work = pickle.loads(Path(payload_file).read_bytes())
     payloads = work["payloads"][engine]
+    bs = work["block_size"]
     best = float("inf")
     stats: dict = {}
     for _ in range(repeat):
         if engine == "vllm":
             from kvplug.integrations.vllm.wire import BatchDecoder
 
-            vllm = {f"w{i}": BatchDecoder(f"w{i}", block_size=16) for i in range(8)}
+            vllm = {f"w{i}": BatchDecoder(f"w{i}", block_size=bs) for i in range(8)}
 
             def decode(w, p, d=vllm):
                 return d[w].decode(p).events
         elif engine == "sglang":
             from kvplug.integrations.sglang.wire import SglangDecoder
 
-            sglang = {f"w{i}": SglangDecoder(f"w{i}", 16) for i in range(8)}
+            sglang = {f"w{i}": SglangDecoder(f"w{i}", bs) for i in range(8)}
 
             def decode(w, p, d=sglang):
                 return d[w].decode(p)
@@ -82,12 +83,12 @@ def child(tree: str, engine: str, payload_file: str, repeat: int) -> dict:
             from kvplug.integrations.trtllm.events import TrtllmDecoder
             from kvplug.integrations.trtllm.poller import parse_answer
 
-            trt = {f"w{i}": TrtllmDecoder(f"w{i}", 16) for i in range(8)}
+            trt = {f"w{i}": TrtllmDecoder(f"w{i}", bs) for i in range(8)}
 
             def decode(w, p, d=trt):
                 return d[w].decode(parse_answer(p)[0])
 
-        index = fresh_index(16, 8)  # pre-sized for the fleet
+        index = fresh_index(bs, 8)  # pre-sized for the fleet
         apply_many = index.apply_many
         gc.collect()
         c0 = time.thread_time()
@@ -137,6 +138,12 @@ def main() -> int:
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--batches", type=int, default=3000)
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens a block (1: SGLang's default page size, a block per token)",
+    )
     ap.add_argument("--repeat", type=int, default=3, help="passes per child; its best counts")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--engine", help=argparse.SUPPRESS)
@@ -153,8 +160,12 @@ def main() -> int:
     from bench_ingest import make_events
     from bench_ingest_engines import encode
 
-    steps = make_events(args.batches, 16, 8, 1)
-    work = {"payloads": encode(steps, 16), "blocks": sum(s[3] for s in steps)}
+    steps = make_events(args.batches, args.block_size, 8, 1)
+    work = {
+        "payloads": encode(steps, args.block_size),
+        "blocks": sum(s[3] for s in steps),
+        "block_size": args.block_size,
+    }
     with tempfile.NamedTemporaryFile(suffix=".pickle") as f:
         f.write(pickle.dumps(work))
         f.flush()

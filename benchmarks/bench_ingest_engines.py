@@ -4,16 +4,18 @@ updated, in blocks per second on one core, vLLM, SGLang and TensorRT-LLM side by
 Workload: ``bench_ingest.py``'s (seeded engines serving multi-turn sessions over shared system
 prompts, LRU eviction, one scheduler step a message), its events encoded as each engine sends
 them: vLLM 0.32 msgpack batches (one ``BlockRemoved`` per evicted block, as vLLM sends them),
-SGLang 0.5.23 map-form msgpack batches (the same events; SGLang sends one removal per evicted
-radix node, which may hold several pages), TRT-LLM drained ``/kv_cache_events`` answers (JSON,
-compact, one envelope per event, consecutive removals joined as TRT-LLM's event manager joins
-them, each engine's event ids counting from 0). Payloads are encoded before the clock; the
-clock covers what kvplug does with them: the engine's decoder (vLLM's compiled decoder,
-SGLang's typed decode with the compiled token loop, TRT-LLM's ``parse_answer`` and typed
-reader) and ``KvIndex.apply_many`` on an index pre-sized for the fleet, as ``kvplug serve``
-does. The decoders as they were before issue 14's thirty-eighth and thirty-ninth passes run
-beside them (SGLang's token ids by msgspec and its removes one event each, TRT-LLM's plain
-JSON decode and checked reader).
+SGLang 0.5.23 map-form msgpack batches (the same events grouped as SGLang's event recorder
+queues them, ``recorder_queue``: a run of removals is one event, and so is a run of stores each
+chaining onto the one before), TRT-LLM drained ``/kv_cache_events`` answers (JSON, compact, one
+envelope per event, consecutive removals joined as TRT-LLM's event manager joins them, each
+engine's event ids counting from 0). Payloads are encoded before the clock; the clock covers
+what kvplug does with them: the engine's decoder (vLLM's compiled decoder, SGLang's typed
+decode with the compiled token and hash readers, TRT-LLM's ``parse_answer`` and typed reader)
+and ``KvIndex.apply_many`` on an index pre-sized for the fleet, as ``kvplug serve`` does. The
+decoders as they were before issue 14's thirty-eighth to fortieth passes run beside them
+(SGLang's token ids and hashes by msgspec and its removes one event each, TRT-LLM's plain JSON
+decode and checked reader). ``--block-size 1`` is SGLang's default page size (a block per
+token).
 
 Every path runs once a round after a ``gc.collect()``, the paths taking turns in an order that
 rotates each round; a path's figure is its best round, ratios against vLLM are per round. All
@@ -44,7 +46,7 @@ sys.path.insert(1, str(HERE))
 
 from bench_ingest import ENGINE_BLOCKS, add_workload_args, fresh_index, make_events  # noqa: E402
 from hostinfo import cpu_model  # noqa: E402
-from kvplug.integrations.sglang.wire import SglangDecoder  # noqa: E402
+from kvplug.integrations.sglang.wire import SglangDecoder, recorder_queue  # noqa: E402
 from kvplug.integrations.sglang.wire import encode_batch as sglang_batch  # noqa: E402
 from kvplug.integrations.trtllm.events import TrtllmDecoder  # noqa: E402
 from kvplug.integrations.trtllm.events import encode_answer as trtllm_encode_answer  # noqa: E402
@@ -53,8 +55,8 @@ from kvplug.integrations.vllm.wire import BatchDecoder  # noqa: E402
 from kvplug.integrations.vllm.wire import encode_batch as vllm_batch  # noqa: E402
 
 VLLM = "vllm 0.32 (compiled decoder)"
-SGLANG = "sglang 0.5.23 (typed, compiled ids, removes joined)"
-SGLANG_BEFORE = "sglang 0.5.23 (msgspec ids, removes apart: before)"
+SGLANG = "sglang 0.5.23 (typed, compiled ids and hashes, removes joined)"
+SGLANG_BEFORE = "sglang 0.5.23 (msgspec ids and hashes, removes apart: before)"
 TRT = "trt-llm (parse_answer, typed reader)"
 TRT_BEFORE = "trt-llm (plain JSON, checked reader: before)"
 
@@ -65,7 +67,9 @@ def encode(steps: list, block_size: int) -> dict[str, list[tuple[str, bytes]]]:
     out: dict[str, list[tuple[str, bytes]]] = {"vllm": [], "sglang": [], "trtllm": []}
     for worker, _seq, evs, _blocks in steps:
         out["vllm"].append((worker, vllm_batch(evs, "0.32.0", ts=1.0)))
-        out["sglang"].append((worker, sglang_batch(evs, "0.5.23", ts=1.0)))
+        # grouped as SGLang's event recorder queues them: a run of removals is one event, and
+        # so is a run of stores each chaining onto the one before
+        out["sglang"].append((worker, sglang_batch(recorder_queue(evs), "0.5.23", ts=1.0)))
         first = next_id.get(worker, 0)
         answer, n = trtllm_encode_answer(evs, first, block_size)
         out["trtllm"].append((worker, answer))
@@ -86,7 +90,7 @@ def paths(payloads: dict, block_size: int, n_engines: int) -> dict:
             decoders = {w: SglangDecoder(w, block_size) for w in workers}
             if not compiled_ids:
                 for d in decoders.values():  # the path before this pass and the last one:
-                    d._ids = None  # token ids read by msgspec,
+                    d._ids = None  # token ids and hashes read by msgspec,
                     d._join_removes = False  # one event per removal
             return lambda w, p: decoders[w].decode(p)
 

@@ -7,7 +7,10 @@ Decoders (each gets ``--inputs`` inputs; the contract is "never raises, counts w
   batch the compiled path accepts is also decoded by the msgspec path and must give the same
   events (``compare_paths``: one contract for both);
 * ``vllm-msgspec``: ``BatchDecoder.decode_msgspec`` alone;
-* ``sglang``: ``SglangDecoder.decode`` (typed fast path, per-event slow path, partial pages);
+* ``sglang``: ``SglangDecoder.decode`` (typed fast path with the compiled token and hash
+  readers, per-event slow path, partial pages); every input also goes to a second decoder of
+  the same stream whose batches all take the checked path, which must give the same events,
+  counts and partial pages wherever the typed path took the batch (``compare_paths``);
 * ``trtllm-json``: what the TRT-LLM poller does with a drained answer's body:
   ``parse_answer`` (JSON) then ``TrtllmDecoder.decode`` (per-rank state kept across inputs);
   every answer also goes, as a plain JSON decode, to a second decoder of the same stream (the
@@ -23,9 +26,9 @@ the Python decoders instrumented; a libFuzzer-detected crash (or a hang) counts 
 
 Figures per decoder: inputs (random + atheris), inputs/s, batches accepted, crashes, escapes
 (an exception out of the decoder), bad events (an output event breaking kvplug's event
-invariants), disagreements (``vllm-fast``, ``trtllm-json``). Baseline in the same run: the
-reproducers issue 9 filed (deep nesting, the four fast-path disagreements) go through the same
-checks first.
+invariants), disagreements (``vllm-fast``, ``sglang``, ``trtllm-json``). Baseline in the same
+run: the reproducers issue 9 filed (deep nesting, the four fast-path disagreements) go through
+the same checks first.
 
     python benchmarks/fuzz_decoders.py                       # 1,000,000 inputs per decoder
     python benchmarks/fuzz_decoders.py --inputs 20000 --atheris-inputs 0 --out /tmp/f.json
@@ -64,6 +67,7 @@ else:
     _decoders_import = contextlib.nullcontext()
 with _decoders_import:
     from kvplug.integrations.sglang.wire import SglangDecoder
+    from kvplug.integrations.sglang.wire import compare_paths as sglang_compare_paths
     from kvplug.integrations.sglang.wire import encode_batch as sglang_batch
     from kvplug.integrations.trtllm.events import TrtllmDecoder
     from kvplug.integrations.trtllm.poller import compare_readers
@@ -520,6 +524,7 @@ class Sglang(Target):
     def __init__(self) -> None:
         self.n = 0
         self.dec = SglangDecoder("w", BS)
+        self.checked = SglangDecoder("w", BS)  # the same stream, every batch checked per event
 
     def seed_fn(self, rng):
         return sglang_seed(rng)
@@ -527,10 +532,10 @@ class Sglang(Target):
     def run(self, payload):
         self.n += 1
         if self.n % 5000 == 0:
-            self.dec = SglangDecoder("w", BS)
+            self.dec, self.checked = SglangDecoder("w", BS), SglangDecoder("w", BS)
         before = self.dec.counts["batches"]
-        events = self.dec.decode(payload, dp_rank=1)
-        return self.dec.counts["batches"] != before, _check_events(events), None
+        events, disagree = sglang_compare_paths(payload, self.dec, self.checked, dp_rank=1)
+        return self.dec.counts["batches"] != before, _check_events(events), disagree
 
 
 class TrtllmJson(Target):

@@ -49,3 +49,41 @@ def load_kv_events() -> types.ModuleType:
     finally:
         for shell in added:  # the loaded modules keep what they imported
             sys.modules.pop(shell, None)
+
+
+def load_event_recorder() -> type:
+    """The wheel's ``KVCacheEventRecorder`` (``sglang/srt/mem_cache/events.py``): the class whose
+    ``enqueue`` decides how many events a radix cache's stores and removals become (it joins a
+    page's store onto the store it chains to, and a removal onto the removal before it).
+
+    ``mem_cache/events.py`` imports three hash helpers from ``mem_cache/utils.py``, whose own
+    imports pull SGLang's GPU kernels; ``enqueue`` uses none of them, so a stand-in module
+    holding the three names is registered while the file loads. The event classes are the
+    wheel's own (``load_kv_events``)."""
+    kv_events = load_kv_events()
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations
+    root = Path(next(iter(spec.submodule_search_locations)))
+    path = root / "srt" / "mem_cache" / "events.py"
+    stand_in = types.ModuleType("sglang.srt.mem_cache.utils")
+    for helper in (
+        "compute_node_event_hash_values",
+        "compute_node_hash_values",
+        "hash_str_to_int64",
+    ):
+        setattr(stand_in, helper, None)
+    saved = {k: sys.modules.get(k) for k in ("sglang.srt.mem_cache.utils", kv_events.__name__)}
+    sys.modules["sglang.srt.mem_cache.utils"] = stand_in
+    sys.modules[kv_events.__name__] = kv_events
+    try:
+        module_spec = importlib.util.spec_from_file_location("_sglang_mem_cache_events", path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = value
+    return module.KVCacheEventRecorder

@@ -21,7 +21,8 @@ from event_helpers import plain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvplug.integrations.common import MASK64, coalesce_removes, join_hashes
-from kvplug.integrations.sglang.wire import SglangDecoder, encode_batch
+from kvplug.integrations.sglang import wire as sglang_wire
+from kvplug.integrations.sglang.wire import SglangDecoder, compare_paths, encode_batch
 from kvplug.integrations.vllm import wire as vllm_wire
 
 from kvplug import AllCleared, BlockRemoved, BlockStored, Tier
@@ -216,3 +217,54 @@ def test_sglang_stores_and_removals_come_with_uint64_arrays():
     out = SglangDecoder("w", page_size=4).decode(encode_batch(events, "0.5.23"))
     assert all(type(e.engine_hashes) is np.ndarray for e in out)
     assert plain(out) == events
+
+
+@settings(max_examples=200, deadline=None)
+@given(_batches(), st.sampled_from(["0.5.15", "0.5.23"]))
+def test_sglang_typed_path_agrees_with_the_checked_path(events, form):
+    typed, checked = SglangDecoder("w", page_size=4), SglangDecoder("w", page_size=4)
+    payload = encode_batch(events, form)
+    got, disagree = compare_paths(payload, typed, checked)
+    assert disagree is None
+    assert plain(got) == coalesce_removes(events)
+
+
+def test_compare_paths_sees_a_hash_reader_that_reads_wrong(monkeypatch):
+    payload = encode_batch([_st([1, 2]), _rm([3])], "0.5.23")
+    assert compare_paths(payload, SglangDecoder("w", 4), SglangDecoder("w", 4))[1] is None
+
+    real = fastwire.hash_array
+
+    def off_by_one(raw, max_n):
+        arr = real(raw, max_n)
+        return None if arr is None else arr + np.uint64(1)
+
+    monkeypatch.setattr(sglang_wire._fastwire, "hash_array", off_by_one, raising=True)
+    disagree = compare_paths(payload, SglangDecoder("w", 4), SglangDecoder("w", 4))[1]
+    assert disagree is not None and "events differ" in disagree
+
+
+def test_an_empty_store_with_bad_token_ids_is_dropped_on_both_paths():
+    # the typed path skipped a store without hashes before reading its ids; the checked one
+    # reads them first and drops the event (the fuzzer's first disagreement once it compared)
+    bad = msgspec.msgpack.encode(
+        [0.0, [{"type": "BlockStored", "block_hashes": [], "token_ids": 1.5, "block_size": 4}], 0]
+    )
+    typed, checked = SglangDecoder("w", 4), SglangDecoder("w", 4)
+    assert compare_paths(bad, typed, checked) == ([], None)
+    assert typed.drops == {"bad_tokens": 1}
+    fine = bad.replace(b"\xcb\x3f\xf8" + b"\x00" * 6, b"\x90")  # token_ids: []
+    assert fine != bad and SglangDecoder("w", 4)._fast_items(fine, 0) is not None
+
+
+def test_an_unknown_key_is_ignored_whatever_it_holds_on_the_typed_path():
+    # the kept difference: the checked path decodes the batch generically first, so a key
+    # that is not valid UTF-8 drops the whole batch there; compare_paths re-aligns the two
+    event = {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU", "x": 1}
+    payload = msgspec.msgpack.encode([0.0, [event], 0]).replace(b"\xa1x", b"\xa1\xff")
+    typed, checked = SglangDecoder("w", 4), SglangDecoder("w", 4)
+    got, disagree = compare_paths(payload, typed, checked)
+    assert disagree is None and plain(got) == [_rm([5])]
+    assert checked.drops == {"bad_msgpack": 1} and typed.counts == checked.counts
+    payload2 = encode_batch([_rm([6])], "0.5.23")
+    assert compare_paths(payload2, typed, checked)[1] is None  # the streams stay aligned

@@ -17,10 +17,13 @@ import msgspec
 import pytest
 import zmq
 from event_helpers import plain
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvplug.integrations.common import int64_hash
 from kvplug.integrations.sglang.metrics import KvEventsInfo
 from kvplug.integrations.sglang.subscriber import SglangSubscriber, filtered_sink, sources_from_info
-from kvplug.integrations.sglang.wire import MASK64, SglangDecoder, encode_batch
-from sglang_upstream import load_kv_events
+from kvplug.integrations.sglang.wire import MASK64, SglangDecoder, encode_batch, recorder_queue
+from sglang_upstream import load_event_recorder, load_kv_events
 
 from kvplug.events import AllCleared, BlockRemoved, BlockStored, Tier
 from kvplug.index import KvIndex
@@ -211,3 +214,64 @@ def test_sglangs_zmq_publisher_feeds_kvplugs_index(kv):
         sub.stop()
         pub.shutdown()
         ctx.destroy(linger=0)
+
+
+def _recorder_events(kv, events):
+    """What SGLang's radix cache hands its recorder for ``events``: a store per page, chained
+    on the page before it (``record_store``), a removal per evicted node (``record_remove``)."""
+    medium = {Tier.DEVICE: "GPU", Tier.HOST: "CPU_PINNED", Tier.DISK: "DISK"}
+    out = []
+    for e in events:
+        m = "EXTERNAL" if e.shared else medium[e.tier or Tier.DEVICE]
+        if isinstance(e, BlockRemoved):
+            out.append(
+                kv.BlockRemoved(block_hashes=[int64_hash(h) for h in e.engine_hashes], medium=m)
+            )
+            continue
+        parent = None if e.parent_engine_hash is None else int64_hash(e.parent_engine_hash)
+        for i, h in enumerate(e.engine_hashes):
+            tokens = list(e.token_ids[i * e.block_size : (i + 1) * e.block_size])
+            out.append(
+                kv.BlockStored(
+                    block_hashes=[int64_hash(h)], parent_block_hash=parent, token_ids=tokens,
+                    block_size=e.block_size, lora_id=None, medium=m, cache_salt=e.cache_salt,
+                    lora_name=e.lora_name,
+                )
+            )  # fmt: skip
+            parent = int64_hash(h)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_recorder_queue_groups_events_as_sglangs_own_recorder(kv, data):
+    """``recorder_queue`` (the benchmarks' and simulated engines' SGLang payloads) against the
+    wheel's ``KVCacheEventRecorder.enqueue``: the same events, encoded to the same bytes."""
+    recorder_class = load_event_recorder()
+    hashes = st.integers(0, 6)
+    events = []
+    chain_end = None
+    for _ in range(data.draw(st.integers(0, 12))):
+        tier = data.draw(st.sampled_from([Tier.DEVICE, Tier.DEVICE, Tier.HOST]))
+        if data.draw(st.booleans()):
+            removed = data.draw(st.lists(hashes, min_size=1, max_size=3))
+            events.append(BlockRemoved(worker_id="sg", tier=tier, engine_hashes=removed))
+            continue
+        n = data.draw(st.integers(1, 3))
+        stored = data.draw(st.lists(hashes, min_size=n, max_size=n))
+        parent = data.draw(st.sampled_from([None, chain_end, 6]))  # often the last chain's end
+        events.append(
+            BlockStored(
+                worker_id="sg", tier=tier, parent_engine_hash=parent, engine_hashes=stored,
+                token_ids=[1] * (2 * n), block_size=2,
+                cache_salt=data.draw(st.sampled_from([None, None, "t"])),
+            )
+        )  # fmt: skip
+        chain_end = stored[-1]
+    recorder = recorder_class(enabled=True, page_size=2)
+    for event in _recorder_events(kv, events):
+        recorder.enqueue(event)
+    theirs = msgspec.msgpack.Encoder().encode(
+        kv.KVEventBatch(ts=0.0, events=recorder.take(), attn_dp_rank=0)
+    )
+    assert encode_batch(recorder_queue(events), "0.5.23", ts=0.0, attn_dp_rank=0) == theirs

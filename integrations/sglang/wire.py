@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 from kvplug.integrations.common import (
     DECODE_ERRORS,
     MASK64,
@@ -440,6 +441,9 @@ class SglangDecoder:
                 if hashes is None:
                     return None
                 if not len(hashes):
+                    # nothing to store, but the checked path reads the ids all the same
+                    if self._token_ids(ev.token_ids, 0) is None:
+                        return None
                     continue
                 if bs > self.page_size:  # before the ids: a hostile size must not size a read
                     return None
@@ -618,6 +622,56 @@ class SglangDecoder:
         )
 
 
+def _as_lists(events: Sequence[KvEvent]) -> list[KvEvent]:
+    """``events`` with the compiled readers' arrays (hashes, token ids) as lists, to compare."""
+    out: list[KvEvent] = []
+    for e in events:
+        arrays = {
+            name: getattr(e, name).tolist()
+            for name in e.__struct_fields__
+            if type(getattr(e, name)) is np.ndarray
+        }
+        out.append(msgspec.structs.replace(e, **arrays) if arrays else e)
+    return out
+
+
+def compare_paths(
+    payload: bytes, typed: SglangDecoder, checked: SglangDecoder, dp_rank: int = 0
+) -> tuple[list[KvEvent], str | None]:
+    """One payload through two decoders of one stream: ``typed`` as kvplug runs it and
+    ``checked``, whose every batch goes the checked per-event path (``_fast_order = ()``).
+    Where the typed path takes the batch, the checked one must give the same events (the
+    compiled readers' arrays compared as lists), count the same and drop nothing; where it
+    does not, both run the checked path. Returns (``typed``'s events, what differs or None).
+    For the tests and the fuzzer.
+
+    One difference is kept: a map key SGLang does not define is ignored whatever it holds
+    (vLLM's decoders follow the same rule), while the checked path decodes the whole batch
+    generically first, so a string there that is not valid UTF-8 drops the batch on that path
+    alone (``bad_msgpack``)."""
+    checked._fast_order = ()
+    taken = SglangDecoder(typed.worker_id, typed.page_size)._fast_items(payload, dp_rank)
+    drops, counts = dict(checked.drops), dict(typed.counts)
+    a = typed.decode(payload, dp_rank=dp_rank)
+    b = checked.decode(payload, dp_rank=dp_rank)
+    if taken is None:
+        return a, None
+    dropped = {k: v - drops.get(k, 0) for k, v in checked.drops.items() if v != drops.get(k, 0)}
+    if dropped:
+        if set(dropped) == {"bad_msgpack"} and "UTF-8" in checked.last_error:
+            checked.counts.update({k: v - counts.get(k, 0) for k, v in typed.counts.items()})
+            checked.filter.partial = {r: set(h) for r, h in typed.partial.items()}
+            return a, None  # the kept difference (docstring); the two streams re-aligned
+        return a, f"the typed path took a batch the checked one dropped from: {checked.last_error}"
+    if _as_lists(a) != _as_lists(b):
+        return a, f"events differ:\n typed   {_as_lists(a)}\n checked {_as_lists(b)}"
+    if typed.counts != checked.counts:
+        return a, f"counts differ: {dict(typed.counts)} vs {dict(checked.counts)}"
+    if typed.partial != checked.partial:
+        return a, "partial pages held differ"
+    return a, None
+
+
 # -------------------------------------------------------------------------------------------
 # Encoder (simulated SGLang engines, tests): kvplug events -> the bytes a given SGLang sends
 # -------------------------------------------------------------------------------------------
@@ -682,3 +736,41 @@ def encode_batch(
         elif not isinstance(ev, AllCleared):
             raise ValueError(f"{type(ev).__name__} has no SGLang wire form")
     return _enc.encode([ts, out, attn_dp_rank])
+
+
+def recorder_queue(events: Sequence[KvEvent]) -> list[KvEvent]:
+    """``events`` grouped as SGLang 0.5.23 publishes them. Its radix cache records one store
+    per page and one removal per evicted node, and its event recorder appends each to the last
+    event queued when it can (``KVCacheEventRecorder.enqueue``, ``srt/mem_cache/events.py``):
+    a store onto the store whose last page it chains to (same medium, LoRA, page size and
+    salt), a removal onto a removal of the same medium. So a run of chained stores goes out
+    as one event, and so does a run of removals. For encoders of SGLang's payloads in tests
+    and benchmarks; ``tests/test_sglang_upstream.py`` checks it against the wheel's own
+    recorder."""
+    out: list[KvEvent] = []
+    for e in events:
+        last = out[-1] if out else None
+        if type(e) is BlockRemoved and type(last) is BlockRemoved:
+            if (last.tier, last.shared, last.dp_rank) == (e.tier, e.shared, e.dp_rank):
+                hashes = [*last.engine_hashes, *e.engine_hashes]
+                out[-1] = msgspec.structs.replace(last, engine_hashes=hashes)
+                continue
+        if (
+            type(e) is BlockStored
+            and type(last) is BlockStored
+            and len(last.engine_hashes)
+            and e.parent_engine_hash == last.engine_hashes[-1]
+            and e.token_ids is not None
+            and last.token_ids is not None
+            and (e.tier, e.shared, e.dp_rank, e.block_size, e.cache_salt, e.lora_name)
+            == (last.tier, last.shared, last.dp_rank, last.block_size, last.cache_salt,
+                last.lora_name)
+        ):  # fmt: skip
+            out[-1] = msgspec.structs.replace(
+                last,
+                engine_hashes=[*last.engine_hashes, *e.engine_hashes],
+                token_ids=[*last.token_ids, *e.token_ids],
+            )
+            continue
+        out.append(e)
+    return out
