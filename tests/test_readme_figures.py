@@ -38,6 +38,10 @@ def documents() -> list[Path]:
 MARKER = re.compile(r"<!-- figures: (?P<files>[^>]*?)(?: rows: (?P<rows>[^>]*?))? -->")
 NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?")
 SKIP = object()  # a figure that is not a measurement (a target, a version, a constant)
+# bench_ingest_engines.py's paths
+VLLM_PATH = "vllm 0.32 (compiled decoder)"
+SGLANG_PATH = "sglang 0.5.23 (typed, compiled ids and hashes, removes joined)"
+TRT_PATH = "trt-llm (parse_answer, typed reader)"
 
 
 Table = tuple[list[str], list[str] | None, list[str], list[list[str]]]
@@ -214,7 +218,10 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
     vocab32k = load("benchmarks/results/bench_ingest_vocab32k.json")
     vocab128k = load("benchmarks/results/bench_ingest_vocab128k.json")
     engines = load("benchmarks/results/bench_ingest_engines.json")["results"]
+    engines_bs1_run = load("benchmarks/results/bench_ingest_engines_bs1.json")
+    engines_bs1, engines_bs1_params = engines_bs1_run["results"], engines_bs1_run["params"]
     ab = load("benchmarks/results/ab_ingest_builds.json")
+    ab_bs1 = load("benchmarks/results/ab_ingest_builds_bs1.json")
     frontend = {t["target"]: t for t in load("benchmarks/results/bench_frontend.json")["targets"]}
     loaded = {
         t["target"]: t for t in load("benchmarks/results/bench_frontend_loaded.json")["targets"]
@@ -340,21 +347,28 @@ def speed_rules() -> dict[tuple[str, str], Callable[[], list]]:
             vocab32k["kvplug_stages_cpu_ns_per_block"]["parse"],
         ],
         ("the same workload as each engine sends it", "result"): lambda: [
-            engines["vllm 0.32 (compiled decoder)"]["blocks_per_s"] / 1e6,
-            engines["sglang 0.5.23 (typed, compiled ids, removes joined)"]["blocks_per_s"] / 1e6,
-            *_range(
-                engines["sglang 0.5.23 (typed, compiled ids, removes joined)"]["vs_vllm_per_round"]
-            ),
-            engines["trt-llm (parse_answer, typed reader)"]["blocks_per_s"] / 1e6,
+            engines[VLLM_PATH]["blocks_per_s"] / 1e6,
+            engines[SGLANG_PATH]["blocks_per_s"] / 1e6,
+            *_range(engines[SGLANG_PATH]["vs_vllm_per_round"]),
+            engines[TRT_PATH]["blocks_per_s"] / 1e6,
             # every round's TRT-LLM/vLLM ratio shows as 0.09: the README gives one figure
-            statistics.median(engines["trt-llm (parse_answer, typed reader)"]["vs_vllm_per_round"]),
-            engines["trt-llm (parse_answer, typed reader)"]["bytes_per_block"],
-            engines["vllm 0.32 (compiled decoder)"]["bytes_per_block"],
+            statistics.median(engines[TRT_PATH]["vs_vllm_per_round"]),
+            engines[TRT_PATH]["bytes_per_block"],
+            engines[VLLM_PATH]["bytes_per_block"],
             SKIP,  # 14: the issue
+            SKIP,  # 1.42 M: the earlier payloads' figure (the thirty-ninth pass's run)
+            SKIP,  # 0.37
+            SKIP,  # 0.39
+            engines_bs1_params["block_size"],
+            engines_bs1[VLLM_PATH]["blocks_per_s"] / 1e6,
+            engines_bs1[SGLANG_PATH]["blocks_per_s"] / 1e6,
+            *_range(engines_bs1[SGLANG_PATH]["vs_vllm_per_round"]),
             ab["params"]["rounds"],
             *_range(ab["engines"]["sglang"]["base_over_new_cpu"]),
-            *_range(ab["engines"]["trtllm"]["base_over_new_cpu"]),
+            *_range(ab_bs1["engines"]["sglang"]["base_over_new_cpu"]),
+            ab_bs1["params"]["block_size"],
             *_range(ab["engines"]["vllm"]["base_over_new_cpu"]),
+            *_range(ab["engines"]["trtllm"]["base_over_new_cpu"]),
         ],
         ("frontend overhead", "result"): lambda: [
             *added("kvplug (token ids)"),
