@@ -77,6 +77,18 @@ def full_blocks_stored(
     )
 
 
+def canonical_event(ev: KvEvent) -> tuple:
+    """An event as plain values, to compare what two decoders gave: the compiled readers'
+    arrays and the msgspec paths' lists compare alike."""
+    out: list[Any] = [type(ev).__name__]
+    for name in ev.__struct_fields__:
+        v = getattr(ev, name)
+        if v is not None and not isinstance(v, (str, int, float)):
+            v = [int(x) for x in v]
+        out.append((name, v))
+    return tuple(out)
+
+
 def hash_values(hashes: Sequence[int]) -> Sequence[int]:
     """An event's engine hashes as Python ints, for sets: a compiled decoder's uint64 array
     becomes a list (one C loop, where iterating it would make a numpy scalar per hash)."""

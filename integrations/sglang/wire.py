@@ -39,11 +39,11 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
-import numpy as np
 from kvplug.integrations.common import (
     DECODE_ERRORS,
     MASK64,
     EventDrop,
+    canonical_event,
     coalesce_removes,
     full_blocks_stored,
     hash_values,
@@ -622,19 +622,6 @@ class SglangDecoder:
         )
 
 
-def _as_lists(events: Sequence[KvEvent]) -> list[KvEvent]:
-    """``events`` with the compiled readers' arrays (hashes, token ids) as lists, to compare."""
-    out: list[KvEvent] = []
-    for e in events:
-        arrays = {
-            name: getattr(e, name).tolist()
-            for name in e.__struct_fields__
-            if type(getattr(e, name)) is np.ndarray
-        }
-        out.append(msgspec.structs.replace(e, **arrays) if arrays else e)
-    return out
-
-
 def compare_paths(
     payload: bytes, typed: SglangDecoder, checked: SglangDecoder, dp_rank: int = 0
 ) -> tuple[list[KvEvent], str | None]:
@@ -663,8 +650,9 @@ def compare_paths(
             checked.filter.partial = {r: set(h) for r, h in typed.partial.items()}
             return a, None  # the kept difference (docstring); the two streams re-aligned
         return a, f"the typed path took a batch the checked one dropped from: {checked.last_error}"
-    if _as_lists(a) != _as_lists(b):
-        return a, f"events differ:\n typed   {_as_lists(a)}\n checked {_as_lists(b)}"
+    ea, eb = [canonical_event(e) for e in a], [canonical_event(e) for e in b]
+    if ea != eb:
+        return a, f"events differ:\n typed   {ea}\n checked {eb}"
     if typed.counts != checked.counts:
         return a, f"counts differ: {dict(typed.counts)} vs {dict(checked.counts)}"
     if typed.partial != checked.partial:

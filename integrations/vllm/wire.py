@@ -44,6 +44,7 @@ import msgspec
 from kvplug.integrations.common import (
     DECODE_ERRORS,
     MASK64,
+    canonical_event,
     coalesce_removes,
     full_blocks_stored,
     int64_hash,
@@ -657,17 +658,6 @@ class BatchDecoder:
         return 0
 
 
-def _canonical(ev: KvEvent) -> tuple:
-    """An event as plain values (arrays and lists compare alike)."""
-    out: list[Any] = [type(ev).__name__]
-    for name in ev.__struct_fields__:
-        v = getattr(ev, name)
-        if v is not None and not isinstance(v, (str, int, float)):
-            v = [int(x) for x in v]
-        out.append((name, v))
-    return tuple(out)
-
-
 def compare_paths(payload: bytes, block_size: int = 0, dp_rank: int = 0) -> str | None:
     """The two decoding paths' one contract, checked on one payload: where the compiled path
     accepts a batch, the msgspec path must decode it to the same events, drop nothing and
@@ -688,7 +678,7 @@ def compare_paths(payload: bytes, block_size: int = 0, dp_rank: int = 0) -> str 
     same_ts = a.ts == b.ts or (a.ts != a.ts and b.ts != b.ts)  # NaN is NaN on both
     if not same_ts or a.dp_rank != b.dp_rank:
         return f"ts/rank {(a.ts, a.dp_rank)} vs {(b.ts, b.dp_rank)}"
-    ea, eb = [_canonical(e) for e in a.events], [_canonical(e) for e in b.events]
+    ea, eb = [canonical_event(e) for e in a.events], [canonical_event(e) for e in b.events]
     if ea != eb:
         return f"events differ:\n fast    {ea}\n msgspec {eb}"
     for counter in ("stored_blocks", "removed_blocks", "cleared", "tier_copies"):
