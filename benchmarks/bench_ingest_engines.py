@@ -89,7 +89,7 @@ def paths(payloads: dict, block_size: int, n_engines: int) -> dict:
         def make():
             decoders = {w: SglangDecoder(w, block_size) for w in workers}
             if not compiled_ids:
-                for d in decoders.values():  # the path before this pass and the last one:
+                for d in decoders.values():  # the path before issue 14's 38th-40th passes:
                     d._ids = None  # token ids and hashes read by msgspec,
                     d._join_removes = False  # one event per removal
             return lambda w, p: decoders[w].decode(p)

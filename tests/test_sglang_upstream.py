@@ -242,12 +242,16 @@ def _recorder_events(kv, events):
     return out
 
 
+@pytest.fixture(scope="module")
+def recorder_class(kv):
+    return load_event_recorder()
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.data())
-def test_recorder_queue_groups_events_as_sglangs_own_recorder(kv, data):
-    """``recorder_queue`` (the benchmarks' and simulated engines' SGLang payloads) against the
-    wheel's ``KVCacheEventRecorder.enqueue``: the same events, encoded to the same bytes."""
-    recorder_class = load_event_recorder()
+def test_recorder_queue_groups_events_as_sglangs_own_recorder(kv, recorder_class, data):
+    """``recorder_queue`` (the benchmarks' SGLang payloads) against the wheel's
+    ``KVCacheEventRecorder.enqueue``: the same events, encoded to the same bytes."""
     hashes = st.integers(0, 6)
     events = []
     chain_end = None
