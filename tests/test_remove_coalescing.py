@@ -27,7 +27,11 @@ from kvplug.integrations.vllm import wire as vllm_wire
 
 from kvplug import AllCleared, BlockRemoved, BlockStored, Tier
 
-fastwire = pytest.importorskip("kvplug.integrations.vllm._fastwire")
+
+@pytest.fixture
+def fastwire():
+    """The compiled decoder module (a skip without a build; a failure under CI=true)."""
+    return pytest.importorskip("kvplug.integrations.vllm._fastwire")
 
 
 def _rm(hashes, tier=Tier.DEVICE, shared=False, rank=0):
@@ -151,7 +155,7 @@ def _vllm_batch(events):
     return vllm_wire.encode_batch(events, "0.32.0", ts=1.0)
 
 
-def test_vllm_compiled_decoder_splits_as_the_msgspec_path():
+def test_vllm_compiled_decoder_splits_as_the_msgspec_path(fastwire):
     events = [_rm([1]), _st([9], parent=5), _rm([2, 5, 3]), _rm([4])]
     payload = _vllm_batch(events)
     assert vllm_wire.compare_paths(payload, block_size=4) is None
@@ -175,7 +179,7 @@ _INT_FORMS = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63, M
 _INT_FORMS += [-1, -32, -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -(2**63)]
 
 
-def test_hash_array_reads_every_msgpack_integer_form_and_folds_as_the_mask_does():
+def test_hash_array_reads_every_msgpack_integer_form_and_folds_as_the_mask_does(fastwire):
     raw = msgspec.msgpack.encode(_INT_FORMS)
     got = fastwire.hash_array(raw, 100)
     assert got.dtype == np.uint64 and got.tolist() == [h & MASK64 for h in _INT_FORMS]
@@ -203,16 +207,18 @@ def test_hash_array_reads_every_msgpack_integer_form_and_folds_as_the_mask_does(
         b"",
     ],
 )
-def test_hash_array_declines_what_is_not_an_array_of_integers(raw):
+def test_hash_array_declines_what_is_not_an_array_of_integers(fastwire, raw):
     assert fastwire.hash_array(raw, 100) is None
 
 
-def test_hash_array_declines_more_than_the_limit_and_the_decoder_then_goes_the_checked_way():
+def test_hash_array_declines_more_than_the_limit_and_the_decoder_then_goes_the_checked_way(
+    fastwire,
+):
     raw = msgspec.msgpack.encode([1, 2, 3])
     assert fastwire.hash_array(raw, 2) is None and fastwire.hash_array(raw, 3) is not None
 
 
-def test_sglang_stores_and_removals_come_with_uint64_arrays():
+def test_sglang_stores_and_removals_come_with_uint64_arrays(fastwire):
     events = [_st([1, MASK64], parent=2**63), _rm([3, 2**63 + 5])]
     out = SglangDecoder("w", page_size=4).decode(encode_batch(events, "0.5.23"))
     assert all(type(e.engine_hashes) is np.ndarray for e in out)
@@ -229,7 +235,7 @@ def test_sglang_typed_path_agrees_with_the_checked_path(events, form):
     assert plain(got) == coalesce_removes(events)
 
 
-def test_compare_paths_sees_a_hash_reader_that_reads_wrong(monkeypatch):
+def test_compare_paths_sees_a_hash_reader_that_reads_wrong(fastwire, monkeypatch):
     payload = encode_batch([_st([1, 2]), _rm([3])], "0.5.23")
     assert compare_paths(payload, SglangDecoder("w", 4), SglangDecoder("w", 4))[1] is None
 
