@@ -4,7 +4,9 @@ A test that skips for want of a component (the real vLLM engine, the compiled co
 the sanitizers) once let CI pass with the real engine never started. In CI every such
 component is installed by ``.ci/run``, so a skip there means the set-up broke. Tests that are
 skipped on purpose carry ``@pytest.mark.opt_in`` (the P/D test, which runs only with
-``KVPLUG_REAL_PD=1``) and keep skipping.
+``KVPLUG_REAL_PD=1``) and keep skipping. A whole file that skips while it is collected (a
+module-level ``pytest.importorskip`` of the native lane, say) fails too: those skips never
+reach a test's report.
 """
 
 from __future__ import annotations
@@ -33,6 +35,17 @@ def pytest_runtest_makereport(item, call):
         return
     if hasattr(report, "wasxfail"):
         return  # an expected failure is not a missing component
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"skipped under CI=true (a component CI installs is missing): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and _in_ci()):
+        return
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     report.outcome = "failed"
     report.longrepr = f"skipped under CI=true (a component CI installs is missing): {reason}"
