@@ -108,6 +108,11 @@ def join_hashes(parts: list[Sequence[int]]) -> Sequence[int]:
     return out
 
 
+def joined_remove(removed: BlockRemoved, parts: list[Sequence[int]]) -> BlockRemoved:
+    """``removed`` carrying the hashes of a run of removals (``join_hashes`` of ``parts``)."""
+    return msgspec.structs.replace(removed, engine_hashes=join_hashes(parts))
+
+
 def coalesce_removes(events: list[KvEvent]) -> list[KvEvent]:
     """One batch's removes gathered into as few events as the index allows (each is a call).
 
@@ -129,8 +134,8 @@ def coalesce_removes(events: list[KvEvent]) -> list[KvEvent]:
     touched: set[int] = set()
 
     def close() -> None:
-        if len(parts) > 1:
-            out[rm_at] = msgspec.structs.replace(out[rm_at], engine_hashes=join_hashes(parts))
+        if len(parts) > 1 and rm is not None:  # rm is out[rm_at] until the next one opens
+            out[rm_at] = joined_remove(rm, parts)
 
     for e in events:
         if type(e) is BlockRemoved:

@@ -219,10 +219,11 @@ def test_sglangs_zmq_publisher_feeds_kvplugs_index(kv):
 def _recorder_events(kv, events):
     """What SGLang's radix cache hands its recorder for ``events``: a store per page, chained
     on the page before it (``record_store``), a removal per evicted node (``record_remove``)."""
-    medium = {Tier.DEVICE: "GPU", Tier.HOST: "CPU_PINNED", Tier.DISK: "DISK"}
+    media = kv.StorageMedium  # the wheel's names: GPU, CPU (CPU_PINNED), DISK, EXTERNAL
+    medium = {Tier.DEVICE: media.GPU, Tier.HOST: media.CPU, Tier.DISK: media.DISK}
     out = []
     for e in events:
-        m = "EXTERNAL" if e.shared else medium[e.tier or Tier.DEVICE]
+        m = (media.EXTERNAL if e.shared else medium[e.tier or Tier.DEVICE]).value
         if isinstance(e, BlockRemoved):
             out.append(
                 kv.BlockRemoved(block_hashes=[int64_hash(h) for h in e.engine_hashes], medium=m)

@@ -48,7 +48,7 @@ from kvplug.integrations.common import (
     full_blocks_stored,
     hash_values,
     int64_hash,
-    join_hashes,
+    joined_remove,
     u64_hash,
 )
 
@@ -235,11 +235,6 @@ def _opt_str(fields: dict[str, Any], key: str) -> str | None:
     return value
 
 
-def _joined(removed: BlockRemoved, parts: list[Any]) -> BlockRemoved:
-    """``removed`` with the hashes of its run of removals (``join_hashes``)."""
-    return msgspec.structs.replace(removed, engine_hashes=join_hashes(parts))
-
-
 class PartialPageFilter:
     """Per-worker memory of partial pages, applied to decoded items in stream order.
 
@@ -423,7 +418,7 @@ class SglangDecoder:
                     run.append(hashes)
                     continue
                 if len(run) > 1:
-                    out[open_at] = _joined(open_rm, run)
+                    out[open_at] = joined_remove(open_rm, run)
                 open_rm = BlockRemoved(
                     worker_id=wid, dp_rank=dp_rank, tier=tier, engine_hashes=hashes, shared=shared
                 )
@@ -474,7 +469,7 @@ class SglangDecoder:
                 cleared += 1
                 out.append(AllCleared(worker_id=wid, dp_rank=dp_rank))
         if len(run) > 1:
-            out[open_at] = _joined(open_rm, run)
+            out[open_at] = joined_remove(open_rm, run)
         counts = self.counts
         counts["batches"] += 1
         for key, n in (
