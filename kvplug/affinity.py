@@ -655,7 +655,7 @@ class Affinity:
             return
         new = float(request.prefill_tokens)
         ep = request.endpoint
-        chunk = self._router.chunk_tokens(ep)
+        chunk = self._prefill_chunk(ep, request.others_inflight)
         # with read_ms the predictions add the decode reads sharing the prefill's steps
         # themselves: the fit must learn the prefill without them, or they count twice (the
         # engine's active sequences now, as a decision would read them)
@@ -677,6 +677,21 @@ class Affinity:
             if self._speeds is not None:  # the fleet's mean moved: every engine's relative to it
                 for other in self._speeds.endpoints():
                     self._set_slowdown(other, self._speeds.slowdown(other))
+
+    def _prefill_chunk(self, ep: int, others: int) -> float:
+        """The chunk ``ep`` prefilled a prompt in, routed there with ``others`` of the router's
+        requests in flight: its worker's ``max_num_batched_tokens``, or its long-prefill cap
+        if that is less and others ran beside it, as ``_predicted_ttft`` predicts a prompt. A
+        first token must be learnt at the chunk its prediction takes: fitted at the whole
+        budget, a capped engine's extra steps would be learnt as a slower model and predicted
+        over again in the capped chunks (every prediction there then too long)."""
+        router = self._router
+        chunk = router.chunk_tokens(ep)
+        if others > 0:
+            cap = router.long_prefill_tokens(ep, others)
+            if cap > 0:
+                chunk = min(chunk, cap) if chunk > 0 else cap
+        return chunk
 
     def _learn_speed(
         self, ep: int, new: float, cached: float, chunk: float, seconds: float
@@ -731,7 +746,10 @@ class Affinity:
             router = self._router
             cached = float(overlap[b]) * router.block_size
             new = blocks * router.block_size - cached
-            self._tail_prompts.append((new, cached, router.chunk_tokens(int(trace.endpoints[b]))))
+            ep = int(trace.endpoints[b])
+            self._tail_prompts.append(
+                (new, cached, self._prefill_chunk(ep, router.load.inflight.item(ep)))
+            )
 
     def _protect(self, trace, overlap: Sequence[float], blocks: int, pick: int) -> int:
         """Protect mode: if ``pick``'s last queued prefill is predicted in the tail (its elapsed

@@ -52,6 +52,10 @@ class ActiveRequest:
     # no other request of this router's was in prefill on its endpoint when it was added: its
     # first token then times its own prefill (kvplug.prefill_fit learns from those)
     alone: bool = False
+    # this router's other requests in flight on its endpoint when it was added: an engine run
+    # with vLLM's --long-prefill-token-threshold caps its prefill's share of a step when any
+    # are (the affinity policy's fit then learns it at the capped chunk, as it predicts it)
+    others_inflight: int = 0
 
 
 class LoadListener(Protocol):
@@ -173,7 +177,8 @@ class LoadTracker:
             r.deduplicated = True
             blocks[endpoint] = blocks.item(endpoint) + new
         self.requests[request_id] = r
-        self.inflight[endpoint] = self.inflight.item(endpoint) + 1
+        r.others_inflight = self.inflight.item(endpoint)
+        self.inflight[endpoint] = r.others_inflight + 1
         self.context_tokens[endpoint] = self.context_tokens.item(endpoint) + prompt_tokens
         blocks[endpoint] = blocks.item(endpoint) + r.decode_blocks
         if uncached > 0:

@@ -737,16 +737,19 @@ class Router:
         unknown (a prediction then takes a prompt in one pass)."""
         return self.max_batched.item(ep) if ep < len(self.max_batched) else 0.0
 
-    def long_prefill_tokens(self, ep: int) -> float:
+    def long_prefill_tokens(self, ep: int, inflight: int | None = None) -> float:
         """Endpoint ``ep``'s ``long_prefill_token_threshold`` (its worker's; 0 = off or
         unknown): the most tokens of a step one prompt takes while others run or wait. An
         adaptive one is floored as vLLM floors it, at the budget over the engine's running and
-        waiting requests: here the router's requests in flight there and this one."""
+        waiting requests: here the router's requests in flight there (``inflight``, else
+        those now) and this one."""
         if ep >= len(self.long_prefill):
             return 0.0
         cap = self.long_prefill.item(ep)
         if cap and ep in self._adaptive_eps:
-            share = self.max_batched.item(ep) // (self.load.inflight.item(ep) + 1)
+            if inflight is None:
+                inflight = self.load.inflight.item(ep)
+            share = self.max_batched.item(ep) // (inflight + 1)
             if share > cap:
                 cap = share
         return cap

@@ -17,6 +17,7 @@ from kvplug.affinity import chunked_prefill_seconds, parse_affinity
 from kvplug.prefill_fit import REFIT_EVERY, EngineSpeeds, OnlinePrefillFit, prefill_features
 from kvplug.prefill_model import H200_LLAMA8B
 from kvplug.request import RouteRequest
+from kvplug.workers import Worker
 
 CHUNK = 8192.0
 # an engine unlike the prior: faster per token, a third of its attention cost over the context
@@ -200,6 +201,53 @@ def test_the_router_teaches_the_fitted_setting_its_measured_first_tokens():
         )
 
     assert cold_error(aff._prefill_model) < 0.15 and cold_error(H200_LLAMA8B) > 0.3
+
+
+def test_a_capped_engine_is_learnt_at_the_chunk_it_prefilled_in():
+    """On an engine run with vLLM's --long-prefill-token-threshold, a request that prefills
+    alone while another request decodes there takes steps of at most the threshold, and the
+    decode's KV is read in each of them. The router predicts such a prompt in capped chunks;
+    it must learn its first tokens at the same chunk. Learnt at the whole budget (one step
+    where there were 25), the extra steps' reads are taken for a slower model, which every
+    capped prediction then counts again."""
+    cap = 256
+    r = make_router(
+        workers=(Worker("w1", max_batched_tokens=8192, long_prefill_token_threshold=cap),),
+        router_mode="affinity",
+        router_affinity="affinity-fitted",
+    )
+    aff = r._policy.affinity
+    assert aff.params.read_ms > 0  # the default setting counts the decode reads
+    # a long request decoding on the engine for the whole test: every later one shares its steps
+    r.route(RouteRequest("decoding", tokens(6000, start=99_000_000)))
+    r._clock.advance(1.0)
+    r.on_first_token("decoding")
+    rng = random.Random(7)
+    for i in range(6 * REFIT_EVERY):
+        blocks = rng.randint(4, 400)
+        r.route(RouteRequest(f"q{i}", tokens(blocks, start=1_000_000 * (i + 1))))
+        request = r.load.requests[f"q{i}"]
+        assert request.alone and request.others_inflight == 1
+        new = float(request.prefill_tokens)
+        # the engine: its prefill in chunks of at most cap, and the reads of its steps as the
+        # router models them
+        r._clock.advance(
+            chunked_prefill_seconds(new, 0.0, cap, ENGINE) + aff._read_seconds(0, new, cap)
+        )
+        r.on_first_token(f"q{i}")
+        r.on_finish(f"q{i}")
+    assert aff.affinity_counters["prefill_fits"] == 6
+
+    def capped_error(model) -> float:
+        return max(
+            abs(chunked_prefill_seconds(n, 0, cap, model) / s - 1)
+            for n in range(64, 6400, 64)
+            for s in [chunked_prefill_seconds(n, 0, cap, ENGINE)]
+        )
+
+    # 0.08 off; learnt at the budget's 8,192 tokens a chunk, 0.51 (the other steps' reads
+    # learnt as prefill)
+    assert capped_error(aff._prefill_model) < 0.15
 
 
 def test_whole_answers_and_queued_requests_teach_nothing():
