@@ -679,12 +679,11 @@ class Affinity:
                     self._set_slowdown(other, self._speeds.slowdown(other))
 
     def _prefill_chunk(self, ep: int, others: int) -> float:
-        """The chunk ``ep`` prefilled a prompt in, routed there with ``others`` of the router's
+        """The chunk ``ep`` prefills a prompt in, routed there with ``others`` of the router's
         requests in flight: its worker's ``max_num_batched_tokens``, or its long-prefill cap
-        if that is less and others ran beside it, as ``_predicted_ttft`` predicts a prompt. A
-        first token must be learnt at the chunk its prediction takes: fitted at the whole
-        budget, a capped engine's extra steps would be learnt as a slower model and predicted
-        over again in the capped chunks (every prediction there then too long)."""
+        if that is less and others run beside it. The one rule for the predictions
+        (``_predicted_ttft``) and the fit: fitted at the whole budget, a capped engine's extra
+        steps were learnt as a slower model and predicted over again in the capped chunks."""
         router = self._router
         chunk = router.chunk_tokens(ep)
         if others > 0:
@@ -1053,17 +1052,17 @@ class Affinity:
             for i in missing:
                 ep = int(trace.endpoints[i])
                 cached = float(overlap[i]) * bs
-                chunk = router.chunk_tokens(ep)
+                inflight = router.load.inflight.item(ep)
+                chunk = self._prefill_chunk(ep, inflight)
                 slow = self._slow(ep)
                 queued = self._queue_of(trace, ep)[0]
-                cap = router.long_prefill_tokens(ep)
-                if cap > 0 and router.load.inflight.item(ep) > 0:
+                if queued > 0 and inflight > 0:
                     # the engine caps every prompt's share of a step (vLLM's
                     # --long-prefill-token-threshold): this one starts at once, in chunks of at
                     # most cap, and waits only for what the others compute beside it: at most
                     # cap tokens of each of them in each of its steps (_shared_seconds)
-                    chunk = min(chunk, cap) if chunk > 0 else cap
-                    if queued > 0:
+                    cap = router.long_prefill_tokens(ep, inflight)
+                    if cap > 0:
                         queued = min(queued, self._shared_seconds(ep, n - cached, cap) * slow)
                 own = chunked_prefill_seconds(n - cached, cached, chunk, self._prefill_model) * slow
                 known[i] = queued + own + self._read_seconds(ep, n - cached, chunk) * slow

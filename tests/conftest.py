@@ -27,6 +27,13 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def _fail_the_skip(report) -> None:
+    """A test's or a file's skip report turned into a failure that says why."""
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"skipped under CI=true (a component CI installs is missing): {reason}"
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -35,17 +42,12 @@ def pytest_runtest_makereport(item, call):
         return
     if hasattr(report, "wasxfail"):
         return  # an expected failure is not a missing component
-    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-    report.outcome = "failed"
-    report.longrepr = f"skipped under CI=true (a component CI installs is missing): {reason}"
+    _fail_the_skip(report)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
     outcome = yield
     report = outcome.get_result()
-    if not (report.skipped and _in_ci()):
-        return
-    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-    report.outcome = "failed"
-    report.longrepr = f"skipped under CI=true (a component CI installs is missing): {reason}"
+    if report.skipped and _in_ci():
+        _fail_the_skip(report)
