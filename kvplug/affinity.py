@@ -44,6 +44,9 @@ sees. ``rescue`` sends a request whose predicted TTFT where it is going reaches 
 engine where it is predicted soonest (kv's cost counts blocks, not seconds). ``spread`` sends a
 long cold prompt, among the engines no more loaded than kv's pick, to the one with the fewest
 recent follow-ups, since its prefill blocks every session returning to its engine meanwhile.
+``rescue_idle`` (the default's) rescues only to an engine with no prefill queued: a rescue to
+a busy one adds its prefill (often a cached prefix recomputed) where others wait, to a fleet
+already in its tail, and near saturation that feeds on itself.
 
 Four more (the named setting ``affinity-soonest`` adds the first three to ``affinity-rescue``):
 ``read_ms`` makes the predictions count the decode reads of the engine's active sequences in
@@ -141,6 +144,14 @@ class AffinityParams:
     # > 0 (tail mode): a request predicted to reach tau where it was going goes to the engine
     # where it is predicted soonest, if that is at least this many seconds sooner
     rescue: float = 0.0
+    # True (with rescue): a rescue goes only to an engine with no prefill queued, one that
+    # starts the request at once. A rescue to a busy engine adds its prefill (often a cached
+    # prefix recomputed) where others wait: near saturation each one lengthens the queues, more
+    # requests are then predicted in the tail and rescued, and the fleet recomputes its way
+    # into overload (issue 14's forty-second pass: a load the fleet serves at a 6-7 s TTFT p99
+    # keeping caches went to 830-2,400 s; letting it go to a busy engine that holds as much of
+    # the prompt, which recomputes nothing more, still did in the realistic view)
+    rescue_idle: bool = False
     # > 0: predicted TTFTs count the decode reads a prefill shares its steps with: every step
     # of a prompt's prefill also reads the KV of the engine's active sequences (this many ms
     # per 1,000 tokens of their context; 0.0305 = 128 KiB per token at ~4.3 TB/s, an 8B model
@@ -333,6 +344,9 @@ AFFINITY_PRESETS["affinity-fitted"] = {
     # more, so more follow-ups are kept off one (issue 14's twenty-seventh pass: on the
     # conversation trace, 13 of 16 runs meet the bar at 96 blocks, 6 at protect_blocks' 24)
     "protect_blocks_capped": 96,
+    # the tail rescue sends a request only to an engine with no prefill queued (issue 14's
+    # forty-second pass: near saturation the rescue recomputed the fleet into overload)
+    "rescue_idle": True,
 }
 AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
@@ -562,7 +576,8 @@ class Affinity:
         # the end); None: every engine runs at the model's speed
         self._speeds = EngineSpeeds(p.fit_speeds) if p.fit_speeds else None
         self._slowdowns: np.ndarray | None = None
-        # kept_kv, affinity (moved), guarded; rescued, spread, protected once those fire
+        # kept_kv, affinity (moved), guarded; rescued, rescue_held (rescue_idle: only busy
+        # engines were sooner), spread, protected once those fire
         self.affinity_counters: Counter[str] = Counter(kept_kv=0, affinity=0, guarded=0)
         if self._speeds is not None:  # engines whose predictions run at their own speed
             self.affinity_counters["engines_off_speed"] = 0
@@ -946,13 +961,31 @@ class Affinity:
         if self._predicted_ttft(trace, overlap, blocks, pick)[0] < tau:
             return pick  # the common case: the other engines' predictions are not needed
         t = self._predicted_all(trace, overlap, blocks)
-        soonest = min(t)
-        # the first of equals, kv's pick first: as argmin over [pick, the others in order]
-        best = pick if t[pick] == soonest else t.index(soonest)
+        best = self._soonest(t, pick)
         if t[best] >= t[pick] - self.params.rescue:
             return pick
+        if self.params.rescue_idle and not self._idle(trace, best):
+            allowed = [
+                x if i == pick or self._idle(trace, i) else math.inf for i, x in enumerate(t)
+            ]
+            best = self._soonest(allowed, pick)
+            if allowed[best] >= t[pick] - self.params.rescue:
+                self.affinity_counters["rescue_held"] += 1
+                return pick
         self.affinity_counters["rescued"] += 1
         return best
+
+    @staticmethod
+    def _soonest(t: list[float], pick: int) -> int:
+        """The first of equals, kv's pick first: argmin over [pick, the others in order]."""
+        soonest = min(t)
+        return pick if t[pick] == soonest else t.index(soonest)
+
+    def _idle(self, trace, i: int) -> bool:
+        """``rescue_idle``: whether candidate ``i`` has no prefill queued (it would start the
+        request at once)."""
+        ep = int(trace.endpoints[i])
+        return ep not in self._router.load.prefilling or self._queue_of(trace, ep)[0] <= 0
 
     def _tau(self) -> float:
         """The ``tail`` quantile of the remembered TTFT predictions at kv's pick (0 = none

@@ -277,6 +277,30 @@ def test_rescue_leaves_a_request_below_the_tail_and_is_off_by_default():
     assert aff.route(req).worker_id == "w1"
 
 
+def test_rescue_idle_rescues_only_to_an_engine_with_no_prefill_queued():
+    # near saturation a rescue to a busy engine adds its prefill where others wait, and more
+    # requests land in the tail: rescue_idle (the default's) sends it only where it starts at
+    # once. w2 only decodes: the rescue there stands
+    params = AffinityParams(tail=0.5, pool="all", rescue=0.001, rescue_idle=True)
+    r, req = _rescue_setup()
+    aff = AffinityRouter(r, params)
+    aff._kv_ttft.extend([0.001] * 20)
+    assert aff.route(req).worker_id == "w2"
+    # w2 with a shorter prefill queue than kv's pick: rescued there without rescue_idle, held
+    # on kv's pick with it
+    for idle, went in ((False, "w2"), (True, "w1")):
+        r, req = _rescue_setup()
+        _queue(r, "w2", 2, "short")
+        assert r.preview(req).worker_id == "w1"
+        aff = AffinityRouter(r, replace(params, rescue_idle=idle))
+        aff._kv_ttft.extend([0.001] * 20)
+        assert aff.route(req).worker_id == went, idle
+        assert aff.affinity_counters["rescued"] == int(not idle)
+        assert aff.affinity_counters["rescue_held"] == int(idle)
+    assert parse_affinity("affinity-fitted").rescue_idle
+    assert not parse_affinity("affinity-balance").rescue_idle
+
+
 def _spread_setup():
     """w1 has just served a follow-up (a request on its cached prefix); w2 has more active KV,
     so kv sends a cold prompt to w1, where the session's next turn will queue behind it."""
@@ -619,10 +643,11 @@ def test_affinity_balance_is_affinity_protect_with_the_balance_guard_and_the_def
     assert parse_affinity("affinity-protect").balance == 0.0
     # the default since issue 14's twenty-fourth pass: affinity-balance with the fitted model,
     # since its twenty-fifth each engine at its own speed once it is a tenth off, and since its
-    # twenty-seventh more follow-ups kept off a tail prefill on engines that cap a prompt's step
+    # twenty-seventh more follow-ups kept off a tail prefill on engines that cap a prompt's
+    # step, since its forty-second the tail rescue only to an engine with no prefill queued
     assert RouterConfig().router_affinity == "affinity-fitted"
     assert parse_affinity("affinity-fitted") == parse_affinity(
-        "affinity-balance:fit_prefill=on,fit_speeds=1.1,protect_blocks_capped=96"
+        "affinity-balance:fit_prefill=on,fit_speeds=1.1,protect_blocks_capped=96,rescue_idle=on"
     )
     with pytest.raises(ValueError, match="protect_blocks_capped"):
         parse_affinity("affinity-fitted:protect_blocks_capped=-1")
