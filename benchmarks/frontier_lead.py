@@ -96,6 +96,10 @@ SOURCES = [
         ],
     ),
     (
+        "generated tool loops at rising load, up to overload (bench_saturation.py)",
+        ["saturation.json", "saturation_seed1.json"],
+    ),
+    (
         "judged by Dynamo's mocker (bench_dynamo_replay.py)",
         [
             "dynamo_replay.json",
@@ -234,6 +238,7 @@ SEEDS_OF = {
     "fleet_conditions_fitted_seeds": "fleet_conditions",
     "routing_quality_workload_seeds": "routing_quality_default",
     "routing_quality_workload_seeds_long_prefill": "routing_quality_long_prefill",
+    "saturation_seed1": "saturation",
 }
 
 

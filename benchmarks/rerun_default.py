@@ -65,7 +65,7 @@ def fleet_command(doc: dict, policy: str, scratch: str) -> list[str]:
     """bench_fleet_conditions.py's command line from the arguments its file records."""
     a = doc["args"]
     cmd = [sys.executable, str(HERE / "bench_fleet_conditions.py"), "--view", a["view"]]
-    cmd += ["--steptime", *a["steptime"], "--conditions", a["conditions"]]
+    cmd += ["--steptime", *a["steptime"], "--conditions", a.get("conditions", "standard")]
     cmd += ["--seeds", *map(str, a["seeds"]), "--policies", policy, CHECK, "--json", scratch]
     if a.get("long_prefill_token_threshold"):
         cmd += ["--long-prefill-token-threshold", str(a["long_prefill_token_threshold"])]
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.file)
     doc = json.loads(path.read_text())
     command = [c for c in args.command if c != "--"]
-    fleet = "args" in doc and "conditions" in doc["args"]
+    fleet = "args" in doc and bool(doc["runs"]) and "condition" in doc["runs"][0]
     with tempfile.TemporaryDirectory() as tmp:
         scratch = str(Path(tmp) / "rerun.json")
         if fleet:
