@@ -113,3 +113,14 @@ def test_saturation_run_on_a_small_slice(tmp_path):
         assert r["share_of_bound"] == pytest.approx(r["hit_rate"] / run["bound"])
     assert isinstance(run["beaten_by"], list)
     assert "session rate 0.5/s" in bench_saturation.table(run)
+
+
+def test_a_setting_other_than_the_default_leaves_the_defaults_bar():
+    old = {"runs": [fleet_run((0.96, 0.98))]}  # the default meets the bar
+    new = {"runs": [fleet_run((0.94, 0.97), rival=(0.97, 0.95))]}  # the rerun: a better rival
+    new["runs"][0]["meets_bar"] = False  # the rerun's own default, not the one merged here
+    rerun.merge_fleet(old, new, "affinity-balance")
+    run = old["runs"][0]
+    assert run["meets_bar"] and run["verdicts"][DEFAULT]["share_of_bound"] == 0.96
+    assert run["verdicts"]["affinity-balance"]["share_of_bound"] == 0.97
+    assert run["beaten_by"] == ["affinity-balance"]  # more hits at a lower p99 than the default
