@@ -149,8 +149,10 @@ class AffinityParams:
     # prefix recomputed) where others wait: near saturation each one lengthens the queues, more
     # requests are then predicted in the tail and rescued, and the fleet recomputes its way
     # into overload (issue 14's forty-second pass: a load the fleet serves at a 6-7 s TTFT p99
-    # keeping caches went to 830-2,400 s; letting it go to a busy engine that holds as much of
-    # the prompt, which recomputes nothing more, still did in the realistic view)
+    # keeping caches went to 830-2,400 s). Still falling over: letting it go to a busy engine
+    # holding as much of the prompt (realistic view), and holding it only while more recent
+    # requests than the tail's share are predicted in the tail (a few rescues start it). The
+    # cost: a fleet of mixed speeds no longer sends its tail to faster engines with queues
     rescue_idle: bool = False
     # > 0: predicted TTFTs count the decode reads a prefill shares its steps with: every step
     # of a prompt's prefill also reads the KV of the engine's active sequences (this many ms
