@@ -12,7 +12,7 @@ p99 per rate. The default before issue 14's forty-second pass
 (``affinity-fitted:rescue_idle=false``: its tail rescue also went to engines with prefills
 queued) runs beside the default.
 
-    python benchmarks/bench_saturation.py                           # ~6 min on 2 cores
+    python benchmarks/bench_saturation.py                           # ~5 min on 2 cores
     python benchmarks/bench_saturation.py --view ideal --rates 0.9 1.0 1.1
     python benchmarks/bench_saturation.py --workload-seeds 0 1 2    # the workload drawn again
 
