@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout
 
 from bench_routing_quality import beaten_by, verdict  # noqa: E402
 
-from kvplug.sim.bench import _add_vs_round_robin  # noqa: E402
+from kvplug.sim.bench import add_vs_round_robin  # noqa: E402
 
 DEFAULT = "affinity-fitted"
 CHECK = "kv"  # unchanged by a change to the default: must replay exactly as stored
@@ -95,7 +95,7 @@ def merge_quality(old: dict, new: dict, policy: str) -> list[str]:
                 raise SystemExit(f"run {i}: {CHECK}'s {f} replays differently; nothing written")
         before = by_old[policy]
         o["results"] = [by_new[policy] if r["policy"] == policy else r for r in o["results"]]
-        _add_vs_round_robin(o["results"])  # against the run's round-robin, as run_bench adds it
+        add_vs_round_robin(o["results"])  # against the run's round-robin, as run_bench adds it
         o["verdicts"][policy] = verdict(o, policy)
         if (before["hit_rate"], before["ttft_p99_s"]) != (
             by_new[policy]["hit_rate"],

@@ -289,11 +289,13 @@ def run_bench(spec: BenchSpec, jobs: int = 1, progress: bool = True, desc: str =
         report["core_backend"] = getattr(core, "backend", getattr(core, "BACKEND", "?"))
     except Exception as exc:  # report, don't fail, when the core cannot load
         report["core_backend"] = f"unavailable: {exc}"
-    _add_vs_round_robin(results)
+    add_vs_round_robin(results)
     return report
 
 
-def _add_vs_round_robin(results: list[dict]) -> None:
+def add_vs_round_robin(results: list[dict]) -> None:
+    """Each row's hit rate and TTFT against the run's round-robin row (none: nothing added);
+    benchmarks/rerun_default.py derives it again after putting a policy's new rows in place."""
     baseline = next((r for r in results if r["policy"] == "round-robin"), None)
     if not baseline:
         return
@@ -345,7 +347,7 @@ def combine_seeds(reports: list[dict]) -> dict:
                 "ttft_s": sorted(t for r in runs for t in r["series"]["ttft_s"]),
             }
         results.append(row)
-    _add_vs_round_robin(results)
+    add_vs_round_robin(results)
     trace = dict(first["trace"])
     for key, value in first["trace"].items():  # a seed may spread a trace's arrivals
         if isinstance(value, float):
