@@ -154,6 +154,17 @@ class AffinityParams:
     # requests than the tail's share are predicted in the tail (a few rescues start it). The
     # cost: a fleet of mixed speeds no longer sends its tail to faster engines with queues
     rescue_idle: bool = False
+    # > 0 (tail mode, pool "all"): the saturation hold. When at least this share of the last
+    # HOLD_WINDOW requests were predicted at or above tau at kv's pick (the tail's share is
+    # 1 - tail, 2 %), the fleet is taken as saturated: every engine has a queue the tail does
+    # not cover and tau lags it. Then no request is moved off the engine holding its longest
+    # prefix for a shorter queue (the TTFT guard lets it wait there) and protect moves none:
+    # each such move recomputes a cached prefix, the work the fleet lacks, and near saturation
+    # those recomputes lengthen every queue until the fleet is in overload (issue 14's
+    # forty-third pass: at 1.1 tool-loop sessions a second the default hit 59 % of the bound
+    # and sglang-router's cache_aware, which moves a request only past its balance thresholds,
+    # 82 %)
+    hold_share: float = 0.0
     # > 0: predicted TTFTs count the decode reads a prefill shares its steps with: every step
     # of a prompt's prefill also reads the KV of the engine's active sequences (this many ms
     # per 1,000 tokens of their context; 0.0305 = 128 KiB per token at ~4.3 TB/s, an 8B model
@@ -245,6 +256,12 @@ class AffinityParams:
             raise ValueError("affinity: warm must be > 0")
         if self.rescue < 0:
             raise ValueError("affinity: rescue must be >= 0")
+        if not 0 <= self.hold_share <= 1:
+            raise ValueError("affinity: hold_share must be in [0, 1]")
+        if self.hold_share and not (self.tail and self.pool == "all"):
+            raise ValueError(
+                "affinity: hold_share reads every request's prediction: set tail and pool=all"
+            )
         if self.spread < 0 or self.half_life <= 0 or self.spread_kv < 0:
             raise ValueError("affinity: spread and spread_kv must be >= 0 and half_life > 0")
         if self.churn_half_life < 0:
@@ -349,6 +366,11 @@ AFFINITY_PRESETS["affinity-fitted"] = {
     # the tail rescue sends a request only to an engine with no prefill queued (issue 14's
     # forty-second pass: near saturation the rescue recomputed the fleet into overload)
     "rescue_idle": True,
+    # the saturation hold: once a tenth of the last 500 requests (5x the tail's share) were
+    # predicted in the tail at kv's pick, nothing moves a request off its cache (issue 14's
+    # forty-third pass: tool loops at 1.1 sessions a second hit 74-80 % of the bound, not
+    # 59-64 %; a tenth did better there than a quarter, at 0.9-1.25 on two draws)
+    "hold_share": 0.1,
 }
 AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
@@ -419,6 +441,10 @@ def chunked_prefill_seconds(
 VECTOR_FROM = 8
 # fit_prefill: the tail prompts a refit's effect on the tail is measured over
 TAIL_PROMPTS = 256
+# hold_share: the recent requests whose predictions at kv's pick tell a saturated fleet (a few
+# hundred: longer than a burst the tail covers, short enough to see a fleet falling behind
+# within a minute or two of requests)
+HOLD_WINDOW = 500
 
 
 class RecentQuantile:
@@ -631,6 +657,11 @@ class Affinity:
         self._routed_sum = (0.0, 0.0)
         # spread_churn, churn_cap: endpoint -> (decayed count of prompt blocks written there, at)
         self._written: dict[int, tuple[float, float]] = {}
+        # hold_share: whether each of the last HOLD_WINDOW requests was predicted at or above
+        # tau at kv's pick, how many were, and whether that makes the fleet saturated
+        self._recent_over: deque[bool] = deque()
+        self._over_count = 0
+        self._saturated = False
 
     def choose(self, trace, b: int, blocks: int, hashes=None) -> int | None:
         """The candidate (an index into ``trace``'s) this request goes to instead of kv's pick
@@ -781,6 +812,9 @@ class Affinity:
         at_pick = self._queue_of(trace, pick_ep)[1]
         if at_pick < tau:
             return pick  # the common case: no engine's prediction is needed
+        if self._saturated:
+            self.affinity_counters["protect_held"] += 1
+            return pick  # hold_share: a move recomputes, and every engine has a queue
         if self.params.protect_below:
             if at_pick >= self._kv_ttft.quantile(self.params.protect_below):
                 return pick
@@ -841,6 +875,8 @@ class Affinity:
         cold = best < params.min_share * max(blocks, 1)
         if params.tail and (params.pool == "all" or (params.pool == "cold" and cold)):
             t_b = self._predicted_ttft(trace, overlap, blocks, b)
+            if params.hold_share:
+                self._note_saturation(t_b[0])
             if self._prefill_fit is not None:
                 self._remember_tail_prompt(trace, overlap, blocks, b, t_b[0])
             self._remember(t_b)
@@ -1176,7 +1212,27 @@ class Affinity:
         t_a, t_b = self._predicted_ttft(trace, overlap, blocks, a, b)
         if self.params.pool == "choice":
             self._remember([t_b])
+        if self._saturated:
+            self.affinity_counters["held_saturated"] += 1
+            return True  # hold_share: the holder stands, however long its queue
         return t_a <= max(t_b + self.params.slack, self._tau())
+
+    def _note_saturation(self, t_b: float) -> None:
+        """hold_share: count whether kv's pick's predicted TTFT ``t_b`` reaches tau, and
+        whether the last HOLD_WINDOW requests' did often enough to call the fleet saturated."""
+        tau = self._tau()
+        over = bool(tau) and t_b >= tau
+        recent = self._recent_over
+        recent.append(over)
+        self._over_count += over
+        if len(recent) > HOLD_WINDOW:
+            self._over_count -= recent.popleft()
+        saturated = (
+            len(recent) == HOLD_WINDOW and self._over_count >= self.params.hold_share * HOLD_WINDOW
+        )
+        if saturated != self._saturated:
+            self.affinity_counters["saturated_spells" if saturated else "saturated_ends"] += 1
+            self._saturated = saturated
 
     def _queue_of(self, trace, ep: int) -> tuple[float, float]:
         """Endpoint ``ep``'s predicted seconds of prefill still queued (requests routed there

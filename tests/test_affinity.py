@@ -246,6 +246,38 @@ def test_warm_sets_how_many_samples_above_the_tail_tau_waits_for():
         AffinityParams(warm=0)
 
 
+def test_hold_share_keeps_requests_on_their_cache_while_the_fleet_is_saturated():
+    # w1 holds the prefix behind a queue, w2 is idle: the TTFT guard moves the request to w2,
+    # unless at least hold_share of the last HOLD_WINDOW requests were predicted at or above
+    # tau at kv's pick (every engine has a queue the tail does not cover): then a move would
+    # recompute the prefix where the fleet lacks the work, and the holder stands
+    from kvplug.affinity import HOLD_WINDOW
+
+    params = AffinityParams(tail=0.5, slack=0.0, pool="all", hold_share=0.5)
+    for above, went in ((0, "w2"), (HOLD_WINDOW // 2 - 2, "w2"), (HOLD_WINDOW // 2 + 2, "w1")):
+        r, toks = _setup(20)
+        aff = AffinityRouter(r, params)
+        aff._kv_ttft.extend([0.001] * 20)  # tau: 1 ms, below every prediction here
+        for i in range(HOLD_WINDOW):  # earlier requests' predictions at kv's pick
+            aff._note_saturation(1.0 if i < above else 0.0)
+        assert aff.route(RouteRequest("x", toks)).worker_id == went, above
+        assert aff.affinity_counters["held_saturated"] == int(went == "w1")
+        assert aff.affinity_counters["saturated_spells"] == int(went == "w1")
+    # the spell ends when the recent predictions fall below tau again
+    for _ in range(HOLD_WINDOW):
+        aff._note_saturation(0.0)
+    assert not aff._saturated and aff.affinity_counters["saturated_ends"] == 1
+    r, toks = _setup(20)
+    aff = AffinityRouter(r, replace(params, hold_share=0.0))  # off: the queue moves it
+    aff._kv_ttft.extend([0.001] * 20)
+    assert aff.route(RouteRequest("x", toks)).worker_id == "w2"
+    assert parse_affinity("affinity-fitted").hold_share == 0.1
+    assert not parse_affinity("affinity-balance").hold_share
+    for bad in ({"hold_share": 1.5}, {"hold_share": 0.1, "tail": 0.98, "pool": "choice"}):
+        with pytest.raises(ValueError, match="hold_share"):
+            AffinityParams(**bad)
+
+
 def _rescue_setup():
     """kv picks w1 (20 queued prefill blocks cost less than w2's 60 decoding ones), where the
     prompt waits for someone's prefill; on w2 it starts at once."""
@@ -644,10 +676,12 @@ def test_affinity_balance_is_affinity_protect_with_the_balance_guard_and_the_def
     # the default since issue 14's twenty-fourth pass: affinity-balance with the fitted model,
     # since its twenty-fifth each engine at its own speed once it is a tenth off, and since its
     # twenty-seventh more follow-ups kept off a tail prefill on engines that cap a prompt's
-    # step, since its forty-second the tail rescue only to an engine with no prefill queued
+    # step, since its forty-second the tail rescue only to an engine with no prefill queued,
+    # since its forty-third nothing moved off its cache while the fleet is saturated
     assert RouterConfig().router_affinity == "affinity-fitted"
     assert parse_affinity("affinity-fitted") == parse_affinity(
-        "affinity-balance:fit_prefill=on,fit_speeds=1.1,protect_blocks_capped=96,rescue_idle=on"
+        "affinity-balance:fit_prefill=on,fit_speeds=1.1,protect_blocks_capped=96,rescue_idle=on,"
+        "hold_share=0.1"
     )
     with pytest.raises(ValueError, match="protect_blocks_capped"):
         parse_affinity("affinity-fitted:protect_blocks_capped=-1")
