@@ -369,7 +369,8 @@ AFFINITY_PRESETS["affinity-fitted"] = {
     # the saturation hold: once a tenth of the last 500 requests (5x the tail's share) were
     # predicted in the tail at kv's pick, nothing moves a request off its cache (issue 14's
     # forty-third pass: tool loops at 1.1 sessions a second hit 74-80 % of the bound, not
-    # 59-64 %; a tenth did better there than a quarter, at 0.9-1.25 on two draws)
+    # 59-64 %; a tenth did better than a quarter in 5 of the 7 runs tried, 0.9-1.25 sessions
+    # a second on two draws)
     "hold_share": 0.1,
 }
 AFFINITY_KEYS = tuple(f.name for f in fields(AffinityParams))
@@ -1209,12 +1210,12 @@ class Affinity:
 
     def _within_tail(self, trace, overlap: Sequence[float], blocks: int, a: int, b: int) -> bool:
         """Tail mode: is ``a``'s predicted TTFT within ``max(kv's + slack, tau)``?"""
+        if self._saturated:
+            self.affinity_counters["held_saturated"] += 1
+            return True  # hold_share (pool "all": nothing to remember): the holder stands
         t_a, t_b = self._predicted_ttft(trace, overlap, blocks, a, b)
         if self.params.pool == "choice":
             self._remember([t_b])
-        if self._saturated:
-            self.affinity_counters["held_saturated"] += 1
-            return True  # hold_share: the holder stands, however long its queue
         return t_a <= max(t_b + self.params.slack, self._tau())
 
     def _note_saturation(self, t_b: float) -> None:
