@@ -660,7 +660,7 @@ class Affinity:
         self._written: dict[int, tuple[float, float]] = {}
         # hold_share: whether each of the last HOLD_WINDOW requests was predicted at or above
         # tau at kv's pick, how many were, and whether that makes the fleet saturated
-        self._recent_over: deque[bool] = deque()
+        self._recent_over: deque[bool] = deque(maxlen=HOLD_WINDOW)
         self._over_count = 0
         self._saturated = False
 
@@ -1224,10 +1224,10 @@ class Affinity:
         tau = self._tau()
         over = bool(tau) and t_b >= tau
         recent = self._recent_over
+        if len(recent) == HOLD_WINDOW:
+            self._over_count -= recent[0]  # the append below drops it (maxlen)
         recent.append(over)
         self._over_count += over
-        if len(recent) > HOLD_WINDOW:
-            self._over_count -= recent.popleft()
         saturated = (
             len(recent) == HOLD_WINDOW and self._over_count >= self.params.hold_share * HOLD_WINDOW
         )

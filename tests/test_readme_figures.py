@@ -1502,23 +1502,21 @@ def saturation_text() -> list:
     def p99(run: dict, policy: str) -> float:
         return run[policy]["ttft_p99_s"]
 
+    def both(run: dict, policy: str) -> list[float]:  # "x % ... at y s"
+        return [share(run, policy), p99(run, policy)]
+
     at = seed0
     return [
         *[SKIP] * 9,  # the workload, its rates, the fleet, the seed, the minutes, the issue
-        share(at[1.0], before_42),
-        p99(at[1.0], before_42),
+        *both(at[1.0], before_42),
         SKIP,  # 1 session a second
         SKIP,  # the last 500 requests
-        share(at[0.9], default),
-        p99(at[0.9], default),
+        *both(at[0.9], default),
         SKIP,
-        share(at[0.9], before),
-        p99(at[0.9], before),
-        share(at[1.0], default),
-        p99(at[1.0], default),
+        *both(at[0.9], before),
+        *both(at[1.0], default),
         SKIP,
-        share(at[1.0], before),
-        p99(at[1.0], before),
+        *both(at[1.0], before),
         *[f(at[rate], p) for p in (kv, sglang, vllm) for f in (share, p99) for rate in (0.9, 1.0)],
         SKIP,  # 0.75
         min(100 * r["share_of_bound"] for r in low),
@@ -1540,21 +1538,15 @@ def saturation_text() -> list:
         *[share(at[rate], sglang) for rate in (1.1, 1.25, 1.5)],
         *[p99(at[rate], sglang) for rate in (1.1, 1.25, 1.5)],
         *[SKIP] * 5,  # the second draw's command
-        share(seed1[0.9], default),
-        p99(seed1[0.9], default),
+        *both(seed1[0.9], default),
         SKIP,
-        share(seed1[1.0], default),
-        p99(seed1[1.0], default),
+        *both(seed1[1.0], default),
         SKIP,
-        share(seed1[0.9], before),
-        p99(seed1[0.9], before),
-        share(seed1[1.0], before),
-        p99(seed1[1.0], before),
+        *both(seed1[0.9], before),
+        *both(seed1[1.0], before),
         SKIP,
-        share(seed1[1.1], default),
-        p99(seed1[1.1], default),
-        share(seed1[1.1], sglang),
-        p99(seed1[1.1], sglang),
+        *both(seed1[1.1], default),
+        *both(seed1[1.1], sglang),
     ]
 
 
