@@ -8,12 +8,15 @@ replays a generated agentic workload (``agentic:user=3000,systems=32``: 20 turns
 tokens of tool results a session on average, 32 tool sets of 8,192 tokens) at rising session
 rates on ``kvplug bench``'s fleet (8 engines of 1,640 blocks), every policy on the same
 requests, and prints each one's hit rate as a share of the one-shared-LRU bound and its TTFT
-p99 per rate. The default before issue 14's forty-third pass (``affinity-fitted:hold_share=0``:
-no saturation hold, requests still moved off their caches for shorter queues when the whole
-fleet was behind) and before its forty-second (``...:rescue_idle=false,hold_share=0``: its tail
-rescue also went to engines with prefills queued) run beside the default.
+p99 per rate. The default before issue 14's forty-fourth pass
+(``affinity-fitted:hold_inflight=false``: a follow-up whose last turn still waited in an engine's
+queue looked cold to it), before its
+forty-third (``...:hold_share=0,hold_inflight=false``: no saturation hold, requests still moved
+off their caches for shorter queues when the whole fleet was behind) and before its forty-second
+(``...:rescue_idle=false,hold_share=0,hold_inflight=false``: its tail rescue also went to engines
+with prefills queued) run beside the default.
 
-    python benchmarks/bench_saturation.py                           # ~5 min on 2 cores
+    python benchmarks/bench_saturation.py                           # ~10 min on 2 cores
     python benchmarks/bench_saturation.py --view ideal --rates 0.9 1.0 1.1
     python benchmarks/bench_saturation.py --workload-seeds 0 1 2    # the workload drawn again
 
@@ -37,12 +40,14 @@ from kvplug.sim.bench import BenchSpec, run_bench  # noqa: E402
 from kvplug.sim.transport import PRESETS  # noqa: E402
 
 DEFAULT = "affinity-fitted"
-BEFORE = "affinity-fitted:hold_share=0"  # the default before issue 14's forty-third pass
-# ... and before its forty-second
-BEFORE_42 = "affinity-fitted:rescue_idle=false,hold_share=0"
+BEFORE = "affinity-fitted:hold_inflight=false"  # the default before issue 14's forty-fourth pass
+# ... before its forty-third, and before its forty-second
+BEFORE_43 = "affinity-fitted:hold_share=0,hold_inflight=false"
+BEFORE_42 = "affinity-fitted:rescue_idle=false,hold_share=0,hold_inflight=false"
 POLICIES = [
     DEFAULT,
     BEFORE,
+    BEFORE_43,
     BEFORE_42,
     "affinity-balance",
     "kv",
@@ -122,7 +127,10 @@ def plot(doc: dict, path: Path) -> None:
         style = (
             {"lw": 2.6}
             if p == DEFAULT
-            else {"lw": 1.2, "ls": "--" if p == BEFORE else ":" if p == BEFORE_42 else "-"}
+            else {
+                "lw": 1.2,
+                "ls": "--" if p == BEFORE else ":" if p in (BEFORE_43, BEFORE_42) else "-",
+            }
         )
         share = [by[p]["share_of_bound"] * 100 for by in by_policy]
         left.plot(rates, share, marker="o", label=p, **style)

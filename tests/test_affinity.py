@@ -278,6 +278,43 @@ def test_hold_share_keeps_requests_on_their_cache_while_the_fleet_is_saturated()
             AffinityParams(**bad)
 
 
+def test_hold_inflight_counts_a_queued_turn_as_cached_on_its_engine_while_saturated():
+    # a session's turn is routed to an engine and has not run: the engines' events show none of
+    # its blocks, so its next turn looks cold and kv sends it to the other (idle) engine, where
+    # it recomputes the history. While the fleet is saturated, hold_inflight counts the queued
+    # turn's blocks as cached where it went (behind it, the next turn finds them computed)
+    from kvplug.affinity import HOLD_WINDOW
+
+    def route_next_turn(setting: str, saturated: bool):
+        r = make_router(
+            workers=("w1", "w2"),
+            router_mode="affinity",
+            router_affinity=f"affinity:tail=0.5,slack=0,pool=all,hold_share=0.5,{setting}",
+        )
+        aff = r._policy.affinity
+        went = r.route(RouteRequest("turn1", tokens(10))).worker_id  # queued: no first token
+        aff._kv_ttft.extend([0.001] * 20)  # tau: 1 ms, below every prediction here
+        for _ in range(HOLD_WINDOW if saturated else 0):
+            aff._note_saturation(1.0)
+        assert aff._saturated == saturated
+        d = r.route(RouteRequest("turn2", tokens(12)))
+        return went, d, aff.affinity_counters
+
+    went, d, counters = route_next_turn("hold_inflight=true", saturated=True)
+    assert (d.worker_id, d.overlap_blocks) == (went, 10)  # booked with the 10 blocks as cached
+    assert counters["inflight_held"] == 1
+    for setting, saturated in (("hold_inflight=true", False), ("hold_inflight=false", True)):
+        went, d, counters = route_next_turn(setting, saturated)
+        assert (d.worker_id != went, d.overlap_blocks) == (True, 0), setting
+        assert counters["inflight_held"] == 0
+    assert parse_affinity("affinity-fitted").hold_inflight
+    assert not parse_affinity("affinity-balance").hold_inflight
+    with pytest.raises(ValueError, match="hold_inflight"):
+        AffinityParams(tail=0.98, pool="all", hold_inflight=True)  # no hold to act in
+    with pytest.raises(ValueError, match="hold_inflight"):  # the wrapper cannot change kv's scores
+        AffinityRouter(make_router(), parse_affinity("affinity-fitted"))
+
+
 def _rescue_setup():
     """kv picks w1 (20 queued prefill blocks cost less than w2's 60 decoding ones), where the
     prompt waits for someone's prefill; on w2 it starts at once."""
@@ -677,11 +714,12 @@ def test_affinity_balance_is_affinity_protect_with_the_balance_guard_and_the_def
     # since its twenty-fifth each engine at its own speed once it is a tenth off, and since its
     # twenty-seventh more follow-ups kept off a tail prefill on engines that cap a prompt's
     # step, since its forty-second the tail rescue only to an engine with no prefill queued,
-    # since its forty-third nothing moved off its cache while the fleet is saturated
+    # since its forty-third nothing moved off its cache while the fleet is saturated, since its
+    # forty-fourth a turn queued on an engine counted as cached there while it is
     assert RouterConfig().router_affinity == "affinity-fitted"
     assert parse_affinity("affinity-fitted") == parse_affinity(
         "affinity-balance:fit_prefill=on,fit_speeds=1.1,protect_blocks_capped=96,rescue_idle=on,"
-        "hold_share=0.1"
+        "hold_share=0.1,hold_inflight=on"
     )
     with pytest.raises(ValueError, match="protect_blocks_capped"):
         parse_affinity("affinity-fitted:protect_blocks_capped=-1")

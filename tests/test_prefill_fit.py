@@ -183,7 +183,7 @@ def test_the_router_teaches_the_fitted_setting_its_measured_first_tokens():
     r, aff = _fitted_router()
     assert aff.params == parse_affinity(
         "affinity-balance:fit_prefill=true,fit_speeds=1.1,protect_blocks_capped=96,rescue_idle=true,"
-        "hold_share=0.1"
+        "hold_share=0.1,hold_inflight=true"
     )
     _serve(r, 3 * REFIT_EVERY)
     fit = aff._prefill_fit

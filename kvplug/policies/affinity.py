@@ -35,9 +35,17 @@ class AffinityPolicy(KvCostPolicy):
         # RouterConfig.validate has parsed it already (a bad setting is a ConfigError there)
         self.affinity = Affinity(router, parse_affinity(router.config.router_affinity))
         self.hears_first_tokens = self.affinity.params.fit_prefill
+        self.holds_inflight = self.affinity.params.hold_inflight
         # read_ms weighs the decode reads of the requests in flight, outputs included, but as
         # a sum of thousands of context tokens per engine: the native lane's reports 4 KiB
         # (tens of tokens) apart move it by under one percent, so its streams stay on the lane
+
+    def score(self, ctx: RouteContext) -> CandidateTrace:
+        if self.holds_inflight:  # while the fleet is saturated, queued turns count as cached
+            held = self.affinity.inflight_as_held(ctx.device, ctx.shared, ctx.active_depth)
+            if held is not None:
+                ctx.device, ctx.shared = held
+        return super().score(ctx)
 
     def pick(self, ctx: RouteContext, trace: CandidateTrace) -> int:
         b = super().pick(ctx, trace)
