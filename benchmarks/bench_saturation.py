@@ -8,13 +8,14 @@ replays a generated agentic workload (``agentic:user=3000,systems=32``: 20 turns
 tokens of tool results a session on average, 32 tool sets of 8,192 tokens) at rising session
 rates on ``kvplug bench``'s fleet (8 engines of 1,640 blocks), every policy on the same
 requests, and prints each one's hit rate as a share of the one-shared-LRU bound and its TTFT
-p99 per rate. The default before issue 14's forty-fourth pass
-(``affinity-fitted:hold_inflight=false``: a follow-up whose last turn still waited in an engine's
-queue looked cold to it), before its
-forty-third (``...:hold_share=0,hold_inflight=false``: no saturation hold, requests still moved
-off their caches for shorter queues when the whole fleet was behind) and before its forty-second
-(``...:rescue_idle=false,hold_share=0,hold_inflight=false``: its tail rescue also went to engines
-with prefills queued) run beside the default.
+p99 per rate. Beside the default run three earlier ones:
+
+* before issue 14's forty-fourth pass, ``affinity-fitted:hold_inflight=false`` (a follow-up
+  whose last turn still waited in an engine's queue looked cold to it);
+* before its forty-third, ``...:hold_share=0,hold_inflight=false`` (no saturation hold: requests
+  still moved off their caches for shorter queues when the whole fleet was behind);
+* before its forty-second, ``...:rescue_idle=false,hold_share=0,hold_inflight=false`` (its tail
+  rescue also went to engines with prefills queued).
 
     python benchmarks/bench_saturation.py                           # ~10 min on 2 cores
     python benchmarks/bench_saturation.py --view ideal --rates 0.9 1.0 1.1

@@ -169,7 +169,7 @@ class AffinityParams:
     # engine and not finished (the router's active chains, ``--router-assume-kv-reuse``) count
     # as cached there, for kv's cost and for the holder. Near saturation a session's next turn
     # arrives while its last one still waits in an engine's queue; the engines' events have not
-    # shown that turn's blocks yet, so the index sees a cold prompt, and kv's pick put 28 % of
+    # shown that turn's blocks yet, so the index sees a cold prompt, and kv's pick put 28.5 % of
     # the tool loops' follow-ups on another engine, recomputing their whole history (issue 14's
     # forty-fourth pass). Behind its own turn on the same engine it finds them computed, as
     # sglang-router's tree of routed text assumes. Not outside a spell: with short queues it
